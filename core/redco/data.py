@@ -1,0 +1,67 @@
+"""The user's functions and data: calling them by argument name, and checking what they return."""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+RNG_NAMES = ("rng", "train_rng", "pred_rng")
+
+
+def by_name(fn: Callable, arg_names: tuple[str, ...]) -> Callable:
+    """Wrap ``fn`` to take ``arg_names`` positionally and pass only those it declares, by name.
+
+    So ``loss_fn(train_rng, state, params, batch, is_training)``, ``loss_fn(rng, params, batch)``
+    and the paper's short ``loss_fn(batch, params)`` all work; the rng may be called ``rng``,
+    ``train_rng`` or ``pred_rng``. A function whose required arguments have other names is
+    called positionally with all of ``arg_names``.
+    """
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn
+    chosen = {}
+    for name, p in parameters.items():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        canonical = "rng" if name in RNG_NAMES else name
+        if canonical in arg_names:
+            chosen[name] = arg_names.index(canonical)
+        elif p.default is p.empty:
+            return fn
+    if not chosen:
+        return fn
+    return lambda *args: fn(**{name: args[i] for name, i in chosen.items()})
+
+
+def check_collated(batch: Any, batch_size: int) -> Any:
+    """Refuse a ``collate_fn`` result that is not a pytree of arrays with ``batch_size`` rows."""
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not leaves:
+        raise ValueError(f"collate_fn returned {type(batch).__name__} with no arrays in it; "
+                         "return a dict of numpy arrays whose first dim is the batch.")
+    for path, leaf in leaves:
+        where = f"collate_fn output{jax.tree_util.keystr(path)}"
+        if not isinstance(leaf, (np.ndarray, jax.Array)):
+            raise TypeError(f"{where} is a {type(leaf).__name__}, not an array. Return numpy "
+                            "arrays, e.g. np.array(values) after padding to one length.")
+        if leaf.dtype == object:
+            raise TypeError(f"{where} has dtype object (ragged rows?). Pad every row to the "
+                            "same length so it is a regular numeric array.")
+        if leaf.ndim == 0 or leaf.shape[0] != batch_size:
+            raise ValueError(f"{where} has shape {leaf.shape} but the batch has {batch_size} "
+                             "examples: every array's first dim must be the batch size.")
+    return batch
+
+
+def n_full_batches(n_examples: int, global_batch_size: int, what: str) -> int:
+    """How many full global batches ``n_examples`` holds, or a clear error when none."""
+    if n_examples == 0:
+        raise ValueError(f"{what} is empty: pass a non-empty list of examples.")
+    if global_batch_size > n_examples:
+        raise ValueError(f"The global batch ({global_batch_size} examples) is larger than {what} "
+                         f"({n_examples} examples). Lower per_device_batch_size or "
+                         "accumulate_grad_batches, or use fewer data-parallel devices.")
+    return n_examples // global_batch_size

@@ -1,0 +1,214 @@
+"""``Deployer``: everything about devices, hosts, randomness, logging and files, in one place."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from redco import checkpointing, plugins
+from redco.data import check_collated
+from redco.sharding import Rules, shardings_from_specs, specs_from_rules
+
+logger = logging.getLogger("redco")
+
+
+class Deployer:
+    """Sets up the run: joins the processes, builds the ``('dp', 'mp')`` mesh, owns the seed,
+    the workdir, the loggers and the checkpoint format.
+
+    Args:
+      jax_seed: seed of every random number in the run (shuffling, dropout, sampling).
+      n_model_shards: tensor-parallel degree ``mp``; the other devices form ``dp``.
+      workdir: where logs, metrics and checkpoints go.
+      run_tensorboard: also write TensorBoard event files under ``workdir/tensorboard``.
+      n_processes, host0_address, host0_port, process_id: a multi-host run over bare IPs.
+      n_local_devices: use only this many devices of this process.
+      sharding_rules: name of the rule-set plugin behind ``get_sharding_rules``.
+      checkpoint_format: name of the checkpoint-format plugin.
+      loggers: names of the metric-logger plugins to run (process 0 only).
+      launcher: name of a launcher plugin; by default the first that detects itself.
+    """
+
+    def __init__(self, jax_seed: int, n_model_shards: int = 1, workdir: str = "./workdir",
+                 run_tensorboard: bool = False, n_processes: int | None = None,
+                 host0_address: str | None = None, host0_port: int | None = None,
+                 process_id: int | None = None, n_local_devices: int | None = None,
+                 sharding_rules: str = "auto", checkpoint_format: str = "orbax",
+                 loggers: Sequence[str] = ("jsonl",), launcher: str | None = None,
+                 verbose: bool = True):
+        config = dict(n_processes=n_processes, host0_address=host0_address,
+                      host0_port=host0_port, process_id=process_id,
+                      n_local_devices=n_local_devices)
+        self._launch(launcher, config)
+        devices = jax.devices()
+        if n_local_devices and jax.process_count() == 1:
+            devices = devices[:n_local_devices]
+        if not isinstance(n_model_shards, int) or n_model_shards < 1 or len(devices) % n_model_shards:
+            raise ValueError(
+                f"n_model_shards={n_model_shards!r} must be a positive integer dividing the "
+                f"number of devices ({len(devices)}). Use one of "
+                f"{[d for d in range(1, len(devices) + 1) if len(devices) % d == 0]}.")
+        self.mesh = jax.make_mesh((len(devices) // n_model_shards, n_model_shards), ("dp", "mp"),
+                                  axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
+        self.n_model_shards = n_model_shards
+        self.jax_seed = jax_seed
+        self.workdir = os.path.abspath(workdir)
+        self._rng = jax.random.PRNGKey(jax_seed)
+        self._rules_name = sharding_rules
+        self.checkpoint_format = plugins.lookup("checkpoint_formats", checkpoint_format)
+        self._setup_logging(verbose, list(loggers) + (["tensorboard"] if run_tensorboard else []))
+
+    # ---- processes and devices -------------------------------------------------------------
+    @staticmethod
+    def _launch(name: str | None, config: dict) -> None:
+        launchers = plugins.registry("launchers")
+        if name is not None:
+            plugins.lookup("launchers", name).initialize(config)
+            return
+        next(l for l in launchers.values() if l.detect(config)).initialize(config)
+
+    @property
+    def is_main_process(self) -> bool:
+        return jax.process_index() == 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.shape["dp"]
+
+    def get_global_batch_size(self, per_device_batch_size: int) -> int:
+        return per_device_batch_size * self.dp_size
+
+    def _local_rows(self, global_size: int) -> slice:
+        """The rows of a dp-sharded global batch that this process's devices hold."""
+        mine = [i for i, row in enumerate(self.mesh.devices)
+                if any(d.process_index == jax.process_index() for d in row)]
+        per_row = global_size // self.dp_size
+        return slice(mine[0] * per_row, (mine[-1] + 1) * per_row)
+
+    def make_batch(self, examples: list, collate_fn: Callable, n_micro: int | None = None):
+        """Collate this process's share of a global batch into dp-sharded global arrays.
+
+        With ``n_micro`` the leaves get a leading micro-batch axis ``(n_micro, B, ...)``. A batch
+        whose size does not divide ``dp`` is collated whole by every process and replicated.
+        """
+        m = len(examples) // (n_micro or 1)
+        groups = [examples[i * m:(i + 1) * m] for i in range(n_micro or 1)]
+        size = len(groups[0])
+        sharded = size % self.dp_size == 0
+        rows = self._local_rows(size) if sharded else slice(0, size)
+        local = [check_collated(collate_fn(g[rows]), rows.stop - rows.start) for g in groups]
+        if n_micro is None:
+            local, lead = local[0], ()
+        else:
+            local, lead = jax.tree.map(lambda *xs: np.stack(xs), *local), (None,)
+        sharding = NamedSharding(self.mesh, P(*lead, "dp") if sharded else P())
+
+        def to_global(x):
+            shape = x.shape[:len(lead)] + (size,) + x.shape[len(lead) + 1:]
+            return jax.make_array_from_process_local_data(sharding, x, shape)
+        return jax.tree.map(to_global, local)
+
+    # ---- randomness --------------------------------------------------------------------------
+    def gen_rng(self) -> jax.Array:
+        """A fresh key, split from the deployer's seed (the sequence is the same every run)."""
+        self._rng, rng = jax.random.split(self._rng)
+        return rng
+
+    def epoch_permutation(self, n_examples: int, epoch: int) -> np.ndarray:
+        """The shuffled example order of ``epoch``: a function of the seed and the epoch only,
+        so a resumed run sees exactly the order the interrupted one would have."""
+        return np.random.default_rng([self.jax_seed, epoch]).permutation(n_examples)
+
+    # ---- learning rate -----------------------------------------------------------------------
+    def get_lr_schedule_fn(self, train_size: int, per_device_batch_size: int, n_epochs: int,
+                           learning_rate: float, schedule_type: str = "linear",
+                           warmup_rate: float = 0.0, warmup_steps: int | None = None,
+                           init_learning_rate: float = 0.0, end_learning_rate: float = 0.0,
+                           accumulate_grad_batches: int = 1) -> optax.Schedule:
+        """Warmup then linear or cosine decay, counted in optimizer updates: the value is
+        ``end_learning_rate`` exactly at the last update of ``n_epochs``."""
+        if schedule_type not in ("linear", "cosine"):
+            raise ValueError(f"schedule_type={schedule_type!r}: use 'linear' or 'cosine'.")
+        batch = self.get_global_batch_size(per_device_batch_size) * accumulate_grad_batches
+        total = n_epochs * (train_size // batch)
+        if total < 1:
+            raise ValueError(f"train_size={train_size} gives no full batch of {batch} examples.")
+        warmup = warmup_steps if warmup_steps is not None else int(warmup_rate * total)
+        decay_steps = max(total - 1 - warmup, 0)
+        if schedule_type == "linear":
+            decay = optax.linear_schedule(learning_rate, end_learning_rate, decay_steps)
+        else:
+            decay = optax.cosine_decay_schedule(
+                learning_rate, max(decay_steps, 1), end_learning_rate / learning_rate)
+        schedule = optax.join_schedules(
+            [optax.linear_schedule(init_learning_rate, learning_rate, warmup), decay], [warmup])
+        schedule.total_steps = total
+        return schedule
+
+    # ---- sharding ----------------------------------------------------------------------------
+    def get_sharding_rules(self, params: Any, rules: Rules | None = None) -> Rules:
+        """The rules for ``params``: ``rules`` (user overrides, checked first), then the rule-set
+        plugin's. Plain data: print, edit and pass back as ``params_sharding_rules``."""
+        make_rules = plugins.lookup("sharding_rules", self._rules_name)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+        return list(rules or []) + make_rules(abstract, self.n_model_shards)
+
+    def get_params_shardings(self, params: Any, rules: Rules):
+        return shardings_from_specs(specs_from_rules(params, rules, self.mesh), self.mesh)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    @property
+    def ckpt_dir(self) -> str:
+        return os.path.join(self.workdir, "ckpts")
+
+    def save_ckpt(self, name: str, tree: Any, meta: dict) -> str:
+        return checkpointing.save(self.ckpt_dir, name, tree, meta, self.checkpoint_format)
+
+    def load_ckpt(self, path: str, target: Any) -> tuple[Any, dict]:
+        return checkpointing.load(path, target, self.checkpoint_format)
+
+    # ---- logging -------------------------------------------------------------------------------
+    def _setup_logging(self, verbose: bool, logger_names: list[str]) -> None:
+        self._metric_loggers = []
+        if not self.is_main_process:
+            logger.setLevel(logging.WARNING)
+            return
+        os.makedirs(self.workdir, exist_ok=True)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        if not any(getattr(h, "_redco_workdir", None) == self.workdir for h in logger.handlers):
+            handler = logging.FileHandler(os.path.join(self.workdir, "log.txt"))
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+            handler._redco_workdir = self.workdir
+            logger.addHandler(handler)
+        self._verbose = verbose
+        makers = {name: plugins.lookup("loggers", name) for name in dict.fromkeys(logger_names)}
+        self._metric_loggers = [make(self.workdir) for make in makers.values()]
+        self.log_info(f"devices: {jax.device_count()} ({jax.devices()[0].platform}), processes: "
+                      f"{jax.process_count()}, mesh: {dict(self.mesh.shape)}")
+
+    def log_info(self, message: str) -> None:
+        """Write to ``workdir/log.txt`` and, if verbose, print (process 0 only)."""
+        if self.is_main_process:
+            logger.info(message)
+            if self._verbose:
+                print(message, flush=True)
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        for metric_logger in self._metric_loggers:
+            metric_logger.log(step, metrics)
+
+    def close(self) -> None:
+        for metric_logger in self._metric_loggers:
+            metric_logger.close()
+        self._metric_loggers = []
+

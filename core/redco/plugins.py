@@ -1,0 +1,89 @@
+"""The one plugin manager, and the registries built from the ``register_*`` hooks.
+
+Every plugin, built-in or third-party, is found the same way: an entry point in the ``redco``
+group. Two environment variables control loading:
+
+* ``REDCO_PLUGINS=name1,name2`` loads only these third-party plugins (built-ins always load);
+* ``REDCO_DISABLE_PLUGIN_AUTOLOAD=1`` loads no third-party plugin at all (useful in tests).
+
+A third-party plugin that fails to import is skipped with a warning naming it.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import warnings
+
+import pluggy
+
+from redco import hookspecs
+
+hookimpl = pluggy.HookimplMarker("redco")
+CORE_DISTRIBUTION = "redco"
+
+pm = pluggy.PluginManager("redco")
+pm.add_hookspecs(hookspecs)
+plugin_sources: dict[str, str] = {}  # plugin name -> "distribution version"
+
+
+def _allowed(ep: importlib.metadata.EntryPoint, dist_name: str) -> bool:
+    if dist_name == CORE_DISTRIBUTION:
+        return True
+    if os.environ.get("REDCO_DISABLE_PLUGIN_AUTOLOAD"):
+        return False
+    allow = os.environ.get("REDCO_PLUGINS")
+    return allow is None or ep.name in {n.strip() for n in allow.split(",")}
+
+
+def load_entrypoint_plugins() -> None:
+    """Register every allowed plugin of the ``redco`` entry-point group (once each)."""
+    for ep in importlib.metadata.entry_points(group="redco"):
+        dist = ep.dist
+        dist_name = dist.metadata["Name"] if dist else "?"
+        if pm.has_plugin(ep.name) or pm.is_blocked(ep.name) or not _allowed(ep, dist_name):
+            continue
+        try:
+            plugin = ep.load()
+            pm.register(plugin, name=ep.name)
+        except Exception as e:  # a broken third-party plugin must not take redco down
+            warnings.warn(f"redco plugin {ep.name!r} from {dist_name} failed to load and is "
+                          f"skipped: {type(e).__name__}: {e}", stacklevel=2)
+            continue
+        plugin_sources[ep.name] = f"{dist_name} {dist.version if dist else ''}".strip()
+
+
+def registry(hook_name: str) -> dict:
+    """Call ``register_<hook_name>`` on every plugin; return ``{name: thing}`` in call order.
+
+    The first registration of a name wins. Built-in plugins implement ``register_*`` hooks with
+    ``trylast=True``, so a third-party plugin replaces a built-in by registering the same name.
+    """
+    load_entrypoint_plugins()
+    found: dict = {}
+
+    def register(name: str, thing) -> None:
+        found.setdefault(name, thing)
+
+    getattr(pm.hook, f"register_{hook_name}")(register=register)
+    return found
+
+
+def lookup(hook_name: str, name: str):
+    """The thing registered under ``name`` by ``register_<hook_name>``, or a clear error."""
+    things = registry(hook_name)
+    if name not in things:
+        raise ValueError(f"No {hook_name.replace('_', ' ')} named {name!r}. Available: "
+                         f"{sorted(things)}. Install the plugin that provides it, or pick one "
+                         f"of these.")
+    return things[name]
+
+
+def list_plugins() -> list[dict]:
+    """Name, source distribution and implemented hooks of every loaded plugin."""
+    load_entrypoint_plugins()
+    rows = []
+    for name, plugin in pm.list_name_plugin():
+        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
+        rows.append({"name": name, "source": plugin_sources.get(name, "registered at run time"),
+                     "hooks": hooks})
+    return rows

@@ -1,0 +1,65 @@
+"""``Predictor``: runs the user's ``collate_fn`` and ``pred_fn`` over a list of examples."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import tqdm
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+
+from redco.data import by_name, n_full_batches
+from redco.deployer import Deployer
+from redco.sharding import Rules
+
+PRED_ARGS = ("rng", "params", "batch")
+
+
+class Predictor:
+    """Predicts with ``pred_fn(rng, params, batch) -> pytree with a leading batch dim``.
+
+    ``predict`` returns exactly one output per example, in order: ``output_fn(batch_preds)``
+    turns a batch of (numpy) predictions into a list, else each example gets its slice of the
+    prediction pytree. The rng argument may also be named ``pred_rng``.
+    """
+
+    def __init__(self, deployer: Deployer, collate_fn: Callable, pred_fn: Callable,
+                 output_fn: Callable | None = None, params_sharding_rules: Rules | None = None):
+        self.deployer = deployer
+        self.collate_fn = collate_fn
+        self.output_fn = output_fn
+        self.params_sharding_rules = params_sharding_rules
+        self._pred_step = jax.jit(by_name(pred_fn, PRED_ARGS))
+
+    def _place(self, params):
+        """Shard params that are not on this mesh yet (the trainer's already are)."""
+        def on_mesh(x):
+            return isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) \
+                and x.sharding.mesh == self.deployer.mesh
+        if all(on_mesh(x) for x in jax.tree.leaves(params)):
+            return params
+        rules = self.params_sharding_rules
+        if rules is None:
+            rules = self.deployer.get_sharding_rules(params)
+        return jax.device_put(params, self.deployer.get_params_shardings(params, rules))
+
+    def predict(self, examples: Sequence, per_device_batch_size: int, params: Any,
+                desc: str = "predict") -> list:
+        n_full_batches(len(examples), 1, "examples")
+        params = self._place(params)
+        batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
+        n_batches = -(-len(examples) // batch_size)
+        padded = list(examples) + [examples[-1]] * (n_batches * batch_size - len(examples))
+        rng = jax.random.PRNGKey(self.deployer.jax_seed + 1)
+        outputs = []
+        for i in tqdm.trange(n_batches, desc=desc, disable=not self.deployer.is_main_process,
+                             dynamic_ncols=True, leave=False):
+            batch = self.deployer.make_batch(padded[i * batch_size:(i + 1) * batch_size],
+                                             self.collate_fn)
+            preds = self._pred_step(jax.random.fold_in(rng, i), params, batch)
+            preds = multihost_utils.process_allgather(preds, tiled=True)
+            if self.output_fn is not None:
+                outputs.extend(self.output_fn(preds))
+            else:
+                outputs.extend([jax.tree.map(lambda x: x[j], preds) for j in range(batch_size)])
+        return outputs[:len(examples)]

@@ -1,0 +1,79 @@
+"""Sharding rules as data: a list of ``(regex, PartitionSpec)`` matched against parameter paths.
+
+A parameter's path is its pytree keys joined by ``/`` (``decoder/layers/0/attn/q/kernel``);
+the first rule whose regex matches anywhere in the path (``re.search``) gives its spec, and a
+parameter no rule matches is replicated.
+"""
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+Rules = list[tuple[str, P]]
+
+
+def key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def path_str(path) -> str:
+    """``/``-joined key names; a trailing ``.value`` (Flax NNX variables) is dropped."""
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        path = path[:-1]
+    return "/".join(key_name(k) for k in path)
+
+
+def named_leaves(tree) -> list[tuple[str, Any]]:
+    """``[(path, leaf), ...]`` in the tree's flattening order."""
+    return [(path_str(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def spec_for(path: str, rules: Rules) -> P:
+    for pattern, spec in rules:
+        if re.search(pattern, path):
+            return spec
+    return P()
+
+
+def fits(shape, spec: P, mesh: Mesh) -> bool:
+    """Whether every sharded dim of ``shape`` divides by the mesh axes it is split over."""
+    if len(spec) > len(shape):
+        return False
+    for size, axes in zip(shape, spec):
+        axes = (axes,) if isinstance(axes, str) else (axes or ())
+        if size % math.prod(mesh.shape[a] for a in axes):
+            return False
+    return True
+
+
+def specs_from_rules(params, rules: Rules, mesh: Mesh):
+    """A pytree of ``PartitionSpec`` like ``params``.
+
+    A spec that does not fit its tensor (a dim not divisible by the shard count, or more dims
+    than the tensor has) falls back to replication, and one warning lists every such param.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    specs, replicated = [], []
+    for path, leaf in leaves:
+        name, spec = path_str(path), spec_for(path_str(path), rules)
+        if not fits(leaf.shape, spec, mesh):
+            replicated.append(f"{name} {tuple(leaf.shape)} by {spec}")
+            spec = P()
+        specs.append(spec)
+    if replicated:
+        warnings.warn("These params do not divide by their sharding and are replicated "
+                      "instead: " + "; ".join(replicated), stacklevel=2)
+    return jax.tree_util.tree_unflatten(treedef, specs)
+
+
+def shardings_from_specs(specs, mesh: Mesh):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))

@@ -1,0 +1,338 @@
+"""``Trainer``: runs the user's ``collate_fn`` and ``loss_fn`` on the deployer's mesh."""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Sequence
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tqdm
+
+from redco import checkpointing
+from redco.data import by_name, n_full_batches
+from redco.deployer import Deployer
+from redco.plugins import pm
+from redco.predictor import Predictor
+from redco.sharding import Rules
+
+LOSS_ARGS = ("rng", "state", "params", "batch", "is_training")
+
+
+@flax.struct.dataclass
+class TrainState:
+    """What ``loss_fn`` sees as ``state``: ``state.apply_fn`` is the model given to Trainer."""
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    apply_fn: Callable = flax.struct.field(pytree_node=False)
+
+
+def unwrap_multisteps(optimizer, accumulate_grad_batches: int):
+    """Trainer accumulates inside its step; an ``optax.MultiSteps`` wrapper (as in the paper's
+    script) would accumulate a second time, so take its inner optimizer instead."""
+    if not isinstance(optimizer, optax.MultiSteps):
+        return optimizer
+    every_k = int(optimizer._every_k_schedule(0))
+    if every_k != accumulate_grad_batches:
+        raise ValueError(f"optax.MultiSteps(every_k_schedule={every_k}) disagrees with "
+                         f"accumulate_grad_batches={accumulate_grad_batches}. Pass the plain "
+                         "optimizer and set accumulate_grad_batches only.")
+    return optimizer.inner_opt
+
+
+class Trainer:
+    """Trains ``params`` with ``loss_fn(rng, state, params, batch, is_training) -> scalar``.
+
+    Args:
+      deployer: the run's ``Deployer``.
+      collate_fn: ``list of examples -> dict of numpy arrays`` (first dim = batch).
+      apply_fn: the model, available to ``loss_fn`` as ``state.apply_fn``.
+      loss_fn: the scalar loss; the rng argument may also be named ``train_rng``.
+      params: a pytree of arrays (numpy, jax, Flax NNX ``State``, ...).
+      optimizer: an optax optimizer (an ``optax.MultiSteps`` wrapper is unwrapped).
+      opt_state: a starting optimizer state; by default ``optimizer.init(params)``.
+      compute_dtype: run ``loss_fn`` on params cast to this dtype (e.g. ``jnp.bfloat16``);
+        gradients and updates stay in the params' own dtype.
+      lr_schedule_fn: the schedule inside ``optimizer``, to log the learning rate.
+      accumulate_grad_batches: micro-batches per optimizer update (summed inside one step).
+      params_sharding_rules: ``[(regex, PartitionSpec), ...]``; by default
+        ``deployer.get_sharding_rules(params)``.
+      callbacks: objects with ``@redco.hookimpl`` methods, active during this trainer's fit.
+    """
+
+    def __init__(self, deployer: Deployer, collate_fn: Callable, apply_fn: Callable,
+                 loss_fn: Callable, params: Any, optimizer: optax.GradientTransformation,
+                 opt_state: Any = None, compute_dtype: Any = None,
+                 lr_schedule_fn: Callable | None = None, accumulate_grad_batches: int = 1,
+                 params_sharding_rules: Rules | None = None, callbacks: Sequence[Any] = ()):
+        if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
+            raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches!r} must be an "
+                             "integer >= 1.")
+        self.deployer = deployer
+        self.collate_fn = collate_fn
+        self.loss_fn = by_name(loss_fn, LOSS_ARGS)
+        self.optimizer = unwrap_multisteps(optimizer, accumulate_grad_batches)
+        self.compute_dtype = compute_dtype
+        self.lr_schedule_fn = lr_schedule_fn
+        self.accumulate_grad_batches = accumulate_grad_batches
+        self.callbacks = list(callbacks)
+        self._stop_reason = None
+        self._loss_checked = False
+        self._best: dict[str, float] = {}
+
+        if params_sharding_rules is None:
+            params_sharding_rules = deployer.get_sharding_rules(params)
+        self.params_sharding_rules = params_sharding_rules
+        self.state, self.state_shardings = self._place_state(params, opt_state, apply_fn)
+        self._train_step = jax.jit(
+            self._step, in_shardings=(self.state_shardings, None),
+            out_shardings=(self.state_shardings, deployer.replicated), donate_argnums=0)
+        self._eval_step = jax.jit(self._eval_loss)
+
+    # ---- state -------------------------------------------------------------------------------
+    def _place_state(self, params, opt_state, apply_fn):
+        params_shardings = self.deployer.get_params_shardings(params, self.params_sharding_rules)
+        params = jax.device_put(params, params_shardings)
+        replicated = self.deployer.replicated
+        abstract_opt_state = jax.eval_shape(self.optimizer.init, params)
+        opt_shardings = optax.tree_map_params(
+            self.optimizer, lambda _, sharding: sharding, abstract_opt_state, params_shardings,
+            transform_non_params=lambda _: replicated)
+        if opt_state is None:
+            opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(params)
+        else:
+            opt_state = jax.device_put(opt_state, opt_shardings)
+        state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated),
+                           params=params, opt_state=opt_state, apply_fn=apply_fn)
+        shardings = TrainState(step=replicated, params=params_shardings,
+                               opt_state=opt_shardings, apply_fn=apply_fn)
+        return state, shardings
+
+    @property
+    def params(self):
+        return self.state.params
+
+    @property
+    def step(self) -> int:
+        return int(self.state.step)
+
+    # ---- the jitted functions ---------------------------------------------------------------
+    def _loss(self, params, state, batch, rng, is_training: bool):
+        if self.compute_dtype is not None:
+            params = jax.tree.map(lambda p: p.astype(self.compute_dtype)
+                                  if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+        batch = jax.tree.map(lambda x: x, batch)  # a fresh dict: loss_fn may pop from it
+        return self.loss_fn(rng, state, params, batch, is_training)
+
+    def _step(self, state: TrainState, batch):
+        """One optimizer update over ``accumulate_grad_batches`` micro-batches (leading axis)."""
+        rng = jax.random.fold_in(jax.random.PRNGKey(self.deployer.jax_seed), state.step)
+        grad_fn = jax.value_and_grad(self._loss)
+
+        def micro_step(carry, inputs):
+            i, micro_batch = inputs
+            loss, grads = grad_fn(state.params, state, micro_batch, jax.random.fold_in(rng, i), True)
+            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+        k = self.accumulate_grad_batches
+        if k == 1:
+            loss, grads = grad_fn(state.params, state, jax.tree.map(lambda x: x[0], batch), rng, True)
+        else:
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
+            (loss, grads), _ = jax.lax.scan(micro_step, zeros, (jnp.arange(k), batch))
+            loss, grads = loss / k, jax.tree.map(lambda g: g / k, grads)
+
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        if self.lr_schedule_fn is not None:
+            metrics["lr"] = self.lr_schedule_fn(state.step)
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    def _eval_loss(self, state: TrainState, batch):
+        rng = jax.random.PRNGKey(self.deployer.jax_seed)
+        return self._loss(state.params, state, batch, rng, False)
+
+    # ---- checks made before anything compiles ------------------------------------------------
+    def _check_loss(self, batch) -> None:
+        micro_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
+        out = jax.eval_shape(self._eval_loss, self.state, micro_batch)
+        if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()):
+            shape = out.shape if isinstance(out, jax.ShapeDtypeStruct) else type(out).__name__
+            raise ValueError(f"loss_fn must return a scalar, but returned {shape}. Reduce it, "
+                             "e.g. with jnp.mean(...), before returning.")
+        self._loss_checked = True
+
+    def _check_schedule(self, n_updates: int) -> None:
+        total = getattr(self.lr_schedule_fn, "total_steps", None)
+        if total is not None and total != n_updates:
+            warnings.warn(
+                f"The lr schedule spans {total} updates but this fit makes {n_updates}, so it "
+                f"will not end at its end value. Pass accumulate_grad_batches="
+                f"{self.accumulate_grad_batches} (and the same batch size and epochs) to "
+                "deployer.get_lr_schedule_fn.", stacklevel=3)
+
+    # ---- training ------------------------------------------------------------------------------
+    def request_stop(self, reason: str) -> None:
+        """Ask ``fit`` to stop after the current epoch (e.g. from ``on_eval_end``)."""
+        self._stop_reason = reason
+
+    def train_epoch(self, examples: Sequence, per_device_batch_size: int, epoch: int,
+                    start: int = 0, save_every_n_steps: int | None = None,
+                    keep_last_ckpts: int = 1, desc: str = "") -> None:
+        """Run the updates of ``epoch`` from its ``start``-th update on."""
+        batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
+        batch_size *= self.accumulate_grad_batches
+        n_steps = n_full_batches(len(examples), batch_size, "train_examples")
+        order = self.deployer.epoch_permutation(len(examples), epoch)
+        bar = tqdm.trange(start, n_steps, initial=start, total=n_steps, desc=desc,
+                          disable=not self.deployer.is_main_process, dynamic_ncols=True)
+        pending = None
+        for i in bar:
+            batch = self.deployer.make_batch(
+                [examples[j] for j in order[i * batch_size:(i + 1) * batch_size]],
+                self.collate_fn, n_micro=self.accumulate_grad_batches)
+            if not self._loss_checked:
+                self._check_loss(batch)
+            self.state, metrics = self._train_step(self.state, batch)
+            if pending is not None:  # read the previous step's metrics: the device runs ahead
+                self._report(bar, *pending)
+            pending = (epoch * n_steps + i + 1, metrics)
+            if save_every_n_steps and (i + 1) % save_every_n_steps == 0 and i + 1 < n_steps:
+                self._report(bar, *pending)
+                pending = None
+                self.save_step_ckpt(epoch, keep_last_ckpts)
+        if pending is not None:
+            self._report(bar, *pending)
+        bar.close()
+
+    def _report(self, bar, step, metrics) -> None:
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not np.isfinite(metrics["loss"]):
+            raise FloatingPointError(
+                f"loss is {metrics['loss']} at step {step}. Lower the learning rate or check the "
+                "data; the last checkpoint was kept.")
+        bar.set_postfix({k: f"{v:.4g}" for k, v in metrics.items()}, refresh=False)
+        self.deployer.log_metrics(step, {f"train/{k}": v for k, v in metrics.items()})
+        pm.hook.on_step_end(trainer=self, step=step, metrics=metrics)
+
+    def eval_loss(self, examples: Sequence, per_device_batch_size: int) -> float:
+        """Mean loss over every example; the last partial batch counts by its size."""
+        batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
+        n_full_batches(len(examples), 1, "eval_examples")
+        total, losses = 0, []
+        for begin in range(0, len(examples), batch_size):
+            chunk = list(examples[begin:begin + batch_size])
+            batch = self.deployer.make_batch(chunk, self.collate_fn)
+            losses.append((self._eval_step(self.state, batch), len(chunk)))
+            total += len(chunk)
+        return float(sum(float(loss) * n for loss, n in losses) / total)
+
+    def save_step_ckpt(self, epoch: int, keep_last_ckpts: int = 1) -> str:
+        step = self.step
+        path = self.deployer.save_ckpt(
+            f"step_{step}", {"params": self.state.params, "opt_state": self.state.opt_state},
+            {"step": step, "epoch": epoch, "best": self._best})
+        checkpointing.prune(self.deployer.ckpt_dir, keep_last_ckpts)
+        pm.hook.on_checkpoint_saved(trainer=self, path=path, step=step)
+        return path
+
+    def _resume(self) -> dict | None:
+        found = checkpointing.step_ckpts(self.deployer.ckpt_dir)
+        if not found:
+            return None
+        target = {"params": self.state.params, "opt_state": self.state.opt_state}
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                              target)
+        tree, meta = self.deployer.load_ckpt(found[-1], target)
+        step = jax.device_put(jnp.asarray(meta["step"], jnp.int32), self.deployer.replicated)
+        self.state = self.state.replace(step=step, **tree)
+        self.deployer.log_info(f"Resumed from {found[-1]} (step {meta['step']}).")
+        return meta
+
+    def fit(self, train_examples: Sequence, per_device_batch_size: int, n_epochs: int,
+            eval_examples: Sequence | None = None, eval_per_device_batch_size: int | None = None,
+            eval_loss: bool = True, eval_predictor: Predictor | None = None,
+            eval_metric_fn: Callable | None = None, save_last_ckpt: bool = False,
+            save_argmin_ckpt_by_metrics: Sequence[str] | None = None,
+            save_argmax_ckpt_by_metrics: Sequence[str] | None = None,
+            save_every_n_steps: int | None = None, keep_last_ckpts: int = 1,
+            resume: bool = True) -> None:
+        """Train for ``n_epochs``, evaluating after each and checkpointing as asked.
+
+        With ``resume`` (the default), a step checkpoint in ``workdir/ckpts`` is restored first
+        and training continues from its exact step, mid-epoch included. Best-by-metric
+        checkpoints go to ``ckpts/best_<metric>``; ``loss`` is always a metric when evaluated.
+        """
+        batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
+        steps_per_epoch = n_full_batches(
+            len(train_examples), batch_size * self.accumulate_grad_batches, "train_examples")
+        if eval_examples is not None:
+            n_full_batches(len(eval_examples), 1, "eval_examples")
+        self._check_schedule(n_epochs * steps_per_epoch)
+        self._best = {}
+        meta = self._resume() if resume else None
+        if meta:
+            self._best = meta["best"]
+        for callback in self.callbacks:
+            pm.register(callback)
+        try:
+            pm.hook.on_fit_start(trainer=self, n_epochs=n_epochs, steps_per_epoch=steps_per_epoch)
+            for epoch in range(self.step // steps_per_epoch, n_epochs):
+                self.train_epoch(train_examples, per_device_batch_size, epoch,
+                                 start=self.step - epoch * steps_per_epoch,
+                                 save_every_n_steps=save_every_n_steps,
+                                 keep_last_ckpts=keep_last_ckpts,
+                                 desc=f"epoch {epoch + 1}/{n_epochs}")
+                if eval_examples is not None:
+                    self._evaluate(epoch, eval_examples,
+                                   eval_per_device_batch_size or per_device_batch_size, eval_loss,
+                                   eval_predictor, eval_metric_fn, save_argmin_ckpt_by_metrics,
+                                   save_argmax_ckpt_by_metrics)
+                if save_last_ckpt or save_every_n_steps:
+                    self.save_step_ckpt(epoch, keep_last_ckpts)
+                if self._stop_reason:
+                    self.deployer.log_info(f"Stopping early: {self._stop_reason}")
+                    break
+            pm.hook.on_fit_end(trainer=self)
+        finally:
+            for callback in self.callbacks:
+                pm.unregister(callback)
+
+    def _evaluate(self, epoch, examples, per_device_batch_size, eval_loss, predictor, metric_fn,
+                  argmin_metrics, argmax_metrics) -> dict:
+        metrics = {}
+        if eval_loss:
+            metrics["loss"] = self.eval_loss(examples, per_device_batch_size)
+        if predictor is not None:
+            preds = predictor.predict(examples, per_device_batch_size, params=self.state.params,
+                                      desc=f"predict epoch {epoch + 1}")
+            if metric_fn is not None:
+                metrics.update({k: float(v) for k, v in metric_fn(examples, preds).items()})
+        self.deployer.log_info(f"epoch {epoch + 1} eval: " +
+                               ", ".join(f"{k} = {v:.5g}" for k, v in metrics.items()))
+        self.deployer.log_metrics(self.step, {f"eval/{k}": v for k, v in metrics.items()})
+        for names, better in ((argmin_metrics, np.less), (argmax_metrics, np.greater)):
+            for name in names or ():
+                if name not in metrics:
+                    raise KeyError(f"save_arg*_ckpt_by_metrics names {name!r} but the eval "
+                                   f"metrics are {sorted(metrics)}.")
+                if name not in self._best or better(metrics[name], self._best[name]):
+                    self._best[name] = metrics[name]
+                    path = self.deployer.save_ckpt(
+                        f"best_{name}", {"params": self.state.params},
+                        {"step": self.step, "epoch": epoch, name: metrics[name]})
+                    self.deployer.log_info(f"Saved {path} ({name} = {metrics[name]:.5g}).")
+                    pm.hook.on_checkpoint_saved(trainer=self, path=path, step=self.step)
+        pm.hook.on_eval_end(trainer=self, epoch=epoch, metrics=metrics)
+        return metrics
+
+    def get_default_predictor(self, pred_fn: Callable, output_fn: Callable | None = None
+                              ) -> Predictor:
+        """A ``Predictor`` sharing this trainer's deployer, collate_fn and sharding rules."""
+        return Predictor(deployer=self.deployer, collate_fn=self.collate_fn, pred_fn=pred_fn,
+                         output_fn=output_fn, params_sharding_rules=self.params_sharding_rules)
+
