@@ -1,0 +1,58 @@
+"""Gradient accumulation equals one big batch; the schedule ends exactly at the last update."""
+import jax
+import numpy as np
+import optax
+from helpers import Recorder, mlp_apply, mlp_collate, mlp_examples, mlp_init, mlp_loss
+
+from redco import Deployer, Trainer
+
+
+def run(workdir, per_device_batch_size, accumulate, schedule=None, n_epochs=1, optimizer=None):
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    recorder = Recorder()
+    trainer = Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, mlp_init(),
+                      optimizer or optax.sgd(schedule or 0.1), lr_schedule_fn=schedule,
+                      accumulate_grad_batches=accumulate, callbacks=[recorder])
+    trainer.fit(mlp_examples(64), per_device_batch_size, n_epochs=n_epochs)
+    return recorder, jax.device_get(trainer.params), trainer
+
+
+def test_accumulating_4_micro_batches_equals_one_batch_4x(workdir):
+    rec_acc, acc, _ = run(workdir + "a", per_device_batch_size=2, accumulate=4)
+    rec_big, big, _ = run(workdir + "b", per_device_batch_size=8, accumulate=1)
+    assert len(rec_acc.losses) == len(rec_big.losses) == 2  # 64 examples / (4 dp * 8)
+    np.testing.assert_allclose(rec_acc.losses, rec_big.losses, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(acc), jax.tree.leaves(big)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_optax_multisteps_wrapper_is_not_applied_twice(workdir):
+    _, plain, _ = run(workdir + "a", 2, 4, optimizer=optax.sgd(0.1))
+    _, wrapped, _ = run(workdir + "b", 2, 4, optimizer=optax.MultiSteps(optax.sgd(0.1), 4))
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(wrapped)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_schedule_counts_updates_and_ends_at_last_update(workdir):
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    for schedule_type in ("linear", "cosine"):
+        schedule = deployer.get_lr_schedule_fn(
+            train_size=64, per_device_batch_size=2, n_epochs=3, learning_rate=0.1,
+            schedule_type=schedule_type, warmup_rate=0.2, end_learning_rate=0.01,
+            accumulate_grad_batches=2)
+        lrs = []
+
+        class LrRecorder(Recorder):
+            def on_step_end(self, trainer, step, metrics):
+                lrs.append(metrics["lr"])
+        LrRecorder.on_step_end = __import__("redco").hookimpl(LrRecorder.on_step_end)
+        deployer_run = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir + schedule_type,
+                                verbose=False)
+        trainer = Trainer(deployer_run, mlp_collate, mlp_apply, mlp_loss, mlp_init(),
+                          optax.sgd(schedule), lr_schedule_fn=schedule,
+                          accumulate_grad_batches=2, callbacks=[LrRecorder()])
+        trainer.fit(mlp_examples(64), 2, n_epochs=3)
+        assert len(lrs) == 3 * (64 // (2 * 4 * 2)) == schedule.total_steps
+        assert max(lrs) == np.float32(0.1)
+        np.testing.assert_allclose(lrs[-1], 0.01, rtol=1e-6)  # exactly the end value
+        assert lrs[-2] > 0.01
