@@ -38,7 +38,7 @@ def by_name(fn: Callable, arg_names: tuple[str, ...]) -> Callable:
 
 def check_collated(batch: Any, batch_size: int) -> Any:
     """Refuse a ``collate_fn`` result that is not a pytree of arrays with ``batch_size`` rows."""
-    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    leaves = jax.tree_util.tree_flatten_with_path(batch, is_leaf=lambda x: isinstance(x, list))[0]
     if not leaves:
         raise ValueError(f"collate_fn returned {type(batch).__name__} with no arrays in it; "
                          "return a dict of numpy arrays whose first dim is the batch.")

@@ -200,8 +200,9 @@ class Trainer:
             self.state, metrics = self._train_step(self.state, batch)
             if pending is not None:  # read the previous step's metrics: the device runs ahead
                 self._report(bar, *pending)
-            pending = (epoch * n_steps + i + 1, metrics)
-            if save_every_n_steps and (i + 1) % save_every_n_steps == 0 and i + 1 < n_steps:
+            step = epoch * n_steps + i + 1
+            pending = (step, metrics)
+            if save_every_n_steps and step % save_every_n_steps == 0 and i + 1 < n_steps:
                 self._report(bar, *pending)
                 pending = None
                 self.save_step_ckpt(epoch, keep_last_ckpts)

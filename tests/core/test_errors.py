@@ -1,0 +1,80 @@
+"""Bad input is refused before anything compiles, with a message naming the problem and fix."""
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import mlp_apply, mlp_collate, mlp_examples, mlp_init, mlp_loss
+
+from redco import Deployer, Trainer
+
+
+def make_trainer(workdir, collate_fn=mlp_collate, loss_fn=mlp_loss, **kwargs):
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    return Trainer(deployer, collate_fn, mlp_apply, loss_fn, mlp_init(), optax.sgd(0.1), **kwargs)
+
+
+def fit_refused(trainer, examples, per_device_batch_size=2):
+    trainer.fit(examples, per_device_batch_size, n_epochs=1)
+    pytest.fail("fit should have refused")
+
+
+def test_n_model_shards_must_divide_devices(workdir):
+    with pytest.raises(ValueError, match=r"n_model_shards=3 .*dividing the number of devices "
+                                         r"\(8\).*\[1, 2, 4, 8\]"):
+        Deployer(jax_seed=0, n_model_shards=3, workdir=workdir)
+
+
+def test_collate_returning_lists_is_refused(workdir):
+    trainer = make_trainer(workdir, collate_fn=lambda exs: {"x": [list(e["x"]) for e in exs]})
+    with pytest.raises(TypeError, match=r"collate_fn output\['x'\] is a list, not an array"):
+        fit_refused(trainer, mlp_examples(32))
+    assert trainer._train_step._cache_size() == 0
+
+
+def test_collate_returning_ragged_rows_is_refused(workdir):
+    ragged = lambda exs: {"x": np.array([np.zeros(i + 1) for i in range(len(exs))], dtype=object),
+                          "y": mlp_collate(exs)["y"]}
+    with pytest.raises(TypeError, match=r"\['x'\] has dtype object \(ragged rows\?\). Pad"):
+        fit_refused(make_trainer(workdir, collate_fn=ragged), mlp_examples(32))
+
+
+def test_collate_with_mismatched_batch_sizes_is_refused(workdir):
+    short = lambda exs: {"x": mlp_collate(exs)["x"], "y": mlp_collate(exs)["y"][:-1]}
+    with pytest.raises(ValueError, match=r"\['y'\] has shape \(7, 1\) but the batch has 8 "
+                                         r"examples"):
+        fit_refused(make_trainer(workdir, collate_fn=short), mlp_examples(32))
+
+
+def test_non_scalar_loss_is_refused_before_compiling(workdir):
+    per_example = lambda rng, state, params, batch, is_training: jnp.mean(
+        (state.apply_fn(params, batch["x"]) - batch["y"]) ** 2, axis=1)
+    trainer = make_trainer(workdir, loss_fn=per_example)
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar, but returned \(8,\). "
+                                         r"Reduce it"):
+        fit_refused(trainer, mlp_examples(32))
+    assert trainer._train_step._cache_size() == 0
+
+
+def test_empty_dataset_is_refused(workdir):
+    with pytest.raises(ValueError, match="train_examples is empty"):
+        fit_refused(make_trainer(workdir), [])
+
+
+def test_batch_larger_than_dataset_is_refused(workdir):
+    with pytest.raises(ValueError, match=r"global batch \(64 examples\) is larger than "
+                                         r"train_examples \(32 examples\). Lower"):
+        fit_refused(make_trainer(workdir), mlp_examples(32), per_device_batch_size=16)
+
+
+def test_multisteps_disagreeing_with_accumulation_is_refused(workdir):
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    with pytest.raises(ValueError, match=r"MultiSteps\(every_k_schedule=2\) disagrees with "
+                                         r"accumulate_grad_batches=4"):
+        Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, mlp_init(),
+                optax.MultiSteps(optax.sgd(0.1), 2), accumulate_grad_batches=4)
+
+
+def test_unknown_plugin_names_are_refused(workdir):
+    with pytest.raises(ValueError, match=r"No checkpoint formats named 'nope'. Available: "
+                                         r"\[.*'orbax'.*\]"):
+        Deployer(jax_seed=0, workdir=workdir, checkpoint_format="nope")

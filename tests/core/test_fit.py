@@ -1,0 +1,151 @@
+"""fit / eval / predict semantics, checkpoints and resume, logs."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import Recorder, mlp_apply, mlp_collate, mlp_examples, mlp_init, mlp_loss
+
+import redco
+from redco import Deployer, Predictor, Trainer
+
+
+def make_trainer(workdir, n_model_shards=2, **kwargs):
+    deployer = Deployer(jax_seed=0, n_model_shards=n_model_shards, workdir=workdir,
+                        run_tensorboard=True, verbose=False)
+    return Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, mlp_init(), optax.adam(1e-2),
+                   **kwargs)
+
+
+def test_eval_loss_counts_every_example_by_size(workdir):
+    trainer = make_trainer(workdir)
+    examples = mlp_examples(37)  # 4 dp * 4 per device = 16: two full batches and 5 left over
+    params = jax.device_get(trainer.params)
+    per_example = [float(mlp_loss(None, trainer.state, params, mlp_collate([e]), False))
+                   for e in examples]
+    np.testing.assert_allclose(trainer.eval_loss(examples, 4), np.mean(per_example), rtol=1e-6)
+
+
+def test_predict_returns_one_output_per_example_in_order(workdir):
+    trainer = make_trainer(workdir)
+    examples = mlp_examples(21)
+    pred_fn = lambda pred_rng, params, batch: mlp_apply(params, batch["x"])[:, 0]
+    predictor = trainer.get_default_predictor(pred_fn=pred_fn)
+    preds = predictor.predict(examples, per_device_batch_size=2, params=trainer.params)
+    expected = mlp_apply(jax.device_get(trainer.params), mlp_collate(examples)["x"])[:, 0]
+    assert len(preds) == 21
+    np.testing.assert_allclose(np.array(preds), expected, atol=1e-6)
+    with_output_fn = Predictor(trainer.deployer, mlp_collate, pred_fn,
+                               output_fn=lambda batch_preds: [f"{p:.3f}" for p in batch_preds])
+    texts = with_output_fn.predict(examples, 3, params=jax.device_get(trainer.params))
+    assert texts == [f"{p:.3f}" for p in expected]
+
+
+def test_rng_argument_names_and_short_signatures(workdir):
+    """loss_fn(train_rng, ...), loss_fn(rng, ...) and the paper's loss_fn(batch, params)."""
+    def paper_style(batch, params):
+        return jnp.mean((mlp_apply(params, batch["x"]) - batch["y"]) ** 2)
+
+    def with_rng(rng, params, batch):
+        noise = jax.random.normal(rng, ()) * 0.0
+        return paper_style(batch, params) + noise
+
+    losses = []
+    for loss_fn in (mlp_loss, paper_style, with_rng):
+        recorder = Recorder()
+        deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+        Trainer(deployer, mlp_collate, mlp_apply, loss_fn, mlp_init(), optax.sgd(0.1),
+                callbacks=[recorder]).fit(mlp_examples(32), 2, n_epochs=1, resume=False)
+        losses.append(recorder.losses)
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+    np.testing.assert_allclose(losses[0], losses[2], rtol=1e-6)
+
+
+def test_compute_dtype_runs_loss_in_bfloat16_and_keeps_fp32_params(workdir):
+    seen = []
+
+    def loss_fn(rng, state, params, batch, is_training):
+        seen.append(params["Dense_0"]["kernel"].dtype)
+        return mlp_loss(rng, state, params, batch, is_training).astype(jnp.float32)
+
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    trainer = Trainer(deployer, mlp_collate, mlp_apply, loss_fn, mlp_init(), optax.sgd(0.1),
+                      compute_dtype=jnp.bfloat16)
+    trainer.fit(mlp_examples(32), 2, n_epochs=1)
+    assert seen and all(d == jnp.bfloat16 for d in seen)
+    assert trainer.params["Dense_0"]["kernel"].dtype == jnp.float32
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashAt:
+    def __init__(self, step):
+        self.step = step
+
+    @redco.hookimpl
+    def on_step_end(self, trainer, step, metrics):
+        if step == self.step:
+            raise Crash(step)
+
+
+def test_resume_continues_exactly_where_it_stopped(workdir):
+    examples = mlp_examples(64)  # 8 updates per epoch
+    full = make_trainer(workdir + "full")
+    full.fit(examples, 2, n_epochs=3)
+
+    with pytest.raises(Crash):  # dies mid-epoch 2, after the checkpoint of step 10
+        make_trainer(workdir, callbacks=[CrashAt(11)]).fit(
+            examples, 2, n_epochs=3, save_every_n_steps=5)
+    assert os.listdir(os.path.join(workdir, "ckpts")) == ["step_10"]
+
+    resumed = make_trainer(workdir)  # the same command, run again
+    resumed.fit(examples, 2, n_epochs=3, save_every_n_steps=5)
+    assert resumed.step == full.step == 24
+    for a, b in zip(jax.tree.leaves(jax.device_get(resumed.params)),
+                    jax.tree.leaves(jax.device_get(full.params))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_best_checkpoints_logs_and_tensorboard(workdir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = make_trainer(workdir)
+    neg_loss = lambda examples, preds: {"neg_mse": -float(np.mean(
+        [(p - e["y"][0]) ** 2 for p, e in zip(preds, examples)]))}
+    predictor = trainer.get_default_predictor(
+        pred_fn=lambda rng, params, batch: mlp_apply(params, batch["x"])[:, 0])
+    trainer.fit(mlp_examples(64), 2, n_epochs=2, eval_examples=mlp_examples(20, seed=1),
+                eval_predictor=predictor, eval_metric_fn=neg_loss, save_last_ckpt=True,
+                save_argmin_ckpt_by_metrics=["loss"], save_argmax_ckpt_by_metrics=["neg_mse"])
+    trainer.deployer.close()
+    ckpts = sorted(os.listdir(os.path.join(workdir, "ckpts")))
+    assert ckpts == ["best_loss", "best_neg_mse", "step_16"]
+    with open(os.path.join(workdir, "ckpts", "best_loss", "meta.json")) as f:
+        best = json.load(f)
+    records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    eval_losses = [r["eval/loss"] for r in records if "eval/loss" in r]
+    assert len(eval_losses) == 2 and best["loss"] == min(eval_losses)
+    np.testing.assert_allclose([-r["eval/neg_mse"] for r in records if "eval/neg_mse" in r],
+                               eval_losses, rtol=1e-5)  # same quantity, two routes
+    assert [r["step"] for r in records if "train/loss" in r] == list(range(1, 17))
+
+    events = EventAccumulator(os.path.join(workdir, "tensorboard")).Reload()
+    tb_losses = [e.value for e in events.Scalars("train/loss")]
+    np.testing.assert_allclose(tb_losses, [r["train/loss"] for r in records if "train/loss" in r],
+                               rtol=1e-6)
+    assert [e.step for e in events.Scalars("eval/loss")] == [8, 16]
+    assert "eval: loss" in open(os.path.join(workdir, "log.txt")).read()
+
+
+def test_nan_loss_stops_with_a_clear_message(workdir):
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    nan_loss = lambda rng, state, params, batch, is_training: mlp_loss(
+        rng, state, params, batch, is_training) * jnp.nan
+    trainer = Trainer(deployer, mlp_collate, mlp_apply, nan_loss, mlp_init(), optax.sgd(0.1))
+    with pytest.raises(FloatingPointError, match="loss is nan at step 1"):
+        trainer.fit(mlp_examples(32), 2, n_epochs=1)

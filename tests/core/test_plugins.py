@@ -1,0 +1,89 @@
+"""The plugin system: documented hooks, all exercised, entry-point plugins, broken ones."""
+import csv
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import optax
+import pytest
+from helpers import Recorder, mlp_apply, mlp_collate, mlp_examples, mlp_init, mlp_loss
+
+from redco import Deployer, Trainer, hookspecs, plugins
+
+HOOKS = sorted(name for name, _ in inspect.getmembers(hookspecs, inspect.isfunction)
+               if hasattr(getattr(hookspecs, name), "redco_spec"))
+
+
+def test_every_hook_is_documented():
+    assert len(HOOKS) == 9
+    for name in HOOKS:
+        doc = inspect.getdoc(getattr(hookspecs, name)) or ""
+        assert "Called" in doc and "Returns" in doc, f"{name} must say when it is called and " \
+                                                     "what it returns"
+
+
+def test_every_hook_is_exercised_by_a_run(workdir):
+    called = set()
+    undo = plugins.pm.add_hookcall_monitoring(lambda name, impls, kw: called.add(name),
+                                              lambda outcome, name, impls, kw: None)
+    try:
+        deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+        params = mlp_init()
+        trainer = Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, params, optax.sgd(0.1),
+                          params_sharding_rules=deployer.get_sharding_rules(params),
+                          callbacks=[Recorder()])
+        trainer.fit(mlp_examples(32), 2, n_epochs=1, eval_examples=mlp_examples(8),
+                    save_last_ckpt=True, save_argmin_ckpt_by_metrics=["loss"])
+    finally:
+        undo()
+    assert sorted(called) == HOOKS
+
+
+def test_lifecycle_hooks_run_in_order(workdir):
+    deployer = Deployer(jax_seed=0, workdir=workdir, verbose=False)
+    recorder = Recorder()
+    trainer = Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, mlp_init(), optax.sgd(0.1),
+                      callbacks=[recorder])
+    trainer.fit(mlp_examples(32), 2, n_epochs=1, eval_examples=mlp_examples(8),
+                save_last_ckpt=True)
+    assert recorder.calls == ["on_fit_start", "on_step_end", "on_step_end", "on_eval_end",
+                              "on_checkpoint_saved", "on_fit_end"]
+    assert recorder not in plugins.pm.get_plugins()  # per-run callbacks leave with the run
+
+
+def test_installed_third_party_plugin_is_listed_and_used(workdir):
+    rows = {row["name"]: row for row in plugins.list_plugins()}
+    assert rows["csv_logger"]["source"].startswith("redco-csv-logger")
+    assert rows["csv_logger"]["hooks"] == ["register_loggers"]
+    deployer = Deployer(jax_seed=0, workdir=workdir, loggers=["jsonl", "csv"], verbose=False)
+    Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, mlp_init(), optax.sgd(0.1)).fit(
+        mlp_examples(32), 4, n_epochs=1)
+    deployer.close()
+    with open(os.path.join(workdir, "metrics.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows if r["metric"] == "train/loss"] == ["1"]
+
+
+def test_broken_plugin_warns_and_is_skipped(tmp_path, monkeypatch, workdir):
+    dist = tmp_path / "redco_broken-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: redco-broken\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[redco]\nbroken = redco_broken_mod\n")
+    (tmp_path / "redco_broken_mod.py").write_text("raise RuntimeError('boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(UserWarning, match=r"redco plugin 'broken' from redco-broken failed to "
+                                         r"load and is skipped: RuntimeError: boom"):
+        Deployer(jax_seed=0, workdir=workdir, verbose=False)  # still works
+    assert not plugins.pm.has_plugin("broken")
+
+
+@pytest.mark.parametrize("env", [{"REDCO_PLUGINS": "something_else"},
+                                 {"REDCO_DISABLE_PLUGIN_AUTOLOAD": "1"}, {}])
+def test_allowlist_and_autoload_switch(env):
+    out = subprocess.run([sys.executable, "-m", "redco.cli", "plugins", "--json"],
+                         env={**os.environ, **env}, capture_output=True, text=True, check=True)
+    names = {row["name"] for row in json.loads(out.stdout)}
+    assert {"rules", "launchers", "checkpoints", "loggers"} <= names  # built-ins always load
+    assert ("csv_logger" in names) == (not env)
