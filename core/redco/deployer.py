@@ -8,7 +8,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 import optax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from redco import checkpointing, plugins
 from redco.data import check_collated
@@ -70,7 +71,7 @@ class Deployer:
         if name is not None:
             plugins.lookup("launchers", name).initialize(config)
             return
-        next(l for l in launchers.values() if l.detect(config)).initialize(config)
+        next(ln for ln in launchers.values() if ln.detect(config)).initialize(config)
 
     @property
     def is_main_process(self) -> bool:

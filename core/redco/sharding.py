@@ -12,7 +12,8 @@ import warnings
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 Rules = list[tuple[str, P]]
 

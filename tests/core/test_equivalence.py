@@ -3,8 +3,16 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import (Recorder, lm_examples, lm_model, mlp_apply, mlp_collate, mlp_examples,
-                     mlp_init, mlp_loss)
+from helpers import (
+    Recorder,
+    lm_examples,
+    lm_model,
+    mlp_apply,
+    mlp_collate,
+    mlp_examples,
+    mlp_init,
+    mlp_loss,
+)
 
 from redco import Deployer, Trainer
 from redco_zoo_lm import collate_fn as lm_collate

@@ -13,12 +13,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import math  # noqa: E402
+from pydoc_data.topics import topics  # noqa: E402
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from pydoc_data.topics import topics  # noqa: E402
 
 from redco import Deployer, Predictor, Trainer  # noqa: E402
 from redco_zoo_lm.pipeline import collate_fn, loss_fn, pred_fn  # noqa: E402
