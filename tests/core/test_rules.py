@@ -1,0 +1,70 @@
+"""The built-in ``auto`` rules: the paper's two rules on real parameter trees."""
+import re
+
+import jax
+import optax
+import pytest
+from helpers import lm_examples, lm_model, mlp_apply, mlp_collate, mlp_examples, mlp_init, mlp_loss
+from jax.sharding import PartitionSpec as P
+
+from redco import Deployer, Trainer
+from redco.sharding import path_str, specs_from_rules
+from redco_zoo_lm import collate_fn as lm_collate
+from redco_zoo_lm import loss_fn as lm_loss
+
+COLUMN, ROW = P(None, "mp"), P("mp", None)
+
+
+def specs(params, deployer, rules=None):
+    found = specs_from_rules(params, deployer.get_sharding_rules(params, rules), deployer.mesh)
+    leaves = jax.tree_util.tree_flatten_with_path(found, is_leaf=lambda x: isinstance(x, P))[0]
+    return {path_str(path): spec for path, spec in leaves}
+
+
+def test_mlp_kernels_alternate_in_natural_order(workdir):
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    got = specs(mlp_init(), deployer)
+    assert [got[f"Dense_{i}/kernel"] for i in range(12)] == [COLUMN, ROW] * 6  # Dense_10 after 9
+    assert all(got[f"Dense_{i}/bias"] == P() for i in range(12))
+
+
+def test_llama_attention_and_swiglu_get_megatron_layout(workdir):
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    _, params = lm_model()
+    got = specs(params, deployer)
+    for layer in range(2):
+        prefix = f"layers/{layer}/"
+        for name in ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj", "mlp/gate_proj",
+                     "mlp/up_proj"):
+            assert got[prefix + name + "/kernel"] == COLUMN, name
+        for name in ("self_attn/o_proj", "mlp/down_proj"):
+            assert got[prefix + name + "/kernel"] == ROW, name
+        assert got[prefix + "input_layernorm/weight"] == P()
+    assert got["embed_tokens/embedding"] == ROW and got["lm_head/kernel"] == COLUMN
+
+
+def test_llama_train_step_needs_no_all_gather(workdir):
+    """Column then row parallel: activations stay sharded, only all-reduces remain."""
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    apply_fn, params = lm_model()
+    trainer = Trainer(deployer, lm_collate, apply_fn, lm_loss, params, optax.adamw(1e-3))
+    batch = deployer.make_batch(lm_examples(8), lm_collate, n_micro=1)
+    hlo = trainer._train_step.lower(trainer.state, batch).compile().as_text()
+    assert len(re.findall(r"all-gather(-start)?\(", hlo)) == 0
+    assert len(re.findall(r"all-reduce(-start)?\(", hlo)) > 0
+
+
+def test_user_rules_override_and_bad_fits_replicate_with_one_warning(workdir):
+    deployer = Deployer(jax_seed=0, n_model_shards=8, workdir=workdir, verbose=False)
+    params = mlp_init()  # Dense_0 kernel is (8, 16), Dense_11 kernel (16, 1)
+    with pytest.warns(UserWarning, match=r"replicated instead: Dense_11/kernel \(16, 1\) by "
+                                         r"P\(None, 'mp'\)$"):
+        got = specs(params, deployer, rules=[(r"Dense_0/kernel", ROW),
+                                             (r"Dense_11/kernel", COLUMN)])
+    assert got["Dense_0/kernel"] == ROW and got["Dense_1/kernel"] == ROW
+    assert got["Dense_11/kernel"] == P()
+    trainer = Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, params, optax.sgd(0.1),
+                      params_sharding_rules=[(r"Dense_0/kernel", ROW)])
+    trainer.fit(mlp_examples(16), 2, n_epochs=1)
+    assert trainer.params["Dense_0"]["kernel"].sharding.spec == ROW
+    assert trainer.params["Dense_1"]["kernel"].sharding.spec == P()  # no rule: replicated
