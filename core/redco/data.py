@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
@@ -37,7 +38,13 @@ def by_name(fn: Callable, arg_names: tuple[str, ...]) -> Callable:
 
 
 def check_collated(batch: Any, batch_size: int) -> Any:
-    """Refuse a ``collate_fn`` result that is not a pytree of arrays with ``batch_size`` rows."""
+    """Refuse a ``collate_fn`` result that is not a pytree of arrays with ``batch_size`` rows.
+
+    Returns the batch, with a mapping jax does not flatten (e.g. transformers' ``BatchEncoding``)
+    turned into a plain dict.
+    """
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):
+        batch = dict(batch)
     leaves = jax.tree_util.tree_flatten_with_path(batch, is_leaf=lambda x: isinstance(x, list))[0]
     if not leaves:
         raise ValueError(f"collate_fn returned {type(batch).__name__} with no arrays in it; "

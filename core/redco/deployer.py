@@ -1,6 +1,7 @@
 """``Deployer``: everything about devices, hosts, randomness, logging and files, in one place."""
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from typing import Any, Callable, Sequence
@@ -194,6 +195,7 @@ class Deployer:
         self._verbose = verbose
         makers = {name: plugins.lookup("loggers", name) for name in dict.fromkeys(logger_names)}
         self._metric_loggers = [make(self.workdir) for make in makers.values()]
+        atexit.register(self.close)
         self.log_info(f"devices: {jax.device_count()} ({jax.devices()[0].platform}), processes: "
                       f"{jax.process_count()}, mesh: {dict(self.mesh.shape)}")
 

@@ -36,6 +36,7 @@ import pytest  # noqa: E402
 WORDS = ("the model trains fast on many devices while each host reads its own share of "
          "data and the mesh splits every layer across shards so large networks fit in memory "
          "when gradients are summed over micro batches before one optimizer update").split()
+LEADS = ("in this run", "on every host", "for each layer")
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # BART's ids 0..4
 
 # A real ROUGE metric for evaluate.load('rouge'), the shape of the hub's evaluate-metric/rouge:
@@ -74,11 +75,13 @@ class Rouge(evaluate.Metric):
 
 
 def toy_examples(n: int, seed: int) -> list[dict]:
-    """Summarization where the summary is the source's first four words."""
+    """Summarization where the summary is the source's first four words: a lead phrase (one of
+    a few, so a briefly trained model gets some n-grams right) and the next word."""
     rng = random.Random(seed)
     examples = []
     for _ in range(n):
-        src = " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 12)))
+        words = rng.choice(LEADS).split() + [rng.choice(WORDS) for _ in range(rng.randint(4, 9))]
+        src = " ".join(words)
         examples.append({"src": src, "tgt": " ".join(src.split()[:4])})
     return examples
 
@@ -96,7 +99,7 @@ def write_tokenizer(path: str):
     from tokenizers import ByteLevelBPETokenizer
     from transformers import BartTokenizerFast
 
-    corpus = [e["src"] for e in toy_examples(400, 2)] + [" ".join(WORDS)]
+    corpus = [e["src"] for e in toy_examples(400, 2)] + [" ".join(WORDS + list(LEADS))]
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(corpus, vocab_size=1000, min_frequency=1,
                             special_tokens=SPECIAL_TOKENS, show_progress=False)
@@ -133,7 +136,7 @@ def paper_assets(tmp_path_factory):
     model_dir = str(root / "tiny-bart")
     tokenizer = write_tokenizer(model_dir)
     write_model(model_dir, len(tokenizer))
-    data_dir = write_dataset(str(root / "toy-summarization"), n_train=32, n_validation=8)
+    data_dir = write_dataset(str(root / "toy-summarization"), n_train=256, n_validation=8)
     cwd = root / "cwd"
     (cwd / "rouge").mkdir(parents=True)
     (cwd / "rouge" / "rouge.py").write_text(ROUGE_MODULE)
