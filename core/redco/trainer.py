@@ -224,13 +224,12 @@ class Trainer:
         """Mean loss over every example; the last partial batch counts by its size."""
         batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
         n_full_batches(len(examples), 1, "eval_examples")
-        total, losses = 0, []
+        losses = []
         for begin in range(0, len(examples), batch_size):
             chunk = list(examples[begin:begin + batch_size])
             batch = self.deployer.make_batch(chunk, self.collate_fn)
             losses.append((self._eval_step(self.state, batch), len(chunk)))
-            total += len(chunk)
-        return float(sum(float(loss) * n for loss, n in losses) / total)
+        return sum(float(loss) * n for loss, n in losses) / len(examples)
 
     def save_step_ckpt(self, epoch: int, keep_last_ckpts: int = 1) -> str:
         step = self.step

@@ -1,0 +1,263 @@
+"""Redco's ``Trainer.fit`` against a minimal hand-written ``jax.jit`` loop, in one process.
+
+Both sides train the zoo's LLaMA-style model (``redco_zoo_models.LlamaForCausalLM``) on byte
+tokens of ``pydoc_data.topics``, on the same ``('dp', 'mp')`` mesh, with the same parameter and
+optimizer-state shardings (taken from ``trainer.state_shardings``), the same batches in the same
+order, the same optax optimizer and a donated state. Compilation is excluded (one warm-up run
+of each side first); then ``--repeats`` timed runs of ``--steps`` steps each, alternating which
+side goes first. Reported: the median steps/s of each side, and the median of the paired
+per-repeat ratios (a pair runs back to back, so background load hits both sides alike).
+
+Rows:
+  redco Trainer.fit        fit(n_epochs=1) over exactly --steps global batches: collation,
+                           Deployer.make_batch, the jitted step, the per-step metrics read-back,
+                           jsonl logging, tqdm and hooks, all included.
+  hand-written jit         for each step: collate_fn (same one) + jax.device_put onto
+                           NamedSharding(mesh, P('dp')), then the jitted step; loss read at the
+                           end only.  This is the reference for the ratio.
+  hand-written, pre-placed the same loop over batches already on device: the device-bound ceiling.
+  redco step, bare loop    redco's own jitted step (``trainer._train_step``) called in the same
+                           bare loop over pre-placed batches: splits a gap into "the step
+                           function" (this row vs pre-placed) and "fit's host loop" (fit vs
+                           this row).
+
+Run:  python bench/trainer_vs_jit.py [--steps 10 --repeats 8 --n_model_shards 2
+      --per_device_batch_size 8] [--profile]
+"""
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
+
+import argparse  # noqa: E402
+import cProfile  # noqa: E402
+import io  # noqa: E402
+import platform  # noqa: E402
+import pstats  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pydoc_data.topics import topics  # noqa: E402
+
+import flax  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
+
+import redco  # noqa: E402
+from redco import Deployer, Trainer  # noqa: E402
+from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model  # noqa: E402
+
+
+def byte_sequences(seq_len: int, n: int) -> list[dict]:
+    """``n`` rows of ``seq_len + 1`` byte tokens of Python's docs (cycled if needed)."""
+    data = np.frombuffer("\n".join(topics.values()).encode(), np.uint8).astype(np.int32)
+    rows = data[:len(data) // (seq_len + 1) * (seq_len + 1)].reshape(-1, seq_len + 1)
+    return [{"token_ids": rows[i % len(rows)]} for i in range(n)]
+
+
+def collate_fn(examples: list[dict]) -> dict:  # as redco_zoo_lm.pipeline.collate_fn
+    return {"input_ids": np.stack([np.asarray(e["token_ids"], np.int32) for e in examples])}
+
+
+def loss_fn(rng, state, params, batch, is_training):  # as redco_zoo_lm.pipeline.loss_fn
+    ids = batch["input_ids"]
+    logits = state.apply_fn(params, ids[:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed repeat")
+    parser.add_argument("--repeats", type=int, default=8, help="timed repeats of each side")
+    parser.add_argument("--n_model_shards", type=int, default=2)
+    parser.add_argument("--per_device_batch_size", type=int, default=8)
+    parser.add_argument("--seq_len", type=int, default=128)
+    parser.add_argument("--hidden_size", type=int, default=128)
+    parser.add_argument("--n_layers", type=int, default=2)
+    parser.add_argument("--collectives", action="store_true",
+                        help="count the collectives in both compiled train steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="also cProfile one Trainer.fit repeat and time its host-side parts")
+    args = parser.parse_args(argv)
+
+    workdir = tempfile.mkdtemp(prefix="redco-bench-")
+    deployer = Deployer(jax_seed=0, n_model_shards=args.n_model_shards, workdir=workdir,
+                        verbose=False)
+    global_batch = deployer.get_global_batch_size(args.per_device_batch_size)
+    examples = byte_sequences(args.seq_len, args.steps * global_batch)
+
+    config = LlamaConfig(hidden_size=args.hidden_size, num_hidden_layers=args.n_layers,
+                         intermediate_size=args.hidden_size * 11 // 4)
+    apply_fn, params = split_model(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+    host_params = jax.tree.map(np.array, params)  # each side gets its own copy (donation)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    optimizer = optax.adamw(1e-3, weight_decay=0.01)
+
+    # ---- (a) redco -------------------------------------------------------------------------
+    trainer = Trainer(deployer=deployer, collate_fn=collate_fn, apply_fn=apply_fn,
+                      loss_fn=loss_fn, params=jax.tree.map(np.copy, host_params),
+                      optimizer=optimizer)
+    def run_redco() -> float:
+        zero = jax.device_put(jnp.zeros((), jnp.int32), deployer.replicated)  # (it is donated)
+        trainer.state = trainer.state.replace(step=zero)  # so fit runs its epoch again
+        t0 = time.perf_counter()
+        trainer.fit(examples, per_device_batch_size=args.per_device_batch_size, n_epochs=1,
+                    resume=False)  # fit reads the last step's metrics back: it ends in sync
+        return time.perf_counter() - t0
+
+    # ---- (b) hand-written jax.jit loop, same mesh / shardings / batches / optimizer ----------
+    params_sh, opt_sh = trainer.state_shardings.params, trainer.state_shardings.opt_state
+    batch_sh = NamedSharding(deployer.mesh, P("dp"))
+    hw_params = jax.device_put(jax.tree.map(np.copy, host_params), params_sh)
+    hw_opt = jax.jit(optimizer.init, out_shardings=opt_sh)(hw_params)
+
+    def train_step(params, opt_state, batch):
+        def loss(p):
+            ids = batch["input_ids"]
+            logits = apply_fn(p, ids[:, :-1]).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    hw_step = jax.jit(train_step, in_shardings=(params_sh, opt_sh, batch_sh),
+                      out_shardings=(params_sh, opt_sh, deployer.replicated),
+                      donate_argnums=(0, 1))
+    order = deployer.epoch_permutation(len(examples), 0)  # fit's epoch-0 order: same batches
+    chunks = [[examples[j] for j in order[i * global_batch:(i + 1) * global_batch]]
+              for i in range(args.steps)]
+    placed = [jax.device_put(collate_fn(c), batch_sh) for c in chunks]
+    hw = {"params": hw_params, "opt": hw_opt}
+
+    def run_hw(preplaced: bool) -> float:
+        t0 = time.perf_counter()
+        p, o, loss = hw["params"], hw["opt"], None
+        for i in range(args.steps):
+            batch = placed[i] if preplaced else jax.device_put(collate_fn(chunks[i]), batch_sh)
+            p, o, loss = hw_step(p, o, batch)
+        float(loss)
+        jax.block_until_ready((p, o))
+        hw["params"], hw["opt"] = p, o
+        return time.perf_counter() - t0
+
+    redco_batches = [deployer.make_batch(c, collate_fn, n_micro=1) for c in chunks]
+
+    def run_redco_step() -> float:  # redco's jitted step alone, without fit's host loop
+        t0 = time.perf_counter()
+        state, metrics = trainer.state, None
+        for batch in redco_batches:
+            state, metrics = trainer._train_step(state, batch)
+        float(metrics["loss"])
+        jax.block_until_ready(state)
+        trainer.state = state
+        return time.perf_counter() - t0
+
+    sides = {"redco Trainer.fit": run_redco,
+             "redco step, bare loop": run_redco_step,
+             "hand-written jit": lambda: run_hw(False),
+             "hand-written, pre-placed": lambda: run_hw(True)}
+    t0 = time.perf_counter()
+    for fn in sides.values():  # warm-up: compile everything
+        fn()
+    warmup_s = time.perf_counter() - t0
+    times = {name: [] for name in sides}
+    names = list(sides)
+    for r in range(args.repeats):  # alternate the order to spread drift and noise evenly
+        for name in (names if r % 2 == 0 else names[::-1]):
+            times[name].append(sides[name]())
+
+    print()
+    print(f"redco {redco.__version__} | jax {jax.__version__} | flax {flax.__version__} | "
+          f"optax {optax.__version__} | python {platform.python_version()}")
+    print(f"devices: {jax.device_count()} x {jax.devices()[0].platform} on {os.cpu_count()} "
+          f"CPU cores | mesh {dict(deployer.mesh.shape)} | params {n_params:,} | "
+          f"global batch {global_batch} x {args.seq_len} tokens")
+    print(f"{args.repeats} timed repeats x {args.steps} steps each (warm-up {warmup_s:.1f}s)")
+    print()
+    header = f"{'side':<26}{'steps/s (median)':>18}{'min':>9}{'max':>9}{'tokens/s':>12}"
+    print(header)
+    print("-" * len(header))
+    rates, best = {}, {}
+    for name, ts in times.items():
+        r = [args.steps / t for t in ts]
+        rates[name], best[name] = statistics.median(r), max(r)
+        print(f"{name:<26}{rates[name]:>18.2f}{min(r):>9.2f}{max(r):>9.2f}"
+              f"{rates[name] * global_batch * args.seq_len:>12,.0f}")
+    ours = "redco Trainer.fit"
+    ratio = rates[ours] / rates["hand-written jit"]
+    paired = {ref: statistics.median(b / a for a, b in zip(times[ours], times[ref]))
+              for ref in ("hand-written jit", "hand-written, pre-placed")}
+    print()
+    print("paired ratio (median over repeats of redco/reference, each pair run back to back; "
+          "the most load-robust figure):")
+    for ref, value in paired.items():
+        print(f"  redco / {ref:<26}{value:.3f}")
+    print(f"ratio redco / hand-written jit:           {ratio:.3f} median, "
+          f"{best[ours] / best['hand-written jit']:.3f} best  (aim >= 0.95: "
+          f"{'OK' if ratio >= 0.95 else 'BELOW'})")
+    print(f"ratio redco / hand-written, pre-placed:   "
+          f"{rates[ours] / rates['hand-written, pre-placed']:.3f} median, "
+          f"{best[ours] / best['hand-written, pre-placed']:.3f} best")
+
+    if args.collectives:
+        import re
+        hlos = {"redco Trainer._train_step": trainer._train_step.lower(
+                    trainer.state, redco_batches[0]).compile().as_text(),
+                "hand-written step": hw_step.lower(
+                    hw["params"], hw["opt"], placed[0]).compile().as_text()}
+        print()
+        for name, hlo in hlos.items():
+            counts = {op: len(re.findall(rf"= [^=]*? {op}(-start)?\(", hlo))
+                      for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                                 "collective-permute")}
+            print(f"collectives in {name}: {counts}")
+    if args.profile:
+        profile(trainer, deployer, run_redco, chunks, args)
+    deployer.close()
+    sys.stdout.flush()
+
+
+def profile(trainer, deployer, run_redco, chunks, args) -> None:
+    """Where the host time of one Trainer.fit goes, per step."""
+    n = args.steps
+    t0 = time.perf_counter()
+    for c in chunks:
+        deployer.make_batch(c, collate_fn, n_micro=1)
+    make_batch_ms = (time.perf_counter() - t0) / n * 1e3
+    t0 = time.perf_counter()
+    for c in chunks:
+        collate_fn(c)
+    collate_ms = (time.perf_counter() - t0) / n * 1e3
+    _, metrics = None, {"loss": jnp.zeros(()), "grad_norm": jnp.zeros(())}
+    t0 = time.perf_counter()
+    for _ in range(n):
+        jax.device_get(metrics)
+    device_get_ms = (time.perf_counter() - t0) / n * 1e3
+    print()
+    print("host-side costs per step (measured in isolation):")
+    print(f"  collate_fn alone:                  {collate_ms:7.3f} ms")
+    print(f"  Deployer.make_batch (incl. collate): {make_batch_ms:5.3f} ms")
+    print(f"  device_get of a ready metrics dict: {device_get_ms:6.3f} ms")
+    prof = cProfile.Profile()
+    prof.enable()
+    wall = run_redco()
+    prof.disable()
+    print(f"cProfile of one Trainer.fit ({n} steps, {wall / n * 1e3:.1f} ms/step under the "
+          "profiler), top 25 by cumulative time:")
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
+    print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
