@@ -158,7 +158,7 @@ class Deployer:
         plugin's. Plain data: print, edit and pass back as ``params_sharding_rules``."""
         make_rules = plugins.lookup("sharding_rules", self._rules_name)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
-        return list(rules or []) + make_rules(abstract, self.n_model_shards)
+        return list(rules or []) + make_rules(abstract, self.mesh)
 
     def get_params_shardings(self, params: Any, rules: Rules):
         return shardings_from_specs(specs_from_rules(params, rules, self.mesh), self.mesh)

@@ -18,9 +18,9 @@ hookspec = pluggy.HookspecMarker("redco")
 def register_sharding_rules(register):
     """Called once when the registry of sharding rule sets is first needed.
 
-    Call ``register(name, make_rules)`` for each rule set. ``make_rules(params, n_model_shards)``
-    receives a pytree of arrays or ``jax.ShapeDtypeStruct`` and returns a list of
-    ``(regex, jax.sharding.PartitionSpec)`` pairs over the mesh axes ``('dp', 'mp')``.
+    Call ``register(name, make_rules)`` for each rule set. ``make_rules(params, mesh)`` receives
+    a pytree of ``jax.ShapeDtypeStruct`` and the ``('dp', 'mp')`` mesh, and returns a list of
+    ``(regex, jax.sharding.PartitionSpec)`` pairs over those axes.
     ``Deployer(sharding_rules=name)`` selects one. Returns nothing.
     """
 

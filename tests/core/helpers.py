@@ -3,9 +3,13 @@ plugin. Imported by tests after conftest.py has set up the simulated devices."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 import redco
+from redco import Deployer, Trainer
+from redco_zoo_lm import collate_fn as lm_collate
+from redco_zoo_lm import loss_fn as lm_loss
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
 
 
@@ -80,3 +84,26 @@ class Recorder:
     @redco.hookimpl
     def on_fit_end(self, trainer):
         self.calls.append("on_fit_end")
+
+
+GLOBAL_BATCH = 8
+
+
+def train(case, workdir, n_model_shards, n_local_devices=None, n_epochs=2, optimizer="adamw",
+          sharding_rules="auto"):
+    """Losses per step, final params and the trainer for ``case`` ("mlp" or "lm") at a fixed
+    global batch of 8."""
+    deployer = Deployer(jax_seed=0, n_model_shards=n_model_shards, workdir=workdir,
+                        n_local_devices=n_local_devices, sharding_rules=sharding_rules,
+                        verbose=False)
+    if case == "mlp":
+        apply_fn, params, collate, loss, examples = (mlp_apply, mlp_init(), mlp_collate,
+                                                     mlp_loss, mlp_examples(64))
+    else:
+        (apply_fn, params), collate, loss, examples = lm_model(), lm_collate, lm_loss, lm_examples(32)
+    recorder = Recorder()
+    tx = optax.adamw(1e-2) if optimizer == "adamw" else optax.sgd(0.1, momentum=0.9)
+    trainer = Trainer(deployer, collate, apply_fn, loss, params, tx,
+                      callbacks=[recorder])
+    trainer.fit(examples, GLOBAL_BATCH // deployer.dp_size, n_epochs=n_epochs)
+    return recorder.losses, jax.device_get(trainer.params), trainer

@@ -1,41 +1,8 @@
 """Sharded training equals one device; same seed, same bits; one compilation."""
 import jax
 import numpy as np
-import optax
 import pytest
-from helpers import (
-    Recorder,
-    lm_examples,
-    lm_model,
-    mlp_apply,
-    mlp_collate,
-    mlp_examples,
-    mlp_init,
-    mlp_loss,
-)
-
-from redco import Deployer, Trainer
-from redco_zoo_lm import collate_fn as lm_collate
-from redco_zoo_lm import loss_fn as lm_loss
-
-GLOBAL_BATCH = 8
-
-
-def train(case, workdir, n_model_shards, n_local_devices=None, n_epochs=2, optimizer="adamw"):
-    """Losses per step and final params for ``case`` at a fixed global batch of 8."""
-    deployer = Deployer(jax_seed=0, n_model_shards=n_model_shards, workdir=workdir,
-                        n_local_devices=n_local_devices, verbose=False)
-    if case == "mlp":
-        apply_fn, params, collate, loss, examples = (mlp_apply, mlp_init(), mlp_collate,
-                                                     mlp_loss, mlp_examples(64))
-    else:
-        (apply_fn, params), collate, loss, examples = lm_model(), lm_collate, lm_loss, lm_examples(32)
-    recorder = Recorder()
-    tx = optax.adamw(1e-2) if optimizer == "adamw" else optax.sgd(0.1, momentum=0.9)
-    trainer = Trainer(deployer, collate, apply_fn, loss, params, tx,
-                      callbacks=[recorder])
-    trainer.fit(examples, GLOBAL_BATCH // deployer.dp_size, n_epochs=n_epochs)
-    return recorder.losses, jax.device_get(trainer.params), trainer
+from helpers import GLOBAL_BATCH, train
 
 
 @pytest.mark.parametrize("case,optimizer", [("mlp", "adamw"), ("lm", "adamw"), ("lm", "sgd")])

@@ -2,12 +2,14 @@
 import re
 
 import jax
+import numpy as np
 import optax
 import pytest
-from helpers import lm_examples, lm_model, mlp_apply, mlp_collate, mlp_examples, mlp_init, mlp_loss
+from helpers import lm_examples, lm_model, mlp_apply, mlp_collate, mlp_examples, mlp_init, mlp_loss, train
 from jax.sharding import PartitionSpec as P
 
 from redco import Deployer, Trainer
+from redco.builtins.rules import FSDP_MIN_SIZE
 from redco.sharding import path_str, specs_from_rules
 from redco_zoo_lm import collate_fn as lm_collate
 from redco_zoo_lm import loss_fn as lm_loss
@@ -68,3 +70,23 @@ def test_user_rules_override_and_bad_fits_replicate_with_one_warning(workdir):
     trainer.fit(mlp_examples(16), 2, n_epochs=1)
     assert trainer.params["Dense_0"]["kernel"].sharding.spec == ROW
     assert trainer.params["Dense_1"]["kernel"].sharding.spec == P()  # no rule: replicated
+
+
+def per_device_bytes(tree) -> int:
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("rule_set,n_model_shards", [("fsdp", 1), ("auto+fsdp", 2)])
+def test_fsdp_trains_like_one_device_on_a_fraction_of_the_memory(rule_set, n_model_shards,
+                                                                workdir):
+    ref_losses, _, _ = train("lm", workdir + "ref", 1, n_local_devices=1)
+    losses, _, trainer = train("lm", workdir, n_model_shards, sharding_rules=rule_set)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    params, opt_state = trainer.state.params, trainer.state.opt_state
+    for x in jax.tree.leaves(params):
+        if x.size >= FSDP_MIN_SIZE:  # every large param is split over all 8 devices
+            assert x.addressable_shards[0].data.nbytes == x.nbytes // 8
+    assert per_device_bytes(opt_state) <= 2 * per_device_bytes(params) + 64  # Adam's mu and nu
+    specs = {s.spec for s in jax.tree.leaves(trainer.state_shardings.params)}
+    assert any("dp" in spec for spec in specs)
+    assert ("mp" in str(specs)) == (n_model_shards > 1)

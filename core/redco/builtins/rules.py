@@ -1,8 +1,11 @@
-"""Built-in sharding rule sets: ``auto`` (the paper's two rules) and ``replicate``."""
+"""Built-in sharding rule sets: ``auto`` (the paper's two rules over ``mp``), ``fsdp``
+(ZeRO-3 style over ``dp``), ``auto+fsdp`` (both, on a 2-D layout) and ``replicate``."""
 from __future__ import annotations
 
+import math
 import re
 
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from redco.plugins import hookimpl
@@ -15,6 +18,7 @@ FFN_IN = re.compile(r"(^|/)(gate|up|gate_proj|up_proj|w1|w3|wi|wi_0|wi_1|fc1|fc_
 FFN_OUT = re.compile(r"(^|/)(down|down_proj|w2|fc2|fc_out|dense_4h_to_h)/(kernel|weight)$")
 EMBEDDING = re.compile(r"(embed|embedding|wte|tok_embeddings)")
 COLUMN, ROW = P(None, "mp"), P("mp", None)
+FSDP_MIN_SIZE = 1024  # params with fewer elements stay replicated: not worth a gather
 
 
 def natural_key(path: str):
@@ -22,8 +26,12 @@ def natural_key(path: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path)]
 
 
-def auto_rules(params, n_model_shards: int) -> Rules:
-    """The paper's two rules, one explicit rule per sharded parameter.
+def exact(specs: dict[str, P]) -> Rules:
+    return [(f"^{re.escape(path)}$", spec) for path, spec in specs.items() if spec != P()]
+
+
+def auto_specs(params) -> dict[str, P]:
+    """The paper's two rules, as a spec per parameter path.
 
     1. Fully connected kernels alternate column split (output dim) and row split (input dim).
        Known feed-forward names (``gate_proj``/``up_proj`` then ``down_proj``, ``fc1`` then
@@ -32,25 +40,52 @@ def auto_rules(params, n_model_shards: int) -> Rules:
     2. Attention Q, K, V split on the heads (output) side; the output projection on its input.
     Embedding tables split on the vocabulary; biases, norms and scalars are replicated.
     """
-    if n_model_shards == 1:
-        return []
-    rules, n_dense = [], {}
+    specs, n_dense = {}, {}
     for path, leaf in sorted(named_leaves(params), key=lambda kv: natural_key(kv[0])):
         if len(leaf.shape) != 2:
-            continue
-        if QKV.search(path) or FFN_IN.search(path):
-            spec = COLUMN
+            specs[path] = P()
+        elif QKV.search(path) or FFN_IN.search(path):
+            specs[path] = COLUMN
         elif ATTN_OUT.search(path) or FFN_OUT.search(path) or EMBEDDING.search(path):
-            spec = ROW
+            specs[path] = ROW
         else:
             parent = path.rsplit("/", 2)[0] if path.count("/") >= 2 else ""
-            spec = COLUMN if n_dense.get(parent, 0) % 2 == 0 else ROW
+            specs[path] = COLUMN if n_dense.get(parent, 0) % 2 == 0 else ROW
             n_dense[parent] = n_dense.get(parent, 0) + 1
-        rules.append((f"^{re.escape(path)}$", spec))
-    return rules
+    return specs
+
+
+def with_fsdp(spec: P, shape: tuple[int, ...], dp: int) -> P:
+    """``spec`` with ``'dp'`` added on the largest dim that is free and divisible by ``dp``."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    free = [d for d, axis in enumerate(entries) if axis is None and shape[d] % dp == 0]
+    if dp == 1 or not free or math.prod(shape) < FSDP_MIN_SIZE:
+        return spec
+    entries[max(free, key=lambda d: shape[d])] = "dp"
+    return P(*entries)
+
+
+def auto_rules(params, mesh: Mesh) -> Rules:
+    return exact(auto_specs(params)) if mesh.shape["mp"] > 1 else []
+
+
+def fsdp_rules(params, mesh: Mesh) -> Rules:
+    """Every large parameter (and so its optimizer state) split over the data-parallel devices
+    and gathered for compute by XLA: ZeRO-3 without any code in the model."""
+    dp = mesh.shape["dp"]
+    return exact({path: with_fsdp(P(), leaf.shape, dp) for path, leaf in named_leaves(params)})
+
+
+def auto_fsdp_rules(params, mesh: Mesh) -> Rules:
+    """``auto`` over ``mp``, then ``fsdp`` over ``dp`` on a remaining dim."""
+    specs = auto_specs(params) if mesh.shape["mp"] > 1 else {}
+    return exact({path: with_fsdp(specs.get(path, P()), leaf.shape, mesh.shape["dp"])
+                  for path, leaf in named_leaves(params)})
 
 
 @hookimpl(trylast=True)
 def register_sharding_rules(register):
     register("auto", auto_rules)
-    register("replicate", lambda params, n_model_shards: [])
+    register("fsdp", fsdp_rules)
+    register("auto+fsdp", auto_fsdp_rules)
+    register("replicate", lambda params, mesh: [])
