@@ -153,12 +153,18 @@ class Deployer:
         return schedule
 
     # ---- sharding ----------------------------------------------------------------------------
-    def get_sharding_rules(self, params: Any, rules: Rules | None = None) -> Rules:
+    def get_sharding_rules(self, params: Any, rules: Rules | None = None,
+                           trace_fn: Callable | None = None) -> Rules:
         """The rules for ``params``: ``rules`` (user overrides, checked first), then the rule-set
-        plugin's. Plain data: print, edit and pass back as ``params_sharding_rules``."""
+        plugin's. Plain data: print, edit and pass back as ``params_sharding_rules``.
+
+        ``trace_fn(params)`` runs the model on an example input (any shapes; it is only traced,
+        never run), e.g. ``lambda p: apply_fn(p, jnp.zeros((1, 8), jnp.int32))``. With it the
+        ``auto`` rules follow the model's dataflow instead of its parameter names.
+        """
         make_rules = plugins.lookup("sharding_rules", self._rules_name)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
-        return list(rules or []) + make_rules(abstract, self.mesh)
+        return list(rules or []) + make_rules(abstract, self.mesh, trace_fn)
 
     def get_params_shardings(self, params: Any, rules: Rules):
         return shardings_from_specs(specs_from_rules(params, rules, self.mesh), self.mesh)

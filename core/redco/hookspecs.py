@@ -18,9 +18,10 @@ hookspec = pluggy.HookspecMarker("redco")
 def register_sharding_rules(register):
     """Called once when the registry of sharding rule sets is first needed.
 
-    Call ``register(name, make_rules)`` for each rule set. ``make_rules(params, mesh)`` receives
-    a pytree of ``jax.ShapeDtypeStruct`` and the ``('dp', 'mp')`` mesh, and returns a list of
-    ``(regex, jax.sharding.PartitionSpec)`` pairs over those axes.
+    Call ``register(name, make_rules)`` for each rule set. ``make_rules(params, mesh, trace_fn)``
+    receives a pytree of ``jax.ShapeDtypeStruct``, the ``('dp', 'mp')`` mesh and either None or
+    a function ``params -> outputs`` that can be traced to see the model's dataflow, and returns
+    a list of ``(regex, jax.sharding.PartitionSpec)`` pairs over those axes.
     ``Deployer(sharding_rules=name)`` selects one. Returns nothing.
     """
 

@@ -8,6 +8,7 @@ import re
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from redco.dataflow import dataflow_split_dims
 from redco.plugins import hookimpl
 from redco.sharding import Rules, named_leaves
 
@@ -30,8 +31,12 @@ def exact(specs: dict[str, P]) -> Rules:
     return [(f"^{re.escape(path)}$", spec) for path, spec in specs.items() if spec != P()]
 
 
-def auto_specs(params) -> dict[str, P]:
+def auto_specs(params, mesh: Mesh, trace_fn=None) -> dict[str, P]:
     """The paper's two rules, as a spec per parameter path.
+
+    With ``trace_fn`` (``params -> model outputs``) the rules follow the model's dataflow
+    (``redco.dataflow``): every kernel's input and output dims and its place in a column/row
+    pair come from the computation itself. Without it, from parameter names and order:
 
     1. Fully connected kernels alternate column split (output dim) and row split (input dim).
        Known feed-forward names (``gate_proj``/``up_proj`` then ``down_proj``, ``fc1`` then
@@ -40,6 +45,11 @@ def auto_specs(params) -> dict[str, P]:
     2. Attention Q, K, V split on the heads (output) side; the output projection on its input.
     Embedding tables split on the vocabulary; biases, norms and scalars are replicated.
     """
+    if trace_fn is not None:
+        split_dims = dataflow_split_dims(trace_fn, params, mesh.shape["mp"])
+        return {path: P() if split_dims.get(i) is None else
+                P(*["mp" if d == split_dims[i] else None for d in range(len(leaf.shape))])
+                for i, (path, leaf) in enumerate(named_leaves(params))}
     specs, n_dense = {}, {}
     for path, leaf in sorted(named_leaves(params), key=lambda kv: natural_key(kv[0])):
         if len(leaf.shape) != 2:
@@ -65,20 +75,20 @@ def with_fsdp(spec: P, shape: tuple[int, ...], dp: int) -> P:
     return P(*entries)
 
 
-def auto_rules(params, mesh: Mesh) -> Rules:
-    return exact(auto_specs(params)) if mesh.shape["mp"] > 1 else []
+def auto_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
+    return exact(auto_specs(params, mesh, trace_fn)) if mesh.shape["mp"] > 1 else []
 
 
-def fsdp_rules(params, mesh: Mesh) -> Rules:
+def fsdp_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
     """Every large parameter (and so its optimizer state) split over the data-parallel devices
     and gathered for compute by XLA: ZeRO-3 without any code in the model."""
     dp = mesh.shape["dp"]
     return exact({path: with_fsdp(P(), leaf.shape, dp) for path, leaf in named_leaves(params)})
 
 
-def auto_fsdp_rules(params, mesh: Mesh) -> Rules:
+def auto_fsdp_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
     """``auto`` over ``mp``, then ``fsdp`` over ``dp`` on a remaining dim."""
-    specs = auto_specs(params) if mesh.shape["mp"] > 1 else {}
+    specs = auto_specs(params, mesh, trace_fn) if mesh.shape["mp"] > 1 else {}
     return exact({path: with_fsdp(specs.get(path, P()), leaf.shape, mesh.shape["dp"])
                   for path, leaf in named_leaves(params)})
 
@@ -88,4 +98,4 @@ def register_sharding_rules(register):
     register("auto", auto_rules)
     register("fsdp", fsdp_rules)
     register("auto+fsdp", auto_fsdp_rules)
-    register("replicate", lambda params, mesh: [])
+    register("replicate", lambda params, mesh, trace_fn=None: [])

@@ -60,7 +60,8 @@ def main(argv=None) -> None:
                       loss_fn=loss_fn, params=params,
                       optimizer=optax.adamw(lr_schedule_fn, weight_decay=0.01),
                       lr_schedule_fn=lr_schedule_fn,
-                      params_sharding_rules=deployer.get_sharding_rules(params=params))
+                      params_sharding_rules=deployer.get_sharding_rules(
+                          params=params, trace_fn=lambda p: apply_fn(p, np.zeros((1, 8), np.int32))))
     trainer.fit(train_examples=train_examples, per_device_batch_size=args.per_device_batch_size,
                 n_epochs=args.n_epochs, eval_examples=eval_examples, save_last_ckpt=True,
                 save_every_n_steps=50)
