@@ -56,6 +56,7 @@ class Walker:
     def __init__(self, param_shapes: list[tuple[int, ...]], n_shards: int):
         self.shapes, self.n = param_shapes, n_shards
         self.decisions: Decisions = {}
+        self.indivisible: dict[int, int] = {}  # param index -> the dim it should have split
         self.split: dict[Any, int | None] = {}
         self.view: dict[Any, tuple[int, list[int | None]]] = {}
 
@@ -64,6 +65,8 @@ class Walker:
         if index not in self.decisions:
             ok = dim is not None and self.shapes[index][dim] % self.n == 0
             self.decisions[index] = dim if ok else None
+            if dim is not None and not ok:
+                self.indivisible[index] = dim
         return self.decisions[index]
 
     def get(self, var) -> int | None:
@@ -209,11 +212,11 @@ class Walker:
         return None if w_dim is None else out_pos(w_side, w_dim)
 
 
-def dataflow_split_dims(fn, params, n_shards: int) -> dict[int, int | None]:
-    """``{leaf index: param dim split over mp}`` for the params ``fn(params)`` touches.
+def dataflow_split_dims(fn, params, n_shards: int) -> tuple[Decisions, dict[int, int]]:
+    """``{leaf index: param dim split over mp}`` for the params ``fn(params)`` touches, and
+    ``{leaf index: dim}`` for those whose dim does not divide ``n_shards`` (so replicated).
 
-    ``params`` may hold ``jax.ShapeDtypeStruct``; nothing is computed, only traced. A dim that
-    does not divide ``n_shards`` is never chosen (``None``: replicate).
+    ``params`` may hold ``jax.ShapeDtypeStruct``; nothing is computed, only traced.
     """
     closed = jax.make_jaxpr(fn)(params)
     leaves = jax.tree.leaves(params)
@@ -221,5 +224,5 @@ def dataflow_split_dims(fn, params, n_shards: int) -> dict[int, int | None]:
     invars = closed.jaxpr.invars
     views = [(i, list(range(len(leaves[i].shape)))) for i in range(len(leaves))]
     walker.run(closed.jaxpr, [None] * len(invars), views + [None] * (len(invars) - len(views)))
-    return walker.decisions
+    return walker.decisions, walker.indivisible
 

@@ -36,13 +36,15 @@ def test_reshape_dim_map():
 
 
 def test_names_and_order_do_not_matter(deployer):
-    """Kernels named against their compute order: alphabetical order would get them wrong."""
+    """Kernels named against their compute order (alphabetical order would get them wrong); the
+    last one's output dim (1) does not divide 2 shards, so it is replicated with a warning."""
     key = iter(jax.random.split(jax.random.PRNGKey(0), 3))
     params = {name: jax.random.normal(next(key), shape) for name, shape in
-              (("z_first", (8, 16)), ("a_second", (16, 16)), ("m_third", (16, 4)))}
+              (("z_first", (8, 16)), ("a_second", (16, 16)), ("m_third", (16, 1)))}
     apply = lambda p, x: jnp.tanh(jnp.tanh(x @ p["z_first"]) @ p["a_second"]) @ p["m_third"]
-    got = plan(deployer, params, lambda p: apply(p, jnp.zeros((1, 8))))
-    assert got == {"z_first": COLUMN, "a_second": ROW, "m_third": COLUMN}
+    with pytest.warns(UserWarning, match=r"replicated instead: m_third \(16, 1\) dim 1$"):
+        got = plan(deployer, params, lambda p: apply(p, jnp.zeros((1, 8))))
+    assert got == {"z_first": COLUMN, "a_second": ROW, "m_third": REP}
 
 
 def conv1d(p, x):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -46,10 +47,16 @@ def auto_specs(params, mesh: Mesh, trace_fn=None) -> dict[str, P]:
     Embedding tables split on the vocabulary; biases, norms and scalars are replicated.
     """
     if trace_fn is not None:
-        split_dims = dataflow_split_dims(trace_fn, params, mesh.shape["mp"])
+        leaves = named_leaves(params)
+        split_dims, indivisible = dataflow_split_dims(trace_fn, params, mesh.shape["mp"])
+        if indivisible:
+            warnings.warn(f"These params do not divide by n_model_shards={mesh.shape['mp']} on "
+                          "the dim their dataflow splits and are replicated instead: " +
+                          "; ".join(f"{leaves[i][0]} {tuple(leaves[i][1].shape)} dim {d}"
+                                    for i, d in indivisible.items()), stacklevel=3)
         return {path: P() if split_dims.get(i) is None else
                 P(*["mp" if d == split_dims[i] else None for d in range(len(leaf.shape))])
-                for i, (path, leaf) in enumerate(named_leaves(params))}
+                for i, (path, leaf) in enumerate(leaves)}
     specs, n_dense = {}, {}
     for path, leaf in sorted(named_leaves(params), key=lambda kv: natural_key(kv[0])):
         if len(leaf.shape) != 2:
