@@ -1,0 +1,94 @@
+"""``redco rules``: the sharding plan of a model, printed, from abstract shapes."""
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from redco import Deployer
+from redco.cli import main
+from redco.inspection import load_model, plan_table, totals
+
+COLUMN, ROW = P(None, "mp"), P("mp", None)
+
+
+def run_cli(*args):
+    """A fresh process, so ``--devices`` really sets the simulated device count."""
+    out = subprocess.run([sys.executable, "-m", "redco.cli", *args], capture_output=True,
+                         text=True, timeout=300)
+    return out
+
+
+def spec_of(out: str, path: str) -> str:
+    line = next(line for line in out.splitlines() if line.startswith(path + " "))
+    return re.split(r"\s{2,}", line.strip())[3]
+
+
+def test_rules_prints_llama_tiny_plan_and_totals():
+    out = run_cli("rules", "llama-tiny", "--n_model_shards", "2", "--devices", "8")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert spec_of(text, f"layers/0/self_attn/{name}/kernel") == "(None, 'mp')"
+    assert spec_of(text, "layers/0/self_attn/o_proj/kernel") == "('mp', None)"
+    assert spec_of(text, "layers/1/mlp/gate_proj/kernel") == "(None, 'mp')"
+    assert spec_of(text, "layers/1/mlp/down_proj/kernel") == "('mp', None)"
+    assert spec_of(text, "layers/0/input_layernorm/weight") == "replicated"
+    q = next(line for line in text.splitlines() if line.startswith("layers/0/self_attn/q_proj"))
+    assert q.split()[1] == "128x128" and q.endswith("32.00 KiB")  # 128*128*4 / 2
+    assert "mesh: dp=4, mp=2 (8 devices), 21 params" in text
+    assert "total: 1.66 MiB (1739264 bytes)" in text
+    assert "per device: 850.50 KiB (870912 bytes), ideal (total / 8): 212.31 KiB, 4.01x ideal" in text
+
+
+def test_devices_flag_sets_the_simulated_device_count():
+    out = run_cli("rules", "llama-tiny", "--devices", "16", "--n_model_shards", "4",
+                  "--rules", "auto+fsdp")
+    assert out.returncode == 0, out.stderr
+    assert "mesh: dp=4, mp=4 (16 devices)" in out.stdout
+    assert spec_of(out.stdout, "layers/0/self_attn/q_proj/kernel") == "('dp', 'mp')"
+    assert "1.02x ideal" in out.stdout  # only the norms stay replicated
+
+
+def test_plan_table_prints_get_sharding_rules_in_python(workdir, capsys):
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    model = load_model("llama-tiny")
+    rules = deployer.get_sharding_rules(model.params, trace_fn=model.trace_fn)
+    rows = {r["path"]: r for r in plan_table(deployer, model.params, rules)}
+    assert rows["layers/0/self_attn/q_proj/kernel"]["spec"] == COLUMN
+    assert rows["layers/0/mlp/down_proj/kernel"]["spec"] == ROW
+    assert rows["lm_head/kernel"]["bytes_per_device"] == 128 * 256 * 4 // 2
+    t = totals(list(rows.values()), 8)
+    assert t["bytes"] == 1739264 and t["bytes_per_device"] == 870912
+    main(["rules", "llama-tiny", "--json"])  # in-process: jax already has its 8 devices
+    printed = json.loads(capsys.readouterr().out)
+    assert {r["path"]: r["spec"] for r in printed}["lm_head/kernel"] == str(COLUMN)
+
+
+def test_module_function_models(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_model.py").write_text(
+        "import numpy as np\n"
+        "def params():\n"
+        "    return {'Dense_0': {'kernel': np.zeros((8, 16), np.float32)},\n"
+        "            'Dense_1': {'kernel': np.zeros((16, 8), np.float32)}}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    main(["rules", "my_model:params"])
+    out = capsys.readouterr().out
+    assert spec_of(out, "Dense_0/kernel") == "(None, 'mp')"
+    assert spec_of(out, "Dense_1/kernel") == "('mp', None)"
+    with pytest.raises(ValueError, match="Unknown model"):
+        load_model("gpt-17")
+
+
+def test_png(tmp_path, capsys):
+    path = str(tmp_path / "plan.png")
+    if importlib.util.find_spec("matplotlib") is None:
+        with pytest.raises(SystemExit, match="needs matplotlib.*pip install matplotlib"):
+            main(["rules", "llama-tiny", "--png", path])
+    else:
+        main(["rules", "llama-tiny", "--png", path])
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,78 @@
+"""The planner: ahead-of-time compiled train steps on abstract shapes pick the layout."""
+import jax
+import pytest
+
+from redco.inspection import load_model, parse_bytes
+from redco.planner import PlanError, measure, plan
+
+SEQ_LEN = 32
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("llama-tiny", seq_len=SEQ_LEN)
+
+
+def test_budget_that_needs_model_parallelism_picks_two_shards(tiny):
+    batch = tiny.batch(1)
+    data_parallel = [measure(tiny.params, tiny.loss_fn, batch, 8, 1, name)
+                     for name in ("auto", "auto+fsdp")]
+    budget = min(layout.peak_bytes for layout in data_parallel) - 1
+    result = plan(tiny.params, tiny.loss_fn, batch, n_devices=8, device_memory_bytes=budget)
+    assert result.n_model_shards == 2
+    assert result.sharding_rules in ("auto", "auto+fsdp")
+    assert result.peak_bytes <= budget
+    assert [(t.n_model_shards, t.fits) for t in result.tried][:2] == [(1, False), (1, False)]
+    assert result.tried[-1].fits and result.tried[-1].n_model_shards == 2
+    assert any("q_proj" in pattern for pattern, _ in result.rules)
+    assert result.deployer_kwargs() == {"n_model_shards": 2,
+                                        "sharding_rules": result.sharding_rules}
+    assert "pick: n_model_shards=2" in str(result)
+
+
+def test_measured_peak_counts_params_grads_and_adam_state(tiny):
+    layout = measure(tiny.params, tiny.loss_fn, tiny.batch(1), 8, 1, "auto")
+    n_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tiny.params))
+    assert layout.params_bytes == n_bytes  # replicated over 8 devices
+    assert layout.peak_bytes >= 4 * n_bytes  # params, Adam's mu and nu, grads
+    assert layout.alias_bytes >= 3 * n_bytes  # the state is donated, as in Trainer
+
+
+def test_nothing_fits_names_the_smallest_peak(tiny):
+    with pytest.raises(PlanError, match="smallest per-device peak found is") as info:
+        plan(tiny.params, tiny.loss_fn, tiny.batch(1), n_devices=8, device_memory_bytes=1000,
+             rule_sets=("auto+fsdp",))
+    smallest = min(t.peak_bytes for t in info.value.tried)
+    assert len(info.value.tried) == 4  # mp = 1, 2, 4, 8
+    assert f"({smallest} bytes" in str(info.value)
+
+
+def test_trace_fn_instead_of_a_loss(tiny):
+    result = plan(tiny.params, tiny.trace_fn, None, n_devices=8, device_memory_bytes=2 ** 40)
+    assert (result.n_model_shards, result.sharding_rules) == (1, "auto")
+
+
+def test_bad_inputs_are_refused(tiny):
+    with pytest.raises(ValueError, match="Unknown rule sets"):
+        plan(tiny.params, tiny.loss_fn, tiny.batch(1), 8, 2 ** 30, rule_sets=("nope",))
+    with pytest.raises(ValueError, match="xla_force_host_platform_device_count=64"):
+        measure(tiny.params, tiny.loss_fn, tiny.batch(1), 64, 1)
+
+
+def test_parse_bytes():
+    assert parse_bytes("40GB") == parse_bytes("40GiB") == 40 * 2 ** 30
+    assert parse_bytes("512MB") == 512 * 2 ** 20 and parse_bytes("4e9") == 4 * 10 ** 9
+    with pytest.raises(ValueError, match="Cannot read"):
+        parse_bytes("lots")
+
+
+def test_plan_cli_reports_each_layout_and_the_pick(capsys):
+    from redco.cli import main
+    main(["plan", "--model", "llama-tiny", "--devices", "8", "--device-memory", "1GB",
+          "--seq-len", "16"])
+    out = capsys.readouterr().out
+    assert "mp=1   dp=8   auto       peak" in out and "fits" in out
+    assert "pick: n_model_shards=1, sharding_rules='auto'" in out
+    with pytest.raises(SystemExit, match="smallest per-device peak found is"):
+        main(["plan", "--model", "llama-tiny", "--devices", "8", "--device-memory", "1KB",
+              "--seq-len", "16", "--rules", "auto+fsdp"])
