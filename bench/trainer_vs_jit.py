@@ -21,8 +21,15 @@ Rows:
                            function" (this row vs pre-placed) and "fit's host loop" (fit vs
                            this row).
 
+Model FLOPs utilisation (``--peak_tflops``): model FLOPs per token = 6 N + 12 L T d (N = params
+in matmuls, the LM head included and the embedding lookup excluded; L layers, T sequence length,
+d hidden size; the second term is attention's QK^T and AV, forward and backward, counted for the
+full T x T square as PaLM's appendix B does), times tokens/s, over the peak.
+
 Run:  python bench/trainer_vs_jit.py [--steps 10 --repeats 8 --n_model_shards 2
       --per_device_batch_size 8] [--profile]
+GPU:  python bench/trainer_vs_jit.py --preset llama-1b --n_model_shards 1 --compute_dtype \
+      bfloat16 --peak_tflops 989 --steps 10 --repeats 3
 """
 from __future__ import annotations
 
@@ -74,6 +81,20 @@ def loss_fn(rng, state, params, batch, is_training):  # as redco_zoo_lm.pipeline
     return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
 
 
+PRESETS = {  # TinyLlama-1.1B's shape: 1.10B params
+    "llama-1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
+                     num_key_value_heads=4, intermediate_size=5632, vocab_size=32000),
+}
+
+
+def model_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+    """6 N + 12 L T d: N counts every matmul weight (LM head in, embedding lookup out)."""
+    d, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
+    per_layer = d * d * 2 + d * kv * 2 + 3 * d * config.intermediate_size
+    n = config.num_hidden_layers * per_layer + d * config.vocab_size
+    return 6 * n + 12 * config.num_hidden_layers * seq_len * d
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,6 +105,16 @@ def main(argv=None) -> None:
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--hidden_size", type=int, default=128)
     parser.add_argument("--n_layers", type=int, default=2)
+    parser.add_argument("--n_heads", type=int, default=4)
+    parser.add_argument("--n_kv_heads", type=int, default=2)
+    parser.add_argument("--intermediate_size", type=int, help="default: 11/4 x hidden")
+    parser.add_argument("--vocab_size", type=int, default=256)
+    parser.add_argument("--preset", choices=list(PRESETS), help="a named model shape; "
+                        "overrides the shape flags")
+    parser.add_argument("--compute_dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="dtype the loss runs in (params and optimizer stay float32)")
+    parser.add_argument("--peak_tflops", type=float,
+                        help="the device's peak for --compute_dtype, to report MFU")
     parser.add_argument("--collectives", action="store_true",
                         help="count the collectives in both compiled train steps")
     parser.add_argument("--profile", action="store_true",
@@ -96,8 +127,12 @@ def main(argv=None) -> None:
     global_batch = deployer.get_global_batch_size(args.per_device_batch_size)
     examples = byte_sequences(args.seq_len, args.steps * global_batch)
 
-    config = LlamaConfig(hidden_size=args.hidden_size, num_hidden_layers=args.n_layers,
-                         intermediate_size=args.hidden_size * 11 // 4)
+    shape = dict(hidden_size=args.hidden_size, num_hidden_layers=args.n_layers,
+                 num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+                 intermediate_size=args.intermediate_size or args.hidden_size * 11 // 4,
+                 vocab_size=args.vocab_size)
+    config = LlamaConfig(**(PRESETS[args.preset] if args.preset else shape))
+    dtype = jnp.dtype(args.compute_dtype)
     apply_fn, params = split_model(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
     host_params = jax.tree.map(np.array, params)  # each side gets its own copy (donation)
     n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -106,7 +141,8 @@ def main(argv=None) -> None:
     # ---- (a) redco -------------------------------------------------------------------------
     trainer = Trainer(deployer=deployer, collate_fn=collate_fn, apply_fn=apply_fn,
                       loss_fn=loss_fn, params=jax.tree.map(np.copy, host_params),
-                      optimizer=optimizer)
+                      optimizer=optimizer, compute_dtype=dtype)
+
     def run_redco() -> float:
         zero = jax.device_put(jnp.zeros((), jnp.int32), deployer.replicated)  # (it is donated)
         trainer.state = trainer.state.replace(step=zero)  # so fit runs its epoch again
@@ -123,6 +159,7 @@ def main(argv=None) -> None:
 
     def train_step(params, opt_state, batch):
         def loss(p):
+            p = jax.tree.map(lambda x: x.astype(dtype), p)
             ids = batch["input_ids"]
             logits = apply_fn(p, ids[:, :-1]).astype(jnp.float32)
             return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
@@ -182,17 +219,25 @@ def main(argv=None) -> None:
     print(f"devices: {jax.device_count()} x {jax.devices()[0].platform} on {os.cpu_count()} "
           f"CPU cores | mesh {dict(deployer.mesh.shape)} | params {n_params:,} | "
           f"global batch {global_batch} x {args.seq_len} tokens")
+    print(f"model: {config} | compute dtype {args.compute_dtype}")
     print(f"{args.repeats} timed repeats x {args.steps} steps each (warm-up {warmup_s:.1f}s)")
     print()
+    flops_per_token = model_flops_per_token(config, args.seq_len)
     header = f"{'side':<26}{'steps/s (median)':>18}{'min':>9}{'max':>9}{'tokens/s':>12}"
+    if args.peak_tflops:
+        header += f"{'MFU':>8}"
+        print(f"model FLOPs per token: {flops_per_token:.4g} (6N + 12LTd), peak "
+              f"{args.peak_tflops:g} TFLOP/s")
     print(header)
     print("-" * len(header))
     rates, best = {}, {}
     for name, ts in times.items():
         r = [args.steps / t for t in ts]
         rates[name], best[name] = statistics.median(r), max(r)
-        print(f"{name:<26}{rates[name]:>18.2f}{min(r):>9.2f}{max(r):>9.2f}"
-              f"{rates[name] * global_batch * args.seq_len:>12,.0f}")
+        tokens = rates[name] * global_batch * args.seq_len
+        mfu = (f"{tokens * flops_per_token / (args.peak_tflops * 1e12):>8.1%}"
+               if args.peak_tflops else "")
+        print(f"{name:<26}{rates[name]:>18.2f}{min(r):>9.2f}{max(r):>9.2f}{tokens:>12,.0f}{mfu}")
     ours = "redco Trainer.fit"
     ratio = rates[ours] / rates["hand-written jit"]
     paired = {ref: statistics.median(b / a for a, b in zip(times[ours], times[ref]))

@@ -49,6 +49,13 @@ def apply_rope(x, positions, theta: float):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
+def attention_implementation(dtype) -> str | None:
+    """cuDNN's fused (flash) attention on a GPU in 16-bit, which never materialises the
+    T x T scores; XLA's elsewhere (``None`` lets jax choose)."""
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if half and jax.default_backend() == "gpu" else None
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -63,7 +70,8 @@ class Attention(nnx.Module):
         k = self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         q, k = apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta)
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                           implementation=attention_implementation(q.dtype))
         return self.o_proj(out.reshape(b, t, -1))
 
 
@@ -102,12 +110,13 @@ class LlamaForCausalLM(nnx.Module):
     def __call__(self, input_ids):
         """Logits ``(B, T, vocab)`` for token ids ``(B, T)``."""
         positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
-        x = self.embed_tokens(input_ids)
+        table = self.embed_tokens.embedding[...]  # not nnx.Embed's call: it fixes the dtype
+        x = jnp.take(table, input_ids, axis=0)     # at init; this follows the params' dtype
         for layer in self.layers:
             x = layer(x, positions)
         x = self.norm(x)
         if self.cfg.tie_word_embeddings:
-            return self.embed_tokens.attend(x)
+            return x @ table.T
         return self.lm_head(x)
 
 
