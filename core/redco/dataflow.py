@@ -5,17 +5,30 @@ Trace the model to a jaxpr and walk it once, tracking for every activation which
 
 * the activation's split dim is contracted -> the parameter is **row**-parallel (split on the
   matching input dim) and the output is whole again after XLA's all-reduce;
-* otherwise -> **column**-parallel (split on its first output dim), so the output is split.
+* the activation is whole -> **column**-parallel (split on its first output dim), so the output
+  is split;
+* the activation is split on a dim the matmul keeps (heads as a batch dim, ...) -> the
+  parameter follows it on a batch dim, or stays whole.
 
 Attention follows: Q, K, V see whole activations (column); the head dim stays split through
 the reshapes and the score/value matmuls; O contracts over it (row). Feed-forward pairs, fused
 QKV kernels, transposed kernels (GPT-2's ``Conv1D``) and ``Dense_10`` after ``Dense_9`` all come
-out right because only the computation counts. Embedding lookups split the vocabulary; a bias
-or scale added to a split activation is split the same way; everything else is replicated.
+out right because only the computation counts. A bias or scale combined with a split
+activation is split the same way.
+
+Lookup tables (a ``gather`` from a parameter) are decided last: the largest ones (the token
+embeddings; the rows of a tied LM head too) split their rows, the vocabulary. Values read from
+a smaller table that meet a split activation split the table to match (T5's relative attention
+bias, added to scores split by heads, splits on heads); other small tables (positions, token
+types) stay replicated. Everything else is replicated.
+
+A column split that has to be gathered again downstream (an activation split on a dim the next
+matmul's already-decided parameter does not match: BERT's MLM transform before its tied
+decoder) is worth nothing: that kernel is replicated instead and the walk repeated.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.extend import core as jex_core
@@ -24,6 +37,18 @@ Decisions = dict[int, int | None]  # param index -> param dim split over mp (Non
 ELEMENTWISE_SKIP = {"gather", "scatter", "scatter-add", "dynamic_slice", "dynamic_update_slice",
                     "iota", "rng_bit_generator", "sort", "argsort", "cumsum", "while", "scan",
                     "cond"}
+LAYOUT = {"transpose", "reshape", "convert_element_type", "copy", "copy_p", "squeeze",
+          "expand_dims", "broadcast_in_dim", "stop_gradient"}
+
+
+class Info(NamedTuple):
+    """What the walk knows about one var. ``view``: the var *is* a parameter, re-laid out;
+    ``lookup``: it holds values read from a parameter's rows. Both are ``(param index, param
+    dim per var dim)``. ``origin``: the column-parallel kernel that split it."""
+    split: int | None = None
+    origin: int | None = None
+    view: tuple[int, list] | None = None
+    lookup: tuple[int, list] | None = None
 
 
 def reshape_dim_map(in_shape, out_shape) -> list[int | None]:
@@ -50,68 +75,78 @@ def reshape_dim_map(in_shape, out_shape) -> list[int | None]:
 
 
 class Walker:
-    """One pass over a jaxpr. ``split[var]`` is an activation's mp-split dim; ``view[var]`` says
-    a var is a parameter seen through transposes/reshapes: ``(param index, param dim per dim)``."""
+    """One pass over a jaxpr. ``forced``: kernels to replicate (their split was worthless);
+    ``vocab``: lookup tables to split on the dim a lookup indexes."""
 
-    def __init__(self, param_shapes: list[tuple[int, ...]], n_shards: int):
-        self.shapes, self.n = param_shapes, n_shards
+    def __init__(self, param_shapes: list[tuple[int, ...]], n_shards: int, forced=frozenset(),
+                 vocab=frozenset()):
+        self.shapes, self.n, self.forced, self.vocab = param_shapes, n_shards, forced, vocab
         self.decisions: Decisions = {}
         self.indivisible: dict[int, int] = {}  # param index -> the dim it should have split
-        self.split: dict[Any, int | None] = {}
-        self.view: dict[Any, tuple[int, list[int | None]]] = {}
+        self.tables: dict[int, int] = {}  # param index -> its dim a lookup indexes
+        self.conflicts: set[int] = set()  # origins of splits that must be gathered again
+        self.info: dict[Any, Info] = {}
 
     def decide(self, index: int, dim: int | None) -> int | None:
         """Record ``dim`` for a param (first use wins); return the dim actually used."""
         if index not in self.decisions:
-            ok = dim is not None and self.shapes[index][dim] % self.n == 0
+            ok = dim is not None and index not in self.forced and self.shapes[index][dim] % \
+                self.n == 0
             self.decisions[index] = dim if ok else None
-            if dim is not None and not ok:
+            if dim is not None and index not in self.forced and not ok:
                 self.indivisible[index] = dim
         return self.decisions[index]
 
-    def get(self, var) -> int | None:
-        return None if isinstance(var, jex_core.Literal) else self.split.get(var)
+    def conflict(self, info: Info) -> None:
+        if info.origin is not None:
+            self.conflicts.add(info.origin)
 
-    def run(self, jaxpr, in_split, in_view) -> list[int | None]:
-        for var, s, v in zip(jaxpr.invars, in_split, in_view):
-            self.split[var] = s
-            if v is not None:
-                self.view[var] = v
+    def get(self, var) -> Info:
+        return Info() if isinstance(var, jex_core.Literal) else self.info.get(var, Info())
+
+    def run(self, jaxpr, in_info: list[Info]) -> list[Info]:
+        self.info.update(zip(jaxpr.invars, in_info))
         for eqn in jaxpr.eqns:
             self.eqn(eqn)
         return [self.get(v) for v in jaxpr.outvars]
 
     def eqn(self, eqn) -> None:
         name, ins, outs = eqn.primitive.name, eqn.invars, eqn.outvars
-        views = [self.view.get(v) if not isinstance(v, jex_core.Literal) else None for v in ins]
+        info = [self.get(v) for v in ins]
         sub = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr")
                     if k in eqn.params), None)
         if sub is not None and name not in ("while", "scan", "cond"):
-            sub = getattr(sub, "jaxpr", sub)
-            out = self.run(sub, [self.get(v) for v in ins], views)
-            for var, s in zip(outs, out):
-                self.split[var] = s
-            return
-        if name == "dot_general":
-            self.split[outs[0]] = self.dot_general(eqn, views)
-            return
-        if name == "gather" and views[0] is not None:  # an embedding lookup: split the vocab
-            index, dims = views[0]
-            table_dim = eqn.params["dimension_numbers"].start_index_map[0]
-            self.decide(index, dims[table_dim])
-            self.split[outs[0]] = None
-            return
-        if len(ins) == 1 and views[0] is not None and name in (
-                "transpose", "reshape", "convert_element_type", "copy", "squeeze",
-                "expand_dims", "broadcast_in_dim", "copy_p"):
-            self.view[outs[0]] = (views[0][0], self.map_dims(eqn, views[0][1]))
-            return
-        split = [self.get(v) for v in ins]
-        if len(ins) == 1:
+            self.info.update(zip(outs, self.run(getattr(sub, "jaxpr", sub), info)))
+        elif name == "dot_general":
+            self.info[outs[0]] = self.dot_general(eqn, info)
+        elif name == "gather" and info[0].view is not None:
+            self.info[outs[0]] = self.gather(eqn, info[0].view)
+        elif len(ins) == 1 and name in LAYOUT and (info[0].view or info[0].lookup):
+            index, dims = info[0].view or info[0].lookup
+            kind = "view" if info[0].view else "lookup"
+            self.info[outs[0]] = Info(**{kind: (index, self.map_dims(eqn, dims))})
+        elif len(ins) == 1:
             for out in outs:
-                self.split[out] = self.unary(eqn, split[0])
-            return
-        self.elementwise(eqn, split, views)
+                self.info[out] = self.unary(eqn, info[0])
+        else:
+            self.elementwise(eqn, info)
+
+    def gather(self, eqn, view) -> Info:
+        """A lookup: which table dim is indexed, and where the table's other dims land."""
+        index, dims = view
+        dn, operand = eqn.params["dimension_numbers"], eqn.invars[0].aval.shape
+        if len(dn.start_index_map) != 1 or dims[dn.start_index_map[0]] is None:
+            return Info()
+        self.tables.setdefault(index, dims[dn.start_index_map[0]])
+        if index in self.vocab:
+            self.decide(index, self.tables[index])
+        kept = [d for d in range(len(operand))
+                if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+        out = [None] * len(eqn.outvars[0].aval.shape)
+        for pos, d in zip(dn.offset_dims, kept):
+            if eqn.params["slice_sizes"][d] == operand[d]:
+                out[pos] = dims[d]
+        return Info(lookup=(index, out))
 
     def map_dims(self, eqn, dims: list) -> list:
         """How the dims of the (single) input appear in the output: the output's list of
@@ -138,42 +173,52 @@ class Walker:
         return list(dims) if len(var.aval.shape) == len(out.aval.shape) else \
             [None] * len(out.aval.shape)
 
-    def unary(self, eqn, split: int | None) -> int | None:
+    def unary(self, eqn, info: Info) -> Info:
+        split = info.split
         if split is None:
-            return None
+            return Info()
         name, var, out = eqn.primitive.name, eqn.invars[0], eqn.outvars[0]
         if name.startswith(("reduce_", "argmax", "argmin")) and "axes" in eqn.params:
-            axes = eqn.params["axes"]
-            return None if split in axes else split - sum(a < split for a in axes)
-        if name in ("transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims"):
+            axes = eqn.params["axes"]  # over the split dim: a cheap all-reduce of the result
+            split = None if split in axes else split - sum(a < split for a in axes)
+        elif name in ("transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims"):
             one_hot = [None] * len(var.aval.shape)
             one_hot[split] = split
             carried = self.map_dims(eqn, one_hot)
-            return carried.index(split) if split in carried else None
-        if name in ("slice", "split"):  # e.g. a fused QKV output cut into Q, K and V
-            return split
-        same = var.aval.shape == out.aval.shape or (
-            len(var.aval.shape) == len(out.aval.shape)
-            and var.aval.shape[split] == out.aval.shape[split])
-        return split if same and name not in ELEMENTWISE_SKIP else None
+            split = carried.index(split) if split in carried else None
+            if split is None and name == "reshape":  # merged as a minor dim: gathered
+                self.conflict(info)
+        elif name not in ("slice", "split"):  # slices: e.g. a fused QKV output cut in three
+            same = len(var.aval.shape) == len(out.aval.shape) and \
+                var.aval.shape[split] == out.aval.shape[split]
+            split = split if same and name not in ELEMENTWISE_SKIP else None
+        return Info(split, info.origin if split is not None else None)
 
-    def elementwise(self, eqn, split, views) -> None:
-        """n-ary ops: the output is split like an input of its own shape; a parameter combined
-        with a split activation (a bias, a scale) is split the same way."""
+    def elementwise(self, eqn, info: list[Info]) -> None:
+        """n-ary ops: the output is split like an input split on a dim the output keeps; a
+        parameter (or values read from one) combined with it is split the same way."""
         out_shape = eqn.outvars[0].aval.shape
-        result = next((s for s, v in zip(split, eqn.invars) if s is not None
-                       and getattr(v.aval, "shape", None) == out_shape), None)
         if eqn.primitive.name in ELEMENTWISE_SKIP or len(eqn.outvars) != 1:
-            result = None
-        for view in views:
-            if view is not None and result is not None and len(view[1]) == len(out_shape):
-                used = self.decide(view[0], view[1][result])
-                if used is None:
-                    result = None
-        for out in eqn.outvars:
-            self.split[out] = result
+            self.info.update((out, Info()) for out in eqn.outvars)
+            return
+        fits = lambda var, i: i.split is not None and len(getattr(var.aval, "shape", ())) == \
+            len(out_shape) and var.aval.shape[i.split] == out_shape[i.split]
+        split = next((i for var, i in zip(eqn.invars, info) if fits(var, i)), None)
+        if split is None:  # values read from one table, e.g. plus a mask, are still its values
+            lookups = [i.lookup for i in info if i.view or i.lookup]
+            one = len(lookups) == 1 and lookups[0] and len(lookups[0][1]) == len(out_shape)
+            self.info[eqn.outvars[0]] = Info(lookup=lookups[0]) if one else Info()
+            return
+        for var, i in zip(eqn.invars, info):
+            param = i.view or i.lookup
+            if fits(var, i) and i.split != split.split:
+                self.conflict(i)
+            elif param is not None and len(param[1]) == len(out_shape) and \
+                    param[1][split.split] is not None:
+                self.decide(param[0], param[1][split.split])
+        self.info[eqn.outvars[0]] = Info(split.split, split.origin)
 
-    def dot_general(self, eqn, views) -> int | None:
+    def dot_general(self, eqn, info: list[Info]) -> Info:
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
         lhs, rhs = eqn.invars
         l_free = [d for d in range(len(lhs.aval.shape)) if d not in lc and d not in lb]
@@ -187,29 +232,35 @@ class Walker:
                 return len(lb) + (0 if side == "lhs" else len(l_free)) + free.index(dim)
             return None  # contracted: a partial sum, whole again after the all-reduce
 
-        if (views[0] is None) == (views[1] is None):  # activation x activation (or param x param)
-            for side, var in (("lhs", lhs), ("rhs", rhs)):
-                if self.get(var) is not None:
-                    return out_pos(side, self.get(var))
-            return None
-        w_side = "lhs" if views[0] is not None else "rhs"
-        (index, dims), x = views[0] or views[1], rhs if w_side == "lhs" else lhs
+        if (info[0].view is None) == (info[1].view is None):  # activation x activation
+            outs = [(out_pos(side, i.split), i) for side, i in (("lhs", info[0]),
+                                                                 ("rhs", info[1]))
+                    if i.split is not None]
+            if len(outs) == 2 and outs[0][0] != outs[1][0]:
+                self.conflict(outs[1][1])
+            return next((Info(pos, i.origin) for pos, i in outs if pos is not None), Info())
+        w_side = "lhs" if info[0].view is not None else "rhs"
+        (index, dims), x = (info[0] if w_side == "lhs" else info[1]).view, \
+            info[1] if w_side == "lhs" else info[0]
         w_contract, x_contract = (lc, rc) if w_side == "lhs" else (rc, lc)
+        w_batch, x_batch = (lb, rb) if w_side == "lhs" else (rb, lb)
         w_free = l_free if w_side == "lhs" else r_free
-        x_split = self.get(x)
-        if index in self.decisions:  # a parameter used again (tied embeddings, ...)
-            chosen = self.decisions[index]
-            w_dim = dims.index(chosen) if chosen is not None and chosen in dims else None
-        elif x_split is not None and x_split in x_contract:  # row-parallel
-            w_dim = w_contract[list(x_contract).index(x_split)]
-            w_dim = w_dim if self.decide(index, dims[w_dim]) is not None else None
-        else:  # column-parallel on the first output dim
+        x_side = "rhs" if w_side == "lhs" else "lhs"
+        if x.split in x_contract or x.split in x_batch:  # row-parallel (or per-head) weight
+            match = w_contract[list(x_contract).index(x.split)] if x.split in x_contract \
+                else w_batch[list(x_batch).index(x.split)]
+            if dims[match] is None or self.decide(index, dims[match]) != dims[match]:
+                self.conflict(x)  # the weight is not split to match: x is gathered
+            return Info(out_pos(x_side, x.split), x.origin)
+        if x.split is not None:  # split on a dim the output keeps: the weight stays whole
+            self.decide(index, None)
+            return Info(out_pos(x_side, x.split), x.origin)
+        if index not in self.decisions:  # column-parallel on the first output dim
             w_dim = next((d for d in w_free if dims[d] is not None), None)
-            w_dim = w_dim if w_dim is not None and self.decide(index, dims[w_dim]) is not None \
-                else None
-            if w_dim is None:
-                self.decide(index, None)
-        return None if w_dim is None else out_pos(w_side, w_dim)
+            self.decide(index, None if w_dim is None else dims[w_dim])
+        chosen = self.decisions[index]  # a parameter used again (tied embeddings, ...)
+        w_dim = dims.index(chosen) if chosen is not None and chosen in dims else None
+        return Info(out_pos(w_side, w_dim), index) if w_dim is not None else Info()
 
 
 def dataflow_split_dims(fn, params, n_shards: int) -> tuple[Decisions, dict[int, int]]:
@@ -220,9 +271,16 @@ def dataflow_split_dims(fn, params, n_shards: int) -> tuple[Decisions, dict[int,
     """
     closed = jax.make_jaxpr(fn)(params)
     leaves = jax.tree.leaves(params)
-    walker = Walker([tuple(x.shape) for x in leaves], n_shards)
-    invars = closed.jaxpr.invars
-    views = [(i, list(range(len(leaves[i].shape)))) for i in range(len(leaves))]
-    walker.run(closed.jaxpr, [None] * len(invars), views + [None] * (len(invars) - len(views)))
-    return walker.decisions, walker.indivisible
-
+    shapes = [tuple(x.shape) for x in leaves]
+    in_info = [Info(view=(i, list(range(len(s))))) for i, s in enumerate(shapes)]
+    in_info += [Info()] * (len(closed.jaxpr.invars) - len(leaves))
+    forced: set[int] = set()
+    vocab: set[int] = set()
+    while True:  # once to find the lookup tables, then once more per worthless column split
+        walker = Walker(shapes, n_shards, frozenset(forced), frozenset(vocab))
+        walker.run(closed.jaxpr, in_info)
+        rows = {i: shapes[i][d] for i, d in walker.tables.items()}
+        largest = {i for i, r in rows.items() if r == max(rows.values())}
+        if walker.conflicts <= forced and largest == vocab:
+            return walker.decisions, walker.indivisible
+        forced, vocab = forced | walker.conflicts, largest

@@ -9,12 +9,14 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 import optax
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from redco import checkpointing, plugins
 from redco.data import check_collated
-from redco.sharding import Rules, shardings_from_specs, specs_from_rules
+from redco.inspection import parse_bytes
+from redco.planner import plan
+from redco.sharding import Rules, make_mesh, shardings_from_specs, specs_from_rules
 
 logger = logging.getLogger("redco")
 
@@ -25,7 +27,11 @@ class Deployer:
 
     Args:
       jax_seed: seed of every random number in the run (shuffling, dropout, sampling).
-      n_model_shards: tensor-parallel degree ``mp``; the other devices form ``dp``.
+      n_model_shards: tensor-parallel degree ``mp``; the other devices form ``dp``. ``"auto"``
+        lets ``Trainer.fit`` pick the smallest layout whose compiled train step fits
+        ``device_memory`` (``redco.planner``), on its first batch.
+      device_memory: bytes per device (``"40GB"``) for ``n_model_shards="auto"``; read from the
+        device on GPUs and TPUs.
       workdir: where logs, metrics and checkpoints go.
       run_tensorboard: also write TensorBoard event files under ``workdir/tensorboard``.
       n_processes, host0_address, host0_port, process_id: a multi-host run over bare IPs.
@@ -36,28 +42,25 @@ class Deployer:
       launcher: name of a launcher plugin; by default the first that detects itself.
     """
 
-    def __init__(self, jax_seed: int, n_model_shards: int = 1, workdir: str = "./workdir",
+    def __init__(self, jax_seed: int, n_model_shards: int | str = 1, workdir: str = "./workdir",
                  run_tensorboard: bool = False, n_processes: int | None = None,
                  host0_address: str | None = None, host0_port: int | None = None,
                  process_id: int | None = None, n_local_devices: int | None = None,
                  sharding_rules: str = "auto", checkpoint_format: str = "orbax",
                  loggers: Sequence[str] = ("jsonl",), launcher: str | None = None,
-                 verbose: bool = True):
+                 device_memory: int | str | None = None, verbose: bool = True):
         config = dict(n_processes=n_processes, host0_address=host0_address,
                       host0_port=host0_port, process_id=process_id,
                       n_local_devices=n_local_devices)
         self._launch(launcher, config)
-        devices = jax.devices()
+        self.devices = jax.devices()
         if n_local_devices and jax.process_count() == 1:
-            devices = devices[:n_local_devices]
-        if not isinstance(n_model_shards, int) or n_model_shards < 1 or len(devices) % n_model_shards:
-            raise ValueError(
-                f"n_model_shards={n_model_shards!r} must be a positive integer dividing the "
-                f"number of devices ({len(devices)}). Use one of "
-                f"{[d for d in range(1, len(devices) + 1) if len(devices) % d == 0]}.")
-        self.mesh = jax.make_mesh((len(devices) // n_model_shards, n_model_shards), ("dp", "mp"),
-                                  axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
-        self.n_model_shards = n_model_shards
+            self.devices = self.devices[:n_local_devices]
+        self.mesh, self.n_model_shards = None, n_model_shards
+        if n_model_shards == "auto":
+            self.device_memory = self._device_memory(device_memory)
+        else:
+            self.set_model_shards(n_model_shards)
         self.jax_seed = jax_seed
         self.workdir = os.path.abspath(workdir)
         self._rng = jax.random.PRNGKey(jax_seed)
@@ -73,6 +76,36 @@ class Deployer:
             plugins.lookup("launchers", name).initialize(config)
             return
         next(ln for ln in launchers.values() if ln.detect(config)).initialize(config)
+
+    def set_model_shards(self, n_model_shards: int) -> None:
+        """Build the ``('dp', 'mp')`` mesh with ``mp = n_model_shards``."""
+        self.mesh, self.n_model_shards = make_mesh(self.devices, n_model_shards), n_model_shards
+
+    def _device_memory(self, given: int | str | None) -> int:
+        if given is not None:
+            return parse_bytes(given)
+        stats = self.devices[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            raise ValueError(
+                f"n_model_shards='auto' needs the memory of one device, and "
+                f"{self.devices[0].platform} devices do not report it: pass "
+                "Deployer(device_memory='40GB') (the memory of the devices you plan for).")
+        return int(stats["bytes_limit"])
+
+    def plan_layout(self, params: Any, loss: Callable, batch: Any, optimizer) -> Rules:
+        """For ``n_model_shards="auto"``: pick and set the smallest layout whose train step
+        (``loss(params, batch)``, ``optimizer``; ``batch`` one device's rows, abstract) fits
+        ``device_memory``, and return its sharding rules; ``deployer.layout_plan`` keeps every
+        layout measured. See ``redco.planner.plan``."""
+        rule_sets = [self._rules_name] if self._rules_name != "auto" else ["auto", "auto+fsdp"]
+        self.layout_plan = result = plan(params, loss, batch, len(self.devices),
+                                         self.device_memory, optimizer=optimizer,
+                                         rule_sets=rule_sets, log=self.log_info)
+        self.log_info(f"n_model_shards='auto': picked n_model_shards={result.n_model_shards}, "
+                      f"sharding_rules={result.sharding_rules!r}")
+        self._rules_name = result.sharding_rules
+        self.set_model_shards(result.n_model_shards)
+        return result.rules
 
     @property
     def is_main_process(self) -> bool:
@@ -162,6 +195,10 @@ class Deployer:
         never run), e.g. ``lambda p: apply_fn(p, jnp.zeros((1, 8), jnp.int32))``. With it the
         ``auto`` rules follow the model's dataflow instead of its parameter names.
         """
+        if self.mesh is None:
+            raise RuntimeError("With n_model_shards='auto' the layout is chosen on the first "
+                               "batch of Trainer.fit; leave params_sharding_rules unset (or "
+                               "give the Trainer your own rules), or set n_model_shards.")
         make_rules = plugins.lookup("sharding_rules", self._rules_name)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
         return list(rules or []) + make_rules(abstract, self.mesh, trace_fn)
@@ -203,7 +240,8 @@ class Deployer:
         self._metric_loggers = [make(self.workdir) for make in makers.values()]
         atexit.register(self.close)
         self.log_info(f"devices: {jax.device_count()} ({jax.devices()[0].platform}), processes: "
-                      f"{jax.process_count()}, mesh: {dict(self.mesh.shape)}")
+                      f"{jax.process_count()}, mesh: "
+                      f"{dict(self.mesh.shape) if self.mesh else 'picked by Trainer.fit'}")
 
     def log_info(self, message: str) -> None:
         """Write to ``workdir/log.txt`` and, if verbose, print (process 0 only)."""

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from redco import plugins
+from redco import plugins, sharding
 from redco.inspection import human_bytes, n_positional
 from redco.sharding import Rules, shardings_from_specs, specs_from_rules
 
@@ -103,10 +103,7 @@ def make_mesh(n_devices: int, n_model_shards: int):
             f"Planning for {n_devices} devices needs as many here, but jax sees {len(devices)}. "
             f"On a CPU set XLA_FLAGS=--xla_force_host_platform_device_count={n_devices} before "
             "jax is imported (the redco CLI does this for you).")
-    if n_devices % n_model_shards:
-        raise ValueError(f"n_model_shards={n_model_shards} does not divide {n_devices} devices.")
-    return jax.make_mesh((n_devices // n_model_shards, n_model_shards), ("dp", "mp"),
-                         axis_types=(AxisType.Auto, AxisType.Auto), devices=devices[:n_devices])
+    return sharding.make_mesh(devices[:n_devices], n_model_shards)
 
 
 def as_optimizer(optimizer) -> optax.GradientTransformation:

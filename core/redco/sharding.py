@@ -12,10 +12,21 @@ import warnings
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 Rules = list[tuple[str, P]]
+
+
+def make_mesh(devices: list, n_model_shards: int) -> Mesh:
+    """The ``('dp', 'mp')`` mesh over ``devices`` with ``mp = n_model_shards``."""
+    n = len(devices)
+    if not isinstance(n_model_shards, int) or n_model_shards < 1 or n % n_model_shards:
+        raise ValueError(
+            f"n_model_shards={n_model_shards!r} must be \"auto\" or a positive integer dividing "
+            f"the number of devices ({n}). Use one of {[d for d in range(1, n + 1) if n % d == 0]}.")
+    return jax.make_mesh((n // n_model_shards, n_model_shards), ("dp", "mp"),
+                         axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
 
 
 def key_name(key) -> str:

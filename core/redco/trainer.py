@@ -12,7 +12,7 @@ import optax
 import tqdm
 
 from redco import checkpointing
-from redco.data import by_name, n_full_batches
+from redco.data import by_name, check_collated, n_full_batches
 from redco.deployer import Deployer
 from redco.plugins import pm
 from redco.predictor import Predictor
@@ -83,16 +83,40 @@ class Trainer:
         self._loss_checked = False
         self._best: dict[str, float] = {}
 
-        if params_sharding_rules is None:
-            params_sharding_rules = deployer.get_sharding_rules(params)
         self.params_sharding_rules = params_sharding_rules
+        if deployer.mesh is None:  # n_model_shards="auto": placed once fit has seen a batch
+            self._unplaced = (params, opt_state, apply_fn)
+        else:
+            self._setup(params, opt_state, apply_fn)
+
+    # ---- state -------------------------------------------------------------------------------
+    def _setup(self, params, opt_state, apply_fn) -> None:
+        """Shard the state on the deployer's mesh and build the jitted steps."""
+        self._unplaced = None
+        if self.params_sharding_rules is None:
+            self.params_sharding_rules = self.deployer.get_sharding_rules(params)
         self.state, self.state_shardings = self._place_state(params, opt_state, apply_fn)
         self._train_step = jax.jit(
             self._step, in_shardings=(self.state_shardings, None),
-            out_shardings=(self.state_shardings, deployer.replicated), donate_argnums=0)
+            out_shardings=(self.state_shardings, self.deployer.replicated), donate_argnums=0)
         self._eval_step = jax.jit(self._eval_loss)
 
-    # ---- state -------------------------------------------------------------------------------
+    def _plan(self, examples: Sequence, per_device_batch_size: int) -> None:
+        """``n_model_shards="auto"``: let the deployer pick the layout for one device's batch of
+        ``examples``, by compiling the train step ahead of time (``redco.planner``)."""
+        params, opt_state, apply_fn = self._unplaced
+        rows = list(examples[:per_device_batch_size])
+        batch = check_collated(self.collate_fn(rows), len(rows))
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+
+        def loss(params, batch):
+            state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=None,
+                               apply_fn=apply_fn)
+            return self._loss(params, state, batch, jax.random.PRNGKey(0), True)
+        rules = self.deployer.plan_layout(params, loss, batch, self.optimizer)
+        self.params_sharding_rules = self.params_sharding_rules or rules
+        self._setup(params, opt_state, apply_fn)
+
     def _place_state(self, params, opt_state, apply_fn):
         params_shardings = self.deployer.get_params_shardings(params, self.params_sharding_rules)
         params = jax.device_put(params, params_shardings)
@@ -267,6 +291,8 @@ class Trainer:
         and training continues from its exact step, mid-epoch included. Best-by-metric
         checkpoints go to ``ckpts/best_<metric>``; ``loss`` is always a metric when evaluated.
         """
+        if self._unplaced is not None:
+            self._plan(train_examples, per_device_batch_size)
         batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
         steps_per_epoch = n_full_batches(
             len(train_examples), batch_size * self.accumulate_grad_batches, "train_examples")

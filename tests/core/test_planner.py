@@ -76,3 +76,42 @@ def test_plan_cli_reports_each_layout_and_the_pick(capsys):
     with pytest.raises(SystemExit, match="smallest per-device peak found is"):
         main(["plan", "--model", "llama-tiny", "--devices", "8", "--device-memory", "1KB",
               "--seq-len", "16", "--rules", "auto+fsdp"])
+
+
+def test_n_model_shards_auto_picks_the_layout_on_the_first_batch(workdir):
+    import optax
+    from helpers import lm_examples, lm_model
+
+    from redco import Deployer, Trainer
+    from redco_zoo_lm import collate_fn, loss_fn
+
+    def fit(memory, name):
+        apply_fn, params = lm_model()
+        deployer = Deployer(jax_seed=0, n_model_shards="auto", device_memory=memory,
+                            workdir=f"{workdir}/{name}", verbose=False)
+        trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(1e-2))
+        trainer.fit(lm_examples(32), per_device_batch_size=1, n_epochs=1)
+        return deployer, trainer
+
+    roomy, _ = fit("1TB", "roomy")
+    assert (roomy.n_model_shards, roomy.layout_plan.sharding_rules) == (1, "auto")
+    budget = roomy.layout_plan.peak_bytes - 1
+    tight, trainer = fit(budget, "tight")
+    picked = (tight.n_model_shards, tight.layout_plan.sharding_rules)
+    assert picked != (1, "auto") and tight.layout_plan.peak_bytes <= budget
+    assert dict(tight.mesh.shape) == {"dp": 8 // tight.n_model_shards, "mp": tight.n_model_shards}
+    specs = {str(s.spec) for s in jax.tree.leaves(trainer.state_shardings.params)}
+    assert any("mp" in spec or "dp" in spec for spec in specs)  # laid out as planned
+    assert trainer.step == 32 // tight.dp_size
+
+
+def test_n_model_shards_auto_errors(workdir):
+    from redco import Deployer
+    with pytest.raises(ValueError, match=r"Deployer\(device_memory='40GB'\)"):
+        Deployer(jax_seed=0, n_model_shards="auto", workdir=workdir, verbose=False)
+    with pytest.raises(ValueError, match="must be \"auto\" or a positive integer"):
+        Deployer(jax_seed=0, n_model_shards="two", workdir=workdir, verbose=False)
+    deployer = Deployer(jax_seed=0, n_model_shards="auto", device_memory="1GB", workdir=workdir,
+                        verbose=False)
+    with pytest.raises(RuntimeError, match="chosen on the first batch of Trainer.fit"):
+        deployer.get_sharding_rules({"w": jax.numpy.zeros((4, 4))})

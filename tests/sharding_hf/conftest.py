@@ -1,0 +1,18 @@
+"""8 simulated CPU devices (set before jax is imported), exact matmuls, offline hubs; the
+HuggingFace Flax architectures of ``hf_archs`` importable from every test here."""
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["HF_HUB_OFFLINE"] = "1"
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    return str(tmp_path / "workdir")
