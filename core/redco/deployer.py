@@ -36,7 +36,9 @@ class Deployer:
       run_tensorboard: also write TensorBoard event files under ``workdir/tensorboard``.
       n_processes, host0_address, host0_port, process_id: a multi-host run over bare IPs.
       n_local_devices: use only this many devices of this process.
-      sharding_rules: name of the rule-set plugin behind ``get_sharding_rules``.
+      sharding_rules: name of the rule-set plugin behind ``get_sharding_rules`` (``auto``,
+        ``fsdp``, ``auto+fsdp``, ``replicate``, or a third party's), or your own rules
+        ``[(regex, PartitionSpec), ...]``: then exactly those, anything unmatched replicated.
       checkpoint_format: name of the checkpoint-format plugin.
       loggers: names of the metric-logger plugins to run (process 0 only).
       launcher: name of a launcher plugin; by default the first that detects itself.
@@ -46,7 +48,7 @@ class Deployer:
                  run_tensorboard: bool = False, n_processes: int | None = None,
                  host0_address: str | None = None, host0_port: int | None = None,
                  process_id: int | None = None, n_local_devices: int | None = None,
-                 sharding_rules: str = "auto", checkpoint_format: str = "orbax",
+                 sharding_rules: str | Rules = "auto", checkpoint_format: str = "orbax",
                  loggers: Sequence[str] = ("jsonl",), launcher: str | None = None,
                  device_memory: int | str | None = None, verbose: bool = True):
         config = dict(n_processes=n_processes, host0_address=host0_address,
@@ -57,6 +59,11 @@ class Deployer:
         if n_local_devices and jax.process_count() == 1:
             self.devices = self.devices[:n_local_devices]
         self.mesh, self.n_model_shards = None, n_model_shards
+        if isinstance(sharding_rules, str):
+            plugins.lookup("sharding_rules", sharding_rules)  # an unknown name fails here
+        elif n_model_shards == "auto":
+            raise ValueError("n_model_shards='auto' chooses among rule sets by name; with your "
+                             "own rules list, set n_model_shards yourself.")
         if n_model_shards == "auto":
             self.device_memory = self._device_memory(device_memory)
         else:
@@ -199,6 +206,8 @@ class Deployer:
             raise RuntimeError("With n_model_shards='auto' the layout is chosen on the first "
                                "batch of Trainer.fit; leave params_sharding_rules unset (or "
                                "give the Trainer your own rules), or set n_model_shards.")
+        if not isinstance(self._rules_name, str):  # the user's own rules, nothing else
+            return list(rules or []) + list(self._rules_name)
         make_rules = plugins.lookup("sharding_rules", self._rules_name)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
         return list(rules or []) + make_rules(abstract, self.mesh, trace_fn)

@@ -79,6 +79,29 @@ def test_compute_dtype_runs_loss_in_bfloat16_and_keeps_fp32_params(workdir):
     assert trainer.params["Dense_0"]["kernel"].dtype == jnp.float32
 
 
+def test_compute_dtype_reaches_every_matmul_of_the_zoo_llama(workdir):
+    """nnx.Embed pins its output dtype at init; the zoo model must still compute in bf16."""
+    from helpers import lm_examples, lm_model
+
+    from redco_zoo_lm import collate_fn, loss_fn
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    apply_fn, params = lm_model()
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(1e-3),
+                      compute_dtype=jnp.bfloat16)
+    batch = deployer.make_batch(lm_examples(8), collate_fn, n_micro=1)
+    jaxpr = jax.make_jaxpr(trainer._step)(trainer.state, batch)
+
+    def dots(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield tuple(str(v.aval.dtype) for v in eqn.invars)
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                yield from dots(sub)
+    found = list(dots(jaxpr.jaxpr))
+    assert len(found) > 20 and ("float32", "float32") not in found  # (attention's softmax
+    assert found.count(("bfloat16", "bfloat16")) > 40                # is fp32 by design)
+
+
 class Crash(Exception):
     pass
 

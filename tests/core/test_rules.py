@@ -90,3 +90,16 @@ def test_fsdp_trains_like_one_device_on_a_fraction_of_the_memory(rule_set, n_mod
     specs = {s.spec for s in jax.tree.leaves(trainer.state_shardings.params)}
     assert any("dp" in spec for spec in specs)
     assert ("mp" in str(specs)) == (n_model_shards > 1)
+
+
+def test_a_rules_list_is_the_whole_rule_set_and_names_are_checked_early(workdir):
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False,
+                        sharding_rules=[(r"Dense_(0|1)/kernel", ROW)])
+    got = specs(mlp_init(), deployer, rules=[(r"Dense_1/kernel", COLUMN)])
+    assert got["Dense_0/kernel"] == ROW and got["Dense_1/kernel"] == COLUMN  # yours first
+    assert got["Dense_2/kernel"] == P()  # no auto rules behind a list: replicated
+    with pytest.raises(ValueError, match=r"No sharding rules named 'megatron'\. Available: "):
+        Deployer(jax_seed=0, workdir=workdir, verbose=False, sharding_rules="megatron")
+    with pytest.raises(ValueError, match="with your own rules list, set n_model_shards"):
+        Deployer(jax_seed=0, n_model_shards="auto", device_memory="1GB", workdir=workdir,
+                 verbose=False, sharding_rules=[(r"Dense_0", ROW)])
