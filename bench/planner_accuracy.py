@@ -21,34 +21,27 @@ import optax
 from flax import nnx
 
 from redco import Deployer, Trainer
-from redco.inspection import human_bytes
+from redco.inspection import human_bytes, lm_loss
 from redco.planner import measure
 from redco_zoo_lm import collate_fn, loss_fn
-from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
-
-PRESETS = {"llama-1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
-                            num_key_value_heads=4, intermediate_size=5632, vocab_size=32000),
-           "llama-tiny": dict()}
+from redco_zoo_models import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, split_model
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="llama-1b", choices=list(PRESETS))
+    parser.add_argument("--preset", default="llama-1b", choices=list(LLAMA_PRESETS))
     parser.add_argument("--seq_len", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=2, help="per-device batch size")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
-    config = LlamaConfig(**PRESETS[args.preset])
+    config = LlamaConfig(**LLAMA_PRESETS[args.preset])
     optimizer = optax.adamw(1e-4)
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
     apply_fn, params_abstract = split_model(abstract)
     n_params = sum(x.size for x in jax.tree.leaves(params_abstract))
 
-    def loss(params, batch):
-        ids = batch["input_ids"]
-        logits = apply_fn(params, ids[:, :-1]).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+    loss = lm_loss(apply_fn)
     batch = {"input_ids": jax.ShapeDtypeStruct((args.batch, args.seq_len + 1), jnp.int32)}
     layout = measure(params_abstract, loss, batch, n_devices=1, n_model_shards=1,
                      optimizer=optimizer)

@@ -61,7 +61,7 @@ from jax.sharding import PartitionSpec as P
 
 import redco  # noqa: E402
 from redco import Deployer, Trainer  # noqa: E402
-from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model  # noqa: E402
+from redco_zoo_models import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, split_model  # noqa: E402
 
 
 def byte_sequences(seq_len: int, n: int) -> list[dict]:
@@ -79,12 +79,6 @@ def loss_fn(rng, state, params, batch, is_training):  # as redco_zoo_lm.pipeline
     ids = batch["input_ids"]
     logits = state.apply_fn(params, ids[:, :-1]).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
-
-
-PRESETS = {  # TinyLlama-1.1B's shape: 1.10B params
-    "llama-1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
-                     num_key_value_heads=4, intermediate_size=5632, vocab_size=32000),
-}
 
 
 def model_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
@@ -109,7 +103,7 @@ def main(argv=None) -> None:
     parser.add_argument("--n_kv_heads", type=int, default=2)
     parser.add_argument("--intermediate_size", type=int, help="default: 11/4 x hidden")
     parser.add_argument("--vocab_size", type=int, default=256)
-    parser.add_argument("--preset", choices=list(PRESETS), help="a named model shape; "
+    parser.add_argument("--preset", choices=list(LLAMA_PRESETS), help="a named model shape; "
                         "overrides the shape flags")
     parser.add_argument("--compute_dtype", default="float32", choices=["float32", "bfloat16"],
                         help="dtype the loss runs in (params and optimizer stay float32)")
@@ -131,7 +125,7 @@ def main(argv=None) -> None:
                  num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
                  intermediate_size=args.intermediate_size or args.hidden_size * 11 // 4,
                  vocab_size=args.vocab_size)
-    config = LlamaConfig(**(PRESETS[args.preset] if args.preset else shape))
+    config = LlamaConfig(**(LLAMA_PRESETS[args.preset] if args.preset else shape))
     dtype = jnp.dtype(args.compute_dtype)
     apply_fn, params = split_model(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
     host_params = jax.tree.map(np.array, params)  # each side gets its own copy (donation)

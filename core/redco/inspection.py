@@ -154,16 +154,6 @@ class Model:
     batch: Callable[[int], Any] | None = None
 
 
-LLAMA_SIZES = {  # name -> LlamaConfig fields (vocab 32000, no GQA, as the original LLaMA)
-    "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                     num_attention_heads=32),
-    "llama-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                      num_attention_heads=40),
-    "llama-30b": dict(hidden_size=6656, intermediate_size=17920, num_hidden_layers=60,
-                      num_attention_heads=52),
-    "llama-65b": dict(hidden_size=8192, intermediate_size=22016, num_hidden_layers=80,
-                      num_attention_heads=64),
-}
 
 
 def lm_loss(apply_fn: Callable) -> Callable:
@@ -196,19 +186,20 @@ def zoo_llama(seq_len: int = 128, **config) -> Model:
 
 
 def load_model(name: str, seq_len: int = 128) -> Model:
-    """``llama-tiny`` (``LlamaConfig`` defaults), ``llama-7b`` / ``-13b`` / ``-30b`` / ``-65b``,
-    or ``module:function``. The function returns params (real or abstract), ``(params,
+    """``llama-tiny`` (``LlamaConfig`` defaults), a published LLaMA shape from
+    ``redco_zoo_models.LLAMA_PRESETS`` (``llama-1b``, ``llama-7b``, ... ``llama-65b``), or
+    ``module:function``. The function returns params (real or abstract), ``(params,
     trace_fn)``, or ``(params, trace_fn, loss_fn)`` with ``loss_fn(params, batch)`` on
     ``{"input_ids": int32 (rows, seq_len + 1)}``. Real arrays are turned into shapes."""
     if name == "llama-tiny":
         return zoo_llama(seq_len)
-    if name in LLAMA_SIZES:
-        size = LLAMA_SIZES[name]
-        return zoo_llama(seq_len, vocab_size=32000,
-                         num_key_value_heads=size["num_attention_heads"], **size)
+    if name.startswith("llama-"):
+        from redco_zoo_models import LLAMA_PRESETS
+        if name in LLAMA_PRESETS:
+            return zoo_llama(seq_len, **LLAMA_PRESETS[name])
     if ":" not in name:
-        raise ValueError(f"Unknown model {name!r}: use llama-tiny, "
-                         f"{', '.join(LLAMA_SIZES)} or module:function.")
+        raise ValueError(f"Unknown model {name!r}: use llama-tiny, llama-1b, llama-7b, "
+                         "llama-13b, llama-30b, llama-65b or module:function.")
     module, _, attr = name.partition(":")
     out = getattr(importlib.import_module(module), attr)()
     parts = list(out) if isinstance(out, tuple) and len(out) in (2, 3) and callable(out[1]) \

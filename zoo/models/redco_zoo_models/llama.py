@@ -28,6 +28,21 @@ class LlamaConfig:
         return self.hidden_size // self.num_attention_heads
 
 
+def _shape(hidden: int, ffn: int, layers: int, heads: int, kv_heads: int | None = None) -> dict:
+    return dict(vocab_size=32000, hidden_size=hidden, intermediate_size=ffn,
+                num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv_heads or heads)
+
+
+LLAMA_PRESETS = {  # published shapes, as LlamaConfig fields
+    "llama-1b": _shape(2048, 5632, 22, 32, 4),  # TinyLlama-1.1B
+    "llama-7b": _shape(4096, 11008, 32, 32),
+    "llama-13b": _shape(5120, 13824, 40, 40),
+    "llama-30b": _shape(6656, 17920, 60, 52),
+    "llama-65b": _shape(8192, 22016, 80, 64),
+}
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float):
         self.weight = nnx.Param(jnp.ones((dim,)))
