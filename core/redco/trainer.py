@@ -14,6 +14,7 @@ import tqdm
 from redco import checkpointing
 from redco.data import by_name, check_collated, n_full_batches
 from redco.deployer import Deployer
+from redco.planner import dataflow_trace
 from redco.plugins import pm
 from redco.predictor import Predictor
 from redco.sharding import Rules
@@ -58,8 +59,9 @@ class Trainer:
         gradients and updates stay in the params' own dtype.
       lr_schedule_fn: the schedule inside ``optimizer``, to log the learning rate.
       accumulate_grad_batches: micro-batches per optimizer update (summed inside one step).
-      params_sharding_rules: ``[(regex, PartitionSpec), ...]``; by default
-        ``deployer.get_sharding_rules(params)``.
+      params_sharding_rules: ``[(regex, PartitionSpec), ...]``; by default the deployer's
+        rule set, read off ``loss_fn``'s dataflow on the first batch ``fit`` sees (from
+        parameter names until then).
       callbacks: objects with ``@redco.hookimpl`` methods, active during this trainer's fit.
     """
 
@@ -82,6 +84,7 @@ class Trainer:
         self._stop_reason = None
         self._loss_checked = False
         self._best: dict[str, float] = {}
+        self._rules_from_names = False
 
         self.params_sharding_rules = params_sharding_rules
         if deployer.mesh is None:  # n_model_shards="auto": placed once fit has seen a batch
@@ -95,27 +98,53 @@ class Trainer:
         self._unplaced = None
         if self.params_sharding_rules is None:
             self.params_sharding_rules = self.deployer.get_sharding_rules(params)
+            self._rules_from_names = True
         self.state, self.state_shardings = self._place_state(params, opt_state, apply_fn)
         self._train_step = jax.jit(
             self._step, in_shardings=(self.state_shardings, None),
             out_shardings=(self.state_shardings, self.deployer.replicated), donate_argnums=0)
         self._eval_step = jax.jit(self._eval_loss)
 
-    def _plan(self, examples: Sequence, per_device_batch_size: int) -> None:
-        """``n_model_shards="auto"``: let the deployer pick the layout for one device's batch of
-        ``examples``, by compiling the train step ahead of time (``redco.planner``)."""
-        params, opt_state, apply_fn = self._unplaced
+    def _first_batch_loss(self, examples: Sequence, per_device_batch_size: int):
+        """``(loss(params, batch), one device's batch as shapes)`` from the first examples: what
+        the planner and the dataflow rules trace (nothing is computed)."""
+        n_full_batches(len(examples), per_device_batch_size, "train_examples")
         rows = list(examples[:per_device_batch_size])
         batch = check_collated(self.collate_fn(rows), len(rows))
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+        apply_fn = self._unplaced[2] if self._unplaced else self.state.apply_fn
 
         def loss(params, batch):
             state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=None,
                                apply_fn=apply_fn)
             return self._loss(params, state, batch, jax.random.PRNGKey(0), True)
-        rules = self.deployer.plan_layout(params, loss, batch, self.optimizer)
+        return loss, batch
+
+    def _plan(self, examples: Sequence, per_device_batch_size: int) -> None:
+        """``n_model_shards="auto"``: let the deployer pick the layout for one device's batch of
+        ``examples``, by compiling the train step ahead of time (``redco.planner``)."""
+        loss, batch = self._first_batch_loss(examples, per_device_batch_size)
+        rules = self.deployer.plan_layout(self._unplaced[0], loss, batch, self.optimizer)
         self.params_sharding_rules = self.params_sharding_rules or rules
-        self._setup(params, opt_state, apply_fn)
+        self._setup(*self._unplaced)
+
+    def _follow_dataflow(self, examples: Sequence, per_device_batch_size: int) -> None:
+        """Default rules came from parameter names; now that a batch is known, derive them from
+        the loss's dataflow (``redco.dataflow``) and reshard the state once if they differ."""
+        self._rules_from_names = False
+        loss, batch = self._first_batch_loss(examples, per_device_batch_size)
+        try:
+            rules = self.deployer.get_sharding_rules(self.state.params,
+                                                     trace_fn=dataflow_trace(loss, batch))
+        except Exception as e:  # noqa: BLE001 - an untraceable loss keeps the name rules
+            warnings.warn(f"Could not read sharding rules off loss_fn's dataflow ({type(e).__name__}: "
+                          f"{e}); keeping the rules from parameter names.", stacklevel=3)
+            return
+        if rules != self.params_sharding_rules:
+            step = self.state.step
+            self.params_sharding_rules = rules
+            self._setup(self.state.params, self.state.opt_state, self.state.apply_fn)
+            self.state = self.state.replace(step=step)
 
     def _place_state(self, params, opt_state, apply_fn):
         params_shardings = self.deployer.get_params_shardings(params, self.params_sharding_rules)
@@ -296,6 +325,8 @@ class Trainer:
         batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
         steps_per_epoch = n_full_batches(
             len(train_examples), batch_size * self.accumulate_grad_batches, "train_examples")
+        if self._rules_from_names:
+            self._follow_dataflow(train_examples, per_device_batch_size)
         if eval_examples is not None:
             n_full_batches(len(eval_examples), 1, "eval_examples")
         self._check_schedule(n_epochs * steps_per_epoch)

@@ -172,3 +172,33 @@ def test_nan_loss_stops_with_a_clear_message(workdir):
     trainer = Trainer(deployer, mlp_collate, mlp_apply, nan_loss, mlp_init(), optax.sgd(0.1))
     with pytest.raises(FloatingPointError, match="loss is nan at step 1"):
         trainer.fit(mlp_examples(32), 2, n_epochs=1)
+
+
+def test_default_rules_follow_the_loss_dataflow_from_the_first_batch(workdir):
+    """Names mislead (``a_second`` runs after ``z_first``): the name rules split them wrongly
+    until fit sees a batch; then the rules come from the dataflow and the state is resharded."""
+    from jax.sharding import PartitionSpec as P
+    key = iter(jax.random.split(jax.random.PRNGKey(0), 3))
+    params = {name: jax.random.normal(next(key), shape) / 4 for name, shape in
+              (("z_first", (8, 16)), ("a_second", (16, 16)), ("m_third", (16, 2)))}
+
+    def apply(p, x):
+        return jnp.tanh(jnp.tanh(x @ p["z_first"]) @ p["a_second"]) @ p["m_third"]
+
+    def loss_fn(state, params, batch):
+        return jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2)
+
+    def collate(examples):
+        batch = mlp_collate(examples)
+        return {"x": batch["x"], "y": np.repeat(batch["y"], 2, axis=1)}
+
+    def specs(trainer):
+        return {k: s.spec for k, s in trainer.state_shardings.params.items()}
+
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    trainer = Trainer(deployer, collate, apply, loss_fn, params, optax.adam(1e-2))
+    column, row = P(None, "mp"), P("mp", None)
+    assert specs(trainer)["a_second"] == column  # by names: alternating in natural order
+    trainer.fit(mlp_examples(64), per_device_batch_size=2, n_epochs=2)
+    assert specs(trainer) == {"z_first": column, "a_second": row, "m_third": column}
+    assert trainer.step == 16 and trainer.params["a_second"].sharding.spec == row
