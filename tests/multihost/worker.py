@@ -1,0 +1,56 @@
+"""One process of a multi-process run on 127.0.0.1: ``python worker.py PROCESS_ID N_PROCESSES
+PORT DEVICES_PER_PROCESS WORKDIR``. Trains the tiny LM of ``tests/core/helpers.py`` with
+``n_model_shards=2`` at a global batch of 8, predicts, saves a checkpoint, and writes what it saw
+to ``WORKDIR/result_<PROCESS_ID>.json`` (process 0 also writes the final params as ``.npz``)."""
+import json
+import os
+import sys
+
+process_id, n_processes, port, n_devices, workdir = sys.argv[1:6]
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices}"
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "core"))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+from helpers import GLOBAL_BATCH, Recorder, lm_examples, lm_model  # noqa: E402
+
+from redco import Deployer, Trainer  # noqa: E402
+from redco.sharding import named_leaves  # noqa: E402
+from redco_zoo_lm import collate_fn, loss_fn  # noqa: E402
+
+
+def main() -> None:
+    multi = int(n_processes) > 1
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False,
+                        n_processes=int(n_processes) if multi else None,
+                        host0_address="127.0.0.1" if multi else None,
+                        host0_port=int(port) if multi else None,
+                        process_id=int(process_id) if multi else None)
+    apply_fn, params = lm_model()
+    recorder = Recorder()
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params,
+                      optax.sgd(0.1, momentum=0.9), callbacks=[recorder])
+    examples = lm_examples(32)
+    trainer.fit(examples, GLOBAL_BATCH // deployer.dp_size, n_epochs=2, save_last_ckpt=True)
+    predictor = trainer.get_default_predictor(
+        pred_fn=lambda params, batch: apply_fn(params, batch["input_ids"][:, :-1]).argmax(-1))
+    preds = predictor.predict(examples[:11], 1, params=trainer.params)
+    host_params = {path: np.asarray(jax.device_get(x))  # process_allgather of replicated/sharded
+                   for path, x in named_leaves(jax.experimental.multihost_utils.process_allgather(
+                       trainer.params, tiled=True))}
+    result = {"process_count": jax.process_count(), "devices": jax.device_count(),
+              "local_devices": jax.local_device_count(), "losses": recorder.losses,
+              "preds": [np.asarray(p).tolist() for p in preds],
+              "ckpts": sorted(os.listdir(deployer.ckpt_dir))}
+    with open(os.path.join(workdir, f"result_{process_id}.json"), "w") as f:
+        json.dump(result, f)
+    if deployer.is_main_process:
+        np.savez(os.path.join(workdir, "params.npz"), **host_params)
+
+
+if __name__ == "__main__":
+    main()
