@@ -114,6 +114,23 @@ class Deployer:
         self.set_model_shards(result.n_model_shards)
         return result.rules
 
+    def lost_process_error(self, error: Exception) -> RuntimeError:
+        """The error to stop with when a collective failed in a multi-process run: it names the
+        processes that stopped answering (asked of jax's coordination service)."""
+        from jax._src import distributed
+        try:
+            alive = distributed.global_state.client.get_live_nodes(
+                list(range(jax.process_count())))
+            lost = sorted(set(range(jax.process_count())) - set(alive))
+        except Exception:  # noqa: BLE001 - the service itself may be gone with process 0
+            lost = []
+        who = (f"process {', '.join(map(str, lost))}" if lost else "another process (or the "
+               "coordinator, process 0)")
+        return RuntimeError(
+            f"Lost {who} of {jax.process_count()}: a collective failed ({error}). Process "
+            f"{jax.process_index()} stops too. Fix or restart the lost host and run the same "
+            "command again: training resumes from the last step checkpoint.")
+
     @property
     def is_main_process(self) -> bool:
         return jax.process_index() == 0

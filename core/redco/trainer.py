@@ -355,6 +355,10 @@ class Trainer:
                     self.deployer.log_info(f"Stopping early: {self._stop_reason}")
                     break
             pm.hook.on_fit_end(trainer=self)
+        except jax.errors.JaxRuntimeError as e:
+            if jax.process_count() > 1:
+                raise self.deployer.lost_process_error(e) from e
+            raise
         finally:
             for callback in self.callbacks:
                 pm.unregister(callback)

@@ -4,9 +4,11 @@ PORT DEVICES_PER_PROCESS WORKDIR``. Trains the tiny LM of ``tests/core/helpers.p
 to ``WORKDIR/result_<PROCESS_ID>.json`` (process 0 also writes the final params as ``.npz``)."""
 import json
 import os
+import signal
 import sys
 
 process_id, n_processes, port, n_devices, workdir = sys.argv[1:6]
+KILL_AT_STEP = int(os.environ.get("REDCO_TEST_KILL_AT_STEP", 0))  # this process dies there
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices}"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "core"))
 
@@ -18,9 +20,17 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 from helpers import GLOBAL_BATCH, Recorder, lm_examples, lm_model  # noqa: E402
 
+import redco  # noqa: E402
 from redco import Deployer, Trainer  # noqa: E402
 from redco.sharding import named_leaves  # noqa: E402
 from redco_zoo_lm import collate_fn, loss_fn  # noqa: E402
+
+
+class KillAt:
+    @redco.hookimpl
+    def on_step_end(self, trainer, step, metrics):
+        if step == KILL_AT_STEP:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
@@ -33,7 +43,8 @@ def main() -> None:
     apply_fn, params = lm_model()
     recorder = Recorder()
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params,
-                      optax.sgd(0.1, momentum=0.9), callbacks=[recorder])
+                      optax.sgd(0.1, momentum=0.9),
+                      callbacks=[recorder] + ([KillAt()] if KILL_AT_STEP else []))
     examples = lm_examples(32)
     trainer.fit(examples, GLOBAL_BATCH // deployer.dp_size, n_epochs=2, save_last_ckpt=True)
     predictor = trainer.get_default_predictor(
