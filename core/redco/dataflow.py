@@ -1,7 +1,7 @@
 """The paper's two rules, read off the model's real dataflow instead of its parameter names.
 
-Trace the model to a jaxpr and walk it once, tracking for every activation which of its dims
-(if any) is split over ``mp``. At each matmul with a parameter:
+Trace the model to a jaxpr and walk it, tracking for every activation which of its dims (if
+any) is split over ``mp``. At each matmul with a parameter:
 
 * the activation's split dim is contracted -> the parameter is **row**-parallel (split on the
   matching input dim) and the output is whole again after XLA's all-reduce;
@@ -13,21 +13,26 @@ Trace the model to a jaxpr and walk it once, tracking for every activation which
 Attention follows: Q, K, V see whole activations (column); the head dim stays split through
 the reshapes and the score/value matmuls; O contracts over it (row). Feed-forward pairs, fused
 QKV kernels, transposed kernels (GPT-2's ``Conv1D``) and ``Dense_10`` after ``Dense_9`` all come
-out right because only the computation counts. A bias or scale combined with a split
-activation is split the same way.
+out right because only the computation counts (a fused kernel laid out ``[Q|K|V]``, as GPT-2's
+``c_attn``, is split contiguously: no spec of it gives every shard its own heads of all three,
+so XLA moves the misplaced parts with collective-permutes). A bias or scale combined with a
+split activation is split the same way.
 
-Lookup tables (a ``gather`` from a parameter) are decided last: the largest ones (the token
-embeddings; the rows of a tied LM head too) split their rows, the vocabulary. Values read from
-a smaller table that meet a split activation split the table to match (T5's relative attention
-bias, added to scores split by heads, splits on heads); other small tables (positions, token
-types) stay replicated. Everything else is replicated.
+Lookup tables (a ``gather`` from a parameter): the token embeddings (the tables a matmul also
+uses, i.e. tied LM heads; else the tables with the most rows) split their rows, the vocabulary.
+Values read from a smaller table that meet a split activation split that table to match (T5's
+relative attention bias, added to scores split by heads, splits on heads); other small tables
+(positions, token types) stay replicated. Everything else is replicated.
 
-A column split that has to be gathered again downstream (an activation split on a dim the next
-matmul's already-decided parameter does not match: BERT's MLM transform before its tied
-decoder) is worth nothing: that kernel is replicated instead and the walk repeated.
+A column split that would have to be gathered again downstream is worth nothing: its kernel is
+replicated instead and the walk repeated (BERT's MLM transform, whose output the tied decoder,
+split on the vocabulary, needs whole; Q, K, V of 3 heads on 2 shards). A replicated column
+kernel (forced so, or its output dim does not divide) takes its row partner along: the
+activation between them is whole, so that kernel is replicated too.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -44,11 +49,14 @@ LAYOUT = {"transpose", "reshape", "convert_element_type", "copy", "copy_p", "squ
 class Info(NamedTuple):
     """What the walk knows about one var. ``view``: the var *is* a parameter, re-laid out;
     ``lookup``: it holds values read from a parameter's rows. Both are ``(param index, param
-    dim per var dim)``. ``origin``: the column-parallel kernel that split it."""
+    dim per var dim)``. ``origin``: the column-parallel kernel that split it; ``phantom``: that
+    kernel is replicated after all, so the var is whole but its row partner is replicated too.
+    """
     split: int | None = None
     origin: int | None = None
     view: tuple[int, list] | None = None
     lookup: tuple[int, list] | None = None
+    phantom: bool = False
 
 
 def reshape_dim_map(in_shape, out_shape) -> list[int | None]:
@@ -84,7 +92,9 @@ class Walker:
         self.decisions: Decisions = {}
         self.indivisible: dict[int, int] = {}  # param index -> the dim it should have split
         self.tables: dict[int, int] = {}  # param index -> its dim a lookup indexes
+        self.weights: set[int] = set()  # params a matmul uses (a table among them: tied)
         self.conflicts: set[int] = set()  # origins of splits that must be gathered again
+        self.uneven: dict[int, int] = {}  # of those, the ones cut unevenly into heads
         self.info: dict[Any, Info] = {}
 
     def decide(self, index: int, dim: int | None) -> int | None:
@@ -96,6 +106,13 @@ class Walker:
             if dim is not None and index not in self.forced and not ok:
                 self.indivisible[index] = dim
         return self.decisions[index]
+
+    def replicate(self, index: int, dim: int | None) -> None:
+        """Replicate a param that goes with a replicated kernel; name it if ``dim`` (the one
+        it would have split) does not divide either."""
+        if index not in self.decisions and dim is not None and self.shapes[index][dim] % self.n:
+            self.indivisible[index] = dim
+        self.decide(index, None)
 
     def conflict(self, info: Info) -> None:
         if info.origin is not None:
@@ -185,14 +202,36 @@ class Walker:
             one_hot = [None] * len(var.aval.shape)
             one_hot[split] = split
             carried = self.map_dims(eqn, one_hot)
-            split = carried.index(split) if split in carried else None
-            if split is None and name == "reshape":  # merged as a minor dim: gathered
+            size, split = var.aval.shape[split], carried.index(split) if split in carried \
+                else None
+            if not info.phantom and (split is None or name == "reshape" and not
+                                     self.cut_evenly(size, out.aval.shape[split:])):
+                # merged as a minor dim, or cut unevenly (3 heads on 2 shards): gathered
                 self.conflict(info)
+                if split is not None and info.origin is not None:
+                    self.uneven[info.origin] = self.decisions[info.origin]
+                split = None
         elif name not in ("slice", "split"):  # slices: e.g. a fused QKV output cut in three
             same = len(var.aval.shape) == len(out.aval.shape) and \
                 var.aval.shape[split] == out.aval.shape[split]
             split = split if same and name not in ELEMENTWISE_SKIP else None
-        return Info(split, info.origin if split is not None else None)
+        return Info(split, info.origin, phantom=info.phantom) if split is not None else Info()
+
+    def cut_evenly(self, size: int, out_shape) -> bool:
+        """Whether a split dim of ``size``, reshaped into the leading dims of ``out_shape``,
+        is still cut into equal blocks along them: whole heads, (KV head, group) pairs of
+        grouped queries, or halves of ``head_dim`` (2 KV heads on 4 shards: K, V memory stays
+        split, for some resharding traffic); not 3 heads on 2 shards."""
+        sizes, n = [], self.n
+        while math.prod(sizes) < size:
+            sizes.append(out_shape[len(sizes)])
+        for dim in sizes:
+            if n <= dim:
+                return dim % n == 0
+            if n % dim:
+                return False
+            n //= dim
+        return n == 1
 
     def elementwise(self, eqn, info: list[Info]) -> None:
         """n-ary ops: the output is split like an input split on a dim the output keeps; a
@@ -203,20 +242,22 @@ class Walker:
             return
         fits = lambda var, i: i.split is not None and len(getattr(var.aval, "shape", ())) == \
             len(out_shape) and var.aval.shape[i.split] == out_shape[i.split]
-        split = next((i for var, i in zip(eqn.invars, info) if fits(var, i)), None)
-        if split is None:  # values read from one table, e.g. plus a mask, are still its values
+        splits = sorted((i for var, i in zip(eqn.invars, info) if fits(var, i)),
+                        key=lambda i: i.phantom)  # a real split wins over a phantom one
+        if not splits:  # values read from one table, e.g. plus a mask, are still its values
             lookups = [i.lookup for i in info if i.view or i.lookup]
             one = len(lookups) == 1 and lookups[0] and len(lookups[0][1]) == len(out_shape)
             self.info[eqn.outvars[0]] = Info(lookup=lookups[0]) if one else Info()
             return
-        for var, i in zip(eqn.invars, info):
+        split = splits[0]
+        for i in info:
             param = i.view or i.lookup
-            if fits(var, i) and i.split != split.split:
+            if i in splits and not i.phantom and i.split != split.split:
                 self.conflict(i)
             elif param is not None and len(param[1]) == len(out_shape) and \
                     param[1][split.split] is not None:
-                self.decide(param[0], param[1][split.split])
-        self.info[eqn.outvars[0]] = Info(split.split, split.origin)
+                (self.replicate if split.phantom else self.decide)(param[0], param[1][split.split])
+        self.info[eqn.outvars[0]] = split
 
     def dot_general(self, eqn, info: list[Info]) -> Info:
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -233,39 +274,49 @@ class Walker:
             return None  # contracted: a partial sum, whole again after the all-reduce
 
         if (info[0].view is None) == (info[1].view is None):  # activation x activation
-            outs = [(out_pos(side, i.split), i) for side, i in (("lhs", info[0]),
-                                                                 ("rhs", info[1]))
-                    if i.split is not None]
-            if len(outs) == 2 and outs[0][0] != outs[1][0]:
+            outs = sorted(((out_pos(side, i.split), i) for side, i in (("lhs", info[0]),
+                                                                        ("rhs", info[1]))
+                           if i.split is not None), key=lambda o: o[1].phantom)
+            if len(outs) == 2 and outs[0][0] != outs[1][0] and not outs[1][1].phantom:
                 self.conflict(outs[1][1])
-            return next((Info(pos, i.origin) for pos, i in outs if pos is not None), Info())
+            return next((i._replace(split=pos) for pos, i in outs if pos is not None), Info())
         w_side = "lhs" if info[0].view is not None else "rhs"
         (index, dims), x = (info[0] if w_side == "lhs" else info[1]).view, \
             info[1] if w_side == "lhs" else info[0]
+        self.weights.add(index)
         w_contract, x_contract = (lc, rc) if w_side == "lhs" else (rc, lc)
         w_batch, x_batch = (lb, rb) if w_side == "lhs" else (rb, lb)
         w_free = l_free if w_side == "lhs" else r_free
         x_side = "rhs" if w_side == "lhs" else "lhs"
-        if x.split in x_contract or x.split in x_batch:  # row-parallel (or per-head) weight
-            match = w_contract[list(x_contract).index(x.split)] if x.split in x_contract \
-                else w_batch[list(x_batch).index(x.split)]
-            if dims[match] is None or self.decide(index, dims[match]) != dims[match]:
-                self.conflict(x)  # the weight is not split to match: x is gathered
-            return Info(out_pos(x_side, x.split), x.origin)
-        if x.split is not None:  # split on a dim the output keeps: the weight stays whole
+        if x.phantom and x.split in x_contract and index not in self.decisions:
+            self.replicate(index, dims[w_contract[list(x_contract).index(x.split)]])
+            return Info()  # the partner of a replicated column kernel
+        if x.split is not None and not x.phantom:
+            if x.split in x_contract or x.split in x_batch:  # row-parallel (or per-head)
+                match = w_contract[list(x_contract).index(x.split)] if x.split in x_contract \
+                    else w_batch[list(x_batch).index(x.split)]
+                if dims[match] is None or self.decide(index, dims[match]) != dims[match]:
+                    self.conflict(x)  # the weight is not split to match: x is gathered
+            else:  # split on a dim the output keeps: the weight stays whole
+                self.decide(index, None)
+            pos = out_pos(x_side, x.split)
+            return Info() if pos is None else x._replace(split=pos)
+        if index in self.decisions:  # a parameter used again (tied embeddings, ...)
+            chosen = self.decisions[index]
+            pos = out_pos(w_side, dims.index(chosen)) if chosen in dims else None
+            return Info() if pos is None else Info(pos, index)
+        w_dim = next((d for d in w_free if dims[d] is not None), None)  # column-parallel on
+        if w_dim is None:  # the first output dim
             self.decide(index, None)
-            return Info(out_pos(x_side, x.split), x.origin)
-        if index not in self.decisions:  # column-parallel on the first output dim
-            w_dim = next((d for d in w_free if dims[d] is not None), None)
-            self.decide(index, None if w_dim is None else dims[w_dim])
-        chosen = self.decisions[index]  # a parameter used again (tied embeddings, ...)
-        w_dim = dims.index(chosen) if chosen is not None and chosen in dims else None
-        return Info(out_pos(w_side, w_dim), index) if w_dim is not None else Info()
+            return Info()
+        phantom = self.decide(index, dims[w_dim]) is None  # replicated: so is its partner
+        return Info(out_pos(w_side, w_dim), index, phantom=phantom)
 
 
 def dataflow_split_dims(fn, params, n_shards: int) -> tuple[Decisions, dict[int, int]]:
     """``{leaf index: param dim split over mp}`` for the params ``fn(params)`` touches, and
-    ``{leaf index: dim}`` for those whose dim does not divide ``n_shards`` (so replicated).
+    ``{leaf index: dim}`` for those replicated because that dim, or the heads it is cut into,
+    does not divide ``n_shards``.
 
     ``params`` may hold ``jax.ShapeDtypeStruct``; nothing is computed, only traced.
     """
@@ -276,11 +327,14 @@ def dataflow_split_dims(fn, params, n_shards: int) -> tuple[Decisions, dict[int,
     in_info += [Info()] * (len(closed.jaxpr.invars) - len(leaves))
     forced: set[int] = set()
     vocab: set[int] = set()
+    uneven: dict[int, int] = {}
     while True:  # once to find the lookup tables, then once more per worthless column split
         walker = Walker(shapes, n_shards, frozenset(forced), frozenset(vocab))
         walker.run(closed.jaxpr, in_info)
+        uneven.update(walker.uneven)
         rows = {i: shapes[i][d] for i, d in walker.tables.items()}
-        largest = {i for i, r in rows.items() if r == max(rows.values())}
+        tied = set(rows) & walker.weights
+        largest = tied or {i for i, r in rows.items() if r == max(rows.values())}
         if walker.conflicts <= forced and largest == vocab:
-            return walker.decisions, walker.indivisible
+            return walker.decisions, {**walker.indivisible, **uneven}
         forced, vocab = forced | walker.conflicts, largest

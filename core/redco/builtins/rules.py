@@ -51,7 +51,8 @@ def auto_specs(params, mesh: Mesh, trace_fn=None) -> dict[str, P]:
         split_dims, indivisible = dataflow_split_dims(trace_fn, params, mesh.shape["mp"])
         if indivisible:
             warnings.warn(f"These params do not divide by n_model_shards={mesh.shape['mp']} on "
-                          "the dim their dataflow splits and are replicated instead: " +
+                          "the dim their dataflow splits (or the heads it is cut into) and are "
+                          "replicated instead: " +
                           "; ".join(f"{leaves[i][0]} {tuple(leaves[i][1].shape)} dim {d}"
                                     for i, d in indivisible.items()), stacklevel=3)
         return {path: P() if split_dims.get(i) is None else
