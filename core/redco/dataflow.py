@@ -219,15 +219,16 @@ class Walker:
 
     def cut_evenly(self, size: int, out_shape) -> bool:
         """Whether a split dim of ``size``, reshaped into the leading dims of ``out_shape``,
-        is still cut into equal blocks along them: whole heads, (KV head, group) pairs of
-        grouped queries, or halves of ``head_dim`` (2 KV heads on 4 shards: K, V memory stays
-        split, for some resharding traffic); not 3 heads on 2 shards."""
+        is still cut into whole heads: heads, or (KV head, group) pairs of grouped queries; not
+        3 heads on 2 shards, and not halves of ``head_dim`` (2 KV heads on 4 shards: K and V
+        are then replicated, as Megatron does, rather than resharded around RoPE)."""
         sizes, n = [], self.n
         while math.prod(sizes) < size:
             sizes.append(out_shape[len(sizes)])
-        for dim in sizes:
+        for i, dim in enumerate(sizes):
             if n <= dim:
-                return dim % n == 0
+                into_head_dim = 0 < i == len(sizes) - 1 == len(out_shape) - 1
+                return dim % n == 0 and not into_head_dim
             if n % dim:
                 return False
             n //= dim

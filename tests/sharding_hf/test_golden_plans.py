@@ -12,6 +12,7 @@ dims are replicated with one warning, and user rules override path by path.
 """
 import difflib
 import functools
+import math
 import os
 import re
 import tempfile
@@ -103,11 +104,14 @@ REPLICATED = re.compile(r"(norm|ln_|LayerNorm|layernorm|wpe|embed_positions|"
 LOGIT_BIASES = {"cls/predictions/bias": VEC, "lm_head/bias": VEC, "final_logits_bias": COLUMN}
 
 
-def expected_specs(arch: str, paths) -> dict:
+def expected_specs(arch: str, paths, mp: int) -> dict:
     """What Megatron does, from names (only the test's oracle: the plan never sees names)."""
     col, row = (ROW, COLUMN) if arch == "gpt2" else (COLUMN, ROW)  # GPT-2's Conv1D: (out, in)
+    kv_heads = getattr(hf_archs.build(arch, abstract=True).config, "num_key_value_heads", None)
 
     def kernel(path):
+        if kv_heads and kv_heads < mp and re.search(r"/[kv]_proj/kernel$", path):
+            return REP  # fewer KV heads than shards: each shard keeps all of K and V
         return col if COLUMN_KERNELS.search(path) else row if ROW_KERNELS.search(path) else None
 
     want = {}
@@ -132,7 +136,7 @@ def expected_specs(arch: str, paths) -> dict:
 @pytest.mark.parametrize("arch", hf_archs.ARCHS)
 def test_roles_match_megatron(arch, mp):
     specs = plan(arch, mp)[0]
-    want = expected_specs(arch, list(specs))
+    want = expected_specs(arch, list(specs), mp)
     unchecked = sorted(set(specs) - set(want))
     assert not unchecked, f"params the oracle does not know: {unchecked}"
     wrong = {p: (specs[p], want[p]) for p in specs if specs[p] != want[p]}
@@ -151,8 +155,9 @@ def test_family_specifics():
     assert llama["model/layers/0/self_attn/k_proj/kernel"] == COLUMN  # (64, 32): 1 KV head each
     assert llama["model/layers/0/mlp/gate_proj/kernel"] == \
         llama["model/layers/0/mlp/up_proj/kernel"] == COLUMN
-    # 2 KV heads on 4 shards: half a head each (K, V memory split; XLA reshards for RoPE)
-    assert plan("llama", 4)[0]["model/layers/0/self_attn/k_proj/kernel"] == COLUMN
+    # 2 KV heads on 4 shards: no half heads; K and V replicated (Megatron's choice), so the
+    # step needs no resharding around RoPE
+    assert plan("llama", 4)[0]["model/layers/0/self_attn/k_proj/kernel"] == REP
     t5 = plan("t5", 2)[0]
     for stack in ("encoder/block/0/layer/0/SelfAttention", "decoder/block/0/layer/0/SelfAttention",
                   "decoder/block/0/layer/1/EncDecAttention"):  # cross-attention: K, V read the
@@ -175,10 +180,11 @@ def test_family_specifics():
 
 
 # ---- the compiled train step ------------------------------------------------------------------
-def collectives(arch: str, mp: int) -> dict[str, list[str]]:
-    """The compiled ``value_and_grad(loss)`` on a global batch of 8, params as planned."""
+def collectives(arch: str, mp: int, overrides=()) -> dict[str, list[str]]:
+    """The compiled ``value_and_grad(loss)`` on a global batch of 8, params as planned (after
+    ``overrides``, rules put first)."""
     model, dep = abstract(arch), deployer(mp)
-    params_sharding = dep.get_params_shardings(model.params, [
+    params_sharding = dep.get_params_shardings(model.params, list(overrides) + [
         (f"^{re.escape(p)}$", s) for p, s in plan(arch, mp)[0].items()])
     batch = model.abstract_batch(8)
     batch_sharding = jax.tree.map(lambda _: NamedSharding(dep.mesh, P("dp")), batch)
@@ -194,15 +200,35 @@ def collectives(arch: str, mp: int) -> dict[str, list[str]]:
     return found
 
 
+def result_bytes(lines: list[str]) -> int:
+    """Bytes of the result buffers of HLO collective lines (tuples summed)."""
+    sizes = {"f32": 4, "bf16": 2, "s32": 4, "f16": 2, "pred": 1}
+    return sum(sizes[t] * math.prod(int(d) for d in dims.split(",") if d)
+               for line in lines
+               for t, dims in re.findall(r"(f32|bf16|s32|f16|pred)\[([\d,]*)\]",
+                                         line.split(" all-")[0].split(" collective-")[0]))
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_fewer_kv_heads_than_shards_replicate_kv_and_move_less(arch):
+    """2 KV heads on 4 shards: splitting K and V would cut heads in half and XLA would reshard
+    them around RoPE; replicated (as Megatron does), the step moves fewer bytes. HF's Flax
+    LLaMA repeats K and V to every query head, so its backward still gathers a little."""
+    halves = [(r"/[kv]_proj/kernel$", COLUMN)]
+    ours = sum(result_bytes(v) for v in collectives(arch, 4).values())
+    split = sum(result_bytes(v) for v in collectives(arch, 4, halves).values())
+    assert ours < split, (ours, split)
+
+
 @pytest.mark.parametrize("arch", hf_archs.ARCHS)
-def test_train_step_gathers_nothing(arch):
-    """Column feeds row everywhere, so at mp=2 the step only all-reduces (mp partial sums, dp
+def test_train_step_gathers_nothing(arch, mp=2):
+    """Column feeds row everywhere, so the step only all-reduces (mp partial sums, dp
     gradients). GPT-2 alone moves data: its fused ``c_attn`` holds [Q|K|V] contiguously, so a
     split of its 3*d output dim gives shard 0 all of Q and shard 1 all of V. XLA swaps the
     misplaced halves: 2 collective-permutes per layer forward (``attn/split``), 4 all-to-alls
     per layer backward (``attn/concatenate``). No spec of the 2-D kernel avoids that: Megatron
     lays the heads out interleaved instead."""
-    found = collectives(arch, 2)
+    found = collectives(arch, mp)
     assert not found.get("all-gather") and not found.get("reduce-scatter"), found
     moved = found.get("collective-permute", []) + found.get("all-to-all", [])
     if arch == "gpt2":
