@@ -287,8 +287,9 @@ def test_sharded_training_equals_one_device(arch, tmp_path):
 def test_non_divisible_vocab_is_replicated_with_one_warning():
     specs, shapes, warned = plan("gpt2", 4, vocab_size=50)
     assert specs["transformer/wte/embedding"] == REP
-    assert len(warned) == 1 and warned[0].endswith(
-        "replicated instead: transformer/wte/embedding (50, 64) dim 0"), warned
+    assert len(warned) == 1 and warned[0].split(": ", 1)[1].startswith(
+        "transformer/wte/embedding (50, 64) dim 0. To split them, pick an n_model_shards that "
+        "divides those dims"), warned
     assert specs["transformer/h/0/mlp/c_fc/kernel"] == ROW  # the rest is unchanged
 
 
@@ -299,8 +300,8 @@ def test_every_non_divisible_param_is_named_in_one_warning():
     named = ["transformer/wte/embedding (50, 64) dim 0"] + [
         f"transformer/h/{i}/mlp/{p}" for i in (0, 1) for p in (
             "c_fc/kernel (90, 64) dim 0", "c_fc/bias (90,) dim 0", "c_proj/kernel (64, 90) dim 1")]
-    assert len(warned) == 1 and sorted(warned[0].split(": ", 1)[1].split("; ")) == \
-        sorted(named), warned
+    listed = warned[0].split(": ", 1)[1].split(". To split them")[0]
+    assert len(warned) == 1 and sorted(listed.split("; ")) == sorted(named), warned
     assert all(specs[p.split(" ")[0]] == REP for p in named)
     assert specs["transformer/h/0/attn/c_attn/kernel"] == ROW  # attention is unaffected
 

@@ -54,7 +54,10 @@ def auto_specs(params, mesh: Mesh, trace_fn=None) -> dict[str, P]:
                           "the dim their dataflow splits (or the heads it is cut into) and are "
                           "replicated instead: " +
                           "; ".join(f"{leaves[i][0]} {tuple(leaves[i][1].shape)} dim {d}"
-                                    for i, d in indivisible.items()), stacklevel=3)
+                                    for i, d in indivisible.items()) +
+                          ". To split them, pick an n_model_shards that divides those dims (and "
+                          "the number of heads), or pad them, e.g. a vocabulary to a multiple of "
+                          "128.", stacklevel=3)
         return {path: P() if split_dims.get(i) is None else
                 P(*["mp" if d == split_dims[i] else None for d in range(len(leaf.shape))])
                 for i, (path, leaf) in enumerate(leaves)}
