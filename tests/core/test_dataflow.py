@@ -42,7 +42,8 @@ def test_names_and_order_do_not_matter(deployer):
     params = {name: jax.random.normal(next(key), shape) for name, shape in
               (("z_first", (8, 16)), ("a_second", (16, 16)), ("m_third", (16, 1)))}
     apply = lambda p, x: jnp.tanh(jnp.tanh(x @ p["z_first"]) @ p["a_second"]) @ p["m_third"]
-    with pytest.warns(UserWarning, match=r"replicated instead: m_third \(16, 1\) dim 1\. To split them, pick "):
+    with pytest.warns(UserWarning,
+                      match=r"replicated instead: m_third \(16, 1\) dim 1\. To split them, pick "):
         got = plan(deployer, params, lambda p: apply(p, jnp.zeros((1, 8))))
     assert got == {"z_first": COLUMN, "a_second": ROW, "m_third": REP}
 
