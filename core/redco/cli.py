@@ -95,6 +95,49 @@ def cmd_plan(args) -> None:
           f"{result.sharding_rules!r} (peak {result.peak_bytes / memory:.0%} of device memory)")
 
 
+def cmd_launch(args) -> None:
+    """Start a command as the processes of one run: an sbatch job (slurm), one command line per
+    host (ip), or an XManager work unit (xmanager)."""
+    from redco import launch
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    try:
+        if args.launcher == "slurm":
+            job = launch.SlurmJob(
+                command=command, nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
+                job_name=args.job_name, directory=args.workdir, partition=args.partition,
+                time=args.time, cpus_per_task=args.cpus_per_task,
+                gpus_per_node=args.gpus_per_node, extra=tuple(args.sbatch))
+            code = launch.launch_slurm(job, dry_run=args.dry_run, wait=args.wait)
+        elif args.launcher == "ip":
+            if not args.hosts:
+                raise launch.LaunchError("--launcher ip needs --hosts a,b,... (one entry per "
+                                         "process; repeat a host to run several on it)")
+            hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+            code = launch.launch_ip(command, hosts, args.port, run=args.run_here,
+                                    host0_address=args.host0_address)
+        else:  # xmanager
+            if not command:
+                raise launch.LaunchError("no command: put it after `--`")
+            try:
+                from redco import xmanager_launch
+            except ImportError as e:
+                raise launch.LaunchError(f"--launcher xmanager is not available here: {e}") from e
+            xmanager_launch.launch(command, n_processes=args.n_processes, port=args.port,
+                                   title=args.job_name)
+            code = 0
+    except launch.LaunchError as e:
+        print(f"redco launch: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code)
+
+
+def cmd_doctor(args) -> None:
+    """Print the devices, the process index and count, the launcher this process detects and
+    why, and the mesh a Deployer(n_model_shards=1) builds."""
+    from redco.launch import doctor
+    doctor(launcher=args.launcher, n_local_devices=args.n_local_devices)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="redco", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +166,45 @@ def main(argv: list[str] | None = None) -> None:
     plan.add_argument("--all", action="store_true", help="measure every layout, not just up "
                       "to the first that fits")
     plan.set_defaults(run=cmd_plan)
+
+    launch = commands.add_parser(
+        "launch", help=cmd_launch.__doc__,
+        usage="redco launch --launcher {slurm,ip,xmanager} [options] -- command ...")
+    launch.add_argument("--launcher", required=True, choices=["slurm", "ip", "xmanager"])
+    slurm = launch.add_argument_group("slurm: write an sbatch script running the command under "
+                                      "srun, and submit it")
+    slurm.add_argument("--nodes", type=int, default=1)
+    slurm.add_argument("--ntasks-per-node", type=int, default=1,
+                       help="processes per node (one per GPU, or one per node with all of them)")
+    slurm.add_argument("--partition")
+    slurm.add_argument("--time", help="time limit, e.g. 1:00:00")
+    slurm.add_argument("--cpus-per-task", type=int)
+    slurm.add_argument("--gpus-per-node", type=int)
+    slurm.add_argument("--job-name", default="redco")
+    slurm.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                       help="another #SBATCH option, e.g. --sbatch=--account=abc (repeatable)")
+    slurm.add_argument("--workdir", default=".",
+                       help="where the script and the job's output file go (default: here)")
+    slurm.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
+    slurm.add_argument("--wait", action="store_true", help="poll squeue until the job ends, "
+                       "print its output, exit with its exit code")
+    ip = launch.add_argument_group("ip: one command line per host, with the REDCO_* variables "
+                                   "the ip launcher reads")
+    ip.add_argument("--hosts", help="comma-separated, one entry per process; host 0 first")
+    ip.add_argument("--host0-address", help="host 0's address as the others reach it "
+                    "(default: the first host)")
+    ip.add_argument("--port", type=int, default=12355, help="host 0's coordinator port")
+    ip.add_argument("--run", dest="run_here", action="store_true",
+                    help="run the processes here (every host must be this machine) and wait")
+    xm = launch.add_argument_group("xmanager: one XManager work unit, processes joined by ip")
+    xm.add_argument("--n-processes", type=int, default=2)
+    launch.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
+    launch.set_defaults(run=cmd_launch)
+
+    doctor = commands.add_parser("doctor", help=cmd_doctor.__doc__)
+    doctor.add_argument("--launcher", help="use this launcher instead of detecting one")
+    doctor.add_argument("--n_local_devices", type=int, help="use only this many local devices")
+    doctor.set_defaults(run=cmd_doctor)
     args = parser.parse_args(argv)
     args.run(args)
 

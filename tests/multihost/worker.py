@@ -1,13 +1,20 @@
 """One process of a multi-process run on 127.0.0.1: ``python worker.py PROCESS_ID N_PROCESSES
-PORT DEVICES_PER_PROCESS WORKDIR``. Trains the tiny LM of ``tests/core/helpers.py`` with
-``n_model_shards=2`` at a global batch of 8, predicts, saves a checkpoint, and writes what it saw
-to ``WORKDIR/result_<PROCESS_ID>.json`` (process 0 also writes the final params as ``.npz``)."""
+PORT DEVICES_PER_PROCESS WORKDIR``, or ``python worker.py detect DEVICES_PER_PROCESS WORKDIR``
+to let ``Deployer`` detect its launcher (a SLURM step, the ``REDCO_*`` variables). Trains the
+tiny LM of ``tests/core/helpers.py`` with ``n_model_shards=2`` at a global batch of 8, predicts,
+saves a checkpoint, and writes what it saw (and which launcher it detected) to
+``WORKDIR/result_<PROCESS_ID>.json`` (process 0 also writes the final params as ``.npz``)."""
 import json
 import os
 import signal
 import sys
 
-process_id, n_processes, port, n_devices, workdir = sys.argv[1:6]
+DETECT = sys.argv[1] == "detect"
+if DETECT:
+    process_id = n_processes = port = None
+    n_devices, workdir = sys.argv[2:4]
+else:
+    process_id, n_processes, port, n_devices, workdir = sys.argv[1:6]
 KILL_AT_STEP = int(os.environ.get("REDCO_TEST_KILL_AT_STEP", 0))  # this process dies there
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices}"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "core"))
@@ -33,8 +40,15 @@ class KillAt:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def detected_launcher() -> str:
+    config = dict(n_processes=None, host0_address=None, host0_port=None, process_id=None)
+    return next(name for name, ln in redco.plugins.registry("launchers").items()
+                if ln.detect(config))
+
+
 def main() -> None:
-    multi = int(n_processes) > 1
+    multi = not DETECT and int(n_processes) > 1
+    launcher = detected_launcher() if DETECT else ("ip" if multi else "local")
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False,
                         n_processes=int(n_processes) if multi else None,
                         host0_address="127.0.0.1" if multi else None,
@@ -53,11 +67,12 @@ def main() -> None:
     host_params = {path: np.asarray(jax.device_get(x))  # process_allgather of replicated/sharded
                    for path, x in named_leaves(jax.experimental.multihost_utils.process_allgather(
                        trainer.params, tiled=True))}
-    result = {"process_count": jax.process_count(), "devices": jax.device_count(),
-              "local_devices": jax.local_device_count(), "losses": recorder.losses,
+    result = {"launcher": launcher, "process_count": jax.process_count(),
+              "devices": jax.device_count(), "local_devices": jax.local_device_count(),
+              "losses": recorder.losses,
               "preds": [np.asarray(p).tolist() for p in preds],
               "ckpts": sorted(os.listdir(deployer.ckpt_dir))}
-    with open(os.path.join(workdir, f"result_{process_id}.json"), "w") as f:
+    with open(os.path.join(workdir, f"result_{jax.process_index()}.json"), "w") as f:
         json.dump(result, f)
     if deployer.is_main_process:
         np.savez(os.path.join(workdir, "params.npz"), **host_params)

@@ -1,0 +1,273 @@
+"""``redco launch`` and ``redco doctor`` without a cluster: the sbatch script, the ``ip`` command
+lines, ``--run`` with two local processes that really train, launcher detection, and the early
+errors for classic mistakes."""
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import pytest
+from conftest import WORKER, assert_trains_like_reference, worker_env
+
+from redco import Deployer, plugins
+from redco.builtins.launchers import HEARTBEAT_TIMEOUT_S
+from redco.cli import main as redco
+
+REMOTE = ("198.51.100.7", "198.51.100.8")  # TEST-NET-2: never this machine, never contacted
+NO_PROCESS_ARGS = dict(n_processes=None, host0_address=None, host0_port=None, process_id=None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_:
+        redco(list(argv))
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No SLURM or REDCO_* variables from the machine running the tests."""
+    for key in list(os.environ):
+        if key.startswith(("SLURM_", "REDCO_N_", "REDCO_HOST", "REDCO_PROCESS")):
+            monkeypatch.delenv(key)
+    return monkeypatch
+
+
+@pytest.fixture
+def no_jax_distributed(monkeypatch):
+    """Launchers must refuse before they reach jax.distributed.initialize."""
+    def reached(**kwargs):
+        raise AssertionError(f"jax.distributed.initialize was reached with {kwargs}")
+    monkeypatch.setattr(jax.distributed, "initialize", reached)
+
+
+# ---- redco launch --launcher slurm -----------------------------------------------------------
+def test_sbatch_script_from_dry_run(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run_cli(capsys, "launch", "--launcher", "slurm", "--nodes", "2",
+                           "--ntasks-per-node", "4", "--partition", "gpu", "--time", "1:00:00",
+                           "--cpus-per-task", "8", "--job-name", "lm", "--dry-run", "--",
+                           "python", "train.py", "--lr", "1e-3", "two words")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[:9] == ["#!/bin/bash",
+                         "#SBATCH --job-name=lm",
+                         "#SBATCH --nodes=2",
+                         "#SBATCH --ntasks-per-node=4",
+                         f"#SBATCH --output={tmp_path}/lm-%j.out",
+                         f"#SBATCH --chdir={tmp_path}",
+                         "#SBATCH --partition=gpu",
+                         "#SBATCH --time=1:00:00",
+                         "#SBATCH --cpus-per-task=8"]
+    assert lines[-1] == "srun --kill-on-bad-exit=1 python train.py --lr 1e-3 'two words'"
+    assert "8 tasks (2 nodes x 4), each one JAX process" in out
+    assert os.listdir(tmp_path) == []  # a dry run writes and submits nothing
+
+
+def test_slurm_launch_without_command_or_sbatch_is_refused(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(capsys, "launch", "--launcher", "slurm", "--nodes", "1")
+    assert code == 2 and "no command: put it after `--`" in err
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch anywhere
+    code, _, err = run_cli(capsys, "launch", "--launcher", "slurm", "--", "python", "t.py")
+    assert code == 2 and "`sbatch` is not on PATH: run this on a SLURM login node" in err
+
+
+# ---- redco launch --launcher ip --------------------------------------------------------------
+def test_ip_prints_one_command_line_per_host(capsys):
+    code, out, _ = run_cli(capsys, "launch", "--launcher", "ip", "--hosts", ",".join(REMOTE),
+                           "--port", "23456", "--", "python", "train.py", "--n", "1")
+    assert code == 0
+    commands = [line for line in out.splitlines() if not line.startswith("#")]
+    hosts = ",".join(REMOTE)
+    assert commands == [
+        f"REDCO_HOSTS={hosts} REDCO_N_PROCESSES=2 REDCO_HOST0_ADDRESS={REMOTE[0]} "
+        f"REDCO_HOST0_PORT=23456 REDCO_PROCESS_ID={i} python train.py --n 1" for i in range(2)]
+    assert f"# process 1 on {REMOTE[1]}" in out
+
+
+def test_ip_loopback_host0_with_remote_hosts_is_refused(capsys):
+    code, out, err = run_cli(capsys, "launch", "--launcher", "ip", "--hosts",
+                             f"localhost,{REMOTE[1]}", "--", "python", "train.py")
+    assert code == 2 and out == ""
+    assert (f"host0_address='localhost' resolves to loopback (127.0.0.1), which the processes on "
+            f"{REMOTE[1]} cannot reach: give host 0's address on the network") in err
+
+
+def test_ip_run_refuses_hosts_that_are_not_this_machine(capsys):
+    code, _, err = run_cli(capsys, "launch", "--launcher", "ip", "--hosts", ",".join(REMOTE),
+                           "--run", "--", "python", "train.py")
+    assert code == 2
+    assert f"--run starts processes on this machine only, and {', '.join(REMOTE)} are not " \
+           "this machine" in err
+
+
+def test_ip_run_two_local_processes_train_like_one(reference, tmp_path):
+    """`redco launch --launcher ip --run` starts the unchanged worker twice; its Deployer() finds
+    the REDCO_* variables and the two processes train exactly like one."""
+    workdir = str(tmp_path / "run")
+    out = subprocess.run(
+        [sys.executable, "-m", "redco.cli", "launch", "--launcher", "ip", "--hosts",
+         f"127.0.0.1,{socket.gethostname()}", "--port", str(free_port()), "--run", "--",
+         sys.executable, WORKER, "detect", "4", workdir],
+        env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "[0] " in out.stdout and "[1] " in out.stdout  # each line names its process
+    assert_trains_like_reference(workdir, 2, "ip", reference)
+
+
+def test_ip_run_returns_the_failing_exit_code_and_stops_the_others(tmp_path):
+    script = ("import os, sys, time\n"
+              "if os.environ['REDCO_PROCESS_ID'] == '1': sys.exit(7)\n"
+              "time.sleep(120)\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "redco.cli", "launch", "--launcher", "ip", "--hosts",
+         "localhost,localhost", "--run", "--", sys.executable, "-c", script],
+        env=worker_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 7
+    assert "process 1 exited with code 7; stopping the others" in out.stderr
+
+
+# ---- redco doctor ----------------------------------------------------------------------------
+def test_doctor_one_process(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "redco.cli", "doctor"], cwd=tmp_path,
+                         env=worker_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "launchers (tried in this order):"
+    assert lines[1] == "    slurm    not detected: not in a SLURM job (no SLURM_JOB_ID)"
+    assert lines[2] == ("    ip       not detected: no n_processes argument and no "
+                        "REDCO_N_PROCESSES > 1")
+    assert lines[3] == " -> local    detected: one process (the fallback)"
+    assert "launcher: local" in lines
+    assert "process: 0 of 1" in lines
+    assert "devices: 8 in all, 8 here, platform cpu, kind cpu" in lines
+    assert ("mesh of Deployer(n_model_shards=1): {'dp': 8, 'mp': 1}, device ids by dp row: "
+            "[[0], [1], [2], [3], [4], [5], [6], [7]]") in lines
+
+
+def test_doctor_says_why_slurm_refuses_a_bare_sbatch_body(tmp_path):
+    env = worker_env(SLURM_JOB_ID="41", SLURM_NTASKS="2", SLURM_PROCID="0", SLURM_LOCALID="0")
+    out = subprocess.run([sys.executable, "-m", "redco.cli", "doctor"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert (" -> slurm    detected: SLURM job 41 with 2 tasks, but this is the batch script "
+            "itself, not a task of an srun step") in out.stdout
+    assert "run the command through srun" in out.stderr
+
+
+# ---- detection order -------------------------------------------------------------------------
+def detected(**config) -> str:
+    config = {**NO_PROCESS_ARGS, **config}
+    return next(name for name, ln in plugins.registry("launchers").items() if ln.detect(config))
+
+
+SLURM_STEP = dict(SLURM_JOB_ID="5", SLURM_NTASKS="2", SLURM_PROCID="1", SLURM_LOCALID="1",
+                  SLURM_STEP_ID="0", SLURM_STEP_NODELIST="localhost", SLURM_NODEID="0",
+                  SLURM_STEP_TASKS_PER_NODE="2")
+REDCO_ENV = dict(REDCO_N_PROCESSES="2", REDCO_HOST0_ADDRESS="127.0.0.1", REDCO_HOST0_PORT="1",
+                 REDCO_PROCESS_ID="1")
+
+
+@pytest.mark.parametrize("env, config, expected", [
+    ({}, {}, "local"),
+    (REDCO_ENV, {}, "ip"),
+    (dict(REDCO_ENV, REDCO_N_PROCESSES="1"), {}, "local"),
+    (SLURM_STEP, {}, "slurm"),
+    ({**SLURM_STEP, **REDCO_ENV}, {}, "slurm"),             # a SLURM step before REDCO_*
+    (SLURM_STEP, {"n_processes": 2}, "ip"),                 # explicit arguments before all
+    (dict(SLURM_STEP, SLURM_NTASKS="1"), {}, "local"),      # srun -n 1: one process
+    (dict(SLURM_JOB_ID="5", SLURM_NTASKS="2"), {}, "slurm"),  # bare sbatch body: refused later
+    (dict(SLURM_JOB_ID="5", SLURM_NTASKS="2", **REDCO_ENV), {}, "ip"),
+], ids=["nothing", "redco-env", "redco-env-1", "slurm-step", "slurm-over-env", "args-first",
+        "one-task", "sbatch-body", "sbatch-body-with-env"])
+def test_detection_order(clean_env, env, config, expected):
+    for key, value in env.items():
+        clean_env.setenv(key, value)
+    assert detected(**config) == expected
+
+
+def test_one_task_per_node_gets_all_its_devices(clean_env, monkeypatch):
+    """jax would keep one GPU (SLURM_LOCALID) per task; with one task on the node, redco asks
+    for all of them (local_device_ids=[] turns jax's restriction off)."""
+    seen = {}
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(kw))
+    for key, value in dict(SLURM_STEP, SLURM_STEP_TASKS_PER_NODE="1(x2)", SLURM_NODEID="1",
+                           SLURM_NTASKS="2").items():
+        clean_env.setenv(key, value)
+    plugins.lookup("launchers", "slurm").initialize(dict(NO_PROCESS_ARGS))
+    assert seen == {"cluster_detection_method": "slurm", "local_device_ids": [],
+                    "heartbeat_timeout_seconds": HEARTBEAT_TIMEOUT_S}
+    clean_env.setenv("SLURM_STEP_TASKS_PER_NODE", "2")
+    clean_env.setenv("SLURM_NODEID", "0")
+    plugins.lookup("launchers", "slurm").initialize(dict(NO_PROCESS_ARGS))
+    assert seen["local_device_ids"] is None  # several tasks per node: jax's one device each
+
+
+# ---- early errors ----------------------------------------------------------------------------
+def deployer_error(tmp_path, **kwargs) -> str:
+    with pytest.raises((ValueError, RuntimeError)) as error:
+        Deployer(jax_seed=0, workdir=str(tmp_path), loggers=(), verbose=False, **kwargs)
+    return str(error.value)
+
+
+def test_bare_sbatch_body_says_run_through_srun(clean_env, no_jax_distributed, tmp_path):
+    for key, value in dict(SLURM_JOB_ID="9", SLURM_NTASKS="4", SLURM_PROCID="0",
+                           SLURM_LOCALID="0").items():
+        clean_env.setenv(key, value)
+    assert deployer_error(tmp_path) == (
+        "This is the body of the sbatch script of SLURM job 9 (4 tasks), not a task of a job "
+        "step, so there is nothing to join: run the command through srun (`srun python "
+        "train.py ...` in the script), or let `redco launch --launcher slurm ... -- python "
+        "train.py ...` write and submit the script.")
+
+
+def test_slurm_task_id_beyond_the_count(clean_env, no_jax_distributed, tmp_path):
+    for key, value in dict(SLURM_STEP, SLURM_PROCID="2").items():
+        clean_env.setenv(key, value)
+    assert "process_id=2 but n_processes=2 (SLURM): ids run from 0 to 1" in \
+        deployer_error(tmp_path)
+
+
+def test_loopback_host0_with_remote_hosts(clean_env, no_jax_distributed, tmp_path):
+    clean_env.setenv("REDCO_HOSTS", f"127.0.0.1,{REMOTE[0]}")
+    message = deployer_error(tmp_path, n_processes=2, host0_address="127.0.0.1", host0_port=1234,
+                             process_id=1)
+    assert message.startswith(
+        f"host0_address='127.0.0.1' resolves to loopback (127.0.0.1), which the processes on "
+        f"{REMOTE[0]} cannot reach")
+
+
+def test_hosts_list_of_another_length(clean_env, no_jax_distributed, tmp_path):
+    clean_env.setenv("REDCO_HOSTS", "localhost,localhost,localhost")
+    assert deployer_error(tmp_path, n_processes=2, host0_address="127.0.0.1", host0_port=1234,
+                          process_id=1).startswith(
+        "REDCO_HOSTS names 3 hosts (localhost,localhost,localhost) but n_processes=2")
+
+
+@pytest.mark.parametrize("env, kwargs, message", [
+    (dict(REDCO_ENV, REDCO_PROCESS_ID="2"), {},
+     "process_id=2 but n_processes=2 (ip launcher): ids run from 0 to 1, one per process. "
+     "Is the process count the same on every host?"),
+    ({}, dict(n_processes=2, host0_address="127.0.0.1", host0_port=1234, process_id=-1),
+     "process_id=-1 but n_processes=2"),
+    (dict(REDCO_ENV, REDCO_N_PROCESSES="4"), dict(n_processes=2),
+     "Deployer(n_processes=2) disagrees with REDCO_N_PROCESSES=4 in the environment"),
+    (dict(REDCO_N_PROCESSES="2"), {},
+     "n_processes=2 needs ['host0_address', 'host0_port', 'process_id'] as well (Deployer "
+     "arguments, or REDCO_HOST0_ADDRESS, REDCO_HOST0_PORT, REDCO_PROCESS_ID)"),
+    (dict(REDCO_ENV, REDCO_HOST0_PORT="http"), {}, "REDCO_HOST0_PORT='http' is not an integer"),
+    (dict(REDCO_ENV, REDCO_HOST0_PORT="70000"), {}, "host0_port=70000 is not a TCP port"),
+], ids=["id-too-big", "id-negative", "args-vs-env", "env-incomplete", "port-text", "port-range"])
+def test_ip_mistakes(clean_env, no_jax_distributed, tmp_path, env, kwargs, message):
+    for key, value in env.items():
+        clean_env.setenv(key, value)
+    assert message in deployer_error(tmp_path, **kwargs)
