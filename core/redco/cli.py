@@ -116,15 +116,8 @@ def cmd_launch(args) -> None:
             code = launch.launch_ip(command, hosts, args.port, run=args.run_here,
                                     host0_address=args.host0_address)
         else:  # xmanager
-            if not command:
-                raise launch.LaunchError("no command: put it after `--`")
-            try:
-                from redco import xmanager_launch
-            except ImportError as e:
-                raise launch.LaunchError(f"--launcher xmanager is not available here: {e}") from e
-            xmanager_launch.launch(command, n_processes=args.n_processes, port=args.port,
-                                   title=args.job_name)
-            code = 0
+            from redco import xmanager_launch
+            code = xmanager_launch.launch(command, args.n_processes, args.port, args.job_name)
     except launch.LaunchError as e:
         print(f"redco launch: {e}", file=sys.stderr)
         sys.exit(2)
