@@ -2,6 +2,7 @@
 that a multi-process run trained exactly like it."""
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -11,6 +12,12 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "worker.py")
 TOTAL_DEVICES = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def worker_env(**extra) -> dict:

@@ -8,7 +8,7 @@ import sys
 
 import jax
 import pytest
-from conftest import WORKER, assert_trains_like_reference, worker_env
+from conftest import WORKER, assert_trains_like_reference, free_port, worker_env
 
 from redco import Deployer, plugins
 from redco.builtins.launchers import HEARTBEAT_TIMEOUT_S
@@ -16,12 +16,6 @@ from redco.cli import main as redco
 
 REMOTE = ("198.51.100.7", "198.51.100.8")  # TEST-NET-2: never this machine, never contacted
 NO_PROCESS_ARGS = dict(n_processes=None, host0_address=None, host0_port=None, process_id=None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:

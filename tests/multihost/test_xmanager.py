@@ -1,20 +1,13 @@
 """``redco launch --launcher xmanager``: a real XManager experiment (local executor) runs the
 unchanged worker as a group of two jobs that train exactly like one process."""
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
-from conftest import WORKER, assert_trains_like_reference, worker_env
+from conftest import WORKER, assert_trains_like_reference, free_port, worker_env
 
 pytest.importorskip("xmanager", reason="pip install xmanager (tox -e multihost does)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(tmp_path, *command):
