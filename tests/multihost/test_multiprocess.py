@@ -1,6 +1,7 @@
 """Several processes on 127.0.0.1, joined by ``jax.distributed`` through the ``ip`` launcher,
 train exactly like one process with the same total number of devices."""
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -85,8 +86,9 @@ def test_a_killed_process_stops_the_others_quickly_naming_it(victim, tmp_path):
     assert procs[victim].returncode == -9
     assert survivor.returncode != 0
     assert time.monotonic() - killed_at < 60
-    if victim == 1:
-        assert "Lost process 1 of 2" in out, out[-3000:]
+    if victim == 1:  # redco's error, or jax's own abort if it comes first; both name it
+        assert re.search(r"Lost process 1 of 2|stopped sending heartbeats\):\s*1\b", out), \
+            out[-3000:]
     else:  # jax's own agent aborts first, naming the coordination service (process 0)
         assert ("Lost another process (or the coordinator" in out
                 or "Failed to send RPC to coordination service" in out), out[-3000:]
