@@ -204,9 +204,13 @@ class Walker:
             carried = self.map_dims(eqn, one_hot)
             size, split = var.aval.shape[split], carried.index(split) if split in carried \
                 else None
-            if not info.phantom and (split is None or name == "reshape" and not
-                                     self.cut_evenly(size, out.aval.shape[split:])):
-                # merged as a minor dim, or cut unevenly (3 heads on 2 shards): gathered
+            uneven = split is not None and name == "reshape" and \
+                not self.cut_evenly(size, out.aval.shape[split:])
+            if uneven and self.wide(info.origin):
+                pass  # heads that do not divide (72 on 64 shards): split within heads anyway;
+                # replicating Q, K, V, O would cost far more memory than the resharding
+            elif not info.phantom and (split is None or uneven):
+                # merged as a minor dim, or a narrow projection (GQA's K, V) cut unevenly
                 self.conflict(info)
                 if split is not None and info.origin is not None:
                     self.uneven[info.origin] = self.decisions[info.origin]
@@ -216,6 +220,14 @@ class Walker:
                 var.aval.shape[split] == out.aval.shape[split]
             split = split if same and name not in ELEMENTWISE_SKIP else None
         return Info(split, info.origin, phantom=info.phantom) if split is not None else Info()
+
+    def wide(self, origin: int | None) -> bool:
+        """Whether the kernel that split an activation is split on its widest dim (Q: d -> d),
+        not a narrow projection (GQA's K, V: d -> kv_heads * head_dim)."""
+        if origin is None or self.decisions.get(origin) is None:
+            return False
+        shape = self.shapes[origin]
+        return shape[self.decisions[origin]] >= max(shape)
 
     def cut_evenly(self, size: int, out_shape) -> bool:
         """Whether a split dim of ``size``, reshaped into the leading dims of ``out_shape``,
