@@ -32,7 +32,8 @@ def register_launchers(register):
 
     Call ``register(name, launcher)`` for each launcher. A launcher has ``detect(config) -> bool``
     (does this environment, or the ``Deployer`` arguments in ``config``, call for it?) and
-    ``initialize(config)`` (join the run, normally through ``jax.distributed.initialize``).
+    ``initialize(config)`` (join the run, normally through ``jax.distributed.initialize``), and
+    may have ``explain(config) -> str`` (why it applies or not, shown by ``redco doctor``).
     Launchers are tried in registration order; ``local`` is the fallback. Returns nothing.
     """
 
