@@ -284,19 +284,16 @@ class Bench:
 
     def compile(self, model, mesh, specs, rows: int):
         import jax
-        import optax
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        from redco.sharding import shardings_from_specs
+        from redco.sharding import opt_state_shardings, shardings_from_specs
         params_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                        model.params)
         params_shardings = shardings_from_specs(specs, mesh)
         replicated = NamedSharding(mesh, P())
         opt_abstract = jax.eval_shape(self.optimizer.init, params_abstract)
-        opt_shardings = optax.tree_map_params(
-            self.optimizer, lambda _, s: s, opt_abstract, params_shardings,
-            transform_non_params=lambda _: replicated)
+        opt_shardings = opt_state_shardings(self.optimizer, params_abstract, params_shardings, mesh)
         batch_abstract = model.abstract_batch(rows)
         batch_shardings = jax.tree.map(lambda _: NamedSharding(mesh, P("dp")), batch_abstract)
         t0 = time.perf_counter()

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from redco import plugins, sharding
 from redco.inspection import human_bytes, n_positional
-from redco.sharding import Rules, shardings_from_specs, specs_from_rules
+from redco.sharding import Rules, opt_state_shardings, shardings_from_specs, specs_from_rules
 
 
 class PlanError(ValueError):
@@ -176,9 +176,7 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
     params_shardings = shardings_from_specs(specs, mesh)
     replicated = NamedSharding(mesh, P())
     opt_abstract = jax.eval_shape(optimizer.init, params_abstract)
-    opt_shardings = optax.tree_map_params(
-        optimizer, lambda _, sharding: sharding, opt_abstract, params_shardings,
-        transform_non_params=lambda _: replicated)
+    opt_shardings = opt_state_shardings(optimizer, params_abstract, params_shardings, mesh)
     batch_shardings = jax.tree.map(
         lambda x: NamedSharding(mesh, P("dp") if x.shape and x.shape[0] % dp == 0 else P()), batch)
     layout.params_bytes = sum(

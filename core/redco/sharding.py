@@ -86,6 +86,16 @@ def specs_from_rules(params, rules: Rules, mesh: Mesh):
     return jax.tree_util.tree_unflatten(treedef, specs)
 
 
+def opt_state_shardings(optimizer, params, params_shardings, mesh: Mesh):
+    """Shardings of ``optimizer.init(params)``: every per-param leaf (Adam's mu, nu, ...) like
+    its param, the rest (step counts) replicated. ``params`` may be abstract."""
+    import optax
+    replicated = NamedSharding(mesh, P())
+    return optax.tree_map_params(optimizer, lambda _, sharding: sharding,
+                                 jax.eval_shape(optimizer.init, params), params_shardings,
+                                 transform_non_params=lambda _: replicated)
+
+
 def shardings_from_specs(specs, mesh: Mesh):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                         is_leaf=lambda x: isinstance(x, P))

@@ -17,7 +17,7 @@ from redco.deployer import Deployer
 from redco.planner import dataflow_trace
 from redco.plugins import pm
 from redco.predictor import Predictor
-from redco.sharding import Rules
+from redco.sharding import Rules, opt_state_shardings
 
 LOSS_ARGS = ("rng", "state", "params", "batch", "is_training")
 
@@ -150,10 +150,8 @@ class Trainer:
         params_shardings = self.deployer.get_params_shardings(params, self.params_sharding_rules)
         params = jax.device_put(params, params_shardings)
         replicated = self.deployer.replicated
-        abstract_opt_state = jax.eval_shape(self.optimizer.init, params)
-        opt_shardings = optax.tree_map_params(
-            self.optimizer, lambda _, sharding: sharding, abstract_opt_state, params_shardings,
-            transform_non_params=lambda _: replicated)
+        opt_shardings = opt_state_shardings(self.optimizer, params, params_shardings,
+                                            self.deployer.mesh)
         if opt_state is None:
             opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(params)
         else:
