@@ -1,20 +1,35 @@
-"""Checkpoint directories: written atomically, found again by name.
+"""Checkpoint directories: written atomically, checked before they are read.
 
-A checkpoint is a directory ``<ckpt_dir>/<name>/`` holding ``state/`` (written by the
-checkpoint-format plugin) and ``meta.json`` (step, epoch, best metrics). It is written under
-``<name>.tmp`` and renamed into place only once complete, so a crash mid-write never leaves a
-directory that looks finished. Step checkpoints are named ``step_<N>``.
+A checkpoint is a directory ``<ckpt_dir>/<name>/`` holding
+
+* ``state/``, the arrays, written by a checkpoint-format plugin (``orbax``, ``safetensors``,
+  ``msgpack``, or a third-party one);
+* ``meta.json``, the format's name, every array's name, shape and dtype, the size and sha256
+  of every file under ``state/``, and what the trainer adds (step, epoch, data position, best
+  metrics).
+
+It is written as ``<name>.tmp``, flushed to disk and renamed into place only once complete, so
+a crash mid-write never leaves a directory that looks finished. Loading checks that the files
+are intact and that the arrays fit the target before reading any of them. Arrays are named by
+their pytree path joined with ``/`` (``params/model/layers/0/mlp/up_proj/kernel``); no layout
+is stored, so a checkpoint restores onto any mesh and any number of processes.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import warnings
 from typing import Any
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
+
+from redco import plugins
+from redco.sharding import named_leaves
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -24,8 +39,31 @@ def _sync(tag: str) -> None:
         multihost_utils.sync_global_devices(tag)
 
 
-def save(ckpt_dir: str, name: str, tree: Any, meta: dict, fmt) -> str:
-    """Write ``tree`` and ``meta`` as ``ckpt_dir/name`` (replacing it), on every process."""
+def _files(root: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), root)
+                  for d, _, names in os.walk(root) for f in names)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(ckpt_dir: str, name: str, tree: Any, meta: dict, format_name: str) -> str:
+    """Write ``tree`` with the format ``format_name`` and ``meta`` as ``ckpt_dir/name``
+    (replacing it). Called on every process; returns the checkpoint's path."""
+    fmt = plugins.lookup("checkpoint_formats", format_name)
     final = os.path.join(ckpt_dir, name)
     tmp, old = final + ".tmp", final + ".old"
     if jax.process_index() == 0:
@@ -33,24 +71,109 @@ def save(ckpt_dir: str, name: str, tree: Any, meta: dict, fmt) -> str:
         os.makedirs(tmp)
     _sync(f"redco-ckpt-start-{name}")
     fmt.save(os.path.join(tmp, "state"), tree)
+    _sync(f"redco-ckpt-written-{name}")
     if jax.process_index() == 0:
+        state_dir = os.path.join(tmp, "state")
+        files = {}
+        for rel in _files(state_dir):
+            full = os.path.join(state_dir, rel)
+            _fsync(full)
+            files[rel] = {"bytes": os.path.getsize(full), "sha256": _sha256(full)}
+        arrays = {path: [list(np.shape(x)), str(x.dtype)] for path, x in named_leaves(tree)}
+        meta = {**meta, "format": format_name, "arrays": arrays, "files": files}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f)
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
         if os.path.exists(final):
             os.rename(final, old)
         os.rename(tmp, final)
+        _fsync(ckpt_dir)
         shutil.rmtree(old, ignore_errors=True)
     _sync(f"redco-ckpt-done-{name}")
     return final
 
 
-def load(path: str, target: Any, fmt) -> tuple[Any, dict]:
-    """Read a checkpoint directory back onto ``target``'s shapes and shardings."""
-    if not os.path.isfile(os.path.join(path, "meta.json")):
-        raise FileNotFoundError(f"{path} is not a complete redco checkpoint (no meta.json).")
-    with open(os.path.join(path, "meta.json")) as f:
+def read_meta(path: str) -> dict:
+    """``meta.json`` of the checkpoint at ``path``, or an error saying what is missing."""
+    if not os.path.isdir(path):
+        if os.path.isfile(os.path.join(path + ".old", "meta.json")):  # died between renames
+            warnings.warn(f"{path} was being replaced when a run stopped; reading the "
+                          f"checkpoint it replaced, {path}.old.", stacklevel=3)
+            return read_meta(path + ".old")
+        parent = os.path.dirname(os.path.abspath(path))
+        found = sorted(os.listdir(parent)) if os.path.isdir(parent) else []
+        raise FileNotFoundError(f"No checkpoint directory {path}. {parent} holds {found}."
+                                if os.path.isdir(parent) else
+                                f"No checkpoint directory {path} (nor its parent {parent}).")
+    meta_path = os.path.join(path, "meta.json")
+    if not os.path.isfile(meta_path):
+        raise FileNotFoundError(f"{path} is not a complete redco checkpoint (no meta.json): its "
+                                "write was interrupted, or it is not a checkpoint directory.")
+    with open(meta_path) as f:
         meta = json.load(f)
-    return fmt.load(os.path.join(path, "state"), target), meta
+    meta["path"] = path
+    return meta
+
+
+def verify_files(meta: dict) -> None:
+    """Raise if any file the checkpoint wrote is missing, truncated or changed since."""
+    state_dir = os.path.join(meta["path"], "state")
+    for rel, want in meta["files"].items():
+        full = os.path.join(state_dir, rel)
+        if not os.path.isfile(full):
+            raise ValueError(f"Checkpoint file {full} is missing. The checkpoint is damaged; "
+                             "delete its directory to use an older one.")
+        size = os.path.getsize(full)
+        if size != want["bytes"]:
+            raise ValueError(f"Checkpoint file {full} is truncated or damaged: {size} bytes, but "
+                             f"{want['bytes']} were written. Delete its directory to use an "
+                             "older checkpoint.")
+        if _sha256(full) != want["sha256"]:
+            raise ValueError(f"Checkpoint file {full} is corrupted: its sha256 differs from the "
+                             "one recorded when it was written. Delete its directory to use an "
+                             "older checkpoint.")
+
+
+def check_fits(meta: dict, target: Any) -> None:
+    """Raise naming the first array of ``target`` the checkpoint lacks or has in another shape."""
+    saved, wanted = meta["arrays"], named_leaves(target)
+    for path, leaf in wanted:
+        if path not in saved:
+            names = {p for p, _ in wanted}
+            unexpected = [p for p in saved if p not in names][:3]
+            raise ValueError(f"Checkpoint {meta['path']} does not match this model: it has no "
+                             f"array {path}. Arrays it has that this model lacks: {unexpected}.")
+        if list(np.shape(leaf)) != saved[path][0]:
+            raise ValueError(f"Checkpoint {meta['path']} does not match this model: {path} has "
+                             f"shape {tuple(saved[path][0])} in the checkpoint but "
+                             f"{tuple(np.shape(leaf))} here.")
+
+
+def load(path: str, target: Any) -> tuple[Any, dict]:
+    """Read the checkpoint at ``path`` into the shapes, dtypes and shardings of ``target`` (a
+    pytree of arrays or ``jax.ShapeDtypeStruct``; it may name a subset of what was saved, such as
+    ``{"params": ...}``). Returns ``(tree, meta)``."""
+    meta = read_meta(path)
+    verify_files(meta)
+    target = jax.tree.map(_abstract, target)
+    check_fits(meta, target)
+    fmt = plugins.lookup("checkpoint_formats", meta["format"])
+    state_dir = os.path.join(meta["path"], "state")
+    try:
+        tree = fmt.load(state_dir, target)
+    except Exception as e:  # the format's own reader refused the bytes
+        raise ValueError(f"Could not read {state_dir} as a {meta['format']} checkpoint "
+                         f"({type(e).__name__}: {e}). The checkpoint is damaged or not written "
+                         "by redco; delete its directory to use an older one.") from e
+    return tree, meta
+
+
+def _abstract(x) -> jax.ShapeDtypeStruct:
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, jax.sharding.Sharding):
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
 
 def step_ckpts(ckpt_dir: str) -> list[str]:

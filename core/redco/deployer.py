@@ -39,7 +39,8 @@ class Deployer:
       sharding_rules: name of the rule-set plugin behind ``get_sharding_rules`` (``auto``,
         ``fsdp``, ``auto+fsdp``, ``replicate``, or a third party's), or your own rules
         ``[(regex, PartitionSpec), ...]``: then exactly those, anything unmatched replicated.
-      checkpoint_format: name of the checkpoint-format plugin.
+      checkpoint_format: the checkpoint-format plugin that writes checkpoints: ``orbax``,
+        ``safetensors``, ``msgpack`` or a third party's. Loading reads any format.
       loggers: names of the metric-logger plugins to run (process 0 only).
       launcher: name of a launcher plugin; by default the first that detects itself.
     """
@@ -72,7 +73,8 @@ class Deployer:
         self.workdir = os.path.abspath(workdir)
         self._rng = jax.random.PRNGKey(jax_seed)
         self._rules_name = sharding_rules
-        self.checkpoint_format = plugins.lookup("checkpoint_formats", checkpoint_format)
+        plugins.lookup("checkpoint_formats", checkpoint_format)  # unknown names fail here
+        self.checkpoint_format = checkpoint_format
         self._setup_logging(verbose, list(loggers) + (["tensorboard"] if run_tensorboard else []))
 
     # ---- processes and devices -------------------------------------------------------------
@@ -245,7 +247,10 @@ class Deployer:
         return checkpointing.save(self.ckpt_dir, name, tree, meta, self.checkpoint_format)
 
     def load_ckpt(self, path: str, target: Any) -> tuple[Any, dict]:
-        return checkpointing.load(path, target, self.checkpoint_format)
+        """Read the checkpoint at ``path`` (any format) onto ``target``'s shapes and shardings;
+        ``target`` may be a subset of what was saved, e.g. ``{"params": trainer.params}``.
+        Returns ``(tree, meta)``."""
+        return checkpointing.load(path, target)
 
     # ---- logging -------------------------------------------------------------------------------
     def _setup_logging(self, verbose: bool, logger_names: list[str]) -> None:

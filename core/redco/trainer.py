@@ -24,10 +24,12 @@ LOSS_ARGS = ("rng", "state", "params", "batch", "is_training")
 
 @flax.struct.dataclass
 class TrainState:
-    """What ``loss_fn`` sees as ``state``: ``state.apply_fn`` is the model given to Trainer."""
+    """What ``loss_fn`` sees as ``state``: ``state.apply_fn`` is the model given to Trainer.
+    Step ``i`` draws its randomness from ``fold_in(rng, i)``."""
     step: jax.Array
     params: Any
     opt_state: Any
+    rng: jax.Array
     apply_fn: Callable = flax.struct.field(pytree_node=False)
 
 
@@ -84,6 +86,7 @@ class Trainer:
         self._stop_reason = None
         self._loss_checked = False
         self._best: dict[str, float] = {}
+        self._data_position: dict = {}  # with the step, fixes which examples come next
         self._rules_from_names = False
 
         self.params_sharding_rules = params_sharding_rules
@@ -116,7 +119,7 @@ class Trainer:
 
         def loss(params, batch):
             state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=None,
-                               apply_fn=apply_fn)
+                               rng=jax.random.PRNGKey(0), apply_fn=apply_fn)
             return self._loss(params, state, batch, jax.random.PRNGKey(0), True)
         return loss, batch
 
@@ -141,10 +144,10 @@ class Trainer:
                           f"{e}); keeping the rules from parameter names.", stacklevel=3)
             return
         if rules != self.params_sharding_rules:
-            step = self.state.step
+            old = self.state
             self.params_sharding_rules = rules
-            self._setup(self.state.params, self.state.opt_state, self.state.apply_fn)
-            self.state = self.state.replace(step=step)
+            self._setup(old.params, old.opt_state, old.apply_fn)
+            self.state = self.state.replace(step=old.step, rng=old.rng)
 
     def _place_state(self, params, opt_state, apply_fn):
         params_shardings = self.deployer.get_params_shardings(params, self.params_sharding_rules)
@@ -157,9 +160,10 @@ class Trainer:
         else:
             opt_state = jax.device_put(opt_state, opt_shardings)
         state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated),
-                           params=params, opt_state=opt_state, apply_fn=apply_fn)
+                           params=params, opt_state=opt_state, apply_fn=apply_fn,
+                           rng=jax.device_put(jax.random.PRNGKey(self.deployer.jax_seed), replicated))
         shardings = TrainState(step=replicated, params=params_shardings,
-                               opt_state=opt_shardings, apply_fn=apply_fn)
+                               opt_state=opt_shardings, rng=replicated, apply_fn=apply_fn)
         return state, shardings
 
     @property
@@ -180,7 +184,7 @@ class Trainer:
 
     def _step(self, state: TrainState, batch):
         """One optimizer update over ``accumulate_grad_batches`` micro-batches (leading axis)."""
-        rng = jax.random.fold_in(jax.random.PRNGKey(self.deployer.jax_seed), state.step)
+        rng = jax.random.fold_in(state.rng, state.step)
         grad_fn = jax.value_and_grad(self._loss)
 
         def micro_step(carry, inputs):
@@ -204,8 +208,7 @@ class Trainer:
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     def _eval_loss(self, state: TrainState, batch):
-        rng = jax.random.PRNGKey(self.deployer.jax_seed)
-        return self._loss(state.params, state, batch, rng, False)
+        return self._loss(state.params, state, batch, state.rng, False)
 
     # ---- checks made before anything compiles ------------------------------------------------
     def _check_loss(self, batch) -> None:
@@ -263,10 +266,12 @@ class Trainer:
 
     def _report(self, bar, step, metrics) -> None:
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if not np.isfinite(metrics["loss"]):
+        if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
+            found = checkpointing.step_ckpts(self.deployer.ckpt_dir)
+            kept = f"the last good checkpoint, {found[-1]}, is kept" if found else "no checkpoint was written"
             raise FloatingPointError(
-                f"loss is {metrics['loss']} at step {step}. Lower the learning rate or check the "
-                "data; the last checkpoint was kept.")
+                f"Training stopped at step {step}: loss is {metrics['loss']}, grad_norm is "
+                f"{metrics['grad_norm']}; {kept}. Lower the learning rate or check the data.")
         bar.set_postfix({k: f"{v:.4g}" for k, v in metrics.items()}, refresh=False)
         self.deployer.log_metrics(step, {f"train/{k}": v for k, v in metrics.items()})
         pm.hook.on_step_end(trainer=self, step=step, metrics=metrics)
@@ -282,11 +287,16 @@ class Trainer:
             losses.append((self._eval_step(self.state, batch), len(chunk)))
         return sum(float(loss) * n for loss, n in losses) / len(examples)
 
+    def _ckpt_tree(self) -> dict:
+        return {"params": self.state.params, "opt_state": self.state.opt_state,
+                "rng": self.state.rng}
+
     def save_step_ckpt(self, epoch: int, keep_last_ckpts: int = 1) -> str:
+        """Checkpoint everything a resume needs as ``ckpts/step_<step>``; keep the newest
+        ``keep_last_ckpts`` of them."""
         step = self.step
-        path = self.deployer.save_ckpt(
-            f"step_{step}", {"params": self.state.params, "opt_state": self.state.opt_state},
-            {"step": step, "epoch": epoch, "best": self._best})
+        path = self.deployer.save_ckpt(f"step_{step}", self._ckpt_tree(), {
+            "step": step, "epoch": epoch, "best": self._best, "data": self._data_position})
         checkpointing.prune(self.deployer.ckpt_dir, keep_last_ckpts)
         pm.hook.on_checkpoint_saved(trainer=self, path=path, step=step)
         return path
@@ -295,10 +305,16 @@ class Trainer:
         found = checkpointing.step_ckpts(self.deployer.ckpt_dir)
         if not found:
             return None
-        target = {"params": self.state.params, "opt_state": self.state.opt_state}
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                              target)
-        tree, meta = self.deployer.load_ckpt(found[-1], target)
+        meta = checkpointing.read_meta(found[-1])
+        saved = meta.get("data", {})
+        changed = [f"{k} was {saved.get(k)}, now {v}" for k, v in self._data_position.items()
+                   if saved.get(k) != v]
+        if changed:
+            raise ValueError(
+                f"Cannot resume from {found[-1]}: {'; '.join(changed)}, so this run would not "
+                "see the examples the interrupted one would have. Rerun with the same data and "
+                "settings, use a new workdir, or pass fit(resume=False) to start over.")
+        tree, meta = self.deployer.load_ckpt(found[-1], self._ckpt_tree())
         step = jax.device_put(jnp.asarray(meta["step"], jnp.int32), self.deployer.replicated)
         self.state = self.state.replace(step=step, **tree)
         self.deployer.log_info(f"Resumed from {found[-1]} (step {meta['step']}).")
@@ -328,6 +344,8 @@ class Trainer:
         if eval_examples is not None:
             n_full_batches(len(eval_examples), 1, "eval_examples")
         self._check_schedule(n_epochs * steps_per_epoch)
+        self._data_position = {"n_examples": len(train_examples), "jax_seed": self.deployer.jax_seed,
+                               "examples_per_step": batch_size * self.accumulate_grad_batches}
         self._best = {}
         meta = self._resume() if resume else None
         if meta:

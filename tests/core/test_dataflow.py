@@ -91,14 +91,14 @@ def test_llama_gqa_plan(deployer, tied):
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
     apply_fn, params = split_model(LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
     got = plan(deployer, params, lambda p: apply_fn(p, jnp.zeros((1, 8), jnp.int32)))
-    for layer in ("layers/0/", "layers/1/"):
+    for layer in ("model/layers/0/", "model/layers/1/"):
         for name in ("q_proj", "k_proj", "v_proj"):
             assert got[f"{layer}self_attn/{name}/kernel"] == COLUMN
         assert got[f"{layer}self_attn/o_proj/kernel"] == ROW
         assert got[f"{layer}mlp/gate_proj/kernel"] == got[f"{layer}mlp/up_proj/kernel"] == COLUMN
         assert got[f"{layer}mlp/down_proj/kernel"] == ROW
         assert got[f"{layer}input_layernorm/weight"] == REP
-    assert got["embed_tokens/embedding"] == ROW
+    assert got["model/embed_tokens/embedding"] == ROW
     assert tied or got["lm_head/kernel"] == COLUMN
 
 

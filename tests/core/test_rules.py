@@ -35,14 +35,14 @@ def test_llama_attention_and_swiglu_get_megatron_layout(workdir):
     _, params = lm_model()
     got = specs(params, deployer)
     for layer in range(2):
-        prefix = f"layers/{layer}/"
+        prefix = f"model/layers/{layer}/"
         for name in ("self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj", "mlp/gate_proj",
                      "mlp/up_proj"):
             assert got[prefix + name + "/kernel"] == COLUMN, name
         for name in ("self_attn/o_proj", "mlp/down_proj"):
             assert got[prefix + name + "/kernel"] == ROW, name
         assert got[prefix + "input_layernorm/weight"] == P()
-    assert got["embed_tokens/embedding"] == ROW and got["lm_head/kernel"] == COLUMN
+    assert got["model/embed_tokens/embedding"] == ROW and got["lm_head/kernel"] == COLUMN
 
 
 def test_llama_train_step_needs_no_all_gather(workdir):

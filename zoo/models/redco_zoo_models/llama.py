@@ -1,6 +1,7 @@
 """A LLaMA-style decoder in Flax NNX: RoPE, grouped-query attention, RMSNorm, SwiGLU.
 
-Parameter names follow HuggingFace's LLaMA (``layers/0/self_attn/q_proj/kernel``).
+Module names follow HuggingFace's LLaMA (``model/layers/0/self_attn/q_proj/kernel``), so the
+``safetensors`` checkpoint format writes names a HuggingFace loader reads.
 """
 from __future__ import annotations
 
@@ -113,25 +114,35 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(nnx.Module):
+class LlamaModel(nnx.Module):
+    """The decoder stack, named as HuggingFace names it (``model.layers.0.self_attn...``)."""
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-        self.cfg = cfg
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, rngs=rngs)
 
     def __call__(self, input_ids):
-        """Logits ``(B, T, vocab)`` for token ids ``(B, T)``."""
         positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
         table = self.embed_tokens.embedding[...]  # not nnx.Embed's call: it fixes the dtype
         x = jnp.take(table, input_ids, axis=0)     # at init; this follows the params' dtype
         for layer in self.layers:
             x = layer(x, positions)
-        x = self.norm(x)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.model = LlamaModel(cfg, rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, rngs=rngs)
+
+    def __call__(self, input_ids):
+        """Logits ``(B, T, vocab)`` for token ids ``(B, T)``."""
+        x = self.model(input_ids)
         if self.cfg.tie_word_embeddings:
-            return x @ table.T
+            return x @ self.model.embed_tokens.embedding[...].T
         return self.lm_head(x)
 
 
