@@ -2,7 +2,8 @@
 PORT DEVICES_PER_PROCESS WORKDIR``, or ``python worker.py detect DEVICES_PER_PROCESS WORKDIR``
 to let ``Deployer`` detect its launcher (a SLURM step, the ``REDCO_*`` variables). Trains the
 tiny LM of ``tests/core/helpers.py`` with ``n_model_shards=2`` at a global batch of 8, predicts,
-saves a checkpoint, and writes what it saw (and which launcher it detected) to
+saves a checkpoint (``REDCO_TEST_CKPT_FORMAT``; resuming from one found in WORKDIR; after
+``REDCO_TEST_EPOCHS`` epochs, 2 by default), and writes what it saw (and which launcher it detected) to
 ``WORKDIR/result_<PROCESS_ID>.json`` (process 0 also writes the final params as ``.npz``)."""
 import json
 import os
@@ -16,6 +17,8 @@ if DETECT:
 else:
     process_id, n_processes, port, n_devices, workdir = sys.argv[1:6]
 KILL_AT_STEP = int(os.environ.get("REDCO_TEST_KILL_AT_STEP", 0))  # this process dies there
+N_EPOCHS = int(os.environ.get("REDCO_TEST_EPOCHS", 2))
+CKPT_FORMAT = os.environ.get("REDCO_TEST_CKPT_FORMAT", "orbax")
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices}"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "core"))
 
@@ -50,6 +53,7 @@ def main() -> None:
     multi = not DETECT and int(n_processes) > 1
     launcher = detected_launcher() if DETECT else ("ip" if multi else "local")
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False,
+                        checkpoint_format=CKPT_FORMAT,
                         n_processes=int(n_processes) if multi else None,
                         host0_address="127.0.0.1" if multi else None,
                         host0_port=int(port) if multi else None,
@@ -60,7 +64,7 @@ def main() -> None:
                       optax.sgd(0.1, momentum=0.9),
                       callbacks=[recorder] + ([KillAt()] if KILL_AT_STEP else []))
     examples = lm_examples(32)
-    trainer.fit(examples, GLOBAL_BATCH // deployer.dp_size, n_epochs=2, save_last_ckpt=True)
+    trainer.fit(examples, GLOBAL_BATCH // deployer.dp_size, n_epochs=N_EPOCHS, save_last_ckpt=True)
     predictor = trainer.get_default_predictor(
         pred_fn=lambda params, batch: apply_fn(params, batch["input_ids"][:, :-1]).argmax(-1))
     preds = predictor.predict(examples[:11], 1, params=trainer.params)

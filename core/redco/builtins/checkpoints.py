@@ -26,17 +26,44 @@ from redco.plugins import hookimpl
 from redco.sharding import named_leaves
 
 
+# ---- trees as nested dicts of arrays (what orbax and msgpack store) -----------------------------
+def nest(tree) -> dict[str, Any]:
+    """``tree``'s arrays as nested dicts keyed by their path's parts (``{"params": {"model":
+    ...}}``): plain data, whatever classes (NNX ``State``, optax states) the tree was made of."""
+    nested: dict[str, Any] = {}
+    for path, x in named_leaves(tree):
+        *parents, leaf = path.split("/")
+        node = nested
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = x
+    return nested
+
+
+def leaf_at(nested: dict, path: str):
+    for key in path.split("/"):
+        nested = nested[key]
+    return nested
+
+
+def unflatten_like(target, nested: dict):
+    leaves = [leaf_at(nested, path) for path, _ in named_leaves(target)]
+    return jax.tree.unflatten(jax.tree.structure(target), leaves)
+
+
 class OrbaxFormat:
     def save(self, path: str, tree) -> None:
         with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(path, tree)
+            ckptr.save(path, nest(tree))
             ckptr.wait_until_finished()
 
     def load(self, path: str, target):
-        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        item = nest(target)
+        restore_args = ocp.checkpoint_utils.construct_restore_args(item)
         with ocp.PyTreeCheckpointer() as ckptr:
-            return ckptr.restore(path, args=ocp.args.PyTreeRestore(
-                item=target, restore_args=restore_args, partial_restore=True))
+            restored = ckptr.restore(path, args=ocp.args.PyTreeRestore(
+                item=item, restore_args=restore_args, partial_restore=True))
+        return unflatten_like(target, restored)
 
 
 # ---- helpers of the formats that write whole arrays from one process --------------------------
@@ -124,16 +151,9 @@ class MsgpackFormat:
         arrays = host_arrays(tree)
         if jax.process_index() != 0:
             return
-        nested: dict[str, Any] = {}
-        for p, x in arrays.items():
-            *parents, leaf = p.split("/")
-            node = nested
-            for key in parents:
-                node = node.setdefault(key, {})
-            node[leaf] = x
         os.makedirs(path)
         with open(os.path.join(path, "state.msgpack"), "wb") as f:
-            f.write(serialization.msgpack_serialize(nested))
+            f.write(serialization.msgpack_serialize(nest(arrays)))
 
     def load(self, path: str, target):
         with open(os.path.join(path, "state.msgpack"), "rb") as f:
@@ -142,9 +162,7 @@ class MsgpackFormat:
             raise ValueError(f"expected a dict of arrays, found {type(nested).__name__}")
 
         def read(p: str, index: tuple) -> np.ndarray:
-            node = nested
-            for key in p.split("/"):
-                node = node[key]
+            node = leaf_at(nested, p)
             if not isinstance(node, np.ndarray) or node.dtype.hasobject:
                 raise ValueError(f"{p} is a {type(node).__name__}, not an array of numbers")
             return node[index]
