@@ -21,7 +21,6 @@ import json
 import os
 import re
 import shutil
-import warnings
 from typing import Any
 
 import jax
@@ -79,12 +78,15 @@ def save(ckpt_dir: str, name: str, tree: Any, meta: dict, format_name: str) -> s
             full = os.path.join(state_dir, rel)
             _fsync(full)
             files[rel] = {"bytes": os.path.getsize(full), "sha256": _sha256(full)}
+        for directory, _, _ in os.walk(state_dir):
+            _fsync(directory)
         arrays = {path: [list(np.shape(x)), str(x.dtype)] for path, x in named_leaves(tree)}
         meta = {**meta, "format": format_name, "arrays": arrays, "files": files}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
+        _fsync(tmp)
         if os.path.exists(final):
             os.rename(final, old)
         os.rename(tmp, final)
@@ -97,10 +99,6 @@ def save(ckpt_dir: str, name: str, tree: Any, meta: dict, format_name: str) -> s
 def read_meta(path: str) -> dict:
     """``meta.json`` of the checkpoint at ``path``, or an error saying what is missing."""
     if not os.path.isdir(path):
-        if os.path.isfile(os.path.join(path + ".old", "meta.json")):  # died between renames
-            warnings.warn(f"{path} was being replaced when a run stopped; reading the "
-                          f"checkpoint it replaced, {path}.old.", stacklevel=3)
-            return read_meta(path + ".old")
         parent = os.path.dirname(os.path.abspath(path))
         found = sorted(os.listdir(parent)) if os.path.isdir(parent) else []
         raise FileNotFoundError(f"No checkpoint directory {path}. {parent} holds {found}."
@@ -174,6 +172,22 @@ def _abstract(x) -> jax.ShapeDtypeStruct:
     if not isinstance(sharding, jax.sharding.Sharding):
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+
+def recover(ckpt_dir: str) -> None:
+    """Tidy what a killed ``save`` left (process 0 only): delete unfinished ``<name>.tmp``
+    directories, and put back ``<name>.old`` where the kill came between its two renames."""
+    if jax.process_index() != 0 or not os.path.isdir(ckpt_dir):
+        return
+    for name in os.listdir(ckpt_dir):
+        path = os.path.join(ckpt_dir, name)
+        if name.endswith(".tmp"):
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.endswith(".old"):
+            if os.path.exists(path[:-len(".old")]):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.rename(path, path[:-len(".old")])
 
 
 def step_ckpts(ckpt_dir: str) -> list[str]:

@@ -42,10 +42,15 @@ def register_launchers(register):
 def register_checkpoint_formats(register):
     """Called once when the registry of checkpoint formats is first needed.
 
-    Call ``register(name, fmt)`` for each format. ``fmt.save(path, tree)`` writes a pytree of
-    (possibly sharded) arrays to the directory ``path``; ``fmt.load(path, target)`` reads it back
-    into the shapes, dtypes and shardings of ``target`` (a pytree of ``jax.ShapeDtypeStruct``).
-    ``Deployer(checkpoint_format=name)`` selects one. Returns nothing.
+    Call ``register(name, fmt)`` for each format. ``fmt.save(path, tree)`` is called on every
+    process and writes a pytree of (possibly sharded) arrays into the new directory ``path``;
+    ``fmt.load(path, target)`` reads it back into the shapes, dtypes and shardings of ``target``
+    (a pytree of ``jax.ShapeDtypeStruct``, possibly a subset of what was saved, e.g. only
+    ``params``). ``redco.builtins.checkpoints.host_arrays`` and ``place`` do the gathering and
+    the per-shard reading for a format that stores whole arrays. redco adds ``meta.json`` (file
+    hashes, shapes) and the atomic rename around it. ``Deployer(checkpoint_format=name)`` selects
+    the format that writes; a checkpoint is read back by the format that wrote it. Returns
+    nothing.
     """
 
 

@@ -302,6 +302,7 @@ class Trainer:
         return path
 
     def _resume(self) -> dict | None:
+        checkpointing.recover(self.deployer.ckpt_dir)
         found = checkpointing.step_ckpts(self.deployer.ckpt_dir)
         if not found:
             return None
@@ -347,6 +348,12 @@ class Trainer:
         self._data_position = {"n_examples": len(train_examples), "jax_seed": self.deployer.jax_seed,
                                "examples_per_step": batch_size * self.accumulate_grad_batches}
         self._best = {}
+        if not resume and (save_last_ckpt or save_every_n_steps) and checkpointing.step_ckpts(
+                self.deployer.ckpt_dir):
+            raise ValueError(
+                f"{self.deployer.ckpt_dir} holds step checkpoints of an earlier run; with "
+                "resume=False this run's would be mixed with (and pruned against) them. Use a "
+                "new workdir, or delete the old checkpoints first.")
         meta = self._resume() if resume else None
         if meta:
             self._best = meta["best"]

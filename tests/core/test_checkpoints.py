@@ -313,3 +313,19 @@ def test_a_third_party_format_registers_through_entry_points(tmp_path, monkeypat
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     finally:
         plugins.pm.unregister(name="npz")
+
+
+def test_a_kill_between_renames_is_recovered_and_resume_false_keeps_old_runs_apart(tmp_path):
+    trainer = lm_trainer(str(tmp_path))
+    trainer.fit(lm_examples(32), 2, n_epochs=1, save_every_n_steps=2)  # step_4 kept
+    ckpts = tmp_path / "ckpts"
+    os.rename(ckpts / "step_4", ckpts / "step_4.old")  # killed after the first rename ...
+    os.makedirs(ckpts / "step_6.tmp" / "state")        # ... and a write that never finished
+    again = lm_trainer(str(tmp_path))
+    again.fit(lm_examples(32), 2, n_epochs=1, save_every_n_steps=2)
+    assert again.step == 4 and sorted(os.listdir(ckpts)) == ["step_4"]
+    fresh = lm_trainer(str(tmp_path))
+    with pytest.raises(ValueError, match="holds step checkpoints of an earlier run; with "
+                                         "resume=False"):
+        fresh.fit(lm_examples(32), 2, n_epochs=1, save_every_n_steps=2, resume=False)
+    assert sorted(os.listdir(ckpts)) == ["step_4"]

@@ -32,12 +32,12 @@ def test_rules_prints_llama_tiny_plan_and_totals():
     assert out.returncode == 0, out.stderr
     text = out.stdout
     for name in ("q_proj", "k_proj", "v_proj"):
-        assert spec_of(text, f"layers/0/self_attn/{name}/kernel") == "(None, 'mp')"
-    assert spec_of(text, "layers/0/self_attn/o_proj/kernel") == "('mp', None)"
-    assert spec_of(text, "layers/1/mlp/gate_proj/kernel") == "(None, 'mp')"
-    assert spec_of(text, "layers/1/mlp/down_proj/kernel") == "('mp', None)"
-    assert spec_of(text, "layers/0/input_layernorm/weight") == "replicated"
-    q = next(line for line in text.splitlines() if line.startswith("layers/0/self_attn/q_proj"))
+        assert spec_of(text, f"model/layers/0/self_attn/{name}/kernel") == "(None, 'mp')"
+    assert spec_of(text, "model/layers/0/self_attn/o_proj/kernel") == "('mp', None)"
+    assert spec_of(text, "model/layers/1/mlp/gate_proj/kernel") == "(None, 'mp')"
+    assert spec_of(text, "model/layers/1/mlp/down_proj/kernel") == "('mp', None)"
+    assert spec_of(text, "model/layers/0/input_layernorm/weight") == "replicated"
+    q = next(line for line in text.splitlines() if line.startswith("model/layers/0/self_attn/q_proj"))
     assert q.split()[1] == "128x128" and q.endswith("32.00 KiB")  # 128*128*4 / 2
     assert "mesh: dp=4, mp=2 (8 devices), 21 params" in text
     assert "total: 1.66 MiB (1739264 bytes)" in text
@@ -49,7 +49,7 @@ def test_devices_flag_sets_the_simulated_device_count():
                   "--rules", "auto+fsdp")
     assert out.returncode == 0, out.stderr
     assert "mesh: dp=4, mp=4 (16 devices)" in out.stdout
-    assert spec_of(out.stdout, "layers/0/self_attn/q_proj/kernel") == "('dp', 'mp')"
+    assert spec_of(out.stdout, "model/layers/0/self_attn/q_proj/kernel") == "('dp', 'mp')"
     assert "1.25x ideal" in out.stdout  # K, V (2 KV heads < 4 shards) split over dp only
 
 
@@ -58,8 +58,8 @@ def test_plan_table_prints_get_sharding_rules_in_python(workdir, capsys):
     model = load_model("llama-tiny")
     rules = deployer.get_sharding_rules(model.params, trace_fn=model.trace_fn)
     rows = {r["path"]: r for r in plan_table(deployer, model.params, rules)}
-    assert rows["layers/0/self_attn/q_proj/kernel"]["spec"] == COLUMN
-    assert rows["layers/0/mlp/down_proj/kernel"]["spec"] == ROW
+    assert rows["model/layers/0/self_attn/q_proj/kernel"]["spec"] == COLUMN
+    assert rows["model/layers/0/mlp/down_proj/kernel"]["spec"] == ROW
     assert rows["lm_head/kernel"]["bytes_per_device"] == 128 * 256 * 4 // 2
     t = totals(list(rows.values()), 8)
     assert t["bytes"] == 1739264 and t["bytes_per_device"] == 870912

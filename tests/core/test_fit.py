@@ -165,15 +165,6 @@ def test_best_checkpoints_logs_and_tensorboard(workdir):
     assert "eval: loss" in open(os.path.join(workdir, "log.txt")).read()
 
 
-def test_nan_loss_stops_with_a_clear_message(workdir):
-    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
-    nan_loss = lambda rng, state, params, batch, is_training: mlp_loss(
-        rng, state, params, batch, is_training) * jnp.nan
-    trainer = Trainer(deployer, mlp_collate, mlp_apply, nan_loss, mlp_init(), optax.sgd(0.1))
-    with pytest.raises(FloatingPointError, match="loss is nan at step 1"):
-        trainer.fit(mlp_examples(32), 2, n_epochs=1)
-
-
 def test_default_rules_follow_the_loss_dataflow_from_the_first_batch(workdir):
     """Names mislead (``a_second`` runs after ``z_first``): the name rules split them wrongly
     until fit sees a batch; then the rules come from the dataflow and the state is resharded."""
