@@ -51,7 +51,8 @@ def main(argv=None) -> None:
 
     config = LlamaConfig(hidden_size=args.hidden_size, num_hidden_layers=args.n_layers,
                          intermediate_size=args.hidden_size * 11 // 4)
-    apply_fn, params = split_model(LlamaForCausalLM(config, rngs=nnx.Rngs(args.jax_seed)))
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(args.jax_seed))
+    apply_fn, params = split_model(model)
     lr_schedule_fn = deployer.get_lr_schedule_fn(
         train_size=len(train_examples), per_device_batch_size=args.per_device_batch_size,
         n_epochs=args.n_epochs, learning_rate=args.learning_rate, schedule_type="cosine",
@@ -74,7 +75,7 @@ def main(argv=None) -> None:
         deployer=deployer,
         collate_fn=lambda exs: {"input_ids": np.stack([np.frombuffer(e.encode(), np.uint8)
                                                        .astype(np.int32) for e in exs])},
-        pred_fn=functools.partial(pred_fn, apply_fn=apply_fn),
+        pred_fn=functools.partial(pred_fn, model=model),
         output_fn=lambda preds: [bytes(row.astype(np.uint8)).decode(errors="replace")
                                  for row in preds],
         params_sharding_rules=trainer.params_sharding_rules)

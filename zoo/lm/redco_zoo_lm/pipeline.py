@@ -20,6 +20,8 @@ def loss_fn(rng, state, params, batch, is_training):
     return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
 
 
-def pred_fn(rng, params, batch, apply_fn, max_new_tokens: int = 64, temperature: float = 0.8):
-    """Continue each row of ``input_ids`` by ``max_new_tokens`` sampled tokens."""
-    return generate(apply_fn, params, batch["input_ids"], max_new_tokens, rng, temperature)
+def pred_fn(rng, params, batch, model, max_new_tokens: int = 64, temperature: float = 0.8):
+    """Continue each row of ``input_ids`` by ``max_new_tokens`` sampled tokens (``model`` gives
+    the structure; its weights are ``params``)."""
+    return generate(model, params, batch["input_ids"], max_new_tokens, rng=rng,
+                    temperature=temperature)

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from redco_zoo_models.attention import attend, init_cache, mask, positions_from, write_cache
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
@@ -23,10 +25,30 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: biases on q, k, v
+
+    max_position_embeddings: int = 4096  # kept for HuggingFace's config; RoPE has no limit
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "LlamaConfig":
+        """From a HuggingFace LLaMA, Mistral or Qwen2 ``config.json``."""
+        if config.get("rope_scaling") or config.get("head_dim", 0) not in (
+                0, None, config["hidden_size"] // config["num_attention_heads"]):
+            raise ValueError("rope_scaling and a head_dim other than hidden/heads are not "
+                             "supported by the zoo's LLaMA yet.")
+        fields = {f.name for f in dataclasses.fields(cls)} - {"attention_bias"}
+        kwargs = {k: v for k, v in config.items() if k in fields and v is not None}
+        kwargs.setdefault("num_key_value_heads", config["num_attention_heads"])
+        bias = config.get("attention_bias", config.get("model_type") == "qwen2")
+        return cls(**kwargs, attention_bias=bool(bias))
+
+    def to_hf(self) -> dict:
+        return {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                "hidden_act": "silu", **dataclasses.asdict(self)}
 
 
 def _shape(hidden: int, ffn: int, layers: int, heads: int, kv_heads: int | None = None) -> dict:
@@ -65,30 +87,23 @@ def apply_rope(x, positions, theta: float):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
-def attention_implementation(dtype) -> str | None:
-    """cuDNN's fused (flash) attention on a GPU in 16-bit, which never materialises the
-    T x T scores; XLA's elsewhere (``None`` lets jax choose)."""
-    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if half and jax.default_backend() == "gpu" else None
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)
+        linear = lambda i, o, bias=cfg.attention_bias: nnx.Linear(i, o, use_bias=bias, rngs=rngs)
         self.q_proj, self.k_proj = linear(d, h * hd), linear(d, kv * hd)
-        self.v_proj, self.o_proj = linear(d, kv * hd), linear(h * hd, d)
+        self.v_proj, self.o_proj = linear(d, kv * hd), linear(h * hd, d, bias=False)
         self.cfg = cfg
 
-    def __call__(self, x, positions):
+    def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0):
         cfg, (b, t, _) = self.cfg, x.shape
         q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
         k = self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         q, k = apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta)
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                           implementation=attention_implementation(q.dtype))
-        return self.o_proj(out.reshape(b, t, -1))
+        k, v, layer_cache = write_cache(layer_cache, k, v, cache_index)
+        out = attend(q, k, v, allowed, is_causal=allowed is None)
+        return self.o_proj(out.reshape(b, t, -1)), layer_cache
 
 
 class MLP(nnx.Module):
@@ -109,9 +124,11 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions):
-        x = x + self.self_attn(self.input_layernorm(x), positions)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0):
+        h, layer_cache = self.self_attn(self.input_layernorm(x), positions, allowed, layer_cache,
+                                        cache_index)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), layer_cache
 
 
 class LlamaModel(nnx.Module):
@@ -122,44 +139,48 @@ class LlamaModel(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def __call__(self, input_ids):
-        positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+    def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0):
+        b, t = input_ids.shape
+        if attention_mask is None and cache is None:  # training: causal over the whole input
+            positions, allowed = jnp.broadcast_to(jnp.arange(t), (b, t)), None
+        else:
+            key_valid = jnp.ones((b, t), bool) if attention_mask is None else attention_mask > 0
+            positions = jax.lax.dynamic_slice_in_dim(positions_from(key_valid), cache_index, t, 1)
+            allowed = mask(key_valid, t, cache_index)
         table = self.embed_tokens.embedding[...]  # not nnx.Embed's call: it fixes the dtype
         x = jnp.take(table, input_ids, axis=0)     # at init; this follows the params' dtype
-        for layer in self.layers:
-            x = layer(x, positions)
-        return self.norm(x)
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            x, layer_cache = layer(x, positions, allowed, cache and cache[i], cache_index)
+            new_cache.append(layer_cache)
+        return self.norm(x), (new_cache if cache is not None else None)
 
 
 class LlamaForCausalLM(nnx.Module):
+    config_class = LlamaConfig
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.model = LlamaModel(cfg, rngs)
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, rngs=rngs)
 
-    def __call__(self, input_ids):
-        """Logits ``(B, T, vocab)`` for token ids ``(B, T)``."""
-        x = self.model(input_ids)
+    def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0):
+        """Logits ``(B, T, vocab)`` for token ids ``(B, T)``; with a ``cache`` (``init_cache``),
+        ``(logits, cache)``. ``attention_mask`` marks real tokens (1) and padding (0) over the
+        input, or with a cache over all of its slots (see ``redco_zoo_models.attention``)."""
+        x, cache = self.model(input_ids, attention_mask, cache, cache_index)
         if self.cfg.tie_word_embeddings:
-            return x @ self.model.embed_tokens.embedding[...].T
-        return self.lm_head(x)
-
-
-def generate(apply_fn, params, prompt_ids, max_new_tokens: int, rng, temperature: float = 1.0):
-    """Sample ``max_new_tokens`` after ``prompt_ids`` (B, P); greedy when ``temperature == 0``.
-
-    Re-runs the whole fixed-length sequence per token (no KV cache): simple, jittable, and fast
-    enough for short samples.
-    """
-    b, p = prompt_ids.shape
-    tokens = jnp.concatenate([prompt_ids, jnp.zeros((b, max_new_tokens), prompt_ids.dtype)], 1)
-
-    def next_token(i, tokens):
-        logits = apply_fn(params, tokens)[:, p + i - 1].astype(jnp.float32)
-        if temperature == 0:
-            token = jnp.argmax(logits, -1)
+            logits = x @ self.model.embed_tokens.embedding[...].T
         else:
-            token = jax.random.categorical(jax.random.fold_in(rng, i), logits / temperature)
-        return tokens.at[:, p + i].set(token.astype(tokens.dtype))
-    return jax.lax.fori_loop(0, max_new_tokens, next_token, tokens)[:, p:]
+            logits = self.lm_head(x)
+        return logits if cache is None else (logits, cache)
+
+    def decode(self, ids, key_valid, cache, cache_index, context=None):
+        """One generation step (``redco_zoo_models.generation``)."""
+        return self(ids, attention_mask=key_valid, cache=cache, cache_index=cache_index)
+
+    def init_cache(self, batch: int, n_slots: int, dtype=jnp.float32) -> list[dict]:
+        cfg = self.cfg
+        return init_cache(cfg.num_hidden_layers, batch, n_slots, cfg.num_key_value_heads,
+                          cfg.head_dim, dtype)

@@ -1,0 +1,59 @@
+"""What every zoo model's attention shares: the masks, a key/value cache, the attention itself.
+
+Slots: a sequence of ``S`` slots holds the prompt (left-padded) and then the generated tokens.
+``key_valid`` (B, S) marks the slots holding real tokens. A query in slot ``i`` sees the valid
+slots ``<= i`` (causal) or all valid slots (an encoder, cross-attention). Without a cache the
+slots are just the input's positions.
+
+A cache is one dict ``{"k": (B, S, KV, D), "v": ...}`` per layer, the model writing a call's
+keys and values at ``cache_index`` (the slot of its first token).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def mask(key_valid, n_queries: int, first_slot=0, causal: bool = True):
+    """``(B, 1, T, S)`` bools: which of ``S`` key slots each of ``n_queries`` queries (in slots
+    ``first_slot ...``) may attend to."""
+    b, s = key_valid.shape
+    allowed = jnp.broadcast_to(key_valid[:, None, None, :], (b, 1, n_queries, s))
+    if causal:
+        query_slots = first_slot + jnp.arange(n_queries)
+        allowed = allowed & (jnp.arange(s)[None, :] <= query_slots[:, None])
+    return allowed
+
+
+def positions_from(key_valid):
+    """Each slot's position in its own sequence: left padding does not count."""
+    return jnp.maximum(jnp.cumsum(key_valid, axis=-1) - 1, 0)
+
+
+def init_cache(n_layers: int, batch: int, n_slots: int, n_kv_heads: int, head_dim: int,
+               dtype=jnp.float32) -> list[dict]:
+    zeros = lambda: jnp.zeros((batch, n_slots, n_kv_heads, head_dim), dtype)
+    return [{"k": zeros(), "v": zeros()} for _ in range(n_layers)]
+
+
+def write_cache(layer_cache: dict | None, k, v, cache_index):
+    """``(keys, values, new layer cache)``: ``k``, ``v`` written at ``cache_index`` and the whole
+    cache attended to; without a cache, just ``k`` and ``v``."""
+    if layer_cache is None:
+        return k, v, None
+    k = jax.lax.dynamic_update_slice_in_dim(layer_cache["k"], k.astype(layer_cache["k"].dtype),
+                                            cache_index, axis=1)
+    v = jax.lax.dynamic_update_slice_in_dim(layer_cache["v"], v.astype(layer_cache["v"].dtype),
+                                            cache_index, axis=1)
+    return k, v, {"k": k, "v": v}
+
+
+def attend(q, k, v, allowed=None, bias=None, scale: float | None = None, is_causal=False):
+    """``softmax(q k^T * scale + bias)`` over the ``allowed`` keys, times ``v``. ``q`` is
+    (B, T, H, D); ``k``, ``v`` (B, S, KV, D) with ``H`` a multiple of ``KV`` (grouped-query
+    attention). On a GPU in 16-bit with a plain causal mask, cuDNN's flash attention."""
+    half = q.dtype in (jnp.bfloat16, jnp.float16)
+    fused = half and allowed is None and bias is None and jax.default_backend() == "gpu"
+    return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), bias=bias,
+                                        mask=allowed, scale=scale, is_causal=is_causal,
+                                        implementation="cudnn" if fused else None)

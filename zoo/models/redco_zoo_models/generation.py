@@ -1,0 +1,117 @@
+"""Text generation with a key/value cache: greedy, sampling (temperature, top-k, top-p) and beam
+search. One ``lax.scan`` over the new tokens: call it inside a jitted function (a ``pred_fn``
+under ``Predictor``) and it runs on sharded params like any other computation.
+
+A model generates through two methods:
+
+* ``model.init_cache(batch, n_slots, dtype)``: an empty cache (``redco_zoo_models.attention``);
+* ``model.decode(ids, key_valid, cache, cache_index, context) -> (logits, cache)``: run ``ids``
+  (B, T) in the slots from ``cache_index`` on; ``key_valid`` (B, S) marks real tokens.
+
+Encoder-decoder models also have ``model.encode(**encoder_inputs) -> context``, run once.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def pick_tokens(logits, rng, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
+    """Greedy (``temperature == 0``) or sampled next tokens from ``logits`` (B, V)."""
+    if temperature == 0:
+        return jnp.argmax(logits, -1)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:  # the fewest most likely tokens whose probabilities reach top_p
+        ranked = jnp.sort(logits, -1)[:, ::-1]
+        probs = jax.nn.softmax(ranked, -1)
+        keep = jnp.cumsum(probs, -1) - probs < top_p
+        cutoff = jnp.min(jnp.where(keep, ranked, jnp.inf), -1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(rng, logits)
+
+
+def generate(model: nnx.Module, params: Any, prompt_ids, max_new_tokens: int, *,
+             prompt_mask=None, encoder_inputs: dict | None = None, rng=None,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, num_beams: int = 1,
+             eos_token_id: int | None = None, pad_token_id: int = 0,
+             length_penalty: float = 1.0, cache_dtype=jnp.float32):
+    """``(B, max_new_tokens)`` token ids generated after ``prompt_ids`` (B, P); after an
+    ``eos_token_id``, ``pad_token_id``.
+
+    ``model`` gives the structure (its own weights are not used; ``params`` are). Prompts of
+    different lengths are left-padded, with ``prompt_mask`` 0 on the padding. For an
+    encoder-decoder model, ``prompt_ids`` are the decoder's start tokens and ``encoder_inputs``
+    the keyword arguments of ``model.encode``. ``num_beams > 1`` runs beam search (scores
+    divided by ``length ** length_penalty``); otherwise greedy when ``temperature == 0``, else
+    sampling with ``rng``.
+    """
+    m = nnx.merge(nnx.graphdef(model), params)
+    b, p = prompt_ids.shape
+    if prompt_mask is None:
+        prompt_mask = jnp.ones((b, p), bool)
+    key_valid = jnp.concatenate([prompt_mask > 0, jnp.ones((b, max_new_tokens), bool)], 1)
+    context = m.encode(**encoder_inputs) if encoder_inputs is not None else None
+    if num_beams > 1:
+        return _beam_search(m, prompt_ids, key_valid, context, max_new_tokens, num_beams,
+                            eos_token_id, pad_token_id, length_penalty, cache_dtype)
+    cache = m.init_cache(b, p + max_new_tokens, cache_dtype)
+    logits, cache = m.decode(prompt_ids, key_valid, cache, 0, context)
+    rng = jax.random.PRNGKey(0) if rng is None else rng
+
+    def step(carry, i):
+        logits, cache, finished = carry
+        token = pick_tokens(logits, jax.random.fold_in(rng, i), temperature, top_k, top_p)
+        token = jnp.where(finished, pad_token_id, token).astype(prompt_ids.dtype)
+        if eos_token_id is not None:
+            finished = finished | (token == eos_token_id)
+        logits, cache = m.decode(token[:, None], key_valid, cache, p + i, context)
+        return (logits[:, -1], cache, finished), token
+    _, tokens = jax.lax.scan(step, (logits[:, -1], cache, jnp.zeros((b,), bool)),
+                             jnp.arange(max_new_tokens))
+    return tokens.T
+
+
+def _beam_search(m, prompt_ids, key_valid, context, n_new, k, eos, pad, length_penalty,
+                 cache_dtype):
+    """Keeps the ``k`` best unfinished and the ``k`` best finished sequences per example."""
+    b, p = prompt_ids.shape
+    beams = lambda x: jnp.repeat(x, k, axis=0)  # (B, ...) -> (B * k, ...)
+    key_valid, context = beams(key_valid), jax.tree.map(beams, context)
+    cache = m.init_cache(b * k, p + n_new, cache_dtype)
+    logits, cache = m.decode(beams(prompt_ids), key_valid, cache, 0, context)
+    alive = jnp.full((b, k, n_new), pad, prompt_ids.dtype)
+    alive_scores = jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf), (b, 1))  # one start
+    done, done_scores = alive, jnp.full((b, k), -jnp.inf)
+
+    def take(x, index):  # x (B, n, ...) at index (B, m) along axis 1
+        return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), 1)
+
+    def step(carry, i):
+        logits, cache, alive, alive_scores, done, done_scores = carry
+        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(b, k, -1)
+        vocab = logprobs.shape[-1]
+        scores, index = jax.lax.top_k((alive_scores[..., None] + logprobs).reshape(b, -1), 2 * k)
+        source, token = index // vocab, (index % vocab).astype(alive.dtype)
+        seqs = take(alive, source).at[:, :, i].set(token)  # (B, 2k, n_new)
+        ends = token == eos if eos is not None else jnp.zeros_like(token, bool)
+        finished = jnp.where(ends, scores / (i + 1.0) ** length_penalty, -jnp.inf)
+        done_scores, best = jax.lax.top_k(jnp.concatenate([done_scores, finished], 1), k)
+        done = take(jnp.concatenate([done, seqs], 1), best)
+        alive_scores, best = jax.lax.top_k(jnp.where(ends, -jnp.inf, scores), k)
+        alive, source = take(seqs, best), take(source, best)
+        rows = (jnp.arange(b)[:, None] * k + source).reshape(-1)
+        cache = jax.tree.map(lambda c: c[rows], cache)
+        logits, cache = m.decode(alive[:, :, i].reshape(-1, 1), key_valid, cache, p + i, context)
+        return (logits[:, -1], cache, alive, alive_scores, done, done_scores), None
+
+    carry = (logits[:, -1], cache, alive, alive_scores, done, done_scores)
+    (_, _, alive, alive_scores, done, done_scores), _ = jax.lax.scan(step, carry,
+                                                                      jnp.arange(n_new))
+    scores = jnp.concatenate([done_scores, alive_scores / n_new ** length_penalty], 1)
+    return take(jnp.concatenate([done, alive], 1), jnp.argmax(scores, 1)[:, None])[:, 0]

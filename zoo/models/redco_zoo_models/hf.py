@@ -1,0 +1,81 @@
+"""HuggingFace checkpoints in and out: ``config.json`` plus ``model.safetensors``.
+
+The zoo's models name their modules and parameters as HuggingFace's PyTorch models do, so one
+rule maps every parameter both ways: the rule of redco's ``safetensors`` checkpoint format
+(``kernel`` -> ``weight``, transposed; ``embedding``/``scale`` -> ``weight``). A model class
+provides ``config_class`` (a dataclass with ``from_hf(dict)`` and ``to_hf() -> dict``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from redco.builtins.checkpoints import torch_name
+from redco.sharding import named_leaves
+
+
+def read_safetensors(model_dir: str) -> dict[str, np.ndarray]:
+    """Every tensor of ``model.safetensors`` (or of the shards its index lists), by name."""
+    from safetensors.numpy import load_file
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        path = os.path.join(model_dir, file)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} not found: from_pretrained reads a local directory "
+                                    "with config.json and model.safetensors (safetensors only, "
+                                    "no pytorch_model.bin).")
+        tensors.update(load_file(path))
+    return tensors
+
+
+def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = None,
+                    seed: int = 0) -> nnx.Module:
+    """``model_class`` built from ``model_dir``'s ``config.json`` with its safetensors weights
+    (in ``dtype`` when given). Raises naming the first parameter missing or of another shape."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = model_class.config_class.from_hf(json.load(f))
+    model = nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(seed)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tensors, used = read_safetensors(model_dir), set()
+    leaves = []
+    for path, leaf in named_leaves(params):
+        name, perm = torch_name(path, len(leaf.shape))
+        if name not in tensors:
+            raise KeyError(f"{model_dir} has no tensor {name} (for {path}); is it a "
+                           f"{model_class.__name__} checkpoint?")
+        array = tensors[name] if perm is None else tensors[name].transpose(np.argsort(perm))
+        if array.shape != leaf.shape:
+            raise ValueError(f"{name} in {model_dir} has shape {array.shape}; "
+                             f"{model_class.__name__} expects {leaf.shape} (for {path}).")
+        used.add(name)
+        leaves.append(np.asarray(array, dtype or leaf.dtype))
+    if unused := sorted(set(tensors) - used):
+        warnings.warn(f"{model_dir}: {len(unused)} tensors unused by {model_class.__name__}, "
+                      f"e.g. {unused[:3]}", stacklevel=2)
+    return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(params), leaves), rest)
+
+
+def save_pretrained(model: nnx.Module, model_dir: str) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (PyTorch names) for ``model``."""
+    from safetensors.numpy import save_file
+    os.makedirs(model_dir, exist_ok=True)
+    tensors = {}
+    for path, leaf in named_leaves(nnx.state(model, nnx.Param)):
+        name, perm = torch_name(path, np.ndim(leaf))
+        array = np.asarray(leaf)
+        tensors[name] = np.ascontiguousarray(array if perm is None else array.transpose(perm))
+    save_file(tensors, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(model.cfg.to_hf(), f, indent=2)
