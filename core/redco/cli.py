@@ -131,6 +131,22 @@ def cmd_doctor(args) -> None:
     doctor(launcher=args.launcher, n_local_devices=args.n_local_devices)
 
 
+def cmd_zoo(args) -> None:
+    """List the installed zoo pipelines, or run one: redco zoo run NAME --help."""
+    from redco.plugins import lookup, registry
+    if args.action == "list":
+        for name, pipeline in registry("zoo_pipelines").items():
+            print(f"{name:<14} {pipeline.description}")
+        return
+    if not args.name:
+        sys.exit("redco zoo run: name a pipeline (redco zoo list shows them).")
+    pipeline = lookup("zoo_pipelines", args.name)
+    parser = argparse.ArgumentParser(prog=f"redco zoo run {args.name}",
+                                     description=pipeline.description)
+    pipeline.add_arguments(parser)
+    pipeline.run(parser.parse_args(args.rest))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="redco", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -198,6 +214,11 @@ def main(argv: list[str] | None = None) -> None:
     doctor.add_argument("--launcher", help="use this launcher instead of detecting one")
     doctor.add_argument("--n_local_devices", type=int, help="use only this many local devices")
     doctor.set_defaults(run=cmd_doctor)
+    zoo = commands.add_parser("zoo", help=cmd_zoo.__doc__)
+    zoo.add_argument("action", choices=["list", "run"])
+    zoo.add_argument("name", nargs="?", help="the pipeline to run")
+    zoo.add_argument("rest", nargs=argparse.REMAINDER, help="its flags (see --help)")
+    zoo.set_defaults(run=cmd_zoo)
     args = parser.parse_args(argv)
     args.run(args)
 

@@ -65,6 +65,17 @@ def register_loggers(register):
 
 
 @hookspec
+def register_zoo_pipelines(register):
+    """Called once when ``redco zoo`` lists or runs pipelines.
+
+    Call ``register(name, pipeline)`` for each pipeline an installed zoo package provides. A
+    pipeline has ``description`` (one line), ``add_arguments(parser)`` (its command-line flags,
+    on an ``argparse.ArgumentParser``) and ``run(args)`` (train and evaluate from the parsed
+    flags). ``redco zoo run NAME ...`` runs one. Returns nothing.
+    """
+
+
+@hookspec
 def on_fit_start(trainer, n_epochs, steps_per_epoch):
     """Called by ``Trainer.fit`` on every process after the state is placed (and resumed, if a
     checkpoint was found), before the first training step. ``trainer.step`` tells where training

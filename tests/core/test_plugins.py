@@ -11,20 +11,21 @@ import pytest
 from helpers import Recorder, mlp_apply, mlp_collate, mlp_examples, mlp_init, mlp_loss
 
 from redco import Deployer, Trainer, hookspecs, plugins
+from redco.cli import main
 
 HOOKS = sorted(name for name, _ in inspect.getmembers(hookspecs, inspect.isfunction)
                if hasattr(getattr(hookspecs, name), "redco_spec"))
 
 
 def test_every_hook_is_documented():
-    assert len(HOOKS) == 9
+    assert len(HOOKS) == 10
     for name in HOOKS:
         doc = inspect.getdoc(getattr(hookspecs, name)) or ""
         assert "Called" in doc and "Returns" in doc, f"{name} must say when it is called and " \
                                                      "what it returns"
 
 
-def test_every_hook_is_exercised_by_a_run(workdir):
+def test_every_hook_is_exercised_by_a_run(workdir, capsys):
     called = set()
     undo = plugins.pm.add_hookcall_monitoring(lambda name, impls, kw: called.add(name),
                                               lambda outcome, name, impls, kw: None)
@@ -36,9 +37,11 @@ def test_every_hook_is_exercised_by_a_run(workdir):
                           callbacks=[Recorder()])
         trainer.fit(mlp_examples(32), 2, n_epochs=1, eval_examples=mlp_examples(8),
                     save_last_ckpt=True, save_argmin_ckpt_by_metrics=["loss"])
+        main(["zoo", "list"])
     finally:
         undo()
     assert sorted(called) == HOOKS
+    assert capsys.readouterr().out.startswith("lm ")  # redco-zoo-lm, through its entry point
 
 
 def test_lifecycle_hooks_run_in_order(workdir):

@@ -1,11 +1,15 @@
-"""The three functions of causal language modelling."""
+"""Causal language modelling through the three functions, and ``redco zoo run lm``."""
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from redco_zoo_models import generate
+import redco
+from redco_zoo_models import generate, runner
+from redco_zoo_models.hf import auto_class
 
 
 def collate_fn(examples: list[dict]) -> dict:
@@ -25,3 +29,35 @@ def pred_fn(rng, params, batch, model, max_new_tokens: int = 64, temperature: fl
     the structure; its weights are ``params``)."""
     return generate(model, params, batch["input_ids"], max_new_tokens, rng=rng,
                     temperature=temperature)
+
+
+def text_blocks(texts: list[str], tokenizer, block_size: int) -> list[dict]:
+    """The texts tokenized end to end and cut into examples of ``block_size + 1`` tokens."""
+    ids = [i for text in texts for i in tokenizer.encode(text).ids]
+    return [{"token_ids": ids[i:i + block_size + 1]}
+            for i in range(0, len(ids) - block_size, block_size)]
+
+
+class LMPipeline:
+    description = "causal LM: train a decoder (LLaMA, Mistral, Qwen2, GPT-2) on text; perplexity"
+
+    def add_arguments(self, parser) -> None:
+        runner.add_arguments(parser)
+        parser.add_argument("--block_size", type=int, default=128, help="tokens per example")
+        parser.add_argument("--text_column", default="text")
+
+    def run(self, args) -> float:
+        tokenizer = runner.load_tokenizer(args.model)
+        rows = runner.split_eval(args, runner.load_examples(args.train))
+        train, evaluate = (text_blocks([r[args.text_column] for r in part], tokenizer,
+                                       args.block_size) for part in rows)
+        trainer = runner.train_and_eval(args, auto_class(args.model), (train, evaluate),
+                                        collate_fn, loss_fn)
+        perplexity = math.exp(trainer.eval_loss(evaluate, args.per_device_batch_size))
+        trainer.deployer.log_info(f"eval perplexity {perplexity:.3f}")
+        return perplexity
+
+
+@redco.hookimpl
+def register_zoo_pipelines(register):
+    register("lm", LMPipeline())

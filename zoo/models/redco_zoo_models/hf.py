@@ -7,6 +7,7 @@ provides ``config_class`` (a dataclass with ``from_hf(dict)`` and ``to_hf() -> d
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import warnings
@@ -18,6 +19,26 @@ from flax import nnx
 
 from redco.builtins.checkpoints import torch_name
 from redco.sharding import named_leaves
+
+MODEL_CLASSES = {  # config.json's model_type -> the zoo class that reads it
+    "llama": "redco_zoo_models.llama:LlamaForCausalLM",
+    "mistral": "redco_zoo_models.llama:LlamaForCausalLM",
+    "qwen2": "redco_zoo_models.llama:LlamaForCausalLM",
+    "gpt2": "redco_zoo_models.gpt2:GPT2LMHeadModel",
+    "t5": "redco_zoo_models.t5:T5ForConditionalGeneration",
+    "vision-encoder-decoder": "redco_zoo_models.vision_encoder_decoder:VisionEncoderDecoderModel",
+}
+
+
+def auto_class(model_dir: str) -> type[nnx.Module]:
+    """The zoo class for ``model_dir``'s ``config.json`` (by its ``model_type``)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in MODEL_CLASSES:
+        raise ValueError(f"{model_dir} holds a {model_type!r} model; the zoo reads "
+                         f"{sorted(MODEL_CLASSES)}.")
+    module, name = MODEL_CLASSES[model_type].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def read_safetensors(model_dir: str) -> dict[str, np.ndarray]:

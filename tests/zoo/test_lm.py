@@ -1,0 +1,78 @@
+"""The LM pipeline learns a Markov chain to its entropy rate on 8 devices with 2 model shards,
+and ``redco zoo run lm`` trains a local HuggingFace model directory on a local text file."""
+import os
+import pydoc_data.topics
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from redco import Deployer, Trainer
+from redco.cli import main
+from redco_zoo_lm import collate_fn, loss_fn
+from redco_zoo_models import LlamaConfig, LlamaForCausalLM, from_pretrained, save_pretrained, split_model
+
+
+def markov_chain(n_states=16, seed=0):
+    """Transition matrix (rows ~ Dirichlet(0.3)), stationary distribution, entropy rate."""
+    rng = np.random.default_rng(seed)
+    transitions = rng.dirichlet([0.3] * n_states, size=n_states)
+    values, vectors = np.linalg.eig(transitions.T)
+    stationary = np.real(vectors[:, np.argmin(np.abs(values - 1))])
+    stationary /= stationary.sum()
+    entropy_rate = -np.sum(stationary[:, None] * transitions * np.log(transitions + 1e-30))
+    return transitions, stationary, entropy_rate
+
+
+def sample_chains(transitions, stationary, n, length, seed):
+    rng = np.random.default_rng(seed)
+    states = [rng.choice(len(stationary), size=n, p=stationary)]
+    for _ in range(length - 1):
+        cumulative = transitions[states[-1]].cumsum(1)
+        states.append((rng.random((n, 1)) < cumulative).argmax(1))
+    return [{"token_ids": row} for row in np.stack(states, 1)]
+
+
+def test_lm_learns_a_markov_chain_to_its_entropy_rate(workdir):
+    transitions, stationary, entropy_rate = markov_chain()
+    train = sample_chains(transitions, stationary, 4096, 33, seed=1)
+    test = sample_chains(transitions, stationary, 512, 33, seed=2)
+    cfg = LlamaConfig(vocab_size=16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    apply_fn, params = split_model(LlamaForCausalLM(cfg, nnx.Rngs(0)))
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    lr = deployer.get_lr_schedule_fn(len(train), 8, 4, 3e-3, warmup_rate=0.05)
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(lr),
+                      lr_schedule_fn=lr)
+    trainer.fit(train, 8, n_epochs=4)
+    cross_entropy = trainer.eval_loss(test, 8)
+    assert cross_entropy <= 1.05 * entropy_rate, (cross_entropy, entropy_rate)
+
+
+def test_redco_zoo_run_lm_trains_a_local_model_on_a_text_file(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    text = pydoc_data.topics.topics["assert"] + pydoc_data.topics.topics["if"]
+    (tmp_path / "train.txt").write_text(text * 4)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tokenizer.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300))
+    model_dir = tmp_path / "model"
+    cfg = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=32,
+                      intermediate_size=64, num_hidden_layers=2)
+    save_pretrained(LlamaForCausalLM(cfg, nnx.Rngs(0)), str(model_dir))
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+
+    workdir = tmp_path / "workdir"
+    main(["zoo", "run", "lm", "--model", str(model_dir), "--train", str(tmp_path / "train.txt"),
+          "--workdir", str(workdir), "--n_model_shards", "2", "--per_device_batch_size", "2",
+          "--n_epochs", "6", "--learning_rate", "3e-3", "--block_size", "16"])
+    log = open(workdir / "log.txt").read()
+    perplexity = float(log.split("eval perplexity ")[1].split()[0])
+    assert perplexity < cfg.vocab_size / 3  # an untrained model is near the vocabulary size
+    trained = from_pretrained(LlamaForCausalLM, str(workdir / "model"))
+    ids = np.array([tokenizer.encode("assert x").ids])
+    assert np.isfinite(np.asarray(trained(ids))).all()
+    assert sorted(os.listdir(workdir / "model")) == ["config.json", "model.safetensors",
+                                                    "tokenizer.json"]
+    assert jax.device_count() == 8
