@@ -9,7 +9,6 @@ import optax
 
 import redco
 from redco_zoo_models import generate, runner
-from redco_zoo_models.hf import auto_class
 
 
 def collate_fn(examples: list[dict]) -> dict:
@@ -48,11 +47,10 @@ class LMPipeline:
 
     def run(self, args) -> float:
         tokenizer = runner.load_tokenizer(args.model)
-        rows = runner.split_eval(args, runner.load_examples(args.train))
         train, evaluate = (text_blocks([r[args.text_column] for r in part], tokenizer,
-                                       args.block_size) for part in rows)
-        trainer = runner.train_and_eval(args, auto_class(args.model), (train, evaluate),
-                                        collate_fn, loss_fn)
+                                       args.block_size) for part in runner.split_eval(args))
+        model, _ = runner.load_model(args.model)
+        trainer = runner.train_and_eval(args, model, (train, evaluate), collate_fn, loss_fn)
         perplexity = math.exp(trainer.eval_loss(evaluate, args.per_device_batch_size))
         trainer.deployer.log_info(f"eval perplexity {perplexity:.3f}")
         return perplexity

@@ -47,7 +47,8 @@ class GPT2Config:
     def from_hf(cls, config: dict) -> "GPT2Config":
         """From a HuggingFace GPT-2 ``config.json`` (its defaults where a key is missing)."""
         fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in config.items() if k in fields})
+        return cls(**{k: tuple(v) if isinstance(v, list) else v  # (a list of eos ids)
+                      for k, v in config.items() if k in fields})
 
     def to_hf(self) -> dict:
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
@@ -150,6 +151,7 @@ class GPT2Model(nnx.Module):
 
 class GPT2LMHeadModel(nnx.Module):
     config_class = GPT2Config
+    base_model_prefix = "transformer"  # hf.from_pretrained also reads GPT2Model's checkpoints
 
     def __init__(self, cfg: GPT2Config, rngs: nnx.Rngs):
         self.cfg = cfg

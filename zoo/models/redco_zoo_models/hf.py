@@ -3,7 +3,8 @@
 The zoo's models name their modules and parameters as HuggingFace's PyTorch models do, so one
 rule maps every parameter both ways: the rule of redco's ``safetensors`` checkpoint format
 (``kernel`` -> ``weight``, transposed; ``embedding``/``scale`` -> ``weight``). A model class
-provides ``config_class`` (a dataclass with ``from_hf(dict)`` and ``to_hf() -> dict``).
+provides ``config_class`` (a dataclass with ``from_hf(dict)`` and ``to_hf() -> dict``) and
+optionally ``base_model_prefix``, HuggingFace's, to read checkpoints of the bare base model too.
 """
 from __future__ import annotations
 
@@ -70,9 +71,12 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
     model = nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(seed)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tensors, used = read_safetensors(model_dir), set()
+    base = getattr(model_class, "base_model_prefix", None)  # e.g. GPT-2's "transformer"
     leaves = []
     for path, leaf in named_leaves(params):
         name, perm = torch_name(path, len(leaf.shape))
+        if name not in tensors and base and name.removeprefix(f"{base}.") in tensors:
+            name = name.removeprefix(f"{base}.")  # a checkpoint of the bare base model
         if name not in tensors:
             raise KeyError(f"{model_dir} has no tensor {name} (for {path}); is it a "
                            f"{model_class.__name__} checkpoint?")

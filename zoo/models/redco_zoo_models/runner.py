@@ -4,16 +4,18 @@ the trained model saved as a HuggingFace directory)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 from typing import Any, Callable
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 
 from redco import Deployer, Trainer
-from redco_zoo_models.hf import from_pretrained, save_pretrained
+from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
 from redco_zoo_models.nnx_utils import split_model
 
 DATA_KINDS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
@@ -57,17 +59,37 @@ def load_tokenizer(model_dir: str):
     return Tokenizer.from_file(path)
 
 
-def train_and_eval(args, model_class: type, examples: tuple[list, list], collate_fn: Callable,
+def pad_ids(rows: list[list[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, mask)`` of shape (B, length): token id rows cut to ``length``, right-padded."""
+    ids = np.full((len(rows), length), pad_id, np.int32)
+    for i, row in enumerate(rows):
+        ids[i, :len(row[:length])] = row[:length]
+    return ids, np.arange(length) < np.array([[min(len(r), length)] for r in rows])
+
+
+def detokenize(preds, tokenizer, eos_id: int) -> list[str]:
+    """Generated id rows -> text, each cut at its first ``eos_id``."""
+    rows = [[int(t) for t in row] for row in preds]
+    return [tokenizer.decode(row[:row.index(eos_id)] if eos_id in row else row) for row in rows]
+
+
+def load_model(model_dir: str) -> tuple[nnx.Module, dict]:
+    """The zoo model saved in ``model_dir`` and its ``config.json`` (token ids live there)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    return from_pretrained(auto_class(model_dir), model_dir), config
+
+
+def train_and_eval(args, model: nnx.Module, examples: tuple[list, list], collate_fn: Callable,
                    loss_fn: Callable, pred_fn: Callable | None = None,
                    output_fn: Callable | None = None, metric_fn: Callable | None = None,
                    best_metric: str | None = None) -> Any:
-    """Train ``args.model`` on ``examples = (train, eval)`` with the three functions; evaluate
-    after each epoch; save the model as ``workdir/model`` (HuggingFace format). Returns the
-    trainer."""
+    """Train ``model`` on ``examples = (train, eval)`` with the three functions; evaluate
+    after each epoch; save the trained model as ``workdir/model`` (HuggingFace format, with the
+    tokenizer files of ``args.model``). Returns the trainer."""
     train, evaluate = examples
     deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
                         workdir=args.workdir)
-    model = from_pretrained(model_class, args.model)
     apply_fn, params = split_model(model)
     lr = deployer.get_lr_schedule_fn(len(train), args.per_device_batch_size, args.n_epochs,
                                      args.learning_rate, warmup_rate=args.warmup_rate)
@@ -88,8 +110,9 @@ def train_and_eval(args, model_class: type, examples: tuple[list, list], collate
     return trainer
 
 
-def split_eval(args, rows: list) -> tuple[list, list]:
-    """``(train, eval)``: ``--eval`` if given, else the last 5% of ``rows``."""
+def split_eval(args) -> tuple[list, list]:
+    """``(train, eval)`` rows: ``--train`` and ``--eval``, or the last 5% of ``--train``."""
+    rows = load_examples(args.train)
     if args.eval:
         return rows, load_examples(args.eval)
     n = max(1, len(rows) // 20)

@@ -1,0 +1,118 @@
+"""The seq2seq pipeline learns to reverse strings and the captioning pipeline to name coloured
+shapes, on 8 devices with 2 model shards; beam search gives the same text sharded and on one
+device; ``redco zoo run`` trains both from local files."""
+import json
+import os
+from functools import partial
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from PIL import Image
+from redco_zoo_captioning import pipeline as captioning
+from redco_zoo_seq2seq import pipeline as seq2seq
+from tasks import COLOURS, LETTERS, SHAPES, reversal_examples, shape_examples, word_tokenizer
+
+from redco import Deployer, Trainer
+from redco.cli import main
+from redco_zoo_models import runner, save_pretrained, split_model
+from redco_zoo_models.gpt2 import GPT2Config
+from redco_zoo_models.t5 import T5Config, T5ForConditionalGeneration
+from redco_zoo_models.vision_encoder_decoder import VisionEncoderDecoderConfig, VisionEncoderDecoderModel
+from redco_zoo_models.vit import ViTConfig
+
+
+def t5(vocab_size):
+    return T5ForConditionalGeneration(T5Config(
+        vocab_size=vocab_size, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=32, relative_attention_max_distance=64), nnx.Rngs(0))
+
+
+def vit_gpt2(vocab_size):
+    return VisionEncoderDecoderModel(VisionEncoderDecoderConfig(
+        encoder=ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=128, image_size=32, patch_size=8),
+        decoder=GPT2Config(vocab_size=vocab_size, n_positions=8, n_embd=64, n_layer=2, n_head=4,
+                           add_cross_attention=True, bos_token_id=1, eos_token_id=2),
+        decoder_start_token_id=1, pad_token_id=0), nnx.Rngs(0))
+
+
+def train_and_predict(workdir, model, collate_fn, loss_fn, pred_fn, output_fn, train, test,
+                      batch_size, n_epochs, learning_rate):
+    """Fit on dp4 x mp2, then predict ``test``; also return one batch's ids from one device."""
+    apply_fn, params = split_model(model)
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    lr = deployer.get_lr_schedule_fn(len(train), batch_size, n_epochs, learning_rate,
+                                     warmup_rate=0.05)
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(lr),
+                      lr_schedule_fn=lr)
+    trainer.fit(train, batch_size, n_epochs)
+    predictor = trainer.get_default_predictor(pred_fn)
+    sharded_ids = predictor.predict(test, batch_size, params=trainer.params)
+    batch = collate_fn(test[:8])
+    one_device = jax.jit(pred_fn)(jax.random.PRNGKey(0), jax.device_get(trainer.params), batch)
+    np.testing.assert_array_equal(np.asarray(one_device), np.stack(sharded_ids[:8]))
+    return output_fn(np.stack(sharded_ids))
+
+
+def test_seq2seq_learns_to_reverse_strings(workdir):
+    tokenizer = word_tokenizer(LETTERS)
+    ids = dict(pad_id=0, eos_id=1)
+    model = t5(tokenizer.get_vocab_size())
+    test = reversal_examples(256, seed=2)
+    preds = train_and_predict(
+        workdir, model, partial(seq2seq.collate_fn, tokenizer=tokenizer, src_len=9, tgt_len=9,
+                                **ids), seq2seq.loss_fn,
+        partial(seq2seq.pred_fn, model=model, max_new_tokens=9, num_beams=3, **ids),
+        partial(runner.detokenize, tokenizer=tokenizer, eos_id=1),
+        reversal_examples(4096, seed=1), test, batch_size=16, n_epochs=5, learning_rate=3e-3)
+    scores = seq2seq.metric_fn(test, preds)
+    assert scores["exact_match"] >= 0.95, (scores, preds[:4])
+
+
+def test_captioning_learns_coloured_shapes(workdir):
+    tokenizer = word_tokenizer(list(COLOURS) + list(SHAPES), ("<pad>", "<bos>", "<eos>", "<unk>"))
+    ids = dict(bos_id=1, eos_id=2, pad_id=0)
+    model = vit_gpt2(tokenizer.get_vocab_size())
+    test = shape_examples(256, seed=2)
+    preds = train_and_predict(
+        workdir, model, partial(captioning.collate_fn, tokenizer=tokenizer, image_size=32,
+                                max_len=4, **ids), captioning.loss_fn,
+        partial(captioning.pred_fn, model=model, max_new_tokens=4, num_beams=2, **ids),
+        partial(runner.detokenize, tokenizer=tokenizer, eos_id=2),
+        shape_examples(3072, seed=1), test, batch_size=8, n_epochs=12, learning_rate=2e-3)
+    scores = captioning.metric_fn(test, preds)
+    assert scores["exact_match"] >= 0.9, (scores, preds[:4])
+
+
+def test_redco_zoo_run_seq2seq_and_captioning_from_local_files(tmp_path):
+    tokenizer = word_tokenizer(LETTERS)
+    save_pretrained(t5(tokenizer.get_vocab_size()), str(tmp_path / "t5"))
+    tokenizer.save(str(tmp_path / "t5" / "tokenizer.json"))
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        for example in reversal_examples(160, seed=3):
+            f.write(json.dumps({"question": example["src"], "answer": example["tgt"]}) + "\n")
+    main(["zoo", "run", "seq2seq", "--model", str(tmp_path / "t5"), "--train",
+          str(tmp_path / "pairs.jsonl"), "--src_column", "question", "--tgt_column", "answer",
+          "--workdir", str(tmp_path / "w1"), "--n_model_shards", "2", "--n_epochs", "1",
+          "--per_device_batch_size", "4", "--max_src_len", "9", "--max_tgt_len", "9"])
+    log = open(tmp_path / "w1" / "log.txt").read()
+    assert "exact_match" in log and "rougeL" in log
+    assert os.path.isfile(tmp_path / "w1" / "model" / "model.safetensors")
+    assert os.path.isdir(tmp_path / "w1" / "ckpts" / "best_rougeL")
+
+    tokenizer = word_tokenizer(list(COLOURS) + list(SHAPES), ("<pad>", "<bos>", "<eos>", "<unk>"))
+    save_pretrained(vit_gpt2(tokenizer.get_vocab_size()), str(tmp_path / "ved"))
+    tokenizer.save(str(tmp_path / "ved" / "tokenizer.json"))
+    images = tmp_path / "images"
+    images.mkdir()
+    with open(images / "metadata.jsonl", "w") as f:
+        for i, example in enumerate(shape_examples(96, seed=4)):
+            Image.fromarray(example["image"]).save(images / f"{i}.png")
+            f.write(json.dumps({"file_name": f"{i}.png", "caption": example["caption"]}) + "\n")
+    main(["zoo", "run", "captioning", "--model", str(tmp_path / "ved"), "--train", str(images),
+          "--workdir", str(tmp_path / "w2"), "--n_model_shards", "2", "--n_epochs", "1",
+          "--per_device_batch_size", "4", "--max_len", "4", "--num_beams", "2"])
+    log = open(tmp_path / "w2" / "log.txt").read()
+    assert "exact_match" in log and os.path.isfile(tmp_path / "w2" / "model" / "config.json")

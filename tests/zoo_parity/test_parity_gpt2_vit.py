@@ -1,0 +1,167 @@
+"""GPT-2, ViT and VisionEncoderDecoder (ViT + GPT-2) against HuggingFace's PyTorch models:
+checkpoints both ways (transformers' ``save_pretrained`` -> ours, ours -> transformers'
+``from_pretrained``) give the same logits within 1e-4 in float32, and greedy generation gives
+the same tokens."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from redco_zoo_models.generation import generate
+from redco_zoo_models.gpt2 import GPT2Config, GPT2LMHeadModel
+from redco_zoo_models.hf import from_pretrained, save_pretrained
+from redco_zoo_models.vision_encoder_decoder import VisionEncoderDecoderConfig, VisionEncoderDecoderModel
+from redco_zoo_models.vit import ViTConfig, ViTModel
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+torch.use_deterministic_algorithms(True)
+VOCAB, EOS, PAD = 64, 63, 62
+GPT2 = dict(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+            bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD)
+VIT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+           image_size=16, patch_size=4)
+
+
+def jiggle_torch(model, seed=0):
+    """Perturb every weight (layer norms and biases included) so a misplaced one shows."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+def jiggle_ours(model, seed=0):
+    params = nnx.state(model, nnx.Param)
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    nnx.update(model, jax.tree.unflatten(
+        tree, [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+    return model
+
+
+def hf_gpt2():
+    return jiggle_torch(transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2)))
+
+
+def hf_ved(hidden_decoder=32):
+    enc = transformers.ViTConfig(**VIT)
+    dec = transformers.GPT2Config(**{**GPT2, "n_embd": hidden_decoder}, add_cross_attention=True,
+                                  is_decoder=True)
+    cfg = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(
+        enc, dec, decoder_start_token_id=1, pad_token_id=PAD)
+    return jiggle_torch(transformers.VisionEncoderDecoderModel(cfg))
+
+
+def saved(model, path):
+    model.save_pretrained(path)
+    return str(path)
+
+
+def load_hf(cls, path):
+    model, info = cls.from_pretrained(path, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.eval()
+
+
+def torch_logits(model, **inputs):
+    with torch.no_grad():
+        return model(**{k: torch.tensor(np.asarray(v)) for k, v in inputs.items()}).logits.numpy()
+
+
+def close(a, b):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
+
+
+IDS = np.random.RandomState(0).randint(0, PAD, (3, 9))
+PADDED_MASK = np.array([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9, [0] + [1] * 8])
+PIXELS = np.random.RandomState(1).randn(3, 3, 16, 16).astype(np.float32)
+
+
+def check_gpt2(ours, theirs):
+    close(ours(jnp.asarray(IDS)), torch_logits(theirs, input_ids=IDS))
+    # left padding: positions count real tokens only (as transformers' generate passes them)
+    positions = np.maximum(PADDED_MASK.cumsum(-1) - 1, 0)
+    want = torch_logits(theirs, input_ids=IDS, attention_mask=PADDED_MASK, position_ids=positions)
+    got = ours(jnp.asarray(IDS), attention_mask=jnp.asarray(PADDED_MASK))
+    valid = PADDED_MASK.astype(bool)
+    close(np.asarray(got)[valid], want[valid])
+
+
+def test_gpt2_from_transformers(tmp_path):
+    theirs = hf_gpt2()
+    check_gpt2(from_pretrained(GPT2LMHeadModel, saved(theirs, tmp_path)), theirs)
+
+
+def test_gpt2_from_a_bare_gpt2model_checkpoint(tmp_path):
+    """openai-community/gpt2's tensors are GPT2Model's: ``h.0...``, no ``transformer.``."""
+    theirs = hf_gpt2()
+    theirs.transformer.save_pretrained(tmp_path)
+    ours = from_pretrained(GPT2LMHeadModel, str(tmp_path))
+    close(ours(jnp.asarray(IDS)), torch_logits(theirs, input_ids=IDS))
+
+
+def test_gpt2_to_transformers(tmp_path):
+    ours = jiggle_ours(GPT2LMHeadModel(GPT2Config.from_hf(GPT2), nnx.Rngs(0)))
+    save_pretrained(ours, str(tmp_path))
+    check_gpt2(ours, load_hf(transformers.GPT2LMHeadModel, tmp_path))
+
+
+def test_gpt2_greedy_generation_matches_transformers(tmp_path):
+    theirs = hf_gpt2()
+    ours = from_pretrained(GPT2LMHeadModel, saved(theirs, tmp_path))
+    prompts = np.where(PADDED_MASK > 0, IDS, PAD)[:, :6]
+    mask = PADDED_MASK[:, :6]
+    got = generate(ours, nnx.state(ours, nnx.Param), jnp.asarray(prompts), 8,
+                   prompt_mask=jnp.asarray(mask), eos_token_id=EOS, pad_token_id=PAD)
+    with torch.no_grad():
+        want = theirs.generate(torch.tensor(prompts), attention_mask=torch.tensor(mask),
+                               max_new_tokens=8, do_sample=False, eos_token_id=EOS,
+                               pad_token_id=PAD).numpy()[:, 6:]
+    want = np.pad(want, ((0, 0), (0, 8 - want.shape[1])), constant_values=PAD)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_vit_from_transformers(tmp_path):
+    theirs = jiggle_torch(transformers.ViTModel(transformers.ViTConfig(**VIT)))
+    ours = from_pretrained(ViTModel, saved(theirs, tmp_path))
+    with torch.no_grad():
+        out = theirs(pixel_values=torch.tensor(PIXELS))
+    hidden = ours(jnp.asarray(PIXELS))
+    close(hidden, out.last_hidden_state.numpy())
+    close(ours.pool(hidden), out.pooler_output.numpy())
+
+
+@pytest.mark.parametrize("hidden_decoder", [32, 24])  # 24: through enc_to_dec_proj
+def test_vision_encoder_decoder_both_ways(tmp_path, hidden_decoder):
+    theirs = hf_ved(hidden_decoder)
+    ours = from_pretrained(VisionEncoderDecoderModel, saved(theirs, tmp_path / "hf"))
+    assert hasattr(ours, "enc_to_dec_proj") == (hidden_decoder != 32)
+    inputs = dict(pixel_values=PIXELS, decoder_input_ids=IDS)
+    close(ours(jnp.asarray(PIXELS), jnp.asarray(IDS)), torch_logits(theirs, **inputs))
+
+    cfg = VisionEncoderDecoderConfig(
+        ViTConfig.from_hf(VIT), GPT2Config.from_hf({**GPT2, "n_embd": hidden_decoder,
+                                                    "add_cross_attention": True}), 1, PAD)
+    ours = jiggle_ours(VisionEncoderDecoderModel(cfg, nnx.Rngs(0)))
+    save_pretrained(ours, str(tmp_path / "ours"))
+    back = load_hf(transformers.VisionEncoderDecoderModel, tmp_path / "ours")
+    assert back.config.decoder_start_token_id == 1 and back.config.pad_token_id == PAD
+    close(ours(jnp.asarray(PIXELS), jnp.asarray(IDS)), torch_logits(back, **inputs))
+
+
+def test_vision_encoder_decoder_greedy_generation_matches_transformers(tmp_path):
+    theirs = hf_ved()
+    ours = from_pretrained(VisionEncoderDecoderModel, saved(theirs, tmp_path))
+    start = np.ones((3, 1), np.int64)
+    got = generate(ours, nnx.state(ours, nnx.Param), jnp.asarray(start), 8,
+                   encoder_inputs={"pixel_values": jnp.asarray(PIXELS)}, eos_token_id=EOS,
+                   pad_token_id=PAD)
+    with torch.no_grad():
+        want = theirs.generate(torch.tensor(PIXELS), max_new_tokens=8, do_sample=False,
+                               eos_token_id=EOS, pad_token_id=PAD).numpy()[:, 1:]
+    want = np.pad(want, ((0, 0), (0, 8 - want.shape[1])), constant_values=PAD)
+    np.testing.assert_array_equal(np.asarray(got), want)

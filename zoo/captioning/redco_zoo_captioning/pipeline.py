@@ -1,0 +1,79 @@
+"""Image captioning through the three functions, and ``redco zoo run captioning``. The model
+is a VisionEncoderDecoder: a ViT encoder and a GPT-2 decoder that cross-attends to it."""
+from __future__ import annotations
+
+from functools import partial
+
+import jax.numpy as jnp
+import numpy as np
+
+import redco
+from redco_zoo_models import generate, runner
+from redco_zoo_models.metrics import text_scores, token_cross_entropy
+
+
+def pixels(image, size: int) -> np.ndarray:
+    """An image (PIL or HxWx3 uint8) as (3, size, size) floats in [-1, 1]."""
+    if not isinstance(image, np.ndarray):
+        image = np.asarray(image.convert("RGB").resize((size, size)))
+    return (image.astype(np.float32).transpose(2, 0, 1) / 255 - 0.5) / 0.5
+
+
+def collate_fn(examples: list[dict], tokenizer, image_size: int, max_len: int, bos_id: int,
+               eos_id: int, pad_id: int) -> dict:
+    """``image`` and ``caption`` -> pixel values, decoder inputs (BOS, caption) and labels
+    (caption, EOS), right-padded with a mask."""
+    captions = [tokenizer.encode(e["caption"]).ids for e in examples]
+    labels, label_mask = runner.pad_ids([c + [eos_id] for c in captions], max_len, pad_id)
+    decoder_input_ids, _ = runner.pad_ids([[bos_id] + c for c in captions], max_len, pad_id)
+    return {"pixel_values": np.stack([pixels(e["image"], image_size) for e in examples]),
+            "decoder_input_ids": decoder_input_ids, "labels": labels, "label_mask": label_mask}
+
+
+def loss_fn(rng, state, params, batch, is_training):
+    """Cross-entropy of the caption tokens (padding excluded)."""
+    logits = state.apply_fn(params, batch["pixel_values"], batch["decoder_input_ids"])
+    return token_cross_entropy(logits, batch["labels"], batch["label_mask"])
+
+
+def pred_fn(rng, params, batch, model, max_new_tokens: int, num_beams: int, bos_id: int,
+            eos_id: int, pad_id: int):
+    """Beam-search caption ids (B, max_new_tokens) for each image."""
+    start = jnp.full((batch["pixel_values"].shape[0], 1), bos_id, jnp.int32)
+    return generate(model, params, start, max_new_tokens, num_beams=num_beams,
+                    eos_token_id=eos_id, pad_token_id=pad_id,
+                    encoder_inputs={"pixel_values": batch["pixel_values"]})
+
+
+def metric_fn(examples: list[dict], preds: list[str]) -> dict:
+    return text_scores(preds, [e["caption"] for e in examples])
+
+
+class CaptioningPipeline:
+    description = "image captioning: train a ViT + GPT-2 VisionEncoderDecoder; ROUGE, exact match"
+
+    def add_arguments(self, parser) -> None:
+        runner.add_arguments(parser)
+        parser.add_argument("--caption_column", default="caption")
+        parser.add_argument("--max_len", type=int, default=32, help="caption tokens")
+        parser.add_argument("--num_beams", type=int, default=4)
+
+    def run(self, args):
+        tokenizer, (model, config) = runner.load_tokenizer(args.model), runner.load_model(args.model)
+        ids = dict(bos_id=config["decoder"]["bos_token_id"], eos_id=config["decoder"]["eos_token_id"],
+                   pad_id=config.get("pad_token_id") or config["decoder"]["eos_token_id"])
+        train, evaluate = ([{"image": r["image"], "caption": r[args.caption_column]} for r in part]
+                           for part in runner.split_eval(args))
+        return runner.train_and_eval(
+            args, model, (train, evaluate),
+            partial(collate_fn, tokenizer=tokenizer, image_size=config["encoder"]["image_size"],
+                    max_len=args.max_len, **ids), loss_fn,
+            pred_fn=partial(pred_fn, model=model, max_new_tokens=args.max_len,
+                            num_beams=args.num_beams, **ids),
+            output_fn=partial(runner.detokenize, tokenizer=tokenizer, eos_id=ids["eos_id"]),
+            metric_fn=metric_fn, best_metric="rougeL")
+
+
+@redco.hookimpl
+def register_zoo_pipelines(register):
+    register("captioning", CaptioningPipeline())

@@ -1,0 +1,78 @@
+"""Text-to-text (translation, summarisation, ...) through the three functions, and
+``redco zoo run seq2seq``. The model is an encoder-decoder such as T5 or flan-T5."""
+from __future__ import annotations
+
+from functools import partial
+
+import jax.numpy as jnp
+import numpy as np
+
+import redco
+from redco_zoo_models import generate, runner
+from redco_zoo_models.metrics import text_scores, token_cross_entropy
+
+
+def collate_fn(examples: list[dict], tokenizer, src_len: int, tgt_len: int, pad_id: int,
+               eos_id: int) -> dict:
+    """``src`` and ``tgt`` strings -> encoder ids, decoder inputs (the pad id starts them, as in
+    T5) and labels (the target then EOS), all right-padded with masks."""
+    src = [tokenizer.encode(e["src"]).ids + [eos_id] for e in examples]
+    tgt = [tokenizer.encode(e["tgt"]).ids + [eos_id] for e in examples]
+    input_ids, attention_mask = runner.pad_ids(src, src_len, pad_id)
+    labels, label_mask = runner.pad_ids(tgt, tgt_len, pad_id)
+    decoder_input_ids = np.concatenate([np.full((len(tgt), 1), pad_id, np.int32),
+                                        labels[:, :-1]], 1)
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "decoder_input_ids": decoder_input_ids, "labels": labels, "label_mask": label_mask}
+
+
+def loss_fn(rng, state, params, batch, is_training):
+    """Cross-entropy of the target tokens (padding excluded)."""
+    logits = state.apply_fn(params, batch["input_ids"], batch["attention_mask"],
+                            batch["decoder_input_ids"])
+    return token_cross_entropy(logits, batch["labels"], batch["label_mask"])
+
+
+def pred_fn(rng, params, batch, model, max_new_tokens: int, num_beams: int, pad_id: int,
+            eos_id: int):
+    """Beam-search output ids (B, max_new_tokens) for each source."""
+    start = jnp.full((batch["input_ids"].shape[0], 1), pad_id, jnp.int32)
+    return generate(model, params, start, max_new_tokens, num_beams=num_beams,
+                    eos_token_id=eos_id, pad_token_id=pad_id, encoder_inputs={
+                        "input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
+
+
+def metric_fn(examples: list[dict], preds: list[str]) -> dict:
+    return text_scores(preds, [e["tgt"] for e in examples])
+
+
+class Seq2SeqPipeline:
+    description = "text-to-text: train an encoder-decoder (T5, flan-T5); ROUGE and exact match"
+
+    def add_arguments(self, parser) -> None:
+        runner.add_arguments(parser)
+        parser.add_argument("--src_column", default="src")
+        parser.add_argument("--tgt_column", default="tgt")
+        parser.add_argument("--max_src_len", type=int, default=128)
+        parser.add_argument("--max_tgt_len", type=int, default=64)
+        parser.add_argument("--num_beams", type=int, default=4)
+
+    def run(self, args):
+        tokenizer, (model, config) = runner.load_tokenizer(args.model), runner.load_model(args.model)
+        pad_id, eos_id = config["pad_token_id"], config["eos_token_id"]
+        train, evaluate = ([{"src": r[args.src_column], "tgt": r[args.tgt_column]} for r in part]
+                           for part in runner.split_eval(args))
+        return runner.train_and_eval(
+            args, model, (train, evaluate),
+            partial(collate_fn, tokenizer=tokenizer, src_len=args.max_src_len,
+                    tgt_len=args.max_tgt_len, pad_id=pad_id, eos_id=eos_id), loss_fn,
+            pred_fn=partial(pred_fn, model=model,
+                            max_new_tokens=args.max_tgt_len, num_beams=args.num_beams,
+                            pad_id=pad_id, eos_id=eos_id),
+            output_fn=partial(runner.detokenize, tokenizer=tokenizer, eos_id=eos_id),
+            metric_fn=metric_fn, best_metric="rougeL")
+
+
+@redco.hookimpl
+def register_zoo_pipelines(register):
+    register("seq2seq", Seq2SeqPipeline())
