@@ -2,11 +2,11 @@
 checkpoints both ways (transformers' ``save_pretrained`` -> ours, ours -> transformers'
 ``from_pretrained``) give the same logits within 1e-4 in float32, and greedy generation gives
 the same tokens."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from parity import close, jiggle_ours, jiggle_torch, load_hf, saved, torch, torch_logits, transformers
 
 from redco_zoo_models.generation import generate
 from redco_zoo_models.gpt2 import GPT2Config, GPT2LMHeadModel
@@ -14,33 +14,11 @@ from redco_zoo_models.hf import from_pretrained, save_pretrained
 from redco_zoo_models.vision_encoder_decoder import VisionEncoderDecoderConfig, VisionEncoderDecoderModel
 from redco_zoo_models.vit import ViTConfig, ViTModel
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-torch.use_deterministic_algorithms(True)
 VOCAB, EOS, PAD = 64, 63, 62
 GPT2 = dict(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
             bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD)
 VIT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
            image_size=16, patch_size=4)
-
-
-def jiggle_torch(model, seed=0):
-    """Perturb every weight (layer norms and biases included) so a misplaced one shows."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    return model.eval()
-
-
-def jiggle_ours(model, seed=0):
-    params = nnx.state(model, nnx.Param)
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    nnx.update(model, jax.tree.unflatten(
-        tree, [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
-    return model
 
 
 def hf_gpt2():
@@ -54,26 +32,6 @@ def hf_ved(hidden_decoder=32):
     cfg = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(
         enc, dec, decoder_start_token_id=1, pad_token_id=PAD)
     return jiggle_torch(transformers.VisionEncoderDecoderModel(cfg))
-
-
-def saved(model, path):
-    model.save_pretrained(path)
-    return str(path)
-
-
-def load_hf(cls, path):
-    model, info = cls.from_pretrained(path, output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    return model.eval()
-
-
-def torch_logits(model, **inputs):
-    with torch.no_grad():
-        return model(**{k: torch.tensor(np.asarray(v)) for k, v in inputs.items()}).logits.numpy()
-
-
-def close(a, b):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
 
 
 IDS = np.random.RandomState(0).randint(0, PAD, (3, 9))

@@ -4,7 +4,8 @@ The zoo's models name their modules and parameters as HuggingFace's PyTorch mode
 rule maps every parameter both ways: the rule of redco's ``safetensors`` checkpoint format
 (``kernel`` -> ``weight``, transposed; ``embedding``/``scale`` -> ``weight``). A model class
 provides ``config_class`` (a dataclass with ``from_hf(dict)`` and ``to_hf() -> dict``) and
-optionally ``base_model_prefix``, HuggingFace's, to read checkpoints of the bare base model too.
+optionally ``base_model_prefix``, HuggingFace's, to read checkpoints of the bare base model too,
+and ``hf_tied_weights`` (``{name: source}``), tensors to copy when a checkpoint leaves them out.
 """
 from __future__ import annotations
 
@@ -71,6 +72,9 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
     model = nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(seed)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tensors, used = read_safetensors(model_dir), set()
+    for name, source in getattr(model_class, "hf_tied_weights", {}).items():
+        if name not in tensors and source in tensors:  # a tied copy transformers left out
+            tensors[name] = tensors[source]
     base = getattr(model_class, "base_model_prefix", None)  # e.g. GPT-2's "transformer"
     leaves = []
     for path, leaf in named_leaves(params):

@@ -36,12 +36,14 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, config: dict) -> "LlamaConfig":
         """From a HuggingFace LLaMA, Mistral or Qwen2 ``config.json``."""
-        if config.get("rope_scaling") or config.get("head_dim", 0) not in (
+        rope = config.get("rope_parameters") or {}  # transformers 5 keeps rope_theta here
+        scaled = config.get("rope_scaling") or rope.get("rope_type", "default") != "default"
+        if scaled or config.get("head_dim", 0) not in (
                 0, None, config["hidden_size"] // config["num_attention_heads"]):
-            raise ValueError("rope_scaling and a head_dim other than hidden/heads are not "
+            raise ValueError("RoPE scaling and a head_dim other than hidden/heads are not "
                              "supported by the zoo's LLaMA yet.")
         fields = {f.name for f in dataclasses.fields(cls)} - {"attention_bias"}
-        kwargs = {k: v for k, v in config.items() if k in fields and v is not None}
+        kwargs = {k: v for k, v in {**rope, **config}.items() if k in fields and v is not None}
         kwargs.setdefault("num_key_value_heads", config["num_attention_heads"])
         bias = config.get("attention_bias", config.get("model_type") == "qwen2")
         return cls(**kwargs, attention_bias=bool(bias))

@@ -94,8 +94,11 @@ def relative_buckets(relative, bidirectional: bool, num_buckets: int, max_distan
 class T5Attention(nnx.Module):
     def __init__(self, cfg: T5Config, has_relative_attention_bias: bool, rngs: nnx.Rngs):
         inner = cfg.num_heads * cfg.d_kv
-        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)
-        self.q, self.k, self.v = (linear(cfg.d_model, inner) for _ in range(3))
+        linear = lambda i, o, **kw: nnx.Linear(i, o, use_bias=False, rngs=rngs, **kw)
+        # Mesh TensorFlow folds attention's 1/sqrt(d_kv) into q's init (T5 scores are unscaled)
+        q_init = nnx.initializers.normal((cfg.d_model * cfg.d_kv) ** -0.5)
+        self.q = linear(cfg.d_model, inner, kernel_init=q_init)
+        self.k, self.v = linear(cfg.d_model, inner), linear(cfg.d_model, inner)
         self.o = linear(inner, cfg.d_model)
         if has_relative_attention_bias:
             self.relative_attention_bias = nnx.Embed(cfg.relative_attention_num_buckets,
@@ -198,10 +201,12 @@ class T5Stack(nnx.Module):
 
 class T5ForConditionalGeneration(nnx.Module):
     config_class = T5Config
+    hf_tied_weights = {"lm_head.weight": "shared.weight"}  # untied but never trained in HF
 
     def __init__(self, cfg: T5Config, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.shared = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
+        self.shared = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs,
+                                embedding_init=nnx.initializers.normal(1.0))  # as HF's T5
         self.encoder = T5Stack(cfg, False, rngs)
         self.decoder = T5Stack(cfg, True, rngs)
         if not cfg.tie_word_embeddings:
