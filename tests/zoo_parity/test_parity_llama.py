@@ -65,3 +65,27 @@ def test_greedy_generation_matches_transformers(tmp_path):
                                pad_token_id=PAD).numpy()[:, 6:]
     want = np.pad(want, ((0, 0), (0, 8 - want.shape[1])), constant_values=PAD)
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_a_model_trained_here_loads_in_transformers_with_the_same_logits(tmp_path):
+    import optax
+
+    from redco import Deployer, Trainer
+    from redco_zoo_lm import collate_fn, loss_fn
+    from redco_zoo_models import split_model
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg, nnx.Rngs(0))
+    apply_fn, params = split_model(model)
+    trainer = Trainer(Deployer(jax_seed=0, workdir=str(tmp_path / "run"), verbose=False),
+                      collate_fn, apply_fn, loss_fn, params, optax.adamw(1e-2))
+    rng = np.random.default_rng(0)
+    examples = [{"token_ids": (np.arange(17) * rng.integers(1, 4) + rng.integers(64)) % 64}
+                for _ in range(64)]
+    trainer.fit(examples, 8, n_epochs=3)
+    nnx.update(model, trainer.params)
+    save_pretrained(model, str(tmp_path / "model"))
+    theirs = load_hf(transformers.LlamaForCausalLM, str(tmp_path / "model"))
+    ours = model(jnp.asarray(IDS))
+    assert trainer.eval_loss(examples, 8) < np.log(VOCAB) - 1  # it learned something
+    close(ours, torch_logits(theirs, input_ids=IDS))

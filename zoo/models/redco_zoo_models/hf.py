@@ -72,15 +72,15 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
     model = nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(seed)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tensors, used = read_safetensors(model_dir), set()
-    for name, source in getattr(model_class, "hf_tied_weights", {}).items():
-        if name not in tensors and source in tensors:  # a tied copy transformers left out
-            tensors[name] = tensors[source]
+    tied = getattr(model_class, "hf_tied_weights", {})
     base = getattr(model_class, "base_model_prefix", None)  # e.g. GPT-2's "transformer"
     leaves = []
     for path, leaf in named_leaves(params):
         name, perm = torch_name(path, len(leaf.shape))
         if name not in tensors and base and name.removeprefix(f"{base}.") in tensors:
             name = name.removeprefix(f"{base}.")  # a checkpoint of the bare base model
+        if name not in tensors and tied.get(name) in tensors:
+            name = tied[name]  # a tied copy transformers left out
         if name not in tensors:
             raise KeyError(f"{model_dir} has no tensor {name} (for {path}); is it a "
                            f"{model_class.__name__} checkpoint?")
