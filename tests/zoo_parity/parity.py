@@ -45,3 +45,13 @@ def torch_logits(model, **inputs):
 
 def close(a, b):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
+
+
+def hf_greedy(model, first, skip: int, n_new: int, eos: int, pad: int, **inputs) -> np.ndarray:
+    """transformers' greedy tokens for ``generate(first, **inputs)`` after its first ``skip``
+    (the prompt, or the decoder's start token), padded with ``pad`` to ``n_new``."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor(np.asarray(first)), max_new_tokens=n_new,
+                             do_sample=False, eos_token_id=eos, pad_token_id=pad,
+                             **{k: torch.tensor(v) for k, v in inputs.items()}).numpy()[:, skip:]
+    return np.pad(out, ((0, 0), (0, n_new - out.shape[1])), constant_values=pad)

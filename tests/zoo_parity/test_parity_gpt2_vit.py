@@ -6,7 +6,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from parity import close, jiggle_ours, jiggle_torch, load_hf, saved, torch, torch_logits, transformers
+from parity import (
+    close,
+    hf_greedy,
+    jiggle_ours,
+    jiggle_torch,
+    load_hf,
+    saved,
+    torch,
+    torch_logits,
+    transformers,
+)
 
 from redco_zoo_models.generation import generate
 from redco_zoo_models.gpt2 import GPT2Config, GPT2LMHeadModel
@@ -75,12 +85,8 @@ def test_gpt2_greedy_generation_matches_transformers(tmp_path):
     mask = PADDED_MASK[:, :6]
     got = generate(ours, nnx.state(ours, nnx.Param), jnp.asarray(prompts), 8,
                    prompt_mask=jnp.asarray(mask), eos_token_id=EOS, pad_token_id=PAD)
-    with torch.no_grad():
-        want = theirs.generate(torch.tensor(prompts), attention_mask=torch.tensor(mask),
-                               max_new_tokens=8, do_sample=False, eos_token_id=EOS,
-                               pad_token_id=PAD).numpy()[:, 6:]
-    want = np.pad(want, ((0, 0), (0, 8 - want.shape[1])), constant_values=PAD)
-    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(got),
+                                  hf_greedy(theirs, prompts, 6, 8, EOS, PAD, attention_mask=mask))
 
 
 def test_vit_from_transformers(tmp_path):
@@ -118,8 +124,4 @@ def test_vision_encoder_decoder_greedy_generation_matches_transformers(tmp_path)
     got = generate(ours, nnx.state(ours, nnx.Param), jnp.asarray(start), 8,
                    encoder_inputs={"pixel_values": jnp.asarray(PIXELS)}, eos_token_id=EOS,
                    pad_token_id=PAD)
-    with torch.no_grad():
-        want = theirs.generate(torch.tensor(PIXELS), max_new_tokens=8, do_sample=False,
-                               eos_token_id=EOS, pad_token_id=PAD).numpy()[:, 1:]
-    want = np.pad(want, ((0, 0), (0, 8 - want.shape[1])), constant_values=PAD)
-    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(got), hf_greedy(theirs, PIXELS, 1, 8, EOS, PAD))

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from parity import close, jiggle_ours, jiggle_torch, load_hf, saved, torch, torch_logits, transformers
+from parity import close, hf_greedy, jiggle_ours, jiggle_torch, load_hf, saved, torch_logits, transformers
 
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM, from_pretrained, generate, save_pretrained
 
@@ -59,12 +59,8 @@ def test_greedy_generation_matches_transformers(tmp_path):
     prompts, mask = np.where(MASK > 0, IDS, PAD)[:, :6], MASK[:, :6]
     got = generate(ours, nnx.state(ours, nnx.Param), jnp.asarray(prompts), 8,
                    prompt_mask=jnp.asarray(mask), eos_token_id=EOS, pad_token_id=PAD)
-    with torch.no_grad():
-        want = theirs.generate(torch.tensor(prompts), attention_mask=torch.tensor(mask),
-                               max_new_tokens=8, do_sample=False, eos_token_id=EOS,
-                               pad_token_id=PAD).numpy()[:, 6:]
-    want = np.pad(want, ((0, 0), (0, 8 - want.shape[1])), constant_values=PAD)
-    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(got),
+                                  hf_greedy(theirs, prompts, 6, 8, EOS, PAD, attention_mask=mask))
 
 
 def test_a_model_trained_here_loads_in_transformers_with_the_same_logits(tmp_path):

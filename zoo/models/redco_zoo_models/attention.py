@@ -30,6 +30,19 @@ def positions_from(key_valid):
     return jnp.maximum(jnp.cumsum(key_valid, axis=-1) - 1, 0)
 
 
+def decoder_inputs(batch: int, n: int, attention_mask=None, cached: bool = False,
+                   cache_index=0):
+    """``(positions, allowed)`` of ``n`` new tokens in a decoder. Training (no mask, no cache):
+    positions ``0..n-1`` and ``allowed=None``, for a plain causal (fusable) attention; else
+    positions that skip left padding and the mask over the key slots (``attention_mask`` covers
+    the cache's slots when ``cached``)."""
+    if attention_mask is None and not cached:
+        return jnp.broadcast_to(jnp.arange(n), (batch, n)), None
+    key_valid = jnp.ones((batch, n), bool) if attention_mask is None else attention_mask > 0
+    positions = jax.lax.dynamic_slice_in_dim(positions_from(key_valid), cache_index, n, 1)
+    return positions, mask(key_valid, n, cache_index)
+
+
 def init_cache(n_layers: int, batch: int, n_slots: int, n_kv_heads: int, head_dim: int,
                dtype=jnp.float32) -> list[dict]:
     zeros = lambda: jnp.zeros((batch, n_slots, n_kv_heads, head_dim), dtype)

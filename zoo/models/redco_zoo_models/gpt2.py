@@ -12,14 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from redco_zoo_models.attention import attend, init_cache, mask, positions_from, write_cache
-
-ACTIVATIONS = {
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "relu": jax.nn.relu, "silu": jax.nn.silu, "swish": jax.nn.silu, "tanh": jnp.tanh,
-}
+from redco_zoo_models.attention import attend, decoder_inputs, init_cache, write_cache
+from redco_zoo_models.layers import ACTIVATIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,13 +125,8 @@ class GPT2Model(nnx.Module):
 
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
                  encoder_hidden_states=None):
-        b, t = input_ids.shape
-        if attention_mask is None and cache is None:  # training: causal over the whole input
-            positions, allowed = jnp.broadcast_to(jnp.arange(t), (b, t)), None
-        else:
-            key_valid = jnp.ones((b, t), bool) if attention_mask is None else attention_mask > 0
-            positions = jax.lax.dynamic_slice_in_dim(positions_from(key_valid), cache_index, t, 1)
-            allowed = mask(key_valid, t, cache_index)
+        positions, allowed = decoder_inputs(*input_ids.shape, attention_mask, cache is not None,
+                                            cache_index)
         # not nnx.Embed's call, which fixes the dtype at init: this follows the params' dtype
         x = (jnp.take(self.wte.embedding[...], input_ids, axis=0)
              + jnp.take(self.wpe.embedding[...], positions, axis=0))

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from redco_zoo_models.attention import attend, init_cache, mask, positions_from, write_cache
+from redco_zoo_models.attention import attend, decoder_inputs, init_cache, write_cache
+from redco_zoo_models.layers import RMSNorm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,17 +67,6 @@ LLAMA_PRESETS = {  # published shapes, as LlamaConfig fields
     "llama-30b": _shape(6656, 17920, 60, 52),
     "llama-65b": _shape(8192, 22016, 80, 64),
 }
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.weight = nnx.Param(jnp.ones((dim,)))
-        self.eps = eps
-
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 ** 2, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.weight[...]).astype(x.dtype)
 
 
 def apply_rope(x, positions, theta: float):
@@ -142,13 +132,8 @@ class LlamaModel(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0):
-        b, t = input_ids.shape
-        if attention_mask is None and cache is None:  # training: causal over the whole input
-            positions, allowed = jnp.broadcast_to(jnp.arange(t), (b, t)), None
-        else:
-            key_valid = jnp.ones((b, t), bool) if attention_mask is None else attention_mask > 0
-            positions = jax.lax.dynamic_slice_in_dim(positions_from(key_valid), cache_index, t, 1)
-            allowed = mask(key_valid, t, cache_index)
+        positions, allowed = decoder_inputs(*input_ids.shape, attention_mask, cache is not None,
+                                            cache_index)
         table = self.embed_tokens.embedding[...]  # not nnx.Embed's call: it fixes the dtype
         x = jnp.take(table, input_ids, axis=0)     # at init; this follows the params' dtype
         new_cache = []

@@ -9,15 +9,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from redco_zoo_models.attention import attend, init_cache, mask, write_cache
-from redco_zoo_models.llama import RMSNorm
-
-ACTIVATIONS = {"relu": jax.nn.relu, "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-               "gelu_new": lambda x: jax.nn.gelu(x, approximate=True), "silu": jax.nn.silu}
+from redco_zoo_models.layers import ACTIVATIONS, RMSNorm
 
 
 @dataclasses.dataclass(frozen=True)

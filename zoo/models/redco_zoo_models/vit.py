@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redco_zoo_models.attention import attend
-from redco_zoo_models.gpt2 import ACTIVATIONS
+from redco_zoo_models.layers import ACTIVATIONS
 
 
 @dataclasses.dataclass(frozen=True)
