@@ -147,6 +147,18 @@ def cmd_zoo(args) -> None:
     pipeline.run(parser.parse_args(args.rest))
 
 
+def cmd_new(args) -> None:
+    """Write a new project from a template: redco new --template NAME DEST (--list shows them)."""
+    from redco.plugins import lookup, registry
+    if args.list or not args.dest:
+        for name, directory in registry("templates").items():
+            print(f"{name:<14} {directory}")
+        return
+    from redco.scaffold import write_project
+    dest = write_project(lookup("templates", args.template), args.dest)
+    print(f"wrote {dest}: cd {args.dest} && pip install -e . && pytest")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="redco", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -214,6 +226,12 @@ def main(argv: list[str] | None = None) -> None:
     doctor.add_argument("--launcher", help="use this launcher instead of detecting one")
     doctor.add_argument("--n_local_devices", type=int, help="use only this many local devices")
     doctor.set_defaults(run=cmd_doctor)
+    new = commands.add_parser("new", help=cmd_new.__doc__)
+    new.add_argument("dest", nargs="?", help="the project's directory (must not exist)")
+    new.add_argument("--template", default="minimal")
+    new.add_argument("--list", action="store_true", help="list the templates")
+    new.set_defaults(run=cmd_new)
+
     zoo = commands.add_parser("zoo", help=cmd_zoo.__doc__)
     zoo.add_argument("action", choices=["list", "run"])
     zoo.add_argument("name", nargs="?", help="the pipeline to run")

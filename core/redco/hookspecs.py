@@ -76,6 +76,17 @@ def register_zoo_pipelines(register):
 
 
 @hookspec
+def register_templates(register):
+    """Called once when ``redco new`` lists or writes project templates.
+
+    Call ``register(name, directory)`` for each template: a directory of files that
+    ``redco new --template NAME DEST`` copies to ``DEST``, replacing ``{{project_name}}`` (the
+    destination's name as a Python identifier) in file contents and names. Installing a zoo
+    package adds its template this way. Returns nothing.
+    """
+
+
+@hookspec
 def on_fit_start(trainer, n_epochs, steps_per_epoch):
     """Called by ``Trainer.fit`` on every process after the state is placed (and resumed, if a
     checkpoint was found), before the first training step. ``trainer.step`` tells where training

@@ -18,7 +18,7 @@ HOOKS = sorted(name for name, _ in inspect.getmembers(hookspecs, inspect.isfunct
 
 
 def test_every_hook_is_documented():
-    assert len(HOOKS) == 10
+    assert len(HOOKS) == 11
     for name in HOOKS:
         doc = inspect.getdoc(getattr(hookspecs, name)) or ""
         assert "Called" in doc and "Returns" in doc, f"{name} must say when it is called and " \
@@ -38,10 +38,12 @@ def test_every_hook_is_exercised_by_a_run(workdir, capsys):
         trainer.fit(mlp_examples(32), 2, n_epochs=1, eval_examples=mlp_examples(8),
                     save_last_ckpt=True, save_argmin_ckpt_by_metrics=["loss"])
         main(["zoo", "list"])
+        main(["new", "--list"])
     finally:
         undo()
     assert sorted(called) == HOOKS
-    assert capsys.readouterr().out.startswith("lm ")  # redco-zoo-lm, through its entry point
+    listed = capsys.readouterr().out
+    assert "lm " in listed and "minimal " in listed  # zoo pipelines and templates, by entry point
 
 
 def test_lifecycle_hooks_run_in_order(workdir):

@@ -1,0 +1,37 @@
+"""``redco new``: a template becomes a named project whose own tests pass out of the box."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from redco.cli import main
+from redco.scaffold import project_name, write_project
+
+
+def test_minimal_project_is_written_named_and_its_tests_pass(tmp_path, capsys):
+    dest = tmp_path / "my-model"
+    main(["new", "--template", "minimal", str(dest)])
+    assert "wrote" in capsys.readouterr().out
+    assert sorted(os.listdir(dest)) == ["README.md", "main.py", "pyproject.toml", "tests"]
+    assert 'name = "my_model"' in (dest / "pyproject.toml").read_text()
+    assert "{{" not in (dest / "README.md").read_text()
+    env = {**os.environ, "XLA_FLAGS": ""}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+                         cwd=dest, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_plugin_template_names_its_package_and_entry_point(tmp_path):
+    dest = tmp_path / "sharding-plus"
+    main(["new", "--template", "plugin", str(dest)])
+    assert (dest / "sharding_plus" / "__init__.py").is_file()
+    assert '"sharding_plus" = "sharding_plus"' in (dest / "pyproject.toml").read_text()
+
+
+def test_existing_directory_and_unknown_template_are_refused(tmp_path):
+    with pytest.raises(FileExistsError, match="already exists"):
+        write_project(str(tmp_path), str(tmp_path))
+    with pytest.raises(ValueError, match=r"No templates named 'nope'. Available: \[.*'minimal'"):
+        main(["new", "--template", "nope", str(tmp_path / "x")])
+    assert project_name("/a/9lives") == "p_9lives"
