@@ -283,7 +283,7 @@ class Deployer:
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         for metric_logger in self._metric_loggers:
-            metric_logger.log(step, metrics)
+            metric_logger.log(int(step), metrics)
 
     def close(self) -> None:
         for metric_logger in self._metric_loggers:

@@ -242,8 +242,10 @@ class Trainer:
         batch_size *= self.accumulate_grad_batches
         n_steps = n_full_batches(len(examples), batch_size, "train_examples")
         order = self.deployer.epoch_permutation(len(examples), epoch)
+        first_step = self.step - start  # the step before this epoch's first update
         bar = tqdm.trange(start, n_steps, initial=start, total=n_steps, desc=desc,
-                          disable=not self.deployer.is_main_process, dynamic_ncols=True)
+                          disable=not self.deployer.is_main_process, dynamic_ncols=True,
+                          leave=bool(desc))
         pending = None
         for i in bar:
             batch = self.deployer.make_batch(
@@ -254,7 +256,7 @@ class Trainer:
             self.state, metrics = self._train_step(self.state, batch)
             if pending is not None:  # read the previous step's metrics: the device runs ahead
                 self._report(bar, *pending)
-            step = epoch * n_steps + i + 1
+            step = first_step + i + 1
             pending = (step, metrics)
             if save_every_n_steps and step % save_every_n_steps == 0 and i + 1 < n_steps:
                 self._report(bar, *pending)

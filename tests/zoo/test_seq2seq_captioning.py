@@ -10,17 +10,17 @@ import numpy as np
 import optax
 from flax import nnx
 from PIL import Image
-from redco_zoo_captioning import pipeline as captioning
-from redco_zoo_seq2seq import pipeline as seq2seq
 from tasks import COLOURS, LETTERS, SHAPES, reversal_examples, shape_examples, word_tokenizer
 
 from redco import Deployer, Trainer
 from redco.cli import main
+from redco_zoo_captioning import pipeline as captioning
 from redco_zoo_models import runner, save_pretrained, split_model
 from redco_zoo_models.gpt2 import GPT2Config
 from redco_zoo_models.t5 import T5Config, T5ForConditionalGeneration
 from redco_zoo_models.vision_encoder_decoder import VisionEncoderDecoderConfig, VisionEncoderDecoderModel
 from redco_zoo_models.vit import ViTConfig
+from redco_zoo_seq2seq import pipeline as seq2seq
 
 
 def t5(vocab_size):
