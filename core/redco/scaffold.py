@@ -6,6 +6,7 @@ import re
 import shutil
 
 PLACEHOLDER = "{{project_name}}"
+SKIPPED = {"__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache"}  # caches, not template
 
 
 def project_name(dest: str) -> str:
@@ -21,7 +22,7 @@ def write_project(template_dir: str, dest: str) -> str:
         raise FileExistsError(f"{dest} already exists; pick a new directory for the project.")
     name = project_name(dest)
     for root, dirs, files in os.walk(template_dir):
-        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        dirs[:] = [d for d in dirs if d not in SKIPPED]
         target = os.path.join(dest, os.path.relpath(root, template_dir).replace(PLACEHOLDER, name))
         os.makedirs(target, exist_ok=True)
         for file in files:

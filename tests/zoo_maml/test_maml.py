@@ -1,0 +1,104 @@
+"""MAML meta-learns sinusoid regression through Trainer on 8 simulated devices (Finn et al.'s
+setup, 1 inner step): post-adaptation MSE < 0.7 and < 0.3 x pre-adaptation on held-out tasks,
+second-order with the MLP split over 2 model shards and first-order through ``redco zoo run``.
+``redco zoo list`` and ``redco new --template maml`` come from the installed package."""
+import argparse
+import functools
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from redco import Deployer, Trainer
+from redco.cli import main
+from redco_zoo_maml import SinusoidTasks, adapt, collate_fn, init_mlp, loss_fn, mlp, mse
+from redco_zoo_maml.pipeline import MAMLPipeline
+
+SETTINGS = ["--n_meta_iterations", "3000", "--meta_batch_size", "64", "--meta_lr", "5e-3",
+            "--inner_lr", "0.01", "--n_eval_tasks", "1000", "--seed", "0"]
+
+
+def check_bar(pre: float, post: float, what: str) -> None:
+    print(f"{what}: held-out MSE pre-adaptation {pre:.4f}, post-adaptation {post:.4f} "
+          f"(ratio {post / pre:.3f})")
+    assert post < 0.7 and post < 0.3 * pre, (pre, post)
+
+
+def test_maml_learns_sinusoids_second_order_on_two_model_shards(workdir):
+    parser = argparse.ArgumentParser()
+    MAMLPipeline().add_arguments(parser)
+    results = MAMLPipeline().run(parser.parse_args(
+        SETTINGS + ["--n_model_shards", "2", "--workdir", workdir]))
+    check_bar(results["pre_adaptation_mse"], results["post_adaptation_mse"], "second-order, mp=2")
+
+
+def test_redco_zoo_run_maml_first_order(workdir):
+    main(["zoo", "run", "maml", "--first_order", "--workdir", workdir] + SETTINGS)
+    log = open(os.path.join(workdir, "log.txt")).read()
+    pre, post = map(float, re.search(r"pre-adaptation MSE (\S+), post-adaptation MSE (\S+)",
+                                     log).groups())
+    check_bar(pre, post, "first-order, mp=1")
+
+
+def test_first_order_stops_the_gradient_through_the_inner_gradient():
+    params, batch = init_mlp(0), collate_fn(SinusoidTasks(8, seed=3)[:8])
+    state = SimpleNamespace(apply_fn=mlp)
+    grad = lambda **kw: jax.jit(jax.grad(
+        lambda p: loss_fn(None, state, p, batch, True, **kw)))(params)
+
+    @jax.jit
+    def fomaml(p):  # the query loss's gradient at the adapted params, averaged over tasks
+        def one(task):
+            fast = adapt(mlp, p, task["support_x"], task["support_y"], 0.01)
+            return jax.grad(mse, argnums=1)(mlp, fast, task["query_x"], task["query_y"])
+        return jax.tree.map(lambda g: g.mean(0), jax.vmap(one)(batch))
+
+    for a, b in zip(jax.tree.leaves(grad(first_order=True)), jax.tree.leaves(fomaml(params))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    differences = [float(jnp.abs(a - b).max()) for a, b in zip(
+        jax.tree.leaves(grad(first_order=True)), jax.tree.leaves(grad(first_order=False)))]
+    assert max(differences) > 1e-4, differences  # second order is not first order
+
+
+def test_two_model_shards_split_the_mlp_and_train_as_one_device(tmp_path):
+    tasks = SinusoidTasks(64, seed=5)
+    params = {}
+    for n_model_shards in (1, 2):
+        deployer = Deployer(jax_seed=0, n_model_shards=n_model_shards, verbose=False,
+                            workdir=str(tmp_path / f"mp{n_model_shards}"))
+        trainer = Trainer(deployer, collate_fn, mlp, loss_fn, init_mlp(0), optax.adam(5e-3),
+                          params_sharding_rules=deployer.get_sharding_rules(
+                              init_mlp(0), trace_fn=lambda p: mlp(p, jnp.zeros((1, 1)))))
+        trainer.fit(tasks, 64 // deployer.dp_size // 2, n_epochs=1)
+        params[n_model_shards] = jax.device_get(trainer.params)
+    assert trainer.params["dense_0"]["kernel"].sharding.spec == P(None, "mp")
+    assert trainer.params["dense_1"]["kernel"].sharding.spec == P("mp", None)
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6),
+                 params[1], params[2])
+
+
+def test_redco_zoo_list_shows_maml(capsys):
+    main(["zoo", "list"])
+    assert re.search(r"^maml\s+MAML", capsys.readouterr().out, re.M)
+
+
+def test_redco_new_template_maml_writes_a_project_whose_tests_pass(tmp_path, capsys):
+    dest = tmp_path / "my-maml"
+    main(["new", "--template", "maml", str(dest)])
+    assert "wrote" in capsys.readouterr().out
+    assert sorted(p.name for p in dest.iterdir()) == ["README.md", "main.py", "pyproject.toml",
+                                                      "tests"]
+    assert 'name = "my_maml"' in (dest / "pyproject.toml").read_text()
+    assert "{{" not in (dest / "README.md").read_text() + (dest / "main.py").read_text()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+                          cwd=dest, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "1 passed" in done.stdout
