@@ -1,6 +1,5 @@
 """A checkpoint in the ``safetensors`` format is a HuggingFace checkpoint for the zoo's models:
 transformers' own loader reads the params of a trained zoo LLaMA and computes the same logits."""
-import dataclasses
 import json
 import os
 
@@ -16,7 +15,6 @@ from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
 
 def test_transformers_loads_a_safetensors_checkpoint_of_a_zoo_llama(tmp_path):
     from transformers import FlaxLlamaForCausalLM
-    from transformers import LlamaConfig as HFLlamaConfig
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
@@ -29,8 +27,8 @@ def test_transformers_loads_a_safetensors_checkpoint_of_a_zoo_llama(tmp_path):
     trainer.fit(examples, 2, n_epochs=1, save_last_ckpt=True)  # 2 updates, then step_2
 
     state_dir = os.path.join(deployer.ckpt_dir, "step_2", "state")
-    with open(os.path.join(state_dir, "config.json"), "w") as f:  # zoo save_pretrained's job
-        json.dump(HFLlamaConfig(**dataclasses.asdict(cfg), max_position_embeddings=64).to_dict(), f)
+    with open(os.path.join(state_dir, "config.json"), "w") as f:  # what save_pretrained writes
+        json.dump(cfg.to_hf(), f)
     hf_model = FlaxLlamaForCausalLM.from_pretrained(state_dir)
 
     input_ids = rng.integers(0, 64, (2, 12))
