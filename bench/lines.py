@@ -14,6 +14,7 @@ PIPELINES = {  # zoo file, official counterpart (lines), original Redco example 
     "captioning": ("zoo/captioning/redco_zoo_captioning/pipeline.py",
                    "HF run_image_captioning_flax.py", 1283, 206),
     "maml": ("zoo/maml/redco_zoo_maml/pipeline.py", "cbfinn/maml", 820, 198),
+    "ppo": ("zoo/ppo/redco_zoo_ppo/pipeline.py", "CleanRL ppo.py", 312, 315),
     "fedavg": ("zoo/fedavg/redco_zoo_fedavg/pipeline.py", "fedjax fed_avg + driver", 205, 353),
 }
 

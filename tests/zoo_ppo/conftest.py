@@ -1,0 +1,13 @@
+"""8 simulated CPU devices (set before jax is imported), offline hubs."""
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import jax  # noqa: E402, F401
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    return str(tmp_path / "workdir")

@@ -1,0 +1,101 @@
+"""{{project_name}}: PPO on a gymnasium environment, trained by Redco from three functions.
+
+Run: python main.py [--env_id CartPole-v1 --total_steps 300000 --n_model_shards 1]
+
+Change the policy, the three functions or the environment. ``redco_zoo_ppo.Collector`` steps
+the vectorised envs with ``pred_fn`` (jitted, on one device) and computes GAE advantages
+(gamma 0.98, lambda 0.8); ``Trainer`` runs the updates on every local device and logs them to
+``workdir/metrics.jsonl``.
+"""
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from redco import Deployer, Trainer
+from redco_zoo_ppo import Collector
+
+
+def init_params(seed: int, obs_dim: int, n_actions: int, hidden: int = 64) -> dict:
+    """Actor and critic MLPs, orthogonally initialised (small actor output: a uniform start)."""
+    def mlp(rng, sizes, last_scale):
+        scales = [np.sqrt(2)] * (len(sizes) - 2) + [last_scale]
+        return [{"kernel": jax.nn.initializers.orthogonal(s)(k, (i, o)), "bias": jnp.zeros(o)}
+                for k, s, i, o in zip(jax.random.split(rng, len(scales)), scales, sizes, sizes[1:])]
+    actor, critic = jax.random.split(jax.random.PRNGKey(seed))
+    return {"actor": mlp(actor, [obs_dim, hidden, hidden, n_actions], 0.01),
+            "critic": mlp(critic, [obs_dim, hidden, hidden, 1], 1.0)}
+
+
+def apply_fn(params, obs):
+    """``(logits, value)`` for a batch of observations."""
+    def mlp(layers, x):
+        for layer in layers[:-1]:
+            x = jnp.tanh(x @ layer["kernel"] + layer["bias"])
+        return x @ layers[-1]["kernel"] + layers[-1]["bias"]
+    return mlp(params["actor"], obs), mlp(params["critic"], obs)[..., 0]
+
+
+def collate_fn(examples: list[dict]) -> dict:
+    """Transitions (obs, action, logp, adv, ret) -> one array each."""
+    return {k: np.array([e[k] for e in examples], np.int32 if k == "action" else np.float32)
+            for k in examples[0]}
+
+
+def loss_fn(rng, state, params, batch, is_training, clip=0.2, vf_coef=0.5, ent_coef=0.01):
+    """PPO's clipped surrogate + value loss - entropy bonus."""
+    logits, value = state.apply_fn(params, batch["obs"])
+    logp_all = jax.nn.log_softmax(logits)
+    logp = jnp.take_along_axis(logp_all, batch["action"][:, None], 1)[:, 0]
+    adv = (batch["adv"] - batch["adv"].mean()) / (batch["adv"].std() + 1e-8)
+    ratio = jnp.exp(logp - batch["logp"])
+    surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - clip, 1 + clip) * adv).mean()
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, -1).mean()
+    return -surrogate + vf_coef * 0.5 * jnp.mean((value - batch["ret"]) ** 2) - ent_coef * entropy
+
+
+def pred_fn(rng, params, batch):
+    """Sampled actions with their log-probabilities, and the values of the observations."""
+    logits, value = apply_fn(params, batch["obs"])
+    action = jax.random.categorical(rng, logits)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None], 1)[:, 0]
+    return {"action": action, "logp": logp, "value": value}
+
+
+def main(env_id="CartPole-v1", total_steps=300_000, n_envs=16, n_steps=64, n_model_shards=1,
+         seed=0, workdir="./workdir", lr=1e-3, update_epochs=4, n_minibatches=4):
+    """Train; returns ``(trainer, the returns of the last 100 episodes)``."""
+    collector = Collector(env_id, n_envs, jax.jit(pred_fn), seed)
+    deployer = Deployer(jax_seed=seed, n_model_shards=n_model_shards, workdir=workdir)
+    n_iters, batch_size = total_steps // (n_envs * n_steps), n_envs * n_steps // n_minibatches
+    schedule = optax.linear_schedule(lr, 0.0, n_iters * update_epochs * n_minibatches)
+    optimizer = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(schedule, eps=1e-5))
+    space = collector.envs.single_observation_space.shape[0], collector.envs.single_action_space.n
+    trainer = Trainer(deployer=deployer, collate_fn=collate_fn, apply_fn=apply_fn, loss_fn=loss_fn,
+                      params=init_params(seed, *space), optimizer=optimizer, lr_schedule_fn=schedule)
+    for it in range(n_iters):
+        params = jax.device_put(jax.device_get(trainer.params), jax.devices()[0])
+        examples = collector.rollout(params, jax.random.PRNGKey(seed + 1 + it), n_steps)
+        for epoch in range(update_epochs):
+            trainer.train_epoch(examples, batch_size // deployer.dp_size,
+                                epoch=it * update_epochs + epoch, desc=f"iteration {it + 1}")
+        returns = list(collector.envs.return_queue)
+        deployer.log_metrics(trainer.step, {"mean_return_20": np.mean(returns[-20:] or [0])})
+    collector.envs.close()
+    return trainer, returns
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--env_id", default="CartPole-v1")
+    parser.add_argument("--total_steps", type=int, default=300_000)
+    parser.add_argument("--n_envs", type=int, default=16)
+    parser.add_argument("--n_model_shards", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", default="./workdir")
+    args = parser.parse_args()
+    _, returns = main(args.env_id, args.total_steps, args.n_envs, n_model_shards=args.n_model_shards,
+                      seed=args.seed, workdir=args.workdir)
+    print(f"mean return of the last 20 episodes: {np.mean(returns[-20:]):.1f}")
