@@ -1,7 +1,5 @@
-"""``redco new``: a template becomes a named project whose own tests pass out of the box."""
+"""``redco new``: a template becomes a named project (tests/templates runs each project's tests)."""
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -9,17 +7,13 @@ from redco.cli import main
 from redco.scaffold import project_name, write_project
 
 
-def test_minimal_project_is_written_named_and_its_tests_pass(tmp_path, capsys):
+def test_minimal_project_is_written_and_named(tmp_path, capsys):
     dest = tmp_path / "my-model"
     main(["new", "--template", "minimal", str(dest)])
     assert "wrote" in capsys.readouterr().out
     assert sorted(os.listdir(dest)) == ["README.md", "main.py", "pyproject.toml", "tests"]
     assert 'name = "my_model"' in (dest / "pyproject.toml").read_text()
-    assert "{{" not in (dest / "README.md").read_text()
-    env = {**os.environ, "XLA_FLAGS": ""}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
-                         cwd=dest, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "{{" not in (dest / "README.md").read_text()  # its tests run in tests/templates
 
 
 def test_plugin_template_names_its_package_and_entry_point(tmp_path):

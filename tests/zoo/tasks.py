@@ -1,20 +1,10 @@
-"""The offline tasks the zoo's pipelines must learn (see DESIGN.md), with word-level tokenizers
-saved the way HuggingFace saves them (``tokenizer.json``)."""
+"""The offline tasks the zoo's pipelines must learn (see DESIGN.md)."""
 import numpy as np
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 LETTERS = "abcdefghijklmnop"
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 220),
            "yellow": (230, 210, 40)}
 SHAPES = ("circle", "square", "triangle")
-
-
-def word_tokenizer(words, specials=("<pad>", "</s>", "<unk>")) -> Tokenizer:
-    """Ids: the specials first (pad 0, eos 1, ...), then ``words``; split on whitespace."""
-    vocab = {w: i for i, w in enumerate(list(specials) + list(words))}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return tokenizer
 
 
 def reversal_examples(n: int, seed: int, length: int = 8) -> list[dict]:

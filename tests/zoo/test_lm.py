@@ -12,6 +12,7 @@ from redco import Deployer, Trainer
 from redco.cli import main
 from redco_zoo_lm import collate_fn, loss_fn
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM, from_pretrained, save_pretrained, split_model
+from redco_zoo_models.toy import tiny_llama
 
 
 def markov_chain(n_states=16, seed=0):
@@ -38,9 +39,7 @@ def test_lm_learns_a_markov_chain_to_its_entropy_rate(workdir):
     transitions, stationary, entropy_rate = markov_chain()
     train = sample_chains(transitions, stationary, 4096, 33, seed=1)
     test = sample_chains(transitions, stationary, 512, 33, seed=2)
-    cfg = LlamaConfig(vocab_size=16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
-    apply_fn, params = split_model(LlamaForCausalLM(cfg, nnx.Rngs(0)))
+    apply_fn, params = split_model(tiny_llama(16))
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
     lr = deployer.get_lr_schedule_fn(len(train), 8, 4, 3e-3, warmup_rate=0.05)
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(lr),

@@ -8,34 +8,15 @@ from functools import partial
 import jax
 import numpy as np
 import optax
-from flax import nnx
 from PIL import Image
-from tasks import COLOURS, LETTERS, SHAPES, reversal_examples, shape_examples, word_tokenizer
+from tasks import COLOURS, LETTERS, SHAPES, reversal_examples, shape_examples
 
 from redco import Deployer, Trainer
 from redco.cli import main
 from redco_zoo_captioning import pipeline as captioning
 from redco_zoo_models import runner, save_pretrained, split_model
-from redco_zoo_models.gpt2 import GPT2Config
-from redco_zoo_models.t5 import T5Config, T5ForConditionalGeneration
-from redco_zoo_models.vision_encoder_decoder import VisionEncoderDecoderConfig, VisionEncoderDecoderModel
-from redco_zoo_models.vit import ViTConfig
+from redco_zoo_models.toy import tiny_t5, tiny_vit_gpt2, word_tokenizer
 from redco_zoo_seq2seq import pipeline as seq2seq
-
-
-def t5(vocab_size):
-    return T5ForConditionalGeneration(T5Config(
-        vocab_size=vocab_size, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=32, relative_attention_max_distance=64), nnx.Rngs(0))
-
-
-def vit_gpt2(vocab_size):
-    return VisionEncoderDecoderModel(VisionEncoderDecoderConfig(
-        encoder=ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                          intermediate_size=128, image_size=32, patch_size=8),
-        decoder=GPT2Config(vocab_size=vocab_size, n_positions=8, n_embd=64, n_layer=2, n_head=4,
-                           add_cross_attention=True, bos_token_id=1, eos_token_id=2),
-        decoder_start_token_id=1, pad_token_id=0), nnx.Rngs(0))
 
 
 def train_and_predict(workdir, model, collate_fn, loss_fn, pred_fn, output_fn, train, test,
@@ -59,7 +40,7 @@ def train_and_predict(workdir, model, collate_fn, loss_fn, pred_fn, output_fn, t
 def test_seq2seq_learns_to_reverse_strings(workdir):
     tokenizer = word_tokenizer(LETTERS)
     ids = dict(pad_id=0, eos_id=1)
-    model = t5(tokenizer.get_vocab_size())
+    model = tiny_t5(tokenizer.get_vocab_size())
     test = reversal_examples(256, seed=2)
     preds = train_and_predict(
         workdir, model, partial(seq2seq.collate_fn, tokenizer=tokenizer, src_len=9, tgt_len=9,
@@ -75,7 +56,7 @@ def test_seq2seq_learns_to_reverse_strings(workdir):
 def test_captioning_learns_coloured_shapes(workdir):
     tokenizer = word_tokenizer(list(COLOURS) + list(SHAPES), ("<pad>", "<bos>", "<eos>", "<unk>"))
     ids = dict(bos_id=1, eos_id=2, pad_id=0)
-    model = vit_gpt2(tokenizer.get_vocab_size())
+    model = tiny_vit_gpt2(tokenizer.get_vocab_size())
     test = shape_examples(256, seed=2)
     preds = train_and_predict(
         workdir, model, partial(captioning.collate_fn, tokenizer=tokenizer, image_size=32,
@@ -90,7 +71,7 @@ def test_captioning_learns_coloured_shapes(workdir):
 
 def test_redco_zoo_run_seq2seq_and_captioning_from_local_files(tmp_path):
     tokenizer = word_tokenizer(LETTERS)
-    save_pretrained(t5(tokenizer.get_vocab_size()), str(tmp_path / "t5"))
+    save_pretrained(tiny_t5(tokenizer.get_vocab_size()), str(tmp_path / "t5"))
     tokenizer.save(str(tmp_path / "t5" / "tokenizer.json"))
     with open(tmp_path / "pairs.jsonl", "w") as f:
         for example in reversal_examples(160, seed=3):
@@ -105,7 +86,7 @@ def test_redco_zoo_run_seq2seq_and_captioning_from_local_files(tmp_path):
     assert os.path.isdir(tmp_path / "w1" / "ckpts" / "best_rougeL")
 
     tokenizer = word_tokenizer(list(COLOURS) + list(SHAPES), ("<pad>", "<bos>", "<eos>", "<unk>"))
-    save_pretrained(vit_gpt2(tokenizer.get_vocab_size()), str(tmp_path / "ved"))
+    save_pretrained(tiny_vit_gpt2(tokenizer.get_vocab_size()), str(tmp_path / "ved"))
     tokenizer.save(str(tmp_path / "ved" / "tokenizer.json"))
     images = tmp_path / "images"
     images.mkdir()
@@ -118,3 +99,16 @@ def test_redco_zoo_run_seq2seq_and_captioning_from_local_files(tmp_path):
           "--per_device_batch_size", "4", "--max_len", "4", "--num_beams", "2"])
     log = open(tmp_path / "w2" / "log.txt").read()
     assert "exact_match" in log and os.path.isfile(tmp_path / "w2" / "model" / "config.json")
+
+
+def test_seq2seq_collate_adds_one_eos_when_the_tokenizer_adds_its_own():
+    from tokenizers import processors
+    tokenizer = word_tokenizer(LETTERS)  # a=3, b=4
+    tokenizer.post_processor = processors.TemplateProcessing(  # as T5's tokenizer.json does
+        single="$A </s>", special_tokens=[("</s>", 1)])
+    assert tokenizer.encode("a b").ids == [3, 4, 1]
+    batch = seq2seq.collate_fn([{"src": "a b", "tgt": "b a"}], tokenizer=tokenizer, src_len=4,
+                               tgt_len=4, pad_id=0, eos_id=1)
+    assert batch["input_ids"].tolist() == [[3, 4, 1, 0]]
+    assert batch["labels"].tolist() == [[4, 3, 1, 0]]
+    assert batch["decoder_input_ids"].tolist() == [[0, 4, 3, 1]]

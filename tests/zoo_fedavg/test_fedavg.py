@@ -1,9 +1,6 @@
-"""redco-zoo-fedavg: FedAvg learns pathological non-IID digits, the pipeline and the template
-are found through entry points, and a new project from the template passes its own tests."""
+"""redco-zoo-fedavg: FedAvg learns pathological non-IID digits, and the pipeline and the template
+are found through entry points (the template's project: tests/templates)."""
 import argparse
-import os
-import subprocess
-import sys
 
 from redco.cli import main as redco_main
 from redco_zoo_fedavg.pipeline import FedAvgPipeline, load_digits, split_clients
@@ -40,15 +37,3 @@ def test_zoo_list_and_new_list_show_fedavg(capsys):
     assert any(line.split()[0] == "fedavg" for line in capsys.readouterr().out.splitlines())
     redco_main(["new", "--list"])
     assert "fedavg" in capsys.readouterr().out
-
-
-def test_new_project_from_the_template_passes_its_tests(tmp_path):
-    dest = tmp_path / "fed-proj"
-    redco_main(["new", "--template", "fedavg", str(dest)])
-    assert 'name = "fed_proj"' in (dest / "pyproject.toml").read_text()
-    assert "{{" not in "".join(p.read_text() for p in dest.rglob("*") if p.is_file())
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
-                          cwd=dest, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "1 passed" in done.stdout

@@ -1,9 +1,6 @@
 """PPO learns CartPole-v1 (mean return of the last 20 episodes >= 450 by 300k env steps) on 8
-devices; ``redco zoo`` lists and runs it; ``redco new --template ppo`` writes a project whose
-own tests pass."""
+devices; ``redco zoo`` lists and runs it (its template's project: tests/templates)."""
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -33,14 +30,3 @@ def test_redco_zoo_lists_and_runs_ppo(workdir, capsys):
     out = capsys.readouterr().out
     assert "mean return of the last 20 episodes" in out, out
     assert os.path.exists(os.path.join(workdir, "metrics.jsonl"))
-
-
-def test_redco_new_template_ppo_writes_a_project_whose_tests_pass(tmp_path, capsys):
-    dest = tmp_path / "cartpole_agent"
-    main(["new", "--template", "ppo", str(dest)])
-    assert {"pyproject.toml", "main.py", "README.md"} <= set(os.listdir(dest))
-    assert 'name = "cartpole_agent"' in (dest / "pyproject.toml").read_text()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
-                            cwd=dest, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr

@@ -2,6 +2,7 @@
 is a VisionEncoderDecoder: a ViT encoder and a GPT-2 decoder that cross-attends to it."""
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ def collate_fn(examples: list[dict], tokenizer, image_size: int, max_len: int, b
                eos_id: int, pad_id: int) -> dict:
     """``image`` and ``caption`` -> pixel values, decoder inputs (BOS, caption) and labels
     (caption, EOS), right-padded with a mask."""
-    captions = [tokenizer.encode(e["caption"]).ids for e in examples]
+    captions = [tokenizer.encode(e["caption"], add_special_tokens=False).ids for e in examples]
     labels, label_mask = runner.pad_ids([c + [eos_id] for c in captions], max_len, pad_id)
     decoder_input_ids, _ = runner.pad_ids([[bos_id] + c for c in captions], max_len, pad_id)
     return {"pixel_values": np.stack([pixels(e["image"], image_size) for e in examples]),
@@ -77,3 +78,8 @@ class CaptioningPipeline:
 @redco.hookimpl
 def register_zoo_pipelines(register):
     register("captioning", CaptioningPipeline())
+
+
+@redco.hookimpl
+def register_templates(register):
+    register("captioning", os.path.join(os.path.dirname(__file__), "template"))

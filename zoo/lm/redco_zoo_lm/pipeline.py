@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -59,3 +60,8 @@ class LMPipeline:
 @redco.hookimpl
 def register_zoo_pipelines(register):
     register("lm", LMPipeline())
+
+
+@redco.hookimpl
+def register_templates(register):
+    register("lm", os.path.join(os.path.dirname(__file__), "template"))

@@ -100,14 +100,21 @@ def train_and_eval(args, model: nnx.Module, examples: tuple[list, list], collate
                 eval_predictor=predictor, eval_metric_fn=metric_fn,
                 save_every_n_steps=args.save_every_n_steps,
                 save_argmax_ckpt_by_metrics=[best_metric] if best_metric else None)
+    save_trained(trainer, model, args.model)
+    return trainer
+
+
+def save_trained(trainer: Trainer, model: nnx.Module, model_dir: str) -> str:
+    """Save ``trainer``'s params in ``model``'s structure as ``workdir/model``, a HuggingFace
+    directory, with the tokenizer files of ``model_dir`` (where the model came from)."""
     nnx.update(model, jax.device_get(trainer.params))
-    out = os.path.join(args.workdir, "model")
+    out = os.path.join(trainer.deployer.workdir, "model")
     save_pretrained(model, out)
     for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
-        if os.path.isfile(os.path.join(args.model, name)):
-            shutil.copy(os.path.join(args.model, name), out)
-    deployer.log_info(f"saved the trained model to {out}")
-    return trainer
+        if os.path.isfile(os.path.join(model_dir, name)):
+            shutil.copy(os.path.join(model_dir, name), out)
+    trainer.deployer.log_info(f"saved the trained model to {out}")
+    return out
 
 
 def split_eval(args) -> tuple[list, list]:

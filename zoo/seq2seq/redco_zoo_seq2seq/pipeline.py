@@ -2,6 +2,7 @@
 ``redco zoo run seq2seq``. The model is an encoder-decoder such as T5 or flan-T5."""
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import jax.numpy as jnp
@@ -16,8 +17,9 @@ def collate_fn(examples: list[dict], tokenizer, src_len: int, tgt_len: int, pad_
                eos_id: int) -> dict:
     """``src`` and ``tgt`` strings -> encoder ids, decoder inputs (the pad id starts them, as in
     T5) and labels (the target then EOS), all right-padded with masks."""
-    src = [tokenizer.encode(e["src"]).ids + [eos_id] for e in examples]
-    tgt = [tokenizer.encode(e["tgt"]).ids + [eos_id] for e in examples]
+    def ids(text):  # add_special_tokens=False: T5's own tokenizer.json would add EOS too
+        return tokenizer.encode(text, add_special_tokens=False).ids + [eos_id]
+    src, tgt = [ids(e["src"]) for e in examples], [ids(e["tgt"]) for e in examples]
     input_ids, attention_mask = runner.pad_ids(src, src_len, pad_id)
     labels, label_mask = runner.pad_ids(tgt, tgt_len, pad_id)
     decoder_input_ids = np.concatenate([np.full((len(tgt), 1), pad_id, np.int32),
@@ -76,3 +78,8 @@ class Seq2SeqPipeline:
 @redco.hookimpl
 def register_zoo_pipelines(register):
     register("seq2seq", Seq2SeqPipeline())
+
+
+@redco.hookimpl
+def register_templates(register):
+    register("seq2seq", os.path.join(os.path.dirname(__file__), "template"))

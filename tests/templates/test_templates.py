@@ -1,0 +1,35 @@
+"""Every template registered by an installed package (redco's own and every zoo package's)
+becomes a named project through ``redco new`` and that project's own tests pass out of the box,
+run as a user would run them: ``pytest`` in the new directory, on simulated CPU devices. Each
+zoo pipeline has a template of the same name."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from redco.cli import main
+from redco.plugins import registry
+
+TEMPLATES = registry("templates")
+NEEDS_INSTALL = {"plugin"}  # found through its entry point: tests/install installs and runs it
+
+
+def test_every_zoo_pipeline_has_a_template():
+    assert {"minimal", "plugin"} <= set(TEMPLATES)
+    assert set(registry("zoo_pipelines")) <= set(TEMPLATES), sorted(TEMPLATES)
+
+
+@pytest.mark.parametrize("name", sorted(set(TEMPLATES) - NEEDS_INSTALL))
+def test_new_project_passes_its_own_tests(name, tmp_path, capsys):
+    dest = tmp_path / f"my-{name}"
+    main(["new", "--template", name, str(dest)])
+    assert f"wrote {dest}" in capsys.readouterr().out
+    assert {"README.md", "main.py", "pyproject.toml", "tests"} <= set(os.listdir(dest))
+    assert f'name = "my_{name}"' in (dest / "pyproject.toml").read_text()
+    assert not [p for p in dest.rglob("*") if p.is_file() and "{{" in p.read_text()]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the tests set their own
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+                          cwd=dest, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout

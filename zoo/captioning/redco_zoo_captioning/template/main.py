@@ -1,0 +1,87 @@
+"""{{project_name}}: image captioning with Redco.
+
+    python main.py --model vit-gpt2 --train images/ --eval dev_images/
+
+``--model`` is a local HuggingFace vision-encoder-decoder directory with a ViT encoder and a
+GPT-2 decoder (config.json, model.safetensors, tokenizer.json); ``--train`` is a folder of
+images with a ``metadata.jsonl`` naming each ``file_name`` and its ``caption``. The three
+functions are yours to change. ``Deployer`` and ``Trainer`` take care of devices, sharding
+(``--n_model_shards``), checkpoints (rerun to resume) and logs in ``--workdir``."""
+import argparse
+from functools import partial
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from redco import Deployer, Trainer
+from redco_zoo_captioning.pipeline import pixels
+from redco_zoo_models import generate, runner, split_model
+from redco_zoo_models.metrics import text_scores, token_cross_entropy
+
+
+def collate_fn(examples, tokenizer, image_size, max_len, bos_id, eos_id, pad_id):
+    """``image`` and ``caption`` -> pixel values in [-1, 1], decoder inputs (BOS, caption) and
+    labels (caption, EOS), right-padded with a mask."""
+    captions = [tokenizer.encode(e["caption"], add_special_tokens=False).ids for e in examples]
+    labels, label_mask = runner.pad_ids([c + [eos_id] for c in captions], max_len, pad_id)
+    decoder_input_ids, _ = runner.pad_ids([[bos_id] + c for c in captions], max_len, pad_id)
+    return {"pixel_values": np.stack([pixels(e["image"], image_size) for e in examples]),
+            "decoder_input_ids": decoder_input_ids, "labels": labels, "label_mask": label_mask}
+
+
+def loss_fn(rng, state, params, batch, is_training):
+    """Cross-entropy of the caption tokens (padding excluded)."""
+    logits = state.apply_fn(params, batch["pixel_values"], batch["decoder_input_ids"])
+    return token_cross_entropy(logits, batch["labels"], batch["label_mask"])
+
+
+def pred_fn(rng, params, batch, model, max_new_tokens, num_beams, bos_id, eos_id, pad_id):
+    """Beam-search caption ids (B, max_new_tokens) for each image."""
+    start = jnp.full((batch["pixel_values"].shape[0], 1), bos_id, jnp.int32)
+    return generate(model, params, start, max_new_tokens, num_beams=num_beams,
+                    eos_token_id=eos_id, pad_token_id=pad_id,
+                    encoder_inputs={"pixel_values": batch["pixel_values"]})
+
+
+def metric_fn(examples, preds):
+    """ROUGE-1/2/L and exact match of the predicted captions."""
+    return text_scores(preds, [e["caption"] for e in examples])
+
+
+def main(args):
+    tokenizer, (model, config) = runner.load_tokenizer(args.model), runner.load_model(args.model)
+    decoder = config["decoder"]
+    ids = {"bos_id": decoder["bos_token_id"], "eos_id": decoder["eos_token_id"],
+           "pad_id": config.get("pad_token_id") or decoder["eos_token_id"]}
+    train, evaluate = runner.split_eval(args)  # --eval, or the last 5% of --train
+
+    deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
+                        workdir=args.workdir)
+    apply_fn, params = split_model(model)
+    lr = deployer.get_lr_schedule_fn(len(train), args.per_device_batch_size, args.n_epochs,
+                                     args.learning_rate, warmup_rate=args.warmup_rate)
+    trainer = Trainer(deployer, partial(collate_fn, tokenizer=tokenizer, max_len=args.max_len,
+                                        image_size=config["encoder"]["image_size"], **ids),
+                      apply_fn, loss_fn, params, optax.adamw(lr), lr_schedule_fn=lr)
+    predictor = trainer.get_default_predictor(
+        partial(pred_fn, model=model, max_new_tokens=args.max_len, num_beams=args.num_beams,
+                **ids),
+        output_fn=partial(runner.detokenize, tokenizer=tokenizer, eos_id=ids["eos_id"]))
+    trainer.fit(train, args.per_device_batch_size, args.n_epochs, eval_examples=evaluate,
+                eval_predictor=predictor, eval_metric_fn=metric_fn,
+                save_every_n_steps=args.save_every_n_steps, save_argmax_ckpt_by_metrics=["rougeL"])
+    runner.save_trained(trainer, model, args.model)  # workdir/model, a HuggingFace directory
+    return trainer
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    runner.add_arguments(parser)  # --model --train --eval --workdir --n_model_shards --n_epochs ...
+    parser.add_argument("--max_len", type=int, default=32, help="caption tokens")
+    parser.add_argument("--num_beams", type=int, default=4)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main(parse_args())

@@ -1,0 +1,83 @@
+"""{{project_name}}: causal language modelling (pre-training or fine-tuning) with Redco.
+
+    python main.py --model tinyllama --train corpus.txt --prompt "Once upon a time"
+
+``--model`` is a local HuggingFace LLaMA, Mistral, Qwen2 or GPT-2 directory (config.json,
+model.safetensors, tokenizer.json); ``--train`` is a ``.txt`` file (one document per line) or a
+``.jsonl``/``.json``/``.csv`` file with a ``text`` column. The three functions are yours to
+change. ``Deployer`` and ``Trainer`` take care of devices, sharding (``--n_model_shards``),
+checkpoints (rerun to resume) and logs in ``--workdir``."""
+import argparse
+import math
+from functools import partial
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from redco import Deployer, Trainer
+from redco_zoo_lm.pipeline import text_blocks
+from redco_zoo_models import generate, runner, split_model
+
+
+def collate_fn(examples):
+    """Examples hold equal-length ``token_ids``; the batch is ``input_ids`` (B, T)."""
+    return {"input_ids": np.stack([np.asarray(e["token_ids"], np.int32) for e in examples])}
+
+
+def loss_fn(rng, state, params, batch, is_training):
+    """Mean next-token cross-entropy."""
+    ids = batch["input_ids"]
+    logits = state.apply_fn(params, ids[:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+
+def pred_fn(rng, params, batch, model, max_new_tokens, temperature):
+    """``max_new_tokens`` sampled after each row of ``input_ids`` (``temperature`` 0: greedy)."""
+    return generate(model, params, batch["input_ids"], max_new_tokens, rng=rng,
+                    temperature=temperature)
+
+
+def main(args):
+    tokenizer, (model, _) = runner.load_tokenizer(args.model), runner.load_model(args.model)
+    train, evaluate = (text_blocks([row["text"] for row in rows], tokenizer, args.block_size)
+                       for rows in runner.split_eval(args))  # --eval, or the last 5% of --train
+
+    deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
+                        workdir=args.workdir)
+    apply_fn, params = split_model(model)
+    lr = deployer.get_lr_schedule_fn(len(train), args.per_device_batch_size, args.n_epochs,
+                                     args.learning_rate, warmup_rate=args.warmup_rate)
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(lr),
+                      lr_schedule_fn=lr)
+    trainer.fit(train, args.per_device_batch_size, args.n_epochs, eval_examples=evaluate,
+                save_every_n_steps=args.save_every_n_steps, save_argmin_ckpt_by_metrics=["loss"])
+    perplexity = math.exp(trainer.eval_loss(evaluate, args.per_device_batch_size))
+    deployer.log_info(f"eval perplexity {perplexity:.3f}")
+    runner.save_trained(trainer, model, args.model)  # workdir/model, a HuggingFace directory
+
+    predictor = trainer.get_default_predictor(
+        partial(pred_fn, model=model, max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature),
+        output_fn=lambda ids: tokenizer.decode_batch(np.asarray(ids).tolist()))
+    samples = {}
+    for prompt in args.prompt or ():  # one at a time: prompts differ in length
+        [samples[prompt]] = predictor.predict([{"token_ids": tokenizer.encode(prompt).ids}], 1,
+                                              trainer.params)
+        deployer.log_info(f"{prompt!r} -> {samples[prompt]!r}")
+    return perplexity, samples
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    runner.add_arguments(parser)  # --model --train --eval --workdir --n_model_shards --n_epochs ...
+    parser.add_argument("--block_size", type=int, default=128, help="tokens per example")
+    parser.add_argument("--prompt", action="append", help="after training, continue this text "
+                        "(repeat the flag for more prompts)")
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main(parse_args())
