@@ -43,6 +43,8 @@ class Deployer:
         ``safetensors``, ``msgpack`` or a third party's. Loading reads any format.
       loggers: names of the metric-logger plugins to run (process 0 only).
       launcher: name of a launcher plugin; by default the first that detects itself.
+      verbose: print log lines and show progress bars (process 0 only); ``False`` keeps the
+        terminal quiet, and ``workdir/log.txt`` is written all the same.
     """
 
     def __init__(self, jax_seed: int, n_model_shards: int | str = 1, workdir: str = "./workdir",
@@ -136,6 +138,11 @@ class Deployer:
     @property
     def is_main_process(self) -> bool:
         return jax.process_index() == 0
+
+    @property
+    def show_progress(self) -> bool:
+        """Whether this process draws progress bars: process 0, when verbose."""
+        return self.is_main_process and self._verbose
 
     @property
     def dp_size(self) -> int:

@@ -52,7 +52,7 @@ class Predictor:
         padded = list(examples) + [examples[-1]] * (n_batches * batch_size - len(examples))
         rng = jax.random.PRNGKey(self.deployer.jax_seed + 1)
         outputs = []
-        for i in tqdm.trange(n_batches, desc=desc, disable=not self.deployer.is_main_process,
+        for i in tqdm.trange(n_batches, desc=desc, disable=not self.deployer.show_progress,
                              dynamic_ncols=True, leave=False):
             batch = self.deployer.make_batch(padded[i * batch_size:(i + 1) * batch_size],
                                              self.collate_fn)

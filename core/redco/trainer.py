@@ -46,6 +46,13 @@ def unwrap_multisteps(optimizer, accumulate_grad_batches: int):
     return optimizer.inner_opt
 
 
+def place_copy(tree: Any, shardings: Any) -> Any:
+    """``tree`` placed by ``shardings`` in buffers of its own. The train step donates its state,
+    and ``device_put`` alone can reuse a caller's device array as a shard (then deleted)."""
+    tree = jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
+    return jax.device_put(tree, shardings)
+
+
 class Trainer:
     """Trains ``params`` with ``loss_fn(rng, state, params, batch, is_training) -> scalar``.
 
@@ -151,14 +158,14 @@ class Trainer:
 
     def _place_state(self, params, opt_state, apply_fn):
         params_shardings = self.deployer.get_params_shardings(params, self.params_sharding_rules)
-        params = jax.device_put(params, params_shardings)
+        params = place_copy(params, params_shardings)
         replicated = self.deployer.replicated
         opt_shardings = opt_state_shardings(self.optimizer, params, params_shardings,
                                             self.deployer.mesh)
         if opt_state is None:
             opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(params)
         else:
-            opt_state = jax.device_put(opt_state, opt_shardings)
+            opt_state = place_copy(opt_state, opt_shardings)
         state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated),
                            params=params, opt_state=opt_state, apply_fn=apply_fn,
                            rng=jax.device_put(jax.random.PRNGKey(self.deployer.jax_seed), replicated))
@@ -244,7 +251,7 @@ class Trainer:
         order = self.deployer.epoch_permutation(len(examples), epoch)
         first_step = self.step - start  # the step before this epoch's first update
         bar = tqdm.trange(start, n_steps, initial=start, total=n_steps, desc=desc,
-                          disable=not self.deployer.is_main_process, dynamic_ncols=True,
+                          disable=not self.deployer.show_progress, dynamic_ncols=True,
                           leave=bool(desc))
         pending = None
         for i in bar:

@@ -44,6 +44,33 @@ def test_predict_returns_one_output_per_example_in_order(workdir):
     assert texts == [f"{p:.3f}" for p in expected]
 
 
+@pytest.mark.parametrize("n_model_shards", [1, 2])
+def test_fit_leaves_the_callers_device_params_alive(workdir, n_model_shards):
+    """The train step donates its state; the trainer's copy, not the arrays it was given."""
+    params = jax.device_put(mlp_init())  # on device 0, which the mesh's first shard is on too
+    deployer = Deployer(jax_seed=0, n_model_shards=n_model_shards, workdir=workdir, verbose=False)
+    trainer = Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, params, optax.adam(1e-2))
+    trainer.fit(mlp_examples(64), 4, n_epochs=1)
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(params))
+    np.testing.assert_array_equal(params["Dense_0"]["kernel"], mlp_init()["Dense_0"]["kernel"])
+
+
+@pytest.mark.parametrize("verbose", [True, False])
+def test_verbose_false_keeps_the_terminal_quiet_and_still_logs(tmp_path, capsys, verbose):
+    deployer = Deployer(jax_seed=0, workdir=str(tmp_path), verbose=verbose)
+    trainer = Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, mlp_init(), optax.adam(1e-2))
+    predictor = trainer.get_default_predictor(lambda rng, params, batch: batch["x"][:, 0])
+    trainer.fit(mlp_examples(64), 4, n_epochs=1, eval_examples=mlp_examples(16),
+                eval_predictor=predictor)
+    out = capsys.readouterr()
+    printed = out.out + out.err
+    if verbose:  # progress bars and log lines
+        assert "epoch 1/1" in printed and "predict epoch 1" in printed and "eval" in printed
+    else:
+        assert printed == "", printed
+    assert "epoch 1 eval" in (tmp_path / "log.txt").read_text()
+
+
 def test_rng_argument_names_and_short_signatures(workdir):
     """loss_fn(train_rng, ...), loss_fn(rng, ...) and the paper's loss_fn(batch, params)."""
     def paper_style(batch, params):
