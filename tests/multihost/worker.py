@@ -52,7 +52,7 @@ def detected_launcher() -> str:
 def main() -> None:
     multi = not DETECT and int(n_processes) > 1
     launcher = detected_launcher() if DETECT else ("ip" if multi else "local")
-    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False,
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir,  # verbose: bars in job logs
                         checkpoint_format=CKPT_FORMAT,
                         n_processes=int(n_processes) if multi else None,
                         host0_address="127.0.0.1" if multi else None,
