@@ -48,9 +48,10 @@ def unwrap_multisteps(optimizer, accumulate_grad_batches: int):
 
 def place_copy(tree: Any, shardings: Any) -> Any:
     """``tree`` placed by ``shardings`` in buffers of its own. The train step donates its state,
-    and ``device_put`` alone can reuse a caller's device array as a shard (then deleted)."""
-    tree = jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
-    return jax.device_put(tree, shardings)
+    and ``device_put`` can reuse a caller's device array as a shard (then deleted), so what came
+    in on a device is copied once placed: a shard's worth per device, not a whole array."""
+    placed = jax.device_put(tree, shardings)
+    return jax.tree.map(lambda x, y: jnp.copy(y) if isinstance(x, jax.Array) else y, tree, placed)
 
 
 class Trainer:

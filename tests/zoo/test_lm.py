@@ -11,8 +11,8 @@ from flax import nnx
 from redco import Deployer, Trainer
 from redco.cli import main
 from redco_zoo_lm import collate_fn, loss_fn
-from redco_zoo_models import LlamaConfig, LlamaForCausalLM, from_pretrained, save_pretrained, split_model
-from redco_zoo_models.toy import tiny_llama
+from redco_zoo_models import LlamaConfig, LlamaForCausalLM, from_pretrained, split_model
+from redco_zoo_models.toy import save_model_dir, tiny_llama
 
 
 def markov_chain(n_states=16, seed=0):
@@ -61,8 +61,7 @@ def test_redco_zoo_run_lm_trains_a_local_model_on_a_text_file(tmp_path, capsys):
     model_dir = tmp_path / "model"
     cfg = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=32,
                       intermediate_size=64, num_hidden_layers=2)
-    save_pretrained(LlamaForCausalLM(cfg, nnx.Rngs(0)), str(model_dir))
-    tokenizer.save(str(model_dir / "tokenizer.json"))
+    save_model_dir(LlamaForCausalLM(cfg, nnx.Rngs(0)), tokenizer, str(model_dir))
 
     workdir = tmp_path / "workdir"
     main(["zoo", "run", "lm", "--model", str(model_dir), "--train", str(tmp_path / "train.txt"),

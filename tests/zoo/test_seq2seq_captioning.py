@@ -14,8 +14,8 @@ from tasks import COLOURS, LETTERS, SHAPES, reversal_examples, shape_examples
 from redco import Deployer, Trainer
 from redco.cli import main
 from redco_zoo_captioning import pipeline as captioning
-from redco_zoo_models import runner, save_pretrained, split_model
-from redco_zoo_models.toy import tiny_t5, tiny_vit_gpt2, word_tokenizer
+from redco_zoo_models import runner, split_model
+from redco_zoo_models.toy import save_model_dir, tiny_t5, tiny_vit_gpt2, word_tokenizer
 from redco_zoo_seq2seq import pipeline as seq2seq
 
 
@@ -71,8 +71,7 @@ def test_captioning_learns_coloured_shapes(workdir):
 
 def test_redco_zoo_run_seq2seq_and_captioning_from_local_files(tmp_path):
     tokenizer = word_tokenizer(LETTERS)
-    save_pretrained(tiny_t5(tokenizer.get_vocab_size()), str(tmp_path / "t5"))
-    tokenizer.save(str(tmp_path / "t5" / "tokenizer.json"))
+    save_model_dir(tiny_t5(tokenizer.get_vocab_size()), tokenizer, str(tmp_path / "t5"))
     with open(tmp_path / "pairs.jsonl", "w") as f:
         for example in reversal_examples(160, seed=3):
             f.write(json.dumps({"question": example["src"], "answer": example["tgt"]}) + "\n")
@@ -86,8 +85,7 @@ def test_redco_zoo_run_seq2seq_and_captioning_from_local_files(tmp_path):
     assert os.path.isdir(tmp_path / "w1" / "ckpts" / "best_rougeL")
 
     tokenizer = word_tokenizer(list(COLOURS) + list(SHAPES), ("<pad>", "<bos>", "<eos>", "<unk>"))
-    save_pretrained(tiny_vit_gpt2(tokenizer.get_vocab_size()), str(tmp_path / "ved"))
-    tokenizer.save(str(tmp_path / "ved" / "tokenizer.json"))
+    save_model_dir(tiny_vit_gpt2(tokenizer.get_vocab_size()), tokenizer, str(tmp_path / "ved"))
     images = tmp_path / "images"
     images.mkdir()
     with open(images / "metadata.jsonl", "w") as f:
