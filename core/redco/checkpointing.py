@@ -21,7 +21,7 @@ import json
 import os
 import re
 import shutil
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -204,3 +204,48 @@ def prune(ckpt_dir: str, keep: int) -> None:
     if jax.process_index() == 0:
         for path in step_ckpts(ckpt_dir)[:-keep]:
             shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- helpers for checkpoint formats: trees as nested dicts, whole arrays on one host ----------
+def nest(tree) -> dict[str, Any]:
+    """``tree``'s arrays as nested dicts keyed by their path's parts (``{"params": {"model":
+    ...}}``): plain data, whatever classes (NNX ``State``, optax states) the tree was made of."""
+    nested: dict[str, Any] = {}
+    for path, x in named_leaves(tree):
+        *parents, leaf = path.split("/")
+        node = nested
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = x
+    return nested
+
+
+def leaf_at(nested: dict, path: str):
+    for key in path.split("/"):
+        nested = nested[key]
+    return nested
+
+
+def unflatten_like(target, nested: dict):
+    leaves = [leaf_at(nested, path) for path, _ in named_leaves(target)]
+    return jax.tree.unflatten(jax.tree.structure(target), leaves)
+
+
+def host_arrays(tree) -> dict[str, np.ndarray]:
+    """``{path: whole array}``; a collective (call it on every process)."""
+    def whole(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+    return {path: whole(x) for path, x in named_leaves(tree)}
+
+
+def place(target, read: Callable[[str, tuple], np.ndarray]):
+    """``target``'s pytree of ``ShapeDtypeStruct`` as arrays; ``read(path, index)`` gives the
+    numpy data of one shard (``index`` is a tuple of slices), so each process reads only its own."""
+    def shard(path, t, index):  # (safetensors hands back a scalar as shape (1,))
+        return np.asarray(read(path, index), t.dtype).reshape(t.sharding.shard_shape(t.shape))
+    leaves = [jax.make_array_from_callback(t.shape, t.sharding,
+                                           lambda index, path=path, t=t: shard(path, t, index))
+              for path, t in named_leaves(target)]
+    return jax.tree.unflatten(jax.tree.structure(target), leaves)

@@ -14,8 +14,6 @@ from jax.sharding import PartitionSpec as P
 
 from redco import checkpointing, plugins
 from redco.data import check_collated
-from redco.inspection import parse_bytes
-from redco.planner import plan
 from redco.sharding import Rules, make_mesh, shardings_from_specs, specs_from_rules
 
 logger = logging.getLogger("redco")
@@ -67,9 +65,8 @@ class Deployer:
         elif n_model_shards == "auto":
             raise ValueError("n_model_shards='auto' chooses among rule sets by name; with your "
                              "own rules list, set n_model_shards yourself.")
-        if n_model_shards == "auto":
-            self.device_memory = self._device_memory(device_memory)
-        else:
+        self.device_memory = device_memory
+        if n_model_shards != "auto":
             self.set_model_shards(n_model_shards)
         self.jax_seed = jax_seed
         self.workdir = os.path.abspath(workdir)
@@ -92,26 +89,12 @@ class Deployer:
         """Build the ``('dp', 'mp')`` mesh with ``mp = n_model_shards``."""
         self.mesh, self.n_model_shards = make_mesh(self.devices, n_model_shards), n_model_shards
 
-    def _device_memory(self, given: int | str | None) -> int:
-        if given is not None:
-            return parse_bytes(given)
-        stats = self.devices[0].memory_stats() or {}
-        if "bytes_limit" not in stats:
-            raise ValueError(
-                f"n_model_shards='auto' needs the memory of one device, and "
-                f"{self.devices[0].platform} devices do not report it: pass "
-                "Deployer(device_memory='40GB') (the memory of the devices you plan for).")
-        return int(stats["bytes_limit"])
-
     def plan_layout(self, params: Any, loss: Callable, batch: Any, optimizer) -> Rules:
-        """For ``n_model_shards="auto"``: pick and set the smallest layout whose train step
-        (``loss(params, batch)``, ``optimizer``; ``batch`` one device's rows, abstract) fits
-        ``device_memory``, and return its sharding rules; ``deployer.layout_plan`` keeps every
-        layout measured. See ``redco.planner.plan``."""
+        """For ``n_model_shards="auto"``: ask the ``auto`` layout planner plugin
+        (``redco-planner``) for the layout, set its mesh and return its rules."""
         rule_sets = [self._rules_name] if self._rules_name != "auto" else ["auto", "auto+fsdp"]
-        self.layout_plan = result = plan(params, loss, batch, len(self.devices),
-                                         self.device_memory, optimizer=optimizer,
-                                         rule_sets=rule_sets, log=self.log_info)
+        planner = plugins.lookup("layout_planners", "auto")
+        result = planner.plan(self, params, loss, batch, optimizer, rule_sets)
         self.log_info(f"n_model_shards='auto': picked n_model_shards={result.n_model_shards}, "
                       f"sharding_rules={result.sharding_rules!r}")
         self._rules_name = result.sharding_rules

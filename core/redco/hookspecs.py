@@ -18,23 +18,24 @@ hookspec = pluggy.HookspecMarker("redco")
 def register_sharding_rules(register):
     """Called once when the registry of sharding rule sets is first needed.
 
-    Call ``register(name, make_rules)`` for each rule set. ``make_rules(params, mesh, trace_fn)``
-    receives a pytree of ``jax.ShapeDtypeStruct``, the ``('dp', 'mp')`` mesh and either None or
-    a function ``params -> outputs`` that can be traced to see the model's dataflow, and returns
-    a list of ``(regex, jax.sharding.PartitionSpec)`` pairs over those axes.
+    Call ``register(name, rule_set)`` for each rule set, a ``redco.protocols.RuleSet``:
+    ``rule_set(params, mesh, trace_fn)`` receives a pytree of ``jax.ShapeDtypeStruct``, the
+    ``('dp', 'mp')`` mesh and either None or a function ``params -> outputs`` that can be traced
+    to see the model's dataflow, and returns a list of ``(regex, PartitionSpec)`` pairs.
     ``Deployer(sharding_rules=name)`` selects one. Returns nothing.
     """
 
 
 @hookspec
 def register_launchers(register):
-    """Called once when ``Deployer`` decides how the processes of a run meet.
+    """Called once when ``Deployer`` decides how the processes of a run meet, and when
+    ``redco launch`` or ``redco doctor`` builds its options.
 
-    Call ``register(name, launcher)`` for each launcher. A launcher has ``detect(config) -> bool``
-    (does this environment, or the ``Deployer`` arguments in ``config``, call for it?) and
-    ``initialize(config)`` (join the run, normally through ``jax.distributed.initialize``), and
-    may have ``explain(config) -> str`` (why it applies or not, shown by ``redco doctor``).
-    Launchers are tried in registration order; ``local`` is the fallback. Returns nothing.
+    Call ``register(name, launcher)`` for each ``redco.protocols.Launcher``. Joining: launchers
+    are tried in registration order (third-party before built-in) and the first whose
+    ``detect(config)`` is true calls ``initialize(config)``. Submitting: every launcher that
+    overrides ``submit`` becomes a choice of ``redco launch --launcher NAME``, with the options
+    its ``add_arguments`` adds. Returns nothing.
     """
 
 
@@ -42,15 +43,12 @@ def register_launchers(register):
 def register_checkpoint_formats(register):
     """Called once when the registry of checkpoint formats is first needed.
 
-    Call ``register(name, fmt)`` for each format. ``fmt.save(path, tree)`` is called on every
-    process and writes a pytree of (possibly sharded) arrays into the new directory ``path``;
-    ``fmt.load(path, target)`` reads it back into the shapes, dtypes and shardings of ``target``
-    (a pytree of ``jax.ShapeDtypeStruct``, possibly a subset of what was saved, e.g. only
-    ``params``). ``redco.builtins.checkpoints.host_arrays`` and ``place`` do the gathering and
-    the per-shard reading for a format that stores whole arrays. redco adds ``meta.json`` (file
-    hashes, shapes) and the atomic rename around it. ``Deployer(checkpoint_format=name)`` selects
-    the format that writes; a checkpoint is read back by the format that wrote it. Returns
-    nothing.
+    Call ``register(name, fmt)`` for each ``redco.protocols.CheckpointFormat``:
+    ``fmt.save(path, tree)`` is called on every process and writes a pytree of (possibly sharded)
+    arrays into the new directory ``path``; ``fmt.load(path, target)`` reads it back into the
+    shapes, dtypes and shardings of ``target``. redco adds ``meta.json`` and the atomic rename
+    around it. ``Deployer(checkpoint_format=name)`` selects the format that writes; a checkpoint
+    is read back by the format that wrote it. Returns nothing.
     """
 
 
@@ -58,9 +56,9 @@ def register_checkpoint_formats(register):
 def register_loggers(register):
     """Called once when ``Deployer`` sets up metric logging.
 
-    Call ``register(name, make_logger)`` for each logger. ``make_logger(workdir)`` returns an
-    object with ``log(step: int, metrics: dict[str, float])`` and ``close()``; it is only made
-    on process 0. ``Deployer(loggers=[...])`` selects which run. Returns nothing.
+    Call ``register(name, logger_class)`` for each ``redco.protocols.MetricLogger``:
+    ``logger_class(workdir)`` is made on process 0 only and gets ``log(step, metrics)`` and
+    ``close()``. ``Deployer(loggers=[...])`` selects which run. Returns nothing.
     """
 
 
@@ -68,10 +66,19 @@ def register_loggers(register):
 def register_zoo_pipelines(register):
     """Called once when ``redco zoo`` lists or runs pipelines.
 
-    Call ``register(name, pipeline)`` for each pipeline an installed zoo package provides. A
-    pipeline has ``description`` (one line), ``add_arguments(parser)`` (its command-line flags,
-    on an ``argparse.ArgumentParser``) and ``run(args)`` (train and evaluate from the parsed
-    flags). ``redco zoo run NAME ...`` runs one. Returns nothing.
+    Call ``register(name, pipeline)`` for each pipeline an installed zoo package provides, a
+    ``redco.protocols.Command``: ``description`` (one line), ``add_arguments(parser)`` and
+    ``run(args)``. ``redco zoo run NAME ...`` runs one. Returns nothing.
+    """
+
+
+@hookspec
+def register_commands(register):
+    """Called once when the ``redco`` command line is built.
+
+    Call ``register(name, command)`` for each subcommand a plugin adds, a
+    ``redco.protocols.Command``: ``redco NAME ...`` parses the options of
+    ``add_arguments(parser)`` and calls ``run(args)``. Returns nothing.
     """
 
 
@@ -83,6 +90,15 @@ def register_templates(register):
     ``redco new --template NAME DEST`` copies to ``DEST``, replacing ``{{project_name}}`` (the
     destination's name as a Python identifier) in file contents and names. Installing a zoo
     package adds its template this way. Returns nothing.
+    """
+
+
+@hookspec
+def register_layout_planners(register):
+    """Called once when ``Deployer(n_model_shards="auto")`` decides its layout at the first batch.
+
+    Call ``register(name, planner)`` for each ``redco.protocols.LayoutPlanner``; the one named
+    ``"auto"`` is used. Its ``plan(...)`` returns a ``redco.protocols.Layout``. Returns nothing.
     """
 
 

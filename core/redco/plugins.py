@@ -17,6 +17,7 @@ import warnings
 import pluggy
 
 from redco import hookspecs
+from redco.protocols import missing
 
 hookimpl = pluggy.HookimplMarker("redco")
 CORE_DISTRIBUTION = "redco"
@@ -24,6 +25,7 @@ CORE_DISTRIBUTION = "redco"
 pm = pluggy.PluginManager("redco")
 pm.add_hookspecs(hookspecs)
 plugin_sources: dict[str, str] = {}  # plugin name -> "distribution version"
+refused: dict[tuple[str, str], str] = {}  # (kind, name) -> why the registration was refused
 
 
 def _allowed(ep: importlib.metadata.EntryPoint, dist_name: str) -> bool:
@@ -52,19 +54,29 @@ def load_entrypoint_plugins() -> None:
         plugin_sources[ep.name] = f"{dist_name} {dist.version if dist else ''}".strip()
 
 
-def registry(hook_name: str) -> dict:
-    """Call ``register_<hook_name>`` on every plugin; return ``{name: thing}`` in call order.
+def registry(kind: str) -> dict:
+    """Call every plugin's ``register_<kind>``; return ``{name: thing}`` in call order.
 
     The first registration of a name wins. Built-in plugins implement ``register_*`` hooks with
     ``trylast=True``, so a third-party plugin replaces a built-in by registering the same name.
+    A thing that lacks a method of its kind (``redco.protocols``) is refused with a warning
+    naming the plugin and what is missing.
     """
     load_entrypoint_plugins()
     found: dict = {}
+    caller = getattr(pm.hook, f"register_{kind}")
+    for impl in reversed(caller.get_hookimpls()):  # pluggy's call order
 
-    def register(name: str, thing) -> None:
-        found.setdefault(name, thing)
-
-    getattr(pm.hook, f"register_{hook_name}")(register=register)
+        def register(name: str, thing, plugin: str = impl.plugin_name) -> None:
+            lacks = missing(kind, thing)
+            if lacks:
+                refused[(kind, name)] = (f"redco plugin {plugin!r} registers {kind} {name!r} "
+                                         f"without {', '.join(lacks)}")
+                warnings.warn(f"{refused[(kind, name)]}; it is refused. See redco.protocols "
+                              "for what each kind must have.", stacklevel=2)
+                return
+            found.setdefault(name, thing)
+        impl.function(register=register)
     return found
 
 
@@ -72,9 +84,10 @@ def lookup(hook_name: str, name: str):
     """The thing registered under ``name`` by ``register_<hook_name>``, or a clear error."""
     things = registry(hook_name)
     if name not in things:
-        raise ValueError(f"No {hook_name.replace('_', ' ')} named {name!r}. Available: "
-                         f"{sorted(things)}. Install the plugin that provides it, or pick one "
-                         f"of these.")
+        why = refused.get((hook_name, name))
+        raise ValueError(f"No {hook_name.replace('_', ' ')} named {name!r}"
+                         + (f" ({why})" if why else "") + f". Available: {sorted(things)}. "
+                         "Install the plugin that provides it, or pick one of these.")
     return things[name]
 
 

@@ -99,3 +99,11 @@ def opt_state_shardings(optimizer, params, params_shardings, mesh: Mesh):
 def shardings_from_specs(specs, mesh: Mesh):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                         is_leaf=lambda x: isinstance(x, P))
+
+
+def dataflow_trace(loss, batch_abstract):
+    """A ``trace_fn(params)`` for the ``auto`` rules: ``loss`` on zeros of the batch shapes
+    (only traced, never run)."""
+    import jax.numpy as jnp
+    return lambda params: loss(params, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                                    batch_abstract))

@@ -14,10 +14,9 @@ import tqdm
 from redco import checkpointing
 from redco.data import by_name, check_collated, n_full_batches
 from redco.deployer import Deployer
-from redco.planner import dataflow_trace
 from redco.plugins import pm
 from redco.predictor import Predictor
-from redco.sharding import Rules, opt_state_shardings
+from redco.sharding import Rules, dataflow_trace, opt_state_shardings
 
 LOSS_ARGS = ("rng", "state", "params", "batch", "is_training")
 

@@ -1,28 +1,33 @@
-"""Built-in launchers, in the order ``Deployer`` tries them:
+"""The built-in launchers: ``ip`` (hosts reached by address) and ``local`` (one process).
 
-* ``slurm``: a task of an ``srun`` step with more than one task. JAX's own SLURM detection finds
-  the process id (``SLURM_PROCID``), the count (``SLURM_NTASKS``) and the coordinator (the first
-  node of ``SLURM_STEP_NODELIST``, port ``SLURM_JOB_ID % 4096 + 61440``).
-* ``ip``: bare hosts named by address, port and process id, given to ``Deployer(n_processes=,
-  host0_address=, host0_port=, process_id=)`` or in ``REDCO_N_PROCESSES``,
-  ``REDCO_HOST0_ADDRESS``, ``REDCO_HOST0_PORT`` and ``REDCO_PROCESS_ID`` (what ``redco launch
-  --launcher ip`` sets), so an unchanged script joins.
-* ``local``: one process; the fallback.
+``ip`` joins a run from ``Deployer(n_processes=, host0_address=, host0_port=, process_id=)``, or
+the same in ``REDCO_N_PROCESSES``, ``REDCO_HOST0_ADDRESS``, ``REDCO_HOST0_PORT`` and
+``REDCO_PROCESS_ID``; ``redco launch --launcher ip --hosts a,b -- cmd`` prints one command line
+per process with those variables set (``--run`` starts them here). It ships with redco rather
+than as a separate distribution because those ``Deployer`` arguments are the paper's public API:
+a bare ``pip install redco`` must run a multi-host script written against it.
 
-Explicit ``Deployer`` arguments win over everything (``slurm`` stands aside when they are given),
-then a SLURM step, then the ``REDCO_*`` variables, then ``local``. Each launcher also has
-``explain(config) -> str``, the reason it does or does not apply (``redco doctor`` prints it).
-Classic mistakes are refused before jax starts, with a message saying what to do.
+Launchers are tried in registration order: a third-party launcher (e.g. ``slurm`` from
+``redco-slurm``) before these. Explicit ``Deployer`` process arguments win over everything (a
+launcher that reads its environment stands aside when ``explicit(config)`` is true). Classic
+mistakes are refused before jax starts, with a message saying what to do.
 """
 from __future__ import annotations
 
 import ipaddress
 import os
+import shlex
+import signal
 import socket
+import subprocess
+import sys
+import threading
+import time
 
 import jax
 
 from redco.plugins import hookimpl
+from redco.protocols import LaunchError, Launcher
 
 # A process that stops answering is declared lost after this many seconds (jax's default is
 # 100); the survivors then stop too, instead of waiting in a collective.
@@ -34,6 +39,11 @@ IP_ENV = {"n_processes": "REDCO_N_PROCESSES", "host0_address": "REDCO_HOST0_ADDR
 # The hosts of the run, one entry per process ("a,b"); set by ``redco launch --launcher ip``.
 HOSTS_ENV = "REDCO_HOSTS"
 PROCESS_ARGS = ("n_processes", "host0_address", "host0_port", "process_id")
+
+
+def explicit(config: dict) -> bool:
+    """Were ``Deployer`` process arguments given? Then they decide, whatever the environment."""
+    return any(config.get(k) is not None for k in PROCESS_ARGS)
 
 
 def check_port_free(port: int) -> None:
@@ -131,10 +141,11 @@ def check_process_count(n_processes: int, process_id: int, source: str) -> None:
             "host?")
 
 
-class IPLauncher:
+class IPLauncher(Launcher):
     """Hosts reached by IP: ``Deployer(n_processes=, host0_address=, host0_port=, process_id=)``,
     or the same in ``REDCO_N_PROCESSES``, ``REDCO_HOST0_ADDRESS``, ``REDCO_HOST0_PORT`` and
     ``REDCO_PROCESS_ID``."""
+    description = "one command line per host, with the REDCO_* variables the ip launcher reads"
 
     def detect(self, config: dict) -> bool:
         n = config.get("n_processes")
@@ -172,101 +183,116 @@ class IPLauncher:
             local_device_ids=list(range(local)) if local else None,
             heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
 
+    def add_arguments(self, group) -> None:
+        group.add_argument("--hosts", help="comma-separated, one entry per process; host 0 first")
+        group.add_argument("--host0-address", help="host 0's address as the others reach it "
+                           "(default: the first host)")
+        group.add_argument("--port", type=int, default=12355, help="host 0's coordinator port")
+        group.add_argument("--run", dest="run_here", action="store_true",
+                           help="run the processes here (every host must be this machine) and wait")
 
-# ---- slurm -------------------------------------------------------------------------------------
-def _slurm_ntasks() -> int:
-    for var in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 1
-
-
-def _in_step() -> bool:
-    return "SLURM_STEP_ID" in os.environ or "SLURM_STEPID" in os.environ \
-        or "SLURM_STEP_NODELIST" in os.environ
-
-
-def _tasks_on_this_node() -> int | None:
-    """How many tasks of this step run on this node (``SLURM_STEP_TASKS_PER_NODE`` reads like
-    ``2(x3),1``, one entry per node, in ``SLURM_NODEID`` order)."""
-    spec, node = os.environ.get("SLURM_STEP_TASKS_PER_NODE"), os.environ.get("SLURM_NODEID")
-    if not spec or node is None or not node.isdigit():
-        return None
-    counts = []
-    for part in spec.split(","):
-        n, _, repeat = part.partition("(x")
-        counts += [int(n)] * (int(repeat.rstrip(")")) if repeat else 1)
-    return counts[int(node)] if int(node) < len(counts) else None
+    def submit(self, command: list[str], args) -> int:
+        if not args.hosts:
+            raise LaunchError("--launcher ip needs --hosts a,b,... (one entry per process; repeat "
+                              "a host to run several on it)")
+        hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+        return launch_ip(command, hosts, args.port, run=args.run_here,
+                         host0_address=args.host0_address)
 
 
-def slurm_coordinator() -> str:
-    """The coordinator JAX derives from the SLURM variables (first node of the step, port
-    ``SLURM_JOB_ID % 4096 + 61440`` unless ``JAX_COORDINATOR_PORT`` is set)."""
+# ---- ip: starting the processes -----------------------------------------------------------
+def ip_commands(command: list[str], hosts: list[str], port: int,
+                host0_address: str | None = None) -> list[tuple[str, dict, str]]:
+    """``(host, env, command line)`` for each process: process ``i`` runs on ``hosts[i]``
+    with the ``REDCO_*`` variables the ``ip`` launcher reads. Refuses a host list that cannot
+    work (see ``redco.builtins.launchers.check_hosts``)."""
+    if not hosts:
+        raise LaunchError("--hosts needs at least one host (repeat a host to run several "
+                          "processes on it)")
+    if not 0 < port < 65536:
+        raise LaunchError(f"--port {port} is not a TCP port (1-65535)")
+    host0 = host0_address or hosts[0]
     try:
-        from jax._src.clusters import SlurmCluster
-        return SlurmCluster.get_coordinator_address(
-            timeout_secs=None, override_coordinator_port=os.environ.get("JAX_COORDINATOR_PORT"))
-    except Exception:  # noqa: BLE001 - only used to explain
-        return "?"
+        check_hosts(host0, len(hosts), hosts)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    rows = []
+    for i, host in enumerate(hosts):
+        env = {HOSTS_ENV: ",".join(hosts), IP_ENV["n_processes"]: str(len(hosts)),
+               IP_ENV["host0_address"]: host0, IP_ENV["host0_port"]: str(port),
+               IP_ENV["process_id"]: str(i)}
+        line = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(command)
+        rows.append((host, env, line))
+    return rows
 
 
-class SlurmLauncher:
-    """A task of an ``srun`` step with more than one task; JAX's SLURM detection does the rest."""
+def _pump(proc: subprocess.Popen, prefix: str) -> None:
+    for line in proc.stdout:
+        sys.stdout.write(prefix + line)
+        sys.stdout.flush()
 
-    def detect(self, config: dict) -> bool:
-        if any(config.get(k) is not None for k in PROCESS_ARGS):
-            return False  # explicit Deployer arguments win
-        if "SLURM_JOB_ID" not in os.environ or _slurm_ntasks() < 2:
-            return False
-        # In the bare body of an sbatch script the REDCO_* variables of `redco launch --launcher
-        # ip` win; without them, initialize() says to run through srun.
-        return _in_step() or not os.environ.get(IP_ENV["n_processes"])
 
-    def explain(self, config: dict) -> str:
-        if any(config.get(k) is not None for k in PROCESS_ARGS):
-            return "Deployer process arguments were given"
-        if "SLURM_JOB_ID" not in os.environ:
-            return "not in a SLURM job (no SLURM_JOB_ID)"
-        job, n = os.environ["SLURM_JOB_ID"], _slurm_ntasks()
-        if n < 2:
-            return f"SLURM job {job} with {n} task"
-        if not _in_step():
-            return (f"SLURM job {job} with {n} tasks, but this is the batch script itself, not "
-                    "a task of an srun step")
-        return (f"task {os.environ.get('SLURM_PROCID')} of {n} of step "
-                f"{os.environ.get('SLURM_STEP_ID', os.environ.get('SLURM_STEPID'))} of SLURM job "
-                f"{job} on {os.environ.get('SLURM_STEP_NODELIST')}; coordinator "
-                f"{slurm_coordinator()}")
+def run_local(rows: list[tuple[str, dict, str]], command: list[str]) -> int:
+    """Run every process here, output prefixed ``[i]``; when one fails, stop the others (as
+    ``srun --kill-on-bad-exit`` does) and return its exit code."""
+    remote = [host for host, _, _ in rows if not is_local_host(host)]
+    if remote:
+        remote = sorted(set(remote))
+        raise LaunchError(f"--run starts processes on this machine only, and "
+                          f"{', '.join(remote)} {'is' if len(remote) == 1 else 'are'} not this "
+                          "machine: run the printed lines on their hosts (e.g. over ssh) "
+                          "instead.")
+    procs, pumps = [], []
+    for i, (_, env, _) in enumerate(rows):
+        p = subprocess.Popen(command, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        procs.append(p)
+        pumps.append(threading.Thread(target=_pump, args=(p, f"[{i}] "), daemon=True))
+        pumps[-1].start()
+    failed = None
+    try:
+        while None in [p.poll() for p in procs]:  # poll every process, each time
+            for i, p in enumerate(procs):
+                if failed is None and p.returncode not in (None, 0):
+                    failed = (i, p.returncode)
+                    print(f"redco: process {i} exited with code {p.returncode}; stopping the "
+                          "others", file=sys.stderr, flush=True)
+                    for q in procs:
+                        if q.poll() is None:
+                            os.killpg(q.pid, signal.SIGTERM)
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        for q in procs:
+            if q.poll() is None:
+                os.killpg(q.pid, signal.SIGTERM)
+        for q in procs:
+            q.wait()
+        return 130
+    for t in pumps:
+        t.join(timeout=5)
+    if failed is None:
+        failed = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode), None)
+    if failed is None:
+        return 0
+    code = failed[1]
+    return code if code > 0 else 128 - code  # killed by signal s: 128 + s, as a shell says
 
-    def initialize(self, config: dict) -> None:
-        n = _slurm_ntasks()
-        if not _in_step():
-            raise RuntimeError(
-                f"This is the body of the sbatch script of SLURM job "
-                f"{os.environ.get('SLURM_JOB_ID')} ({n} tasks), not a task of a job step, so "
-                "there is nothing to join: run the command through srun (`srun python "
-                "train.py ...` in the script), or let `redco launch --launcher slurm ... -- "
-                "python train.py ...` write and submit the script.")
-        missing = [v for v in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NODELIST")
-                   if v not in os.environ]
-        if missing:
-            raise RuntimeError(f"SLURM step without {', '.join(missing)}: cannot find this "
-                               "task's id or the coordinator.")
-        check_process_count(n, _int("SLURM_PROCID", os.environ["SLURM_PROCID"]), "SLURM")
-        local = config.get("n_local_devices")
-        if local:
-            device_ids = list(range(local))
-        elif _tasks_on_this_node() == 1:
-            device_ids = []  # one task per node: all of its devices (jax would keep one GPU)
-        else:
-            device_ids = None  # several tasks per node: jax's default, device SLURM_LOCALID
-        jax.distributed.initialize(cluster_detection_method="slurm",
-                                   local_device_ids=device_ids,
-                                   heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+
+def launch_ip(command: list[str], hosts: list[str], port: int, run: bool = False,
+              host0_address: str | None = None) -> int:
+    rows = ip_commands(command, hosts, port, host0_address)
+    if not run:
+        print(f"# {len(rows)} processes: run each line on its host (in any order; they wait "
+              "for each other up to 5 minutes)")
+        for i, (host, _, line) in enumerate(rows):
+            print(f"# process {i} on {host}")
+            print(line)
+        return 0
+    return run_local(rows, command)
 
 
 # ---- local -------------------------------------------------------------------------------------
-class LocalLauncher:
+class LocalLauncher(Launcher):
     """A single process: nothing to join."""
 
     def detect(self, config: dict) -> bool:
@@ -281,6 +307,5 @@ class LocalLauncher:
 
 @hookimpl(trylast=True)
 def register_launchers(register):
-    register("slurm", SlurmLauncher())
     register("ip", IPLauncher())
     register("local", LocalLauncher())

@@ -1,0 +1,155 @@
+"""What a plugin of each kind must provide, as code. Subclass one of these (or just provide the
+same methods); ``redco.plugins`` checks every registered thing against its kind's methods and
+refuses one that misses any, with a warning naming the plugin and the method.
+
+| kind (hook)                   | registered thing                        | must have                    |
+|-------------------------------|-----------------------------------------|------------------------------|
+| ``register_sharding_rules``   | a ``RuleSet`` (a callable)              | ``__call__``                 |
+| ``register_launchers``        | a ``Launcher``                          | join and submit methods      |
+| ``register_checkpoint_formats`` | a ``CheckpointFormat``                | ``save``, ``load``           |
+| ``register_loggers``          | a ``MetricLogger`` class (or factory)   | ``log``, ``close``           |
+| ``register_zoo_pipelines``    | a ``Command``                           | ``description``, ``add_arguments``, ``run`` |
+| ``register_commands``         | a ``Command`` (a ``redco`` subcommand)  | the same                     |
+| ``register_templates``        | a directory (``str``)                   | an existing directory        |
+| ``register_layout_planners``  | a ``LayoutPlanner``                     | ``plan``                     |
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Callable, NamedTuple
+
+Rules = list  # [(regex, jax.sharding.PartitionSpec), ...]; see redco.sharding
+
+
+class LaunchError(Exception):
+    """A launch that cannot work, with what to do instead; ``redco launch`` prints it, exits 2."""
+
+
+class RuleSet:
+    """``rule_set(params, mesh, trace_fn) -> Rules``: ``params`` a pytree of
+    ``jax.ShapeDtypeStruct``, ``mesh`` the ``('dp', 'mp')`` mesh, ``trace_fn`` None or
+    ``params -> outputs`` to trace for the model's dataflow. A plain function will do."""
+
+    def __call__(self, params: Any, mesh: Any, trace_fn: Callable | None = None) -> Rules:
+        raise NotImplementedError
+
+
+class Launcher:
+    """How the processes of a run meet (join) and how a run is started (submit). A launcher may do
+    either or both: the defaults here say "not mine" and "cannot submit".
+
+    Joining (``Deployer`` calls these; ``config`` holds the Deployer's ``n_processes``,
+    ``host0_address``, ``host0_port``, ``process_id`` and ``n_local_devices``):
+
+    * ``detect(config) -> bool``: does this environment (or ``config``) call for this launcher?
+      Launchers are tried in registration order; third-party ones before the built-ins.
+    * ``initialize(config)``: join the run, normally through ``jax.distributed.initialize``.
+    * ``explain(config) -> str``: why it applies or not (``redco doctor`` prints it).
+
+    Submitting (``redco launch --launcher NAME [options] -- command ...``):
+
+    * ``add_arguments(group)``: the launcher's options, on an ``argparse`` argument group.
+    * ``submit(command, args) -> int``: start ``command`` (a list of strings) as the processes
+      of one run; return an exit code. Raise ``LaunchError`` for a launch that cannot work.
+
+    ``description`` (one line) titles the launcher's options in ``redco launch --help``.
+    """
+    description: str = ""
+
+    def detect(self, config: dict) -> bool:
+        return False
+
+    def initialize(self, config: dict) -> None:
+        raise RuntimeError(f"{type(self).__name__} cannot join a run.")
+
+    def explain(self, config: dict) -> str:
+        return "does not join runs (a submitter only)"
+
+    def add_arguments(self, group: argparse._ArgumentGroup) -> None:
+        pass
+
+    def submit(self, command: list[str], args: argparse.Namespace) -> int:
+        raise LaunchError(f"{type(self).__name__} joins runs but cannot start one.")
+
+    @property
+    def can_submit(self) -> bool:
+        return type(self).submit is not Launcher.submit
+
+
+class CheckpointFormat:
+    """Writes a pytree of (possibly sharded) arrays to a new directory and reads it back onto
+    any shardings. ``redco.checkpointing`` adds ``meta.json`` and the atomic rename around it,
+    and has helpers for formats that store whole arrays (``host_arrays``, ``place``)."""
+
+    def save(self, path: str, tree: Any) -> None:
+        """Called on every process; write ``tree`` into the new directory ``path``."""
+        raise NotImplementedError
+
+    def load(self, path: str, target: Any) -> Any:
+        """Read ``path`` into the shapes, dtypes and shardings of ``target`` (a pytree of
+        ``jax.ShapeDtypeStruct``, possibly a subset of what was saved)."""
+        raise NotImplementedError
+
+
+class MetricLogger:
+    """Made as ``logger_class(workdir)`` on process 0 only."""
+
+    def __init__(self, workdir: str):
+        self.workdir = workdir
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class Command:
+    """A ``redco`` subcommand (``register_commands``) or a zoo pipeline (``redco zoo run NAME``)."""
+    description: str = ""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        pass
+
+    def run(self, args: argparse.Namespace) -> Any:
+        raise NotImplementedError
+
+
+class Layout(NamedTuple):
+    """What a layout planner picks: the model-parallel degree, the rule set's name and its rules."""
+    n_model_shards: int
+    sharding_rules: str
+    rules: Rules
+
+
+class LayoutPlanner:
+    """Picks the layout for ``Deployer(n_model_shards="auto")`` (registered as ``"auto"``)."""
+
+    def plan(self, deployer: Any, params: Any, loss: Callable, batch: Any, optimizer: Any,
+             rule_sets: list[str]) -> Layout:
+        """``loss(params, batch) -> scalar`` with ``batch`` one device's abstract rows; try
+        ``rule_sets`` over the deployer's devices and return the layout to use."""
+        raise NotImplementedError
+
+
+# kind (the hook's name without register_) -> the methods a registered thing must have
+REQUIRED = {
+    "sharding_rules": ("__call__",),
+    "launchers": ("detect", "initialize", "explain", "add_arguments", "submit"),
+    "checkpoint_formats": ("save", "load"),
+    "loggers": ("log", "close"),
+    "zoo_pipelines": ("description", "add_arguments", "run"),
+    "commands": ("description", "add_arguments", "run"),
+    "layout_planners": ("plan",),
+}
+
+
+def missing(kind: str, thing: Any) -> list[str]:
+    """What ``thing`` lacks to be a plugin of ``kind`` (empty when it is complete)."""
+    if kind == "templates":
+        return [] if isinstance(thing, (str, os.PathLike)) and os.path.isdir(thing) else \
+            [f"an existing directory (got {thing!r})"]
+    if kind == "loggers" and not isinstance(thing, type):
+        return [] if callable(thing) else ["__call__"]  # a factory: its loggers are checked made
+    return [name for name in REQUIRED.get(kind, ()) if not hasattr(thing, name)]
