@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -14,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from redco import checkpointing, plugins
 from redco.data import check_collated
-from redco.sharding import Rules, make_mesh, shardings_from_specs, specs_from_rules
+from redco.sharding import Rules, RuleSetRules, is_rule_set, make_mesh, shardings_from_specs, specs_from_rules
 
 logger = logging.getLogger("redco")
 
@@ -27,7 +28,7 @@ class Deployer:
       jax_seed: seed of every random number in the run (shuffling, dropout, sampling).
       n_model_shards: tensor-parallel degree ``mp``; the other devices form ``dp``. ``"auto"``
         lets ``Trainer.fit`` pick the smallest layout whose compiled train step fits
-        ``device_memory`` (``redco.planner``), on its first batch.
+        ``device_memory``, on its first batch (the ``redco-planner`` plugin).
       device_memory: bytes per device (``"40GB"``) for ``n_model_shards="auto"``; read from the
         device on GPUs and TPUs.
       workdir: where logs, metrics and checkpoints go.
@@ -67,7 +68,8 @@ class Deployer:
                              "own rules list, set n_model_shards yourself.")
         self.device_memory = device_memory
         if n_model_shards != "auto":
-            self.set_model_shards(n_model_shards)
+            self.mesh = make_mesh(self.devices, n_model_shards)
+        self.params_sharding_rules: Rules | None = None  # the final rules, once decided
         self.jax_seed = jax_seed
         self.workdir = os.path.abspath(workdir)
         self._rng = jax.random.PRNGKey(jax_seed)
@@ -84,22 +86,6 @@ class Deployer:
             plugins.lookup("launchers", name).initialize(config)
             return
         next(ln for ln in launchers.values() if ln.detect(config)).initialize(config)
-
-    def set_model_shards(self, n_model_shards: int) -> None:
-        """Build the ``('dp', 'mp')`` mesh with ``mp = n_model_shards``."""
-        self.mesh, self.n_model_shards = make_mesh(self.devices, n_model_shards), n_model_shards
-
-    def plan_layout(self, params: Any, loss: Callable, batch: Any, optimizer) -> Rules:
-        """For ``n_model_shards="auto"``: ask the ``auto`` layout planner plugin
-        (``redco-planner``) for the layout, set its mesh and return its rules."""
-        rule_sets = [self._rules_name] if self._rules_name != "auto" else ["auto", "auto+fsdp"]
-        planner = plugins.lookup("layout_planners", "auto")
-        result = planner.plan(self, params, loss, batch, optimizer, rule_sets)
-        self.log_info(f"n_model_shards='auto': picked n_model_shards={result.n_model_shards}, "
-                      f"sharding_rules={result.sharding_rules!r}")
-        self._rules_name = result.sharding_rules
-        self.set_model_shards(result.n_model_shards)
-        return result.rules
 
     def lost_process_error(self, error: Exception) -> RuntimeError:
         """The error to stop with when a collective failed in a multi-process run: it names the
@@ -129,6 +115,10 @@ class Deployer:
 
     @property
     def dp_size(self) -> int:
+        if self.mesh is None:
+            raise RuntimeError("n_model_shards='auto': the mesh, and so the data-parallel size, is "
+                               "picked at Trainer.fit's first batch; set n_model_shards to know "
+                               "it earlier.")
         return self.mesh.shape["dp"]
 
     def get_global_batch_size(self, per_device_batch_size: int) -> int:
@@ -201,25 +191,73 @@ class Deployer:
         schedule.total_steps = total
         return schedule
 
-    # ---- sharding ----------------------------------------------------------------------------
+    # ---- sharding: rules, and the one step that decides the layout ----------------------------
     def get_sharding_rules(self, params: Any, rules: Rules | None = None,
                            trace_fn: Callable | None = None) -> Rules:
         """The rules for ``params``: ``rules`` (user overrides, checked first), then the rule-set
         plugin's. Plain data: print, edit and pass back as ``params_sharding_rules``.
 
         ``trace_fn(params)`` runs the model on an example input (any shapes; it is only traced,
-        never run), e.g. ``lambda p: apply_fn(p, jnp.zeros((1, 8), jnp.int32))``. With it the
-        ``auto`` rules follow the model's dataflow instead of its parameter names.
+        never run), e.g. ``lambda p: apply_fn(p, jnp.zeros((1, 8), jnp.int32))``: the ``auto``
+        rules then follow the model's dataflow. Without it (the paper's call) the rules come from
+        parameter names for now, as ``RuleSetRules`` that remember so: a ``Trainer`` given them
+        unchanged reads the final rules off ``loss_fn``'s dataflow at its first batch.
         """
-        if self.mesh is None:
-            raise RuntimeError("With n_model_shards='auto' the layout is chosen on the first "
-                               "batch of Trainer.fit; leave params_sharding_rules unset (or "
-                               "give the Trainer your own rules), or set n_model_shards.")
         if not isinstance(self._rules_name, str):  # the user's own rules, nothing else
             return list(rules or []) + list(self._rules_name)
+        if trace_fn is not None and self.mesh is not None:
+            return list(rules or []) + self._rule_set(params, trace_fn)
+        return RuleSetRules(self._rule_set(params) if self.mesh is not None else [], rules)
+
+    def _rule_set(self, params: Any, trace_fn: Callable | None = None) -> Rules:
         make_rules = plugins.lookup("sharding_rules", self._rules_name)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
-        return list(rules or []) + make_rules(abstract, self.mesh, trace_fn)
+        return make_rules(abstract, self.mesh, trace_fn)
+
+    def decide_layout(self, params: Any, rules: Rules | None, trace_fn: Callable | None = None,
+                      plan: tuple | None = None) -> Rules:
+        """Fix the mesh and the final sharding rules of ``params``: called once, at the first
+        batch ``fit`` (or ``predict``) sees, before anything is placed.
+
+        * ``n_model_shards="auto"``: the ``auto`` layout planner plugin (``redco-planner``)
+          compiles ``plan = (loss, batch, optimizer)`` for each candidate layout and picks the
+          mesh and rule set.
+        * ``rules`` a plain list: used as given. ``None`` or ``RuleSetRules`` (the rule set's,
+          from names): the rule set's rules read off ``trace_fn``'s dataflow (names if it cannot
+          be traced), after the overrides they carry.
+        """
+        picked = None
+        if self.mesh is None:
+            if plan is None:
+                raise ValueError("n_model_shards='auto' picks the layout by compiling the train "
+                                 "step at Trainer.fit's first batch; to predict without training "
+                                 "first, set n_model_shards.")
+            picked = self._plan(params, *plan)
+        if not is_rule_set(rules):
+            return list(rules)
+        final = list(getattr(rules, "overrides", [])) + (
+            picked if picked is not None else self._traced_rules(params, trace_fn))
+        self.params_sharding_rules = final
+        return final
+
+    def _traced_rules(self, params: Any, trace_fn: Callable | None) -> Rules:
+        if trace_fn is not None:
+            try:
+                return self._rule_set(params, trace_fn)
+            except Exception as e:  # noqa: BLE001 - an untraceable loss keeps the name rules
+                warnings.warn(f"Could not read sharding rules off the dataflow ({type(e).__name__}: "
+                              f"{e}); using the rules from parameter names.", stacklevel=4)
+        return self._rule_set(params)
+
+    def _plan(self, params: Any, loss: Callable, batch: Any, optimizer) -> Rules:
+        rule_sets = [self._rules_name] if self._rules_name != "auto" else ["auto", "auto+fsdp"]
+        picked = plugins.lookup("layout_planners", "auto").plan(self, params, loss, batch,
+                                                                optimizer, rule_sets)
+        self.log_info(f"n_model_shards='auto': picked n_model_shards={picked.n_model_shards}, "
+                      f"sharding_rules={picked.sharding_rules!r}")
+        self._rules_name, self.n_model_shards = picked.sharding_rules, picked.n_model_shards
+        self.mesh = make_mesh(self.devices, picked.n_model_shards)
+        return list(picked.rules)
 
     def get_params_shardings(self, params: Any, rules: Rules):
         return shardings_from_specs(specs_from_rules(params, rules, self.mesh), self.mesh)

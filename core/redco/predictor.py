@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 
 from redco.data import by_name, n_full_batches
 from redco.deployer import Deployer
-from redco.sharding import Rules
+from redco.sharding import Rules, is_rule_set
 
 PRED_ARGS = ("rng", "params", "batch")
 
@@ -32,15 +32,19 @@ class Predictor:
         self._pred_step = jax.jit(by_name(pred_fn, PRED_ARGS))
 
     def _place(self, params):
-        """Shard params that are not on this mesh yet (the trainer's already are)."""
+        """Shard params that are not on this mesh yet (a trainer's already are) by the layout
+        this deployer decided, or decide it now (from the rule set's names: ``pred_fn`` is not
+        traced, as generation loops hide the dataflow)."""
         def on_mesh(x):
             return isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) \
                 and x.sharding.mesh == self.deployer.mesh
         if all(on_mesh(x) for x in jax.tree.leaves(params)):
             return params
         rules = self.params_sharding_rules
-        if rules is None:
-            rules = self.deployer.get_sharding_rules(params)
+        if is_rule_set(rules) and self.deployer.params_sharding_rules is not None:
+            rules = self.deployer.params_sharding_rules  # decided by a Trainer's first batch
+        else:
+            rules = self.deployer.decide_layout(params, rules)
         return jax.device_put(params, self.deployer.get_params_shardings(params, rules))
 
     def predict(self, examples: Sequence, per_device_batch_size: int, params: Any,

@@ -2,16 +2,15 @@
 same methods); ``redco.plugins`` checks every registered thing against its kind's methods and
 refuses one that misses any, with a warning naming the plugin and the method.
 
-| kind (hook)                   | registered thing                        | must have                    |
-|-------------------------------|-----------------------------------------|------------------------------|
-| ``register_sharding_rules``   | a ``RuleSet`` (a callable)              | ``__call__``                 |
-| ``register_launchers``        | a ``Launcher``                          | join and submit methods      |
-| ``register_checkpoint_formats`` | a ``CheckpointFormat``                | ``save``, ``load``           |
-| ``register_loggers``          | a ``MetricLogger`` class (or factory)   | ``log``, ``close``           |
-| ``register_zoo_pipelines``    | a ``Command``                           | ``description``, ``add_arguments``, ``run`` |
-| ``register_commands``         | a ``Command`` (a ``redco`` subcommand)  | the same                     |
-| ``register_templates``        | a directory (``str``)                   | an existing directory        |
-| ``register_layout_planners``  | a ``LayoutPlanner``                     | ``plan``                     |
+* ``register_sharding_rules``: a ``RuleSet``, any callable ``(params, mesh, trace_fn) -> rules``;
+* ``register_launchers``: a ``Launcher`` (join: ``detect``, ``initialize``, ``explain``;
+  submit: ``add_arguments``, ``submit``);
+* ``register_checkpoint_formats``: a ``CheckpointFormat`` (``save``, ``load``);
+* ``register_loggers``: a ``MetricLogger`` class, or a factory of them (``log``, ``close``);
+* ``register_zoo_pipelines`` and ``register_commands``: a ``Command`` (``description``,
+  ``add_arguments``, ``run``);
+* ``register_templates``: the path of an existing directory;
+* ``register_layout_planners``: a ``LayoutPlanner`` (``plan``).
 """
 from __future__ import annotations
 
@@ -75,6 +74,36 @@ class Launcher:
     @property
     def can_submit(self) -> bool:
         return type(self).submit is not Launcher.submit
+
+
+# ---- what joining launchers share ------------------------------------------------------------
+# A process that stops answering is declared lost after this many seconds (jax's default is
+# 100); the survivors then stop too, instead of waiting in a collective.
+HEARTBEAT_TIMEOUT_S = int(os.environ.get("REDCO_HEARTBEAT_TIMEOUT", 20))
+
+PROCESS_ARGS = ("n_processes", "host0_address", "host0_port", "process_id")
+
+
+def explicit(config: dict) -> bool:
+    """Were ``Deployer`` process arguments given? Then they decide, whatever the environment."""
+    return any(config.get(k) is not None for k in PROCESS_ARGS)
+
+
+def as_int(name: str, value) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} is not an integer.") from None
+
+
+def check_process_count(n_processes: int, process_id: int, source: str) -> None:
+    if n_processes < 1:
+        raise ValueError(f"n_processes={n_processes} ({source}) must be at least 1.")
+    if not 0 <= process_id < n_processes:
+        raise ValueError(
+            f"process_id={process_id} but n_processes={n_processes} ({source}): ids run from 0 "
+            f"to {n_processes - 1}, one per process. Is the process count the same on every "
+            "host?")
 
 
 class CheckpointFormat:

@@ -18,6 +18,24 @@ from jax.sharding import PartitionSpec as P
 Rules = list[tuple[str, P]]
 
 
+class RuleSetRules(list):
+    """Rules a rule set gave from parameter names alone (``deployer.get_sharding_rules(params)``
+    without ``trace_fn``), behind the caller's ``overrides``. A plain list to print or edit (an
+    edited copy is a plain list, used as given); passed unchanged to a ``Trainer``, they are
+    replaced at the first batch by the rule set's rules read off the loss's dataflow."""
+
+    def __init__(self, name_rules: Rules, overrides: Rules | None = None):
+        super().__init__(list(overrides or []) + list(name_rules))
+        self.overrides = list(overrides or [])
+        self._given = list(self)
+
+
+def is_rule_set(rules) -> bool:
+    """Whether ``rules`` leave the choice to the deployer's rule set: None, or ``RuleSetRules``
+    nobody edited in place."""
+    return rules is None or (isinstance(rules, RuleSetRules) and list(rules) == rules._given)
+
+
 def make_mesh(devices: list, n_model_shards: int) -> Mesh:
     """The ``('dp', 'mp')`` mesh over ``devices`` with ``mp = n_model_shards``."""
     n = len(devices)

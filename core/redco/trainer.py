@@ -94,27 +94,12 @@ class Trainer:
         self._loss_checked = False
         self._best: dict[str, float] = {}
         self._data_position: dict = {}  # with the step, fixes which examples come next
-        self._rules_from_names = False
-
         self.params_sharding_rules = params_sharding_rules
-        if deployer.mesh is None:  # n_model_shards="auto": placed once fit has seen a batch
-            self._unplaced = (params, opt_state, apply_fn)
-        else:
-            self._setup(params, opt_state, apply_fn)
+        self.state: TrainState | None = None  # placed once the layout is decided
+        self.state_shardings: TrainState | None = None
+        self._start = {"params": params, "opt_state": opt_state, "apply_fn": apply_fn, "step": 0}
 
-    # ---- state -------------------------------------------------------------------------------
-    def _setup(self, params, opt_state, apply_fn) -> None:
-        """Shard the state on the deployer's mesh and build the jitted steps."""
-        self._unplaced = None
-        if self.params_sharding_rules is None:
-            self.params_sharding_rules = self.deployer.get_sharding_rules(params)
-            self._rules_from_names = True
-        self.state, self.state_shardings = self._place_state(params, opt_state, apply_fn)
-        self._train_step = jax.jit(
-            self._step, in_shardings=(self.state_shardings, None),
-            out_shardings=(self.state_shardings, self.deployer.replicated), donate_argnums=0)
-        self._eval_step = jax.jit(self._eval_loss)
-
+    # ---- the layout, decided once; the state, placed once -------------------------------------
     def _first_batch_loss(self, examples: Sequence, per_device_batch_size: int):
         """``(loss(params, batch), one device's batch as shapes)`` from the first examples: what
         the planner and the dataflow rules trace (nothing is computed)."""
@@ -122,7 +107,7 @@ class Trainer:
         rows = list(examples[:per_device_batch_size])
         batch = check_collated(self.collate_fn(rows), len(rows))
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-        apply_fn = self._unplaced[2] if self._unplaced else self.state.apply_fn
+        apply_fn = self._start["apply_fn"]
 
         def loss(params, batch):
             state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=None,
@@ -130,56 +115,78 @@ class Trainer:
             return self._loss(params, state, batch, jax.random.PRNGKey(0), True)
         return loss, batch
 
-    def _plan(self, examples: Sequence, per_device_batch_size: int) -> None:
-        """``n_model_shards="auto"``: let the deployer pick the layout for one device's batch of
-        ``examples``, by compiling the train step ahead of time (``redco.planner``)."""
-        loss, batch = self._first_batch_loss(examples, per_device_batch_size)
-        rules = self.deployer.plan_layout(self._unplaced[0], loss, batch, self.optimizer)
-        self.params_sharding_rules = self.params_sharding_rules or rules
-        self._setup(*self._unplaced)
-
-    def _follow_dataflow(self, examples: Sequence, per_device_batch_size: int) -> None:
-        """Default rules came from parameter names; now that a batch is known, derive them from
-        the loss's dataflow (``redco.dataflow``) and reshard the state once if they differ."""
-        self._rules_from_names = False
-        loss, batch = self._first_batch_loss(examples, per_device_batch_size)
-        try:
-            rules = self.deployer.get_sharding_rules(self.state.params,
-                                                     trace_fn=dataflow_trace(loss, batch))
-        except Exception as e:  # noqa: BLE001 - an untraceable loss keeps the name rules
-            warnings.warn(f"Could not read sharding rules off loss_fn's dataflow ({type(e).__name__}: "
-                          f"{e}); keeping the rules from parameter names.", stacklevel=3)
+    def _decide_layout(self, examples: Sequence, per_device_batch_size: int) -> None:
+        """At the first batch: the deployer fixes the mesh and the final rules (from the loss's
+        dataflow unless rules were given), then the state is placed, once."""
+        if self.state is not None:
             return
-        if rules != self.params_sharding_rules:
-            old = self.state
-            self.params_sharding_rules = rules
-            self._setup(old.params, old.opt_state, old.apply_fn)
-            self.state = self.state.replace(step=old.step, rng=old.rng)
+        loss, batch = self._first_batch_loss(examples, per_device_batch_size)
+        start = self._start
+        self.params_sharding_rules = self.deployer.decide_layout(
+            start["params"], self.params_sharding_rules, trace_fn=dataflow_trace(loss, batch),
+            plan=(loss, batch, self.optimizer))
+        self.state, self.state_shardings = self._place_state(**start)
+        self._start = None
+        self._train_step = jax.jit(
+            self._step, in_shardings=(self.state_shardings, None),
+            out_shardings=(self.state_shardings, self.deployer.replicated), donate_argnums=0)
+        self._eval_step = jax.jit(self._eval_loss)
 
-    def _place_state(self, params, opt_state, apply_fn):
+    def _place_state(self, params, opt_state, apply_fn, step) -> tuple[TrainState, TrainState]:
         params_shardings = self.deployer.get_params_shardings(params, self.params_sharding_rules)
-        params = place_copy(params, params_shardings)
         replicated = self.deployer.replicated
         opt_shardings = opt_state_shardings(self.optimizer, params, params_shardings,
                                             self.deployer.mesh)
-        if opt_state is None:
-            opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(params)
-        else:
-            opt_state = place_copy(opt_state, opt_shardings)
-        state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), replicated),
-                           params=params, opt_state=opt_state, apply_fn=apply_fn,
-                           rng=jax.device_put(jax.random.PRNGKey(self.deployer.jax_seed), replicated))
         shardings = TrainState(step=replicated, params=params_shardings,
                                opt_state=opt_shardings, rng=replicated, apply_fn=apply_fn)
-        return state, shardings
+        state = TrainState(step=jax.device_put(jnp.asarray(step, jnp.int32), replicated),
+                           params=None, opt_state=None, apply_fn=apply_fn,
+                           rng=jax.device_put(jax.random.PRNGKey(self.deployer.jax_seed), replicated))
+        return self._with_params(state, shardings, params, opt_state), shardings
+
+    def _with_params(self, state: TrainState, shardings: TrainState, params, opt_state):
+        """``state`` holding ``params`` and ``opt_state`` (a fresh ``optimizer.init`` when None)
+        placed by ``shardings``, in buffers of their own."""
+        params = place_copy(params, shardings.params)
+        if opt_state is None:
+            opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
+        else:
+            opt_state = place_copy(opt_state, shardings.opt_state)
+        return state.replace(params=params, opt_state=opt_state)
+
+    def set_train_state(self, params: Any = None, opt_state: Any = None,
+                        step: int | None = None) -> None:
+        """Replace the params, the optimizer state or the step (e.g. a FedAvg client starting
+        from the server's params). New ``params`` without ``opt_state`` get a fresh
+        ``optimizer.init``. Before the layout is decided they become the starting state; after,
+        they are placed on the decided shardings."""
+        if self.state is None:
+            if params is not None:
+                self._start.update(params=params, opt_state=opt_state)
+            elif opt_state is not None:
+                self._start["opt_state"] = opt_state
+        elif params is not None:
+            self.state = self._with_params(self.state, self.state_shardings, params, opt_state)
+        elif opt_state is not None:
+            self.state = self.state.replace(
+                opt_state=place_copy(opt_state, self.state_shardings.opt_state))
+        if step is None:
+            return
+        if self.state is None:
+            self._start["step"] = step
+        else:
+            self.state = self.state.replace(
+                step=jax.device_put(jnp.asarray(step, jnp.int32), self.deployer.replicated))
 
     @property
     def params(self):
-        return self.state.params
+        """The params: placed on the mesh once the layout is decided (first batch), until then
+        as given."""
+        return self._start["params"] if self.state is None else self.state.params
 
     @property
     def step(self) -> int:
-        return int(self.state.step)
+        return self._start["step"] if self.state is None else int(self.state.step)
 
     # ---- the jitted functions ---------------------------------------------------------------
     def _loss(self, params, state, batch, rng, is_training: bool):
@@ -245,6 +252,7 @@ class Trainer:
                     start: int = 0, save_every_n_steps: int | None = None,
                     keep_last_ckpts: int = 1, desc: str = "") -> None:
         """Run the updates of ``epoch`` from its ``start``-th update on."""
+        self._decide_layout(examples, per_device_batch_size)
         batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
         batch_size *= self.accumulate_grad_batches
         n_steps = n_full_batches(len(examples), batch_size, "train_examples")
@@ -287,8 +295,9 @@ class Trainer:
 
     def eval_loss(self, examples: Sequence, per_device_batch_size: int) -> float:
         """Mean loss over every example; the last partial batch counts by its size."""
-        batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
         n_full_batches(len(examples), 1, "eval_examples")
+        self._decide_layout(examples, min(per_device_batch_size, len(examples)))
+        batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
         losses = []
         for begin in range(0, len(examples), batch_size):
             chunk = list(examples[begin:begin + batch_size])
@@ -344,13 +353,10 @@ class Trainer:
         and training continues from its exact step, mid-epoch included. Best-by-metric
         checkpoints go to ``ckpts/best_<metric>``; ``loss`` is always a metric when evaluated.
         """
-        if self._unplaced is not None:
-            self._plan(train_examples, per_device_batch_size)
+        self._decide_layout(train_examples, per_device_batch_size)
         batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
         steps_per_epoch = n_full_batches(
             len(train_examples), batch_size * self.accumulate_grad_batches, "train_examples")
-        if self._rules_from_names:
-            self._follow_dataflow(train_examples, per_device_batch_size)
         if eval_examples is not None:
             n_full_batches(len(eval_examples), 1, "eval_examples")
         self._check_schedule(n_epochs * steps_per_epoch)
@@ -425,7 +431,8 @@ class Trainer:
 
     def get_default_predictor(self, pred_fn: Callable, output_fn: Callable | None = None
                               ) -> Predictor:
-        """A ``Predictor`` sharing this trainer's deployer, collate_fn and sharding rules."""
+        """A ``Predictor`` sharing this trainer's deployer, collate_fn and sharding rules (the
+        final ones, decided at the first batch, even when it is made before ``fit``)."""
         return Predictor(deployer=self.deployer, collate_fn=self.collate_fn, pred_fn=pred_fn,
                          output_fn=output_fn, params_sharding_rules=self.params_sharding_rules)
 

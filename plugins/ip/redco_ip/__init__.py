@@ -1,16 +1,15 @@
-"""The built-in launchers: ``ip`` (hosts reached by address) and ``local`` (one process).
+"""The ``ip`` launcher: hosts reached by address, joined by ``jax.distributed``.
 
-``ip`` joins a run from ``Deployer(n_processes=, host0_address=, host0_port=, process_id=)``, or
-the same in ``REDCO_N_PROCESSES``, ``REDCO_HOST0_ADDRESS``, ``REDCO_HOST0_PORT`` and
-``REDCO_PROCESS_ID``; ``redco launch --launcher ip --hosts a,b -- cmd`` prints one command line
-per process with those variables set (``--run`` starts them here). It ships with redco rather
-than as a separate distribution because those ``Deployer`` arguments are the paper's public API:
-a bare ``pip install redco`` must run a multi-host script written against it.
+Joining: ``Deployer(n_processes=, host0_address=, host0_port=, process_id=)`` (the paper's
+arguments), or the same in ``REDCO_N_PROCESSES``, ``REDCO_HOST0_ADDRESS``, ``REDCO_HOST0_PORT``
+and ``REDCO_PROCESS_ID``. Submitting: ``redco launch --launcher ip --hosts a,b -- cmd`` prints one
+command line per process with those variables set, and ``--run`` starts them here, stopping the
+others when one fails (as ``srun --kill-on-bad-exit`` does). Classic mistakes are refused before
+jax starts: a busy port, a process id out of range, an argument that disagrees with its variable,
+host 0 on loopback while other hosts are remote.
 
-Launchers are tried in registration order: a third-party launcher (e.g. ``slurm`` from
-``redco-slurm``) before these. Explicit ``Deployer`` process arguments win over everything (a
-launcher that reads its environment stands aside when ``explicit(config)`` is true). Classic
-mistakes are refused before jax starts, with a message saying what to do.
+``redco`` depends on this distribution, so a bare ``pip install redco`` runs a multi-host script
+written against the paper's arguments.
 """
 from __future__ import annotations
 
@@ -26,24 +25,14 @@ import time
 
 import jax
 
-from redco.plugins import hookimpl
-from redco.protocols import LaunchError, Launcher
-
-# A process that stops answering is declared lost after this many seconds (jax's default is
-# 100); the survivors then stop too, instead of waiting in a collective.
-HEARTBEAT_TIMEOUT_S = int(os.environ.get("REDCO_HEARTBEAT_TIMEOUT", 20))
+import redco
+from redco.protocols import HEARTBEAT_TIMEOUT_S, Launcher, LaunchError, as_int, check_process_count
 
 # Deployer argument -> the environment variable the ``ip`` launcher reads it from.
 IP_ENV = {"n_processes": "REDCO_N_PROCESSES", "host0_address": "REDCO_HOST0_ADDRESS",
           "host0_port": "REDCO_HOST0_PORT", "process_id": "REDCO_PROCESS_ID"}
 # The hosts of the run, one entry per process ("a,b"); set by ``redco launch --launcher ip``.
 HOSTS_ENV = "REDCO_HOSTS"
-PROCESS_ARGS = ("n_processes", "host0_address", "host0_port", "process_id")
-
-
-def explicit(config: dict) -> bool:
-    """Were ``Deployer`` process arguments given? Then they decide, whatever the environment."""
-    return any(config.get(k) is not None for k in PROCESS_ARGS)
 
 
 def check_port_free(port: int) -> None:
@@ -107,13 +96,6 @@ def check_hosts(host0_address: str, n_processes: int, hosts: list[str]) -> None:
 
 
 # ---- ip ----------------------------------------------------------------------------------------
-def _int(name: str, value) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}={value!r} is not an integer.") from None
-
-
 def ip_settings(config: dict) -> dict:
     """The ``ip`` launcher's settings: the ``Deployer`` arguments, each missing one read from its
     ``REDCO_*`` variable. An argument and a variable that disagree are an error."""
@@ -121,24 +103,14 @@ def ip_settings(config: dict) -> dict:
     for key, var in IP_ENV.items():
         given, env = config.get(key), os.environ.get(var) or None
         if key != "host0_address":
-            given = None if given is None else _int(key, given)
-            env = None if env is None else _int(var, env)
+            given = None if given is None else as_int(key, given)
+            env = None if env is None else as_int(var, env)
         if given is not None and env is not None and given != env:
             raise ValueError(
                 f"Deployer({key}={given!r}) disagrees with {var}={env!r} in the environment: "
                 f"unset {var} or drop the argument, so that every process agrees.")
         settings[key] = given if given is not None else env
     return settings
-
-
-def check_process_count(n_processes: int, process_id: int, source: str) -> None:
-    if n_processes < 1:
-        raise ValueError(f"n_processes={n_processes} ({source}) must be at least 1.")
-    if not 0 <= process_id < n_processes:
-        raise ValueError(
-            f"process_id={process_id} but n_processes={n_processes} ({source}): ids run from 0 "
-            f"to {n_processes - 1}, one per process. Is the process count the same on every "
-            "host?")
 
 
 class IPLauncher(Launcher):
@@ -291,21 +263,6 @@ def launch_ip(command: list[str], hosts: list[str], port: int, run: bool = False
     return run_local(rows, command)
 
 
-# ---- local -------------------------------------------------------------------------------------
-class LocalLauncher(Launcher):
-    """A single process: nothing to join."""
-
-    def detect(self, config: dict) -> bool:
-        return True
-
-    def explain(self, config: dict) -> str:
-        return "one process (the fallback)"
-
-    def initialize(self, config: dict) -> None:
-        pass
-
-
-@hookimpl(trylast=True)
+@redco.hookimpl
 def register_launchers(register):
     register("ip", IPLauncher())
-    register("local", LocalLauncher())
