@@ -3,7 +3,8 @@
 Every plugin, built-in or third-party, is found the same way: an entry point in the ``redco``
 group. Two environment variables control loading:
 
-* ``REDCO_PLUGINS=name1,name2`` loads only these third-party plugins (built-ins always load);
+* ``REDCO_PLUGINS=name1,name2`` loads only these third-party plugins (redco's own, and
+  ``redco-ip`` which it depends on, always load);
 * ``REDCO_DISABLE_PLUGIN_AUTOLOAD=1`` loads no third-party plugin at all (useful in tests).
 
 A third-party plugin that fails to import is skipped with a warning naming it.
@@ -20,7 +21,8 @@ from redco import hookspecs
 from redco.protocols import missing
 
 hookimpl = pluggy.HookimplMarker("redco")
-CORE_DISTRIBUTION = "redco"
+# Always loaded, whatever REDCO_PLUGINS says: redco itself and the distribution it depends on.
+CORE_DISTRIBUTIONS = {"redco", "redco-ip"}
 
 pm = pluggy.PluginManager("redco")
 pm.add_hookspecs(hookspecs)
@@ -29,7 +31,7 @@ refused: dict[tuple[str, str], str] = {}  # (kind, name) -> why the registration
 
 
 def _allowed(ep: importlib.metadata.EntryPoint, dist_name: str) -> bool:
-    if dist_name == CORE_DISTRIBUTION:
+    if dist_name in CORE_DISTRIBUTIONS:
         return True
     if os.environ.get("REDCO_DISABLE_PLUGIN_AUTOLOAD"):
         return False

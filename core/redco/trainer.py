@@ -91,7 +91,6 @@ class Trainer:
         self.accumulate_grad_batches = accumulate_grad_batches
         self.callbacks = list(callbacks)
         self._stop_reason = None
-        self._loss_checked = False
         self._best: dict[str, float] = {}
         self._data_position: dict = {}  # with the step, fixes which examples come next
         self.params_sharding_rules = params_sharding_rules
@@ -122,6 +121,11 @@ class Trainer:
             return
         loss, batch = self._first_batch_loss(examples, per_device_batch_size)
         start = self._start
+        out = jax.eval_shape(loss, start["params"], batch)
+        if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()):
+            shape = out.shape if isinstance(out, jax.ShapeDtypeStruct) else type(out).__name__
+            raise ValueError(f"loss_fn must return a scalar, but returned {shape}. Reduce it, "
+                             "e.g. with jnp.mean(...), before returning.")
         self.params_sharding_rules = self.deployer.decide_layout(
             start["params"], self.params_sharding_rules, trace_fn=dataflow_trace(loss, batch),
             plan=(loss, batch, self.optimizer))
@@ -225,15 +229,6 @@ class Trainer:
         return self._loss(state.params, state, batch, state.rng, False)
 
     # ---- checks made before anything compiles ------------------------------------------------
-    def _check_loss(self, batch) -> None:
-        micro_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
-        out = jax.eval_shape(self._eval_loss, self.state, micro_batch)
-        if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()):
-            shape = out.shape if isinstance(out, jax.ShapeDtypeStruct) else type(out).__name__
-            raise ValueError(f"loss_fn must return a scalar, but returned {shape}. Reduce it, "
-                             "e.g. with jnp.mean(...), before returning.")
-        self._loss_checked = True
-
     def _check_schedule(self, n_updates: int) -> None:
         total = getattr(self.lr_schedule_fn, "total_steps", None)
         if total is not None and total != n_updates:
@@ -266,8 +261,6 @@ class Trainer:
             batch = self.deployer.make_batch(
                 [examples[j] for j in order[i * batch_size:(i + 1) * batch_size]],
                 self.collate_fn, n_micro=self.accumulate_grad_batches)
-            if not self._loss_checked:
-                self._check_loss(batch)
             self.state, metrics = self._train_step(self.state, batch)
             if pending is not None:  # read the previous step's metrics: the device runs ahead
                 self._report(bar, *pending)

@@ -28,7 +28,7 @@ def test_collate_returning_lists_is_refused(workdir):
     trainer = make_trainer(workdir, collate_fn=lambda exs: {"x": [list(e["x"]) for e in exs]})
     with pytest.raises(TypeError, match=r"collate_fn output\['x'\] is a list, not an array"):
         fit_refused(trainer, mlp_examples(32))
-    assert trainer._train_step._cache_size() == 0
+    assert trainer.state is None  # refused at the first batch: nothing placed, nothing compiled
 
 
 def test_collate_returning_ragged_rows_is_refused(workdir):
@@ -50,10 +50,10 @@ def test_non_scalar_loss_is_refused_before_compiling(workdir):
     per_example = lambda rng, state, params, batch, is_training: jnp.mean(
         (state.apply_fn(params, batch["x"]) - batch["y"]) ** 2, axis=1)
     trainer = make_trainer(workdir, loss_fn=per_example)
-    with pytest.raises(ValueError, match=r"loss_fn must return a scalar, but returned \(8,\). "
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar, but returned \(2,\). "
                                          r"Reduce it"):
         fit_refused(trainer, mlp_examples(32))
-    assert trainer._train_step._cache_size() == 0
+    assert trainer.state is None  # refused at the first batch: nothing placed, nothing compiled
 
 
 def test_empty_dataset_is_refused(workdir):

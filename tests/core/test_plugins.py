@@ -18,17 +18,20 @@ HOOKS = sorted(name for name, _ in inspect.getmembers(hookspecs, inspect.isfunct
 
 
 def test_every_hook_is_documented():
-    assert len(HOOKS) == 11
+    assert len(HOOKS) == 13
     for name in HOOKS:
         doc = inspect.getdoc(getattr(hookspecs, name)) or ""
         assert "Called" in doc and "Returns" in doc, f"{name} must say when it is called and " \
                                                      "what it returns"
 
 
-def test_every_hook_is_exercised_by_a_run(workdir, capsys):
+def test_every_hook_is_exercised_by_a_run(workdir, capsys, monkeypatch):
     called = set()
     undo = plugins.pm.add_hookcall_monitoring(lambda name, impls, kw: called.add(name),
                                               lambda outcome, name, impls, kw: None)
+    registry = plugins.registry  # register_* hooks are called per plugin, by the registry
+    monkeypatch.setattr(plugins, "registry",
+                        lambda kind: called.add(f"register_{kind}") or registry(kind))
     try:
         deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
         params = mlp_init()
@@ -39,11 +42,38 @@ def test_every_hook_is_exercised_by_a_run(workdir, capsys):
                     save_last_ckpt=True, save_argmin_ckpt_by_metrics=["loss"])
         main(["zoo", "list"])
         main(["new", "--list"])
+        auto = Deployer(jax_seed=0, n_model_shards="auto", device_memory="1GB",
+                        workdir=workdir + "2", verbose=False)
+        with pytest.raises(ValueError, match=r"No layout planners named 'auto'.*Install the "
+                                             r"plugin"):  # redco-planner is not installed here
+            Trainer(auto, mlp_collate, mlp_apply, mlp_loss, params, optax.sgd(0.1)).fit(
+                mlp_examples(32), 2, n_epochs=1)
     finally:
         undo()
     assert sorted(called) == HOOKS
     listed = capsys.readouterr().out
     assert "lm " in listed and "minimal " in listed  # zoo pipelines and templates, by entry point
+
+
+def test_a_plugin_missing_a_method_is_refused_naming_it(tmp_path, monkeypatch, workdir):
+    dist = tmp_path / "redco_halfdone-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: redco-halfdone\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[redco]\nhalfdone = redco_halfdone_mod\n")
+    (tmp_path / "redco_halfdone_mod.py").write_text(
+        "import redco\n\nclass Half:\n    def save(self, path, tree): pass\n\n"
+        "@redco.hookimpl\ndef register_checkpoint_formats(register):\n"
+        "    register('half', Half())\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(UserWarning, match=r"redco plugin 'halfdone' registers checkpoint_formats "
+                                         r"'half' without load; it is refused"):
+        formats = plugins.registry("checkpoint_formats")
+    assert "half" not in formats and "orbax" in formats
+    with pytest.raises(ValueError, match=r"No checkpoint formats named 'half' \(redco plugin "
+                                         r"'halfdone' registers checkpoint_formats 'half' without "
+                                         r"load\)"):
+        Deployer(jax_seed=0, workdir=workdir, checkpoint_format="half", verbose=False)
+    plugins.pm.unregister(name="halfdone")
 
 
 def test_lifecycle_hooks_run_in_order(workdir):
@@ -90,5 +120,54 @@ def test_allowlist_and_autoload_switch(env):
     out = subprocess.run([sys.executable, "-m", "redco.cli", "plugins", "--json"],
                          env={**os.environ, **env}, capture_output=True, text=True, check=True)
     names = {row["name"] for row in json.loads(out.stdout)}
-    assert {"rules", "launchers", "checkpoints", "loggers"} <= names  # built-ins always load
+    assert {"rules", "local", "ip", "orbax", "jsonl", "templates"} <= names  # always loaded
     assert ("csv_logger" in names) == (not env)
+
+
+TOY_LAUNCHER = '''
+import os
+import subprocess
+
+import redco
+from redco.protocols import Launcher
+
+
+class Toy(Launcher):
+    """Runs the command N times here, each with TOY_RANK set."""
+    description = "run the command --copies times on this machine"
+
+    def add_arguments(self, group):
+        group.add_argument("--copies", type=int, default=1)
+
+    def submit(self, command, args):
+        codes = [subprocess.run(command, env={**os.environ, "TOY_RANK": str(i)}).returncode
+                 for i in range(args.copies)]
+        return max(codes)
+
+
+@redco.hookimpl
+def register_launchers(register):
+    register("toy", Toy())
+'''
+
+
+def test_a_third_party_launcher_joins_redco_launch(tmp_path, monkeypatch, capsys):
+    dist = tmp_path / "redco_toy-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: redco-toy\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[redco]\ntoy = redco_toy_mod\n")
+    (tmp_path / "redco_toy_mod.py").write_text(TOY_LAUNCHER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(SystemExit):
+            main(["launch", "--help"])
+        shown = capsys.readouterr().out
+        assert "--launcher {" in shown and "toy" in shown.split("--launcher {")[1].split("}")[0]
+        assert "toy: run the command --copies times" in shown and "--copies" in shown
+        out = tmp_path / "ranks.txt"
+        with pytest.raises(SystemExit) as ended:
+            main(["launch", "--launcher", "toy", "--copies", "3", "--", sys.executable, "-c",
+                  f"import os; open({str(out)!r}, 'a').write(os.environ['TOY_RANK'])"])
+        assert ended.value.code == 0 and out.read_text() == "012"
+    finally:
+        plugins.pm.unregister(name="toy")
