@@ -72,6 +72,12 @@ class Trainer:
         rule set, read off ``loss_fn``'s dataflow on the first batch ``fit`` sees (from
         parameter names until then).
       callbacks: objects with ``@redco.hookimpl`` methods, active during this trainer's fit.
+
+    Public state (for algorithms that drive training themselves, such as FedAvg and MAML):
+    ``params`` and ``step``; ``state`` (a ``TrainState``) and ``state_shardings`` (the same tree
+    of shardings), both None until the layout is decided at the first batch; ``optimizer``;
+    ``set_train_state(params=, opt_state=, step=)`` to place new values; ``train_epoch`` and
+    ``eval_loss`` to run one epoch or one evaluation.
     """
 
     def __init__(self, deployer: Deployer, collate_fn: Callable, apply_fn: Callable,

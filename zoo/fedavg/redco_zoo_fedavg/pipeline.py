@@ -69,20 +69,17 @@ def train_locally(trainer: redco.Trainer, params, examples: list, n_epochs: int,
                   per_device_batch_size: int, first_epoch: int) -> dict:
     """From ``params`` (on the host) and a fresh optimizer state, train ``n_epochs`` on ``examples``
     (epoch ``first_epoch + e`` seeds the order) with ``trainer``'s compiled step; return params."""
-    shardings = trainer.state_shardings
-    trainer.state = trainer.state.replace(
-        params=jax.device_put(params, shardings.params),
-        opt_state=jax.device_put(trainer.optimizer.init(params), shardings.opt_state))
+    trainer.set_train_state(params=params)  # a fresh optimizer state too
     for e in range(n_epochs):
         trainer.train_epoch(examples, per_device_batch_size, epoch=first_epoch + e)
-    return jax.device_get(trainer.state.params)
+    return jax.device_get(trainer.params)
 
 
 def fedavg(trainer: redco.Trainer, clients: list, n_rounds: int, clients_per_round: int,
            local_epochs: int, per_device_batch_size: int, seed: int = 0, on_round=lambda r, p: None):
     """The server: each round, train ``clients_per_round`` sampled clients from its params and
     average theirs, weighted by their numbers of examples; ``on_round(round, params)`` after each."""
-    server = jax.device_get(trainer.state.params)
+    server = jax.device_get(trainer.params)
     rng = np.random.default_rng(seed)
     for r in range(n_rounds):
         chosen = sorted(int(c) for c in rng.choice(len(clients), clients_per_round, replace=False))
