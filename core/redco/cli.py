@@ -104,7 +104,7 @@ def cmd_new(args) -> None:
         return
     from redco.scaffold import write_project
     dest = write_project(plugins.lookup("templates", args.template), args.dest)
-    print(f"wrote {dest}: cd {args.dest} && pip install -e . && pytest")
+    print(f'wrote {dest}: cd {args.dest} && pip install -e ".[test]" && pytest (see its README.md)')
 
 
 def main(argv: list[str] | None = None) -> None:

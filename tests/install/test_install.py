@@ -1,8 +1,19 @@
-"""Installed as users install it: wheels built from ``core/`` (the default plugins inside) and
-``zoo/maml``, ``pip install --find-links dist redco-zoo-maml`` into a fresh virtual environment;
-then the zoo pipeline is listed, ``redco new --template maml`` gives a project whose tests pass,
-and a project from the ``plugin`` template, once installed, is listed and its rule set used."""
+"""The README's install lines, run verbatim as a user runs them, in one fresh virtual environment.
+
+A copy of this working tree as a clone of it would be (no ``.git``, nothing ``.gitignore`` names)
+builds the wheels of every distribution into its ``dist/`` with the documented command; then the
+card's lines run in a shell whose PATH starts with the new venv (``pip``, ``redco``, ``pytest``
+and ``python`` are its own; this tox env's are off the PATH): ``pip install --find-links dist
+redco-zoo-maml`` and ``redco zoo list`` shows maml; ``redco new --template seq2seq myproj`` and
+then the generated project's README steps, read out of its first fenced block so that a drifting
+README fails here, including its own tests; ``pip install --find-links dist redco-slurm`` adds
+``slurm`` to ``redco launch --launcher``. The ``plugin`` template's project, installed as its
+README says, is listed by ``redco plugins`` and its tests use its rule set. Each line is also
+looked up in README.md, so the lines tested are the lines documented."""
+import glob
 import os
+import re
+import shutil
 import subprocess
 import sys
 import venv
@@ -10,41 +21,115 @@ import venv
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = "python tools/build_dists.py"
+MAML = "pip install --find-links dist redco-zoo-maml"
+ZOO_LIST = "redco zoo list"
+SEQ2SEQ = "pip install --find-links dist redco-zoo-seq2seq"
+NEW = "redco new --template seq2seq myproj"
+SLURM = "pip install --find-links dist redco-slurm"
 
 
-def run(cmd, cwd=None) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
-    out = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True,
-                         timeout=1200)
-    assert out.returncode == 0, f"{cmd} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    return out.stdout
+def fenced_lines(markdown: str) -> list[str]:
+    """The commands in ``markdown``'s ```bash blocks, comments and blank lines left out."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", markdown, flags=re.M | re.S)
+    return [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def first_block(markdown: str) -> str:
+    """The text of ``markdown``'s first ```bash block."""
+    found = re.search(r"^```bash\n(.*?)^```", markdown, flags=re.M | re.S)
+    assert found, "the generated README has no ```bash block of install and test steps"
+    return found.group(1)
+
+
+def passed(pytest_output: str) -> bool:
+    return bool(re.search(r"\b\d+ passed\b", pytest_output)) and not re.search(
+        r"\b\d+ (failed|errors?|skipped)\b", pytest_output)
+
+
+def launchers(help_text: str) -> set[str]:
+    found = re.search(r"--launcher \{([^}]*)\}", help_text)
+    assert found, f"no --launcher choices in `redco launch --help`:\n{help_text}"
+    return {name for name in found.group(1).split(",") if name}
+
+
+class Shell:
+    """Runs lines with ``bash -ec`` as a user whose fresh venv at ``venv`` is activated."""
+
+    def __init__(self, venv_dir: str, cwd: str):
+        self.cwd = cwd
+        path = os.environ["PATH"].split(os.pathsep)
+        if sys.prefix != sys.base_prefix:  # this tox env's own bin/ is not the user's
+            path = [p for p in path if p.rstrip("/") != os.path.join(sys.prefix, "bin")]
+        dropped = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "XLA_FLAGS")  # a user's shell has none
+        self.env = {k: v for k, v in os.environ.items() if k not in dropped}
+        self.env.update(VIRTUAL_ENV=venv_dir, PATH=os.pathsep.join([os.path.join(venv_dir, "bin"), *path]))
+
+    def __call__(self, lines: str, cwd: str | None = None) -> str:
+        done = subprocess.run(["bash", "-ec", lines], cwd=cwd or self.cwd, env=self.env,
+                              capture_output=True, text=True, timeout=1500)
+        assert done.returncode == 0, f"`{lines}` failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+        return done.stdout
 
 
 @pytest.fixture(scope="module")
-def fresh(tmp_path_factory):
-    """``(root, python, redco)`` of a new venv holding only what pip installed from wheels."""
-    root = tmp_path_factory.mktemp("users")
-    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", root / "dist",
-         os.path.join(REPO, "core"), os.path.join(REPO, "zoo", "maml")])
+def sh(tmp_path_factory) -> Shell:
+    """A shell in a fresh clone-like copy of the repository whose wheels are built into ``dist/``,
+    with a fresh venv activated in which the card's first line installed redco-zoo-maml."""
+    root = tmp_path_factory.mktemp("user")
+    with open(os.path.join(REPO, ".gitignore")) as f:
+        ignored = [p.strip().rstrip("/") for p in f if p.strip() and not p.startswith(("#", "!"))]
+    shutil.copytree(REPO, root / "redco", ignore=shutil.ignore_patterns(".git", *ignored))
     venv.create(root / "venv", with_pip=True)
-    python, redco = root / "venv" / "bin" / "python", root / "venv" / "bin" / "redco"
-    run([python, "-m", "pip", "install", "-q", "--find-links", root / "dist", "redco-zoo-maml",
-         "pytest"])
-    return root, python, redco
+    shell = Shell(str(root / "venv"), str(root / "redco"))
+    shell(BUILD)
+    shell(MAML)
+    return shell
 
 
-def test_a_zoo_package_brings_its_pipeline_and_template(fresh):
-    root, python, redco = fresh
-    assert "redco 0.5.0" in run([python, "-m", "pip", "list", "--format=freeze"]).replace("==", " ")
-    assert any(line.startswith("maml ") for line in run([redco, "zoo", "list"]).splitlines())
-    run([redco, "new", "--template", "maml", "proj"], cwd=root)
-    run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=root / "proj")
+def test_the_lines_tested_here_are_the_readmes():
+    with open(os.path.join(REPO, "README.md")) as f:
+        documented = set(fenced_lines(f.read()))
+    missing = [line for line in (BUILD, MAML, ZOO_LIST, SEQ2SEQ, NEW, SLURM) if line not in documented]
+    assert not missing, (f"README.md's ```bash blocks lack {missing}, which tests/install runs as "
+                         "the documented install lines: put them back, or change both together")
 
 
-def test_a_plugin_project_once_installed_is_listed_and_used(fresh):
-    root, python, redco = fresh
-    run([redco, "new", "--template", "plugin", "myplug"], cwd=root)
-    run([python, "-m", "pip", "install", "-q", root / "myplug"])
-    plugins = {line.split()[0]: line for line in run([redco, "plugins"]).splitlines()}
-    assert "register_sharding_rules" in plugins["myplug"]
-    run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=root / "myplug")
+def test_the_build_makes_a_wheel_of_every_distribution(sh):
+    expected = set()
+    for pyproject in glob.glob(os.path.join(sh.cwd, "*", "pyproject.toml")) + glob.glob(
+            os.path.join(sh.cwd, "*", "*", "pyproject.toml")):
+        with open(pyproject) as f:
+            expected.add(re.search(r'^name = "(.+)"', f.read(), flags=re.M).group(1).replace("-", "_"))
+    built = {name.split("-")[0] for name in os.listdir(os.path.join(sh.cwd, "dist"))}
+    assert {"redco", "redco_zoo_maml", "redco_zoo_seq2seq", "redco_slurm"} <= expected
+    assert built == expected
+
+
+def test_a_zoo_package_and_a_project_from_its_template(sh):
+    assert "maml" in [line.split()[0] for line in sh(ZOO_LIST).splitlines() if line.strip()]
+    sh(SEQ2SEQ)
+    sh(NEW)
+    with open(os.path.join(sh.cwd, "myproj", "README.md")) as f:
+        steps = first_block(f.read())
+    out = sh(steps, cwd=os.path.join(sh.cwd, "myproj"))  # its install line and its tests, verbatim
+    assert passed(out), out[-3000:]
+    assert "Location: " + os.path.join(sh.env["VIRTUAL_ENV"], "lib") in sh("pip show pytest")
+
+
+def test_installing_redco_slurm_adds_slurm_to_redco_launch(sh):
+    before = launchers(sh("redco launch --help"))
+    assert "slurm" not in before
+    sh(SLURM)
+    assert launchers(sh("redco launch --help")) == before | {"slurm"}
+    assert "redco-slurm" in sh("redco plugins")
+
+
+def test_a_plugin_project_installed_as_its_readme_says_is_listed_and_used(sh):
+    sh("redco new --template plugin myplug")
+    with open(os.path.join(sh.cwd, "myplug", "README.md")) as f:
+        out = sh(first_block(f.read()), cwd=os.path.join(sh.cwd, "myplug"))
+    listed = [line for line in out.splitlines() if line.split()[:1] == ["myplug"]]
+    assert listed and "register_sharding_rules" in listed[0], out[-3000:]
+    assert passed(out), out[-3000:]
