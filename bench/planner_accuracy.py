@@ -1,6 +1,6 @@
 """How well the planner's ahead-of-time estimate predicts the memory a train step really takes.
 
-``redco.planner.measure`` compiles the train step on abstract shapes and reads XLA's
+``redco_planner.planner.measure`` compiles the train step on abstract shapes and reads XLA's
 ``memory_analysis()``; nothing is allocated. Here the same model then really trains a few steps
 through ``Trainer.fit`` and the device's own allocator reports its peak
 (``memory_stats()['peak_bytes_in_use']``, GPUs and TPUs only). Run once on a GPU to see the
@@ -21,8 +21,8 @@ import optax
 from flax import nnx
 
 from redco import Deployer, Trainer
-from redco.inspection import human_bytes, lm_loss
-from redco.planner import measure
+from redco_planner.inspection import human_bytes, lm_loss
+from redco_planner.planner import measure
 from redco_zoo_lm import collate_fn, loss_fn
 from redco_zoo_models import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, split_model
 

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "shard
 import hf_archs  # noqa: E402
 
 from redco import Deployer  # noqa: E402
-from redco.inspection import human_bytes, plan_table, totals  # noqa: E402
+from redco_planner.inspection import human_bytes, plan_table, totals  # noqa: E402
 
 MODELS = {  # name -> (hf_archs arch, published config fields)
     "gpt2-large": ("gpt2", dict(n_embd=1280, n_layer=36, n_head=20, n_inner=5120,

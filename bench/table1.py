@@ -4,7 +4,7 @@ compilation on abstract shapes.
 For every model of the table, with its published configuration, at the paper's maximum length,
 per-device batch 1, float32 params and ``optax.adamw``: the whole train step (forward,
 backward, AdamW update, state donated) is compiled for the row's device count and its
-per-device peak read off XLA's buffer assignment by ``redco.planner.measure`` (arguments +
+per-device peak read off XLA's buffer assignment by ``redco_planner.planner.measure`` (arguments +
 outputs - donated aliases + temporaries; activations are in the temporaries). Nothing is
 allocated, so a 66B model costs only compile time. Two layouts per model:
 
@@ -158,8 +158,8 @@ def n_params(model) -> int:
 
 def measure(model, devices: int, mp: int, rules: str) -> dict:
     """One AOT compile; the layout's numbers as a dict (peak None and an error if it failed)."""
-    from redco.planner import dataflow_trace
-    from redco.planner import measure as planner_measure
+    from redco.sharding import dataflow_trace
+    from redco_planner.planner import measure as planner_measure
     batch = model.abstract_batch(1)
     start = time.perf_counter()
     try:
@@ -217,7 +217,7 @@ def extrapolate(name: str, seq_len: int, devices: int, mp: int,
 
 
 def run_model(name: str, seq_len: int, row: dict, quick: bool, max_full_dp: int) -> dict:
-    from redco.planner import model_shard_degrees
+    from redco_planner.planner import model_shard_degrees
     devices, memory = row["devices"], row["memory_gib"] * GiB
     start = time.perf_counter()
     model = build(name, seq_len)
@@ -249,7 +249,7 @@ def run_model(name: str, seq_len: int, row: dict, quick: bool, max_full_dp: int)
 def largest(row: dict, max_full_dp: int, points: tuple[int, int] = (4, 8),
             max_probes: int = 10) -> dict:
     """The most layers of the family's next size that fit with auto+fsdp (see the docstring)."""
-    from redco.planner import model_shard_degrees
+    from redco_planner.planner import model_shard_degrees
     name, seq_len = row["family"]
     full = full_layers(name)
     devices, memory = row["devices"], row["memory_gib"] * GiB

@@ -28,6 +28,10 @@ pm = pluggy.PluginManager("redco")
 pm.add_hookspecs(hookspecs)
 plugin_sources: dict[str, str] = {}  # plugin name -> "distribution version"
 refused: dict[tuple[str, str], str] = {}  # (kind, name) -> why the registration was refused
+# Names this repository's plugin distributions provide, to say what to install when one is missing.
+PROVIDED_BY = {"tensorboard": "redco-tensorboard", "safetensors": "redco-safetensors",
+               "msgpack": "redco-msgpack", "slurm": "redco-slurm", "xmanager": "redco-xmanager",
+               "auto": "redco-planner", "plan": "redco-planner", "rules": "redco-planner"}
 
 
 def _allowed(ep: importlib.metadata.EntryPoint, dist_name: str) -> bool:
@@ -87,9 +91,12 @@ def lookup(hook_name: str, name: str):
     things = registry(hook_name)
     if name not in things:
         why = refused.get((hook_name, name))
+        dist = PROVIDED_BY.get(name)
+        install = (f"pip install {dist} (./plugins/{dist[len('redco-'):]} in redco's repository)"
+                   if dist else "install the plugin that provides it")
         raise ValueError(f"No {hook_name.replace('_', ' ')} named {name!r}"
                          + (f" ({why})" if why else "") + f". Available: {sorted(things)}. "
-                         "Install the plugin that provides it, or pick one of these.")
+                         f"To use it, {install}; or pick one of these.")
     return things[name]
 
 

@@ -44,8 +44,8 @@ def test_every_hook_is_exercised_by_a_run(workdir, capsys, monkeypatch):
         main(["new", "--list"])
         auto = Deployer(jax_seed=0, n_model_shards="auto", device_memory="1GB",
                         workdir=workdir + "2", verbose=False)
-        with pytest.raises(ValueError, match=r"No layout planners named 'auto'.*Install the "
-                                             r"plugin"):  # redco-planner is not installed here
+        with pytest.raises(ValueError, match=r"No layout planners named 'auto'.*pip install "
+                                             r"redco-planner"):  # not installed here
             Trainer(auto, mlp_collate, mlp_apply, mlp_loss, params, optax.sgd(0.1)).fit(
                 mlp_examples(32), 2, n_epochs=1)
     finally:

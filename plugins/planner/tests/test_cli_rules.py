@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from redco import Deployer
 from redco.cli import main
-from redco.inspection import load_model, plan_table, totals
+from redco_planner.inspection import load_model, plan_table, totals
 
 COLUMN, ROW = P(None, "mp"), P("mp", None)
 
@@ -92,3 +92,14 @@ def test_png(tmp_path, capsys):
         main(["rules", "llama-tiny", "--png", path])
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_llama_models_without_the_zoo_say_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "redco_zoo_models", None)  # makes the import fail
+    for name in ("llama-tiny", "llama-7b"):
+        with pytest.raises(ImportError, match=r"pip install redco-zoo-models"):
+            load_model(name)
+    (tmp_path / "zoo_free.py").write_text(
+        "import numpy as np\ndef params():\n    return {'w': np.zeros((8, 16), np.float32)}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert load_model("zoo_free:params").params["w"].shape == (8, 16)  # the zoo is optional

@@ -2,8 +2,8 @@
 import jax
 import pytest
 
-from redco.inspection import load_model, parse_bytes
-from redco.planner import PlanError, measure, plan
+from redco_planner.inspection import load_model, parse_bytes
+from redco_planner.planner import PlanError, measure, plan
 
 SEQ_LEN = 32
 
@@ -78,40 +78,43 @@ def test_plan_cli_reports_each_layout_and_the_pick(capsys):
               "--seq-len", "16", "--rules", "auto+fsdp"])
 
 
-def test_n_model_shards_auto_picks_the_layout_on_the_first_batch(workdir):
-    import optax
-    from helpers import lm_examples, lm_model
-
-    from redco import Deployer, Trainer
-    from redco_zoo_lm import collate_fn, loss_fn
-
-    def fit(memory, name):
-        apply_fn, params = lm_model()
-        deployer = Deployer(jax_seed=0, n_model_shards="auto", device_memory=memory,
-                            workdir=f"{workdir}/{name}", verbose=False)
-        trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(1e-2))
-        trainer.fit(lm_examples(32), per_device_batch_size=1, n_epochs=1)
-        return deployer, trainer
-
-    roomy, _ = fit("1TB", "roomy")
+def test_n_model_shards_auto_picks_the_layout_on_the_first_batch(workdir, fit_auto):
+    roomy, _ = fit_auto(f"{workdir}/roomy", "1TB")
     assert (roomy.n_model_shards, roomy.layout_plan.sharding_rules) == (1, "auto")
-    budget = roomy.layout_plan.peak_bytes - 1
-    tight, trainer = fit(budget, "tight")
+    with open(f"{workdir}/roomy/log.txt") as f:
+        log = f.read()
+    assert "mp=1   dp=8   auto       peak" in log  # each layout logged through deployer.log_info
+    budget = roomy.layout_plan.peak_bytes - 1  # an int, not a string
+    tight, trainer = fit_auto(f"{workdir}/tight", budget)
     picked = (tight.n_model_shards, tight.layout_plan.sharding_rules)
     assert picked != (1, "auto") and tight.layout_plan.peak_bytes <= budget
+    assert tight.layout_plan.device_memory_bytes == budget
     assert dict(tight.mesh.shape) == {"dp": 8 // tight.n_model_shards, "mp": tight.n_model_shards}
     specs = {str(s.spec) for s in jax.tree.leaves(trainer.state_shardings.params)}
     assert any("mp" in spec or "dp" in spec for spec in specs)  # laid out as planned
     assert trainer.step == 32 // tight.dp_size
 
 
-def test_n_model_shards_auto_errors(workdir):
+def test_auto_without_device_memory_on_cpu_says_to_pass_it(workdir, fit_auto):
+    with pytest.raises(ValueError, match=r"cpu devices do not report it: pass "
+                                         r"Deployer\(device_memory='40GB'\)"):
+        fit_auto(workdir, None, n_examples=8)
+
+
+def test_device_memory_given_or_read_off_the_device(workdir):
     from redco import Deployer
-    with pytest.raises(ValueError, match=r"Deployer\(device_memory='40GB'\)"):
-        Deployer(jax_seed=0, n_model_shards="auto", workdir=workdir, verbose=False)
-    with pytest.raises(ValueError, match="must be \"auto\" or a positive integer"):
-        Deployer(jax_seed=0, n_model_shards="two", workdir=workdir, verbose=False)
-    deployer = Deployer(jax_seed=0, n_model_shards="auto", device_memory="1GB", workdir=workdir,
+    from redco_planner.planner import device_memory_bytes
+    deployer = Deployer(jax_seed=0, n_model_shards="auto", device_memory="2GB", workdir=workdir,
                         verbose=False)
-    with pytest.raises(RuntimeError, match="chosen on the first batch of Trainer.fit"):
-        deployer.get_sharding_rules({"w": jax.numpy.zeros((4, 4))})
+    assert device_memory_bytes(deployer) == 2 * 2 ** 30
+    deployer.device_memory = 12345
+    assert device_memory_bytes(deployer) == 12345
+
+    class Reporting:  # what a GPU reports; jax's CPU devices report nothing
+        platform = "gpu"
+
+        def memory_stats(self):
+            return {"bytes_limit": 80 * 2 ** 30, "bytes_in_use": 0}
+
+    deployer.device_memory, deployer.devices = None, [Reporting()] + deployer.devices[1:]
+    assert device_memory_bytes(deployer) == 80 * 2 ** 30

@@ -1,0 +1,55 @@
+"""``redco-planner``: the layout planner behind ``Deployer(n_model_shards="auto")``, and the
+``redco plan`` and ``redco rules`` commands.
+
+Registered through the ``redco`` entry-point group like any third-party plugin:
+
+* ``register_layout_planners``: ``"auto"``, an ``AutoLayoutPlanner``. At ``Trainer.fit``'s first
+  batch the Deployer asks it for a layout; it compiles the train step ahead of time for
+  ``n_model_shards`` = 1, 2, 4, ... (``redco_planner.planner.plan``) and returns the first
+  that fits the device memory.
+* ``register_commands``: ``"plan"`` and ``"rules"`` (``redco_planner.commands``).
+
+Every ``redco`` process that builds a registry imports this module, so it imports only the
+command-line classes; the planner and the model inspection (``planner.py``, ``inspection.py``)
+are imported when a layout is planned or a command runs. A run with an integer
+``n_model_shards`` never imports them.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import redco
+from redco.protocols import Layout, LayoutPlanner
+from redco_planner.commands import PlanCommand, RulesCommand
+
+__all__ = ["AutoLayoutPlanner", "PlanCommand", "RulesCommand"]
+
+
+class AutoLayoutPlanner(LayoutPlanner):
+    """The smallest model-parallel layout whose compiled train step fits one device's memory.
+
+    The memory is ``Deployer(device_memory=...)`` (``"40GB"`` or bytes), else what the device
+    reports (GPUs and TPUs do; CPUs do not: then the error says to pass it). Each layout
+    measured is logged with ``deployer.log_info``; the whole ``redco_planner.planner.Plan``
+    (every layout tried and its peak) is kept as ``deployer.layout_plan``.
+    """
+
+    def plan(self, deployer: Any, params: Any, loss: Callable, batch: Any, optimizer: Any,
+             rule_sets: list[str]) -> Layout:
+        from redco_planner import planner
+        memory = planner.device_memory_bytes(deployer)
+        result = planner.plan(params, loss, batch, len(deployer.devices), memory,
+                              optimizer=optimizer, rule_sets=rule_sets, log=deployer.log_info)
+        deployer.layout_plan = result
+        return Layout(result.n_model_shards, result.sharding_rules, result.rules)
+
+
+@redco.hookimpl
+def register_layout_planners(register):
+    register("auto", AutoLayoutPlanner())
+
+
+@redco.hookimpl
+def register_commands(register):
+    register("rules", RulesCommand())
+    register("plan", PlanCommand())

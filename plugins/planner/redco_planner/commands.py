@@ -1,0 +1,130 @@
+"""``redco rules`` and ``redco plan``: the two subcommands this plugin adds to the ``redco`` CLI.
+
+Both work on abstract shapes over simulated CPU devices (``--devices``), so any machine can plan
+for any cluster. ``simulate_devices`` must run before jax starts its backends: ``redco`` imports
+jax but starts nothing, so each command calls it first thing in ``run``, and imports the rest
+(Deployer, the planner, the models) only then. Building the CLI imports this module alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+from redco.protocols import Command
+
+MODEL_HELP = ("llama-tiny, llama-1b, llama-7b, llama-13b, llama-30b, llama-65b, or "
+              "module:function returning params, (params, trace_fn) or (params, trace_fn, loss_fn)")
+
+
+def simulate_devices(n: int) -> None:
+    """Make jax see ``n`` CPU devices (plans use abstract shapes only, so any machine will do).
+
+    XLA_FLAGS is read when jax starts its backends, so this works until the first jax operation
+    (importing ``redco`` imports jax but starts nothing)."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # already started (e.g. called from a running program)
+        if jax.device_count() < n:
+            sys.exit(f"redco: jax already runs with {jax.device_count()} devices, fewer than "
+                     f"--devices {n}; call this before any jax operation.")
+
+
+class RulesCommand(Command):
+    description = "Print the sharding plan of a model: each param's spec and bytes per device."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("model", help=MODEL_HELP)
+        parser.add_argument("--n_model_shards", type=int, default=2)
+        parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
+        parser.add_argument("--rules", default="auto", help="rule set: auto, fsdp, auto+fsdp, ...")
+        parser.add_argument("--png", help="also draw the plan to this PNG (needs matplotlib)")
+        parser.add_argument("--json", action="store_true", help="print JSON")
+
+    def run(self, args: argparse.Namespace) -> None:
+        simulate_devices(args.devices)
+        import jax
+
+        from redco_planner.inspection import format_table, load_model
+        model = load_model(args.model)
+        rows, mesh_shape = self.plan_rows(model, args)
+        if args.json:
+            print(json.dumps([dict(r, spec=str(r["spec"])) for r in rows], indent=2))
+        else:
+            print(f"{args.model}: sharding_rules={args.rules!r}, n_model_shards="
+                  f"{args.n_model_shards}, {'dataflow' if model.trace_fn else 'names'}, "
+                  f"{jax.devices()[0].platform}")
+            print(format_table(rows, mesh_shape))
+        if args.png:
+            self.draw(rows, args, mesh_shape)
+
+    @staticmethod
+    def plan_rows(model, args: argparse.Namespace) -> tuple[list[dict], dict]:
+        """The rows of ``plan_table`` for the rules a ``Deployer`` gives ``model``, and its mesh."""
+        import tempfile
+
+        from redco import Deployer
+        from redco_planner.inspection import plan_table
+        with tempfile.TemporaryDirectory() as workdir:
+            deployer = Deployer(jax_seed=0, n_model_shards=args.n_model_shards, workdir=workdir,
+                                sharding_rules=args.rules, loggers=(), verbose=False,
+                                n_local_devices=args.devices)
+            rules = deployer.get_sharding_rules(model.params, trace_fn=model.trace_fn)
+            rows = plan_table(deployer, model.params, rules)
+            mesh_shape = dict(deployer.mesh.shape)
+            deployer.close()
+        return rows, mesh_shape
+
+    @staticmethod
+    def draw(rows: list[dict], args: argparse.Namespace, mesh_shape: dict) -> None:
+        from redco_planner.inspection import draw_png
+        try:
+            draw_png(rows, args.png, title=f"{args.model} {args.rules} {mesh_shape}")
+        except ImportError as e:
+            sys.exit(f"redco: {e}")
+        print(f"wrote {args.png}")
+
+
+class PlanCommand(Command):
+    description = "Pick the smallest model-parallel layout whose train step fits the device memory."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--model", required=True, help=MODEL_HELP)
+        parser.add_argument("--devices", type=int, required=True, help="simulated CPU devices")
+        parser.add_argument("--device-memory", required=True, help="per device, e.g. 40GB (GiB)")
+        parser.add_argument("--seq-len", type=int, default=1024)
+        parser.add_argument("--batch", type=int, default=1, help="per-device batch size")
+        parser.add_argument("--rules", default="auto,auto+fsdp", help="rule sets to try, in order")
+        parser.add_argument("--all", action="store_true", help="measure every layout, not just "
+                            "up to the first that fits")
+
+    def run(self, args: argparse.Namespace) -> None:
+        simulate_devices(args.devices)
+        from redco_planner.inspection import load_model, parse_bytes
+        from redco_planner.planner import PlanError, plan
+        model = load_model(args.model, seq_len=args.seq_len)
+        memory = parse_bytes(args.device_memory)
+        if model.loss_fn is not None:
+            loss, batch = model.loss_fn, model.batch(args.batch)
+        else:
+            print("(no loss_fn: the mean of the model's outputs on its own example input stands "
+                  "for the loss; --seq-len and --batch are not used)")
+            loss, batch = model.trace_fn, None
+        print(f"{args.model}: {args.devices} devices x {args.device_memory}, per-device batch "
+              f"{args.batch} x seq {args.seq_len}, AdamW, fp32; per-device peak of the compiled "
+              "train step:")
+        try:
+            result = plan(model.params, loss, batch, n_devices=args.devices,
+                          device_memory_bytes=memory, rule_sets=args.rules.split(","),
+                          try_all=args.all, log=lambda line: print("  " + line, flush=True))
+        except PlanError as e:
+            sys.exit(f"redco: {e}")
+        print(f"pick: n_model_shards={result.n_model_shards}, sharding_rules="
+              f"{result.sharding_rules!r} (peak {result.peak_bytes / memory:.0%} of device memory)")

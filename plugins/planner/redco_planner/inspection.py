@@ -1,0 +1,231 @@
+"""What a sharding plan costs, parameter by parameter, without allocating anything.
+
+``plan_table(deployer, params, rules)`` turns the output of ``deployer.get_sharding_rules`` into
+rows (path, shape, spec, bytes per device) that ``format_table`` prints and ``draw_png`` plots;
+``params`` may be abstract (``jax.eval_shape`` / ``nnx.eval_shape``). ``load_model`` builds the
+abstract models the ``redco rules`` and ``redco plan`` commands take by name.
+
+Two imports stay inside the functions that need them, so that neither is a dependency:
+matplotlib (``draw_png`` only) and ``redco_zoo_models`` (the ``llama-*`` models only). Each
+fails with the ``pip install`` line that fixes it.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from redco.sharding import named_leaves, specs_from_rules
+
+
+# ---- the table ---------------------------------------------------------------------------------
+def spec_str(spec: P) -> str:
+    """``P(None, 'mp')`` -> ``(None, 'mp')``; replicated -> ``replicated``."""
+    if not any(axis is not None for axis in spec):
+        return "replicated"
+    return "(" + ", ".join("None" if a is None else repr(a) if isinstance(a, str) else str(a)
+                           for a in spec) + ")"
+
+
+def shards(spec: P, mesh) -> int:
+    """How many pieces ``spec`` cuts a tensor into on ``mesh``."""
+    n = 1
+    for axes in spec:
+        for axis in (axes,) if isinstance(axes, str) else (axes or ()):
+            n *= mesh.shape[axis]
+    return n
+
+
+def plan_table(deployer, params, rules) -> list[dict]:
+    """One row per parameter, in the params' flattening order.
+
+    ``deployer`` is a ``Deployer`` (only its ``mesh`` is used); ``params`` real or abstract
+    arrays; ``rules`` as returned by ``deployer.get_sharding_rules``. Each row has ``path``,
+    ``shape``, ``dtype``, ``spec`` (the ``PartitionSpec`` actually used: a rule that does not
+    divide its tensor falls back to replication, as in training), ``shards``, ``bytes`` (the
+    whole tensor) and ``bytes_per_device``.
+    """
+    mesh = deployer.mesh
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the table itself shows what fell back to replication
+        specs = specs_from_rules(params, rules, mesh)
+    spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    rows = []
+    for (path, leaf), spec in zip(named_leaves(params), spec_leaves):
+        size = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        n = shards(spec, mesh)
+        rows.append({"path": path, "shape": tuple(leaf.shape), "dtype": str(np.dtype(leaf.dtype)),
+                     "spec": spec, "shards": n, "bytes": size, "bytes_per_device": size // n})
+    return rows
+
+
+def totals(rows: list[dict], n_devices: int) -> dict:
+    """Bytes in all, per device, the ideal per device (all / n_devices) and their ratio."""
+    total = sum(r["bytes"] for r in rows)
+    per_device = sum(r["bytes_per_device"] for r in rows)
+    ideal = total / n_devices
+    return {"n_params": len(rows), "bytes": total, "bytes_per_device": per_device,
+            "ideal_bytes_per_device": ideal,
+            "replicated_bytes": sum(r["bytes"] for r in rows if r["shards"] == 1),
+            "over_ideal": per_device / ideal if ideal else float("nan")}
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """``"40GB"``, ``"40GiB"``, ``"512MB"``, ``"1.5e9"`` -> bytes. GB/MB/KB/TB are powers of
+    1024, as GPU memory is quoted ("a 40 GB A100" holds 40 GiB)."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?B)?\s*", str(text))
+    if not match:
+        raise ValueError(f"Cannot read {text!r} as a size: use e.g. 40GB, 512MiB or 4e10.")
+    return int(float(match.group(1)) * 1024 ** " KMGT".index(match.group(2) or " "))
+
+
+def format_table(rows: list[dict], mesh_shape: dict) -> str:
+    """The rows as aligned text, then the totals against the ideal (fully sharded) size."""
+    n_devices = math.prod(mesh_shape.values())
+    header = ("path", "shape", "dtype", "spec", "per device")
+    body = [(r["path"], "x".join(map(str, r["shape"])) or "()", r["dtype"], spec_str(r["spec"]),
+             human_bytes(r["bytes_per_device"])) for r in rows]
+    widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
+    fmt = lambda line: "  ".join(  # noqa: E731
+        cell.rjust(w) if i == len(line) - 1 else cell.ljust(w)
+        for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
+    t = totals(rows, n_devices)
+    mesh = ", ".join(f"{k}={v}" for k, v in mesh_shape.items())
+    lines = [fmt(header), fmt(tuple("-" * w for w in widths))] + [fmt(line) for line in body]
+    lines += ["",
+              f"mesh: {mesh} ({n_devices} devices), {t['n_params']} params",
+              f"total: {human_bytes(t['bytes'])} ({t['bytes']} bytes)",
+              f"per device: {human_bytes(t['bytes_per_device'])} ({t['bytes_per_device']} bytes), "
+              f"ideal (total / {n_devices}): {human_bytes(t['ideal_bytes_per_device'])}, "
+              f"{t['over_ideal']:.2f}x ideal",
+              f"replicated: {human_bytes(t['replicated_bytes'])} of the total"]
+    return "\n".join(lines)
+
+
+def draw_png(rows: list[dict], path: str, title: str = "") -> None:
+    """A bar per parameter: its bytes per device, coloured by its spec. Needs matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError("Drawing the plan needs matplotlib, which redco-planner does not depend "
+                          "on: pip install matplotlib") from e
+    labels = list(dict.fromkeys(spec_str(r["spec"]) for r in rows))
+    colours = {s: plt.get_cmap("tab10")(i % 10) for i, s in enumerate(labels)}
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.18 * len(rows)), 4.5))
+    ax.bar(range(len(rows)), [r["bytes_per_device"] for r in rows],
+           color=[colours[spec_str(r["spec"])] for r in rows])
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([r["path"] for r in rows], rotation=90, fontsize=6)
+    ax.set_ylabel("bytes per device")
+    ax.set_title(title)
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colours[s]) for s in labels],
+              labels=labels, title="spec", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- abstract models by name ------------------------------------------------------------------
+@dataclass
+class Model:
+    """An abstract model: ``params`` (``jax.ShapeDtypeStruct`` leaves), ``trace_fn(params)`` to
+    read the dataflow from (or None), and for planning ``loss_fn(params, batch) -> scalar`` with
+    ``batch(rows)``, the abstract batch of ``rows`` examples (or None)."""
+    params: Any
+    trace_fn: Callable | None = None
+    loss_fn: Callable | None = None
+    batch: Callable[[int], Any] | None = None
+
+
+def lm_loss(apply_fn: Callable) -> Callable:
+    """Mean next-token cross-entropy of ``apply_fn(params, ids) -> logits`` on ``input_ids``."""
+    import optax
+
+    def loss_fn(params, batch):
+        ids = batch["input_ids"]
+        logits = apply_fn(params, ids[:, :-1]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+    return loss_fn
+
+
+def zoo_models():
+    """``redco_zoo_models``, imported only when a ``llama-*`` model is asked for."""
+    try:
+        import redco_zoo_models
+    except ImportError as e:
+        raise ImportError("The llama-* models come from the zoo: pip install redco-zoo-models "
+                          "(./zoo/models in the redco repository), or pip install "
+                          "'redco-planner[presets]'.") from e
+    return redco_zoo_models
+
+
+def zoo_llama(seq_len: int = 128, **config) -> Model:
+    """The zoo LLaMA (``redco_zoo_models``) with ``config`` overriding ``LlamaConfig``'s
+    defaults, built abstractly with ``nnx.eval_shape``: no weight is allocated."""
+    from flax import nnx
+    zoo = zoo_models()
+    cfg = zoo.LlamaConfig(**config)
+    apply_fn, params = zoo.split_model(
+        nnx.eval_shape(lambda: zoo.LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))))
+    return Model(params=params,
+                 trace_fn=lambda p: apply_fn(p, jnp.zeros((1, 8), jnp.int32)),
+                 loss_fn=lm_loss(apply_fn),
+                 batch=lambda rows: {"input_ids": jax.ShapeDtypeStruct((rows, seq_len + 1),
+                                                                       jnp.int32)})
+
+
+def load_model(name: str, seq_len: int = 128) -> Model:
+    """``llama-tiny`` (``LlamaConfig`` defaults), a published LLaMA shape from
+    ``redco_zoo_models.LLAMA_PRESETS`` (``llama-1b``, ``llama-7b``, ... ``llama-65b``), or
+    ``module:function``. The function returns params (real or abstract), ``(params,
+    trace_fn)``, or ``(params, trace_fn, loss_fn)`` with ``loss_fn(params, batch)`` on
+    ``{"input_ids": int32 (rows, seq_len + 1)}``. Real arrays are turned into shapes."""
+    if name == "llama-tiny":
+        return zoo_llama(seq_len)
+    if name.startswith("llama-") and name in zoo_models().LLAMA_PRESETS:
+        return zoo_llama(seq_len, **zoo_models().LLAMA_PRESETS[name])
+    if ":" not in name:
+        raise ValueError(f"Unknown model {name!r}: use llama-tiny, llama-1b, llama-7b, "
+                         "llama-13b, llama-30b, llama-65b or module:function.")
+    module, _, attr = name.partition(":")
+    out = getattr(importlib.import_module(module), attr)()
+    parts = list(out) if isinstance(out, tuple) and len(out) in (2, 3) and callable(out[1]) \
+        else [out]
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), parts[0])
+    model = Model(params=params, trace_fn=parts[1] if len(parts) > 1 else None)
+    if len(parts) == 3:
+        model.loss_fn = parts[2]
+        model.batch = lambda rows: {"input_ids": jax.ShapeDtypeStruct((rows, seq_len + 1),
+                                                                      jnp.int32)}
+    return model
+
+
+def n_positional(fn: Callable) -> int:
+    """How many positional parameters ``fn`` takes (so a loss can be told from a trace fn)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in kinds for p in params)

@@ -1,0 +1,283 @@
+"""Pick a layout that fits: the smallest model-parallel degree whose train step fits in memory.
+
+``plan(params, loss_fn, batch, n_devices, device_memory_bytes)`` tries ``n_model_shards`` =
+1, 2, 4, ... with each rule set in ``rule_sets`` and picks the first layout whose per-device
+peak fits. The peak is measured, not estimated: the whole train step (forward, backward,
+optimizer update, with the state donated as ``Trainer`` does) is compiled ahead of time on
+abstract shapes, ``jax.jit(step, in_shardings=..., out_shardings=...).lower(...).compile()``,
+and read off XLA's ``memory_analysis()``: arguments + outputs - donated aliases + temporaries,
+so params, gradients, optimizer state and activations are all in. Nothing is allocated.
+
+The compile runs on this process's devices; on a CPU, simulate the target's device count with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` set before jax is imported. The numbers
+are then the CPU compiler's buffer assignment, a close but not exact proxy for a GPU's or TPU's.
+
+``AutoLayoutPlanner`` (in ``redco_planner``) runs ``plan`` for ``Deployer(n_model_shards="auto")``
+over the deployer's devices and ``device_memory_bytes(deployer)``.
+"""
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from redco import plugins, sharding
+from redco.sharding import Rules, dataflow_trace, opt_state_shardings, shardings_from_specs, specs_from_rules
+from redco_planner.inspection import human_bytes, n_positional, parse_bytes
+
+
+def device_memory_bytes(deployer) -> int:
+    """``Deployer(device_memory=...)`` in bytes (``"40GB"`` or an int), else the first device's
+    ``bytes_limit``; CPUs do not report one, so there it must be given."""
+    if deployer.device_memory is not None:
+        return parse_bytes(deployer.device_memory)
+    device = deployer.devices[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        raise ValueError(
+            f"n_model_shards='auto' needs the memory of one device, and {device.platform} "
+            "devices do not report it: pass Deployer(device_memory='40GB') (the memory of the "
+            "devices you plan for).")
+    return int(stats["bytes_limit"])
+
+
+class PlanError(ValueError):
+    """No layout fits the device memory; ``tried`` holds every layout measured."""
+
+    def __init__(self, message: str, tried: list | None = None):
+        super().__init__(message)
+        self.tried = tried or []
+
+
+@dataclass
+class TriedLayout:
+    """One tried layout and what its compiled train step needs per device."""
+    sharding_rules: str
+    n_model_shards: int
+    n_devices: int
+    peak_bytes: int | None = None
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0
+    temp_bytes: int = 0
+    params_bytes: int = 0  # per device, from the shardings alone
+    compile_s: float = 0.0
+    fits: bool = False
+    error: str | None = None
+    rules: Rules = field(default_factory=list, repr=False)
+
+    @property
+    def mesh_shape(self) -> dict:
+        return {"dp": self.n_devices // self.n_model_shards, "mp": self.n_model_shards}
+
+    def describe(self) -> str:
+        name = f"mp={self.n_model_shards:<3} dp={self.mesh_shape['dp']:<3} {self.sharding_rules:<10}"
+        if self.error:
+            return f"{name} failed: {self.error}"
+        return (f"{name} peak {human_bytes(self.peak_bytes):>11} (params {human_bytes(self.params_bytes)}, "
+                f"temp {human_bytes(self.temp_bytes)}; compiled in {self.compile_s:.1f}s)"
+                f"{'  fits' if self.fits else ''}")
+
+
+@dataclass
+class Plan:
+    """The pick (``n_model_shards``, ``sharding_rules``, ``rules``) and every layout tried."""
+    n_model_shards: int
+    sharding_rules: str
+    rules: Rules
+    peak_bytes: int
+    device_memory_bytes: int
+    n_devices: int
+    tried: list[TriedLayout]
+
+    def deployer_kwargs(self) -> dict:
+        """``Deployer(**plan.deployer_kwargs(), jax_seed=...)``."""
+        return {"n_model_shards": self.n_model_shards, "sharding_rules": self.sharding_rules}
+
+    def __str__(self) -> str:
+        lines = [f"device memory {human_bytes(self.device_memory_bytes)} x {self.n_devices} devices"]
+        lines += ["  " + layout.describe() for layout in self.tried]
+        lines.append(f"pick: n_model_shards={self.n_model_shards}, "
+                     f"sharding_rules={self.sharding_rules!r}, peak "
+                     f"{human_bytes(self.peak_bytes)} per device "
+                     f"({100 * self.peak_bytes / self.device_memory_bytes:.0f}% of memory)")
+        return "\n".join(lines)
+
+
+def make_mesh(n_devices: int, n_model_shards: int):
+    """The ``('dp', 'mp')`` mesh ``Deployer`` builds, over the first ``n_devices`` devices."""
+    devices = jax.devices()
+    if n_devices > len(devices):
+        raise ValueError(
+            f"Planning for {n_devices} devices needs as many here, but jax sees {len(devices)}. "
+            f"On a CPU set XLA_FLAGS=--xla_force_host_platform_device_count={n_devices} before "
+            "jax is imported (the redco CLI does this for you).")
+    return sharding.make_mesh(devices[:n_devices], n_model_shards)
+
+
+def as_optimizer(optimizer) -> optax.GradientTransformation:
+    """An optax optimizer, or a factory such as ``optax.adamw`` (called with a learning rate)."""
+    if isinstance(optimizer, optax.GradientTransformation):
+        return optimizer
+    return optimizer(1e-3)
+
+
+def as_loss(loss_or_trace_fn: Callable) -> Callable:
+    """``loss(params, batch) -> scalar``; a ``trace_fn(params) -> outputs`` becomes the sum of
+    the means of its floating outputs (its example input is fixed inside it; ``batch`` unused)."""
+    if n_positional(loss_or_trace_fn) >= 2:
+        return loss_or_trace_fn
+
+    def loss(params, batch):
+        outs = [x for x in jax.tree.leaves(loss_or_trace_fn(params))
+                if jnp.issubdtype(x.dtype, jnp.floating)]
+        return sum(jnp.mean(x.astype(jnp.float32)) for x in outs)
+    return loss
+
+
+def global_batch(batch_abstract, dp: int):
+    """One device's batch (``per_device_batch_size`` rows, redco's convention) -> the global
+    batch of ``dp`` times as many rows, split over ``dp``."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] * dp,) + tuple(x.shape[1:]),
+                                                       x.dtype), batch_abstract)
+
+
+def step_fn(loss: Callable, optimizer: optax.GradientTransformation) -> Callable:
+    """``Trainer``'s update: value and grad, optimizer update, new params."""
+    def step(params, opt_state, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+    return step
+
+
+def layout_rules(params_abstract, mesh, sharding_rules: str, trace_fn: Callable | None) -> Rules:
+    """What ``deployer.get_sharding_rules(params, trace_fn=trace_fn)`` returns on ``mesh``."""
+    return plugins.lookup("sharding_rules", sharding_rules)(params_abstract, mesh, trace_fn)
+
+
+def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
+            n_model_shards: int, sharding_rules: str = "auto",
+            optimizer: Any = optax.adamw, trace_fn: Callable | None = None,
+            rules: Rules | None = None) -> TriedLayout:
+    """Compile one train step ahead of time on abstract shapes and read its per-device memory.
+
+    ``batch_abstract`` holds one device's rows (the global batch is ``dp`` times that).
+    ``rules`` (if given) replaces the rule set's.
+    """
+    optimizer = as_optimizer(optimizer)
+    layout = TriedLayout(sharding_rules, n_model_shards, n_devices)
+    mesh = make_mesh(n_devices, n_model_shards)
+    dp = mesh.shape["dp"]
+    batch = global_batch(batch_abstract, dp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # indivisible params replicate, as in training
+        layout.rules = (list(rules) if rules is not None else
+                        layout_rules(params_abstract, mesh, sharding_rules, trace_fn))
+        specs = specs_from_rules(params_abstract, layout.rules, mesh)
+    params_shardings = shardings_from_specs(specs, mesh)
+    replicated = NamedSharding(mesh, P())
+    opt_abstract = jax.eval_shape(optimizer.init, params_abstract)
+    opt_shardings = opt_state_shardings(optimizer, params_abstract, params_shardings, mesh)
+    batch_shardings = jax.tree.map(
+        lambda x: NamedSharding(mesh, P("dp") if x.shape and x.shape[0] % dp == 0 else P()), batch)
+    layout.params_bytes = sum(
+        math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+        for x, s in zip(jax.tree.leaves(params_abstract), jax.tree.leaves(params_shardings)))
+    start = time.perf_counter()
+    compiled = jax.jit(step_fn(loss, optimizer),
+                       in_shardings=(params_shardings, opt_shardings, batch_shardings),
+                       out_shardings=(params_shardings, opt_shardings, replicated),
+                       donate_argnums=(0, 1)).lower(params_abstract, opt_abstract, batch).compile()
+    layout.compile_s = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    layout.argument_bytes = stats.argument_size_in_bytes
+    layout.output_bytes = stats.output_size_in_bytes
+    layout.alias_bytes = stats.alias_size_in_bytes
+    layout.temp_bytes = stats.temp_size_in_bytes
+    layout.peak_bytes = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+                         - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+    return layout
+
+
+def model_shard_degrees(n_devices: int) -> list[int]:
+    """1, 2, 4, ... up to ``n_devices``, then any other divisor, smallest first."""
+    divisors = [d for d in range(1, n_devices + 1) if n_devices % d == 0]
+    powers = [d for d in divisors if d & (d - 1) == 0]
+    return powers + [d for d in divisors if d not in powers]
+
+
+def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices: int,
+         device_memory_bytes: int, optimizer: Any = optax.adamw,
+         rule_sets: Sequence[str] = ("auto", "auto+fsdp"), trace_fn: Callable | None = None,
+         try_all: bool = False, log: Callable[[str], None] | None = None) -> Plan:
+    """The smallest model-parallel layout whose train step fits ``device_memory_bytes``.
+
+    Args:
+      params_abstract: the params, ``jax.ShapeDtypeStruct`` leaves (``jax.eval_shape``) or real.
+      loss_or_trace_fn: ``loss(params, batch) -> scalar``, or ``trace_fn(params) -> outputs``
+        (then its outputs' mean stands for the loss and ``batch_abstract`` may be None).
+      batch_abstract: one device's batch (``per_device_batch_size`` rows), abstract.
+      n_devices: devices to plan for (this process must see at least as many).
+      device_memory_bytes: memory per device.
+      optimizer: an optax optimizer or factory (``optax.adamw``); its state is counted.
+      rule_sets: rule-set names tried at every ``n_model_shards``, in order.
+      trace_fn: for the ``auto`` rules' dataflow; by default the loss on the batch shapes.
+      try_all: compile every layout instead of stopping at the first that fits.
+      log: called with a line per layout as it is measured (e.g. ``print``).
+
+    Raises:
+      PlanError: nothing fits; the message names the smallest peak found.
+    """
+    known = plugins.registry("sharding_rules")
+    unknown = [name for name in rule_sets if name not in known]
+    if unknown:
+        raise ValueError(f"Unknown rule sets {unknown}: known are {sorted(known)}.")
+    loss = as_loss(loss_or_trace_fn)
+    if trace_fn is None and n_positional(loss_or_trace_fn) >= 2:
+        trace_fn = dataflow_trace(loss, batch_abstract)
+    elif trace_fn is None:
+        trace_fn = loss_or_trace_fn
+    params_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                                   params_abstract)
+    tried, pick = [], None
+    for mp in model_shard_degrees(n_devices):
+        for name in rule_sets:
+            try:
+                layout = measure(params_abstract, loss, batch_abstract, n_devices, mp, name,
+                                 optimizer, trace_fn)
+                layout.fits = layout.peak_bytes <= device_memory_bytes
+            except Exception as e:  # noqa: BLE001 - a layout that cannot compile is reported
+                layout = TriedLayout(name, mp, n_devices, error=f"{type(e).__name__}: {e}"[:300])
+            tried.append(layout)
+            if log:
+                log(layout.describe())
+            if layout.fits and pick is None:
+                pick = layout
+                if not try_all:
+                    break
+        if pick is not None and not try_all:
+            break
+    if pick is None:
+        measured = [t for t in tried if t.peak_bytes is not None]
+        if not measured:
+            raise PlanError(f"No layout could be compiled for {n_devices} devices: "
+                            + "; ".join(t.describe() for t in tried), tried)
+        best = min(measured, key=lambda t: t.peak_bytes)
+        raise PlanError(
+            f"No layout fits {human_bytes(device_memory_bytes)} per device on {n_devices} "
+            f"devices: the smallest per-device peak found is {human_bytes(best.peak_bytes)} "
+            f"({best.peak_bytes} bytes, n_model_shards={best.n_model_shards}, "
+            f"sharding_rules={best.sharding_rules!r}). Use more devices or more memory per "
+            "device, a smaller batch or sequence, or a smaller model.", tried)
+    return Plan(pick.n_model_shards, pick.sharding_rules, pick.rules, pick.peak_bytes,
+                device_memory_bytes, n_devices, tried)

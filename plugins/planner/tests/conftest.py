@@ -1,0 +1,53 @@
+"""8 simulated CPU devices (set before jax is imported), exact matmuls, offline hubs; a tiny LM
+trained with ``Deployer(n_model_shards="auto")`` (``fit_auto``)."""
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    return str(tmp_path / "workdir")
+
+
+def lm_model(seed=0):
+    """A 2-layer LLaMA with 32-wide layers (redco_zoo_models), real weights."""
+    from flax import nnx
+
+    from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
+    cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    return split_model(LlamaForCausalLM(cfg, rngs=nnx.Rngs(seed)))
+
+
+def lm_examples(n=32, seq_len=16):
+    rng = np.random.default_rng(0)
+    return [{"token_ids": (np.arange(seq_len + 1) * rng.integers(1, 4) + rng.integers(32)) % 32}
+            for _ in range(n)]
+
+
+def train_auto(workdir, memory, n_examples=32):
+    """``Deployer(n_model_shards="auto", device_memory=memory)`` and one epoch of Trainer.fit;
+    returns the deployer and the trainer."""
+    import optax
+
+    from redco import Deployer, Trainer
+    from redco_zoo_lm import collate_fn, loss_fn
+    apply_fn, params = lm_model()
+    deployer = Deployer(jax_seed=0, n_model_shards="auto", device_memory=memory, workdir=workdir,
+                        verbose=False)
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(1e-2))
+    trainer.fit(lm_examples(n_examples), per_device_batch_size=1, n_epochs=1)
+    return deployer, trainer
+
+
+@pytest.fixture
+def fit_auto():
+    return train_auto
