@@ -47,8 +47,23 @@ the reference losses come from one 1-device run per model and layouts compare li
 Table 2 runs ``auto`` on every architecture in ``hf_archs.ARCHS`` (tiny configs, hidden 64,
 ``--archs_heads`` attention and KV heads, 8 by default so that mp=8 splits whole heads).
 
+Table 3 (``--paper_call``; GPT-2, BERT, ViT, GPT-Neo by default, the tiny configs of table 2)
+checks the paper's Appendix A call, ``params_sharding_rules=deployer.get_sharding_rules(
+params=params)`` with no ``trace_fn``, end to end: a real ``redco.Deployer(n_model_shards=mp)``
+and ``redco.Trainer`` decide the layout at their first batch (``trainer.eval_loss``), and the
+trainer's final ``params_sharding_rules`` (checked to be what it placed its state by) are
+compiled into the same step as every other source. Side by side, per arch and layout:
+
+  paper-call    those final rules;
+  auto          the ``auto`` rule set given an explicit ``trace_fn`` (as in table 1);
+  names         the same call's rules forced to a plain list (``list(rules)``: from parameter
+                names only, what the call gave before the Trainer decided the layout);
+  megatron      the hand-written plan, where there is one (GPT-2).
+
 Run (``tox -e bench-sharding`` builds the 0.4.23 venv):
   python bench/sharding_quality.py --old_python /path/to/redco0423-venv/bin/python
+Table 3 alone (no 0.4.23 venv needed):
+  python bench/sharding_quality.py --families "" --archs none --layouts 4x2,2x4 --paper_call
 """
 from __future__ import annotations
 
@@ -279,7 +294,7 @@ class Bench:
         self.reference_cache: dict = {}
 
     def step(self, loss_fn):
-        from redco.planner import step_fn
+        from redco_planner.planner import step_fn
         return step_fn(loss_fn, self.optimizer)
 
     def compile(self, model, mesh, specs, rows: int):
@@ -333,7 +348,7 @@ class Bench:
         import jax
         from jax.sharding import PartitionSpec as P
 
-        from redco.planner import make_mesh
+        from redco_planner.planner import make_mesh
         if (key, rows) not in self.reference_cache:
             mesh = make_mesh(1, 1)
             specs = jax.tree.map(lambda _: P(), model.params)
@@ -344,8 +359,8 @@ class Bench:
 
     def cell(self, key, model, mp: int, source: str, rules) -> dict:
         """Compile, parse and run one (model, layout, rule source)."""
-        from redco.planner import make_mesh
         from redco.sharding import named_leaves, specs_from_rules
+        from redco_planner.planner import make_mesh
         mesh = make_mesh(N_DEVICES, mp)
         dp = N_DEVICES // mp
         rows = self.args.global_batch
@@ -442,6 +457,133 @@ def explain(auto: dict, other: dict) -> list[str]:
     return lines
 
 
+# ---- table 3: the paper's call, with the layout decided by a real Trainer ------------------------
+PAPER_ARCHS = "gpt2,bert,vit,gpt_neo"
+
+
+def paper_call_rules(model, mp: int, rows: int, optimizer) -> tuple[list, list, dict]:
+    """The paper's Appendix A pattern with a real ``redco.Deployer`` and ``redco.Trainer``:
+    ``params_sharding_rules=deployer.get_sharding_rules(params=params)``, then the layout
+    decided at the first batch (``trainer.eval_loss`` on one global batch of ``rows`` per dp
+    shard). Returns ``(final, names, checks)``: the trainer's final ``params_sharding_rules``,
+    the call's rules forced to a plain list, and what was checked on the way."""
+    import tempfile
+
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import redco
+    from redco.sharding import specs_from_rules
+
+    def collate_fn(examples):
+        return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+
+    def loss_fn(train_rng, state, params, batch, is_training):  # the paper's signature
+        return model.loss_fn(params, batch)
+
+    with tempfile.TemporaryDirectory() as workdir:
+        deployer = redco.Deployer(jax_seed=0, n_model_shards=mp, workdir=workdir, loggers=(),
+                                  verbose=False)
+        rules = deployer.get_sharding_rules(params=model.params)
+        names = list(rules)  # a plain list: used as given, the behaviour before b7b8229
+        trainer = redco.Trainer(deployer=deployer, collate_fn=collate_fn,
+                                apply_fn=model.apply_fn, loss_fn=loss_fn, params=model.params,
+                                optimizer=optimizer, params_sharding_rules=rules)
+        full = model.batch(rows * deployer.dp_size)
+        examples = [{k: v[i] for k, v in full.items()} for i in range(rows * deployer.dp_size)]
+        loss = trainer.eval_loss(examples, per_device_batch_size=rows)
+        final = trainer.params_sharding_rules
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fallbacks are reported by the bench's own cell
+            specs = specs_from_rules(model.params, final, deployer.mesh)
+        placed = jax.tree.leaves(trainer.state_shardings.params)
+        wanted = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+        leaves = jax.tree.leaves(model.params)
+        checks = {"call_type": type(rules).__name__, "final_type": type(final).__name__,
+                  "deployer_final": deployer.params_sharding_rules == final,
+                  "placed_as_rules": all(
+                      s.is_equivalent_to(NamedSharding(deployer.mesh, w), np.ndim(x))
+                      for s, w, x in zip(placed, wanted, leaves, strict=True)),
+                  "eval_loss": loss}
+    return list(final), names, checks
+
+
+def trainer_ok(checks: dict) -> bool:
+    """The call gave ``RuleSetRules``; the trainer ended with a plain list (the deployer's too)
+    and placed its params by exactly those rules."""
+    return (checks["call_type"] == "RuleSetRules" and checks["final_type"] == "list"
+            and checks["deployer_final"] and checks["placed_as_rules"])
+
+
+def mib_pair(r: dict | None) -> str:
+    return (f"{r['coll_bytes'] / MIB:.3f} | {r['ring_bytes'] / MIB:.3f}" if r is not None
+            else "n/a | n/a")
+
+
+def paper_ratio(a: dict, b: dict, key: str) -> str:
+    return f"{a[key] / b[key]:.2f}" if b[key] else ("1.00" if not a[key] else "inf")
+
+
+def paper_call_table(args, bench, archs: list[str], layouts, build, auto_rules,
+                     rule_warnings: dict) -> list[dict]:
+    """Table 3: paper-call vs auto(trace_fn) vs names vs megatron, per arch and layout."""
+    print("\n### the paper's call `get_sharding_rules(params=params)`, layout decided by a "
+          f"Trainer at its first batch (tiny configs, seq 16, {args.archs_heads or 'default'} "
+          "heads)\n")
+    print("| arch | dp x mp | paper-call coll MiB | paper-call ring MiB | auto(trace_fn) coll MiB "
+          "| auto(trace_fn) ring MiB | names coll MiB | names ring MiB | megatron coll MiB | "
+          "megatron ring MiB | paper-call / auto coll | paper-call / auto ring | names / auto "
+          "coll | specs paper-call = auto |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    out, notes = [], []
+    for arch in archs:
+        model = build(arch, **head_overrides(arch, args.archs_heads))
+        key = f"{arch}-tiny"
+        for dp, mp in layouts:
+            t0 = time.perf_counter()
+            rows = max(1, args.global_batch // dp)  # one dp shard's rows, as auto_rules traces
+            final, names, checks = paper_call_rules(model, mp, rows, bench.optimizer)
+            cells = {"paper-call": bench.cell(key, model, mp, "paper-call", final),
+                     "auto": bench.cell(key, model, mp, "auto", auto_rules(model, mp)),
+                     "names": bench.cell(key, model, mp, "names", names)}
+            cells["auto"]["fallbacks"] += rule_warnings.pop((id(model), mp), [])
+            if arch in MEGATRON:
+                cells["megatron"] = bench.cell(key, model, mp, "megatron", [
+                    (pattern, spec_of(spec)) for pattern, spec in MEGATRON[arch]])
+            paper, auto = cells["paper-call"], cells["auto"]
+            same_specs = paper["specs"] == auto["specs"]
+            print(f"| {arch} | {dp}x{mp} | {mib_pair(paper)} | {mib_pair(auto)} | "
+                  f"{mib_pair(cells['names'])} | {mib_pair(cells.get('megatron'))} | "
+                  f"{paper_ratio(paper, auto, 'coll_bytes')} | "
+                  f"{paper_ratio(paper, auto, 'ring_bytes')} | "
+                  f"{paper_ratio(cells['names'], auto, 'coll_bytes')} | "
+                  f"{'yes' if same_specs else 'NO'} |", flush=True)
+            print(f"  {arch} {dp}x{mp}: {checks}, cell {time.perf_counter() - t0:.1f}s",
+                  file=sys.stderr, flush=True)
+            if not trainer_ok(checks):
+                notes.append(f"{arch} {dp}x{mp}: unexpected trainer checks {checks}")
+            if not same_specs or paper["coll_bytes"] != auto["coll_bytes"]:
+                notes.append("\n".join(explain(auto, paper)))
+            for source, r in cells.items():
+                notes += [f"{source} {arch} {dp}x{mp}: {compact(fb)}" for fb in r["fallbacks"]]
+                if r["loss_diff"] > 1e-5:
+                    notes.append(f"{source} {arch} {dp}x{mp}: loss differs from one device by "
+                                 f"{r['loss_diff']:.1e}")
+            out.append({"arch": arch, "layout": f"{dp}x{mp}", "checks": checks,
+                        "cells": cells})
+    equal = sum(r["cells"]["paper-call"]["coll_bytes"] == r["cells"]["auto"]["coll_bytes"]
+                and r["cells"]["paper-call"]["specs"] == r["cells"]["auto"]["specs"] for r in out)
+    ok = sum(trainer_ok(r["checks"]) for r in out)
+    print(f"\npaper-call == auto(trace_fn), same specs and collective bytes: {equal}/{len(out)}; "
+          f"the call gave RuleSetRules, the trainer's final rules a plain list, its state placed "
+          f"by them: {ok}/{len(out)}")
+    for note in notes:
+        print(f"\n{note}")
+    return out
+
+
 # ---- main -----------------------------------------------------------------------------------
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
@@ -460,6 +602,10 @@ def main(argv=None) -> None:
     parser.add_argument("--archs_heads", type=int, default=8,
                         help="table 2: attention (and KV) heads of every tiny config "
                              "(0: hf_archs' own, 4 heads, LLaMA/Mistral 2 KV heads)")
+    parser.add_argument("--paper_call", nargs="?", const=PAPER_ARCHS, default="",
+                        help="table 3: the paper's get_sharding_rules(params=params) through a "
+                             "real Trainer vs auto(trace_fn) vs names vs megatron, on these "
+                             f"hf_archs architectures (alone: {PAPER_ARCHS})")
     parser.add_argument("--steps", type=int, default=3, help="real steps for the loss check")
     parser.add_argument("--global_batch", type=int, default=8,
                         help="rows per step in every layout, split over dp (8: 2 per dp shard "
@@ -486,8 +632,8 @@ def main(argv=None) -> None:
 
     import redco
     from redco import plugins
-    from redco.planner import dataflow_trace, make_mesh
-    from redco.sharding import named_leaves
+    from redco.sharding import dataflow_trace, named_leaves
+    from redco_planner.planner import make_mesh
 
     layouts = [tuple(int(x) for x in lay.split("x")) for lay in args.layouts.split(",")]
     families = [f for f in args.families.split(",") if f]
@@ -629,11 +775,16 @@ def main(argv=None) -> None:
         worst = [r for r in broad if r["loss_diff"] > 1e-5]
         print(f"\nloss within 1e-5 of one device: {len(broad) - len(worst)}/{len(broad)}")
 
+    paper = []
+    if args.paper_call:
+        paper = paper_call_table(args, bench, args.paper_call.split(","), layouts, build,
+                                 auto_rules, rule_warnings)
+
     print(f"\ntotal {time.perf_counter() - start:.0f}s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"families": all_results, "archs": broad, "summary": summary},
-                      f, indent=1, default=str)
+            json.dump({"families": all_results, "archs": broad, "summary": summary,
+                       "paper_call": paper}, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

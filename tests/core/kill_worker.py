@@ -1,4 +1,6 @@
-"""One training command for test_kill_resume.py: ``kill_worker.py WORKDIR [--kill POINT]``.
+"""One training command for the kill tests (tests/core/test_kill_resume.py, orbax, and
+tests/formats/test_format_kill_resume.py, every format):
+``kill_worker.py WORKDIR [--format NAME] [--kill POINT]``.
 
 Trains helpers' tiny LLaMA-style LM (2 model shards on 8 simulated CPU devices, 3 epochs of 4
 updates, a step checkpoint every 3 updates and at each epoch's end, the last 2 kept), resuming
@@ -6,8 +8,9 @@ from WORKDIR's checkpoints like any rerun of the same command, and writes the fi
 WORKDIR/final.npz. With ``--kill POINT`` the process SIGKILLs itself at
 
 * ``step:N``  - in ``on_step_end`` for update N (before any checkpoint of N is written);
-* ``write:N`` - in the middle of writing checkpoint ``step_N``: the real orbax writer has run,
-  then the biggest file under ``step_N.tmp/state`` is cut to half its size (no meta.json yet);
+* ``write:N`` - in the middle of writing checkpoint ``step_N``: the real writer of the format
+  (``--format``, default ``orbax``) has run, then the biggest file under ``step_N.tmp/state`` is
+  cut to half its size (no meta.json yet);
 * ``saved:N`` - in ``on_checkpoint_saved`` for ``step_N`` (renamed into place and pruned).
 
 Every start appends the step training starts from (after any resume) to WORKDIR/starts.txt.
@@ -34,9 +37,8 @@ import optax  # noqa: E402
 from helpers import GLOBAL_BATCH, lm_collate, lm_examples, lm_loss, lm_model  # noqa: E402
 
 import redco  # noqa: E402
-from redco import Deployer, Trainer  # noqa: E402
-from redco.builtins.checkpoints import OrbaxFormat  # noqa: E402
-from redco.plugins import pm  # noqa: E402
+from redco import Deployer, Trainer, plugins  # noqa: E402
+from redco.protocols import CheckpointFormat  # noqa: E402
 from redco.sharding import named_leaves  # noqa: E402
 
 N_EXAMPLES, N_EPOCHS, SAVE_EVERY, KEEP = 32, 3, 3, 2  # 4 updates an epoch, 12 in all
@@ -48,17 +50,18 @@ def die(why: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class KillingOrbax:
-    """Registered as ``orbax`` (wins over the built-in, which is trylast): the real orbax
+class KillingFormat(CheckpointFormat):
+    """Registered under the name of the format it wraps, after that one (so it wins): the real
     format, except that the save of ``step_<kill_step>`` is left half-written and the process
     dies."""
 
-    def __init__(self, kill_step):
-        self.real, self.kill_step = OrbaxFormat(), kill_step
+    def __init__(self, name, kill_step):
+        self.name, self.kill_step = name, kill_step
+        self.real = plugins.lookup("checkpoint_formats", name)
 
     @redco.hookimpl
     def register_checkpoint_formats(self, register):
-        register("orbax", self)
+        register(self.name, self)
 
     def save(self, path, tree):
         self.real.save(path, tree)
@@ -98,6 +101,7 @@ class Killer:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("workdir")
+    parser.add_argument("--format", default="orbax", help="the checkpoint format to write")
     parser.add_argument("--kill", default=None, help="step:N, write:N or saved:N")
     args = parser.parse_args()
     point, n = (None, None)
@@ -107,8 +111,9 @@ def main():
         assert point in ("step", "write", "saved"), args.kill
     os.makedirs(args.workdir, exist_ok=True)
 
-    pm.register(KillingOrbax(n if point == "write" else None))
-    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=args.workdir, verbose=False)
+    plugins.pm.register(KillingFormat(args.format, n if point == "write" else None))
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=args.workdir, verbose=False,
+                        checkpoint_format=args.format)
     apply_fn, params = lm_model()
     trainer = Trainer(deployer, lm_collate, apply_fn, lm_loss, params, optax.adamw(1e-2),
                       callbacks=[Killer(args.workdir, point, n)])

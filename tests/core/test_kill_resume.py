@@ -1,69 +1,10 @@
 """The kill test: a training process SIGKILLed at several points (mid-epoch, in the middle of a
 checkpoint write, right after a checkpoint, ...) and rerun with the same command each time ends
-with params bitwise equal to those of an uninterrupted run."""
-import glob
-import json
+with params bitwise equal to those of an uninterrupted run. Orbax, the built-in format, here;
+tests/formats/test_format_kill_resume.py kills every format mid-write."""
 import os
-import signal
-import subprocess
-import sys
 
-import numpy as np
-
-from redco import checkpointing
-
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kill_worker.py")
-TIMEOUT = 300
-
-
-def worker_env():
-    env = dict(os.environ)
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", HF_HUB_OFFLINE="1",
-               REDCO_DISABLE_PLUGIN_AUTOLOAD="1", JAX_PLATFORMS="cpu")
-    return env
-
-
-def start(workdir, kill=None):
-    """The worker's command, started; its output goes to a file (a pipe nobody reads while it
-    runs could fill up and stall it)."""
-    cmd = [sys.executable, WORKER, workdir] + (["--kill", kill] if kill else [])
-    log = open(f"{workdir}.{(kill or 'done').replace(':', '_')}.out", "w+")
-    proc = subprocess.Popen(cmd, env=worker_env(), stdout=log, stderr=subprocess.STDOUT)
-    proc.log = log
-    return proc
-
-
-def finish(proc, expected_rc):
-    try:
-        proc.wait(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    proc.log.seek(0)
-    out = proc.log.read()
-    proc.log.close()
-    assert proc.returncode == expected_rc, (
-        f"{proc.args} exited with {proc.returncode}, expected {expected_rc} (timeout "
-        f"{TIMEOUT} s):\n{out[-4000:]}")
-    return out
-
-
-def run(workdir, kill=None):
-    return finish(start(workdir, kill), -signal.SIGKILL if kill else 0)
-
-
-def ckpt_names(workdir):
-    return sorted(os.listdir(os.path.join(workdir, "ckpts")))
-
-
-def latest(workdir):
-    found = checkpointing.step_ckpts(os.path.join(workdir, "ckpts"))
-    return os.path.basename(found[-1]) if found else None
-
-
-def metrics(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+from ckpt_helpers import assert_same_run, ckpt_names, finish, latest, run, start, starts
 
 
 def test_sigkilled_training_rerun_until_done_matches_an_uninterrupted_run(tmp_path):
@@ -101,26 +42,6 @@ def test_sigkilled_training_rerun_until_done_matches_an_uninterrupted_run(tmp_pa
     run(killed)
     finish(uninterrupted, 0)
 
-    with open(os.path.join(killed, "starts.txt")) as f:  # where each of the 5 runs started
-        assert [int(line) for line in f] == [0, 4, 4, 8, 9]
-    with open(os.path.join(full, "starts.txt")) as f:
-        assert [int(line) for line in f] == [0]
-    assert ckpt_names(killed) == ckpt_names(full) == ["step_12", "step_9"]
-    leftovers = [p for pattern in ("*.tmp", "*.old")
-                 for p in glob.glob(os.path.join(killed, "ckpts", pattern))]
-    assert not leftovers, f"left behind after the run finished: {leftovers}"
-
-    # every step's loss and grad norm, also those logged by a run killed later, is the same
-    # float as in the uninterrupted run (steps redone after a kill are logged again).
-    full_metrics = {m["step"]: m for m in metrics(full)}
-    assert sorted(full_metrics) == list(range(1, 13))
-    killed_metrics = metrics(killed)
-    assert {m["step"] for m in killed_metrics} == set(full_metrics)
-    for m in killed_metrics:
-        assert m == full_metrics[m["step"]]
-
-    a, b = np.load(os.path.join(full, "final.npz")), np.load(os.path.join(killed, "final.npz"))
-    assert sorted(a.files) == sorted(b.files) and len(a.files) > 10
-    assert int(a["__step__"]) == int(b["__step__"]) == 12
-    for name in a.files:
-        np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+    assert starts(killed) == [0, 4, 4, 8, 9]  # where each of the 5 runs started
+    assert starts(full) == [0]
+    assert_same_run(killed, full)

@@ -9,7 +9,14 @@ import time
 
 import numpy as np
 import pytest
-from conftest import TOTAL_DEVICES, WORKER, assert_trains_like_reference, free_port, read_results, worker_env
+from multihost_helpers import (
+    TOTAL_DEVICES,
+    WORKER,
+    assert_trains_like_reference,
+    free_port,
+    read_results,
+    worker_env,
+)
 
 
 def launch(n_processes: int, workdir: str, **env) -> None:

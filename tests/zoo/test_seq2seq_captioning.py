@@ -43,7 +43,7 @@ def test_seq2seq_learns_to_reverse_strings(workdir):
     model = tiny_t5(tokenizer.get_vocab_size())
     test = reversal_examples(256, seed=2)
     preds = train_and_predict(
-        workdir, model, partial(seq2seq.collate_fn, tokenizer=tokenizer, src_len=9, tgt_len=9,
+        workdir, model, partial(seq2seq.collate_fn, tokenizer=tokenizer, max_src_len=9, max_tgt_len=9,
                                 **ids), seq2seq.loss_fn,
         partial(seq2seq.pred_fn, model=model, max_new_tokens=9, num_beams=3, **ids),
         partial(runner.detokenize, tokenizer=tokenizer, eos_id=1),
@@ -105,8 +105,8 @@ def test_seq2seq_collate_adds_one_eos_when_the_tokenizer_adds_its_own():
     tokenizer.post_processor = processors.TemplateProcessing(  # as T5's tokenizer.json does
         single="$A </s>", special_tokens=[("</s>", 1)])
     assert tokenizer.encode("a b").ids == [3, 4, 1]
-    batch = seq2seq.collate_fn([{"src": "a b", "tgt": "b a"}], tokenizer=tokenizer, src_len=4,
-                               tgt_len=4, pad_id=0, eos_id=1)
+    batch = seq2seq.collate_fn([{"src": "a b", "tgt": "b a"}], tokenizer=tokenizer, max_src_len=4,
+                               max_tgt_len=4, pad_id=0, eos_id=1)
     assert batch["input_ids"].tolist() == [[3, 4, 1, 0]]
     assert batch["labels"].tolist() == [[4, 3, 1, 0]]
     assert batch["decoder_input_ids"].tolist() == [[0, 4, 3, 1]]

@@ -22,8 +22,8 @@ def pixels(image, size: int) -> np.ndarray:
 
 def collate_fn(examples: list[dict], tokenizer, image_size: int, max_len: int, bos_id: int,
                eos_id: int, pad_id: int) -> dict:
-    """``image`` and ``caption`` -> pixel values, decoder inputs (BOS, caption) and labels
-    (caption, EOS), right-padded with a mask."""
+    """``image`` and ``caption`` -> pixel values in [-1, 1], decoder inputs (BOS, caption) and
+    labels (caption, EOS), right-padded with a mask."""
     captions = [tokenizer.encode(e["caption"], add_special_tokens=False).ids for e in examples]
     labels, label_mask = runner.pad_ids([c + [eos_id] for c in captions], max_len, pad_id)
     decoder_input_ids, _ = runner.pad_ids([[bos_id] + c for c in captions], max_len, pad_id)
@@ -47,6 +47,7 @@ def pred_fn(rng, params, batch, model, max_new_tokens: int, num_beams: int, bos_
 
 
 def metric_fn(examples: list[dict], preds: list[str]) -> dict:
+    """ROUGE-1/2/L and exact match of the predicted captions."""
     return text_scores(preds, [e["caption"] for e in examples])
 
 

@@ -25,8 +25,8 @@ def loss_fn(rng, state, params, batch, is_training):
 
 
 def pred_fn(rng, params, batch, model, max_new_tokens: int = 64, temperature: float = 0.8):
-    """Continue each row of ``input_ids`` by ``max_new_tokens`` sampled tokens (``model`` gives
-    the structure; its weights are ``params``)."""
+    """``max_new_tokens`` sampled after each row of ``input_ids`` (``temperature`` 0: greedy);
+    ``model`` gives the structure, ``params`` its weights."""
     return generate(model, params, batch["input_ids"], max_new_tokens, rng=rng,
                     temperature=temperature)
 

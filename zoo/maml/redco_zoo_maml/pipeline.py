@@ -2,6 +2,7 @@
 ``redco zoo run maml``. Tasks are the examples: a batch is a meta-batch of tasks."""
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 from collections.abc import Sequence
@@ -68,6 +69,12 @@ def adapt(apply_fn, params, x, y, inner_lr: float, first_order: bool = False):
     return jax.tree.map(lambda p, g: p - inner_lr * g, params, grads)
 
 
+def query_mse(tasks, preds) -> float:
+    """Mean squared error of query predictions over ``tasks``."""
+    return float(np.mean([(np.asarray(p) - t["query_y"][:, None]) ** 2
+                          for t, p in zip(tasks, preds)]))
+
+
 def collate_fn(tasks: list[dict]) -> dict:
     """Tasks -> arrays with a task axis: ``support_x`` (tasks, K, 1) and so on."""
     return {key: np.stack([t[key] for t in tasks])[..., None].astype(np.float32)
@@ -92,51 +99,58 @@ def pred_fn(rng, params, batch, apply_fn=mlp, inner_lr=0.01):
     return jax.vmap(predict)(batch)
 
 
-def query_mse(tasks, preds) -> float:
-    """Mean squared error of query predictions over ``tasks``."""
-    return float(np.mean([(np.asarray(p) - t["query_y"][:, None]) ** 2
-                          for t, p in zip(tasks, preds)]))
+def train(n_meta_iterations: int = 3000, meta_batch_size: int = 64, meta_lr: float = 5e-3,
+          inner_lr: float = 0.01, first_order: bool = False, n_eval_tasks: int = 1000,
+          n_model_shards: int = 1, workdir: str = "./workdir", seed: int = 0) -> dict:
+    """Meta-train on fresh tasks (training losses go to ``workdir/metrics.jsonl``); return the
+    MSE on held-out tasks' query points before and after adapting to their support points."""
+    deployer = Deployer(jax_seed=seed, n_model_shards=n_model_shards, workdir=workdir)
+    if meta_batch_size % deployer.dp_size:
+        raise ValueError(f"meta_batch_size {meta_batch_size} does not divide among "
+                         f"{deployer.dp_size} data-parallel devices: pick a multiple of "
+                         f"{deployer.dp_size}.")
+    per_device = meta_batch_size // deployer.dp_size
+    train_tasks = SinusoidTasks(n_meta_iterations * meta_batch_size, seed=seed)
+    held_out = SinusoidTasks(n_eval_tasks, seed=seed + 1)
+    params = init_mlp(seed)
+    rules = deployer.get_sharding_rules(params, trace_fn=lambda p: mlp(p, jnp.zeros((1, 1))))
+    trainer = Trainer(deployer, collate_fn, mlp,
+                      functools.partial(loss_fn, inner_lr=inner_lr, first_order=first_order),
+                      params, optax.adam(meta_lr), params_sharding_rules=rules)
+    trainer.fit(train_tasks, per_device, n_epochs=1)
+    results = {}
+    for name, lr in (("pre", 0.0), ("post", inner_lr)):
+        predictor = trainer.get_default_predictor(functools.partial(pred_fn, inner_lr=lr))
+        results[f"{name}_adaptation_mse"] = query_mse(
+            held_out, predictor.predict(held_out, per_device, trainer.params))
+    deployer.log_info(f"{len(held_out)} held-out tasks: pre-adaptation MSE "
+                      f"{results['pre_adaptation_mse']:.4f}, post-adaptation MSE "
+                      f"{results['post_adaptation_mse']:.4f}")
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command line: ``train``'s parameters as flags."""
+    parser.add_argument("--n_meta_iterations", type=int, default=3000)
+    parser.add_argument("--meta_batch_size", type=int, default=64, help="tasks per update "
+                        "(all devices together)")
+    parser.add_argument("--meta_lr", type=float, default=5e-3, help="Adam learning rate")
+    parser.add_argument("--inner_lr", type=float, default=0.01)
+    parser.add_argument("--first_order", action="store_true", help="FOMAML")
+    parser.add_argument("--n_eval_tasks", type=int, default=1000)
+    parser.add_argument("--n_model_shards", type=int, default=1)
+    parser.add_argument("--workdir", default="./workdir")
+    parser.add_argument("--seed", type=int, default=0)
 
 
 class MAMLPipeline:
     description = "MAML: meta-learn a sinusoid regressor that adapts in one gradient step; MSE"
 
-    def add_arguments(self, parser) -> None:
-        parser.add_argument("--n_meta_iterations", type=int, default=3000)
-        parser.add_argument("--meta_batch_size", type=int, default=64, help="tasks per update "
-                            "(all devices together)")
-        parser.add_argument("--meta_lr", type=float, default=5e-3, help="Adam learning rate")
-        parser.add_argument("--inner_lr", type=float, default=0.01)
-        parser.add_argument("--first_order", action="store_true", help="FOMAML")
-        parser.add_argument("--n_eval_tasks", type=int, default=1000)
-        parser.add_argument("--n_model_shards", type=int, default=1)
-        parser.add_argument("--workdir", default="./workdir")
-        parser.add_argument("--seed", type=int, default=0)
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        add_arguments(parser)
 
-    def run(self, args) -> dict:
-        deployer = Deployer(jax_seed=args.seed, n_model_shards=args.n_model_shards,
-                            workdir=args.workdir)
-        if args.meta_batch_size % deployer.dp_size:
-            raise ValueError(f"--meta_batch_size {args.meta_batch_size} must divide among "
-                             f"{deployer.dp_size} data-parallel devices.")
-        per_device = args.meta_batch_size // deployer.dp_size
-        train = SinusoidTasks(args.n_meta_iterations * args.meta_batch_size, seed=args.seed)
-        held_out = SinusoidTasks(args.n_eval_tasks, seed=args.seed + 1)
-        params = init_mlp(args.seed)
-        rules = deployer.get_sharding_rules(params, trace_fn=lambda p: mlp(p, jnp.zeros((1, 1))))
-        trainer = Trainer(deployer, collate_fn, mlp, functools.partial(
-                              loss_fn, inner_lr=args.inner_lr, first_order=args.first_order),
-                          params, optax.adam(args.meta_lr), params_sharding_rules=rules)
-        trainer.fit(train, per_device, n_epochs=1)
-        results = {}
-        for name, lr in (("pre", 0.0), ("post", args.inner_lr)):
-            predictor = trainer.get_default_predictor(functools.partial(pred_fn, inner_lr=lr))
-            results[f"{name}_adaptation_mse"] = query_mse(
-                held_out, predictor.predict(held_out, per_device, trainer.params))
-        deployer.log_info(f"{len(held_out)} held-out tasks: pre-adaptation MSE "
-                          f"{results['pre_adaptation_mse']:.4f}, post-adaptation MSE "
-                          f"{results['post_adaptation_mse']:.4f}")
-        return results
+    def run(self, args: argparse.Namespace) -> dict:
+        return train(**vars(args))
 
 
 @redco.hookimpl

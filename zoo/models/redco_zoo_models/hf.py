@@ -1,11 +1,12 @@
 """HuggingFace checkpoints in and out: ``config.json`` plus ``model.safetensors``.
 
 The zoo's models name their modules and parameters as HuggingFace's PyTorch models do, so one
-rule maps every parameter both ways: the rule of redco's ``safetensors`` checkpoint format
-(``kernel`` -> ``weight``, transposed; ``embedding``/``scale`` -> ``weight``). A model class
-provides ``config_class`` (a dataclass with ``from_hf(dict)`` and ``to_hf() -> dict``) and
-optionally ``base_model_prefix``, HuggingFace's, to read checkpoints of the bare base model too,
-and ``hf_tied_weights`` (``{name: source}``), tensors to copy when a checkpoint leaves them out.
+rule maps every parameter both ways: ``redco_safetensors.torch_name``, the rule of the
+``safetensors`` checkpoint format (``kernel`` -> ``weight``, transposed; ``embedding``/``scale``
+-> ``weight``). A model class provides ``config_class`` (a dataclass with ``from_hf(dict)`` and
+``to_hf() -> dict``) and optionally ``base_model_prefix``, HuggingFace's, to read checkpoints of
+the bare base model too, and ``hf_tied_weights`` (``{name: source}``), tensors to copy when a
+checkpoint leaves them out.
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from redco.builtins.checkpoints import torch_name
 from redco.sharding import named_leaves
+from redco_safetensors import torch_name
 
 MODEL_CLASSES = {  # config.json's model_type -> the zoo class that reads it
     "llama": "redco_zoo_models.llama:LlamaForCausalLM",

@@ -1,5 +1,6 @@
 """PPO (clipped surrogate, GAE) on gymnasium vector envs through the three functions; ``redco zoo run
 ppo``. Acting jits ``pred_fn`` on one device: a Predictor call per env step costs more than the step."""
+import argparse
 import os
 
 import gymnasium as gym
@@ -13,7 +14,8 @@ from redco import Deployer, Trainer
 
 
 def init_params(rng, obs_dim: int, n_actions: int, hidden: int = 64) -> dict:
-    """Separate actor and critic MLPs, orthogonally initialised as in CleanRL."""
+    """Separate actor and critic MLPs, orthogonally initialised as in CleanRL (a small actor
+    output layer: a near-uniform first policy)."""
     def mlp(rng, sizes, last_scale):
         scales = [np.sqrt(2)] * (len(sizes) - 2) + [last_scale]
         return [{"kernel": jax.nn.initializers.orthogonal(s)(k, (i, o)), "bias": jnp.zeros(o)}
@@ -105,7 +107,9 @@ def train(env_id="CartPole-v1", total_steps=300_000, n_envs=16, n_steps=64, seed
     n_iters = total_steps // (n_envs * n_steps)
     per_device = n_envs * n_steps // n_minibatches // deployer.dp_size  # rows of a minibatch
     if n_iters < 1 or per_device < 1:
-        raise ValueError(f"Too few steps: {total_steps=}, {n_envs}x{n_steps} a rollout, {per_device=}")
+        raise ValueError(f"Too few steps: {total_steps=} makes {n_iters} rollouts of {n_envs}x{n_steps} env "
+                         f"steps and minibatches of {per_device} rows per device; raise total_steps or "
+                         "lower n_minibatches.")
     schedule = optax.linear_schedule(lr, 0.0, n_iters * update_epochs * n_minibatches)
     optimizer = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(schedule, eps=1e-5))
     params = init_params(jax.random.PRNGKey(seed), collector.envs.single_observation_space.shape[0],
@@ -123,18 +127,23 @@ def train(env_id="CartPole-v1", total_steps=300_000, n_envs=16, n_steps=64, seed
     return trainer, returns
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command line: some of ``train``'s parameters as flags."""
+    parser.add_argument("--env_id", default="CartPole-v1")
+    parser.add_argument("--total_steps", type=int, default=300_000, help="env steps")
+    parser.add_argument("--n_envs", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--n_model_shards", type=int, default=1)
+    parser.add_argument("--workdir", default="./workdir")
+
+
 class PPOPipeline:
     description = "PPO on a gymnasium env (CartPole-v1 by default); mean return of 20 episodes"
 
-    def add_arguments(self, parser) -> None:
-        parser.add_argument("--env_id", default="CartPole-v1")
-        parser.add_argument("--total_steps", type=int, default=300_000, help="env steps")
-        parser.add_argument("--n_envs", type=int, default=16)
-        parser.add_argument("--seed", type=int, default=0)
-        parser.add_argument("--n_model_shards", type=int, default=1)
-        parser.add_argument("--workdir", default="./workdir")
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        add_arguments(parser)
 
-    def run(self, args) -> float:
+    def run(self, args: argparse.Namespace) -> float:
         _, returns = train(**vars(args))
         print(f"mean return of the last 20 episodes: {np.mean(returns[-20:]):.1f}")
         return float(np.mean(returns[-20:]))

@@ -13,15 +13,15 @@ from redco_zoo_models import generate, runner
 from redco_zoo_models.metrics import text_scores, token_cross_entropy
 
 
-def collate_fn(examples: list[dict], tokenizer, src_len: int, tgt_len: int, pad_id: int,
+def collate_fn(examples: list[dict], tokenizer, max_src_len: int, max_tgt_len: int, pad_id: int,
                eos_id: int) -> dict:
     """``src`` and ``tgt`` strings -> encoder ids, decoder inputs (the pad id starts them, as in
-    T5) and labels (the target then EOS), all right-padded with masks."""
+    T5) and labels (the target then EOS), right-padded with masks."""
     def ids(text):  # add_special_tokens=False: T5's own tokenizer.json would add EOS too
         return tokenizer.encode(text, add_special_tokens=False).ids + [eos_id]
     src, tgt = [ids(e["src"]) for e in examples], [ids(e["tgt"]) for e in examples]
-    input_ids, attention_mask = runner.pad_ids(src, src_len, pad_id)
-    labels, label_mask = runner.pad_ids(tgt, tgt_len, pad_id)
+    input_ids, attention_mask = runner.pad_ids(src, max_src_len, pad_id)
+    labels, label_mask = runner.pad_ids(tgt, max_tgt_len, pad_id)
     decoder_input_ids = np.concatenate([np.full((len(tgt), 1), pad_id, np.int32),
                                         labels[:, :-1]], 1)
     return {"input_ids": input_ids, "attention_mask": attention_mask,
@@ -45,6 +45,7 @@ def pred_fn(rng, params, batch, model, max_new_tokens: int, num_beams: int, pad_
 
 
 def metric_fn(examples: list[dict], preds: list[str]) -> dict:
+    """ROUGE-1/2/L and exact match of the predicted texts against ``tgt``."""
     return text_scores(preds, [e["tgt"] for e in examples])
 
 
@@ -66,8 +67,8 @@ class Seq2SeqPipeline:
                            for part in runner.split_eval(args))
         return runner.train_and_eval(
             args, model, (train, evaluate),
-            partial(collate_fn, tokenizer=tokenizer, src_len=args.max_src_len,
-                    tgt_len=args.max_tgt_len, pad_id=pad_id, eos_id=eos_id), loss_fn,
+            partial(collate_fn, tokenizer=tokenizer, max_src_len=args.max_src_len,
+                    max_tgt_len=args.max_tgt_len, pad_id=pad_id, eos_id=eos_id), loss_fn,
             pred_fn=partial(pred_fn, model=model,
                             max_new_tokens=args.max_tgt_len, num_beams=args.num_beams,
                             pad_id=pad_id, eos_id=eos_id),

@@ -20,7 +20,8 @@ from redco_zoo_models import generate, runner, split_model
 from redco_zoo_models.metrics import text_scores, token_cross_entropy
 
 
-def collate_fn(examples, tokenizer, image_size, max_len, bos_id, eos_id, pad_id):
+def collate_fn(examples: list[dict], tokenizer, image_size: int, max_len: int, bos_id: int,
+               eos_id: int, pad_id: int) -> dict:
     """``image`` and ``caption`` -> pixel values in [-1, 1], decoder inputs (BOS, caption) and
     labels (caption, EOS), right-padded with a mask."""
     captions = [tokenizer.encode(e["caption"], add_special_tokens=False).ids for e in examples]
@@ -36,7 +37,8 @@ def loss_fn(rng, state, params, batch, is_training):
     return token_cross_entropy(logits, batch["labels"], batch["label_mask"])
 
 
-def pred_fn(rng, params, batch, model, max_new_tokens, num_beams, bos_id, eos_id, pad_id):
+def pred_fn(rng, params, batch, model, max_new_tokens: int, num_beams: int, bos_id: int,
+            eos_id: int, pad_id: int):
     """Beam-search caption ids (B, max_new_tokens) for each image."""
     start = jnp.full((batch["pixel_values"].shape[0], 1), bos_id, jnp.int32)
     return generate(model, params, start, max_new_tokens, num_beams=num_beams,
@@ -44,7 +46,7 @@ def pred_fn(rng, params, batch, model, max_new_tokens, num_beams, bos_id, eos_id
                     encoder_inputs={"pixel_values": batch["pixel_values"]})
 
 
-def metric_fn(examples, preds):
+def metric_fn(examples: list[dict], preds: list[str]) -> dict:
     """ROUGE-1/2/L and exact match of the predicted captions."""
     return text_scores(preds, [e["caption"] for e in examples])
 

@@ -15,32 +15,33 @@ from redco import Deployer, Trainer
 from redco_zoo_fedavg import accuracy, fedavg, load_digits, split_clients
 
 
-def init_params(seed: int = 0, width: int = 128) -> dict:
-    keys = jax.random.split(jax.random.PRNGKey(seed), 2)
-    return {"fc1": {"kernel": jax.random.normal(keys[0], (64, width)) / 8., "bias": jnp.zeros(width)},
-            "fc2": {"kernel": jax.random.normal(keys[1], (width, 10)) / np.sqrt(width),
-                    "bias": jnp.zeros(10)}}
+def init_params(seed: int = 0, sizes: tuple = (64, 128, 10)) -> dict:
+    """MLP params ``fc1``, ``fc2``, ...: kernels ~ N(0, 1 / fan_in), zero biases."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(sizes) - 1)
+    return {f"fc{i + 1}": {"kernel": jax.random.normal(k, (m, n)) * m ** -0.5, "bias": jnp.zeros(n)}
+            for i, (k, m, n) in enumerate(zip(keys, sizes[:-1], sizes[1:]))}
 
 
 def apply_fn(params, x):
+    """A one-hidden-layer ReLU MLP: pixels (B, 64) -> logits (B, 10)."""
     h = jax.nn.relu(x @ params["fc1"]["kernel"] + params["fc1"]["bias"])
     return h @ params["fc2"]["kernel"] + params["fc2"]["bias"]
 
 
 def collate_fn(examples: list[dict]) -> dict:
-    """Raw examples (64 pixels in 0..16 and a label) -> a batch of arrays (leading dim = batch)."""
+    """``{"x": 64 pixels in 0..16, "y": label}`` examples -> ``x`` (B, 64) in [0, 1], ``y`` (B,)."""
     return {"x": np.stack([e["x"] for e in examples]).astype(np.float32) / 16.,
             "y": np.array([e["y"] for e in examples], np.int32)}
 
 
 def loss_fn(rng, state, params, batch, is_training):
-    """A batch -> a scalar loss."""
+    """Mean cross-entropy."""
     logits = state.apply_fn(params, batch["x"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
 def pred_fn(rng, params, batch):
-    """A batch -> predictions (leading dim = batch)."""
+    """The predicted class of each example."""
     return jnp.argmax(apply_fn(params, batch["x"]), axis=-1)
 
 

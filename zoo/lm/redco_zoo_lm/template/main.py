@@ -20,7 +20,7 @@ from redco_zoo_lm.pipeline import text_blocks
 from redco_zoo_models import generate, runner, split_model
 
 
-def collate_fn(examples):
+def collate_fn(examples: list[dict]) -> dict:
     """Examples hold equal-length ``token_ids``; the batch is ``input_ids`` (B, T)."""
     return {"input_ids": np.stack([np.asarray(e["token_ids"], np.int32) for e in examples])}
 
@@ -32,8 +32,9 @@ def loss_fn(rng, state, params, batch, is_training):
     return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
 
 
-def pred_fn(rng, params, batch, model, max_new_tokens, temperature):
-    """``max_new_tokens`` sampled after each row of ``input_ids`` (``temperature`` 0: greedy)."""
+def pred_fn(rng, params, batch, model, max_new_tokens: int = 64, temperature: float = 0.8):
+    """``max_new_tokens`` sampled after each row of ``input_ids`` (``temperature`` 0: greedy);
+    ``model`` gives the structure, ``params`` its weights."""
     return generate(model, params, batch["input_ids"], max_new_tokens, rng=rng,
                     temperature=temperature)
 

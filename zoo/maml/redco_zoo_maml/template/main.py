@@ -17,13 +17,15 @@ from redco import Deployer, Trainer
 from redco_zoo_maml import SinusoidTasks, adapt, init_mlp, mlp, mse, query_mse
 
 
-def collate_fn(tasks):
-    """Tasks -> arrays with a task axis: ``support_x`` is (tasks, K, 1), and so on."""
-    return {key: np.stack([task[key] for task in tasks])[..., None] for key in tasks[0]}
+def collate_fn(tasks: list[dict]) -> dict:
+    """Tasks -> arrays with a task axis: ``support_x`` (tasks, K, 1) and so on."""
+    return {key: np.stack([t[key] for t in tasks])[..., None].astype(np.float32)
+            for key in tasks[0]}
 
 
 def loss_fn(rng, state, params, batch, is_training, inner_lr=0.01, first_order=False):
-    """The meta-loss: each task's query MSE after one SGD step on its support set."""
+    """The meta-loss: mean query MSE of the tasks after adapting to their support sets,
+    differentiated through the inner step (second order) unless ``first_order``."""
     def task_loss(task):
         fast = adapt(state.apply_fn, params, task["support_x"], task["support_y"], inner_lr,
                      first_order)
@@ -31,21 +33,26 @@ def loss_fn(rng, state, params, batch, is_training, inner_lr=0.01, first_order=F
     return jnp.mean(jax.vmap(task_loss)(batch))
 
 
-def pred_fn(rng, params, batch, inner_lr=0.01):
-    """Each task's query predictions after adapting (``inner_lr=0``: without adapting)."""
+def pred_fn(rng, params, batch, apply_fn=mlp, inner_lr=0.01):
+    """Each task's query predictions after adaptation (``inner_lr=0``: before it)."""
     def predict(task):
-        fast = adapt(mlp, params, task["support_x"], task["support_y"], inner_lr)
-        return mlp(fast, task["query_x"])
+        fast = adapt(apply_fn, params, task["support_x"], task["support_y"], inner_lr)
+        return apply_fn(fast, task["query_x"])
     return jax.vmap(predict)(batch)
 
 
-def train(n_meta_iterations=3000, meta_batch_size=64, meta_lr=5e-3, inner_lr=0.01,
-          first_order=False, n_model_shards=1, workdir="./workdir", seed=0, n_eval_tasks=1000):
+def train(n_meta_iterations: int = 3000, meta_batch_size: int = 64, meta_lr: float = 5e-3,
+          inner_lr: float = 0.01, first_order: bool = False, n_eval_tasks: int = 1000,
+          n_model_shards: int = 1, workdir: str = "./workdir", seed: int = 0) -> dict:
     """Meta-train on fresh tasks (training losses go to ``workdir/metrics.jsonl``); return the
     MSE on held-out tasks' query points before and after adapting to their support points."""
     deployer = Deployer(jax_seed=seed, n_model_shards=n_model_shards, workdir=workdir)
+    if meta_batch_size % deployer.dp_size:
+        raise ValueError(f"meta_batch_size {meta_batch_size} does not divide among "
+                         f"{deployer.dp_size} data-parallel devices: pick a multiple of "
+                         f"{deployer.dp_size}.")
     per_device = meta_batch_size // deployer.dp_size
-    train_tasks = SinusoidTasks(n_meta_iterations * per_device * deployer.dp_size, seed=seed)
+    train_tasks = SinusoidTasks(n_meta_iterations * meta_batch_size, seed=seed)
     held_out = SinusoidTasks(n_eval_tasks, seed=seed + 1)
     params = init_mlp(seed)
     rules = deployer.get_sharding_rules(params, trace_fn=lambda p: mlp(p, jnp.zeros((1, 1))))
@@ -58,16 +65,27 @@ def train(n_meta_iterations=3000, meta_batch_size=64, meta_lr=5e-3, inner_lr=0.0
         predictor = trainer.get_default_predictor(functools.partial(pred_fn, inner_lr=lr))
         results[f"{name}_adaptation_mse"] = query_mse(
             held_out, predictor.predict(held_out, per_device, trainer.params))
-    deployer.log_info(", ".join(f"{k} {v:.4f}" for k, v in results.items()))
+    deployer.log_info(f"{len(held_out)} held-out tasks: pre-adaptation MSE "
+                      f"{results['pre_adaptation_mse']:.4f}, post-adaptation MSE "
+                      f"{results['post_adaptation_mse']:.4f}")
     return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command line: ``train``'s parameters as flags."""
+    parser.add_argument("--n_meta_iterations", type=int, default=3000)
+    parser.add_argument("--meta_batch_size", type=int, default=64, help="tasks per update "
+                        "(all devices together)")
+    parser.add_argument("--meta_lr", type=float, default=5e-3, help="Adam learning rate")
+    parser.add_argument("--inner_lr", type=float, default=0.01)
+    parser.add_argument("--first_order", action="store_true", help="FOMAML")
+    parser.add_argument("--n_eval_tasks", type=int, default=1000)
+    parser.add_argument("--n_model_shards", type=int, default=1)
+    parser.add_argument("--workdir", default="./workdir")
+    parser.add_argument("--seed", type=int, default=0)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n_meta_iterations", type=int, default=3000)
-    parser.add_argument("--meta_batch_size", type=int, default=64)
-    parser.add_argument("--inner_lr", type=float, default=0.01)
-    parser.add_argument("--first_order", action="store_true")
-    parser.add_argument("--n_model_shards", type=int, default=1)
-    parser.add_argument("--workdir", default="./workdir")
+    add_arguments(parser)
     train(**vars(parser.parse_args()))

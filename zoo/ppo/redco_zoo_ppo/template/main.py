@@ -18,19 +18,20 @@ from redco import Deployer, Trainer
 from redco_zoo_ppo import Collector
 
 
-def init_params(seed: int, obs_dim: int, n_actions: int, hidden: int = 64) -> dict:
-    """Actor and critic MLPs, orthogonally initialised (small actor output: a uniform start)."""
+def init_params(rng, obs_dim: int, n_actions: int, hidden: int = 64) -> dict:
+    """Separate actor and critic MLPs, orthogonally initialised as in CleanRL (a small actor
+    output layer: a near-uniform first policy)."""
     def mlp(rng, sizes, last_scale):
         scales = [np.sqrt(2)] * (len(sizes) - 2) + [last_scale]
         return [{"kernel": jax.nn.initializers.orthogonal(s)(k, (i, o)), "bias": jnp.zeros(o)}
                 for k, s, i, o in zip(jax.random.split(rng, len(scales)), scales, sizes, sizes[1:])]
-    actor, critic = jax.random.split(jax.random.PRNGKey(seed))
+    actor, critic = jax.random.split(rng)
     return {"actor": mlp(actor, [obs_dim, hidden, hidden, n_actions], 0.01),
             "critic": mlp(critic, [obs_dim, hidden, hidden, 1], 1.0)}
 
 
 def apply_fn(params, obs):
-    """``(logits, value)`` for a batch of observations."""
+    """``(logits, value)`` for a batch of observations (tanh MLPs)."""
     def mlp(layers, x):
         for layer in layers[:-1]:
             x = jnp.tanh(x @ layer["kernel"] + layer["bias"])
@@ -45,7 +46,7 @@ def collate_fn(examples: list[dict]) -> dict:
 
 
 def loss_fn(rng, state, params, batch, is_training, clip=0.2, vf_coef=0.5, ent_coef=0.01):
-    """PPO's clipped surrogate + value loss - entropy bonus."""
+    """Clipped surrogate + ``vf_coef`` x value loss - ``ent_coef`` x entropy (to minimise)."""
     logits, value = state.apply_fn(params, batch["obs"])
     logp_all = jax.nn.log_softmax(logits)
     logp = jnp.take_along_axis(logp_all, batch["action"][:, None], 1)[:, 0]
@@ -57,45 +58,54 @@ def loss_fn(rng, state, params, batch, is_training, clip=0.2, vf_coef=0.5, ent_c
 
 
 def pred_fn(rng, params, batch):
-    """Sampled actions with their log-probabilities, and the values of the observations."""
+    """A sampled action, its log-probability and the value for each of ``batch["obs"]``."""
     logits, value = apply_fn(params, batch["obs"])
     action = jax.random.categorical(rng, logits)
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None], 1)[:, 0]
     return {"action": action, "logp": logp, "value": value}
 
 
-def main(env_id="CartPole-v1", total_steps=300_000, n_envs=16, n_steps=64, n_model_shards=1,
-         seed=0, workdir="./workdir", lr=1e-3, update_epochs=4, n_minibatches=4):
-    """Train; returns ``(trainer, the returns of the last 100 episodes)``."""
+def train(env_id="CartPole-v1", total_steps=300_000, n_envs=16, n_steps=64, seed=0,
+          n_model_shards=1, workdir="./workdir", lr=1e-3, update_epochs=4, n_minibatches=4,
+          gamma=0.98, lam=0.8, verbose=True):
+    """Train for ``total_steps`` env steps; returns ``(trainer, the last 100 episode returns)``."""
     collector = Collector(env_id, n_envs, jax.jit(pred_fn), seed)
-    deployer = Deployer(jax_seed=seed, n_model_shards=n_model_shards, workdir=workdir)
-    n_iters, batch_size = total_steps // (n_envs * n_steps), n_envs * n_steps // n_minibatches
+    deployer = Deployer(jax_seed=seed, n_model_shards=n_model_shards, workdir=workdir, verbose=verbose)
+    n_iters = total_steps // (n_envs * n_steps)
+    per_device = n_envs * n_steps // n_minibatches // deployer.dp_size  # rows of a minibatch
+    if n_iters < 1 or per_device < 1:
+        raise ValueError(f"Too few steps: {total_steps=} makes {n_iters} rollouts of {n_envs}x{n_steps} env "
+                         f"steps and minibatches of {per_device} rows per device; raise total_steps or "
+                         "lower n_minibatches.")
     schedule = optax.linear_schedule(lr, 0.0, n_iters * update_epochs * n_minibatches)
     optimizer = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(schedule, eps=1e-5))
-    space = collector.envs.single_observation_space.shape[0], collector.envs.single_action_space.n
-    trainer = Trainer(deployer=deployer, collate_fn=collate_fn, apply_fn=apply_fn, loss_fn=loss_fn,
-                      params=init_params(seed, *space), optimizer=optimizer, lr_schedule_fn=schedule)
+    params = init_params(jax.random.PRNGKey(seed), collector.envs.single_observation_space.shape[0],
+                         collector.envs.single_action_space.n)
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optimizer, lr_schedule_fn=schedule)
     for it in range(n_iters):
         params = jax.device_put(jax.device_get(trainer.params), jax.devices()[0])
-        examples = collector.rollout(params, jax.random.PRNGKey(seed + 1 + it), n_steps)
+        examples = collector.rollout(params, jax.random.PRNGKey(seed + 1 + it), n_steps, gamma, lam)
         for epoch in range(update_epochs):
-            trainer.train_epoch(examples, batch_size // deployer.dp_size,
-                                epoch=it * update_epochs + epoch, desc=f"iteration {it + 1}")
+            trainer.train_epoch(examples, per_device, it * update_epochs + epoch,
+                                desc=f"iteration {it + 1}/{n_iters}")
         returns = list(collector.envs.return_queue)
         deployer.log_metrics(trainer.step, {"mean_return_20": np.mean(returns[-20:] or [0])})
     collector.envs.close()
     return trainer, returns
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command line: some of ``train``'s parameters as flags."""
+    parser.add_argument("--env_id", default="CartPole-v1")
+    parser.add_argument("--total_steps", type=int, default=300_000, help="env steps")
+    parser.add_argument("--n_envs", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--n_model_shards", type=int, default=1)
+    parser.add_argument("--workdir", default="./workdir")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--env_id", default="CartPole-v1")
-    parser.add_argument("--total_steps", type=int, default=300_000)
-    parser.add_argument("--n_envs", type=int, default=16)
-    parser.add_argument("--n_model_shards", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workdir", default="./workdir")
-    args = parser.parse_args()
-    _, returns = main(args.env_id, args.total_steps, args.n_envs, n_model_shards=args.n_model_shards,
-                      seed=args.seed, workdir=args.workdir)
+    add_arguments(parser)
+    _, returns = train(**vars(parser.parse_args()))
     print(f"mean return of the last 20 episodes: {np.mean(returns[-20:]):.1f}")

@@ -18,7 +18,8 @@ from redco_zoo_models import generate, runner, split_model
 from redco_zoo_models.metrics import text_scores, token_cross_entropy
 
 
-def collate_fn(examples, tokenizer, max_src_len, max_tgt_len, pad_id, eos_id):
+def collate_fn(examples: list[dict], tokenizer, max_src_len: int, max_tgt_len: int, pad_id: int,
+               eos_id: int) -> dict:
     """``src`` and ``tgt`` strings -> encoder ids, decoder inputs (the pad id starts them, as in
     T5) and labels (the target then EOS), right-padded with masks."""
     def ids(text):  # add_special_tokens=False: T5's own tokenizer.json would add EOS too
@@ -39,7 +40,8 @@ def loss_fn(rng, state, params, batch, is_training):
     return token_cross_entropy(logits, batch["labels"], batch["label_mask"])
 
 
-def pred_fn(rng, params, batch, model, max_new_tokens, num_beams, pad_id, eos_id):
+def pred_fn(rng, params, batch, model, max_new_tokens: int, num_beams: int, pad_id: int,
+            eos_id: int):
     """Beam-search output ids (B, max_new_tokens) for each source."""
     start = jnp.full((batch["input_ids"].shape[0], 1), pad_id, jnp.int32)
     return generate(model, params, start, max_new_tokens, num_beams=num_beams,
@@ -47,7 +49,7 @@ def pred_fn(rng, params, batch, model, max_new_tokens, num_beams, pad_id, eos_id
                         "input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
 
 
-def metric_fn(examples, preds):
+def metric_fn(examples: list[dict], preds: list[str]) -> dict:
     """ROUGE-1/2/L and exact match of the predicted texts against ``tgt``."""
     return text_scores(preds, [e["tgt"] for e in examples])
 

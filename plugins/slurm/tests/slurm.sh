@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real single-node SLURM cluster on this machine, for tests/multihost/test_slurm.py.
+# A real single-node SLURM cluster on this machine, for plugins/slurm/tests/test_slurm_cluster.py.
 #
 #   slurm.sh install   install Debian's slurm-wlm and munge with apt, if missing (needs root)
 #   slurm.sh start     write $REDCO_SLURM_DIR/slurm.conf and start munged, slurmctld and slurmd
@@ -53,7 +53,7 @@ write_conf() {
     ctld=$(hostname -s 2>/dev/null || hostname)
     mkdir -p "$DIR/state" "$DIR/spool" "$DIR/jobs"
     cat >"$CONF" <<EOF
-# Written by tests/multihost/slurm.sh: one node, this host, controller and compute node at once.
+# Written by plugins/slurm/tests/slurm.sh: one node, this host, controller and compute node at once.
 ClusterName=redco
 SlurmctldHost=$ctld(127.0.0.1)
 SlurmctldPort=$PORT

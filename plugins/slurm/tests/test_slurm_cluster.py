@@ -1,0 +1,148 @@
+"""A real SLURM cluster of one node (this machine, Debian's slurm-wlm, started by ``slurm.sh``):
+``redco launch --launcher slurm --wait`` (offered by this plugin) submits a 2-task job of the
+unchanged worker, whose ``Deployer()`` detects this plugin's ``slurm`` launcher, and the job
+trains exactly like one process; a failed task ends the job with its exit code; a job requeued
+mid-run (as a preempted one is) appends to its output and resumes from its step checkpoint.
+
+Needs root (apt, the daemons). If SLURM cannot be installed or started the tests FAIL, saying
+why; ``REDCO_SKIP_SLURM=1`` skips them instead."""
+import glob
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+import numpy as np
+from multihost_helpers import WORKER, assert_trains_like_reference, read_results
+
+from redco_slurm.sbatch import job_state, wait_for_job
+
+LAUNCH = [sys.executable, "-m", "redco.cli", "launch", "--launcher", "slurm", "--nodes", "1",
+          "--ntasks-per-node", "2", "--job-name", "t", "--wait", "--"]
+
+
+def redco_launch(env: dict, workdir: str, *argv: str, timeout: int = 420):
+    """``redco launch --launcher slurm --nodes 1 --ntasks-per-node 2 --wait`` from ``workdir``."""
+    os.makedirs(workdir, exist_ok=True)
+    try:
+        return subprocess.run([*LAUNCH, *argv], cwd=workdir, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["scancel", "--name", "t"], env=env)
+        raise
+
+
+def test_slurm_job_trains_like_one_process(slurm, reference, tmp_path):
+    workdir = str(tmp_path / "run")
+    out = redco_launch(slurm, str(tmp_path), sys.executable, WORKER, "detect", "4", workdir)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"redco: wrote {tmp_path}/t.sbatch" in out.stdout
+    job_id = out.stdout.split("redco: submitted job ")[1].split(";")[0]
+    assert f"job {job_id} COMPLETED, exit code 0 (output: {tmp_path}/t-{job_id}.out)" in out.stderr
+    assert "epoch 2/2" in out.stdout  # the job's output file, printed while waiting
+    with open(tmp_path / "t.sbatch") as f:
+        script = f.read().splitlines()
+    assert "#SBATCH --open-mode=append" in script
+    assert script[-1].startswith("srun --kill-on-bad-exit=1 ")
+    assert_trains_like_reference(workdir, 2, "slurm", reference)
+
+
+def test_doctor_in_a_slurm_step(slurm, tmp_path):
+    env = dict(slurm, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    out = redco_launch(env, str(tmp_path), sys.executable, "-m", "redco.cli", "doctor")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count(" -> slurm    detected: task ") == 2
+    assert out.stdout.count("launcher: slurm") == 2
+    assert "process: 0 of 2" in out.stdout and "process: 1 of 2" in out.stdout
+    assert out.stdout.count("devices: 8 in all, 4 here, platform cpu, kind cpu") == 2
+    assert "mesh of Deployer(n_model_shards=1): {'dp': 8, 'mp': 1}" in out.stdout
+
+
+def test_a_failed_task_ends_the_job_with_its_exit_code(slurm, tmp_path):
+    """Task 1 exits 3 at once; srun stops task 0 (which would sleep 5 minutes) at once, and
+    `--wait` exits with the job's exit code: srun's, the highest of its tasks, here task 0's
+    SIGTERM (128 + 15)."""
+    script = ("import os, sys, time\n"
+              "if os.environ['SLURM_PROCID'] == '1': sys.exit(3)\n"
+              "time.sleep(300)\n")
+    out = redco_launch(slurm, str(tmp_path), sys.executable, "-c", script, timeout=120)
+    assert out.returncode == 143, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "task 1: Exited with exit code 3" in out.stdout  # the job's output, printed
+    assert "FAILED, exit code 143" in out.stderr
+
+
+def test_the_bare_body_of_an_sbatch_script_is_refused(slurm, tmp_path, monkeypatch):
+    """A script that runs python without srun in a 2-task job: the Deployer says to use srun
+    (jax alone would say 'coordinator_address should be defined')."""
+    script = tmp_path / "bare.sbatch"
+    code = "from redco import Deployer; Deployer(jax_seed=0, loggers=())"
+    script.write_text(f"#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --output={tmp_path}/bare.out\n"
+                      f"#SBATCH --chdir={tmp_path}\n{sys.executable} -c '{code}'\n")
+    job = subprocess.run(["sbatch", "--parsable", str(script)], env=slurm, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
+    with open(os.devnull, "w") as quiet:
+        assert wait_for_job(job, str(tmp_path / "bare.out"), poll_s=0.5, out=quiet) == 1
+    text = (tmp_path / "bare.out").read_text()
+    assert "not a task of a job step, so there is nothing to join: run the command through " \
+           "srun" in text, text[-3000:]
+
+
+def wait_until(condition, what: str, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out after {timeout} s waiting until {what}"
+        time.sleep(0.5)
+
+
+def test_a_requeued_job_appends_and_resumes_from_its_checkpoint(slurm, reference, tmp_path,
+                                                                monkeypatch):
+    """A preemption, for real: the job's first run trains one epoch (checkpoint step_4) and
+    waits; the test requeues the job (``scontrol requeue``, what SLURM does to a preempted job
+    on a requeueing partition) and lets it start again at once. The same script runs again:
+    ``--open-mode=append`` keeps the first run's output, the worker resumes from step_4 and
+    trains steps 5-8 exactly as the uninterrupted reference did, and ``--wait`` follows the job
+    through the requeue to its exit code 0."""
+    monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
+    workdir = tmp_path / "run"
+    worker = shlex.join([sys.executable, WORKER, "detect", "4", str(workdir)])
+    # The first run's tasks sleep once their worker has exited (each says so with a file), so
+    # the requeue finds nothing but `sleep` to stop.
+    done = shlex.quote(str(workdir / "first-run-"))
+    body = (f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then REDCO_TEST_EPOCHS=1 {worker} && '
+            f"touch {done}$SLURM_PROCID && exec sleep 600; else {worker}; fi")
+    launch = subprocess.Popen([*LAUNCH, "bash", "-c", body], cwd=tmp_path, env=slurm,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: all((workdir / f"first-run-{i}").exists() for i in range(2)),
+                   "the first run trained", 300)
+        first = [workdir / f"result_{i}.json" for i in range(2)]
+        for p in first + [workdir / "params.npz"]:
+            p.unlink()  # what the test reads afterwards is the second run's
+        [output] = glob.glob(str(tmp_path / "t-*.out"))
+        job_id = output.rsplit("-", 1)[1].removesuffix(".out")
+        subprocess.run(["scontrol", "requeue", job_id], check=True)
+        wait_until(lambda: (job_state(job_id) or "").startswith("PENDING"), "requeued", 120)
+        # SLURM holds a requeued job back for a while (reason BeginTime): start it now.
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+        stdout, stderr = launch.communicate(timeout=300)
+    finally:
+        if launch.poll() is None:
+            subprocess.run(["scancel", "--name", "t"])
+            launch.kill()
+    assert launch.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert f"job {job_id} COMPLETED, exit code 0" in stderr
+    text = open(output).read()
+    first_run, _, second_run = text.partition("DUE TO JOB REQUEUE")  # SLURM's words, in the file
+    assert "epoch 1/1" in first_run and "Resumed from" not in first_run, text[-3000:]
+    assert f"Resumed from {workdir}/ckpts/step_4 (step 4)." in second_run
+    assert "epoch 2/2" in second_run and "epoch 1/2" not in second_run
+    ref, ref_params = reference
+    for result in read_results(str(workdir), 2):
+        assert result["launcher"] == "slurm"
+        np.testing.assert_allclose(result["losses"], ref["losses"][4:], rtol=1e-5, atol=1e-5)
+        assert result["preds"] == ref["preds"]
+    params = np.load(workdir / "params.npz")
+    for name in ref_params:
+        np.testing.assert_allclose(params[name], ref_params[name], rtol=1e-5, atol=1e-5)

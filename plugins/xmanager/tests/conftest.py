@@ -1,0 +1,22 @@
+"""8 simulated CPU devices (set before jax is imported), offline hubs, and the launcher tests'
+shared helpers from ``tests/multihost/multihost_helpers.py`` (the worker, the one-process reference
+run). These tests run in the repository: the worker (``tests/multihost/worker.py``) trains the tiny
+LM of ``tests/core/helpers.py``."""
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
+                                "tests", "multihost"))
+
+from multihost_helpers import reference_run  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """One process with all 8 devices: what every multi-process run must reproduce."""
+    return reference_run()

@@ -1,0 +1,155 @@
+"""What the checkpoint tests of tests/core (orbax, the directory machinery) and tests/formats (the
+same checks for every format) share: a tiny LM trainer, host copies of trees, damaging files,
+and driving kill_worker.py, the training command the kill tests SIGKILL and rerun."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+from helpers import lm_collate, lm_examples, lm_loss, lm_model
+
+from redco import Deployer, Trainer, checkpointing
+from redco.sharding import named_leaves
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def lm_trainer(workdir, n_model_shards=2, fmt="orbax", model=None) -> Trainer:
+    deployer = Deployer(jax_seed=0, n_model_shards=n_model_shards, workdir=workdir,
+                        verbose=False, checkpoint_format=fmt)
+    apply_fn, params = model or lm_model()
+    return Trainer(deployer, lm_collate, apply_fn, lm_loss, params, optax.adamw(1e-3))
+
+
+def placed(trainer: Trainer) -> Trainer:
+    """``trainer`` with its layout decided and its state placed, as at ``fit``'s first batch, so
+    that ``trainer._ckpt_tree()`` is the tree a checkpoint of it holds."""
+    trainer._decide_layout(lm_examples(32), 1)
+    return trainer
+
+
+def host(tree) -> dict:
+    """``{path: numpy array}`` of a pytree of (possibly sharded) arrays."""
+    return {path: np.asarray(x) for path, x in named_leaves(jax.device_get(tree))}
+
+
+def assert_bit_equal(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        assert got[name].dtype == want[name].dtype, name
+
+
+def state_files(ckpt: str) -> list[str]:
+    return [os.path.join(d, f) for d, _, names in os.walk(os.path.join(ckpt, "state"))
+            for f in names]
+
+
+def biggest_file(ckpt: str) -> str:
+    return max(state_files(ckpt), key=os.path.getsize)
+
+
+def copy_ckpt(path, tmp_path) -> str:
+    copy = str(tmp_path / os.path.basename(path))
+    shutil.copytree(path, copy)
+    return copy
+
+
+def forge(ckpt: str, name: str, data: bytes) -> None:
+    """Replace ``state/name`` with ``data``, updating meta.json's sizes and hashes as an attacker
+    who controls the directory would."""
+    with open(os.path.join(ckpt, "state", name), "wb") as f:
+        f.write(data)
+    meta_path = os.path.join(ckpt, "meta.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    meta["files"][name] = {"bytes": len(data),
+                           "sha256": checkpointing._sha256(os.path.join(ckpt, "state", name))}
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+
+
+# ---- the kill tests: kill_worker.py started, SIGKILLed, rerun --------------------------------
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kill_worker.py")
+TIMEOUT = 300
+
+
+def worker_env(fmt: str) -> dict:
+    """Only the format's own plugin loads (through its entry point), beside redco's built-ins."""
+    env = dict(os.environ)
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", HF_HUB_OFFLINE="1",
+               REDCO_PLUGINS=fmt, JAX_PLATFORMS="cpu")
+    env.pop("REDCO_DISABLE_PLUGIN_AUTOLOAD", None)
+    return env
+
+
+def start(workdir, kill=None, fmt="orbax") -> subprocess.Popen:
+    """The worker's command, started; its output goes to a file (a pipe nobody reads while it
+    runs could fill up and stall it)."""
+    cmd = [sys.executable, WORKER, workdir, "--format", fmt] + (["--kill", kill] if kill else [])
+    log = open(f"{workdir}.{(kill or 'done').replace(':', '_')}.out", "w+")
+    proc = subprocess.Popen(cmd, env=worker_env(fmt), stdout=log, stderr=subprocess.STDOUT)
+    proc.log = log
+    return proc
+
+
+def finish(proc, expected_rc) -> str:
+    try:
+        proc.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    proc.log.seek(0)
+    out = proc.log.read()
+    proc.log.close()
+    assert proc.returncode == expected_rc, (
+        f"{proc.args} exited with {proc.returncode}, expected {expected_rc} (timeout "
+        f"{TIMEOUT} s):\n{out[-4000:]}")
+    return out
+
+
+def run(workdir, kill=None, fmt="orbax") -> str:
+    return finish(start(workdir, kill, fmt), -signal.SIGKILL if kill else 0)
+
+
+def ckpt_names(workdir) -> list[str]:
+    return sorted(os.listdir(os.path.join(workdir, "ckpts")))
+
+
+def latest(workdir) -> str | None:
+    found = checkpointing.step_ckpts(os.path.join(workdir, "ckpts"))
+    return os.path.basename(found[-1]) if found else None
+
+
+def starts(workdir) -> list[int]:
+    """The step each run of the worker in ``workdir`` started from."""
+    with open(os.path.join(workdir, "starts.txt")) as f:
+        return [int(line) for line in f]
+
+
+def metrics(workdir) -> list[dict]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def assert_same_run(killed, full) -> None:
+    """``killed`` (rerun after kills until done) ended as the uninterrupted ``full``: the same
+    checkpoints and nothing half-written left, every step's logged metrics the same floats
+    (steps redone after a kill are logged again), and the final params bitwise equal."""
+    assert ckpt_names(killed) == ckpt_names(full) == ["step_12", "step_9"]  # no .tmp, no .old
+    full_metrics = {m["step"]: m for m in metrics(full)}
+    assert sorted(full_metrics) == list(range(1, 13))
+    killed_metrics = metrics(killed)
+    assert {m["step"] for m in killed_metrics} == set(full_metrics)
+    for m in killed_metrics:
+        assert m == full_metrics[m["step"]]
+    a, b = np.load(os.path.join(full, "final.npz")), np.load(os.path.join(killed, "final.npz"))
+    assert sorted(a.files) == sorted(b.files) and len(a.files) > 10
+    assert int(a["__step__"]) == int(b["__step__"]) == 12
+    for name in a.files:
+        np.testing.assert_array_equal(b[name], a[name], err_msg=name)

@@ -1,0 +1,119 @@
+"""What every launcher test shares: the worker (``worker.py``), the single-process reference run
+of it, the check that a multi-process run trained exactly like it, ``redco`` run in-process, and
+fixtures for an environment without launcher variables and a ``jax.distributed`` that must not
+be reached (a conftest imports them to offer them).
+
+A module of its own (not ``conftest.py``) because the launcher plugins' tests
+(``plugins/slurm/tests``, ``plugins/xmanager/tests``) import it too, and pytest gives every
+``conftest.py`` outside a package the same module name, so ``from conftest import ...`` would get
+whichever conftest was loaded last when several test folders run together. The reference run is
+made once per pytest process, whichever folder asks first.
+"""
+import functools
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+import jax
+import numpy as np
+import pytest
+
+from redco import Deployer
+from redco.cli import main as redco
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "worker.py")
+TOTAL_DEVICES = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Prefixes of the variables launchers read: a test must not inherit them from its machine.
+LAUNCHER_VARS = ("SLURM_", "REDCO_N_", "REDCO_HOST", "REDCO_PROCESS")
+
+
+def worker_env(**extra) -> dict:
+    """The environment of a worker: CPU only, offline, no SLURM or REDCO_* variables of ours."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARS)}
+    return dict(env, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu", **extra)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No SLURM or REDCO_* variables from the machine running the tests."""
+    for key in list(os.environ):
+        if key.startswith(LAUNCHER_VARS):
+            monkeypatch.delenv(key)
+    return monkeypatch
+
+
+@pytest.fixture
+def no_jax_distributed(monkeypatch):
+    """Launchers must refuse before they reach jax.distributed.initialize."""
+    def reached(**kwargs):
+        raise AssertionError(f"jax.distributed.initialize was reached with {kwargs}")
+    monkeypatch.setattr(jax.distributed, "initialize", reached)
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """``redco ARGV...`` in this process: (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exit_:
+        redco(list(argv))
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
+
+
+def deployer_error(tmp_path, **kwargs) -> str:
+    """The message of the error ``Deployer(**kwargs)`` raises (it must raise)."""
+    with pytest.raises((ValueError, RuntimeError)) as error:
+        Deployer(jax_seed=0, workdir=str(tmp_path), loggers=(), verbose=False, **kwargs)
+    return str(error.value)
+
+
+def read_results(workdir: str, n_processes: int) -> list[dict]:
+    results = []
+    for i in range(n_processes):
+        with open(os.path.join(workdir, f"result_{i}.json")) as f:
+            results.append(json.load(f))
+    return results
+
+
+@functools.cache
+def reference_run() -> tuple[dict, dict]:
+    """One process with all 8 devices: what every multi-process run must reproduce. Returns the
+    worker's result and its final params (name -> array)."""
+    workdir = tempfile.mkdtemp(prefix="redco-reference-")
+    try:
+        out = subprocess.run([sys.executable, WORKER, "0", "1", "0", str(TOTAL_DEVICES), workdir],
+                             env=worker_env(), capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return read_results(workdir, 1)[0], dict(np.load(os.path.join(workdir, "params.npz")))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def assert_trains_like_reference(workdir: str, n_processes: int, launcher: str, reference):
+    """Every process saw all devices, the losses, predictions and final params match one
+    process to 1e-5, and the checkpoint was written once."""
+    ref, ref_params = reference
+    results = read_results(workdir, n_processes)
+    for r in results:
+        assert r["launcher"] == launcher
+        assert (r["process_count"], r["devices"]) == (n_processes, TOTAL_DEVICES)
+        assert r["local_devices"] == TOTAL_DEVICES // n_processes
+        assert len(r["losses"]) == len(ref["losses"]) == 8
+        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, atol=1e-5)
+        assert r["preds"] == ref["preds"]
+    assert results[0]["ckpts"] == ["step_8"]
+    params = np.load(os.path.join(workdir, "params.npz"))
+    assert sorted(params) == sorted(ref_params)
+    for name in params:
+        np.testing.assert_allclose(params[name], ref_params[name], rtol=1e-5, atol=1e-5)
