@@ -40,7 +40,8 @@ def add_launch(commands) -> None:
                                   f"{args.launcher} ... -- python train.py`")
             code = submitters[args.launcher].submit(command, args)
         except LaunchError as e:
-            sys.exit(f"redco launch: {e}")
+            print(f"redco launch: {e}", file=sys.stderr)
+            sys.exit(2)
         sys.exit(code)
     parser.set_defaults(run=run)
 
@@ -76,7 +77,7 @@ def cmd_doctor(args) -> None:
         print(f"local devices: {[d.id for d in local]}")
         ids = [[d.id for d in row] for row in deployer.mesh.devices]
         shown = ids if len(ids) <= 16 else ids[:8] + ["..."] + ids[-4:]
-        print(f"mesh of Deployer(n_model_shards=1): {dict(deployer.mesh.shape)}, device ids "
+        print(f"mesh of Deployer(n_model_shards=1): {dict(deployer.mesh.shape)}, device ids by dp row: "
               f"{shown}", flush=True)
         deployer.close()
 
