@@ -33,7 +33,7 @@ from redco.sharding import named_leaves
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def _sync(tag: str) -> None:
+def _sync(tag: str) -> None:  # every process reaches here before any goes on
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(tag)
 
@@ -116,20 +116,16 @@ def read_meta(path: str) -> dict:
 
 def verify_files(meta: dict) -> None:
     """Raise if any file the checkpoint wrote is missing, truncated or changed since."""
-    state_dir = os.path.join(meta["path"], "state")
     for rel, want in meta["files"].items():
-        full = os.path.join(state_dir, rel)
-        if not os.path.isfile(full):
-            raise ValueError(f"Checkpoint file {full} is missing. The checkpoint is damaged; "
-                             "delete its directory to use an older one.")
-        size = os.path.getsize(full)
-        if size != want["bytes"]:
-            raise ValueError(f"Checkpoint file {full} is truncated or damaged: {size} bytes, but "
-                             f"{want['bytes']} were written. Delete its directory to use an "
-                             "older checkpoint.")
-        if _sha256(full) != want["sha256"]:
-            raise ValueError(f"Checkpoint file {full} is corrupted: its sha256 differs from the "
-                             "one recorded when it was written. Delete its directory to use an "
+        full = os.path.join(meta["path"], "state", rel)
+        size = os.path.getsize(full) if os.path.isfile(full) else None
+        problem = ("is missing" if size is None else
+                   f"is truncated or damaged: {size} bytes, but {want['bytes']} were written"
+                   if size != want["bytes"] else
+                   "is corrupted: its sha256 differs from the one recorded when it was written"
+                   if _sha256(full) != want["sha256"] else None)
+        if problem:
+            raise ValueError(f"Checkpoint file {full} {problem}. Delete its directory to use an "
                              "older checkpoint.")
 
 
@@ -160,10 +156,11 @@ def load(path: str, target: Any) -> tuple[Any, dict]:
     state_dir = os.path.join(meta["path"], "state")
     try:
         tree = fmt.load(state_dir, target)
-    except Exception as e:  # the format's own reader refused the bytes
+    except Exception as e:  # the files are intact (checked above): do not advise deleting them
         raise ValueError(f"Could not read {state_dir} as a {meta['format']} checkpoint "
-                         f"({type(e).__name__}: {e}). The checkpoint is damaged or not written "
-                         "by redco; delete its directory to use an older one.") from e
+                         f"({type(e).__name__}: {e}). Its files are intact (sizes and sha256 as "
+                         "written), so check the target's dtypes and shardings, and that the "
+                         f"{meta['format']} format's version can read what wrote it.") from e
     return tree, meta
 
 

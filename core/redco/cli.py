@@ -1,7 +1,7 @@
-"""The ``redco`` command: a thin dispatcher. ``plugins``, ``launch``, ``doctor``, ``new`` and ``zoo``
-are here; plugins add subcommands through ``register_commands`` (``redco-planner`` adds ``plan``
-and ``rules``), and ``redco launch --launcher NAME`` offers every registered launcher that
-submits."""
+"""The ``redco`` command: a thin dispatcher. ``plugins``, ``launch``, ``new`` and ``zoo`` are here;
+plugins add subcommands through ``register_commands`` (``redco-ip``, always installed with redco,
+adds ``doctor``; ``redco-planner`` adds ``plan`` and ``rules``), and ``redco launch --launcher
+NAME`` offers every registered launcher that submits."""
 from __future__ import annotations
 
 import argparse
@@ -46,42 +46,6 @@ def add_launch(commands) -> None:
     parser.set_defaults(run=run)
 
 
-def cmd_doctor(args) -> None:
-    """Print which launcher this process picks and why, then join the run and print the process
-    index and count, the devices and the mesh of Deployer(n_model_shards=1)."""
-    import tempfile
-
-    launchers = plugins.registry("launchers")
-    config = dict(n_processes=None, host0_address=None, host0_port=None, process_id=None,
-                  n_local_devices=args.n_local_devices)
-    chosen = args.launcher or next(name for name, ln in launchers.items() if ln.detect(config))
-    print("launchers (tried in this order):")
-    for name, ln in launchers.items():
-        verdict = "given by --launcher" if name == args.launcher else (
-            "detected" if ln.detect(config) else "not detected")
-        print(f" {'->' if name == chosen else '  '} {name:<8} {verdict}: {ln.explain(config)}")
-    print(f"launcher: {chosen}", flush=True)
-
-    import jax
-
-    from redco import Deployer
-    with tempfile.TemporaryDirectory() as workdir:
-        deployer = Deployer(jax_seed=0, n_model_shards=1, workdir=workdir, loggers=(),
-                            verbose=False, launcher=args.launcher,
-                            n_local_devices=args.n_local_devices)
-        devices = deployer.devices
-        local = [d for d in devices if d.process_index == jax.process_index()]
-        print(f"process: {jax.process_index()} of {jax.process_count()}")
-        print(f"devices: {len(devices)} in all, {len(local)} here, platform "
-              f"{devices[0].platform}, kind {', '.join(sorted({d.device_kind for d in devices}))}")
-        print(f"local devices: {[d.id for d in local]}")
-        ids = [[d.id for d in row] for row in deployer.mesh.devices]
-        shown = ids if len(ids) <= 16 else ids[:8] + ["..."] + ids[-4:]
-        print(f"mesh of Deployer(n_model_shards=1): {dict(deployer.mesh.shape)}, device ids by dp row: "
-              f"{shown}", flush=True)
-        deployer.close()
-
-
 def cmd_zoo(args) -> None:
     """List the installed zoo pipelines, or run one: redco zoo run NAME --help."""
     if args.action == "list":
@@ -115,10 +79,6 @@ def main(argv: list[str] | None = None) -> None:
     listing.add_argument("--json", action="store_true", help="print JSON")
     listing.set_defaults(run=cmd_plugins)
     add_launch(commands)
-    doctor = commands.add_parser("doctor", help=cmd_doctor.__doc__)
-    doctor.add_argument("--launcher", help="use this launcher instead of detecting one")
-    doctor.add_argument("--n_local_devices", type=int, help="use only this many local devices")
-    doctor.set_defaults(run=cmd_doctor)
     new = commands.add_parser("new", help=cmd_new.__doc__)
     new.add_argument("dest", nargs="?", help="the project's directory (must not exist)")
     new.add_argument("--template", default="minimal")

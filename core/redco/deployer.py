@@ -81,24 +81,22 @@ class Deployer:
     # ---- processes and devices -------------------------------------------------------------
     @staticmethod
     def _launch(name: str | None, config: dict) -> None:
-        launchers = plugins.registry("launchers")
-        if name is not None:
-            plugins.lookup("launchers", name).initialize(config)
-            return
-        next(ln for ln in launchers.values() if ln.detect(config)).initialize(config)
+        launcher = plugins.lookup("launchers", name) if name is not None else next(
+            ln for ln in plugins.registry("launchers").values() if ln.detect(config))
+        launcher.initialize(config)
 
     def lost_process_error(self, error: Exception) -> RuntimeError:
-        """The error to stop with when a collective failed in a multi-process run: it names the
+        """The error to stop with when a collective failed in a multi-process run, naming the
         processes that stopped answering (asked of jax's coordination service)."""
         from jax._src import distributed
+        everyone = range(jax.process_count())
         try:
-            alive = distributed.global_state.client.get_live_nodes(
-                list(range(jax.process_count())))
-            lost = sorted(set(range(jax.process_count())) - set(alive))
+            lost = sorted(set(everyone) - set(distributed.global_state.client.get_live_nodes(
+                list(everyone))))
         except Exception:  # noqa: BLE001 - the service itself may be gone with process 0
             lost = []
-        who = (f"process {', '.join(map(str, lost))}" if lost else "another process (or the "
-               "coordinator, process 0)")
+        who = f"process {', '.join(map(str, lost))}" if lost else \
+            "another process (or the coordinator, process 0)"
         return RuntimeError(
             f"Lost {who} of {jax.process_count()}: a collective failed ({error}). Process "
             f"{jax.process_index()} stops too. Fix or restart the lost host and run the same "
@@ -216,16 +214,12 @@ class Deployer:
 
     def decide_layout(self, params: Any, rules: Rules | None, trace_fn: Callable | None = None,
                       plan: tuple | None = None) -> Rules:
-        """Fix the mesh and the final sharding rules of ``params``: called once, at the first
-        batch ``fit`` (or ``predict``) sees, before anything is placed.
-
-        * ``n_model_shards="auto"``: the ``auto`` layout planner plugin (``redco-planner``)
-          compiles ``plan = (loss, batch, optimizer)`` for each candidate layout and picks the
-          mesh and rule set.
-        * ``rules`` a plain list: used as given. ``None`` or ``RuleSetRules`` (the rule set's,
-          from names): the rule set's rules read off ``trace_fn``'s dataflow (names if it cannot
-          be traced), after the overrides they carry.
-        """
+        """Fix the mesh and the final rules of ``params``, once, at the first batch ``fit`` (or
+        ``predict``) sees. ``n_model_shards="auto"``: the ``auto`` layout planner (plugin
+        ``redco-planner``) compiles ``plan = (loss, batch, optimizer)`` per candidate layout.
+        A plain list of ``rules`` is used as given; ``None`` or ``RuleSetRules`` give the rule
+        set's rules read off ``trace_fn``'s dataflow (names if it cannot be traced), after the
+        overrides they carry."""
         picked = None
         if self.mesh is None:
             if plan is None:
@@ -306,8 +300,8 @@ class Deployer:
         """Write to ``workdir/log.txt`` and, if verbose, print (process 0 only)."""
         if self.is_main_process:
             logger.info(message)
-            if self._verbose:
-                print(message, flush=True)
+        if self.show_progress:
+            print(message, flush=True)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         for metric_logger in self._metric_loggers:

@@ -69,15 +69,12 @@ class Trainer:
       lr_schedule_fn: the schedule inside ``optimizer``, to log the learning rate.
       accumulate_grad_batches: micro-batches per optimizer update (summed inside one step).
       params_sharding_rules: ``[(regex, PartitionSpec), ...]``; by default the deployer's
-        rule set, read off ``loss_fn``'s dataflow on the first batch ``fit`` sees (from
-        parameter names until then).
+        rule set, read off ``loss_fn``'s dataflow at the first batch ``fit`` sees.
       callbacks: objects with ``@redco.hookimpl`` methods, active during this trainer's fit.
 
-    Public state (for algorithms that drive training themselves, such as FedAvg and MAML):
-    ``params`` and ``step``; ``state`` (a ``TrainState``) and ``state_shardings`` (the same tree
-    of shardings), both None until the layout is decided at the first batch; ``optimizer``;
-    ``set_train_state(params=, opt_state=, step=)`` to place new values; ``train_epoch`` and
-    ``eval_loss`` to run one epoch or one evaluation.
+    For algorithms that drive training themselves (FedAvg, MAML): ``params``, ``step``,
+    ``optimizer``, ``state`` (a ``TrainState``) and ``state_shardings`` (None until the first
+    batch decides the layout), ``set_train_state``, ``train_epoch`` and ``eval_loss``.
     """
 
     def __init__(self, deployer: Deployer, collate_fn: Callable, apply_fn: Callable,
@@ -105,28 +102,22 @@ class Trainer:
         self._start = {"params": params, "opt_state": opt_state, "apply_fn": apply_fn, "step": 0}
 
     # ---- the layout, decided once; the state, placed once -------------------------------------
-    def _first_batch_loss(self, examples: Sequence, per_device_batch_size: int):
-        """``(loss(params, batch), one device's batch as shapes)`` from the first examples: what
-        the planner and the dataflow rules trace (nothing is computed)."""
+    def _decide_layout(self, examples: Sequence, per_device_batch_size: int) -> None:
+        """At the first batch: the deployer fixes the mesh and the final rules (from the loss's
+        dataflow, traced on one device's batch, unless rules were given); then the state is
+        placed, once."""
+        if self.state is not None:
+            return
         n_full_batches(len(examples), per_device_batch_size, "train_examples")
         rows = list(examples[:per_device_batch_size])
-        batch = check_collated(self.collate_fn(rows), len(rows))
-        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-        apply_fn = self._start["apply_fn"]
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                             check_collated(self.collate_fn(rows), len(rows)))
+        start = self._start
 
         def loss(params, batch):
             state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=None,
-                               rng=jax.random.PRNGKey(0), apply_fn=apply_fn)
+                               rng=jax.random.PRNGKey(0), apply_fn=start["apply_fn"])
             return self._loss(params, state, batch, jax.random.PRNGKey(0), True)
-        return loss, batch
-
-    def _decide_layout(self, examples: Sequence, per_device_batch_size: int) -> None:
-        """At the first batch: the deployer fixes the mesh and the final rules (from the loss's
-        dataflow unless rules were given), then the state is placed, once."""
-        if self.state is not None:
-            return
-        loss, batch = self._first_batch_loss(examples, per_device_batch_size)
-        start = self._start
         out = jax.eval_shape(loss, start["params"], batch)
         if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()):
             shape = out.shape if isinstance(out, jax.ShapeDtypeStruct) else type(out).__name__
@@ -145,14 +136,17 @@ class Trainer:
     def _place_state(self, params, opt_state, apply_fn, step) -> tuple[TrainState, TrainState]:
         params_shardings = self.deployer.get_params_shardings(params, self.params_sharding_rules)
         replicated = self.deployer.replicated
-        opt_shardings = opt_state_shardings(self.optimizer, params, params_shardings,
-                                            self.deployer.mesh)
-        shardings = TrainState(step=replicated, params=params_shardings,
-                               opt_state=opt_shardings, rng=replicated, apply_fn=apply_fn)
-        state = TrainState(step=jax.device_put(jnp.asarray(step, jnp.int32), replicated),
-                           params=None, opt_state=None, apply_fn=apply_fn,
-                           rng=jax.device_put(jax.random.PRNGKey(self.deployer.jax_seed), replicated))
+        shardings = TrainState(step=replicated, params=params_shardings, rng=replicated,
+                               opt_state=opt_state_shardings(self.optimizer, params,
+                                                             params_shardings, self.deployer.mesh),
+                               apply_fn=apply_fn)
+        state = TrainState(step=self._placed_step(step), params=None, opt_state=None,
+                           rng=jax.device_put(jax.random.PRNGKey(self.deployer.jax_seed), replicated),
+                           apply_fn=apply_fn)
         return self._with_params(state, shardings, params, opt_state), shardings
+
+    def _placed_step(self, step) -> jax.Array:
+        return jax.device_put(jnp.asarray(step, jnp.int32), self.deployer.replicated)
 
     def _with_params(self, state: TrainState, shardings: TrainState, params, opt_state):
         """``state`` holding ``params`` and ``opt_state`` (a fresh ``optimizer.init`` when None)
@@ -167,26 +161,21 @@ class Trainer:
     def set_train_state(self, params: Any = None, opt_state: Any = None,
                         step: int | None = None) -> None:
         """Replace the params, the optimizer state or the step (e.g. a FedAvg client starting
-        from the server's params). New ``params`` without ``opt_state`` get a fresh
-        ``optimizer.init``. Before the layout is decided they become the starting state; after,
-        they are placed on the decided shardings."""
+        from the server's params); new ``params`` without ``opt_state`` get a fresh
+        ``optimizer.init``. Before the first batch they become the starting state."""
         if self.state is None:
-            if params is not None:
-                self._start.update(params=params, opt_state=opt_state)
-            elif opt_state is not None:
+            new = {"params": params, "step": step} if params is not None else {"step": step}
+            self._start.update({k: v for k, v in new.items() if v is not None})
+            if params is not None or opt_state is not None:
                 self._start["opt_state"] = opt_state
-        elif params is not None:
+            return
+        if params is not None:
             self.state = self._with_params(self.state, self.state_shardings, params, opt_state)
         elif opt_state is not None:
             self.state = self.state.replace(
                 opt_state=place_copy(opt_state, self.state_shardings.opt_state))
-        if step is None:
-            return
-        if self.state is None:
-            self._start["step"] = step
-        else:
-            self.state = self.state.replace(
-                step=jax.device_put(jnp.asarray(step, jnp.int32), self.deployer.replicated))
+        if step is not None:
+            self.state = self.state.replace(step=self._placed_step(step))
 
     @property
     def params(self):
@@ -233,16 +222,6 @@ class Trainer:
 
     def _eval_loss(self, state: TrainState, batch):
         return self._loss(state.params, state, batch, state.rng, False)
-
-    # ---- checks made before anything compiles ------------------------------------------------
-    def _check_schedule(self, n_updates: int) -> None:
-        total = getattr(self.lr_schedule_fn, "total_steps", None)
-        if total is not None and total != n_updates:
-            warnings.warn(
-                f"The lr schedule spans {total} updates but this fit makes {n_updates}, so it "
-                f"will not end at its end value. Pass accumulate_grad_batches="
-                f"{self.accumulate_grad_batches} (and the same batch size and epochs) to "
-                "deployer.get_lr_schedule_fn.", stacklevel=3)
 
     # ---- training ------------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -333,8 +312,7 @@ class Trainer:
                 "see the examples the interrupted one would have. Rerun with the same data and "
                 "settings, use a new workdir, or pass fit(resume=False) to start over.")
         tree, meta = self.deployer.load_ckpt(found[-1], self._ckpt_tree())
-        step = jax.device_put(jnp.asarray(meta["step"], jnp.int32), self.deployer.replicated)
-        self.state = self.state.replace(step=step, **tree)
+        self.state = self.state.replace(step=self._placed_step(meta["step"]), **tree)
         self.deployer.log_info(f"Resumed from {found[-1]} (step {meta['step']}).")
         return meta
 
@@ -358,7 +336,13 @@ class Trainer:
             len(train_examples), batch_size * self.accumulate_grad_batches, "train_examples")
         if eval_examples is not None:
             n_full_batches(len(eval_examples), 1, "eval_examples")
-        self._check_schedule(n_epochs * steps_per_epoch)
+        total = getattr(self.lr_schedule_fn, "total_steps", None)
+        if total is not None and total != n_epochs * steps_per_epoch:
+            warnings.warn(
+                f"The lr schedule spans {total} updates but this fit makes "
+                f"{n_epochs * steps_per_epoch}, so it will not end at its end value. Pass "
+                f"accumulate_grad_batches={self.accumulate_grad_batches} (and the same batch size "
+                "and epochs) to deployer.get_lr_schedule_fn.", stacklevel=2)
         self._data_position = {"n_examples": len(train_examples), "jax_seed": self.deployer.jax_seed,
                                "examples_per_step": batch_size * self.accumulate_grad_batches}
         self._best = {}

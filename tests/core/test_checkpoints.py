@@ -171,5 +171,12 @@ def test_a_third_party_format_registers_through_entry_points(tmp_path, monkeypat
         tree, meta = other.deployer.load_ckpt(path, other._ckpt_tree())
         assert meta["format"] == "npz"
         assert_bit_equal(host(tree), host(trainer._ckpt_tree()))
+        # A reader that fails on intact files: the error says so, and nothing is deleted.
+        npz_format = type(plugins.lookup("checkpoint_formats", "npz"))
+        monkeypatch.setattr(npz_format, "load", lambda self, path, target: {}["no such array"])
+        with pytest.raises(ValueError, match=r"as a npz checkpoint \(KeyError.*Its files are "
+                                             r"intact.*check the target's dtypes and shardings"):
+            other.deployer.load_ckpt(path, other._ckpt_tree())
+        assert os.listdir(os.path.join(path, "state")) == ["arrays.npz"]
     finally:
         plugins.pm.unregister(name="npz")

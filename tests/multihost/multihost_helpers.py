@@ -1,10 +1,10 @@
 """What every launcher test shares: the worker (``worker.py``), the single-process reference run
 of it, the check that a multi-process run trained exactly like it, ``redco`` run in-process, and
-fixtures for an environment without launcher variables and a ``jax.distributed`` that must not
-be reached (a conftest imports them to offer them).
+fixtures for the reference run, an environment without launcher variables and a
+``jax.distributed`` that must not be reached (each conftest imports them to offer them).
 
-A module of its own (not ``conftest.py``) because the launcher plugins' tests
-(``plugins/slurm/tests``, ``plugins/xmanager/tests``) import it too, and pytest gives every
+A module of its own (not ``conftest.py``) because the launcher plugins' tests (``plugins/ip/tests``,
+``plugins/slurm/tests``, ``plugins/xmanager/tests``) import it too, and pytest gives every
 ``conftest.py`` outside a package the same module name, so ``from conftest import ...`` would get
 whichever conftest was loaded last when several test folders run together. The reference run is
 made once per pytest process, whichever folder asks first.
@@ -98,6 +98,12 @@ def reference_run() -> tuple[dict, dict]:
         return read_results(workdir, 1)[0], dict(np.load(os.path.join(workdir, "params.npz")))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """One process with all 8 devices: what every multi-process run must reproduce."""
+    return reference_run()
 
 
 def assert_trains_like_reference(workdir: str, n_processes: int, launcher: str, reference):

@@ -1,4 +1,8 @@
-"""The ``ip`` launcher: hosts reached by address, joined by ``jax.distributed``.
+"""``redco-ip``: multi-host runs. The ``ip`` launcher (this module), what every joining launcher
+shares (``redco_ip.join``: the heartbeat timeout, the process-count checks), and ``redco doctor``
+(``redco_ip.doctor``).
+
+The ``ip`` launcher: hosts reached by address, joined by ``jax.distributed``.
 
 Joining: ``Deployer(n_processes=, host0_address=, host0_port=, process_id=)`` (the paper's
 arguments), or the same in ``REDCO_N_PROCESSES``, ``REDCO_HOST0_ADDRESS``, ``REDCO_HOST0_PORT``
@@ -9,7 +13,11 @@ jax starts: a busy port, a process id out of range, an argument that disagrees w
 host 0 on loopback while other hosts are remote.
 
 ``redco`` depends on this distribution, so a bare ``pip install redco`` runs a multi-host script
-written against the paper's arguments.
+written against the paper's arguments, and has ``redco doctor``. Launcher plugins that join runs
+(``redco-slurm``) depend on it for ``redco_ip.join``.
+
+Registered through the ``redco`` entry-point group: ``register_launchers`` (``"ip"``) and
+``register_commands`` (``"doctor"``, ``trylast`` so that a plugin may replace it).
 """
 from __future__ import annotations
 
@@ -26,7 +34,9 @@ import time
 import jax
 
 import redco
-from redco.protocols import HEARTBEAT_TIMEOUT_S, Launcher, LaunchError, as_int, check_process_count
+from redco.protocols import Launcher, LaunchError
+from redco_ip.doctor import Doctor
+from redco_ip.join import HEARTBEAT_TIMEOUT_S, as_int, check_process_count
 
 # Deployer argument -> the environment variable the ``ip`` launcher reads it from.
 IP_ENV = {"n_processes": "REDCO_N_PROCESSES", "host0_address": "REDCO_HOST0_ADDRESS",
@@ -266,3 +276,8 @@ def launch_ip(command: list[str], hosts: list[str], port: int, run: bool = False
 @redco.hookimpl
 def register_launchers(register):
     register("ip", IPLauncher())
+
+
+@redco.hookimpl(trylast=True)
+def register_commands(register):
+    register("doctor", Doctor())

@@ -7,7 +7,7 @@ JAX's own SLURM detection then finds everything: the process id (``SLURM_PROCID`
 ``SLURM_JOB_ID % 4096 + 61440`` unless ``JAX_COORDINATOR_PORT`` is set). What redco adds:
 
 * explicit ``Deployer`` process arguments win: the launcher stands aside
-  (``redco.protocols.explicit``);
+  (``redco_ip.join.explicit``);
 * in the bare body of an sbatch script (a job of several tasks, but no step) the ``REDCO_*``
   variables of ``redco launch --launcher ip`` win; without them the launcher is detected anyway,
   so that ``initialize`` can say "run it through srun" instead of jax's obscure error;
@@ -19,8 +19,8 @@ import os
 
 import jax
 
-from redco.protocols import HEARTBEAT_TIMEOUT_S, as_int, check_process_count, explicit
 from redco_ip import IP_ENV
+from redco_ip.join import HEARTBEAT_TIMEOUT_S, as_int, check_process_count, explicit
 
 
 def n_tasks() -> int:

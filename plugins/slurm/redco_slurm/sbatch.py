@@ -27,6 +27,7 @@ from redco.protocols import LaunchError
 # Job states after which a SLURM job never runs again (a requeued job is PENDING or REQUEUED).
 DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                "PREEMPTED", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
+SETTLE_S = 3.0  # how long an ended state must last before wait_for_job believes it
 
 
 @dataclass
@@ -176,12 +177,16 @@ def wait_for_job(job_id: str, output_path: str, poll_s: float = 1.0,
                  out: TextIO | None = None) -> int:
     """Poll ``squeue`` until the job ends, copying its output file to ``out`` (stdout) as it
     grows; return the job's exit code. Ctrl-C cancels the job."""
-    follower, state = _Follower(output_path, out or sys.stdout), None
+    follower, state, ended_polls = _Follower(output_path, out or sys.stdout), None, 0
     try:
         while True:
             state = job_state(job_id)
             follower.copy()
-            if state is None or state.split()[0] in DONE_STATES:
+            # A job being requeued can show an ended state (FAILED) for a moment, and squeue
+            # can fail while slurmctld is busy: believe "ended" only once it has lasted 3 s.
+            ended = state is None or state.split()[0] in DONE_STATES
+            ended_polls = ended_polls + 1 if ended else 0
+            if ended_polls * poll_s >= SETTLE_S:
                 break
             time.sleep(poll_s)
     except KeyboardInterrupt:

@@ -18,16 +18,10 @@ import pytest  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "tests", "multihost"))
 
-from multihost_helpers import clean_env, no_jax_distributed, reference_run, worker_env  # noqa: E402, F401
+from multihost_helpers import clean_env, no_jax_distributed, reference, worker_env  # noqa: E402, F401
 
 SLURM_SH = os.path.join(HERE, "slurm.sh")
 SLURM_DIR = os.environ.get("REDCO_SLURM_DIR", "/tmp/redco-slurm")
-
-
-@pytest.fixture(scope="session")
-def reference():
-    """One process with all 8 devices: what every multi-process run must reproduce."""
-    return reference_run()
 
 
 def slurm_sh(action: str) -> None:

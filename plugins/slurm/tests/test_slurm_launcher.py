@@ -11,7 +11,7 @@ import pytest
 from multihost_helpers import deployer_error, run_cli, worker_env
 
 from redco import plugins
-from redco.protocols import HEARTBEAT_TIMEOUT_S
+from redco_ip.join import HEARTBEAT_TIMEOUT_S
 from redco_slurm import SlurmLauncher
 
 NO_PROCESS_ARGS = dict(n_processes=None, host0_address=None, host0_port=None, process_id=None)

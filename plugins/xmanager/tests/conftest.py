@@ -8,15 +8,7 @@ import sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-import pytest  # noqa: E402
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
                                 "tests", "multihost"))
 
-from multihost_helpers import reference_run  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def reference():
-    """One process with all 8 devices: what every multi-process run must reproduce."""
-    return reference_run()
+from multihost_helpers import reference  # noqa: E402, F401 (a fixture)

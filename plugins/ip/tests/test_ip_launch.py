@@ -1,6 +1,8 @@
-"""``redco launch`` and ``redco doctor`` without a cluster: the ``ip`` command lines, ``--run`` with
-two local processes that really train, launcher detection, and the early errors for classic
-mistakes. The SLURM and XManager launchers' tests are in their plugins (``plugins/*/tests``)."""
+"""redco-ip without a cluster: ``redco launch --launcher ip`` (the command lines, ``--run`` with two
+local processes that really train), ``redco doctor``, launcher detection, and the early errors for
+classic mistakes. Several processes joined through the ip launcher training like one, and
+checkpoints moving between process counts, are core's tests (``tests/multihost``); the SLURM and
+XManager launchers' tests are in their plugins (``plugins/*/tests``)."""
 import socket
 import subprocess
 import sys
