@@ -95,4 +95,6 @@ def main():
 
 
 if __name__ == "__main__":
+    from provenance import print_provenance
+    print_provenance()
     main()

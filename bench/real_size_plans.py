@@ -55,4 +55,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from provenance import print_provenance
+    print_provenance()
     main()

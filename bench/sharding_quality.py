@@ -788,4 +788,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    from provenance import print_provenance
+    print_provenance()
     main()

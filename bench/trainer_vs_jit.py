@@ -299,4 +299,6 @@ def profile(trainer, deployer, run_redco, chunks, args) -> None:
 
 
 if __name__ == "__main__":
+    from provenance import print_provenance
+    print_provenance()
     main()
