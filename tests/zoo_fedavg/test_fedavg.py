@@ -1,9 +1,16 @@
-"""redco-zoo-fedavg: FedAvg learns pathological non-IID digits, and the pipeline and the template
-are found through entry points (the template's project: tests/templates)."""
+"""redco-zoo-fedavg: FedAvg learns pathological non-IID digits (near centralised training, far
+above any client alone), and the pipeline and the template are found through entry points (the
+template's project: tests/templates)."""
 import argparse
 
+import jax
+import numpy as np
+import optax
+
+import redco
 from redco.cli import main as redco_main
-from redco_zoo_fedavg.pipeline import FedAvgPipeline, load_digits, split_clients
+from redco_zoo_fedavg import pipeline as fedavg_module
+from redco_zoo_fedavg.pipeline import FedAvgPipeline, fedavg, load_digits, split_clients, train_locally
 
 
 def test_pathological_split_gives_each_client_two_labels():
@@ -18,18 +25,55 @@ def test_pathological_split_gives_each_client_two_labels():
     assert all(len({e["y"] for e in client}) == 10 for client in iid)
 
 
-def test_fedavg_learns_non_iid_digits_and_beats_a_client_alone(workdir):
-    """10 clients holding 2 labels each, all sampled each round, 2 local epochs of SGD, 50
-    rounds, the MLP split over 2 model shards (dp 4 x mp 2)."""
+def test_a_round_gives_the_server_the_size_weighted_mean_of_the_clients_params(workdir):
+    """One round of ``fedavg`` equals each client trained from the server's params (same epoch
+    seeds) and averaged with weights = examples held; the clients hold 135-149 examples, so the
+    plain mean differs, and the check tells the two apart."""
+    clients = split_clients(load_digits(seed=0)[0], n_clients=10, iid=False, seed=0)
+    deployer = redco.Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    trainer = redco.Trainer(deployer, fedavg_module.collate_fn, fedavg_module.apply_fn, fedavg_module.loss_fn,
+                            jax.device_get(fedavg_module.init_params(0)), optax.sgd(0.1))
+    start = jax.device_get(trainer.params)
+    server = fedavg(trainer, clients, n_rounds=1, clients_per_round=10, local_epochs=2,
+                    per_device_batch_size=4)
+    local = [train_locally(trainer, start, c, 2, 4, first_epoch=2 * i) for i, c in enumerate(clients)]
+    sizes = [len(c) for c in clients]
+    assert len(set(sizes)) > 1, sizes
+
+    def mean(weights):
+        return jax.tree.map(lambda *ps: np.average(ps, axis=0, weights=weights), *local)
+
+    def gap(a, b):  # the largest difference over all params
+        return max(float(np.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    weighted, plain = gap(server, mean(sizes)), gap(server, mean(None))
+    print(f"server vs size-weighted mean {weighted:.2e}, vs plain mean {plain:.2e}")
+    assert weighted <= 1e-6 and plain >= 1e-4  # float32 rounding; a real difference
+
+
+def test_fedavg_nears_centralised_training_and_beats_every_client_alone(workdir):
+    """10 clients holding 2 labels each, all sampled each round, 2 local epochs of SGD, 25 rounds,
+    the MLP split over 2 model shards (dp 4 x mp 2). The pipeline also trains the same MLP from
+    the same init on the union of the clients' data for as many examples as FedAvg saw (50
+    epochs), and on each client's data alone for as many epochs as FedAvg gave it (50)."""
     parser = argparse.ArgumentParser()
     pipeline = FedAvgPipeline()
     pipeline.add_arguments(parser)
-    args = parser.parse_args(["--n_model_shards", "2", "--per_device_batch_size", "4",
+    args = parser.parse_args(["--n_rounds", "25", "--n_model_shards", "2", "--per_device_batch_size", "4",
                               "--workdir", workdir])
     result = pipeline.run(args)
-    print(f"test accuracy: FedAvg {result['fedavg']:.4f}, client 0 alone {result['alone']:.4f}")
-    assert result["fedavg"] >= 0.85
-    assert result["fedavg"] >= 3 * result["alone"]
+    fedavg, centralised, alone = result["fedavg"], result["centralised"], result["alone"]
+    print(f"test accuracy: FedAvg {fedavg:.4f}, centralised {centralised:.4f} (ratio "
+          f"{fedavg / centralised:.3f}), clients alone {[round(a, 4) for a in alone]}")
+    assert len(alone) == 10
+    # Measured: FedAvg 0.9192, centralised 0.9805 (ratio 0.938; at 50 rounds 0.9359 / 0.9777 =
+    # 0.957). Non-IID FedAvg trails centralised SGD; 0.9x leaves ~4 points for float/platform
+    # drift, while a server that drops clients' updates lands near one client's 0.2.
+    assert fedavg >= 0.9 * centralised
+    # Measured: the best client alone 0.2284 (client 7), each at the share of its 2 labels in the
+    # test set (0.17-0.23): FedAvg 0.69 above it. A model that knows k labels scores at most the
+    # share of those k, and the 6 commonest make 0.649 of the test set: best + 0.5 (>= 0.728 here)
+    # needs >= 7 labels right, i.e. >= 4 clients' knowledge in the one model.
+    assert fedavg >= max(alone) + 0.5
 
 
 def test_zoo_list_and_new_list_show_fedavg(capsys):

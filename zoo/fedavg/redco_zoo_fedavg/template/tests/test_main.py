@@ -1,5 +1,5 @@
 """Runs out of the box: 8 simulated CPU devices, a few FedAvg rounds, an accuracy that neither
-a client alone (2 of 10 labels, at most ~0.2) nor a broken average reaches."""
+a client alone (its 2 of 10 labels are at most 0.23 of the test set) nor a broken average reaches."""
 import os
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
