@@ -1,6 +1,6 @@
 """What the checkpoint tests of tests/core (orbax, the directory machinery) and tests/formats (the
 same checks for every format) share: a tiny LM trainer, host copies of trees, damaging files,
-and driving kill_worker.py, the training command the kill tests SIGKILL and rerun."""
+and driving kill_worker.py, the training command the kill tests kill and rerun."""
 import json
 import os
 import shutil
@@ -74,9 +74,27 @@ def forge(ckpt: str, name: str, data: bytes) -> None:
         json.dump(meta, f)
 
 
-# ---- the kill tests: kill_worker.py started, SIGKILLed, rerun --------------------------------
+# ---- the kill tests: kill_worker.py started, killed, rerun -------------------------------------
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kill_worker.py")
 TIMEOUT = 300
+
+
+def half_the_biggest_file(ckpt_dir: str) -> int:
+    """Half the size of the biggest file of the newest complete checkpoint in ``ckpt_dir`` (its
+    meta.json records every file's size). The checkpoint written next holds the same arrays, so
+    it has a file of about that size (orbax's compressed files vary by a few percent), and its
+    writer passes this many bytes part way through that file."""
+    with open(os.path.join(checkpointing.step_ckpts(ckpt_dir)[-1], "meta.json")) as f:
+        return max(file["bytes"] for file in json.load(f)["files"].values()) // 2
+
+
+# kill_worker.py's points where the kernel stops the format's writer at a file-size limit (bytes,
+# from the checkpoint directory), with SIGXFSZ; at the others (step, saved) it SIGKILLs itself.
+WRITE_LIMITS = {"create": lambda ckpt_dir: 0, "write": half_the_biggest_file}
+# Formats whose writer sizes each file to its full length (ftruncate) before writing into it
+# (safetensors 0.8: a temp file, set_len, write, rename): a limit below a file's size stops the
+# writer there, that file still empty, rather than part way through its data.
+PREALLOCATING = {"safetensors"}
 
 
 def worker_env(fmt: str) -> dict:
@@ -113,8 +131,41 @@ def finish(proc, expected_rc) -> str:
     return out
 
 
+def expected_rc(kill) -> int:
+    if kill is None:
+        return 0
+    return -signal.SIGXFSZ if kill.split(":")[0] in WRITE_LIMITS else -signal.SIGKILL
+
+
 def run(workdir, kill=None, fmt="orbax") -> str:
-    return finish(start(workdir, kill, fmt), -signal.SIGKILL if kill else 0)
+    return finish(start(workdir, kill, fmt), expected_rc(kill))
+
+
+def files_under(path) -> dict[str, int]:
+    """``{relative path: bytes}`` of every file under ``path``."""
+    return {os.path.relpath(os.path.join(d, f), path): os.path.getsize(os.path.join(d, f))
+            for d, _, names in os.walk(path) for f in names}
+
+
+def run_killed_mid_save(workdir, kill, previous, fmt="orbax") -> dict[str, int]:
+    """Run the worker with ``kill`` (``create:N`` or ``write:N``) and check that the kernel
+    stopped the format's writer part way through saving ``step_N``: the process died of SIGXFSZ
+    (a write went past the limit, so the writer had more to write), ``step_N.tmp`` holds the
+    files the writer had begun, none past the limit and no meta.json, and the newest complete
+    checkpoint, the one a rerun resumes from, is ``previous``. Returns ``{file: bytes}`` of
+    what the kill left in ``step_N.tmp``."""
+    point, n = kill.split(":")
+    out = run(workdir, kill, fmt)
+    assert latest(workdir) == previous, f"newest complete checkpoint {latest(workdir)}, not {previous}"
+    names = ckpt_names(workdir)
+    assert f"step_{n}.tmp" in names and f"step_{n}" not in names, names
+    limit = WRITE_LIMITS[point](os.path.join(workdir, "ckpts"))  # as the worker computed it
+    assert f"step_{n}.tmp/state with files limited to {limit} bytes" in out, out[-2000:]
+    left = files_under(os.path.join(workdir, "ckpts", f"step_{n}.tmp"))
+    assert left and "meta.json" not in left, left  # the format had begun; redco had not finished
+    cut = 0 if point == "create" or fmt in PREALLOCATING else limit
+    assert max(left.values()) == cut, (left, limit)  # and nothing went past the limit
+    return left
 
 
 def ckpt_names(workdir) -> list[str]:

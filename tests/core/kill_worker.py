@@ -5,13 +5,23 @@ tests/formats/test_format_kill_resume.py, every format):
 Trains helpers' tiny LLaMA-style LM (2 model shards on 8 simulated CPU devices, 3 epochs of 4
 updates, a step checkpoint every 3 updates and at each epoch's end, the last 2 kept), resuming
 from WORKDIR's checkpoints like any rerun of the same command, and writes the final params to
-WORKDIR/final.npz. With ``--kill POINT`` the process SIGKILLs itself at
+WORKDIR/final.npz. With ``--kill POINT`` the process dies at
 
-* ``step:N``  - in ``on_step_end`` for update N (before any checkpoint of N is written);
-* ``write:N`` - in the middle of writing checkpoint ``step_N``: the real writer of the format
-  (``--format``, default ``orbax``) has run, then the biggest file under ``step_N.tmp/state`` is
-  cut to half its size (no meta.json yet);
-* ``saved:N`` - in ``on_checkpoint_saved`` for ``step_N`` (renamed into place and pruned).
+* ``step:N``  - SIGKILL in ``on_step_end`` for update N (before any checkpoint of N is written);
+* ``create:N`` - while the real writer of the format (``--format``, default ``orbax``) is saving
+  checkpoint ``step_N``, at its first write of data into any file: the files it has created by
+  then are empty, and no meta.json exists;
+* ``write:N`` - while that writer is saving ``step_N``, at the write that would take a file past
+  half the size of the biggest file of the newest complete checkpoint: that file is left cut at
+  exactly that size, with more still to write (a writer that first sizes a file to its full
+  length, as safetensors does, is stopped at that sizing, the file still empty);
+* ``saved:N`` - SIGKILL in ``on_checkpoint_saved`` for ``step_N`` (renamed into place and pruned).
+
+``create`` and ``write`` stop the format's own writing (tensorstore threads for orbax, Rust for
+safetensors, Python for msgpack) inside the write(2) call, wherever it is made: just before the
+real ``save`` starts, the process's file-size limit (RLIMIT_FSIZE) is set to that size and
+SIGXFSZ restored to its default action, so the kernel terminates the whole process (as abruptly
+as SIGKILL: no handler, no cleanup) the moment any write would go past the limit.
 
 Every start appends the step training starts from (after any resume) to WORKDIR/starts.txt.
 """
@@ -24,6 +34,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import re  # noqa: E402
+import resource  # noqa: E402
 import signal  # noqa: E402
 
 import jax  # noqa: E402
@@ -34,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/core, fo
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from ckpt_helpers import WRITE_LIMITS  # noqa: E402
 from helpers import GLOBAL_BATCH, lm_collate, lm_examples, lm_loss, lm_model  # noqa: E402
 
 import redco  # noqa: E402
@@ -52,11 +64,11 @@ def die(why: str) -> None:
 
 class KillingFormat(CheckpointFormat):
     """Registered under the name of the format it wraps, after that one (so it wins): the real
-    format, except that the save of ``step_<kill_step>`` is left half-written and the process
-    dies."""
+    format, except that its save of ``step_<kill_step>`` runs under a file-size limit of
+    ``limit(ckpt_dir)`` bytes, so that the kernel kills the process part way through it."""
 
-    def __init__(self, name, kill_step):
-        self.name, self.kill_step = name, kill_step
+    def __init__(self, name, kill_step, limit):
+        self.name, self.kill_step, self.limit = name, kill_step, limit
         self.real = plugins.lookup("checkpoint_formats", name)
 
     @redco.hookimpl
@@ -64,20 +76,27 @@ class KillingFormat(CheckpointFormat):
         register(self.name, self)
 
     def save(self, path, tree):
+        ckpt = os.path.dirname(path)  # <ckpt_dir>/step_N.tmp
+        m = re.match(r"step_(\d+)", os.path.basename(ckpt))
+        if not (m and int(m.group(1)) == self.kill_step):
+            return self.real.save(path, tree)
+        limit = self.limit(os.path.dirname(ckpt))
+        print(f"kill_worker: writing {path} with files limited to {limit} bytes", flush=True)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it: writes would fail
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
         self.real.save(path, tree)
-        m = re.search(r"step_(\d+)\.tmp$", os.path.dirname(path))
-        if m and int(m.group(1)) == self.kill_step:
-            files = [os.path.join(d, f) for d, _, names in os.walk(path) for f in names]
-            biggest = max(files, key=os.path.getsize)
-            os.truncate(biggest, os.path.getsize(biggest) // 2)
-            die(f"while writing {os.path.dirname(path)} ({biggest} cut to half)")
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        sys.exit(f"kill_worker: the {self.name} writer finished {path} without writing past "
+                 f"{limit} bytes")
 
     def load(self, path, target):
         return self.real.load(path, target)
 
 
 class Killer:
-    """Per-run callbacks: record where training starts; die at ``step:N`` / ``saved:N``."""
+    """Per-run callbacks: record where training starts; SIGKILL at ``step:N`` / ``saved:N``."""
 
     def __init__(self, workdir, point, n):
         self.workdir, self.point, self.n = workdir, point, n
@@ -102,16 +121,17 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("workdir")
     parser.add_argument("--format", default="orbax", help="the checkpoint format to write")
-    parser.add_argument("--kill", default=None, help="step:N, write:N or saved:N")
+    parser.add_argument("--kill", default=None, help="step:N, create:N, write:N or saved:N")
     args = parser.parse_args()
     point, n = (None, None)
     if args.kill:
         point, n = args.kill.split(":")
         n = int(n)
-        assert point in ("step", "write", "saved"), args.kill
+        assert point in ("step", "create", "write", "saved"), args.kill
     os.makedirs(args.workdir, exist_ok=True)
 
-    plugins.pm.register(KillingFormat(args.format, n if point == "write" else None))
+    limit = WRITE_LIMITS.get(point)  # None: no save is stopped
+    plugins.pm.register(KillingFormat(args.format, n if limit else None, limit))
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=args.workdir, verbose=False,
                         checkpoint_format=args.format)
     apply_fn, params = lm_model()

@@ -1,17 +1,19 @@
-"""The kill test for each format plugin: training SIGKILLed in the middle of writing a checkpoint
-in that format, then rerun with the same command, ends bitwise equal to an uninterrupted run.
+"""The kill test for each format plugin: training killed while that format's own writer is
+saving a checkpoint, then rerun with the same command, ends bitwise equal to an uninterrupted
+run.
 
 tests/core/test_kill_resume.py kills orbax, the built-in format, at four points; those points
-besides the mid-write one (mid-epoch, just after a save) do not touch the format. Here each
-plugin format gets the point that does: a half-written ``step_6.tmp`` of its own files, then a
-rerun that reads step_4 back through the format and finishes. An uninterrupted run never reads
-a checkpoint, so one serves as the reference for every format.
+besides the two during a save (mid-epoch, just after a save) do not touch the format. Here each
+plugin format gets the two that do (kill_worker.py): its writer stopped by the kernel at its
+first byte of step_6, then, in the rerun (which reads step_4 back through the format), part
+way through step_8; the last rerun reads step_6 back and finishes. An uninterrupted run never
+reads a checkpoint, so one serves as the reference for every format.
 """
 import json
 import os
 
 import pytest
-from ckpt_helpers import assert_same_run, ckpt_names, finish, latest, run, start, starts
+from ckpt_helpers import assert_same_run, ckpt_names, finish, run, run_killed_mid_save, start, starts
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +35,16 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "msgpack"])
-def test_killed_mid_write_and_rerun_matches_an_uninterrupted_run(fmt, uninterrupted, tmp_path):
+def test_killed_while_writing_and_rerun_matches_an_uninterrupted_run(fmt, uninterrupted, tmp_path):
     killed = str(tmp_path / "killed")
-    run(killed, "write:6", fmt)
+    run_killed_mid_save(killed, "create:6", previous="step_4", fmt=fmt)  # the files left empty
     assert ckpt_names(killed) == ["step_3", "step_4", "step_6.tmp"]
-    tmp = os.path.join(killed, "ckpts", "step_6.tmp")
-    assert not os.path.exists(os.path.join(tmp, "meta.json"))
-    assert latest(killed) == "step_4"
     with open(os.path.join(killed, "ckpts", "step_4", "meta.json")) as f:
         assert json.load(f)["format"] == fmt
 
+    run_killed_mid_save(killed, "write:8", previous="step_6", fmt=fmt)  # step_6.tmp removed
+    assert ckpt_names(killed) == ["step_4", "step_6", "step_8.tmp"]
+
     run(killed, fmt=fmt)
-    assert starts(killed) == [0, 4]
+    assert starts(killed) == [0, 4, 6]
     assert_same_run(killed, uninterrupted())
