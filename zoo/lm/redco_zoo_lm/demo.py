@@ -30,6 +30,13 @@ def byte_sequences(seq_len: int) -> list[dict]:
     return [{"token_ids": row} for row in data[:n * (seq_len + 1)].reshape(n, seq_len + 1)]
 
 
+def make_model(hidden_size: int, n_layers: int, seed: int) -> LlamaForCausalLM:
+    """The demo's model: bytes in, bytes out (``vocab_size`` 256)."""
+    config = LlamaConfig(hidden_size=hidden_size, num_hidden_layers=n_layers,
+                         intermediate_size=hidden_size * 11 // 4)
+    return LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--n_model_shards", type=int, default=2)
@@ -49,9 +56,7 @@ def main(argv=None) -> None:
     n_eval = len(examples) // 20
     train_examples, eval_examples = examples[n_eval:], examples[:n_eval]
 
-    config = LlamaConfig(hidden_size=args.hidden_size, num_hidden_layers=args.n_layers,
-                         intermediate_size=args.hidden_size * 11 // 4)
-    model = LlamaForCausalLM(config, rngs=nnx.Rngs(args.jax_seed))
+    model = make_model(args.hidden_size, args.n_layers, args.jax_seed)
     apply_fn, params = split_model(model)
     lr_schedule_fn = deployer.get_lr_schedule_fn(
         train_size=len(train_examples), per_device_batch_size=args.per_device_batch_size,
@@ -76,7 +81,8 @@ def main(argv=None) -> None:
         collate_fn=lambda exs: {"input_ids": np.stack([np.frombuffer(e.encode(), np.uint8)
                                                        .astype(np.int32) for e in exs])},
         pred_fn=functools.partial(pred_fn, model=model),
-        output_fn=lambda preds: [bytes(row.astype(np.uint8)).decode(errors="replace")
+        # bytes that are not UTF-8 (a byte model may sample them) show as \xNN
+        output_fn=lambda preds: [bytes(row.astype(np.uint8)).decode(errors="backslashreplace")
                                  for row in preds],
         params_sharding_rules=trainer.params_sharding_rules)
     sample = predictor.predict([prompt], per_device_batch_size=1, params=trainer.params)[0]
