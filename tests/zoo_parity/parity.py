@@ -1,8 +1,12 @@
-"""What the parity tests share: perturbed random weights, loading, logits, the tolerance."""
+"""What the parity tests share: perturbed random weights, loading, logits, the tolerance, and
+greedy and beam-search tokens from both sides."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+
+from redco_zoo_models.generation import generate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -57,3 +61,53 @@ def hf_greedy(model, first, skip: int, n_new: int, eos: int, pad: int, **inputs)
                              do_sample=False, eos_token_id=eos, pad_token_id=pad,
                              **{k: torch.tensor(v) for k, v in inputs.items()}).numpy()[:, skip:]
     return np.pad(out, ((0, 0), (0, n_new - out.shape[1])), constant_values=pad)
+
+
+def left_padded(rows: int, length: int, high: int, pad: int, seed: int):
+    """``rows`` random prompts of ``length`` ids below ``high``, row ``r`` behind ``r % 4`` pads,
+    and their mask."""
+    mask = (np.arange(length) >= np.arange(rows)[:, None] % 4).astype(np.int64)
+    ids = np.random.RandomState(seed).randint(0, high, (rows, length))
+    return np.where(mask > 0, ids, pad), mask
+
+
+def hf_beams(model, first, skip: int, n_new: int, num_beams: int, eos: int, pad: int,
+             **inputs) -> np.ndarray:
+    """transformers' beam-search tokens for ``generate(first, **inputs)`` after its first
+    ``skip``, with its defaults (length penalty 1.0, ``early_stopping=False``); each row cut after
+    its first ``eos`` and padded with ``pad`` to ``n_new`` as ours are (transformers fills with
+    ``pad_token_id or eos``: with pad 0, EOS)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor(np.asarray(first)), max_new_tokens=n_new,
+                             num_beams=num_beams, do_sample=False, length_penalty=1.0,
+                             eos_token_id=eos, pad_token_id=pad,
+                             **{k: torch.tensor(v) for k, v in inputs.items()}).numpy()[:, skip:]
+    want = np.full((len(out), n_new), pad, out.dtype)
+    for row, tokens in zip(want, out):
+        ends = np.flatnonzero(tokens == eos)
+        n = ends[0] + 1 if len(ends) else len(tokens)
+        row[:n] = tokens[:n]
+    return want
+
+
+def zoo_beams(model, first, n_new: int, num_beams: int, pad: int, **inputs):
+    """The zoo's beam-search tokens as a function of the EOS id, compiled once (the id is
+    traced); ``inputs``: ``prompt_mask`` or ``encoder_inputs``."""
+    fn = jax.jit(lambda params, eos: generate(
+        model, params, jnp.asarray(first), n_new, num_beams=num_beams, eos_token_id=eos,
+        pad_token_id=pad, length_penalty=1.0, **inputs))
+    params = nnx.state(model, nnx.Param)
+    return lambda eos: np.asarray(fn(params, eos))
+
+
+def check_beams(ours, theirs, eos: int):
+    """``ours(end)`` and ``theirs(end)`` give the same tokens for the config's ``eos`` (random
+    weights rarely emit it, so rows mostly run to the end) and for the two tokens ours emits most
+    often when nothing ends a beam: those end rows early, fill the ``k`` finished hypotheses and
+    bring transformers' early stop into play."""
+    values, counts = np.unique(ours(-1), return_counts=True)  # -1: no token ends a beam
+    for end in (eos, *(int(v) for v in values[np.argsort(-counts)][:2])):
+        got = ours(end)
+        np.testing.assert_array_equal(got, theirs(end), err_msg=f"EOS {end}")
+        if end != eos:
+            assert (got[:, :-1] == end).any(), f"EOS {end} ends no row early: nothing checked"

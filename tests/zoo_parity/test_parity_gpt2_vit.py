@@ -1,21 +1,25 @@
 """GPT-2, ViT and VisionEncoderDecoder (ViT + GPT-2) against HuggingFace's PyTorch models:
 checkpoints both ways (transformers' ``save_pretrained`` -> ours, ours -> transformers'
-``from_pretrained``) give the same logits within 1e-4 in float32, and greedy generation gives
+``from_pretrained``) give the same logits within 1e-4 in float32, and greedy and beam search give
 the same tokens."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from parity import (
+    check_beams,
     close,
+    hf_beams,
     hf_greedy,
     jiggle_ours,
     jiggle_torch,
+    left_padded,
     load_hf,
     saved,
     torch,
     torch_logits,
     transformers,
+    zoo_beams,
 )
 
 from redco_zoo_models.generation import generate
@@ -89,6 +93,18 @@ def test_gpt2_greedy_generation_matches_transformers(tmp_path):
                                   hf_greedy(theirs, prompts, 6, 8, EOS, PAD, attention_mask=mask))
 
 
+@pytest.mark.parametrize("num_beams", [3, 4])
+def test_gpt2_beam_search_matches_transformers(tmp_path, num_beams):
+    """Beam search on 8 prompts behind 0 to 3 pads gives transformers' tokens, with the
+    config's EOS and with EOS ids that end rows early (``check_beams``)."""
+    theirs = hf_gpt2()
+    ours = from_pretrained(GPT2LMHeadModel, saved(theirs, tmp_path))
+    prompts, mask = left_padded(8, 6, PAD, PAD, seed=2)
+    check_beams(zoo_beams(ours, prompts, 8, num_beams, PAD, prompt_mask=jnp.asarray(mask)),
+                lambda eos: hf_beams(theirs, prompts, 6, 8, num_beams, eos, PAD,
+                                     attention_mask=mask), EOS)
+
+
 def test_vit_from_transformers(tmp_path):
     theirs = jiggle_torch(transformers.ViTModel(transformers.ViTConfig(**VIT)))
     ours = from_pretrained(ViTModel, saved(theirs, tmp_path))
@@ -125,3 +141,16 @@ def test_vision_encoder_decoder_greedy_generation_matches_transformers(tmp_path)
                    encoder_inputs={"pixel_values": jnp.asarray(PIXELS)}, eos_token_id=EOS,
                    pad_token_id=PAD)
     np.testing.assert_array_equal(np.asarray(got), hf_greedy(theirs, PIXELS, 1, 8, EOS, PAD))
+
+
+@pytest.mark.parametrize("num_beams", [3, 4])
+def test_vision_encoder_decoder_beam_search_matches_transformers(tmp_path, num_beams):
+    """Beam search captions 8 images with transformers' tokens, with the config's EOS and with EOS
+    ids that end rows early (``check_beams``)."""
+    theirs = hf_ved()
+    ours = from_pretrained(VisionEncoderDecoderModel, saved(theirs, tmp_path))
+    pixels = np.random.RandomState(3).randn(8, 3, 16, 16).astype(np.float32)
+    start = np.ones((8, 1), np.int64)
+    check_beams(zoo_beams(ours, start, 8, num_beams, PAD,
+                          encoder_inputs={"pixel_values": jnp.asarray(pixels)}),
+                lambda eos: hf_beams(theirs, pixels, 1, 8, num_beams, eos, PAD), EOS)

@@ -1,11 +1,24 @@
 """The zoo's LLaMA against transformers' PyTorch LLaMA (grouped-query attention, untied and
 tied heads), Mistral and Qwen2 (biases on q, k, v): checkpoints both ways give the same logits,
-left-padded batches included, and greedy generation the same tokens."""
+left-padded batches included, and greedy and beam search the same tokens."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from parity import close, hf_greedy, jiggle_ours, jiggle_torch, load_hf, saved, torch_logits, transformers
+from parity import (
+    check_beams,
+    close,
+    hf_beams,
+    hf_greedy,
+    jiggle_ours,
+    jiggle_torch,
+    left_padded,
+    load_hf,
+    saved,
+    torch_logits,
+    transformers,
+    zoo_beams,
+)
 
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM, from_pretrained, generate, save_pretrained
 
@@ -61,6 +74,19 @@ def test_greedy_generation_matches_transformers(tmp_path):
                    prompt_mask=jnp.asarray(mask), eos_token_id=EOS, pad_token_id=PAD)
     np.testing.assert_array_equal(np.asarray(got),
                                   hf_greedy(theirs, prompts, 6, 8, EOS, PAD, attention_mask=mask))
+
+
+@pytest.mark.parametrize("num_beams", [3, 4])
+def test_beam_search_matches_transformers(tmp_path, num_beams):
+    """Beam search on 8 prompts behind 0 to 3 pads gives transformers' tokens, with the
+    config's EOS and with EOS ids that end rows early (``check_beams``; pad 0, so transformers
+    fills ended rows with EOS)."""
+    theirs = hf_model("llama")
+    ours = from_pretrained(LlamaForCausalLM, saved(theirs, tmp_path))
+    prompts, mask = left_padded(8, 6, EOS, PAD, seed=2)
+    check_beams(zoo_beams(ours, prompts, 8, num_beams, PAD, prompt_mask=jnp.asarray(mask)),
+                lambda eos: hf_beams(theirs, prompts, 6, 8, num_beams, eos, PAD,
+                                     attention_mask=mask), EOS)
 
 
 def test_a_model_trained_here_loads_in_transformers_with_the_same_logits(tmp_path):

@@ -47,8 +47,9 @@ def generate(model: nnx.Module, params: Any, prompt_ids, max_new_tokens: int, *,
     ``model`` gives the structure (its own weights are not used; ``params`` are). Prompts of
     different lengths are left-padded, with ``prompt_mask`` 0 on the padding. For an
     encoder-decoder model, ``prompt_ids`` are the decoder's start tokens and ``encoder_inputs``
-    the keyword arguments of ``model.encode``. ``num_beams > 1`` runs beam search (scores
-    divided by ``length ** length_penalty``); otherwise greedy when ``temperature == 0``, else
+    the keyword arguments of ``model.encode``. ``num_beams > 1`` runs beam search as
+    transformers' ``generate`` does by default (scores divided by ``length ** length_penalty``,
+    its ``early_stopping=False`` stop); otherwise greedy when ``temperature == 0``, else
     sampling with ``rng``.
     """
     m = nnx.merge(nnx.graphdef(model), params)
@@ -79,7 +80,13 @@ def generate(model: nnx.Module, params: Any, prompt_ids, max_new_tokens: int, *,
 
 def _beam_search(m, prompt_ids, key_valid, context, n_new, k, eos, pad, length_penalty,
                  cache_dtype):
-    """Keeps the ``k`` best unfinished and the ``k`` best finished sequences per example."""
+    """Beam search as transformers' PyTorch ``generate`` runs it by default
+    (``early_stopping=False``). Each step ranks the ``2k`` best continuations: those among the
+    best ``k`` that end in EOS become finished hypotheses, scored ``sum of log-probabilities /
+    length ** length_penalty`` (the length counts the EOS); the best ``k`` that do not end live
+    on. An example keeps at most ``k`` finished ones and stops taking more once they all beat its
+    best live beam's score normalised by its current length (transformers' heuristic). At the
+    end the live beams count as finished at full length."""
     b, p = prompt_ids.shape
     beams = lambda x: jnp.repeat(x, k, axis=0)  # (B, ...) -> (B * k, ...)
     key_valid, context = beams(key_valid), jax.tree.map(beams, context)
@@ -88,19 +95,24 @@ def _beam_search(m, prompt_ids, key_valid, context, n_new, k, eos, pad, length_p
     alive = jnp.full((b, k, n_new), pad, prompt_ids.dtype)
     alive_scores = jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf), (b, 1))  # one start
     done, done_scores = alive, jnp.full((b, k), -jnp.inf)
+    normed = lambda scores, length: scores / jnp.asarray(length, jnp.float32) ** length_penalty
 
     def take(x, index):  # x (B, n, ...) at index (B, m) along axis 1
         return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), 1)
 
     def step(carry, i):
-        logits, cache, alive, alive_scores, done, done_scores = carry
+        logits, cache, alive, alive_scores, done, done_scores, open_ = carry
+        # open_: no k finished yet (min -inf) or the best live beam, normalised by the length so
+        # far, beats the worst of them; once closed, an example keeps what it has finished
+        open_ = open_ & (normed(alive_scores[:, 0], jnp.maximum(i, 1)) > done_scores.min(1))
         logprobs = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(b, k, -1)
         vocab = logprobs.shape[-1]
         scores, index = jax.lax.top_k((alive_scores[..., None] + logprobs).reshape(b, -1), 2 * k)
         source, token = index // vocab, (index % vocab).astype(alive.dtype)
         seqs = take(alive, source).at[:, :, i].set(token)  # (B, 2k, n_new)
         ends = token == eos if eos is not None else jnp.zeros_like(token, bool)
-        finished = jnp.where(ends, scores / (i + 1.0) ** length_penalty, -jnp.inf)
+        kept = ends & (jnp.arange(2 * k) < k) & open_[:, None]  # only the best k may finish
+        finished = jnp.where(kept, normed(scores, i + 1), -jnp.inf)
         done_scores, best = jax.lax.top_k(jnp.concatenate([done_scores, finished], 1), k)
         done = take(jnp.concatenate([done, seqs], 1), best)
         alive_scores, best = jax.lax.top_k(jnp.where(ends, -jnp.inf, scores), k)
@@ -108,10 +120,11 @@ def _beam_search(m, prompt_ids, key_valid, context, n_new, k, eos, pad, length_p
         rows = (jnp.arange(b)[:, None] * k + source).reshape(-1)
         cache = jax.tree.map(lambda c: c[rows], cache)
         logits, cache = m.decode(alive[:, :, i].reshape(-1, 1), key_valid, cache, p + i, context)
-        return (logits[:, -1], cache, alive, alive_scores, done, done_scores), None
+        return (logits[:, -1], cache, alive, alive_scores, done, done_scores, open_), None
 
-    carry = (logits[:, -1], cache, alive, alive_scores, done, done_scores)
-    (_, _, alive, alive_scores, done, done_scores), _ = jax.lax.scan(step, carry,
-                                                                      jnp.arange(n_new))
-    scores = jnp.concatenate([done_scores, alive_scores / n_new ** length_penalty], 1)
+    carry = (logits[:, -1], cache, alive, alive_scores, done, done_scores, jnp.ones((b,), bool))
+    (_, _, alive, alive_scores, done, done_scores, open_), _ = jax.lax.scan(step, carry,
+                                                                             jnp.arange(n_new))
+    last = jnp.where(open_[:, None], normed(alive_scores, n_new), -jnp.inf)
+    scores = jnp.concatenate([done_scores, last], 1)
     return take(jnp.concatenate([done, alive], 1), jnp.argmax(scores, 1)[:, None])[:, 0]
