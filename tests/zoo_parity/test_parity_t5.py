@@ -6,15 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch  # installed by tox -e zoo-parity: missing is an error, not a skip
+import transformers
 from flax import nnx
 from safetensors.numpy import load_file
 
 from redco_zoo_models.generation import generate
 from redco_zoo_models.hf import from_pretrained, save_pretrained
 from redco_zoo_models.t5 import T5Config, T5ForConditionalGeneration
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 # attention's inner dim (4 * 6) != d_model; 8 buckets up to distance 16: exact and log buckets
 SHAPE = dict(vocab_size=48, d_model=32, d_kv=6, d_ff=48, num_layers=2, num_heads=4,
