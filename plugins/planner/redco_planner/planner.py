@@ -2,11 +2,21 @@
 
 ``plan(params, loss_fn, batch, n_devices, device_memory_bytes)`` tries ``n_model_shards`` =
 1, 2, 4, ... with each rule set in ``rule_sets`` and picks the first layout whose per-device
-peak fits. The peak is measured, not estimated: the whole train step (forward, backward,
-optimizer update, with the state donated as ``Trainer`` does) is compiled ahead of time on
-abstract shapes, ``jax.jit(step, in_shardings=..., out_shardings=...).lower(...).compile()``,
-and read off XLA's ``memory_analysis()``: arguments + outputs - donated aliases + temporaries,
-so params, gradients, optimizer state and activations are all in. Nothing is allocated.
+peak fits in ``1 - HEADROOM`` of the memory. The peak is measured, not estimated: the whole
+train step (forward, backward, optimizer update, with the state donated as ``Trainer`` does)
+is compiled ahead of time on abstract shapes,
+``jax.jit(step, in_shardings=..., out_shardings=...).lower(...).compile()``, and read off
+XLA's ``memory_analysis()``: arguments + outputs - donated aliases + temporaries, so params,
+gradients, optimizer state and activations are all in. Nothing is allocated.
+
+``HEADROOM`` (10%) is kept free because the compiled peak is what XLA's buffer assignment
+sees, not all the step allocates: the runtime's own buffers, host-side allocations and the
+allocator's rounding come on top. On an H100 the real peak was 1.01x the estimate (BENCHMARKS.md
+section 4). On CPU (``tests/test_planner_accuracy.py``: the process's RSS peak, glibc handing
+every buffer back as it is freed) it was 2 to 8 MiB above the estimate: 1.01x to 1.03x for 38
+to 144 MiB per device on 4 or 8 devices, 1.10x for 2 devices of 39 MiB. Serving systems reserve
+memory the same way (vLLM uses 90% of a GPU by default). ``plan(..., headroom=0.0)`` plans to
+the last byte.
 
 The compile runs on this process's devices; on a CPU, simulate the target's device count with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` set before jax is imported. The numbers
@@ -33,6 +43,16 @@ from jax.sharding import PartitionSpec as P
 from redco import plugins, sharding
 from redco.sharding import Rules, dataflow_trace, opt_state_shardings, shardings_from_specs, specs_from_rules
 from redco_planner.inspection import human_bytes, n_positional, parse_bytes
+
+HEADROOM = 0.1  # the fraction of device memory a plan leaves free; see the module docstring
+
+
+def usable_bytes(device_memory_bytes: int, headroom: float = HEADROOM) -> int:
+    """The most a layout's compiled per-device peak may be: ``device_memory_bytes`` less the
+    ``headroom`` fraction kept for what XLA's buffer assignment does not see."""
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom={headroom!r} must be in [0, 1).")
+    return int(device_memory_bytes * (1 - headroom))
 
 
 def device_memory_bytes(deployer) -> int:
@@ -98,13 +118,17 @@ class Plan:
     device_memory_bytes: int
     n_devices: int
     tried: list[TriedLayout]
+    headroom: float = HEADROOM
 
     def deployer_kwargs(self) -> dict:
         """``Deployer(**plan.deployer_kwargs(), jax_seed=...)``."""
         return {"n_model_shards": self.n_model_shards, "sharding_rules": self.sharding_rules}
 
     def __str__(self) -> str:
-        lines = [f"device memory {human_bytes(self.device_memory_bytes)} x {self.n_devices} devices"]
+        usable = usable_bytes(self.device_memory_bytes, self.headroom)
+        lines = [f"device memory {human_bytes(self.device_memory_bytes)} x {self.n_devices} devices; "
+                 f"a layout fits if its peak is at most {human_bytes(usable)} "
+                 f"({self.headroom:.0%} kept as headroom)"]
         lines += ["  " + layout.describe() for layout in self.tried]
         lines.append(f"pick: n_model_shards={self.n_model_shards}, "
                      f"sharding_rules={self.sharding_rules!r}, peak "
@@ -219,7 +243,8 @@ def model_shard_degrees(n_devices: int) -> list[int]:
 def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices: int,
          device_memory_bytes: int, optimizer: Any = optax.adamw,
          rule_sets: Sequence[str] = ("auto", "auto+fsdp"), trace_fn: Callable | None = None,
-         try_all: bool = False, log: Callable[[str], None] | None = None) -> Plan:
+         try_all: bool = False, log: Callable[[str], None] | None = None,
+         headroom: float = HEADROOM) -> Plan:
     """The smallest model-parallel layout whose train step fits ``device_memory_bytes``.
 
     Args:
@@ -234,6 +259,9 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
       trace_fn: for the ``auto`` rules' dataflow; by default the loss on the batch shapes.
       try_all: compile every layout instead of stopping at the first that fits.
       log: called with a line per layout as it is measured (e.g. ``print``).
+      headroom: the fraction of ``device_memory_bytes`` left free: a layout fits when its
+        peak is at most ``usable_bytes(device_memory_bytes, headroom)``. The default,
+        ``HEADROOM`` = 0.1, covers what the compiled peak does not count (module docstring).
 
     Raises:
       PlanError: nothing fits; the message names the smallest peak found.
@@ -242,6 +270,7 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
     unknown = [name for name in rule_sets if name not in known]
     if unknown:
         raise ValueError(f"Unknown rule sets {unknown}: known are {sorted(known)}.")
+    usable = usable_bytes(device_memory_bytes, headroom)
     loss = as_loss(loss_or_trace_fn)
     if trace_fn is None and n_positional(loss_or_trace_fn) >= 2:
         trace_fn = dataflow_trace(loss, batch_abstract)
@@ -255,7 +284,7 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
             try:
                 layout = measure(params_abstract, loss, batch_abstract, n_devices, mp, name,
                                  optimizer, trace_fn)
-                layout.fits = layout.peak_bytes <= device_memory_bytes
+                layout.fits = layout.peak_bytes <= usable
             except Exception as e:  # noqa: BLE001 - a layout that cannot compile is reported
                 layout = TriedLayout(name, mp, n_devices, error=f"{type(e).__name__}: {e}"[:300])
             tried.append(layout)
@@ -275,9 +304,10 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
         best = min(measured, key=lambda t: t.peak_bytes)
         raise PlanError(
             f"No layout fits {human_bytes(device_memory_bytes)} per device on {n_devices} "
-            f"devices: the smallest per-device peak found is {human_bytes(best.peak_bytes)} "
+            f"devices, less the {headroom:.0%} headroom (at most {human_bytes(usable)} per "
+            f"device, {usable} bytes): the smallest per-device peak found is {human_bytes(best.peak_bytes)} "
             f"({best.peak_bytes} bytes, n_model_shards={best.n_model_shards}, "
             f"sharding_rules={best.sharding_rules!r}). Use more devices or more memory per "
             "device, a smaller batch or sequence, or a smaller model.", tried)
     return Plan(pick.n_model_shards, pick.sharding_rules, pick.rules, pick.peak_bytes,
-                device_memory_bytes, n_devices, tried)
+                device_memory_bytes, n_devices, tried, headroom)

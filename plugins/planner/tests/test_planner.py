@@ -3,7 +3,7 @@ import jax
 import pytest
 
 from redco_planner.inspection import load_model, parse_bytes
-from redco_planner.planner import PlanError, measure, plan
+from redco_planner.planner import HEADROOM, PlanError, measure, plan, usable_bytes
 
 SEQ_LEN = 32
 
@@ -17,11 +17,16 @@ def test_budget_that_needs_model_parallelism_picks_two_shards(tiny):
     batch = tiny.batch(1)
     data_parallel = [measure(tiny.params, tiny.loss_fn, batch, 8, 1, name)
                      for name in ("auto", "auto+fsdp")]
-    budget = min(layout.peak_bytes for layout in data_parallel) - 1
+    # the largest budget whose usable bytes (HEADROOM kept free) are under both mp=1 peaks (it
+    # was the smaller peak - 1 when a layout fitted to the last byte)
+    smallest = min(layout.peak_bytes for layout in data_parallel)
+    budget = int(smallest / (1 - HEADROOM)) + 2
+    while usable_bytes(budget) >= smallest:
+        budget -= 1
     result = plan(tiny.params, tiny.loss_fn, batch, n_devices=8, device_memory_bytes=budget)
     assert result.n_model_shards == 2
     assert result.sharding_rules in ("auto", "auto+fsdp")
-    assert result.peak_bytes <= budget
+    assert result.peak_bytes <= usable_bytes(budget) < budget
     assert [(t.n_model_shards, t.fits) for t in result.tried][:2] == [(1, False), (1, False)]
     assert result.tried[-1].fits and result.tried[-1].n_model_shards == 2
     assert any("q_proj" in pattern for pattern, _ in result.rules)
@@ -59,6 +64,13 @@ def test_bad_inputs_are_refused(tiny):
         measure(tiny.params, tiny.loss_fn, tiny.batch(1), 64, 1)
 
 
+def test_usable_bytes_keep_the_headroom_free():
+    assert usable_bytes(10 ** 9) == 900_000_000  # HEADROOM = 0.1
+    assert usable_bytes(10 ** 9, headroom=0.0) == 10 ** 9
+    with pytest.raises(ValueError, match="must be in"):
+        usable_bytes(10 ** 9, headroom=1.0)
+
+
 def test_parse_bytes():
     assert parse_bytes("40GB") == parse_bytes("40GiB") == 40 * 2 ** 30
     assert parse_bytes("512MB") == 512 * 2 ** 20 and parse_bytes("4e9") == 4 * 10 ** 9
@@ -87,7 +99,7 @@ def test_n_model_shards_auto_picks_the_layout_on_the_first_batch(workdir, fit_au
     budget = roomy.layout_plan.peak_bytes - 1  # an int, not a string
     tight, trainer = fit_auto(f"{workdir}/tight", budget)
     picked = (tight.n_model_shards, tight.layout_plan.sharding_rules)
-    assert picked != (1, "auto") and tight.layout_plan.peak_bytes <= budget
+    assert picked != (1, "auto") and tight.layout_plan.peak_bytes <= usable_bytes(budget)
     assert tight.layout_plan.device_memory_bytes == budget
     assert dict(tight.mesh.shape) == {"dp": 8 // tight.n_model_shards, "mp": tight.n_model_shards}
     specs = {str(s.spec) for s in jax.tree.leaves(trainer.state_shardings.params)}
