@@ -1,9 +1,15 @@
-"""``auto`` plans read off the dataflow of HuggingFace-4.x Flax models (transformers 4.57.6).
+"""``auto`` plans read off the dataflow of HuggingFace-4.x Flax models (transformers 4.57.6):
+regression guards.
 
 Every architecture's plan at ``n_model_shards`` 2 and 4 (8 simulated devices) is compared with
-a golden file, ``golden/<arch>_mp<k>.txt``: one ``path<TAB>shape<TAB>spec`` line per param
-(each checked by hand against Megatron's layout before it was accepted). Regenerate after an
-intended change with ``REDCO_UPDATE_GOLDEN=1 tox -e sharding-hf`` and review the diff.
+a golden file, ``golden/<arch>_mp<k>.txt``: one ``path<TAB>shape<TAB>spec`` line per param.
+The goldens are written by the implementation (``REDCO_UPDATE_GOLDEN=1 tox -e sharding-hf``,
+then review the diff), and ``expected_specs`` below has been edited in the same commits as the
+rules it checks: both catch a plan that *changes*, neither shows a plan is *good*. That is
+``test_against_megatron.py``: there the plans are compiled and their collective bytes and
+per-device param bytes are held against Megatron-LM plans written once, by hand, in
+``megatron_plans.py`` (which imports nothing from redco), for every architecture at 2 and 4
+shards, and redco's Trainer on the ``auto`` plan is checked against plain JAX on one device.
 
 On top of the goldens: every kernel's role checked against how its family uses it (column /
 row, relative to its layout: GPT-2's ``Conv1D`` stores ``(out, in)``), the compiled train step
