@@ -33,7 +33,13 @@ def main() -> None:
             ours = len(f.readlines())
         print(f"| {name} | {ours} | {official} | {official_lines} | {ours / official_lines:.2f} | "
               f"{redco_lines} | {ours / redco_lines:.2f} |")
-    print(f"\n\\* {SOURCE}")
+    templates = {name: path.rsplit("/", 1)[0] + "/template/main.py"
+                 for name, (path, *_) in PIPELINES.items()}
+    counts = []
+    for name, path in templates.items():
+        with open(os.path.join(ROOT, path)) as f:
+            counts.append(f"{len(f.readlines())} ({name})")
+    print(f"\n\\* {SOURCE}\n\ntemplates' main.py: {', '.join(counts)} lines")
 
 
 if __name__ == "__main__":
