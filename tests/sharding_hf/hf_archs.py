@@ -22,6 +22,8 @@ import transformers
 from flax.core import unfreeze
 from transformers.models.t5 import modeling_flax_t5
 
+from redco import hookimpl
+
 # ---- jax 0.10 compatibility ---------------------------------------------------------------
 # Flax T5 (transformers 4.57.6) calls ``jnp.clip(x, a_max=...)``; jax >= 0.10 removed the
 # ``a_min``/``a_max`` keywords (now ``min``/``max``). Give that one module a ``jnp`` whose
@@ -155,3 +157,14 @@ def build(arch: str, abstract: bool = False, seq_len: int = 16, **config_overrid
         return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch(rows).items()}
 
     return HFModel(arch, config, params, apply_fn, loss_fn, batch, abstract_batch)
+
+
+class LossRecorder:
+    """A Trainer callback (a redco plugin, hooks only) that keeps every step's loss."""
+
+    def __init__(self):
+        self.losses = []
+
+    @hookimpl
+    def on_step_end(self, trainer, step, metrics):
+        self.losses.append(float(metrics["loss"]))

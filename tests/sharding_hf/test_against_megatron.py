@@ -45,7 +45,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from redco import Deployer, Trainer, hookimpl
+from redco import Deployer, Trainer
 from redco.sharding import dataflow_trace, path_str
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -83,15 +83,6 @@ def mesh(mp: int):
     return jax.make_mesh((N_DEVICES // mp, mp), ("dp", "mp"), axis_types=(AxisType.Auto,) * 2)
 
 
-class LossRecorder:
-    def __init__(self):
-        self.losses = []
-
-    @hookimpl
-    def on_step_end(self, trainer, step, metrics):
-        self.losses.append(float(metrics["loss"]))
-
-
 def specs_of(dep: Deployer, arch: str, rules) -> dict:
     shardings = dep.get_params_shardings(abstract_params(arch), rules)
     return {path_str(p): s.spec for p, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
@@ -121,7 +112,7 @@ def trainer_run(arch: str, mp: int) -> tuple[dict, list[float]]:
     rows = m.batch(GLOBAL_BATCH)
     examples = [{k: v[i] for k, v in rows.items()} for i in range(GLOBAL_BATCH)]
     collate = lambda exs: {k: np.stack([e[k] for e in exs]) for k in exs[0]}  # noqa: E731
-    recorder = LossRecorder()
+    recorder = hf_archs.LossRecorder()
     params = jax.tree.map(np.array, m.params)  # a copy: the Trainer donates its buffers
     trainer = Trainer(dep, collate, m.apply_fn, m.loss_fn, params, optax.sgd(LR),
                       callbacks=[recorder])

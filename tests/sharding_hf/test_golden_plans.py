@@ -33,7 +33,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from redco import Deployer, Trainer, hookimpl
+from redco import Deployer, Trainer
 from redco.sharding import path_str
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -252,15 +252,6 @@ def concrete(arch: str) -> hf_archs.HFModel:
     return hf_archs.build(arch)
 
 
-class LossRecorder:
-    def __init__(self):
-        self.losses = []
-
-    @hookimpl
-    def on_step_end(self, trainer, step, metrics):
-        self.losses.append(float(metrics["loss"]))
-
-
 def train_losses(arch: str, workdir, mp: int, n_local_devices=None, steps=3, global_batch=8):
     """Losses of ``steps`` AdamW steps through redco's Trainer, params as planned."""
     model = concrete(arch)
@@ -272,7 +263,7 @@ def train_losses(arch: str, workdir, mp: int, n_local_devices=None, steps=3, glo
     loss = lambda rng, state, params, batch, is_training: model.loss_fn(params, batch)
     first = model.batch(2)
     rules = dep.get_sharding_rules(model.params, trace_fn=lambda p: model.apply_fn(p, first))
-    recorder = LossRecorder()
+    recorder = hf_archs.LossRecorder()
     params = jax.tree.map(np.array, model.params)  # a copy: the Trainer donates its buffers
     Trainer(dep, collate, model.apply_fn, loss, params, optax.adamw(1e-2),
             params_sharding_rules=rules, callbacks=[recorder]).fit(
