@@ -54,6 +54,9 @@ def make_trainer(workdir, fmt, n_model_shards, params, apply_fn) -> Trainer:
     deployer = Deployer(jax_seed=0, n_model_shards=n_model_shards, workdir=workdir, verbose=False,
                         checkpoint_format=fmt, loggers=())
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(1e-4))
+    # One evaluation batch decides the layout and places the state (as fit's first batch would).
+    one_row = {"token_ids": np.zeros(65, np.int32)}
+    trainer.eval_loss([one_row] * deployer.get_global_batch_size(1), 1)
     opt_state = jax.jit(partial(randomize, seed=n_model_shards),  # other values per layout
                         out_shardings=trainer.state_shardings.opt_state)(trainer.state.opt_state)
     trainer.state = jax.block_until_ready(trainer.state.replace(opt_state=opt_state))
