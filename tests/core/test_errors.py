@@ -5,7 +5,7 @@ import optax
 import pytest
 from helpers import mlp_apply, mlp_collate, mlp_examples, mlp_init, mlp_loss
 
-from redco import Deployer, Trainer
+from redco import Deployer, Trainer, plugins
 
 
 def make_trainer(workdir, collate_fn=mlp_collate, loss_fn=mlp_loss, **kwargs):
@@ -79,3 +79,13 @@ def test_unknown_plugin_names_are_refused(workdir):
     with pytest.raises(ValueError, match=r"No checkpoint formats named 'nope'. Available: "
                                          r"\[.*'orbax'.*\]"):
         Deployer(jax_seed=0, workdir=workdir, checkpoint_format="nope")
+
+
+def test_a_missing_plugin_of_this_repository_names_the_distribution_to_install(workdir,
+                                                                                monkeypatch):
+    """What a user who asks for checkpoint_format="msgpack" without redco-msgpack sees (the
+    name is made up here, so the test does not depend on what this environment installed)."""
+    monkeypatch.setitem(plugins.PROVIDED_BY, "zstd", "redco-zstd")
+    with pytest.raises(ValueError, match=r"No checkpoint formats named 'zstd'.*To use it, pip "
+                                         r"install redco-zstd \(./plugins/zstd in redco's"):
+        Deployer(jax_seed=0, workdir=workdir, checkpoint_format="zstd")
