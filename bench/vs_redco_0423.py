@@ -186,8 +186,7 @@ def worker(args) -> None:
         mesh = deployer.mesh
 
         def prepare():  # fit runs epochs from the state's step: rewind so it trains again
-            zero = jax.device_put(jnp.zeros((), jnp.int32), deployer.replicated)
-            trainer.state = trainer.state.replace(step=zero)
+            trainer.set_train_state(step=0)
 
     examples = byte_sequences(args.seq_len, args.steps * global_batch)
     fit_kwargs = {} if args.side == "old" else {"resume": False}
