@@ -240,7 +240,10 @@ def run_worker(python: str, side: str, model: str, args) -> dict:
                  "hidden_size", "n_layers"):
         cmd += [f"--{name}", str(getattr(args, name))]
     print(f"[{side}/{model}] {' '.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True,
+    # The old side runs in its own environment only: a PYTHONPATH set for this one would put the
+    # new redco ahead of 0.4.23 there.
+    env = {k: v for k, v in os.environ.items() if not (side == "old" and k == "PYTHONPATH")}
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env,
                           stderr=subprocess.PIPE if args.quiet else None)
     if proc.returncode:
         raise SystemExit(f"{side} worker failed (exit {proc.returncode}):\n{proc.stdout}"
