@@ -31,14 +31,19 @@ import tempfile
 import time
 from functools import partial
 
-import jax
-import numpy as np
-import optax
-from flax import nnx
+# 8 simulated CPU devices (dp4 x mp2 and dp2 x mp4 layouts), set before jax is imported.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
 
-from redco import Deployer, Trainer, checkpointing
-from redco_zoo_lm import collate_fn, loss_fn
-from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from redco import Deployer, Trainer, checkpointing  # noqa: E402
+from redco_zoo_lm import collate_fn, loss_fn  # noqa: E402
+from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model  # noqa: E402
 
 
 def randomize(tree, seed):
