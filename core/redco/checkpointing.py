@@ -171,10 +171,10 @@ def _abstract(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
 
-def recover(ckpt_dir: str) -> None:
+def recover(ckpt_dir: str | None) -> None:
     """Tidy what a killed ``save`` left (process 0 only): delete unfinished ``<name>.tmp``
     directories, and put back ``<name>.old`` where the kill came between its two renames."""
-    if jax.process_index() != 0 or not os.path.isdir(ckpt_dir):
+    if jax.process_index() != 0 or ckpt_dir is None or not os.path.isdir(ckpt_dir):
         return
     for name in os.listdir(ckpt_dir):
         path = os.path.join(ckpt_dir, name)
@@ -187,9 +187,9 @@ def recover(ckpt_dir: str) -> None:
                 os.rename(path, path[:-len(".old")])
 
 
-def step_ckpts(ckpt_dir: str) -> list[str]:
-    """Complete step checkpoints, oldest first."""
-    if not os.path.isdir(ckpt_dir):
+def step_ckpts(ckpt_dir: str | None) -> list[str]:
+    """Complete step checkpoints, oldest first (none without a ``ckpt_dir``)."""
+    if ckpt_dir is None or not os.path.isdir(ckpt_dir):
         return []
     found = [(int(m.group(1)), name) for name in os.listdir(ckpt_dir)
              if (m := STEP_DIR.match(name)) and os.path.isfile(os.path.join(ckpt_dir, name, "meta.json"))]

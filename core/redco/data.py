@@ -72,3 +72,12 @@ def n_full_batches(n_examples: int, global_batch_size: int, what: str) -> int:
                          f"({n_examples} examples). Lower per_device_batch_size or "
                          "accumulate_grad_batches, or use fewer data-parallel devices.")
     return n_examples // global_batch_size
+
+
+def cast_floats(tree: Any, dtype: Any) -> Any:
+    """``tree`` with its floating-point arrays cast to ``dtype`` (``None``: unchanged)."""
+    if dtype is None or tree is None:
+        return tree
+    floating = jax.numpy.floating
+    return jax.tree.map(lambda x: x.astype(dtype) if jax.numpy.issubdtype(x.dtype, floating)
+                        else x, tree)

@@ -14,13 +14,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from redco import checkpointing, plugins
+from redco.compat import DeployerV04
 from redco.data import check_collated
 from redco.sharding import Rules, RuleSetRules, is_rule_set, make_mesh, shardings_from_specs, specs_from_rules
 
 logger = logging.getLogger("redco")
 
 
-class Deployer:
+class Deployer(DeployerV04):
     """Sets up the run: joins the processes, builds the ``('dp', 'mp')`` mesh, owns the seed,
     the workdir, the loggers and the checkpoint format.
 
@@ -31,7 +32,7 @@ class Deployer:
         ``device_memory``, on its first batch (the ``redco-planner`` plugin).
       device_memory: bytes per device (``"40GB"``) for ``n_model_shards="auto"``; read from the
         device on GPUs and TPUs.
-      workdir: where logs, metrics and checkpoints go.
+      workdir: where logs, metrics and checkpoints go; ``None`` writes nothing.
       run_tensorboard: also write TensorBoard event files under ``workdir/tensorboard``.
       n_processes, host0_address, host0_port, process_id: a multi-host run over bare IPs.
       n_local_devices: use only this many devices of this process.
@@ -44,15 +45,21 @@ class Deployer:
       launcher: name of a launcher plugin; by default the first that detects itself.
       verbose: print log lines and show progress bars (process 0 only); ``False`` keeps the
         terminal quiet, and ``workdir/log.txt`` is written all the same.
+      wandb_init_kwargs: Redco 0.4.x's Weights & Biases switch: ``wandb.init(**kwargs)`` on
+        process 0 and the ``wandb`` logger (plugin ``redco-wandb``).
+
+    Redco 0.4.x's method names are here too (``redco/compat.py``).
     """
 
-    def __init__(self, jax_seed: int, n_model_shards: int | str = 1, workdir: str = "./workdir",
+    def __init__(self, jax_seed: int, n_model_shards: int | str = 1,
+                 workdir: str | None = "./workdir",
                  run_tensorboard: bool = False, n_processes: int | None = None,
                  host0_address: str | None = None, host0_port: int | None = None,
                  process_id: int | None = None, n_local_devices: int | None = None,
                  sharding_rules: str | Rules = "auto", checkpoint_format: str = "orbax",
                  loggers: Sequence[str] = ("jsonl",), launcher: str | None = None,
-                 device_memory: int | str | None = None, verbose: bool = True):
+                 device_memory: int | str | None = None, verbose: bool = True,
+                 wandb_init_kwargs: dict | None = None):
         config = dict(n_processes=n_processes, host0_address=host0_address,
                       host0_port=host0_port, process_id=process_id,
                       n_local_devices=n_local_devices)
@@ -71,12 +78,14 @@ class Deployer:
             self.mesh = make_mesh(self.devices, n_model_shards)
         self.params_sharding_rules: Rules | None = None  # the final rules, once decided
         self.jax_seed = jax_seed
-        self.workdir = os.path.abspath(workdir)
+        self.workdir = os.path.abspath(workdir) if workdir is not None else None
         self._rng = jax.random.PRNGKey(jax_seed)
         self._rules_name = sharding_rules
         plugins.lookup("checkpoint_formats", checkpoint_format)  # unknown names fail here
         self.checkpoint_format = checkpoint_format
-        self._setup_logging(verbose, list(loggers) + (["tensorboard"] if run_tensorboard else []))
+        self.wandb_init_kwargs = wandb_init_kwargs
+        self._setup_logging(verbose, list(loggers) + (["tensorboard"] if run_tensorboard else []) +
+                            (["wandb"] if wandb_init_kwargs is not None else []))
 
     # ---- processes and devices -------------------------------------------------------------
     @staticmethod
@@ -168,9 +177,12 @@ class Deployer:
                            learning_rate: float, schedule_type: str = "linear",
                            warmup_rate: float = 0.0, warmup_steps: int | None = None,
                            init_learning_rate: float = 0.0, end_learning_rate: float = 0.0,
-                           accumulate_grad_batches: int = 1) -> optax.Schedule:
+                           accumulate_grad_batches: int = 1,
+                           warmup_ratio: float | None = None) -> optax.Schedule:
         """Warmup then linear or cosine decay, counted in optimizer updates: the value is
-        ``end_learning_rate`` exactly at the last update of ``n_epochs``."""
+        ``end_learning_rate`` exactly at the last update of ``n_epochs``. (``warmup_ratio``:
+        Redco 0.4.x's name of ``warmup_rate``.)"""
+        warmup_rate = warmup_ratio if warmup_ratio is not None else warmup_rate
         if schedule_type not in ("linear", "cosine"):
             raise ValueError(f"schedule_type={schedule_type!r}: use 'linear' or 'cosine'.")
         batch = self.get_global_batch_size(per_device_batch_size) * accumulate_grad_batches
@@ -190,8 +202,9 @@ class Deployer:
         return schedule
 
     # ---- sharding: rules, and the one step that decides the layout ----------------------------
-    def get_sharding_rules(self, params: Any, rules: Rules | None = None,
-                           trace_fn: Callable | None = None) -> Rules:
+    def get_sharding_rules(self, params: Any = None, rules: Rules | None = None,
+                           trace_fn: Callable | None = None,
+                           params_shape_or_params: Any = None) -> Rules:
         """The rules for ``params``: ``rules`` (user overrides, checked first), then the rule-set
         plugin's. Plain data: print, edit and pass back as ``params_sharding_rules``.
 
@@ -200,7 +213,9 @@ class Deployer:
         rules then follow the model's dataflow. Without it (the paper's call) the rules come from
         parameter names for now, as ``RuleSetRules`` that remember so: a ``Trainer`` given them
         unchanged reads the final rules off ``loss_fn``'s dataflow at its first batch.
+        (``params_shape_or_params``: Redco 0.4.x's name of ``params``.)
         """
+        params = params if params is not None else params_shape_or_params
         if not isinstance(self._rules_name, str):  # the user's own rules, nothing else
             return list(rules or []) + list(self._rules_name)
         if trace_fn is not None and self.mesh is not None:
@@ -228,7 +243,7 @@ class Deployer:
                                  "first, set n_model_shards.")
             picked = self._plan(params, *plan)
         if not is_rule_set(rules):
-            return list(rules)
+            return rules if isinstance(rules, dict) else list(rules)
         final = list(getattr(rules, "overrides", [])) + (
             picked if picked is not None else self._traced_rules(params, trace_fn))
         self.params_sharding_rules = final
@@ -262,48 +277,71 @@ class Deployer:
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @property
-    def ckpt_dir(self) -> str:
-        return os.path.join(self.workdir, "ckpts")
+    def ckpt_dir(self) -> str | None:
+        return os.path.join(self.workdir, "ckpts") if self.workdir is not None else None
 
-    def save_ckpt(self, name: str, tree: Any, meta: dict) -> str:
-        return checkpointing.save(self.ckpt_dir, name, tree, meta, self.checkpoint_format)
+    def save_ckpt(self, name: str | None = None, tree: Any = None, meta: dict | None = None,
+                  **v04) -> str:
+        """Write ``tree`` and ``meta`` as the checkpoint ``workdir/ckpts/<name>``. (Redco 0.4.x's
+        ``save_ckpt(ckpt_dir, params=, opt_state=, float_dtype=, **info)`` works too.)"""
+        if tree is None:
+            return self._save_ckpt_v04(**({"ckpt_dir": name} if name else {}), **v04)
+        if self.workdir is None:
+            raise ValueError(f"Cannot save checkpoint {name!r}: this Deployer has workdir=None, "
+                             "which writes nothing. Give it a workdir.")
+        return checkpointing.save(self.ckpt_dir, name, tree, meta or {}, self.checkpoint_format)
 
-    def load_ckpt(self, path: str, target: Any) -> tuple[Any, dict]:
+    def load_ckpt(self, path: str | None = None, target: Any = None, **v04) -> tuple[Any, dict]:
         """Read the checkpoint at ``path`` (any format) onto ``target``'s shapes and shardings;
         ``target`` may be a subset of what was saved, e.g. ``{"params": trainer.params}``.
-        Returns ``(tree, meta)``."""
+        Returns ``(tree, meta)``. (Redco 0.4.x's ``load_ckpt(ckpt_dir, params_sharding_rules=,
+        optimizer=, float_dtype=, load_params=, load_opt_state=, update_rng=)`` works too.)"""
+        if target is None:
+            return self._load_ckpt_v04(**({"ckpt_dir": path} if path else {}), **v04)
         return checkpointing.load(path, target)
 
     # ---- logging -------------------------------------------------------------------------------
     def _setup_logging(self, verbose: bool, logger_names: list[str]) -> None:
-        self._metric_loggers = []
+        self._metric_loggers, self._verbose = [], verbose
         if not self.is_main_process:
             logger.setLevel(logging.WARNING)
             return
-        os.makedirs(self.workdir, exist_ok=True)
         logger.setLevel(logging.INFO)
         logger.propagate = False
-        if not any(getattr(h, "_redco_workdir", None) == self.workdir for h in logger.handlers):
-            handler = logging.FileHandler(os.path.join(self.workdir, "log.txt"))
-            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-            handler._redco_workdir = self.workdir
-            logger.addHandler(handler)
-        self._verbose = verbose
-        makers = {name: plugins.lookup("loggers", name) for name in dict.fromkeys(logger_names)}
-        self._metric_loggers = [make(self.workdir) for make in makers.values()]
-        atexit.register(self.close)
+        if self.workdir is not None:  # None: nothing written
+            os.makedirs(self.workdir, exist_ok=True)
+            if not any(getattr(h, "_redco_workdir", None) == self.workdir for h in logger.handlers):
+                handler = logging.FileHandler(os.path.join(self.workdir, "log.txt"))
+                handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+                handler._redco_workdir = self.workdir
+                logger.addHandler(handler)
+            makers = {name: plugins.lookup("loggers", name) for name in dict.fromkeys(logger_names)}
+            options = {"wandb": self.wandb_init_kwargs or {}}
+            self._metric_loggers = [make(self.workdir, **options.get(name, {}))
+                                    for name, make in makers.items()]
+            atexit.register(self.close)
         self.log_info(f"devices: {jax.device_count()} ({jax.devices()[0].platform}), processes: "
                       f"{jax.process_count()}, mesh: "
                       f"{dict(self.mesh.shape) if self.mesh else 'picked by Trainer.fit'}")
 
-    def log_info(self, message: str) -> None:
-        """Write to ``workdir/log.txt`` and, if verbose, print (process 0 only)."""
+    def log_info(self, info: Any, title: str | None = None, step: int | None = None) -> None:
+        """Write ``info`` to ``workdir/log.txt`` and, if verbose, print (process 0 only); with a
+        ``title`` (and ``step``) as a framed block, as Redco 0.4.x did."""
+        message = str(info)
+        if title is not None:
+            head = f"### {title}" + (f" (step {step})" if step is not None else "")
+            rule = "=" * max(len(head), *(len(line) for line in message.splitlines() or [""]))
+            message = "\n".join([rule, head, rule.replace("=", "-"), message, rule])
         if self.is_main_process:
             logger.info(message)
         if self.show_progress:
             print(message, flush=True)
 
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Hand ``metrics`` at ``step`` to every metric logger (process 0); ``log_metrics(step,
+        metrics)`` works too."""
+        if not isinstance(metrics, dict):
+            step, metrics = metrics, step
         for metric_logger in self._metric_loggers:
             metric_logger.log(int(step), metrics)
 

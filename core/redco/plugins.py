@@ -31,7 +31,8 @@ refused: dict[tuple[str, str], str] = {}  # (kind, name) -> why the registration
 # Names this repository's plugin distributions provide, to say what to install when one is missing.
 PROVIDED_BY = {"tensorboard": "redco-tensorboard", "safetensors": "redco-safetensors",
                "msgpack": "redco-msgpack", "slurm": "redco-slurm", "xmanager": "redco-xmanager",
-               "auto": "redco-planner", "plan": "redco-planner", "rules": "redco-planner"}
+               "auto": "redco-planner", "plan": "redco-planner", "rules": "redco-planner",
+               "wandb": "redco-wandb"}
 
 
 def _allowed(ep: importlib.metadata.EntryPoint, dist_name: str) -> bool:

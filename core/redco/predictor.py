@@ -8,6 +8,7 @@ import tqdm
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
+from redco.compat import PredictorV04
 from redco.data import by_name, n_full_batches
 from redco.deployer import Deployer
 from redco.sharding import Rules, is_rule_set
@@ -15,7 +16,7 @@ from redco.sharding import Rules, is_rule_set
 PRED_ARGS = ("rng", "params", "batch")
 
 
-class Predictor:
+class Predictor(PredictorV04):
     """Predicts with ``pred_fn(rng, params, batch) -> pytree with a leading batch dim``.
 
     ``predict`` returns exactly one output per example, in order: ``output_fn(batch_preds)``
@@ -48,7 +49,12 @@ class Predictor:
         return jax.device_put(params, self.deployer.get_params_shardings(params, rules))
 
     def predict(self, examples: Sequence, per_device_batch_size: int, params: Any,
-                desc: str = "predict") -> list:
+                desc: str | None = "predict", **v04) -> list:
+        """One output per example, in order. (Redco 0.4.x's ``params_replicated``,
+        ``params_sharded`` and ``params_meshed`` need no saying: placed params are seen as such.)"""
+        for name in v04:
+            if name not in ("params_replicated", "params_sharded", "params_meshed"):
+                raise TypeError(f"predict() got an unexpected keyword argument {name!r}.")
         n_full_batches(len(examples), 1, "examples")
         params = self._place(params)
         batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
@@ -56,7 +62,8 @@ class Predictor:
         padded = list(examples) + [examples[-1]] * (n_batches * batch_size - len(examples))
         rng = jax.random.PRNGKey(self.deployer.jax_seed + 1)
         outputs = []
-        for i in tqdm.trange(n_batches, desc=desc, disable=not self.deployer.show_progress,
+        for i in tqdm.trange(n_batches, desc=desc or "predict",
+                             disable=not self.deployer.show_progress,
                              dynamic_ncols=True, leave=False):
             batch = self.deployer.make_batch(padded[i * batch_size:(i + 1) * batch_size],
                                              self.collate_fn)

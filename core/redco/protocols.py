@@ -92,9 +92,10 @@ class CheckpointFormat:
 
 
 class MetricLogger:
-    """Made as ``logger_class(workdir)`` on process 0 only."""
+    """Made as ``logger_class(workdir, **options)`` on process 0 only; ``options`` are what the
+    ``Deployer`` was given for this logger (``wandb_init_kwargs`` for ``wandb``), usually none."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, **options):
         self.workdir = workdir
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

@@ -12,6 +12,7 @@ import warnings
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -68,6 +69,8 @@ def named_leaves(tree) -> list[tuple[str, Any]]:
 
 def spec_for(path: str, rules: Rules) -> P:
     for pattern, spec in rules:
+        if isinstance(pattern, tuple):  # Redco 0.4.x: names, each a full match, consecutive
+            pattern = "(^|/)" + "/".join(f"({name})" for name in pattern) + "(/|$)"
         if re.search(pattern, path):
             return spec
     return P()
@@ -84,8 +87,9 @@ def fits(shape, spec: P, mesh: Mesh) -> bool:
     return True
 
 
-def specs_from_rules(params, rules: Rules, mesh: Mesh):
-    """A pytree of ``PartitionSpec`` like ``params``.
+def specs_from_rules(params, rules: Rules | dict, mesh: Mesh):
+    """A pytree of ``PartitionSpec`` like ``params``; ``rules`` may also be a dict of rules per
+    top-level key of ``params`` (``None``: replicate that subtree).
 
     A spec that does not fit its tensor (a dim not divisible by the shard count, or more dims
     than the tensor has) falls back to replication, and one warning lists every such param.
@@ -93,7 +97,11 @@ def specs_from_rules(params, rules: Rules, mesh: Mesh):
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     specs, replicated = [], []
     for path, leaf in leaves:
-        name, spec = path_str(path), spec_for(path_str(path), rules)
+        if isinstance(rules, dict):  # Redco 0.4.x: {top-level key: its rules, None: replicate}
+            spec = spec_for(path_str(path[1:]), rules.get(key_name(path[0])) or [])
+        else:
+            spec = spec_for(path_str(path), rules)
+        name = path_str(path)
         if not fits(leaf.shape, spec, mesh):
             replicated.append(f"{name} {tuple(leaf.shape)} by {spec}")
             spec = P()
@@ -105,13 +113,22 @@ def specs_from_rules(params, rules: Rules, mesh: Mesh):
 
 
 def opt_state_shardings(optimizer, params, params_shardings, mesh: Mesh):
-    """Shardings of ``optimizer.init(params)``: every per-param leaf (Adam's mu, nu, ...) like
-    its param, the rest (step counts) replicated. ``params`` may be abstract."""
-    import optax
+    """Shardings of ``optimizer.init(params)``: a leaf whose path ends with a param's path and
+    has its shape (Adam's ``mu``, ``nu``, ... also inside ``optax.multi_transform``'s masked
+    states) is sharded like that param; the rest (step counts) is replicated. ``params`` may be
+    abstract."""
+    by_path = {path: (np.shape(p), s) for (path, p), (_, s) in
+               zip(named_leaves(params), named_leaves(params_shardings))}
     replicated = NamedSharding(mesh, P())
-    return optax.tree_map_params(optimizer, lambda _, sharding: sharding,
-                                 jax.eval_shape(optimizer.init, params), params_shardings,
-                                 transform_non_params=lambda _: replicated)
+
+    def sharding(path, leaf):
+        parts = path_str(path).split("/")
+        for i in range(len(parts)):
+            shape, param_sharding = by_path.get("/".join(parts[i:]), (None, None))
+            if shape == np.shape(leaf):
+                return param_sharding
+        return replicated
+    return jax.tree_util.tree_map_with_path(sharding, jax.eval_shape(optimizer.init, params))
 
 
 def shardings_from_specs(specs, mesh: Mesh):

@@ -11,8 +11,8 @@ import numpy as np
 import optax
 import tqdm
 
-from redco import checkpointing
-from redco.data import by_name, check_collated, n_full_batches
+from redco import checkpointing, compat
+from redco.data import by_name, cast_floats, check_collated, n_full_batches
 from redco.deployer import Deployer
 from redco.plugins import pm
 from redco.predictor import Predictor
@@ -53,7 +53,7 @@ def place_copy(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, y: jnp.copy(y) if isinstance(x, jax.Array) else y, tree, placed)
 
 
-class Trainer:
+class Trainer(compat.TrainerV04):
     """Trains ``params`` with ``loss_fn(rng, state, params, batch, is_training) -> scalar``.
 
     Args:
@@ -72,6 +72,9 @@ class Trainer:
         rule set, read off ``loss_fn``'s dataflow at the first batch ``fit`` sees.
       callbacks: objects with ``@redco.hookimpl`` methods, active during this trainer's fit.
 
+    Redco 0.4.x's keywords are accepted too (``last_ckpt_info``, ``train_step_fn``, ...; see
+    ``redco/compat.py``).
+
     For algorithms that drive training themselves (FedAvg, MAML): ``params``, ``step``,
     ``optimizer``, ``state`` (a ``TrainState``) and ``state_shardings`` (None until the first
     batch decides the layout), ``set_train_state``, ``train_epoch`` and ``eval_loss``.
@@ -80,15 +83,23 @@ class Trainer:
     def __init__(self, deployer: Deployer, collate_fn: Callable, apply_fn: Callable,
                  loss_fn: Callable, params: Any, optimizer: optax.GradientTransformation,
                  opt_state: Any = None, compute_dtype: Any = None,
-                 lr_schedule_fn: Callable | None = None, accumulate_grad_batches: int = 1,
-                 params_sharding_rules: Rules | None = None, callbacks: Sequence[Any] = ()):
+                 lr_schedule_fn: Callable | None = None, accumulate_grad_batches: int | None = 1,
+                 params_sharding_rules: Rules | None = None, callbacks: Sequence[Any] = (),
+                 **v04_options):
+        v04 = compat.trainer_options(v04_options)
+        accumulate_grad_batches = accumulate_grad_batches or 1
         if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
             raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches!r} must be an "
                              "integer >= 1.")
         self.deployer = deployer
         self.collate_fn = collate_fn
         self.loss_fn = by_name(loss_fn, LOSS_ARGS)
-        self.optimizer = unwrap_multisteps(optimizer, accumulate_grad_batches)
+        self.train_step_fn = v04["train_step_fn"]
+        if self.train_step_fn is not None and accumulate_grad_batches != 1:
+            raise ValueError("A train_step_fn makes one update per batch: pass "
+                             "accumulate_grad_batches=1 (or None).")
+        self.optimizer = optimizer if self.train_step_fn else \
+            unwrap_multisteps(optimizer, accumulate_grad_batches)
         self.compute_dtype = compute_dtype
         self.lr_schedule_fn = lr_schedule_fn
         self.accumulate_grad_batches = accumulate_grad_batches
@@ -99,7 +110,9 @@ class Trainer:
         self.params_sharding_rules = params_sharding_rules
         self.state: TrainState | None = None  # placed once the layout is decided
         self.state_shardings: TrainState | None = None
-        self._start = {"params": params, "opt_state": opt_state, "apply_fn": apply_fn, "step": 0}
+        params = compat.params_for_optimizer(self.optimizer, params)
+        self._start = {"params": params, "opt_state": opt_state, "apply_fn": apply_fn,
+                       "step": v04["step"]}
 
     # ---- the layout, decided once; the state, placed once -------------------------------------
     def _decide_layout(self, examples: Sequence, per_device_batch_size: int) -> None:
@@ -128,8 +141,9 @@ class Trainer:
             plan=(loss, batch, self.optimizer))
         self.state, self.state_shardings = self._place_state(**start)
         self._start = None
+        step = compat.flax_train_step(self.train_step_fn, self) if self.train_step_fn else self._step
         self._train_step = jax.jit(
-            self._step, in_shardings=(self.state_shardings, None),
+            step, in_shardings=(self.state_shardings, None),
             out_shardings=(self.state_shardings, self.deployer.replicated), donate_argnums=0)
         self._eval_step = jax.jit(self._eval_loss)
 
@@ -163,6 +177,8 @@ class Trainer:
         """Replace the params, the optimizer state or the step (e.g. a FedAvg client starting
         from the server's params); new ``params`` without ``opt_state`` get a fresh
         ``optimizer.init``. Before the first batch they become the starting state."""
+        if params is not None:
+            params = compat.params_for_optimizer(self.optimizer, params)
         if self.state is None:
             new = {"params": params, "step": step} if params is not None else {"step": step}
             self._start.update({k: v for k, v in new.items() if v is not None})
@@ -189,9 +205,7 @@ class Trainer:
 
     # ---- the jitted functions ---------------------------------------------------------------
     def _loss(self, params, state, batch, rng, is_training: bool):
-        if self.compute_dtype is not None:
-            params = jax.tree.map(lambda p: p.astype(self.compute_dtype)
-                                  if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+        params = cast_floats(params, self.compute_dtype)
         batch = jax.tree.map(lambda x: x, batch)  # a fresh dict: loss_fn may pop from it
         return self.loss_fn(rng, state, params, batch, is_training)
 
@@ -261,14 +275,14 @@ class Trainer:
 
     def _report(self, bar, step, metrics) -> None:
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
+        if not all(np.isfinite(metrics.get(k, 0.0)) for k in ("loss", "grad_norm")):
             found = checkpointing.step_ckpts(self.deployer.ckpt_dir)
             kept = f"the last good checkpoint, {found[-1]}, is kept" if found else "no checkpoint was written"
             raise FloatingPointError(
-                f"Training stopped at step {step}: loss is {metrics['loss']}, grad_norm is "
-                f"{metrics['grad_norm']}; {kept}. Lower the learning rate or check the data.")
+                f"Training stopped at step {step}: loss is {metrics.get('loss')}, grad_norm is "
+                f"{metrics.get('grad_norm')}; {kept}. Lower the learning rate or check the data.")
         bar.set_postfix({k: f"{v:.4g}" for k, v in metrics.items()}, refresh=False)
-        self.deployer.log_metrics(step, {f"train/{k}": v for k, v in metrics.items()})
+        self.deployer.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step)
         pm.hook.on_step_end(trainer=self, step=step, metrics=metrics)
 
     def eval_loss(self, examples: Sequence, per_device_batch_size: int) -> float:
@@ -316,24 +330,29 @@ class Trainer:
         self.deployer.log_info(f"Resumed from {found[-1]} (step {meta['step']}).")
         return meta
 
-    def fit(self, train_examples: Sequence, per_device_batch_size: int, n_epochs: int,
+    def fit(self, train_examples: Sequence | Callable, per_device_batch_size: int, n_epochs: int,
             eval_examples: Sequence | None = None, eval_per_device_batch_size: int | None = None,
             eval_loss: bool = True, eval_predictor: Predictor | None = None,
             eval_metric_fn: Callable | None = None, save_last_ckpt: bool = False,
             save_argmin_ckpt_by_metrics: Sequence[str] | None = None,
             save_argmax_ckpt_by_metrics: Sequence[str] | None = None,
             save_every_n_steps: int | None = None, keep_last_ckpts: int = 1,
-            resume: bool = True) -> None:
+            resume: bool = True, **v04_options) -> None:
         """Train for ``n_epochs``, evaluating after each and checkpointing as asked.
 
-        With ``resume`` (the default), a step checkpoint in ``workdir/ckpts`` is restored first
-        and training continues from its exact step, mid-epoch included. Best-by-metric
-        checkpoints go to ``ckpts/best_<metric>``; ``loss`` is always a metric when evaluated.
+        ``train_examples`` may also be a function of the epoch index (``epoch_idx``) returning
+        that epoch's examples. With ``resume`` (the default), a step checkpoint in
+        ``workdir/ckpts`` is restored first and training continues from its exact step,
+        mid-epoch included. Best-by-metric checkpoints go to ``ckpts/best_<metric>``; ``loss``
+        is always a metric when evaluated. Redco 0.4.x's keywords are accepted too
+        (``eval_sanity_check``, ``save_ckpt_every_k_epochs``, ...; see ``redco/compat.py``).
         """
-        self._decide_layout(train_examples, per_device_batch_size)
+        v04 = compat.FitOptionsV04(**v04_options)
+        first_examples = compat.examples_of_epoch(train_examples, 0)
+        self._decide_layout(first_examples, per_device_batch_size)
         batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
-        steps_per_epoch = n_full_batches(
-            len(train_examples), batch_size * self.accumulate_grad_batches, "train_examples")
+        examples_per_step = batch_size * self.accumulate_grad_batches
+        steps_per_epoch = n_full_batches(len(first_examples), examples_per_step, "train_examples")
         if eval_examples is not None:
             n_full_batches(len(eval_examples), 1, "eval_examples")
         total = getattr(self.lr_schedule_fn, "total_steps", None)
@@ -343,8 +362,8 @@ class Trainer:
                 f"{n_epochs * steps_per_epoch}, so it will not end at its end value. Pass "
                 f"accumulate_grad_batches={self.accumulate_grad_batches} (and the same batch size "
                 "and epochs) to deployer.get_lr_schedule_fn.", stacklevel=2)
-        self._data_position = {"n_examples": len(train_examples), "jax_seed": self.deployer.jax_seed,
-                               "examples_per_step": batch_size * self.accumulate_grad_batches}
+        self._data_position = {"n_examples": len(first_examples), "jax_seed": self.deployer.jax_seed,
+                               "examples_per_step": examples_per_step}
         self._best = {}
         if not resume and (save_last_ckpt or save_every_n_steps) and checkpointing.step_ckpts(
                 self.deployer.ckpt_dir):
@@ -355,23 +374,32 @@ class Trainer:
         meta = self._resume() if resume else None
         if meta:
             self._best = meta["best"]
+        eval_batch_size = eval_per_device_batch_size or per_device_batch_size
+        v04.sanity_check(self, eval_examples, eval_batch_size, eval_loss, eval_predictor,
+                         eval_metric_fn)
         for callback in self.callbacks:
             pm.register(callback)
         try:
             pm.hook.on_fit_start(trainer=self, n_epochs=n_epochs, steps_per_epoch=steps_per_epoch)
-            for epoch in range(self.step // steps_per_epoch, n_epochs):
-                self.train_epoch(train_examples, per_device_batch_size, epoch,
-                                 start=self.step - epoch * steps_per_epoch,
+            done = 0  # updates in the epochs before this one
+            for epoch in range(n_epochs):
+                examples = first_examples if epoch == 0 else compat.examples_of_epoch(train_examples, epoch)
+                n_steps = n_full_batches(len(examples), examples_per_step, "train_examples")
+                if self.step >= done + n_steps:  # finished before the checkpoint resumed from
+                    done += n_steps
+                    continue
+                self.train_epoch(examples, per_device_batch_size, epoch, start=self.step - done,
                                  save_every_n_steps=save_every_n_steps,
                                  keep_last_ckpts=keep_last_ckpts,
                                  desc=f"epoch {epoch + 1}/{n_epochs}")
+                done += n_steps
                 if eval_examples is not None:
-                    self._evaluate(epoch, eval_examples,
-                                   eval_per_device_batch_size or per_device_batch_size, eval_loss,
+                    self._evaluate(epoch, eval_examples, eval_batch_size, eval_loss,
                                    eval_predictor, eval_metric_fn, save_argmin_ckpt_by_metrics,
                                    save_argmax_ckpt_by_metrics)
                 if save_last_ckpt or save_every_n_steps:
                     self.save_step_ckpt(epoch, keep_last_ckpts)
+                v04.epoch_end(self, epoch)
                 if self._stop_reason:
                     self.deployer.log_info(f"Stopping early: {self._stop_reason}")
                     break
@@ -393,10 +421,11 @@ class Trainer:
             preds = predictor.predict(examples, per_device_batch_size, params=self.state.params,
                                       desc=f"predict epoch {epoch + 1}")
             if metric_fn is not None:
-                metrics.update({k: float(v) for k, v in metric_fn(examples, preds).items()})
+                metrics.update({k: float(v) for k, v in
+                                compat.call_metric_fn(metric_fn, examples, preds).items()})
         self.deployer.log_info(f"epoch {epoch + 1} eval: " +
                                ", ".join(f"{k} = {v:.5g}" for k, v in metrics.items()))
-        self.deployer.log_metrics(self.step, {f"eval/{k}": v for k, v in metrics.items()})
+        self.deployer.log_metrics({f"eval/{k}": v for k, v in metrics.items()}, self.step)
         for names, better in ((argmin_metrics, np.less), (argmax_metrics, np.greater)):
             for name in names or ():
                 if name not in metrics:

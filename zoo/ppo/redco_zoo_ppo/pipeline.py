@@ -122,7 +122,7 @@ def train(env_id="CartPole-v1", total_steps=300_000, n_envs=16, n_steps=64, seed
             trainer.train_epoch(examples, per_device, it * update_epochs + epoch,
                                 desc=f"iteration {it + 1}/{n_iters}")
         returns = list(collector.envs.return_queue)
-        deployer.log_metrics(trainer.step, {"mean_return_20": np.mean(returns[-20:] or [0])})
+        deployer.log_metrics({"mean_return_20": np.mean(returns[-20:] or [0])}, trainer.step)
     collector.envs.close()
     return trainer, returns
 

@@ -1,0 +1,286 @@
+"""Redco 0.4.x's names, so that scripts written for the published package run unchanged.
+
+The paper's script and the original repository's examples call ``Deployer``, ``Trainer`` and
+``Predictor`` by Redco 0.4.23's names (some by the 0.4.16-era ones). The mixins below map each
+onto this package's own API; redco itself never calls them, so none changes what a script
+written for this package does. README "Coming from Redco 0.4" lists every name.
+
+What differs underneath: checkpoints are this package's atomic directories (``meta.json`` +
+``state/``), not 0.4's ``params/`` + ``info.json``; ``fit`` always writes its step checkpoints
+in full precision (a resume is bitwise), so ``save_float_dtype`` and ``save_opt_states`` apply
+to the checkpoints a script saves by name.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from typing import Any, Callable
+
+import flax.core
+import flax.training.train_state
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from redco import checkpointing
+from redco.data import by_name, cast_floats
+from redco.sharding import opt_state_shardings, shardings_from_specs, specs_from_rules
+
+META_KEYS = ("format", "arrays", "files", "path")  # what meta.json holds besides the user's info
+
+
+def _abstract_like(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        tree, shardings)
+
+
+class DeployerV04:
+    """Redco 0.4.x's ``Deployer`` methods (mixed into ``redco.Deployer``)."""
+
+    def get_local_global_micro_batch_size(self, per_device_batch_size: int) -> tuple[int, int]:
+        """``(examples this process collates per step, examples per step in all)``."""
+        size = self.get_global_batch_size(per_device_batch_size)
+        rows = self._local_rows(size)
+        return rows.stop - rows.start, size
+
+    process_batch_size = get_local_global_micro_batch_size  # the 0.4.16 name
+
+    def get_accumulate_grad_batches(self, global_batch_size: int,
+                                    per_device_batch_size: int) -> int:
+        step = self.get_global_batch_size(per_device_batch_size)
+        if global_batch_size % step:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not a multiple of the {step} examples "
+                f"one micro-batch of per_device_batch_size={per_device_batch_size} takes on "
+                f"{self.dp_size} data-parallel devices.")
+        return global_batch_size // step
+
+    def get_params_spec(self, params_shape_or_params: Any, params_sharding_rules: Any) -> Any:
+        return specs_from_rules(params_shape_or_params, params_sharding_rules, self.mesh)
+
+    def get_opt_state_spec(self, params_shape_or_params: Any, params_spec: Any, optimizer) -> Any:
+        shardings = opt_state_shardings(optimizer, params_shape_or_params,
+                                        shardings_from_specs(params_spec, self.mesh), self.mesh)
+        return jax.tree.map(lambda s: s.spec, shardings)
+
+    def shard_params(self, params: Any, params_spec: Any, desc: str = "params") -> Any:
+        return jax.device_put(params, shardings_from_specs(params_spec, self.mesh))
+
+    def gen_model_step_rng(self) -> jax.Array:
+        return self.gen_rng()
+
+    def run_model_step(self, step_fn: Callable, input_args: tuple) -> Any:
+        with jax.set_mesh(self.mesh):
+            return step_fn(*input_args)
+
+    def save_outputs(self, outputs: list, desc: str, step: int) -> str | None:
+        """Write ``outputs`` as ``workdir/outputs_<desc>.json`` (process 0)."""
+        if self.workdir is None or not self.is_main_process:
+            return None
+        path = os.path.join(self.workdir, f"outputs_{desc}.json")
+        with open(path, "w") as f:
+            json.dump(jax.tree.map(str, outputs), f, indent=4)
+        self.log_info(f"Outputs ({desc}, step {step}) saved into {path}.")
+        return path
+
+    # ---- checkpoints by directory ------------------------------------------------------------
+    def load_params_shape(self, ckpt_dir: str) -> dict:
+        """The saved params as nested dicts of ``jax.ShapeDtypeStruct``."""
+        arrays = checkpointing.read_meta(os.path.abspath(ckpt_dir))["arrays"]
+        shapes = {path: jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+                  for path, (shape, dtype) in arrays.items() if path.startswith("params/")}
+        return checkpointing.nest(shapes).get("params", {})
+
+    def _save_ckpt_v04(self, ckpt_dir: str, params: Any, opt_state: Any = None,
+                       float_dtype: Any = None, **info) -> str:
+        ckpt_dir = os.path.abspath(ckpt_dir)
+        tree = {"params": cast_floats(params, float_dtype)}
+        if opt_state is not None:
+            tree["opt_state"] = cast_floats(opt_state, float_dtype)
+        info = {**info, "rng": np.asarray(self._rng).tolist()}
+        if self.is_main_process:
+            os.makedirs(os.path.dirname(ckpt_dir), exist_ok=True)
+        path = checkpointing.save(os.path.dirname(ckpt_dir), os.path.basename(ckpt_dir), tree,
+                                  info, self.checkpoint_format)
+        self.log_info(f"Ckpt saved into {path}")
+        return path
+
+    def _load_ckpt_v04(self, ckpt_dir: str, params_sharding_rules: Any = None, optimizer=None,
+                       float_dtype: Any = None, load_params: bool = True,
+                       load_opt_state: bool = True, update_rng: bool = False) -> tuple[dict, dict]:
+        ckpt_dir = os.path.abspath(ckpt_dir)
+        meta = checkpointing.read_meta(ckpt_dir)
+        params_shape = self.load_params_shape(ckpt_dir)
+        rules = params_sharding_rules if params_sharding_rules is not None else \
+            self.get_sharding_rules(params_shape)
+        shardings = shardings_from_specs(self.get_params_spec(params_shape, rules), self.mesh)
+        target = {}
+        if load_params:
+            target["params"] = _abstract_like(params_shape, shardings)
+        if load_opt_state and optimizer is not None and any(
+                p.startswith("opt_state/") for p in meta["arrays"]):
+            target["opt_state"] = _abstract_like(
+                jax.eval_shape(optimizer.init, params_shape),
+                opt_state_shardings(optimizer, params_shape, shardings, self.mesh))
+        tree = checkpointing.load(ckpt_dir, target)[0] if target else {}
+        ckpt = {key: cast_floats(tree.get(key), float_dtype) for key in ("params", "opt_state")}
+        info = {k: v for k, v in meta.items() if k not in META_KEYS}
+        if "epoch" in info:  # a checkpoint fit wrote
+            info.setdefault("epoch_idx", info["epoch"])
+        if "rng" in info:
+            info["rng"] = jnp.asarray(info["rng"], jnp.uint32)
+            if update_rng:
+                self._rng = info["rng"]
+        self.log_info(f"Loaded {ckpt_dir} ({', '.join(f'{k} = {v}' for k, v in info.items() if k != 'rng')})")
+        return ckpt, info
+
+    def load_last_ckpt(self, optimizer=None, params_sharding_rules: Any = None,
+                       float_dtype: Any = None, load_params: bool = True,
+                       load_opt_state: bool = True, update_rng: bool = True):
+        """The newest step checkpoint in ``workdir/ckpts`` as ``(ckpt, info)``, or
+        ``(None, None)`` when there is none."""
+        found = checkpointing.step_ckpts(self.ckpt_dir) if self.workdir is not None else []
+        if not found:
+            self.log_info(f"No step checkpoint in {self.ckpt_dir}: starting from scratch.")
+            return None, None
+        return self._load_ckpt_v04(found[-1], params_sharding_rules, optimizer, float_dtype,
+                                   load_params, load_opt_state, update_rng)
+
+
+def flax_train_step(train_step_fn: Callable, trainer) -> Callable:
+    """``trainer``'s step running a 0.4.x ``train_step_fn(rng, state, batch, loss_fn,
+    lr_schedule_fn, mesh, compute_dtype) -> (new_state, metrics)``.
+
+    As in 0.4.x with a mesh, ``state`` is a Flax ``TrainState`` (``tx`` is the optimizer) and
+    ``batch`` has a leading data-parallel axis, ``(dp, rows per dp group, ...)``, for the step to
+    ``vmap`` over; the step runs inside this package's jitted, donated, resumable loop.
+    """
+    mesh = trainer.deployer.mesh
+
+    def loss_fn(rng, state, params, batch, is_training):
+        return trainer._loss(params, state, batch, rng, is_training)
+
+    def step(state, batch):
+        batch = jax.tree.map(lambda x: x[0].reshape((mesh.shape["dp"], -1) + x.shape[2:]), batch)
+        flax_state = flax.training.train_state.TrainState(
+            step=state.step, apply_fn=state.apply_fn, params=state.params,
+            tx=trainer.optimizer, opt_state=state.opt_state)
+        new, metrics = train_step_fn(
+            rng=jax.random.fold_in(state.rng, state.step), state=flax_state, batch=batch,
+            loss_fn=loss_fn, lr_schedule_fn=trainer.lr_schedule_fn, mesh=mesh,
+            compute_dtype=trainer.compute_dtype or jnp.float32)
+        return state.replace(step=new.step, params=new.params, opt_state=new.opt_state), metrics
+    return step
+
+
+def params_for_optimizer(optimizer, params: Any) -> Any:
+    """0.4.x froze params before ``optimizer.init``, so its scripts give ``optax.multi_transform``
+    frozen labels (``param_labels=freeze(...)``): freeze plain-dict params when only their
+    frozen form fits the optimizer."""
+    if type(params) is not dict:
+        return params
+    try:
+        jax.eval_shape(optimizer.init, params)
+        return params
+    except Exception as error:  # noqa: BLE001 - retried frozen; the first error if that fails too
+        frozen = flax.core.freeze(params)
+        try:
+            jax.eval_shape(optimizer.init, frozen)
+        except Exception:  # noqa: BLE001
+            raise error from None
+        return frozen
+
+
+def trainer_options(options: dict) -> dict:
+    """``Trainer(...)``'s 0.4.x keywords as this package's: ``last_ckpt_info`` gives the starting
+    step; ``params_sharded``/``opt_state_sharded`` need no saying (placed arrays are seen as
+    such)."""
+    known = {"params_sharded", "opt_state_sharded", "last_ckpt_info", "train_step_fn"}
+    _refuse_unknown("Trainer()", options, known)
+    info = options.get("last_ckpt_info") or {}
+    return {"step": int(info.get("step", 0)), "train_step_fn": options.get("train_step_fn")}
+
+
+def _refuse_unknown(where: str, options: dict, known: set) -> None:
+    for name in options:
+        if name not in known:
+            raise TypeError(f"{where} got an unexpected keyword argument {name!r}.")
+
+
+class FitOptionsV04:
+    """``fit(...)``'s 0.4.x keywords: a sanity check of evaluation before training, and a
+    checkpoint ``ckpts/epoch_<i>`` every ``save_ckpt_every_k_epochs`` epochs (params, the
+    optimizer state unless ``save_opt_states=False``, floats cast to ``save_float_dtype``)."""
+
+    def __init__(self, eval_sanity_check: bool = False, save_ckpt_every_k_epochs: int | None = None,
+                 save_opt_states: bool = True, save_float_dtype: Any = None, **unknown):
+        _refuse_unknown("fit()", unknown, set())
+        self.eval_sanity_check = eval_sanity_check
+        self.every_k = save_ckpt_every_k_epochs
+        self.save_opt_states = save_opt_states
+        self.float_dtype = save_float_dtype
+
+    def sanity_check(self, trainer, examples, per_device_batch_size, eval_loss, predictor,
+                     metric_fn) -> None:
+        """Run the evaluation once on one batch, so a broken ``pred_fn`` or metric fails now."""
+        if not self.eval_sanity_check or examples is None:
+            return
+        examples = list(examples[:trainer.deployer.get_global_batch_size(per_device_batch_size)])
+        if eval_loss:
+            trainer.eval_loss(examples, per_device_batch_size)
+        if predictor is not None:
+            preds = predictor.predict(examples, per_device_batch_size, params=trainer.params)
+            if metric_fn is not None:
+                json.dumps(call_metric_fn(metric_fn, examples, preds))
+        trainer.deployer.log_info("Sanity check (evaluation before training) passed.")
+
+    def epoch_end(self, trainer, epoch: int) -> None:
+        if self.every_k and (epoch + 1) % self.every_k == 0:
+            tree = {"params": cast_floats(trainer.params, self.float_dtype)}
+            if self.save_opt_states:
+                tree["opt_state"] = cast_floats(trainer.state.opt_state, self.float_dtype)
+            trainer.deployer.save_ckpt(f"epoch_{epoch}", tree,
+                                       {"step": trainer.step, "epoch_idx": epoch})
+
+
+def call_metric_fn(metric_fn: Callable, examples: list, preds: list) -> dict:
+    """``metric_fn`` by its argument names when it calls them ``examples`` and ``preds`` (0.4.x
+    passes them so), else positionally ``(examples, preds)``."""
+    return by_name(metric_fn, ("examples", "preds"))(examples, preds)
+
+
+def examples_of_epoch(train_examples: Any, epoch: int):
+    """0.4.x's ``train_examples`` may be a function of the epoch index."""
+    if callable(train_examples) and not hasattr(train_examples, "__len__"):
+        takes_name = "epoch_idx" in inspect.signature(train_examples).parameters
+        return train_examples(epoch_idx=epoch) if takes_name else train_examples(epoch)
+    return train_examples
+
+
+class TrainerV04:
+    """Redco 0.4.x's ``Trainer`` methods (mixed into ``redco.Trainer``)."""
+
+    def train(self, examples, per_device_batch_size: int, desc: str | None = None) -> None:
+        """One shuffled pass over ``examples`` (a new order each call)."""
+        self._passes = getattr(self, "_passes", -1) + 1
+        self.train_epoch(examples, per_device_batch_size, epoch=self._passes, desc=desc or "")
+
+    def get_params_to_save(self, state_params: Any = None) -> Any:
+        return self.params if state_params is None else state_params
+
+    @property
+    def mesh(self):
+        return self.deployer.mesh
+
+    @property
+    def workdir(self) -> str | None:
+        return self.deployer.workdir
+
+
+class PredictorV04:
+    """Redco 0.4.x's ``Predictor`` attributes (mixed into ``redco.Predictor``)."""
+
+    @property
+    def mesh(self):
+        return self.deployer.mesh
