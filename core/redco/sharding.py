@@ -140,5 +140,7 @@ def dataflow_trace(loss, batch_abstract):
     """A ``trace_fn(params)`` for the ``auto`` rules: ``loss`` on zeros of the batch shapes
     (only traced, never run)."""
     import jax.numpy as jnp
-    return lambda params: loss(params, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
-                                                    batch_abstract))
+
+    def zeros(x):  # in the dtype jax holds it in (int64 labels are int32 without x64)
+        return jnp.zeros(x.shape, jax.dtypes.canonicalize_dtype(x.dtype))
+    return lambda params: loss(params, jax.tree.map(zeros, batch_abstract))
