@@ -202,6 +202,19 @@ def trainer_options(options: dict) -> dict:
     return {"step": int(info.get("step", 0)), "train_step_fn": options.get("train_step_fn")}
 
 
+def check_set_train_state(trainer, options: dict) -> None:
+    """``set_train_state``'s 0.4.x keywords: ``apply_fn`` and ``optimizer`` (the trainer's own:
+    a new optimizer needs a new ``Trainer``), ``params_sharded``/``opt_state_sharded``."""
+    _refuse_unknown("set_train_state()", options,
+                    {"apply_fn", "optimizer", "params_sharded", "opt_state_sharded"})
+    apply_fn = (trainer._start or {}).get("apply_fn") if trainer.state is None else \
+        trainer.state.apply_fn
+    for name, current in (("apply_fn", apply_fn), ("optimizer", trainer.optimizer)):
+        if options.get(name) is not None and options[name] != current:
+            raise ValueError(f"set_train_state({name}=...) differs from this Trainer's {name}; "
+                             f"make a new Trainer for a new {name}.")
+
+
 def _refuse_unknown(where: str, options: dict, known: set) -> None:
     for name in options:
         if name not in known:
@@ -237,11 +250,7 @@ class FitOptionsV04:
 
     def epoch_end(self, trainer, epoch: int) -> None:
         if self.every_k and (epoch + 1) % self.every_k == 0:
-            tree = {"params": cast_floats(trainer.params, self.float_dtype)}
-            if self.save_opt_states:
-                tree["opt_state"] = cast_floats(trainer.state.opt_state, self.float_dtype)
-            trainer.deployer.save_ckpt(f"epoch_{epoch}", tree,
-                                       {"step": trainer.step, "epoch_idx": epoch})
+            trainer.save_ckpt(epoch, f"epoch_{epoch}", self.save_opt_states, self.float_dtype)
 
 
 def call_metric_fn(metric_fn: Callable, examples: list, preds: list) -> dict:
@@ -265,6 +274,15 @@ class TrainerV04:
         """One shuffled pass over ``examples`` (a new order each call)."""
         self._passes = getattr(self, "_passes", -1) + 1
         self.train_epoch(examples, per_device_batch_size, epoch=self._passes, desc=desc or "")
+
+    def save_ckpt(self, epoch_idx: int, ckpt_name: str, save_opt_state: bool = True,
+                  float_dtype: Any = None) -> str:
+        """``workdir/ckpts/<ckpt_name>``: the params and, unless ``save_opt_state=False``, the
+        optimizer state, floats cast to ``float_dtype``."""
+        tree = {"params": cast_floats(self.params, float_dtype)}
+        if save_opt_state:
+            tree["opt_state"] = cast_floats(self.state.opt_state, float_dtype)
+        return self.deployer.save_ckpt(ckpt_name, tree, {"step": self.step, "epoch_idx": epoch_idx})
 
     def get_params_to_save(self, state_params: Any = None) -> Any:
         return self.params if state_params is None else state_params

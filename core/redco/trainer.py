@@ -173,10 +173,11 @@ class Trainer(compat.TrainerV04):
         return state.replace(params=params, opt_state=opt_state)
 
     def set_train_state(self, params: Any = None, opt_state: Any = None,
-                        step: int | None = None) -> None:
+                        step: int | None = None, **v04_options) -> None:
         """Replace the params, the optimizer state or the step (e.g. a FedAvg client starting
         from the server's params); new ``params`` without ``opt_state`` get a fresh
         ``optimizer.init``. Before the first batch they become the starting state."""
+        compat.check_set_train_state(self, v04_options)
         if params is not None:
             params = compat.params_for_optimizer(self.optimizer, params)
         if self.state is None:
@@ -285,7 +286,8 @@ class Trainer(compat.TrainerV04):
         self.deployer.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step)
         pm.hook.on_step_end(trainer=self, step=step, metrics=metrics)
 
-    def eval_loss(self, examples: Sequence, per_device_batch_size: int) -> float:
+    def eval_loss(self, examples: Sequence, per_device_batch_size: int,
+                  desc: str | None = None) -> float:
         """Mean loss over every example; the last partial batch counts by its size."""
         n_full_batches(len(examples), 1, "eval_examples")
         self._decide_layout(examples, min(per_device_batch_size, len(examples)))

@@ -263,3 +263,17 @@ def test_train_step_fn_runs_in_the_sharded_loop_and_matches_the_built_in_step():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5),
                  jax.device_get(custom.params), jax.device_get(built_in.params))
     assert custom.params["dense"]["kernel"].sharding.spec != P()  # sharded, not replicated
+
+
+def test_set_train_state_with_the_old_keywords():
+    optimizer = optax.adam(1e-2)
+    trainer = make_trainer(deployer(), optimizer=optimizer)
+    trainer.fit(make_examples(64), per_device_batch_size=4, n_epochs=1)
+    fresh = init_params()
+    trainer.set_train_state(apply_fn=apply_fn, optimizer=optimizer, params=fresh, step=0,
+                            params_sharded=False)
+    assert trainer.step == 0
+    np.testing.assert_array_equal(jax.device_get(trainer.params)["dense"]["kernel"],
+                                  fresh["dense"]["kernel"])
+    with pytest.raises(ValueError, match="make a new Trainer for a new optimizer"):
+        trainer.set_train_state(optimizer=optax.sgd(0.1), params=fresh, step=0)
