@@ -22,6 +22,7 @@ import flax.training.train_state
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from redco import checkpointing
 from redco.data import by_name, cast_floats
@@ -76,12 +77,9 @@ class DeployerV04:
 
     def save_outputs(self, outputs: list, desc: str, step: int) -> str | None:
         """Write ``outputs`` as ``workdir/outputs_<desc>.json`` (process 0)."""
-        if self.workdir is None or not self.is_main_process:
-            return None
-        path = os.path.join(self.workdir, f"outputs_{desc}.json")
-        with open(path, "w") as f:
-            json.dump(jax.tree.map(str, outputs), f, indent=4)
-        self.log_info(f"Outputs ({desc}, step {step}) saved into {path}.")
+        path = self.save_json(f"outputs_{desc}.json", jax.tree.map(str, outputs))
+        if path:
+            self.log_info(f"Outputs ({desc}, step {step}) saved into {path}.")
         return path
 
     # ---- checkpoints by directory ------------------------------------------------------------
@@ -138,14 +136,27 @@ class DeployerV04:
     def load_last_ckpt(self, optimizer=None, params_sharding_rules: Any = None,
                        float_dtype: Any = None, load_params: bool = True,
                        load_opt_state: bool = True, update_rng: bool = True):
-        """The newest step checkpoint in ``workdir/ckpts`` as ``(ckpt, info)``, or
-        ``(None, None)`` when there is none."""
-        found = checkpointing.step_ckpts(self.ckpt_dir) if self.workdir is not None else []
-        if not found:
-            self.log_info(f"No step checkpoint in {self.ckpt_dir}: starting from scratch.")
+        """The checkpoint in ``workdir/ckpts`` at the latest step (a step checkpoint before a
+        ``best_*`` or ``epoch_*`` one of the same step), as ``(ckpt, info)``; ``(None, None)``
+        when there is none. ``Trainer(last_ckpt_info=info)`` then goes on from its step."""
+        latest = max(self._complete_ckpts(), default=None)
+        if latest is None:
+            self.log_info(f"No checkpoint in {self.ckpt_dir}: starting from scratch.")
             return None, None
-        return self._load_ckpt_v04(found[-1], params_sharding_rules, optimizer, float_dtype,
+        return self._load_ckpt_v04(latest[-1], params_sharding_rules, optimizer, float_dtype,
                                    load_params, load_opt_state, update_rng)
+
+    def _complete_ckpts(self) -> list[tuple[int, bool, str]]:
+        """``(step, is a step checkpoint, path)`` of every complete checkpoint in the workdir."""
+        if self.ckpt_dir is None or not os.path.isdir(self.ckpt_dir):
+            return []
+        found = []
+        for name in os.listdir(self.ckpt_dir):
+            path = os.path.join(self.ckpt_dir, name)
+            if os.path.isfile(os.path.join(path, "meta.json")):
+                step = checkpointing.read_meta(path).get("step", -1)
+                found.append((step, bool(checkpointing.STEP_DIR.match(name)), path))
+        return found
 
 
 def flax_train_step(train_step_fn: Callable, trainer) -> Callable:
@@ -192,6 +203,16 @@ def params_for_optimizer(optimizer, params: Any) -> Any:
         return frozen
 
 
+def accumulates_inside(optimizer, params: Any) -> bool:
+    """Whether an ``optax.MultiSteps`` sits inside ``optimizer`` (e.g. under
+    ``optax.multi_transform``). 0.4.x's trainer never accumulated: such a MultiSteps did, fed one
+    micro-batch per step, so the trainer must not accumulate a second time."""
+    def is_multisteps(x):
+        return isinstance(x, optax.MultiStepsState)
+    state = jax.eval_shape(optimizer.init, params)
+    return any(is_multisteps(x) for x in jax.tree.leaves(state, is_leaf=is_multisteps))
+
+
 def trainer_options(options: dict) -> dict:
     """``Trainer(...)``'s 0.4.x keywords as this package's: ``last_ckpt_info`` gives the starting
     step; ``params_sharded``/``opt_state_sharded`` need no saying (placed arrays are seen as
@@ -223,14 +244,16 @@ def _refuse_unknown(where: str, options: dict, known: set) -> None:
 
 class FitOptionsV04:
     """``fit(...)``'s 0.4.x keywords: a sanity check of evaluation before training, and a
-    checkpoint ``ckpts/epoch_<i>`` every ``save_ckpt_every_k_epochs`` epochs (params, the
-    optimizer state unless ``save_opt_states=False``, floats cast to ``save_float_dtype``)."""
+    checkpoint ``ckpts/epoch_<i>`` every ``save_ckpt_every_k_epochs`` epochs (every epoch with
+    0.4.17's ``save_every_ckpt=True``; params, the optimizer state unless
+    ``save_opt_states=False``, floats cast to ``save_float_dtype``)."""
 
     def __init__(self, eval_sanity_check: bool = False, save_ckpt_every_k_epochs: int | None = None,
-                 save_opt_states: bool = True, save_float_dtype: Any = None, **unknown):
+                 save_opt_states: bool = True, save_float_dtype: Any = None,
+                 save_every_ckpt: bool = False, **unknown):
         _refuse_unknown("fit()", unknown, set())
         self.eval_sanity_check = eval_sanity_check
-        self.every_k = save_ckpt_every_k_epochs
+        self.every_k = save_ckpt_every_k_epochs or (1 if save_every_ckpt else None)
         self.save_opt_states = save_opt_states
         self.float_dtype = save_float_dtype
 

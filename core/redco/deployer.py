@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import warnings
@@ -344,6 +345,16 @@ class Deployer(DeployerV04):
             step, metrics = metrics, step
         for metric_logger in self._metric_loggers:
             metric_logger.log(int(step), metrics)
+
+    def save_json(self, name: str, data: Any) -> str | None:
+        """Write ``data`` as ``workdir/<name>`` and return its path (process 0; nothing with
+        ``workdir=None``)."""
+        if self.workdir is None or not self.is_main_process:
+            return None
+        path = os.path.join(self.workdir, name)
+        with open(path, "w") as f:
+            json.dump(data, f, indent=4)
+        return path
 
     def close(self) -> None:
         for metric_logger in self._metric_loggers:

@@ -100,6 +100,11 @@ class Trainer(compat.TrainerV04):
                              "accumulate_grad_batches=1 (or None).")
         self.optimizer = optimizer if self.train_step_fn else \
             unwrap_multisteps(optimizer, accumulate_grad_batches)
+        params = compat.params_for_optimizer(self.optimizer, params)
+        if accumulate_grad_batches > 1 and compat.accumulates_inside(self.optimizer, params):
+            deployer.log_info("An optax.MultiSteps inside the optimizer accumulates the "
+                              "micro-batches, fed one per step (as Redco 0.4 did).")
+            accumulate_grad_batches = 1
         self.compute_dtype = compute_dtype
         self.lr_schedule_fn = lr_schedule_fn
         self.accumulate_grad_batches = accumulate_grad_batches
@@ -110,7 +115,6 @@ class Trainer(compat.TrainerV04):
         self.params_sharding_rules = params_sharding_rules
         self.state: TrainState | None = None  # placed once the layout is decided
         self.state_shardings: TrainState | None = None
-        params = compat.params_for_optimizer(self.optimizer, params)
         self._start = {"params": params, "opt_state": opt_state, "apply_fn": apply_fn,
                        "step": v04["step"]}
 
@@ -428,6 +432,7 @@ class Trainer(compat.TrainerV04):
         self.deployer.log_info(f"epoch {epoch + 1} eval: " +
                                ", ".join(f"{k} = {v:.5g}" for k, v in metrics.items()))
         self.deployer.log_metrics({f"eval/{k}": v for k, v in metrics.items()}, self.step)
+        self.deployer.save_json(f"eval_results_epoch{epoch}.json", metrics)
         for names, better in ((argmin_metrics, np.less), (argmax_metrics, np.greater)):
             for name in names or ():
                 if name not in metrics:
