@@ -110,6 +110,7 @@ class Trainer(compat.TrainerV04):
         self.accumulate_grad_batches = accumulate_grad_batches
         self.callbacks = list(callbacks)
         self._stop_reason = None
+        self._fitted = False  # a fit ran to its end: a later fit trains its epochs again
         self._best: dict[str, float] = {}
         self._data_position: dict = {}  # with the step, fixes which examples come next
         self.params_sharding_rules = params_sharding_rules
@@ -145,6 +146,9 @@ class Trainer(compat.TrainerV04):
             plan=(loss, batch, self.optimizer))
         self.state, self.state_shardings = self._place_state(**start)
         self._start = None
+        self._jit_steps()
+
+    def _jit_steps(self) -> None:
         step = compat.flax_train_step(self.train_step_fn, self) if self.train_step_fn else self._step
         self._train_step = jax.jit(
             step, in_shardings=(self.state_shardings, None),
@@ -181,7 +185,14 @@ class Trainer(compat.TrainerV04):
         """Replace the params, the optimizer state or the step (e.g. a FedAvg client starting
         from the server's params); new ``params`` without ``opt_state`` get a fresh
         ``optimizer.init``. Before the first batch they become the starting state."""
-        compat.check_set_train_state(self, v04_options)
+        new = compat.set_train_state_options(v04_options)
+        apply_fn = self._start["apply_fn"] if self.state is None else self.state.apply_fn
+        optimizer = new.get("optimizer") if new.get("optimizer") is not self.optimizer else None
+        apply_fn = new.get("apply_fn") if new.get("apply_fn") != apply_fn else None
+        if optimizer is not None or apply_fn is not None:
+            self._replace_optimizer_or_model(optimizer, apply_fn)
+        if optimizer is not None and params is None and opt_state is None:
+            params = self.params  # the new optimizer's state starts fresh
         if params is not None:
             params = compat.params_for_optimizer(self.optimizer, params)
         if self.state is None:
@@ -197,6 +208,23 @@ class Trainer(compat.TrainerV04):
                 opt_state=place_copy(opt_state, self.state_shardings.opt_state))
         if step is not None:
             self.state = self.state.replace(step=self._placed_step(step))
+
+    def _replace_optimizer_or_model(self, optimizer=None, apply_fn=None) -> None:
+        """Take a new optimizer or model (``state.apply_fn``); once the layout is decided, the
+        steps are compiled again for them. The caller starts the new optimizer's state."""
+        if optimizer is not None:
+            self.optimizer = optimizer
+        if self.state is None:
+            if apply_fn is not None:
+                self._start["apply_fn"] = apply_fn
+            return
+        if optimizer is not None:
+            self.state_shardings = self.state_shardings.replace(opt_state=opt_state_shardings(
+                optimizer, self.state.params, self.state_shardings.params, self.deployer.mesh))
+        if apply_fn is not None:
+            self.state = self.state.replace(apply_fn=apply_fn)
+            self.state_shardings = self.state_shardings.replace(apply_fn=apply_fn)
+        self._jit_steps()
 
     @property
     def params(self):
@@ -371,13 +399,14 @@ class Trainer(compat.TrainerV04):
         self._data_position = {"n_examples": len(first_examples), "jax_seed": self.deployer.jax_seed,
                                "examples_per_step": examples_per_step}
         self._best = {}
-        if not resume and (save_last_ckpt or save_every_n_steps) and checkpointing.step_ckpts(
+        first_fit = not self._fitted
+        if first_fit and not resume and (save_last_ckpt or save_every_n_steps) and checkpointing.step_ckpts(
                 self.deployer.ckpt_dir):
             raise ValueError(
                 f"{self.deployer.ckpt_dir} holds step checkpoints of an earlier run; with "
                 "resume=False this run's would be mixed with (and pruned against) them. Use a "
                 "new workdir, or delete the old checkpoints first.")
-        meta = self._resume() if resume else None
+        meta = self._resume() if resume and first_fit else None
         if meta:
             self._best = meta["best"]
         eval_batch_size = eval_per_device_batch_size or per_device_batch_size
@@ -387,7 +416,7 @@ class Trainer(compat.TrainerV04):
             pm.register(callback)
         try:
             pm.hook.on_fit_start(trainer=self, n_epochs=n_epochs, steps_per_epoch=steps_per_epoch)
-            done = 0  # updates in the epochs before this one
+            done = 0 if first_fit else self.step  # updates before this epoch
             for epoch in range(n_epochs):
                 examples = first_examples if epoch == 0 else compat.examples_of_epoch(train_examples, epoch)
                 n_steps = n_full_batches(len(examples), examples_per_step, "train_examples")
@@ -409,6 +438,7 @@ class Trainer(compat.TrainerV04):
                 if self._stop_reason:
                     self.deployer.log_info(f"Stopping early: {self._stop_reason}")
                     break
+            self._fitted = True
             pm.hook.on_fit_end(trainer=self)
         except jax.errors.JaxRuntimeError as e:
             if jax.process_count() > 1:

@@ -275,5 +275,19 @@ def test_set_train_state_with_the_old_keywords():
     assert trainer.step == 0
     np.testing.assert_array_equal(jax.device_get(trainer.params)["dense"]["kernel"],
                                   fresh["dense"]["kernel"])
-    with pytest.raises(ValueError, match="make a new Trainer for a new optimizer"):
-        trainer.set_train_state(optimizer=optax.sgd(0.1), params=fresh, step=0)
+    # a new optimizer (FedAvg's clients bring theirs): its state starts fresh and it is used
+    trainer.set_train_state(apply_fn=apply_fn, params=fresh, optimizer=optax.sgd(0.0), step=0)
+    trainer.fit(make_examples(64), per_device_batch_size=4, n_epochs=1)
+    assert trainer.step == 4
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(trainer.params), fresh)
+
+
+def test_a_second_fit_on_the_same_trainer_trains_its_epochs_again():
+    """0.4.x's PPO calls fit once per episode on the same trainer: each call trains."""
+    trainer = make_trainer(deployer())
+    examples = make_examples(64)
+    trainer.fit(examples, per_device_batch_size=4, n_epochs=2, save_last_ckpt=True)
+    loss = trainer.eval_loss(examples, per_device_batch_size=4)
+    trainer.fit(examples, per_device_batch_size=4, n_epochs=2, save_last_ckpt=True)
+    assert trainer.step == 16 and trainer.eval_loss(examples, per_device_batch_size=4) < loss
+    assert os.path.isdir("workdir/ckpts/step_16")
