@@ -356,6 +356,13 @@ class Deployer(DeployerV04):
             json.dump(data, f, indent=4)
         return path
 
+    def forget_metrics_after(self, step: int) -> None:
+        """Tell the metric loggers that the run resumed at ``step`` (those that can drop what
+        they logged after it do)."""
+        for metric_logger in self._metric_loggers:
+            if hasattr(metric_logger, "forget_after"):
+                metric_logger.forget_after(step)
+
     def close(self) -> None:
         for metric_logger in self._metric_loggers:
             metric_logger.close()

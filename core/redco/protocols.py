@@ -101,6 +101,10 @@ class MetricLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         raise NotImplementedError
 
+    def forget_after(self, step: int) -> None:
+        """Optional. The run resumed from its checkpoint at ``step``: the steps after it are
+        logged again, so drop what was logged for them."""
+
     def close(self) -> None:
         pass
 

@@ -361,6 +361,7 @@ class Trainer(compat.TrainerV04):
                 "settings, use a new workdir, or pass fit(resume=False) to start over.")
         tree, meta = self.deployer.load_ckpt(found[-1], self._ckpt_tree())
         self.state = self.state.replace(step=self._placed_step(meta["step"]), **tree)
+        self.deployer.forget_metrics_after(meta["step"])
         self.deployer.log_info(f"Resumed from {found[-1]} (step {meta['step']}).")
         return meta
 

@@ -3,6 +3,7 @@ alone reach, samples text from its trained model, and, SIGKILLed mid-epoch and r
 resumes from its last step checkpoint and ends with the params of a run never stopped, bit for
 bit."""
 import inspect
+import json
 import os
 import re
 import signal
@@ -135,6 +136,14 @@ def test_main_job_trains_samples_and_resumes_a_sigkill_to_the_same_bits(tmp_path
     apply_fn, params = final_params(full, steps)
     assert_bit_equal(host(final_params(killed, steps)[1]), host(params))
     assert eval_loss(out) == eval_loss(full_out)
+    # metrics.jsonl as if never killed: one train row per step, one eval row, the same floats
+    # (the resume dropped the rows logged past step_{resume_step}, which were logged again).
+    rows = {run: [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+            for run in (full, killed)}
+    train_steps = [r["step"] for r in rows[killed] if "train/loss" in r]
+    assert train_steps == list(range(1, steps + 1))
+    assert len([r for r in rows[killed] if "eval/loss" in r]) == 1
+    assert rows[killed] == rows[full]
 
     assert "mesh: {'dp': 4, 'mp': 2}" in full_out
     # Learnt more than byte frequencies (3.26 nats on these docs; uniform would be 5.55).
