@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from redco import plugins
-from redco.protocols import LaunchError
+from redco.protocols import LaunchError, UsageError
 
 
 def cmd_plugins(args) -> None:
@@ -34,15 +35,10 @@ def add_launch(commands) -> None:
 
     def run(args) -> None:
         command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-        try:
-            if not command:
-                raise LaunchError(f"no command: put it after `--`, e.g. `redco launch --launcher "
-                                  f"{args.launcher} ... -- python train.py`")
-            code = submitters[args.launcher].submit(command, args)
-        except LaunchError as e:
-            print(f"redco launch: {e}", file=sys.stderr)
-            sys.exit(2)
-        sys.exit(code)
+        if not command:
+            raise LaunchError(f"no command: put it after `--`, e.g. `redco launch --launcher "
+                              f"{args.launcher} ... -- python train.py`")
+        sys.exit(submitters[args.launcher].submit(command, args))
     parser.set_defaults(run=run)
 
 
@@ -53,7 +49,7 @@ def cmd_zoo(args) -> None:
             print(f"{name:<14} {pipeline.description}")
         return
     if not args.name:
-        sys.exit("redco zoo run: name a pipeline (redco zoo list shows them).")
+        raise UsageError("name a pipeline (redco zoo list shows them).")
     pipeline = plugins.lookup("zoo_pipelines", args.name)
     parser = argparse.ArgumentParser(prog=f"redco zoo run {args.name}",
                                      description=pipeline.description)
@@ -74,6 +70,8 @@ def cmd_new(args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="redco", description=__doc__)
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of a usage error (or set REDCO_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True)
     listing = commands.add_parser("plugins", help=cmd_plugins.__doc__)
     listing.add_argument("--json", action="store_true", help="print JSON")
@@ -94,7 +92,13 @@ def main(argv: list[str] | None = None) -> None:
         command.add_arguments(sub)
         sub.set_defaults(run=command.run)
     args = parser.parse_args(argv)
-    args.run(args)
+    try:
+        args.run(args)
+    except UsageError as e:  # the user's mistake: one line; internal errors keep their traceback
+        if args.debug or os.environ.get("REDCO_DEBUG"):
+            raise
+        print(f"redco {args.command}: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import warnings
 import pluggy
 
 from redco import hookspecs
-from redco.protocols import missing
+from redco.protocols import NotRegistered, missing
 
 hookimpl = pluggy.HookimplMarker("redco")
 # Always loaded, whatever REDCO_PLUGINS says: redco itself and the distribution it depends on.
@@ -95,7 +95,7 @@ def lookup(hook_name: str, name: str):
         dist = PROVIDED_BY.get(name)
         install = (f"pip install {dist} (./plugins/{dist[len('redco-'):]} in redco's repository)"
                    if dist else "install the plugin that provides it")
-        raise ValueError(f"No {hook_name.replace('_', ' ')} named {name!r}"
+        raise NotRegistered(f"No {hook_name.replace('_', ' ')} named {name!r}"
                          + (f" ({why})" if why else "") + f". Available: {sorted(things)}. "
                          f"To use it, {install}; or pick one of these.")
     return things[name]

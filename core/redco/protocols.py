@@ -21,8 +21,18 @@ from typing import Any, Callable, NamedTuple
 Rules = list  # [(regex, jax.sharding.PartitionSpec), ...]; see redco.sharding
 
 
-class LaunchError(Exception):
-    """A launch that cannot work, with what to do instead; ``redco launch`` prints it, exits 2."""
+class UsageError(Exception):
+    """A mistake in how redco was called (an unknown name, a missing file, a bad flag), with
+    what to do instead: the ``redco`` command prints it in one line and exits 2 (``--debug``
+    or ``REDCO_DEBUG=1`` shows the traceback)."""
+
+
+class LaunchError(UsageError):
+    """A launch that cannot work, with what to do instead."""
+
+
+class NotRegistered(UsageError, ValueError):
+    """No plugin of a kind has the name asked for."""
 
 
 class RuleSet:

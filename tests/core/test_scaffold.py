@@ -1,5 +1,6 @@
 """``redco new``: a template becomes a named project (tests/templates runs each project's tests)."""
 import os
+import re
 
 import pytest
 
@@ -23,9 +24,15 @@ def test_plugin_template_names_its_package_and_entry_point(tmp_path):
     assert '"sharding_plus" = "sharding_plus"' in (dest / "pyproject.toml").read_text()
 
 
-def test_existing_directory_and_unknown_template_are_refused(tmp_path):
+def test_existing_directory_and_unknown_template_are_refused(tmp_path, capsys, monkeypatch):
     with pytest.raises(FileExistsError, match="already exists"):
         write_project(str(tmp_path), str(tmp_path))
-    with pytest.raises(ValueError, match=r"No templates named 'nope'. Available: \[.*'minimal'"):
+    monkeypatch.delenv("REDCO_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as ended:  # a user's mistake: one line, exit 2
         main(["new", "--template", "nope", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and err.count("\n") == 1, err
+    assert re.match(r"redco new: No templates named 'nope'. Available: \[.*'minimal'", err), err
+    with pytest.raises(ValueError, match="No templates named 'nope'"):  # --debug: the traceback
+        main(["--debug", "new", "--template", "nope", str(tmp_path / "x")])
     assert project_name("/a/9lives") == "p_9lives"

@@ -65,7 +65,7 @@ class CaptioningPipeline:
         ids = dict(bos_id=config["decoder"]["bos_token_id"], eos_id=config["decoder"]["eos_token_id"],
                    pad_id=config.get("pad_token_id") or config["decoder"]["eos_token_id"])
         train, evaluate = ([{"image": r["image"], "caption": r[args.caption_column]} for r in part]
-                           for part in runner.split_eval(args))
+                           for part in runner.split_eval(args, {"--caption_column": args.caption_column}))
         return runner.train_and_eval(
             args, model, (train, evaluate),
             partial(collate_fn, tokenizer=tokenizer, image_size=config["encoder"]["image_size"],

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 
 import redco
+from redco.protocols import UsageError
 from redco_zoo_models import generate, runner
 
 
@@ -31,9 +32,13 @@ def pred_fn(rng, params, batch, model, max_new_tokens: int = 64, temperature: fl
                     temperature=temperature)
 
 
-def text_blocks(texts: list[str], tokenizer, block_size: int) -> list[dict]:
+def text_blocks(texts: list[str], tokenizer, block_size: int, what: str = "the text") -> list[dict]:
     """The texts tokenized end to end and cut into examples of ``block_size + 1`` tokens."""
     ids = [i for text in texts for i in tokenizer.encode(text).ids]
+    if len(ids) <= block_size:
+        raise UsageError(f"{what} is {len(ids)} tokens, too few for one example of --block_size "
+                         f"{block_size} (it takes {block_size + 1}): lower --block_size or give "
+                         "more text.")
     return [{"token_ids": ids[i:i + block_size + 1]}
             for i in range(0, len(ids) - block_size, block_size)]
 
@@ -48,8 +53,10 @@ class LMPipeline:
 
     def run(self, args) -> float:
         tokenizer = runner.load_tokenizer(args.model)
-        train, evaluate = (text_blocks([r[args.text_column] for r in part], tokenizer,
-                                       args.block_size) for part in runner.split_eval(args))
+        parts = runner.split_eval(args, {"--text_column": args.text_column})
+        train, evaluate = (
+            text_blocks([r[args.text_column] for r in part], tokenizer, args.block_size, what)
+            for part, what in zip(parts, ("--train", "--eval (or the last 5% of --train)")))
         model, _ = runner.load_model(args.model)
         trainer = runner.train_and_eval(args, model, (train, evaluate), collate_fn, loss_fn)
         perplexity = math.exp(trainer.eval_loss(evaluate, args.per_device_batch_size))

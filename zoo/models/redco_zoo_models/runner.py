@@ -15,6 +15,7 @@ import optax
 from flax import nnx
 
 from redco import Deployer, Trainer
+from redco.protocols import UsageError
 from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
 from redco_zoo_models.nnx_utils import split_model
 
@@ -40,12 +41,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_examples(path: str) -> list[dict]:
     """Rows of a local data file (or image folder) as dicts, read by ``datasets``."""
+    import datasets
     from datasets import load_dataset
+    datasets.disable_progress_bars()  # a small local file: no "Generating train split" bars
+    if not os.path.exists(path):
+        raise UsageError(f"{path}: no such file or folder. Give a local data file "
+                         f"({', '.join(sorted(DATA_KINDS))}) or a folder of images.")
     if os.path.isdir(path):
         return list(load_dataset("imagefolder", data_dir=path, split="train"))
     kind = DATA_KINDS.get(os.path.splitext(path)[1])
     if kind is None:
-        raise ValueError(f"{path}: use one of {sorted(DATA_KINDS)} or a folder of images.")
+        raise UsageError(f"{path}: use one of {sorted(DATA_KINDS)} or a folder of images.")
     return list(load_dataset(kind, data_files=path, split="train"))
 
 
@@ -54,7 +60,7 @@ def load_tokenizer(model_dir: str):
     from tokenizers import Tokenizer
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: save the tokenizer with the model "
+        raise UsageError(f"{path} not found: save the tokenizer with the model "
                                 "(tokenizer.save_pretrained(dir) writes it).")
     return Tokenizer.from_file(path)
 
@@ -117,9 +123,14 @@ def save_trained(trainer: Trainer, model: nnx.Module, model_dir: str) -> str:
     return out
 
 
-def split_eval(args) -> tuple[list, list]:
-    """``(train, eval)`` rows: ``--train`` and ``--eval``, or the last 5% of ``--train``."""
+def split_eval(args, columns: dict[str, str] | None = None) -> tuple[list, list]:
+    """``(train, eval)`` rows: ``--train`` and ``--eval``, or the last 5% of ``--train``; each
+    has the ``columns`` (``{flag: column}``) or the error lists the columns it has."""
     rows = load_examples(args.train)
+    for flag, name in (columns or {}).items():
+        if rows and name not in rows[0]:
+            raise UsageError(f"{flag} {name!r}: {args.train} has no such column. Its columns: "
+                             f"{sorted(rows[0])}.")
     if args.eval:
         return rows, load_examples(args.eval)
     n = max(1, len(rows) // 20)

@@ -64,7 +64,8 @@ class Seq2SeqPipeline:
         tokenizer, (model, config) = runner.load_tokenizer(args.model), runner.load_model(args.model)
         pad_id, eos_id = config["pad_token_id"], config["eos_token_id"]
         train, evaluate = ([{"src": r[args.src_column], "tgt": r[args.tgt_column]} for r in part]
-                           for part in runner.split_eval(args))
+                           for part in runner.split_eval(
+                               args, {"--src_column": args.src_column, "--tgt_column": args.tgt_column}))
         return runner.train_and_eval(
             args, model, (train, evaluate),
             partial(collate_fn, tokenizer=tokenizer, max_src_len=args.max_src_len,
