@@ -106,7 +106,7 @@ def train_and_measure(result, config, optimizer) -> int:
     LIBC.malloc_trim(0)
     baseline = proc_status("VmRSS") - state_bytes(trainer)
     reset_peak_rss()
-    trainer.fit(examples, per_device_batch_size=ARGS["batch"], n_epochs=1, resume=False)
+    trainer.fit(examples[rows:], per_device_batch_size=ARGS["batch"], n_epochs=1)  # trains anew
     jax.block_until_ready(trainer.state.params)
     assert trainer.step == 1 + ARGS["steps"]  # the first step, then the measured ones
     return proc_status("VmHWM") - baseline
