@@ -57,10 +57,21 @@ def check_collated(batch: Any, batch_size: int) -> Any:
         if leaf.dtype == object:
             raise TypeError(f"{where} has dtype object (ragged rows?). Pad every row to the "
                             "same length so it is a regular numeric array.")
-        if leaf.ndim == 0 or leaf.shape[0] != batch_size:
-            raise ValueError(f"{where} has shape {leaf.shape} but the batch has {batch_size} "
-                             "examples: every array's first dim must be the batch size.")
+        if leaf.dtype.kind in "USV":
+            raise TypeError(f"{where} holds strings ({leaf.dtype}): return numbers, e.g. token "
+                            "ids from a tokenizer, not text.")
+    check_batch_leading(batch, batch_size, "collate_fn output")
     return batch
+
+
+def check_batch_leading(tree: Any, batch_size: int, what: str) -> None:
+    """Raise naming the first leaf of ``tree`` whose first dim is not ``batch_size``."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shape = np.shape(leaf)
+        if len(shape) == 0 or shape[0] != batch_size:
+            raise ValueError(f"{what}{jax.tree_util.keystr(path)} has shape {tuple(shape)} but "
+                             f"the batch has {batch_size} examples: every array's first dim "
+                             "must be the batch (one row per example).")
 
 
 def n_full_batches(n_examples: int, global_batch_size: int, what: str) -> int:
@@ -81,3 +92,18 @@ def cast_floats(tree: Any, dtype: Any) -> Any:
     floating = jax.numpy.floating
     return jax.tree.map(lambda x: x.astype(dtype) if jax.numpy.issubdtype(x.dtype, floating)
                         else x, tree)
+
+
+def check_number(name: str, value: Any, low: float, high: float | None = None,
+                 integer: bool = True, optional: bool = False) -> Any:
+    """``value``, or an error naming ``name``, the value and the allowed range, unless it is a
+    number (an integer when ``integer``) in ``[low, high]`` (or None when ``optional``)."""
+    if value is None and optional:
+        return value
+    kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= (
+            high if high is not None else value):
+        allowed = f">= {low}" if high is None else f"from {low} to {high}"
+        raise ValueError(f"{name}={value!r}: use {'an integer' if integer else 'a number'} "
+                         f"{allowed}" + (" (or None)" if optional else "") + ".")
+    return value

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from redco import checkpointing, plugins
 from redco.compat import DeployerV04
-from redco.data import check_collated
+from redco.data import check_collated, check_number
 from redco.sharding import Rules, RuleSetRules, is_rule_set, make_mesh, shardings_from_specs, specs_from_rules
 
 logger = logging.getLogger("redco")
@@ -61,6 +61,7 @@ class Deployer(DeployerV04):
                  loggers: Sequence[str] = ("jsonl",), launcher: str | None = None,
                  device_memory: int | str | None = None, verbose: bool = True,
                  wandb_init_kwargs: dict | None = None):
+        check_number("jax_seed", jax_seed, 0)
         config = dict(n_processes=n_processes, host0_address=host0_address,
                       host0_port=host0_port, process_id=process_id,
                       n_local_devices=n_local_devices)
@@ -130,6 +131,7 @@ class Deployer(DeployerV04):
         return self.mesh.shape["dp"]
 
     def get_global_batch_size(self, per_device_batch_size: int) -> int:
+        check_number("per_device_batch_size", per_device_batch_size, 1)
         return per_device_batch_size * self.dp_size
 
     def _local_rows(self, global_size: int) -> slice:
@@ -184,6 +186,16 @@ class Deployer(DeployerV04):
         ``end_learning_rate`` exactly at the last update of ``n_epochs``. (``warmup_ratio``:
         Redco 0.4.x's name of ``warmup_rate``.)"""
         warmup_rate = warmup_ratio if warmup_ratio is not None else warmup_rate
+        for name, value, low, high, integer, optional in (
+                ("train_size", train_size, 1, None, True, False),
+                ("n_epochs", n_epochs, 1, None, True, False),
+                ("learning_rate", learning_rate, 0, None, False, False),
+                ("warmup_rate", warmup_rate, 0, 1, False, False),
+                ("warmup_steps", warmup_steps, 0, None, True, True),
+                ("init_learning_rate", init_learning_rate, 0, None, False, False),
+                ("end_learning_rate", end_learning_rate, 0, None, False, False),
+                ("accumulate_grad_batches", accumulate_grad_batches, 1, None, True, False)):
+            check_number(name, value, low, high, integer, optional)
         if schedule_type not in ("linear", "cosine"):
             raise ValueError(f"schedule_type={schedule_type!r}: use 'linear' or 'cosine'.")
         batch = self.get_global_batch_size(per_device_batch_size) * accumulate_grad_batches

@@ -9,7 +9,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from redco.compat import PredictorV04
-from redco.data import by_name, n_full_batches
+from redco.data import by_name, check_batch_leading, n_full_batches
 from redco.deployer import Deployer
 from redco.sharding import Rules, is_rule_set
 
@@ -67,10 +67,17 @@ class Predictor(PredictorV04):
                              dynamic_ncols=True, leave=False):
             batch = self.deployer.make_batch(padded[i * batch_size:(i + 1) * batch_size],
                                              self.collate_fn)
+            if i == 0 and self.output_fn is None:  # traced, not compiled
+                check_batch_leading(jax.eval_shape(self._pred_step, rng, params, batch),
+                                    batch_size, "pred_fn output")
             preds = self._pred_step(jax.random.fold_in(rng, i), params, batch)
             preds = multihost_utils.process_allgather(preds, tiled=True)
             if self.output_fn is not None:
-                outputs.extend(self.output_fn(preds))
+                batch_outputs = list(self.output_fn(preds))
+                if len(batch_outputs) != batch_size:
+                    raise ValueError(f"output_fn returned {len(batch_outputs)} outputs for a batch "
+                                     f"of {batch_size} examples: return one per example.")
+                outputs.extend(batch_outputs)
             else:
                 outputs.extend([jax.tree.map(lambda x: x[j], preds) for j in range(batch_size)])
         return outputs[:len(examples)]

@@ -12,7 +12,7 @@ import optax
 import tqdm
 
 from redco import checkpointing, compat
-from redco.data import by_name, cast_floats, check_collated, n_full_batches
+from redco.data import by_name, cast_floats, check_collated, check_number, n_full_batches
 from redco.deployer import Deployer
 from redco.plugins import pm
 from redco.predictor import Predictor
@@ -383,6 +383,11 @@ class Trainer(compat.TrainerV04):
         (``eval_sanity_check``, ``save_ckpt_every_k_epochs``, ...; see ``redco/compat.py``).
         """
         v04 = compat.FitOptionsV04(**v04_options)
+        check_number("n_epochs", n_epochs, 1)
+        check_number("keep_last_ckpts", keep_last_ckpts, 1)
+        check_number("save_every_n_steps", save_every_n_steps, 1, optional=True)
+        check_number("eval_per_device_batch_size", eval_per_device_batch_size, 1, optional=True)
+        check_number("per_device_batch_size", per_device_batch_size, 1)
         first_examples = compat.examples_of_epoch(train_examples, 0)
         self._decide_layout(first_examples, per_device_batch_size)
         batch_size = self.deployer.get_global_batch_size(per_device_batch_size)

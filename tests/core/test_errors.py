@@ -1,4 +1,6 @@
 """Bad input is refused before anything compiles, with a message naming the problem and fix."""
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -89,3 +91,70 @@ def test_a_missing_plugin_of_this_repository_names_the_distribution_to_install(w
     with pytest.raises(ValueError, match=r"No checkpoint formats named 'zstd'.*To use it, pip "
                                          r"install redco-zstd \(./plugins/zstd in redco's"):
         Deployer(jax_seed=0, workdir=workdir, checkpoint_format="zstd")
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"per_device_batch_size": -2}, "per_device_batch_size=-2"),
+    ({"per_device_batch_size": 0}, "per_device_batch_size=0"),
+    ({"per_device_batch_size": 2.5}, "per_device_batch_size=2.5"),
+    ({"n_epochs": -1}, "n_epochs=-1"),
+    ({"n_epochs": 0}, "n_epochs=0"),
+    ({"keep_last_ckpts": 0}, "keep_last_ckpts=0"),
+    ({"save_every_n_steps": 0}, "save_every_n_steps=0"),
+    ({"eval_per_device_batch_size": -1, "eval_examples": mlp_examples(8)},
+     "eval_per_device_batch_size=-1"),
+])
+def test_bad_numbers_given_to_fit_are_refused_before_compiling(workdir, kwargs, named):
+    trainer = make_trainer(workdir)
+    args = {"per_device_batch_size": 2, "n_epochs": 1, **kwargs}
+    with pytest.raises(ValueError, match=re.escape(named) + r": use an integer >= \d"):
+        trainer.fit(mlp_examples(32), **args)
+    assert trainer.state is None and trainer.step == 0  # nothing placed, compiled or trained
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"train_size": 0}, "train_size=0: use an integer >= 1"),
+    ({"learning_rate": -1e-3}, "learning_rate=-0.001: use a number >= 0"),
+    ({"warmup_rate": 1.5}, "warmup_rate=1.5: use a number from 0 to 1"),
+    ({"warmup_ratio": -0.1}, "warmup_rate=-0.1: use a number from 0 to 1"),
+    ({"warmup_steps": -5}, "warmup_steps=-5: use an integer >= 0 (or None)"),
+    ({"n_epochs": "3"}, "n_epochs='3': use an integer >= 1"),
+])
+def test_bad_numbers_given_to_the_lr_schedule_are_refused(workdir, kwargs, named):
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    args = {"train_size": 64, "per_device_batch_size": 2, "n_epochs": 1, "learning_rate": 1e-3,
+            **kwargs}
+    with pytest.raises(ValueError, match=re.escape(named)):
+        deployer.get_lr_schedule_fn(**args)
+
+
+def test_a_negative_seed_is_refused(workdir):
+    with pytest.raises(ValueError, match=r"jax_seed=-1: use an integer >= 0"):
+        Deployer(jax_seed=-1, workdir=workdir)
+
+
+def test_text_from_collate_fn_is_refused_naming_the_key(workdir):
+    texts = lambda exs: {"x": mlp_collate(exs)["x"], "y": mlp_collate(exs)["y"],
+                         "name": np.array([f"row {i}" for i in range(len(exs))])}
+    trainer = make_trainer(workdir, collate_fn=texts)
+    with pytest.raises(TypeError, match=r"collate_fn output\['name'\] holds strings \(<U\d+\): "
+                                        r"return numbers, e\.g\. token ids"):
+        fit_refused(trainer, mlp_examples(32))
+    assert trainer.state is None
+
+
+@pytest.mark.parametrize("pred_fn, output_fn, message", [
+    (lambda params, batch: mlp_apply(params, batch["x"]).sum(), None,
+     r"pred_fn output has shape \(\) but the batch has 8 examples"),
+    (lambda params, batch: {"y": mlp_apply(params, batch["x"]), "mean": batch["x"].mean()}, None,
+     r"pred_fn output\['mean'\] has shape \(\) but the batch has 8 examples"),
+    (lambda params, batch: mlp_apply(params, batch["x"]), lambda preds: [preds.sum()],
+     r"output_fn returned 1 outputs for a batch of 8 examples"),
+])
+def test_predictions_without_one_row_per_example_are_refused(workdir, pred_fn, output_fn,
+                                                             message):
+    from redco import Predictor
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    predictor = Predictor(deployer, mlp_collate, pred_fn, output_fn=output_fn)
+    with pytest.raises(ValueError, match=message):
+        predictor.predict(mlp_examples(8), per_device_batch_size=2, params=mlp_init())
