@@ -109,7 +109,11 @@ def read_meta(path: str) -> dict:
         raise FileNotFoundError(f"{path} is not a complete redco checkpoint (no meta.json): its "
                                 "write was interrupted, or it is not a checkpoint directory.")
     with open(meta_path) as f:
-        meta = json.load(f)
+        try:
+            meta = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{meta_path} is damaged (not JSON: {e}). Restore it, or delete "
+                             f"{path} to use an older checkpoint.") from e
     meta["path"] = path
     return meta
 

@@ -13,7 +13,6 @@ to the checkpoints a script saves by name.
 from __future__ import annotations
 
 import inspect
-import json
 import os
 from typing import Any, Callable
 
@@ -238,33 +237,17 @@ def _refuse_unknown(where: str, options: dict, known: set) -> None:
 
 
 class FitOptionsV04:
-    """``fit(...)``'s 0.4.x keywords: a sanity check of evaluation before training, and a
-    checkpoint ``ckpts/epoch_<i>`` every ``save_ckpt_every_k_epochs`` epochs (every epoch with
-    0.4.17's ``save_every_ckpt=True``; params, the optimizer state unless
-    ``save_opt_states=False``, floats cast to ``save_float_dtype``)."""
+    """``fit(...)``'s 0.4.x keywords: a checkpoint ``ckpts/epoch_<i>`` every
+    ``save_ckpt_every_k_epochs`` epochs (every epoch with 0.4.17's ``save_every_ckpt=True``;
+    params, the optimizer state unless ``save_opt_states=False``, floats cast to
+    ``save_float_dtype``)."""
 
-    def __init__(self, eval_sanity_check: bool = False, save_ckpt_every_k_epochs: int | None = None,
-                 save_opt_states: bool = True, save_float_dtype: Any = None,
-                 save_every_ckpt: bool = False, **unknown):
+    def __init__(self, save_ckpt_every_k_epochs: int | None = None, save_opt_states: bool = True,
+                 save_float_dtype: Any = None, save_every_ckpt: bool = False, **unknown):
         _refuse_unknown("fit()", unknown, set())
-        self.eval_sanity_check = eval_sanity_check
         self.every_k = save_ckpt_every_k_epochs or (1 if save_every_ckpt else None)
         self.save_opt_states = save_opt_states
         self.float_dtype = save_float_dtype
-
-    def sanity_check(self, trainer, examples, per_device_batch_size, eval_loss, predictor,
-                     metric_fn) -> None:
-        """Run the evaluation once on one batch, so a broken ``pred_fn`` or metric fails now."""
-        if not self.eval_sanity_check or examples is None:
-            return
-        examples = list(examples[:trainer.deployer.get_global_batch_size(per_device_batch_size)])
-        if eval_loss:
-            trainer.eval_loss(examples, per_device_batch_size)
-        if predictor is not None:
-            preds = predictor.predict(examples, per_device_batch_size, params=trainer.params)
-            if metric_fn is not None:
-                json.dumps(call_metric_fn(metric_fn, examples, preds))
-        trainer.deployer.log_info("Sanity check (evaluation before training) passed.")
 
     def epoch_end(self, trainer, epoch: int) -> None:
         if self.every_k and (epoch + 1) % self.every_k == 0:

@@ -107,3 +107,11 @@ def check_number(name: str, value: Any, low: float, high: float | None = None,
         raise ValueError(f"{name}={value!r}: use {'an integer' if integer else 'a number'} "
                          f"{allowed}" + (" (or None)" if optional else "") + ".")
     return value
+
+
+def check_array_leaves(tree: Any, what: str) -> None:
+    """Raise naming the first leaf of ``tree`` that is not an array (a Python number, a string)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            raise TypeError(f"{what}{jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not "
+                            "an array: make it one, e.g. np.asarray(value, np.float32).")

@@ -322,7 +322,12 @@ class Deployer(DeployerV04):
         logger.setLevel(logging.INFO)
         logger.propagate = False
         if self.workdir is not None:  # None: nothing written
-            os.makedirs(self.workdir, exist_ok=True)
+            try:
+                os.makedirs(self.workdir, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"workdir={self.workdir!r} cannot be used: {e.strerror}"
+                                 f"{' (it is a file)' if os.path.isfile(self.workdir) else ''}. "
+                                 "Give a directory you can write to.") from e
             if not any(getattr(h, "_redco_workdir", None) == self.workdir for h in logger.handlers):
                 handler = logging.FileHandler(os.path.join(self.workdir, "log.txt"))
                 handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))

@@ -12,7 +12,7 @@ import optax
 import tqdm
 
 from redco import checkpointing, compat
-from redco.data import by_name, cast_floats, check_collated, check_number, n_full_batches
+from redco.data import by_name, cast_floats, check_array_leaves, check_collated, check_number, n_full_batches
 from redco.deployer import Deployer
 from redco.plugins import pm
 from redco.predictor import Predictor
@@ -100,6 +100,7 @@ class Trainer(compat.TrainerV04):
                              "accumulate_grad_batches=1 (or None).")
         self.optimizer = optimizer if self.train_step_fn else \
             unwrap_multisteps(optimizer, accumulate_grad_batches)
+        check_array_leaves(params, "params")
         params = compat.params_for_optimizer(self.optimizer, params)
         if accumulate_grad_batches > 1 and compat.accumulates_inside(self.optimizer, params):
             deployer.log_info("An optax.MultiSteps inside the optimizer accumulates the "
@@ -372,15 +373,17 @@ class Trainer(compat.TrainerV04):
             save_argmin_ckpt_by_metrics: Sequence[str] | None = None,
             save_argmax_ckpt_by_metrics: Sequence[str] | None = None,
             save_every_n_steps: int | None = None, keep_last_ckpts: int = 1,
-            resume: bool = True, **v04_options) -> None:
+            resume: bool = True, eval_sanity_check: bool = True, **v04_options) -> None:
         """Train for ``n_epochs``, evaluating after each and checkpointing as asked.
 
         ``train_examples`` may also be a function of the epoch index (``epoch_idx``) returning
         that epoch's examples. With ``resume`` (the default), a step checkpoint in
         ``workdir/ckpts`` is restored first and training continues from its exact step,
         mid-epoch included. Best-by-metric checkpoints go to ``ckpts/best_<metric>``; ``loss``
-        is always a metric when evaluated. Redco 0.4.x's keywords are accepted too
-        (``eval_sanity_check``, ``save_ckpt_every_k_epochs``, ...; see ``redco/compat.py``).
+        is always a metric when evaluated. With ``eval_sanity_check`` (the default) the
+        evaluation runs once on one batch before training, so a broken ``pred_fn`` or metric, or
+        a misspelled metric name, fails in seconds. Redco 0.4.x's keywords are accepted too
+        (``save_ckpt_every_k_epochs``, ...; see ``redco/compat.py``).
         """
         v04 = compat.FitOptionsV04(**v04_options)
         check_number("n_epochs", n_epochs, 1)
@@ -416,8 +419,10 @@ class Trainer(compat.TrainerV04):
         if meta:
             self._best = meta["best"]
         eval_batch_size = eval_per_device_batch_size or per_device_batch_size
-        v04.sanity_check(self, eval_examples, eval_batch_size, eval_loss, eval_predictor,
-                         eval_metric_fn)
+        if eval_sanity_check and eval_examples is not None:
+            self._sanity_check(eval_examples, eval_batch_size, eval_loss, eval_predictor,
+                               eval_metric_fn, [*(save_argmin_ckpt_by_metrics or ()),
+                                                *(save_argmax_ckpt_by_metrics or ())])
         for callback in self.callbacks:
             pm.register(callback)
         try:
@@ -453,6 +458,24 @@ class Trainer(compat.TrainerV04):
         finally:
             for callback in self.callbacks:
                 pm.unregister(callback)
+
+    def _sanity_check(self, examples, per_device_batch_size, eval_loss, predictor, metric_fn,
+                      metric_names) -> None:
+        """The evaluation once, on one batch, before training."""
+        examples = list(examples[:self.deployer.get_global_batch_size(per_device_batch_size)])
+        names = {"loss"} if eval_loss else set()
+        if eval_loss:
+            self.eval_loss(examples, per_device_batch_size)
+        if predictor is not None:
+            preds = predictor.predict(examples, per_device_batch_size, params=self.params,
+                                      desc="sanity check")
+            if metric_fn is not None:
+                names |= set(compat.call_metric_fn(metric_fn, examples, preds))
+        missing = [name for name in metric_names if name not in names]
+        if missing:
+            raise KeyError(f"save_arg*_ckpt_by_metrics names {missing} but the eval metrics are "
+                           f"{sorted(names)} (found before training by fit's eval_sanity_check).")
+        self.deployer.log_info("Sanity check passed: the evaluation ran on one batch.")
 
     def _evaluate(self, epoch, examples, per_device_batch_size, eval_loss, predictor, metric_fn,
                   argmin_metrics, argmax_metrics) -> dict:

@@ -158,3 +158,56 @@ def test_predictions_without_one_row_per_example_are_refused(workdir, pred_fn, o
     predictor = Predictor(deployer, mlp_collate, pred_fn, output_fn=output_fn)
     with pytest.raises(ValueError, match=message):
         predictor.predict(mlp_examples(8), per_device_batch_size=2, params=mlp_init())
+
+
+def mse_metric(examples, preds):
+    return {"mse": float(np.mean([(p - e["y"]) ** 2 for p, e in zip(preds, examples)]))}
+
+
+def test_a_misspelled_metric_is_refused_before_training(workdir):
+    from redco import Predictor
+    trainer = make_trainer(workdir)
+    predictor = Predictor(trainer.deployer, mlp_collate, lambda params, batch: mlp_apply(
+        params, batch["x"]))
+    with pytest.raises(KeyError, match=r"names \['msee'\] but the eval metrics are \['loss', "
+                                       r"'mse'\] \(found before training"):
+        trainer.fit(mlp_examples(32), 2, n_epochs=1, eval_examples=mlp_examples(8),
+                    eval_predictor=predictor, eval_metric_fn=mse_metric,
+                    save_argmin_ckpt_by_metrics=["msee"])
+    assert trainer.step == 0  # not an epoch later
+    trainer.fit(mlp_examples(32), 2, n_epochs=1, eval_examples=mlp_examples(8),  # named right
+                eval_predictor=predictor, eval_metric_fn=mse_metric,
+                save_argmin_ckpt_by_metrics=["mse"])
+    assert trainer.step == 4
+
+
+def test_a_workdir_that_is_a_file_is_refused_naming_it(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("mine")
+    with pytest.raises(ValueError, match=rf"workdir='{re.escape(str(path))}' cannot be used: .*"
+                                         r"\(it is a file\). Give a directory"):
+        Deployer(jax_seed=0, workdir=str(path))
+    assert path.read_text() == "mine"
+
+
+def test_params_that_are_not_arrays_are_refused_naming_the_path(workdir):
+    params = mlp_init()
+    params["Dense_3"]["bias"] = 0.5
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    with pytest.raises(TypeError, match=r"params\['Dense_3'\]\['bias'\] is a float, not an "
+                                        r"array: make it one, e\.g\. np\.asarray"):
+        Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, params, optax.sgd(0.1))
+
+
+def test_a_damaged_meta_json_names_the_checkpoint(workdir):
+    import os
+    trainer = make_trainer(workdir)
+    trainer.fit(mlp_examples(32), 2, n_epochs=1, save_last_ckpt=True)
+    meta = os.path.join(workdir, "ckpts", "step_4", "meta.json")
+    with open(meta, "a") as f:
+        f.write("}garbage")
+    again = make_trainer(workdir)
+    with pytest.raises(ValueError, match=rf"{re.escape(meta)} is damaged \(not JSON: .*\)\. "
+                                         r"Restore it, or delete .*step_4 to use an older"):
+        again.fit(mlp_examples(32), 2, n_epochs=2, save_last_ckpt=True)
+    assert os.path.isdir(os.path.join(workdir, "ckpts", "step_4"))  # nothing deleted
