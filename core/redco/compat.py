@@ -217,20 +217,13 @@ def trainer_options(options: dict) -> dict:
     step; ``params_sharded``/``opt_state_sharded`` need no saying (placed arrays are seen as
     such)."""
     known = {"params_sharded", "opt_state_sharded", "last_ckpt_info", "train_step_fn"}
-    _refuse_unknown("Trainer()", options, known)
+    refuse_unknown("Trainer()", options, known)
     info = options.get("last_ckpt_info") or {}
     return {"step": int(info.get("step", 0)), "train_step_fn": options.get("train_step_fn")}
 
 
-def set_train_state_options(options: dict) -> dict:
-    """``set_train_state``'s 0.4.x keywords: a new ``apply_fn`` or ``optimizer`` (its state
-    starts fresh, as in 0.4); ``params_sharded``/``opt_state_sharded`` need no saying."""
-    _refuse_unknown("set_train_state()", options,
-                    {"apply_fn", "optimizer", "params_sharded", "opt_state_sharded"})
-    return options
-
-
-def _refuse_unknown(where: str, options: dict, known: set) -> None:
+def refuse_unknown(where: str, options: dict, known: set) -> None:
+    """A ``TypeError`` naming the first keyword in ``options`` that is not ``known``."""
     for name in options:
         if name not in known:
             raise TypeError(f"{where} got an unexpected keyword argument {name!r}.")
@@ -244,7 +237,7 @@ class FitOptionsV04:
 
     def __init__(self, save_ckpt_every_k_epochs: int | None = None, save_opt_states: bool = True,
                  save_float_dtype: Any = None, save_every_ckpt: bool = False, **unknown):
-        _refuse_unknown("fit()", unknown, set())
+        refuse_unknown("fit()", unknown, set())
         self.every_k = save_ckpt_every_k_epochs or (1 if save_every_ckpt else None)
         self.save_opt_states = save_opt_states
         self.float_dtype = save_float_dtype

@@ -8,7 +8,7 @@ import tqdm
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
-from redco.compat import PredictorV04
+from redco.compat import PredictorV04, refuse_unknown
 from redco.data import by_name, check_batch_leading, n_full_batches
 from redco.deployer import Deployer
 from redco.sharding import Rules, is_rule_set
@@ -52,9 +52,7 @@ class Predictor(PredictorV04):
                 desc: str | None = "predict", **v04) -> list:
         """One output per example, in order. (Redco 0.4.x's ``params_replicated``,
         ``params_sharded`` and ``params_meshed`` need no saying: placed params are seen as such.)"""
-        for name in v04:
-            if name not in ("params_replicated", "params_sharded", "params_meshed"):
-                raise TypeError(f"predict() got an unexpected keyword argument {name!r}.")
+        refuse_unknown("predict()", v04, {"params_replicated", "params_sharded", "params_meshed"})
         n_full_batches(len(examples), 1, "examples")
         params = self._place(params)
         batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
@@ -67,11 +65,10 @@ class Predictor(PredictorV04):
                              dynamic_ncols=True, leave=False):
             batch = self.deployer.make_batch(padded[i * batch_size:(i + 1) * batch_size],
                                              self.collate_fn)
-            if i == 0 and self.output_fn is None:  # traced, not compiled
-                check_batch_leading(jax.eval_shape(self._pred_step, rng, params, batch),
-                                    batch_size, "pred_fn output")
             preds = self._pred_step(jax.random.fold_in(rng, i), params, batch)
             preds = multihost_utils.process_allgather(preds, tiled=True)
+            if i == 0 and self.output_fn is None:
+                check_batch_leading(preds, batch_size, "pred_fn output")
             if self.output_fn is not None:
                 batch_outputs = list(self.output_fn(preds))
                 if len(batch_outputs) != batch_size:

@@ -87,10 +87,8 @@ class Trainer(compat.TrainerV04):
                  params_sharding_rules: Rules | None = None, callbacks: Sequence[Any] = (),
                  **v04_options):
         v04 = compat.trainer_options(v04_options)
-        accumulate_grad_batches = accumulate_grad_batches or 1
-        if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
-            raise ValueError(f"accumulate_grad_batches={accumulate_grad_batches!r} must be an "
-                             "integer >= 1.")
+        accumulate_grad_batches = check_number("accumulate_grad_batches",
+                                               accumulate_grad_batches or 1, 1)
         self.deployer = deployer
         self.collate_fn = collate_fn
         self.loss_fn = by_name(loss_fn, LOSS_ARGS)
@@ -186,10 +184,12 @@ class Trainer(compat.TrainerV04):
         """Replace the params, the optimizer state or the step (e.g. a FedAvg client starting
         from the server's params); new ``params`` without ``opt_state`` get a fresh
         ``optimizer.init``. Before the first batch they become the starting state."""
-        new = compat.set_train_state_options(v04_options)
+        compat.refuse_unknown("set_train_state()", v04_options,  # Redco 0.4.x's keywords
+                              {"apply_fn", "optimizer", "params_sharded", "opt_state_sharded"})
         apply_fn = self._start["apply_fn"] if self.state is None else self.state.apply_fn
-        optimizer = new.get("optimizer") if new.get("optimizer") is not self.optimizer else None
-        apply_fn = new.get("apply_fn") if new.get("apply_fn") != apply_fn else None
+        optimizer = v04_options.get("optimizer")
+        optimizer = optimizer if optimizer is not self.optimizer else None
+        apply_fn = v04_options.get("apply_fn") if v04_options.get("apply_fn") != apply_fn else None
         if optimizer is not None or apply_fn is not None:
             self._replace_optimizer_or_model(optimizer, apply_fn)
         if optimizer is not None and params is None and opt_state is None:
