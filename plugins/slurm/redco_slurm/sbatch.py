@@ -27,7 +27,12 @@ from redco.protocols import LaunchError
 # Job states after which a SLURM job never runs again (a requeued job is PENDING or REQUEUED).
 DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                "PREEMPTED", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
-SETTLE_S = 3.0  # how long an ended state must last before wait_for_job believes it
+# How long an ended state must last before wait_for_job believes it. A job being requeued can
+# show FAILED (or PREEMPTED) before it is PENDING again, for longer on a busy controller (over 3 s
+# was seen), so a state after which SLURM may requeue the job must last REQUEUE_SETTLE_S.
+SETTLE_S = 3.0
+REQUEUE_SETTLE_S = 20.0
+MAY_REQUEUE = {"FAILED", "PREEMPTED", "NODE_FAIL"}
 
 
 @dataclass
@@ -173,6 +178,13 @@ class _Follower:
             self.out.flush()
 
 
+def settle_time(job_id: str, state: str | None) -> float:
+    """How long ``state``, an ended one, must last before ``wait_for_job`` believes it."""
+    if state and state.split()[0] in MAY_REQUEUE and _accounting(job_id).get("Requeue") == "1":
+        return REQUEUE_SETTLE_S
+    return SETTLE_S
+
+
 def wait_for_job(job_id: str, output_path: str, poll_s: float = 1.0,
                  out: TextIO | None = None) -> int:
     """Poll ``squeue`` until the job ends, copying its output file to ``out`` (stdout) as it
@@ -182,11 +194,11 @@ def wait_for_job(job_id: str, output_path: str, poll_s: float = 1.0,
         while True:
             state = job_state(job_id)
             follower.copy()
-            # A job being requeued can show an ended state (FAILED) for a moment, and squeue
-            # can fail while slurmctld is busy: believe "ended" only once it has lasted 3 s.
+            # squeue can fail while slurmctld is busy, and a job being requeued can show an
+            # ended state for a while: believe "ended" only once it has lasted long enough.
             ended = state is None or state.split()[0] in DONE_STATES
             ended_polls = ended_polls + 1 if ended else 0
-            if ended_polls * poll_s >= SETTLE_S:
+            if ended and ended_polls * poll_s >= settle_time(job_id, state):
                 break
             time.sleep(poll_s)
     except KeyboardInterrupt:
