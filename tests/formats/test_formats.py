@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 
@@ -18,6 +19,9 @@ from ckpt_helpers import REPO, assert_bit_equal, copy_ckpt, forge, host, lm_trai
 from helpers import lm_examples, lm_model, mlp_apply, mlp_collate, mlp_examples, mlp_init, mlp_loss
 
 from redco import Deployer, Trainer, checkpointing, plugins
+
+sys.path.insert(0, os.path.join(REPO, "tests"))
+from readme_blocks import block  # noqa: E402
 
 DISTRIBUTION = {"orbax": "redco", "safetensors": "redco-safetensors", "msgpack": "redco-msgpack"}
 MAIN_FILE = {"orbax": "_METADATA", "safetensors": "model.safetensors", "msgpack": "state.msgpack"}
@@ -111,20 +115,16 @@ def test_no_pickle_or_eval_in_the_format(fmt):
     assert not unsafe.search(open(module.__file__).read()), module.__file__
 
 
-def readme_snippet() -> str:
-    readme = open(os.path.join(REPO, "README.md")).read()
-    return readme.split("<!-- checkpoint-snippet -->\n```python\n", 1)[1].split("```", 1)[0]
-
-
 def test_the_readme_snippet_reads_a_checkpoint_without_redco(saved, fmt, tmp_path):
+    """The README's block, as written, run where ``workdir/ckpts/step_100`` is this checkpoint."""
     path, want = saved
-    code = readme_snippet().replace('"workdir/ckpts/step_100"', repr(path))
+    shutil.copytree(path, tmp_path / "workdir" / "ckpts" / "step_100")
     leaf = ('params["model.layers.1.mlp.down_proj.weight"].T' if fmt == "safetensors"
             else 'params["model"]["layers"]["1"]["mlp"]["down_proj"]["kernel"]')
     script = ("import sys\nsys.modules['redco'] = None  # importing redco fails\n"
-              f"sys.modules['redco_{fmt}'] = None\n" + code +
+              f"sys.modules['redco_{fmt}'] = None\n" + block("read-checkpoint") +
               f"\nnp.save({str(tmp_path / 'leaf.npy')!r}, {leaf})\n")
-    subprocess.run([sys.executable, "-c", script], check=True,
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path,
                    env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})
     np.testing.assert_array_equal(np.load(tmp_path / "leaf.npy"),
                                   want["params/model/layers/1/mlp/down_proj/kernel"])

@@ -5,11 +5,12 @@ builds the wheels of every distribution into its ``dist/`` with the documented c
 card's lines run in a shell whose PATH starts with the new venv (``pip``, ``redco``, ``pytest``
 and ``python`` are its own; this tox env's are off the PATH): ``pip install --find-links dist
 redco-zoo-maml`` and ``redco zoo list`` shows maml; ``redco new --template seq2seq myproj`` and
-then the generated project's README steps, read out of its first fenced block so that a drifting
+then the generated project's README steps, read out of its block ``install-and-test`` so that a drifting
 README fails here, including its own tests; ``pip install --find-links dist redco-slurm`` adds
 ``slurm`` to ``redco launch --launcher``. The ``plugin`` template's project, installed as its
 README says, is listed by ``redco plugins`` and its tests use its rule set. Each line is also
-looked up in README.md, so the lines tested are the lines documented."""
+looked up in README.md's block ``install``, so the lines tested are the lines documented. The
+Quickstart's main job (block ``main-job``) runs verbatim in the same copy."""
 import glob
 import os
 import re
@@ -20,6 +21,9 @@ import venv
 
 import pytest
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from readme_blocks import block  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD = "python tools/build_dists.py"
 MAML = "pip install --find-links dist redco-zoo-maml"
@@ -29,18 +33,10 @@ NEW = "redco new --template seq2seq myproj"
 SLURM = "pip install --find-links dist redco-slurm"
 
 
-def fenced_lines(markdown: str) -> list[str]:
-    """The commands in ``markdown``'s ```bash blocks, comments and blank lines left out."""
-    blocks = re.findall(r"^```bash\n(.*?)^```", markdown, flags=re.M | re.S)
-    return [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()
+def commands(block_text: str) -> list[str]:
+    """The commands of a README block, comments and blank lines left out."""
+    return [line.split("  #")[0].strip() for line in block_text.splitlines()
             if line.strip() and not line.lstrip().startswith("#")]
-
-
-def first_block(markdown: str) -> str:
-    """The text of ``markdown``'s first ```bash block."""
-    found = re.search(r"^```bash\n(.*?)^```", markdown, flags=re.M | re.S)
-    assert found, "the generated README has no ```bash block of install and test steps"
-    return found.group(1)
 
 
 def passed(pytest_output: str) -> bool:
@@ -89,11 +85,25 @@ def sh(tmp_path_factory) -> Shell:
 
 
 def test_the_lines_tested_here_are_the_readmes():
-    with open(os.path.join(REPO, "README.md")) as f:
-        documented = set(fenced_lines(f.read()))
+    documented = set(commands(block("install")))
     missing = [line for line in (BUILD, MAML, ZOO_LIST, SEQ2SEQ, NEW, SLURM) if line not in documented]
-    assert not missing, (f"README.md's ```bash blocks lack {missing}, which tests/install runs as "
-                         "the documented install lines: put them back, or change both together")
+    assert not missing, (f"README.md's block 'install' lacks {missing}, which tests/install runs "
+                         "as the documented install lines: put them back, or change both together")
+
+
+def test_the_main_job_runs_as_written(sh):
+    """Quickstart's first block, verbatim, in the fresh copy: it makes its own .venv, installs,
+    trains and leaves what the README says under workdir/lm-demo."""
+    out = sh(block("main-job"))
+    log = os.path.join(sh.cwd, "workdir", "lm-demo", "log.txt")
+    with open(log) as f:
+        text = f.read()
+    perplexity = float(re.search(r"perplexity ([\d.]+) \(bytes", text).group(1))
+    # per byte: uniform is 256; byte frequencies alone give exp(3.26) = 26 on these docs
+    assert perplexity < 26, text[-3000:]
+    assert "sample: The import statement" in text, out[-3000:]
+    demo = os.listdir(os.path.join(sh.cwd, "workdir", "lm-demo"))
+    assert {"ckpts", "metrics.jsonl", "tensorboard", "log.txt"} <= set(demo), demo
 
 
 def test_the_build_makes_a_wheel_of_every_distribution(sh):
@@ -111,8 +121,7 @@ def test_a_zoo_package_and_a_project_from_its_template(sh):
     assert "maml" in [line.split()[0] for line in sh(ZOO_LIST).splitlines() if line.strip()]
     sh(SEQ2SEQ)
     sh(NEW)
-    with open(os.path.join(sh.cwd, "myproj", "README.md")) as f:
-        steps = first_block(f.read())
+    steps = block("install-and-test", os.path.join(sh.cwd, "myproj", "README.md"))
     out = sh(steps, cwd=os.path.join(sh.cwd, "myproj"))  # its install line and its tests, verbatim
     assert passed(out), out[-3000:]
     assert "Location: " + os.path.join(sh.env["VIRTUAL_ENV"], "lib") in sh("pip show pytest")
@@ -128,8 +137,8 @@ def test_installing_redco_slurm_adds_slurm_to_redco_launch(sh):
 
 def test_a_plugin_project_installed_as_its_readme_says_is_listed_and_used(sh):
     sh("redco new --template plugin myplug")
-    with open(os.path.join(sh.cwd, "myplug", "README.md")) as f:
-        out = sh(first_block(f.read()), cwd=os.path.join(sh.cwd, "myplug"))
+    steps = block("install-and-test", os.path.join(sh.cwd, "myplug", "README.md"))
+    out = sh(steps, cwd=os.path.join(sh.cwd, "myplug"))
     listed = [line for line in out.splitlines() if line.split()[:1] == ["myplug"]]
     assert listed and "register_sharding_rules" in listed[0], out[-3000:]
     assert passed(out), out[-3000:]
