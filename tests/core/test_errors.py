@@ -1,5 +1,10 @@
-"""Bad input is refused before anything compiles, with a message naming the problem and fix."""
+"""Bad input is refused before anything compiles, with a message naming the problem and fix,
+and nothing already saved is lost: every test whose run has a ``workdir`` starts with an earlier
+run's real checkpoint in it (``ckpts/best_loss``) and ends with it byte for byte unchanged."""
+import hashlib
+import os
 import re
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +18,36 @@ from redco import Deployer, Trainer, plugins
 def make_trainer(workdir, collate_fn=mlp_collate, loss_fn=mlp_loss, **kwargs):
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
     return Trainer(deployer, collate_fn, mlp_apply, loss_fn, mlp_init(), optax.sgd(0.1), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def earlier_ckpt(tmp_path_factory) -> str:
+    """A checkpoint an earlier run in the same workdir left (params only, as best_* are)."""
+    workdir = str(tmp_path_factory.mktemp("earlier"))
+    make_trainer(workdir).fit(mlp_examples(16), 2, n_epochs=1, save_last_ckpt=True)
+    return os.path.join(workdir, "ckpts", "step_2")
+
+
+def digest(directory: str) -> str:
+    h = hashlib.sha256()
+    for root, dirs, files in sorted(os.walk(directory)):
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            h.update(os.path.relpath(path, directory).encode())
+            h.update(open(path, "rb").read())
+    return h.hexdigest()
+
+
+@pytest.fixture(autouse=True)
+def saved_work_is_kept(request, earlier_ckpt):
+    if "workdir" not in request.fixturenames:
+        yield
+        return
+    kept = os.path.join(request.getfixturevalue("workdir"), "ckpts", "best_loss")
+    shutil.copytree(earlier_ckpt, kept)
+    before = digest(kept)
+    yield
+    assert os.path.isdir(kept) and digest(kept) == before, f"{kept} was changed or removed"
 
 
 def fit_refused(trainer, examples, per_device_batch_size=2):
