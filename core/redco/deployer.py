@@ -14,7 +14,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from redco import checkpointing, plugins
+from redco import checkpointing, compile_cache, plugins
 from redco.compat import DeployerV04
 from redco.data import check_collated, check_number
 from redco.sharding import Rules, RuleSetRules, is_rule_set, make_mesh, shardings_from_specs, specs_from_rules
@@ -46,6 +46,9 @@ class Deployer(DeployerV04):
       launcher: name of a launcher plugin; by default the first that detects itself.
       verbose: print log lines and show progress bars (process 0 only); ``False`` keeps the
         terminal quiet, and ``workdir/log.txt`` is written all the same.
+      compile_cache_dir: where compiled steps are kept across restarts (a resumed or requeued
+        run loads them instead of compiling): by default ``$REDCO_COMPILE_CACHE``, else
+        ``<workdir>/compile_cache``; ``False`` (or ``REDCO_COMPILE_CACHE=off``) for none.
       wandb_init_kwargs: Redco 0.4.x's Weights & Biases switch: ``wandb.init(**kwargs)`` on
         process 0 and the ``wandb`` logger (plugin ``redco-wandb``).
 
@@ -60,7 +63,8 @@ class Deployer(DeployerV04):
                  sharding_rules: str | Rules = "auto", checkpoint_format: str = "orbax",
                  loggers: Sequence[str] = ("jsonl",), launcher: str | None = None,
                  device_memory: int | str | None = None, verbose: bool = True,
-                 wandb_init_kwargs: dict | None = None):
+                 wandb_init_kwargs: dict | None = None,
+                 compile_cache_dir: str | bool | None = None):
         check_number("jax_seed", jax_seed, 0)
         config = dict(n_processes=n_processes, host0_address=host0_address,
                       host0_port=host0_port, process_id=process_id,
@@ -81,6 +85,8 @@ class Deployer(DeployerV04):
         self.params_sharding_rules: Rules | None = None  # the final rules, once decided
         self.jax_seed = jax_seed
         self.workdir = os.path.abspath(workdir) if workdir is not None else None
+        self.compile_cache_dir = compile_cache.resolve(compile_cache_dir, self.workdir)
+        compile_cache.use(self.compile_cache_dir)
         self._rng = jax.random.PRNGKey(jax_seed)
         self._rules_name = sharding_rules
         plugins.lookup("checkpoint_formats", checkpoint_format)  # unknown names fail here

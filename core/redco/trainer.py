@@ -1,6 +1,7 @@
 """``Trainer``: runs the user's ``collate_fn`` and ``loss_fn`` on the deployer's mesh."""
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -11,7 +12,7 @@ import numpy as np
 import optax
 import tqdm
 
-from redco import checkpointing, compat
+from redco import checkpointing, compat, compile_cache
 from redco.data import by_name, cast_floats, check_array_leaves, check_collated, check_number, n_full_batches
 from redco.deployer import Deployer
 from redco.plugins import pm
@@ -153,6 +154,7 @@ class Trainer(compat.TrainerV04):
             step, in_shardings=(self.state_shardings, None),
             out_shardings=(self.state_shardings, self.deployer.replicated), donate_argnums=0)
         self._eval_step = jax.jit(self._eval_loss)
+        self._first_step_logged = False
 
     def _place_state(self, params, opt_state, apply_fn, step) -> tuple[TrainState, TrainState]:
         params_shardings = self.deployer.get_params_shardings(params, self.params_sharding_rules)
@@ -294,7 +296,7 @@ class Trainer(compat.TrainerV04):
             batch = self.deployer.make_batch(
                 [examples[j] for j in order[i * batch_size:(i + 1) * batch_size]],
                 self.collate_fn, n_micro=self.accumulate_grad_batches)
-            self.state, metrics = self._train_step(self.state, batch)
+            metrics = self._run_train_step(batch)
             if pending is not None:  # read the previous step's metrics: the device runs ahead
                 self._report(bar, *pending)
             step = first_step + i + 1
@@ -306,6 +308,25 @@ class Trainer(compat.TrainerV04):
         if pending is not None:
             self._report(bar, *pending)
         bar.close()
+
+    def _run_train_step(self, batch) -> dict:
+        """One update; the first one after the step is (re)made is timed and logged: how long
+        tracing and compiling took, and whether the program came from the compile cache."""
+        if self._first_step_logged:
+            self.state, metrics = self._train_step(self.state, batch)
+            return metrics
+        start, (hits, misses) = time.perf_counter(), compile_cache.counts()
+        self.state, metrics = self._train_step(self.state, batch)
+        seconds, (new_hits, new_misses) = time.perf_counter() - start, compile_cache.counts()
+        where = self.deployer.compile_cache_dir
+        source = ("compile cache off" if where is None else
+                  f"compiled, and kept in the compile cache {where}" if new_misses > misses else
+                  f"loaded from the compile cache {where}" if new_hits > hits else
+                  "already compiled in this process")
+        self.deployer.log_info(f"First train step traced and compiled in {seconds:.2f} s "
+                               f"({source}).")
+        self._first_step_logged = True
+        return metrics
 
     def _report(self, bar, step, metrics) -> None:
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
