@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import tqdm
 
-from redco import checkpointing, compat, compile_cache
+from redco import checkpointing, compat, compile_cache, preemption
 from redco.data import by_name, cast_floats, check_array_leaves, check_collated, check_number, n_full_batches
 from redco.deployer import Deployer
 from redco.plugins import pm
@@ -110,6 +110,7 @@ class Trainer(compat.TrainerV04):
         self.accumulate_grad_batches = accumulate_grad_batches
         self.callbacks = list(callbacks)
         self._stop_reason = None
+        self._watch: preemption.Watch | None = None  # while fit trains
         self._fitted = False  # a fit ran to its end: a later fit trains its epochs again
         self._best: dict[str, float] = {}
         self._data_position: dict = {}  # with the step, fixes which examples come next
@@ -301,6 +302,9 @@ class Trainer(compat.TrainerV04):
                 self._report(bar, *pending)
             step = first_step + i + 1
             pending = (step, metrics)
+            if self._watch is not None and self._watch.stop_after(step):
+                self._report(bar, *pending)
+                self._stop_on_signal(epoch, step, keep_last_ckpts)
             if save_every_n_steps and step % save_every_n_steps == 0 and i + 1 < n_steps:
                 self._report(bar, *pending)
                 pending = None
@@ -308,6 +312,12 @@ class Trainer(compat.TrainerV04):
         if pending is not None:
             self._report(bar, *pending)
         bar.close()
+
+    def _stop_on_signal(self, epoch: int, step: int, keep_last_ckpts: int) -> None:
+        saved = self.save_step_ckpt(epoch, keep_last_ckpts) if self.deployer.workdir else None
+        error = self._watch.stopped(step, saved)
+        self.deployer.log_info(error.reason)
+        raise error
 
     def _run_train_step(self, batch) -> dict:
         """One update; the first one after the step is (re)made is timed and logged: how long
@@ -447,6 +457,7 @@ class Trainer(compat.TrainerV04):
         for callback in self.callbacks:
             pm.register(callback)
         try:
+            self._watch = preemption.Watch()  # SIGTERM, SIGINT: save a checkpoint and stop
             pm.hook.on_fit_start(trainer=self, n_epochs=n_epochs, steps_per_epoch=steps_per_epoch)
             done = 0 if first_fit else self.step  # updates before this epoch
             for epoch in range(n_epochs):
@@ -477,6 +488,8 @@ class Trainer(compat.TrainerV04):
                 raise self.deployer.lost_process_error(e) from e
             raise
         finally:
+            self._watch.restore()
+            self._watch = None
             for callback in self.callbacks:
                 pm.unregister(callback)
 

@@ -15,7 +15,13 @@ WORKDIR/final.npz. With ``--kill POINT`` the process dies at
   half the size of the biggest file of the newest complete checkpoint: that file is left cut at
   exactly that size, with more still to write (a writer that first sizes a file to its full
   length, as safetensors does, is stopped at that sizing, the file still empty);
-* ``saved:N`` - SIGKILL in ``on_checkpoint_saved`` for ``step_N`` (renamed into place and pruned).
+* ``saved:N`` - SIGKILL in ``on_checkpoint_saved`` for ``step_N`` (renamed into place and pruned);
+* ``term:N``  - SIGTERM in ``on_step_end`` for update N (a preemption notice): training stops
+  cleanly, with a checkpoint of the step it stopped after and exit status 143;
+* ``term-save:N`` - two SIGTERMs while the format is writing ``step_N`` (the second one must not
+  cut the save), then the same clean stop;
+* ``int:N``, ``int2:N`` - Ctrl-C (SIGINT) once in ``on_step_end`` for update N (the same clean
+  stop, status 130), or twice (exits at once).
 
 ``create`` and ``write`` stop the format's own writing (tensorstore threads for orbax, Rust for
 safetensors, Python for msgpack) inside the write(2) call, wherever it is made: just before the
@@ -67,8 +73,9 @@ class KillingFormat(CheckpointFormat):
     format, except that its save of ``step_<kill_step>`` runs under a file-size limit of
     ``limit(ckpt_dir)`` bytes, so that the kernel kills the process part way through it."""
 
-    def __init__(self, name, kill_step, limit):
+    def __init__(self, name, kill_step, limit, term_step=None):
         self.name, self.kill_step, self.limit = name, kill_step, limit
+        self.term_step = term_step
         self.real = plugins.lookup("checkpoint_formats", name)
 
     @redco.hookimpl
@@ -78,6 +85,10 @@ class KillingFormat(CheckpointFormat):
     def save(self, path, tree):
         ckpt = os.path.dirname(path)  # <ckpt_dir>/step_N.tmp
         m = re.match(r"step_(\d+)", os.path.basename(ckpt))
+        if m and int(m.group(1)) == self.term_step:
+            for _ in range(2):
+                os.kill(os.getpid(), signal.SIGTERM)
+            print(f"kill_worker: sent two SIGTERMs while writing {path}", flush=True)
         if not (m and int(m.group(1)) == self.kill_step):
             return self.real.save(path, tree)
         limit = self.limit(os.path.dirname(ckpt))
@@ -110,6 +121,10 @@ class Killer:
     def on_step_end(self, trainer, step, metrics):
         if self.point == "step" and step == self.n:
             die(f"at the end of step {step}")
+        if self.point in ("term", "int", "int2") and step == self.n:
+            signum = signal.SIGTERM if self.point == "term" else signal.SIGINT
+            for _ in range(2 if self.point == "int2" else 1):
+                os.kill(os.getpid(), signum)
 
     @redco.hookimpl
     def on_checkpoint_saved(self, trainer, path, step):
@@ -121,17 +136,20 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("workdir")
     parser.add_argument("--format", default="orbax", help="the checkpoint format to write")
-    parser.add_argument("--kill", default=None, help="step:N, create:N, write:N or saved:N")
+    parser.add_argument("--kill", default=None, help="step:N, create:N, write:N, saved:N, term:N, term-save:N, "
+                        "int:N or int2:N")
     args = parser.parse_args()
     point, n = (None, None)
     if args.kill:
         point, n = args.kill.split(":")
         n = int(n)
-        assert point in ("step", "create", "write", "saved"), args.kill
+        assert point in ("step", "create", "write", "saved", "term", "term-save", "int", "int2"), \
+            args.kill
     os.makedirs(args.workdir, exist_ok=True)
 
     limit = WRITE_LIMITS.get(point)  # None: no save is stopped
-    plugins.pm.register(KillingFormat(args.format, n if limit else None, limit))
+    plugins.pm.register(KillingFormat(args.format, n if limit else None, limit,
+                                      n if point == "term-save" else None))
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=args.workdir, verbose=False,
                         checkpoint_format=args.format)
     apply_fn, params = lm_model()

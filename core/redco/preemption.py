@@ -1,0 +1,72 @@
+"""Stopping a run cleanly when it is told to: a scheduler's SIGTERM (a preemption, or SLURM's
+warning before a time limit with ``--signal``), or Ctrl-C (SIGINT).
+
+While ``Trainer.fit`` trains, the first such signal only asks it to stop: the step under way
+finishes, one step checkpoint is written (atomically, as always), and ``fit`` raises
+``Preempted``, a ``SystemExit`` with status 128 + the signal number (143 for SIGTERM, 130 for
+SIGINT), so the command exits saying so and a rerun resumes from that checkpoint. A second SIGINT
+exits at once (``KeyboardInterrupt``); a second SIGTERM is ignored, so it cannot cut the save.
+
+With several processes every one must stop after the same step. JAX's preemption service (on in
+every ``jax.distributed`` run) takes SIGTERM, tells the other processes, and agrees with them on
+the step to stop after (``reached_preemption_sync_point``); a SIGINT here is passed on to it as a
+SIGTERM of this process.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import jax
+from jax._src import distributed
+from jax.experimental import multihost_utils
+
+
+class Preempted(SystemExit):
+    """``fit`` stopped on a signal after saving a step checkpoint; the exit status is 128 + the
+    signal's number."""
+
+
+class Watch:
+    """Made when ``fit`` starts training, which installs its signal handlers, and ``restore``d
+    when it ends; ``stop_after(step)`` says whether to stop once ``step`` is done."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+        self._service = jax.process_count() > 1  # JAX's preemption service, if it runs
+        if self._service and distributed.global_state.preemption_sync_manager is None:
+            return  # jax_enable_preemption_service is off: signals keep their default actions
+        if threading.current_thread() is threading.main_thread():  # signals reach only that one
+            own = (signal.SIGINT,) if self._service else (signal.SIGINT, signal.SIGTERM)
+            for signum in own:
+                self._previous[signum] = signal.signal(signum, self._handle)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+            if self._service:  # the preemption service agrees on the step to stop
+                os.kill(os.getpid(), signal.SIGTERM)
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    def stop_after(self, step: int) -> bool:
+        if self._service:
+            if self._previous and multihost_utils.reached_preemption_sync_point(step):
+                self.signum = self.signum or signal.SIGTERM
+                return True
+            return False
+        return self.signum is not None
+
+    def stopped(self, step: int, saved: str | None) -> Preempted:
+        """What ``fit`` raises once it stopped after ``step`` (and saved ``saved``)."""
+        where = f"saved {saved}; run the same command again to resume" if saved else \
+            "nothing saved (workdir=None)"
+        error = Preempted(128 + self.signum)
+        error.reason = f"Stopped by {signal.Signals(self.signum).name} after step {step}: {where}."
+        return error

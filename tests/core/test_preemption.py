@@ -1,0 +1,53 @@
+"""A preemption notice (SIGTERM) stops training cleanly: the step under way finishes, a step
+checkpoint of it is written, the process exits with status 143 saying where it saved, and the
+same command run again resumes there. Sent in the middle of an epoch, and twice while a
+checkpoint is being written (the second must not cut the save), the runs end with params
+bitwise equal to an uninterrupted run's, and no half-written checkpoint is ever the newest."""
+import os
+import re
+
+from ckpt_helpers import assert_same_run, ckpt_names, finish, latest, run, start, starts
+
+
+def stopped_after(out: str, workdir: str, signal_name: str = "SIGTERM") -> int:
+    with open(os.path.join(workdir, "log.txt")) as f:  # every run appends to it: the last line
+        found = re.findall(rf"Stopped by {signal_name} after step (\d+): saved (\S+); run the same "
+                           r"command again to resume\.", f.read())
+    assert found, out[-3000:]
+    step = int(found[-1][0])
+    assert found[-1][1] == os.path.join(workdir, "ckpts", f"step_{step}")
+    assert latest(workdir) == f"step_{step}" and not any(n.endswith(".tmp") for n in ckpt_names(workdir))
+    return step
+
+
+def test_sigterm_mid_epoch_and_during_a_save_stop_cleanly_and_resume_to_the_same_bits(tmp_path):
+    # 4 updates an epoch, 3 epochs, a checkpoint every 3 updates and at each epoch's end.
+    full, preempted = str(tmp_path / "full"), str(tmp_path / "preempted")
+    uninterrupted = start(full)
+
+    # 1. in the middle of the second epoch: the notice lands while update 5 is reported, so
+    #    training stops once the update under way (6) is done, and checkpoints it.
+    first = stopped_after(run(preempted, "term:5"), preempted)
+    assert first == 6
+
+    # 2. two notices while step_9 is being written: the save completes, the next update is
+    #    the last, and its checkpoint is written too.
+    out = run(preempted, "term-save:9")
+    assert "sent two SIGTERMs while writing" in out
+    assert "step_9" in ckpt_names(preempted)
+    second = stopped_after(out, preempted)
+    assert second == 10
+
+    # 3. the same command once more finishes the run.
+    run(preempted)
+    finish(uninterrupted, 0)
+    assert starts(preempted) == [0, first, second]
+    assert_same_run(preempted, full, killed_ckpts=("step_10", "step_12"))  # the newest 2
+
+
+def test_ctrl_c_once_saves_and_stops_twice_stops_at_once(tmp_path):
+    workdir = str(tmp_path / "run")
+    assert stopped_after(run(workdir, "int:2"), workdir, "SIGINT") == 3  # status 130
+    out = run(workdir, "int2:5")  # resumed at 3; dies at once of SIGINT, nothing saved past
+    assert "KeyboardInterrupt" in out and latest(workdir) == "step_4", out[-3000:]  # epoch end
+    assert starts(workdir) == [0, 3]
