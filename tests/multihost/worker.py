@@ -4,12 +4,14 @@ to let ``Deployer`` detect its launcher (a SLURM step, the ``REDCO_*`` variables
 tiny LM of ``tests/core/helpers.py`` with ``n_model_shards=2`` at a global batch of 8, predicts,
 saves a checkpoint (``REDCO_TEST_CKPT_FORMAT``; resuming from one found in WORKDIR; after
 ``REDCO_TEST_EPOCHS`` epochs, 2 by default; ``REDCO_TEST_KILL_AT_STEP``/``_TERM_AT_STEP``: this
-process gets SIGKILL/SIGTERM at the end of that step), and writes what it saw (and which launcher it detected) to
+process gets SIGKILL/SIGTERM at the end of that step; ``REDCO_TEST_STEP_SECONDS``: each step
+takes that much longer), and writes what it saw (and which launcher it detected) to
 ``WORKDIR/result_<PROCESS_ID>.json`` (process 0 also writes the final params as ``.npz``)."""
 import json
 import os
 import signal
 import sys
+import time
 
 DETECT = sys.argv[1] == "detect"
 if DETECT:
@@ -19,6 +21,7 @@ else:
     process_id, n_processes, port, n_devices, workdir = sys.argv[1:6]
 KILL_AT_STEP = int(os.environ.get("REDCO_TEST_KILL_AT_STEP", 0))  # this process dies there
 TERM_AT_STEP = int(os.environ.get("REDCO_TEST_TERM_AT_STEP", 0))  # this process gets SIGTERM
+STEP_SECONDS = float(os.environ.get("REDCO_TEST_STEP_SECONDS", 0))  # a slower run, to signal
 N_EPOCHS = int(os.environ.get("REDCO_TEST_EPOCHS", 2))
 CKPT_FORMAT = os.environ.get("REDCO_TEST_CKPT_FORMAT", "orbax")
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices}"
@@ -45,6 +48,7 @@ class KillAt:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == TERM_AT_STEP:
             os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(STEP_SECONDS)
 
 
 def detected_launcher() -> str:
@@ -66,7 +70,7 @@ def main() -> None:
     recorder = Recorder()
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params,
                       optax.sgd(0.1, momentum=0.9),
-                      callbacks=[recorder] + ([KillAt()] if KILL_AT_STEP or TERM_AT_STEP else []))
+                      callbacks=[recorder, KillAt()])
     examples = lm_examples(32)
     trainer.fit(examples, GLOBAL_BATCH // deployer.dp_size, n_epochs=N_EPOCHS, save_last_ckpt=True)
     predictor = trainer.get_default_predictor(

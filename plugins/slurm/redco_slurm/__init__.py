@@ -45,6 +45,12 @@ class SlurmLauncher(Launcher):
         group.add_argument("--cpus-per-task", type=int)
         group.add_argument("--gpus-per-node", type=int)
         group.add_argument("--job-name", default="redco")
+        group.add_argument("--requeue", action="store_true", help="SIGTERM the tasks "
+                           "--signal-before seconds before the time limit (or on scancel "
+                           "--signal=TERM): redco saves a step checkpoint and exits 143, and the "
+                           "job requeues itself and resumes from it")
+        group.add_argument("--signal-before", type=int, default=120, metavar="SECONDS",
+                           help="with --requeue: how long before the time limit (default 120)")
         group.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
                            help="another #SBATCH option, e.g. --sbatch=--account=abc or "
                            "--sbatch=--requeue (repeatable)")
@@ -59,7 +65,8 @@ class SlurmLauncher(Launcher):
         job = SlurmJob(command=command, nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
                        job_name=args.job_name, directory=args.workdir, partition=args.partition,
                        time=args.time, cpus_per_task=args.cpus_per_task,
-                       gpus_per_node=args.gpus_per_node, extra=tuple(args.sbatch))
+                       gpus_per_node=args.gpus_per_node, requeue=args.requeue,
+                       signal_before_s=args.signal_before, extra=tuple(args.sbatch))
         return launch_slurm(job, dry_run=args.dry_run, wait=args.wait)
 
 

@@ -27,12 +27,7 @@ from redco.protocols import LaunchError
 # Job states after which a SLURM job never runs again (a requeued job is PENDING or REQUEUED).
 DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                "PREEMPTED", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
-# How long an ended state must last before wait_for_job believes it. A job being requeued can
-# show FAILED (or PREEMPTED) before it is PENDING again, for longer on a busy controller (over 3 s
-# was seen), so a state after which SLURM may requeue the job must last REQUEUE_SETTLE_S.
-SETTLE_S = 3.0
-REQUEUE_SETTLE_S = 20.0
-MAY_REQUEUE = {"FAILED", "PREEMPTED", "NODE_FAIL"}
+SETTLE_S = 3.0  # how long an ended state must last before wait_for_job believes it
 
 
 @dataclass
@@ -48,6 +43,8 @@ class SlurmJob:
     time: str | None = None
     cpus_per_task: int | None = None
     gpus_per_node: int | None = None
+    requeue: bool = False
+    signal_before_s: int = 120
     extra: tuple[str, ...] = ()
 
     @property
@@ -74,7 +71,18 @@ def sbatch_options(job: SlurmJob) -> list[str]:
     optional = {"partition": job.partition, "time": job.time,
                 "cpus-per-task": job.cpus_per_task, "gpus-per-node": job.gpus_per_node}
     options += [f"--{name}={value}" for name, value in optional.items() if value]
+    if job.requeue:  # SIGTERM to every task signal_before_s before the time limit; requeueable
+        options += ["--requeue", f"--signal=TERM@{job.signal_before_s}"]
     return options + list(job.extra)
+
+
+# With --requeue: a run told to stop (SIGTERM, from --signal before the time limit or from
+# `scancel --signal=TERM`) saves a step checkpoint and exits 143; the job then requeues itself.
+REQUEUE_ON_STOP = [
+    "status=$?",
+    "# 143: redco stopped on SIGTERM after writing a step checkpoint; run again, it resumes there.",
+    'if [ "$status" -eq 143 ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
+    "exit $status"]
 
 
 def sbatch_script(job: SlurmJob) -> str:
@@ -96,6 +104,7 @@ def sbatch_script(job: SlurmJob) -> str:
         "# Safe to run again: a requeued job (e.g. after preemption) appends to the same output",
         "# file (--open-mode=append) and redco resumes from the last step checkpoint.",
         f"srun --kill-on-bad-exit=1 {shlex.join(job.command)}",
+        *(REQUEUE_ON_STOP if job.requeue else []),
         ""])
 
 
@@ -178,13 +187,6 @@ class _Follower:
             self.out.flush()
 
 
-def settle_time(job_id: str, state: str | None) -> float:
-    """How long ``state``, an ended one, must last before ``wait_for_job`` believes it."""
-    if state and state.split()[0] in MAY_REQUEUE and _accounting(job_id).get("Requeue") == "1":
-        return REQUEUE_SETTLE_S
-    return SETTLE_S
-
-
 def wait_for_job(job_id: str, output_path: str, poll_s: float = 1.0,
                  out: TextIO | None = None) -> int:
     """Poll ``squeue`` until the job ends, copying its output file to ``out`` (stdout) as it
@@ -194,11 +196,11 @@ def wait_for_job(job_id: str, output_path: str, poll_s: float = 1.0,
         while True:
             state = job_state(job_id)
             follower.copy()
-            # squeue can fail while slurmctld is busy, and a job being requeued can show an
-            # ended state for a while: believe "ended" only once it has lasted long enough.
+            # A job being requeued can show an ended state (FAILED) for a moment, and squeue
+            # can fail while slurmctld is busy: believe "ended" only once it has lasted 3 s.
             ended = state is None or state.split()[0] in DONE_STATES
             ended_polls = ended_polls + 1 if ended else 0
-            if ended and ended_polls * poll_s >= settle_time(job_id, state):
+            if ended_polls * poll_s >= SETTLE_S:
                 break
             time.sleep(poll_s)
     except KeyboardInterrupt:

@@ -2,19 +2,22 @@
 ``redco launch --launcher slurm --wait`` (offered by this plugin) submits a 2-task job of the
 unchanged worker, whose ``Deployer()`` detects this plugin's ``slurm`` launcher, and the job
 trains exactly like one process; a failed task ends the job with its exit code; a job requeued
-mid-run (as a preempted one is) appends to its output and resumes from its step checkpoint.
+mid-run (as a preempted one is) appends to its output and resumes from its step checkpoint; a
+job started with ``--requeue`` and sent SIGTERM mid-epoch saves, requeues itself and resumes to
+the bits of an uninterrupted run.
 
 Needs root (apt, the daemons). If SLURM cannot be installed or started the tests FAIL, saying
 why; ``REDCO_SKIP_SLURM=1`` skips them instead."""
 import glob
 import os
+import re
 import shlex
 import subprocess
 import sys
 import time
 
 import numpy as np
-from multihost_helpers import WORKER, assert_trains_like_reference, read_results
+from multihost_helpers import WORKER, assert_trains_like_reference, free_port, read_results, worker_env
 
 from redco_slurm.sbatch import job_state, wait_for_job
 
@@ -96,6 +99,18 @@ def wait_until(condition, what: str, timeout: float) -> None:
         time.sleep(0.5)
 
 
+def start_requeued_job_now(job_id: str) -> None:
+    """SLURM holds a requeued job back for a while (reason BeginTime): once the job is pending
+    and its node idle, start it. Not within the same second as the requeue's kill: slurmd
+    revokes the old run's credential to the second and refuses a start then ("Job credential
+    revoked", the job FAILED with exit code 1)."""
+    wait_until(lambda: (job_state(job_id) or "").startswith("PENDING"), "requeued", 120)
+    wait_until(lambda: subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True,
+                                      text=True).stdout.strip().startswith("idle"), "idle", 120)
+    time.sleep(2)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+
+
 def test_a_requeued_job_appends_and_resumes_from_its_checkpoint(slurm, reference, tmp_path,
                                                                 monkeypatch):
     """A preemption, for real: the job's first run trains one epoch (checkpoint step_4) and
@@ -123,9 +138,7 @@ def test_a_requeued_job_appends_and_resumes_from_its_checkpoint(slurm, reference
         [output] = glob.glob(str(tmp_path / "t-*.out"))
         job_id = output.rsplit("-", 1)[1].removesuffix(".out")
         subprocess.run(["scontrol", "requeue", job_id], check=True)
-        wait_until(lambda: (job_state(job_id) or "").startswith("PENDING"), "requeued", 120)
-        # SLURM holds a requeued job back for a while (reason BeginTime): start it now.
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+        start_requeued_job_now(job_id)
         stdout, stderr = launch.communicate(timeout=300)
     finally:
         if launch.poll() is None:
@@ -146,3 +159,53 @@ def test_a_requeued_job_appends_and_resumes_from_its_checkpoint(slurm, reference
     params = np.load(workdir / "params.npz")
     for name in ref_params:
         np.testing.assert_allclose(params[name], ref_params[name], rtol=1e-5, atol=1e-5)
+
+
+def train_rows(workdir) -> int:
+    try:
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            return sum('"train/loss"' in line for line in f)
+    except FileNotFoundError:
+        return 0
+
+
+def test_requeue_saves_on_sigterm_requeues_and_resumes_to_the_same_bits(slurm, tmp_path,
+                                                                        monkeypatch):
+    """``redco launch --launcher slurm --requeue``: ``scancel --signal=TERM`` mid-epoch (what
+    ``--signal`` sends before a time limit) makes both tasks finish the same step, write its
+    checkpoint and exit 143; the script requeues the job, which resumes from it and ends with
+    params bitwise equal to an uninterrupted 2-process run on 127.0.0.1 (4 devices each)."""
+    monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
+    full, workdir = tmp_path / "full", tmp_path / "run"
+    port = free_port()
+    uninterrupted = [subprocess.Popen([sys.executable, WORKER, str(i), "2", str(port), "4",
+                                       str(full)], env=worker_env(), stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL) for i in range(2)]
+    worker = shlex.join([sys.executable, WORKER, "detect", "4", str(workdir)])
+    launch = subprocess.Popen([*LAUNCH[:-1], "--requeue", "--", "bash", "-c",
+                               f"REDCO_TEST_STEP_SECONDS=1 {worker}"], cwd=tmp_path, env=slurm,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: train_rows(workdir) >= 2, "two steps were trained", 300)
+        [output] = glob.glob(str(tmp_path / "t-*.out"))
+        job_id = output.rsplit("-", 1)[1].removesuffix(".out")
+        subprocess.run(["scancel", "--signal=TERM", job_id], check=True)
+        start_requeued_job_now(job_id)
+        stdout, stderr = launch.communicate(timeout=300)
+    finally:
+        if launch.poll() is None:
+            subprocess.run(["scancel", "--name", "t"])
+            launch.kill()
+    assert launch.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert f"job {job_id} COMPLETED, exit code 0" in stderr
+    with open(workdir / "log.txt") as f:
+        log = f.read()
+    stopped = re.findall(r"Stopped by SIGTERM after step (\d+): saved", log)
+    assert len(stopped) == 1 and 2 <= int(stopped[0]) < 8, log[-3000:]
+    assert f"Resumed from {workdir}/ckpts/step_{stopped[0]} (step {stopped[0]})." in log
+    for p in uninterrupted:
+        assert p.wait(timeout=300) == 0
+    a, b = np.load(full / "params.npz"), np.load(workdir / "params.npz")
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(b[name], a[name], err_msg=name)

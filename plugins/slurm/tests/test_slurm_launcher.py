@@ -85,8 +85,23 @@ def test_sbatch_script_from_dry_run(capsys, tmp_path, monkeypatch):
     assert "8 tasks (2 nodes x 4), each one JAX process" in out
     assert "# Safe to run again: a requeued job (e.g. after preemption) appends to the same " \
            "output" in out and "redco resumes from the last step checkpoint" in out
-    assert "--requeue" not in out  # not forced: --sbatch=--requeue asks for it
+    assert "--requeue" not in out and "scontrol" not in out  # not forced: --requeue asks for it
     assert os.listdir(tmp_path) == []  # a dry run writes and submits nothing
+
+
+def test_requeue_asks_for_the_warning_signal_and_requeues_a_clean_stop(capsys, tmp_path,
+                                                                      monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run_cli(capsys, "launch", "--launcher", "slurm", "--time", "4:00:00",
+                           "--requeue", "--signal-before", "300", "--dry-run", "--", "python",
+                           "train.py")
+    assert code == 0
+    lines = out.splitlines()
+    assert "#SBATCH --requeue" in lines and "#SBATCH --signal=TERM@300" in lines
+    srun = lines.index("srun --kill-on-bad-exit=1 python train.py")
+    assert lines[srun + 1] == "status=$?"
+    assert 'if [ "$status" -eq 143 ]; then scontrol requeue "$SLURM_JOB_ID"; fi' in lines[srun:]
+    assert lines[-1] == "exit $status"
 
 
 def test_the_script_gives_srun_the_command_word_for_word(capsys, tmp_path, monkeypatch):
