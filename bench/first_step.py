@@ -11,7 +11,14 @@ stopped. Each start is repeated ``--repeats`` times, alternating, and the median
 with their ratio to the cold start's. ``log.txt``'s own line of each start says how long tracing
 and compiling the step took and where the program came from.
 
-    python bench/first_step.py [--repeats 3]
+Then a big model, ahead of time: ``--aot_preset`` (default ``llama-1b``, TinyLlama-1.1B's shape)
+is too big to train on a CPU, so a fresh process builds it abstractly and compiles its AdamW train
+step on 8 simulated devices (``n_model_shards=8``, the planner's own ``measure``), once with an
+empty compile cache and once with the cache that start filled; each prints seconds from the
+process's start to a compiled step, and whether the program came from the cache. ``--aot_preset
+none`` skips it.
+
+    python bench/first_step.py [--repeats 3] [--aot_preset llama-1b]
 """
 from __future__ import annotations
 
@@ -28,6 +35,33 @@ import tempfile
 import time
 
 DEMO = [sys.executable, "-m", "redco_zoo_lm.demo", "--n_epochs", "1"]
+AOT_SEQ_LEN = 2048
+
+
+def aot_worker(preset: str, cache: str) -> None:
+    """In a fresh process: compile ``preset``'s train step ahead of time with ``cache`` as the
+    compile cache; print one JSON line (seconds since the process started, the compile's own
+    seconds, cache hits)."""
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax
+    import jax.numpy as jnp
+    from redco import compile_cache
+    from redco_planner.inspection import load_model
+    from redco_planner.planner import measure
+    compile_cache.use(cache)
+    model = load_model(preset, seq_len=AOT_SEQ_LEN)
+    batch = {"input_ids": jax.ShapeDtypeStruct((1, AOT_SEQ_LEN + 1), jnp.int32)}
+    layout = measure(model.params, model.loss_fn, batch, n_devices=8, n_model_shards=8)
+    hits, _ = compile_cache.counts()
+    print(json.dumps({"seconds": time.time() - float(os.environ["REDCO_BENCH_T0"]),
+                      "compile_s": layout.compile_s, "from_cache": hits > 0}), flush=True)
+
+
+def aot_start(preset: str, cache: str) -> dict:
+    env = {**os.environ, "REDCO_BENCH_T0": repr(time.time())}
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", preset, cache],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def last_train_step(workdir: str) -> int:
@@ -72,7 +106,12 @@ def start(workdir: str, cache: str, after_step: int = 0, until_ckpt: str | None 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--aot_preset", default="llama-1b",
+                        help="a redco_zoo_models.LLAMA_PRESETS name compiled ahead of time, or none")
+    parser.add_argument("--worker", nargs=2, metavar=("PRESET", "CACHE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        return aot_worker(*args.worker)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from provenance import print_provenance
     print_provenance()
@@ -93,6 +132,29 @@ def main() -> None:
         shutil.rmtree(root)
     cold = statistics.median(times["cold"])
     print("\n| start | seconds to the first step (median) | / cold |\n| --- | ---: | ---: |")
+    for name, values in times.items():
+        median = statistics.median(values)
+        print(f"| {name} | {median:.2f} | {median / cold:.2f} |")
+    if args.aot_preset != "none":
+        aot(args.aot_preset, args.repeats)
+
+
+def aot(preset: str, repeats: int) -> None:
+    times: dict[str, list[float]] = {"cold": [], "warm": []}
+    for r in range(repeats):
+        cache = tempfile.mkdtemp(prefix="first_step_aot_")
+        for name in times:
+            row = aot_start(preset, cache)
+            assert row["from_cache"] == (name == "warm"), row
+            times[name].append(row["seconds"])
+            print(f"repeat {r + 1} {preset} {name:4s} {row['seconds']:6.2f} s to a compiled step "
+                  f"(compile {row['compile_s']:.2f} s, from the cache: {row['from_cache']})",
+                  flush=True)
+        shutil.rmtree(cache)
+    cold = statistics.median(times["cold"])
+    print(f"\n{preset}, seq {AOT_SEQ_LEN}, AdamW, 8 simulated devices (n_model_shards=8), "
+          "compiled ahead of time\n| start | seconds to a compiled train step (median) | / cold |"
+          "\n| --- | ---: | ---: |")
     for name, values in times.items():
         median = statistics.median(values)
         print(f"| {name} | {median:.2f} | {median / cold:.2f} |")

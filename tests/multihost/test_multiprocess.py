@@ -107,26 +107,31 @@ def test_a_killed_process_stops_the_others_quickly_naming_it(victim, tmp_path):
                 or "Failed to send RPC to coordination service" in out), out[-3000:]
 
 
-@pytest.mark.parametrize("noticed_by", [1, 0])
-def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resumes_bitwise(noticed_by,
-                                                                                   tmp_path):
-    """One of 2 processes gets SIGTERM at the end of step 2 (a preemption notice): JAX's
-    preemption service tells the other, both finish the same later step, write its checkpoint
-    together and exit 143; the same command again resumes and ends with the params of an
+@pytest.mark.parametrize("noticed_by,during", [(1, "step"), (0, "step"), (0, "save")])
+def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resumes_bitwise(
+        noticed_by, during, tmp_path):
+    """One of 2 processes gets SIGTERM (a preemption notice) at the end of step 2, or twice
+    while the epoch's checkpoint step_4 is being written: JAX's preemption service tells the
+    other, both finish the same later step, write its checkpoint together (the save under way
+    completes) and exit 143; the same command again resumes and ends with the params of an
     uninterrupted 2-process run, bit for bit."""
     full, preempted = str(tmp_path / "full"), str(tmp_path / "preempted")
     launch(2, full)
     port = free_port()
+    notice = {"REDCO_TEST_TERM_AT_STEP": "2"} if during == "step" else \
+        {"REDCO_TEST_TERM_DURING_SAVE": "4"}
     procs = [subprocess.Popen(
         [sys.executable, WORKER, str(i), "2", str(port), "4", preempted], stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
-        env=worker_env(REDCO_TEST_TERM_AT_STEP="2") if i == noticed_by else worker_env())
+        env=worker_env(**notice) if i == noticed_by else worker_env())
         for i in range(2)]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [143, 143], "\n".join(o[-2000:] for o in outputs)
+    if during == "save":
+        assert "sent two SIGTERMs while step_4.tmp was being written" in outputs[noticed_by]
     with open(os.path.join(preempted, "log.txt")) as f:
         step = int(re.search(r"Stopped by SIGTERM after step (\d+): saved", f.read()).group(1))
-    assert 2 < step < 8 and os.listdir(os.path.join(preempted, "ckpts")) == [f"step_{step}"]
+    assert (2 if during == "step" else 4) < step < 8 and os.listdir(os.path.join(preempted, "ckpts")) == [f"step_{step}"]
     launch(2, preempted)
     assert [len(r["losses"]) for r in read_results(preempted, 2)] == [8 - step] * 2  # resumed
     a, b = np.load(os.path.join(full, "params.npz")), np.load(os.path.join(preempted, "params.npz"))

@@ -4,13 +4,15 @@ to let ``Deployer`` detect its launcher (a SLURM step, the ``REDCO_*`` variables
 tiny LM of ``tests/core/helpers.py`` with ``n_model_shards=2`` at a global batch of 8, predicts,
 saves a checkpoint (``REDCO_TEST_CKPT_FORMAT``; resuming from one found in WORKDIR; after
 ``REDCO_TEST_EPOCHS`` epochs, 2 by default; ``REDCO_TEST_KILL_AT_STEP``/``_TERM_AT_STEP``: this
-process gets SIGKILL/SIGTERM at the end of that step; ``REDCO_TEST_STEP_SECONDS``: each step
+process gets SIGKILL/SIGTERM at the end of that step; ``REDCO_TEST_TERM_DURING_SAVE``: two
+SIGTERMs while that step's checkpoint is being written; ``REDCO_TEST_STEP_SECONDS``: each step
 takes that much longer), and writes what it saw (and which launcher it detected) to
 ``WORKDIR/result_<PROCESS_ID>.json`` (process 0 also writes the final params as ``.npz``)."""
 import json
 import os
 import signal
 import sys
+import threading
 import time
 
 DETECT = sys.argv[1] == "detect"
@@ -21,6 +23,7 @@ else:
     process_id, n_processes, port, n_devices, workdir = sys.argv[1:6]
 KILL_AT_STEP = int(os.environ.get("REDCO_TEST_KILL_AT_STEP", 0))  # this process dies there
 TERM_AT_STEP = int(os.environ.get("REDCO_TEST_TERM_AT_STEP", 0))  # this process gets SIGTERM
+TERM_DURING_SAVE = int(os.environ.get("REDCO_TEST_TERM_DURING_SAVE", 0))
 STEP_SECONDS = float(os.environ.get("REDCO_TEST_STEP_SECONDS", 0))  # a slower run, to signal
 N_EPOCHS = int(os.environ.get("REDCO_TEST_EPOCHS", 2))
 CKPT_FORMAT = os.environ.get("REDCO_TEST_CKPT_FORMAT", "orbax")
@@ -48,7 +51,20 @@ class KillAt:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == TERM_AT_STEP:
             os.kill(os.getpid(), signal.SIGTERM)
+        if step == TERM_DURING_SAVE:
+            threading.Thread(target=term_while_writing, args=(step,), daemon=True).start()
         time.sleep(STEP_SECONDS)
+
+
+def term_while_writing(step: int) -> None:
+    """Send this process two SIGTERMs once ``step_<step>.tmp`` (the checkpoint being written)
+    appears, and say so."""
+    tmp = os.path.join(workdir, "ckpts", f"step_{step}.tmp")
+    while not os.path.isdir(tmp):
+        time.sleep(0.0005)
+    for _ in range(2):
+        os.kill(os.getpid(), signal.SIGTERM)
+    print(f"worker: sent two SIGTERMs while step_{step}.tmp was being written", flush=True)
 
 
 def detected_launcher() -> str:
