@@ -63,7 +63,11 @@ def resolve(setting: float | None) -> float | None:
 def _ask(fn: Callable, seconds: float):
     """``fn()``, or None when it fails or takes longer than ``seconds`` (it is left running)."""
     out = []
-    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+
+    def call() -> None:
+        with contextlib.suppress(Exception):
+            out.append(fn())
+    thread = threading.Thread(target=call, daemon=True)
     thread.start()
     thread.join(seconds)
     return out[0] if out else None
@@ -130,7 +134,7 @@ class Watchdog:
 
     def _stuck(self) -> str | None:
         """Who is stuck, from every process's heartbeat; None if one is paused, not stuck."""
-        found = _ask(lambda: self.client.key_value_dir_get(KEY), min(5.0, self.timeout / 2))
+        found = _ask(lambda: self.client.key_value_dir_get(KEY), min(2.0, self.timeout / 4))
         if found is None:
             return "process 0 (the coordinator) does not answer"
         now, records = time.time(), {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in found}

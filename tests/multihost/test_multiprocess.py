@@ -1,8 +1,10 @@
 """Several processes on 127.0.0.1, joined by ``jax.distributed`` through the ``ip`` launcher,
 train like one process with the same total number of devices: to 1e-5, since an all-reduce across
 processes sums in another order than one within a process (about one float32 ulp apart)."""
+import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -133,3 +135,58 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resumes_bitwi
     assert sorted(a) == sorted(b)
     for name in a:
         np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+
+
+def last_printed_step(path: str) -> int:
+    with open(path) as f:
+        found = re.findall(r"finished step (\d+)\n", f.read())  # after a progress bar, maybe
+    return int(found[-1]) if found else 0
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_stopped_process_makes_the_other_exit_within_twice_the_hang_timeout(victim, tmp_path):
+    """SIGSTOP one of 2 processes once it finished step 2 (it hangs, alive, holding its sockets):
+    the other exits by itself with status 124 within 2x REDCO_HANG_TIMEOUT, naming the stopped
+    one: process 1 with the last step it finished, or process 0, the coordinator, which then
+    cannot answer."""
+    timeout_s, port, workdir = 5, free_port(), str(tmp_path)
+    outs = [str(tmp_path / f"out_{i}.txt") for i in range(2)]
+    procs = [subprocess.Popen(
+        [sys.executable, WORKER, str(i), "2", str(port), "4", workdir], stdout=open(outs[i], "w"),
+        stderr=subprocess.STDOUT, env=worker_env(REDCO_HANG_TIMEOUT=str(timeout_s),
+                                                 REDCO_TEST_STEP_SECONDS="1"))
+        for i in range(2)]
+    stopped, survivor = procs[victim], procs[1 - victim]
+    try:
+        deadline = time.monotonic() + 600
+        while last_printed_step(outs[victim]) < 2:
+            assert stopped.poll() is None and time.monotonic() < deadline, open(outs[victim]).read()
+            time.sleep(0.1)
+        time.sleep(0.5)  # inside its 1 s after-step sleep: its heartbeat says step 2
+        stopped.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        survivor.wait(timeout=120)
+        took = time.monotonic() - stopped_at
+        out = open(outs[1 - victim]).read()
+        assert survivor.returncode == 124, out[-3000:]
+        assert took < 2 * timeout_s, f"exited {took:.1f} s after the SIGSTOP\n{out[-3000:]}"
+        print(f"process {1 - victim} exited {took:.2f} s after process {victim} was stopped")
+        step = last_printed_step(outs[victim])
+        own = last_printed_step(outs[1 - victim])
+        head = (rf"No train step finished for {timeout_s} s on process {1 - victim} of 2 \(last "
+                rf"finished step {own}\)\. Stuck: ")
+        if victim == 1:
+            message = head + rf"process 1 \(last step {step}, no heartbeat for \d+ s\)\. Exiting"
+            with open(os.path.join(workdir, "log.txt")) as f:
+                assert re.search(message, f.read())
+            with open(os.path.join(workdir, "metrics.jsonl")) as f:  # process 0's steps
+                logged = max(json.loads(line)["step"] for line in f if line.strip())
+            assert own == logged and step == 2 and logged in (2, 3)
+        else:
+            message = head + r"process 0 \(the coordinator\) does not answer\. Exiting"
+            assert own in (2, 3)
+        assert re.search(message, out), out[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

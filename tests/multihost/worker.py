@@ -5,7 +5,8 @@ tiny LM of ``tests/core/helpers.py`` with ``n_model_shards=2`` at a global batch
 saves a checkpoint (``REDCO_TEST_CKPT_FORMAT``; resuming from one found in WORKDIR; after
 ``REDCO_TEST_EPOCHS`` epochs, 2 by default; ``REDCO_TEST_KILL_AT_STEP``/``_TERM_AT_STEP``: this
 process gets SIGKILL/SIGTERM at the end of that step; ``REDCO_TEST_STEP_SECONDS``: each step
-takes that much longer), and writes what it saw (and which launcher it detected) to
+takes that much longer; ``REDCO_HANG_TIMEOUT``, as users set it), prints ``finished step N``
+after each step, and writes what it saw (and which launcher it detected) to
 ``WORKDIR/result_<PROCESS_ID>.json`` (process 0 also writes the final params as ``.npz``)."""
 import json
 import os
@@ -44,6 +45,7 @@ from redco_zoo_lm import collate_fn, loss_fn  # noqa: E402
 class KillAt:
     @redco.hookimpl
     def on_step_end(self, trainer, step, metrics):
+        print(f"finished step {step}", flush=True)
         if step == KILL_AT_STEP:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == TERM_AT_STEP:
