@@ -190,3 +190,42 @@ def test_a_stopped_process_makes_the_other_exit_within_twice_the_hang_timeout(vi
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_process_stuck_between_steps_is_named_with_its_last_step(tmp_path):
+    """Process 1's on_step_end never returns after step 2 (its heartbeats go on), so it is the
+    one behind: both processes stop within 2x the timeout of the hang, and whichever gives up
+    first exits 124 naming process 1 and step 2 (the other may be ended by JAX first, as its
+    coordinator or peer went away; if it exits 124 too, it says the same)."""
+    timeout_s, port, workdir = 5, free_port(), str(tmp_path)
+    outs = [str(tmp_path / f"out_{i}.txt") for i in range(2)]
+    procs = [subprocess.Popen(
+        [sys.executable, WORKER, str(i), "2", str(port), "4", workdir], stdout=open(outs[i], "w"),
+        stderr=subprocess.STDOUT, env=worker_env(REDCO_HANG_TIMEOUT=str(timeout_s), **(
+            {"REDCO_TEST_HANG_AT_STEP": "2"} if i == 1 else {})))
+        for i in range(2)]
+    try:
+        ended, deadline = {}, time.time() + 600
+        while len(ended) < 2 and time.time() < deadline:
+            ended.update({i: time.time() for i, p in enumerate(procs)
+                          if i not in ended and p.poll() is not None})
+            time.sleep(0.1)
+        texts = [open(out).read() for out in outs]
+        assert len(ended) == 2, "\n".join(t[-2000:] for t in texts)
+        hung_at = float(re.search(r"hangs at ([\d.]+)\n", texts[1]).group(1))
+        first = min(ended, key=ended.get)
+        assert procs[first].returncode == 124, texts[first][-3000:]
+        for i, text in enumerate(texts):
+            assert procs[i].returncode != 0 and ended[i] - hung_at < 2 * timeout_s, \
+                f"process {i}: status {procs[i].returncode} {ended[i] - hung_at:.1f} s after the hang"
+            print(f"process {i} exited {procs[i].returncode} {ended[i] - hung_at:.2f} s after "
+                  "process 1 hung")
+            if procs[i].returncode == 124:
+                own = last_printed_step(outs[i])
+                assert re.search(rf"No train step finished for {timeout_s} s on process {i} of 2 "
+                                 rf"\(last finished step {own}\)\. Stuck: process 1 \(last step "
+                                 r"2, the lowest; all heartbeats live\)\. Exiting", text), text[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -5,13 +5,15 @@ tiny LM of ``tests/core/helpers.py`` with ``n_model_shards=2`` at a global batch
 saves a checkpoint (``REDCO_TEST_CKPT_FORMAT``; resuming from one found in WORKDIR; after
 ``REDCO_TEST_EPOCHS`` epochs, 2 by default; ``REDCO_TEST_KILL_AT_STEP``/``_TERM_AT_STEP``: this
 process gets SIGKILL/SIGTERM at the end of that step; ``REDCO_TEST_STEP_SECONDS``: each step
-takes that much longer; ``REDCO_HANG_TIMEOUT``, as users set it), prints ``finished step N``
+takes that much longer; ``REDCO_TEST_HANG_AT_STEP``: this process's ``on_step_end`` of that step
+never returns; ``REDCO_HANG_TIMEOUT``, as users set it), prints ``finished step N``
 after each step, and writes what it saw (and which launcher it detected) to
 ``WORKDIR/result_<PROCESS_ID>.json`` (process 0 also writes the final params as ``.npz``)."""
 import json
 import os
 import signal
 import sys
+import threading
 import time
 
 DETECT = sys.argv[1] == "detect"
@@ -22,6 +24,7 @@ else:
     process_id, n_processes, port, n_devices, workdir = sys.argv[1:6]
 KILL_AT_STEP = int(os.environ.get("REDCO_TEST_KILL_AT_STEP", 0))  # this process dies there
 TERM_AT_STEP = int(os.environ.get("REDCO_TEST_TERM_AT_STEP", 0))  # this process gets SIGTERM
+HANG_AT_STEP = int(os.environ.get("REDCO_TEST_HANG_AT_STEP", 0))  # a callback deadlocks there
 STEP_SECONDS = float(os.environ.get("REDCO_TEST_STEP_SECONDS", 0))  # a slower run, to signal
 N_EPOCHS = int(os.environ.get("REDCO_TEST_EPOCHS", 2))
 CKPT_FORMAT = os.environ.get("REDCO_TEST_CKPT_FORMAT", "orbax")
@@ -50,6 +53,9 @@ class KillAt:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == TERM_AT_STEP:
             os.kill(os.getpid(), signal.SIGTERM)
+        if step == HANG_AT_STEP:
+            print(f"hangs at {time.time()}", flush=True)
+            threading.Event().wait()
         time.sleep(STEP_SECONDS)
 
 
