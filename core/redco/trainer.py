@@ -375,15 +375,17 @@ class Trainer(compat.TrainerV04):
         """Checkpoint everything a resume needs as ``ckpts/step_<step>``; keep the newest
         ``keep_last_ckpts`` of them."""
         step = self.step
-        with self._hang_watch_paused():
+        with self.hang_watch_paused():
             path = self.deployer.save_ckpt(f"step_{step}", self._ckpt_tree(), {
                 "step": step, "epoch": epoch, "best": self._best, "data": self._data_position})
             checkpointing.prune(self.deployer.ckpt_dir, keep_last_ckpts)
             pm.hook.on_checkpoint_saved(trainer=self, path=path, step=step)
         return path
 
-    def _hang_watch_paused(self):
-        """Pauses the hang watch (a checkpoint or an evaluation may take long), if on."""
+    def hang_watch_paused(self):
+        """``with trainer.hang_watch_paused():`` around long work that is not a step (a
+        checkpoint, an evaluation; your own in a callback) keeps ``Deployer(hang_timeout_s=)``
+        from taking it for a hang."""
         return self._watchdog.paused() if self._watchdog is not None else contextlib.nullcontext()
 
     def _resume(self) -> dict | None:
@@ -482,7 +484,7 @@ class Trainer(compat.TrainerV04):
                                  keep_last_ckpts=keep_last_ckpts,
                                  desc=f"epoch {epoch + 1}/{n_epochs}")
                 done += n_steps
-                with self._hang_watch_paused():
+                with self.hang_watch_paused():
                     if eval_examples is not None:
                         self._evaluate(epoch, eval_examples, eval_batch_size, eval_loss,
                                        eval_predictor, eval_metric_fn,

@@ -5,8 +5,9 @@ of 8 updates (global batch 16 on 8 simulated CPU devices), evaluating at the epo
 * ``hang:N`` - the collate_fn never returns from its call for update N + 1 (a deadlocked data
   loader); just before, it writes the wall time to ``WORKDIR/hung_at``.
 * ``slow:S`` - everything that is not a step takes S seconds longer: tracing the loss (so the
-  first step's compile), each step checkpoint (every 3 updates and at the end) and the
-  evaluation. The run must end normally.
+  first step's compile), each step checkpoint (every 3 updates and at the end), the evaluation,
+  and a callback's own work after update 5 (under ``trainer.hang_watch_paused()``). The run must
+  end normally.
 """
 import os
 import sys
@@ -34,6 +35,12 @@ class Slow:
     @redco.hookimpl
     def on_fit_start(self, trainer, n_epochs, steps_per_epoch):
         collated["n"] = 0
+
+    @redco.hookimpl
+    def on_step_end(self, trainer, step, metrics):
+        if kind == "slow" and step == 5:
+            with trainer.hang_watch_paused():
+                time.sleep(float(value))
 
     @redco.hookimpl
     def on_checkpoint_saved(self, trainer, path, step):
