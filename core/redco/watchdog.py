@@ -6,8 +6,9 @@ deadlocked data loader.
 
 A daemon thread watches while ``Trainer.fit`` trains. A step has finished when its metrics were
 read (the step ``metrics.jsonl`` logs). The watch starts at the first finished step of each fit
-(the first step compiles, which may take many minutes) and is paused while a checkpoint is written
-or the model evaluated; after each it starts again with a full timeout.
+(the first step compiles, which may take many minutes) and is paused while a checkpoint is written,
+the model evaluated, or a callback works in ``trainer.hang_watch_paused()``; after each it starts
+again with a full timeout.
 
 With several processes each one also publishes a heartbeat (wall time, last finished step, paused
 or not) in JAX's coordination key-value store, every second (a fifth of the timeout if shorter)
