@@ -14,7 +14,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from redco import checkpointing, compile_cache, plugins
+from redco import checkpointing, compile_cache, plugins, watchdog
 from redco.compat import DeployerV04
 from redco.data import check_collated, check_number
 from redco.sharding import Rules, RuleSetRules, is_rule_set, make_mesh, shardings_from_specs, specs_from_rules
@@ -49,6 +49,10 @@ class Deployer(DeployerV04):
       compile_cache_dir: where compiled steps are kept across restarts (a resumed or requeued
         run loads them instead of compiling): by default ``$REDCO_COMPILE_CACHE``, else
         ``<workdir>/compile_cache``; ``False`` (or ``REDCO_COMPILE_CACHE=off``) for none.
+      hang_timeout_s: ``Trainer.fit`` ends the run (exit status 124) when no train step has
+        finished for this many seconds, naming the stuck process and its last step
+        (``redco/watchdog.py``): by default ``$REDCO_HANG_TIMEOUT``, else 1800; ``0`` (or
+        ``REDCO_HANG_TIMEOUT=off``): never.
       wandb_init_kwargs: Redco 0.4.x's Weights & Biases switch: ``wandb.init(**kwargs)`` on
         process 0 and the ``wandb`` logger (plugin ``redco-wandb``).
 
@@ -64,8 +68,10 @@ class Deployer(DeployerV04):
                  loggers: Sequence[str] = ("jsonl",), launcher: str | None = None,
                  device_memory: int | str | None = None, verbose: bool = True,
                  wandb_init_kwargs: dict | None = None,
-                 compile_cache_dir: str | bool | None = None):
+                 compile_cache_dir: str | bool | None = None,
+                 hang_timeout_s: float | None = None):
         check_number("jax_seed", jax_seed, 0)
+        self.hang_timeout_s = watchdog.resolve(hang_timeout_s)
         config = dict(n_processes=n_processes, host0_address=host0_address,
                       host0_port=host0_port, process_id=process_id,
                       n_local_devices=n_local_devices)

@@ -1,6 +1,7 @@
 """``Trainer``: runs the user's ``collate_fn`` and ``loss_fn`` on the deployer's mesh."""
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from typing import Any, Callable, Sequence
@@ -12,7 +13,7 @@ import numpy as np
 import optax
 import tqdm
 
-from redco import checkpointing, compat, compile_cache, preemption
+from redco import checkpointing, compat, compile_cache, preemption, watchdog
 from redco.data import by_name, cast_floats, check_array_leaves, check_collated, check_number, n_full_batches
 from redco.deployer import Deployer
 from redco.plugins import pm
@@ -111,6 +112,7 @@ class Trainer(compat.TrainerV04):
         self.callbacks = list(callbacks)
         self._stop_reason = None
         self._watch: preemption.Watch | None = None  # while fit trains
+        self._watchdog: watchdog.Watchdog | None = None  # while fit trains, if a hang timeout
         self._fitted = False  # a fit ran to its end: a later fit trains its epochs again
         self._best: dict[str, float] = {}
         self._data_position: dict = {}  # with the step, fixes which examples come next
@@ -346,6 +348,8 @@ class Trainer(compat.TrainerV04):
             raise FloatingPointError(
                 f"Training stopped at step {step}: loss is {metrics.get('loss')}, grad_norm is "
                 f"{metrics.get('grad_norm')}; {kept}. Lower the learning rate or check the data.")
+        if self._watchdog is not None:
+            self._watchdog.progress(step)
         bar.set_postfix({k: f"{v:.4g}" for k, v in metrics.items()}, refresh=False)
         self.deployer.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step)
         pm.hook.on_step_end(trainer=self, step=step, metrics=metrics)
@@ -371,11 +375,18 @@ class Trainer(compat.TrainerV04):
         """Checkpoint everything a resume needs as ``ckpts/step_<step>``; keep the newest
         ``keep_last_ckpts`` of them."""
         step = self.step
-        path = self.deployer.save_ckpt(f"step_{step}", self._ckpt_tree(), {
-            "step": step, "epoch": epoch, "best": self._best, "data": self._data_position})
-        checkpointing.prune(self.deployer.ckpt_dir, keep_last_ckpts)
-        pm.hook.on_checkpoint_saved(trainer=self, path=path, step=step)
+        with self.hang_watch_paused():
+            path = self.deployer.save_ckpt(f"step_{step}", self._ckpt_tree(), {
+                "step": step, "epoch": epoch, "best": self._best, "data": self._data_position})
+            checkpointing.prune(self.deployer.ckpt_dir, keep_last_ckpts)
+            pm.hook.on_checkpoint_saved(trainer=self, path=path, step=step)
         return path
+
+    def hang_watch_paused(self):
+        """``with trainer.hang_watch_paused():`` around long work that is not a step (a
+        checkpoint, an evaluation; your own in a callback) keeps ``Deployer(hang_timeout_s=)``
+        from taking it for a hang."""
+        return self._watchdog.paused() if self._watchdog is not None else contextlib.nullcontext()
 
     def _resume(self) -> dict | None:
         checkpointing.recover(self.deployer.ckpt_dir)
@@ -458,6 +469,8 @@ class Trainer(compat.TrainerV04):
             pm.register(callback)
         try:
             self._watch = preemption.Watch()  # SIGTERM, SIGINT: save a checkpoint and stop
+            if self.deployer.hang_timeout_s:  # no step for that long: exit naming the stuck one
+                self._watchdog = watchdog.Watchdog(self.deployer.hang_timeout_s)
             pm.hook.on_fit_start(trainer=self, n_epochs=n_epochs, steps_per_epoch=steps_per_epoch)
             done = 0 if first_fit else self.step  # updates before this epoch
             for epoch in range(n_epochs):
@@ -471,13 +484,14 @@ class Trainer(compat.TrainerV04):
                                  keep_last_ckpts=keep_last_ckpts,
                                  desc=f"epoch {epoch + 1}/{n_epochs}")
                 done += n_steps
-                if eval_examples is not None:
-                    self._evaluate(epoch, eval_examples, eval_batch_size, eval_loss,
-                                   eval_predictor, eval_metric_fn, save_argmin_ckpt_by_metrics,
-                                   save_argmax_ckpt_by_metrics)
-                if save_last_ckpt or save_every_n_steps:
-                    self.save_step_ckpt(epoch, keep_last_ckpts)
-                v04.epoch_end(self, epoch)
+                with self.hang_watch_paused():
+                    if eval_examples is not None:
+                        self._evaluate(epoch, eval_examples, eval_batch_size, eval_loss,
+                                       eval_predictor, eval_metric_fn,
+                                       save_argmin_ckpt_by_metrics, save_argmax_ckpt_by_metrics)
+                    if save_last_ckpt or save_every_n_steps:
+                        self.save_step_ckpt(epoch, keep_last_ckpts)
+                    v04.epoch_end(self, epoch)
                 if self._stop_reason:
                     self.deployer.log_info(f"Stopping early: {self._stop_reason}")
                     break
@@ -490,6 +504,9 @@ class Trainer(compat.TrainerV04):
         finally:
             self._watch.restore()
             self._watch = None
+            if self._watchdog is not None:
+                self._watchdog.stop()
+                self._watchdog = None
             for callback in self.callbacks:
                 pm.unregister(callback)
 

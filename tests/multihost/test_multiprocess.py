@@ -1,8 +1,10 @@
 """Several processes on 127.0.0.1, joined by ``jax.distributed`` through the ``ip`` launcher,
 train like one process with the same total number of devices: to 1e-5, since an all-reduce across
 processes sums in another order than one within a process (about one float32 ulp apart)."""
+import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -138,3 +140,97 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resumes_bitwi
     assert sorted(a) == sorted(b)
     for name in a:
         np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+
+
+def last_printed_step(path: str) -> int:
+    with open(path) as f:
+        found = re.findall(r"finished step (\d+)\n", f.read())  # after a progress bar, maybe
+    return int(found[-1]) if found else 0
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_stopped_process_makes_the_other_exit_within_twice_the_hang_timeout(victim, tmp_path):
+    """SIGSTOP one of 2 processes once it finished step 2 (it hangs, alive, holding its sockets):
+    the other exits by itself with status 124 within 2x REDCO_HANG_TIMEOUT, naming the stopped
+    one: process 1 with the last step it finished, or process 0, the coordinator, which then
+    cannot answer."""
+    timeout_s, port, workdir = 5, free_port(), str(tmp_path)
+    outs = [str(tmp_path / f"out_{i}.txt") for i in range(2)]
+    procs = [subprocess.Popen(
+        [sys.executable, WORKER, str(i), "2", str(port), "4", workdir], stdout=open(outs[i], "w"),
+        stderr=subprocess.STDOUT, env=worker_env(REDCO_HANG_TIMEOUT=str(timeout_s),
+                                                 REDCO_TEST_STEP_SECONDS="1"))
+        for i in range(2)]
+    stopped, survivor = procs[victim], procs[1 - victim]
+    try:
+        deadline = time.monotonic() + 600
+        while last_printed_step(outs[victim]) < 2:
+            assert stopped.poll() is None and time.monotonic() < deadline, open(outs[victim]).read()
+            time.sleep(0.1)
+        time.sleep(0.5)  # inside its 1 s after-step sleep: its heartbeat says step 2
+        stopped.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        survivor.wait(timeout=120)
+        took = time.monotonic() - stopped_at
+        out = open(outs[1 - victim]).read()
+        assert survivor.returncode == 124, out[-3000:]
+        assert took < 2 * timeout_s, f"exited {took:.1f} s after the SIGSTOP\n{out[-3000:]}"
+        print(f"process {1 - victim} exited {took:.2f} s after process {victim} was stopped")
+        step = last_printed_step(outs[victim])
+        own = last_printed_step(outs[1 - victim])
+        head = (rf"No train step finished for {timeout_s} s on process {1 - victim} of 2 \(last "
+                rf"finished step {own}\)\. Stuck: ")
+        if victim == 1:
+            message = head + rf"process 1 \(last step {step}, no heartbeat for \d+ s\)\. Exiting"
+            with open(os.path.join(workdir, "log.txt")) as f:
+                assert re.search(message, f.read())
+            with open(os.path.join(workdir, "metrics.jsonl")) as f:  # process 0's steps
+                logged = max(json.loads(line)["step"] for line in f if line.strip())
+            assert own == logged and step == 2 and logged in (2, 3)
+        else:
+            message = head + r"process 0 \(the coordinator\) does not answer\. Exiting"
+            assert own in (2, 3)
+        assert re.search(message, out), out[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_process_stuck_between_steps_is_named_with_its_last_step(tmp_path):
+    """Process 1's on_step_end never returns after step 2 (its heartbeats go on), so it is the
+    one behind: both processes stop within 2x the timeout of the hang, and whichever gives up
+    first exits 124 naming process 1 and step 2 (the other may be ended by JAX first, as its
+    coordinator or peer went away; if it exits 124 too, it says the same)."""
+    timeout_s, port, workdir = 5, free_port(), str(tmp_path)
+    outs = [str(tmp_path / f"out_{i}.txt") for i in range(2)]
+    procs = [subprocess.Popen(
+        [sys.executable, WORKER, str(i), "2", str(port), "4", workdir], stdout=open(outs[i], "w"),
+        stderr=subprocess.STDOUT, env=worker_env(REDCO_HANG_TIMEOUT=str(timeout_s), **(
+            {"REDCO_TEST_HANG_AT_STEP": "2"} if i == 1 else {})))
+        for i in range(2)]
+    try:
+        ended, deadline = {}, time.time() + 600
+        while len(ended) < 2 and time.time() < deadline:
+            ended.update({i: time.time() for i, p in enumerate(procs)
+                          if i not in ended and p.poll() is not None})
+            time.sleep(0.1)
+        texts = [open(out).read() for out in outs]
+        assert len(ended) == 2, "\n".join(t[-2000:] for t in texts)
+        hung_at = float(re.search(r"hangs at ([\d.]+)\n", texts[1]).group(1))
+        first = min(ended, key=ended.get)
+        assert procs[first].returncode == 124, texts[first][-3000:]
+        for i, text in enumerate(texts):
+            assert procs[i].returncode != 0 and ended[i] - hung_at < 2 * timeout_s, \
+                f"process {i}: status {procs[i].returncode} {ended[i] - hung_at:.1f} s after the hang"
+            print(f"process {i} exited {procs[i].returncode} {ended[i] - hung_at:.2f} s after "
+                  "process 1 hung")
+            if procs[i].returncode == 124:
+                own = last_printed_step(outs[i])
+                assert re.search(rf"No train step finished for {timeout_s} s on process {i} of 2 "
+                                 rf"\(last finished step {own}\)\. Stuck: process 1 \(last step "
+                                 r"2, the lowest; all heartbeats live\)\. Exiting", text), text[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -6,7 +6,9 @@ saves a checkpoint (``REDCO_TEST_CKPT_FORMAT``; resuming from one found in WORKD
 ``REDCO_TEST_EPOCHS`` epochs, 2 by default; ``REDCO_TEST_KILL_AT_STEP``/``_TERM_AT_STEP``: this
 process gets SIGKILL/SIGTERM at the end of that step; ``REDCO_TEST_TERM_DURING_SAVE``: two
 SIGTERMs while that step's checkpoint is being written; ``REDCO_TEST_STEP_SECONDS``: each step
-takes that much longer), and writes what it saw (and which launcher it detected) to
+takes that much longer; ``REDCO_TEST_HANG_AT_STEP``: this process's ``on_step_end`` of that step
+never returns; ``REDCO_HANG_TIMEOUT``, as users set it), prints ``finished step N``
+after each step, and writes what it saw (and which launcher it detected) to
 ``WORKDIR/result_<PROCESS_ID>.json`` (process 0 also writes the final params as ``.npz``)."""
 import json
 import os
@@ -24,6 +26,7 @@ else:
 KILL_AT_STEP = int(os.environ.get("REDCO_TEST_KILL_AT_STEP", 0))  # this process dies there
 TERM_AT_STEP = int(os.environ.get("REDCO_TEST_TERM_AT_STEP", 0))  # this process gets SIGTERM
 TERM_DURING_SAVE = int(os.environ.get("REDCO_TEST_TERM_DURING_SAVE", 0))
+HANG_AT_STEP = int(os.environ.get("REDCO_TEST_HANG_AT_STEP", 0))  # a callback deadlocks there
 STEP_SECONDS = float(os.environ.get("REDCO_TEST_STEP_SECONDS", 0))  # a slower run, to signal
 N_EPOCHS = int(os.environ.get("REDCO_TEST_EPOCHS", 2))
 CKPT_FORMAT = os.environ.get("REDCO_TEST_CKPT_FORMAT", "orbax")
@@ -47,12 +50,16 @@ from redco_zoo_lm import collate_fn, loss_fn  # noqa: E402
 class KillAt:
     @redco.hookimpl
     def on_step_end(self, trainer, step, metrics):
+        print(f"finished step {step}", flush=True)
         if step == KILL_AT_STEP:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == TERM_AT_STEP:
             os.kill(os.getpid(), signal.SIGTERM)
         if step == TERM_DURING_SAVE:
             threading.Thread(target=term_while_writing, args=(step,), daemon=True).start()
+        if step == HANG_AT_STEP:
+            print(f"hangs at {time.time()}", flush=True)
+            threading.Event().wait()
         time.sleep(STEP_SECONDS)
 
 
