@@ -13,6 +13,7 @@ import optax
 import tqdm
 
 from redco import checkpointing, compat, compile_cache, preemption
+from redco import remat as redco_remat
 from redco.data import by_name, cast_floats, check_array_leaves, check_collated, check_number, n_full_batches
 from redco.deployer import Deployer
 from redco.plugins import pm
@@ -72,6 +73,9 @@ class Trainer(compat.TrainerV04):
       params_sharding_rules: ``[(regex, PartitionSpec), ...]``; by default the deployer's
         rule set, read off ``loss_fn``'s dataflow at the first batch ``fit`` sees.
       callbacks: objects with ``@redco.hookimpl`` methods, active during this trainer's fit.
+      remat: the rematerialisation policy of the layers ``loss_fn`` runs (``"none"``,
+        ``"dots_saveable"``, ``"dots_with_no_batch_dims_saveable"``, ``"full"``: see
+        ``redco/remat.py``); ``None`` leaves the policy in force where the step is traced.
 
     Redco 0.4.x's keywords are accepted too (``last_ckpt_info``, ``train_step_fn``, ...; see
     ``redco/compat.py``).
@@ -86,7 +90,7 @@ class Trainer(compat.TrainerV04):
                  opt_state: Any = None, compute_dtype: Any = None,
                  lr_schedule_fn: Callable | None = None, accumulate_grad_batches: int | None = 1,
                  params_sharding_rules: Rules | None = None, callbacks: Sequence[Any] = (),
-                 **v04_options):
+                 remat: str | None = None, **v04_options):
         v04 = compat.trainer_options(v04_options)
         accumulate_grad_batches = check_number("accumulate_grad_batches",
                                                accumulate_grad_batches or 1, 1)
@@ -106,6 +110,7 @@ class Trainer(compat.TrainerV04):
                               "micro-batches, fed one per step (as Redco 0.4 did).")
             accumulate_grad_batches = 1
         self.compute_dtype = compute_dtype
+        self.remat = remat if remat is None else redco_remat.check(remat)
         self.lr_schedule_fn = lr_schedule_fn
         self.accumulate_grad_batches = accumulate_grad_batches
         self.callbacks = list(callbacks)
@@ -244,7 +249,8 @@ class Trainer(compat.TrainerV04):
     def _loss(self, params, state, batch, rng, is_training: bool):
         params = cast_floats(params, self.compute_dtype)
         batch = jax.tree.map(lambda x: x, batch)  # a fresh dict: loss_fn may pop from it
-        return self.loss_fn(rng, state, params, batch, is_training)
+        with redco_remat.policy(self.remat):
+            return self.loss_fn(rng, state, params, batch, is_training)
 
     def _step(self, state: TrainState, batch):
         """One optimizer update over ``accumulate_grad_batches`` micro-batches (leading axis)."""
