@@ -12,30 +12,35 @@ checkpointed by the policy in force when it is traced:
 - ``"full"``: keep only each layer's inputs and run the layer forward again in the backward
   pass (about a third more compute), the least memory.
 
-``Trainer(remat=NAME)`` sets the policy while its steps are traced, so a model need not be
+``Trainer(remat=NAME)`` sets the policy while its steps are traced, so the model is not
 rebuilt to change it; ``with policy(NAME):`` does the same around any trace (an ahead-of-time
-compile comparing policies, say). It is read at trace time: a function jitted under one policy
-keeps it. A layer's recomputation is tied to the gradient arriving from the layer above, so no
-compiler can schedule it early (XLA's CPU scheduler, seeing only ``jax.checkpoint``, recomputes
-during the forward pass and saves nothing). Remat layers support reverse-mode autodiff only.
+compile comparing policies, say), and ``jax.jit`` keys its caches on it as on its own config.
+A layer's recomputation is tied to the gradient arriving from above, so no compiler can run it
+early (XLA's CPU scheduler, given a bare ``jax.checkpoint``, recomputes during the forward pass
+and saves nothing). Remat layers support reverse-mode autodiff only.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
-from typing import Callable, Iterator
+from typing import Callable, ContextManager
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import config as jax_config
 
 POLICIES = {"none": None, "dots_saveable": jax.checkpoint_policies.dots_saveable,
             "dots_with_no_batch_dims_saveable":
                 jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
             "full": jax.checkpoint_policies.nothing_saveable}
 
-_current = contextvars.ContextVar("redco_remat_policy", default="none")
+# A JAX config state, so that jax.jit keys its caches on the policy too (JAX's own
+# ``jax_default_matmul_precision`` works the same way); REDCO_REMAT=NAME sets the default.
+_state = jax_config.enum_state("redco_remat", list(POLICIES), "none",
+                               "The rematerialisation policy of redco.remat.layer layers.",
+                               include_in_jit_key=True, include_in_trace_context=True)
+_traced = {"layers": 0}  # remat layers traced so far (under a policy other than "none")
 
 
 def check(name: str) -> str:
@@ -47,18 +52,17 @@ def check(name: str) -> str:
 
 def current() -> str:
     """The policy that layers traced now follow."""
-    return _current.get()
+    return _state.value
 
 
-@contextlib.contextmanager
-def policy(name: str | None) -> Iterator[None]:
+def policy(name: str | None) -> ContextManager:
     """Layers traced inside follow policy ``name``; ``None`` keeps the policy in force."""
-    token = None if name is None else _current.set(check(name))
-    try:
-        yield
-    finally:
-        if token is not None:
-            _current.reset(token)
+    return contextlib.nullcontext() if name is None else _state(check(name))
+
+
+def layers_traced() -> int:
+    """How many ``layer`` calls have been traced under a policy other than ``"none"``."""
+    return _traced["layers"]
 
 
 def layer(fn: Callable) -> Callable:
@@ -69,6 +73,7 @@ def layer(fn: Callable) -> Callable:
     def wrapped(*args, **kwargs):
         if current() == "none":
             return fn(*args, **kwargs)
+        _traced["layers"] += 1
         leaves, tree = jax.tree.flatten((args, kwargs))
         traced = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
         n_weights = sum(traced[:len(jax.tree.leaves(args[:1]))])

@@ -142,7 +142,13 @@ class Trainer(compat.TrainerV04):
             state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=None,
                                rng=jax.random.PRNGKey(0), apply_fn=start["apply_fn"])
             return self._loss(params, state, batch, jax.random.PRNGKey(0), True)
+        n_layers = redco_remat.layers_traced()
         out = jax.eval_shape(loss, start["params"], batch)
+        if self.remat not in (None, "none") and redco_remat.layers_traced() == n_layers:
+            warnings.warn(f"Trainer(remat={self.remat!r}) rematerialises nothing: loss_fn runs no "
+                          "redco.remat.layer. Wrap each block of the model with it (the zoo's "
+                          "models are); a checkpoint around the whole loss would save no memory.",
+                          stacklevel=3)
         if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()):
             shape = out.shape if isinstance(out, jax.ShapeDtypeStruct) else type(out).__name__
             raise ValueError(f"loss_fn must return a scalar, but returned {shape}. Reduce it, "
