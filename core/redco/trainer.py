@@ -14,6 +14,7 @@ import optax
 import tqdm
 
 from redco import checkpointing, compat, compile_cache, preemption, watchdog
+from redco import remat as redco_remat
 from redco.data import by_name, cast_floats, check_array_leaves, check_collated, check_number, n_full_batches
 from redco.deployer import Deployer
 from redco.plugins import pm
@@ -73,6 +74,9 @@ class Trainer(compat.TrainerV04):
       params_sharding_rules: ``[(regex, PartitionSpec), ...]``; by default the deployer's
         rule set, read off ``loss_fn``'s dataflow at the first batch ``fit`` sees.
       callbacks: objects with ``@redco.hookimpl`` methods, active during this trainer's fit.
+      remat: the rematerialisation policy of the layers ``loss_fn`` runs (``"none"``,
+        ``"dots_saveable"``, ``"dots_with_no_batch_dims_saveable"``, ``"full"``: see
+        ``redco/remat.py``); ``None`` leaves the policy in force where the step is traced.
 
     Redco 0.4.x's keywords are accepted too (``last_ckpt_info``, ``train_step_fn``, ...; see
     ``redco/compat.py``).
@@ -87,7 +91,7 @@ class Trainer(compat.TrainerV04):
                  opt_state: Any = None, compute_dtype: Any = None,
                  lr_schedule_fn: Callable | None = None, accumulate_grad_batches: int | None = 1,
                  params_sharding_rules: Rules | None = None, callbacks: Sequence[Any] = (),
-                 **v04_options):
+                 remat: str | None = None, **v04_options):
         v04 = compat.trainer_options(v04_options)
         accumulate_grad_batches = check_number("accumulate_grad_batches",
                                                accumulate_grad_batches or 1, 1)
@@ -107,6 +111,7 @@ class Trainer(compat.TrainerV04):
                               "micro-batches, fed one per step (as Redco 0.4 did).")
             accumulate_grad_batches = 1
         self.compute_dtype = compute_dtype
+        self.remat = remat if remat is None else redco_remat.check(remat)
         self.lr_schedule_fn = lr_schedule_fn
         self.accumulate_grad_batches = accumulate_grad_batches
         self.callbacks = list(callbacks)
@@ -139,7 +144,13 @@ class Trainer(compat.TrainerV04):
             state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=None,
                                rng=jax.random.PRNGKey(0), apply_fn=start["apply_fn"])
             return self._loss(params, state, batch, jax.random.PRNGKey(0), True)
+        n_layers = redco_remat.layers_traced()
         out = jax.eval_shape(loss, start["params"], batch)
+        if self.remat not in (None, "none") and redco_remat.layers_traced() == n_layers:
+            warnings.warn(f"Trainer(remat={self.remat!r}) rematerialises nothing: loss_fn runs no "
+                          "redco.remat.layer. Wrap each block of the model with it (the zoo's "
+                          "models are); a checkpoint around the whole loss would save no memory.",
+                          stacklevel=3)
         if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()):
             shape = out.shape if isinstance(out, jax.ShapeDtypeStruct) else type(out).__name__
             raise ValueError(f"loss_fn must return a scalar, but returned {shape}. Reduce it, "
@@ -246,7 +257,8 @@ class Trainer(compat.TrainerV04):
     def _loss(self, params, state, batch, rng, is_training: bool):
         params = cast_floats(params, self.compute_dtype)
         batch = jax.tree.map(lambda x: x, batch)  # a fresh dict: loss_fn may pop from it
-        return self.loss_fn(rng, state, params, batch, is_training)
+        with redco_remat.policy(self.remat):
+            return self.loss_fn(rng, state, params, batch, is_training)
 
     def _step(self, state: TrainState, batch):
         """One optimizer update over ``accumulate_grad_batches`` micro-batches (leading axis)."""

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from redco import remat
 from redco_zoo_models.attention import attend, decoder_inputs, init_cache, write_cache
 from redco_zoo_models.layers import ACTIVATIONS
 
@@ -106,6 +107,7 @@ class Block(nnx.Module):
             self.crossattention = Attention(cfg, layer_idx, rngs, cross=True)
         self.ln_2, self.mlp = norm(), MLP(cfg, rngs)
 
+    @remat.layer
     def __call__(self, x, allowed, layer_cache=None, cache_index=0, context=None):
         h, layer_cache = self.attn(self.ln_1(x), allowed, layer_cache, cache_index)
         x = x + h

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from redco import remat
 from redco_zoo_models.attention import attend, decoder_inputs, init_cache, write_cache
 from redco_zoo_models.layers import RMSNorm
 
@@ -116,6 +117,7 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, rngs)
 
+    @remat.layer
     def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0):
         h, layer_cache = self.self_attn(self.input_layernorm(x), positions, allowed, layer_cache,
                                         cache_index)

@@ -12,6 +12,7 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
+from redco import remat
 from redco_zoo_models.attention import attend, init_cache, mask, write_cache
 from redco_zoo_models.layers import ACTIVATIONS, RMSNorm
 
@@ -171,6 +172,14 @@ class T5Block(nnx.Module):
         layers += [T5LayerCrossAttention(cfg, rngs)] if is_decoder else []
         self.layer = nnx.List(layers + [T5LayerFF(cfg, rngs)])
 
+    @remat.layer
+    def __call__(self, x, allowed, bias, layer_cache=None, cache_index=0, context=None,
+                 cross_allowed=None):
+        x, layer_cache = self.layer[0](x, allowed, bias, layer_cache, cache_index)
+        if context is not None:
+            x = self.layer[1](x, context, cross_allowed)
+        return self.layer[-1](x), layer_cache
+
 
 class T5Stack(nnx.Module):
     """The encoder or the decoder; the first block's self-attention owns the position bias."""
@@ -187,10 +196,8 @@ class T5Stack(nnx.Module):
                                                          not self.is_decoder)
         new_cache = []
         for i, block in enumerate(self.block):
-            x, layer_cache = block.layer[0](x, allowed, bias, cache and cache[i], cache_index)
-            if self.is_decoder:
-                x = block.layer[1](x, context, cross_allowed)
-            x = block.layer[-1](x)
+            x, layer_cache = block(x, allowed, bias, cache and cache[i], cache_index, context,
+                                   cross_allowed)
             new_cache.append(layer_cache)
         return self.final_layer_norm(x), (new_cache if cache is not None else None)
 

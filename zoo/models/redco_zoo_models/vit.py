@@ -11,6 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
+from redco import remat
 from redco_zoo_models.attention import attend
 from redco_zoo_models.layers import ACTIVATIONS
 
@@ -82,6 +83,7 @@ class Layer(nnx.Module):
         self.output = Dense(cfg.intermediate_size, cfg.hidden_size, rngs)
         self.activation = cfg.hidden_act
 
+    @remat.layer
     def __call__(self, x):
         x = x + self.attention.output.dense(self.attention.attention(self.layernorm_before(x)))
         h = ACTIVATIONS[self.activation](self.intermediate.dense(self.layernorm_after(x)))

@@ -1,0 +1,110 @@
+"""Rematerialisation: keep fewer activations in the forward pass, recompute them in the backward.
+
+A train step keeps every layer's activations for the backward pass, at once: most of its memory
+for long sequences. A layer wrapped with ``layer`` (the zoo's transformer blocks are) is
+checkpointed by the policy in force when it is traced:
+
+- ``"none"``: keep everything, recompute nothing (the default);
+- ``"dots_saveable"``: keep matmul outputs, recompute the elementwise work (norms, activations,
+  softmax) in the backward pass: a few percent more compute;
+- ``"dots_with_no_batch_dims_saveable"``: keep only matmuls against weights, also recompute
+  attention's batched ``q k^T`` and ``p v``;
+- ``"full"``: keep only each layer's inputs and run the layer forward again in the backward
+  pass (about a third more compute), the least memory.
+
+``Trainer(remat=NAME)`` sets the policy while its steps are traced, so the model is not
+rebuilt to change it; ``with policy(NAME):`` does the same around any trace (an ahead-of-time
+compile comparing policies, say), and ``jax.jit`` keys its caches on it as on its own config.
+A layer's recomputation is tied to the gradient arriving from above, so no compiler can run it
+early (XLA's CPU scheduler, given a bare ``jax.checkpoint``, recomputes during the forward pass
+and saves nothing). Remat layers support reverse-mode autodiff only.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, ContextManager
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import config as jax_config
+
+POLICIES = {"none": None, "dots_saveable": jax.checkpoint_policies.dots_saveable,
+            "dots_with_no_batch_dims_saveable":
+                jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            "full": jax.checkpoint_policies.nothing_saveable}
+
+# A JAX config state, so that jax.jit keys its caches on the policy too (JAX's own
+# ``jax_default_matmul_precision`` works the same way); REDCO_REMAT=NAME sets the default.
+_state = jax_config.enum_state("redco_remat", list(POLICIES), "none",
+                               "The rematerialisation policy of redco.remat.layer layers.",
+                               include_in_jit_key=True, include_in_trace_context=True)
+_traced = {"layers": 0}  # remat layers traced so far (under a policy other than "none")
+
+
+def check(name: str) -> str:
+    """``name`` if it is a policy, else a ``ValueError`` naming the valid ones."""
+    if name not in POLICIES:
+        raise ValueError(f"Unknown remat policy {name!r}: use one of {sorted(POLICIES)}.")
+    return name
+
+
+def current() -> str:
+    """The policy that layers traced now follow."""
+    return _state.value
+
+
+def policy(name: str | None) -> ContextManager:
+    """Layers traced inside follow policy ``name``; ``None`` keeps the policy in force."""
+    return contextlib.nullcontext() if name is None else _state(check(name))
+
+
+def layers_traced() -> int:
+    """How many ``layer`` calls have been traced under a policy other than ``"none"``."""
+    return _traced["layers"]
+
+
+def layer(fn: Callable) -> Callable:
+    """``fn(weights, *inputs)``, e.g. a Flax NNX module's ``__call__``, rematerialised by the
+    policy in force when it is called. Arrays anywhere in the arguments are differentiated
+    inputs (close over none); other leaves (ints, None) stay static."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        if current() == "none":
+            return fn(*args, **kwargs)
+        _traced["layers"] += 1
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        traced = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
+        n_weights = sum(traced[:len(jax.tree.leaves(args[:1]))])
+
+        def inner(*arrays):
+            it = iter(arrays)
+            a, k = jax.tree.unflatten(tree, [next(it) if t else x for x, t in zip(leaves, traced)])
+            return fn(*a, **k)
+        arrays = [x for x, t in zip(leaves, traced) if t]
+        return _tied_checkpoint(inner, POLICIES[current()], n_weights)(*arrays)
+    return wrapped
+
+
+def _tied_checkpoint(fn: Callable, saveable: Callable, n_weights: int) -> Callable:
+    """``jax.checkpoint(fn, policy=saveable)`` whose saved values (but the first ``n_weights``
+    inputs) get ``0 * gradient`` added before the recomputation: it cannot start earlier."""
+    tie = []
+
+    def fwd(*arrays):
+        out, vjp = jax.vjp(jax.checkpoint(fn, policy=saveable), *arrays)
+        tie[:] = [jnp.issubdtype(r.dtype, jnp.floating) and not any(r is w for w in arrays[:n_weights])
+                  for r in jax.tree.leaves(vjp)]
+        return out, vjp
+
+    def bwd(vjp, grads):
+        zero = next((g.ravel()[0] * 0 for g in jax.tree.leaves(grads)
+                     if jnp.issubdtype(g.dtype, jnp.floating)), jnp.zeros(()))
+        saved, tree = jax.tree.flatten(vjp)
+        saved = [r + zero.astype(r.dtype) if t else r for r, t in zip(saved, tie)]
+        return jax.tree.unflatten(tree, saved)(grads)
+
+    run = jax.custom_vjp(fn)
+    run.defvjp(fwd, bwd)
+    return run
