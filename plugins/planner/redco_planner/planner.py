@@ -1,8 +1,10 @@
 """Pick a layout that fits: the smallest model-parallel degree whose train step fits in memory.
 
 ``plan(params, loss_fn, batch, n_devices, device_memory_bytes)`` tries ``n_model_shards`` =
-1, 2, 4, ... with each rule set in ``rule_sets`` and picks the first layout whose per-device
-peak fits in ``1 - HEADROOM`` of the memory. The peak is measured, not estimated: the whole
+1, 2, 4, ... (least communication first), at each the rule sets in ``rule_sets`` and, with
+each, the rematerialisation policies in ``remat_policies`` (least recompute first, see
+``redco.remat``), and picks the first layout whose per-device peak fits in ``1 - HEADROOM``
+of the memory. The peak is measured, not estimated: the whole
 train step (forward, backward, optimizer update, with the state donated as ``Trainer`` does)
 is compiled ahead of time on abstract shapes,
 ``jax.jit(step, in_shardings=..., out_shardings=...).lower(...).compile()``, and read off
@@ -41,10 +43,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from redco import plugins, sharding
+from redco import remat as redco_remat
 from redco.sharding import Rules, dataflow_trace, opt_state_shardings, shardings_from_specs, specs_from_rules
 from redco_planner.inspection import human_bytes, n_positional, parse_bytes
 
 HEADROOM = 0.1  # the fraction of device memory a plan leaves free; see the module docstring
+REMAT_POLICIES = ("none", "dots_saveable", "full")  # least recompute first
 
 
 def usable_bytes(device_memory_bytes: int, headroom: float = HEADROOM) -> int:
@@ -94,6 +98,8 @@ class TriedLayout:
     fits: bool = False
     error: str | None = None
     rules: Rules = field(default_factory=list, repr=False)
+    remat: str = "none"  # the redco.remat policy the step was compiled under
+    flops: float | None = None  # per device: XLA's cost_analysis of the compiled step
 
     @property
     def mesh_shape(self) -> dict:
@@ -101,10 +107,13 @@ class TriedLayout:
 
     def describe(self) -> str:
         name = f"mp={self.n_model_shards:<3} dp={self.mesh_shape['dp']:<3} {self.sharding_rules:<10}"
+        if self.remat != "none":
+            name += f" remat={self.remat}"
         if self.error:
             return f"{name} failed: {self.error}"
+        flops = "" if self.flops is None else f", {self.flops:.3g} FLOPs"
         return (f"{name} peak {human_bytes(self.peak_bytes):>11} (params {human_bytes(self.params_bytes)}, "
-                f"temp {human_bytes(self.temp_bytes)}; compiled in {self.compile_s:.1f}s)"
+                f"temp {human_bytes(self.temp_bytes)}{flops}; compiled in {self.compile_s:.1f}s)"
                 f"{'  fits' if self.fits else ''}")
 
 
@@ -119,6 +128,8 @@ class Plan:
     n_devices: int
     tried: list[TriedLayout]
     headroom: float = HEADROOM
+    remat: str = "none"
+    reason: str = ""  # why this layout: what did not fit before it
 
     def deployer_kwargs(self) -> dict:
         """``Deployer(**plan.deployer_kwargs(), jax_seed=...)``."""
@@ -131,9 +142,10 @@ class Plan:
                  f"({self.headroom:.0%} kept as headroom)"]
         lines += ["  " + layout.describe() for layout in self.tried]
         lines.append(f"pick: n_model_shards={self.n_model_shards}, "
-                     f"sharding_rules={self.sharding_rules!r}, peak "
+                     f"sharding_rules={self.sharding_rules!r}, remat={self.remat!r}, peak "
                      f"{human_bytes(self.peak_bytes)} per device "
                      f"({100 * self.peak_bytes / self.device_memory_bytes:.0f}% of memory)")
+        lines.append(f"why: {self.reason}")
         return "\n".join(lines)
 
 
@@ -192,14 +204,17 @@ def layout_rules(params_abstract, mesh, sharding_rules: str, trace_fn: Callable 
 def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
             n_model_shards: int, sharding_rules: str = "auto",
             optimizer: Any = optax.adamw, trace_fn: Callable | None = None,
-            rules: Rules | None = None) -> TriedLayout:
-    """Compile one train step ahead of time on abstract shapes and read its per-device memory.
+            rules: Rules | None = None, remat: str = "none") -> TriedLayout:
+    """Compile one train step ahead of time on abstract shapes; read its per-device memory and
+    FLOPs.
 
     ``batch_abstract`` holds one device's rows (the global batch is ``dp`` times that).
-    ``rules`` (if given) replaces the rule set's.
+    ``rules`` (if given) replaces the rule set's. The step is traced under ``redco.remat``
+    policy ``remat`` (a loss that sets its own, as ``Trainer(remat=...)`` does, keeps that).
     """
     optimizer = as_optimizer(optimizer)
-    layout = TriedLayout(sharding_rules, n_model_shards, n_devices)
+    layout = TriedLayout(sharding_rules, n_model_shards, n_devices,
+                         remat=redco_remat.check(remat))
     mesh = make_mesh(n_devices, n_model_shards)
     dp = mesh.shape["dp"]
     batch = global_batch(batch_abstract, dp)
@@ -218,11 +233,13 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
         math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
         for x, s in zip(jax.tree.leaves(params_abstract), jax.tree.leaves(params_shardings)))
     start = time.perf_counter()
-    compiled = jax.jit(step_fn(loss, optimizer),
-                       in_shardings=(params_shardings, opt_shardings, batch_shardings),
-                       out_shardings=(params_shardings, opt_shardings, replicated),
-                       donate_argnums=(0, 1)).lower(params_abstract, opt_abstract, batch).compile()
+    with redco_remat.policy(remat):
+        compiled = jax.jit(step_fn(loss, optimizer),
+                           in_shardings=(params_shardings, opt_shardings, batch_shardings),
+                           out_shardings=(params_shardings, opt_shardings, replicated),
+                           donate_argnums=(0, 1)).lower(params_abstract, opt_abstract, batch).compile()
     layout.compile_s = time.perf_counter() - start
+    layout.flops = step_flops(compiled)
     stats = compiled.memory_analysis()
     layout.argument_bytes = stats.argument_size_in_bytes
     layout.output_bytes = stats.output_size_in_bytes
@@ -231,6 +248,12 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
     layout.peak_bytes = (stats.argument_size_in_bytes + stats.output_size_in_bytes
                          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
     return layout
+
+
+def step_flops(compiled) -> float | None:
+    """The compiled step's FLOPs per device (``cost_analysis()["flops"]``), None if not given."""
+    flops = (compiled.cost_analysis() or {}).get("flops")
+    return None if flops is None else float(flops)
 
 
 def model_shard_degrees(n_devices: int) -> list[int]:
@@ -244,7 +267,7 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
          device_memory_bytes: int, optimizer: Any = optax.adamw,
          rule_sets: Sequence[str] = ("auto", "auto+fsdp"), trace_fn: Callable | None = None,
          try_all: bool = False, log: Callable[[str], None] | None = None,
-         headroom: float = HEADROOM) -> Plan:
+         headroom: float = HEADROOM, remat_policies: Sequence[str] = ("none",)) -> Plan:
     """The smallest model-parallel layout whose train step fits ``device_memory_bytes``.
 
     Args:
@@ -262,6 +285,8 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
       headroom: the fraction of ``device_memory_bytes`` left free: a layout fits when its
         peak is at most ``usable_bytes(device_memory_bytes, headroom)``. The default,
         ``HEADROOM`` = 0.1, covers what the compiled peak does not count (module docstring).
+      remat_policies: ``redco.remat`` policies tried with each layout, least recompute first,
+        e.g. ``REMAT_POLICIES``; only ``"none"`` if the loss runs no ``redco.remat.layer``.
 
     Raises:
       PlanError: nothing fits; the message names the smallest peak found.
@@ -278,24 +303,25 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
         trace_fn = loss_or_trace_fn
     params_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
                                    params_abstract)
+    policies = effective_policies(remat_policies, loss, params_abstract, batch_abstract)
     tried, pick = [], None
-    for mp in model_shard_degrees(n_devices):
-        for name in rule_sets:
-            try:
-                layout = measure(params_abstract, loss, batch_abstract, n_devices, mp, name,
-                                 optimizer, trace_fn)
-                layout.fits = layout.peak_bytes <= usable
-            except Exception as e:  # noqa: BLE001 - a layout that cannot compile is reported
-                layout = TriedLayout(name, mp, n_devices, error=f"{type(e).__name__}: {e}"[:300])
-            tried.append(layout)
-            if log:
-                log(layout.describe())
-            if layout.fits and pick is None:
-                pick = layout
-                if not try_all:
-                    break
-        if pick is not None and not try_all:
-            break
+    candidates = [(mp, name, policy) for mp in model_shard_degrees(n_devices)
+                  for name in rule_sets for policy in policies]
+    for mp, name, policy in candidates:
+        try:
+            layout = measure(params_abstract, loss, batch_abstract, n_devices, mp, name,
+                             optimizer, trace_fn, remat=policy)
+            layout.fits = layout.peak_bytes <= usable
+        except Exception as e:  # noqa: BLE001 - a layout that cannot compile is reported
+            layout = TriedLayout(name, mp, n_devices, remat=policy,
+                                 error=f"{type(e).__name__}: {e}"[:300])
+        tried.append(layout)
+        if log:
+            log(layout.describe())
+        if layout.fits and pick is None:
+            pick = layout
+            if not try_all:
+                break
     if pick is None:
         measured = [t for t in tried if t.peak_bytes is not None]
         if not measured:
@@ -310,4 +336,34 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
             f"sharding_rules={best.sharding_rules!r}). Use more devices or more memory per "
             "device, a smaller batch or sequence, or a smaller model.", tried)
     return Plan(pick.n_model_shards, pick.sharding_rules, pick.rules, pick.peak_bytes,
-                device_memory_bytes, n_devices, tried, headroom)
+                device_memory_bytes, n_devices, tried, headroom, pick.remat, why(pick, tried))
+
+
+def effective_policies(policies: Sequence[str], loss: Callable, params_abstract,
+                       batch_abstract) -> list[str]:
+    """``policies`` (checked, in order), or only ``"none"`` when tracing ``loss`` under a
+    policy runs no ``redco.remat.layer`` (every policy would compile the same step)."""
+    policies = [redco_remat.check(name) for name in policies]
+    if not policies:
+        raise ValueError("remat_policies is empty: give at least one, e.g. ('none',).")
+    others = [name for name in policies if name != "none"]
+    if not others:
+        return policies
+    before = redco_remat.layers_traced()
+    with redco_remat.policy(others[0]):  # a fresh function: a cached trace would count none
+        jax.eval_shape(lambda p, b: loss(p, b), params_abstract, batch_abstract)
+    return policies if redco_remat.layers_traced() > before else policies[:1]
+
+
+def why(pick: TriedLayout, tried: list[TriedLayout]) -> str:
+    """Why ``pick``: the smaller model-parallel degrees, and the lighter policies at its own,
+    that did not fit."""
+    smaller = sorted({t.n_model_shards for t in tried if t.n_model_shards < pick.n_model_shards})
+    reason = ("the smallest mp that fits" + (f" (nothing tried at mp={', '.join(map(str, smaller))} "
+                                             "fits)" if smaller else ""))
+    if pick.remat == "none":
+        return f"{reason}; at mp={pick.n_model_shards} it fits without remat"
+    lighter = [t.remat for t in tried[:tried.index(pick)] if t.n_model_shards == pick.n_model_shards
+               and t.sharding_rules == pick.sharding_rules and t.remat != pick.remat]
+    return (f"{reason}; at mp={pick.n_model_shards} {pick.sharding_rules} fits only with "
+            f"remat={pick.remat} (not with {', '.join(lighter)})")
