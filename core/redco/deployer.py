@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import inspect
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from redco import checkpointing, compile_cache, plugins, watchdog
 from redco.compat import DeployerV04
 from redco.data import check_collated, check_number
+from redco.protocols import Layout
 from redco.sharding import Rules, RuleSetRules, is_rule_set, make_mesh, shardings_from_specs, specs_from_rules
 
 logger = logging.getLogger("redco")
@@ -80,6 +82,7 @@ class Deployer(DeployerV04):
         if n_local_devices and jax.process_count() == 1:
             self.devices = self.devices[:n_local_devices]
         self.mesh, self.n_model_shards = None, n_model_shards
+        self.layout: Layout | None = None  # the layout planner's pick (n_model_shards="auto")
         if isinstance(sharding_rules, str):
             plugins.lookup("sharding_rules", sharding_rules)  # an unknown name fails here
         elif n_model_shards == "auto":
@@ -283,12 +286,18 @@ class Deployer(DeployerV04):
                               f"{e}); using the rules from parameter names.", stacklevel=4)
         return self._rule_set(params)
 
-    def _plan(self, params: Any, loss: Callable, batch: Any, optimizer) -> Rules:
+    def _plan(self, params: Any, loss: Callable, batch: Any, optimizer,
+              remat: str | None = None) -> Rules:
+        """Ask the ``auto`` layout planner; keep its pick (``self.layout``) and fix the mesh.
+        ``remat``: the Trainer's policy, or None to let the planner pick one."""
         rule_sets = [self._rules_name] if self._rules_name != "auto" else ["auto", "auto+fsdp"]
-        picked = plugins.lookup("layout_planners", "auto").plan(self, params, loss, batch,
-                                                                optimizer, rule_sets)
+        planner = plugins.lookup("layout_planners", "auto")
+        takes_remat = "remat" in inspect.signature(planner.plan).parameters
+        picked = planner.plan(self, params, loss, batch, optimizer, rule_sets,
+                              **({"remat": remat} if takes_remat else {}))
+        self.layout = picked
         self.log_info(f"n_model_shards='auto': picked n_model_shards={picked.n_model_shards}, "
-                      f"sharding_rules={picked.sharding_rules!r}")
+                      f"sharding_rules={picked.sharding_rules!r}, remat={picked.remat!r}")
         self._rules_name, self.n_model_shards = picked.sharding_rules, picked.n_model_shards
         self.mesh = make_mesh(self.devices, picked.n_model_shards)
         return list(picked.rules)

@@ -131,19 +131,23 @@ class Command:
 
 
 class Layout(NamedTuple):
-    """What a layout planner picks: the model-parallel degree, the rule set's name and its rules."""
+    """What a layout planner picks: the model-parallel degree, the rule set's name, its rules,
+    and the ``redco.remat`` policy the train step was planned with."""
     n_model_shards: int
     sharding_rules: str
     rules: Rules
+    remat: str = "none"
 
 
 class LayoutPlanner:
     """Picks the layout for ``Deployer(n_model_shards="auto")`` (registered as ``"auto"``)."""
 
     def plan(self, deployer: Any, params: Any, loss: Callable, batch: Any, optimizer: Any,
-             rule_sets: list[str]) -> Layout:
+             rule_sets: list[str], remat: str | None = None) -> Layout:
         """``loss(params, batch) -> scalar`` with ``batch`` one device's abstract rows; try
-        ``rule_sets`` over the deployer's devices and return the layout to use."""
+        ``rule_sets`` over the deployer's devices and return the layout to use. ``remat`` is
+        the ``Trainer``'s policy (plan with it); ``None`` lets the planner pick one
+        (``Layout.remat``). A planner whose ``plan`` takes no ``remat`` is called without it."""
         raise NotImplementedError
 
 

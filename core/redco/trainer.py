@@ -157,10 +157,18 @@ class Trainer(compat.TrainerV04):
                              "e.g. with jnp.mean(...), before returning.")
         self.params_sharding_rules = self.deployer.decide_layout(
             start["params"], self.params_sharding_rules, trace_fn=dataflow_trace(loss, batch),
-            plan=(loss, batch, self.optimizer))
+            plan=(loss, batch, self.optimizer, self.remat))
+        self._adopt_planned_remat()
         self.state, self.state_shardings = self._place_state(**start)
         self._start = None
         self._jit_steps()
+
+    def _adopt_planned_remat(self) -> None:
+        """``Trainer(remat=None)`` under ``n_model_shards="auto"``: take the policy the planner
+        fitted the layout with (before the steps are traced; jit traces at the first call)."""
+        if self.remat is None and self.deployer.layout is not None:
+            self.remat = redco_remat.check(self.deployer.layout.remat)
+            self.deployer.log_info(f"Trainer: remat={self.remat!r}, as planned")
 
     def _jit_steps(self) -> None:
         step = compat.flax_train_step(self.train_step_fn, self) if self.train_step_fn else self._step
