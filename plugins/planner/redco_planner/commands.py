@@ -104,11 +104,13 @@ class PlanCommand(Command):
         parser.add_argument("--rules", default="auto,auto+fsdp", help="rule sets to try, in order")
         parser.add_argument("--all", action="store_true", help="measure every layout, not just "
                             "up to the first that fits")
+        parser.add_argument("--remat", action="store_true", help="also try rematerialisation "
+                            "(none, dots_saveable, full: least recompute first) at each layout")
 
     def run(self, args: argparse.Namespace) -> None:
         simulate_devices(args.devices)
         from redco_planner.inspection import load_model, parse_bytes
-        from redco_planner.planner import PlanError, plan
+        from redco_planner.planner import REMAT_POLICIES, PlanError, plan
         model = load_model(args.model, seq_len=args.seq_len)
         memory = parse_bytes(args.device_memory)
         if model.loss_fn is not None:
@@ -119,12 +121,15 @@ class PlanCommand(Command):
             loss, batch = model.trace_fn, None
         print(f"{args.model}: {args.devices} devices x {args.device_memory}, per-device batch "
               f"{args.batch} x seq {args.seq_len}, AdamW, fp32; per-device peak of the compiled "
-              "train step:")
+              "train step (and its FLOPs per device):")
         try:
             result = plan(model.params, loss, batch, n_devices=args.devices,
                           device_memory_bytes=memory, rule_sets=args.rules.split(","),
-                          try_all=args.all, log=lambda line: print("  " + line, flush=True))
+                          try_all=args.all, log=lambda line: print("  " + line, flush=True),
+                          remat_policies=REMAT_POLICIES if args.remat else ("none",))
         except PlanError as e:
             sys.exit(f"redco: {e}")
+        remat = f", remat={result.remat!r}" if args.remat else ""
         print(f"pick: n_model_shards={result.n_model_shards}, sharding_rules="
-              f"{result.sharding_rules!r} (peak {result.peak_bytes / memory:.0%} of device memory)")
+              f"{result.sharding_rules!r}{remat} (peak {result.peak_bytes / memory:.0%} of device "
+              f"memory)\nwhy: {result.reason}")
