@@ -51,12 +51,15 @@ class Info(NamedTuple):
     ``lookup``: it holds values read from a parameter's rows. Both are ``(param index, param
     dim per var dim)``. ``origin``: the column-parallel kernel that split it; ``phantom``: that
     kernel is replicated after all, so the var is whole but its row partner is replicated too.
+    ``derived``: computed from parameters alone (LoRA's ``A @ B``); a parameter plus such a term
+    is still that parameter (``W + s * A @ B`` is laid out, and decided, as ``W``).
     """
     split: int | None = None
     origin: int | None = None
     view: tuple[int, list] | None = None
     lookup: tuple[int, list] | None = None
     phantom: bool = False
+    derived: bool = False
 
 
 def reshape_dim_map(in_shape, out_shape) -> list[int | None]:
@@ -191,6 +194,8 @@ class Walker:
             [None] * len(out.aval.shape)
 
     def unary(self, eqn, info: Info) -> Info:
+        if info.derived:
+            return Info(derived=True)
         split = info.split
         if split is None:
             return Info()
@@ -257,6 +262,9 @@ class Walker:
             len(out_shape) and var.aval.shape[i.split] == out_shape[i.split]
         splits = sorted((i for var, i in zip(eqn.invars, info) if fits(var, i)),
                         key=lambda i: i.phantom)  # a real split wins over a phantom one
+        if not splits and any(i.derived for i in info):
+            self.info[eqn.outvars[0]] = self.with_derived(eqn.invars, info, len(out_shape))
+            return
         if not splits:  # values read from one table, e.g. plus a mask, are still its values
             lookups = [i.lookup for i in info if i.view or i.lookup]
             one = len(lookups) == 1 and lookups[0] and len(lookups[0][1]) == len(out_shape)
@@ -272,6 +280,18 @@ class Walker:
                 (self.replicate if split.phantom else self.decide)(param[0], param[1][split.split])
         self.info[eqn.outvars[0]] = split
 
+    def with_derived(self, invars, info: list[Info], ndim: int) -> Info:
+        """Parameters and terms derived from parameters only: one parameter (``W + s * A @ B``)
+        stays a view of it; derived terms alone stay derived; anything else is whole."""
+        given = [(v, i) for v, i in zip(invars, info) if not isinstance(v, jex_core.Literal)]
+        views = [i.view for _, i in given if i.view is not None]
+        if all(i.view is not None or i.derived for _, i in given):
+            if not views:
+                return Info(derived=True)
+            if len(views) == 1 and len(views[0][1]) == ndim:
+                return Info(view=views[0])
+        return Info()
+
     def dot_general(self, eqn, info: list[Info]) -> Info:
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
         lhs, rhs = eqn.invars
@@ -286,6 +306,8 @@ class Walker:
                 return len(lb) + (0 if side == "lhs" else len(l_free)) + free.index(dim)
             return None  # contracted: a partial sum, whole again after the all-reduce
 
+        if all(i.view is not None or i.derived for i in info):  # parameters alone: A @ B
+            return Info(derived=True)
         if (info[0].view is None) == (info[1].view is None):  # activation x activation
             outs = sorted(((out_pos(side, i.split), i) for side, i in (("lhs", info[0]),
                                                                         ("rhs", info[1]))
