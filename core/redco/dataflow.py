@@ -90,8 +90,9 @@ class Walker:
     ``vocab``: lookup tables to split on the dim a lookup indexes."""
 
     def __init__(self, param_shapes: list[tuple[int, ...]], n_shards: int, forced=frozenset(),
-                 vocab=frozenset()):
+                 vocab=frozenset(), adapters=frozenset()):
         self.shapes, self.n, self.forced, self.vocab = param_shapes, n_shards, forced, vocab
+        self.adapters = adapters  # LoRA factors: laid out by their kernel (redco.lora)
         self.decisions: Decisions = {}
         self.indivisible: dict[int, int] = {}  # param index -> the dim it should have split
         self.tables: dict[int, int] = {}  # param index -> its dim a lookup indexes
@@ -318,6 +319,11 @@ class Walker:
         w_side = "lhs" if info[0].view is not None else "rhs"
         (index, dims), x = (info[0] if w_side == "lhs" else info[1]).view, \
             info[1] if w_side == "lhs" else info[0]
+        if index in self.adapters:  # x @ A or (x @ A) @ B beside x @ W: decides nothing
+            x_contract = rc if w_side == "lhs" else lc
+            kept = x.split is not None and not x.phantom and x.split not in x_contract
+            return x._replace(split=out_pos("rhs" if w_side == "lhs" else "lhs", x.split)) \
+                if kept else Info()
         self.weights.add(index)
         w_contract, x_contract = (lc, rc) if w_side == "lhs" else (rc, lc)
         w_batch, x_batch = (lb, rb) if w_side == "lhs" else (rb, lb)
@@ -356,7 +362,11 @@ def dataflow_split_dims(fn, params, n_shards: int) -> tuple[Decisions, dict[int,
     ``params`` may hold ``jax.ShapeDtypeStruct``; nothing is computed, only traced.
     """
     closed = jax.make_jaxpr(fn)(params)
-    leaves = jax.tree.leaves(params)
+    from redco.lora import is_adapter_path
+    from redco.sharding import path_str
+    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(params)[0]) if \
+        jax.tree.leaves(params) else ((), ())
+    adapters = frozenset(i for i, p in enumerate(paths) if is_adapter_path(path_str(p)))
     shapes = [tuple(x.shape) for x in leaves]
     in_info = [Info(view=(i, list(range(len(s))))) for i, s in enumerate(shapes)]
     in_info += [Info()] * (len(closed.jaxpr.invars) - len(leaves))
@@ -364,7 +374,7 @@ def dataflow_split_dims(fn, params, n_shards: int) -> tuple[Decisions, dict[int,
     vocab: set[int] = set()
     uneven: dict[int, int] = {}
     while True:  # once to find the lookup tables, then once more per worthless column split
-        walker = Walker(shapes, n_shards, frozenset(forced), frozenset(vocab))
+        walker = Walker(shapes, n_shards, frozenset(forced), frozenset(vocab), adapters)
         walker.run(closed.jaxpr, in_info)
         uneven.update(walker.uneven)
         rows = {i: shapes[i][d] for i, d in walker.tables.items()}
