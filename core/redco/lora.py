@@ -22,7 +22,7 @@ params of the same names, so masks, rules, checkpoints and ``merge`` are shared.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any, Callable, NamedTuple
 
 import jax

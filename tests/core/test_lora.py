@@ -51,18 +51,18 @@ def bump(params, value=0.05):
 
 
 def test_adapters_at_init_give_the_base_models_outputs_bit_for_bit():
-    apply_fn, params, l = generic()
-    np.testing.assert_array_equal(l.apply_fn(l.params, IDS), apply_fn(params, IDS))
+    apply_fn, params, adapted = generic()
+    np.testing.assert_array_equal(adapted.apply_fn(adapted.params, IDS), apply_fn(params, IDS))
     zoo_apply, zoo_params, _ = zoo()
     np.testing.assert_array_equal(zoo_apply(zoo_params, IDS), apply_fn(params, IDS))
-    assert flat(l.params).keys() == flat(zoo_params).keys()  # one naming for both paths
-    b = [x for p, x in flat(l.params).items() if p.endswith("lora_b")]
+    assert flat(adapted.params).keys() == flat(zoo_params).keys()  # one naming for both paths
+    b = [x for p, x in flat(adapted.params).items() if p.endswith("lora_b")]
     assert b and all(not x.any() for x in b)
 
 
 def test_merge_is_the_base_plus_scaled_low_rank_product_and_drops_the_adapters():
-    apply_fn, params, l = generic(rank=4, alpha=8.0)
-    trained = bump(l.params)
+    apply_fn, params, adapted = generic(rank=4, alpha=8.0)
+    trained = bump(adapted.params)
     merged, got = flat(lora.merge(trained, 8.0)), flat(trained)
     assert merged.keys() == flat(params).keys()
     path = "model/layers/1/self_attn/q_proj"
@@ -72,9 +72,9 @@ def test_merge_is_the_base_plus_scaled_low_rank_product_and_drops_the_adapters()
                                   got["model/embed_tokens/embedding"])
     # the merged model computes what the adapted one does, and so does the zoo's LoRALinear
     np.testing.assert_allclose(apply_fn(lora.merge(trained, 8.0), IDS),
-                               l.apply_fn(trained, IDS), rtol=1e-5, atol=1e-5)
+                               adapted.apply_fn(trained, IDS), rtol=1e-5, atol=1e-5)
     zoo_apply, zoo_params, _ = zoo(rank=4, alpha=8.0)
-    np.testing.assert_allclose(zoo_apply(bump(zoo_params), IDS), l.apply_fn(trained, IDS),
+    np.testing.assert_allclose(zoo_apply(bump(zoo_params), IDS), adapted.apply_fn(trained, IDS),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -88,9 +88,9 @@ def normal(spec, ndim=2):
 
 @pytest.mark.parametrize("path", ["generic", "zoo"])
 def test_training_on_dp4_mp2_leaves_the_base_bitwise_and_shards_adapters_like_kernels(path):
-    apply_fn, params, l = generic()
+    apply_fn, params, adapted = generic()
     if path == "generic":
-        lora_apply, lora_params, mask = l.apply_fn, l.params, l.trainable
+        lora_apply, lora_params, mask = adapted.apply_fn, adapted.params, adapted.trainable
     else:
         lora_apply, lora_params, mask = zoo()
     before = flat(lora_params)
@@ -119,11 +119,11 @@ def test_training_on_dp4_mp2_leaves_the_base_bitwise_and_shards_adapters_like_ke
 
 
 def test_the_frozen_base_has_no_optimizer_state():
-    _, _, l = generic()
-    trainer = trainer_for(l.apply_fn, l.params, l.trainable)
+    _, _, adapted = generic()
+    trainer = trainer_for(adapted.apply_fn, adapted.params, adapted.trainable)
     trainer.eval_loss(EXAMPLES[:8], 1)
     state_size = sum(x.size for x in jax.tree.leaves(trainer.state.opt_state))
-    n_adapters = lora.n_params(l.params, l.trainable)
+    n_adapters = lora.n_params(adapted.params, adapted.trainable)
     assert state_size == 2 * n_adapters + 1, (state_size, n_adapters)  # Adam's mu, nu; count
 
 
@@ -141,9 +141,9 @@ def test_memory_analysis_of_the_train_step_shows_no_gradient_or_adam_memory_for_
                       num_attention_heads=4, num_key_value_heads=2)
     apply_fn, params = split_model(LlamaForCausalLM(cfg, nnx.Rngs(0)))
     base = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) / 2  # per device
-    l = lora.add_lora(params, apply_fn, rank=4)
+    adapted = lora.add_lora(params, apply_fn, rank=4)
     full = train_step_memory(apply_fn, params)
-    merged = train_step_memory(l.apply_fn, l.params, l.trainable)
+    merged = train_step_memory(adapted.apply_fn, adapted.params, adapted.trainable)
     inside = train_step_memory(*zoo(rank=4, cfg=cfg))
     print(f"per-device bytes, params {base:.0f}: full {full}, LoRA merged on the fly {merged}, "
           f"LoRA in the projection {inside}")
@@ -159,9 +159,9 @@ def test_memory_analysis_of_the_train_step_shows_no_gradient_or_adam_memory_for_
 
 def test_lora_resumes_to_the_same_bits(tmp_path):
     def run(workdir, n_epochs):
-        _, _, l = generic()
-        trainer = trainer_for(l.apply_fn, l.params, l.trainable, workdir=str(workdir),
-                              optimizer=optax.adamw(1e-2))
+        _, _, adapted = generic()
+        trainer = trainer_for(adapted.apply_fn, adapted.params, adapted.trainable,
+                              workdir=str(workdir), optimizer=optax.adamw(1e-2))
         trainer.fit(EXAMPLES, 4, n_epochs=n_epochs, save_every_n_steps=3)
         return trainer
     straight = run(tmp_path / "straight", 2)
@@ -183,11 +183,12 @@ def test_bad_lora_settings_are_refused_naming_the_fix():
         lora.add_lora(params, apply_fn, rank=64)
     with pytest.raises(ValueError, match="not a regex"):
         lora.add_lora(params, apply_fn, targets="q_proj(")
-    l = lora.add_lora(params, apply_fn)
+    adapted = lora.add_lora(params, apply_fn)
     with pytest.raises(ValueError, match="trainable must be a pytree of bools shaped like params"):
-        trainer_for(l.apply_fn, l.params, lora.trainable_mask(params))
+        trainer_for(adapted.apply_fn, adapted.params, lora.trainable_mask(params))
     with pytest.raises(ValueError, match="marks no param"):
-        trainer_for(l.apply_fn, l.params, jax.tree.map(lambda _: False, l.trainable))
+        trainer_for(adapted.apply_fn, adapted.params,
+                    jax.tree.map(lambda _: False, adapted.trainable))
 
 
 def test_lora_works_on_a_plain_dict_of_arrays():
@@ -198,13 +199,28 @@ def test_lora_works_on_a_plain_dict_of_arrays():
 
     def apply_fn(p, x):
         return jax.nn.relu(x @ p["mlp"]["fc1"]["kernel"]) @ p["mlp"]["fc2"]["kernel"]
-    l = lora.add_lora(params, apply_fn, rank=2, alpha=4.0)
-    assert sorted(l.params["mlp"]["fc1"]) == ["kernel", "lora_a", "lora_b"]
+    adapted = lora.add_lora(params, apply_fn, rank=2, alpha=4.0)
+    assert sorted(adapted.params["mlp"]["fc1"]) == ["kernel", "lora_a", "lora_b"]
     assert "lora_a" not in params["mlp"]["fc1"]  # the given tree is left as it was
     x = jnp.ones((3, 8))
-    np.testing.assert_array_equal(l.apply_fn(l.params, x), apply_fn(params, x))
-    assert jax.tree.structure(l.merge()) == jax.tree.structure(params)
+    np.testing.assert_array_equal(adapted.apply_fn(adapted.params, x), apply_fn(params, x))
+    assert jax.tree.structure(adapted.merge()) == jax.tree.structure(params)
     specs = lora.follow_kernels({"mlp/fc1/kernel": P(None, "mp"), "mlp/fc1/lora_a": P("mp"),
                                  "mlp/fc1/lora_b": P()},
                                 {"mlp/fc1/kernel": (8, 16)})
     assert specs["mlp/fc1/lora_a"] == P() and specs["mlp/fc1/lora_b"] == P(None, "mp")
+
+
+def test_the_readmes_lora_block_runs_as_written():
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from readme_blocks import block
+    apply_fn, params = split_model(tiny_llama(16))
+    names = {"deployer": Deployer(jax_seed=0, n_model_shards=2, workdir=None, verbose=False),
+             "collate_fn": collate_fn, "loss_fn": loss_fn, "apply_fn": apply_fn,
+             "params": params, "train": EXAMPLES}
+    exec(block("lora"), names)  # noqa: S102 - the README's own code
+    assert jax.tree.structure(names["merged"]) == jax.tree.structure(params)
+    trained = flat(names["trainer"].params)
+    assert all(np.abs(x).max() > 0 for p, x in trained.items() if p.endswith("lora_b"))
