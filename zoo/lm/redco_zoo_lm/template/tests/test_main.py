@@ -23,13 +23,18 @@ def write_text(path, n_lines, seed):
         f.writelines(" ".join(NUMBERS[(s + i) % 10] for i in range(40)) + "\n" for s in starts)
 
 
-def test_main_learns_to_count(tmp_path):
+def model_and_text(tmp_path, n_train: int, n_eval: int) -> str:
+    """A tiny LLaMA directory and counting text in train.txt and dev.txt; the model's path."""
     # pad 0, eos 1, unk 2, bos 3, then the words: 14 ids split over 2 shards
     tokenizer = word_tokenizer(NUMBERS, ("<pad>", "</s>", "<unk>", "<s>"))
-    model_dir = save_model_dir(tiny_llama(tokenizer.get_vocab_size()), tokenizer,
-                               str(tmp_path / "llama"))
-    write_text(tmp_path / "train.txt", 256, seed=0)
-    write_text(tmp_path / "dev.txt", 32, seed=1)
+    write_text(tmp_path / "train.txt", n_train, seed=0)
+    write_text(tmp_path / "dev.txt", n_eval, seed=1)
+    return save_model_dir(tiny_llama(tokenizer.get_vocab_size()), tokenizer,
+                          str(tmp_path / "llama"))
+
+
+def test_main_learns_to_count(tmp_path):
+    model_dir = model_and_text(tmp_path, 256, 32)
     workdir = tmp_path / "workdir"
     perplexity, samples = main.main(main.parse_args([
         "--model", model_dir, "--train", str(tmp_path / "train.txt"), "--eval",
@@ -48,11 +53,7 @@ def test_main_learns_to_count(tmp_path):
 
 
 def test_main_with_lora_trains_only_adapters(tmp_path):
-    tokenizer = word_tokenizer(NUMBERS, ("<pad>", "</s>", "<unk>", "<s>"))
-    model_dir = save_model_dir(tiny_llama(tokenizer.get_vocab_size()), tokenizer,
-                               str(tmp_path / "llama"))
-    write_text(tmp_path / "train.txt", 128, seed=0)
-    write_text(tmp_path / "dev.txt", 16, seed=1)
+    model_dir = model_and_text(tmp_path, 128, 16)
     workdir = tmp_path / "workdir"
     perplexity, _ = main.main(main.parse_args([
         "--model", model_dir, "--train", str(tmp_path / "train.txt"), "--eval",
