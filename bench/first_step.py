@@ -45,6 +45,7 @@ def aot_worker(preset: str, cache: str) -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax
     import jax.numpy as jnp
+
     from redco import compile_cache
     from redco_planner.inspection import load_model
     from redco_planner.planner import measure

@@ -51,12 +51,15 @@ class Info(NamedTuple):
     ``lookup``: it holds values read from a parameter's rows. Both are ``(param index, param
     dim per var dim)``. ``origin``: the column-parallel kernel that split it; ``phantom``: that
     kernel is replicated after all, so the var is whole but its row partner is replicated too.
+    ``derived``: computed from parameters alone (LoRA's ``A @ B``); a parameter plus such a term
+    is still that parameter (``W + s * A @ B`` is laid out, and decided, as ``W``).
     """
     split: int | None = None
     origin: int | None = None
     view: tuple[int, list] | None = None
     lookup: tuple[int, list] | None = None
     phantom: bool = False
+    derived: bool = False
 
 
 def reshape_dim_map(in_shape, out_shape) -> list[int | None]:
@@ -87,8 +90,9 @@ class Walker:
     ``vocab``: lookup tables to split on the dim a lookup indexes."""
 
     def __init__(self, param_shapes: list[tuple[int, ...]], n_shards: int, forced=frozenset(),
-                 vocab=frozenset()):
+                 vocab=frozenset(), adapters=frozenset()):
         self.shapes, self.n, self.forced, self.vocab = param_shapes, n_shards, forced, vocab
+        self.adapters = adapters  # LoRA factors: laid out by their kernel (redco.lora)
         self.decisions: Decisions = {}
         self.indivisible: dict[int, int] = {}  # param index -> the dim it should have split
         self.tables: dict[int, int] = {}  # param index -> its dim a lookup indexes
@@ -191,6 +195,8 @@ class Walker:
             [None] * len(out.aval.shape)
 
     def unary(self, eqn, info: Info) -> Info:
+        if info.derived:
+            return Info(derived=True)
         split = info.split
         if split is None:
             return Info()
@@ -257,6 +263,9 @@ class Walker:
             len(out_shape) and var.aval.shape[i.split] == out_shape[i.split]
         splits = sorted((i for var, i in zip(eqn.invars, info) if fits(var, i)),
                         key=lambda i: i.phantom)  # a real split wins over a phantom one
+        if not splits and any(i.derived for i in info):
+            self.info[eqn.outvars[0]] = self.with_derived(eqn.invars, info, len(out_shape))
+            return
         if not splits:  # values read from one table, e.g. plus a mask, are still its values
             lookups = [i.lookup for i in info if i.view or i.lookup]
             one = len(lookups) == 1 and lookups[0] and len(lookups[0][1]) == len(out_shape)
@@ -272,6 +281,18 @@ class Walker:
                 (self.replicate if split.phantom else self.decide)(param[0], param[1][split.split])
         self.info[eqn.outvars[0]] = split
 
+    def with_derived(self, invars, info: list[Info], ndim: int) -> Info:
+        """Parameters and terms derived from parameters only: one parameter (``W + s * A @ B``)
+        stays a view of it; derived terms alone stay derived; anything else is whole."""
+        given = [(v, i) for v, i in zip(invars, info) if not isinstance(v, jex_core.Literal)]
+        views = [i.view for _, i in given if i.view is not None]
+        if all(i.view is not None or i.derived for _, i in given):
+            if not views:
+                return Info(derived=True)
+            if len(views) == 1 and len(views[0][1]) == ndim:
+                return Info(view=views[0])
+        return Info()
+
     def dot_general(self, eqn, info: list[Info]) -> Info:
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
         lhs, rhs = eqn.invars
@@ -286,6 +307,8 @@ class Walker:
                 return len(lb) + (0 if side == "lhs" else len(l_free)) + free.index(dim)
             return None  # contracted: a partial sum, whole again after the all-reduce
 
+        if all(i.view is not None or i.derived for i in info):  # parameters alone: A @ B
+            return Info(derived=True)
         if (info[0].view is None) == (info[1].view is None):  # activation x activation
             outs = sorted(((out_pos(side, i.split), i) for side, i in (("lhs", info[0]),
                                                                         ("rhs", info[1]))
@@ -296,6 +319,11 @@ class Walker:
         w_side = "lhs" if info[0].view is not None else "rhs"
         (index, dims), x = (info[0] if w_side == "lhs" else info[1]).view, \
             info[1] if w_side == "lhs" else info[0]
+        if index in self.adapters:  # x @ A or (x @ A) @ B beside x @ W: decides nothing
+            x_contract = rc if w_side == "lhs" else lc
+            kept = x.split is not None and not x.phantom and x.split not in x_contract
+            return x._replace(split=out_pos("rhs" if w_side == "lhs" else "lhs", x.split)) \
+                if kept else Info()
         self.weights.add(index)
         w_contract, x_contract = (lc, rc) if w_side == "lhs" else (rc, lc)
         w_batch, x_batch = (lb, rb) if w_side == "lhs" else (rb, lb)
@@ -334,7 +362,11 @@ def dataflow_split_dims(fn, params, n_shards: int) -> tuple[Decisions, dict[int,
     ``params`` may hold ``jax.ShapeDtypeStruct``; nothing is computed, only traced.
     """
     closed = jax.make_jaxpr(fn)(params)
-    leaves = jax.tree.leaves(params)
+    from redco.lora import is_adapter_path
+    from redco.sharding import path_str
+    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(params)[0]) if \
+        jax.tree.leaves(params) else ((), ())
+    adapters = frozenset(i for i, p in enumerate(paths) if is_adapter_path(path_str(p)))
     shapes = [tuple(x.shape) for x in leaves]
     in_info = [Info(view=(i, list(range(len(s))))) for i, s in enumerate(shapes)]
     in_info += [Info()] * (len(closed.jaxpr.invars) - len(leaves))
@@ -342,7 +374,7 @@ def dataflow_split_dims(fn, params, n_shards: int) -> tuple[Decisions, dict[int,
     vocab: set[int] = set()
     uneven: dict[int, int] = {}
     while True:  # once to find the lookup tables, then once more per worthless column split
-        walker = Walker(shapes, n_shards, frozenset(forced), frozenset(vocab))
+        walker = Walker(shapes, n_shards, frozenset(forced), frozenset(vocab), adapters)
         walker.run(closed.jaxpr, in_info)
         uneven.update(walker.uneven)
         rows = {i: shapes[i][d] for i, d in walker.tables.items()}

@@ -93,6 +93,8 @@ def specs_from_rules(params, rules: Rules | dict, mesh: Mesh):
 
     A spec that does not fit its tensor (a dim not divisible by the shard count, or more dims
     than the tensor has) falls back to replication, and one warning lists every such param.
+    LoRA adapters (``redco.lora``) follow their kernel whatever the rules say: ``A`` [in, r]
+    gets the kernel's input-dim entry, ``B`` [r, out] its output-dim entry.
     """
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     specs, replicated = [], []
@@ -109,6 +111,10 @@ def specs_from_rules(params, rules: Rules | dict, mesh: Mesh):
     if replicated:
         warnings.warn("These params do not divide by their sharding and are replicated "
                       "instead: " + "; ".join(replicated), stacklevel=2)
+    from redco.lora import follow_kernels  # LoRA adapters are laid out by their kernel's spec
+    names = [path_str(path) for path, _ in leaves]
+    specs = list(follow_kernels(dict(zip(names, specs)),
+                                {n: np.shape(leaf) for n, (_, leaf) in zip(names, leaves)}).values())
     return jax.tree_util.tree_unflatten(treedef, specs)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import tqdm
 
-from redco import checkpointing, compat, compile_cache, preemption, watchdog
+from redco import checkpointing, compat, compile_cache, lora, preemption, watchdog
 from redco import remat as redco_remat
 from redco.data import by_name, cast_floats, check_array_leaves, check_collated, check_number, n_full_batches
 from redco.deployer import Deployer
@@ -77,6 +77,9 @@ class Trainer(compat.TrainerV04):
       remat: the rematerialisation policy of the layers ``loss_fn`` runs (``"none"``,
         ``"dots_saveable"``, ``"dots_with_no_batch_dims_saveable"``, ``"full"``: see
         ``redco/remat.py``); ``None`` leaves the policy in force where the step is traced.
+      trainable: a pytree of bools like ``params`` (e.g. ``redco.lora``'s mask): only the
+        leaves marked True are differentiated, updated and given optimizer state; the rest is
+        frozen, with no gradient memory. By default everything trains.
 
     Redco 0.4.x's keywords are accepted too (``last_ckpt_info``, ``train_step_fn``, ...; see
     ``redco/compat.py``).
@@ -91,7 +94,7 @@ class Trainer(compat.TrainerV04):
                  opt_state: Any = None, compute_dtype: Any = None,
                  lr_schedule_fn: Callable | None = None, accumulate_grad_batches: int | None = 1,
                  params_sharding_rules: Rules | None = None, callbacks: Sequence[Any] = (),
-                 remat: str | None = None, **v04_options):
+                 remat: str | None = None, trainable: Any = None, **v04_options):
         v04 = compat.trainer_options(v04_options)
         accumulate_grad_batches = check_number("accumulate_grad_batches",
                                                accumulate_grad_batches or 1, 1)
@@ -110,6 +113,9 @@ class Trainer(compat.TrainerV04):
             deployer.log_info("An optax.MultiSteps inside the optimizer accumulates the "
                               "micro-batches, fed one per step (as Redco 0.4 did).")
             accumulate_grad_batches = 1
+        self.trainable = trainable
+        if trainable is not None:
+            self._check_trainable(params)
         self.compute_dtype = compute_dtype
         self.remat = remat if remat is None else redco_remat.check(remat)
         self.lr_schedule_fn = lr_schedule_fn
@@ -126,6 +132,21 @@ class Trainer(compat.TrainerV04):
         self.state_shardings: TrainState | None = None
         self._start = {"params": params, "opt_state": opt_state, "apply_fn": apply_fn,
                        "step": v04["step"]}
+
+    def _check_trainable(self, params) -> None:
+        if self.train_step_fn is not None:
+            raise ValueError("trainable= freezes params in Trainer's own step; a train_step_fn "
+                             "makes its own update: freeze them there (optax.multi_transform).")
+        if jax.tree.structure(params) != jax.tree.structure(self.trainable):
+            raise ValueError("trainable must be a pytree of bools shaped like params (e.g. "
+                             "redco.lora.trainable_mask(params)); its structure differs: "
+                             f"{jax.tree.structure(self.trainable)} vs {jax.tree.structure(params)}.")
+        if not any(bool(m) for m in jax.tree.leaves(self.trainable)):
+            raise ValueError("trainable marks no param as trainable: nothing would train.")
+
+    def _split(self, tree) -> tuple[Any, Any]:
+        """``(trainable part, frozen part)`` of a params-shaped tree (frozen None: no mask)."""
+        return (tree, None) if self.trainable is None else lora.partition(tree, self.trainable)
 
     # ---- the layout, decided once; the state, placed once -------------------------------------
     def _decide_layout(self, examples: Sequence, per_device_batch_size: int) -> None:
@@ -182,8 +203,9 @@ class Trainer(compat.TrainerV04):
         params_shardings = self.deployer.get_params_shardings(params, self.params_sharding_rules)
         replicated = self.deployer.replicated
         shardings = TrainState(step=replicated, params=params_shardings, rng=replicated,
-                               opt_state=opt_state_shardings(self.optimizer, params,
-                                                             params_shardings, self.deployer.mesh),
+                               opt_state=opt_state_shardings(self.optimizer, self._split(params)[0],
+                                                             self._split(params_shardings)[0],
+                                                             self.deployer.mesh),
                                apply_fn=apply_fn)
         state = TrainState(step=self._placed_step(step), params=None, opt_state=None,
                            rng=jax.device_put(jax.random.PRNGKey(self.deployer.jax_seed), replicated),
@@ -198,7 +220,8 @@ class Trainer(compat.TrainerV04):
         placed by ``shardings``, in buffers of their own."""
         params = place_copy(params, shardings.params)
         if opt_state is None:
-            opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(params)
+            opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(
+                self._split(params)[0])
         else:
             opt_state = place_copy(opt_state, shardings.opt_state)
         return state.replace(params=params, opt_state=opt_state)
@@ -245,7 +268,8 @@ class Trainer(compat.TrainerV04):
             return
         if optimizer is not None:
             self.state_shardings = self.state_shardings.replace(opt_state=opt_state_shardings(
-                optimizer, self.state.params, self.state_shardings.params, self.deployer.mesh))
+                optimizer, self._split(self.state.params)[0],
+                self._split(self.state_shardings.params)[0], self.deployer.mesh))
         if apply_fn is not None:
             self.state = self.state.replace(apply_fn=apply_fn)
             self.state_shardings = self.state_shardings.replace(apply_fn=apply_fn)
@@ -271,23 +295,25 @@ class Trainer(compat.TrainerV04):
     def _step(self, state: TrainState, batch):
         """One optimizer update over ``accumulate_grad_batches`` micro-batches (leading axis)."""
         rng = jax.random.fold_in(state.rng, state.step)
-        grad_fn = jax.value_and_grad(self._loss)
+        trainable, frozen = self._split(state.params)  # only the trainable part is differentiated
+        join = (lambda t: t) if frozen is None else (lambda t: lora.combine(t, frozen))
+        grad_fn = jax.value_and_grad(lambda t, *args: self._loss(join(t), *args))
 
         def micro_step(carry, inputs):
             i, micro_batch = inputs
-            loss, grads = grad_fn(state.params, state, micro_batch, jax.random.fold_in(rng, i), True)
+            loss, grads = grad_fn(trainable, state, micro_batch, jax.random.fold_in(rng, i), True)
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
         k = self.accumulate_grad_batches
         if k == 1:
-            loss, grads = grad_fn(state.params, state, jax.tree.map(lambda x: x[0], batch), rng, True)
+            loss, grads = grad_fn(trainable, state, jax.tree.map(lambda x: x[0], batch), rng, True)
         else:
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, trainable))
             (loss, grads), _ = jax.lax.scan(micro_step, zeros, (jnp.arange(k), batch))
             loss, grads = loss / k, jax.tree.map(lambda g: g / k, grads)
 
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, trainable)
+        params = join(optax.apply_updates(trainable, updates))
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
         if self.lr_schedule_fn is not None:
             metrics["lr"] = self.lr_schedule_fn(state.step)

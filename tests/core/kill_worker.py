@@ -136,8 +136,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("workdir")
     parser.add_argument("--format", default="orbax", help="the checkpoint format to write")
-    parser.add_argument("--kill", default=None, help="step:N, create:N, write:N, saved:N, term:N, term-save:N, "
-                        "int:N or int2:N")
+    parser.add_argument("--kill", default=None, help="step:N, create:N, write:N, saved:N, "
+                        "term:N, term-save:N, int:N or int2:N")
     args = parser.parse_args()
     point, n = (None, None)
     if args.kill:

@@ -133,7 +133,8 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resumes_bitwi
         assert "sent two SIGTERMs while step_4.tmp was being written" in outputs[noticed_by]
     with open(os.path.join(preempted, "log.txt")) as f:
         step = int(re.search(r"Stopped by SIGTERM after step (\d+): saved", f.read()).group(1))
-    assert (2 if during == "step" else 4) < step < 8 and os.listdir(os.path.join(preempted, "ckpts")) == [f"step_{step}"]
+    assert (2 if during == "step" else 4) < step < 8
+    assert os.listdir(os.path.join(preempted, "ckpts")) == [f"step_{step}"]
     launch(2, preempted)
     assert [len(r["losses"]) for r in read_results(preempted, 2)] == [8 - step] * 2  # resumed
     a, b = np.load(os.path.join(full, "params.npz")), np.load(os.path.join(preempted, "params.npz"))

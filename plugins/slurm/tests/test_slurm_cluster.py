@@ -8,6 +8,7 @@ the bits of an uninterrupted run.
 
 Needs root (apt, the daemons). If SLURM cannot be installed or started the tests FAIL, saying
 why; ``REDCO_SKIP_SLURM=1`` skips them instead."""
+import contextlib
 import glob
 import os
 import re
@@ -111,6 +112,32 @@ def start_requeued_job_now(job_id: str) -> None:
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
 
 
+@contextlib.contextmanager
+def cancelled_on_error(launch: subprocess.Popen):
+    """Cancel the test's jobs and stop ``launch`` if the block fails (or times out)."""
+    try:
+        yield
+    except BaseException:
+        subprocess.run(["scancel", "--name", "t"])
+        launch.kill()
+        raise
+
+
+def requeue_and_finish(launch: subprocess.Popen, tmp_path, command: list[str]) -> tuple[str, str]:
+    """Send the running job of ``launch`` (``redco launch ... --wait``) ``command`` + its id,
+    start it again at once, and require ``--wait`` to follow it to COMPLETED, exit code 0; the
+    job's output file and id."""
+    with cancelled_on_error(launch):
+        [output] = glob.glob(str(tmp_path / "t-*.out"))
+        job_id = output.rsplit("-", 1)[1].removesuffix(".out")
+        subprocess.run([*command, job_id], check=True)
+        start_requeued_job_now(job_id)
+        stdout, stderr = launch.communicate(timeout=300)
+    assert launch.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert f"job {job_id} COMPLETED, exit code 0" in stderr
+    return output, job_id
+
+
 def test_a_requeued_job_appends_and_resumes_from_its_checkpoint(slurm, reference, tmp_path,
                                                                 monkeypatch):
     """A preemption, for real: the job's first run trains one epoch (checkpoint step_4) and
@@ -129,23 +156,13 @@ def test_a_requeued_job_appends_and_resumes_from_its_checkpoint(slurm, reference
             f"touch {done}$SLURM_PROCID && exec sleep 600; else {worker}; fi")
     launch = subprocess.Popen([*LAUNCH, "bash", "-c", body], cwd=tmp_path, env=slurm,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with cancelled_on_error(launch):
         wait_until(lambda: all((workdir / f"first-run-{i}").exists() for i in range(2)),
                    "the first run trained", 300)
         first = [workdir / f"result_{i}.json" for i in range(2)]
         for p in first + [workdir / "params.npz"]:
             p.unlink()  # what the test reads afterwards is the second run's
-        [output] = glob.glob(str(tmp_path / "t-*.out"))
-        job_id = output.rsplit("-", 1)[1].removesuffix(".out")
-        subprocess.run(["scontrol", "requeue", job_id], check=True)
-        start_requeued_job_now(job_id)
-        stdout, stderr = launch.communicate(timeout=300)
-    finally:
-        if launch.poll() is None:
-            subprocess.run(["scancel", "--name", "t"])
-            launch.kill()
-    assert launch.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    assert f"job {job_id} COMPLETED, exit code 0" in stderr
+    output, job_id = requeue_and_finish(launch, tmp_path, ["scontrol", "requeue"])
     text = open(output).read()
     first_run, _, second_run = text.partition("DUE TO JOB REQUEUE")  # SLURM's words, in the file
     assert "epoch 1/1" in first_run and "Resumed from" not in first_run, text[-3000:]
@@ -185,19 +202,9 @@ def test_requeue_saves_on_sigterm_requeues_and_resumes_to_the_same_bits(slurm, t
     launch = subprocess.Popen([*LAUNCH[:-1], "--requeue", "--", "bash", "-c",
                                f"REDCO_TEST_STEP_SECONDS=1 {worker}"], cwd=tmp_path, env=slurm,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with cancelled_on_error(launch):
         wait_until(lambda: train_rows(workdir) >= 2, "two steps were trained", 300)
-        [output] = glob.glob(str(tmp_path / "t-*.out"))
-        job_id = output.rsplit("-", 1)[1].removesuffix(".out")
-        subprocess.run(["scancel", "--signal=TERM", job_id], check=True)
-        start_requeued_job_now(job_id)
-        stdout, stderr = launch.communicate(timeout=300)
-    finally:
-        if launch.poll() is None:
-            subprocess.run(["scancel", "--name", "t"])
-            launch.kill()
-    assert launch.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    assert f"job {job_id} COMPLETED, exit code 0" in stderr
+    requeue_and_finish(launch, tmp_path, ["scancel", "--signal=TERM"])
     with open(workdir / "log.txt") as f:
         log = f.read()
     stopped = re.findall(r"Stopped by SIGTERM after step (\d+): saved", log)

@@ -4,12 +4,14 @@ from redco_zoo_models.generation import generate
 from redco_zoo_models.gpt2 import GPT2Config, GPT2LMHeadModel
 from redco_zoo_models.hf import from_pretrained, save_pretrained
 from redco_zoo_models.llama import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM
+from redco_zoo_models.lora import add_lora, merge_lora, save_peft_adapters
 from redco_zoo_models.nnx_utils import split_model
 from redco_zoo_models.t5 import T5Config, T5ForConditionalGeneration
 from redco_zoo_models.vision_encoder_decoder import VisionEncoderDecoderConfig, VisionEncoderDecoderModel
 from redco_zoo_models.vit import ViTConfig, ViTModel
 
 __all__ = ["GPT2Config", "GPT2LMHeadModel", "LLAMA_PRESETS", "LlamaConfig", "LlamaForCausalLM",
-           "T5Config", "T5ForConditionalGeneration", "ViTConfig", "ViTModel",
+           "T5Config", "T5ForConditionalGeneration", "ViTConfig", "ViTModel", "add_lora",
+           "merge_lora", "save_peft_adapters",
            "VisionEncoderDecoderConfig", "VisionEncoderDecoderModel", "from_pretrained",
            "generate", "save_pretrained", "split_model"]

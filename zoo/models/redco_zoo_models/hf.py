@@ -98,8 +98,13 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
 
 
 def save_pretrained(model: nnx.Module, model_dir: str) -> None:
-    """Write ``config.json`` and ``model.safetensors`` (PyTorch names) for ``model``."""
+    """Write ``config.json`` and ``model.safetensors`` (PyTorch names) for ``model``; a model
+    with LoRA adapters (``redco_zoo_models.lora``) is saved merged (the model is left as is)."""
     from safetensors.numpy import save_file
+
+    from redco_zoo_models.lora import has_lora, merge_lora
+    if has_lora(model):
+        model = merge_lora(nnx.clone(model))
     os.makedirs(model_dir, exist_ok=True)
     tensors = {}
     for path, leaf in named_leaves(nnx.state(model, nnx.Param)):

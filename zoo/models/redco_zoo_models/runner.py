@@ -15,8 +15,10 @@ import optax
 from flax import nnx
 
 from redco import Deployer, Trainer
+from redco.lora import DEFAULT_TARGETS, n_params, trainable_mask
 from redco.protocols import UsageError
 from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
+from redco_zoo_models.lora import add_lora, has_lora, save_peft_adapters
 from redco_zoo_models.nnx_utils import split_model
 
 DATA_KINDS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
@@ -37,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup_rate", type=float, default=0.05)
     parser.add_argument("--save_every_n_steps", type=int)
     parser.add_argument("--jax_seed", type=int, default=42)
+    parser.add_argument("--lora_rank", type=int, default=0, help="train LoRA adapters of this "
+                        "rank on a frozen model (0: train the whole model)")
+    parser.add_argument("--lora_alpha", type=float, default=16.0,
+                        help="LoRA scale numerator: the adapters add (alpha / rank) * A @ B")
+    parser.add_argument("--lora_targets", default=DEFAULT_TARGETS, help="regex selecting the "
+                        "kernels to adapt (default: attention and MLP projections)")
 
 
 def load_examples(path: str) -> list[dict]:
@@ -96,11 +104,11 @@ def train_and_eval(args, model: nnx.Module, examples: tuple[list, list], collate
     train, evaluate = examples
     deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
                         workdir=args.workdir)
-    apply_fn, params = split_model(model)
+    apply_fn, params, trainable = split_for_training(model, args, deployer)
     lr = deployer.get_lr_schedule_fn(len(train), args.per_device_batch_size, args.n_epochs,
                                      args.learning_rate, warmup_rate=args.warmup_rate)
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(lr),
-                      lr_schedule_fn=lr)
+                      lr_schedule_fn=lr, trainable=trainable)
     predictor = pred_fn and trainer.get_default_predictor(pred_fn, output_fn)
     trainer.fit(train, args.per_device_batch_size, args.n_epochs, eval_examples=evaluate,
                 eval_predictor=predictor, eval_metric_fn=metric_fn,
@@ -110,12 +118,30 @@ def train_and_eval(args, model: nnx.Module, examples: tuple[list, list], collate
     return trainer
 
 
+def split_for_training(model: nnx.Module, args, deployer: Deployer) -> tuple[Callable, Any, Any]:
+    """``(apply_fn, params, trainable)`` for ``Trainer``: with ``--lora_rank`` the model gets
+    LoRA adapters (in place, so a ``pred_fn`` holding it sees them) and only they train."""
+    if not getattr(args, "lora_rank", 0):
+        return (*split_model(model), None)
+    add_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets, seed=args.jax_seed)
+    apply_fn, params = split_model(model)
+    trainable = trainable_mask(params)
+    deployer.log_info(f"LoRA rank {args.lora_rank}, alpha {args.lora_alpha}: training "
+                      f"{n_params(params, trainable):,} of {n_params(params):,} params.")
+    return apply_fn, params, trainable
+
+
 def save_trained(trainer: Trainer, model: nnx.Module, model_dir: str) -> str:
     """Save ``trainer``'s params in ``model``'s structure as ``workdir/model``, a HuggingFace
-    directory, with the tokenizer files of ``model_dir`` (where the model came from)."""
+    directory, with the tokenizer files of ``model_dir`` (where the model came from); a LoRA
+    model is saved merged, and its adapters alone as ``workdir/adapter`` (PEFT's layout)."""
     nnx.update(model, jax.device_get(trainer.params))
     out = os.path.join(trainer.deployer.workdir, "model")
     save_pretrained(model, out)
+    if has_lora(model):
+        adapter = save_peft_adapters(model, os.path.join(trainer.deployer.workdir, "adapter"),
+                                     os.path.abspath(model_dir))
+        trainer.deployer.log_info(f"saved the LoRA adapters (PEFT layout) to {adapter}")
     for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
         if os.path.isfile(os.path.join(model_dir, name)):
             shutil.copy(os.path.join(model_dir, name), out)

@@ -1,12 +1,15 @@
 """{{project_name}}: causal language modelling (pre-training or fine-tuning) with Redco.
 
     python main.py --model tinyllama --train corpus.txt --prompt "Once upon a time"
+    python main.py --model tinyllama --train corpus.txt --lora_rank 8   # LoRA: adapters only
 
 ``--model`` is a local HuggingFace LLaMA, Mistral, Qwen2 or GPT-2 directory (config.json,
 model.safetensors, tokenizer.json); ``--train`` is a ``.txt`` file (one document per line) or a
 ``.jsonl``/``.json``/``.csv`` file with a ``text`` column. The three functions are yours to
 change. ``Deployer`` and ``Trainer`` take care of devices, sharding (``--n_model_shards``),
-checkpoints (rerun to resume) and logs in ``--workdir``."""
+checkpoints (rerun to resume) and logs in ``--workdir``. With ``--lora_rank`` only low-rank
+adapters on the attention and MLP projections train; ``--workdir``/model is then the merged
+model and ``--workdir``/adapter the adapters alone (PEFT's layout)."""
 import argparse
 import math
 from functools import partial
@@ -17,7 +20,7 @@ import optax
 
 from redco import Deployer, Trainer
 from redco_zoo_lm.pipeline import text_blocks
-from redco_zoo_models import generate, runner, split_model
+from redco_zoo_models import generate, runner
 
 
 def collate_fn(examples: list[dict]) -> dict:
@@ -46,11 +49,11 @@ def main(args):
 
     deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
                         workdir=args.workdir)
-    apply_fn, params = split_model(model)
+    apply_fn, params, trainable = runner.split_for_training(model, args, deployer)  # --lora_rank
     lr = deployer.get_lr_schedule_fn(len(train), args.per_device_batch_size, args.n_epochs,
                                      args.learning_rate, warmup_rate=args.warmup_rate)
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(lr),
-                      lr_schedule_fn=lr)
+                      lr_schedule_fn=lr, trainable=trainable)
     trainer.fit(train, args.per_device_batch_size, args.n_epochs, eval_examples=evaluate,
                 save_every_n_steps=args.save_every_n_steps, save_argmin_ckpt_by_metrics=["loss"])
     perplexity = math.exp(trainer.eval_loss(evaluate, args.per_device_batch_size))
@@ -71,7 +74,7 @@ def main(args):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    runner.add_arguments(parser)  # --model --train --eval --workdir --n_model_shards --n_epochs ...
+    runner.add_arguments(parser)  # --model --train --eval --workdir --n_model_shards --lora_rank ...
     parser.add_argument("--block_size", type=int, default=128, help="tokens per example")
     parser.add_argument("--prompt", action="append", help="after training, continue this text "
                         "(repeat the flag for more prompts)")

@@ -1,6 +1,7 @@
 """main.py trains a tiny LLaMA, made here (no hub), on text that counts in words, on 8 simulated
 CPU devices with the model split in two: the eval perplexity nears 1, a prompt is continued
-by counting on, and the trained model is saved and loads back."""
+by counting on, and the trained model is saved and loads back; with --lora_rank only adapters
+train and the model is saved merged, the adapters in PEFT's layout."""
 import json
 import os
 
@@ -22,13 +23,18 @@ def write_text(path, n_lines, seed):
         f.writelines(" ".join(NUMBERS[(s + i) % 10] for i in range(40)) + "\n" for s in starts)
 
 
-def test_main_learns_to_count(tmp_path):
+def model_and_text(tmp_path, n_train: int, n_eval: int) -> str:
+    """A tiny LLaMA directory and counting text in train.txt and dev.txt; the model's path."""
     # pad 0, eos 1, unk 2, bos 3, then the words: 14 ids split over 2 shards
     tokenizer = word_tokenizer(NUMBERS, ("<pad>", "</s>", "<unk>", "<s>"))
-    model_dir = save_model_dir(tiny_llama(tokenizer.get_vocab_size()), tokenizer,
-                               str(tmp_path / "llama"))
-    write_text(tmp_path / "train.txt", 256, seed=0)
-    write_text(tmp_path / "dev.txt", 32, seed=1)
+    write_text(tmp_path / "train.txt", n_train, seed=0)
+    write_text(tmp_path / "dev.txt", n_eval, seed=1)
+    return save_model_dir(tiny_llama(tokenizer.get_vocab_size()), tokenizer,
+                          str(tmp_path / "llama"))
+
+
+def test_main_learns_to_count(tmp_path):
+    model_dir = model_and_text(tmp_path, 256, 32)
     workdir = tmp_path / "workdir"
     perplexity, samples = main.main(main.parse_args([
         "--model", model_dir, "--train", str(tmp_path / "train.txt"), "--eval",
@@ -44,3 +50,19 @@ def test_main_learns_to_count(tmp_path):
     assert samples["six seven"] == "eight nine zero one", samples
     trained = from_pretrained(LlamaForCausalLM, str(workdir / "model"))
     assert os.path.isfile(workdir / "model" / "tokenizer.json") and trained.cfg.vocab_size == 14
+
+
+def test_main_with_lora_trains_only_adapters(tmp_path):
+    model_dir = model_and_text(tmp_path, 128, 16)
+    workdir = tmp_path / "workdir"
+    perplexity, _ = main.main(main.parse_args([
+        "--model", model_dir, "--train", str(tmp_path / "train.txt"), "--eval",
+        str(tmp_path / "dev.txt"), "--workdir", str(workdir), "--n_model_shards", "2",
+        "--per_device_batch_size", "4", "--n_epochs", "2", "--learning_rate", "1e-2",
+        "--block_size", "16", "--lora_rank", "4"]))
+    assert "LoRA rank 4" in (workdir / "log.txt").read_text()
+    assert perplexity < 4, perplexity  # an untrained model is near the vocabulary size, 14
+    assert sorted(os.listdir(workdir / "adapter")) == ["adapter_config.json",
+                                                      "adapter_model.safetensors"]
+    trained = from_pretrained(LlamaForCausalLM, str(workdir / "model"))  # merged: a plain model
+    assert trained.cfg.vocab_size == 14
