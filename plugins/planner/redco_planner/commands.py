@@ -106,6 +106,8 @@ class PlanCommand(Command):
                             "up to the first that fits")
         parser.add_argument("--remat", action="store_true", help="also try rematerialisation "
                             "(none, dots_saveable, full: least recompute first) at each layout")
+        parser.add_argument("--lora-rank", type=int, help="if no full fine-tuning layout fits, "
+                            "try LoRA adapters of this rank (base frozen) the same way")
 
     def run(self, args: argparse.Namespace) -> None:
         simulate_devices(args.devices)
@@ -126,10 +128,12 @@ class PlanCommand(Command):
             result = plan(model.params, loss, batch, n_devices=args.devices,
                           device_memory_bytes=memory, rule_sets=args.rules.split(","),
                           try_all=args.all, log=lambda line: print("  " + line, flush=True),
-                          remat_policies=REMAT_POLICIES if args.remat else ("none",))
+                          remat_policies=REMAT_POLICIES if args.remat else ("none",),
+                          lora_rank=args.lora_rank, lora=model.lora)
         except PlanError as e:
             sys.exit(f"redco: {e}")
         remat = f", remat={result.remat!r}" if args.remat else ""
+        remat += "" if result.lora_rank is None else f", LoRA rank {result.lora_rank}"
         print(f"pick: n_model_shards={result.n_model_shards}, sharding_rules="
               f"{result.sharding_rules!r}{remat} (peak {result.peak_bytes / memory:.0%} of device "
               f"memory)\nwhy: {result.reason}")

@@ -17,7 +17,7 @@ import math
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -156,6 +156,15 @@ class Model:
     trace_fn: Callable | None = None
     loss_fn: Callable | None = None
     batch: Callable[[int], Any] | None = None
+    lora: Callable[[int], LoraModel] | None = None  # rank -> the model with LoRA adapters
+
+
+class LoraModel(NamedTuple):
+    """A model with LoRA adapters, for planning: ``params`` (abstract, adapters named as in
+    ``redco.lora``), ``loss(params, batch)``, and ``via``: how the adapters were made."""
+    params: Any
+    loss: Callable
+    via: str
 
 
 def lm_loss(apply_fn: Callable) -> Callable:
@@ -188,11 +197,18 @@ def zoo_llama(seq_len: int = 128, **config) -> Model:
     cfg = zoo.LlamaConfig(**config)
     apply_fn, params = zoo.split_model(
         nnx.eval_shape(lambda: zoo.LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))))
+
+    def with_lora(rank: int) -> LoraModel:
+        lora_apply, lora_params = zoo.split_model(nnx.eval_shape(
+            lambda: zoo.add_lora(zoo.LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)), rank)))
+        return LoraModel(lora_params, lm_loss(lora_apply),
+                         "redco_zoo_models.add_lora: native LoRALinear layers")
     return Model(params=params,
                  trace_fn=lambda p: apply_fn(p, jnp.zeros((1, 8), jnp.int32)),
                  loss_fn=lm_loss(apply_fn),
                  batch=lambda rows: {"input_ids": jax.ShapeDtypeStruct((rows, seq_len + 1),
-                                                                       jnp.int32)})
+                                                                       jnp.int32)},
+                 lora=with_lora)
 
 
 def load_model(name: str, seq_len: int = 128) -> Model:

@@ -4,7 +4,9 @@
 1, 2, 4, ... (least communication first), at each the rule sets in ``rule_sets`` and, with
 each, the rematerialisation policies in ``remat_policies`` (least recompute first, see
 ``redco.remat``), and picks the first layout whose per-device peak fits in ``1 - HEADROOM``
-of the memory. The peak is measured, not estimated: the whole
+of the memory. With ``lora_rank``, LoRA (frozen base, adapters
+of that rank trained: no gradients or optimizer state for the base) is tried the same way, only
+after every full fine-tuning layout failed. The peak is measured, not estimated: the whole
 train step (forward, backward, optimizer update, with the state donated as ``Trainer`` does)
 is compiled ahead of time on abstract shapes,
 ``jax.jit(step, in_shardings=..., out_shardings=...).lower(...).compile()``, and read off
@@ -42,10 +44,11 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from redco import lora as redco_lora
 from redco import plugins, sharding
 from redco import remat as redco_remat
 from redco.sharding import Rules, dataflow_trace, opt_state_shardings, shardings_from_specs, specs_from_rules
-from redco_planner.inspection import human_bytes, n_positional, parse_bytes
+from redco_planner.inspection import LoraModel, human_bytes, n_positional, parse_bytes
 
 HEADROOM = 0.1  # the fraction of device memory a plan leaves free; see the module docstring
 REMAT_POLICIES = ("none", "dots_saveable", "full")  # least recompute first
@@ -100,6 +103,7 @@ class TriedLayout:
     rules: Rules = field(default_factory=list, repr=False)
     remat: str = "none"  # the redco.remat policy the step was compiled under
     flops: float | None = None  # per device: XLA's cost_analysis of the compiled step
+    lora_rank: int | None = None  # LoRA adapters' rank (base frozen); None: full fine-tuning
 
     @property
     def mesh_shape(self) -> dict:
@@ -109,6 +113,8 @@ class TriedLayout:
         name = f"mp={self.n_model_shards:<3} dp={self.mesh_shape['dp']:<3} {self.sharding_rules:<10}"
         if self.remat != "none":
             name += f" remat={self.remat}"
+        if self.lora_rank is not None:
+            name += f" lora r={self.lora_rank}"
         if self.error:
             return f"{name} failed: {self.error}"
         flops = "" if self.flops is None else f", {self.flops:.3g} FLOPs"
@@ -130,6 +136,8 @@ class Plan:
     headroom: float = HEADROOM
     remat: str = "none"
     reason: str = ""  # why this layout: what did not fit before it
+    lora_rank: int | None = None  # the pick trains LoRA adapters of this rank (base frozen)
+    lora_via: str = ""  # how the LoRA model was built
 
     def deployer_kwargs(self) -> dict:
         """``Deployer(**plan.deployer_kwargs(), jax_seed=...)``."""
@@ -142,7 +150,8 @@ class Plan:
                  f"({self.headroom:.0%} kept as headroom)"]
         lines += ["  " + layout.describe() for layout in self.tried]
         lines.append(f"pick: n_model_shards={self.n_model_shards}, "
-                     f"sharding_rules={self.sharding_rules!r}, remat={self.remat!r}, peak "
+                     f"sharding_rules={self.sharding_rules!r}, remat={self.remat!r}"
+                     f"{'' if self.lora_rank is None else f', LoRA rank {self.lora_rank}'}, peak "
                      f"{human_bytes(self.peak_bytes)} per device "
                      f"({100 * self.peak_bytes / self.device_memory_bytes:.0f}% of memory)")
         lines.append(f"why: {self.reason}")
@@ -187,12 +196,23 @@ def global_batch(batch_abstract, dp: int):
                                                        x.dtype), batch_abstract)
 
 
-def step_fn(loss: Callable, optimizer: optax.GradientTransformation) -> Callable:
-    """``Trainer``'s update: value and grad, optimizer update, new params."""
+def split(tree, trainable):
+    """``(trainable part, frozen part)`` as ``Trainer(trainable=...)`` splits (no mask: all)."""
+    return (tree, None) if trainable is None else redco_lora.partition(tree, trainable)
+
+
+def step_fn(loss: Callable, optimizer: optax.GradientTransformation,
+            trainable: Any = None) -> Callable:
+    """``Trainer``'s update: value and grad (of the ``trainable`` leaves only, when a mask is
+    given), optimizer update, new params."""
     def step(params, opt_state, batch):
-        value, grads = jax.value_and_grad(loss)(params, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
+        train, frozen = split(params, trainable)
+
+        def join(t):
+            return t if frozen is None else redco_lora.combine(t, frozen)
+        value, grads = jax.value_and_grad(lambda t: loss(join(t), batch))(train)
+        updates, opt_state = optimizer.update(grads, opt_state, train)
+        return join(optax.apply_updates(train, updates)), opt_state, value
     return step
 
 
@@ -204,13 +224,16 @@ def layout_rules(params_abstract, mesh, sharding_rules: str, trace_fn: Callable 
 def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
             n_model_shards: int, sharding_rules: str = "auto",
             optimizer: Any = optax.adamw, trace_fn: Callable | None = None,
-            rules: Rules | None = None, remat: str = "none") -> TriedLayout:
+            rules: Rules | None = None, remat: str = "none",
+            trainable: Any = None) -> TriedLayout:
     """Compile one train step ahead of time on abstract shapes; read its per-device memory and
     FLOPs.
 
     ``batch_abstract`` holds one device's rows (the global batch is ``dp`` times that).
     ``rules`` (if given) replaces the rule set's. The step is traced under ``redco.remat``
     policy ``remat`` (a loss that sets its own, as ``Trainer(remat=...)`` does, keeps that).
+    ``trainable`` (a mask like ``redco.lora.trainable_mask``): only those leaves get gradients
+    and optimizer state, as with ``Trainer(trainable=...)``.
     """
     optimizer = as_optimizer(optimizer)
     layout = TriedLayout(sharding_rules, n_model_shards, n_devices,
@@ -225,8 +248,9 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
         specs = specs_from_rules(params_abstract, layout.rules, mesh)
     params_shardings = shardings_from_specs(specs, mesh)
     replicated = NamedSharding(mesh, P())
-    opt_abstract = jax.eval_shape(optimizer.init, params_abstract)
-    opt_shardings = opt_state_shardings(optimizer, params_abstract, params_shardings, mesh)
+    opt_abstract = jax.eval_shape(optimizer.init, split(params_abstract, trainable)[0])
+    opt_shardings = opt_state_shardings(optimizer, split(params_abstract, trainable)[0],
+                                        split(params_shardings, trainable)[0], mesh)
     batch_shardings = jax.tree.map(
         lambda x: NamedSharding(mesh, P("dp") if x.shape and x.shape[0] % dp == 0 else P()), batch)
     layout.params_bytes = sum(
@@ -234,7 +258,7 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
         for x, s in zip(jax.tree.leaves(params_abstract), jax.tree.leaves(params_shardings)))
     start = time.perf_counter()
     with redco_remat.policy(remat):
-        compiled = jax.jit(step_fn(loss, optimizer),
+        compiled = jax.jit(step_fn(loss, optimizer, trainable),
                            in_shardings=(params_shardings, opt_shardings, batch_shardings),
                            out_shardings=(params_shardings, opt_shardings, replicated),
                            donate_argnums=(0, 1)).lower(params_abstract, opt_abstract, batch).compile()
@@ -267,7 +291,9 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
          device_memory_bytes: int, optimizer: Any = optax.adamw,
          rule_sets: Sequence[str] = ("auto", "auto+fsdp"), trace_fn: Callable | None = None,
          try_all: bool = False, log: Callable[[str], None] | None = None,
-         headroom: float = HEADROOM, remat_policies: Sequence[str] = ("none",)) -> Plan:
+         headroom: float = HEADROOM, remat_policies: Sequence[str] = ("none",),
+         lora_rank: int | None = None,
+         lora: Callable[[int], LoraModel] | None = None) -> Plan:
     """The smallest model-parallel layout whose train step fits ``device_memory_bytes``.
 
     Args:
@@ -287,6 +313,10 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
         ``HEADROOM`` = 0.1, covers what the compiled peak does not count (module docstring).
       remat_policies: ``redco.remat`` policies tried with each layout, least recompute first,
         e.g. ``REMAT_POLICIES``; only ``"none"`` if the loss runs no ``redco.remat.layer``.
+      lora_rank: also try LoRA of this rank (base frozen), only once no full fine-tuning
+        layout fits.
+      lora: ``rank -> LoraModel`` (e.g. a model with native LoRA layers); by default
+        ``redco.lora.add_adapters`` on the params, merged into the kernels in the loss.
 
     Raises:
       PlanError: nothing fits; the message names the smallest peak found.
@@ -301,42 +331,87 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
         trace_fn = dataflow_trace(loss, batch_abstract)
     elif trace_fn is None:
         trace_fn = loss_or_trace_fn
-    params_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
-                                   params_abstract)
+    params_abstract = abstract(params_abstract)
     policies = effective_policies(remat_policies, loss, params_abstract, batch_abstract)
-    tried, pick = [], None
     candidates = [(mp, name, policy) for mp in model_shard_degrees(n_devices)
                   for name in rule_sets for policy in policies]
-    for mp, name, policy in candidates:
-        try:
-            layout = measure(params_abstract, loss, batch_abstract, n_devices, mp, name,
-                             optimizer, trace_fn, remat=policy)
-            layout.fits = layout.peak_bytes <= usable
-        except Exception as e:  # noqa: BLE001 - a layout that cannot compile is reported
-            layout = TriedLayout(name, mp, n_devices, remat=policy,
-                                 error=f"{type(e).__name__}: {e}"[:300])
-        tried.append(layout)
-        if log:
-            log(layout.describe())
-        if layout.fits and pick is None:
-            pick = layout
-            if not try_all:
-                break
+
+    def search(params, loss, trace_fn, trainable=None, rank=None) -> TriedLayout | None:
+        pick = None
+        for mp, name, policy in candidates:
+            layout = try_layout(params, loss, batch_abstract, n_devices, mp, name, optimizer,
+                                trace_fn, policy, trainable, usable)
+            layout.lora_rank = rank
+            tried.append(layout)
+            if log:
+                log(layout.describe())
+            if layout.fits and pick is None:
+                pick = layout
+                if not try_all:
+                    break
+        return pick
+
+    tried: list[TriedLayout] = []
+    pick, adapters = search(params_abstract, loss, trace_fn), None
+    if lora_rank is not None and (pick is None or try_all):
+        adapters = (lora or generic_lora(params_abstract, loss))(lora_rank)
+        lora_pick = search(abstract(adapters.params), adapters.loss,
+                           dataflow_trace(adapters.loss, batch_abstract),
+                           redco_lora.trainable_mask(adapters.params), lora_rank)
+        pick = pick or lora_pick
     if pick is None:
-        measured = [t for t in tried if t.peak_bytes is not None]
-        if not measured:
-            raise PlanError(f"No layout could be compiled for {n_devices} devices: "
-                            + "; ".join(t.describe() for t in tried), tried)
-        best = min(measured, key=lambda t: t.peak_bytes)
-        raise PlanError(
-            f"No layout fits {human_bytes(device_memory_bytes)} per device on {n_devices} "
-            f"devices, less the {headroom:.0%} headroom (at most {human_bytes(usable)} per "
-            f"device, {usable} bytes): the smallest per-device peak found is {human_bytes(best.peak_bytes)} "
-            f"({best.peak_bytes} bytes, n_model_shards={best.n_model_shards}, "
-            f"sharding_rules={best.sharding_rules!r}). Use more devices or more memory per "
-            "device, a smaller batch or sequence, or a smaller model.", tried)
-    return Plan(pick.n_model_shards, pick.sharding_rules, pick.rules, pick.peak_bytes,
-                device_memory_bytes, n_devices, tried, headroom, pick.remat, why(pick, tried))
+        raise nothing_fits(tried, n_devices, device_memory_bytes, headroom)
+    result = Plan(pick.n_model_shards, pick.sharding_rules, pick.rules, pick.peak_bytes,
+                  device_memory_bytes, n_devices, tried, headroom, pick.remat, "",
+                  pick.lora_rank, adapters.via if adapters and pick.lora_rank else "")
+    result.reason = why(pick, tried, result.lora_via)
+    return result
+
+
+def abstract(params):
+    """``params`` as ``jax.ShapeDtypeStruct`` leaves."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+
+
+def try_layout(params, loss, batch, n_devices, mp, name, optimizer, trace_fn, policy,
+               trainable, usable) -> TriedLayout:
+    """``measure``, with ``fits`` set, or the error of a layout that cannot compile."""
+    try:
+        layout = measure(params, loss, batch, n_devices, mp, name, optimizer, trace_fn,
+                         remat=policy, trainable=trainable)
+        layout.fits = layout.peak_bytes <= usable
+    except Exception as e:  # noqa: BLE001 - a layout that cannot compile is reported
+        layout = TriedLayout(name, mp, n_devices, remat=policy,
+                             error=f"{type(e).__name__}: {e}"[:300])
+    return layout
+
+
+def generic_lora(params_abstract, loss: Callable, alpha: float = 16.0) -> Callable[[int], LoraModel]:
+    """``rank -> LoraModel``: ``redco.lora.add_adapters`` on the default targets, the loss
+    on the params with the adapters merged in (a full-size merged kernel per layer)."""
+    def build(rank: int) -> LoraModel:
+        params = jax.eval_shape(lambda p: redco_lora.add_adapters(p, rank), params_abstract)
+        return LoraModel(params, lambda p, b: loss(redco_lora.merge(p, alpha), b),
+                         "redco.lora.add_adapters, merged into the kernels in the loss")
+    return build
+
+
+def nothing_fits(tried: list[TriedLayout], n_devices: int, device_memory_bytes: int,
+                 headroom: float) -> PlanError:
+    """The error when no layout fits: the smallest peak found, or why none compiled."""
+    measured = [t for t in tried if t.peak_bytes is not None]
+    if not measured:
+        return PlanError(f"No layout could be compiled for {n_devices} devices: "
+                         + "; ".join(t.describe() for t in tried), tried)
+    usable = usable_bytes(device_memory_bytes, headroom)
+    best = min(measured, key=lambda t: t.peak_bytes)
+    return PlanError(
+        f"No layout fits {human_bytes(device_memory_bytes)} per device on {n_devices} "
+        f"devices, less the {headroom:.0%} headroom (at most {human_bytes(usable)} per "
+        f"device, {usable} bytes): the smallest per-device peak found is {human_bytes(best.peak_bytes)} "
+        f"({best.peak_bytes} bytes, n_model_shards={best.n_model_shards}, "
+        f"sharding_rules={best.sharding_rules!r}). Use more devices or more memory per "
+        "device, a smaller batch or sequence, or a smaller model.", tried)
 
 
 def effective_policies(policies: Sequence[str], loss: Callable, params_abstract,
@@ -355,15 +430,20 @@ def effective_policies(policies: Sequence[str], loss: Callable, params_abstract,
     return policies if redco_remat.layers_traced() > before else policies[:1]
 
 
-def why(pick: TriedLayout, tried: list[TriedLayout]) -> str:
+def why(pick: TriedLayout, tried: list[TriedLayout], lora_via: str = "") -> str:
     """Why ``pick``: the smaller model-parallel degrees, and the lighter policies at its own,
-    that did not fit."""
-    smaller = sorted({t.n_model_shards for t in tried if t.n_model_shards < pick.n_model_shards})
+    that did not fit (and, for LoRA, that no full fine-tuning layout did)."""
+    same_kind = [t for t in tried if t.lora_rank == pick.lora_rank]
+    smaller = sorted({t.n_model_shards for t in same_kind if t.n_model_shards < pick.n_model_shards})
     reason = ("the smallest mp that fits" + (f" (nothing tried at mp={', '.join(map(str, smaller))} "
                                              "fits)" if smaller else ""))
+    if pick.lora_rank is not None:
+        reason = (f"no full fine-tuning layout fits; with LoRA rank {pick.lora_rank} "
+                  f"({lora_via}), {reason}")
     if pick.remat == "none":
         return f"{reason}; at mp={pick.n_model_shards} it fits without remat"
-    lighter = [t.remat for t in tried[:tried.index(pick)] if t.n_model_shards == pick.n_model_shards
+    lighter = [t.remat for t in same_kind[:same_kind.index(pick)]
+               if t.n_model_shards == pick.n_model_shards
                and t.sharding_rules == pick.sharding_rules and t.remat != pick.remat]
     return (f"{reason}; at mp={pick.n_model_shards} {pick.sharding_rules} fits only with "
             f"remat={pick.remat} (not with {', '.join(lighter)})")
