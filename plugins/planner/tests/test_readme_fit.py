@@ -1,0 +1,34 @@
+"""The README's "Does it fit?" block, run as written from the repository root: its printed
+output must be the one the README shows (compile times aside), so the two cannot drift."""
+import os
+import re
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, os.path.join(REPO, "tests"))
+from readme_blocks import block  # noqa: E402
+
+
+def shown_output() -> str:
+    """The ```text block right after the README's "fit" block."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    found = re.search(r"<!-- block fit: .*? -->\n```bash\n.*?```\n\n```text\n(.*?)```", readme, re.S)
+    assert found, "README.md: the fit block is not followed by its ```text output"
+    return found.group(1)
+
+
+def without_times(text: str) -> str:
+    return re.sub(r"compiled in [\d.]+s", "compiled in ...s", text)
+
+
+def test_the_readme_fit_block_prints_what_the_readme_shows():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # a user's shell has none
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]])
+    done = subprocess.run(["bash", "-ec", block("fit")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert without_times(done.stdout) == without_times(shown_output())
+    assert "remat='dots_saveable', LoRA rank 8" in done.stdout
