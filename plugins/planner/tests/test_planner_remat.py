@@ -6,7 +6,8 @@ import optax
 import pytest
 from conftest import lm_examples, lm_model
 
-from redco import remat
+import redco
+from redco import plugins, remat
 from redco_planner.inspection import lm_loss, load_model
 from redco_planner.planner import REMAT_POLICIES, measure, plan, usable_bytes
 
@@ -83,3 +84,31 @@ def test_an_explicit_trainer_remat_is_kept_and_planned_with(workdir):
     deployer, trainer = fit_auto(workdir, "1TB", remat_policy="full")
     assert trainer.remat == "full" and deployer.layout.remat == "full"
     assert [t.remat for t in deployer.layout_plan.tried] == ["full"]
+
+
+class OldPlanner:
+    """A third-party planner written before remat: ``plan`` takes no ``remat``, and its
+    ``Layout`` has three fields."""
+    calls = 0
+
+    def plan(self, deployer, params, loss, batch, optimizer, rule_sets):
+        from redco.protocols import Layout
+        OldPlanner.calls += 1
+        return Layout(1, "auto", [])
+
+
+class OldPlannerPlugin:
+    @redco.hookimpl(tryfirst=True)
+    def register_layout_planners(self, register):
+        register("auto", OldPlanner())
+
+
+def test_a_planner_without_remat_still_works(workdir):
+    plugin = OldPlannerPlugin()
+    plugins.pm.register(plugin)
+    try:
+        deployer, trainer = fit_auto(workdir, "1TB")
+    finally:
+        plugins.pm.unregister(plugin)
+    assert OldPlanner.calls == 1
+    assert deployer.layout.remat == "none" and trainer.remat == "none" and trainer.step == 1
