@@ -259,7 +259,8 @@ class Deployer(DeployerV04):
                       plan: tuple | None = None) -> Rules:
         """Fix the mesh and the final rules of ``params``, once, at the first batch ``fit`` (or
         ``predict``) sees. ``n_model_shards="auto"``: the ``auto`` layout planner (plugin
-        ``redco-planner``) compiles ``plan = (loss, batch, optimizer)`` per candidate layout.
+        ``redco-planner``) compiles ``plan = (loss, batch, optimizer[, remat])`` per candidate layout
+        (and, with ``remat`` None, per remat policy: the pick is ``self.layout``).
         A plain list of ``rules`` is used as given; ``None`` or ``RuleSetRules`` give the rule
         set's rules read off ``trace_fn``'s dataflow (names if it cannot be traced), after the
         overrides they carry."""

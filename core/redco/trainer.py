@@ -76,7 +76,8 @@ class Trainer(compat.TrainerV04):
       callbacks: objects with ``@redco.hookimpl`` methods, active during this trainer's fit.
       remat: the rematerialisation policy of the layers ``loss_fn`` runs (``"none"``,
         ``"dots_saveable"``, ``"dots_with_no_batch_dims_saveable"``, ``"full"``: see
-        ``redco/remat.py``); ``None`` leaves the policy in force where the step is traced.
+        ``redco/remat.py``); ``None`` leaves the policy in force where the step is traced, or,
+        under ``Deployer(n_model_shards="auto")``, takes the one the layout planner picked.
       trainable: a pytree of bools like ``params`` (e.g. ``redco.lora``'s mask): only the
         leaves marked True are differentiated, updated and given optimizer state; the rest is
         frozen, with no gradient memory. By default everything trains.
