@@ -6,8 +6,8 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from planner_helpers import lm_examples, lm_model  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -15,22 +15,6 @@ jax.config.update("jax_default_matmul_precision", "highest")
 @pytest.fixture
 def workdir(tmp_path):
     return str(tmp_path / "workdir")
-
-
-def lm_model(seed=0):
-    """A 2-layer LLaMA with 32-wide layers (redco_zoo_models), real weights."""
-    from flax import nnx
-
-    from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
-    cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
-    return split_model(LlamaForCausalLM(cfg, rngs=nnx.Rngs(seed)))
-
-
-def lm_examples(n=32, seq_len=16):
-    rng = np.random.default_rng(0)
-    return [{"token_ids": (np.arange(seq_len + 1) * rng.integers(1, 4) + rng.integers(32)) % 32}
-            for _ in range(n)]
 
 
 def train_auto(workdir, memory, n_examples=32):

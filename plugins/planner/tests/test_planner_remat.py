@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import lm_examples, lm_model
+from planner_helpers import lm_examples, lm_model
 
 import redco
 from redco import plugins, remat
