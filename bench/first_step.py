@@ -1,5 +1,6 @@
 """Seconds from a process's start to its first completed train step, for the main job
-(``python -m redco_zoo_lm.demo``, its default model on 8 simulated devices), started three ways:
+(``python -m redco_zoo_lm.demo``, its default model on 8 simulated CPU devices, or on the GPUs
+there are), started three ways:
 
 * cold:   an empty compile cache and a fresh workdir;
 * warm:   a fresh workdir, the compile cache the cold start filled;
@@ -13,7 +14,8 @@ and compiling the step took and where the program came from.
 
 Then a big model, ahead of time: ``--aot_preset`` (default ``llama-1b``, TinyLlama-1.1B's shape)
 is too big to train on a CPU, so a fresh process builds it abstractly and compiles its AdamW train
-step on 8 simulated devices (``n_model_shards=8``, the planner's own ``measure``), once with an
+step on 8 simulated CPU devices or the GPUs there are (``n_model_shards`` = the device count, the
+planner's own ``measure``), once with an
 empty compile cache and once with the cache that start filled; each prints seconds from the
 process's start to a compiled step, and whether the program came from the cache. ``--aot_preset
 none`` skips it.
@@ -52,9 +54,11 @@ def aot_worker(preset: str, cache: str) -> None:
     compile_cache.use(cache)
     model = load_model(preset, seq_len=AOT_SEQ_LEN)
     batch = {"input_ids": jax.ShapeDtypeStruct((1, AOT_SEQ_LEN + 1), jnp.int32)}
-    layout = measure(model.params, model.loss_fn, batch, n_devices=8, n_model_shards=8)
+    n = jax.device_count()  # 8 simulated CPU devices, or the accelerators there are
+    layout = measure(model.params, model.loss_fn, batch, n_devices=n, n_model_shards=n)
     hits, _ = compile_cache.counts()
     print(json.dumps({"seconds": time.time() - float(os.environ["REDCO_BENCH_T0"]),
+                      "devices": f"{n} x {jax.devices()[0].device_kind}",
                       "compile_s": layout.compile_s, "from_cache": hits > 0}), flush=True)
 
 
@@ -142,20 +146,22 @@ def main() -> None:
 
 def aot(preset: str, repeats: int) -> None:
     times: dict[str, list[float]] = {"cold": [], "warm": []}
+    devices = ""
     for r in range(repeats):
         cache = tempfile.mkdtemp(prefix="first_step_aot_")
         for name in times:
             row = aot_start(preset, cache)
             assert row["from_cache"] == (name == "warm"), row
             times[name].append(row["seconds"])
+            devices = row["devices"]
             print(f"repeat {r + 1} {preset} {name:4s} {row['seconds']:6.2f} s to a compiled step "
                   f"(compile {row['compile_s']:.2f} s, from the cache: {row['from_cache']})",
                   flush=True)
         shutil.rmtree(cache)
     cold = statistics.median(times["cold"])
-    print(f"\n{preset}, seq {AOT_SEQ_LEN}, AdamW, 8 simulated devices (n_model_shards=8), "
-          "compiled ahead of time\n| start | seconds to a compiled train step (median) | / cold |"
-          "\n| --- | ---: | ---: |")
+    print(f"\n{preset}, seq {AOT_SEQ_LEN}, AdamW, {devices} (n_model_shards = the "
+          "device count), compiled ahead of time\n"
+          "| start | seconds to a compiled train step (median) | / cold |\n| --- | ---: | ---: |")
     for name, values in times.items():
         median = statistics.median(values)
         print(f"| {name} | {median:.2f} | {median / cold:.2f} |")

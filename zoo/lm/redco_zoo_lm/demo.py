@@ -15,6 +15,7 @@ import functools  # noqa: E402
 import math  # noqa: E402
 from pydoc_data.topics import topics  # noqa: E402
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -39,7 +40,8 @@ def make_model(hidden_size: int, n_layers: int, seed: int) -> LlamaForCausalLM:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--n_model_shards", type=int, default=2)
+    parser.add_argument("--n_model_shards", type=int, help="default: 2 where the device count "
+                        "is even (8 simulated CPU devices, 8 GPUs), else 1 (one GPU)")
     parser.add_argument("--per_device_batch_size", type=int, default=8)
     parser.add_argument("--n_epochs", type=int, default=3)
     parser.add_argument("--seq_len", type=int, default=128)
@@ -50,6 +52,8 @@ def main(argv=None) -> None:
     parser.add_argument("--jax_seed", type=int, default=42)
     args = parser.parse_args(argv)
 
+    if args.n_model_shards is None:
+        args.n_model_shards = 2 if jax.device_count() % 2 == 0 else 1
     deployer = Deployer(n_model_shards=args.n_model_shards, jax_seed=args.jax_seed,
                         workdir=args.workdir, run_tensorboard=True)
     examples = byte_sequences(args.seq_len)

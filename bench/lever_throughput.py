@@ -1,0 +1,164 @@
+"""What each memory lever costs in speed: training throughput of full fine-tuning, LoRA and
+rematerialisation, side by side on the same model, batch and device.
+
+Each lever trains in its own process (so each reports its own allocator peak): the zoo's LLaMA
+(``--preset``, TinyLlama-1.1B's shape by default) on byte tokens of ``pydoc_data.topics``,
+``Trainer(compute_dtype=..., remat=..., trainable=...)`` with fp32 params and AdamW, one warm-up
+step, then ``--repeats`` timed runs of ``--steps`` of redco's jitted step over
+batches already on the device. Levers (``--levers``):
+
+  full            every param trained (the reference)
+  full+POLICY     the same under ``Trainer(remat=POLICY)`` (``dots_saveable``, ``full``, ...)
+  lora            ``redco_zoo_models.add_lora`` (rank ``--lora_rank``): the base frozen, only
+                  adapters get gradients and optimizer state
+  lora+POLICY     LoRA with that remat policy
+
+Printed per lever: steps/s (median), tokens/s and its ratio to ``full``; MFU, model FLOPs per
+token = 6N + 12LTd as in ``trainer_vs_jit.py`` (the same for every lever, so a lever that
+computes more for the same tokens, as remat does, shows as a lower MFU); HFU, the FLOPs XLA
+says the compiled step does (``cost_analysis``, recompute included) per second over the peak;
+and the device allocator's peak (``peak_bytes_in_use``, where the device reports it).
+
+    python bench/lever_throughput.py --preset llama-1b --compute_dtype bfloat16 \\
+        --peak_tflops 989 --seq_len 2048 --per_device_batch_size 8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+LEVERS = ("full", "full+dots_saveable", "full+full", "lora", "lora+dots_saveable", "lora+full")
+
+
+def parse_lever(lever: str) -> tuple[bool, str]:
+    """``"lora+full"`` -> ``(True, "full")``: LoRA or not, and the remat policy."""
+    kind, _, policy = lever.partition("+")
+    if kind not in ("full", "lora"):
+        raise ValueError(f"Unknown lever {lever!r}: use full, lora, full+POLICY or lora+POLICY.")
+    return kind == "lora", policy or "none"
+
+
+def worker(lever: str, args: argparse.Namespace) -> dict:
+    """Train ``lever`` in this process; its measurements as a dict."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from trainer_vs_jit import byte_sequences, collate_fn, loss_fn, model_flops_per_token
+
+    from redco import Deployer, Trainer, lora
+    from redco_zoo_models import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, add_lora, split_model
+    use_lora, policy = parse_lever(lever)
+    config = LlamaConfig(**LLAMA_PRESETS[args.preset]) if args.preset else LlamaConfig(
+        hidden_size=args.hidden_size, num_hidden_layers=args.n_layers,
+        intermediate_size=args.hidden_size * 11 // 4)
+    deployer = Deployer(jax_seed=0, n_model_shards=args.n_model_shards,
+                        workdir=tempfile.mkdtemp(prefix="redco-levers-"), verbose=False)
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    if use_lora:
+        add_lora(model, rank=args.lora_rank)
+    apply_fn, params = split_model(model)
+    del model
+    trainable = lora.trainable_mask(params) if use_lora else None
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params,
+                      optax.adamw(1e-3, weight_decay=0.01), compute_dtype=jnp.dtype(args.compute_dtype),
+                      remat=policy, trainable=trainable)
+    global_batch = deployer.get_global_batch_size(args.per_device_batch_size)
+    examples = byte_sequences(args.seq_len, (args.steps + 1) * global_batch)
+    trainer.eval_loss(examples[:global_batch], args.per_device_batch_size)  # decides the layout
+    batches = [deployer.make_batch(examples[i * global_batch:(i + 1) * global_batch], collate_fn,
+                                   n_micro=1) for i in range(args.steps + 1)]
+    t0 = time.perf_counter()
+    compiled = trainer._train_step.lower(trainer.state, batches[0]).compile()
+    compile_s = time.perf_counter() - t0
+    step_flops = float((compiled.cost_analysis() or {}).get("flops", 0.0))
+
+    def run(batches) -> float:
+        t0 = time.perf_counter()
+        state, metrics = trainer.state, None
+        for batch in batches:
+            state, metrics = trainer._train_step(state, batch)
+        float(metrics["loss"])
+        jax.block_until_ready(state)
+        trainer.state = state
+        return time.perf_counter() - t0
+
+    run(batches[:1])  # warm-up
+    seconds = [run(batches[1:]) for _ in range(args.repeats)]
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"lever": lever, "steps_per_s": statistics.median(args.steps / s for s in seconds),
+            "tokens_per_step": global_batch * args.seq_len,
+            "model_flops_per_token": model_flops_per_token(config, args.seq_len),
+            "step_flops": step_flops * jax.device_count(), "compile_s": compile_s,
+            "peak_bytes": stats.get("peak_bytes_in_use"),
+            "trainable": lora.n_params(params, trainable), "params": lora.n_params(params),
+            "loss": float(trainer.eval_loss(examples[:global_batch], args.per_device_batch_size))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--levers", default=",".join(LEVERS))
+    parser.add_argument("--preset", default="llama-1b", help="a LLAMA_PRESETS name, or '' for "
+                        "--hidden_size / --n_layers")
+    parser.add_argument("--hidden_size", type=int, default=128)
+    parser.add_argument("--n_layers", type=int, default=2)
+    parser.add_argument("--lora_rank", type=int, default=8)
+    parser.add_argument("--compute_dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--peak_tflops", type=float, help="the device's peak, for MFU and HFU")
+    parser.add_argument("--seq_len", type=int, default=2048)
+    parser.add_argument("--per_device_batch_size", type=int, default=8)
+    parser.add_argument("--n_model_shards", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args)), flush=True)
+        return
+    for lever in args.levers.split(","):
+        parse_lever(lever)  # a typo fails before any compile
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from provenance import print_provenance
+    print_provenance()
+    rows = []
+    for lever in args.levers.split(","):
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:],
+                              "--worker", lever], capture_output=True, text=True)
+        if out.returncode:
+            print(f"{lever}: failed\n{out.stderr[-3000:]}", flush=True)
+            continue
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), flush=True)
+    print_table(rows, args)
+
+
+def print_table(rows: list[dict], args: argparse.Namespace) -> None:
+    full = next((r for r in rows if r["lever"] == "full"), rows[0] if rows else None)
+    if full is None:
+        return
+    peak = (args.peak_tflops or float("nan")) * 1e12
+    print(f"\n{args.preset or 'custom'}, {args.per_device_batch_size} x {args.seq_len} tokens per "
+          f"device and step, {args.compute_dtype} compute, fp32 params and AdamW, LoRA rank "
+          f"{args.lora_rank}\n| lever | trained params | steps/s | tokens/s | / full | MFU | HFU "
+          "| peak memory | compile s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    full_tokens = full["steps_per_s"] * full["tokens_per_step"]
+    for r in rows:
+        tokens = r["steps_per_s"] * r["tokens_per_step"]
+        mfu = tokens * r["model_flops_per_token"] / peak
+        hfu = r["steps_per_s"] * r["step_flops"] / peak
+        memory = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f} GiB"
+        print(f"| {r['lever']} | {r['trainable'] / r['params']:.2%} | {r['steps_per_s']:.2f} | "
+              f"{tokens:,.0f} | {tokens / full_tokens:.2f} | {mfu:.1%} | {hfu:.1%} | {memory} | "
+              f"{r['compile_s']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
