@@ -259,8 +259,8 @@ class Deployer(DeployerV04):
                       plan: tuple | None = None) -> Rules:
         """Fix the mesh and the final rules of ``params``, once, at the first batch ``fit`` (or
         ``predict``) sees. ``n_model_shards="auto"``: the ``auto`` layout planner (plugin
-        ``redco-planner``) compiles ``plan = (loss, batch, optimizer[, remat])`` per candidate layout
-        (and, with ``remat`` None, per remat policy: the pick is ``self.layout``).
+        ``redco-planner``) compiles ``plan = (loss, batch, optimizer[, remat, trainable])`` per
+        candidate layout (and, with ``remat`` None, per remat policy: the pick is ``self.layout``).
         A plain list of ``rules`` is used as given; ``None`` or ``RuleSetRules`` give the rule
         set's rules read off ``trace_fn``'s dataflow (names if it cannot be traced), after the
         overrides they carry."""
@@ -288,14 +288,16 @@ class Deployer(DeployerV04):
         return self._rule_set(params)
 
     def _plan(self, params: Any, loss: Callable, batch: Any, optimizer,
-              remat: str | None = None) -> Rules:
+              remat: str | None = None, trainable: Any = None) -> Rules:
         """Ask the ``auto`` layout planner; keep its pick (``self.layout``) and fix the mesh.
-        ``remat``: the Trainer's policy, or None to let the planner pick one."""
+        ``remat``: the Trainer's policy, or None to let the planner pick one; ``trainable``:
+        the Trainer's mask (LoRA), passed to planners that take one."""
         rule_sets = [self._rules_name] if self._rules_name != "auto" else ["auto", "auto+fsdp"]
         planner = plugins.lookup("layout_planners", "auto")
-        takes_remat = "remat" in inspect.signature(planner.plan).parameters
-        picked = planner.plan(self, params, loss, batch, optimizer, rule_sets,
-                              **({"remat": remat} if takes_remat else {}))
+        takes = inspect.signature(planner.plan).parameters
+        extra = {name: value for name, value in (("remat", remat), ("trainable", trainable))
+                 if name in takes}
+        picked = planner.plan(self, params, loss, batch, optimizer, rule_sets, **extra)
         self.layout = picked
         self.log_info(f"n_model_shards='auto': picked n_model_shards={picked.n_model_shards}, "
                       f"sharding_rules={picked.sharding_rules!r}, remat={picked.remat!r}")

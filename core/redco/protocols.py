@@ -143,11 +143,13 @@ class LayoutPlanner:
     """Picks the layout for ``Deployer(n_model_shards="auto")`` (registered as ``"auto"``)."""
 
     def plan(self, deployer: Any, params: Any, loss: Callable, batch: Any, optimizer: Any,
-             rule_sets: list[str], remat: str | None = None) -> Layout:
+             rule_sets: list[str], remat: str | None = None, trainable: Any = None) -> Layout:
         """``loss(params, batch) -> scalar`` with ``batch`` one device's abstract rows; try
         ``rule_sets`` over the deployer's devices and return the layout to use. ``remat`` is
         the ``Trainer``'s policy (plan with it); ``None`` lets the planner pick one
-        (``Layout.remat``). A planner whose ``plan`` takes no ``remat`` is called without it."""
+        (``Layout.remat``). ``trainable`` is the ``Trainer``'s mask (LoRA), None when every
+        param trains: frozen leaves take no gradient or optimizer state. A planner whose
+        ``plan`` takes no ``remat`` or ``trainable`` is called without it."""
         raise NotImplementedError
 
 

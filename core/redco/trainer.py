@@ -179,7 +179,7 @@ class Trainer(compat.TrainerV04):
                              "e.g. with jnp.mean(...), before returning.")
         self.params_sharding_rules = self.deployer.decide_layout(
             start["params"], self.params_sharding_rules, trace_fn=dataflow_trace(loss, batch),
-            plan=(loss, batch, self.optimizer, self.remat))
+            plan=(loss, batch, self.optimizer, self.remat, self.trainable))
         self._adopt_planned_remat()
         self.state, self.state_shardings = self._place_state(**start)
         self._start = None

@@ -35,15 +35,16 @@ class AutoLayoutPlanner(LayoutPlanner):
     """
 
     def plan(self, deployer: Any, params: Any, loss: Callable, batch: Any, optimizer: Any,
-             rule_sets: list[str], remat: str | None = None) -> Layout:
+             rule_sets: list[str], remat: str | None = None, trainable: Any = None) -> Layout:
         """``remat`` None (the Trainer's own is None): try ``planner.REMAT_POLICIES``, least
-        recompute first; else plan with that policy alone."""
+        recompute first; else plan with that policy alone. ``trainable``: the Trainer's mask
+        (LoRA): the frozen leaves are measured without gradients or optimizer state."""
         from redco_planner import planner
         memory = planner.device_memory_bytes(deployer)
         policies = planner.REMAT_POLICIES if remat is None else (remat,)
         result = planner.plan(params, loss, batch, len(deployer.devices), memory,
                               optimizer=optimizer, rule_sets=rule_sets, log=deployer.log_info,
-                              remat_policies=policies)
+                              remat_policies=policies, trainable=trainable)
         deployer.log_info(f"why: {result.reason}")
         deployer.layout_plan = result
         return Layout(result.n_model_shards, result.sharding_rules, result.rules, result.remat)

@@ -293,7 +293,7 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
          try_all: bool = False, log: Callable[[str], None] | None = None,
          headroom: float = HEADROOM, remat_policies: Sequence[str] = ("none",),
          lora_rank: int | None = None,
-         lora: Callable[[int], LoraModel] | None = None) -> Plan:
+         lora: Callable[[int], LoraModel] | None = None, trainable: Any = None) -> Plan:
     """The smallest model-parallel layout whose train step fits ``device_memory_bytes``.
 
     Args:
@@ -317,6 +317,9 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
         layout fits.
       lora: ``rank -> LoraModel`` (e.g. a model with native LoRA layers); by default
         ``redco.lora.add_adapters`` on the params, merged into the kernels in the loss.
+      trainable: a mask as ``Trainer(trainable=...)`` takes (e.g. ``redco.lora.trainable_mask``
+        of params that already hold adapters): only those leaves get gradients and optimizer
+        state in every layout measured.
 
     Raises:
       PlanError: nothing fits; the message names the smallest peak found.
@@ -352,7 +355,7 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
         return pick
 
     tried: list[TriedLayout] = []
-    pick, adapters = search(params_abstract, loss, trace_fn), None
+    pick, adapters = search(params_abstract, loss, trace_fn, trainable), None
     if lora_rank is not None and (pick is None or try_all):
         adapters = (lora or generic_lora(params_abstract, loss))(lora_rank)
         lora_pick = search(abstract(adapters.params), adapters.loss,

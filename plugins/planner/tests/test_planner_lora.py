@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from redco_planner.inspection import load_model
-from redco_planner.planner import PlanError, plan
+from redco_planner.inspection import lm_loss, load_model
+from redco_planner.planner import PlanError, measure, plan, usable_bytes
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +45,37 @@ def test_lora_by_default_adds_core_adapters_to_any_params():
     assert tight.peak_bytes < 0.6 * full  # params and the merged kernel; no mu, nu, gradient
     with pytest.raises(PlanError, match="smallest per-device peak"):
         plan(params, loss, batch, 1, 1000, rule_sets=("auto",))  # no lora_rank: no LoRA
+
+
+def test_auto_layout_of_a_lora_trainer_counts_no_optimizer_state_for_the_base(workdir):
+    """``Trainer(trainable=mask)`` under ``n_model_shards="auto"``: the planner measures the
+    step the Trainer runs (adapters differentiated, the base frozen), so a memory that fits
+    LoRA on one device, and not full fine-tuning of the same params, keeps mp=1, ``auto`` rules
+    (no FSDP) and no remat."""
+    import optax
+    from flax import nnx
+    from planner_helpers import lm_examples
+
+    from redco import Deployer, Trainer, lora
+    from redco_zoo_lm import collate_fn, loss_fn
+    from redco_zoo_models import LlamaConfig, LlamaForCausalLM, add_lora, split_model
+    cfg = LlamaConfig(vocab_size=32, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+    add_lora(model, rank=4)
+    apply_fn, params = split_model(model)
+    mask = lora.trainable_mask(params)
+    batch = {"input_ids": jax.ShapeDtypeStruct((1, 9), jnp.int32)}
+    adapters_only = measure(params, lm_loss(apply_fn), batch, 8, 1, "auto", trainable=mask)
+    everything = measure(params, lm_loss(apply_fn), batch, 8, 1, "auto")
+    memory = int(adapters_only.peak_bytes / 0.9) + 1
+    assert everything.peak_bytes > usable_bytes(memory)  # full Adam state would not fit
+    deployer = Deployer(jax_seed=0, n_model_shards="auto", device_memory=memory, workdir=workdir,
+                        verbose=False)
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(1e-2),
+                      trainable=mask)
+    trainer.fit(lm_examples(8, seq_len=8), per_device_batch_size=1, n_epochs=1)
+    layout = deployer.layout
+    assert (layout.n_model_shards, layout.sharding_rules, layout.remat) == (1, "auto", "none")
+    assert deployer.layout_plan.tried[0].peak_bytes == adapters_only.peak_bytes
+    assert trainer.step == 1
