@@ -162,3 +162,34 @@ def check_sample(new: bytes, apply_fn, params) -> None:
     z = sample_z_score(apply_fn, params, new, defaults["temperature"])
     print(f"sample {new!r}: z = {z:.2f}")
     assert abs(z) < 4, (z, new)  # a right sampler: beyond 4 with probability ~1e-4 (normal)
+
+
+def trained_a_step(workdir) -> bool:
+    try:
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            return '"train/loss"' in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def test_main_job_trains_on_one_device_as_on_one_gpu(tmp_path):
+    """One device (one GPU, say): the demo's default n_model_shards, 2 on 8 devices, becomes 1
+    instead of an error that 2 does not divide 1; it trains a step and is stopped."""
+    workdir = str(tmp_path / "one")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    cmd = [sys.executable, "-m", "redco_zoo_lm.demo", "--workdir", workdir, "--n_epochs", "1",
+           "--hidden_size", str(HIDDEN), "--n_layers", str(LAYERS)]
+    with open(f"{workdir}.err", "w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.monotonic() + TIMEOUT
+        try:
+            while not trained_a_step(workdir):
+                err.seek(0)
+                assert proc.poll() is None, f"the demo exited {proc.returncode}:\n{err.read()}"
+                assert time.monotonic() < deadline, "no train step in time"
+                time.sleep(0.05)
+        finally:
+            proc.kill()
+            proc.wait()
+    with open(os.path.join(workdir, "log.txt")) as f:
+        assert "mesh: {'dp': 1, 'mp': 1}" in f.read()
