@@ -86,11 +86,30 @@ def forget_rows_after(workdir: str, step: int) -> None:
         f.writelines(kept)
 
 
+MILESTONES = {"devices": "devices: ", "checked": "Sanity check passed",
+              "compiled": "First train step traced and compiled"}
+
+
+def milestones(log: str, began: float) -> str:
+    """Seconds from the start to the first log.txt line of each of ``MILESTONES``: the Deployer
+    up (imports and the backend's start before it), the evaluation's sanity check, the train
+    step compiled or loaded."""
+    seen = []
+    for name, text in MILESTONES.items():
+        match = re.search(r"^(\S+ \S+) INFO " + re.escape(text), log, re.MULTILINE)
+        if match:
+            stamp = time.mktime(time.strptime(match.group(1)[:19], "%Y-%m-%d %H:%M:%S"))
+            seen.append(f"{name} {stamp + int(match.group(1)[20:]) / 1000 - began:5.2f}")
+    return ", ".join(seen)
+
+
 def start(workdir: str, cache: str, after_step: int = 0, until_ckpt: str | None = None
           ) -> tuple[float, str]:
     """Start the demo; stop it at its first train row past ``after_step`` (or, with
-    ``until_ckpt``, once that checkpoint exists); seconds taken and log.txt's compile line."""
+    ``until_ckpt``, once that checkpoint exists); seconds taken, and log.txt's milestones and
+    compile line."""
     env = {**os.environ, "REDCO_COMPILE_CACHE": cache}
+    began_wall = time.time()
     began = time.perf_counter()
     proc = subprocess.Popen([*DEMO, "--workdir", workdir], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -104,8 +123,10 @@ def start(workdir: str, cache: str, after_step: int = 0, until_ckpt: str | None 
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     with open(os.path.join(workdir, "log.txt")) as f:
-        lines = re.findall(r"First train step traced and compiled in .*", f.read())
-    return seconds, lines[-1] if lines else ""
+        log = f.read()
+    log = log[max(0, log.rfind(f"INFO {MILESTONES['devices']}") - 24):]  # this start's lines
+    lines = re.findall(r"First train step traced and compiled in .*", log)
+    return seconds, f"[{milestones(log, began_wall)}] " + (lines[-1] if lines else "")
 
 
 def main() -> None:
