@@ -82,3 +82,22 @@ def test_without_the_plugin_run_tensorboard_says_what_to_install(plugin_missing,
     with pytest.raises(Exception, match=r"pip install redco-tensorboard"):
         Deployer(jax_seed=0, workdir=str(tmp_path), run_tensorboard=True, verbose=False)
     assert not os.path.exists(tmp_path / "tensorboard")
+
+
+def test_events_decode_as_tensorboard_protos_and_records_carry_their_crcs(tmp_path):
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+
+    from redco_tensorboard.events import crc32c, event, record
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    scalars = event(1.5, 300, scalars={"train/loss": 0.25, "train/lr": -3.0})
+    assert event_pb2.Event.FromString(scalars) == event_pb2.Event(
+        wall_time=1.5, step=300, summary=summary_pb2.Summary(value=[
+            summary_pb2.Summary.Value(tag="train/loss", simple_value=0.25),
+            summary_pb2.Summary.Value(tag="train/lr", simple_value=-3.0)]))
+    start = event(2.0, 7, session_start=True)
+    assert event_pb2.Event.FromString(start) == event_pb2.Event(
+        wall_time=2.0, step=7, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
+    path = tmp_path / "events.out.tfevents.1.host"
+    path.write_bytes(record(event(0.0, 0, file_version="brain.Event:2")) + record(scalars))
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    assert list(RawEventFileLoader(str(path)).Load())[1] == scalars  # framing and CRCs read back
