@@ -3,11 +3,11 @@ in Redco 0.4, or ``Deployer(loggers=["jsonl", "wandb"])`` with ``wandb.init``'s 
 
 On process 0 it calls ``wandb.init(**wandb_init_kwargs)`` (``dir`` defaults to the workdir) and
 sends each ``log(step, metrics)`` as ``wandb.log(metrics, step=step)``. Without a network,
-``WANDB_MODE=offline`` keeps the run on disk for ``wandb sync`` later.
+``WANDB_MODE=offline`` keeps the run on disk for ``wandb sync`` later. wandb is imported when
+a run logs to it, not whenever the plugin is registered (every redco start; its import is
+heavy).
 """
 from __future__ import annotations
-
-import wandb
 
 from redco import hookimpl
 from redco.protocols import MetricLogger
@@ -16,6 +16,7 @@ from redco.protocols import MetricLogger
 class WandbLogger(MetricLogger):
     def __init__(self, workdir: str, **init_kwargs):
         super().__init__(workdir)
+        import wandb
         self.run = wandb.init(**{"dir": workdir, **init_kwargs})
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
