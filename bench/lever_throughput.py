@@ -52,7 +52,7 @@ def worker(lever: str, args: argparse.Namespace) -> dict:
     import jax.numpy as jnp
     import optax
     from flax import nnx
-    from trainer_vs_jit import byte_sequences, collate_fn, loss_fn, model_flops_per_token
+    from trainer_vs_jit import byte_sequences, collate_fn, loss_fn, model_flops_per_token, time_steps
 
     from redco import Deployer, Trainer, lora
     from redco_zoo_models import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, add_lora, split_model
@@ -80,18 +80,8 @@ def worker(lever: str, args: argparse.Namespace) -> dict:
     trainer._train_step.lower(trainer.state, batches[0]).compile()
     compile_s = time.perf_counter() - t0
 
-    def run(batches) -> float:
-        t0 = time.perf_counter()
-        state, metrics = trainer.state, None
-        for batch in batches:
-            state, metrics = trainer._train_step(state, batch)
-        float(metrics["loss"])
-        jax.block_until_ready(state)
-        trainer.state = state
-        return time.perf_counter() - t0
-
-    run(batches[:1])  # warm-up
-    seconds = [run(batches[1:]) for _ in range(args.repeats)]
+    time_steps(trainer, batches[:1])  # warm-up
+    seconds = [time_steps(trainer, batches[1:]) for _ in range(args.repeats)]
     stats = jax.devices()[0].memory_stats() or {}
     return {"lever": lever, "steps_per_s": statistics.median(args.steps / s for s in seconds),
             "tokens_per_step": global_batch * args.seq_len,
