@@ -16,8 +16,7 @@ For each device count, each lever is planned at the smallest memory (stopping at
 as ``plan`` does); a larger memory's pick is the first of those same candidates that fits it,
 plan's own rule, so nothing is compiled twice. Then, on one device of ``--largest_on``, the most
 layers of ``--preset``'s width that fit for each lever (the remat levers with ``full`` remat, the
-least memory): two compiles give bytes per layer, then compiles around the estimate find the
-boundary.
+least memory), found by a few compiles (``most_layers``).
 
     python bench/memory_levers.py [--preset llama-7b --seq_len 2048 --devices 4,8 \\
         --memory 40GB,80GB --largest_on 80GB]
@@ -69,8 +68,12 @@ def plan_levers(model, batch, n_devices: int, memories: list[int], rank: int) ->
 
 def most_layers(preset: dict, seq_len: int, memory: int, use_lora: bool, policy: str,
                 rank: int) -> tuple[int, int, list[tuple[int, int]]]:
-    """The most layers of ``preset``'s width whose step fits one device of ``memory``; its
-    peak; and every ``(layers, peak)`` compiled on the way."""
+    """The most layers of ``preset``'s width whose step fits one device of ``memory`` (0 if
+    one layer does not); its peak; and every ``(layers, peak)`` compiled on the way.
+
+    Peak memory grows about linearly with layers, so each next guess is where the line through
+    the two nearest compiled points reaches the limit, kept between the most layers known to
+    fit and the fewest known not to, until those two are one layer apart."""
     from redco_planner.inspection import zoo_llama
     from redco_planner.planner import measure, usable_bytes
     usable, seen = usable_bytes(memory), {}
@@ -84,13 +87,15 @@ def most_layers(preset: dict, seq_len: int, memory: int, use_lora: bool, policy:
             print(f"    {layers} layers: peak {seen[layers] / 2**30:.2f} GiB", flush=True)
         return seen[layers]
 
-    per_layer = peak(2) - peak(1)
-    layers = max(1, int((usable - peak(1)) // per_layer) + 1)
-    while layers > 1 and peak(layers) > usable:
-        layers -= 1
-    while peak(layers + 1) <= usable:
-        layers += 1
-    return layers, peak(layers), sorted(seen.items())
+    peak(1), peak(2)
+    while True:
+        fit = max((n for n, p in seen.items() if p <= usable), default=0)
+        over = min((n for n, p in seen.items() if p > usable), default=None)
+        if over is not None and over - fit == 1:
+            return fit, seen.get(fit, 0), sorted(seen.items())
+        a, b = (fit, over) if over is not None and fit else sorted(seen)[-2:]
+        guess = a + int((usable - peak(a)) * (b - a) // (peak(b) - peak(a)))
+        peak(max(fit + 1, min(guess, over - 1)) if over is not None else max(fit + 1, guess))
 
 
 def main() -> None:
