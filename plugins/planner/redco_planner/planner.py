@@ -6,7 +6,8 @@ each, the rematerialisation policies in ``remat_policies`` (least recompute firs
 ``redco.remat``), and picks the first layout whose per-device peak fits in ``1 - HEADROOM``
 of the memory. With ``lora_rank``, LoRA (frozen base, adapters
 of that rank trained: no gradients or optimizer state for the base) is tried the same way, only
-after every full fine-tuning layout failed. The peak is measured, not estimated: the whole
+after every full fine-tuning layout failed; with ``trainable`` (a LoRA ``Trainer``'s mask), every
+layout is measured with only those leaves trained. The peak is measured, not estimated: the whole
 train step (forward, backward, optimizer update, with the state donated as ``Trainer`` does)
 is compiled ahead of time on abstract shapes,
 ``jax.jit(step, in_shardings=..., out_shardings=...).lower(...).compile()``, and read off
