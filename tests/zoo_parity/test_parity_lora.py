@@ -1,13 +1,16 @@
 """LoRA exports against transformers 5 and peft (PyTorch): a LoRA model saved merged
 (``save_pretrained``) loads in transformers with the LoRA JAX model's logits, and its unmerged
 adapters (``save_peft_adapters``) load with ``peft.PeftModel.from_pretrained`` onto the base
-model with the same logits (1e-4), for LLaMA and T5 (v1.0 and flan)."""
+model with the same logits, for LLaMA (1e-4) and T5 (v1.0 and flan; ``parity.close``, 5e-4:
+the adapters here move T5's logits by about 5, and on CI's CPUs torch's own merged and PEFT
+models of flan then differ from each other by up to 3.9e-4)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import peft  # installed by tox -e zoo-parity: missing is an error, not a skip
 import pytest
 from flax import nnx
+from parity import close as close_fp32
 from parity import jiggle_ours, load_hf, torch, torch_logits, transformers
 from test_parity_t5 import batch
 from test_parity_t5 import jax_logits as t5_jax_logits
@@ -75,9 +78,11 @@ def test_t5_lora_merged_and_peft_exports_give_the_lora_models_logits(kind, tmp_p
     load = transformers.T5ForConditionalGeneration.from_pretrained
     for inputs in (batch(0), batch(1)):
         want = t5_jax_logits(ours, *inputs)
-        close(want, t5_torch_logits(load(str(merged)).eval(), *inputs))
+        base_logits = t5_torch_logits(load(str(base)).eval(), *inputs)
+        assert np.abs(want - base_logits).max() > 1  # the adapters change the model
+        close_fp32(want, t5_torch_logits(load(str(merged)).eval(), *inputs))
         model, n_adapted = with_peft(load(str(base)).eval(), adapter)
         ffn = 2 if kind == "t5" else 3
         assert n_adapted == 2 * (4 + ffn) + 3 * (8 + ffn)  # 2 encoder, 3 decoder layers
-        close(want, t5_torch_logits(model, *inputs))
+        close_fp32(want, t5_torch_logits(model, *inputs))
     assert torch.get_default_dtype() == torch.float32
