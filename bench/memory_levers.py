@@ -67,9 +67,9 @@ def plan_levers(model, batch, n_devices: int, memories: list[int], rank: int) ->
 
 
 def most_layers(preset: dict, seq_len: int, memory: int, use_lora: bool, policy: str,
-                rank: int) -> tuple[int, int, list[tuple[int, int]]]:
+                rank: int) -> tuple[int, int]:
     """The most layers of ``preset``'s width whose step fits one device of ``memory`` (0 if
-    one layer does not); its peak; and every ``(layers, peak)`` compiled on the way.
+    one layer does not), and its peak.
 
     Peak memory grows about linearly with layers, so each next guess is where the line through
     the two nearest compiled points reaches the limit, kept between the most layers known to
@@ -92,7 +92,7 @@ def most_layers(preset: dict, seq_len: int, memory: int, use_lora: bool, policy:
         fit = max((n for n, p in seen.items() if p <= usable), default=0)
         over = min((n for n, p in seen.items() if p > usable), default=None)
         if over is not None and over - fit == 1:
-            return fit, seen.get(fit, 0), sorted(seen.items())
+            return fit, seen.get(fit, 0)
         a, b = (fit, over) if over is not None and fit else sorted(seen)[-2:]
         guess = a + int((usable - peak(a)) * (b - a) // (peak(b) - peak(a)))
         peak(max(fit + 1, min(guess, over - 1)) if over is not None else max(fit + 1, guess))
@@ -150,7 +150,7 @@ def main() -> None:
           f"{preset['intermediate_size']}) whose train step fits one device of "
           f"{args.largest_on} (90% of it), one row of {args.seq_len} tokens\n"
           "| lever | remat | layers | params | peak |\n|---|---|---:|---:|---:|")
-    for lever, policy, layers, peak, _ in largest:
+    for lever, policy, layers, peak in largest:
         n_params = sum(x.size for x in jax.tree.leaves(
             zoo_llama(args.seq_len, **{**preset, "num_hidden_layers": layers}).params))
         print(f"| {lever} | {policy} | {layers} | {n_params / 1e9:.2f}B | {human_bytes(peak)} |")
