@@ -124,7 +124,8 @@ def start(workdir: str, cache: str, after_step: int = 0, until_ckpt: str | None 
         proc.wait()
     with open(os.path.join(workdir, "log.txt")) as f:
         log = f.read()
-    log = log[max(0, log.rfind(f"INFO {MILESTONES['devices']}") - 24):]  # this start's lines
+    last = log.rfind(f"INFO {MILESTONES['devices']}")  # this start's first line, and on
+    log = log[log.rfind("\n", 0, max(last, 0)) + 1:]
     lines = re.findall(r"First train step traced and compiled in .*", log)
     return seconds, f"[{milestones(log, began_wall)}] " + (lines[-1] if lines else "")
 
