@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -28,6 +29,15 @@ from redco.cli import main as redco
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "worker.py")
 TOTAL_DEVICES = 8
+
+
+def wait_until(condition, what: str, timeout_s: float, every_s: float = 0.05) -> None:
+    """Return once ``condition()`` is true; fail naming ``what`` did not happen within
+    ``timeout_s`` (a deadline for a state another process reaches, never a guessed pause)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting until {what}"
+        time.sleep(every_s)
 
 
 def free_port() -> int:

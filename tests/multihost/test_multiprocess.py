@@ -18,6 +18,7 @@ from multihost_helpers import (
     assert_trains_like_reference,
     free_port,
     read_results,
+    wait_until,
     worker_env,
 )
 
@@ -159,16 +160,15 @@ def test_a_stopped_process_makes_the_other_exit_within_twice_the_hang_timeout(vi
     outs = [str(tmp_path / f"out_{i}.txt") for i in range(2)]
     procs = [subprocess.Popen(
         [sys.executable, WORKER, str(i), "2", str(port), "4", workdir], stdout=open(outs[i], "w"),
-        stderr=subprocess.STDOUT, env=worker_env(REDCO_HANG_TIMEOUT=str(timeout_s),
-                                                 REDCO_TEST_STEP_SECONDS="1"))
+        stderr=subprocess.STDOUT, env=worker_env(REDCO_HANG_TIMEOUT=str(timeout_s), **(
+            {"REDCO_TEST_STOPPABLE_AT_STEP": "2"} if i == victim else {})))
         for i in range(2)]
     stopped, survivor = procs[victim], procs[1 - victim]
     try:
-        deadline = time.monotonic() + 600
-        while last_printed_step(outs[victim]) < 2:
-            assert stopped.poll() is None and time.monotonic() < deadline, open(outs[victim]).read()
-            time.sleep(0.1)
-        time.sleep(0.5)  # inside its 1 s after-step sleep: its heartbeat says step 2
+        def heartbeat_says_step_2() -> bool:
+            assert stopped.poll() is None, open(outs[victim]).read()[-3000:]
+            return "heartbeat says step 2\n" in open(outs[victim]).read()
+        wait_until(heartbeat_says_step_2, f"process {victim} published its heartbeat of step 2", 600)
         stopped.send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
         survivor.wait(timeout=120)
@@ -211,13 +211,14 @@ def test_a_process_stuck_between_steps_is_named_with_its_last_step(tmp_path):
             {"REDCO_TEST_HANG_AT_STEP": "2"} if i == 1 else {})))
         for i in range(2)]
     try:
-        ended, deadline = {}, time.time() + 600
-        while len(ended) < 2 and time.time() < deadline:
+        ended = {}
+
+        def both_ended() -> bool:
             ended.update({i: time.time() for i, p in enumerate(procs)
                           if i not in ended and p.poll() is not None})
-            time.sleep(0.1)
+            return len(ended) == 2
+        wait_until(both_ended, "both processes ended after process 1 hung", 600)
         texts = [open(out).read() for out in outs]
-        assert len(ended) == 2, "\n".join(t[-2000:] for t in texts)
         hung_at = float(re.search(r"hangs at ([\d.]+)\n", texts[1]).group(1))
         first = min(ended, key=ended.get)
         assert procs[first].returncode == 124, texts[first][-3000:]

@@ -5,9 +5,9 @@ tiny LM of ``tests/core/helpers.py`` with ``n_model_shards=2`` at a global batch
 saves a checkpoint (``REDCO_TEST_CKPT_FORMAT``; resuming from one found in WORKDIR; after
 ``REDCO_TEST_EPOCHS`` epochs, 2 by default; ``REDCO_TEST_KILL_AT_STEP``/``_TERM_AT_STEP``: this
 process gets SIGKILL/SIGTERM at the end of that step; ``REDCO_TEST_TERM_DURING_SAVE``: two
-SIGTERMs while that step's checkpoint is being written; ``REDCO_TEST_STEP_SECONDS``: each step
-takes that much longer; ``REDCO_TEST_HANG_AT_STEP``: this process's ``on_step_end`` of that step
-never returns; ``REDCO_HANG_TIMEOUT``, as users set it), prints ``finished step N``
+SIGTERMs while that step's checkpoint is being written; ``REDCO_TEST_HANG_AT_STEP``: this process's ``on_step_end`` of that step never returns;
+``REDCO_TEST_STOPPABLE_AT_STEP``: at the end of that step, once this process's heartbeat says so,
+it prints ``heartbeat says step N`` and waits there, its hang watch paused, for the test's SIGSTOP; ``REDCO_HANG_TIMEOUT``, as users set it), prints ``finished step N``
 after each step, and writes what it saw (and which launcher it detected) to
 ``WORKDIR/result_<PROCESS_ID>.json`` (process 0 also writes the final params as ``.npz``)."""
 import json
@@ -27,7 +27,7 @@ KILL_AT_STEP = int(os.environ.get("REDCO_TEST_KILL_AT_STEP", 0))  # this process
 TERM_AT_STEP = int(os.environ.get("REDCO_TEST_TERM_AT_STEP", 0))  # this process gets SIGTERM
 TERM_DURING_SAVE = int(os.environ.get("REDCO_TEST_TERM_DURING_SAVE", 0))
 HANG_AT_STEP = int(os.environ.get("REDCO_TEST_HANG_AT_STEP", 0))  # a callback deadlocks there
-STEP_SECONDS = float(os.environ.get("REDCO_TEST_STEP_SECONDS", 0))  # a slower run, to signal
+STOPPABLE_AT_STEP = int(os.environ.get("REDCO_TEST_STOPPABLE_AT_STEP", 0))  # waits for SIGSTOP
 N_EPOCHS = int(os.environ.get("REDCO_TEST_EPOCHS", 2))
 CKPT_FORMAT = os.environ.get("REDCO_TEST_CKPT_FORMAT", "orbax")
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices}"
@@ -60,14 +60,30 @@ class KillAt:
         if step == HANG_AT_STEP:
             print(f"hangs at {time.time()}", flush=True)
             threading.Event().wait()
-        time.sleep(STEP_SECONDS)
+        if step == STOPPABLE_AT_STEP:
+            with trainer.hang_watch_paused():
+                wait_for_own_heartbeat(step)
+                print(f"heartbeat says step {step}", flush=True)
+                threading.Event().wait()
+
+
+def wait_for_own_heartbeat(step: int) -> None:
+    """Until this process's heartbeat in JAX's key-value store (the one the other processes'
+    hang watches read) says ``step``; at most a minute."""
+    from jax._src import distributed
+    client, key = distributed.global_state.client, f"redco/watchdog/{jax.process_index()}"
+    deadline = time.monotonic() + 60
+    while json.loads(client.blocking_key_value_get(key, 60_000))["step"] != step:
+        assert time.monotonic() < deadline, f"no heartbeat for step {step} within 60 s"
+        time.sleep(0.01)
 
 
 def term_while_writing(step: int) -> None:
     """Send this process two SIGTERMs once ``step_<step>.tmp`` (the checkpoint being written)
     appears, and say so."""
-    tmp = os.path.join(workdir, "ckpts", f"step_{step}.tmp")
+    tmp, deadline = os.path.join(workdir, "ckpts", f"step_{step}.tmp"), time.monotonic() + 600
     while not os.path.isdir(tmp):
+        assert time.monotonic() < deadline, f"{tmp} never appeared"
         time.sleep(0.0005)
     for _ in range(2):
         os.kill(os.getpid(), signal.SIGTERM)

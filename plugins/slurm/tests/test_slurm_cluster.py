@@ -18,7 +18,14 @@ import sys
 import time
 
 import numpy as np
-from multihost_helpers import WORKER, assert_trains_like_reference, free_port, read_results, worker_env
+from multihost_helpers import (
+    WORKER,
+    assert_trains_like_reference,
+    free_port,
+    read_results,
+    wait_until,
+    worker_env,
+)
 
 from redco_slurm.sbatch import job_state, wait_for_job
 
@@ -93,22 +100,18 @@ def test_the_bare_body_of_an_sbatch_script_is_refused(slurm, tmp_path, monkeypat
            "srun" in text, text[-3000:]
 
 
-def wait_until(condition, what: str, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, f"timed out after {timeout} s waiting until {what}"
-        time.sleep(0.5)
-
-
 def start_requeued_job_now(job_id: str) -> None:
     """SLURM holds a requeued job back for a while (reason BeginTime): once the job is pending
-    and its node idle, start it. Not within the same second as the requeue's kill: slurmd
-    revokes the old run's credential to the second and refuses a start then ("Job credential
-    revoked", the job FAILED with exit code 1)."""
-    wait_until(lambda: (job_state(job_id) or "").startswith("PENDING"), "requeued", 120)
+    and its node idle, start it. Not within the second the requeue's kill was in: slurmd
+    revokes the old run's credentials to the second, so a job started in that second is refused
+    ("Job credential revoked", the job FAILED with exit code 1). The kill ended before the node
+    was seen idle, so once the clock has left that second, the start is after the revocation."""
+    wait_until(lambda: (job_state(job_id) or "").startswith("PENDING"), "requeued", 120, 0.2)
     wait_until(lambda: subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True,
-                                      text=True).stdout.strip().startswith("idle"), "idle", 120)
-    time.sleep(2)
+                                      text=True).stdout.strip().startswith("idle"), "idle", 120, 0.2)
+    idle_second = int(time.time())
+    wait_until(lambda: int(time.time()) > idle_second,
+               "the second in which the node was seen idle has passed", 5, 0.01)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
 
 
@@ -158,7 +161,7 @@ def test_a_requeued_job_appends_and_resumes_from_its_checkpoint(slurm, reference
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with cancelled_on_error(launch):
         wait_until(lambda: all((workdir / f"first-run-{i}").exists() for i in range(2)),
-                   "the first run trained", 300)
+                   "the first run trained", 300, 0.2)
         first = [workdir / f"result_{i}.json" for i in range(2)]
         for p in first + [workdir / "params.npz"]:
             p.unlink()  # what the test reads afterwards is the second run's
