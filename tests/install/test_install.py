@@ -91,6 +91,19 @@ def test_the_lines_tested_here_are_the_readmes():
                          "as the documented install lines: put them back, or change both together")
 
 
+def test_every_distribution_states_its_license_as_an_spdx_string():
+    """setuptools deprecates a TOML-table ``project.license`` (it warns at every build and stops
+    building such projects in 2027); an SPDX string needs setuptools>=77 to build."""
+    found = glob.glob(os.path.join(REPO, "core", "pyproject.toml")) + glob.glob(
+        os.path.join(REPO, "*", "*", "pyproject.toml"))
+    assert len(found) > 10, found
+    for path in found:
+        with open(path) as f:
+            text = f.read()
+        assert re.search(r'^license = "[\w.-]+"$', text, re.M), f'{path}: license = "Apache-2.0"'
+        assert re.search(r'^requires = \["setuptools>=77"\]$', text, re.M), path
+
+
 def test_the_main_job_runs_as_written(sh):
     """Quickstart's first block, verbatim, in the fresh copy: it makes its own .venv, installs,
     trains and leaves what the README says under workdir/lm-demo."""

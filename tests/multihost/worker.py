@@ -5,11 +5,13 @@ tiny LM of ``tests/core/helpers.py`` with ``n_model_shards=2`` at a global batch
 saves a checkpoint (``REDCO_TEST_CKPT_FORMAT``; resuming from one found in WORKDIR; after
 ``REDCO_TEST_EPOCHS`` epochs, 2 by default; ``REDCO_TEST_KILL_AT_STEP``/``_TERM_AT_STEP``: this
 process gets SIGKILL/SIGTERM at the end of that step; ``REDCO_TEST_TERM_DURING_SAVE``: two
-SIGTERMs while that step's checkpoint is being written; ``REDCO_TEST_HANG_AT_STEP``: this process's ``on_step_end`` of that step never returns;
-``REDCO_TEST_STOPPABLE_AT_STEP``: at the end of that step, once this process's heartbeat says so,
-it prints ``heartbeat says step N`` and waits there, its hang watch paused, for the test's SIGSTOP; ``REDCO_HANG_TIMEOUT``, as users set it), prints ``finished step N``
-after each step, and writes what it saw (and which launcher it detected) to
-``WORKDIR/result_<PROCESS_ID>.json`` (process 0 also writes the final params as ``.npz``)."""
+SIGTERMs while that step's checkpoint is being written; ``REDCO_TEST_HANG_AT_STEP``: this
+process's ``on_step_end`` of that step never returns; ``REDCO_TEST_STOPPABLE_AT_STEP``: at the end
+of that step, once this process's heartbeat says so, it prints ``heartbeat says step N`` and
+waits there, its hang watch paused, for the test's SIGSTOP; ``REDCO_HANG_TIMEOUT``, as users set
+it), prints ``finished step N`` after each step, and writes what it saw (and which launcher it
+detected) to ``WORKDIR/result_<PROCESS_ID>.json`` (process 0 also writes the final params as
+``.npz``)."""
 import json
 import os
 import signal
