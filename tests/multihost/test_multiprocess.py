@@ -110,16 +110,23 @@ def test_a_killed_process_stops_the_others_quickly_naming_it(victim, tmp_path):
                 or "Failed to send RPC to coordination service" in out), out[-3000:]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_2_process_params(tmp_path_factory) -> dict:
+    """The final params of an uninterrupted 2-process run (one run for every case below)."""
+    workdir = str(tmp_path_factory.mktemp("uninterrupted"))
+    launch(2, workdir)
+    return dict(np.load(os.path.join(workdir, "params.npz")))
+
+
 @pytest.mark.parametrize("noticed_by,during", [(1, "step"), (0, "step"), (0, "save")])
 def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resumes_bitwise(
-        noticed_by, during, tmp_path):
+        noticed_by, during, tmp_path, uninterrupted_2_process_params):
     """One of 2 processes gets SIGTERM (a preemption notice) at the end of step 2, or twice
     while the epoch's checkpoint step_4 is being written: JAX's preemption service tells the
     other, both finish the same later step, write its checkpoint together (the save under way
     completes) and exit 143; the same command again resumes and ends with the params of an
     uninterrupted 2-process run, bit for bit."""
-    full, preempted = str(tmp_path / "full"), str(tmp_path / "preempted")
-    launch(2, full)
+    preempted = str(tmp_path / "preempted")
     port = free_port()
     notice = {"REDCO_TEST_TERM_AT_STEP": "2"} if during == "step" else \
         {"REDCO_TEST_TERM_DURING_SAVE": "4"}
@@ -138,7 +145,7 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resumes_bitwi
     assert os.listdir(os.path.join(preempted, "ckpts")) == [f"step_{step}"]
     launch(2, preempted)
     assert [len(r["losses"]) for r in read_results(preempted, 2)] == [8 - step] * 2  # resumed
-    a, b = np.load(os.path.join(full, "params.npz")), np.load(os.path.join(preempted, "params.npz"))
+    a, b = uninterrupted_2_process_params, np.load(os.path.join(preempted, "params.npz"))
     assert sorted(a) == sorted(b)
     for name in a:
         np.testing.assert_array_equal(b[name], a[name], err_msg=name)

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from rerun import greedy_without_cache
 
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM, generate, split_model
 from redco_zoo_models.generation import pick_tokens
@@ -16,12 +17,6 @@ CFG = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidde
 def model_and_params(seed=0):
     model = LlamaForCausalLM(CFG, nnx.Rngs(seed))
     return model, nnx.state(model, nnx.Param)
-
-
-def greedy_without_cache(model, ids, n):
-    for _ in range(n):
-        ids = jnp.concatenate([ids, jnp.argmax(model(ids)[:, -1], -1)[:, None]], 1)
-    return ids[:, -n:]
 
 
 def test_cached_greedy_equals_rerunning_the_sequence():

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from rerun import greedy_without_cache
 
 from redco_zoo_models.generation import generate
 from redco_zoo_models.gpt2 import GPT2Config, GPT2LMHeadModel
@@ -37,16 +38,6 @@ def gen(model, prompt, n, encoder_inputs=None, **kwargs):
     """``generate``, jitted (one compilation rather than the prompt's ops one by one)."""
     run = jax.jit(lambda p, x, e: generate(model, p, x, n, encoder_inputs=e, **kwargs))
     return run(params(model), prompt, encoder_inputs)
-
-
-def greedy_without_cache(logits_fn, prompt, n):
-    """Greedy tokens, re-running the whole sequence for each (in a buffer of fixed length, so
-    compiled once: a causal model's logits do not depend on the tokens after them)."""
-    logits_fn, (b, p) = jax.jit(logits_fn), prompt.shape
-    ids = jnp.concatenate([prompt, jnp.zeros((b, n), prompt.dtype)], 1)
-    for i in range(n):
-        ids = ids.at[:, p + i].set(jnp.argmax(logits_fn(ids)[:, p + i - 1], -1))
-    return ids[:, p:]
 
 
 def test_gpt2_cached_greedy_equals_rerunning_the_sequence():

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from rerun import greedy_without_cache
 from safetensors.numpy import load_file
 
 from redco_zoo_models.generation import generate
@@ -29,13 +30,6 @@ def source(seed=1):
     return ids, mask
 
 
-def greedy_without_cache(model, ids, mask, n):
-    dec = jnp.zeros((ids.shape[0], 1), jnp.int32)
-    for _ in range(n):
-        dec = jnp.concatenate([dec, jnp.argmax(model(ids, mask, dec)[:, -1], -1)[:, None]], 1)
-    return dec[:, 1:]
-
-
 @pytest.mark.parametrize("kind", CONFIGS)
 def test_cached_greedy_equals_rerunning_the_decoder(kind):
     model, params = model_and_params(kind)
@@ -43,7 +37,9 @@ def test_cached_greedy_equals_rerunning_the_decoder(kind):
     got = jax.jit(lambda p, i, m: generate(model, p, jnp.zeros((3, 1), jnp.int32), 6,
                                            encoder_inputs={"input_ids": i, "attention_mask": m})
                   )(params, ids, mask)
-    np.testing.assert_array_equal(got, greedy_without_cache(model, ids, mask, 6))
+    start = jnp.zeros((3, 1), jnp.int32)
+    np.testing.assert_array_equal(got, greedy_without_cache(lambda dec: model(ids, mask, dec),
+                                                            start, 6))
 
 
 def test_padding_changes_nothing():
