@@ -2,8 +2,8 @@
 
 ``sbatch_script`` writes a script whose body runs the command under ``srun``, one JAX process per
 task (each joins through this plugin's ``slurm`` launcher); ``submit`` hands it to ``sbatch``;
-``wait_for_job`` polls ``squeue`` until the job ends, copying its output file as it grows, and
-returns the job's exit code (from ``scontrol``, or ``sacct``).
+``wait_for_job`` asks the controller (``scontrol``) until the job has ended for good, copying its
+output file as it grows, and returns the job's exit code (from ``scontrol``, or ``sacct``).
 
 The script is preemption-friendly: its output file is opened in append mode and running it again
 is safe, so a job that SLURM requeues (``--sbatch=--requeue``, or a partition that requeues
@@ -27,7 +27,6 @@ from redco.protocols import LaunchError
 # Job states after which a SLURM job never runs again (a requeued job is PENDING or REQUEUED).
 DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                "PREEMPTED", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
-SETTLE_S = 3.0  # how long an ended state must last before wait_for_job believes it
 
 
 @dataclass
@@ -187,31 +186,38 @@ class _Follower:
             self.out.flush()
 
 
+def ended_state(job_id: str) -> str | None:
+    """The job's state once SLURM's controller says it has ended for good ("" if the controller
+    has forgotten it and there is no accounting), else None. The controller is asked, not
+    ``squeue``, which lags it: a job being requeued goes RUNNING -> COMPLETING -> PENDING without
+    an ended state, and a query that a busy controller did not answer says nothing."""
+    out = subprocess.run([_tool("scontrol"), "show", "job", "-o", job_id], capture_output=True,
+                         text=True)
+    if out.returncode == 0:
+        state = dict(re.findall(r"(\w+)=(\S+)", out.stdout)).get("JobState")
+        return state if state in DONE_STATES else None
+    if "Invalid job id" in out.stderr:  # ended more than MinJobAge ago
+        return _accounting(job_id).get("JobState", "")
+    return None
+
+
 def wait_for_job(job_id: str, output_path: str, poll_s: float = 1.0,
                  out: TextIO | None = None) -> int:
-    """Poll ``squeue`` until the job ends, copying its output file to ``out`` (stdout) as it
-    grows; return the job's exit code. Ctrl-C cancels the job."""
-    follower, state, ended_polls = _Follower(output_path, out or sys.stdout), None, 0
+    """Follow the job until it has ended for good (``ended_state``), copying its output file to
+    ``out`` (stdout) as it grows; return the job's exit code. Ctrl-C cancels the job."""
+    follower = _Follower(output_path, out or sys.stdout)
     try:
-        while True:
-            state = job_state(job_id)
+        while (state := ended_state(job_id)) is None:
             follower.copy()
-            # A job being requeued can show an ended state (FAILED) for a moment, and squeue
-            # can fail while slurmctld is busy: believe "ended" only once it has lasted 3 s.
-            ended = state is None or state.split()[0] in DONE_STATES
-            ended_polls = ended_polls + 1 if ended else 0
-            if ended_polls * poll_s >= SETTLE_S:
-                break
             time.sleep(poll_s)
     except KeyboardInterrupt:
         subprocess.run(["scancel", job_id])
         print(f"\nredco: cancelled job {job_id}", file=sys.stderr)
         return 130
-    time.sleep(0.2)  # the last lines may land just after the state changes
     follower.copy()
     follower.end_line()
     final_state, code = job_exit_code(job_id)
-    final_state = final_state or state
+    final_state = final_state or state or None
     if code is None:
         code = 0 if final_state == "COMPLETED" else 1
         if final_state is None:
