@@ -15,18 +15,21 @@ import time
 from provenance import REPO, print_provenance
 
 # tox's summary line of an environment: "  core: OK (348.75=setup[5.03]+cmd[343.72] seconds)"
-ENV_LINE = re.compile(r"^  ([\w-]+): (OK|FAIL[^(]*?) ?\(([\d.]+)=", re.M)
+ENV_LINE = re.compile(r"^  ([\w-]+): (OK|FAIL[^(]*?) ?\(([\d.]+)=setup\[([\d.]+)\]", re.M)
 REAL = re.compile(r"^real\s+(\d+)m([\d.]+)s", re.M)
 
 
 def parse(log: str, wall_s: float | None = None) -> dict:
-    """``{"envs": {name: (status, seconds)}, "wall_s": ..., "passed": ...}`` of one run's output."""
-    envs = {name: (status.strip(), float(s)) for name, status, s in ENV_LINE.findall(log)}
+    """``{"envs": {name: (status, seconds)}, "setup_s": ..., "wall_s": ..., "passed": ...}`` of
+    one run's output (``setup_s``: making the environments and installing into them)."""
+    found = ENV_LINE.findall(log)
+    envs = {name: (status.strip(), float(s)) for name, status, s, _ in found}
     real = REAL.search(log)
     if wall_s is None and real:
         wall_s = 60 * int(real.group(1)) + float(real.group(2))
     passed = bool(envs) and all(status == "OK" for status, _ in envs.values())
-    return {"envs": envs, "wall_s": wall_s, "passed": passed}
+    return {"envs": envs, "setup_s": sum(float(setup) for *_, setup in found), "wall_s": wall_s,
+            "passed": passed}
 
 
 def run_once(logs_dir: str, i: int) -> dict:
@@ -37,9 +40,9 @@ def run_once(logs_dir: str, i: int) -> dict:
         done = subprocess.run(["bash", ".ci/run"], cwd=clone, env={**os.environ, "CI": "true"},
                               capture_output=True, text=True, stdin=subprocess.DEVNULL)
         wall_s = time.monotonic() - start
-    log = done.stdout + done.stderr
+    log = done.stdout + done.stderr + f"\nreal\t{int(wall_s // 60)}m{wall_s % 60:.3f}s\n"
     with open(os.path.join(logs_dir, f"ci-run-{i}.log"), "w") as f:
-        f.write(log)
+        f.write(log)  # ends as bash's `time` would: --logs reads its wall time back
     return parse(log, wall_s) | {"passed": done.returncode == 0}
 
 
@@ -52,6 +55,8 @@ def table(runs: list[dict]) -> str:
                                                           else " FAILED")
                  if name in run["envs"] else "-" for run in runs]
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    rows.append("| of the above, making and installing environments | " + " | ".join(
+        f"{run['setup_s'] / 60:.1f} min" for run in runs) + " |")
     rows.append("| **`.ci/run`, wall** | " + " | ".join(
         f"**{run['wall_s'] / 60:.1f} min**" + ("" if run["passed"] else " (failed)")
         for run in runs) + " |")
