@@ -58,7 +58,8 @@ def table(runs: list[dict]) -> str:
     rows.append("| of the above, making and installing environments | " + " | ".join(
         f"{run['setup_s'] / 60:.1f} min" for run in runs) + " |")
     rows.append("| **`.ci/run`, wall** | " + " | ".join(
-        f"**{run['wall_s'] / 60:.1f} min**" + ("" if run["passed"] else " (failed)")
+        (f"**{run['wall_s'] / 60:.1f} min**" if run["wall_s"] else "-")
+        + ("" if run["passed"] else " (failed)")
         for run in runs) + " |")
     return "\n".join(rows)
 
