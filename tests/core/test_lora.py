@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+import redco
 from redco import Deployer, Trainer, lora
 from redco.sharding import named_leaves
 from redco_zoo_lm import collate_fn, loss_fn
@@ -33,10 +34,10 @@ def zoo(rank=4, alpha=8.0, cfg=None):
     return apply_fn, params, lora.trainable_mask(params)
 
 
-def trainer_for(apply_fn, params, trainable=None, workdir=None, optimizer=None):
+def trainer_for(apply_fn, params, trainable=None, workdir=None, optimizer=None, callbacks=()):
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
     return Trainer(deployer, collate_fn, apply_fn, loss_fn, params,
-                   optimizer or optax.adamw(1e-2), trainable=trainable)
+                   optimizer or optax.adamw(1e-2), trainable=trainable, callbacks=callbacks)
 
 
 def flat(tree):
@@ -157,16 +158,32 @@ def test_memory_analysis_of_the_train_step_shows_no_gradient_or_adam_memory_for_
     assert inside["temp"] < merged["temp"]
 
 
+class StepLog:
+    """A per-run plugin that records the step of every update this run made."""
+
+    def __init__(self):
+        self.steps: list[int] = []
+
+    @redco.hookimpl
+    def on_step_end(self, trainer, step, metrics):
+        self.steps.append(step)
+
+
 def test_lora_resumes_to_the_same_bits(tmp_path):
-    def run(workdir, n_epochs):
+    def run(workdir, n_epochs) -> tuple[Trainer, list[int]]:
         _, _, adapted = generic()
+        log = StepLog()
         trainer = trainer_for(adapted.apply_fn, adapted.params, adapted.trainable,
-                              workdir=str(workdir), optimizer=optax.adamw(1e-2))
+                              workdir=str(workdir), optimizer=optax.adamw(1e-2), callbacks=[log])
         trainer.fit(EXAMPLES, 4, n_epochs=n_epochs, save_every_n_steps=3)
-        return trainer
-    straight = run(tmp_path / "straight", 2)
-    run(tmp_path / "stopped", 1)
-    resumed = run(tmp_path / "stopped", 2)  # picks up the step checkpoint of epoch 1
+        return trainer, log.steps
+    straight, straight_steps = run(tmp_path / "straight", 2)
+    _, first_steps = run(tmp_path / "stopped", 1)
+    resumed, resumed_steps = run(tmp_path / "stopped", 2)  # picks up epoch 1's last checkpoint
+    assert straight_steps == list(range(1, 17)) and first_steps == list(range(1, 9))
+    assert resumed_steps == list(range(9, 17)), "the rerun did not continue from step 8"
+    log_txt = (tmp_path / "stopped" / "log.txt").read_text()
+    assert "step_8 (step 8)" in log_txt, "no 'Resumed from .../step_8 (step 8)' in log.txt"
     assert resumed.step == straight.step
     for name, value in flat(straight.params).items():
         np.testing.assert_array_equal(flat(resumed.params)[name], value, err_msg=name)
