@@ -4,12 +4,13 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 import tqdm
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from redco.compat import PredictorV04, refuse_unknown
-from redco.data import by_name, check_batch_leading, n_full_batches
+from redco.data import by_name, check_batch_leading, check_collated, n_full_batches
 from redco.deployer import Deployer
 from redco.sharding import Rules, is_rule_set
 
@@ -69,12 +70,30 @@ class Predictor(PredictorV04):
             preds = multihost_utils.process_allgather(preds, tiled=True)
             if i == 0 and self.output_fn is None:
                 check_batch_leading(preds, batch_size, "pred_fn output")
-            if self.output_fn is not None:
-                batch_outputs = list(self.output_fn(preds))
-                if len(batch_outputs) != batch_size:
-                    raise ValueError(f"output_fn returned {len(batch_outputs)} outputs for a batch "
-                                     f"of {batch_size} examples: return one per example.")
-                outputs.extend(batch_outputs)
-            else:
-                outputs.extend([jax.tree.map(lambda x: x[j], preds) for j in range(batch_size)])
+            outputs.extend(self.per_example(preds, batch_size))
         return outputs[:len(examples)]
+
+    def per_example(self, preds: Any, batch_size: int) -> list:
+        """A batch's (numpy) predictions as one output per example: ``output_fn``'s, else each
+        example's slice of the prediction pytree."""
+        if self.output_fn is None:
+            return [jax.tree.map(lambda x: x[j], preds) for j in range(batch_size)]
+        outputs = list(self.output_fn(preds))
+        if len(outputs) != batch_size:
+            raise ValueError(f"output_fn returned {len(outputs)} outputs for a batch of "
+                             f"{batch_size} examples: return one per example.")
+        return outputs
+
+    def traced_preds(self, examples: Sequence, per_device_batch_size: int,
+                     params: Any) -> tuple[Any, int]:
+        """Zeros shaped like ``pred_fn``'s output for the first global batch of ``examples``,
+        and that batch's size: ``pred_fn`` is traced (``jax.eval_shape``), never compiled."""
+        batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
+        rows = [examples[min(i, len(examples) - 1)] for i in range(batch_size)]
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                             check_collated(self.collate_fn(rows), batch_size))
+        rng = jax.eval_shape(jax.random.PRNGKey, 0)
+        shapes = jax.eval_shape(self._pred_step, rng, params, batch)
+        if self.output_fn is None:
+            check_batch_leading(shapes, batch_size, "pred_fn output")
+        return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes), batch_size

@@ -56,6 +56,14 @@ def place_copy(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, y: jnp.copy(y) if isinstance(x, jax.Array) else y, tree, placed)
 
 
+def refuse_missing_metrics(metric_names: Sequence[str], names: set[str], found: str) -> None:
+    """Raise if ``save_arg*_ckpt_by_metrics`` names a metric the evaluation does not give."""
+    missing = [name for name in metric_names if name not in names]
+    if missing:
+        raise KeyError(f"save_arg*_ckpt_by_metrics names {missing} but the eval metrics are "
+                       f"{sorted(names)} (found {found}). Name one of those.")
+
+
 class Trainer(compat.TrainerV04):
     """Trains ``params`` with ``loss_fn(rng, state, params, batch, is_training) -> scalar``.
 
@@ -470,9 +478,11 @@ class Trainer(compat.TrainerV04):
         ``workdir/ckpts`` is restored first and training continues from its exact step,
         mid-epoch included. Best-by-metric checkpoints go to ``ckpts/best_<metric>``; ``loss``
         is always a metric when evaluated. With ``eval_sanity_check`` (the default) the
-        evaluation runs once on one batch before training, so a broken ``pred_fn`` or metric, or
-        a misspelled metric name, fails in seconds. Redco 0.4.x's keywords are accepted too
-        (``save_ckpt_every_k_epochs``, ...; see ``redco/compat.py``).
+        evaluation runs once on one batch before training, so a broken ``pred_fn`` or metric
+        fails in seconds; a misspelled metric name is refused before anything compiles (its
+        names read off ``eval_metric_fn`` called once on zeros shaped like ``pred_fn``'s output).
+        Redco 0.4.x's keywords are accepted too (``save_ckpt_every_k_epochs``, ...; see
+        ``redco/compat.py``).
         """
         v04 = compat.FitOptionsV04(**v04_options)
         check_number("n_epochs", n_epochs, 1)
@@ -481,12 +491,17 @@ class Trainer(compat.TrainerV04):
         check_number("eval_per_device_batch_size", eval_per_device_batch_size, 1, optional=True)
         check_number("per_device_batch_size", per_device_batch_size, 1)
         first_examples = compat.examples_of_epoch(train_examples, 0)
+        eval_batch_size = eval_per_device_batch_size or per_device_batch_size
+        metric_names = [*(save_argmin_ckpt_by_metrics or ()), *(save_argmax_ckpt_by_metrics or ())]
+        if eval_examples is not None:
+            n_full_batches(len(eval_examples), 1, "eval_examples")
+            if eval_sanity_check:
+                self._check_metric_names_traced(eval_examples, eval_batch_size, eval_loss,
+                                                eval_predictor, eval_metric_fn, metric_names)
         self._decide_layout(first_examples, per_device_batch_size)
         batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
         examples_per_step = batch_size * self.accumulate_grad_batches
         steps_per_epoch = n_full_batches(len(first_examples), examples_per_step, "train_examples")
-        if eval_examples is not None:
-            n_full_batches(len(eval_examples), 1, "eval_examples")
         total = getattr(self.lr_schedule_fn, "total_steps", None)
         if total is not None and total != n_epochs * steps_per_epoch:
             warnings.warn(
@@ -507,11 +522,9 @@ class Trainer(compat.TrainerV04):
         meta = self._resume() if resume and first_fit else None
         if meta:
             self._best = meta["best"]
-        eval_batch_size = eval_per_device_batch_size or per_device_batch_size
         if eval_sanity_check and eval_examples is not None:
             self._sanity_check(eval_examples, eval_batch_size, eval_loss, eval_predictor,
-                               eval_metric_fn, [*(save_argmin_ckpt_by_metrics or ()),
-                                                *(save_argmax_ckpt_by_metrics or ())])
+                               eval_metric_fn, metric_names)
         for callback in self.callbacks:
             pm.register(callback)
         try:
@@ -557,6 +570,26 @@ class Trainer(compat.TrainerV04):
             for callback in self.callbacks:
                 pm.unregister(callback)
 
+    def _check_metric_names_traced(self, examples, per_device_batch_size, eval_loss, predictor,
+                                   metric_fn, metric_names: list[str]) -> None:
+        """Refuse a ``save_arg*_ckpt_by_metrics`` name the evaluation cannot give, before
+        anything compiles: ``metric_fn``'s names are those it returns for zeros shaped like the
+        predictions (``pred_fn`` traced, not compiled). Where ``output_fn`` or ``metric_fn``
+        cannot take zeros, the sanity check's real evaluation checks the names instead."""
+        names = {"loss"} if eval_loss else set()
+        if all(name in names for name in metric_names):
+            return
+        if predictor is not None and metric_fn is not None:
+            preds, batch_size = predictor.traced_preds(examples, per_device_batch_size,
+                                                       self.params)
+            first = list(examples[:batch_size])
+            try:
+                outputs = predictor.per_example(preds, batch_size)[:len(first)]
+                names |= set(compat.call_metric_fn(metric_fn, first, outputs))
+            except Exception:  # zeros are not predictions this metric_fn can score
+                return
+        refuse_missing_metrics(metric_names, names, "before compiling, from pred_fn traced")
+
     def _sanity_check(self, examples, per_device_batch_size, eval_loss, predictor, metric_fn,
                       metric_names) -> None:
         """The evaluation once, on one batch, before training."""
@@ -569,10 +602,7 @@ class Trainer(compat.TrainerV04):
                                       desc="sanity check")
             if metric_fn is not None:
                 names |= set(compat.call_metric_fn(metric_fn, examples, preds))
-        missing = [name for name in metric_names if name not in names]
-        if missing:
-            raise KeyError(f"save_arg*_ckpt_by_metrics names {missing} but the eval metrics are "
-                           f"{sorted(names)} (found before training by fit's eval_sanity_check).")
+        refuse_missing_metrics(metric_names, names, "before training by fit's eval_sanity_check")
         self.deployer.log_info("Sanity check passed: the evaluation ran on one batch.")
 
     def _evaluate(self, epoch, examples, per_device_batch_size, eval_loss, predictor, metric_fn,

@@ -1,11 +1,14 @@
 """Bad input is refused before anything compiles, with a message naming the problem and fix,
 and nothing already saved is lost: every test whose run has a ``workdir`` starts with an earlier
 run's real checkpoint in it (``ckpts/best_loss``) and ends with it byte for byte unchanged."""
+import contextlib
 import hashlib
 import os
 import re
 import shutil
+from typing import Iterator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -13,6 +16,9 @@ import pytest
 from helpers import mlp_apply, mlp_collate, mlp_examples, mlp_init, mlp_loss
 
 from redco import Deployer, Trainer, plugins
+
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
 
 
 def make_trainer(workdir, collate_fn=mlp_collate, loss_fn=mlp_loss, **kwargs):
@@ -199,21 +205,40 @@ def mse_metric(examples, preds):
     return {"mse": float(np.mean([(p - e["y"]) ** 2 for p, e in zip(preds, examples)]))}
 
 
-def test_a_misspelled_metric_is_refused_before_training(workdir):
+@contextlib.contextmanager
+def compiles() -> Iterator[list[str]]:
+    """The compile events JAX records inside the block: each program lowered to MLIR (a
+    persistent compile cache hit included) and each backend compile."""
+    seen: list[str] = []
+
+    def listen(event: str, duration: float, **_) -> None:
+        if event in COMPILE_EVENTS:
+            seen.append(event)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_a_misspelled_metric_is_refused_before_compiling(workdir):
     from redco import Predictor
     trainer = make_trainer(workdir)
     predictor = Predictor(trainer.deployer, mlp_collate, lambda params, batch: mlp_apply(
         params, batch["x"]))
-    with pytest.raises(KeyError, match=r"names \['msee'\] but the eval metrics are \['loss', "
-                                       r"'mse'\] \(found before training"):
-        trainer.fit(mlp_examples(32), 2, n_epochs=1, eval_examples=mlp_examples(8),
-                    eval_predictor=predictor, eval_metric_fn=mse_metric,
-                    save_argmin_ckpt_by_metrics=["msee"])
-    assert trainer.step == 0  # not an epoch later
-    trainer.fit(mlp_examples(32), 2, n_epochs=1, eval_examples=mlp_examples(8),  # named right
-                eval_predictor=predictor, eval_metric_fn=mse_metric,
-                save_argmin_ckpt_by_metrics=["mse"])
-    assert trainer.step == 4
+    evaluation = {"eval_examples": mlp_examples(8), "eval_predictor": predictor,
+                  "eval_metric_fn": mse_metric}
+    with compiles() as compiled, pytest.raises(
+            KeyError, match=r"names \['msee'\] but the eval metrics are \['loss', 'mse'\] \(found "
+                            r"before compiling"):
+        trainer.fit(mlp_examples(32), 2, n_epochs=1, save_argmin_ckpt_by_metrics=["msee"],
+                    **evaluation)
+    assert compiled == [], f"fit compiled ({compiled}) before refusing the metric name"
+    assert trainer.state is None and trainer.step == 0  # nothing placed or trained
+    with compiles() as compiled:  # named right: trains, and the listener sees it compile
+        trainer.fit(mlp_examples(32), 2, n_epochs=1, save_argmin_ckpt_by_metrics=["mse"],
+                    **evaluation)
+    assert compiled and trainer.step == 4
 
 
 def test_a_workdir_that_is_a_file_is_refused_naming_it(tmp_path):
