@@ -1,6 +1,7 @@
 """Bad input is refused before anything compiles, with a message naming the problem and fix,
 and nothing already saved is lost: every test whose run has a ``workdir`` starts with an earlier
-run's real checkpoint in it (``ckpts/best_loss``) and ends with it byte for byte unchanged."""
+run's step checkpoints in it (``ckpts/step_1`` to ``step_4``: every step the refused fit would
+reach, save over or prune) and ends with them byte for byte unchanged."""
 import contextlib
 import hashlib
 import os
@@ -27,11 +28,16 @@ def make_trainer(workdir, collate_fn=mlp_collate, loss_fn=mlp_loss, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def earlier_ckpt(tmp_path_factory) -> str:
-    """A checkpoint an earlier run in the same workdir left (params only, as best_* are)."""
+def earlier_ckpts(tmp_path_factory) -> str:
+    """The ``ckpts`` an earlier run of the fit these tests make (32 examples, 4 steps) left: a
+    step checkpoint at every step a rerun reaches, the directories its saves would overwrite,
+    its pruning delete and its resume read."""
     workdir = str(tmp_path_factory.mktemp("earlier"))
-    make_trainer(workdir).fit(mlp_examples(16), 2, n_epochs=1, save_last_ckpt=True)
-    return os.path.join(workdir, "ckpts", "step_2")
+    make_trainer(workdir).fit(mlp_examples(32), 2, n_epochs=1, save_every_n_steps=1,
+                              keep_last_ckpts=4)
+    ckpts = os.path.join(workdir, "ckpts")
+    assert sorted(os.listdir(ckpts)) == [f"step_{i}" for i in range(1, 5)]
+    return ckpts
 
 
 def digest(directory: str) -> str:
@@ -44,16 +50,24 @@ def digest(directory: str) -> str:
     return h.hexdigest()
 
 
+def digests(ckpts: str, names: list[str]) -> dict[str, str | None]:
+    """Each checkpoint's digest, None for one that is gone."""
+    return {name: digest(os.path.join(ckpts, name))
+            if os.path.isdir(os.path.join(ckpts, name)) else None for name in names}
+
+
 @pytest.fixture(autouse=True)
-def saved_work_is_kept(request, earlier_ckpt):
+def saved_work_is_kept(request, earlier_ckpts):
     if "workdir" not in request.fixturenames:
         yield
         return
-    kept = os.path.join(request.getfixturevalue("workdir"), "ckpts", "best_loss")
-    shutil.copytree(earlier_ckpt, kept)
-    before = digest(kept)
+    kept = os.path.join(request.getfixturevalue("workdir"), "ckpts")
+    shutil.copytree(earlier_ckpts, kept)
+    before = digests(kept, sorted(os.listdir(earlier_ckpts)))
     yield
-    assert os.path.isdir(kept) and digest(kept) == before, f"{kept} was changed or removed"
+    after = digests(kept, list(before))
+    changed = [name for name in before if after[name] != before[name]]
+    assert not changed, f"the earlier run's checkpoints {changed} in {kept} were changed or removed"
 
 
 def fit_refused(trainer, examples, per_device_batch_size=2):
@@ -235,10 +249,10 @@ def test_a_misspelled_metric_is_refused_before_compiling(workdir):
                     **evaluation)
     assert compiled == [], f"fit compiled ({compiled}) before refusing the metric name"
     assert trainer.state is None and trainer.step == 0  # nothing placed or trained
-    with compiles() as compiled:  # named right: trains, and the listener sees it compile
-        trainer.fit(mlp_examples(32), 2, n_epochs=1, save_argmin_ckpt_by_metrics=["mse"],
-                    **evaluation)
-    assert compiled and trainer.step == 4
+    with compiles() as compiled:  # named right: the listener sees it compile; it resumes from
+        trainer.fit(mlp_examples(32), 2, n_epochs=2, save_argmin_ckpt_by_metrics=["mse"],
+                    **evaluation)  # the earlier run's step_4 and trains the second epoch
+    assert compiled and trainer.step == 8
 
 
 def test_a_workdir_that_is_a_file_is_refused_naming_it(tmp_path):
@@ -259,8 +273,9 @@ def test_params_that_are_not_arrays_are_refused_naming_the_path(workdir):
         Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, params, optax.sgd(0.1))
 
 
-def test_a_damaged_meta_json_names_the_checkpoint(workdir):
-    import os
+def test_a_damaged_meta_json_names_the_checkpoint(tmp_path):
+    """In a workdir of its own: the checkpoint it damages is its own run's."""
+    workdir = str(tmp_path / "own")
     trainer = make_trainer(workdir)
     trainer.fit(mlp_examples(32), 2, n_epochs=1, save_last_ckpt=True)
     meta = os.path.join(workdir, "ckpts", "step_4", "meta.json")
