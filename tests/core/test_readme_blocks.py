@@ -1,14 +1,17 @@
 """Every code block of every README says how it is checked, and what it says is true: a block
-``run by`` a test is looked up by that test under its name (or, for ``.ci/run``, stands in it
-verbatim), so the blocks a user is meant to run are the ones the suite runs; the rest are marked
-as sketches or as needing what this machine lacks (see ``tests/readme_blocks.py``)."""
+``run by`` a test file is executed by it: a ``test_*`` function there calls
+``block("<name>")`` (with a README path for a README other than the project's) and uses what it
+returns; ``.ci/run`` holds its block's lines verbatim. So the blocks a user is meant to run are
+the ones the suite runs; the rest are marked as sketches or as needing what this machine lacks
+(see ``tests/readme_blocks.py``)."""
+import ast
 import os
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from readme_blocks import REPO, blocks, n_blocks, readmes  # noqa: E402
+from readme_blocks import REPO, Block, blocks, n_blocks, readmes  # noqa: E402
 
 README_PATHS = readmes()
 
@@ -33,9 +36,36 @@ def test_every_block_is_marked_and_every_run_is_real(path):
             continue
         runner = os.path.join(REPO, b.how.removeprefix("run by "))
         assert os.path.isfile(runner), f"{path} '{b.name}' is run by {runner}, which is missing"
-        with open(runner) as f:
-            code = f.read()
-        verbatim = all(line in code for line in b.text.splitlines()
-                       if line.strip() and not line.startswith("#"))
-        assert f'"{b.name}"' in code or verbatim, (
-            f"{runner} neither looks up block '{b.name}' of {path} nor holds its lines")
+        why = why_not_run(runner, b, readme_given=path != os.path.join(REPO, "README.md"))
+        assert why is None, f"{path} '{b.name}' is run by {runner}, but {why}"
+
+
+def why_not_run(runner: str, b: Block, readme_given: bool) -> str | None:
+    """None if ``runner`` executes block ``b``: a test file looks it up by name in a ``test_*``
+    function and uses the text (see ``block_lookups``); another file (``.ci/run``) holds its
+    lines verbatim. Else what is missing."""
+    with open(runner) as f:
+        code = f.read()
+    if runner.endswith(".py"):
+        call = f"block({b.name!r}{', <its README path>' if readme_given else ''})"
+        return None if (b.name, readme_given) in block_lookups(code) else (
+            f"no test_* function there calls {call} and uses the text: call it there and run it")
+    lines = [line for line in b.text.splitlines() if line.strip() and not line.startswith("#")]
+    missing = [line for line in lines if line not in code]
+    return f"it lacks the block's lines {missing}: copy them verbatim" if missing else None
+
+
+def block_lookups(code: str) -> set[tuple[str, bool]]:
+    """``(name, README path given)`` of each ``block("<name>", ...)`` call inside a top-level
+    ``test_*`` function whose value is used (not a bare statement)."""
+    found = set()
+    for test in ast.parse(code).body:
+        if not (isinstance(test, ast.FunctionDef) and test.name.startswith("test_")):
+            continue
+        bare = {id(s.value) for s in ast.walk(test) if isinstance(s, ast.Expr)}
+        for call in ast.walk(test):
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                    and call.func.id == "block" and id(call) not in bare and call.args
+                    and isinstance(call.args[0], ast.Constant)):
+                found.add((call.args[0].value, len(call.args) + len(call.keywords) > 1))
+    return found
