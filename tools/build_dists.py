@@ -4,14 +4,12 @@ other) resolves redco and its sibling distributions from there, as from an index
 
 A distribution is a folder with a ``pyproject.toml``: ``core/``, ``plugins/*/`` and ``zoo/*/``,
 found by glob so that a new plugin or zoo package is built with no edit here. Only pip is needed
-(``pip wheel`` fetches setuptools into an isolated build environment). Each folder's ``build/``
-is removed first: setuptools copies sources into it and never deletes any, so a module deleted
-since an earlier build would otherwise still ship in the wheel."""
+(``pip wheel`` fetches hatchling into an isolated build environment; it builds from the sources
+as they are and leaves nothing behind in the source tree)."""
 from __future__ import annotations
 
 import glob
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -28,11 +26,9 @@ def distributions() -> list[str]:
 
 def build(dest: str = os.path.join(ROOT, "dist")) -> list[str]:
     """Build every distribution's wheel into ``dest``; return the wheels' paths."""
-    folders, start = distributions(), time.time()
-    for folder in folders:
-        shutil.rmtree(os.path.join(folder, "build"), ignore_errors=True)
+    start = time.time()
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", dest,
-                           *folders])
+                           *distributions()])
     if done.returncode:
         sys.exit(f"build_dists: pip wheel failed (exit {done.returncode}); its error is above.")
     wheels = sorted(glob.glob(os.path.join(dest, "*.whl")))

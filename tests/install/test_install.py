@@ -92,8 +92,9 @@ def test_the_lines_tested_here_are_the_readmes():
 
 
 def test_every_distribution_states_its_license_as_an_spdx_string():
-    """setuptools deprecates a TOML-table ``project.license`` (it warns at every build and stops
-    building such projects in 2027); an SPDX string needs setuptools>=77 to build."""
+    """A TOML-table ``project.license`` is deprecated (setuptools warns at every build and stops
+    building such projects in 2027); an SPDX string needs hatchling>=1.27. hatchling builds a
+    local install without leaving ``build/`` or ``*.egg-info`` in the source tree."""
     found = glob.glob(os.path.join(REPO, "core", "pyproject.toml")) + glob.glob(
         os.path.join(REPO, "*", "*", "pyproject.toml"))
     assert len(found) > 10, found
@@ -101,7 +102,7 @@ def test_every_distribution_states_its_license_as_an_spdx_string():
         with open(path) as f:
             text = f.read()
         assert re.search(r'^license = "[\w.-]+"$', text, re.M), f'{path}: license = "Apache-2.0"'
-        assert re.search(r'^requires = \["setuptools>=77"\]$', text, re.M), path
+        assert re.search(r'^requires = \["hatchling>=1.27"\]$', text, re.M), path
 
 
 def test_the_main_job_runs_as_written(sh):
@@ -117,6 +118,9 @@ def test_the_main_job_runs_as_written(sh):
     assert "sample: The import statement" in text, out[-3000:]
     demo = os.listdir(os.path.join(sh.cwd, "workdir", "lm-demo"))
     assert {"ckpts", "metrics.jsonl", "tensorboard", "log.txt"} <= set(demo), demo
+    left = [os.path.relpath(p, sh.cwd) for pattern in ("*/build", "*/*/build", "*/*.egg-info", "*/*/*.egg-info")
+            for p in glob.glob(os.path.join(sh.cwd, pattern))]
+    assert not left, f"installing (or building wheels) left {left} in the source tree"
 
 
 def test_the_build_makes_a_wheel_of_every_distribution(sh):
