@@ -118,7 +118,8 @@ def test_the_main_job_runs_as_written(sh):
     assert "sample: The import statement" in text, out[-3000:]
     demo = os.listdir(os.path.join(sh.cwd, "workdir", "lm-demo"))
     assert {"ckpts", "metrics.jsonl", "tensorboard", "log.txt"} <= set(demo), demo
-    left = [os.path.relpath(p, sh.cwd) for pattern in ("*/build", "*/*/build", "*/*.egg-info", "*/*/*.egg-info")
+    leftovers = ("*/build", "*/*/build", "*/*.egg-info", "*/*/*.egg-info")
+    left = [os.path.relpath(p, sh.cwd) for pattern in leftovers
             for p in glob.glob(os.path.join(sh.cwd, pattern))]
     assert not left, f"installing (or building wheels) left {left} in the source tree"
 
