@@ -16,6 +16,7 @@ row, relative to its layout: GPT-2's ``Conv1D`` stores ``(out, in)``), the compi
 only all-reduces (GPT-2's fused QKV aside), sharded training equals one device, non-divisible
 dims are replicated with one warning, and user rules override path by path.
 """
+import configparser
 import difflib
 import functools
 import math
@@ -93,6 +94,23 @@ def test_golden_plan(arch, mp):
         pytest.fail(f"The auto plan of {arch} at n_model_shards={mp} differs from its golden "
                     f"file. If the change is intended, review and regenerate: {REGENERATE}\n"
                     + diff, pytrace=False)
+
+
+def tox_pass_env(env: str) -> set[str]:
+    """The variables tox.ini's ``[testenv:<env>]`` passes through (``{[section]pass_env}``
+    references expanded)."""
+    config = configparser.ConfigParser(interpolation=None)
+    config.read(Path(__file__).parents[2] / "tox.ini")
+    raw = config.get(f"testenv:{env}", "pass_env", fallback=config.get("testenv", "pass_env"))
+    raw = re.sub(r"\{\[([^\]]+)\]pass_env\}", lambda m: config.get(m.group(1), "pass_env"), raw)
+    return {name.strip() for name in re.split(r"[,\s]+", raw) if name.strip()}
+
+
+def test_tox_passes_the_golden_update_switch_to_this_env():
+    """Else ``REDCO_UPDATE_GOLDEN=1 tox -e sharding-hf`` never reaches pytest: tox drops it."""
+    assert "REDCO_UPDATE_GOLDEN" in tox_pass_env("sharding-hf"), (
+        f"tox.ini's [testenv:sharding-hf] does not pass REDCO_UPDATE_GOLDEN, so {REGENERATE} "
+        "rewrites nothing: add it to that env's pass_env")
 
 
 # ---- every kernel's role, relative to how its family uses it ---------------------------------
