@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +22,8 @@ from multihost_helpers import (
     wait_until,
     worker_env,
 )
+
+CAUGHT = "SIGTERM caught"  # what JAX's preemption notifier logs once it caught a SIGTERM
 
 
 def launch(n_processes: int, workdir: str, **env) -> None:
@@ -122,23 +125,32 @@ def uninterrupted_2_process_params(tmp_path_factory) -> dict:
 def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resumes_bitwise(
         noticed_by, during, tmp_path, uninterrupted_2_process_params):
     """One of 2 processes gets SIGTERM (a preemption notice) at the end of step 2, or twice
-    while the epoch's checkpoint step_4 is being written: JAX's preemption service tells the
-    other, both finish the same later step, write its checkpoint together (the save under way
-    completes) and exit 143; the same command again resumes and ends with the params of an
-    uninterrupted 2-process run, bit for bit."""
+    while its save of the epoch's checkpoint step_4 is held midway (state written, meta.json and
+    the rename to come): JAX's preemption service tells the other, both finish the same later
+    step, write its checkpoint together (the save under way completes) and exit 143; the same
+    command again resumes and ends with the params of an uninterrupted 2-process run, bit for
+    bit."""
     preempted = str(tmp_path / "preempted")
     port = free_port()
     notice = {"REDCO_TEST_TERM_AT_STEP": "2"} if during == "step" else \
         {"REDCO_TEST_TERM_DURING_SAVE": "4"}
-    procs = [subprocess.Popen(
-        [sys.executable, WORKER, str(i), "2", str(port), "4", preempted], stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
-        env=worker_env(**notice) if i == noticed_by else worker_env())
-        for i in range(2)]
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [143, 143], "\n".join(o[-2000:] for o in outputs)
+    logs = [tmp_path / f"process_{i}.log" for i in range(2)]
+    procs = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, WORKER, str(i), "2", str(port), "4", preempted], stdout=out,
+                stderr=subprocess.STDOUT, env=worker_env(**notice) if i == noticed_by else worker_env()))
     if during == "save":
-        assert "sent two SIGTERMs while step_4.tmp was being written" in outputs[noticed_by]
+        term_while_save_is_held(procs[noticed_by], logs[noticed_by], preempted, "step_4")
+    for p in procs:
+        p.wait(timeout=600)
+    outputs = [log.read_text() for log in logs]
+    assert [p.returncode for p in procs] == [143, 143], "\n".join(o[-2000:] for o in outputs)
+    if during == "save":  # held when the SIGTERMs were sent, and unfinished after them
+        assert re.search(rf"save of step_4 in progress.*{CAUGHT}.*save of step_4 goes on after the "
+                         r"test sent two SIGTERMs and JAX caught them; step_4\.tmp unfinished: "
+                         r"True", outputs[noticed_by], re.S), outputs[noticed_by][-3000:]
     with open(os.path.join(preempted, "log.txt")) as f:
         step = int(re.search(r"Stopped by SIGTERM after step (\d+): saved", f.read()).group(1))
     assert (2 if during == "step" else 4) < step < 8
@@ -149,6 +161,25 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resumes_bitwi
     assert sorted(a) == sorted(b)
     for name in a:
         np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+
+
+def term_while_save_is_held(proc: subprocess.Popen, log: Path, workdir: str, name: str) -> None:
+    """Once the worker says its save of ``name`` is in progress (held midway, see worker.py),
+    send it two SIGTERMs; once JAX's preemption notifier logs that it caught them, let the save
+    go on (the notifier looks once a second: released at once, a fast run could end first)."""
+    def printed(line: str):
+        return lambda: line in log.read_text() or proc.poll() is not None
+    held = f"save of {name} in progress"
+    wait_until(printed(held), f"the worker printed '{held}'", 600)
+    assert proc.poll() is None, f"the worker ended before its save of {name} was held:\n" + \
+        log.read_text()[-3000:]
+    for _ in range(2):
+        proc.send_signal(signal.SIGTERM)
+    wait_until(printed(CAUGHT), f"JAX's preemption notifier logged '{CAUGHT}'", 60)
+    go_on = os.path.join(workdir, "go_on_saving")
+    with open(go_on + ".tmp", "w") as f:
+        f.write("sent two SIGTERMs and JAX caught them")
+    os.rename(go_on + ".tmp", go_on)  # whole when it appears
 
 
 def last_printed_step(path: str) -> int:

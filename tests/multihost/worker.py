@@ -4,8 +4,11 @@ to let ``Deployer`` detect its launcher (a SLURM step, the ``REDCO_*`` variables
 tiny LM of ``tests/core/helpers.py`` with ``n_model_shards=2`` at a global batch of 8, predicts,
 saves a checkpoint (``REDCO_TEST_CKPT_FORMAT``; resuming from one found in WORKDIR; after
 ``REDCO_TEST_EPOCHS`` epochs, 2 by default; ``REDCO_TEST_KILL_AT_STEP``/``_TERM_AT_STEP``: this
-process gets SIGKILL/SIGTERM at the end of that step; ``REDCO_TEST_TERM_DURING_SAVE``: two
-SIGTERMs while that step's checkpoint is being written; ``REDCO_TEST_HANG_AT_STEP``: this
+process gets SIGKILL/SIGTERM at the end of that step; ``REDCO_TEST_TERM_DURING_SAVE``: this
+process holds its save of that step's checkpoint midway (the state written into ``step_N.tmp``;
+meta.json and the rename still to come), prints ``save of step_N in progress``, and goes on only
+once ``WORKDIR/go_on_saving`` exists (the test sends its SIGTERMs first), printing what the
+test wrote there and whether ``step_N.tmp`` was still unfinished then; ``REDCO_TEST_HANG_AT_STEP``: this
 process's ``on_step_end`` of that step never returns; ``REDCO_TEST_STOPPABLE_AT_STEP``: at the end
 of that step, once this process's heartbeat says so, it prints ``heartbeat says step N`` and
 waits there, its hang watch paused, for the test's SIGSTOP; ``REDCO_HANG_TIMEOUT``, as users set
@@ -45,6 +48,7 @@ from helpers import GLOBAL_BATCH, Recorder, lm_examples, lm_model  # noqa: E402
 
 import redco  # noqa: E402
 from redco import Deployer, Trainer  # noqa: E402
+from redco.protocols import CheckpointFormat  # noqa: E402
 from redco.sharding import named_leaves  # noqa: E402
 from redco_zoo_lm import collate_fn, loss_fn  # noqa: E402
 
@@ -57,8 +61,6 @@ class KillAt:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == TERM_AT_STEP:
             os.kill(os.getpid(), signal.SIGTERM)
-        if step == TERM_DURING_SAVE:
-            threading.Thread(target=term_while_writing, args=(step,), daemon=True).start()
         if step == HANG_AT_STEP:
             print(f"hangs at {time.time()}", flush=True)
             threading.Event().wait()
@@ -80,16 +82,43 @@ def wait_for_own_heartbeat(step: int) -> None:
         time.sleep(0.01)
 
 
-def term_while_writing(step: int) -> None:
-    """Send this process two SIGTERMs once ``step_<step>.tmp`` (the checkpoint being written)
-    appears, and say so."""
-    tmp, deadline = os.path.join(workdir, "ckpts", f"step_{step}.tmp"), time.monotonic() + 600
-    while not os.path.isdir(tmp):
-        assert time.monotonic() < deadline, f"{tmp} never appeared"
-        time.sleep(0.0005)
-    for _ in range(2):
-        os.kill(os.getpid(), signal.SIGTERM)
-    print(f"worker: sent two SIGTERMs while step_{step}.tmp was being written", flush=True)
+class HeldSave(CheckpointFormat):
+    """Registered under the name of the format it wraps (so it wins): that format, except that
+    its save of ``step_<step>`` is held once the state is written, until the test says go on."""
+
+    def __init__(self, name: str, step: int):
+        self.name, self.step = name, step
+        self.real = redco.plugins.lookup("checkpoint_formats", name)
+
+    @redco.hookimpl
+    def register_checkpoint_formats(self, register):
+        register(self.name, self)
+
+    def save(self, path: str, tree) -> None:
+        self.real.save(path, tree)
+        tmp = os.path.dirname(path)  # <ckpt_dir>/step_N.tmp
+        if os.path.basename(tmp) == f"step_{self.step}.tmp":
+            hold(tmp, os.path.join(workdir, "go_on_saving"))
+
+    def load(self, path: str, target):
+        return self.real.load(path, target)
+
+
+def hold(tmp: str, go_on: str) -> None:
+    """Say the save writing ``tmp`` is in progress, wait (at most 10 minutes) until ``go_on``
+    exists, then repeat what the test wrote there and say whether ``tmp`` was still unfinished
+    (no checkpoint in its place yet)."""
+    name = os.path.basename(tmp).removesuffix(".tmp")
+    print(f"save of {name} in progress: its state is in {tmp}; waiting for {go_on}", flush=True)
+    deadline = time.monotonic() + 600
+    while not os.path.exists(go_on):
+        assert time.monotonic() < deadline, f"{go_on} never appeared"
+        time.sleep(0.01)
+    with open(go_on) as f:
+        said = f.read()
+    unfinished = os.path.isdir(tmp) and not os.path.exists(tmp.removesuffix(".tmp"))
+    print(f"save of {name} goes on after the test {said}; {name}.tmp unfinished: {unfinished}",
+          flush=True)
 
 
 def detected_launcher() -> str:
@@ -107,6 +136,8 @@ def main() -> None:
                         host0_address="127.0.0.1" if multi else None,
                         host0_port=int(port) if multi else None,
                         process_id=int(process_id) if multi else None)
+    if TERM_DURING_SAVE:
+        redco.plugins.pm.register(HeldSave(CKPT_FORMAT, TERM_DURING_SAVE))
     apply_fn, params = lm_model()
     recorder = Recorder()
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params,
