@@ -354,6 +354,25 @@ class Walker:
         return Info(out_pos(w_side, w_dim), index, phantom=phantom)
 
 
+class DataflowError(RuntimeError):
+    """The dataflow walker could not follow a model's jaxpr (the model itself traced fine)."""
+
+
+def walk(walker: Walker, jaxpr, in_info: list[Info]) -> None:
+    """``walker.run(jaxpr, in_info)``; any failure of it becomes a ``DataflowError`` saying how
+    to shard without the walker. The walk reads jaxprs, whose primitives and params JAX changes
+    between versions, so the error names the version."""
+    try:
+        walker.run(jaxpr, in_info)
+    except Exception as error:  # re-raised: whatever the walk tripped on, say what to do
+        raise DataflowError(
+            f"redco's dataflow walker (redco/dataflow.py) could not follow this model's jaxpr on "
+            f"jax {jax.__version__} ({type(error).__name__}: {error}). Shard by parameter names "
+            "instead, Deployer(sharding_rules='auto-names'), or give your own rules, "
+            "Deployer(sharding_rules=[(regex, PartitionSpec), ...]); and please report it, with "
+            "your jax version.") from error
+
+
 def dataflow_split_dims(fn, params, n_shards: int) -> tuple[Decisions, dict[int, int]]:
     """``{leaf index: param dim split over mp}`` for the params ``fn(params)`` touches, and
     ``{leaf index: dim}`` for those replicated because that dim, or the heads it is cut into,
@@ -375,7 +394,7 @@ def dataflow_split_dims(fn, params, n_shards: int) -> tuple[Decisions, dict[int,
     uneven: dict[int, int] = {}
     while True:  # once to find the lookup tables, then once more per worthless column split
         walker = Walker(shapes, n_shards, frozenset(forced), frozenset(vocab), adapters)
-        walker.run(closed.jaxpr, in_info)
+        walk(walker, closed.jaxpr, in_info)
         uneven.update(walker.uneven)
         rows = {i: shapes[i][d] for i, d in walker.tables.items()}
         tied = set(rows) & walker.weights

@@ -6,7 +6,6 @@ import inspect
 import json
 import logging
 import os
-import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -15,7 +14,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from redco import checkpointing, compile_cache, plugins, watchdog
+from redco import _private, checkpointing, compile_cache, plugins, watchdog
 from redco.compat import DeployerV04
 from redco.data import check_collated, check_number
 from redco.protocols import Layout
@@ -40,8 +39,10 @@ class Deployer(DeployerV04):
       n_processes, host0_address, host0_port, process_id: a multi-host run over bare IPs.
       n_local_devices: use only this many devices of this process.
       sharding_rules: name of the rule-set plugin behind ``get_sharding_rules`` (``auto``,
-        ``fsdp``, ``auto+fsdp``, ``replicate``, or a third party's), or your own rules
-        ``[(regex, PartitionSpec), ...]``: then exactly those, anything unmatched replicated.
+        ``auto-names``: ``auto`` from parameter names only, for a model the dataflow walker
+        cannot follow; ``fsdp``, ``auto+fsdp``, ``replicate``, or a third party's), or your own
+        rules ``[(regex, PartitionSpec), ...]``: then exactly those, anything unmatched
+        replicated.
       checkpoint_format: the checkpoint-format plugin that writes checkpoints: ``orbax``,
         ``safetensors``, ``msgpack`` or a third party's. Loading reads any format.
       loggers: names of the metric-logger plugins to run (process 0 only).
@@ -114,13 +115,12 @@ class Deployer(DeployerV04):
     def lost_process_error(self, error: Exception) -> RuntimeError:
         """The error to stop with when a collective failed in a multi-process run, naming the
         processes that stopped answering (asked of jax's coordination service)."""
-        from jax._src import distributed
-        everyone = range(jax.process_count())
+        n = jax.process_count()
         try:
-            lost = sorted(set(everyone) - set(distributed.global_state.client.get_live_nodes(
-                list(everyone))))
-        except Exception:  # noqa: BLE001 - the service itself may be gone with process 0
-            lost = []
+            live = _private.live_processes(_private.coordination_client(), n)
+        except jax.errors.JaxRuntimeError:  # the service itself may be gone with process 0
+            live = list(range(n))
+        lost = sorted(set(range(n)) - set(live))
         who = f"process {', '.join(map(str, lost))}" if lost else \
             "another process (or the coordinator, process 0)"
         return RuntimeError(
@@ -262,8 +262,8 @@ class Deployer(DeployerV04):
         ``redco-planner``) compiles ``plan = (loss, batch, optimizer[, remat, trainable])`` per
         candidate layout (and, with ``remat`` None, per remat policy: the pick is ``self.layout``).
         A plain list of ``rules`` is used as given; ``None`` or ``RuleSetRules`` give the rule
-        set's rules read off ``trace_fn``'s dataflow (names if it cannot be traced), after the
-        overrides they carry."""
+        set's rules read off ``trace_fn``'s dataflow (a ``redco.dataflow.DataflowError`` if the
+        walker cannot follow it), after the overrides they carry."""
         picked = None
         if self.mesh is None:
             if plan is None:
@@ -274,18 +274,9 @@ class Deployer(DeployerV04):
         if not is_rule_set(rules):
             return rules if isinstance(rules, dict) else list(rules)
         final = list(getattr(rules, "overrides", [])) + (
-            picked if picked is not None else self._traced_rules(params, trace_fn))
+            picked if picked is not None else self._rule_set(params, trace_fn))
         self.params_sharding_rules = final
         return final
-
-    def _traced_rules(self, params: Any, trace_fn: Callable | None) -> Rules:
-        if trace_fn is not None:
-            try:
-                return self._rule_set(params, trace_fn)
-            except Exception as e:  # noqa: BLE001 - an untraceable loss keeps the name rules
-                warnings.warn(f"Could not read sharding rules off the dataflow ({type(e).__name__}: "
-                              f"{e}); using the rules from parameter names.", stacklevel=4)
-        return self._rule_set(params)
 
     def _plan(self, params: Any, loss: Callable, batch: Any, optimizer,
               remat: str | None = None, trainable: Any = None) -> Rules:

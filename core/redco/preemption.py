@@ -19,8 +19,9 @@ import signal
 import threading
 
 import jax
-from jax._src import distributed
 from jax.experimental import multihost_utils
+
+from redco import _private
 
 
 class Preempted(SystemExit):
@@ -36,7 +37,7 @@ class Watch:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
         self._service = jax.process_count() > 1  # JAX's preemption service, if it runs
-        if self._service and distributed.global_state.preemption_sync_manager is None:
+        if self._service and not _private.preemption_service_on():
             return  # jax_enable_preemption_service is off: signals keep their default actions
         if threading.current_thread() is threading.main_thread():  # signals reach only that one
             own = (signal.SIGINT,) if self._service else (signal.SIGINT, signal.SIGTERM)

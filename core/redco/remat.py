@@ -28,7 +28,8 @@ from typing import Callable, ContextManager
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import config as jax_config
+
+from redco import _private
 
 POLICIES = {"none": None, "dots_saveable": jax.checkpoint_policies.dots_saveable,
             "dots_with_no_batch_dims_saveable":
@@ -37,9 +38,8 @@ POLICIES = {"none": None, "dots_saveable": jax.checkpoint_policies.dots_saveable
 
 # A JAX config state, so that jax.jit keys its caches on the policy too (JAX's own
 # ``jax_default_matmul_precision`` works the same way); REDCO_REMAT=NAME sets the default.
-_state = jax_config.enum_state("redco_remat", list(POLICIES), "none",
-                               "The rematerialisation policy of redco.remat.layer layers.",
-                               include_in_jit_key=True, include_in_trace_context=True)
+_state = _private.enum_config_state("redco_remat", list(POLICIES), "none",
+                                    "The rematerialisation policy of redco.remat.layer layers.")
 _traced = {"layers": 0}  # remat layers traced so far (under a policy other than "none")
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import tqdm
 
-from redco import checkpointing, compat, compile_cache, lora, preemption, watchdog
+from redco import _private, checkpointing, compat, compile_cache, lora, preemption, watchdog
 from redco import remat as redco_remat
 from redco.data import by_name, cast_floats, check_array_leaves, check_collated, check_number, n_full_batches
 from redco.deployer import Deployer
@@ -40,7 +40,7 @@ def unwrap_multisteps(optimizer, accumulate_grad_batches: int):
     script) would accumulate a second time, so take its inner optimizer instead."""
     if not isinstance(optimizer, optax.MultiSteps):
         return optimizer
-    every_k = int(optimizer._every_k_schedule(0))
+    every_k = _private.multisteps_every_k(optimizer)
     if every_k != accumulate_grad_batches:
         raise ValueError(f"optax.MultiSteps(every_k_schedule={every_k}) disagrees with "
                          f"accumulate_grad_batches={accumulate_grad_batches}. Pass the plain "

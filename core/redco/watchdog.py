@@ -21,11 +21,16 @@ since process 0 hosts the store and may be the stuck one. It names:
 * else nobody if one is paused (a long save or evaluation there): the watch goes on;
 * else the processes with the lowest last step.
 
+If this process could not publish its heartbeat (said once, as a warning naming the error) or
+the store answers the read with an error, it cannot tell who is stuck and says so, naming the
+error, instead of blaming a process.
+
 The message goes to stderr (and to ``log.txt`` on process 0), then ``os._exit`` ends the process:
 its main thread is stuck.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -33,11 +38,12 @@ import os
 import sys
 import threading
 import time
-from typing import Callable, Iterator
+import warnings
+from typing import Any, Callable, Iterator
 
 import jax
-from jax._src import distributed
 
+from redco import _private
 from redco.data import check_number
 
 ENV = "REDCO_HANG_TIMEOUT"
@@ -61,30 +67,37 @@ def resolve(setting: float | None) -> float | None:
     return float(setting) or None
 
 
-def _ask(fn: Callable, seconds: float):
-    """``fn()``, or None when it fails or takes longer than ``seconds`` (it is left running)."""
-    out = []
+def _ask(fn: Callable, seconds: float) -> Any:
+    """``fn()``, run in a daemon thread that is left running after ``seconds`` (the store's host
+    may be the stuck process): raises what ``fn`` raised, or ``TimeoutError`` if it is late."""
+    answer: concurrent.futures.Future = concurrent.futures.Future()
 
     def call() -> None:
-        with contextlib.suppress(Exception):
-            out.append(fn())
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    return out[0] if out else None
+        try:
+            answer.set_result(fn())
+        except BaseException as error:  # relayed: answer.result raises it in the caller
+            answer.set_exception(error)
+    threading.Thread(target=call, daemon=True).start()
+    return answer.result(seconds)
 
 
 class Watchdog:
     """Made when ``fit`` starts training, ``stop``ped when it ends; ``progress(step)`` when a step
     finished, ``with paused():`` around long work that is not a step."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, client: Any = None):
+        """``client``: JAX's coordination-service client, by default the run's when it has
+        several processes (None: a single process, no heartbeats)."""
         self.timeout = timeout_s
         self.beat = min(1.0, timeout_s / 5)
         self.step: int | None = None
         self.last: float | None = None  # monotonic time of the last progress; None: not watching
         self.done, self.changed = threading.Event(), threading.Event()
-        self.client = distributed.global_state.client if jax.process_count() > 1 else None
+        self.unpublished: str | None = None  # why the last heartbeat did not get through
+        self.said_unpublished = False
+        if client is None and jax.process_count() > 1:
+            client = _private.coordination_client()
+        self.client = client
         threading.Thread(target=self._watch, daemon=True, name="redco-watchdog").start()
         if self.client is not None:
             threading.Thread(target=self._publish, daemon=True, name="redco-heartbeat").start()
@@ -109,10 +122,23 @@ class Watchdog:
         me = f"{KEY}{jax.process_index()}"
         while not self.done.is_set():
             record = {"time": time.time(), "step": self.step, "paused": self.last is None}
-            with contextlib.suppress(Exception):  # the coordinator may be gone: _watch says so
-                self.client.key_value_set(me, json.dumps(record), allow_overwrite=True)
+            try:
+                _private.key_value_set(self.client, me, json.dumps(record))
+                self.unpublished = None
+            except jax.errors.JaxRuntimeError as error:  # the store refused or is gone
+                self._cannot_publish(error)
             self.changed.wait(self.beat)  # a second, or at once when a step finished
             self.changed.clear()
+
+    def _cannot_publish(self, error: Exception) -> None:
+        """Remember why the heartbeat did not get through; warn the first time."""
+        self.unpublished = f"{type(error).__name__}: {error}"
+        if not self.said_unpublished:
+            self.said_unpublished = True
+            warnings.warn(f"Process {jax.process_index()} could not publish its hang-watchdog "
+                          f"heartbeat in JAX's key-value store ({self.unpublished}). Until one "
+                          "gets through, a hang still ends the run, but cannot be pinned on a "
+                          "process. (Said once.)", RuntimeWarning, stacklevel=1)
 
     def _watch(self) -> None:
         while not self.done.wait(self.beat):
@@ -135,9 +161,15 @@ class Watchdog:
 
     def _stuck(self) -> str | None:
         """Who is stuck, from every process's heartbeat; None if one is paused, not stuck."""
-        found = _ask(lambda: self.client.key_value_dir_get(KEY), min(2.0, self.timeout / 4))
-        if found is None:
+        try:
+            found = _ask(lambda: _private.key_value_dir_get(self.client, KEY),
+                         min(2.0, self.timeout / 4))
+        except TimeoutError:
             return "process 0 (the coordinator) does not answer"
+        except jax.errors.JaxRuntimeError as error:
+            return _blind("read the heartbeats from", f"{type(error).__name__}: {error}")
+        if self.unpublished is not None:
+            return _blind("publish its heartbeat in", self.unpublished)
         now, records = time.time(), {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in found}
         silent = [f"process {i} (last step {records[i]['step']}, no heartbeat for "
                   f"{now - records[i]['time']:.0f} s)" if i in records else
@@ -150,3 +182,9 @@ class Watchdog:
         low = min(r["step"] for r in records.values())
         behind = ", ".join(str(i) for i in sorted(records) if records[i]["step"] == low)
         return f"process {behind} (last step {low}, the lowest; all heartbeats live)"
+
+
+def _blind(what: str, error: str) -> str:
+    """What to say instead of a stuck process when the heartbeats cannot be trusted."""
+    return (f"unknown: this process could not {what} JAX's key-value store ({error}), so it "
+            "cannot tell which process is hung")

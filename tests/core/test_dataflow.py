@@ -5,10 +5,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import GLOBAL_BATCH, Recorder, lm_examples, lm_model
+from helpers import GLOBAL_BATCH, Recorder, lm_examples, lm_model, mlp_init, train
 from jax.sharding import PartitionSpec as P
 
-from redco import Deployer, Trainer
+from redco import Deployer, Trainer, dataflow
+from redco.builtins.rules import auto_rules
 from redco.dataflow import reshape_dim_map
 from redco.sharding import path_str
 from redco_zoo_lm import collate_fn as lm_collate
@@ -117,3 +118,29 @@ def test_dataflow_plan_trains_like_one_device(workdir):
             examples, GLOBAL_BATCH // deployer.dp_size, n_epochs=2, resume=False)
         losses.append(recorder.losses)
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+
+
+def break_the_walker(monkeypatch) -> None:
+    """The dataflow walker fails as it would on a jaxpr of a JAX it does not know."""
+    def run(self, jaxpr, in_info):
+        raise KeyError("some_new_primitive")
+    monkeypatch.setattr(dataflow.Walker, "run", run)
+
+
+def test_a_walker_that_fails_stops_fit_naming_jax_and_the_name_rules(workdir, monkeypatch):
+    break_the_walker(monkeypatch)
+    with pytest.raises(dataflow.DataflowError) as info:
+        train("mlp", workdir, n_model_shards=2, n_epochs=1)
+    message = str(info.value)
+    assert f"could not follow this model's jaxpr on jax {jax.__version__} (KeyError: " in message
+    assert "Deployer(sharding_rules='auto-names')" in message
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_auto_names_trains_on_the_rules_from_names_without_the_walker(workdir, monkeypatch):
+    break_the_walker(monkeypatch)
+    losses, _, trainer = train("mlp", workdir, n_model_shards=2, n_epochs=1,
+                               sharding_rules="auto-names")
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), mlp_init())
+    assert trainer.params_sharding_rules == auto_rules(abstract, trainer.deployer.mesh)
+    assert trainer.params_sharding_rules and np.isfinite(losses).all()

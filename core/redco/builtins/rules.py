@@ -1,4 +1,5 @@
-"""Built-in sharding rule sets: ``auto`` (the paper's two rules over ``mp``), ``fsdp``
+"""Built-in sharding rule sets: ``auto`` (the paper's two rules over ``mp``; ``auto-names``
+reads them off parameter names only, never the dataflow), ``fsdp``
 (ZeRO-3 style over ``dp``), ``auto+fsdp`` (both, on a 2-D layout) and ``replicate``."""
 from __future__ import annotations
 
@@ -90,6 +91,12 @@ def auto_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
     return exact(auto_specs(params, mesh, trace_fn)) if mesh.shape["mp"] > 1 else []
 
 
+def auto_names_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
+    """``auto`` from parameter names and order only, never tracing the model (``trace_fn`` is
+    ignored): for a model the dataflow walker cannot follow."""
+    return auto_rules(params, mesh)
+
+
 def fsdp_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
     """Every large parameter (and so its optimizer state) split over the data-parallel devices
     and gathered for compute by XLA: ZeRO-3 without any code in the model."""
@@ -107,6 +114,7 @@ def auto_fsdp_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
 @hookimpl(trylast=True)
 def register_sharding_rules(register):
     register("auto", auto_rules)
+    register("auto-names", auto_names_rules)
     register("fsdp", fsdp_rules)
     register("auto+fsdp", auto_fsdp_rules)
     register("replicate", lambda params, mesh, trace_fn=None: [])

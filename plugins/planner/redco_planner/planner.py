@@ -100,7 +100,8 @@ class TriedLayout:
     params_bytes: int = 0  # per device, from the shardings alone
     compile_s: float = 0.0
     fits: bool = False
-    error: str | None = None
+    error: str | None = None  # could not be measured: the exception, type and message
+    out_of_memory: str | None = None  # does not fit: XLA's RESOURCE_EXHAUSTED while compiling
     rules: Rules = field(default_factory=list, repr=False)
     remat: str = "none"  # the redco.remat policy the step was compiled under
     flops: float | None = None  # per device: XLA's cost_analysis of the compiled step
@@ -117,11 +118,13 @@ class TriedLayout:
         if self.lora_rank is not None:
             name += f" lora r={self.lora_rank}"
         if self.error:
-            return f"{name} failed: {self.error}"
+            return f"{name} could not be measured: {self.error}"
+        if self.out_of_memory:
+            return f"{name} does not fit: XLA ran out of memory compiling it ({self.out_of_memory})"
         flops = "" if self.flops is None else f", {self.flops:.3g} FLOPs"
         return (f"{name} peak {human_bytes(self.peak_bytes):>11} (params {human_bytes(self.params_bytes)}, "
                 f"temp {human_bytes(self.temp_bytes)}{flops}; compiled in {self.compile_s:.1f}s)"
-                f"{'  fits' if self.fits else ''}")
+                f"{'  fits' if self.fits else '  does not fit'}")
 
 
 @dataclass
@@ -379,14 +382,19 @@ def abstract(params):
 
 def try_layout(params, loss, batch, n_devices, mp, name, optimizer, trace_fn, policy,
                trainable, usable) -> TriedLayout:
-    """``measure``, with ``fits`` set, or the error of a layout that cannot compile."""
+    """``measure``, with ``fits`` set. A layout XLA runs out of memory compiling does not fit;
+    one that fails for any other reason could not be measured, and keeps the exception."""
     try:
         layout = measure(params, loss, batch, n_devices, mp, name, optimizer, trace_fn,
                          remat=policy, trainable=trainable)
         layout.fits = layout.peak_bytes <= usable
-    except Exception as e:  # noqa: BLE001 - a layout that cannot compile is reported
-        layout = TriedLayout(name, mp, n_devices, remat=policy,
-                             error=f"{type(e).__name__}: {e}"[:300])
+    except Exception as e:  # noqa: BLE001 - reported with the layout, type and message
+        failure = f"{type(e).__name__}: {e}"[:800]
+        layout = TriedLayout(name, mp, n_devices, remat=policy)
+        if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e):
+            layout.out_of_memory = failure
+        else:
+            layout.error = failure
     return layout
 
 
@@ -405,8 +413,9 @@ def nothing_fits(tried: list[TriedLayout], n_devices: int, device_memory_bytes: 
     """The error when no layout fits: the smallest peak found, or why none compiled."""
     measured = [t for t in tried if t.peak_bytes is not None]
     if not measured:
-        return PlanError(f"No layout could be compiled for {n_devices} devices: "
+        return PlanError(f"No layout was found for {n_devices} devices: "
                          + "; ".join(t.describe() for t in tried), tried)
+    unmeasured = "; ".join(t.describe() for t in tried if t.error)
     usable = usable_bytes(device_memory_bytes, headroom)
     best = min(measured, key=lambda t: t.peak_bytes)
     return PlanError(
@@ -415,7 +424,8 @@ def nothing_fits(tried: list[TriedLayout], n_devices: int, device_memory_bytes: 
         f"device, {usable} bytes): the smallest per-device peak found is {human_bytes(best.peak_bytes)} "
         f"({best.peak_bytes} bytes, n_model_shards={best.n_model_shards}, "
         f"sharding_rules={best.sharding_rules!r}). Use more devices or more memory per "
-        "device, a smaller batch or sequence, or a smaller model.", tried)
+        "device, a smaller batch or sequence, or a smaller model."
+        + (f" Not compared, since not measured: {unmeasured}" if unmeasured else ""), tried)
 
 
 def effective_policies(policies: Sequence[str], loss: Callable, params_abstract,
@@ -438,9 +448,13 @@ def why(pick: TriedLayout, tried: list[TriedLayout], lora_via: str = "") -> str:
     """Why ``pick``: the smaller model-parallel degrees, and the lighter policies at its own,
     that did not fit (and, for LoRA, that no full fine-tuning layout did)."""
     same_kind = [t for t in tried if t.lora_rank == pick.lora_rank]
-    smaller = sorted({t.n_model_shards for t in same_kind if t.n_model_shards < pick.n_model_shards})
-    reason = ("the smallest mp that fits" + (f" (nothing tried at mp={', '.join(map(str, smaller))} "
-                                             "fits)" if smaller else ""))
+    below = [t for t in same_kind if t.n_model_shards < pick.n_model_shards]
+    reason = "the smallest mp that fits"
+    if below:
+        smaller = ", ".join(map(str, sorted({t.n_model_shards for t in below})))
+        unmeasured = sum(1 for t in below if t.error)
+        reason += (f" (nothing tried at mp={smaller} fits)" if not unmeasured else
+                   f" (nothing measured at mp={smaller} fits; {unmeasured} could not be measured)")
     if pick.lora_rank is not None:
         reason = (f"no full fine-tuning layout fits; with LoRA rank {pick.lora_rank} "
                   f"({lora_via}), {reason}")

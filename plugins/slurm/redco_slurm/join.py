@@ -19,6 +19,7 @@ import os
 
 import jax
 
+from redco import _private
 from redco_ip import IP_ENV
 from redco_ip.join import HEARTBEAT_TIMEOUT_S, as_int, check_process_count, explicit
 
@@ -51,13 +52,8 @@ def tasks_on_this_node() -> int | None:
 
 
 def coordinator() -> str:
-    """The coordinator JAX derives from the SLURM variables, for ``explain`` ("?" if it cannot)."""
-    try:
-        from jax._src.clusters import SlurmCluster
-        return SlurmCluster.get_coordinator_address(
-            timeout_secs=None, override_coordinator_port=os.environ.get("JAX_COORDINATOR_PORT"))
-    except Exception:  # noqa: BLE001 - only used to explain
-        return "?"
+    """The coordinator JAX derives from the SLURM variables, for ``explain``."""
+    return _private.slurm_coordinator_address() or "unknown (no SLURM_STEP_NODELIST)"
 
 
 def detect(config: dict) -> bool:

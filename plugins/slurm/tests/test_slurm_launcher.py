@@ -206,3 +206,18 @@ def test_doctor_says_why_slurm_refuses_a_bare_sbatch_body():
     assert (" -> slurm    detected: SLURM job 41 with 2 tasks, but this is the batch script "
             "itself, not a task of an srun step") in out.stdout
     assert "run the command through srun" in out.stderr
+
+
+def test_explain_names_the_coordinator_jax_derives(clean_env):
+    """``redco._private.slurm_coordinator_address``, JAX's own SLURM parsing, run for real."""
+    clean_env.delenv("JAX_COORDINATOR_PORT", raising=False)
+    for key, value in dict(SLURM_STEP, SLURM_JOB_ID="4100",
+                           SLURM_STEP_NODELIST="gpu[007-009]").items():
+        clean_env.setenv(key, value)
+    slurm = plugins.lookup("launchers", "slurm")
+    assert slurm.explain(dict(NO_PROCESS_ARGS)) == (
+        f"task 1 of 2 of step 0 of SLURM job 4100 on gpu[007-009]; coordinator gpu007:"
+        f"{4100 % 4096 + 61440}")
+    clean_env.delenv("SLURM_STEP_NODELIST")
+    assert slurm.explain(dict(NO_PROCESS_ARGS)).endswith(
+        "; coordinator unknown (no SLURM_STEP_NODELIST)")
