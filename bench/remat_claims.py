@@ -30,6 +30,7 @@ def model(use_lora: bool):
     import jax
     import numpy as np
     from flax import nnx
+
     from redco_zoo_models import LlamaConfig, LlamaForCausalLM, add_lora, split_model
 
     def make():
@@ -44,9 +45,9 @@ def model(use_lora: bool):
 
 def compiled_step(policy: str, use_lora: bool = False, loss_wrapper=None):
     """The Trainer's own train step (dp4 x mp2), compiled under remat ``policy``."""
-    import jax
     import numpy as np
     import optax
+
     from redco import Deployer, Trainer, lora, remat
     from redco_zoo_lm import collate_fn, loss_fn
     apply_fn, params = model(use_lora)
@@ -77,6 +78,7 @@ def remat_table() -> None:
 
 def whole_loss_checkpoint() -> None:
     import jax
+
     from redco import remat
     print("2. jax.checkpoint around the whole loss_fn (no remat.layer): temp MB per policy")
     for policy in POLICIES:
@@ -88,6 +90,7 @@ def whole_loss_checkpoint() -> None:
 
 def bare_checkpoint_per_layer() -> None:
     import jax
+
     from redco import remat
     print("3. each layer in a bare jax.checkpoint vs redco.remat.layer (tied): temp MB")
     tied = remat._tied_checkpoint
@@ -118,8 +121,10 @@ def lora_collectives() -> None:
     activations = [key for key in set(full) | set(with_lora) if key[1].startswith("f32[1,")]
     for key in sorted(activations):
         print(f"   {key[0]:15s} {key[1]:16s} full {full[key]:3d}  LoRA {with_lora[key]:3d}")
-    print(f"   (and the gradients' data-parallel all-reduce: {sum(full.values()) - sum(full[k] for k in activations)}"
-          f" arrays in full fine-tuning, {sum(with_lora.values()) - sum(with_lora[k] for k in activations)} with LoRA)")
+    dp_full = sum(full.values()) - sum(full[k] for k in activations)
+    dp_lora = sum(with_lora.values()) - sum(with_lora[k] for k in activations)
+    print(f"   (and the gradients' data-parallel all-reduce: {dp_full} arrays in full fine-tuning, "
+          f"{dp_lora} with LoRA)")
 
 
 if __name__ == "__main__":
