@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from redco import _private
+from redco import _private, fsdp
 
 POLICIES = {"none": None, "dots_saveable": jax.checkpoint_policies.dots_saveable,
             "dots_with_no_batch_dims_saveable":
@@ -69,18 +69,24 @@ def layers_traced() -> int:
 def layer(fn: Callable) -> Callable:
     """``fn(weights, *inputs)``, e.g. a Flax NNX module's ``__call__``, rematerialised by the
     policy in force when it is called. Arrays anywhere in the arguments are differentiated
-    inputs (close over none); other leaves (ints, None) stay static."""
+    inputs (close over none); other leaves (ints, None) stay static. Under FSDP the weights
+    declared by ``redco.fsdp.gathering`` are gathered here: inside the checkpoint, so the
+    backward pass gathers them again, under every policy but ``"none"``, which keeps them."""
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        if current() == "none":
-            return fn(*args, **kwargs)
-        _traced["layers"] += 1
         leaves, tree = jax.tree.flatten((args, kwargs))
+        gathers = fsdp.targets(leaves)
+        if current() == "none":  # FSDP weights gathered here are kept for the backward pass
+            a, k = jax.tree.unflatten(tree, fsdp.gather(leaves, gathers))
+            return fn(*a, **k)
+        _traced["layers"] += 1
         traced = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
-        n_weights = sum(traced[:len(jax.tree.leaves(args[:1]))])
+        # gathered weights are recomputed from their shards: tie those to the gradient as well
+        n_weights = 0 if any(gathers) else sum(traced[:len(jax.tree.leaves(args[:1]))])
+        gathers = [g for g, t in zip(gathers, traced) if t]
 
         def inner(*arrays):
-            it = iter(arrays)
+            it = iter(fsdp.gather(arrays, gathers))
             a, k = jax.tree.unflatten(tree, [next(it) if t else x for x, t in zip(leaves, traced)])
             return fn(*a, **k)
         arrays = [x for x, t in zip(leaves, traced) if t]

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import tqdm
 
-from redco import _private, checkpointing, compat, compile_cache, lora, preemption, watchdog
+from redco import _private, checkpointing, compat, compile_cache, fsdp, lora, preemption, watchdog
 from redco import remat as redco_remat
 from redco.data import by_name, cast_floats, check_array_leaves, check_collated, check_number, n_full_batches
 from redco.deployer import Deployer
@@ -298,7 +298,8 @@ class Trainer(compat.TrainerV04):
     def _loss(self, params, state, batch, rng, is_training: bool):
         params = cast_floats(params, self.compute_dtype)
         batch = jax.tree.map(lambda x: x, batch)  # a fresh dict: loss_fn may pop from it
-        with redco_remat.policy(self.remat):
+        shardings = None if self.state_shardings is None else self.state_shardings.params
+        with redco_remat.policy(self.remat), fsdp.gathering(params, shardings):
             return self.loss_fn(rng, state, params, batch, is_training)
 
     def _step(self, state: TrainState, batch):

@@ -45,8 +45,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from redco import fsdp, plugins, sharding
 from redco import lora as redco_lora
-from redco import plugins, sharding
 from redco import remat as redco_remat
 from redco.sharding import Rules, dataflow_trace, opt_state_shardings, shardings_from_specs, specs_from_rules
 from redco_planner.inspection import LoraModel, human_bytes, n_positional, parse_bytes
@@ -206,15 +206,21 @@ def split(tree, trainable):
 
 
 def step_fn(loss: Callable, optimizer: optax.GradientTransformation,
-            trainable: Any = None) -> Callable:
+            trainable: Any = None, shardings: Any = None) -> Callable:
     """``Trainer``'s update: value and grad (of the ``trainable`` leaves only, when a mask is
-    given), optimizer update, new params."""
+    given), optimizer update, new params. With the params' ``shardings``, the weights split
+    over ``dp`` are gathered layer by layer, as the ``Trainer`` does (``redco.fsdp``)."""
     def step(params, opt_state, batch):
         train, frozen = split(params, trainable)
 
         def join(t):
             return t if frozen is None else redco_lora.combine(t, frozen)
-        value, grads = jax.value_and_grad(lambda t: loss(join(t), batch))(train)
+
+        def loss_of(t):
+            joined = join(t)
+            with fsdp.gathering(joined, shardings):
+                return loss(joined, batch)
+        value, grads = jax.value_and_grad(loss_of)(train)
         updates, opt_state = optimizer.update(grads, opt_state, train)
         return join(optax.apply_updates(train, updates)), opt_state, value
     return step
@@ -262,7 +268,7 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
         for x, s in zip(jax.tree.leaves(params_abstract), jax.tree.leaves(params_shardings)))
     start = time.perf_counter()
     with redco_remat.policy(remat):
-        compiled = jax.jit(step_fn(loss, optimizer, trainable),
+        compiled = jax.jit(step_fn(loss, optimizer, trainable, params_shardings),
                            in_shardings=(params_shardings, opt_shardings, batch_shardings),
                            out_shardings=(params_shardings, opt_shardings, replicated),
                            donate_argnums=(0, 1)).lower(params_abstract, opt_abstract, batch).compile()
