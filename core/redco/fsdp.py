@@ -9,8 +9,7 @@ layers, one 512-token row per device: temp bytes 493, 599 and 985 MB on 2, 4 and
 Constraining each layer's weights to be gathered before use fixes the choice. Under a remat
 policy the gather runs inside the layer's checkpoint (``redco.remat.layer``), so the backward
 pass gathers them again rather than keep them, as ZeRO-3 and PyTorch's FSDP do; with remat
-``"none"`` the gathered weights are kept for the backward pass (recomputing only the gather
-inside a checkpoint measured worse there: XLA then kept more, not less).
+``"none"`` the gathered weights are kept for the backward pass.
 
 The ``Trainer`` (and the planner, measuring the same step) declares the params of a step:
 
