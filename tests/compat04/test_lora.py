@@ -328,8 +328,9 @@ def _flat_np(tree):
     return {path: np.asarray(leaf) for path, leaf in flatten_dict(dict(tree)).items()}
 
 
-def test_lora(tmp_path):
-    model_dir = tmp_path / "hub" / "tiny-bart"  # a local stand-in for a hub model id
+def make_model_dir(model_dir):
+    """Save the tiny BART's config and word-level tokenizer to ``model_dir`` (a local stand-in
+    for a hub model id); returns it as a string."""
     words = FILLER + POSITIVE + NEGATIVE + ["positive", "negative", "neutral"]
     tokenizer = word_tokenizer(words, BART_SPECIALS)
     tokenizer.save_pretrained(model_dir)
@@ -340,10 +341,14 @@ def test_lora(tmp_path):
                # the base model stays frozen (LayerNorm scales and the tied embeddings too), so
                # its random init must allow confident logits: 0.02 caps them near +-0.6
                init_std=0.25).save_pretrained(model_dir)
+    return str(model_dir)
 
-    init_ckpt_dir = save_init_ckpt(model_name_or_path=str(model_dir))
+
+def test_lora(tmp_path):
+    model_dir = make_model_dir(tmp_path / "hub" / "tiny-bart")
+    init_ckpt_dir = save_init_ckpt(model_name_or_path=model_dir)
     record = []
-    trainer = main(model_name_or_path=str(model_dir), init_ckpt_dir=init_ckpt_dir, record=record)
+    trainer = main(model_name_or_path=model_dir, init_ckpt_dir=init_ckpt_dir, record=record)
 
     # 0.4.x accumulates only through the optimizer: here optax.MultiSteps nested inside
     # multi_transform makes one update per accumulate_grad_batches micro-batches, so
@@ -374,7 +379,7 @@ def test_lora(tmp_path):
     assert all(np.abs(v).max() > 0 for p, v in lora_flat.items() if p[-1] == "b"), \
         "some LoRA 'b' factors are still all zero: the LoRA part did not train"
 
-    result, params = inference(model_name_or_path=str(model_dir), init_ckpt_dir=init_ckpt_dir)
+    result, params = inference(model_name_or_path=model_dir, init_ckpt_dir=init_ckpt_dir)
     reloaded = _flat_np(params["lora"])
     assert reloaded.keys() == lora_flat.keys()
     for path, value in reloaded.items():
