@@ -4,6 +4,7 @@ read back record by record and compared with the ``jsonl`` logger's ``metrics.js
 import glob
 import json
 import os
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -43,6 +44,18 @@ def history(path):
     return rows
 
 
+def wait_for_exit_record(path: str, timeout_s: float = 60.0) -> None:
+    """Until the run file holds the run's ``exit`` record, its last: W&B's service process
+    writes the file, and ``run.finish()`` may return before it has written every record (a CI
+    run read this file with no history in it)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(r.WhichOneof("record_type") == "exit" for r in run_records(path)):
+        assert time.monotonic() < deadline, (
+            f"W&B's service did not write the exit record to {path} within {timeout_s:.0f} s "
+            f"of run.finish(); records so far: {[r.WhichOneof('record_type') for r in run_records(path)]}")
+        time.sleep(0.05)  # polls the file's state; the deadline above bounds the wait
+
+
 def test_metrics_reach_an_offline_wandb_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     workdir = str(tmp_path / "workdir")
@@ -62,6 +75,7 @@ def test_metrics_reach_an_offline_wandb_run(tmp_path, monkeypatch):
 
     runs = glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "run-*.wandb"))
     assert len(runs) == 1, runs
+    wait_for_exit_record(runs[0])
     logged = [row for row in history(runs[0]) if "train/loss" in row]
     jsonl = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
     assert [row["_step"] for row in logged] == [row["step"] for row in jsonl] == list(range(1, 9))
