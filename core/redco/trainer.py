@@ -495,10 +495,8 @@ class Trainer(compat.TrainerV04):
         eval_batch_size = eval_per_device_batch_size or per_device_batch_size
         metric_names = [*(save_argmin_ckpt_by_metrics or ()), *(save_argmax_ckpt_by_metrics or ())]
         if eval_examples is not None:
-            n_full_batches(len(eval_examples), 1, "eval_examples")
-            if eval_sanity_check:
-                self._check_metric_names_traced(eval_examples, eval_batch_size, eval_loss,
-                                                eval_predictor, eval_metric_fn, metric_names)
+            self._check_eval_inputs(eval_examples, eval_batch_size, eval_loss, eval_predictor,
+                                    eval_metric_fn, metric_names if eval_sanity_check else [])
         self._decide_layout(first_examples, per_device_batch_size)
         batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
         examples_per_step = batch_size * self.accumulate_grad_batches
@@ -571,12 +569,14 @@ class Trainer(compat.TrainerV04):
             for callback in self.callbacks:
                 pm.unregister(callback)
 
-    def _check_metric_names_traced(self, examples, per_device_batch_size, eval_loss, predictor,
-                                   metric_fn, metric_names: list[str]) -> None:
-        """Refuse a ``save_arg*_ckpt_by_metrics`` name the evaluation cannot give, before
-        anything compiles: ``metric_fn``'s names are those it returns for zeros shaped like the
-        predictions (``pred_fn`` traced, not compiled). Where ``output_fn`` or ``metric_fn``
-        cannot take zeros, the sanity check's real evaluation checks the names instead."""
+    def _check_eval_inputs(self, examples, per_device_batch_size, eval_loss, predictor,
+                           metric_fn, metric_names: list[str]) -> None:
+        """Refuse too few ``examples`` for one batch, or a ``save_arg*_ckpt_by_metrics`` name
+        (of ``metric_names``) the evaluation cannot give, before anything compiles:
+        ``metric_fn``'s names are those it returns for zeros shaped like the predictions
+        (``pred_fn`` traced, not compiled). Where ``output_fn`` or ``metric_fn`` cannot take
+        zeros, the sanity check's real evaluation checks the names instead."""
+        n_full_batches(len(examples), 1, "eval_examples")
         names = {"loss"} if eval_loss else set()
         if all(name in names for name in metric_names):
             return
