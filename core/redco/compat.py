@@ -1,4 +1,4 @@
-"""Redco 0.4.x's names, so that scripts written for the published package run unchanged.
+"""Redco 0.4.x's names, so that scripts written for the published package find every name they call.
 
 The paper's script and the original repository's examples call ``Deployer``, ``Trainer`` and
 ``Predictor`` by Redco 0.4.23's names (some by the 0.4.16-era ones). The mixins below map each
@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 from redco import checkpointing
 from redco.data import by_name, cast_floats
@@ -160,26 +161,41 @@ class DeployerV04:
 
 def flax_train_step(train_step_fn: Callable, trainer) -> Callable:
     """``trainer``'s step running a 0.4.x ``train_step_fn(rng, state, batch, loss_fn,
-    lr_schedule_fn, mesh, compute_dtype) -> (new_state, metrics)``.
+    lr_schedule_fn, mesh, compute_dtype) -> (new_state, metrics)``, where 0.4.23 ran it.
 
-    As in 0.4.x with a mesh, ``state`` is a Flax ``TrainState`` (``tx`` is the optimizer) and
-    ``batch`` has a leading data-parallel axis, ``(dp, rows per dp group, ...)``, for the step to
-    ``vmap`` over; the step runs inside this package's jitted, donated, resumable loop.
+    ``state`` is a Flax ``TrainState`` (``tx`` is the optimizer); the step runs inside this
+    package's jitted, donated, resumable loop. With ``n_model_shards=1`` 0.4.23 had no mesh: it
+    ran the step under ``jax.pmap(axis_name='dp')`` with ``mesh=None``, each device on its own
+    rows with its own rng, the step reducing over ``'dp'`` itself; here it runs the same way,
+    under ``shard_map`` over ``dp``. With model shards 0.4.23 passed its mesh and ran the step
+    under ``pjit`` on the whole batch, shaped ``(dp, rows per dp group, ...)`` for the step to
+    ``vmap`` over; so does this one.
     """
     mesh = trainer.deployer.mesh
+    per_device = mesh.shape["mp"] == 1
 
     def loss_fn(rng, state, params, batch, is_training):
-        return trainer._loss(params, state, batch, rng, is_training)
+        return trainer._loss(params, state, batch, rng, is_training, per_device=per_device)
+
+    def run(rng, flax_state, batch, step_mesh):
+        return train_step_fn(rng=rng, state=flax_state, batch=batch, loss_fn=loss_fn,
+                             lr_schedule_fn=trainer.lr_schedule_fn, mesh=step_mesh,
+                             compute_dtype=trainer.compute_dtype or jnp.float32)
 
     def step(state, batch):
-        batch = jax.tree.map(lambda x: x[0].reshape((mesh.shape["dp"], -1) + x.shape[2:]), batch)
+        rng = jax.random.fold_in(state.rng, state.step)
         flax_state = flax.training.train_state.TrainState(
             step=state.step, apply_fn=state.apply_fn, params=state.params,
             tx=trainer.optimizer, opt_state=state.opt_state)
-        new, metrics = train_step_fn(
-            rng=jax.random.fold_in(state.rng, state.step), state=flax_state, batch=batch,
-            loss_fn=loss_fn, lr_schedule_fn=trainer.lr_schedule_fn, mesh=mesh,
-            compute_dtype=trainer.compute_dtype or jnp.float32)
+        batch = jax.tree.map(lambda x: x[0], batch)  # the one micro-batch: (global rows, ...)
+        if per_device:  # pmap's semantics: replicated state, this device's rows, its own rng
+            pmapped = jax.shard_map(lambda rngs, s, b: run(rngs[0], s, b, None), mesh=mesh,
+                                    in_specs=(P("dp"), P(), P("dp")), out_specs=(P(), P()),
+                                    check_vma=False)
+            new, metrics = pmapped(jax.random.split(rng, mesh.shape["dp"]), flax_state, batch)
+        else:
+            batch = jax.tree.map(lambda x: x.reshape((mesh.shape["dp"], -1) + x.shape[1:]), batch)
+            new, metrics = run(rng, flax_state, batch, mesh)
         return state.replace(step=new.step, params=new.params, opt_state=new.opt_state), metrics
     return step
 

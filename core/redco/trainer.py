@@ -295,10 +295,12 @@ class Trainer(compat.TrainerV04):
         return self._start["step"] if self.state is None else int(self.state.step)
 
     # ---- the jitted functions ---------------------------------------------------------------
-    def _loss(self, params, state, batch, rng, is_training: bool):
+    def _loss(self, params, state, batch, rng, is_training: bool, per_device: bool = False):
+        """``loss_fn`` under the step's remat policy and FSDP gathers (none ``per_device``:
+        inside a ``shard_map``, where params are a device's own copy)."""
         params = cast_floats(params, self.compute_dtype)
         batch = jax.tree.map(lambda x: x, batch)  # a fresh dict: loss_fn may pop from it
-        shardings = None if self.state_shardings is None else self.state_shardings.params
+        shardings = None if per_device or self.state_shardings is None else self.state_shardings.params
         with redco_remat.policy(self.remat), fsdp.gathering(params, shardings):
             return self.loss_fn(rng, state, params, batch, is_training)
 

@@ -5,6 +5,7 @@ steps), not only that the call is accepted.
 """
 import json
 import os
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -263,6 +264,34 @@ def test_train_step_fn_runs_in_the_sharded_loop_and_matches_the_built_in_step():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5),
                  jax.device_get(custom.params), jax.device_get(built_in.params))
     assert custom.params["dense"]["kernel"].sharding.spec != P()  # sharded, not replicated
+
+
+SEEN_ROWS: list[int] = []
+
+
+def pmap_mean_step(rng, state, batch, loss_fn, lr_schedule_fn, mesh, compute_dtype):
+    """0.4.x's default step as 0.4.23 ran it with ``n_model_shards=1``: under ``jax.pmap``, no
+    mesh, this device's rows; the gradient averaged over ``'dp'`` by the step itself."""
+    assert mesh is None
+    SEEN_ROWS.append(jax.tree.leaves(batch)[0].shape[0])
+    loss, grads = jax.value_and_grad(lambda p: loss_fn(rng=rng, state=state, params=p, batch=batch,
+                                                       is_training=True))(state.params)
+    grads = jax.lax.pmean(grads, "dp")
+    return state.apply_gradients(grads=grads), {"loss": jax.lax.pmean(loss, "dp"), "step": state.step}
+
+
+def test_with_one_model_shard_train_step_fn_runs_per_device_as_under_pmap():
+    SEEN_ROWS.clear()
+    examples = make_examples(64)
+    one_shard = partial(Deployer, jax_seed=0, n_model_shards=1, verbose=False)
+    custom = make_trainer(one_shard(workdir="./custom"), train_step_fn=pmap_mean_step)
+    custom.fit(examples, per_device_batch_size=4, n_epochs=2)
+    built_in = make_trainer(one_shard(workdir="./built_in"))
+    built_in.fit(examples, per_device_batch_size=4, n_epochs=2)
+    assert SEEN_ROWS and set(SEEN_ROWS) == {4}  # a device's rows, not the global batch's 32
+    assert custom.step == built_in.step == 4
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5),
+                 jax.device_get(custom.params), jax.device_get(built_in.params))
 
 
 def test_set_train_state_with_the_old_keywords():
