@@ -19,6 +19,11 @@ noise; the test's run is run 0). Metrics, as the tests read them:
   ppo    mean return over episodes 31-40 of CartPole-v1 (random policy ~22)
   ddpg   greedy return of the final actor on Pendulum-v1 (5 fixed starts; init ~-1604)
 
+``--agreement`` asks instead whether both sides compute the same thing: DDPG's params after its
+first 1, 10 and 100 updates from the same seeds, old against new. A difference at float32
+rounding that grows with the updates means the spread between runs is chaos amplifying rounding
+(8-way sharded sums here, pmap's per-device sums there), not a different algorithm.
+
 Not everything runs on 0.4.23 unchanged, and the output says so per run: LoRA's final
 ``save_ckpt(float_dtype=jnp.float32)`` fails inside orbax 0.12 after fit (the metric, fit's last
 evaluation, still counts); PPO and DDPG are the 0.4.16-era examples and use names 0.4.23 dropped
@@ -31,7 +36,7 @@ Setup of the old side (the scripts' own dependencies at the versions of the comp
       flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8 gymnasium==1.4.0 scikit-learn==1.9.1 \\
       scipy==1.17.1 transformers==4.57.6 tokenizers==0.22.2
 
-Run:  .tox/compat04/bin/python bench/compat04_fidelity.py [--seeds 5] [--only ppo,ddpg]
+Run:  .tox/compat04/bin/python bench/compat04_fidelity.py [--seeds 5] [--only ppo,ddpg] [--agreement]
 """
 from __future__ import annotations
 
@@ -126,15 +131,30 @@ def run_ddpg(seed: int, run_index: int) -> dict:
     random.seed(run_index)  # the replay samples
     np.random.seed(run_index)  # the exploration noise
     agent, rewards = mod.main(jax_seed=seed)
-    import jax
-    final = jax.device_get(agent._trainer.params)
-    return {"metric": mod.greedy_return(agent.actor, final["actor"]),
-            "initial": mod.greedy_return(agent.actor, agent.initial_params["actor"]),
+    judged = mod.judge(agent, gamma=0.98)  # main's default gamma
+    return {"metric": judged["after"], "initial": judged["before"], "gain": judged["gain"],
+            "td_ratio": judged["td_after"] / judged["td_before"],
             "returns": [round(float(r)) for r in rewards]}
 
 
+def run_ddpg_first_updates(n_updates: int, run_index: int) -> dict:
+    """test_ddpg.py's main for one episode with the warm-up shortened to leave ``n_updates``
+    updates (replay and noise seeded 0): every param after them, flat, for ``--agreement``."""
+    import random
+
+    import jax
+    import numpy as np
+    mod = import_test("test_ddpg")
+    random.seed(0)
+    np.random.seed(0)
+    agent, _ = mod.main(n_episodes=1, warmup_steps=200 - n_updates)
+    leaves = jax.tree.leaves(jax.device_get(agent._trainer.params))
+    return {"metric": float(n_updates), "params": np.concatenate([np.ravel(x) for x in leaves]).tolist()}
+
+
 RUNNERS: dict[str, Callable[[int, int], dict]] = {
-    "lora": run_lora, "dp": run_dp, "ppo": run_ppo, "ddpg": run_ddpg}
+    "lora": run_lora, "dp": run_dp, "ppo": run_ppo, "ddpg": run_ddpg,
+    "ddpg_first_updates": run_ddpg_first_updates}
 
 
 def alias_v0416_names() -> list[str]:
@@ -185,7 +205,7 @@ def worker(script: str, seed: int, run_index: int) -> None:
     """Run one script with one seed and print its result as one JSON line."""
     setup_like_conftest()
     import redco
-    aliased = alias_v0416_names() if script in ("ppo", "ddpg") else []
+    aliased = alias_v0416_names() if script.startswith(("ppo", "ddpg")) else []
     start = time.perf_counter()
     result = RUNNERS[script](seed, run_index)
     if aliased:
@@ -240,6 +260,28 @@ def report(script: str, runs: dict[str, list[dict]]) -> None:
         for r in results:
             if "error" in r or "note" in r:
                 print(f"    seed {r['seed']}: {r.get('error') or r.get('note')}")
+    values = [[r["metric"] for r in results if "metric" in r] for results in runs.values()]
+    if len(values) == 2 and min(map(len, values)) >= 3:
+        from scipy.stats import mannwhitneyu
+        print(f"  same distribution? two-sided Mann-Whitney U: p = "
+              f"{mannwhitneyu(*values).pvalue:.2f} (small p: the sides differ)")
+
+
+def agreement(pythons: dict[str, str], timeout: float) -> None:
+    """Do both sides compute the same DDPG? Params after its first 1, 10 and 100 updates from the
+    same seeds, old against new: a difference at float32 rounding that grows with the updates
+    says the runs' spread over seeds is chaos amplifying rounding, not a different algorithm."""
+    import numpy as np
+    print("\n== ddpg: params after the first updates, old vs new (same seeds)")
+    for n in (1, 10, 100):
+        got = {side: run_worker(python, side, "ddpg_first_updates", n, 0, timeout)
+               for side, python in pythons.items()}
+        if any("params" not in r for r in got.values()):
+            print(f"  {n:3d} updates: a side failed: {got}")
+            continue
+        old, new = (np.asarray(got[side]["params"]) for side in ("old", "new"))
+        print(f"  {n:3d} updates: max |old - new| {np.abs(old - new).max():.2e}, mean "
+              f"{np.abs(old - new).mean():.2e} (params up to {np.abs(old).max():.2f})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -254,8 +296,10 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"comma-separated subset of {','.join(SCRIPTS)}")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--sides", default="old,new", help="old,new (default), old or new")
+    parser.add_argument("--agreement", action="store_true",
+                        help="instead: DDPG's params after its first 1, 10, 100 updates, old vs new")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--script", choices=SCRIPTS, help=argparse.SUPPRESS)
+    parser.add_argument("--script", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--run_index", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -263,8 +307,11 @@ def main(argv: list[str] | None = None) -> None:
         worker(args.script, args.seed, args.run_index)
         return
 
-    scripts = [s for s in SCRIPTS if s in args.only.split(",")]
     pythons = {"old": args.old_python, "new": sys.executable}
+    if args.agreement:
+        agreement(pythons, args.timeout)
+        return
+    scripts = [s for s in SCRIPTS if s in args.only.split(",")]
     sides = [side for side in ("old", "new") if side in args.sides.split(",")]
     for script in scripts:
         runs: dict[str, list[dict]] = {side: [] for side in sides}

@@ -43,10 +43,13 @@ from scipy.stats import norm
 
 from redco import Deployer, Predictor, Trainer
 
-# Measured, test accuracy after 6 epochs at epsilon 4 (noise multiplier 1.23): Redco 0.4.23 0.85 (seed 42)
-# and 0.76 (seed 0); this package 0.72, 0.58, 0.69 (seeds 42, 0, 1). DP noise makes the spread wide;
-# chance is 0.10, and a step that never updates stays there.
-ACC_BAR = 0.45
+# Test accuracy after 6 epochs at epsilon 4 (noise multiplier 1.23), 10 seeds each side
+# (bench/compat04_fidelity.py, BENCHMARKS section 15): Redco 0.4.23 median 0.847 [0.753, 0.875],
+# standard deviation 0.036; this package 0.840 [0.769, 0.881], 0.828 with this test's seed 42.
+# The bar is 0.4.23's median less two standard deviations. Chance is 0.10; a step run under jit
+# on the dp-sharded batch (where jax 0.10.2 CPU drops the conv gradients of every device's rows
+# but the first's) reached 0.717 here.
+ACC_BAR = 0.775
 
 
 def main(global_batch_size=128, per_device_batch_size=16, n_epochs=6, learning_rate=3e-3,

@@ -78,9 +78,11 @@ from redco import Deployer, Predictor, Trainer
 N_EPOCHS = 5
 PER_DEVICE_BATCH_SIZE = 2          # x 4 data-parallel groups (8 devices / 2 model shards) = 8
 GLOBAL_BATCH_SIZE = 16             # -> accumulate_grad_batches = 2
-# chance 1/3. Measured: 0.98 on 0.4.23 (0.46 after epoch 1); here 0.81 with jax_seed=42 and
-# above 0.85 with seeds 0 and 1 (432 examples: the order of the data moves it by that much).
-ACC_BAR = 0.7
+# chance 1/3. 10 seeds each side (bench/compat04_fidelity.py, BENCHMARKS section 15): Redco
+# 0.4.23 median 0.885 [0.792, 0.979], standard deviation 0.061; this package 0.833 [0.750,
+# 0.979], 0.812 with this test's jax_seed=42 (48 validation examples: one is 0.021). The bar is
+# 0.4.23's median less two standard deviations.
+ACC_BAR = 0.76
 
 
 def get_dataset():
