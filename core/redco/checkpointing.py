@@ -28,7 +28,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from redco import plugins
-from redco.sharding import named_leaves
+from redco.tree_paths import named_leaves
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 

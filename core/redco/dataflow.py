@@ -38,6 +38,9 @@ from typing import Any, NamedTuple
 import jax
 from jax.extend import core as jex_core
 
+from redco.lora import is_adapter_path
+from redco.tree_paths import path_str
+
 Decisions = dict[int, int | None]  # param index -> param dim split over mp (None: replicate)
 ELEMENTWISE_SKIP = {"gather", "scatter", "scatter-add", "dynamic_slice", "dynamic_update_slice",
                     "iota", "rng_bit_generator", "sort", "argsort", "cumsum", "while", "scan",
@@ -381,8 +384,6 @@ def dataflow_split_dims(fn, params, n_shards: int) -> tuple[Decisions, dict[int,
     ``params`` may hold ``jax.ShapeDtypeStruct``; nothing is computed, only traced.
     """
     closed = jax.make_jaxpr(fn)(params)
-    from redco.lora import is_adapter_path
-    from redco.sharding import path_str
     paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(params)[0]) if \
         jax.tree.leaves(params) else ((), ())
     adapters = frozenset(i for i, p in enumerate(paths) if is_adapter_path(path_str(p)))

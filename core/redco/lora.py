@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from redco.tree_paths import named_leaves, path_str
+
 # Attention and MLP projections of LLaMA/Mistral/Qwen2 (q_proj ... down_proj), T5 (q, k, v, o,
 # wi, wi_0, wi_1, wo), BERT/ViT (query, key, value, dense), BART/OPT (out_proj, fc1, fc2).
 DEFAULT_TARGETS = (r"(^|/)(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|q|k|v|o|wi|"
@@ -52,14 +54,8 @@ def kernel_name_of(name: str) -> tuple[str, int] | None:
     return None
 
 
-def _path_str(path) -> str:
-    from redco.sharding import path_str
-    return path_str(path)
-
-
 def kernel_paths(params: Any, targets: str = DEFAULT_TARGETS) -> list[str]:
     """The ``/``-joined paths of the 2-D leaves ``targets`` (a regex, ``re.search``) selects."""
-    from redco.sharding import named_leaves
     pattern = re.compile(targets)
     return [p for p, leaf in named_leaves(params) if np.ndim(leaf) == 2 and pattern.search(p)
             and kernel_name_of(p.rsplit("/", 1)[-1]) is None]
@@ -72,7 +68,7 @@ def is_adapter_path(path: str) -> bool:
 def trainable_mask(params: Any) -> Any:
     """A pytree of bools like ``params``: True on LoRA adapters, False on everything else.
     ``Trainer(trainable=...)`` takes it."""
-    return jax.tree_util.tree_map_with_path(lambda p, _: is_adapter_path(_path_str(p)), params)
+    return jax.tree_util.tree_map_with_path(lambda p, _: is_adapter_path(path_str(p)), params)
 
 
 def n_params(params: Any, mask: Any = None) -> int:
@@ -96,7 +92,6 @@ def select(params: Any, targets: str, rank: int) -> list[str]:
         re.compile(targets)
     except re.error as e:
         raise ValueError(f"LoRA targets {targets!r} is not a regex: {e}.") from None
-    from redco.sharding import named_leaves
     leaves = dict(named_leaves(params))
     chosen = kernel_paths(params, targets)
     if not chosen:
@@ -160,14 +155,14 @@ def add_adapters(params: Any, rank: int = 8, targets: str = DEFAULT_TARGETS, see
     chosen = set(select(params, targets, rank))
     out = _copy(params)
     found = [(p, leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-             if _path_str(p) in chosen]
+             if path_str(p) in chosen]
     keys = jax.random.split(jax.random.PRNGKey(seed), len(found))
     for (path, leaf), key in zip(found, keys):
         parent, name = _parent(out, path)
         a, b = init_adapters(key, np.shape(leaf), rank, leaf.dtype)
         for adapter, value in zip(adapter_names(str(name)), (a, b)):
             if adapter in parent:
-                raise ValueError(f"{_path_str(path)} already has an adapter {adapter}.")
+                raise ValueError(f"{path_str(path)} already has an adapter {adapter}.")
             parent[adapter] = _like(parent[name], value)
     return out
 
@@ -178,7 +173,7 @@ def merge(params: Any, alpha: float) -> Any:
     out = _copy(params)
     pairs: dict[tuple, dict] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        parent_path, name = _path_str(path).rpartition("/")[::2]
+        parent_path, name = path_str(path).rpartition("/")[::2]
         found = kernel_name_of(name)
         if found is not None:
             pairs.setdefault((parent_path, found[0]), {})[found[1]] = path

@@ -9,12 +9,14 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from redco.lora import follow_kernels
+from redco.tree_paths import key_name, named_leaves, path_str  # noqa: F401 - public here too
 
 Rules = list[tuple[str, P]]
 
@@ -46,25 +48,6 @@ def make_mesh(devices: list, n_model_shards: int) -> Mesh:
             f"the number of devices ({n}). Use one of {[d for d in range(1, n + 1) if n % d == 0]}.")
     return jax.make_mesh((n // n_model_shards, n_model_shards), ("dp", "mp"),
                          axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
-
-
-def key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def path_str(path) -> str:
-    """``/``-joined key names; a trailing ``.value`` (Flax NNX variables) is dropped."""
-    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
-        path = path[:-1]
-    return "/".join(key_name(k) for k in path)
-
-
-def named_leaves(tree) -> list[tuple[str, Any]]:
-    """``[(path, leaf), ...]`` in the tree's flattening order."""
-    return [(path_str(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def spec_for(path: str, rules: Rules) -> P:
@@ -111,7 +94,6 @@ def specs_from_rules(params, rules: Rules | dict, mesh: Mesh):
     if replicated:
         warnings.warn("These params do not divide by their sharding and are replicated "
                       "instead: " + "; ".join(replicated), stacklevel=2)
-    from redco.lora import follow_kernels  # LoRA adapters are laid out by their kernel's spec
     names = [path_str(path) for path, _ in leaves]
     specs = list(follow_kernels(dict(zip(names, specs)),
                                 {n: np.shape(leaf) for n, (_, leaf) in zip(names, leaves)}).values())
