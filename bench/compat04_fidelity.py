@@ -149,7 +149,7 @@ def run_ddpg_first_updates(n_updates: int, run_index: int) -> dict:
     np.random.seed(0)
     agent, _ = mod.main(n_episodes=1, warmup_steps=200 - n_updates)
     leaves = jax.tree.leaves(jax.device_get(agent._trainer.params))
-    return {"metric": float(n_updates), "params": np.concatenate([np.ravel(x) for x in leaves]).tolist()}
+    return {"params": np.concatenate([np.ravel(x) for x in leaves]).tolist()}
 
 
 RUNNERS: dict[str, Callable[[int, int], dict]] = {

@@ -64,6 +64,16 @@ def refuse_missing_metrics(metric_names: Sequence[str], names: set[str], found: 
                        f"{sorted(names)} (found {found}). Name one of those.")
 
 
+def check_fit_numbers(n_epochs, keep_last_ckpts, save_every_n_steps, eval_per_device_batch_size,
+                      per_device_batch_size) -> None:
+    """``fit``'s counts: each a positive int (the two that may be left out: or None)."""
+    check_number("n_epochs", n_epochs, 1)
+    check_number("keep_last_ckpts", keep_last_ckpts, 1)
+    check_number("save_every_n_steps", save_every_n_steps, 1, optional=True)
+    check_number("eval_per_device_batch_size", eval_per_device_batch_size, 1, optional=True)
+    check_number("per_device_batch_size", per_device_batch_size, 1)
+
+
 class Trainer(compat.TrainerV04):
     """Trains ``params`` with ``loss_fn(rng, state, params, batch, is_training) -> scalar``.
 
@@ -488,50 +498,22 @@ class Trainer(compat.TrainerV04):
         ``redco/compat.py``).
         """
         v04 = compat.FitOptionsV04(**v04_options)
-        check_number("n_epochs", n_epochs, 1)
-        check_number("keep_last_ckpts", keep_last_ckpts, 1)
-        check_number("save_every_n_steps", save_every_n_steps, 1, optional=True)
-        check_number("eval_per_device_batch_size", eval_per_device_batch_size, 1, optional=True)
-        check_number("per_device_batch_size", per_device_batch_size, 1)
+        check_fit_numbers(n_epochs, keep_last_ckpts, save_every_n_steps, eval_per_device_batch_size,
+                          per_device_batch_size)
         first_examples = compat.examples_of_epoch(train_examples, 0)
         eval_batch_size = eval_per_device_batch_size or per_device_batch_size
         metric_names = [*(save_argmin_ckpt_by_metrics or ()), *(save_argmax_ckpt_by_metrics or ())]
         if eval_examples is not None:
             self._check_eval_inputs(eval_examples, eval_batch_size, eval_loss, eval_predictor,
                                     eval_metric_fn, metric_names if eval_sanity_check else [])
-        self._decide_layout(first_examples, per_device_batch_size)
-        batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
-        examples_per_step = batch_size * self.accumulate_grad_batches
-        steps_per_epoch = n_full_batches(len(first_examples), examples_per_step, "train_examples")
-        total = getattr(self.lr_schedule_fn, "total_steps", None)
-        if total is not None and total != n_epochs * steps_per_epoch:
-            warnings.warn(
-                f"The lr schedule spans {total} updates but this fit makes "
-                f"{n_epochs * steps_per_epoch}, so it will not end at its end value. Pass "
-                f"accumulate_grad_batches={self.accumulate_grad_batches} (and the same batch size "
-                "and epochs) to deployer.get_lr_schedule_fn.", stacklevel=2)
-        self._data_position = {"n_examples": len(first_examples), "jax_seed": self.deployer.jax_seed,
-                               "examples_per_step": examples_per_step}
-        self._best = {}
+        examples_per_step, steps_per_epoch = self._plan_steps(first_examples, per_device_batch_size,
+                                                              n_epochs)
         first_fit = not self._fitted
-        if first_fit and not resume and (save_last_ckpt or save_every_n_steps) and checkpointing.step_ckpts(
-                self.deployer.ckpt_dir):
-            raise ValueError(
-                f"{self.deployer.ckpt_dir} holds step checkpoints of an earlier run; with "
-                "resume=False this run's would be mixed with (and pruned against) them. Use a "
-                "new workdir, or delete the old checkpoints first.")
-        meta = self._resume() if resume and first_fit else None
-        if meta:
-            self._best = meta["best"]
+        self._start_fit(resume, save_last_ckpt or bool(save_every_n_steps))
         if eval_sanity_check and eval_examples is not None:
             self._sanity_check(eval_examples, eval_batch_size, eval_loss, eval_predictor,
                                eval_metric_fn, metric_names)
-        for callback in self.callbacks:
-            pm.register(callback)
-        try:
-            self._watch = preemption.Watch()  # SIGTERM, SIGINT: save a checkpoint and stop
-            if self.deployer.hang_timeout_s:  # no step for that long: exit naming the stuck one
-                self._watchdog = watchdog.Watchdog(self.deployer.hang_timeout_s)
+        with self._watched():
             pm.hook.on_fit_start(trainer=self, n_epochs=n_epochs, steps_per_epoch=steps_per_epoch)
             done = 0 if first_fit else self.step  # updates before this epoch
             for epoch in range(n_epochs):
@@ -558,6 +540,52 @@ class Trainer(compat.TrainerV04):
                     break
             self._fitted = True
             pm.hook.on_fit_end(trainer=self)
+
+    def _plan_steps(self, first_examples, per_device_batch_size: int,
+                    n_epochs: int) -> tuple[int, int]:
+        """Decide the layout on the first examples; ``(examples per update, updates per epoch)``.
+        Warns when the lr schedule spans another number of updates than this fit makes."""
+        self._decide_layout(first_examples, per_device_batch_size)
+        batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
+        examples_per_step = batch_size * self.accumulate_grad_batches
+        steps_per_epoch = n_full_batches(len(first_examples), examples_per_step, "train_examples")
+        total = getattr(self.lr_schedule_fn, "total_steps", None)
+        if total is not None and total != n_epochs * steps_per_epoch:
+            warnings.warn(
+                f"The lr schedule spans {total} updates but this fit makes "
+                f"{n_epochs * steps_per_epoch}, so it will not end at its end value. Pass "
+                f"accumulate_grad_batches={self.accumulate_grad_batches} (and the same batch size "
+                "and epochs) to deployer.get_lr_schedule_fn.", stacklevel=3)
+        self._data_position = {"n_examples": len(first_examples), "jax_seed": self.deployer.jax_seed,
+                               "examples_per_step": examples_per_step}
+        return examples_per_step, steps_per_epoch
+
+    def _start_fit(self, resume: bool, saves_step_ckpts: bool) -> None:
+        """On a trainer's first fit: resume from the last step checkpoint (``resume``), best
+        metrics included, or refuse to write step checkpoints beside an earlier run's."""
+        self._best = {}
+        first_fit = not self._fitted
+        if first_fit and not resume and saves_step_ckpts and checkpointing.step_ckpts(
+                self.deployer.ckpt_dir):
+            raise ValueError(
+                f"{self.deployer.ckpt_dir} holds step checkpoints of an earlier run; with "
+                "resume=False this run's would be mixed with (and pruned against) them. Use a "
+                "new workdir, or delete the old checkpoints first.")
+        meta = self._resume() if resume and first_fit else None
+        if meta:
+            self._best = meta["best"]
+
+    @contextlib.contextmanager
+    def _watched(self):
+        """While training: this run's callbacks registered, SIGTERM/SIGINT caught (save and stop),
+        the hang watchdog running; a lost process named in the error."""
+        for callback in self.callbacks:
+            pm.register(callback)
+        try:
+            self._watch = preemption.Watch()  # SIGTERM, SIGINT: save a checkpoint and stop
+            if self.deployer.hang_timeout_s:  # no step for that long: exit naming the stuck one
+                self._watchdog = watchdog.Watchdog(self.deployer.hang_timeout_s)
+            yield
         except jax.errors.JaxRuntimeError as e:
             if jax.process_count() > 1:
                 raise self.deployer.lost_process_error(e) from e
