@@ -29,12 +29,23 @@ from typing import Callable, ContextManager
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from redco import _private, fsdp
 
-POLICIES = {"none": None, "dots_saveable": jax.checkpoint_policies.dots_saveable,
+MATMUL_OUTPUT = "redco_matmul_output"  # the name ``matmul_output`` gives a value
+
+
+def _or_matmul_outputs(saveable: Callable) -> Callable:
+    """``saveable``, and also keep the values ``matmul_output`` names."""
+    cp = jax.checkpoint_policies
+    return cp.save_from_both_policies(saveable, cp.save_only_these_names(MATMUL_OUTPUT))
+
+
+POLICIES = {"none": None,
+            "dots_saveable": _or_matmul_outputs(jax.checkpoint_policies.dots_saveable),
             "dots_with_no_batch_dims_saveable":
-                jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                _or_matmul_outputs(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
             "full": jax.checkpoint_policies.nothing_saveable}
 
 # A JAX config state, so that jax.jit keys its caches on the policy too (JAX's own
@@ -59,6 +70,16 @@ def current() -> str:
 def policy(name: str | None) -> ContextManager:
     """Layers traced inside follow policy ``name``; ``None`` keeps the policy in force."""
     return contextlib.nullcontext() if name is None else _state(check(name))
+
+
+def matmul_output(x: jax.Array) -> jax.Array:
+    """``x``, which the policies that keep matmul outputs keep as they keep one.
+
+    For a projection computed from several matmuls, e.g. LoRA's ``x @ W + (x @ A) @ B``: compute
+    it inside a ``jax.checkpoint`` that keeps none of its pieces and mark the result, so
+    ``"dots_saveable"`` keeps the one full-size output instead of ``x @ W`` and ``(x @ A) @ B``
+    both (``redco_zoo_models.lora.LoRALinear`` does)."""
+    return checkpoint_name(x, MATMUL_OUTPUT)
 
 
 def layers_traced() -> int:

@@ -10,6 +10,7 @@ checkpoints treat both the same.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -18,11 +19,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from redco import lora as core_lora
+from redco import remat
 from redco_safetensors import torch_name
 
 DEFAULT_TARGETS = core_lora.DEFAULT_TARGETS
+_X_A = "redco_lora_x_a"
+_KEEP_X_A = jax.checkpoint_policies.save_only_these_names(_X_A)
+
+
+def _adapted(x, kernel, a, b, scale: float, precision) -> jax.Array:
+    """``x @ W + ((x @ A) @ B) * scale``, with ``x @ A`` named for ``_KEEP_X_A``."""
+    x_a = checkpoint_name(jnp.dot(x, a, precision=precision), _X_A)
+    low = jnp.dot(x_a, b, precision=precision) * scale
+    return jnp.dot(x, kernel, precision=precision) + low.astype(x.dtype)
 
 
 class LoRALinear(nnx.Linear):
@@ -40,9 +52,16 @@ class LoRALinear(nnx.Linear):
         self.scale = alpha / rank
 
     def __call__(self, x):
-        a, b = self.promote_dtype((self.lora_a[...], self.lora_b[...]), dtype=self.dtype)
-        low = jnp.dot(jnp.dot(x, a, precision=self.precision), b, precision=self.precision)
-        return super().__call__(x) + (low * self.scale).astype(x.dtype)
+        """``x @ W + ((x @ A) @ B) * scale`` (+ bias). What the backward pass may keep of it is
+        the sum, as a matmul output (``redco.remat.matmul_output``), and ``x @ A`` [..., r]:
+        never the two full-size products both, under any remat policy."""
+        x, kernel, a, b = self.promote_dtype(
+            (x, self.kernel[...], self.lora_a[...], self.lora_b[...]), dtype=self.dtype)
+        adapted = functools.partial(_adapted, scale=self.scale, precision=self.precision)
+        y = remat.matmul_output(jax.checkpoint(adapted, policy=_KEEP_X_A)(x, kernel, a, b))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y
 
     def merged(self) -> nnx.Linear:
         """A plain ``nnx.Linear`` with ``W + scale * A @ B``."""
