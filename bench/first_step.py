@@ -157,11 +157,7 @@ def main() -> None:
         times["resume"].append(seconds)
         print(f"repeat {r + 1} resume {seconds:6.2f} s   {line}", flush=True)
         shutil.rmtree(root)
-    cold = statistics.median(times["cold"])
-    print("\n| start | seconds to the first step (median) | / cold |\n| --- | ---: | ---: |")
-    for name, values in times.items():
-        median = statistics.median(values)
-        print(f"| {name} | {median:.2f} | {median / cold:.2f} |")
+    print_table(times, "seconds to the first step")
     if args.aot_preset != "none":
         aot(args.aot_preset, args.repeats)
 
@@ -180,13 +176,22 @@ def aot(preset: str, repeats: int) -> None:
                   f"(compile {row['compile_s']:.2f} s, from the cache: {row['from_cache']})",
                   flush=True)
         shutil.rmtree(cache)
-    cold = statistics.median(times["cold"])
     print(f"\n{preset}, seq {AOT_SEQ_LEN}, AdamW, {devices} (n_model_shards = the "
-          "device count), compiled ahead of time\n"
-          "| start | seconds to a compiled train step (median) | / cold |\n| --- | ---: | ---: |")
+          "device count), compiled ahead of time")
+    print_table(times, "seconds to a compiled train step")
+
+
+def print_table(times: dict[str, list[float]], what: str) -> None:
+    """Per start: the median and range of its seconds, its median over cold's, and the range of
+    the paired ratios (repeat i's start over repeat i's cold start)."""
+    cold = statistics.median(times["cold"])
+    print(f"\n| start | {what}: median [min, max] | median / cold's | paired ratios [min, max] |"
+          "\n| --- | ---: | ---: | ---: |")
     for name, values in times.items():
-        median = statistics.median(values)
-        print(f"| {name} | {median:.2f} | {median / cold:.2f} |")
+        ratios = [v / c for v, c in zip(values, times["cold"])]
+        print(f"| {name} | {statistics.median(values):.2f} [{min(values):.2f}, "
+              f"{max(values):.2f}] | {statistics.median(values) / cold:.2f} | "
+              f"[{min(ratios):.2f}, {max(ratios):.2f}] |")
 
 
 if __name__ == "__main__":
