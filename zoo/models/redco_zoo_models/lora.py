@@ -33,7 +33,7 @@ _KEEP_X_A = jax.checkpoint_policies.save_only_these_names(_X_A)
 def _adapted(x, kernel, a, b, scale: float, precision) -> jax.Array:
     """``x @ W + ((x @ A) @ B) * scale``, with ``x @ A`` named for ``_KEEP_X_A``."""
     x_a = checkpoint_name(jnp.dot(x, a, precision=precision), _X_A)
-    low = jnp.dot(x_a, b, precision=precision) * scale
+    low = jnp.dot(x_a, b * scale, precision=precision)  # scaled B: no full-size product to scale
     return jnp.dot(x, kernel, precision=precision) + low.astype(x.dtype)
 
 
