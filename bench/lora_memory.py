@@ -32,6 +32,7 @@ def naive_lora():
     """``LoRALinear`` computing its projection in plain ``jnp``, nothing marked."""
     import jax.numpy as jnp
     from flax import nnx
+
     from redco_zoo_models.lora import LoRALinear
 
     def call(self, x):
