@@ -158,6 +158,37 @@ def test_memory_analysis_of_the_train_step_shows_no_gradient_or_adam_memory_for_
     assert inside["temp"] < merged["temp"]
 
 
+@pytest.mark.parametrize("policy", ["none", "full"])
+@pytest.mark.parametrize("rows", [3, 16])  # 15 tokens: two products; 80: W + A @ B merged
+def test_the_zoo_projections_gradients_are_those_of_the_plain_formula(policy, rows):
+    """``LoRALinear``'s own backward pass (it keeps only ``x``) gives the gradients of
+    ``x @ W + ((x @ A) @ B) * s`` for x, A, B and, when it is trained too, the kernel W."""
+    from redco_zoo_models.lora import LoRALinear
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    layer = LoRALinear(nnx.Linear(24, 40, rngs=nnx.Rngs(0)), rank=4, alpha=8.0, key=keys[0])
+    layer.lora_b[...] = jax.random.normal(keys[1], (4, 40)) / 4  # B = 0 would hide A's gradient
+    x = jax.random.normal(keys[2], (rows, 5, 24))
+    target = jax.random.normal(keys[3], (rows, 5, 40))
+    plain = lambda w, a, b, bias, x: x @ w + ((x @ a) @ b) * layer.scale + bias  # noqa: E731
+    args = (layer.kernel[...], layer.lora_a[...], layer.lora_b[...], layer.bias[...], x)
+
+    apply_fn, params = split_model(layer)
+
+    def adapted(w, a, b, bias, x):
+        given = {"kernel": w, "lora_a": a, "lora_b": b, "bias": bias}
+        return apply_fn(jax.tree_util.tree_map_with_path(
+            lambda p, _: given[p[0].key], params), x)
+    for forward in (plain, adapted):
+        loss = lambda *p, f=forward: jnp.sum(jnp.sin(redco.remat.layer(  # noqa: E731
+            lambda *q: f(*q))(*p)) * target)
+        with redco.remat.policy(policy):
+            grads = jax.grad(loss, argnums=tuple(range(5)))(*args)
+        if forward is plain:
+            expected = grads
+    for name, got, want in zip(("W", "A", "B", "bias", "x"), grads, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def backward_bytes(cfg, kind: str, policy: str) -> int:
     """Bytes the backward pass keeps of the zoo LLaMA's loss (``jax.vjp``'s residuals, each array
     once, params and inputs not counted) under remat ``policy``: ``"full"`` fine-tuning, or
@@ -192,6 +223,42 @@ def test_a_lora_projection_keeps_what_the_base_projection_keeps_plus_x_a(hidden)
     for policy in redco.remat.POLICIES:
         full, adapted = backward_bytes(cfg, "full", policy), backward_bytes(cfg, "lora", policy)
         assert adapted <= full + x_a, (policy, adapted, full, x_a)
+
+
+def compiled_step_bytes(cfg, kind: str, policy: str) -> tuple[int, int, int]:
+    """``(peak, temp, base param bytes)`` per device of the train step a ``Trainer`` compiles
+    (dp8, two 256-token rows per device) for ``"full"`` fine-tuning or ``"lora"`` (rank 8)."""
+    model = LlamaForCausalLM(cfg, nnx.Rngs(0))
+    if kind == "lora":
+        add_lora(model, rank=8)
+    apply_fn, params = split_model(model)
+    deployer = Deployer(jax_seed=0, n_model_shards=1, verbose=False)
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(1e-3),
+                      remat=policy, trainable=lora.trainable_mask(params) if kind == "lora" else None)
+    rows = np.random.default_rng(0).integers(0, cfg.vocab_size, (16, 257))
+    examples = [{"token_ids": r} for r in rows]
+    trainer.eval_loss(examples, 2)  # decides the layout
+    batch = deployer.make_batch(examples, collate_fn, n_micro=1)
+    m = trainer._train_step.lower(trainer.state, batch).compile().memory_analysis()
+    base = sum(x.size * x.dtype.itemsize for p, x in named_leaves(params) if not lora.is_adapter_path(p))
+    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes, m.temp_size_in_bytes, base)
+
+
+@pytest.mark.parametrize("hidden,layers", [(256, 2), (384, 3)])
+def test_the_compiled_lora_step_peaks_below_full_fine_tuning_by_adams_moments(hidden, layers):
+    """Under every remat policy, the compiled step's peak with LoRA is at least 2x the base's
+    param bytes (AdamW's moments, which LoRA keeps none of) below full fine-tuning's: LoRA's
+    activations and temporaries are no more than full fine-tuning's."""
+    cfg = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4)
+    for policy in redco.remat.POLICIES:
+        full_peak, full_temp, base = compiled_step_bytes(cfg, "full", policy)
+        lora_peak, lora_temp, _ = compiled_step_bytes(cfg, "lora", policy)
+        print(f"{policy}: peak full {full_peak / 2**20:.1f} MB, LoRA {lora_peak / 2**20:.1f} MB; "
+              f"temp full {full_temp / 2**20:.1f}, LoRA {lora_temp / 2**20:.1f}; "
+              f"base {base / 2**20:.1f} MB")
+        assert full_peak - lora_peak >= 2 * base, (policy, full_peak, lora_peak, base)
 
 
 class StepLog:

@@ -1,8 +1,11 @@
 """LoRA inside the zoo's models: each selected ``nnx.Linear`` becomes a ``LoRALinear`` that
-computes ``x @ W + ((x @ A) @ B) * alpha / r``, so no full-size merged kernel, and no full-size
-kernel gradient, is ever made. Its params keep the names of ``redco.lora`` (``q_proj/kernel``,
-``q_proj/lora_a``, ``q_proj/lora_b``): ``redco.lora.trainable_mask``, the sharding rules and
-checkpoints treat both the same.
+computes ``x @ W + ((x @ A) @ B) * alpha / r`` with a backward pass of its own: it keeps only
+``x`` of the activations, makes no gradient for the frozen kernel, and where a step has more
+tokens than the kernel has rows it multiplies by ``W + A @ B``, made afresh in the forward and
+the backward pass, rather than summing two full-size products (XLA fuses such a sum into its
+users and keeps both products instead). Its params keep the names of ``redco.lora``
+(``q_proj/kernel``, ``q_proj/lora_a``, ``q_proj/lora_b``): ``redco.lora.trainable_mask``, the
+sharding rules and checkpoints treat both the same.
 
     add_lora(model, rank=8)                  # in place; split_model(model) then has adapters
     save_pretrained(model, "out")            # merged: a plain HuggingFace model directory
@@ -19,22 +22,59 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from redco import lora as core_lora
 from redco import remat
 from redco_safetensors import torch_name
 
 DEFAULT_TARGETS = core_lora.DEFAULT_TARGETS
-_X_A = "redco_lora_x_a"
-_KEEP_X_A = jax.checkpoint_policies.save_only_these_names(_X_A)
 
 
-def _adapted(x, kernel, a, b, scale: float, precision) -> jax.Array:
-    """``x @ W + ((x @ A) @ B) * scale``, with ``x @ A`` named for ``_KEEP_X_A``."""
-    x_a = checkpoint_name(jnp.dot(x, a, precision=precision), _X_A)
-    low = jnp.dot(x_a, b * scale, precision=precision)  # scaled B: no full-size product to scale
-    return jnp.dot(x, kernel, precision=precision) + low.astype(x.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _adapted(x, kernel, a, b, precision):
+    """``x @ W + (x @ A) @ B`` (``B`` already scaled). Differentiated, its backward pass keeps
+    only ``x`` (and the params) and forms ``W``'s gradient only if it is used; where there are
+    more tokens than the kernel has rows, it multiplies by ``W + A @ B`` (one full-size
+    product, not two whose sum XLA may never store, keeping both instead)."""
+    dot = functools.partial(jnp.dot, precision=precision)
+    return dot(x, kernel) + dot(dot(x, a), b).astype(x.dtype)
+
+
+def _merge_pays(tokens: jax.Array, kernel: jax.Array) -> bool:
+    """Whether ``W + A @ B`` [in, out] is smaller than a product [tokens, out] it saves."""
+    return tokens.size // tokens.shape[-1] >= kernel.shape[0]
+
+
+def _merged(kernel, a, b, tie, precision):
+    """``W + A @ B``, made from ``tie`` as well (times zero): a compiler cannot then share one
+    merged kernel between the forward pass, its recomputation and the backward pass, which
+    would keep a second copy of every adapted kernel alive for the whole step."""
+    b = b + (tie.ravel()[0] * 0).astype(b.dtype)
+    return kernel + jnp.dot(a, b, precision=precision).astype(kernel.dtype)
+
+
+def _adapted_fwd(x, kernel, a, b, precision):
+    if not _merge_pays(x, kernel):
+        return _adapted(x, kernel, a, b, precision), (x, kernel, a, b)
+    y = jnp.dot(x, _merged(kernel, a, b, x, precision), precision=precision)
+    return y, (x, kernel, a, b)
+
+
+def _adapted_bwd(precision, saved, dy):
+    x, kernel, a, b = saved
+    rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731 - [..., n] -> [tokens, n]
+    dot = functools.partial(jnp.dot, precision=precision)
+    d_x_a = dot(dy, b.T)
+    d_x = (dot(dy, _merged(kernel, a, b, dy, precision).T) if _merge_pays(dy, kernel.T)
+           else dot(dy, kernel.T) + dot(d_x_a, a.T))
+    d_a = dot(rows(x).T, rows(d_x_a))
+    d_b = dot(rows(dot(x, a)).T, rows(dy))
+    d_kernel = dot(rows(x).T, rows(dy))  # dead code (dropped by XLA) when the base is frozen
+    return (d_x.astype(x.dtype), d_kernel.astype(kernel.dtype), d_a.astype(a.dtype),
+            d_b.astype(b.dtype))
+
+
+_adapted.defvjp(_adapted_fwd, _adapted_bwd)
 
 
 class LoRALinear(nnx.Linear):
@@ -52,13 +92,13 @@ class LoRALinear(nnx.Linear):
         self.scale = alpha / rank
 
     def __call__(self, x):
-        """``x @ W + ((x @ A) @ B) * scale`` (+ bias). What the backward pass may keep of it is
-        the sum, as a matmul output (``redco.remat.matmul_output``), and ``x @ A`` [..., r]:
-        never the two full-size products both, under any remat policy."""
+        """``x @ W + ((x @ A) @ B) * scale`` (+ bias), with ``B * scale`` (rank r) rather than
+        the full-size product scaled. The backward pass keeps ``x`` and, under a policy that
+        keeps matmul outputs, the output (``redco.remat.matmul_output``): never two full-size
+        products, and no gradient for a frozen ``W``."""
         x, kernel, a, b = self.promote_dtype(
             (x, self.kernel[...], self.lora_a[...], self.lora_b[...]), dtype=self.dtype)
-        adapted = functools.partial(_adapted, scale=self.scale, precision=self.precision)
-        y = remat.matmul_output(jax.checkpoint(adapted, policy=_KEEP_X_A)(x, kernel, a, b))
+        y = remat.matmul_output(_adapted(x, kernel, a, b * self.scale, self.precision))
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y
