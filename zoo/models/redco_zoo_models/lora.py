@@ -46,17 +46,20 @@ def _merge_pays(tokens: jax.Array, kernel: jax.Array) -> bool:
 
 
 def _merged(kernel, a, b, tie, precision):
-    """``W + A @ B``, made from ``tie`` as well (times zero): a compiler cannot then share one
-    merged kernel between the forward pass, its recomputation and the backward pass, which
-    would keep a second copy of every adapted kernel alive for the whole step."""
-    b = b + (tie.ravel()[0] * 0).astype(b.dtype)
+    """``W + A @ B``; given a ``tie``, made from its first element too (times zero), so that XLA
+    cannot share one merged kernel between two passes (the forward pass and the backward pass,
+    or its recomputation), keeping a second copy of the adapted kernels alive all step long.
+    Where ``tie`` is sharded, that element costs a scalar all-reduce."""
+    if tie is not None:
+        b = b + (tie[(0,) * tie.ndim] * 0).astype(b.dtype)
     return kernel + jnp.dot(a, b, precision=precision).astype(kernel.dtype)
 
 
 def _adapted_fwd(x, kernel, a, b, precision):
     if not _merge_pays(x, kernel):
         return _adapted(x, kernel, a, b, precision), (x, kernel, a, b)
-    y = jnp.dot(x, _merged(kernel, a, b, x, precision), precision=precision)
+    tie = x if remat.current() == "full" else None  # "full" runs this again in the backward
+    y = jnp.dot(x, _merged(kernel, a, b, tie, precision), precision=precision)
     return y, (x, kernel, a, b)
 
 
