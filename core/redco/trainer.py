@@ -422,6 +422,21 @@ class Trainer(compat.TrainerV04):
         self.deployer.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step)
         pm.hook.on_step_end(trainer=self, step=step, metrics=metrics)
 
+    def compile_train_step(self, examples: Sequence,
+                           per_device_batch_size: int) -> jax.stages.Compiled:
+        """The train step this Trainer runs on batches of ``per_device_batch_size`` rows per
+        device (``accumulate_grad_batches`` micro-batches of them), compiled ahead of time for
+        the first such batch of ``examples`` and not run. Ask it what a device holds
+        (``.memory_analysis()``) and computes (``.cost_analysis()``) before a long run. The
+        layout is decided here as at the first batch; the later run compiles its own copy."""
+        self._decide_layout(examples, per_device_batch_size)
+        batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
+        batch_size *= self.accumulate_grad_batches
+        n_full_batches(len(examples), batch_size, "examples")
+        batch = self.deployer.make_batch(list(examples[:batch_size]), self.collate_fn,
+                                         n_micro=self.accumulate_grad_batches)
+        return self._train_step.lower(self.state, batch).compile()
+
     def eval_loss(self, examples: Sequence, per_device_batch_size: int,
                   desc: str | None = None) -> float:
         """Mean loss over every example; the last partial batch counts by its size."""

@@ -30,6 +30,23 @@ def test_eval_loss_counts_every_example_by_size(workdir):
     np.testing.assert_allclose(loss, np.mean(per_example), rtol=1e-6)
 
 
+def test_compile_train_step_analyses_the_step_fit_runs_without_running_it(workdir):
+    """The step for 4 rows per device and 2 micro-batches, compiled ahead of time: XLA's memory
+    and FLOPs per device, no update made; too few examples is refused naming the fix."""
+    trainer = make_trainer(workdir, accumulate_grad_batches=2)
+    with pytest.raises(ValueError, match="Lower per_device_batch_size"):
+        trainer.compile_train_step(mlp_examples(31), 4)  # 4 dp x 4 rows x 2 micro-batches: 32
+    before = jax.device_get(trainer.params)
+    compiled = trainer.compile_train_step(mlp_examples(32), 4)
+    assert compiled.memory_analysis().argument_size_in_bytes > 0
+    assert compiled.cost_analysis()["flops"] > 0
+    assert trainer.step == 0
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(trainer.params))):
+        np.testing.assert_array_equal(a, b)
+    trainer.fit(mlp_examples(32), per_device_batch_size=4, n_epochs=1)
+    assert trainer.step == 1
+
+
 def test_predict_returns_one_output_per_example_in_order(workdir):
     trainer = make_trainer(workdir)
     examples = mlp_examples(21)

@@ -131,9 +131,7 @@ def test_the_frozen_base_has_no_optimizer_state():
 def train_step_memory(apply_fn, params, trainable=None) -> dict:
     """Per-device bytes of the compiled train step on dp4 x mp2 (XLA's memory analysis)."""
     trainer = trainer_for(apply_fn, params, trainable)
-    trainer.eval_loss(EXAMPLES[:8], 1)
-    batch = trainer.deployer.make_batch(EXAMPLES[:8], collate_fn, n_micro=1)
-    analysis = trainer._train_step.lower(trainer.state, batch).compile().memory_analysis()
+    analysis = trainer.compile_train_step(EXAMPLES[:8], 1).memory_analysis()
     return {"arguments": analysis.argument_size_in_bytes, "temp": analysis.temp_size_in_bytes}
 
 
@@ -236,10 +234,7 @@ def compiled_step_bytes(cfg, kind: str, policy: str) -> tuple[int, int, int]:
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(1e-3),
                       remat=policy, trainable=lora.trainable_mask(params) if kind == "lora" else None)
     rows = np.random.default_rng(0).integers(0, cfg.vocab_size, (16, 257))
-    examples = [{"token_ids": r} for r in rows]
-    trainer.eval_loss(examples, 2)  # decides the layout
-    batch = deployer.make_batch(examples, collate_fn, n_micro=1)
-    m = trainer._train_step.lower(trainer.state, batch).compile().memory_analysis()
+    m = trainer.compile_train_step([{"token_ids": r} for r in rows], 2).memory_analysis()
     base = sum(x.size * x.dtype.itemsize for p, x in named_leaves(params) if not lora.is_adapter_path(p))
     return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
             + m.temp_size_in_bytes, m.temp_size_in_bytes, base)

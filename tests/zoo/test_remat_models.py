@@ -57,12 +57,10 @@ def test_each_policy_keeps_less_and_recomputes_more():
     policy, the model untouched. Measured: temp 1.61, 1.11, 0.71 MB; 23.9, 25.4, 30.8 MFLOP."""
     t = trainer(None)
     examples = token_examples(8, 128)
-    t._decide_layout(examples, 1)
-    batch = t.deployer.make_batch(examples[:t.deployer.dp_size], collate_fn, n_micro=1)
     stats = []
     for policy in ("none", "dots_saveable", "full"):
         with remat.policy(policy):  # jit's caches are keyed on it: each compiles anew
-            compiled = t._train_step.lower(t.state, batch).compile()
+            compiled = t.compile_train_step(examples, 1)
         stats.append((compiled.memory_analysis().temp_size_in_bytes,
                       compiled.cost_analysis()["flops"]))
     (none, none_flops), (dots, dots_flops), (full, full_flops) = stats
