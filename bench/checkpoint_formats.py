@@ -8,7 +8,7 @@ all-zero moments would flatter it). Timed, each ``--repeats`` times (median repo
 untimed save and restore of the rng alone (each format's one-time setup):
 
 * save: ``trainer.save_step_ckpt(0)`` into an empty checkpoint directory;
-* restore: ``deployer.load_ckpt(path, trainer._ckpt_tree())`` until every array is ready, onto
+* restore: ``deployer.load_ckpt(path, trainer.ckpt_tree())`` until every array is ready, onto
   the same layout, and onto another (a dp2 x mp4 trainer's target).
 
 Both include what redco adds around the format: the sha256 of every file (computed at save,
@@ -86,7 +86,7 @@ def disk_bytes(path: str) -> int:
 
 def bench_format(fmt, root, params, apply_fn, other_target, repeats) -> dict:
     trainer = make_trainer(os.path.join(root, fmt), fmt, 2, params, apply_fn)
-    saved = trainer._ckpt_tree()
+    saved = trainer.ckpt_tree()
     warmup = trainer.deployer.save_ckpt("warmup", {"rng": saved["rng"]}, {})  # one-time setup
     jax.block_until_ready(trainer.deployer.load_ckpt(warmup, {"rng": saved["rng"]}))
     runs = {"save": [], "restore": [], "restore other": [], "sha256": []}
@@ -127,7 +127,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="redco-ckpt-bench-", dir=args.workdir) as root:
         other = make_trainer(os.path.join(root, "other"), "orbax", 4, params, apply_fn)
         other_target = jax.tree.map(  # its layout only, so that its arrays can be freed
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), other._ckpt_tree())
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), other.ckpt_tree())
         del other
         gc.collect()
         array_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(other_target))

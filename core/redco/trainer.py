@@ -450,7 +450,9 @@ class Trainer(compat.TrainerV04):
             losses.append((self._eval_step(self.state, batch), len(chunk)))
         return sum(float(loss) * n for loss, n in losses) / len(examples)
 
-    def _ckpt_tree(self) -> dict:
+    def ckpt_tree(self) -> dict:
+        """What a step checkpoint holds of the state (params, optimizer state, rng), as placed
+        on the devices: ``deployer.load_ckpt(path, trainer.ckpt_tree())`` restores onto it."""
         return {"params": self.state.params, "opt_state": self.state.opt_state,
                 "rng": self.state.rng}
 
@@ -459,7 +461,7 @@ class Trainer(compat.TrainerV04):
         ``keep_last_ckpts`` of them."""
         step = self.step
         with self.hang_watch_paused():
-            path = self.deployer.save_ckpt(f"step_{step}", self._ckpt_tree(), {
+            path = self.deployer.save_ckpt(f"step_{step}", self.ckpt_tree(), {
                 "step": step, "epoch": epoch, "best": self._best, "data": self._data_position})
             checkpointing.prune(self.deployer.ckpt_dir, keep_last_ckpts)
             pm.hook.on_checkpoint_saved(trainer=self, path=path, step=step)
@@ -485,7 +487,7 @@ class Trainer(compat.TrainerV04):
                 f"Cannot resume from {found[-1]}: {'; '.join(changed)}, so this run would not "
                 "see the examples the interrupted one would have. Rerun with the same data and "
                 "settings, use a new workdir, or pass fit(resume=False) to start over.")
-        tree, meta = self.deployer.load_ckpt(found[-1], self._ckpt_tree())
+        tree, meta = self.deployer.load_ckpt(found[-1], self.ckpt_tree())
         self.state = self.state.replace(step=self._placed_step(meta["step"]), **tree)
         self.deployer.forget_metrics_after(meta["step"])
         self.deployer.log_info(f"Resumed from {found[-1]} (step {meta['step']}).")

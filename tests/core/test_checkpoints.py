@@ -23,7 +23,7 @@ def saved(tmp_path_factory):
     """A trained LM's orbax step checkpoint, written on dp4 x mp2: ``(path, {name: array})``."""
     trainer = lm_trainer(str(tmp_path_factory.mktemp("orbax")), 2, "orbax")
     trainer.fit(lm_examples(32), 2, n_epochs=1)
-    return trainer.save_step_ckpt(0), host(trainer._ckpt_tree())
+    return trainer.save_step_ckpt(0), host(trainer.ckpt_tree())
 
 
 # ---- clear errors ----------------------------------------------------------------------------
@@ -32,12 +32,12 @@ def test_a_checkpoint_of_another_model_names_the_first_mismatch(saved, tmp_path)
     cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
     trainer = placed(lm_trainer(str(tmp_path), model=split_model(LlamaForCausalLM(cfg, nnx.Rngs(0)))))
-    name, shape = next((n, np.shape(x)) for n, x in named_leaves(trainer._ckpt_tree())
+    name, shape = next((n, np.shape(x)) for n, x in named_leaves(trainer.ckpt_tree())
                        if np.shape(x) != want[n].shape)
     assert "mlp" in name
     message = f"{name} has shape {want[name].shape} in the checkpoint but {shape} here"
     with pytest.raises(ValueError, match=re.escape(message)):
-        trainer.deployer.load_ckpt(path, trainer._ckpt_tree())
+        trainer.deployer.load_ckpt(path, trainer.ckpt_tree())
 
 
 def test_a_missing_or_unfinished_checkpoint_is_named(saved, tmp_path):
@@ -168,15 +168,15 @@ def test_a_third_party_format_registers_through_entry_points(tmp_path, monkeypat
         path = os.path.join(trainer.deployer.ckpt_dir, "step_4")
         assert os.listdir(os.path.join(path, "state")) == ["arrays.npz"]
         other = placed(lm_trainer(str(tmp_path / "other"), n_model_shards=4))
-        tree, meta = other.deployer.load_ckpt(path, other._ckpt_tree())
+        tree, meta = other.deployer.load_ckpt(path, other.ckpt_tree())
         assert meta["format"] == "npz"
-        assert_bit_equal(host(tree), host(trainer._ckpt_tree()))
+        assert_bit_equal(host(tree), host(trainer.ckpt_tree()))
         # A reader that fails on intact files: the error says so, and nothing is deleted.
         npz_format = type(plugins.lookup("checkpoint_formats", "npz"))
         monkeypatch.setattr(npz_format, "load", lambda self, path, target: {}["no such array"])
         with pytest.raises(ValueError, match=r"as a npz checkpoint \(KeyError.*Its files are "
                                              r"intact.*check the target's dtypes and shardings"):
-            other.deployer.load_ckpt(path, other._ckpt_tree())
+            other.deployer.load_ckpt(path, other.ckpt_tree())
         assert os.listdir(os.path.join(path, "state")) == ["arrays.npz"]
     finally:
         plugins.pm.unregister(name="npz")

@@ -32,7 +32,7 @@ def saved(fmt, tmp_path_factory):
     """A trained LM's step checkpoint in ``fmt``, written on dp4 x mp2: ``(path, {name: array})``."""
     trainer = lm_trainer(str(tmp_path_factory.mktemp(fmt)), 2, fmt)
     trainer.fit(lm_examples(32), 2, n_epochs=1)
-    return trainer.save_step_ckpt(0), host(trainer._ckpt_tree())
+    return trainer.save_step_ckpt(0), host(trainer.ckpt_tree())
 
 
 def test_the_format_is_registered_by_its_distribution(fmt):
@@ -59,7 +59,7 @@ def test_restores_onto_any_layout_bit_equal(saved, layout, tmp_path):
         tree, meta = checkpointing.load(path, on_one_device(target))
     else:
         trainer = placed(lm_trainer(str(tmp_path), 4 if layout == "dp2xmp4" else 8))
-        tree, meta = trainer.deployer.load_ckpt(path, trainer._ckpt_tree())
+        tree, meta = trainer.deployer.load_ckpt(path, trainer.ckpt_tree())
         assert tree["params"]["lm_head"]["kernel"].sharding.spec == trainer.state_shardings.params[
             "lm_head"]["kernel"].spec
     assert meta["step"] == 4
