@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 from typing import Any, Callable, Sequence
@@ -518,18 +519,16 @@ class Trainer(compat.TrainerV04):
         check_fit_numbers(n_epochs, keep_last_ckpts, save_every_n_steps, eval_per_device_batch_size,
                           per_device_batch_size)
         first_examples = compat.examples_of_epoch(train_examples, 0)
-        eval_batch_size = eval_per_device_batch_size or per_device_batch_size
-        metric_names = [*(save_argmin_ckpt_by_metrics or ()), *(save_argmax_ckpt_by_metrics or ())]
-        if eval_examples is not None:
-            self._check_eval_inputs(eval_examples, eval_batch_size, eval_loss, eval_predictor,
-                                    eval_metric_fn, metric_names if eval_sanity_check else [])
+        evaluate, sanity_check = self._plan_eval(
+            eval_examples, eval_per_device_batch_size or per_device_batch_size, eval_loss,
+            eval_predictor, eval_metric_fn, save_argmin_ckpt_by_metrics,
+            save_argmax_ckpt_by_metrics, eval_sanity_check)
         examples_per_step, steps_per_epoch = self._plan_steps(first_examples, per_device_batch_size,
                                                               n_epochs)
         first_fit = not self._fitted
         self._start_fit(resume, save_last_ckpt or bool(save_every_n_steps))
-        if eval_sanity_check and eval_examples is not None:
-            self._sanity_check(eval_examples, eval_batch_size, eval_loss, eval_predictor,
-                               eval_metric_fn, metric_names)
+        if sanity_check is not None:
+            sanity_check()
         with self._watched():
             pm.hook.on_fit_start(trainer=self, n_epochs=n_epochs, steps_per_epoch=steps_per_epoch)
             done = 0 if first_fit else self.step  # updates before this epoch
@@ -544,19 +543,41 @@ class Trainer(compat.TrainerV04):
                                  keep_last_ckpts=keep_last_ckpts,
                                  desc=f"epoch {epoch + 1}/{n_epochs}")
                 done += n_steps
-                with self.hang_watch_paused():
-                    if eval_examples is not None:
-                        self._evaluate(epoch, eval_examples, eval_batch_size, eval_loss,
-                                       eval_predictor, eval_metric_fn,
-                                       save_argmin_ckpt_by_metrics, save_argmax_ckpt_by_metrics)
-                    if save_last_ckpt or save_every_n_steps:
-                        self.save_step_ckpt(epoch, keep_last_ckpts)
-                    v04.epoch_end(self, epoch)
+                self._end_epoch(epoch, evaluate, save_last_ckpt or bool(save_every_n_steps),
+                                keep_last_ckpts, v04)
                 if self._stop_reason:
                     self.deployer.log_info(f"Stopping early: {self._stop_reason}")
                     break
             self._fitted = True
             pm.hook.on_fit_end(trainer=self)
+
+    def _plan_eval(self, examples, per_device_batch_size: int, eval_loss: bool, predictor,
+                   metric_fn, argmin_metrics, argmax_metrics, sanity_check: bool):
+        """``(evaluate(epoch), sanity check)`` for fit, None without ``examples``; the inputs
+        (and, with the sanity check, the metric names) are checked now, before compiling."""
+        if examples is None:
+            return None, None
+        metric_names = [*(argmin_metrics or ()), *(argmax_metrics or ())]
+        self._check_eval_inputs(examples, per_device_batch_size, eval_loss, predictor, metric_fn,
+                                metric_names if sanity_check else [])
+        evaluate = functools.partial(
+            self._evaluate, examples=examples, per_device_batch_size=per_device_batch_size,
+            eval_loss=eval_loss, predictor=predictor, metric_fn=metric_fn,
+            argmin_metrics=argmin_metrics, argmax_metrics=argmax_metrics)
+        check = functools.partial(self._sanity_check, examples, per_device_batch_size, eval_loss,
+                                  predictor, metric_fn, metric_names)
+        return evaluate, check if sanity_check else None
+
+    def _end_epoch(self, epoch: int, evaluate: Callable | None, save_ckpt: bool,
+                   keep_last_ckpts: int, v04: compat.FitOptionsV04) -> None:
+        """After an epoch's updates, with the hang watch paused: evaluate (and keep the best
+        checkpoints), save the step checkpoint if asked, and Redco 0.4's per-epoch options."""
+        with self.hang_watch_paused():
+            if evaluate is not None:
+                evaluate(epoch)
+            if save_ckpt:
+                self.save_step_ckpt(epoch, keep_last_ckpts)
+            v04.epoch_end(self, epoch)
 
     def _plan_steps(self, first_examples, per_device_batch_size: int,
                     n_epochs: int) -> tuple[int, int]:
