@@ -294,8 +294,21 @@ class Bench:
         self.reference_cache: dict = {}
 
     def step(self, loss_fn):
-        from redco_planner.planner import step_fn
-        return step_fn(loss_fn, self.optimizer)
+        """``(params, opt_state, batch) -> (params, opt_state, loss)``: Trainer's own step
+        (``redco.train_step``), one micro-batch, step 0."""
+        import jax
+        import jax.numpy as jnp
+
+        from redco.train_step import TrainState, make_train_step, step_loss
+        step = make_train_step(step_loss(lambda rng, state, params, batch, is_training:
+                                         loss_fn(params, batch)), self.optimizer)
+
+        def plain(params, opt_state, batch):
+            state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                               rng=jax.random.PRNGKey(0), apply_fn=None)
+            state, metrics = step(state, jax.tree.map(lambda x: x[None], batch))
+            return state.params, state.opt_state, metrics["loss"]
+        return plain
 
     def compile(self, model, mesh, specs, rows: int):
         import jax

@@ -259,7 +259,8 @@ class Deployer(DeployerV04):
                       plan: tuple | None = None) -> Rules:
         """Fix the mesh and the final rules of ``params``, once, at the first batch ``fit`` (or
         ``predict``) sees. ``n_model_shards="auto"``: the ``auto`` layout planner (plugin
-        ``redco-planner``) compiles ``plan = (loss, batch, optimizer[, remat, trainable])`` per
+        ``redco-planner``) compiles ``plan = (loss, batch, optimizer[, remat, trainable,
+        accumulate_grad_batches])`` per
         candidate layout (and, with ``remat`` None, per remat policy: the pick is ``self.layout``).
         A plain list of ``rules`` is used as given; ``None`` or ``RuleSetRules`` give the rule
         set's rules read off ``trace_fn``'s dataflow (a ``redco.dataflow.DataflowError`` if the
@@ -279,14 +280,17 @@ class Deployer(DeployerV04):
         return final
 
     def _plan(self, params: Any, loss: Callable, batch: Any, optimizer,
-              remat: str | None = None, trainable: Any = None) -> Rules:
+              remat: str | None = None, trainable: Any = None,
+              accumulate_grad_batches: int = 1) -> Rules:
         """Ask the ``auto`` layout planner; keep its pick (``self.layout``) and fix the mesh.
-        ``remat``: the Trainer's policy, or None to let the planner pick one; ``trainable``:
-        the Trainer's mask (LoRA), passed to planners that take one."""
+        ``remat``: the Trainer's policy, or None to let the planner pick one; ``trainable``
+        (the Trainer's mask, LoRA) and ``accumulate_grad_batches`` go to planners that take
+        them."""
         rule_sets = [self._rules_name] if self._rules_name != "auto" else ["auto", "auto+fsdp"]
         planner = plugins.lookup("layout_planners", "auto")
         takes = inspect.signature(planner.plan).parameters
-        extra = {name: value for name, value in (("remat", remat), ("trainable", trainable))
+        extra = {name: value for name, value in (("remat", remat), ("trainable", trainable),
+                                                 ("accumulate_grad_batches", accumulate_grad_batches))
                  if name in takes}
         picked = planner.plan(self, params, loss, batch, optimizer, rule_sets, **extra)
         self.layout = picked

@@ -7,46 +7,23 @@ import time
 import warnings
 from typing import Any, Callable, Sequence
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import tqdm
 
-from redco import _private, checkpointing, compat, compile_cache, fsdp, lora, preemption, watchdog
+from redco import checkpointing, compat, compile_cache, preemption, watchdog
 from redco import remat as redco_remat
-from redco.data import by_name, cast_floats, check_array_leaves, check_collated, check_number, n_full_batches
+from redco.data import by_name, check_array_leaves, check_collated, check_number, n_full_batches
 from redco.deployer import Deployer
 from redco.plugins import pm
 from redco.predictor import Predictor
 from redco.sharding import Rules, dataflow_trace, opt_state_shardings
+from redco.train_step import (TrainState, input_tokens, make_train_step, split, step_loss,
+                              unwrap_multisteps)
 
 LOSS_ARGS = ("rng", "state", "params", "batch", "is_training")
-
-
-@flax.struct.dataclass
-class TrainState:
-    """What ``loss_fn`` sees as ``state``: ``state.apply_fn`` is the model given to Trainer.
-    Step ``i`` draws its randomness from ``fold_in(rng, i)``."""
-    step: jax.Array
-    params: Any
-    opt_state: Any
-    rng: jax.Array
-    apply_fn: Callable = flax.struct.field(pytree_node=False)
-
-
-def unwrap_multisteps(optimizer, accumulate_grad_batches: int):
-    """Trainer accumulates inside its step; an ``optax.MultiSteps`` wrapper (as in the paper's
-    script) would accumulate a second time, so take its inner optimizer instead."""
-    if not isinstance(optimizer, optax.MultiSteps):
-        return optimizer
-    every_k = _private.multisteps_every_k(optimizer)
-    if every_k != accumulate_grad_batches:
-        raise ValueError(f"optax.MultiSteps(every_k_schedule={every_k}) disagrees with "
-                         f"accumulate_grad_batches={accumulate_grad_batches}. Pass the plain "
-                         "optimizer and set accumulate_grad_batches only.")
-    return optimizer.inner_opt
 
 
 def place_copy(tree: Any, shardings: Any) -> Any:
@@ -100,6 +77,10 @@ class Trainer(compat.TrainerV04):
       trainable: a pytree of bools like ``params`` (e.g. ``redco.lora``'s mask): only the
         leaves marked True are differentiated, updated and given optimizer state; the rest is
         frozen, with no gradient memory. By default everything trains.
+      count_tokens: ``micro_batch -> number`` (traced, inside the step), the tokens a batch
+        counts for the logged tokens/s; by default every position of ``input_ids`` (and
+        ``decoder_input_ids``). E.g. ``lambda b: (b["labels"] != -100).sum()`` counts the
+        tokens the loss sees. None: no token count.
 
     Redco 0.4.x's keywords are accepted too (``last_ckpt_info``, ``train_step_fn``, ...; see
     ``redco/compat.py``).
@@ -114,7 +95,8 @@ class Trainer(compat.TrainerV04):
                  opt_state: Any = None, compute_dtype: Any = None,
                  lr_schedule_fn: Callable | None = None, accumulate_grad_batches: int | None = 1,
                  params_sharding_rules: Rules | None = None, callbacks: Sequence[Any] = (),
-                 remat: str | None = None, trainable: Any = None, **v04_options):
+                 remat: str | None = None, trainable: Any = None,
+                 count_tokens: Callable | None = input_tokens, **v04_options):
         v04 = compat.trainer_options(v04_options)
         accumulate_grad_batches = check_number("accumulate_grad_batches",
                                                accumulate_grad_batches or 1, 1)
@@ -139,6 +121,7 @@ class Trainer(compat.TrainerV04):
         self.compute_dtype = compute_dtype
         self.remat = remat if remat is None else redco_remat.check(remat)
         self.lr_schedule_fn = lr_schedule_fn
+        self.count_tokens = count_tokens
         self.accumulate_grad_batches = accumulate_grad_batches
         self.callbacks = list(callbacks)
         self._stop_reason = None
@@ -165,8 +148,7 @@ class Trainer(compat.TrainerV04):
             raise ValueError("trainable marks no param as trainable: nothing would train.")
 
     def _split(self, tree) -> tuple[Any, Any]:
-        """``(trainable part, frozen part)`` of a params-shaped tree (frozen None: no mask)."""
-        return (tree, None) if self.trainable is None else lora.partition(tree, self.trainable)
+        return split(tree, self.trainable)
 
     # ---- the layout, decided once; the state, placed once -------------------------------------
     def _decide_layout(self, examples: Sequence, per_device_batch_size: int) -> None:
@@ -198,7 +180,8 @@ class Trainer(compat.TrainerV04):
                              "e.g. with jnp.mean(...), before returning.")
         self.params_sharding_rules = self.deployer.decide_layout(
             start["params"], self.params_sharding_rules, trace_fn=dataflow_trace(loss, batch),
-            plan=(loss, batch, self.optimizer, self.remat, self.trainable))
+            plan=(loss, batch, self.optimizer, self.remat, self.trainable,
+                  self.accumulate_grad_batches))
         self._adopt_planned_remat()
         self.state, self.state_shardings = self._place_state(**start)
         self._start = None
@@ -212,7 +195,9 @@ class Trainer(compat.TrainerV04):
             self.deployer.log_info(f"Trainer: remat={self.remat!r}, as planned")
 
     def _jit_steps(self) -> None:
-        step = compat.flax_train_step(self.train_step_fn, self) if self.train_step_fn else self._step
+        step = compat.flax_train_step(self.train_step_fn, self) if self.train_step_fn else \
+            make_train_step(self._loss, self.optimizer, self.trainable,
+                            self.accumulate_grad_batches, self.lr_schedule_fn, self.count_tokens)
         self._train_step = jax.jit(
             step, in_shardings=(self.state_shardings, None),
             out_shardings=(self.state_shardings, self.deployer.replicated), donate_argnums=0)
@@ -309,38 +294,9 @@ class Trainer(compat.TrainerV04):
     def _loss(self, params, state, batch, rng, is_training: bool, per_device: bool = False):
         """``loss_fn`` under the step's remat policy and FSDP gathers (none ``per_device``:
         inside a ``shard_map``, where params are a device's own copy)."""
-        params = cast_floats(params, self.compute_dtype)
-        batch = jax.tree.map(lambda x: x, batch)  # a fresh dict: loss_fn may pop from it
         shardings = None if per_device or self.state_shardings is None else self.state_shardings.params
-        with redco_remat.policy(self.remat), fsdp.gathering(params, shardings):
-            return self.loss_fn(rng, state, params, batch, is_training)
-
-    def _step(self, state: TrainState, batch):
-        """One optimizer update over ``accumulate_grad_batches`` micro-batches (leading axis)."""
-        rng = jax.random.fold_in(state.rng, state.step)
-        trainable, frozen = self._split(state.params)  # only the trainable part is differentiated
-        join = (lambda t: t) if frozen is None else (lambda t: lora.combine(t, frozen))
-        grad_fn = jax.value_and_grad(lambda t, *args: self._loss(join(t), *args))
-
-        def micro_step(carry, inputs):
-            i, micro_batch = inputs
-            loss, grads = grad_fn(trainable, state, micro_batch, jax.random.fold_in(rng, i), True)
-            return jax.tree.map(jnp.add, carry, (loss, grads)), None
-
-        k = self.accumulate_grad_batches
-        if k == 1:
-            loss, grads = grad_fn(trainable, state, jax.tree.map(lambda x: x[0], batch), rng, True)
-        else:
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, trainable))
-            (loss, grads), _ = jax.lax.scan(micro_step, zeros, (jnp.arange(k), batch))
-            loss, grads = loss / k, jax.tree.map(lambda g: g / k, grads)
-
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, trainable)
-        params = join(optax.apply_updates(trainable, updates))
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
-        if self.lr_schedule_fn is not None:
-            metrics["lr"] = self.lr_schedule_fn(state.step)
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        return step_loss(self.loss_fn, shardings, self.compute_dtype, self.remat)(
+            params, state, batch, rng, is_training)
 
     def _eval_loss(self, state: TrainState, batch):
         return self._loss(state.params, state, batch, state.rng, False)
@@ -423,20 +379,26 @@ class Trainer(compat.TrainerV04):
         self.deployer.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step)
         pm.hook.on_step_end(trainer=self, step=step, metrics=metrics)
 
-    def compile_train_step(self, examples: Sequence,
-                           per_device_batch_size: int) -> jax.stages.Compiled:
+    def lower_train_step(self, examples: Sequence, per_device_batch_size: int) -> jax.stages.Lowered:
         """The train step this Trainer runs on batches of ``per_device_batch_size`` rows per
-        device (``accumulate_grad_batches`` micro-batches of them), compiled ahead of time for
-        the first such batch of ``examples`` and not run. Ask it what a device holds
-        (``.memory_analysis()``) and computes (``.cost_analysis()``) before a long run. The
-        layout is decided here as at the first batch; the later run compiles its own copy."""
+        device (``accumulate_grad_batches`` micro-batches of them), traced and lowered for the
+        first such batch of ``examples``, not compiled: ``.as_text()`` is its StableHLO,
+        ``.cost_analysis()["flops"]`` the FLOPs of one update over the whole batch. The layout is
+        decided here as at the first batch."""
         self._decide_layout(examples, per_device_batch_size)
         batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
         batch_size *= self.accumulate_grad_batches
         n_full_batches(len(examples), batch_size, "examples")
         batch = self.deployer.make_batch(list(examples[:batch_size]), self.collate_fn,
                                          n_micro=self.accumulate_grad_batches)
-        return self._train_step.lower(self.state, batch).compile()
+        return self._train_step.lower(self.state, batch)
+
+    def compile_train_step(self, examples: Sequence,
+                           per_device_batch_size: int) -> jax.stages.Compiled:
+        """``lower_train_step(...)`` compiled ahead of time and not run. Ask it what a device
+        holds (``.memory_analysis()``) and computes (``.cost_analysis()``) before a long run;
+        the later run compiles its own copy."""
+        return self.lower_train_step(examples, per_device_batch_size).compile()
 
     def eval_loss(self, examples: Sequence, per_device_batch_size: int,
                   desc: str | None = None) -> float:

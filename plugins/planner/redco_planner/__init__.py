@@ -35,16 +35,19 @@ class AutoLayoutPlanner(LayoutPlanner):
     """
 
     def plan(self, deployer: Any, params: Any, loss: Callable, batch: Any, optimizer: Any,
-             rule_sets: list[str], remat: str | None = None, trainable: Any = None) -> Layout:
+             rule_sets: list[str], remat: str | None = None, trainable: Any = None,
+             accumulate_grad_batches: int = 1) -> Layout:
         """``remat`` None (the Trainer's own is None): try ``planner.REMAT_POLICIES``, least
         recompute first; else plan with that policy alone. ``trainable``: the Trainer's mask
-        (LoRA): the frozen leaves are measured without gradients or optimizer state."""
+        (LoRA): the frozen leaves are measured without gradients or optimizer state.
+        ``accumulate_grad_batches``: micro-batches per update, each of ``batch``'s rows."""
         from redco_planner import planner
         memory = planner.device_memory_bytes(deployer)
         policies = planner.REMAT_POLICIES if remat is None else (remat,)
         result = planner.plan(params, loss, batch, len(deployer.devices), memory,
                               optimizer=optimizer, rule_sets=rule_sets, log=deployer.log_info,
-                              remat_policies=policies, trainable=trainable)
+                              remat_policies=policies, trainable=trainable,
+                              accumulate_grad_batches=accumulate_grad_batches)
         deployer.log_info(f"why: {result.reason}")
         deployer.layout_plan = result
         return Layout(result.n_model_shards, result.sharding_rules, result.rules, result.remat)

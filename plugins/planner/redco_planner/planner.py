@@ -45,10 +45,11 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from redco import fsdp, plugins, sharding
+from redco import plugins, sharding
 from redco import lora as redco_lora
 from redco import remat as redco_remat
 from redco.sharding import Rules, dataflow_trace, opt_state_shardings, shardings_from_specs, specs_from_rules
+from redco.train_step import TrainState, make_train_step, split, step_loss
 from redco_planner.inspection import LoraModel, human_bytes, n_positional, parse_bytes
 
 HEADROOM = 0.1  # the fraction of device memory a plan leaves free; see the module docstring
@@ -200,30 +201,17 @@ def global_batch(batch_abstract, dp: int):
                                                        x.dtype), batch_abstract)
 
 
-def split(tree, trainable):
-    """``(trainable part, frozen part)`` as ``Trainer(trainable=...)`` splits (no mask: all)."""
-    return (tree, None) if trainable is None else redco_lora.partition(tree, trainable)
+def train_state(params, opt_state, apply_fn: Callable | None = None) -> TrainState:
+    """A ``TrainState`` of ``params`` and ``opt_state`` at step 0 (abstract where they are)."""
+    return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                      opt_state=opt_state, rng=jax.eval_shape(lambda: jax.random.PRNGKey(0)),
+                      apply_fn=apply_fn)
 
 
-def step_fn(loss: Callable, optimizer: optax.GradientTransformation,
-            trainable: Any = None, shardings: Any = None) -> Callable:
-    """``Trainer``'s update: value and grad (of the ``trainable`` leaves only, when a mask is
-    given), optimizer update, new params. With the params' ``shardings``, the weights split
-    over ``dp`` are gathered layer by layer, as the ``Trainer`` does (``redco.fsdp``)."""
-    def step(params, opt_state, batch):
-        train, frozen = split(params, trainable)
-
-        def join(t):
-            return t if frozen is None else redco_lora.combine(t, frozen)
-
-        def loss_of(t):
-            joined = join(t)
-            with fsdp.gathering(joined, shardings):
-                return loss(joined, batch)
-        value, grads = jax.value_and_grad(loss_of)(train)
-        updates, opt_state = optimizer.update(grads, opt_state, train)
-        return join(optax.apply_updates(train, updates)), opt_state, value
-    return step
+def micro_batches(batch_abstract, k: int):
+    """The batch as the step takes it: ``k`` micro-batches of it on a leading axis."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((k,) + tuple(x.shape), x.dtype),
+                        batch_abstract)
 
 
 def layout_rules(params_abstract, mesh, sharding_rules: str, trace_fn: Callable | None) -> Rules:
@@ -235,7 +223,7 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
             n_model_shards: int, sharding_rules: str = "auto",
             optimizer: Any = optax.adamw, trace_fn: Callable | None = None,
             rules: Rules | None = None, remat: str = "none",
-            trainable: Any = None) -> TriedLayout:
+            trainable: Any = None, accumulate_grad_batches: int = 1) -> TriedLayout:
     """Compile one train step ahead of time on abstract shapes; read its per-device memory and
     FLOPs.
 
@@ -243,14 +231,15 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
     ``rules`` (if given) replaces the rule set's. The step is traced under ``redco.remat``
     policy ``remat`` (a loss that sets its own, as ``Trainer(remat=...)`` does, keeps that).
     ``trainable`` (a mask like ``redco.lora.trainable_mask``): only those leaves get gradients
-    and optimizer state, as with ``Trainer(trainable=...)``.
+    and optimizer state, as with ``Trainer(trainable=...)``. The step is ``Trainer``'s own
+    (``redco.train_step.make_train_step``), over ``accumulate_grad_batches`` micro-batches.
     """
     optimizer = as_optimizer(optimizer)
     layout = TriedLayout(sharding_rules, n_model_shards, n_devices,
                          remat=redco_remat.check(remat))
     mesh = make_mesh(n_devices, n_model_shards)
     dp = mesh.shape["dp"]
-    batch = global_batch(batch_abstract, dp)
+    batch = micro_batches(global_batch(batch_abstract, dp), accumulate_grad_batches)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # indivisible params replicate, as in training
         layout.rules = (list(rules) if rules is not None else
@@ -258,20 +247,23 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
         specs = specs_from_rules(params_abstract, layout.rules, mesh)
     params_shardings = shardings_from_specs(specs, mesh)
     replicated = NamedSharding(mesh, P())
-    opt_abstract = jax.eval_shape(optimizer.init, split(params_abstract, trainable)[0])
-    opt_shardings = opt_state_shardings(optimizer, split(params_abstract, trainable)[0],
-                                        split(params_shardings, trainable)[0], mesh)
-    batch_shardings = jax.tree.map(
-        lambda x: NamedSharding(mesh, P("dp") if x.shape and x.shape[0] % dp == 0 else P()), batch)
+    trained = split(params_abstract, trainable)[0]
+    state = train_state(params_abstract, jax.eval_shape(optimizer.init, trained))
+    state_shardings = train_state(params_shardings, opt_state_shardings(
+        optimizer, trained, split(params_shardings, trainable)[0], mesh)).replace(
+            step=replicated, rng=replicated)
+    batch_shardings = jax.tree.map(lambda x: NamedSharding(mesh, P(None, "dp")), batch)
     layout.params_bytes = sum(
         math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
         for x, s in zip(jax.tree.leaves(params_abstract), jax.tree.leaves(params_shardings)))
+    step = make_train_step(step_loss(lambda rng, state, params, batch, is_training: loss(params, batch),
+                                     params_shardings),
+                           optimizer, trainable, accumulate_grad_batches)
     start = time.perf_counter()
     with redco_remat.policy(remat):
-        compiled = jax.jit(step_fn(loss, optimizer, trainable, params_shardings),
-                           in_shardings=(params_shardings, opt_shardings, batch_shardings),
-                           out_shardings=(params_shardings, opt_shardings, replicated),
-                           donate_argnums=(0, 1)).lower(params_abstract, opt_abstract, batch).compile()
+        compiled = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
+                           out_shardings=(state_shardings, replicated),
+                           donate_argnums=0).lower(state, batch).compile()
     layout.compile_s = time.perf_counter() - start
     layout.flops = step_flops(compiled)
     stats = compiled.memory_analysis()
@@ -303,7 +295,8 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
          try_all: bool = False, log: Callable[[str], None] | None = None,
          headroom: float = HEADROOM, remat_policies: Sequence[str] = ("none",),
          lora_rank: int | None = None,
-         lora: Callable[[int], LoraModel] | None = None, trainable: Any = None) -> Plan:
+         lora: Callable[[int], LoraModel] | None = None, trainable: Any = None,
+         accumulate_grad_batches: int = 1) -> Plan:
     """The smallest model-parallel layout whose train step fits ``device_memory_bytes``.
 
     Args:
@@ -330,6 +323,8 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
       trainable: a mask as ``Trainer(trainable=...)`` takes (e.g. ``redco.lora.trainable_mask``
         of params that already hold adapters): only those leaves get gradients and optimizer
         state in every layout measured.
+      accumulate_grad_batches: micro-batches per update (``batch_abstract`` rows each), summed
+        in one step as ``Trainer`` does.
 
     Raises:
       PlanError: nothing fits; the message names the smallest peak found.
@@ -353,7 +348,7 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
         pick = None
         for mp, name, policy in candidates:
             layout = try_layout(params, loss, batch_abstract, n_devices, mp, name, optimizer,
-                                trace_fn, policy, trainable, usable)
+                                trace_fn, policy, trainable, usable, accumulate_grad_batches)
             layout.lora_rank = rank
             tried.append(layout)
             if log:
@@ -387,12 +382,13 @@ def abstract(params):
 
 
 def try_layout(params, loss, batch, n_devices, mp, name, optimizer, trace_fn, policy,
-               trainable, usable) -> TriedLayout:
+               trainable, usable, accumulate_grad_batches: int = 1) -> TriedLayout:
     """``measure``, with ``fits`` set. A layout XLA runs out of memory compiling does not fit;
     one that fails for any other reason could not be measured, and keeps the exception."""
     try:
         layout = measure(params, loss, batch, n_devices, mp, name, optimizer, trace_fn,
-                         remat=policy, trainable=trainable)
+                         remat=policy, trainable=trainable,
+                         accumulate_grad_batches=accumulate_grad_batches)
         layout.fits = layout.peak_bytes <= usable
     except Exception as e:  # noqa: BLE001 - reported with the layout, type and message
         failure = f"{type(e).__name__}: {e}"[:800]

@@ -1,0 +1,118 @@
+"""The train step, built once from plain parts, for ``Trainer`` and the layout planner alike.
+
+``make_train_step(loss, optimizer, ...)`` returns a pure ``step(state, batch) -> (state,
+metrics)``: value and gradient of the loss over ``accumulate_grad_batches`` micro-batches (the
+batch's leading axis), summed in a ``scan`` and averaged; gradients of the trainable leaves only
+(a frozen base has none); one optimizer update. The planner compiles this same function to
+measure a layout, so what it measures is what trains. ``step_loss`` puts the user's loss in its
+context: params cast to the compute dtype, the remat policy in force, FSDP-sharded weights
+gathered layer by layer.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+
+from redco import _private, fsdp, lora
+from redco import remat as redco_remat
+from redco.data import cast_floats
+
+
+@flax.struct.dataclass
+class TrainState:
+    """What ``loss_fn`` sees as ``state``: ``state.apply_fn`` is the model given to Trainer.
+    Step ``i`` draws its randomness from ``fold_in(rng, i)``."""
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    apply_fn: Callable = flax.struct.field(pytree_node=False)
+
+
+def unwrap_multisteps(optimizer: optax.GradientTransformation,
+                      accumulate_grad_batches: int) -> optax.GradientTransformation:
+    """The step accumulates micro-batches itself; an ``optax.MultiSteps`` wrapper (as in the
+    paper's script) would accumulate a second time, so take its inner optimizer instead."""
+    if not isinstance(optimizer, optax.MultiSteps):
+        return optimizer
+    every_k = _private.multisteps_every_k(optimizer)
+    if every_k != accumulate_grad_batches:
+        raise ValueError(f"optax.MultiSteps(every_k_schedule={every_k}) disagrees with "
+                         f"accumulate_grad_batches={accumulate_grad_batches}. Pass the plain "
+                         "optimizer and set accumulate_grad_batches only.")
+    return optimizer.inner_opt
+
+
+def split(tree: Any, trainable: Any) -> tuple[Any, Any]:
+    """``(trainable part, frozen part)`` of a params-shaped tree (frozen None: no mask)."""
+    return (tree, None) if trainable is None else lora.partition(tree, trainable)
+
+
+def input_tokens(batch: dict) -> int | None:
+    """The default token count of a batch: every position of ``input_ids`` (and of
+    ``decoder_input_ids``, an encoder-decoder's), padding included; None without them."""
+    names = [n for n in ("input_ids", "decoder_input_ids") if isinstance(batch, dict) and n in batch]
+    return sum(batch[n].size for n in names) if names else None
+
+
+def count_tokens_of(batch: Any, count_tokens: Callable | None) -> jax.Array | None:
+    """``count_tokens(micro_batch)`` summed over the batch's micro-batches (leading axis), as
+    an int32; None where there is no counter or it returns None for this batch."""
+    if count_tokens is None or jax.eval_shape(count_tokens, jax.tree.map(lambda x: x[0], batch)) is None:
+        return None
+    return jnp.sum(jax.vmap(lambda b: jnp.asarray(count_tokens(b), jnp.int32))(batch))
+
+
+def step_loss(loss_fn: Callable, params_shardings: Any = None, compute_dtype: Any = None,
+              remat: str | None = None) -> Callable:
+    """``loss(params, state, batch, rng, is_training)``: ``loss_fn(rng, state, params, batch,
+    is_training)`` on params cast to ``compute_dtype``, under the ``remat`` policy (None: the
+    one in force), with weights sharded over ``dp`` gathered as used (``params_shardings``)."""
+    def loss(params, state, batch, rng, is_training: bool):
+        params = cast_floats(params, compute_dtype)
+        batch = jax.tree.map(lambda x: x, batch)  # a fresh dict: loss_fn may pop from it
+        with redco_remat.policy(remat), fsdp.gathering(params, params_shardings):
+            return loss_fn(rng, state, params, batch, is_training)
+    return loss
+
+
+def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
+                    trainable: Any = None, accumulate_grad_batches: int = 1,
+                    lr_schedule_fn: Callable | None = None,
+                    count_tokens: Callable | None = None) -> Callable:
+    """``step(state, batch) -> (state, metrics)``: one optimizer update over the batch's
+    ``accumulate_grad_batches`` micro-batches (its leading axis). ``loss`` is
+    ``loss(params, state, batch, rng, is_training)`` (see ``step_loss``); ``metrics`` holds
+    ``loss``, ``grad_norm``, ``lr`` (with ``lr_schedule_fn``) and ``tokens`` (see
+    ``count_tokens_of``)."""
+    def step(state: TrainState, batch):
+        rng = jax.random.fold_in(state.rng, state.step)
+        train, frozen = split(state.params, trainable)  # only the trainable part is differentiated
+        join = (lambda t: t) if frozen is None else (lambda t: lora.combine(t, frozen))
+        grad_fn = jax.value_and_grad(lambda t, *args: loss(join(t), *args))
+        if accumulate_grad_batches == 1:
+            value, grads = grad_fn(train, state, jax.tree.map(lambda x: x[0], batch), rng, True)
+        else:
+            def micro_step(carry, inputs):
+                i, micro_batch = inputs
+                out = grad_fn(train, state, micro_batch, jax.random.fold_in(rng, i), True)
+                return jax.tree.map(jnp.add, carry, out), None
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, train))
+            indices = jnp.arange(accumulate_grad_batches)
+            (value, grads), _ = jax.lax.scan(micro_step, zeros, (indices, batch))
+            value = value / accumulate_grad_batches
+            grads = jax.tree.map(lambda g: g / accumulate_grad_batches, grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, train)
+        params = join(optax.apply_updates(train, updates))
+        metrics = {"loss": value, "grad_norm": optax.global_norm(grads)}
+        if lr_schedule_fn is not None:
+            metrics["lr"] = lr_schedule_fn(state.step)
+        tokens = count_tokens_of(batch, count_tokens)
+        if tokens is not None:
+            metrics["tokens"] = tokens
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return step
