@@ -3,8 +3,12 @@
 * ``register_*(register)`` hooks are called once, when the plugin manager builds a registry; the
   plugin calls ``register(name, thing)`` for each thing it provides. What a thing of each kind
   must have is code, in ``redco.protocols``; a thing missing a method is refused.
-* ``on_*`` hooks are called by ``Trainer`` while it runs: loggers, early stopping and objects
-  passed as ``Trainer(callbacks=[...])`` implement them.
+* ``on_*`` hooks (and ``collect_step_metrics``, ``state_to_save``) are called by ``Trainer``
+  while it runs. Each Trainer calls them on its own observers first: one instance of every
+  class registered by ``register_observers`` (the built-in progress bar, metric logging,
+  throughput, goodput, profiler and best checkpoints among them) and the objects passed as
+  ``Trainer(callbacks=[...])``; then on the plugins of the process-wide plugin manager. Two
+  Trainers in one process never see each other's observers.
 """
 from __future__ import annotations
 
@@ -69,15 +73,59 @@ def register_layout_planners(register):
 
 
 @hookspec
-def on_fit_start(trainer, n_epochs, steps_per_epoch):
+def register_observers(register):
+    """Called once per ``Trainer``, when it is made. Register each observer class: the Trainer
+    makes one instance, ``cls(trainer)``, and calls the ``on_*`` hooks it implements on it
+    (module docstring). The first registration of a name wins, so a plugin replaces a built-in
+    observer by registering its name. Returns nothing."""
+
+
+@hookspec
+def on_fit_start(trainer, n_epochs, steps_per_epoch, fit_options):
     """Called by ``Trainer.fit`` on every process once the state is placed (and resumed), before
-    the first step; ``trainer.step`` tells where training starts. Returns nothing."""
+    the first step; ``trainer.step`` tells where training starts, ``fit_options`` holds fit's
+    keyword arguments (``profile_steps``, ``save_argmin_ckpt_by_metrics``, ...). Returns
+    nothing."""
+
+
+@hookspec
+def on_epoch_start(trainer, epoch, start, n_steps, desc, examples_per_step):
+    """Called by ``train_epoch`` before the updates of ``epoch`` (0-based), which has
+    ``n_steps`` updates of ``examples_per_step`` examples and resumes at its ``start``-th;
+    ``desc`` names it for display. Returns nothing."""
+
+
+@hookspec
+def on_train_batch_start(trainer, step):
+    """Called before the batch of update ``step`` (1-based) is collated. Returns nothing."""
+
+
+@hookspec
+def on_time_spent(trainer, phase, seconds, step):
+    """Called after each timed phase of training with its wall time: ``"startup"`` (fit's
+    checks, layout, placement, resume and sanity check), ``"compile"`` (the first update after
+    the step is made, compiled or loaded), ``"data"`` (collating and placing a batch),
+    ``"step"`` (dispatching an update and waiting for the previous one's metrics),
+    ``"checkpoint"`` or ``"evaluation"``. ``step`` is the update a ``data``, ``compile`` or
+    ``step`` phase belongs to, else None. Returns nothing."""
+
+
+@hookspec
+def collect_step_metrics(trainer, step, metrics):
+    """Called after each update's metrics reach the host, before they are logged. Returns a
+    dict of more metrics to log with them (e.g. throughput), or None."""
 
 
 @hookspec
 def on_step_end(trainer, step, metrics):
     """Called after each optimizer update with its ``step`` (1-based) and host floats (``loss``,
-    ``grad_norm``, ``lr``), one step behind the device so training never waits. Returns nothing."""
+    ``grad_norm``, ``lr``, and what ``collect_step_metrics`` added), one step behind the device
+    so training never waits. Returns nothing."""
+
+
+@hookspec
+def on_epoch_end(trainer, epoch):
+    """Called by ``train_epoch`` after the last update of ``epoch``. Returns nothing."""
 
 
 @hookspec
@@ -90,6 +138,20 @@ def on_eval_end(trainer, epoch, metrics):
 def on_checkpoint_saved(trainer, path, step):
     """Called on every process once checkpoint ``path`` (step ``step``) is completely and
     atomically written. Returns nothing."""
+
+
+@hookspec
+def state_to_save(trainer, step):
+    """Called on every process when a step checkpoint of ``step`` is written, and once at fit's
+    start to check it. Returns a dict of JSON-serialisable state to keep in the checkpoint (e.g.
+    the best metric so far), or None. Its keys are the plugin's: two plugins returning the same
+    key is an error."""
+
+
+@hookspec
+def on_resume(trainer, step, state):
+    """Called on every process when fit resumes from the step checkpoint of ``step``, with
+    ``state``: every key ``state_to_save`` returned when it was written. Returns nothing."""
 
 
 @hookspec

@@ -83,12 +83,13 @@ def step_loss(loss_fn: Callable, params_shardings: Any = None, compute_dtype: An
 def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
                     trainable: Any = None, accumulate_grad_batches: int = 1,
                     lr_schedule_fn: Callable | None = None,
-                    count_tokens: Callable | None = None) -> Callable:
+                    count_tokens: Callable | None = None, unroll: bool = False) -> Callable:
     """``step(state, batch) -> (state, metrics)``: one optimizer update over the batch's
     ``accumulate_grad_batches`` micro-batches (its leading axis). ``loss`` is
     ``loss(params, state, batch, rng, is_training)`` (see ``step_loss``); ``metrics`` holds
     ``loss``, ``grad_norm``, ``lr`` (with ``lr_schedule_fn``) and ``tokens`` (see
-    ``count_tokens_of``)."""
+    ``count_tokens_of``). ``unroll`` unrolls the loop over micro-batches (XLA's cost analysis
+    counts a loop's body once: an unrolled step's FLOPs are the whole update's)."""
     def step(state: TrainState, batch):
         rng = jax.random.fold_in(state.rng, state.step)
         train, frozen = split(state.params, trainable)  # only the trainable part is differentiated
@@ -103,7 +104,7 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
                 return jax.tree.map(jnp.add, carry, out), None
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, train))
             indices = jnp.arange(accumulate_grad_batches)
-            (value, grads), _ = jax.lax.scan(micro_step, zeros, (indices, batch))
+            (value, grads), _ = jax.lax.scan(micro_step, zeros, (indices, batch), unroll=unroll)
             value = value / accumulate_grad_batches
             grads = jax.tree.map(lambda g: g / accumulate_grad_batches, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, train)

@@ -17,7 +17,8 @@ from redco import checkpointing, compat, compile_cache, preemption, watchdog
 from redco import remat as redco_remat
 from redco.data import by_name, check_array_leaves, check_collated, check_number, n_full_batches
 from redco.deployer import Deployer
-from redco.plugins import pm
+from redco.observers.profiler import profile_window
+from redco.run_hooks import RunHooks
 from redco.predictor import Predictor
 from redco.sharding import Rules, dataflow_trace, opt_state_shardings
 from redco.train_step import (TrainState, input_tokens, make_train_step, split, step_loss,
@@ -69,7 +70,8 @@ class Trainer(compat.TrainerV04):
       accumulate_grad_batches: micro-batches per optimizer update (summed inside one step).
       params_sharding_rules: ``[(regex, PartitionSpec), ...]``; by default the deployer's
         rule set, read off ``loss_fn``'s dataflow at the first batch ``fit`` sees.
-      callbacks: objects with ``@redco.hookimpl`` methods, active during this trainer's fit.
+      callbacks: objects with ``@redco.hookimpl`` methods, called on this trainer's hooks
+        (``redco/hookspecs.py``) after its observers'.
       remat: the rematerialisation policy of the layers ``loss_fn`` runs (``"none"``,
         ``"dots_saveable"``, ``"dots_with_no_batch_dims_saveable"``, ``"full"``: see
         ``redco/remat.py``); ``None`` leaves the policy in force where the step is traced, or,
@@ -124,11 +126,11 @@ class Trainer(compat.TrainerV04):
         self.count_tokens = count_tokens
         self.accumulate_grad_batches = accumulate_grad_batches
         self.callbacks = list(callbacks)
+        self.hooks = RunHooks(self, self.callbacks)  # its observers, then the process's plugins
         self._stop_reason = None
         self._watch: preemption.Watch | None = None  # while fit trains
         self._watchdog: watchdog.Watchdog | None = None  # while fit trains, if a hang timeout
         self._fitted = False  # a fit ran to its end: a later fit trains its epochs again
-        self._best: dict[str, float] = {}
         self._data_position: dict = {}  # with the step, fixes which examples come next
         self.params_sharding_rules = params_sharding_rules
         self.state: TrainState | None = None  # placed once the layout is decided
@@ -195,14 +197,21 @@ class Trainer(compat.TrainerV04):
             self.deployer.log_info(f"Trainer: remat={self.remat!r}, as planned")
 
     def _jit_steps(self) -> None:
-        step = compat.flax_train_step(self.train_step_fn, self) if self.train_step_fn else \
-            make_train_step(self._loss, self.optimizer, self.trainable,
-                            self.accumulate_grad_batches, self.lr_schedule_fn, self.count_tokens)
-        self._train_step = jax.jit(
-            step, in_shardings=(self.state_shardings, None),
-            out_shardings=(self.state_shardings, self.deployer.replicated), donate_argnums=0)
+        self._train_step = self._jit_train_step()
         self._eval_step = jax.jit(self._eval_loss)
         self._first_step_logged = False
+        self._batch_shapes = None  # of the first batch the step ran on, for its FLOPs
+        self._step_flops = None
+
+    def _jit_train_step(self, unroll: bool = False) -> Callable:
+        """The train step, jitted for the state's layout (its state donated); ``unroll``: the
+        micro-batch loop unrolled, for XLA's cost analysis only."""
+        step = compat.flax_train_step(self.train_step_fn, self) if self.train_step_fn else \
+            make_train_step(self._loss, self.optimizer, self.trainable, self.accumulate_grad_batches,
+                            self.lr_schedule_fn, self.count_tokens, unroll)
+        return jax.jit(step, in_shardings=(self.state_shardings, None),
+                       out_shardings=(self.state_shardings, self.deployer.replicated),
+                       donate_argnums=0)
 
     def _place_state(self, params, opt_state, apply_fn, step) -> tuple[TrainState, TrainState]:
         params_shardings = self.deployer.get_params_shardings(params, self.params_sharding_rules)
@@ -316,29 +325,45 @@ class Trainer(compat.TrainerV04):
         n_steps = n_full_batches(len(examples), batch_size, "train_examples")
         order = self.deployer.epoch_permutation(len(examples), epoch)
         first_step = self.step - start  # the step before this epoch's first update
-        bar = tqdm.trange(start, n_steps, initial=start, total=n_steps, desc=desc,
-                          disable=not self.deployer.show_progress, dynamic_ncols=True,
-                          leave=bool(desc))
-        pending = None
-        for i in bar:
-            batch = self.deployer.make_batch(
-                [examples[j] for j in order[i * batch_size:(i + 1) * batch_size]],
-                self.collate_fn, n_micro=self.accumulate_grad_batches)
-            metrics = self._run_train_step(batch)
-            if pending is not None:  # read the previous step's metrics: the device runs ahead
-                self._report(bar, *pending)
+        self.hooks.on_epoch_start(trainer=self, epoch=epoch, start=start, n_steps=n_steps,
+                                  desc=desc, examples_per_step=batch_size)
+        pending = None  # the last update's (step, metrics): read once the next is dispatched
+        for i in range(start, n_steps):
             step = first_step + i + 1
+            self.hooks.on_train_batch_start(trainer=self, step=step)
+            with self._timed("data", step):
+                batch = self.deployer.make_batch(
+                    [examples[j] for j in order[i * batch_size:(i + 1) * batch_size]],
+                    self.collate_fn, n_micro=self.accumulate_grad_batches)
+            with self._timed("step" if self._first_step_logged else "compile", step):
+                metrics = self._run_train_step(batch, step)
+                done = pending and (pending[0], jax.device_get(pending[1]))  # waits for it
+            if done:
+                self._report(*done)
             pending = (step, metrics)
             if self._watch is not None and self._watch.stop_after(step):
-                self._report(bar, *pending)
+                self._report(*self._wait_for(pending))
                 self._stop_on_signal(epoch, step, keep_last_ckpts)
             if save_every_n_steps and step % save_every_n_steps == 0 and i + 1 < n_steps:
-                self._report(bar, *pending)
+                self._report(*self._wait_for(pending))
                 pending = None
                 self.save_step_ckpt(epoch, keep_last_ckpts)
         if pending is not None:
-            self._report(bar, *pending)
-        bar.close()
+            self._report(*self._wait_for(pending))
+        self.hooks.on_epoch_end(trainer=self, epoch=epoch)
+
+    def _wait_for(self, pending: tuple[int, dict]) -> tuple[int, dict]:
+        """``(step, metrics)`` once the device has finished that update (a ``step`` phase)."""
+        with self._timed("step", pending[0]):
+            return pending[0], jax.device_get(pending[1])
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str, step: int | None = None):
+        """Time what runs inside; tell the observers (``on_time_spent``)."""
+        start = time.perf_counter()
+        yield
+        self.hooks.on_time_spent(trainer=self, phase=phase, seconds=time.perf_counter() - start,
+                                 step=step)
 
     def _stop_on_signal(self, epoch: int, step: int, keep_last_ckpts: int) -> None:
         saved = self.save_step_ckpt(epoch, keep_last_ckpts) if self.deployer.workdir else None
@@ -346,12 +371,16 @@ class Trainer(compat.TrainerV04):
         self.deployer.log_info(error.reason)
         raise error
 
-    def _run_train_step(self, batch) -> dict:
-        """One update; the first one after the step is (re)made is timed and logged: how long
-        tracing and compiling took, and whether the program came from the compile cache."""
+    def _run_train_step(self, batch, step: int) -> dict:
+        """One update (a ``train_step`` event in a profile); the first one after the step is
+        (re)made is timed and logged: how long tracing and compiling took, and whether the
+        program came from the compile cache."""
         if self._first_step_logged:
-            self.state, metrics = self._train_step(self.state, batch)
+            with jax.profiler.StepTraceAnnotation("train_step", step_num=step):
+                self.state, metrics = self._train_step(self.state, batch)
             return metrics
+        self._batch_shapes = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
         start, (hits, misses) = time.perf_counter(), compile_cache.counts()
         self.state, metrics = self._train_step(self.state, batch)
         seconds, (new_hits, new_misses) = time.perf_counter() - start, compile_cache.counts()
@@ -365,7 +394,9 @@ class Trainer(compat.TrainerV04):
         self._first_step_logged = True
         return metrics
 
-    def _report(self, bar, step, metrics) -> None:
+    def _report(self, step: int, metrics: dict) -> None:
+        """Update ``step``'s metrics, on the host: stop on a NaN or inf loss, tell the hang
+        watchdog, add the observers' metrics (throughput) and hand them all to ``on_step_end``."""
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if not all(np.isfinite(metrics.get(k, 0.0)) for k in ("loss", "grad_norm")):
             found = checkpointing.step_ckpts(self.deployer.ckpt_dir)
@@ -375,16 +406,25 @@ class Trainer(compat.TrainerV04):
                 f"{metrics.get('grad_norm')}; {kept}. Lower the learning rate or check the data.")
         if self._watchdog is not None:
             self._watchdog.progress(step)
-        bar.set_postfix({k: f"{v:.4g}" for k, v in metrics.items()}, refresh=False)
-        self.deployer.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step)
-        pm.hook.on_step_end(trainer=self, step=step, metrics=metrics)
+        for extra in self.hooks.collect_step_metrics(trainer=self, step=step, metrics=metrics):
+            metrics.update(extra or {})
+        self.hooks.on_step_end(trainer=self, step=step, metrics=metrics)
+
+    def step_flops(self) -> float | None:
+        """The FLOPs of one update over the whole batch, all devices, as XLA counts them in the
+        lowered step, its micro-batch loop unrolled (with remat, recomputation included; a loop
+        inside the model would be counted once); None before the first update."""
+        if self._batch_shapes is not None and self._step_flops is None:
+            lowered = self._jit_train_step(unroll=True).lower(self.state, self._batch_shapes)
+            self._step_flops = (lowered.cost_analysis() or {}).get("flops")
+        return self._step_flops
 
     def lower_train_step(self, examples: Sequence, per_device_batch_size: int) -> jax.stages.Lowered:
         """The train step this Trainer runs on batches of ``per_device_batch_size`` rows per
         device (``accumulate_grad_batches`` micro-batches of them), traced and lowered for the
-        first such batch of ``examples``, not compiled: ``.as_text()`` is its StableHLO,
-        ``.cost_analysis()["flops"]`` the FLOPs of one update over the whole batch. The layout is
-        decided here as at the first batch."""
+        first such batch of ``examples``, not compiled: ``.as_text()`` is its StableHLO. (Its
+        ``.cost_analysis()`` counts the micro-batch loop once; ``step_flops()`` gives the whole
+        update's FLOPs.) The layout is decided here as at the first batch."""
         self._decide_layout(examples, per_device_batch_size)
         batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
         batch_size *= self.accumulate_grad_batches
@@ -424,10 +464,12 @@ class Trainer(compat.TrainerV04):
         ``keep_last_ckpts`` of them."""
         step = self.step
         with self.hang_watch_paused():
-            path = self.deployer.save_ckpt(f"step_{step}", self.ckpt_tree(), {
-                "step": step, "epoch": epoch, "best": self._best, "data": self._data_position})
-            checkpointing.prune(self.deployer.ckpt_dir, keep_last_ckpts)
-            pm.hook.on_checkpoint_saved(trainer=self, path=path, step=step)
+            with self._timed("checkpoint"):
+                path = self.deployer.save_ckpt(f"step_{step}", self.ckpt_tree(), {
+                    "step": step, "epoch": epoch, "data": self._data_position,
+                    "plugins": self.hooks.saved_state(self, step)})
+                checkpointing.prune(self.deployer.ckpt_dir, keep_last_ckpts)
+            self.hooks.on_checkpoint_saved(trainer=self, path=path, step=step)
         return path
 
     def hang_watch_paused(self):
@@ -454,6 +496,8 @@ class Trainer(compat.TrainerV04):
         self.state = self.state.replace(step=self._placed_step(meta["step"]), **tree)
         self.deployer.forget_metrics_after(meta["step"])
         self.deployer.log_info(f"Resumed from {found[-1]} (step {meta['step']}).")
+        state = meta.get("plugins", {"best": meta.get("best", {})})  # (best: redco <= 0.5.x)
+        self.hooks.on_resume(trainer=self, step=meta["step"], state=state)
         return meta
 
     def fit(self, train_examples: Sequence | Callable, per_device_batch_size: int, n_epochs: int,
@@ -463,7 +507,8 @@ class Trainer(compat.TrainerV04):
             save_argmin_ckpt_by_metrics: Sequence[str] | None = None,
             save_argmax_ckpt_by_metrics: Sequence[str] | None = None,
             save_every_n_steps: int | None = None, keep_last_ckpts: int = 1,
-            resume: bool = True, eval_sanity_check: bool = True, **v04_options) -> None:
+            resume: bool = True, eval_sanity_check: bool = True,
+            profile_steps: tuple[int, int] | None = None, **v04_options) -> None:
         """Train for ``n_epochs``, evaluating after each and checkpointing as asked.
 
         ``train_examples`` may also be a function of the epoch index (``epoch_idx``) returning
@@ -474,10 +519,11 @@ class Trainer(compat.TrainerV04):
         evaluation runs once on one batch before training, so a broken ``pred_fn`` or metric
         fails in seconds; a misspelled metric name is refused before anything compiles (its
         names read off ``eval_metric_fn`` called once on zeros shaped like ``pred_fn``'s output).
-        Redco 0.4.x's keywords are accepted too (``save_ckpt_every_k_epochs``, ...; see
-        ``redco/compat.py``).
+        ``profile_steps=(start, stop)`` writes a profiler trace of those updates
+        (``redco/observers/profiler.py``). Redco 0.4.x's keywords are accepted too
+        (``save_ckpt_every_k_epochs``, ...; see ``redco/compat.py``).
         """
-        v04 = compat.FitOptionsV04(**v04_options)
+        started, v04 = time.perf_counter(), compat.FitOptionsV04(**v04_options)
         check_fit_numbers(n_epochs, keep_last_ckpts, save_every_n_steps, eval_per_device_batch_size,
                           per_device_batch_size)
         first_examples = compat.examples_of_epoch(train_examples, 0)
@@ -487,31 +533,35 @@ class Trainer(compat.TrainerV04):
             save_argmax_ckpt_by_metrics, eval_sanity_check)
         examples_per_step, steps_per_epoch = self._plan_steps(first_examples, per_device_batch_size,
                                                               n_epochs)
-        first_fit = not self._fitted
+        done = self.step if self._fitted else 0  # updates before this fit's first epoch
+        fit_options = {"save_argmin_ckpt_by_metrics": save_argmin_ckpt_by_metrics,
+                       "save_argmax_ckpt_by_metrics": save_argmax_ckpt_by_metrics,
+                       "profile_window": profile_window(profile_steps, done + 1, done + n_epochs *
+                                                        steps_per_epoch, self.deployer.workdir)}
         self._start_fit(resume, save_last_ckpt or bool(save_every_n_steps))
         if sanity_check is not None:
             sanity_check()
+        self.hooks.on_time_spent(trainer=self, phase="startup", step=None,
+                                 seconds=time.perf_counter() - started)
         with self._watched():
-            pm.hook.on_fit_start(trainer=self, n_epochs=n_epochs, steps_per_epoch=steps_per_epoch)
-            done = 0 if first_fit else self.step  # updates before this epoch
+            self.hooks.on_fit_start(trainer=self, n_epochs=n_epochs,
+                                    steps_per_epoch=steps_per_epoch, fit_options=fit_options)
             for epoch in range(n_epochs):
                 examples = first_examples if epoch == 0 else compat.examples_of_epoch(train_examples, epoch)
                 n_steps = n_full_batches(len(examples), examples_per_step, "train_examples")
-                if self.step >= done + n_steps:  # finished before the checkpoint resumed from
-                    done += n_steps
-                    continue
-                self.train_epoch(examples, per_device_batch_size, epoch, start=self.step - done,
-                                 save_every_n_steps=save_every_n_steps,
-                                 keep_last_ckpts=keep_last_ckpts,
-                                 desc=f"epoch {epoch + 1}/{n_epochs}")
+                if self.step < done + n_steps:  # else finished before the checkpoint resumed from
+                    self.train_epoch(examples, per_device_batch_size, epoch, start=self.step - done,
+                                     save_every_n_steps=save_every_n_steps,
+                                     keep_last_ckpts=keep_last_ckpts,
+                                     desc=f"epoch {epoch + 1}/{n_epochs}")
+                    self._end_epoch(epoch, evaluate, save_last_ckpt or bool(save_every_n_steps),
+                                    keep_last_ckpts, v04)
                 done += n_steps
-                self._end_epoch(epoch, evaluate, save_last_ckpt or bool(save_every_n_steps),
-                                keep_last_ckpts, v04)
                 if self._stop_reason:
                     self.deployer.log_info(f"Stopping early: {self._stop_reason}")
                     break
             self._fitted = True
-            pm.hook.on_fit_end(trainer=self)
+            self.hooks.on_fit_end(trainer=self)
 
     def _plan_eval(self, examples, per_device_batch_size: int, eval_loss: bool, predictor,
                    metric_fn, argmin_metrics, argmax_metrics, sanity_check: bool):
@@ -524,8 +574,7 @@ class Trainer(compat.TrainerV04):
                                 metric_names if sanity_check else [])
         evaluate = functools.partial(
             self._evaluate, examples=examples, per_device_batch_size=per_device_batch_size,
-            eval_loss=eval_loss, predictor=predictor, metric_fn=metric_fn,
-            argmin_metrics=argmin_metrics, argmax_metrics=argmax_metrics)
+            eval_loss=eval_loss, predictor=predictor, metric_fn=metric_fn)
         check = functools.partial(self._sanity_check, examples, per_device_batch_size, eval_loss,
                                   predictor, metric_fn, metric_names)
         return evaluate, check if sanity_check else None
@@ -536,7 +585,8 @@ class Trainer(compat.TrainerV04):
         checkpoints), save the step checkpoint if asked, and Redco 0.4's per-epoch options."""
         with self.hang_watch_paused():
             if evaluate is not None:
-                evaluate(epoch)
+                with self._timed("evaluation"):
+                    evaluate(epoch)
             if save_ckpt:
                 self.save_step_ckpt(epoch, keep_last_ckpts)
             v04.epoch_end(self, epoch)
@@ -561,9 +611,10 @@ class Trainer(compat.TrainerV04):
         return examples_per_step, steps_per_epoch
 
     def _start_fit(self, resume: bool, saves_step_ckpts: bool) -> None:
-        """On a trainer's first fit: resume from the last step checkpoint (``resume``), best
-        metrics included, or refuse to write step checkpoints beside an earlier run's."""
-        self._best = {}
+        """On a trainer's first fit: resume from the last step checkpoint (``resume``), the
+        plugins' saved state included, or refuse to write step checkpoints beside an earlier
+        run's. Every plugin's state to save is asked for once, so a clash fails now."""
+        self.hooks.saved_state(self, self.step)
         first_fit = not self._fitted
         if first_fit and not resume and saves_step_ckpts and checkpointing.step_ckpts(
                 self.deployer.ckpt_dir):
@@ -571,16 +622,13 @@ class Trainer(compat.TrainerV04):
                 f"{self.deployer.ckpt_dir} holds step checkpoints of an earlier run; with "
                 "resume=False this run's would be mixed with (and pruned against) them. Use a "
                 "new workdir, or delete the old checkpoints first.")
-        meta = self._resume() if resume and first_fit else None
-        if meta:
-            self._best = meta["best"]
+        if resume and first_fit:
+            self._resume()
 
     @contextlib.contextmanager
     def _watched(self):
-        """While training: this run's callbacks registered, SIGTERM/SIGINT caught (save and stop),
-        the hang watchdog running; a lost process named in the error."""
-        for callback in self.callbacks:
-            pm.register(callback)
+        """While training: SIGTERM/SIGINT caught (save and stop), the hang watchdog running; a
+        lost process named in the error."""
         try:
             self._watch = preemption.Watch()  # SIGTERM, SIGINT: save a checkpoint and stop
             if self.deployer.hang_timeout_s:  # no step for that long: exit naming the stuck one
@@ -596,8 +644,6 @@ class Trainer(compat.TrainerV04):
             if self._watchdog is not None:
                 self._watchdog.stop()
                 self._watchdog = None
-            for callback in self.callbacks:
-                pm.unregister(callback)
 
     def _check_eval_inputs(self, examples, per_device_batch_size, eval_loss, predictor,
                            metric_fn, metric_names: list[str]) -> None:
@@ -636,8 +682,10 @@ class Trainer(compat.TrainerV04):
         refuse_missing_metrics(metric_names, names, "before training by fit's eval_sanity_check")
         self.deployer.log_info("Sanity check passed: the evaluation ran on one batch.")
 
-    def _evaluate(self, epoch, examples, per_device_batch_size, eval_loss, predictor, metric_fn,
-                  argmin_metrics, argmax_metrics) -> dict:
+    def _evaluate(self, epoch, examples, per_device_batch_size, eval_loss, predictor,
+                  metric_fn) -> dict:
+        """The evaluation after ``epoch``: logged, written to ``eval_results_epoch<i>.json``
+        and handed to ``on_eval_end`` (the best checkpoints are kept there)."""
         metrics = {}
         if eval_loss:
             metrics["loss"] = self.eval_loss(examples, per_device_batch_size)
@@ -651,19 +699,7 @@ class Trainer(compat.TrainerV04):
                                ", ".join(f"{k} = {v:.5g}" for k, v in metrics.items()))
         self.deployer.log_metrics({f"eval/{k}": v for k, v in metrics.items()}, self.step)
         self.deployer.save_json(f"eval_results_epoch{epoch}.json", metrics)
-        for names, better in ((argmin_metrics, np.less), (argmax_metrics, np.greater)):
-            for name in names or ():
-                if name not in metrics:
-                    raise KeyError(f"save_arg*_ckpt_by_metrics names {name!r} but the eval "
-                                   f"metrics are {sorted(metrics)}.")
-                if name not in self._best or better(metrics[name], self._best[name]):
-                    self._best[name] = metrics[name]
-                    path = self.deployer.save_ckpt(
-                        f"best_{name}", {"params": self.state.params},
-                        {"step": self.step, "epoch": epoch, name: metrics[name]})
-                    self.deployer.log_info(f"Saved {path} ({name} = {metrics[name]:.5g}).")
-                    pm.hook.on_checkpoint_saved(trainer=self, path=path, step=self.step)
-        pm.hook.on_eval_end(trainer=self, epoch=epoch, metrics=metrics)
+        self.hooks.on_eval_end(trainer=self, epoch=epoch, metrics=metrics)
         return metrics
 
     def get_default_predictor(self, pred_fn: Callable, output_fn: Callable | None = None

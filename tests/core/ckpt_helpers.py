@@ -101,7 +101,8 @@ def worker_env(fmt: str) -> dict:
     """Only the format's own plugin loads (through its entry point), beside redco's built-ins."""
     env = dict(os.environ)
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", HF_HUB_OFFLINE="1",
-               REDCO_PLUGINS=fmt, JAX_PLATFORMS="cpu")
+               REDCO_PLUGINS=fmt, JAX_PLATFORMS="cpu",
+               REDCO_GOODPUT_EVERY_S="0")  # goodput.json after every update: a kill loses none
     env.pop("REDCO_DISABLE_PLUGIN_AUTOLOAD", None)
     return env
 
@@ -183,6 +184,11 @@ def latest(workdir) -> str | None:
     return os.path.basename(found[-1]) if found else None
 
 
+def goodput_runs(workdir) -> list[dict]:
+    with open(os.path.join(workdir, "goodput.json")) as f:
+        return json.load(f)["runs"]
+
+
 def starts(workdir) -> list[int]:
     """The step each run of the worker in ``workdir`` started from."""
     with open(os.path.join(workdir, "starts.txt")) as f:
@@ -190,8 +196,13 @@ def starts(workdir) -> list[int]:
 
 
 def metrics(workdir) -> list[dict]:
+    """``metrics.jsonl``'s rows without what the clock gives (wall time, throughput)."""
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [without_clock(json.loads(line)) for line in f]
+
+
+def without_clock(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k != "time" and not k.startswith("perf/")}
 
 
 def assert_same_run(killed, full, killed_ckpts=("step_12", "step_9")) -> None:

@@ -62,7 +62,7 @@ class Recorder:
     """A per-run plugin that records every lifecycle hook call."""
 
     def __init__(self):
-        self.calls, self.losses = [], []
+        self.calls, self.losses, self.eval_losses = [], [], []
 
     @redco.hookimpl
     def on_fit_start(self, trainer, n_epochs, steps_per_epoch):
@@ -76,6 +76,7 @@ class Recorder:
     @redco.hookimpl
     def on_eval_end(self, trainer, epoch, metrics):
         self.calls.append("on_eval_end")
+        self.eval_losses.append(metrics.get("loss"))
 
     @redco.hookimpl
     def on_checkpoint_saved(self, trainer, path, step):
@@ -84,6 +85,16 @@ class Recorder:
     @redco.hookimpl
     def on_fit_end(self, trainer):
         self.calls.append("on_fit_end")
+
+    @redco.hookimpl
+    def state_to_save(self, trainer, step):
+        self.calls.append("state_to_save")
+        return {"recorder_steps": self.calls.count("on_step_end")}
+
+    @redco.hookimpl
+    def on_resume(self, trainer, step, state):
+        self.calls.append("on_resume")
+        self.resumed_state = state
 
 
 GLOBAL_BATCH = 8

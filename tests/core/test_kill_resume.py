@@ -9,7 +9,8 @@ biggest file. Each leaves a ``.tmp`` that is not taken for a checkpoint and is r
 """
 import os
 
-from ckpt_helpers import assert_same_run, ckpt_names, finish, latest, run, run_killed_mid_save, start, starts
+from ckpt_helpers import (assert_same_run, ckpt_names, finish, goodput_runs, latest, run,
+                          run_killed_mid_save, start, starts)
 
 
 def test_killed_training_rerun_until_done_matches_an_uninterrupted_run(tmp_path):
@@ -48,3 +49,12 @@ def test_killed_training_rerun_until_done_matches_an_uninterrupted_run(tmp_path)
     assert starts(killed) == [0, 4, 4, 8, 9]  # where each of the 5 runs started
     assert starts(full) == [0]
     assert_same_run(killed, full)
+
+    # goodput.json keeps every run: the updates each redid that an earlier one had reached
+    # (run 2 redid 5; run 3 redid 5 and 6; run 5, from step_9, redid 10 to 12), with their time.
+    runs = goodput_runs(killed)
+    assert [(r["first_step"], r["last_step"]) for r in runs] == [(0, 5), (4, 6), (4, 8), (8, 12),
+                                                                  (9, 12)]
+    assert [r["replayed_steps"] for r in runs] == [0, 1, 2, 0, 3]
+    assert [r["replayed"] > 0 for r in runs] == [False, True, True, False, True]
+    assert [r["replayed_steps"] for r in goodput_runs(full)] == [0]

@@ -1,9 +1,10 @@
 """The default metric logger, ``jsonl``: one JSON object per logged step in
-``workdir/metrics.jsonl``."""
+``workdir/metrics.jsonl``, with its wall time (``time``, seconds since the epoch)."""
 from __future__ import annotations
 
 import json
 import os
+import time
 
 from redco.plugins import hookimpl
 from redco.protocols import MetricLogger
@@ -16,7 +17,7 @@ class JsonlLogger(MetricLogger):
         self._file = open(self._path, "a")
 
     def log(self, step: int, metrics: dict) -> None:
-        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._file.write(json.dumps({"step": step, "time": round(time.time(), 3), **metrics}) + "\n")
         self._file.flush()
 
     def forget_after(self, step: int) -> None:
