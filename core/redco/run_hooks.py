@@ -16,8 +16,7 @@ from typing import Any, Callable, Sequence
 
 import pluggy
 
-from redco import hookspecs
-from redco import plugins
+from redco import hookspecs, plugins
 from redco.plugins import pm
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 import warnings
 from typing import Any, Callable, Sequence
@@ -11,18 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import tqdm
 
 from redco import checkpointing, compat, compile_cache, preemption, watchdog
 from redco import remat as redco_remat
 from redco.data import by_name, check_array_leaves, check_collated, check_number, n_full_batches
 from redco.deployer import Deployer
+from redco.evaluation import Evaluation
 from redco.observers.profiler import profile_window
-from redco.run_hooks import RunHooks
 from redco.predictor import Predictor
+from redco.run_hooks import RunHooks
 from redco.sharding import Rules, dataflow_trace, opt_state_shardings
-from redco.train_step import (TrainState, input_tokens, make_train_step, split, step_loss,
-                              unwrap_multisteps)
+from redco.train_step import TrainState, input_tokens, make_train_step, split, step_loss, unwrap_multisteps
 
 LOSS_ARGS = ("rng", "state", "params", "batch", "is_training")
 
@@ -33,14 +31,6 @@ def place_copy(tree: Any, shardings: Any) -> Any:
     in on a device is copied once placed: a shard's worth per device, not a whole array."""
     placed = jax.device_put(tree, shardings)
     return jax.tree.map(lambda x, y: jnp.copy(y) if isinstance(x, jax.Array) else y, tree, placed)
-
-
-def refuse_missing_metrics(metric_names: Sequence[str], names: set[str], found: str) -> None:
-    """Raise if ``save_arg*_ckpt_by_metrics`` names a metric the evaluation does not give."""
-    missing = [name for name in metric_names if name not in names]
-    if missing:
-        raise KeyError(f"save_arg*_ckpt_by_metrics names {missing} but the eval metrics are "
-                       f"{sorted(names)} (found {found}). Name one of those.")
 
 
 def check_fit_numbers(n_epochs, keep_last_ckpts, save_every_n_steps, eval_per_device_batch_size,
@@ -527,10 +517,11 @@ class Trainer(compat.TrainerV04):
         check_fit_numbers(n_epochs, keep_last_ckpts, save_every_n_steps, eval_per_device_batch_size,
                           per_device_batch_size)
         first_examples = compat.examples_of_epoch(train_examples, 0)
-        evaluate, sanity_check = self._plan_eval(
-            eval_examples, eval_per_device_batch_size or per_device_batch_size, eval_loss,
-            eval_predictor, eval_metric_fn, save_argmin_ckpt_by_metrics,
-            save_argmax_ckpt_by_metrics, eval_sanity_check)
+        evaluate = Evaluation.plan(
+            self, eval_examples, eval_per_device_batch_size or per_device_batch_size, eval_loss,
+            eval_predictor, eval_metric_fn,
+            [*(save_argmin_ckpt_by_metrics or ()), *(save_argmax_ckpt_by_metrics or ())],
+            check_names=eval_sanity_check)
         examples_per_step, steps_per_epoch = self._plan_steps(first_examples, per_device_batch_size,
                                                               n_epochs)
         done = self.step if self._fitted else 0  # updates before this fit's first epoch
@@ -539,8 +530,8 @@ class Trainer(compat.TrainerV04):
                        "profile_window": profile_window(profile_steps, done + 1, done + n_epochs *
                                                         steps_per_epoch, self.deployer.workdir)}
         self._start_fit(resume, save_last_ckpt or bool(save_every_n_steps))
-        if sanity_check is not None:
-            sanity_check()
+        if evaluate is not None and eval_sanity_check:
+            evaluate.sanity_check()
         self.hooks.on_time_spent(trainer=self, phase="startup", step=None,
                                  seconds=time.perf_counter() - started)
         with self._watched():
@@ -563,23 +554,7 @@ class Trainer(compat.TrainerV04):
             self._fitted = True
             self.hooks.on_fit_end(trainer=self)
 
-    def _plan_eval(self, examples, per_device_batch_size: int, eval_loss: bool, predictor,
-                   metric_fn, argmin_metrics, argmax_metrics, sanity_check: bool):
-        """``(evaluate(epoch), sanity check)`` for fit, None without ``examples``; the inputs
-        (and, with the sanity check, the metric names) are checked now, before compiling."""
-        if examples is None:
-            return None, None
-        metric_names = [*(argmin_metrics or ()), *(argmax_metrics or ())]
-        self._check_eval_inputs(examples, per_device_batch_size, eval_loss, predictor, metric_fn,
-                                metric_names if sanity_check else [])
-        evaluate = functools.partial(
-            self._evaluate, examples=examples, per_device_batch_size=per_device_batch_size,
-            eval_loss=eval_loss, predictor=predictor, metric_fn=metric_fn)
-        check = functools.partial(self._sanity_check, examples, per_device_batch_size, eval_loss,
-                                  predictor, metric_fn, metric_names)
-        return evaluate, check if sanity_check else None
-
-    def _end_epoch(self, epoch: int, evaluate: Callable | None, save_ckpt: bool,
+    def _end_epoch(self, epoch: int, evaluate: Evaluation | None, save_ckpt: bool,
                    keep_last_ckpts: int, v04: compat.FitOptionsV04) -> None:
         """After an epoch's updates, with the hang watch paused: evaluate (and keep the best
         checkpoints), save the step checkpoint if asked, and Redco 0.4's per-epoch options."""
@@ -644,63 +619,6 @@ class Trainer(compat.TrainerV04):
             if self._watchdog is not None:
                 self._watchdog.stop()
                 self._watchdog = None
-
-    def _check_eval_inputs(self, examples, per_device_batch_size, eval_loss, predictor,
-                           metric_fn, metric_names: list[str]) -> None:
-        """Refuse too few ``examples`` for one batch, or a ``save_arg*_ckpt_by_metrics`` name
-        (of ``metric_names``) the evaluation cannot give, before anything compiles:
-        ``metric_fn``'s names are those it returns for zeros shaped like the predictions
-        (``pred_fn`` traced, not compiled). Where ``output_fn`` or ``metric_fn`` cannot take
-        zeros, the sanity check's real evaluation checks the names instead."""
-        n_full_batches(len(examples), 1, "eval_examples")
-        names = {"loss"} if eval_loss else set()
-        if all(name in names for name in metric_names):
-            return
-        if predictor is not None and metric_fn is not None:
-            preds, batch_size = predictor.traced_preds(examples, per_device_batch_size,
-                                                       self.params)
-            first = list(examples[:batch_size])
-            try:
-                outputs = predictor.per_example(preds, batch_size)[:len(first)]
-                names |= set(compat.call_metric_fn(metric_fn, first, outputs))
-            except Exception:  # zeros are not predictions this metric_fn can score
-                return
-        refuse_missing_metrics(metric_names, names, "before compiling, from pred_fn traced")
-
-    def _sanity_check(self, examples, per_device_batch_size, eval_loss, predictor, metric_fn,
-                      metric_names) -> None:
-        """The evaluation once, on one batch, before training."""
-        examples = list(examples[:self.deployer.get_global_batch_size(per_device_batch_size)])
-        names = {"loss"} if eval_loss else set()
-        if eval_loss:
-            self.eval_loss(examples, per_device_batch_size)
-        if predictor is not None:
-            preds = predictor.predict(examples, per_device_batch_size, params=self.params,
-                                      desc="sanity check")
-            if metric_fn is not None:
-                names |= set(compat.call_metric_fn(metric_fn, examples, preds))
-        refuse_missing_metrics(metric_names, names, "before training by fit's eval_sanity_check")
-        self.deployer.log_info("Sanity check passed: the evaluation ran on one batch.")
-
-    def _evaluate(self, epoch, examples, per_device_batch_size, eval_loss, predictor,
-                  metric_fn) -> dict:
-        """The evaluation after ``epoch``: logged, written to ``eval_results_epoch<i>.json``
-        and handed to ``on_eval_end`` (the best checkpoints are kept there)."""
-        metrics = {}
-        if eval_loss:
-            metrics["loss"] = self.eval_loss(examples, per_device_batch_size)
-        if predictor is not None:
-            preds = predictor.predict(examples, per_device_batch_size, params=self.state.params,
-                                      desc=f"predict epoch {epoch + 1}")
-            if metric_fn is not None:
-                metrics.update({k: float(v) for k, v in
-                                compat.call_metric_fn(metric_fn, examples, preds).items()})
-        self.deployer.log_info(f"epoch {epoch + 1} eval: " +
-                               ", ".join(f"{k} = {v:.5g}" for k, v in metrics.items()))
-        self.deployer.log_metrics({f"eval/{k}": v for k, v in metrics.items()}, self.step)
-        self.deployer.save_json(f"eval_results_epoch{epoch}.json", metrics)
-        self.hooks.on_eval_end(trainer=self, epoch=epoch, metrics=metrics)
-        return metrics
 
     def get_default_predictor(self, pred_fn: Callable, output_fn: Callable | None = None
                               ) -> Predictor:

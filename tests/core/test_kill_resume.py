@@ -9,8 +9,17 @@ biggest file. Each leaves a ``.tmp`` that is not taken for a checkpoint and is r
 """
 import os
 
-from ckpt_helpers import (assert_same_run, ckpt_names, finish, goodput_runs, latest, run,
-                          run_killed_mid_save, start, starts)
+from ckpt_helpers import (
+    assert_same_run,
+    ckpt_names,
+    finish,
+    goodput_runs,
+    latest,
+    run,
+    run_killed_mid_save,
+    start,
+    starts,
+)
 
 
 def test_killed_training_rerun_until_done_matches_an_uninterrupted_run(tmp_path):

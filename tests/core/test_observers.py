@@ -11,8 +11,19 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import (GLOBAL_BATCH, Recorder, lm_collate, lm_examples, lm_loss, lm_model, mlp_apply,
-                     mlp_collate, mlp_examples, mlp_init, mlp_loss)
+from helpers import (
+    GLOBAL_BATCH,
+    Recorder,
+    lm_collate,
+    lm_examples,
+    lm_loss,
+    lm_model,
+    mlp_apply,
+    mlp_collate,
+    mlp_examples,
+    mlp_init,
+    mlp_loss,
+)
 
 import redco
 from redco import Deployer, Trainer, plugins

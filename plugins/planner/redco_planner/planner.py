@@ -45,8 +45,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from redco import plugins, sharding
 from redco import lora as redco_lora
+from redco import plugins, sharding
 from redco import remat as redco_remat
 from redco.sharding import Rules, dataflow_trace, opt_state_shardings, shardings_from_specs, specs_from_rules
 from redco.train_step import TrainState, make_train_step, split, step_loss
