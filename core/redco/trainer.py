@@ -20,6 +20,7 @@ from redco.observers.profiler import profile_window
 from redco.predictor import Predictor
 from redco.run_hooks import RunHooks
 from redco.sharding import Rules, dataflow_trace, opt_state_shardings
+from redco.step_checkpoints import StepCheckpoints
 from redco.train_step import TrainState, input_tokens, make_train_step, split, step_loss, unwrap_multisteps
 
 LOSS_ARGS = ("rng", "state", "params", "batch", "is_training")
@@ -121,7 +122,7 @@ class Trainer(compat.TrainerV04):
         self._watch: preemption.Watch | None = None  # while fit trains
         self._watchdog: watchdog.Watchdog | None = None  # while fit trains, if a hang timeout
         self._fitted = False  # a fit ran to its end: a later fit trains its epochs again
-        self._data_position: dict = {}  # with the step, fixes which examples come next
+        self.checkpoints = StepCheckpoints(self)  # resume and step checkpoints, as fit asks
         self.params_sharding_rules = params_sharding_rules
         self.state: TrainState | None = None  # placed once the layout is decided
         self.state_shardings: TrainState | None = None
@@ -452,14 +453,10 @@ class Trainer(compat.TrainerV04):
     def save_step_ckpt(self, epoch: int, keep_last_ckpts: int = 1) -> str:
         """Checkpoint everything a resume needs as ``ckpts/step_<step>``; keep the newest
         ``keep_last_ckpts`` of them."""
-        step = self.step
         with self.hang_watch_paused():
             with self._timed("checkpoint"):
-                path = self.deployer.save_ckpt(f"step_{step}", self.ckpt_tree(), {
-                    "step": step, "epoch": epoch, "data": self._data_position,
-                    "plugins": self.hooks.saved_state(self, step)})
-                checkpointing.prune(self.deployer.ckpt_dir, keep_last_ckpts)
-            self.hooks.on_checkpoint_saved(trainer=self, path=path, step=step)
+                path = self.checkpoints.save(epoch, keep_last_ckpts)
+            self.hooks.on_checkpoint_saved(trainer=self, path=path, step=self.step)
         return path
 
     def hang_watch_paused(self):
@@ -467,28 +464,6 @@ class Trainer(compat.TrainerV04):
         checkpoint, an evaluation; your own in a callback) keeps ``Deployer(hang_timeout_s=)``
         from taking it for a hang."""
         return self._watchdog.paused() if self._watchdog is not None else contextlib.nullcontext()
-
-    def _resume(self) -> dict | None:
-        checkpointing.recover(self.deployer.ckpt_dir)
-        found = checkpointing.step_ckpts(self.deployer.ckpt_dir)
-        if not found:
-            return None
-        meta = checkpointing.read_meta(found[-1])
-        saved = meta.get("data", {})
-        changed = [f"{k} was {saved.get(k)}, now {v}" for k, v in self._data_position.items()
-                   if saved.get(k) != v]
-        if changed:
-            raise ValueError(
-                f"Cannot resume from {found[-1]}: {'; '.join(changed)}, so this run would not "
-                "see the examples the interrupted one would have. Rerun with the same data and "
-                "settings, use a new workdir, or pass fit(resume=False) to start over.")
-        tree, meta = self.deployer.load_ckpt(found[-1], self.ckpt_tree())
-        self.state = self.state.replace(step=self._placed_step(meta["step"]), **tree)
-        self.deployer.forget_metrics_after(meta["step"])
-        self.deployer.log_info(f"Resumed from {found[-1]} (step {meta['step']}).")
-        state = meta.get("plugins", {"best": meta.get("best", {})})  # (best: redco <= 0.5.x)
-        self.hooks.on_resume(trainer=self, step=meta["step"], state=state)
-        return meta
 
     def fit(self, train_examples: Sequence | Callable, per_device_batch_size: int, n_epochs: int,
             eval_examples: Sequence | None = None, eval_per_device_batch_size: int | None = None,
@@ -529,7 +504,9 @@ class Trainer(compat.TrainerV04):
                        "save_argmax_ckpt_by_metrics": save_argmax_ckpt_by_metrics,
                        "profile_window": profile_window(profile_steps, done + 1, done + n_epochs *
                                                         steps_per_epoch, self.deployer.workdir)}
-        self._start_fit(resume, save_last_ckpt or bool(save_every_n_steps))
+        self.hooks.saved_state(self, self.step)  # a plugin's bad state fails now, not at a save
+        if not self._fitted:
+            self.checkpoints.start(resume, saves=save_last_ckpt or bool(save_every_n_steps))
         if evaluate is not None and eval_sanity_check:
             evaluate.sanity_check()
         self.hooks.on_time_spent(trainer=self, phase="startup", step=None,
@@ -581,24 +558,10 @@ class Trainer(compat.TrainerV04):
                 f"{n_epochs * steps_per_epoch}, so it will not end at its end value. Pass "
                 f"accumulate_grad_batches={self.accumulate_grad_batches} (and the same batch size "
                 "and epochs) to deployer.get_lr_schedule_fn.", stacklevel=3)
-        self._data_position = {"n_examples": len(first_examples), "jax_seed": self.deployer.jax_seed,
-                               "examples_per_step": examples_per_step}
+        self.checkpoints.data_position = {"n_examples": len(first_examples),
+                                          "jax_seed": self.deployer.jax_seed,
+                                          "examples_per_step": examples_per_step}
         return examples_per_step, steps_per_epoch
-
-    def _start_fit(self, resume: bool, saves_step_ckpts: bool) -> None:
-        """On a trainer's first fit: resume from the last step checkpoint (``resume``), the
-        plugins' saved state included, or refuse to write step checkpoints beside an earlier
-        run's. Every plugin's state to save is asked for once, so a clash fails now."""
-        self.hooks.saved_state(self, self.step)
-        first_fit = not self._fitted
-        if first_fit and not resume and saves_step_ckpts and checkpointing.step_ckpts(
-                self.deployer.ckpt_dir):
-            raise ValueError(
-                f"{self.deployer.ckpt_dir} holds step checkpoints of an earlier run; with "
-                "resume=False this run's would be mixed with (and pruned against) them. Use a "
-                "new workdir, or delete the old checkpoints first.")
-        if resume and first_fit:
-            self._resume()
 
     @contextlib.contextmanager
     def _watched(self):
