@@ -45,6 +45,9 @@ class Deployer(DeployerV04):
         replicated.
       checkpoint_format: the checkpoint-format plugin that writes checkpoints: ``orbax``,
         ``safetensors``, ``msgpack`` or a third party's. Loading reads any format.
+      async_checkpoints: ``Trainer.fit`` writes step checkpoints in the background, from a host
+        copy of the state, while training goes on (one process; ``redco/step_checkpoints.py``).
+        ``False``: training waits for each write.
       loggers: names of the metric-logger plugins to run (process 0 only).
       launcher: name of a launcher plugin; by default the first that detects itself.
       verbose: print log lines and show progress bars (process 0 only); ``False`` keeps the
@@ -72,8 +75,9 @@ class Deployer(DeployerV04):
                  device_memory: int | str | None = None, verbose: bool = True,
                  wandb_init_kwargs: dict | None = None,
                  compile_cache_dir: str | bool | None = None,
-                 hang_timeout_s: float | None = None):
+                 hang_timeout_s: float | None = None, async_checkpoints: bool = True):
         check_number("jax_seed", jax_seed, 0)
+        self.async_checkpoints = async_checkpoints
         self.hang_timeout_s = watchdog.resolve(hang_timeout_s)
         config = dict(n_processes=n_processes, host0_address=host0_address,
                       host0_port=host0_port, process_id=process_id,

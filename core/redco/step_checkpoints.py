@@ -6,10 +6,25 @@ step and epoch, the data position (how many examples, the seed, examples per upd
 which examples come next) and every plugin's ``state_to_save``. ``StepCheckpoints`` is the
 component ``fit`` calls for them; resuming with other data or settings is refused naming what
 changed, since the run would not see the examples the interrupted one would have.
+
+**Writing in the background** (``Deployer(async_checkpoints=True)``, the default, in a run of
+one process). ``save`` copies the state to host memory, which is all training waits for (the
+next update donates the state's device buffers), and a writer thread writes that copy with the
+checkpoint format, atomically as any checkpoint (``redco/checkpointing.py``): a kill at any
+moment leaves either the complete checkpoint or a ``.tmp`` that resume ignores. At most one
+write is in flight: the next ``save`` first waits for it. ``on_checkpoint_saved`` is called on
+the training thread once the write is complete (``finished()``, asked at every update). A
+SIGTERM stop, the end of ``fit``, and an error that ends it wait for the write in flight; a
+write that failed raises its error on the training thread. With several processes a write ends
+in barriers that run on the devices, so there training waits for it.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
+
+import jax
+import numpy as np
 
 from redco import checkpointing
 
@@ -18,6 +33,9 @@ class StepCheckpoints:
     def __init__(self, trainer: Any):
         self.trainer = trainer
         self.data_position: dict = {}  # with the step, fixes which examples come next
+        self._writer: threading.Thread | None = None  # the write in flight
+        self._done: list[tuple[str, int]] = []  # (path, step) written, not yet announced
+        self._error: BaseException | None = None
 
     def start(self, resume: bool, saves: bool) -> None:
         """At a trainer's first fit: resume from the newest step checkpoint (``resume``), or
@@ -56,12 +74,52 @@ class StepCheckpoints:
         trainer.hooks.on_resume(trainer=trainer, step=meta["step"], state=state)
         return meta
 
-    def save(self, epoch: int, keep: int) -> str:
-        """Write ``ckpts/step_<step>`` and keep the newest ``keep``; its path."""
+    def save(self, epoch: int, keep: int, background: bool = False) -> str:
+        """Write ``ckpts/step_<step>`` and keep the newest ``keep``; with ``background``, in the
+        background where it can be (module docstring). Returns its path; ``finished()`` tells
+        when it is complete."""
+        self.join()  # at most one write in flight
         trainer = self.trainer
         step = trainer.step
-        path = trainer.deployer.save_ckpt(f"step_{step}", trainer.ckpt_tree(), {
-            "step": step, "epoch": epoch, "data": self.data_position,
-            "plugins": trainer.hooks.saved_state(trainer, step)})
-        checkpointing.prune(trainer.deployer.ckpt_dir, keep)
+        meta = {"step": step, "epoch": epoch, "data": self.data_position,
+                "plugins": trainer.hooks.saved_state(trainer, step)}
+        if not (background and trainer.deployer.async_checkpoints and jax.process_count() == 1):
+            return self._write(step, trainer.ckpt_tree(), meta, keep)
+        tree = jax.tree.map(lambda x: np.array(x, copy=True), trainer.ckpt_tree())  # host copy
+        self._writer = threading.Thread(target=self._write_in_background,
+                                        args=(step, tree, meta, keep),
+                                        name=f"redco-ckpt-step_{step}")
+        self._writer.start()
+        return f"{trainer.deployer.ckpt_dir}/step_{step}"
+
+    def _write(self, step: int, tree: Any, meta: dict, keep: int) -> str:
+        deployer = self.trainer.deployer
+        path = deployer.save_ckpt(f"step_{step}", tree, meta)
+        checkpointing.prune(deployer.ckpt_dir, keep)
+        self._done.append((path, step))
         return path
+
+    def _write_in_background(self, *args) -> None:
+        try:
+            self._write(*args)
+        except BaseException as e:  # noqa: BLE001 - raised on the training thread by finished()
+            self._error = e
+
+    def finished(self) -> list[tuple[str, int]]:
+        """``(path, step)`` of each write completed since the last call, oldest first; the
+        error of a background write that failed."""
+        if self._writer is not None and not self._writer.is_alive():
+            self.join()
+        done, self._done = self._done, []
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"Writing a step checkpoint in the background failed: "
+                               f"{type(error).__name__}: {error}. The checkpoints before it are "
+                               "kept.") from error
+        return done
+
+    def join(self) -> None:
+        """Wait for the write in flight to end (its error kept for ``finished``)."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None

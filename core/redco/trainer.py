@@ -326,8 +326,9 @@ class Trainer(compat.TrainerV04):
                 batch = self.deployer.make_batch(
                     [examples[j] for j in order[i * batch_size:(i + 1) * batch_size]],
                     self.collate_fn, n_micro=self.accumulate_grad_batches)
-            with self._timed("step" if self._first_step_logged else "compile", step):
-                metrics = self._run_train_step(batch, step)
+            with self._timed("step" if self._first_step_logged else "compile", step), \
+                    jax.profiler.StepTraceAnnotation("train_step", step_num=step):  # (profiles)
+                metrics = self._run_train_step(batch)
                 done = pending and (pending[0], jax.device_get(pending[1]))  # waits for it
             if done:
                 self._report(*done)
@@ -338,7 +339,8 @@ class Trainer(compat.TrainerV04):
             if save_every_n_steps and step % save_every_n_steps == 0 and i + 1 < n_steps:
                 self._report(*self._wait_for(pending))
                 pending = None
-                self.save_step_ckpt(epoch, keep_last_ckpts)
+                self.save_step_ckpt(epoch, keep_last_ckpts, background=True)
+            self._announce_checkpoints()
         if pending is not None:
             self._report(*self._wait_for(pending))
         self.hooks.on_epoch_end(trainer=self, epoch=epoch)
@@ -362,13 +364,11 @@ class Trainer(compat.TrainerV04):
         self.deployer.log_info(error.reason)
         raise error
 
-    def _run_train_step(self, batch, step: int) -> dict:
-        """One update (a ``train_step`` event in a profile); the first one after the step is
-        (re)made is timed and logged: how long tracing and compiling took, and whether the
-        program came from the compile cache."""
+    def _run_train_step(self, batch) -> dict:
+        """One update; the first one after the step is (re)made is timed and logged: how long
+        tracing and compiling took, and whether the program came from the compile cache."""
         if self._first_step_logged:
-            with jax.profiler.StepTraceAnnotation("train_step", step_num=step):
-                self.state, metrics = self._train_step(self.state, batch)
+            self.state, metrics = self._train_step(self.state, batch)
             return metrics
         self._batch_shapes = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
@@ -390,6 +390,7 @@ class Trainer(compat.TrainerV04):
         watchdog, add the observers' metrics (throughput) and hand them all to ``on_step_end``."""
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if not all(np.isfinite(metrics.get(k, 0.0)) for k in ("loss", "grad_norm")):
+            self.checkpoints.join()  # a write in flight holds an earlier, good state
             found = checkpointing.step_ckpts(self.deployer.ckpt_dir)
             kept = f"the last good checkpoint, {found[-1]}, is kept" if found else "no checkpoint was written"
             raise FloatingPointError(
@@ -450,14 +451,26 @@ class Trainer(compat.TrainerV04):
         return {"params": self.state.params, "opt_state": self.state.opt_state,
                 "rng": self.state.rng}
 
-    def save_step_ckpt(self, epoch: int, keep_last_ckpts: int = 1) -> str:
+    def save_step_ckpt(self, epoch: int, keep_last_ckpts: int = 1,
+                       background: bool = False) -> str:
         """Checkpoint everything a resume needs as ``ckpts/step_<step>``; keep the newest
-        ``keep_last_ckpts`` of them."""
+        ``keep_last_ckpts`` of them. With ``background`` (fit's own saves), training goes on
+        while it is written (``Deployer(async_checkpoints=)``, ``redco/step_checkpoints.py``):
+        it is complete when ``on_checkpoint_saved`` is called for it."""
         with self.hang_watch_paused():
             with self._timed("checkpoint"):
-                path = self.checkpoints.save(epoch, keep_last_ckpts)
-            self.hooks.on_checkpoint_saved(trainer=self, path=path, step=self.step)
+                path = self.checkpoints.save(epoch, keep_last_ckpts, background)
+            self._announce_checkpoints()
         return path
+
+    def _announce_checkpoints(self, wait: bool = False) -> None:
+        """``on_checkpoint_saved`` for each step checkpoint written since the last call (with
+        ``wait``: once the write in flight is done, the hang watch paused meanwhile)."""
+        if wait:
+            with self.hang_watch_paused(), self._timed("checkpoint"):
+                self.checkpoints.join()
+        for path, step in self.checkpoints.finished():
+            self.hooks.on_checkpoint_saved(trainer=self, path=path, step=step)
 
     def hang_watch_paused(self):
         """``with trainer.hang_watch_paused():`` around long work that is not a step (a
@@ -528,6 +541,7 @@ class Trainer(compat.TrainerV04):
                 if self._stop_reason:
                     self.deployer.log_info(f"Stopping early: {self._stop_reason}")
                     break
+            self._announce_checkpoints(wait=True)
             self._fitted = True
             self.hooks.on_fit_end(trainer=self)
 
@@ -540,7 +554,7 @@ class Trainer(compat.TrainerV04):
                 with self._timed("evaluation"):
                     evaluate(epoch)
             if save_ckpt:
-                self.save_step_ckpt(epoch, keep_last_ckpts)
+                self.save_step_ckpt(epoch, keep_last_ckpts, background=True)
             v04.epoch_end(self, epoch)
 
     def _plan_steps(self, first_examples, per_device_batch_size: int,
@@ -566,7 +580,7 @@ class Trainer(compat.TrainerV04):
     @contextlib.contextmanager
     def _watched(self):
         """While training: SIGTERM/SIGINT caught (save and stop), the hang watchdog running; a
-        lost process named in the error."""
+        lost process named in the error; a step checkpoint in flight written before it ends."""
         try:
             self._watch = preemption.Watch()  # SIGTERM, SIGINT: save a checkpoint and stop
             if self.deployer.hang_timeout_s:  # no step for that long: exit naming the stuck one
@@ -577,6 +591,7 @@ class Trainer(compat.TrainerV04):
                 raise self.deployer.lost_process_error(e) from e
             raise
         finally:
+            self.checkpoints.join()  # a write in flight completes whatever ended training
             self._watch.restore()
             self._watch = None
             if self._watchdog is not None:

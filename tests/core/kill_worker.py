@@ -21,7 +21,17 @@ WORKDIR/final.npz. With ``--kill POINT`` the process dies at
 * ``term-save:N`` - two SIGTERMs while the format is writing ``step_N`` (the second one must not
   cut the save), then the same clean stop;
 * ``int:N``, ``int2:N`` - Ctrl-C (SIGINT) once in ``on_step_end`` for update N (the same clean
-  stop, status 130), or twice (exits at once).
+  stop, status 130), or twice (exits at once);
+* ``held:N`` - the background write of ``step_N`` is held once the format has written its files
+  (before redco's meta.json and rename), and SIGKILL comes in ``on_step_end`` for update N+1:
+  training went on while the write was in flight (a write that blocked training would never
+  get there);
+* ``term-held:N`` - the same hold, then SIGTERM in ``on_step_end`` for update N+1, which also
+  releases the write: the stop waits for it, saves ``step_<N+1>`` and exits 143.
+
+The saves killed through the file-size limit (``create``, ``write``, ``term-save``) are written
+while training waits (``Deployer(async_checkpoints=False)``): the limit is the whole process's,
+and a write of the training thread in the meantime (a log line) would be stopped first.
 
 ``create`` and ``write`` stop the format's own writing (tensorstore threads for orbax, Rust for
 safetensors, Python for msgpack) inside the write(2) call, wherever it is made: just before the
@@ -42,6 +52,7 @@ import argparse  # noqa: E402
 import re  # noqa: E402
 import resource  # noqa: E402
 import signal  # noqa: E402
+import threading  # noqa: E402
 
 import jax  # noqa: E402
 
@@ -73,9 +84,10 @@ class KillingFormat(CheckpointFormat):
     format, except that its save of ``step_<kill_step>`` runs under a file-size limit of
     ``limit(ckpt_dir)`` bytes, so that the kernel kills the process part way through it."""
 
-    def __init__(self, name, kill_step, limit, term_step=None):
+    def __init__(self, name, kill_step, limit, term_step=None, hold_step=None):
         self.name, self.kill_step, self.limit = name, kill_step, limit
-        self.term_step = term_step
+        self.term_step, self.hold_step = term_step, hold_step
+        self.release = threading.Event()
         self.real = plugins.lookup("checkpoint_formats", name)
 
     @redco.hookimpl
@@ -89,6 +101,11 @@ class KillingFormat(CheckpointFormat):
             for _ in range(2):
                 os.kill(os.getpid(), signal.SIGTERM)
             print(f"kill_worker: sent two SIGTERMs while writing {path}", flush=True)
+        if m and int(m.group(1)) == self.hold_step:
+            self.real.save(path, tree)
+            print(f"kill_worker: holding the write of {path}", flush=True)
+            self.release.wait()  # until term-held's SIGTERM; held: until the SIGKILL
+            return None
         if not (m and int(m.group(1)) == self.kill_step):
             return self.real.save(path, tree)
         limit = self.limit(os.path.dirname(ckpt))
@@ -109,8 +126,8 @@ class KillingFormat(CheckpointFormat):
 class Killer:
     """Per-run callbacks: record where training starts; SIGKILL at ``step:N`` / ``saved:N``."""
 
-    def __init__(self, workdir, point, n):
-        self.workdir, self.point, self.n = workdir, point, n
+    def __init__(self, workdir, point, n, fmt):
+        self.workdir, self.point, self.n, self.fmt = workdir, point, n, fmt
 
     @redco.hookimpl
     def on_fit_start(self, trainer, n_epochs, steps_per_epoch):
@@ -121,6 +138,11 @@ class Killer:
     def on_step_end(self, trainer, step, metrics):
         if self.point == "step" and step == self.n:
             die(f"at the end of step {step}")
+        if self.point == "held" and step == self.n + 1:
+            die(f"at the end of step {step}, the write of step_{self.n} in flight")
+        if self.point == "term-held" and step == self.n + 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            self.fmt.release.set()
         if self.point in ("term", "int", "int2") and step == self.n:
             signum = signal.SIGTERM if self.point == "term" else signal.SIGINT
             for _ in range(2 if self.point == "int2" else 1):
@@ -143,18 +165,21 @@ def main():
     if args.kill:
         point, n = args.kill.split(":")
         n = int(n)
-        assert point in ("step", "create", "write", "saved", "term", "term-save", "int", "int2"), \
-            args.kill
+        assert point in ("step", "create", "write", "saved", "term", "term-save", "int", "int2",
+                         "held", "term-held"), args.kill
     os.makedirs(args.workdir, exist_ok=True)
 
     limit = WRITE_LIMITS.get(point)  # None: no save is stopped
-    plugins.pm.register(KillingFormat(args.format, n if limit else None, limit,
-                                      n if point == "term-save" else None))
+    fmt = KillingFormat(args.format, n if limit else None, limit,
+                        n if point == "term-save" else None,
+                        n if point in ("held", "term-held") else None)
+    plugins.pm.register(fmt)
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=args.workdir, verbose=False,
-                        checkpoint_format=args.format)
+                        checkpoint_format=args.format,
+                        async_checkpoints=point not in ("create", "write", "term-save"))
     apply_fn, params = lm_model()
     trainer = Trainer(deployer, lm_collate, apply_fn, lm_loss, params, optax.adamw(1e-2),
-                      callbacks=[Killer(args.workdir, point, n)])
+                      callbacks=[Killer(args.workdir, point, n, fmt)])
     trainer.fit(lm_examples(N_EXAMPLES), GLOBAL_BATCH // deployer.dp_size, n_epochs=N_EPOCHS,
                 save_every_n_steps=SAVE_EVERY, keep_last_ckpts=KEEP)
 

@@ -67,3 +67,4 @@ def test_killed_training_rerun_until_done_matches_an_uninterrupted_run(tmp_path)
     assert [r["replayed_steps"] for r in runs] == [0, 1, 2, 0, 3]
     assert [r["replayed"] > 0 for r in runs] == [False, True, True, False, True]
     assert [r["replayed_steps"] for r in goodput_runs(full)] == [0]
+

@@ -51,3 +51,30 @@ def test_ctrl_c_once_saves_and_stops_twice_stops_at_once(tmp_path):
     out = run(workdir, "int2:5")  # resumed at 3; dies at once of SIGINT, nothing saved past
     assert "KeyboardInterrupt" in out and latest(workdir) == "step_4", out[-3000:]  # epoch end
     assert starts(workdir) == [0, 3]
+
+
+def test_a_kill_or_a_sigterm_while_a_background_write_is_in_flight(tmp_path):
+    """Step checkpoints are written in the background: training goes on while ``step_6`` is
+    written (the worker holds that write until it is killed at update 7); the kill leaves a
+    ``.tmp`` without meta.json, which resume ignores. A SIGTERM with a write
+    in flight waits for it, then saves the step it stopped after. Rerun until done, the run ends
+    as one never interrupted."""
+    full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
+    uninterrupted = start(full)
+
+    out = run(killed, "held:6")  # the format may still be writing at update 7, or be held
+    assert "SIGKILL at the end of step 7, the write of step_6 in flight" in out, out[-2000:]
+    assert ckpt_names(killed) == ["step_3", "step_4", "step_6.tmp"]
+    assert "meta.json" not in os.listdir(os.path.join(killed, "ckpts", "step_6.tmp"))
+
+    # resumed from step_4; step_6 held until the notice, which lands as update 7 is reported:
+    # the stop waits for step_6, then saves the update under way, 8 (the newest 2 kept)
+    out = run(killed, "term-held:6")
+    assert "holding the write of" in out
+    assert stopped_after(out, killed) == 8
+    assert ckpt_names(killed) == ["step_6", "step_8"]
+
+    run(killed)
+    finish(uninterrupted, 0)
+    assert starts(killed) == [0, 4, 8]
+    assert_same_run(killed, full)
