@@ -460,7 +460,7 @@ class Trainer(compat.TrainerV04):
         with self.hang_watch_paused():
             with self._timed("checkpoint"):
                 path = self.checkpoints.save(epoch, keep_last_ckpts, background)
-            self._announce_checkpoints()
+        self._announce_checkpoints()
         return path
 
     def _announce_checkpoints(self, wait: bool = False) -> None:
@@ -469,8 +469,11 @@ class Trainer(compat.TrainerV04):
         if wait:
             with self.hang_watch_paused(), self._timed("checkpoint"):
                 self.checkpoints.join()
-        for path, step in self.checkpoints.finished():
-            self.hooks.on_checkpoint_saved(trainer=self, path=path, step=step)
+        finished = self.checkpoints.finished()
+        if finished:
+            with self.hang_watch_paused():  # a callback may upload it, say
+                for path, step in finished:
+                    self.hooks.on_checkpoint_saved(trainer=self, path=path, step=step)
 
     def hang_watch_paused(self):
         """``with trainer.hang_watch_paused():`` around long work that is not a step (a

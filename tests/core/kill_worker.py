@@ -7,7 +7,8 @@ updates, a step checkpoint every 3 updates and at each epoch's end, the last 2 k
 from WORKDIR's checkpoints like any rerun of the same command, and writes the final params to
 WORKDIR/final.npz. With ``--kill POINT`` the process dies at
 
-* ``step:N``  - SIGKILL in ``on_step_end`` for update N (before any checkpoint of N is written);
+* ``step:N``  - SIGKILL in ``on_step_end`` for update N (before any checkpoint of N is written;
+  once the background write of an earlier one, if any, is complete);
 * ``create:N`` - while the real writer of the format (``--format``, default ``orbax``) is saving
   checkpoint ``step_N``, at its first write of data into any file: the files it has created by
   then are empty, and no meta.json exists;
@@ -31,7 +32,9 @@ WORKDIR/final.npz. With ``--kill POINT`` the process dies at
 
 The saves killed through the file-size limit (``create``, ``write``, ``term-save``) are written
 while training waits (``Deployer(async_checkpoints=False)``): the limit is the whole process's,
-and a write of the training thread in the meantime (a log line) would be stopped first.
+and a write of the training thread in the meantime (a log line) would be stopped first. So is
+``saved``, whose kill comes right after the save, before the next update (in the background,
+``on_checkpoint_saved`` would come an update or two later).
 
 ``create`` and ``write`` stop the format's own writing (tensorstore threads for orbax, Rust for
 safetensors, Python for msgpack) inside the write(2) call, wherever it is made: just before the
@@ -137,6 +140,7 @@ class Killer:
     @redco.hookimpl
     def on_step_end(self, trainer, step, metrics):
         if self.point == "step" and step == self.n:
+            trainer.checkpoints.join()  # between checkpoints: none in flight (see held:N)
             die(f"at the end of step {step}")
         if self.point == "held" and step == self.n + 1:
             die(f"at the end of step {step}, the write of step_{self.n} in flight")
@@ -176,7 +180,7 @@ def main():
     plugins.pm.register(fmt)
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=args.workdir, verbose=False,
                         checkpoint_format=args.format,
-                        async_checkpoints=point not in ("create", "write", "term-save"))
+                        async_checkpoints=point not in ("create", "write", "term-save", "saved"))
     apply_fn, params = lm_model()
     trainer = Trainer(deployer, lm_collate, apply_fn, lm_loss, params, optax.adamw(1e-2),
                       callbacks=[Killer(args.workdir, point, n, fmt)])
