@@ -137,7 +137,8 @@ def on_eval_end(trainer, epoch, metrics):
 @hookspec
 def on_checkpoint_saved(trainer, path, step):
     """Called on every process once checkpoint ``path`` (step ``step``) is completely and
-    atomically written. Returns nothing."""
+    atomically written: for a step checkpoint written in the background, on the training
+    thread at the first update after, with the hang watch paused. Returns nothing."""
 
 
 @hookspec
