@@ -508,6 +508,8 @@ class Trainer(compat.TrainerV04):
         check_fit_numbers(n_epochs, keep_last_ckpts, save_every_n_steps, eval_per_device_batch_size,
                           per_device_batch_size)
         first_examples = compat.examples_of_epoch(train_examples, 0)
+        done = self.step if self._fitted else 0  # updates before this fit's first epoch
+        profile_window(profile_steps, done + 1, None, self.deployer.workdir)  # before placing
         evaluate = Evaluation.plan(
             self, eval_examples, eval_per_device_batch_size or per_device_batch_size, eval_loss,
             eval_predictor, eval_metric_fn,
@@ -515,7 +517,6 @@ class Trainer(compat.TrainerV04):
             check_names=eval_sanity_check)
         examples_per_step, steps_per_epoch = self._plan_steps(first_examples, per_device_batch_size,
                                                               n_epochs)
-        done = self.step if self._fitted else 0  # updates before this fit's first epoch
         fit_options = {"save_argmin_ckpt_by_metrics": save_argmin_ckpt_by_metrics,
                        "save_argmax_ckpt_by_metrics": save_argmax_ckpt_by_metrics,
                        "profile_window": profile_window(profile_steps, done + 1, done + n_epochs *

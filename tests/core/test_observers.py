@@ -27,7 +27,7 @@ from helpers import (
 
 import redco
 from redco import Deployer, Trainer, plugins
-from redco.observers.throughput import peak_tflops
+from redco.observers.throughput import no_mfu_note, peak_tflops
 
 
 def rows(workdir) -> list[dict]:
@@ -102,6 +102,12 @@ def test_peak_flops_come_from_the_device_kind_or_the_override(monkeypatch):
     assert peak_tflops(kind("cpu")) is None
     monkeypatch.setenv("REDCO_PEAK_TFLOPS", "400")
     assert peak_tflops(kind("NVIDIA L40S")) == 400
+    unknown = types.SimpleNamespace(device_kind="NVIDIA L40S", platform="gpu")
+    assert no_mfu_note(unknown, None) == ("MFU is not logged: the peak FLOP/s of a 'NVIDIA L40S' "
+                                          "is not known to redco. Set REDCO_PEAK_TFLOPS=<peak "
+                                          "TFLOP/s of one device> to log it.")
+    assert no_mfu_note(unknown, 400.0) is None
+    assert no_mfu_note(types.SimpleNamespace(device_kind="cpu", platform="cpu"), None) is None
     monkeypatch.setenv("REDCO_PEAK_TFLOPS", "fast")
     with pytest.raises(ValueError, match=r"REDCO_PEAK_TFLOPS='fast' is not a number"):
         peak_tflops(kind("NVIDIA L40S"))
@@ -166,13 +172,14 @@ def test_the_profile_switch_works_for_a_script_left_unchanged(workdir, monkeypat
     assert trace_steps(workdir)[0] == 2
 
 
-@pytest.mark.parametrize("profile_steps, env, message", [
-    ((5, 3), None, r"asks for updates 5 to 3, but this fit runs updates 1 to 8"),
+@pytest.mark.parametrize("profile_steps, env, message", [  # None: known once the batch is
+    ((5, 3), None, r"asks for updates 5 to 3, but this fit runs updates 1 on"),
     ((7, 9), None, r"asks for updates 7 to 9, but this fit runs updates 1 to 8"),
-    ((0, 2), None, r"asks for updates 0 to 2"),
+    ((0, 2), None, r"asks for updates 0 to 2, but this fit runs updates 1 on"),
     (5, None, r"fit\(profile_steps=...\) is 5: give two update numbers"),
     (None, "3-4", r"\$REDCO_PROFILE_STEPS is '3-4': give two update numbers"),
-    (None, "9:10", r"\$REDCO_PROFILE_STEPS asks for updates 9 to 10"),
+    (None, "9:10", r"\$REDCO_PROFILE_STEPS asks for updates 9 to 10, but this fit runs updates 1 "
+                   r"to 8"),
 ])
 def test_a_bad_profile_window_is_refused_before_training(workdir, monkeypatch, profile_steps,
                                                         env, message):
@@ -185,6 +192,7 @@ def test_a_bad_profile_window_is_refused_before_training(workdir, monkeypatch, p
     with pytest.raises(ValueError, match=message):
         trainer.fit(mlp_examples(64), 2, n_epochs=2, profile_steps=profile_steps)
     assert trainer.step == 0 and "on_fit_start" not in recorder.calls
+    assert (trainer.state is None) == (" to 8" not in message)  # placed only to count updates
 
 
 def test_profiling_needs_a_workdir():

@@ -20,10 +20,11 @@ from redco.plugins import hookimpl
 STEPS_ENV, PROCESSES_ENV = "REDCO_PROFILE_STEPS", "REDCO_PROFILE_PROCESSES"
 
 
-def profile_window(profile_steps, first_step: int, last_step: int,
+def profile_window(profile_steps, first_step: int, last_step: int | None,
                    workdir: str | None) -> tuple[int, int] | None:
     """``profile_steps`` (else ``$REDCO_PROFILE_STEPS``) checked against the updates this fit
-    runs, ``first_step`` to ``last_step``; an error saying what to pass instead."""
+    runs, ``first_step`` to ``last_step`` (None: not known yet, not checked); an error saying
+    what to pass instead."""
     source = "fit(profile_steps=...)"
     if profile_steps is None and os.environ.get(STEPS_ENV):
         source, text = f"${STEPS_ENV}", os.environ[STEPS_ENV]
@@ -38,10 +39,11 @@ def profile_window(profile_steps, first_step: int, last_step: int,
         raise ValueError(f"{source} is {profile_steps!r}: give two update numbers, (start, stop) "
                          f"(or {STEPS_ENV}=start:stop), e.g. (10, 12).")
     start, stop = profile_steps
-    if not first_step <= start <= stop <= last_step:
+    if not first_step <= start <= stop <= (stop if last_step is None else last_step):
+        runs = f"{first_step} on" if last_step is None else f"{first_step} to {last_step}"
         raise ValueError(f"{source} asks for updates {start} to {stop}, but this fit runs updates "
-                         f"{first_step} to {last_step}: give 1-based (start, stop) with "
-                         "start <= stop inside that range.")
+                         f"{runs}: give 1-based (start, stop) with start <= stop inside that "
+                         "range.")
     if workdir is None:
         raise ValueError(f"{source} writes its trace under the workdir, but this Deployer has "
                          "workdir=None. Give it a workdir.")

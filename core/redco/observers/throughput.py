@@ -47,6 +47,14 @@ def peak_tflops(device: jax.Device) -> float | None:
     return None
 
 
+def no_mfu_note(device: jax.Device, tflops: float | None) -> str | None:
+    """What to say when an accelerator's MFU cannot be logged (a CPU's is never logged)."""
+    if tflops is not None or device.platform == "cpu":
+        return None
+    return (f"MFU is not logged: the peak FLOP/s of a {device.device_kind!r} is not known to "
+            f"redco. Set {OVERRIDE}=<peak TFLOP/s of one device> to log it.")
+
+
 class Throughput:
     def __init__(self, trainer):
         self.seconds = 0.0  # of the update being timed, since the last report
@@ -59,10 +67,9 @@ class Throughput:
         device = trainer.deployer.devices[0]
         tflops = peak_tflops(device)
         self.peak_flops = None if tflops is None else tflops * 1e12 * len(trainer.deployer.devices)
-        if tflops is None and device.platform != "cpu":
-            trainer.deployer.log_info(
-                f"MFU is not logged: the peak FLOP/s of a {device.device_kind!r} is not known to "
-                f"redco. Set {OVERRIDE}=<peak TFLOP/s of one device> to log it.")
+        note = no_mfu_note(device, tflops)
+        if note:
+            trainer.deployer.log_info(note)
 
     @hookimpl
     def on_epoch_start(self, trainer, examples_per_step):
