@@ -407,7 +407,9 @@ class Trainer(compat.TrainerV04):
         lowered step, its micro-batch loop unrolled (with remat, recomputation included; a loop
         inside the model would be counted once); None before the first update."""
         if self._batch_shapes is not None and self._step_flops is None:
-            lowered = self._jit_train_step(unroll=True).lower(self.state, self._batch_shapes)
+            step = self._train_step if self.accumulate_grad_batches == 1 else \
+                self._jit_train_step(unroll=True)  # (one micro-batch: the trace jit has kept)
+            lowered = step.lower(self.state, self._batch_shapes)
             self._step_flops = (lowered.cost_analysis() or {}).get("flops")
         return self._step_flops
 
