@@ -83,9 +83,10 @@ def register_observers(register):
 @hookspec
 def on_fit_start(trainer, n_epochs, steps_per_epoch, fit_options):
     """Called by ``Trainer.fit`` on every process once the state is placed (and resumed), before
-    the first step; ``trainer.step`` tells where training starts, ``fit_options`` holds fit's
-    keyword arguments (``profile_steps``, ``save_argmin_ckpt_by_metrics``, ...). Returns
-    nothing."""
+    the first step; ``trainer.step`` tells where training starts. ``fit_options`` holds fit's
+    ``save_argmin_ckpt_by_metrics`` and ``save_argmax_ckpt_by_metrics``, and ``profile_window``:
+    the updates to profile, ``(start, stop)`` from ``profile_steps`` or
+    ``$REDCO_PROFILE_STEPS``, or None. Returns nothing."""
 
 
 @hookspec
