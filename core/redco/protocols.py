@@ -10,7 +10,9 @@ refuses one that misses any, with a warning naming the plugin and the method.
 * ``register_zoo_pipelines`` and ``register_commands``: a ``Command`` (``description``,
   ``add_arguments``, ``run``);
 * ``register_templates``: the path of an existing directory;
-* ``register_layout_planners``: a ``LayoutPlanner`` (``plan``).
+* ``register_layout_planners``: a ``LayoutPlanner`` (``plan``);
+* ``register_observers``: a class (or factory) called as ``cls(trainer)`` once per ``Trainer``,
+  whose instance implements lifecycle hooks (``redco/hookspecs.py``; ``redco/observers/``).
 """
 from __future__ import annotations
 
@@ -172,4 +174,6 @@ def missing(kind: str, thing: Any) -> list[str]:
             [f"an existing directory (got {thing!r})"]
     if kind == "loggers" and not isinstance(thing, type):
         return [] if callable(thing) else ["__call__"]  # a factory: its loggers are checked made
+    if kind == "observers":
+        return [] if callable(thing) else ["__call__ (a class or factory taking the trainer)"]
     return [name for name in REQUIRED.get(kind, ()) if not hasattr(thing, name)]

@@ -302,3 +302,22 @@ def test_a_plugin_replaces_a_built_in_observer_by_its_name(workdir):
     assert QuietBar.made == [trainer]
     assert sorted(trainer.hooks.observers) == ["best_checkpoints", "goodput", "metric_logging",
                                                "profiler", "progress_bar", "throughput"]
+
+
+class BrokenObserverPlugin:
+    @redco.hookimpl
+    def register_observers(self, register):
+        register("broken", 42)
+
+
+def test_an_observer_that_cannot_be_made_is_refused_naming_its_plugin(workdir):
+    plugins.pm.register(BrokenObserverPlugin(), name="broken-observer")
+    try:
+        deployer = Deployer(jax_seed=0, workdir=workdir, verbose=False)
+        with pytest.warns(UserWarning, match=r"redco plugin 'broken-observer' registers observers "
+                                             r"'broken' without __call__ \(a class or factory"):
+            trainer = Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, mlp_init(),
+                              optax.sgd(0.1))
+    finally:
+        plugins.pm.unregister(name="broken-observer")
+    assert "broken" not in trainer.hooks.observers and "throughput" in trainer.hooks.observers
