@@ -3,7 +3,7 @@
 * ``step_time_s``: the wall time of one update in steady state: collating its batch plus
   dispatching it and waiting for the previous update's metrics (the loop reads them one update
   behind, so the device is never idle for the host). Compiling, checkpoints and evaluations are
-  not counted; the first update after a compile reports none.
+  not counted.
 * ``examples_per_s`` and ``tokens_per_s``: the update's examples and tokens (``Trainer``'s
   ``count_tokens``, counted inside the step) over ``step_time_s``.
 * ``mfu``: model FLOPs utilisation, the FLOPs of one update as XLA counts them in the lowered
