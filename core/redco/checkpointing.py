@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from typing import Any, Callable
 
 import jax
@@ -31,6 +32,10 @@ from redco import plugins
 from redco.tree_paths import named_leaves
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+# One checkpoint is written or read at a time in a process: a background step checkpoint and a
+# best-by-metric one saved meanwhile would otherwise run two writers at once, which orbax is not
+# made for (concurrent saves lose files of each other's).
+_ONE_AT_A_TIME = threading.Lock()
 
 
 def _sync(tag: str) -> None:  # every process reaches here before any goes on
@@ -62,6 +67,11 @@ def _fsync(path: str) -> None:
 def save(ckpt_dir: str, name: str, tree: Any, meta: dict, format_name: str) -> str:
     """Write ``tree`` with the format ``format_name`` and ``meta`` as ``ckpt_dir/name``
     (replacing it). Called on every process; returns the checkpoint's path."""
+    with _ONE_AT_A_TIME:
+        return _save(ckpt_dir, name, tree, meta, format_name)
+
+
+def _save(ckpt_dir: str, name: str, tree: Any, meta: dict, format_name: str) -> str:
     fmt = plugins.lookup("checkpoint_formats", format_name)
     final = os.path.join(ckpt_dir, name)
     tmp, old = final + ".tmp", final + ".old"
@@ -159,7 +169,8 @@ def load(path: str, target: Any) -> tuple[Any, dict]:
     fmt = plugins.lookup("checkpoint_formats", meta["format"])
     state_dir = os.path.join(meta["path"], "state")
     try:
-        tree = fmt.load(state_dir, target)
+        with _ONE_AT_A_TIME:
+            tree = fmt.load(state_dir, target)
     except Exception as e:  # the files are intact (checked above): do not advise deleting them
         raise ValueError(f"Could not read {state_dir} as a {meta['format']} checkpoint "
                          f"({type(e).__name__}: {e}). Its files are intact (sizes and sha256 as "

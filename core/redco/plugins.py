@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import threading
 import warnings
 
 import pluggy
@@ -28,6 +29,7 @@ pm = pluggy.PluginManager("redco")
 pm.add_hookspecs(hookspecs)
 plugin_sources: dict[str, str] = {}  # plugin name -> "distribution version"
 refused: dict[tuple[str, str], str] = {}  # (kind, name) -> why the registration was refused
+_loading = threading.Lock()  # a checkpoint writer thread looks plugins up too
 # Names this repository's plugin distributions provide, to say what to install when one is missing.
 PROVIDED_BY = {"tensorboard": "redco-tensorboard", "safetensors": "redco-safetensors",
                "msgpack": "redco-msgpack", "slurm": "redco-slurm", "xmanager": "redco-xmanager",
@@ -46,6 +48,11 @@ def _allowed(ep: importlib.metadata.EntryPoint, dist_name: str) -> bool:
 
 def load_entrypoint_plugins() -> None:
     """Register every allowed plugin of the ``redco`` entry-point group (once each)."""
+    with _loading:
+        _load_entrypoint_plugins()
+
+
+def _load_entrypoint_plugins() -> None:
     for ep in importlib.metadata.entry_points(group="redco"):
         dist = ep.dist
         dist_name = dist.metadata["Name"] if dist else "?"

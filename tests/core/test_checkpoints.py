@@ -180,3 +180,29 @@ def test_a_third_party_format_registers_through_entry_points(tmp_path, monkeypat
         assert os.listdir(os.path.join(path, "state")) == ["arrays.npz"]
     finally:
         plugins.pm.unregister(name="npz")
+
+
+def test_checkpoints_written_from_two_threads_at_once_all_land(tmp_path):
+    """A step checkpoint written in the background and a best-by-metric one saved meanwhile on
+    the training thread: orbax loses files when two of its saves run at once, so redco writes
+    one checkpoint at a time. Each of 2 x 30 saves lands complete and reads back."""
+    import threading
+    tree = {"params": {"w": np.arange(256 * 256, dtype=np.float32).reshape(256, 256)}}
+    errors = []
+
+    def save_many(prefix):
+        for i in range(30):
+            try:
+                checkpointing.save(str(tmp_path), f"{prefix}_{i}", tree, {"step": i}, "orbax")
+            except Exception as e:  # noqa: BLE001 - collected, then asserted none
+                errors.append(f"{prefix}_{i}: {type(e).__name__}: {e}")
+    threads = [threading.Thread(target=save_many, args=(prefix,)) for prefix in ("step", "best")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    for name in sorted(os.listdir(tmp_path)):
+        loaded, meta = checkpointing.load(str(tmp_path / name), tree)
+        np.testing.assert_array_equal(np.asarray(loaded["params"]["w"]), tree["params"]["w"])
+    assert len(os.listdir(tmp_path)) == 60
