@@ -24,9 +24,9 @@ WORKDIR/final.npz. With ``--kill POINT`` the process dies at
 * ``int:N``, ``int2:N`` - Ctrl-C (SIGINT) once in ``on_step_end`` for update N (the same clean
   stop, status 130), or twice (exits at once);
 * ``held:N`` - the background write of ``step_N`` is held once the format has written its files
-  (before redco's meta.json and rename), and SIGKILL comes in ``on_step_end`` for update N+1:
-  training went on while the write was in flight (a write that blocked training would never
-  get there);
+  (before redco's meta.json and rename), and SIGKILL comes in ``on_step_end`` for update N+1,
+  once the write is held: training went on while the write was in flight (a write that blocked
+  training would never get there);
 * ``term-held:N`` - the same hold, then SIGTERM in ``on_step_end`` for update N+1, which also
   releases the write: the stop waits for it, saves ``step_<N+1>`` and exits 143.
 
@@ -90,7 +90,7 @@ class KillingFormat(CheckpointFormat):
     def __init__(self, name, kill_step, limit, term_step=None, hold_step=None):
         self.name, self.kill_step, self.limit = name, kill_step, limit
         self.term_step, self.hold_step = term_step, hold_step
-        self.release = threading.Event()
+        self.holding, self.release = threading.Event(), threading.Event()
         self.real = plugins.lookup("checkpoint_formats", name)
 
     @redco.hookimpl
@@ -107,6 +107,7 @@ class KillingFormat(CheckpointFormat):
         if m and int(m.group(1)) == self.hold_step:
             self.real.save(path, tree)
             print(f"kill_worker: holding the write of {path}", flush=True)
+            self.holding.set()
             self.release.wait()  # until term-held's SIGTERM; held: until the SIGKILL
             return None
         if not (m and int(m.group(1)) == self.kill_step):
@@ -143,6 +144,8 @@ class Killer:
             trainer.checkpoints.join()  # between checkpoints: none in flight (see held:N)
             die(f"at the end of step {step}")
         if self.point == "held" and step == self.n + 1:
+            if not self.fmt.holding.wait(timeout=120):  # the writer thread may start late
+                sys.exit(f"kill_worker: the write of step_{self.n} never reached its hold")
             die(f"at the end of step {step}, the write of step_{self.n} in flight")
         if self.point == "term-held" and step == self.n + 1:
             os.kill(os.getpid(), signal.SIGTERM)
