@@ -3,9 +3,9 @@ rematerialisation, side by side on the same model, batch and device.
 
 Each lever trains in its own process (so each reports its own allocator peak): the zoo's LLaMA
 (``--preset``, TinyLlama-1.1B's shape by default) on byte tokens of ``pydoc_data.topics``,
-``Trainer(compute_dtype=..., remat=..., trainable=...)`` with fp32 params and AdamW, one warm-up
-step, then ``--repeats`` timed runs of ``--steps`` of redco's jitted step over
-batches already on the device. Levers (``--levers``):
+``Trainer(compute_dtype=..., remat=..., trainable=...)`` with fp32 params and AdamW, its step
+compiled ahead of time (``Trainer.compile_train_step``), one warm-up step, then ``--repeats``
+timed runs of ``--steps`` of that step over batches already on the device. Levers (``--levers``):
 
   full            every param trained (the reference)
   full+POLICY     the same under ``Trainer(remat=POLICY)`` (``dots_saveable``, ``full``, ...)
@@ -16,9 +16,9 @@ batches already on the device. Levers (``--levers``):
 Printed per lever: steps/s (median), tokens/s and its ratio to ``full``; MFU, model FLOPs per
 token = 6N + 12LTd as in ``trainer_vs_jit.py`` (the same for every lever, so a lever that
 computes more for the same tokens, as remat does, shows as a lower MFU); the device
-allocator's peak (``peak_bytes_in_use``, where the device reports it); and the train step's
-compile time. (No hardware-FLOPs column: on GPUs XLA's ``cost_analysis`` leaves out the cuBLAS
-and cuDNN calls that do most of the work.)
+allocator's peak (``peak_bytes_in_use``, where the device reports it; the process runs
+nothing but the train step); and the seconds of ``Trainer.compile_train_step`` (deciding the
+layout, tracing, lowering, compiling).
 
     python bench/lever_throughput.py --preset llama-1b --compute_dtype bfloat16 \\
         --peak_tflops 989 --seq_len 2048 --per_device_batch_size 8
@@ -52,7 +52,7 @@ def worker(lever: str, args: argparse.Namespace) -> dict:
     import jax.numpy as jnp
     import optax
     from flax import nnx
-    from trainer_vs_jit import byte_sequences, collate_fn, loss_fn, model_flops_per_token, time_steps
+    from trainer_vs_jit import byte_sequences, collate_fn, loss_fn, model_flops_per_token
 
     from redco import Deployer, Trainer, lora
     from redco_zoo_models import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, add_lora, split_model
@@ -73,23 +73,37 @@ def worker(lever: str, args: argparse.Namespace) -> dict:
                       remat=policy, trainable=trainable)
     global_batch = deployer.get_global_batch_size(args.per_device_batch_size)
     examples = byte_sequences(args.seq_len, (args.steps + 1) * global_batch)
-    trainer.eval_loss(examples[:global_batch], args.per_device_batch_size)  # decides the layout
+    t0 = time.perf_counter()
+    step = trainer.compile_train_step(examples[:global_batch], args.per_device_batch_size)
+    compile_s = time.perf_counter() - t0
     batches = [deployer.make_batch(examples[i * global_batch:(i + 1) * global_batch], collate_fn,
                                    n_micro=1) for i in range(args.steps + 1)]
-    t0 = time.perf_counter()
-    trainer._train_step.lower(trainer.state, batches[0]).compile()
-    compile_s = time.perf_counter() - t0
-
-    time_steps(trainer, batches[:1])  # warm-up
-    seconds = [time_steps(trainer, batches[1:]) for _ in range(args.repeats)]
+    state, loss = run_steps(step, trainer.state, batches[:1])  # warm-up
+    seconds = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        state, loss = run_steps(step, state, batches[1:])
+        seconds.append(time.perf_counter() - t0)
     stats = jax.devices()[0].memory_stats() or {}
     return {"lever": lever, "steps_per_s": statistics.median(args.steps / s for s in seconds),
-            "tokens_per_step": global_batch * args.seq_len,
+            "tokens_per_step": global_batch * args.seq_len, "n_devices": jax.device_count(),
             "model_flops_per_token": model_flops_per_token(config, args.seq_len),
             "compile_s": compile_s,
             "peak_bytes": stats.get("peak_bytes_in_use"),
             "trainable": lora.n_params(params, trainable), "params": lora.n_params(params),
-            "loss": float(trainer.eval_loss(examples[:global_batch], args.per_device_batch_size))}
+            "loss": loss}
+
+
+def run_steps(step, state, batches: list) -> tuple:
+    """``step`` over ``batches`` (already placed) until the last state is ready: (state, the
+    last loss)."""
+    import jax
+    metrics = None
+    for batch in batches:
+        state, metrics = step(state, batch)
+    loss = float(metrics["loss"])
+    jax.block_until_ready(state)
+    return state, loss
 
 
 def main() -> None:
@@ -142,7 +156,7 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     full_tokens = full["steps_per_s"] * full["tokens_per_step"]
     for r in rows:
         tokens = r["steps_per_s"] * r["tokens_per_step"]
-        mfu = tokens * r["model_flops_per_token"] / peak
+        mfu = tokens * r["model_flops_per_token"] / (peak * r["n_devices"])
         memory = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f} GiB"
         print(f"| {r['lever']} | {r['trainable'] / r['params']:.2%} | {r['steps_per_s']:.2f} | "
               f"{tokens:,.0f} | {tokens / full_tokens:.2f} | {mfu:.1%} | {memory} | "

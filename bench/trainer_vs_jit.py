@@ -42,6 +42,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import argparse  # noqa: E402
 import cProfile  # noqa: E402
 import io  # noqa: E402
+import json  # noqa: E402
 import platform  # noqa: E402
 import pstats  # noqa: E402
 import statistics  # noqa: E402
@@ -207,6 +208,7 @@ def main(argv=None) -> None:
     for fn in sides.values():  # warm-up: compile everything
         fn()
     warmup_s = time.perf_counter() - t0
+    n_warmup_rows = len(train_rows(workdir))
     times = {name: [] for name in sides}
     names = list(sides)
     for r in range(args.repeats):  # alternate the order to spread drift and noise evenly
@@ -223,11 +225,12 @@ def main(argv=None) -> None:
     print(f"{args.repeats} timed repeats x {args.steps} steps each (warm-up {warmup_s:.1f}s)")
     print()
     flops_per_token = model_flops_per_token(config, args.seq_len)
+    n_devices = jax.device_count()
     header = f"{'side':<26}{'steps/s (median)':>18}{'min':>9}{'max':>9}{'tokens/s':>12}"
     if args.peak_tflops:
         header += f"{'MFU':>8}"
         print(f"model FLOPs per token: {flops_per_token:.4g} (6N + 12LTd), peak "
-              f"{args.peak_tflops:g} TFLOP/s")
+              f"{args.peak_tflops:g} TFLOP/s per device, {n_devices} devices")
     print(header)
     print("-" * len(header))
     rates, best = {}, {}
@@ -235,7 +238,7 @@ def main(argv=None) -> None:
         r = [args.steps / t for t in ts]
         rates[name], best[name] = statistics.median(r), max(r)
         tokens = rates[name] * global_batch * args.seq_len
-        mfu = (f"{tokens * flops_per_token / (args.peak_tflops * 1e12):>8.1%}"
+        mfu = (f"{tokens * flops_per_token / (args.peak_tflops * 1e12 * n_devices):>8.1%}"
                if args.peak_tflops else "")
         print(f"{name:<26}{rates[name]:>18.2f}{min(r):>9.2f}{max(r):>9.2f}{tokens:>12,.0f}{mfu}")
     ours = "redco Trainer.fit"
@@ -254,6 +257,9 @@ def main(argv=None) -> None:
           f"{rates[ours] / rates['hand-written, pre-placed']:.3f} median, "
           f"{best[ours] / best['hand-written, pre-placed']:.3f} best")
 
+    if args.peak_tflops:
+        print_logged_mfu(trainer, train_rows(workdir)[n_warmup_rows:], rates, global_batch,
+                         flops_per_token, args)
     if args.collectives:
         import re
         hlos = {"redco Trainer._train_step": trainer._train_step.lower(
@@ -270,6 +276,31 @@ def main(argv=None) -> None:
         profile(trainer, deployer, run_redco, chunks, args)
     deployer.close()
     sys.stdout.flush()
+
+
+def train_rows(workdir: str) -> list[dict]:
+    """The rows ``fit`` logged to ``metrics.jsonl`` that carry an update's throughput."""
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [row for row in map(json.loads, f) if "perf/step_time_s" in row]
+
+
+def print_logged_mfu(trainer, rows: list[dict], rates: dict, global_batch: int,
+                     flops_per_token: float, args) -> None:
+    """The MFU ``fit`` logged (``perf/mfu``: XLA's FLOPs of the step over the step's time and
+    the peak of the device kind) against this bench's (model FLOPs over the measured rate)."""
+    from redco.observers.throughput import peak_tflops
+    tokens_per_step = global_batch * args.seq_len
+    logged = statistics.median(row["perf/mfu"] for row in rows if "perf/mfu" in row)
+    logged_time = statistics.median(row["perf/step_time_s"] for row in rows)
+    print(f"\nlogged by fit over {len(rows)} timed updates (peak of a "
+          f"{jax.devices()[0].device_kind!r}: {peak_tflops(jax.devices()[0])} TFLOP/s):")
+    print(f"  perf/mfu median {logged:.2%}, perf/step_time_s median {logged_time:.4f} s")
+    print(f"  step FLOPs, logged / 6N+12LTd: "
+          f"{trainer.step_flops() / (flops_per_token * tokens_per_step):.4f}")
+    for name in ("redco Trainer.fit", "redco step, bare loop"):
+        bench = rates[name] * tokens_per_step * flops_per_token / (
+            args.peak_tflops * 1e12 * jax.device_count())
+        print(f"  logged MFU / this bench's MFU of {name!r} ({bench:.2%}): {logged / bench:.4f}")
 
 
 def profile(trainer, deployer, run_redco, chunks, args) -> None:

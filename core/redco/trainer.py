@@ -21,6 +21,7 @@ from redco.predictor import Predictor
 from redco.run_hooks import RunHooks
 from redco.sharding import Rules, dataflow_trace, opt_state_shardings
 from redco.step_checkpoints import StepCheckpoints
+from redco.step_flops import step_flops as count_step_flops
 from redco.train_step import TrainState, input_tokens, make_train_step, split, step_loss, unwrap_multisteps
 
 LOSS_ARGS = ("rng", "state", "params", "batch", "is_training")
@@ -404,13 +405,13 @@ class Trainer(compat.TrainerV04):
 
     def step_flops(self) -> float | None:
         """The FLOPs of one update over the whole batch, all devices, as XLA counts them in the
-        lowered step, its micro-batch loop unrolled (with remat, recomputation included; a loop
-        inside the model would be counted once); None before the first update."""
+        lowered step, its micro-batch loop unrolled (with remat, recomputation included; a
+        while loop inside the model would be counted once), fused attention kernels counted as
+        their unfused dots (``redco.step_flops``); None before the first update."""
         if self._batch_shapes is not None and self._step_flops is None:
             step = self._train_step if self.accumulate_grad_batches == 1 else \
                 self._jit_train_step(unroll=True)  # (one micro-batch: the trace jit has kept)
-            lowered = step.lower(self.state, self._batch_shapes)
-            self._step_flops = (lowered.cost_analysis() or {}).get("flops")
+            self._step_flops = count_step_flops(step.trace(self.state, self._batch_shapes))
         return self._step_flops
 
     def lower_train_step(self, examples: Sequence, per_device_batch_size: int) -> jax.stages.Lowered:
