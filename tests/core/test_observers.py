@@ -72,14 +72,12 @@ def test_count_tokens_says_what_a_token_is(workdir):
     assert [r["train/tokens"] for r in rows(workdir) if "train/loss" in r] == want
 
 
-def test_mfu_is_the_lowered_steps_flops_over_time_and_peak(workdir, monkeypatch):
+def test_mfu_is_the_steps_flops_over_time_and_peak(workdir, monkeypatch):
     monkeypatch.setenv("REDCO_PEAK_TFLOPS", "0.5")  # per device, as on an accelerator
     trainer = lm_trainer(workdir, accumulate_grad_batches=2)
     examples = lm_examples(32, seq_len=16)
     trainer.fit(examples, GLOBAL_BATCH // 4, n_epochs=1)
-    flops = trainer.step_flops()
-    looped = trainer.lower_train_step(examples, GLOBAL_BATCH // 4).cost_analysis()["flops"]
-    assert flops == pytest.approx(2 * looped, rel=0.05)  # XLA counts a loop's body once
+    flops = trainer.step_flops()  # held to XLA's own count in test_step_flops.py
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
     tokens = 2 * GLOBAL_BATCH * 16  # two micro-batches of 8 rows, 16 positions predicted
     assert flops >= 6 * n_params * tokens * 0.9  # the whole update, all devices, both halves

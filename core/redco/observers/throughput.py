@@ -6,9 +6,10 @@
   not counted.
 * ``examples_per_s`` and ``tokens_per_s``: the update's examples and tokens (``Trainer``'s
   ``count_tokens``, counted inside the step) over ``step_time_s``.
-* ``mfu``: model FLOPs utilisation, the FLOPs of one update as XLA counts them in the lowered
-  step (``Trainer.lower_train_step(...).cost_analysis()``, the whole batch, every device; with
-  remat, the recomputation is counted too) over ``step_time_s`` times the devices' peak FLOP/s.
+* ``mfu``: model FLOPs utilisation, the FLOPs of one update (``Trainer.step_flops()``: the
+  matrix products of the traced step, fused attention included, the whole batch, every device;
+  with remat, the recomputation is counted too; ``redco/step_flops.py`` says why not XLA's
+  cost analysis) over ``step_time_s`` times the devices' peak FLOP/s.
   The peak is the dense bf16 figure of the device kind (``PEAK_TFLOPS``), or
   ``$REDCO_PEAK_TFLOPS`` (per device) where set. A CPU, or a device kind not in the table,
   logs no MFU; for the latter one note says how to set the peak.
