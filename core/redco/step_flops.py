@@ -27,7 +27,8 @@ from typing import Sequence
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxprs_in_params
 
-# jax's cuDNN attention primitives (jax/_src/cudnn/fused_attention_stablehlo.py) -> backward?
+# the primitives of jax.nn.dot_product_attention(implementation="cudnn") -> backward? (renamed
+# by a jax upgrade, tests/core/test_step_flops.py goes red)
 FUSED_ATTENTION = {"dot_product_attention_fwd_wrapper": False,
                    "dot_product_attention_bwd_wrapper": True}
 BNTH = 1  # the attention primitives' ``layout`` param: 0 is (B, T, N, D), 1 is (B, N, T, D)

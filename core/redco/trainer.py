@@ -16,7 +16,7 @@ from redco import remat as redco_remat
 from redco.data import by_name, check_array_leaves, check_collated, check_number, n_full_batches
 from redco.deployer import Deployer
 from redco.evaluation import Evaluation
-from redco.observers.profiler import profile_window
+from redco.fit_plan import plan_fit
 from redco.predictor import Predictor
 from redco.run_hooks import RunHooks
 from redco.sharding import Rules, dataflow_trace, opt_state_shardings
@@ -33,16 +33,6 @@ def place_copy(tree: Any, shardings: Any) -> Any:
     in on a device is copied once placed: a shard's worth per device, not a whole array."""
     placed = jax.device_put(tree, shardings)
     return jax.tree.map(lambda x, y: jnp.copy(y) if isinstance(x, jax.Array) else y, tree, placed)
-
-
-def check_fit_numbers(n_epochs, keep_last_ckpts, save_every_n_steps, eval_per_device_batch_size,
-                      per_device_batch_size) -> None:
-    """``fit``'s counts: each a positive int (the two that may be left out: or None)."""
-    check_number("n_epochs", n_epochs, 1)
-    check_number("keep_last_ckpts", keep_last_ckpts, 1)
-    check_number("save_every_n_steps", save_every_n_steps, 1, optional=True)
-    check_number("eval_per_device_batch_size", eval_per_device_batch_size, 1, optional=True)
-    check_number("per_device_batch_size", per_device_batch_size, 1)
 
 
 class Trainer(compat.TrainerV04):
@@ -508,43 +498,25 @@ class Trainer(compat.TrainerV04):
         (``redco/observers/profiler.py``). Redco 0.4.x's keywords are accepted too
         (``save_ckpt_every_k_epochs``, ...; see ``redco/compat.py``).
         """
-        started, v04 = time.perf_counter(), compat.FitOptionsV04(**v04_options)
-        check_fit_numbers(n_epochs, keep_last_ckpts, save_every_n_steps, eval_per_device_batch_size,
-                          per_device_batch_size)
-        first_examples = compat.examples_of_epoch(train_examples, 0)
-        done = self.step if self._fitted else 0  # updates before this fit's first epoch
-        profile_window(profile_steps, done + 1, None, self.deployer.workdir)  # before placing
-        evaluate = Evaluation.plan(
-            self, eval_examples, eval_per_device_batch_size or per_device_batch_size, eval_loss,
-            eval_predictor, eval_metric_fn,
-            [*(save_argmin_ckpt_by_metrics or ()), *(save_argmax_ckpt_by_metrics or ())],
-            check_names=eval_sanity_check)
-        examples_per_step, steps_per_epoch = self._plan_steps(first_examples, per_device_batch_size,
-                                                              n_epochs)
-        fit_options = {"save_argmin_ckpt_by_metrics": save_argmin_ckpt_by_metrics,
-                       "save_argmax_ckpt_by_metrics": save_argmax_ckpt_by_metrics,
-                       "profile_window": profile_window(profile_steps, done + 1, done + n_epochs *
-                                                        steps_per_epoch, self.deployer.workdir)}
-        self.hooks.saved_state(self, self.step)  # a plugin's bad state fails now, not at a save
-        if not self._fitted:
-            self.checkpoints.start(resume, saves=save_last_ckpt or bool(save_every_n_steps))
-        if evaluate is not None and eval_sanity_check:
-            evaluate.sanity_check()
-        self.hooks.on_time_spent(trainer=self, phase="startup", step=None,
-                                 seconds=time.perf_counter() - started)
+        plan = plan_fit(
+            self, train_examples, per_device_batch_size, n_epochs, eval_examples,
+            eval_per_device_batch_size, eval_loss, eval_predictor, eval_metric_fn, save_last_ckpt,
+            save_argmin_ckpt_by_metrics, save_argmax_ckpt_by_metrics, save_every_n_steps,
+            keep_last_ckpts, resume, eval_sanity_check, profile_steps, v04_options)
+        done = plan.done
         with self._watched():
-            self.hooks.on_fit_start(trainer=self, n_epochs=n_epochs,
-                                    steps_per_epoch=steps_per_epoch, fit_options=fit_options)
+            self.hooks.on_fit_start(trainer=self, n_epochs=n_epochs, fit_options=plan.fit_options,
+                                    steps_per_epoch=plan.steps_per_epoch)
             for epoch in range(n_epochs):
-                examples = first_examples if epoch == 0 else compat.examples_of_epoch(train_examples, epoch)
-                n_steps = n_full_batches(len(examples), examples_per_step, "train_examples")
+                examples = plan.first_examples if epoch == 0 else \
+                    compat.examples_of_epoch(train_examples, epoch)
+                n_steps = n_full_batches(len(examples), plan.examples_per_step, "train_examples")
                 if self.step < done + n_steps:  # else finished before the checkpoint resumed from
                     self.train_epoch(examples, per_device_batch_size, epoch, start=self.step - done,
                                      save_every_n_steps=save_every_n_steps,
                                      keep_last_ckpts=keep_last_ckpts,
                                      desc=f"epoch {epoch + 1}/{n_epochs}")
-                    self._end_epoch(epoch, evaluate, save_last_ckpt or bool(save_every_n_steps),
-                                    keep_last_ckpts, v04)
+                    self._end_epoch(epoch, plan.evaluate, plan.save_ckpt, keep_last_ckpts, plan.v04)
                 done += n_steps
                 if self._stop_reason:
                     self.deployer.log_info(f"Stopping early: {self._stop_reason}")
@@ -564,26 +536,6 @@ class Trainer(compat.TrainerV04):
             if save_ckpt:
                 self.save_step_ckpt(epoch, keep_last_ckpts, background=True)
             v04.epoch_end(self, epoch)
-
-    def _plan_steps(self, first_examples, per_device_batch_size: int,
-                    n_epochs: int) -> tuple[int, int]:
-        """Decide the layout on the first examples; ``(examples per update, updates per epoch)``.
-        Warns when the lr schedule spans another number of updates than this fit makes."""
-        self._decide_layout(first_examples, per_device_batch_size)
-        batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
-        examples_per_step = batch_size * self.accumulate_grad_batches
-        steps_per_epoch = n_full_batches(len(first_examples), examples_per_step, "train_examples")
-        total = getattr(self.lr_schedule_fn, "total_steps", None)
-        if total is not None and total != n_epochs * steps_per_epoch:
-            warnings.warn(
-                f"The lr schedule spans {total} updates but this fit makes "
-                f"{n_epochs * steps_per_epoch}, so it will not end at its end value. Pass "
-                f"accumulate_grad_batches={self.accumulate_grad_batches} (and the same batch size "
-                "and epochs) to deployer.get_lr_schedule_fn.", stacklevel=3)
-        self.checkpoints.data_position = {"n_examples": len(first_examples),
-                                          "jax_seed": self.deployer.jax_seed,
-                                          "examples_per_step": examples_per_step}
-        return examples_per_step, steps_per_epoch
 
     @contextlib.contextmanager
     def _watched(self):
