@@ -300,7 +300,8 @@ class Trainer(compat.TrainerV04):
     def train_epoch(self, examples: Sequence, per_device_batch_size: int, epoch: int,
                     start: int = 0, save_every_n_steps: int | None = None,
                     keep_last_ckpts: int = 1, desc: str = "") -> None:
-        """Run the updates of ``epoch`` from its ``start``-th update on."""
+        """Run the updates of ``epoch`` from its ``start``-th update on. Called outside ``fit``,
+        it returns once the step checkpoints it started are written."""
         self._decide_layout(examples, per_device_batch_size)
         batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
         batch_size *= self.accumulate_grad_batches
@@ -335,6 +336,8 @@ class Trainer(compat.TrainerV04):
         if pending is not None:
             self._report(*self._wait_for(pending))
         self.hooks.on_epoch_end(trainer=self, epoch=epoch)
+        if self._watch is None:  # called outside fit: its checkpoints are written when it returns
+            self._announce_checkpoints(wait=True)
 
     def _wait_for(self, pending: tuple[int, dict]) -> tuple[int, dict]:
         """``(step, metrics)`` once the device has finished that update (a ``step`` phase)."""

@@ -4,6 +4,8 @@ What must hold for every format (bit-equal restores onto any mesh, resume, forge
 reading without redco) is tests/formats, run over orbax and the format plugins."""
 import os
 import re
+import threading
+import types
 
 import jax
 import numpy as np
@@ -13,7 +15,9 @@ from ckpt_helpers import REPO, assert_bit_equal, biggest_file, copy_ckpt, host, 
 from flax import nnx
 from helpers import lm_examples, lm_model, mlp_apply, mlp_collate, mlp_examples, mlp_init, mlp_loss
 
+import redco
 from redco import Deployer, Trainer, checkpointing, plugins
+from redco.protocols import CheckpointFormat
 from redco.sharding import named_leaves
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
 
@@ -206,3 +210,44 @@ def test_checkpoints_written_from_two_threads_at_once_all_land(tmp_path):
         loaded, meta = checkpointing.load(str(tmp_path / name), tree)
         np.testing.assert_array_equal(np.asarray(loaded["params"]["w"]), tree["params"]["w"])
     assert len(os.listdir(tmp_path)) == 60
+
+
+def test_train_epoch_outside_fit_returns_with_its_checkpoints_written(workdir):
+    """A background write that ``train_epoch`` started is complete, and announced through
+    ``on_checkpoint_saved``, when it returns. The write is held until the epoch's last update
+    has been reported, so a ``train_epoch`` that does not wait for it returns first."""
+    epoch_ended, announced = threading.Event(), []
+
+    class WrittenAfterTheEpoch(CheckpointFormat):
+        real = plugins.lookup("checkpoint_formats", "orbax")
+
+        def save(self, path, tree):
+            assert epoch_ended.wait(timeout=60), "on_epoch_end was never called"
+            self.real.save(path, tree)
+
+        def load(self, path, target):
+            return self.real.load(path, target)
+
+    class Observer:
+        @redco.hookimpl
+        def on_epoch_end(self, trainer, epoch):
+            epoch_ended.set()
+
+        @redco.hookimpl
+        def on_checkpoint_saved(self, trainer, path, step):
+            announced.append(step)
+
+    fmt = WrittenAfterTheEpoch()
+    plugin = types.SimpleNamespace(register_checkpoint_formats=redco.hookimpl(
+        lambda register: register("written-after-the-epoch", fmt)))
+    plugins.pm.register(plugin, name="written-after-the-epoch")
+    try:
+        deployer = Deployer(jax_seed=0, workdir=workdir, verbose=False,
+                            checkpoint_format="written-after-the-epoch")
+        trainer = Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, mlp_init(),
+                          optax.sgd(0.1), callbacks=[Observer()])
+        trainer.train_epoch(mlp_examples(64), 2, epoch=0, save_every_n_steps=2)  # 4 updates
+        assert announced == [2]
+        assert checkpointing.step_ckpts(deployer.ckpt_dir) == [f"{deployer.ckpt_dir}/step_2"]
+    finally:
+        plugins.pm.unregister(name="written-after-the-epoch")
