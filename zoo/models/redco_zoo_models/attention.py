@@ -30,12 +30,31 @@ def positions_from(key_valid):
     return jnp.maximum(jnp.cumsum(key_valid, axis=-1) - 1, 0)
 
 
+def segment_positions(segment_ids):
+    """Each token's position in its own document of a packed row: 0 where a new segment id
+    starts, counting up within it."""
+    b, n = segment_ids.shape
+    index = jnp.broadcast_to(jnp.arange(n), (b, n))
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
+                             axis=1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
 def decoder_inputs(batch: int, n: int, attention_mask=None, cached: bool = False,
-                   cache_index=0):
+                   cache_index=0, segment_ids=None):
     """``(positions, allowed)`` of ``n`` new tokens in a decoder. Training (no mask, no cache):
     positions ``0..n-1`` and ``allowed=None``, for a plain causal (fusable) attention; else
     positions that skip left padding and the mask over the key slots (``attention_mask`` covers
-    the cache's slots when ``cached``)."""
+    the cache's slots when ``cached``). ``segment_ids`` (B, n) pack several documents in a row
+    (equal ids: one document; 0 is padding by convention): a token sees only the earlier tokens
+    of its own document, and positions restart at each one."""
+    if segment_ids is not None:
+        if attention_mask is not None or cached:
+            raise ValueError("segment_ids pack documents for training: give them without an "
+                             "attention_mask or a cache (padding is its own segment, id 0).")
+        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # (B, 1, n, n)
+        causal = jnp.arange(n)[None, :] <= jnp.arange(n)[:, None]
+        return segment_positions(segment_ids), same & causal
     if attention_mask is None and not cached:
         return jnp.broadcast_to(jnp.arange(n), (batch, n)), None
     key_valid = jnp.ones((batch, n), bool) if attention_mask is None else attention_mask > 0

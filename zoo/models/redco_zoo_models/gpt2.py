@@ -126,9 +126,9 @@ class GPT2Model(nnx.Module):
         self.ln_f = nnx.LayerNorm(cfg.n_embd, epsilon=cfg.layer_norm_epsilon, rngs=rngs)
 
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
-                 encoder_hidden_states=None):
+                 encoder_hidden_states=None, segment_ids=None):
         positions, allowed = decoder_inputs(*input_ids.shape, attention_mask, cache is not None,
-                                            cache_index)
+                                            cache_index, segment_ids)
         # not nnx.Embed's call, which fixes the dtype at init: this follows the params' dtype
         x = (jnp.take(self.wte.embedding[...], input_ids, axis=0)
              + jnp.take(self.wpe.embedding[...], positions, axis=0))
@@ -151,13 +151,14 @@ class GPT2LMHeadModel(nnx.Module):
             self.lm_head = nnx.Linear(cfg.n_embd, cfg.vocab_size, use_bias=False, rngs=rngs)
 
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
-                 encoder_hidden_states=None):
+                 encoder_hidden_states=None, segment_ids=None):
         """Logits ``(B, T, vocab)`` for token ids ``(B, T)``; with a ``cache`` (``init_cache``),
         ``(logits, cache)``. ``attention_mask`` marks real tokens (1) and padding (0) over the
-        input, or with a cache over all of its slots (see ``redco_zoo_models.attention``).
+        input, or with a cache over all of its slots; ``segment_ids`` (B, T) pack documents into
+        rows, none seeing another (see ``redco_zoo_models.attention``).
         ``encoder_hidden_states`` (B, S, n_embd) feed the cross-attention."""
         x, cache = self.transformer(input_ids, attention_mask, cache, cache_index,
-                                    encoder_hidden_states)
+                                    encoder_hidden_states, segment_ids)
         if self.cfg.tie_word_embeddings:
             logits = x @ self.transformer.wte.embedding[...].T
         else:

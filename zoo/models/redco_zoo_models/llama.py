@@ -133,9 +133,10 @@ class LlamaModel(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0):
+    def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
+                 segment_ids=None):
         positions, allowed = decoder_inputs(*input_ids.shape, attention_mask, cache is not None,
-                                            cache_index)
+                                            cache_index, segment_ids)
         table = self.embed_tokens.embedding[...]  # not nnx.Embed's call: it fixes the dtype
         x = jnp.take(table, input_ids, axis=0)     # at init; this follows the params' dtype
         new_cache = []
@@ -154,11 +155,13 @@ class LlamaForCausalLM(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, rngs=rngs)
 
-    def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0):
+    def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
+                 segment_ids=None):
         """Logits ``(B, T, vocab)`` for token ids ``(B, T)``; with a ``cache`` (``init_cache``),
         ``(logits, cache)``. ``attention_mask`` marks real tokens (1) and padding (0) over the
-        input, or with a cache over all of its slots (see ``redco_zoo_models.attention``)."""
-        x, cache = self.model(input_ids, attention_mask, cache, cache_index)
+        input, or with a cache over all of its slots; ``segment_ids`` (B, T) pack documents into
+        rows, none seeing another (see ``redco_zoo_models.attention``)."""
+        x, cache = self.model(input_ids, attention_mask, cache, cache_index, segment_ids)
         if self.cfg.tie_word_embeddings:
             logits = x @ self.model.embed_tokens.embedding[...].T
         else:
