@@ -1,0 +1,135 @@
+"""A token file on disk, its documents packed into rows: every token once, rows deterministic
+for a seed, little padding, resident memory that does not grow with the file, and a model
+trained on the rows through ``fit``."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from redco import Deployer, Trainer
+from redco.protocols import UsageError
+from redco_zoo_lm.corpus import TokenFile, write_token_file
+from redco_zoo_lm.packing import PackedRows
+from redco_zoo_lm.pipeline import collate_fn, loss_fn
+from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
+
+EOS = 0
+
+
+def documents(n, low, high, vocab=1000, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, size) for size in rng.integers(low, high + 1, n)]
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+def test_a_token_file_gives_back_its_documents(tmp_path, dtype):
+    docs = documents(50, 1, 300, vocab=70000 if dtype == np.uint32 else 1000)
+    corpus = TokenFile(write_token_file(str(tmp_path / "c.bin"), docs, EOS, dtype), EOS, dtype)
+    assert len(corpus) == 50
+    for i, doc in enumerate(docs):
+        np.testing.assert_array_equal(corpus.document(i), np.append(doc, EOS))
+
+
+def test_a_last_document_without_eos_is_kept(tmp_path):
+    path = tmp_path / "c.bin"
+    np.array([5, 6, EOS, 7, 8, 9], np.uint16).tofile(path)
+    assert [d.tolist() for d in map(TokenFile(str(path), EOS).document, range(2))] == \
+        [[5, 6, EOS], [7, 8, 9]]
+
+
+def test_a_truncated_file_or_an_id_beyond_the_vocabulary_is_named(tmp_path):
+    path = str(tmp_path / "c.bin")
+    write_token_file(path, [[1, 2, 3], [4, 999, 5]], EOS)
+    with pytest.raises(UsageError, match=r"c.bin: token 5 is id 999, beyond the model's "
+                                         r"vocabulary of 500"):
+        TokenFile(path, EOS, vocab_size=500)
+    with open(path, "ab") as f:
+        f.write(b"\x01")
+    with pytest.raises(UsageError, match=r"c.bin is 17 bytes, not a whole number of uint16"):
+        TokenFile(path, EOS)
+
+
+def test_packed_rows_hold_every_token_once_with_little_padding(tmp_path):
+    docs = documents(600, 10, 3000)  # mixed lengths, some longer than a row
+    corpus = TokenFile(write_token_file(str(tmp_path / "c.bin"), docs, EOS), EOS)
+    rows = PackedRows(corpus, seq_len=2047, seed=0)
+    assert rows.padding_share < 0.02  # >= 98% of every row is tokens
+    width = 2048
+    seen = np.zeros(corpus.n_tokens, np.int64)  # tokens of each piece, traced by the plan
+    for start, length in zip(rows.start, rows.length):
+        seen[start:start + length] += 1
+    assert (seen == 1).all()
+    tokens = np.concatenate([np.append(d, EOS) for d in docs])
+    for i in np.random.default_rng(0).choice(len(rows), 20, replace=False):
+        row = rows[int(i)]
+        assert row["token_ids"].shape == row["segment_ids"].shape == (width,)
+        segments = row["segment_ids"]
+        used = segments > 0
+        assert used[:used.sum()].all()  # tokens first, padding after
+        for segment in range(1, segments.max() + 1):  # each segment a run of the file
+            piece = row["token_ids"][segments == segment]
+            assert any(np.array_equal(tokens[s:s + len(piece)], piece)
+                       for s in rows.start[rows.length == len(piece)])
+
+
+def test_packed_rows_are_fixed_by_their_seed(tmp_path):
+    corpus = TokenFile(write_token_file(str(tmp_path / "c.bin"), documents(300, 5, 200), EOS),
+                       EOS)
+    a, b, c = (PackedRows(corpus, 255, seed) for seed in (0, 0, 1))
+    assert len(a) == len(b)
+    for i in range(len(a)):
+        np.testing.assert_array_equal(a[i]["token_ids"], b[i]["token_ids"])
+    assert any(not np.array_equal(a[i]["token_ids"], c[i]["token_ids"])
+               for i in range(min(len(a), len(c))))
+
+
+MEMORY = """
+import json, resource, sys
+import numpy as np
+from redco_zoo_lm.corpus import TokenFile
+from redco_zoo_lm.packing import PackedRows
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+rows = PackedRows(TokenFile(sys.argv[1], 0), seq_len=2047)
+for i in np.random.default_rng(0).choice(len(rows), 500):
+    rows[int(i)]
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"grew_kb": after - before, "rows": len(rows)}))
+"""
+
+
+def test_resident_memory_does_not_grow_with_the_file(tmp_path):
+    path = tmp_path / "big.bin"
+    rng = np.random.default_rng(0)
+    with open(path, "wb") as f:  # 100 MB: 50M tokens, documents of ~2,000
+        for _ in range(50):
+            block = rng.integers(1, 50000, 1_000_000).astype(np.uint16)
+            block[rng.integers(0, 1_000_000, 500)] = EOS
+            block.tofile(f)
+    out = subprocess.run([sys.executable, "-c", MEMORY, str(path)], capture_output=True,
+                         text=True, check=True)
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    assert measured["grew_kb"] < 30_000, (  # the file is 97,656 kB
+        f"reading a 100 MB token file raised resident memory by {measured['grew_kb']} kB")
+
+
+def test_a_model_learns_from_packed_rows_through_fit(tmp_path):
+    rng = np.random.default_rng(0)
+    docs = [np.arange(start, start + n) % 31 + 1 for start, n in  # counting, mod 31
+            zip(rng.integers(0, 31, 200), rng.integers(4, 40, 200))]
+    corpus = TokenFile(write_token_file(str(tmp_path / "c.bin"), docs, EOS), EOS)
+    rows = PackedRows(corpus, seq_len=63)
+    config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    apply_fn, params = split_model(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+    deployer = Deployer(jax_seed=0, workdir=str(tmp_path / "run"), verbose=False)
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adam(3e-3))
+    before = trainer.eval_loss(rows, per_device_batch_size=2)
+    trainer.fit(rows, per_device_batch_size=2, n_epochs=8)
+    after = trainer.eval_loss(rows, per_device_batch_size=2)
+    assert after < 0.5 * before, (before, after)
+    assert os.path.exists(os.path.join(deployer.workdir, "metrics.jsonl"))

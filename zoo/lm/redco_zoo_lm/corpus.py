@@ -1,0 +1,72 @@
+"""A tokenized corpus on disk, read without loading it into memory.
+
+The layout is a flat file of token ids (``.bin``, uint16 or uint32, documents one after another,
+each ending in an EOS token), as nanoGPT and many users already have. Opening it scans the file
+once, a few million tokens at a time, for the EOS tokens (and for ids beyond the vocabulary);
+what stays in memory is two integers per document. A document is then read when asked for,
+with ``os.pread``: nothing maps or holds the file, so resident memory does not grow with it.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from redco.protocols import UsageError
+
+SCAN_TOKENS = 1 << 22  # tokens read per step of the scan (8 MB of uint16)
+
+
+class TokenFile:
+    """The documents of ``path``: ``len()`` of them, ``document(i)`` the ids of one (its EOS
+    included), ``lengths`` all their lengths. ``vocab_size``: refuse any id at or above it."""
+
+    def __init__(self, path: str, eos_id: int, dtype=np.uint16, vocab_size: int | None = None):
+        self.path, self.dtype = path, np.dtype(dtype)
+        size = os.path.getsize(path)
+        if size % self.dtype.itemsize:
+            raise UsageError(f"{path} is {size} bytes, not a whole number of {self.dtype.name} "
+                             "tokens: the file is truncated, or was written with another dtype.")
+        self.n_tokens = size // self.dtype.itemsize
+        if self.n_tokens == 0:
+            raise UsageError(f"{path} holds no tokens.")
+        ends = self._scan(eos_id, vocab_size)  # one past each document's last token
+        self.starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        self.lengths = (ends - self.starts).astype(np.int64)
+
+    def _scan(self, eos_id: int, vocab_size: int | None) -> np.ndarray:
+        ends = []
+        with open(self.path, "rb") as f:
+            for begin in range(0, self.n_tokens, SCAN_TOKENS):
+                chunk = np.fromfile(f, self.dtype, min(SCAN_TOKENS, self.n_tokens - begin))
+                if vocab_size is not None and chunk.size and chunk.max() >= vocab_size:
+                    at = int(np.argmax(chunk >= vocab_size))
+                    raise UsageError(
+                        f"{self.path}: token {begin + at} is id {int(chunk[at])}, beyond the "
+                        f"model's vocabulary of {vocab_size}. Was the file made with another "
+                        f"tokenizer, or read with the wrong dtype ({self.dtype.name})?")
+                ends.append(np.flatnonzero(chunk == eos_id) + begin + 1)
+        ends = np.concatenate(ends)
+        if ends.size == 0 or ends[-1] != self.n_tokens:  # the last document has no EOS
+            ends = np.append(ends, self.n_tokens)
+        return ends
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def tokens(self, start: int, count: int) -> np.ndarray:
+        """``count`` token ids from token ``start`` on."""
+        with open(self.path, "rb", buffering=0) as f:
+            data = os.pread(f.fileno(), count * self.dtype.itemsize, start * self.dtype.itemsize)
+        return np.frombuffer(data, self.dtype)
+
+    def document(self, i: int) -> np.ndarray:
+        return self.tokens(int(self.starts[i]), int(self.lengths[i]))
+
+
+def write_token_file(path: str, documents, eos_id: int, dtype=np.uint16) -> str:
+    """``documents`` (sequences of ids) written as a flat token file, each followed by EOS."""
+    with open(path, "wb") as f:
+        for doc in documents:
+            np.append(np.asarray(doc), eos_id).astype(dtype).tofile(f)
+    return path
