@@ -3,6 +3,7 @@ for a seed, little padding, resident memory that does not grow with the file, an
 trained on the rows through ``fit``."""
 import json
 import os
+import pydoc_data.topics
 import subprocess
 import sys
 
@@ -12,11 +13,13 @@ import pytest
 from flax import nnx
 
 from redco import Deployer, Trainer
+from redco.cli import main
 from redco.protocols import UsageError
 from redco_zoo_lm.corpus import TokenFile, write_token_file
 from redco_zoo_lm.packing import PackedRows
 from redco_zoo_lm.pipeline import collate_fn, loss_fn
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
+from redco_zoo_models.toy import save_model_dir
 
 EOS = 0
 
@@ -133,3 +136,31 @@ def test_a_model_learns_from_packed_rows_through_fit(tmp_path):
     after = trainer.eval_loss(rows, per_device_batch_size=2)
     assert after < 0.5 * before, (before, after)
     assert os.path.exists(os.path.join(deployer.workdir, "metrics.jsonl"))
+
+
+def test_redco_zoo_run_lm_trains_on_a_token_file(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    texts = [pydoc_data.topics.topics[name] for name in ("assert", "if", "while", "for")]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300,
+                                                             special_tokens=["<eos>"]))
+    eos = tokenizer.token_to_id("<eos>")
+    paragraphs = [p for text in texts for p in text.split("\n\n") if p.strip()] * 3
+    path = write_token_file(str(tmp_path / "train.bin"),
+                            [tokenizer.encode(p).ids for p in paragraphs], eos)
+    cfg = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=32,
+                      intermediate_size=64, num_hidden_layers=2)
+    save_model_dir(LlamaForCausalLM(cfg, nnx.Rngs(0)), tokenizer, str(tmp_path / "model"))
+    workdir = tmp_path / "workdir"
+    main(["zoo", "run", "lm", "--model", str(tmp_path / "model"), "--train", path,
+          "--eos_id", str(eos), "--workdir", str(workdir), "--per_device_batch_size", "2",
+          "--n_epochs", "25", "--learning_rate", "3e-3", "--block_size", "63"])
+    printed = capsys.readouterr().out
+    assert f"{len(paragraphs)} documents" in printed and "% padding" in printed
+    perplexity = float(open(workdir / "log.txt").read().split("eval perplexity ")[1].split()[0])
+    assert perplexity < cfg.vocab_size / 3  # an untrained model is near the vocabulary size
+    with pytest.raises(SystemExit):
+        main(["zoo", "run", "lm", "--model", str(tmp_path / "model"), "--train", path,
+              "--workdir", str(tmp_path / "other")])
+    assert "--eos_id: give the id that ends each document" in capsys.readouterr().err

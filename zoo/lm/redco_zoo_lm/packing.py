@@ -90,3 +90,26 @@ class PackedRows(Sequence):
             segment_ids[at:at + n] = segment
             at += n
         return {"token_ids": token_ids, "segment_ids": segment_ids}
+
+
+class RowsView(Sequence):
+    """Some rows of a ``PackedRows``, by index, each read only when asked for."""
+
+    def __init__(self, rows: PackedRows, indices: np.ndarray):
+        self.rows, self.indices = rows, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int | slice) -> dict | list[dict]:
+        if isinstance(i, slice):
+            return [self.rows[int(j)] for j in self.indices[i]]
+        return self.rows[int(self.indices[i])]
+
+
+def hold_out(rows: PackedRows, every: int = 20) -> tuple[RowsView, RowsView]:
+    """``(train, eval)``: every ``every``-th row held out for evaluation (at least one)."""
+    held = np.arange(len(rows)) % every == every - 1
+    if not held.any():
+        held[-1] = True
+    return RowsView(rows, np.flatnonzero(~held)), RowsView(rows, np.flatnonzero(held))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +11,8 @@ import optax
 
 import redco
 from redco.protocols import UsageError
+from redco_zoo_lm.corpus import TokenFile
+from redco_zoo_lm.packing import PackedRows, hold_out
 from redco_zoo_models import generate, runner
 
 
@@ -57,24 +60,50 @@ def text_blocks(texts: list[str], tokenizer, block_size: int, what: str = "the t
 
 
 class LMPipeline:
-    description = "causal LM: train a decoder (LLaMA, Mistral, Qwen2, GPT-2) on text; perplexity"
+    description = ("causal LM: train a decoder (LLaMA, Mistral, Qwen2, GPT-2) on text, or on a "
+                   "token file (.bin, documents packed into rows); perplexity")
 
     def add_arguments(self, parser) -> None:
         runner.add_arguments(parser)
         parser.add_argument("--block_size", type=int, default=128, help="tokens per example")
         parser.add_argument("--text_column", default="text")
+        parser.add_argument("--eos_id", type=int, help="a token file's (.bin) end-of-document "
+                            "id (default: config.json's eos_token_id)")
+        parser.add_argument("--token_dtype", default="uint16", choices=["uint16", "uint32"],
+                            help="the ids' type in a token file (.bin)")
 
     def run(self, args) -> float:
-        tokenizer = runner.load_tokenizer(args.model)
-        parts = runner.split_eval(args, {"--text_column": args.text_column})
-        train, evaluate = (
-            text_blocks([r[args.text_column] for r in part], tokenizer, args.block_size, what)
-            for part, what in zip(parts, ("--train", "--eval (or the last 5% of --train)")))
-        model, _ = runner.load_model(args.model)
+        model, config = runner.load_model(args.model)
+        if args.train.endswith(".bin"):  # tokenized already: documents packed into rows
+            train, evaluate = token_file_rows(args, config)
+        else:
+            tokenizer = runner.load_tokenizer(args.model)
+            parts = runner.split_eval(args, {"--text_column": args.text_column})
+            train, evaluate = (
+                text_blocks([r[args.text_column] for r in part], tokenizer, args.block_size, what)
+                for part, what in zip(parts, ("--train", "--eval (or the last 5% of --train)")))
         trainer = runner.train_and_eval(args, model, (train, evaluate), collate_fn, loss_fn)
         perplexity = math.exp(trainer.eval_loss(evaluate, args.per_device_batch_size))
         trainer.deployer.log_info(f"eval perplexity {perplexity:.3f}")
         return perplexity
+
+
+def token_file_rows(args, config: dict) -> tuple[Sequence, Sequence]:
+    """``--train`` (and ``--eval``) token files, documents packed into rows of ``--block_size``
+    + 1 tokens; without ``--eval``, every 20th row held out."""
+    eos = args.eos_id if args.eos_id is not None else config.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    if eos is None:
+        raise UsageError(f"--eos_id: give the id that ends each document of {args.train}; "
+                         f"{args.model}/config.json names no eos_token_id.")
+
+    def rows(path: str) -> PackedRows:
+        corpus = TokenFile(path, eos, np.dtype(args.token_dtype), config.get("vocab_size"))
+        packed = PackedRows(corpus, args.block_size, seed=args.jax_seed)
+        print(f"{path}: {len(corpus)} documents, {corpus.n_tokens} tokens in {len(packed)} rows "
+              f"of {args.block_size + 1}, {packed.padding_share:.2%} padding", flush=True)
+        return packed
+    return (rows(args.train), rows(args.eval)) if args.eval else hold_out(rows(args.train))
 
 
 @redco.hookimpl
