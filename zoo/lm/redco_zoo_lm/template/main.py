@@ -24,15 +24,28 @@ from redco_zoo_models import generate, runner
 
 
 def collate_fn(examples: list[dict]) -> dict:
-    """Examples hold equal-length ``token_ids``; the batch is ``input_ids`` (B, T)."""
-    return {"input_ids": np.stack([np.asarray(e["token_ids"], np.int32) for e in examples])}
+    """Examples hold equal-length ``token_ids`` (and, for packed rows, ``segment_ids``: one id
+    per document, 0 for padding); the batch is ``input_ids`` (B, T) (and ``segment_ids``)."""
+    batch = {"input_ids": np.stack([np.asarray(e["token_ids"], np.int32) for e in examples])}
+    if "segment_ids" in examples[0]:
+        batch["segment_ids"] = np.stack([np.asarray(e["segment_ids"], np.int32)
+                                         for e in examples])
+    return batch
 
 
 def loss_fn(rng, state, params, batch, is_training):
-    """Mean next-token cross-entropy."""
-    ids = batch["input_ids"]
-    logits = state.apply_fn(params, ids[:, :-1]).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+    """Mean next-token cross-entropy. In packed rows (``segment_ids``) a document attends only
+    to itself, and the prediction of the next document's first token and the padding's are
+    left out: the mean is over the tokens predicted within their own document."""
+    ids, segments = batch["input_ids"], batch.get("segment_ids")
+    if segments is None:
+        logits = state.apply_fn(params, ids[:, :-1]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+    logits = state.apply_fn(params, ids[:, :-1], segment_ids=segments[:, :-1])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                             ids[:, 1:])
+    counted = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
+    return (losses * counted).sum() / jnp.maximum(counted.sum(), 1)
 
 
 def pred_fn(rng, params, batch, model, max_new_tokens: int = 64, temperature: float = 0.8):
