@@ -7,11 +7,13 @@ import pydoc_data.topics
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 
+import redco
 from redco import Deployer, Trainer
 from redco.cli import main
 from redco.protocols import UsageError
@@ -164,3 +166,43 @@ def test_redco_zoo_run_lm_trains_on_a_token_file(tmp_path, capsys):
         main(["zoo", "run", "lm", "--model", str(tmp_path / "model"), "--train", path,
               "--workdir", str(tmp_path / "other")])
     assert "--eos_id: give the id that ends each document" in capsys.readouterr().err
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashAfter:
+    def __init__(self, step: int):
+        self.step = step
+
+    @redco.hookimpl
+    def on_step_end(self, trainer, step, metrics):
+        if step == self.step:
+            raise Crash(f"crashed after update {step}")
+
+
+def test_a_packed_run_that_crashed_mid_epoch_resumes_to_the_same_bits(tmp_path):
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 32, n) for n in rng.integers(4, 40, 200)]
+    rows = PackedRows(TokenFile(write_token_file(str(tmp_path / "c.bin"), docs, EOS), EOS), 63)
+    config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+    def train(workdir, callbacks=()) -> Trainer:
+        apply_fn, params = split_model(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+        trainer = Trainer(Deployer(jax_seed=0, workdir=str(workdir), verbose=False), collate_fn,
+                          apply_fn, loss_fn, params, optax.adam(3e-3), callbacks=callbacks)
+        trainer.fit(rows, per_device_batch_size=2, n_epochs=2, save_every_n_steps=3)
+        return trainer
+    assert len(rows) // 16 == 4  # 4 updates an epoch: the crash comes in the second epoch
+    whole = train(tmp_path / "whole")
+    with pytest.raises(Crash):
+        train(tmp_path / "run", callbacks=[CrashAfter(7)])
+    resumed = train(tmp_path / "run")
+    assert "Resumed from" in open(tmp_path / "run" / "log.txt").read()
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        steps = [row["step"] for row in map(json.loads, f) if "train/loss" in row]
+    assert steps == list(range(1, 9))  # 1-6 kept, 7 logged again after the resume from step 6
+    for got, want in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(whole.params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
