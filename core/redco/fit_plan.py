@@ -92,4 +92,7 @@ def plan_steps(trainer, first_examples: Sequence, per_device_batch_size: int,
     trainer.checkpoints.data_position = {"n_examples": len(first_examples),
                                          "jax_seed": trainer.deployer.jax_seed,
                                          "examples_per_step": examples_per_step}
+    source = getattr(first_examples, "fingerprint", None)  # what the examples are made of
+    if source is not None:
+        trainer.checkpoints.data_position["source"] = str(source)
     return examples_per_step, steps_per_epoch

@@ -3,7 +3,9 @@ starts, so a rerun of the same command continues from the exact step.
 
 ``ckpts/step_<N>`` holds the state (params, optimizer state, rng; ``Trainer.ckpt_tree()``), the
 step and epoch, the data position (how many examples, the seed, examples per update: what fixes
-which examples come next) and every plugin's ``state_to_save``. ``StepCheckpoints`` is the
+which examples come next; and, where the examples have a ``fingerprint`` attribute, that string,
+which names what they are made of, e.g. a corpus file's documents and tokens) and every
+plugin's ``state_to_save``. ``StepCheckpoints`` is the
 component ``fit`` calls for them; resuming with other data or settings is refused naming what
 changed, since the run would not see the examples the interrupted one would have.
 

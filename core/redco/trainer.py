@@ -490,7 +490,9 @@ class Trainer(compat.TrainerV04):
         """Train for ``n_epochs``, evaluating after each and checkpointing as asked.
 
         ``train_examples`` may also be a function of the epoch index (``epoch_idx``) returning
-        that epoch's examples. With ``resume`` (the default), a step checkpoint in
+        that epoch's examples; any random-access sequence will do (a corpus on disk read row by
+        row), and one with a ``fingerprint`` string naming its content has it saved with each
+        step checkpoint, a resume against other content refused. With ``resume`` (the default), a step checkpoint in
         ``workdir/ckpts`` is restored first and training continues from its exact step,
         mid-epoch included. Best-by-metric checkpoints go to ``ckpts/best_<metric>``; ``loss``
         is always a metric when evaluated. With ``eval_sanity_check`` (the default) the

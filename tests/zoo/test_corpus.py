@@ -206,3 +206,25 @@ def test_a_packed_run_that_crashed_mid_epoch_resumes_to_the_same_bits(tmp_path):
     assert steps == list(range(1, 9))  # 1-6 kept, 7 logged again after the resume from step 6
     for got, want in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(whole.params)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_a_resume_against_a_changed_corpus_is_refused(tmp_path):
+    docs = documents(300, 4, 60, vocab=32)
+    path = write_token_file(str(tmp_path / "c.bin"), docs, EOS)
+    config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+    def train() -> None:
+        rows = PackedRows(TokenFile(path, EOS), 63)
+        apply_fn, params = split_model(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+        trainer = Trainer(Deployer(jax_seed=0, workdir=str(tmp_path / "run"), verbose=False),
+                          collate_fn, apply_fn, loss_fn, params, optax.adam(3e-3))
+        trainer.fit(rows, per_device_batch_size=2, n_epochs=1, save_every_n_steps=2)
+    train()
+    saved = sorted(os.listdir(tmp_path / "run" / "ckpts"))
+    docs[5] = docs[5][::-1]  # the same lengths, the same number of rows: other tokens
+    write_token_file(path, docs, EOS)
+    with pytest.raises(ValueError, match=r"Cannot resume from .*step_\d+: source was c\.bin: 300 "
+                                         r"documents, \d+ tokens \(sha256 \w+\).*, now c\.bin"):
+        train()
+    assert sorted(os.listdir(tmp_path / "run" / "ckpts")) == saved  # nothing overwritten

@@ -10,11 +10,16 @@ to itself; predictions across a boundary and of padding are not counted).
 
 The plan is a few integers per piece, so ``PackedRows`` is a random-access sequence of rows:
 ``fit`` shuffles, shards across processes and resumes it like any list, and a row is read from
-the corpus only when a batch needs it.
+the corpus only when a batch needs it. Its ``fingerprint`` (the file's documents' lengths and
+its first and last 4,096 tokens, the row width, the seed) goes into every step checkpoint: a
+resume against a changed corpus is refused, naming what changed (a change in the middle of the
+file that keeps every document's length is not seen).
 """
 from __future__ import annotations
 
 import bisect
+import hashlib
+import os
 from typing import Sequence
 
 import numpy as np
@@ -71,6 +76,12 @@ class PackedRows(Sequence):
         self.length = length[by_row]
         self.bounds = np.searchsorted(row[by_row], np.arange(row.max() + 2))
         self.padding_share = 1 - self.length.sum() / (len(self) * self.width)
+        digest = hashlib.sha256(corpus.lengths.tobytes())
+        for start in (0, max(0, corpus.n_tokens - 4096)):  # and its first and last tokens
+            digest.update(corpus.tokens(start, min(4096, corpus.n_tokens)).tobytes())
+        self.fingerprint = (f"{os.path.basename(corpus.path)}: {len(corpus)} documents, "
+                            f"{corpus.n_tokens} tokens (sha256 {digest.hexdigest()[:12]}), rows "
+                            f"of {self.width}, seed {seed}")  # saved with step checkpoints
 
     def __len__(self) -> int:
         return len(self.bounds) - 1
