@@ -491,14 +491,14 @@ class Trainer(compat.TrainerV04):
 
         ``train_examples`` may also be a function of the epoch index (``epoch_idx``) returning
         that epoch's examples; any random-access sequence will do (a corpus on disk read row by
-        row), and one with a ``fingerprint`` string naming its content has it saved with each
-        step checkpoint, a resume against other content refused. With ``resume`` (the default), a step checkpoint in
-        ``workdir/ckpts`` is restored first and training continues from its exact step,
-        mid-epoch included. Best-by-metric checkpoints go to ``ckpts/best_<metric>``; ``loss``
-        is always a metric when evaluated. With ``eval_sanity_check`` (the default) the
-        evaluation runs once on one batch before training, so a broken ``pred_fn`` or metric
-        fails in seconds; a misspelled metric name is refused before anything compiles (its
-        names read off ``eval_metric_fn`` called once on zeros shaped like ``pred_fn``'s output).
+        row), and one with a ``fingerprint`` string naming its content has it saved with each step
+        checkpoint, a resume against other content refused. With ``resume`` (the default), a step
+        checkpoint in ``workdir/ckpts`` is restored first and training continues from its exact
+        step, mid-epoch included. Best-by-metric checkpoints go to ``ckpts/best_<metric>``;
+        ``loss`` is always a metric when evaluated. With ``eval_sanity_check`` (the default) the
+        evaluation runs once on one batch before training, so a broken ``pred_fn`` or metric fails
+        in seconds; a misspelled metric name is refused before anything compiles (its names read
+        off ``eval_metric_fn`` called once on zeros shaped like ``pred_fn``'s output).
         ``profile_steps=(start, stop)`` writes a profiler trace of those updates
         (``redco/observers/profiler.py``). Redco 0.4.x's keywords are accepted too
         (``save_ckpt_every_k_epochs``, ...; see ``redco/compat.py``).

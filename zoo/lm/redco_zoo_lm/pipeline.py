@@ -13,6 +13,7 @@ import redco
 from redco.protocols import UsageError
 from redco_zoo_lm.corpus import TokenFile
 from redco_zoo_lm.packing import PackedRows, hold_out
+from redco_zoo_lm.tokenizing import TokenizeCommand
 from redco_zoo_models import generate, runner
 
 
@@ -109,6 +110,11 @@ def token_file_rows(args, config: dict) -> tuple[Sequence, Sequence]:
 @redco.hookimpl
 def register_zoo_pipelines(register):
     register("lm", LMPipeline())
+
+
+@redco.hookimpl
+def register_commands(register):
+    register("tokenize", TokenizeCommand())
 
 
 @redco.hookimpl
