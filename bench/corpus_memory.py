@@ -2,13 +2,13 @@
 
 Each file holds random tokens (vocabulary 512) in documents of 10-3,000 tokens, each ending in
 EOS, written once into ``--dir``. For each, a fresh process opens it (``TokenFile``: one scan),
-packs it into rows of 2,048 tokens (``PackedRows``, best-fit), and trains a tiny LLaMA
-(hidden 64, 2 layers, ``remat="full"``) for ``--steps`` updates of ``--batch`` rows drawn at
-random from the whole file, through ``Trainer.fit``, on one CPU device (whose buffers are host
-memory too). Printed per file: its documents and tokens, the seconds to scan and plan, the
-padding share, the process's resident memory once the corpus is open and planned and the
-Trainer made (``VmRSS``), and its peak (``VmHWM``); then the 4 GB / 1 GB ratio of the peaks. A loader that held the corpus in memory
-would show a peak above each file's size and a ratio near 4.
+packs it into rows of 2,048 tokens (``PackedRows``, best-fit), and trains a tiny LLaMA (hidden 64,
+2 layers, ``remat="full"``) for ``--steps`` updates of ``--batch`` rows drawn at random from the
+whole file, through ``Trainer.fit``, on one CPU device (whose buffers are host memory too).
+Printed per file: its documents and tokens, the seconds to scan and plan, the padding share, the
+process's resident memory once the corpus is open and planned and the Trainer made (``VmRSS``),
+and its peak (``VmHWM``); then the 4 GB / 1 GB ratio of the peaks. A loader that held the corpus
+in memory would show a peak above each file's size and a ratio near 4.
 
     python bench/corpus_memory.py [--dir /tmp/redco-corpus] [--steps 200]
 """
@@ -43,12 +43,12 @@ def make_file(path: str, gigabytes: float, seed: int = 0) -> None:
 def worker(path: str, steps: int, batch: int) -> dict:
     import optax
     from flax import nnx
+
+    from redco import Deployer, Trainer
     from redco_zoo_lm.corpus import TokenFile
     from redco_zoo_lm.packing import PackedRows, RowsView
     from redco_zoo_lm.pipeline import collate_fn, loss_fn
     from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
-
-    from redco import Deployer, Trainer
     start = time.perf_counter()
     corpus = TokenFile(path, EOS, vocab_size=VOCAB)
     scanned = time.perf_counter()
