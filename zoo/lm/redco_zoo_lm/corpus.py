@@ -22,7 +22,7 @@ class TokenFile:
     included), ``lengths`` all their lengths. ``vocab_size``: refuse any id at or above it."""
 
     def __init__(self, path: str, eos_id: int, dtype=np.uint16, vocab_size: int | None = None):
-        self.path, self.dtype = path, np.dtype(dtype)
+        self.path, self.dtype, self._fd = path, np.dtype(dtype), None
         size = os.path.getsize(path)
         if size % self.dtype.itemsize:
             raise UsageError(f"{path} is {size} bytes, not a whole number of {self.dtype.name} "
@@ -56,17 +56,28 @@ class TokenFile:
 
     def tokens(self, start: int, count: int) -> np.ndarray:
         """``count`` token ids from token ``start`` on."""
-        with open(self.path, "rb", buffering=0) as f:
-            data = os.pread(f.fileno(), count * self.dtype.itemsize, start * self.dtype.itemsize)
+        if self._fd is None:  # opened once, at the first read
+            self._fd = os.open(self.path, os.O_RDONLY)
+        data = os.pread(self._fd, count * self.dtype.itemsize, start * self.dtype.itemsize)
         return np.frombuffer(data, self.dtype)
+
+    def __del__(self):
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
 
     def document(self, i: int) -> np.ndarray:
         return self.tokens(int(self.starts[i]), int(self.lengths[i]))
+
+
+def append_document(f, ids, eos_id: int, dtype) -> int:
+    """Write one document's ``ids`` and the EOS after them to the open file ``f``; its length."""
+    np.append(np.asarray(ids, np.int64), eos_id).astype(dtype).tofile(f)
+    return len(ids) + 1
 
 
 def write_token_file(path: str, documents, eos_id: int, dtype=np.uint16) -> str:
     """``documents`` (sequences of ids) written as a flat token file, each followed by EOS."""
     with open(path, "wb") as f:
         for doc in documents:
-            np.append(np.asarray(doc), eos_id).astype(dtype).tofile(f)
+            append_document(f, doc, eos_id, dtype)
     return path

@@ -25,6 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from redco.protocols import UsageError
+from redco_zoo_lm.corpus import append_document
 
 BATCH = 1000  # documents per encode_batch call and per progress record
 FORMATS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -67,8 +68,7 @@ def tokenize(tokenizer, documents: Iterable[str], out: str, eos_id: int, manifes
         with tqdm(desc=f"tokenizing to {out}", unit=" docs", initial=done["documents"]) as bar:
             while batch := list(itertools.islice(documents, BATCH)):
                 for encoding in tokenizer.encode_batch(batch):
-                    np.append(np.asarray(encoding.ids, np.int64), eos_id).astype(dtype).tofile(f)
-                    done["tokens"] += len(encoding.ids) + 1
+                    done["tokens"] += append_document(f, encoding.ids, eos_id, dtype)
                 f.flush()
                 done["documents"] += len(batch)
                 done["bytes"] = f.tell()
