@@ -160,8 +160,9 @@ class Deployer(DeployerV04):
         per_row = global_size // self.dp_size
         return slice(mine[0] * per_row, (mine[-1] + 1) * per_row)
 
-    def make_batch(self, examples: list, collate_fn: Callable, n_micro: int | None = None):
-        """Collate this process's share of a global batch into dp-sharded global arrays.
+    def make_batch(self, examples: Sequence, collate_fn: Callable, n_micro: int | None = None):
+        """Collate this process's share of a global batch into dp-sharded global arrays (only
+        that share of ``examples`` is read: it may be a lazy ``data_order.Rows``).
 
         With ``n_micro`` the leaves get a leading micro-batch axis ``(n_micro, B, ...)``. A batch
         whose size does not divide ``dp`` is collated whole by every process and replicated.
@@ -171,7 +172,8 @@ class Deployer(DeployerV04):
         size = len(groups[0])
         sharded = size % self.dp_size == 0
         rows = self._local_rows(size) if sharded else slice(0, size)
-        local = [check_collated(collate_fn(g[rows]), rows.stop - rows.start) for g in groups]
+        local = [check_collated(collate_fn(list(g[rows])), rows.stop - rows.start)
+                 for g in groups]
         if n_micro is None:
             local, lead = local[0], ()
         else:

@@ -5,49 +5,109 @@ known before training fails here, before anything already saved is touched."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from redco import compat
 from redco.data import check_number, n_full_batches
+from redco.data_order import Stream, as_stream, position_of
 from redco.evaluation import Evaluation
 from redco.observers.profiler import profile_window
+from redco.protocols import UsageError
 
 
 @dataclasses.dataclass
 class FitPlan:
-    first_examples: Sequence  # epoch 0's
+    train_examples: Sequence | Callable | Stream
+    first_examples: Sequence  # epoch 0's (a stream: its first batch)
     done: int  # updates made before this fit's first epoch
     examples_per_step: int
-    steps_per_epoch: int
+    steps_per_epoch: int | None  # None: a stream
+    position: dict  # where this fit starts: {"epoch", "examples"} (redco/data_order.py)
     evaluate: Evaluation | None
     save_ckpt: bool  # a step checkpoint after each epoch
     fit_options: dict  # for the observers' ``on_fit_start``
     v04: compat.FitOptionsV04
 
 
-def check_fit_numbers(n_epochs, keep_last_ckpts, save_every_n_steps, eval_per_device_batch_size,
-                      per_device_batch_size) -> None:
-    """``fit``'s counts: each a positive int (the two that may be left out: or None)."""
-    check_number("n_epochs", n_epochs, 1)
+    def epochs(self, n_epochs: int | None) -> Iterable[int]:
+        """The epochs this fit trains, from the one it resumes in (a stream: one)."""
+        first = self.position["epoch"]
+        if isinstance(self.train_examples, Stream):
+            return range(first, first + 1)
+        return itertools.count(first) if n_epochs is None else range(first, n_epochs)
+
+    def examples_of(self, epoch: int) -> Sequence | Stream:
+        """The examples ``epoch`` trains on."""
+        if isinstance(self.train_examples, Stream):
+            return self.train_examples
+        return self.first_examples if epoch == 0 else \
+            compat.examples_of_epoch(self.train_examples, epoch)
+
+    def start_example(self, epoch: int, examples: Sequence | Stream) -> int | None:
+        """Examples of ``epoch``'s order trained on before this fit; None: all of them."""
+        if epoch != self.position["epoch"]:
+            return 0
+        done = self.position["examples"]
+        return None if not isinstance(examples, Stream) and done >= len(examples) else done
+
+    def describe(self, epoch: int, n_epochs: int | None) -> str:
+        """``epoch``'s name on the progress bar."""
+        if isinstance(self.train_examples, Stream):
+            return "stream"
+        return f"epoch {epoch + 1}" + ("" if n_epochs is None else f"/{n_epochs}")
+
+
+def check_fit_numbers(n_epochs, max_steps, keep_last_ckpts, save_every_n_steps,
+                      eval_per_device_batch_size, per_device_batch_size) -> None:
+    """``fit``'s counts: each a positive int (those that may be left out: or None)."""
+    check_number("n_epochs", n_epochs, 1, optional=True)
+    check_number("max_steps", max_steps, 1, optional=True)
     check_number("keep_last_ckpts", keep_last_ckpts, 1)
     check_number("save_every_n_steps", save_every_n_steps, 1, optional=True)
     check_number("eval_per_device_batch_size", eval_per_device_batch_size, 1, optional=True)
     check_number("per_device_batch_size", per_device_batch_size, 1)
 
 
+def check_length(train_examples, n_epochs: int | None, max_steps: int | None,
+                 saves: bool) -> None:
+    """Refuse a fit that does not say how long to train, a stream with epochs, or step
+    checkpoints of a stream that cannot tell its position."""
+    if isinstance(train_examples, Stream):
+        if max_steps is None or n_epochs is not None:
+            raise UsageError(
+                "train_examples is a stream (an iterator, with no length), which has no epochs: "
+                "say how many updates to train for with fit(..., max_steps=N) and no n_epochs.")
+        if saves and not train_examples.saves_state:
+            raise UsageError(
+                "Step checkpoints were asked for, but train_examples is an iterator without "
+                "get_state() and set_state() (e.g. a generator): a checkpoint could not say where "
+                "in it training was, so a resume would repeat or skip data. Pass an iterator that "
+                "has them (a Grain DatasetIterator does), or a random-access sequence.")
+    elif n_epochs is None and max_steps is None:
+        raise UsageError("Say how long to train: fit(..., n_epochs=N) for N passes over "
+                         "train_examples, or max_steps=N for N updates (or both: whichever "
+                         "ends first).")
+
+
 def plan_fit(trainer, train_examples: Sequence | Callable, per_device_batch_size: int,
-             n_epochs: int, eval_examples, eval_per_device_batch_size, eval_loss, eval_predictor,
-             eval_metric_fn, save_last_ckpt, save_argmin_ckpt_by_metrics,
-             save_argmax_ckpt_by_metrics, save_every_n_steps, keep_last_ckpts, resume,
+             n_epochs: int | None, max_steps: int | None, eval_examples,
+             eval_per_device_batch_size, eval_loss, eval_predictor, eval_metric_fn,
+             save_last_ckpt, save_argmin_ckpt_by_metrics, save_argmax_ckpt_by_metrics,
+             save_every_n_steps, keep_last_ckpts, resume,
              eval_sanity_check, profile_steps, v04_options: dict[str, Any]) -> FitPlan:
     """``fit``'s arguments checked and its run decided, in that order (see the module), for
     ``trainer`` (a ``Trainer``)."""
     started, v04 = time.perf_counter(), compat.FitOptionsV04(**v04_options)
-    check_fit_numbers(n_epochs, keep_last_ckpts, save_every_n_steps, eval_per_device_batch_size,
-                      per_device_batch_size)
-    first_examples = compat.examples_of_epoch(train_examples, 0)
+    check_fit_numbers(n_epochs, max_steps, keep_last_ckpts, save_every_n_steps,
+                      eval_per_device_batch_size, per_device_batch_size)
+    train_examples = as_stream(train_examples)
+    save_ckpt = save_last_ckpt or bool(save_every_n_steps)
+    check_length(train_examples, n_epochs, max_steps, save_ckpt)
+    first_examples = train_examples.peek(per_device_batch_size) if isinstance(
+        train_examples, Stream) else compat.examples_of_epoch(train_examples, 0)
     done = trainer.step if trainer._fitted else 0
     workdir = trainer.deployer.workdir
     profile_window(profile_steps, done + 1, None, workdir)  # before placing anything
@@ -56,43 +116,73 @@ def plan_fit(trainer, train_examples: Sequence | Callable, per_device_batch_size
         eval_predictor, eval_metric_fn,
         [*(save_argmin_ckpt_by_metrics or ()), *(save_argmax_ckpt_by_metrics or ())],
         check_names=eval_sanity_check)
-    examples_per_step, steps_per_epoch = plan_steps(trainer, first_examples,
-                                                    per_device_batch_size, n_epochs)
-    window = profile_window(profile_steps, done + 1, done + n_epochs * steps_per_epoch, workdir)
+    examples_per_step, steps_per_epoch = plan_steps(trainer, train_examples, first_examples,
+                                                    per_device_batch_size, n_epochs, max_steps)
+    window = profile_window(profile_steps, done + 1,
+                            done + n_updates(n_epochs, steps_per_epoch, max_steps), workdir)
     fit_options = {"save_argmin_ckpt_by_metrics": save_argmin_ckpt_by_metrics,
                    "save_argmax_ckpt_by_metrics": save_argmax_ckpt_by_metrics,
                    "profile_window": window}
     trainer.hooks.saved_state(trainer, trainer.step)  # a plugin's bad state fails now
-    save_ckpt = save_last_ckpt or bool(save_every_n_steps)
+    position = {"epoch": 0, "examples": 0}
     if not trainer._fitted:
-        trainer.checkpoints.start(resume, saves=save_ckpt)
+        meta = trainer.checkpoints.start(resume, saves=save_ckpt)
+        if meta is not None:
+            position = resume_position(meta, train_examples, first_examples)
     if evaluate is not None and eval_sanity_check:
         evaluate.sanity_check()
     trainer.hooks.on_time_spent(trainer=trainer, phase="startup", step=None,
                                 seconds=time.perf_counter() - started)
-    return FitPlan(first_examples, done, examples_per_step, steps_per_epoch, evaluate, save_ckpt,
-                   fit_options, v04)
+    return FitPlan(train_examples, first_examples, done, examples_per_step, steps_per_epoch,
+                   position, evaluate, save_ckpt, fit_options, v04)
 
 
-def plan_steps(trainer, first_examples: Sequence, per_device_batch_size: int,
-               n_epochs: int) -> tuple[int, int]:
-    """Decide the layout on the first examples; ``(examples per update, updates per epoch)``.
-    Warns when the lr schedule spans another number of updates than this fit makes."""
+def n_updates(n_epochs: int | None, steps_per_epoch: int | None, max_steps: int | None) -> int:
+    """The updates a fit makes: ``n_epochs`` epochs, or ``max_steps`` if that ends first."""
+    by_epochs = None if n_epochs is None or steps_per_epoch is None else n_epochs * steps_per_epoch
+    return min(n for n in (by_epochs, max_steps) if n is not None)
+
+
+def plan_steps(trainer, train_examples, first_examples: Sequence, per_device_batch_size: int,
+               n_epochs: int | None, max_steps: int | None) -> tuple[int, int | None]:
+    """Decide the layout on the first examples; ``(examples per update, updates per epoch)``
+    (a stream: None). Warns when the lr schedule spans another number of updates than this fit
+    makes."""
     trainer._decide_layout(first_examples, per_device_batch_size)
     batch_size = trainer.deployer.get_global_batch_size(per_device_batch_size)
     examples_per_step = batch_size * trainer.accumulate_grad_batches
-    steps_per_epoch = n_full_batches(len(first_examples), examples_per_step, "train_examples")
-    total = getattr(trainer.lr_schedule_fn, "total_steps", None)
-    if total is not None and total != n_epochs * steps_per_epoch:
+    stream = isinstance(train_examples, Stream)
+    steps_per_epoch = None if stream else \
+        n_full_batches(len(first_examples), examples_per_step, "train_examples")
+    total, makes = (getattr(trainer.lr_schedule_fn, "total_steps", None),
+                    n_updates(n_epochs, steps_per_epoch, max_steps))
+    if total is not None and total != makes:
         warnings.warn(
-            f"The lr schedule spans {total} updates but this fit makes "
-            f"{n_epochs * steps_per_epoch}, so it will not end at its end value. Pass "
-            f"accumulate_grad_batches={trainer.accumulate_grad_batches} (and the same batch size "
-            "and epochs) to deployer.get_lr_schedule_fn.", stacklevel=4)
-    trainer.checkpoints.data_position = {"n_examples": len(first_examples),
-                                         "jax_seed": trainer.deployer.jax_seed,
-                                         "examples_per_step": examples_per_step}
-    source = getattr(first_examples, "fingerprint", None)  # what the examples are made of
-    if source is not None:
-        trainer.checkpoints.data_position["source"] = str(source)
+            f"The lr schedule spans {total} updates but this fit makes {makes}, so it will not "
+            "end at its end value. Pass accumulate_grad_batches="
+            f"{trainer.accumulate_grad_batches} (and the same batch size and epochs) to "
+            "deployer.get_lr_schedule_fn.", stacklevel=4)
+    data = {"jax_seed": trainer.deployer.jax_seed}
+    if not stream:
+        data["n_examples"] = len(first_examples)
+    source = getattr(train_examples.iterator if stream else first_examples, "fingerprint", None)
+    if source is not None:  # what the examples are made of
+        data["source"] = str(source)
+    trainer.checkpoints.data_position = data
     return examples_per_step, steps_per_epoch
+
+
+def resume_position(meta: dict, train_examples, first_examples: Sequence) -> dict:
+    """Where the resumed run stands in its data (a stream: set back to it)."""
+    stream = isinstance(train_examples, Stream)
+    position = position_of(meta, None if stream else len(first_examples))
+    if stream:
+        if position.get("stream") is None:
+            raise UsageError(
+                f"Cannot resume from step {meta['step']}: it was written while training on a "
+                "stream that cannot tell its position (an iterator without get_state() and "
+                "set_state(), e.g. a generator), so where to continue is unknown. Use an "
+                "iterator that has them (a Grain DatasetIterator does), or pass "
+                "fit(resume=False) to start over in a new workdir.")
+        train_examples.set_state(position["stream"])
+    return position

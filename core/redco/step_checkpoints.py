@@ -2,12 +2,13 @@
 starts, so a rerun of the same command continues from the exact step.
 
 ``ckpts/step_<N>`` holds the state (params, optimizer state, rng; ``Trainer.ckpt_tree()``), the
-step and epoch, the data position (how many examples, the seed, examples per update: what fixes
-which examples come next; and, where the examples have a ``fingerprint`` attribute, that string,
-which names what they are made of, e.g. a corpus file's documents and tokens) and every
-plugin's ``state_to_save``. ``StepCheckpoints`` is the
-component ``fit`` calls for them; resuming with other data or settings is refused naming what
-changed, since the run would not see the examples the interrupted one would have.
+step and epoch, the data (how many examples and the seed, which fix their order; where the
+examples have a ``fingerprint`` attribute, that string, which names what they are made of, e.g.
+a corpus file's documents and tokens; and the position in them, ``redco/data_order.py``) and
+every plugin's ``state_to_save``. ``StepCheckpoints`` is the component ``fit`` calls for them;
+resuming with other data or another seed is refused naming what changed, since the run would
+not see the examples the interrupted one would have (another batch size or number of
+processes is fine: the position is counted in examples).
 
 **Writing in the background** (``Deployer(async_checkpoints=True)``, the default, in a run of
 one process). ``save`` copies the state to host memory, which is all training waits for (the
@@ -34,22 +35,23 @@ from redco import checkpointing
 class StepCheckpoints:
     def __init__(self, trainer: Any):
         self.trainer = trainer
-        self.data_position: dict = {}  # with the step, fixes which examples come next
+        self.data_position: dict = {}  # fixes the examples' order: must match on resume
+        self.batches: tuple | None = None  # (EpochBatches, epoch) being trained: the position
         self._writer: threading.Thread | None = None  # the write in flight
         self._done: list[tuple[str, int]] = []  # (path, step) written, not yet announced
         self._error: BaseException | None = None
 
-    def start(self, resume: bool, saves: bool) -> None:
-        """At a trainer's first fit: resume from the newest step checkpoint (``resume``), or
-        refuse to write (``saves``) step checkpoints beside an earlier run's."""
+    def start(self, resume: bool, saves: bool) -> dict | None:
+        """At a trainer's first fit: resume from the newest step checkpoint (``resume``; its
+        meta is returned), or refuse to write (``saves``) step checkpoints beside an earlier
+        run's."""
         ckpt_dir = self.trainer.deployer.ckpt_dir
         if not resume and saves and checkpointing.step_ckpts(ckpt_dir):
             raise ValueError(
                 f"{ckpt_dir} holds step checkpoints of an earlier run; with resume=False this "
                 "run's would be mixed with (and pruned against) them. Use a new workdir, or "
                 "delete the old checkpoints first.")
-        if resume:
-            self.resume()
+        return self.resume() if resume else None
 
     def resume(self) -> dict | None:
         """Restore the newest step checkpoint onto the trainer's state (with its step, and the
@@ -83,7 +85,11 @@ class StepCheckpoints:
         self.join()  # at most one write in flight
         trainer = self.trainer
         step = trainer.step
-        meta = {"step": step, "epoch": epoch, "data": self.data_position,
+        data = dict(self.data_position)
+        if self.batches is not None:
+            batches, at_epoch = self.batches
+            data.update(examples_per_step=batches.size, position=batches.state(at_epoch))
+        meta = {"step": step, "epoch": epoch, "data": data,
                 "plugins": trainer.hooks.saved_state(trainer, step)}
         if not (background and trainer.deployer.async_checkpoints and jax.process_count() == 1):
             return self._write(step, trainer.ckpt_tree(), meta, keep)

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import optax
 from redco import checkpointing, compat, compile_cache, preemption, watchdog
 from redco import remat as redco_remat
 from redco.data import by_name, check_array_leaves, check_collated, check_number, n_full_batches
+from redco.data_order import EpochBatches, Stream, as_stream
 from redco.deployer import Deployer
 from redco.evaluation import Evaluation
 from redco.fit_plan import plan_fit
@@ -297,27 +299,39 @@ class Trainer(compat.TrainerV04):
         """Ask ``fit`` to stop after the current epoch (e.g. from ``on_eval_end``)."""
         self._stop_reason = reason
 
-    def train_epoch(self, examples: Sequence, per_device_batch_size: int, epoch: int,
-                    start: int = 0, save_every_n_steps: int | None = None,
-                    keep_last_ckpts: int = 1, desc: str = "") -> None:
-        """Run the updates of ``epoch`` from its ``start``-th update on. Called outside ``fit``,
-        it returns once the step checkpoints it started are written."""
-        self._decide_layout(examples, per_device_batch_size)
+    def train_epoch(self, examples: Sequence | Iterable, per_device_batch_size: int, epoch: int,
+                    start_example: int = 0, save_every_n_steps: int | None = None,
+                    keep_last_ckpts: int = 1, desc: str = "", max_updates: int | None = None
+                    ) -> None:
+        """Run the updates of ``epoch``, from the ``start_example``-th example of its shuffled
+        order on (``redco/data_order.py``; a stream: its next examples), at most
+        ``max_updates`` of them. Called outside ``fit``, it returns once the step checkpoints it
+        started are written."""
+        examples = as_stream(examples)
+        self._decide_layout(examples.peek(per_device_batch_size)
+                            if isinstance(examples, Stream) else examples, per_device_batch_size)
         batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
         batch_size *= self.accumulate_grad_batches
-        n_steps = n_full_batches(len(examples), batch_size, "train_examples")
-        order = self.deployer.epoch_permutation(len(examples), epoch)
-        first_step = self.step - start  # the step before this epoch's first update
-        self.hooks.on_epoch_start(trainer=self, epoch=epoch, start=start, n_steps=n_steps,
-                                  desc=desc, examples_per_step=batch_size)
+        if not isinstance(examples, Stream):
+            n_full_batches(len(examples), batch_size, "train_examples")
+        batches = EpochBatches(examples, batch_size,
+                               lambda n: self.deployer.epoch_permutation(n, epoch), start_example)
+        self.checkpoints.batches = (batches, epoch)  # where training stands, saved with them
+        limits = [n for n in (batches.n_steps, None if max_updates is None else
+                              batches.start + max_updates) if n is not None]
+        n_steps = min(limits) if limits else None  # None: a stream, to its end
+        first_step = self.step - batches.start  # the step before this epoch's first update
+        self.hooks.on_epoch_start(trainer=self, epoch=epoch, start=batches.start,
+                                  n_steps=n_steps, desc=desc, examples_per_step=batch_size)
         pending = None  # the last update's (step, metrics): read once the next is dispatched
-        for i in range(start, n_steps):
+        updates = itertools.count(batches.start) if n_steps is None else \
+            range(batches.start, n_steps)
+        for i, rows in zip(updates, batches):
             step = first_step + i + 1
             self.hooks.on_train_batch_start(trainer=self, step=step)
             with self._timed("data", step):
-                batch = self.deployer.make_batch(
-                    [examples[j] for j in order[i * batch_size:(i + 1) * batch_size]],
-                    self.collate_fn, n_micro=self.accumulate_grad_batches)
+                batch = self.deployer.make_batch(rows, self.collate_fn,
+                                                 n_micro=self.accumulate_grad_batches)
             with self._timed("step" if self._first_step_logged else "compile", step), \
                     jax.profiler.StepTraceAnnotation("train_step", step_num=step):  # (profiles)
                 metrics = self._run_train_step(batch)
@@ -328,7 +342,7 @@ class Trainer(compat.TrainerV04):
             if self._watch is not None and self._watch.stop_after(step):
                 self._report(*self._wait_for(pending))
                 self._stop_on_signal(epoch, step, keep_last_ckpts)
-            if save_every_n_steps and step % save_every_n_steps == 0 and i + 1 < n_steps:
+            if save_every_n_steps and step % save_every_n_steps == 0 and i + 1 != n_steps:
                 self._report(*self._wait_for(pending))
                 pending = None
                 self.save_step_ckpt(epoch, keep_last_ckpts, background=True)
@@ -478,51 +492,57 @@ class Trainer(compat.TrainerV04):
         from taking it for a hang."""
         return self._watchdog.paused() if self._watchdog is not None else contextlib.nullcontext()
 
-    def fit(self, train_examples: Sequence | Callable, per_device_batch_size: int, n_epochs: int,
-            eval_examples: Sequence | None = None, eval_per_device_batch_size: int | None = None,
-            eval_loss: bool = True, eval_predictor: Predictor | None = None,
-            eval_metric_fn: Callable | None = None, save_last_ckpt: bool = False,
-            save_argmin_ckpt_by_metrics: Sequence[str] | None = None,
+    def fit(self, train_examples: Sequence | Callable | Iterable, per_device_batch_size: int,
+            n_epochs: int | None = None, eval_examples: Sequence | None = None,
+            eval_per_device_batch_size: int | None = None, eval_loss: bool = True,
+            eval_predictor: Predictor | None = None, eval_metric_fn: Callable | None = None,
+            save_last_ckpt: bool = False, save_argmin_ckpt_by_metrics: Sequence[str] | None = None,
             save_argmax_ckpt_by_metrics: Sequence[str] | None = None,
             save_every_n_steps: int | None = None, keep_last_ckpts: int = 1,
             resume: bool = True, eval_sanity_check: bool = True,
-            profile_steps: tuple[int, int] | None = None, **v04_options) -> None:
-        """Train for ``n_epochs``, evaluating after each and checkpointing as asked.
+            profile_steps: tuple[int, int] | None = None, max_steps: int | None = None,
+            **v04_options) -> None:
+        """Train for ``n_epochs`` (or ``max_steps`` updates, whichever ends first), evaluating
+        after each epoch and checkpointing as asked.
 
-        ``train_examples`` may also be a function of the epoch index (``epoch_idx``) returning
-        that epoch's examples; any random-access sequence will do (a corpus on disk read row by
-        row), and one with a ``fingerprint`` string naming its content has it saved with each step
-        checkpoint, a resume against other content refused. With ``resume`` (the default), a step
-        checkpoint in ``workdir/ckpts`` is restored first and training continues from its exact
-        step, mid-epoch included. Best-by-metric checkpoints go to ``ckpts/best_<metric>``;
-        ``loss`` is always a metric when evaluated. With ``eval_sanity_check`` (the default) the
-        evaluation runs once on one batch before training, so a broken ``pred_fn`` or metric fails
-        in seconds; a misspelled metric name is refused before anything compiles (its names read
-        off ``eval_metric_fn`` called once on zeros shaped like ``pred_fn``'s output).
-        ``profile_steps=(start, stop)`` writes a profiler trace of those updates
-        (``redco/observers/profiler.py``). Redco 0.4.x's keywords are accepted too
-        (``save_ckpt_every_k_epochs``, ...; see ``redco/compat.py``).
+        ``train_examples`` is any random-access sequence (a corpus on disk read row by row; each
+        process reads only its rows), a function of the epoch index (``epoch_idx``) returning
+        that epoch's examples, or a stream: an iterator, trained on for ``max_steps`` updates
+        (``redco/data_order.py``). Examples with a ``fingerprint`` string naming their content
+        have it saved with each step checkpoint, a resume against other content refused. With
+        ``resume`` (the default), a step checkpoint in ``workdir/ckpts`` is restored first and
+        training continues from its exact step and example, mid-epoch included, also with
+        another batch size or number of processes. Best-by-metric checkpoints go to
+        ``ckpts/best_<metric>``; ``loss`` is always a metric when evaluated. With
+        ``eval_sanity_check`` (the default) the evaluation runs once on one batch before
+        training, so a broken ``pred_fn`` or metric fails in seconds; a misspelled metric name
+        is refused before anything compiles (its names read off ``eval_metric_fn`` called once
+        on zeros shaped like ``pred_fn``'s output). ``profile_steps=(start, stop)`` writes a
+        profiler trace of those updates (``redco/observers/profiler.py``). Redco 0.4.x's
+        keywords are accepted too (``save_ckpt_every_k_epochs``, ...; see ``redco/compat.py``).
         """
         plan = plan_fit(
-            self, train_examples, per_device_batch_size, n_epochs, eval_examples,
+            self, train_examples, per_device_batch_size, n_epochs, max_steps, eval_examples,
             eval_per_device_batch_size, eval_loss, eval_predictor, eval_metric_fn, save_last_ckpt,
             save_argmin_ckpt_by_metrics, save_argmax_ckpt_by_metrics, save_every_n_steps,
             keep_last_ckpts, resume, eval_sanity_check, profile_steps, v04_options)
-        done = plan.done
+        last = None if max_steps is None else plan.done + max_steps  # the last update's step
         with self._watched():
             self.hooks.on_fit_start(trainer=self, n_epochs=n_epochs, fit_options=plan.fit_options,
                                     steps_per_epoch=plan.steps_per_epoch)
-            for epoch in range(n_epochs):
-                examples = plan.first_examples if epoch == 0 else \
-                    compat.examples_of_epoch(train_examples, epoch)
-                n_steps = n_full_batches(len(examples), plan.examples_per_step, "train_examples")
-                if self.step < done + n_steps:  # else finished before the checkpoint resumed from
-                    self.train_epoch(examples, per_device_batch_size, epoch, start=self.step - done,
-                                     save_every_n_steps=save_every_n_steps,
-                                     keep_last_ckpts=keep_last_ckpts,
-                                     desc=f"epoch {epoch + 1}/{n_epochs}")
-                    self._end_epoch(epoch, plan.evaluate, plan.save_ckpt, keep_last_ckpts, plan.v04)
-                done += n_steps
+            for epoch in plan.epochs(n_epochs):
+                if last is not None and self.step >= last:
+                    break
+                examples = plan.examples_of(epoch)
+                start = plan.start_example(epoch, examples)
+                if start is None:  # ended before the checkpoint this run resumed from
+                    continue
+                self.train_epoch(examples, per_device_batch_size, epoch, start_example=start,
+                                 save_every_n_steps=save_every_n_steps,
+                                 keep_last_ckpts=keep_last_ckpts,
+                                 desc=plan.describe(epoch, n_epochs),
+                                 max_updates=None if last is None else last - self.step)
+                self._end_epoch(epoch, plan.evaluate, plan.save_ckpt, keep_last_ckpts, plan.v04)
                 if self._stop_reason:
                     self.deployer.log_info(f"Stopping early: {self._stop_reason}")
                     break

@@ -126,6 +126,7 @@ def assert_trains_like_reference(workdir: str, n_processes: int, launcher: str, 
         assert (r["process_count"], r["devices"]) == (n_processes, TOTAL_DEVICES)
         assert r["local_devices"] == TOTAL_DEVICES // n_processes
         assert len(r["losses"]) == len(ref["losses"]) == 8
+        assert r["examples_read"] == 2 * 32 // n_processes  # its own share of 2 epochs
         np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, atol=1e-5)
         assert r["preds"] == ref["preds"]
     assert results[0]["ckpts"] == ["step_8"]

@@ -74,6 +74,25 @@ def test_checkpoints_move_between_process_counts(fmt, reference, tmp_path):
         np.testing.assert_array_equal(np.asarray(value), saved[name])
 
 
+def test_a_run_stopped_mid_epoch_resumes_on_another_process_count(reference, tmp_path):
+    """1 process is stopped by SIGTERM mid-epoch (its checkpoint saves where in the data it
+    stands, in examples); 2 processes resume it: they train only the updates left and end with
+    the params of one uninterrupted run."""
+    workdir = str(tmp_path)
+    one = subprocess.run([sys.executable, WORKER, "0", "1", "0", str(TOTAL_DEVICES), workdir],
+                         env=worker_env(REDCO_TEST_TERM_AT_STEP="2"), capture_output=True,
+                         text=True, timeout=600)
+    assert one.returncode == 143, one.stdout[-3000:] + one.stderr[-3000:]
+    with open(os.path.join(workdir, "log.txt")) as f:
+        step = int(re.search(r"Stopped by SIGTERM after step (\d+): saved", f.read()).group(1))
+    assert step < 4, "stopped mid-epoch 1 (4 updates an epoch)"
+    launch(2, workdir)
+    assert [len(r["losses"]) for r in read_results(workdir, 2)] == [8 - step] * 2  # resumed
+    saved = np.load(os.path.join(workdir, "params.npz"))
+    for name, value in reference[1].items():
+        np.testing.assert_allclose(saved[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def test_a_busy_port_is_refused_with_a_clear_error(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

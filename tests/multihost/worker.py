@@ -53,6 +53,16 @@ from redco.sharding import named_leaves  # noqa: E402
 from redco_zoo_lm import collate_fn, loss_fn  # noqa: E402
 
 
+class CountedReads(list):
+    """The examples, counting the ones read one by one (training reads them so)."""
+    reads = 0
+
+    def __getitem__(self, i):
+        if not isinstance(i, slice):
+            self.reads += 1
+        return super().__getitem__(i)
+
+
 class KillAt:
     @redco.hookimpl
     def on_step_end(self, trainer, step, metrics):
@@ -143,7 +153,7 @@ def main() -> None:
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params,
                       optax.sgd(0.1, momentum=0.9),
                       callbacks=[recorder, KillAt()])
-    examples = lm_examples(32)
+    examples = CountedReads(lm_examples(32))
     trainer.fit(examples, GLOBAL_BATCH // deployer.dp_size, n_epochs=N_EPOCHS, save_last_ckpt=True)
     predictor = trainer.get_default_predictor(
         pred_fn=lambda params, batch: apply_fn(params, batch["input_ids"][:, :-1]).argmax(-1))
@@ -153,7 +163,7 @@ def main() -> None:
                        trainer.params, tiled=True))}
     result = {"launcher": launcher, "process_count": jax.process_count(),
               "devices": jax.device_count(), "local_devices": jax.local_device_count(),
-              "losses": recorder.losses,
+              "losses": recorder.losses, "examples_read": examples.reads,
               "preds": [np.asarray(p).tolist() for p in preds],
               "ckpts": sorted(os.listdir(deployer.ckpt_dir))}
     with open(os.path.join(workdir, f"result_{jax.process_index()}.json"), "w") as f:
