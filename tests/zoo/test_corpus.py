@@ -17,8 +17,9 @@ import redco
 from redco import Deployer, Trainer
 from redco.cli import main
 from redco.protocols import UsageError
+from redco_zoo_lm import packing
 from redco_zoo_lm.corpus import TokenFile, write_token_file
-from redco_zoo_lm.packing import PackedRows
+from redco_zoo_lm.packing import PackedRows, hold_out
 from redco_zoo_lm.pipeline import collate_fn, loss_fn
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
 from redco_zoo_models.toy import save_model_dir
@@ -208,7 +209,8 @@ def test_a_packed_run_that_crashed_mid_epoch_resumes_to_the_same_bits(tmp_path):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_a_resume_against_a_changed_corpus_is_refused(tmp_path):
+@pytest.mark.parametrize("held_out", [False, True])
+def test_a_resume_against_a_changed_corpus_is_refused(tmp_path, held_out):
     docs = documents(300, 4, 60, vocab=32)
     path = write_token_file(str(tmp_path / "c.bin"), docs, EOS)
     config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
@@ -216,6 +218,7 @@ def test_a_resume_against_a_changed_corpus_is_refused(tmp_path):
 
     def train() -> None:
         rows = PackedRows(TokenFile(path, EOS), 63)
+        rows = hold_out(rows)[0] if held_out else rows  # as redco zoo run lm trains
         apply_fn, params = split_model(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
         trainer = Trainer(Deployer(jax_seed=0, workdir=str(tmp_path / "run"), verbose=False),
                           collate_fn, apply_fn, loss_fn, params, optax.adam(3e-3))
@@ -224,7 +227,33 @@ def test_a_resume_against_a_changed_corpus_is_refused(tmp_path):
     saved = sorted(os.listdir(tmp_path / "run" / "ckpts"))
     docs[5] = docs[5][::-1]  # the same lengths, the same number of rows: other tokens
     write_token_file(path, docs, EOS)
-    with pytest.raises(ValueError, match=r"Cannot resume from .*step_\d+: source was c\.bin: 300 "
-                                         r"documents, \d+ tokens \(sha256 \w+\).*, now c\.bin"):
+    with pytest.raises(ValueError, match=r"Cannot resume from .*step_\d+: source was .*c\.bin: 300 "
+                                         r"documents, \d+ tokens \(sha256 \w+\).*, now .*c\.bin"):
         train()
     assert sorted(os.listdir(tmp_path / "run" / "ckpts")) == saved  # nothing overwritten
+
+
+def test_a_restart_reads_the_index_and_the_plan_back_and_rescans_a_changed_file(
+        tmp_path, monkeypatch):
+    docs = documents(200, 1, 300)
+    path = write_token_file(str(tmp_path / "c.bin"), docs, EOS)
+    first = PackedRows(TokenFile(path, EOS), 255)
+    assert sorted(os.listdir(tmp_path)) == ["c.bin", "c.bin.index.npz", "c.bin.rows256-seed0.npz"]
+
+    def no_scan(*args):
+        raise AssertionError("scanned or packed again")
+    with monkeypatch.context() as m:
+        m.setattr(TokenFile, "_scan", no_scan)
+        m.setattr(packing, "pack", no_scan)
+        again = PackedRows(TokenFile(path, EOS), 255)
+        assert again.fingerprint == first.fingerprint and len(again) == len(first)
+        for i in (0, len(first) // 2, len(first) - 1):
+            np.testing.assert_array_equal(again[i]["token_ids"], first[i]["token_ids"])
+        with pytest.raises(UsageError, match=r"token \d+ is id 99\d, beyond"):  # the index's
+            TokenFile(path, EOS, vocab_size=500)
+    write_token_file(path, docs + [[7, 7, 7]], EOS)  # changed: scanned and packed again
+    changed = PackedRows(TokenFile(path, EOS), 255)
+    assert len(changed.corpus) == 201 and changed.fingerprint != first.fingerprint
+    write_token_file(path, docs, EOS)
+    os.mkdir(path + ".index.npz.tmp.npz")  # the index cannot be written: scanned, no error
+    assert len(TokenFile(path, EOS)) == 200 and len(TokenFile(path, EOS)) == 200

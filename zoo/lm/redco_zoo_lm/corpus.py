@@ -1,20 +1,45 @@
 """A tokenized corpus on disk, read without loading it into memory.
 
 The layout is a flat file of token ids (``.bin``, uint16 or uint32, documents one after another,
-each ending in an EOS token), as nanoGPT and many users already have. Opening it scans the file
-once, a few million tokens at a time, for the EOS tokens (and for ids beyond the vocabulary);
-what stays in memory is two integers per document. A document is then read when asked for,
-with ``os.pread``: nothing maps or holds the file, so resident memory does not grow with it.
+each ending in an EOS token), as nanoGPT and many users already have. Opening it the first time
+scans the file, a few million tokens at a time, for the EOS tokens (and its largest id, checked
+against the vocabulary); what stays in memory is two integers per document. The scan's result
+is kept beside the file (``<file>.index.npz``) and read back by the next opening while the
+file's size and modification time are unchanged, so a restart does not scan again. A document
+is read when asked for, with ``os.pread``: nothing maps or holds the file, so resident memory
+does not grow with it.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import weakref
+from typing import Callable
 
 import numpy as np
 
 from redco.protocols import UsageError
 
 SCAN_TOKENS = 1 << 22  # tokens read per step of the scan (8 MB of uint16)
+
+
+def kept_arrays(path: str, key: dict, make: Callable[[], dict]) -> dict:
+    """``make()``'s arrays, kept in ``path`` (``.npz``) with ``key`` and read back from it
+    while ``key`` is the same. Where ``path`` cannot be written, they are made each time."""
+    try:
+        with np.load(path) as kept:
+            if json.loads(str(kept["key"])) == key:
+                return {name: kept[name] for name in kept.files if name != "key"}
+    except (OSError, ValueError, KeyError):  # none yet, another key, or unreadable: remade
+        pass
+    arrays = make()
+    try:
+        np.savez(path + ".tmp.npz", key=json.dumps(key), **arrays)
+        os.replace(path + ".tmp.npz", path)  # whole or not at all
+    except OSError:
+        pass
+    return arrays
 
 
 class TokenFile:
@@ -30,40 +55,45 @@ class TokenFile:
         self.n_tokens = size // self.dtype.itemsize
         if self.n_tokens == 0:
             raise UsageError(f"{path} holds no tokens.")
-        ends = self._scan(eos_id, vocab_size)  # one past each document's last token
+        ends_digest = hashlib.sha256()  # of its first and last tokens
+        for start in (0, max(0, self.n_tokens - 4096)):
+            ends_digest.update(self.tokens(start, min(4096, self.n_tokens)).tobytes())
+        self.key = {"size": size, "mtime_ns": os.stat(path).st_mtime_ns, "eos_id": eos_id,
+                    "dtype": self.dtype.name, "ends_sha256": ends_digest.hexdigest()[:16]}
+        index = kept_arrays(path + ".index.npz", self.key, lambda: self._scan(eos_id))
+        if vocab_size is not None and index["max_id"] >= vocab_size:
+            raise UsageError(
+                f"{self.path}: token {int(index['max_at'])} is id {int(index['max_id'])}, beyond "
+                f"the model's vocabulary of {vocab_size}. Was the file made with another "
+                f"tokenizer, or read with the wrong dtype ({self.dtype.name})?")
+        ends = index["ends"]  # one past each document's last token
         self.starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         self.lengths = (ends - self.starts).astype(np.int64)
 
-    def _scan(self, eos_id: int, vocab_size: int | None) -> np.ndarray:
-        ends = []
+    def _scan(self, eos_id: int) -> dict:
+        """Each document's end, the largest id and where it first is."""
+        ends, max_id, max_at = [], -1, 0
         with open(self.path, "rb") as f:
             for begin in range(0, self.n_tokens, SCAN_TOKENS):
                 chunk = np.fromfile(f, self.dtype, min(SCAN_TOKENS, self.n_tokens - begin))
-                if vocab_size is not None and chunk.size and chunk.max() >= vocab_size:
-                    at = int(np.argmax(chunk >= vocab_size))
-                    raise UsageError(
-                        f"{self.path}: token {begin + at} is id {int(chunk[at])}, beyond the "
-                        f"model's vocabulary of {vocab_size}. Was the file made with another "
-                        f"tokenizer, or read with the wrong dtype ({self.dtype.name})?")
+                if chunk.size and chunk.max() > max_id:
+                    max_id, max_at = int(chunk.max()), begin + int(np.argmax(chunk))
                 ends.append(np.flatnonzero(chunk == eos_id) + begin + 1)
         ends = np.concatenate(ends)
         if ends.size == 0 or ends[-1] != self.n_tokens:  # the last document has no EOS
             ends = np.append(ends, self.n_tokens)
-        return ends
+        return {"ends": ends, "max_id": np.int64(max_id), "max_at": np.int64(max_at)}
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def tokens(self, start: int, count: int) -> np.ndarray:
         """``count`` token ids from token ``start`` on."""
-        if self._fd is None:  # opened once, at the first read
+        if self._fd is None:  # opened once, at the first read; closed with this object
             self._fd = os.open(self.path, os.O_RDONLY)
+            weakref.finalize(self, os.close, self._fd)
         data = os.pread(self._fd, count * self.dtype.itemsize, start * self.dtype.itemsize)
         return np.frombuffer(data, self.dtype)
-
-    def __del__(self):
-        if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
 
     def document(self, i: int) -> np.ndarray:
         return self.tokens(int(self.starts[i]), int(self.lengths[i]))

@@ -8,7 +8,9 @@ percent of a row empty at most). A row's pieces carry segment ids 1, 2, ... and 
 padding with segment id 0, which the zoo's models and LM loss honour (a document attends only
 to itself; predictions across a boundary and of padding are not counted).
 
-The plan is a few integers per piece, so ``PackedRows`` is a random-access sequence of rows:
+The plan is a few integers per piece, kept beside the corpus (``<file>.rows<width>-seed<seed>.npz``,
+remade when the file changes) so that a restart does not pack again, and ``PackedRows`` is a
+random-access sequence of rows:
 ``fit`` shuffles, shards across processes and resumes it like any list, and a row is read from
 the corpus only when a batch needs it. Its ``fingerprint`` (the file's documents' lengths and
 its first and last 4,096 tokens, the row width, the seed) goes into every step checkpoint: a
@@ -24,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from redco_zoo_lm.corpus import TokenFile
+from redco_zoo_lm.corpus import TokenFile, kept_arrays
 
 
 def pieces_of(lengths: np.ndarray, row: int) -> tuple[np.ndarray, np.ndarray]:
@@ -62,23 +64,30 @@ def best_fit(lengths: np.ndarray, row: int, order: np.ndarray) -> np.ndarray:
     return placed
 
 
+def pack(corpus: TokenFile, width: int, seed: int) -> dict:
+    """Each piece's first token in the corpus and length, row after row; ``bounds[i]``: the
+    first piece of row ``i``."""
+    document, offset, length = pieces_of(corpus.lengths, width)
+    tie_break = np.random.default_rng(seed).permutation(len(length))
+    row = best_fit(length, width, np.lexsort((tie_break, -length)))
+    by_row = np.lexsort((tie_break, row))  # each row's pieces together
+    return {"start": corpus.starts[document[by_row]] + offset[by_row],
+            "length": length[by_row],
+            "bounds": np.searchsorted(row[by_row], np.arange(row.max() + 2))}
+
+
 class PackedRows(Sequence):
     """Rows of ``seq_len + 1`` tokens packed from ``corpus``'s documents (module docstring):
     ``rows[i]`` is ``{"token_ids", "segment_ids"}``, each ``(seq_len + 1,)`` int32."""
 
     def __init__(self, corpus: TokenFile, seq_len: int, seed: int = 0):
         self.corpus, self.width = corpus, seq_len + 1
-        document, offset, length = pieces_of(corpus.lengths, self.width)
-        tie_break = np.random.default_rng(seed).permutation(len(length))
-        row = best_fit(length, self.width, np.lexsort((tie_break, -length)))
-        by_row = np.lexsort((tie_break, row))  # each row's pieces together
-        self.start = corpus.starts[document[by_row]] + offset[by_row]
-        self.length = length[by_row]
-        self.bounds = np.searchsorted(row[by_row], np.arange(row.max() + 2))
+        plan = kept_arrays(f"{corpus.path}.rows{self.width}-seed{seed}.npz", corpus.key,
+                           lambda: pack(corpus, self.width, seed))
+        self.start, self.length, self.bounds = plan["start"], plan["length"], plan["bounds"]
         self.padding_share = 1 - self.length.sum() / (len(self) * self.width)
-        digest = hashlib.sha256(corpus.lengths.tobytes())
-        for start in (0, max(0, corpus.n_tokens - 4096)):  # and its first and last tokens
-            digest.update(corpus.tokens(start, min(4096, corpus.n_tokens)).tobytes())
+        digest = hashlib.sha256(corpus.lengths.tobytes())  # and its first and last tokens:
+        digest.update(corpus.key["ends_sha256"].encode())
         self.fingerprint = (f"{os.path.basename(corpus.path)}: {len(corpus)} documents, "
                             f"{corpus.n_tokens} tokens (sha256 {digest.hexdigest()[:12]}), rows "
                             f"of {self.width}, seed {seed}")  # saved with step checkpoints
@@ -104,10 +113,12 @@ class PackedRows(Sequence):
 
 
 class RowsView(Sequence):
-    """Some rows of a ``PackedRows``, by index, each read only when asked for."""
+    """Some rows of a ``PackedRows``, by index, each read only when asked for; ``what`` names
+    which (for the fingerprint)."""
 
-    def __init__(self, rows: PackedRows, indices: np.ndarray):
+    def __init__(self, rows: PackedRows, indices: np.ndarray, what: str = "some rows"):
         self.rows, self.indices = rows, indices
+        self.fingerprint = f"{what} ({len(indices)}) of {rows.fingerprint}"
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -123,4 +134,5 @@ def hold_out(rows: PackedRows, every: int = 20) -> tuple[RowsView, RowsView]:
     held = np.arange(len(rows)) % every == every - 1
     if not held.any():
         held[-1] = True
-    return RowsView(rows, np.flatnonzero(~held)), RowsView(rows, np.flatnonzero(held))
+    return (RowsView(rows, np.flatnonzero(~held), f"all but every {every}th row"),
+            RowsView(rows, np.flatnonzero(held), f"every {every}th row"))
