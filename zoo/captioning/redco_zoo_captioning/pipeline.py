@@ -61,7 +61,8 @@ class CaptioningPipeline:
         parser.add_argument("--num_beams", type=int, default=4)
 
     def run(self, args):
-        tokenizer, (model, config) = runner.load_tokenizer(args.model), runner.load_model(args.model)
+        tokenizer = runner.load_tokenizer(args.model)
+        model, config = runner.load_model(args.model, args.from_scratch, args.jax_seed)
         ids = dict(bos_id=config["decoder"]["bos_token_id"], eos_id=config["decoder"]["eos_token_id"],
                    pad_id=config.get("pad_token_id") or config["decoder"]["eos_token_id"])
         train, evaluate = ([{"image": r["image"], "caption": r[args.caption_column]} for r in part]

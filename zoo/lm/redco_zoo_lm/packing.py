@@ -113,12 +113,12 @@ class PackedRows(Sequence):
 
 
 class RowsView(Sequence):
-    """Some rows of a ``PackedRows``, by index, each read only when asked for; ``what`` names
-    which (for the fingerprint)."""
+    """Some rows of ``rows`` (a ``PackedRows``, a mixture...), by index, each read only when
+    asked for; ``what`` names which (for the fingerprint)."""
 
-    def __init__(self, rows: PackedRows, indices: np.ndarray, what: str = "some rows"):
+    def __init__(self, rows: Sequence, indices: np.ndarray, what: str = "some rows"):
         self.rows, self.indices = rows, indices
-        self.fingerprint = f"{what} ({len(indices)}) of {rows.fingerprint}"
+        self.fingerprint = f"{what} ({len(indices)}) of {getattr(rows, 'fingerprint', len(rows))}"
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -129,7 +129,7 @@ class RowsView(Sequence):
         return self.rows[int(self.indices[i])]
 
 
-def hold_out(rows: PackedRows, every: int = 20) -> tuple[RowsView, RowsView]:
+def hold_out(rows: Sequence, every: int = 20) -> tuple[RowsView, RowsView]:
     """``(train, eval)``: every ``every``-th row held out for evaluation (at least one)."""
     held = np.arange(len(rows)) % every == every - 1
     if not held.any():

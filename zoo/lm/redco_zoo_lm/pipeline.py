@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +11,8 @@ import optax
 
 import redco
 from redco.protocols import UsageError
-from redco_zoo_lm.corpus import TokenFile
-from redco_zoo_lm.packing import PackedRows, hold_out
+from redco_zoo_lm.packing import hold_out
+from redco_zoo_lm.token_data import is_token_data, manifest_of, parse_sources, token_files, token_rows
 from redco_zoo_lm.tokenizing import TokenizeCommand
 from redco_zoo_models import generate, runner
 
@@ -61,50 +61,71 @@ def text_blocks(texts: list[str], tokenizer, block_size: int, what: str = "the t
 
 
 class LMPipeline:
-    description = ("causal LM: train a decoder (LLaMA, Mistral, Qwen2, GPT-2) on text, or on a "
-                   "token file (.bin, documents packed into rows); perplexity")
+    description = ("causal LM: train a decoder (LLaMA, Mistral, Qwen2, GPT-2) on text, or on "
+                   "token files (.bin, a folder of them, or a weighted mixture; documents packed "
+                   "into rows); perplexity")
 
     def add_arguments(self, parser) -> None:
-        runner.add_arguments(parser)
-        parser.add_argument("--block_size", type=int, default=128, help="tokens per example")
-        parser.add_argument("--text_column", default="text")
-        parser.add_argument("--eos_id", type=int, help="a token file's (.bin) end-of-document "
-                            "id (default: config.json's eos_token_id)")
-        parser.add_argument("--token_dtype", default="uint16", choices=["uint16", "uint32"],
-                            help="the ids' type in a token file (.bin)")
+        add_lm_arguments(parser)
 
     def run(self, args) -> float:
-        model, config = runner.load_model(args.model)
-        if args.train.endswith(".bin"):  # tokenized already: documents packed into rows
-            train, evaluate = token_file_rows(args, config)
-        else:
-            tokenizer = runner.load_tokenizer(args.model)
-            parts = runner.split_eval(args, {"--text_column": args.text_column})
-            train, evaluate = (
-                text_blocks([r[args.text_column] for r in part], tokenizer, args.block_size, what)
-                for part, what in zip(parts, ("--train", "--eval (or the last 5% of --train)")))
-        trainer = runner.train_and_eval(args, model, (train, evaluate), collate_fn, loss_fn)
-        perplexity = math.exp(trainer.eval_loss(evaluate, args.per_device_batch_size))
+        model, config = load_lm(args)
+        examples = lm_examples(args, config)
+        trainer = runner.train_and_eval(args, model, examples, collate_fn, loss_fn,
+                                        tokenizer=args.tokenizer)
+        perplexity = math.exp(trainer.eval_loss(examples[1], args.per_device_batch_size))
         trainer.deployer.log_info(f"eval perplexity {perplexity:.3f}")
         return perplexity
 
 
-def token_file_rows(args, config: dict) -> tuple[Sequence, Sequence]:
-    """``--train`` (and ``--eval``) token files, documents packed into rows of ``--block_size``
-    + 1 tokens; without ``--eval``, every 20th row held out."""
-    eos = args.eos_id if args.eos_id is not None else config.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) else eos
-    if eos is None:
-        raise UsageError(f"--eos_id: give the id that ends each document of {args.train}; "
-                         f"{args.model}/config.json names no eos_token_id.")
+def add_lm_arguments(parser) -> None:
+    """The LM's flags: every pipeline's (``runner.add_arguments``) and its data's."""
+    runner.add_arguments(parser)
+    parser.add_argument("--block_size", type=int, default=128, help="tokens per example (a "
+                        "row of packed documents holds one more)")
+    parser.add_argument("--text_column", default="text")
+    parser.add_argument("--tokenizer", help="a tokenizer.json (default: --model's)")
+    parser.add_argument("--eos_id", type=int, help="a token file's (.bin) end-of-document "
+                        "id (default: its manifest's, else config.json's eos_token_id)")
+    parser.add_argument("--token_dtype", choices=["uint16", "uint32"], help="the ids' type "
+                        "in a token file (default: its manifest's, else uint16)")
 
-    def rows(path: str) -> PackedRows:
-        corpus = TokenFile(path, eos, np.dtype(args.token_dtype), config.get("vocab_size"))
-        packed = PackedRows(corpus, args.block_size, seed=args.jax_seed)
-        print(f"{path}: {len(corpus)} documents, {corpus.n_tokens} tokens in {len(packed)} rows "
-              f"of {args.block_size + 1}, {packed.padding_share:.2%} padding", flush=True)
-        return packed
-    return (rows(args.train), rows(args.eval)) if args.eval else hold_out(rows(args.train))
+
+def load_lm(args):
+    """``(model, config)``: ``--model`` trained, or untrained with ``--from_scratch`` (of its
+    config.json, or a preset sized to the data's vocabulary)."""
+    return runner.load_model(args.model, args.from_scratch, args.jax_seed, **scratch_fields(args))
+
+
+def lm_examples(args, config: dict) -> tuple[Sequence, Sequence]:
+    """``(train, eval)``: token files with their documents packed into rows
+    (``redco_zoo_lm/token_data.py``; without ``--eval``, every 20th row held out), or text cut
+    into blocks of ``--block_size`` (without ``--eval``, the last 5% of ``--train``)."""
+    if is_token_data(args.train):
+        train = token_rows(args.train, args, config)
+        return (train, token_rows(args.eval, args, config)) if args.eval else hold_out(train)
+    tokenizer = runner.load_tokenizer(args.tokenizer or args.model)
+    parts = runner.split_eval(args, {"--text_column": args.text_column})
+    return tuple(text_blocks([r[args.text_column] for r in part], tokenizer, args.block_size, what)
+                 for part, what in zip(parts, ("--train", "--eval (or the last 5% of --train)")))
+
+
+def scratch_fields(args) -> dict:
+    """A preset's field that the data decides: the vocabulary (of ``--tokenizer``, else of the
+    first token file's manifest)."""
+    if not args.from_scratch or os.path.isdir(args.model):
+        return {}
+    if args.tokenizer:
+        tokenizer = runner.load_tokenizer(args.tokenizer)
+        return {"vocab_size": tokenizer.get_vocab_size()}
+    files = token_files(next(iter(parse_sources(args.train)))) if is_token_data(args.train) \
+        else []
+    manifest = manifest_of(files[0]) if files else {}
+    if "vocab_size" not in manifest:
+        raise UsageError(f"--model {args.model} --from_scratch: say which vocabulary with "
+                         "--tokenizer tokenizer.json (or train on a token file made by redco "
+                         "tokenize, whose manifest names it).")
+    return {"vocab_size": manifest["vocab_size"]}
 
 
 @redco.hookimpl

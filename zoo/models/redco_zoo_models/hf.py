@@ -36,9 +36,15 @@ MODEL_CLASSES = {  # config.json's model_type -> the zoo class that reads it
 def auto_class(model_dir: str) -> type[nnx.Module]:
     """The zoo class for ``model_dir``'s ``config.json`` (by its ``model_type``)."""
     with open(os.path.join(model_dir, "config.json")) as f:
-        model_type = json.load(f).get("model_type")
+        return class_of(json.load(f), model_dir)
+
+
+def class_of(config: dict, where: str) -> type[nnx.Module]:
+    """The zoo class for a ``config.json``'s contents (by its ``model_type``), found in
+    ``where`` (named in the error)."""
+    model_type = config.get("model_type")
     if model_type not in MODEL_CLASSES:
-        raise ValueError(f"{model_dir} holds a {model_type!r} model; the zoo reads "
+        raise ValueError(f"{where} holds a {model_type!r} model; the zoo reads "
                          f"{sorted(MODEL_CLASSES)}.")
     module, name = MODEL_CLASSES[model_type].split(":")
     return getattr(importlib.import_module(module), name)

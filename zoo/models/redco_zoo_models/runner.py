@@ -17,7 +17,8 @@ from flax import nnx
 from redco import Deployer, Trainer
 from redco.lora import DEFAULT_TARGETS, n_params, trainable_mask
 from redco.protocols import UsageError
-from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
+from redco_zoo_models.hf import auto_class, class_of, from_pretrained, save_pretrained
+from redco_zoo_models.llama import LLAMA_PRESETS, LlamaConfig
 from redco_zoo_models.lora import add_lora, has_lora, save_peft_adapters
 from redco_zoo_models.nnx_utils import split_model
 
@@ -27,7 +28,10 @@ DATA_KINDS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags every pipeline takes."""
     parser.add_argument("--model", required=True, help="a local HuggingFace model directory "
-                        "(config.json, model.safetensors, tokenizer.json)")
+                        "(config.json, model.safetensors, tokenizer.json); with --from_scratch "
+                        "its config.json alone, or a preset: " + ", ".join(LLAMA_PRESETS))
+    parser.add_argument("--from_scratch", action="store_true", help="start from random weights "
+                        "(of --model's config.json or preset) instead of trained ones")
     parser.add_argument("--train", required=True, help="training data: a .json, .jsonl, .csv or "
                         ".txt file, or a folder of images with metadata.jsonl")
     parser.add_argument("--eval", help="evaluation data (default: 5%% of --train)")
@@ -35,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n_model_shards", type=int, default=1)
     parser.add_argument("--per_device_batch_size", type=int, default=8)
     parser.add_argument("--n_epochs", type=int, default=2)
+    parser.add_argument("--max_steps", type=int, help="train this many updates, across epochs "
+                        "(instead of --n_epochs)")
     parser.add_argument("--learning_rate", type=float, default=1e-4)
     parser.add_argument("--warmup_rate", type=float, default=0.05)
     parser.add_argument("--save_every_n_steps", type=int)
@@ -64,9 +70,10 @@ def load_examples(path: str) -> list[dict]:
 
 
 def load_tokenizer(model_dir: str):
-    """The ``tokenizers`` tokenizer saved in ``model_dir/tokenizer.json``."""
+    """The ``tokenizers`` tokenizer saved in ``model_dir/tokenizer.json`` (or the file
+    ``model_dir`` itself)."""
     from tokenizers import Tokenizer
-    path = os.path.join(model_dir, "tokenizer.json")
+    path = model_dir if os.path.isfile(model_dir) else os.path.join(model_dir, "tokenizer.json")
     if not os.path.isfile(path):
         raise UsageError(f"{path} not found: save the tokenizer with the model "
                                 "(tokenizer.save_pretrained(dir) writes it).")
@@ -87,34 +94,61 @@ def detokenize(preds, tokenizer, eos_id: int) -> list[str]:
     return [tokenizer.decode(row[:row.index(eos_id)] if eos_id in row else row) for row in rows]
 
 
-def load_model(model_dir: str) -> tuple[nnx.Module, dict]:
-    """The zoo model saved in ``model_dir`` and its ``config.json`` (token ids live there)."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    return from_pretrained(auto_class(model_dir), model_dir), config
+def load_model(model: str, from_scratch: bool = False, seed: int = 0,
+               **fields) -> tuple[nnx.Module, dict]:
+    """The zoo model saved in the directory ``model`` and its ``config.json`` (token ids live
+    there). ``from_scratch``: untrained, its weights drawn from ``seed``, of ``model``'s
+    ``config.json`` or of the preset named ``model`` (e.g. ``llama-1b``); ``fields`` replace
+    the preset's values (e.g. ``vocab_size``)."""
+    if not from_scratch:
+        with open(os.path.join(model, "config.json")) as f:
+            config = json.load(f)
+        return from_pretrained(auto_class(model), model), config
+    if os.path.isfile(os.path.join(model, "config.json")):
+        with open(os.path.join(model, "config.json")) as f:
+            config = json.load(f)
+    elif model in LLAMA_PRESETS:
+        config = LlamaConfig(**{**LLAMA_PRESETS[model], **fields}).to_hf()
+    else:
+        raise UsageError(f"--model {model}: neither a directory with config.json nor a preset "
+                         f"({', '.join(LLAMA_PRESETS)}).")
+    model_class = class_of(config, model)
+    return model_class(model_class.config_class.from_hf(config), rngs=nnx.Rngs(seed)), config
+
+
+def n_epochs_and_schedule(args, deployer: Deployer, n_train: int) -> tuple[int | None, Any]:
+    """``(n_epochs, lr schedule)``: ``--n_epochs`` of ``n_train`` examples, or, with
+    ``--max_steps``, no epoch count and a schedule over that many updates."""
+    if args.max_steps:
+        n_train = args.max_steps * deployer.get_global_batch_size(args.per_device_batch_size)
+    n_epochs = None if args.max_steps else args.n_epochs
+    return n_epochs, deployer.get_lr_schedule_fn(n_train, args.per_device_batch_size,
+                                                 n_epochs or 1, args.learning_rate,
+                                                 warmup_rate=args.warmup_rate)
 
 
 def train_and_eval(args, model: nnx.Module, examples: tuple[list, list], collate_fn: Callable,
                    loss_fn: Callable, pred_fn: Callable | None = None,
                    output_fn: Callable | None = None, metric_fn: Callable | None = None,
-                   best_metric: str | None = None) -> Any:
+                   best_metric: str | None = None, tokenizer: str | None = None) -> Any:
     """Train ``model`` on ``examples = (train, eval)`` with the three functions; evaluate
     after each epoch; save the trained model as ``workdir/model`` (HuggingFace format, with the
-    tokenizer files of ``args.model``). Returns the trainer."""
+    tokenizer files of ``args.model``, or the ``tokenizer.json`` file ``tokenizer``). Returns
+    the trainer."""
     train, evaluate = examples
     deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
                         workdir=args.workdir)
     apply_fn, params, trainable = split_for_training(model, args, deployer)
-    lr = deployer.get_lr_schedule_fn(len(train), args.per_device_batch_size, args.n_epochs,
-                                     args.learning_rate, warmup_rate=args.warmup_rate)
+    n_epochs, lr = n_epochs_and_schedule(args, deployer, len(train))
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(lr),
                       lr_schedule_fn=lr, trainable=trainable)
     predictor = pred_fn and trainer.get_default_predictor(pred_fn, output_fn)
-    trainer.fit(train, args.per_device_batch_size, args.n_epochs, eval_examples=evaluate,
+    trainer.fit(train, args.per_device_batch_size, n_epochs, max_steps=args.max_steps,
+                eval_examples=evaluate,
                 eval_predictor=predictor, eval_metric_fn=metric_fn,
                 save_every_n_steps=args.save_every_n_steps,
                 save_argmax_ckpt_by_metrics=[best_metric] if best_metric else None)
-    save_trained(trainer, model, args.model)
+    save_trained(trainer, model, args.model, tokenizer)
     return trainer
 
 
@@ -131,10 +165,12 @@ def split_for_training(model: nnx.Module, args, deployer: Deployer) -> tuple[Cal
     return apply_fn, params, trainable
 
 
-def save_trained(trainer: Trainer, model: nnx.Module, model_dir: str) -> str:
+def save_trained(trainer: Trainer, model: nnx.Module, model_dir: str,
+                 tokenizer: str | None = None) -> str:
     """Save ``trainer``'s params in ``model``'s structure as ``workdir/model``, a HuggingFace
-    directory, with the tokenizer files of ``model_dir`` (where the model came from); a LoRA
-    model is saved merged, and its adapters alone as ``workdir/adapter`` (PEFT's layout)."""
+    directory, with the tokenizer files of ``model_dir`` (where the model came from) or the
+    ``tokenizer.json`` file ``tokenizer``; a LoRA model is saved merged, and its adapters alone
+    as ``workdir/adapter`` (PEFT's layout)."""
     nnx.update(model, jax.device_get(trainer.params))
     out = os.path.join(trainer.deployer.workdir, "model")
     save_pretrained(model, out)
@@ -145,6 +181,8 @@ def save_trained(trainer: Trainer, model: nnx.Module, model_dir: str) -> str:
     for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
         if os.path.isfile(os.path.join(model_dir, name)):
             shutil.copy(os.path.join(model_dir, name), out)
+    if tokenizer and os.path.isfile(tokenizer):
+        shutil.copy(tokenizer, os.path.join(out, "tokenizer.json"))
     trainer.deployer.log_info(f"saved the trained model to {out}")
     return out
 

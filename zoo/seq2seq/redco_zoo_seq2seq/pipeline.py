@@ -61,7 +61,8 @@ class Seq2SeqPipeline:
         parser.add_argument("--num_beams", type=int, default=4)
 
     def run(self, args):
-        tokenizer, (model, config) = runner.load_tokenizer(args.model), runner.load_model(args.model)
+        tokenizer = runner.load_tokenizer(args.model)
+        model, config = runner.load_model(args.model, args.from_scratch, args.jax_seed)
         pad_id, eos_id = config["pad_token_id"], config["eos_token_id"]
         train, evaluate = ([{"src": r[args.src_column], "tgt": r[args.tgt_column]} for r in part]
                            for part in runner.split_eval(

@@ -2,10 +2,16 @@
 
     python main.py --model tinyllama --train corpus.txt --prompt "Once upon a time"
     python main.py --model tinyllama --train corpus.txt --lora_rank 8   # LoRA: adapters only
+    redco tokenize corpus.txt --tokenizer tokenizer.json --out corpus.bin   # a token file
+    python main.py --model llama-1b --from_scratch --train corpus.bin --max_steps 1000
 
 ``--model`` is a local HuggingFace LLaMA, Mistral, Qwen2 or GPT-2 directory (config.json,
-model.safetensors, tokenizer.json); ``--train`` is a ``.txt`` file (one document per line) or a
-``.jsonl``/``.json``/``.csv`` file with a ``text`` column. The three functions are yours to
+model.safetensors, tokenizer.json), or with ``--from_scratch`` a directory with config.json alone
+or a preset (``llama-1b``, ...): an untrained model. ``--train`` is a ``.txt`` file (one
+document per line) or a ``.jsonl``/``.json``/``.csv`` file with a ``text`` column, cut into
+blocks; or token files, read from disk as training goes, their documents packed into rows: a
+``.bin`` file, a folder of them, or a mixture (``web.bin=0.7,books/=0.3``). ``--max_steps``
+trains that many updates instead of ``--n_epochs``. The three functions are yours to
 change. ``Deployer`` and ``Trainer`` take care of devices, sharding (``--n_model_shards``),
 checkpoints (rerun to resume) and logs in ``--workdir``. With ``--lora_rank`` only low-rank
 adapters on the attention and MLP projections train; ``--workdir``/model is then the merged
@@ -19,7 +25,7 @@ import numpy as np
 import optax
 
 from redco import Deployer, Trainer
-from redco_zoo_lm.pipeline import text_blocks
+from redco_zoo_lm.pipeline import add_lm_arguments, lm_examples, load_lm
 from redco_zoo_models import generate, runner
 
 
@@ -56,23 +62,25 @@ def pred_fn(rng, params, batch, model, max_new_tokens: int = 64, temperature: fl
 
 
 def main(args):
-    tokenizer, (model, _) = runner.load_tokenizer(args.model), runner.load_model(args.model)
-    train, evaluate = (text_blocks([row["text"] for row in rows], tokenizer, args.block_size)
-                       for rows in runner.split_eval(args))  # --eval, or the last 5% of --train
+    model, config = load_lm(args)  # --model, or --from_scratch
+    train, evaluate = lm_examples(args, config)  # text blocks, or token files' packed rows
 
     deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
                         workdir=args.workdir)
     apply_fn, params, trainable = runner.split_for_training(model, args, deployer)  # --lora_rank
-    lr = deployer.get_lr_schedule_fn(len(train), args.per_device_batch_size, args.n_epochs,
-                                     args.learning_rate, warmup_rate=args.warmup_rate)
+    n_epochs, lr = runner.n_epochs_and_schedule(args, deployer, len(train))  # or --max_steps
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(lr),
                       lr_schedule_fn=lr, trainable=trainable)
-    trainer.fit(train, args.per_device_batch_size, args.n_epochs, eval_examples=evaluate,
-                save_every_n_steps=args.save_every_n_steps, save_argmin_ckpt_by_metrics=["loss"])
+    trainer.fit(train, args.per_device_batch_size, n_epochs, max_steps=args.max_steps,
+                eval_examples=evaluate, save_every_n_steps=args.save_every_n_steps,
+                save_argmin_ckpt_by_metrics=["loss"])
     perplexity = math.exp(trainer.eval_loss(evaluate, args.per_device_batch_size))
     deployer.log_info(f"eval perplexity {perplexity:.3f}")
-    runner.save_trained(trainer, model, args.model)  # workdir/model, a HuggingFace directory
+    runner.save_trained(trainer, model, args.model, args.tokenizer)  # workdir/model (HF)
+    if not args.prompt:
+        return perplexity, {}
 
+    tokenizer = runner.load_tokenizer(args.tokenizer or args.model)
     predictor = trainer.get_default_predictor(
         partial(pred_fn, model=model, max_new_tokens=args.max_new_tokens,
                 temperature=args.temperature),
@@ -87,8 +95,7 @@ def main(args):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    runner.add_arguments(parser)  # --model --train --eval --workdir --n_model_shards --lora_rank ...
-    parser.add_argument("--block_size", type=int, default=128, help="tokens per example")
+    add_lm_arguments(parser)  # --model --train --eval --max_steps --lora_rank --block_size ...
     parser.add_argument("--prompt", action="append", help="after training, continue this text "
                         "(repeat the flag for more prompts)")
     parser.add_argument("--max_new_tokens", type=int, default=64)

@@ -55,15 +55,15 @@ def metric_fn(examples: list[dict], preds: list[str]) -> dict:
 
 
 def main(args):
-    tokenizer, (model, config) = runner.load_tokenizer(args.model), runner.load_model(args.model)
+    tokenizer = runner.load_tokenizer(args.model)
+    model, config = runner.load_model(args.model, args.from_scratch, args.jax_seed)
     ids = {"pad_id": config["pad_token_id"], "eos_id": config["eos_token_id"]}
     train, evaluate = runner.split_eval(args)  # --eval, or the last 5% of --train
 
     deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
                         workdir=args.workdir)
     apply_fn, params = split_model(model)
-    lr = deployer.get_lr_schedule_fn(len(train), args.per_device_batch_size, args.n_epochs,
-                                     args.learning_rate, warmup_rate=args.warmup_rate)
+    n_epochs, lr = runner.n_epochs_and_schedule(args, deployer, len(train))  # or --max_steps
     trainer = Trainer(deployer, partial(collate_fn, tokenizer=tokenizer, max_src_len=args.max_src_len,
                                         max_tgt_len=args.max_tgt_len, **ids),
                       apply_fn, loss_fn, params, optax.adamw(lr), lr_schedule_fn=lr)
@@ -71,7 +71,8 @@ def main(args):
         partial(pred_fn, model=model, max_new_tokens=args.max_tgt_len, num_beams=args.num_beams,
                 **ids),
         output_fn=partial(runner.detokenize, tokenizer=tokenizer, eos_id=ids["eos_id"]))
-    trainer.fit(train, args.per_device_batch_size, args.n_epochs, eval_examples=evaluate,
+    trainer.fit(train, args.per_device_batch_size, n_epochs, max_steps=args.max_steps,
+                eval_examples=evaluate,
                 eval_predictor=predictor, eval_metric_fn=metric_fn,
                 save_every_n_steps=args.save_every_n_steps, save_argmax_ckpt_by_metrics=["rougeL"])
     runner.save_trained(trainer, model, args.model)  # workdir/model, a HuggingFace directory
