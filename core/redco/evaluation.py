@@ -7,11 +7,12 @@ traced, not compiled); where ``output_fn`` or the metric cannot take zeros, the 
 real evaluation checks the names instead. ``evaluation.sanity_check()`` runs it once on one
 batch before training, so a broken ``pred_fn`` or metric fails in seconds;
 ``evaluation(epoch)`` runs it on every example, logs it, writes
-``eval_results_epoch<i>.json`` and calls ``on_eval_end`` (where the best checkpoints are kept).
+``eval_results_epoch<i>.json`` (``eval_results_step<n>.json`` for one every
+``eval_every_n_steps`` updates) and calls ``on_eval_end`` (where the best checkpoints are kept).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from redco import compat
@@ -35,6 +36,7 @@ class Evaluation:
     predictor: Any
     metric_fn: Callable | None
     metric_names: list[str]  # those save_arg*_ckpt_by_metrics names
+    last_step: int | None = field(default=None, init=False)  # the update last evaluated after
 
     @classmethod
     def plan(cls, trainer, examples, per_device_batch_size: int, eval_loss: bool, predictor,
@@ -88,13 +90,17 @@ class Evaluation:
                                 compat.call_metric_fn(self.metric_fn, examples, preds).items()})
         return metrics
 
-    def __call__(self, epoch: int) -> dict[str, float]:
-        """The evaluation after ``epoch``: logged, written, handed to ``on_eval_end``."""
+    def __call__(self, epoch: int, mid_epoch: bool = False) -> dict[str, float]:
+        """The evaluation after ``epoch`` (``mid_epoch``: after the current update, in
+        ``epoch``): logged, written, handed to ``on_eval_end``."""
         trainer = self.trainer
-        metrics = self.run(self.examples, trainer.state.params, f"predict epoch {epoch + 1}")
-        trainer.deployer.log_info(f"epoch {epoch + 1} eval: " +
+        when = f"step {trainer.step}" if mid_epoch else f"epoch {epoch + 1}"
+        metrics = self.run(self.examples, trainer.state.params, f"predict {when}")
+        trainer.deployer.log_info(f"{when} eval: " +
                                   ", ".join(f"{k} = {v:.5g}" for k, v in metrics.items()))
         trainer.deployer.log_metrics({f"eval/{k}": v for k, v in metrics.items()}, trainer.step)
-        trainer.deployer.save_json(f"eval_results_epoch{epoch}.json", metrics)
+        trainer.deployer.save_json(f"eval_results_{when.replace(' ', '')}.json"
+                                   if mid_epoch else f"eval_results_epoch{epoch}.json", metrics)
+        self.last_step = trainer.step
         trainer.hooks.on_eval_end(trainer=trainer, epoch=epoch, metrics=metrics)
         return metrics

@@ -61,10 +61,12 @@ class FitPlan:
 
 
 def check_fit_numbers(n_epochs, max_steps, keep_last_ckpts, save_every_n_steps,
-                      eval_per_device_batch_size, per_device_batch_size) -> None:
+                      eval_per_device_batch_size, per_device_batch_size,
+                      eval_every_n_steps) -> None:
     """``fit``'s counts: each a positive int (those that may be left out: or None)."""
     check_number("n_epochs", n_epochs, 1, optional=True)
     check_number("max_steps", max_steps, 1, optional=True)
+    check_number("eval_every_n_steps", eval_every_n_steps, 1, optional=True)
     check_number("keep_last_ckpts", keep_last_ckpts, 1)
     check_number("save_every_n_steps", save_every_n_steps, 1, optional=True)
     check_number("eval_per_device_batch_size", eval_per_device_batch_size, 1, optional=True)
@@ -96,13 +98,16 @@ def plan_fit(trainer, train_examples: Sequence | Callable, per_device_batch_size
              n_epochs: int | None, max_steps: int | None, eval_examples,
              eval_per_device_batch_size, eval_loss, eval_predictor, eval_metric_fn,
              save_last_ckpt, save_argmin_ckpt_by_metrics, save_argmax_ckpt_by_metrics,
-             save_every_n_steps, keep_last_ckpts, resume,
-             eval_sanity_check, profile_steps, v04_options: dict[str, Any]) -> FitPlan:
+             save_every_n_steps, keep_last_ckpts, resume, eval_sanity_check, profile_steps,
+             eval_every_n_steps, v04_options: dict[str, Any]) -> FitPlan:
     """``fit``'s arguments checked and its run decided, in that order (see the module), for
     ``trainer`` (a ``Trainer``)."""
     started, v04 = time.perf_counter(), compat.FitOptionsV04(**v04_options)
     check_fit_numbers(n_epochs, max_steps, keep_last_ckpts, save_every_n_steps,
-                      eval_per_device_batch_size, per_device_batch_size)
+                      eval_per_device_batch_size, per_device_batch_size, eval_every_n_steps)
+    if eval_every_n_steps and eval_examples is None:
+        raise UsageError(f"eval_every_n_steps={eval_every_n_steps} but no eval_examples: pass "
+                         "the examples to evaluate on.")
     train_examples = as_stream(train_examples)
     save_ckpt = save_last_ckpt or bool(save_every_n_steps)
     check_length(train_examples, n_epochs, max_steps, save_ckpt)

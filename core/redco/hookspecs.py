@@ -131,8 +131,10 @@ def on_epoch_end(trainer, epoch):
 
 @hookspec
 def on_eval_end(trainer, epoch, metrics):
-    """Called after each epoch's evaluation with its metrics (``loss`` and what ``eval_metric_fn``
-    returned); ``trainer.request_stop(reason)`` here ends training early. Returns nothing."""
+    """Called after each epoch's evaluation, and each one every ``eval_every_n_steps`` updates
+    (in ``epoch``; ``trainer.step`` tells after which update), with its metrics (``loss`` and
+    what ``eval_metric_fn`` returned); ``trainer.request_stop(reason)`` here ends training
+    early. Returns nothing."""
 
 
 @hookspec

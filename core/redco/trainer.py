@@ -296,17 +296,19 @@ class Trainer(compat.TrainerV04):
 
     # ---- training ------------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
-        """Ask ``fit`` to stop after the current epoch (e.g. from ``on_eval_end``)."""
+        """Ask ``fit`` to stop after the current epoch (e.g. from ``on_eval_end``; from an
+        evaluation every ``eval_every_n_steps`` updates, right after it)."""
         self._stop_reason = reason
 
     def train_epoch(self, examples: Sequence | Iterable, per_device_batch_size: int, epoch: int,
                     start_example: int = 0, save_every_n_steps: int | None = None,
-                    keep_last_ckpts: int = 1, desc: str = "", max_updates: int | None = None
-                    ) -> None:
+                    keep_last_ckpts: int = 1, desc: str = "", max_updates: int | None = None,
+                    evaluate_every: tuple[Evaluation, int] | None = None) -> None:
         """Run the updates of ``epoch``, from the ``start_example``-th example of its shuffled
         order on (``redco/data_order.py``; a stream: its next examples), at most
-        ``max_updates`` of them. Called outside ``fit``, it returns once the step checkpoints it
-        started are written."""
+        ``max_updates`` of them; ``evaluate_every=(evaluation, n)``: evaluate after every n-th
+        update (stop there if asked to). Called outside ``fit``, it returns once the step
+        checkpoints it started are written."""
         examples = as_stream(examples)
         self._decide_layout(examples.peek(per_device_batch_size)
                             if isinstance(examples, Stream) else examples, per_device_batch_size)
@@ -342,11 +344,19 @@ class Trainer(compat.TrainerV04):
             if self._watch is not None and self._watch.stop_after(step):
                 self._report(*self._wait_for(pending))
                 self._stop_on_signal(epoch, step, keep_last_ckpts)
-            if save_every_n_steps and step % save_every_n_steps == 0 and i + 1 != n_steps:
+            evaluating = evaluate_every and step % evaluate_every[1] == 0
+            saving = save_every_n_steps and step % save_every_n_steps == 0 and i + 1 != n_steps
+            if evaluating or saving:
                 self._report(*self._wait_for(pending))
                 pending = None
+            if evaluating:
+                with self.hang_watch_paused(), self._timed("evaluation"):
+                    evaluate_every[0](epoch, mid_epoch=True)
+            if saving:
                 self.save_step_ckpt(epoch, keep_last_ckpts, background=True)
             self._announce_checkpoints()
+            if evaluating and self._stop_reason:  # asked by on_eval_end
+                break
         if pending is not None:
             self._report(*self._wait_for(pending))
         self.hooks.on_epoch_end(trainer=self, epoch=epoch)
@@ -501,9 +511,9 @@ class Trainer(compat.TrainerV04):
             save_every_n_steps: int | None = None, keep_last_ckpts: int = 1,
             resume: bool = True, eval_sanity_check: bool = True,
             profile_steps: tuple[int, int] | None = None, max_steps: int | None = None,
-            **v04_options) -> None:
+            eval_every_n_steps: int | None = None, **v04_options) -> None:
         """Train for ``n_epochs`` (or ``max_steps`` updates, whichever ends first), evaluating
-        after each epoch and checkpointing as asked.
+        after each epoch (and every ``eval_every_n_steps`` updates) and checkpointing as asked.
 
         ``train_examples`` is any random-access sequence (a corpus on disk read row by row; each
         process reads only its rows), a function of the epoch index (``epoch_idx``) returning
@@ -525,7 +535,9 @@ class Trainer(compat.TrainerV04):
             self, train_examples, per_device_batch_size, n_epochs, max_steps, eval_examples,
             eval_per_device_batch_size, eval_loss, eval_predictor, eval_metric_fn, save_last_ckpt,
             save_argmin_ckpt_by_metrics, save_argmax_ckpt_by_metrics, save_every_n_steps,
-            keep_last_ckpts, resume, eval_sanity_check, profile_steps, v04_options)
+            keep_last_ckpts, resume, eval_sanity_check, profile_steps, eval_every_n_steps,
+            v04_options)
+        evaluate_every = eval_every_n_steps and (plan.evaluate, eval_every_n_steps)
         last = None if max_steps is None else plan.done + max_steps  # the last update's step
         with self._watched():
             self.hooks.on_fit_start(trainer=self, n_epochs=n_epochs, fit_options=plan.fit_options,
@@ -541,7 +553,8 @@ class Trainer(compat.TrainerV04):
                                  save_every_n_steps=save_every_n_steps,
                                  keep_last_ckpts=keep_last_ckpts,
                                  desc=plan.describe(epoch, n_epochs),
-                                 max_updates=None if last is None else last - self.step)
+                                 max_updates=None if last is None else last - self.step,
+                                 evaluate_every=evaluate_every)
                 self._end_epoch(epoch, plan.evaluate, plan.save_ckpt, keep_last_ckpts, plan.v04)
                 if self._stop_reason:
                     self.deployer.log_info(f"Stopping early: {self._stop_reason}")
@@ -555,7 +568,7 @@ class Trainer(compat.TrainerV04):
         """After an epoch's updates, with the hang watch paused: evaluate (and keep the best
         checkpoints), save the step checkpoint if asked, and Redco 0.4's per-epoch options."""
         with self.hang_watch_paused():
-            if evaluate is not None:
+            if evaluate is not None and evaluate.last_step != self.step:  # (not just done)
                 with self._timed("evaluation"):
                     evaluate(epoch)
             if save_ckpt:

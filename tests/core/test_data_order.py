@@ -50,10 +50,10 @@ def examples(n):
     return [{"id": i, "x": x[i], "y": np.sin(x[i].sum(keepdims=True))} for i in range(n)]
 
 
-def trainer_for(workdir, seen):
+def trainer_for(workdir, seen, *more_callbacks):
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
     return Trainer(deployer, seen.collate, mlp_apply, mlp_loss, mlp_init(), optax.adam(1e-2),
-                   callbacks=[seen])
+                   callbacks=[seen, *more_callbacks])
 
 
 def test_a_resume_with_another_batch_size_continues_at_the_same_example(tmp_path):
@@ -158,3 +158,32 @@ def test_fit_refuses_a_length_it_cannot_train_for_before_training(workdir, data,
     with pytest.raises((UsageError, ValueError), match=message):
         trainer.fit(data, 2, **kwargs)
     assert trainer.step == 0 and not seen.ids
+
+
+class EvalSteps:
+    """A plugin: the steps evaluated after, and a stop asked after the ``stop_after``-th."""
+
+    def __init__(self, stop_after=None):
+        self.steps, self.stop_after = [], stop_after
+
+    @redco.hookimpl
+    def on_eval_end(self, trainer, epoch, metrics):
+        self.steps.append(trainer.step)
+        if len(self.steps) == self.stop_after:
+            trainer.request_stop("enough")
+
+
+def test_a_stream_is_evaluated_every_n_steps_and_can_stop_there(workdir):
+    data = examples(40)
+    evals = EvalSteps()
+    trainer = trainer_for(workdir, Seen(), evals)
+    trainer.fit(Counting(data), 2, max_steps=10, eval_examples=data[:8], eval_every_n_steps=4,
+                eval_sanity_check=False)
+    assert evals.steps == [4, 8, 10]  # and after the last update
+    assert {"eval_results_step4.json", "eval_results_step8.json"} <= set(os.listdir(workdir))
+
+    stopping = EvalSteps(stop_after=1)
+    other = trainer_for(workdir + "2", Seen(), stopping)
+    other.fit(examples(64), 2, n_epochs=2, eval_examples=data[:8], eval_every_n_steps=3,
+              eval_sanity_check=False)  # 8 updates an epoch
+    assert other.step == 3 and stopping.steps == [3]  # stopped right after the first
