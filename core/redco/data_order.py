@@ -98,6 +98,17 @@ class EpochBatches:
             self.order = permutation(len(examples))
             self.n_steps = self.start + (len(examples) - position) // examples_per_step
 
+    def end(self, max_updates: int | None) -> int | None:
+        """The update (counted in the epoch) to stop before: the epoch's end, or ``start +
+        max_updates`` if sooner; None for a stream without ``max_updates`` (to its end)."""
+        limits = [n for n in (self.n_steps, None if max_updates is None else
+                              self.start + max_updates) if n is not None]
+        return min(limits) if limits else None
+
+    def indices(self, end: int | None) -> Iterator[int]:
+        """The updates' indices in the epoch, from ``start`` to ``end`` (None: without end)."""
+        return itertools.count(self.start) if end is None else iter(range(self.start, end))
+
     def __iter__(self) -> Iterator[Sequence]:
         while True:
             if self.order is None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 import warnings
 from typing import Any, Callable, Iterable, Sequence
@@ -309,26 +308,13 @@ class Trainer(compat.TrainerV04):
         ``max_updates`` of them; ``evaluate_every=(evaluation, n)``: evaluate after every n-th
         update (stop there if asked to). Called outside ``fit``, it returns once the step
         checkpoints it started are written."""
-        examples = as_stream(examples)
-        self._decide_layout(examples.peek(per_device_batch_size)
-                            if isinstance(examples, Stream) else examples, per_device_batch_size)
-        batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
-        batch_size *= self.accumulate_grad_batches
-        if not isinstance(examples, Stream):
-            n_full_batches(len(examples), batch_size, "train_examples")
-        batches = EpochBatches(examples, batch_size,
-                               lambda n: self.deployer.epoch_permutation(n, epoch), start_example)
-        self.checkpoints.batches = (batches, epoch)  # where training stands, saved with them
-        limits = [n for n in (batches.n_steps, None if max_updates is None else
-                              batches.start + max_updates) if n is not None]
-        n_steps = min(limits) if limits else None  # None: a stream, to its end
+        batches = self._epoch_batches(examples, per_device_batch_size, epoch, start_example)
+        n_steps = batches.end(max_updates)
         first_step = self.step - batches.start  # the step before this epoch's first update
         self.hooks.on_epoch_start(trainer=self, epoch=epoch, start=batches.start,
-                                  n_steps=n_steps, desc=desc, examples_per_step=batch_size)
+                                  n_steps=n_steps, desc=desc, examples_per_step=batches.size)
         pending = None  # the last update's (step, metrics): read once the next is dispatched
-        updates = itertools.count(batches.start) if n_steps is None else \
-            range(batches.start, n_steps)
-        for i, rows in zip(updates, batches):
+        for i, rows in zip(batches.indices(n_steps), batches):
             step = first_step + i + 1
             self.hooks.on_train_batch_start(trainer=self, step=step)
             with self._timed("data", step):
@@ -362,6 +348,22 @@ class Trainer(compat.TrainerV04):
         self.hooks.on_epoch_end(trainer=self, epoch=epoch)
         if self._watch is None:  # called outside fit: its checkpoints are written when it returns
             self._announce_checkpoints(wait=True)
+
+    def _epoch_batches(self, examples: Sequence | Iterable, per_device_batch_size: int,
+                       epoch: int, start_example: int) -> EpochBatches:
+        """``epoch``'s updates from ``start_example`` on (the layout decided at the first), and
+        the position the step checkpoints save."""
+        examples = as_stream(examples)
+        self._decide_layout(examples.peek(per_device_batch_size)
+                            if isinstance(examples, Stream) else examples, per_device_batch_size)
+        batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
+        batch_size *= self.accumulate_grad_batches
+        if not isinstance(examples, Stream):
+            n_full_batches(len(examples), batch_size, "train_examples")
+        batches = EpochBatches(examples, batch_size,
+                               lambda n: self.deployer.epoch_permutation(n, epoch), start_example)
+        self.checkpoints.batches = (batches, epoch)  # where training stands, saved with them
+        return batches
 
     def _wait_for(self, pending: tuple[int, dict]) -> tuple[int, dict]:
         """``(step, metrics)`` once the device has finished that update (a ``step`` phase)."""
