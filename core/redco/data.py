@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -74,14 +74,18 @@ def check_batch_leading(tree: Any, batch_size: int, what: str) -> None:
                              "must be the batch (one row per example).")
 
 
-def n_full_batches(n_examples: int, global_batch_size: int, what: str) -> int:
-    """How many full global batches ``n_examples`` holds, or a clear error when none."""
+def n_full_batches(examples: Sequence | int, global_batch_size: int, what: str) -> int:
+    """How many full global batches ``examples`` (or that many) hold, or a clear error when
+    none, naming what they are made of where they have a ``fingerprint`` (a corpus: tokens)."""
+    n_examples = examples if isinstance(examples, int) else len(examples)
     if n_examples == 0:
         raise ValueError(f"{what} is empty: pass a non-empty list of examples.")
     if global_batch_size > n_examples:
+        source = getattr(examples, "fingerprint", None)
         raise ValueError(f"The global batch ({global_batch_size} examples) is larger than {what} "
-                         f"({n_examples} examples). Lower per_device_batch_size or "
-                         "accumulate_grad_batches, or use fewer data-parallel devices.")
+                         f"({n_examples} examples{f': {source}' if source else ''}). Lower "
+                         "per_device_batch_size or accumulate_grad_batches, or use fewer "
+                         "data-parallel devices.")
     return n_examples // global_batch_size
 
 

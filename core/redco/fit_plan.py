@@ -158,7 +158,7 @@ def plan_steps(trainer, train_examples, first_examples: Sequence, per_device_bat
     examples_per_step = batch_size * trainer.accumulate_grad_batches
     stream = isinstance(train_examples, Stream)
     steps_per_epoch = None if stream else \
-        n_full_batches(len(first_examples), examples_per_step, "train_examples")
+        n_full_batches(first_examples, examples_per_step, "train_examples")
     total, makes = (getattr(trainer.lr_schedule_fn, "total_steps", None),
                     n_updates(n_epochs, steps_per_epoch, max_steps))
     if total is not None and total != makes:

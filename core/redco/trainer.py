@@ -142,7 +142,7 @@ class Trainer(compat.TrainerV04):
         placed, once."""
         if self.state is not None:
             return
-        n_full_batches(len(examples), per_device_batch_size, "train_examples")
+        n_full_batches(examples, per_device_batch_size, "train_examples")
         rows = list(examples[:per_device_batch_size])
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                              check_collated(self.collate_fn(rows), len(rows)))
@@ -359,7 +359,7 @@ class Trainer(compat.TrainerV04):
         batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
         batch_size *= self.accumulate_grad_batches
         if not isinstance(examples, Stream):
-            n_full_batches(len(examples), batch_size, "train_examples")
+            n_full_batches(examples, batch_size, "train_examples")
         batches = EpochBatches(examples, batch_size,
                                lambda n: self.deployer.epoch_permutation(n, epoch), start_example)
         self.checkpoints.batches = (batches, epoch)  # where training stands, saved with them

@@ -257,3 +257,17 @@ def test_a_restart_reads_the_index_and_the_plan_back_and_rescans_a_changed_file(
     write_token_file(path, docs, EOS)
     os.mkdir(path + ".index.npz.tmp.npz")  # the index cannot be written: scanned, no error
     assert len(TokenFile(path, EOS)) == 200 and len(TokenFile(path, EOS)) == 200
+
+
+def test_a_corpus_smaller_than_a_batch_is_refused_naming_its_tokens(tmp_path):
+    path = write_token_file(str(tmp_path / "c.bin"), documents(6, 10, 40, vocab=32), EOS)
+    rows = PackedRows(TokenFile(path, EOS), 63)  # a few rows; 8 devices need 8
+    config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    apply_fn, params = split_model(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+    trainer = Trainer(Deployer(jax_seed=0, workdir=str(tmp_path / "run"), verbose=False),
+                      collate_fn, apply_fn, loss_fn, params, optax.adam(3e-3))
+    with pytest.raises(ValueError, match=rf"global batch \(8 examples\) is larger than "
+                                         rf"train_examples \({len(rows)} examples: c\.bin: 6 "
+                                         rf"documents, {rows.corpus.n_tokens} tokens .*rows of 64"):
+        trainer.fit(rows, per_device_batch_size=1, n_epochs=1)
