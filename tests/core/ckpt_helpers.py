@@ -107,10 +107,11 @@ def worker_env(fmt: str) -> dict:
     return env
 
 
-def start(workdir, kill=None, fmt="orbax") -> subprocess.Popen:
+def start(workdir, kill=None, fmt="orbax", data="list") -> subprocess.Popen:
     """The worker's command, started; its output goes to a file (a pipe nobody reads while it
     runs could fill up and stall it)."""
-    cmd = [sys.executable, WORKER, workdir, "--format", fmt] + (["--kill", kill] if kill else [])
+    cmd = [sys.executable, WORKER, workdir, "--format", fmt, "--data", data] + \
+        (["--kill", kill] if kill else [])
     log = open(f"{workdir}.{(kill or 'done').replace(':', '_')}.out", "w+")
     proc = subprocess.Popen(cmd, env=worker_env(fmt), stdout=log, stderr=subprocess.STDOUT)
     proc.log = log
@@ -144,8 +145,8 @@ def expected_rc(kill) -> int:
     return -signal.SIGXFSZ if kill.split(":")[0] in WRITE_LIMITS else -signal.SIGKILL
 
 
-def run(workdir, kill=None, fmt="orbax") -> str:
-    return finish(start(workdir, kill, fmt), expected_rc(kill))
+def run(workdir, kill=None, fmt="orbax", data="list") -> str:
+    return finish(start(workdir, kill, fmt, data), expected_rc(kill))
 
 
 def files_under(path) -> dict[str, int]:

@@ -42,6 +42,10 @@ real ``save`` starts, the process's file-size limit (RLIMIT_FSIZE) is set to tha
 SIGXFSZ restored to its default action, so the kernel terminates the whole process (as abruptly
 as SIGKILL: no handler, no cleanup) the moment any write would go past the limit.
 
+With ``--data packed`` it trains on a token file instead (written into WORKDIR once, the same
+bytes every time): 64 documents packed two to a row, 32 rows of 17 tokens, read from disk
+(``redco_zoo_lm``'s ``TokenFile`` and ``PackedRows``), the same schedule of updates.
+
 Every start appends the step training starts from (after any resume) to WORKDIR/starts.txt.
 """
 import os
@@ -161,12 +165,28 @@ class Killer:
             die(f"just after saving {path}")
 
 
+def packed_rows(workdir: str):
+    """``N_EXAMPLES`` rows of 17 tokens on disk, each packing a document of 12 tokens and one of
+    5 (EOS included), every id below helpers' vocabulary of 32."""
+    from redco_zoo_lm.corpus import TokenFile, write_token_file
+    from redco_zoo_lm.packing import PackedRows
+    path = os.path.join(workdir, "corpus.bin")
+    if not os.path.exists(path):
+        rng = np.random.default_rng(0)
+        docs = [rng.integers(1, 32, n - 1) for n in [12, 5] * N_EXAMPLES]
+        os.replace(write_token_file(path + ".tmp", docs, eos_id=0), path)
+    rows = PackedRows(TokenFile(path, eos_id=0, vocab_size=32), seq_len=16)
+    assert len(rows) == N_EXAMPLES and rows.padding_share == 0, (len(rows), rows.padding_share)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("workdir")
     parser.add_argument("--format", default="orbax", help="the checkpoint format to write")
     parser.add_argument("--kill", default=None, help="step:N, create:N, write:N, saved:N, "
                         "term:N, term-save:N, int:N or int2:N")
+    parser.add_argument("--data", default="list", choices=["list", "packed"])
     args = parser.parse_args()
     point, n = (None, None)
     if args.kill:
@@ -187,7 +207,8 @@ def main():
     apply_fn, params = lm_model()
     trainer = Trainer(deployer, lm_collate, apply_fn, lm_loss, params, optax.adamw(1e-2),
                       callbacks=[Killer(args.workdir, point, n, fmt)])
-    trainer.fit(lm_examples(N_EXAMPLES), GLOBAL_BATCH // deployer.dp_size, n_epochs=N_EPOCHS,
+    examples = lm_examples(N_EXAMPLES) if args.data == "list" else packed_rows(args.workdir)
+    trainer.fit(examples, GLOBAL_BATCH // deployer.dp_size, n_epochs=N_EPOCHS,
                 save_every_n_steps=SAVE_EVERY, keep_last_ckpts=KEEP)
 
     arrays = {path: np.asarray(x) for path, x in named_leaves(jax.device_get(trainer.params))}

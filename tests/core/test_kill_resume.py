@@ -68,3 +68,17 @@ def test_killed_training_rerun_until_done_matches_an_uninterrupted_run(tmp_path)
     assert [r["replayed"] > 0 for r in runs] == [False, True, True, False, True]
     assert [r["replayed_steps"] for r in goodput_runs(full)] == [0]
 
+
+
+def test_a_packed_corpus_run_killed_anywhere_reruns_to_the_same_bits(tmp_path):
+    """The same, training on a token file's packed rows read from disk: killed mid-epoch twice
+    and right after an epoch's checkpoint, each rerun continues at the example it stood at."""
+    full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
+    uninterrupted = start(full, data="packed")
+    run(killed, "step:5", data="packed")
+    run(killed, "saved:8", data="packed")
+    run(killed, "step:10", data="packed")
+    run(killed, data="packed")
+    finish(uninterrupted, 0)
+    assert starts(killed) == [0, 4, 8, 9]
+    assert_same_run(killed, full)
