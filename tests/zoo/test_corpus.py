@@ -83,6 +83,23 @@ def test_packed_rows_hold_every_token_once_with_little_padding(tmp_path):
                        for s in rows.start[rows.length == len(piece)])
 
 
+def test_unpacked_rows_hold_a_document_each_in_order(tmp_path):
+    docs = documents(50, 10, 600)  # some longer than a row of 256: cut into pieces
+    corpus = TokenFile(write_token_file(str(tmp_path / "c.bin"), docs, EOS), EOS)
+    rows = PackedRows(corpus, 255, packed=False)
+    assert len(rows) == sum(-(-(len(d) + 1) // 256) for d in docs)  # a piece a row
+    assert rows.padding_share > PackedRows(corpus, 255).padding_share
+    tokens = np.concatenate([np.append(d, EOS) for d in docs])
+    at = 0
+    for i in range(len(rows)):  # the file's tokens, a piece a row, in order
+        row = rows[i]
+        n = int((row["segment_ids"] == 1).sum())
+        assert row["segment_ids"].max() == 1
+        np.testing.assert_array_equal(row["token_ids"][:n], tokens[at:at + n])
+        at += n
+    assert at == len(tokens) and "unpacked" in rows.fingerprint
+
+
 def test_packed_rows_are_fixed_by_their_seed(tmp_path):
     corpus = TokenFile(write_token_file(str(tmp_path / "c.bin"), documents(300, 5, 200), EOS),
                        EOS)

@@ -64,12 +64,13 @@ def best_fit(lengths: np.ndarray, row: int, order: np.ndarray) -> np.ndarray:
     return placed
 
 
-def pack(corpus: TokenFile, width: int, seed: int) -> dict:
+def pack(corpus: TokenFile, width: int, seed: int, packed: bool = True) -> dict:
     """Each piece's first token in the corpus and length, row after row; ``bounds[i]``: the
-    first piece of row ``i``."""
+    first piece of row ``i``. Not ``packed``: a piece a row, in the corpus's order."""
     document, offset, length = pieces_of(corpus.lengths, width)
     tie_break = np.random.default_rng(seed).permutation(len(length))
-    row = best_fit(length, width, np.lexsort((tie_break, -length)))
+    row = best_fit(length, width, np.lexsort((tie_break, -length))) if packed else \
+        np.arange(len(length))
     by_row = np.lexsort((tie_break, row))  # each row's pieces together
     return {"start": corpus.starts[document[by_row]] + offset[by_row],
             "length": length[by_row],
@@ -78,19 +79,21 @@ def pack(corpus: TokenFile, width: int, seed: int) -> dict:
 
 class PackedRows(Sequence):
     """Rows of ``seq_len + 1`` tokens packed from ``corpus``'s documents (module docstring):
-    ``rows[i]`` is ``{"token_ids", "segment_ids"}``, each ``(seq_len + 1,)`` int32."""
+    ``rows[i]`` is ``{"token_ids", "segment_ids"}``, each ``(seq_len + 1,)`` int32. Not
+    ``packed``: each document (or row-sized piece of one) alone in its row, padded."""
 
-    def __init__(self, corpus: TokenFile, seq_len: int, seed: int = 0):
+    def __init__(self, corpus: TokenFile, seq_len: int, seed: int = 0, packed: bool = True):
         self.corpus, self.width = corpus, seq_len + 1
-        plan = kept_arrays(f"{corpus.path}.rows{self.width}-seed{seed}.npz", corpus.key,
-                           lambda: pack(corpus, self.width, seed))
+        kind = "" if packed else "-unpacked"
+        plan = kept_arrays(f"{corpus.path}.rows{self.width}{kind}-seed{seed}.npz", corpus.key,
+                           lambda: pack(corpus, self.width, seed, packed))
         self.start, self.length, self.bounds = plan["start"], plan["length"], plan["bounds"]
         self.padding_share = 1 - self.length.sum() / (len(self) * self.width)
         digest = hashlib.sha256(corpus.lengths.tobytes())  # and its first and last tokens:
         digest.update(corpus.key["ends_sha256"].encode())
         self.fingerprint = (f"{os.path.basename(corpus.path)}: {len(corpus)} documents, "
                             f"{corpus.n_tokens} tokens (sha256 {digest.hexdigest()[:12]}), rows "
-                            f"of {self.width}, seed {seed}")  # saved with step checkpoints
+                            f"of {self.width}{kind}, seed {seed}")  # saved with step checkpoints
 
     def __len__(self) -> int:
         return len(self.bounds) - 1

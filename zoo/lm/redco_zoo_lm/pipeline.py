@@ -1,6 +1,7 @@
 """Causal language modelling through the three functions, and ``redco zoo run lm``."""
 from __future__ import annotations
 
+import argparse
 import math
 import os
 from collections.abc import Sequence
@@ -89,6 +90,9 @@ def add_lm_arguments(parser) -> None:
                         "id (default: its manifest's, else config.json's eos_token_id)")
     parser.add_argument("--token_dtype", choices=["uint16", "uint32"], help="the ids' type "
                         "in a token file (default: its manifest's, else uint16)")
+    parser.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
+                        help="pack a token file's documents into full rows (--no-pack: a "
+                        "document a row, padded)")
 
 
 def load_lm(args):

@@ -1,6 +1,7 @@
 """The LM zoo's tokenized data on the command line: ``--train``/``--eval`` as a token file
 (``.bin``), a folder of them (one corpus, its files in name order), or a weighted mixture of
-those (``web.bin=0.7,books/=0.3``), their documents packed into rows.
+those (``web.bin=0.7,books/=0.3``), their documents packed into rows (``--no-pack``: a document
+a row, padded).
 
 A token file's EOS id, dtype and vocabulary come from the flags (``--eos_id``,
 ``--token_dtype``), else from its manifest (``corpus.json`` beside ``corpus.bin``, as
@@ -71,7 +72,7 @@ def corpus_rows(path: str, args, config: dict) -> PackedRows | Concat:
                              "no manifest and the model's config.json names no eos_token_id.")
         dtype = np.dtype(args.token_dtype or manifest.get("dtype", "uint16"))
         packed = PackedRows(TokenFile(file, eos, dtype, config.get("vocab_size")),
-                            args.block_size, seed=args.jax_seed)
+                            args.block_size, seed=args.jax_seed, packed=args.pack)
         print(f"{file}: {len(packed.corpus)} documents, {packed.corpus.n_tokens} tokens in "
               f"{len(packed)} rows of {args.block_size + 1}, {packed.padding_share:.2%} "
               "padding", flush=True)
