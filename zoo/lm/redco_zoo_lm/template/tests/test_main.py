@@ -1,7 +1,8 @@
 """main.py trains a tiny LLaMA, made here (no hub), on text that counts in words, on 8 simulated
 CPU devices with the model split in two: the eval perplexity nears 1, a prompt is continued
 by counting on, and the trained model is saved and loads back; with --lora_rank only adapters
-train and the model is saved merged, the adapters in PEFT's layout."""
+train and the model is saved merged, the adapters in PEFT's layout; from scratch on the same text
+tokenized into a token file, for --max_steps updates."""
 import json
 import os
 
@@ -66,3 +67,19 @@ def test_main_with_lora_trains_only_adapters(tmp_path):
                                                       "adapter_model.safetensors"]
     trained = from_pretrained(LlamaForCausalLM, str(workdir / "model"))  # merged: a plain model
     assert trained.cfg.vocab_size == 14
+
+
+def test_main_from_scratch_on_a_token_file_for_max_steps(tmp_path):
+    from redco.cli import main as redco
+    model_dir = model_and_text(tmp_path, 256, 32)
+    redco(["tokenize", str(tmp_path / "train.txt"), "--tokenizer", model_dir, "--out",
+           str(tmp_path / "train.bin")])  # a line a document, each ending in </s>
+    workdir = tmp_path / "workdir"
+    perplexity, _ = main.main(main.parse_args([
+        "--model", model_dir, "--from_scratch", "--train", str(tmp_path / "train.bin"),
+        "--workdir", str(workdir), "--per_device_batch_size", "4", "--max_steps", "60",
+        "--learning_rate", "3e-3", "--block_size", "16"]))
+    with open(workdir / "metrics.jsonl") as f:
+        steps = [row["step"] for row in map(json.loads, f) if "train/loss" in row]
+    assert steps == list(range(1, 61))  # 60 updates over epochs of packed rows read from disk
+    assert perplexity < 2, perplexity  # an untrained model is near the vocabulary size, 14
