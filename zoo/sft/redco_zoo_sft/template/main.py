@@ -1,0 +1,94 @@
+"""{{project_name}}: supervised fine-tuning on chats with Redco.
+
+    python main.py --model my-llama --train chats.jsonl --prompt "x3"
+    python main.py --model my-llama --train chats.jsonl --lora_rank 8   # LoRA: adapters only
+
+``--model`` is a local HuggingFace LLaMA, Mistral, Qwen2 or GPT-2 directory whose tokenizer has a
+chat template (``tokenizer_config.json``'s ``chat_template``); ``--train`` is a ``.jsonl`` file
+of chats: a ``messages`` list of ``{"role", "content"}`` per row. Each chat is rendered with the
+tokenizer's own template, the assistant's tokens are the only targets, and chats are packed
+into rows of ``--max_len`` tokens (``redco_zoo_sft/chat.py``). The three functions are yours to
+change. ``Deployer`` and ``Trainer`` take care of devices, sharding (``--n_model_shards``),
+checkpoints (rerun to resume) and logs in ``--workdir``."""
+import argparse
+
+import numpy as np
+import optax
+
+from redco import Deployer, Trainer
+from redco_zoo_models import generate, runner
+from redco_zoo_models.metrics import token_cross_entropy
+from redco_zoo_sft.pipeline import chat_rows, load_chat_tokenizer
+
+
+def collate_fn(examples: list[dict]) -> dict:
+    """Rows of packed chats -> ``input_ids``, ``segment_ids``, ``loss_mask``, each (B, T)."""
+    return {"input_ids": np.stack([e["token_ids"] for e in examples]).astype(np.int32),
+            "segment_ids": np.stack([e["segment_ids"] for e in examples]).astype(np.int32),
+            "loss_mask": np.stack([e["loss_mask"] for e in examples])}
+
+
+def loss_fn(rng, state, params, batch, is_training):
+    """Mean next-token cross-entropy over the assistant's tokens (module docstring)."""
+    ids, segments = batch["input_ids"], batch["segment_ids"]
+    logits = state.apply_fn(params, ids[:, :-1], segment_ids=segments[:, :-1])
+    counted = batch["loss_mask"][:, 1:] & (segments[:, 1:] == segments[:, :-1])
+    return token_cross_entropy(logits, ids[:, 1:], counted)
+
+
+def pred_fn(rng, params, batch, model, max_new_tokens: int = 64, temperature: float = 0.0):
+    """``max_new_tokens`` sampled after each prompt row of ``input_ids`` (``temperature`` 0:
+    greedy); ``model`` gives the structure, ``params`` its weights."""
+    return generate(model, params, batch["input_ids"], max_new_tokens, rng=rng,
+                    temperature=temperature)
+
+
+def main(args):
+    tokenizer = load_chat_tokenizer(args.model)  # with its chat template
+    model, _ = runner.load_model(args.model, args.from_scratch, args.jax_seed)
+    train, evaluate = (chat_rows(rows, tokenizer, args, what) for rows, what in zip(
+        runner.split_eval(args, {"--messages_column": args.messages_column}),
+        ("--train", "--eval (or the last 5% of --train)")))  # rendered, masked, packed
+
+    deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
+                        workdir=args.workdir)
+    apply_fn, params, trainable = runner.split_for_training(model, args, deployer)  # --lora_rank
+    n_epochs, lr = runner.n_epochs_and_schedule(args, deployer, len(train))  # or --max_steps
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(lr),
+                      lr_schedule_fn=lr, trainable=trainable)
+    trainer.fit(train, args.per_device_batch_size, n_epochs, max_steps=args.max_steps,
+                eval_examples=evaluate, save_every_n_steps=args.save_every_n_steps,
+                save_argmin_ckpt_by_metrics=["loss"])
+    loss = trainer.eval_loss(evaluate, args.per_device_batch_size)
+    deployer.log_info(f"eval loss on the assistant's tokens {loss:.4f}")
+    runner.save_trained(trainer, model, args.model)  # workdir/model, with the tokenizer
+
+    predictor = trainer.get_default_predictor(
+        lambda rng, params, batch: pred_fn(rng, params, batch, model, args.max_new_tokens),
+        output_fn=lambda ids: [tokenizer.decode(row, skip_special_tokens=True).strip()
+                               for row in np.asarray(ids).tolist()])
+    replies = {}
+    for prompt in args.prompt or ():  # one at a time: prompts differ in length
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                             add_generation_prompt=True, tokenize=False)
+        ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], np.int32)
+        prompt_row = {"token_ids": ids, "segment_ids": np.ones_like(ids),
+                      "loss_mask": np.zeros(len(ids), bool)}  # one chat, nothing to learn
+        [replies[prompt]] = predictor.predict([prompt_row], 1, trainer.params)
+        deployer.log_info(f"{prompt!r} -> {replies[prompt]!r}")
+    return loss, replies
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    runner.add_arguments(parser)  # --model --train --eval --max_steps --lora_rank ...
+    parser.add_argument("--messages_column", default="messages")
+    parser.add_argument("--max_len", type=int, default=512, help="tokens per packed row")
+    parser.add_argument("--prompt", action="append", help="after training, the assistant's "
+                        "reply to this user message (repeat the flag for more)")
+    parser.add_argument("--max_new_tokens", type=int, default=16)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main(parse_args())
