@@ -130,11 +130,13 @@ def n_epochs_and_schedule(args, deployer: Deployer, n_train: int) -> tuple[int |
 def train_and_eval(args, model: nnx.Module, examples: tuple[list, list], collate_fn: Callable,
                    loss_fn: Callable, pred_fn: Callable | None = None,
                    output_fn: Callable | None = None, metric_fn: Callable | None = None,
-                   best_metric: str | None = None, tokenizer: str | None = None) -> Any:
+                   best_metric: str | None = None, tokenizer: str | None = None,
+                   before_fit: Callable[[Trainer], Any] | None = None) -> Any:
     """Train ``model`` on ``examples = (train, eval)`` with the three functions; evaluate
     after each epoch; save the trained model as ``workdir/model`` (HuggingFace format, with the
-    tokenizer files of ``args.model``, or the ``tokenizer.json`` file ``tokenizer``). Returns
-    the trainer."""
+    tokenizer files of ``args.model``, or the ``tokenizer.json`` file ``tokenizer``).
+    ``before_fit(trainer)`` runs once the trainer is made (e.g. a pass over the examples with
+    the untrained params). Returns the trainer."""
     train, evaluate = examples
     deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
                         workdir=args.workdir)
@@ -143,6 +145,8 @@ def train_and_eval(args, model: nnx.Module, examples: tuple[list, list], collate
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(lr),
                       lr_schedule_fn=lr, trainable=trainable)
     predictor = pred_fn and trainer.get_default_predictor(pred_fn, output_fn)
+    if before_fit is not None:
+        before_fit(trainer)
     trainer.fit(train, args.per_device_batch_size, n_epochs, max_steps=args.max_steps,
                 eval_examples=evaluate,
                 eval_predictor=predictor, eval_metric_fn=metric_fn,

@@ -21,11 +21,13 @@ from redco.protocols import UsageError
 from redco_zoo_lm.packing import best_fit
 
 
-def assistant_spans(tokenizer, messages: list[dict], text: str, where: str) -> list[tuple[int, int]]:
-    """The character spans of ``text`` (the whole chat rendered) that are the assistant's."""
+def assistant_spans(tokenizer, messages: list[dict], text: str, where: str,
+                    learn_from: int = 0) -> list[tuple[int, int]]:
+    """The character spans of ``text`` (the whole chat rendered) that are the assistant's, in
+    the messages from ``learn_from`` on."""
     spans = []
     for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
+        if message.get("role") != "assistant" or i < learn_from:
             continue
         before = tokenizer.apply_chat_template(messages[:i], tokenize=False,
                                                add_generation_prompt=True)
@@ -39,18 +41,20 @@ def assistant_spans(tokenizer, messages: list[dict], text: str, where: str) -> l
     return spans
 
 
-def render_chat(tokenizer, messages: list[dict], max_len: int, where: str = "a chat") -> dict:
+def render_chat(tokenizer, messages: list[dict], max_len: int, where: str = "a chat",
+                learn_from: int = 0) -> dict:
     """``{"token_ids", "loss_mask"}`` (int32, bool; one per token) of a chat rendered with
-    ``tokenizer``'s chat template: the mask marks the assistant's tokens. ``where`` names the
-    chat in errors."""
+    ``tokenizer``'s chat template: the mask marks the assistant's tokens (of the messages from
+    ``learn_from`` on: a preference pair's response, not its prompt). ``where`` names the chat
+    in errors."""
     if not getattr(tokenizer, "chat_template", None):
         raise UsageError("The tokenizer has no chat template: give the model directory's "
                          "tokenizer_config.json a 'chat_template' (or pass one to the tokenizer).")
-    if not any(m.get("role") == "assistant" for m in messages):
+    if not any(m.get("role") == "assistant" for m in messages[learn_from:]):
         raise UsageError(f"{where} has no assistant message: nothing to learn from it. Give "
                          "every chat at least one {'role': 'assistant', ...} message.")
     text = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans = assistant_spans(tokenizer, messages, text, where)
+    spans = assistant_spans(tokenizer, messages, text, where, learn_from)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, starts = encoded["input_ids"], [start for start, _ in encoded["offset_mapping"]]
     if len(ids) > max_len:
