@@ -134,6 +134,10 @@ def plan_fit(trainer, train_examples: Sequence | Callable, per_device_batch_size
         meta = trainer.checkpoints.start(resume, saves=save_ckpt)
         if meta is not None:
             position = resume_position(meta, train_examples, first_examples)
+        elif trainer.step and not isinstance(train_examples, Stream):  # a step given (0.4's
+            position = position_of(  # last_ckpt_info): that many updates are made already
+                {"step": trainer.step, "data": {"examples_per_step": examples_per_step}},
+                len(first_examples))
     if evaluate is not None and eval_sanity_check:
         evaluate.sanity_check()
     trainer.hooks.on_time_spent(trainer=trainer, phase="startup", step=None,
