@@ -36,6 +36,29 @@ def test_left_padded_prompts_generate_as_alone():
     np.testing.assert_array_equal(together[1], generate(model, params, padded[1:], 6)[0])
 
 
+def test_sampled_tokens_logprobs_equal_the_training_forwards_in_fp32():
+    """The sampler's log-probability of each token it drew is what a training step's forward
+    pass over prompt + continuation gives the same token (fp32, to 1e-5), left-padded prompts
+    and EOS included (0 after it)."""
+    model, params = model_and_params()
+    prompt = jnp.array([[0, 0, 5, 9, 2], [7, 1, 3, 3, 8]])
+    mask = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    def sample(eos):
+        return generate(model, params, prompt, 12, prompt_mask=mask, rng=jax.random.PRNGKey(3),
+                        temperature=1.0, eos_token_id=eos, return_logprobs=True)
+    eos = int(sample(None)[0][0, 4])  # the 5th token row 0 draws: it ends there
+    tokens, logprobs = sample(eos)
+    ids = jnp.concatenate([prompt, tokens], 1)
+    segments = jnp.concatenate([mask, jnp.ones_like(tokens)], 1)  # padding: its own segment 0
+    logits = model(ids, segment_ids=segments)[:, prompt.shape[1] - 1:-1]
+    forward = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
+                                  tokens[..., None], -1)[..., 0]
+    after_eos = jnp.cumsum(tokens == eos, 1) - (tokens == eos) > 0
+    assert bool(after_eos[0, 5:].all())
+    np.testing.assert_allclose(logprobs, jnp.where(after_eos, 0.0, forward), atol=1e-5)
+    assert float(jnp.abs(logprobs).sum()) > 0
+
+
 def sequence_logprob(model, prompt, continuation):
     ids = jnp.concatenate([prompt, continuation], 1)
     logprobs = jax.nn.log_softmax(model(ids)[:, prompt.shape[1] - 1:-1], -1)

@@ -40,9 +40,12 @@ def generate(model: nnx.Module, params: Any, prompt_ids, max_new_tokens: int, *,
              prompt_mask=None, encoder_inputs: dict | None = None, rng=None,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, num_beams: int = 1,
              eos_token_id: int | None = None, pad_token_id: int = 0,
-             length_penalty: float = 1.0, cache_dtype=jnp.float32):
+             length_penalty: float = 1.0, cache_dtype=jnp.float32,
+             return_logprobs: bool = False):
     """``(B, max_new_tokens)`` token ids generated after ``prompt_ids`` (B, P); after an
-    ``eos_token_id``, ``pad_token_id``.
+    ``eos_token_id``, ``pad_token_id``. With ``return_logprobs`` (not with beams), also each
+    token's log-probability under the model's own distribution (the logits untempered and
+    unfiltered, as a training step computes it; 0 after EOS): ``(tokens, logprobs)``.
 
     ``model`` gives the structure (its own weights are not used; ``params`` are). Prompts of
     different lengths are left-padded, with ``prompt_mask`` 0 on the padding. For an
@@ -69,13 +72,15 @@ def generate(model: nnx.Module, params: Any, prompt_ids, max_new_tokens: int, *,
         logits, cache, finished = carry
         token = pick_tokens(logits, jax.random.fold_in(rng, i), temperature, top_k, top_p)
         token = jnp.where(finished, pad_token_id, token).astype(prompt_ids.dtype)
+        logprob = jnp.where(finished, 0.0, jnp.take_along_axis(
+            jax.nn.log_softmax(logits.astype(jnp.float32)), token[:, None], -1)[:, 0])
         if eos_token_id is not None:
             finished = finished | (token == eos_token_id)
         logits, cache = m.decode(token[:, None], key_valid, cache, p + i, context)
-        return (logits[:, -1], cache, finished), token
-    _, tokens = jax.lax.scan(step, (logits[:, -1], cache, jnp.zeros((b,), bool)),
-                             jnp.arange(max_new_tokens))
-    return tokens.T
+        return (logits[:, -1], cache, finished), (token, logprob)
+    _, (tokens, logprobs) = jax.lax.scan(step, (logits[:, -1], cache, jnp.zeros((b,), bool)),
+                                         jnp.arange(max_new_tokens))
+    return (tokens.T, logprobs.T) if return_logprobs else tokens.T
 
 
 def _beam_search(m, prompt_ids, key_valid, context, n_new, k, eos, pad, length_penalty,
