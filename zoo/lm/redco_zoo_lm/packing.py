@@ -26,6 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
+from redco.data_order import Rows
 from redco_zoo_lm.corpus import TokenFile, kept_arrays
 
 
@@ -115,21 +116,13 @@ class PackedRows(Sequence):
         return {"token_ids": token_ids, "segment_ids": segment_ids}
 
 
-class RowsView(Sequence):
+class RowsView(Rows):
     """Some rows of ``rows`` (a ``PackedRows``, a mixture...), by index, each read only when
-    asked for; ``what`` names which (for the fingerprint)."""
+    asked for (core's ``Rows``); ``what`` names which, for the fingerprint."""
 
     def __init__(self, rows: Sequence, indices: np.ndarray, what: str = "some rows"):
-        self.rows, self.indices = rows, indices
+        super().__init__(rows, indices)
         self.fingerprint = f"{what} ({len(indices)}) of {getattr(rows, 'fingerprint', len(rows))}"
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, i: int | slice) -> dict | list[dict]:
-        if isinstance(i, slice):
-            return [self.rows[int(j)] for j in self.indices[i]]
-        return self.rows[int(self.indices[i])]
 
 
 def hold_out(rows: Sequence, every: int = 20) -> tuple[RowsView, RowsView]:
