@@ -38,25 +38,42 @@ def test_left_padded_prompts_generate_as_alone():
 
 def test_sampled_tokens_logprobs_equal_the_training_forwards_in_fp32():
     """The sampler's log-probability of each token it drew is what a training step's forward
-    pass over prompt + continuation gives the same token (fp32, to 1e-5), left-padded prompts
-    and EOS included (0 after it)."""
+    pass over prompt + continuation gives the same token at the same temperature (fp32, to
+    1e-5), left-padded prompts and EOS included (0 after it)."""
     model, params = model_and_params()
     prompt = jnp.array([[0, 0, 5, 9, 2], [7, 1, 3, 3, 8]])
     mask = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     def sample(eos):
         return generate(model, params, prompt, 12, prompt_mask=mask, rng=jax.random.PRNGKey(3),
-                        temperature=1.0, eos_token_id=eos, return_logprobs=True)
+                        temperature=0.7, eos_token_id=eos, return_logprobs=True)
     eos = int(sample(None)[0][0, 4])  # the 5th token row 0 draws: it ends there
     tokens, logprobs = sample(eos)
     ids = jnp.concatenate([prompt, tokens], 1)
     segments = jnp.concatenate([mask, jnp.ones_like(tokens)], 1)  # padding: its own segment 0
     logits = model(ids, segment_ids=segments)[:, prompt.shape[1] - 1:-1]
-    forward = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
+    forward = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32) / 0.7),
                                   tokens[..., None], -1)[..., 0]
     after_eos = jnp.cumsum(tokens == eos, 1) - (tokens == eos) > 0
     assert bool(after_eos[0, 5:].all())
     np.testing.assert_allclose(logprobs, jnp.where(after_eos, 0.0, forward), atol=1e-5)
     assert float(jnp.abs(logprobs).sum()) > 0
+
+
+def test_g_samples_per_prompt_are_the_prompts_repeated_in_one_call():
+    """``num_samples=G`` reads each prompt once and gives what G copies of it would: rows
+    ``i*G .. i*G+G-1`` are prompt i's samples, drawn independently."""
+    model, params = model_and_params()
+    prompt = jnp.array([[0, 0, 5, 9, 2], [7, 1, 3, 3, 8]])
+    mask = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    kwargs = dict(rng=jax.random.PRNGKey(4), temperature=1.0, return_logprobs=True)
+    tokens, logprobs = generate(model, params, prompt, 6, prompt_mask=mask, num_samples=4,
+                                **kwargs)
+    copies = generate(model, params, jnp.repeat(prompt, 4, 0), 6,
+                      prompt_mask=jnp.repeat(mask, 4, 0), **kwargs)
+    assert tokens.shape == (8, 6)
+    np.testing.assert_array_equal(tokens, copies[0])
+    np.testing.assert_allclose(logprobs, copies[1], atol=1e-6)
+    assert len({tuple(row) for row in np.asarray(tokens[:4]).tolist()}) > 1  # not one sample x4
 
 
 def sequence_logprob(model, prompt, continuation):

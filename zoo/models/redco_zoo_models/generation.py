@@ -41,11 +41,14 @@ def generate(model: nnx.Module, params: Any, prompt_ids, max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, num_beams: int = 1,
              eos_token_id: int | None = None, pad_token_id: int = 0,
              length_penalty: float = 1.0, cache_dtype=jnp.float32,
-             return_logprobs: bool = False):
+             return_logprobs: bool = False, num_samples: int = 1):
     """``(B, max_new_tokens)`` token ids generated after ``prompt_ids`` (B, P); after an
     ``eos_token_id``, ``pad_token_id``. With ``return_logprobs`` (not with beams), also each
-    token's log-probability under the model's own distribution (the logits untempered and
-    unfiltered, as a training step computes it; 0 after EOS): ``(tokens, logprobs)``.
+    token's log-probability under the distribution it was drawn from before any top-k or top-p
+    cut (``softmax(logits / temperature)``, untempered when greedy; what a training step
+    computes from the same logits; 0 after EOS): ``(tokens, logprobs)``. ``num_samples`` (G,
+    not with beams): G continuations of each prompt, rows ``i * G`` to ``i * G + G - 1`` of a
+    ``(B * G, max_new_tokens)`` result; the prompts are read once and their cache copied.
 
     ``model`` gives the structure (its own weights are not used; ``params`` are). Prompts of
     different lengths are left-padded, with ``prompt_mask`` 0 on the padding. For an
@@ -62,18 +65,28 @@ def generate(model: nnx.Module, params: Any, prompt_ids, max_new_tokens: int, *,
     key_valid = jnp.concatenate([prompt_mask > 0, jnp.ones((b, max_new_tokens), bool)], 1)
     context = m.encode(**encoder_inputs) if encoder_inputs is not None else None
     if num_beams > 1:
+        if return_logprobs or num_samples > 1:
+            raise ValueError("Beam search returns one sequence per prompt and no "
+                             "log-probabilities: use num_beams=1 with num_samples or "
+                             "return_logprobs.")
         return _beam_search(m, prompt_ids, key_valid, context, max_new_tokens, num_beams,
                             eos_token_id, pad_token_id, length_penalty, cache_dtype)
     cache = m.init_cache(b, p + max_new_tokens, cache_dtype)
     logits, cache = m.decode(prompt_ids, key_valid, cache, 0, context)
+    if num_samples > 1:  # each prompt's cache and logits copied per sample
+        repeat = lambda x: jnp.repeat(x, num_samples, axis=0)  # noqa: E731
+        logits, key_valid, cache, context = jax.tree.map(repeat, (logits, key_valid, cache,
+                                                                  context))
+        b = b * num_samples
     rng = jax.random.PRNGKey(0) if rng is None else rng
+    scale = temperature if temperature > 0 else 1.0
 
     def step(carry, i):
         logits, cache, finished = carry
         token = pick_tokens(logits, jax.random.fold_in(rng, i), temperature, top_k, top_p)
         token = jnp.where(finished, pad_token_id, token).astype(prompt_ids.dtype)
         logprob = jnp.where(finished, 0.0, jnp.take_along_axis(
-            jax.nn.log_softmax(logits.astype(jnp.float32)), token[:, None], -1)[:, 0])
+            jax.nn.log_softmax(logits.astype(jnp.float32) / scale), token[:, None], -1)[:, 0])
         if eos_token_id is not None:
             finished = finished | (token == eos_token_id)
         logits, cache = m.decode(token[:, None], key_valid, cache, p + i, context)
