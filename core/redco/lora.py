@@ -71,6 +71,13 @@ def trainable_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(lambda p, _: is_adapter_path(path_str(p)), params)
 
 
+def without_adapters(params: Any) -> Any:
+    """``params`` with every LoRA adapter zeroed: the base model they adapt (the reference of
+    DPO and GRPO). Made inside a jitted function, it is never stored: no second copy."""
+    return jax.tree.map(lambda x, a: jnp.zeros_like(x) if a else x, params,
+                        trainable_mask(params))
+
+
 def n_params(params: Any, mask: Any = None) -> int:
     """The number of parameters (of those ``mask`` marks, when given)."""
     sizes = jax.tree.map(lambda x: int(np.prod(np.shape(x))), params)

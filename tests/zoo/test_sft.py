@@ -2,7 +2,6 @@
 (ChatML, rendered by transformers), the loss provably blind to the rest, chats packed, bad chats
 refused, and a tiny LLaMA that learns a chat task through `redco zoo run sft`."""
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ from redco.cli import main
 from redco.protocols import UsageError
 from redco_zoo_models.toy import save_model_dir, tiny_llama
 from redco_zoo_sft import collate_fn, loss_fn, pack_chats, render_chat
+from redco_zoo_sft.pipeline import load_chat_tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -130,4 +130,5 @@ def test_redco_zoo_run_sft_learns_a_chat_task(tmp_path):
     evals = [row["eval/loss"] for row in rows if "eval/loss" in row]
     assert first > 3.0, first  # untrained: near ln(49), the vocabulary
     assert evals[-1] < 0.3, evals  # held-out answers and ends of turn (measured 0.003-0.053)
-    assert os.path.isfile(workdir / "model" / "tokenizer_config.json")
+    saved = load_chat_tokenizer(str(workdir / "model"))  # a model a next stage can take up
+    assert saved.chat_template == tokenizer.chat_template

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import redco
-from redco.lora import trainable_mask
+from redco.lora import trainable_mask, without_adapters
 from redco.protocols import UsageError
 from redco_zoo_models import runner, split_model
 from redco_zoo_sft.chat import render_chat
@@ -61,12 +61,11 @@ def rewards(apply_fn, params, batch, beta: float) -> jax.Array:
     if "ref_logps" in batch:
         reference = batch["ref_logps"]
     else:
-        adapters = trainable_mask(params)
-        if not any(jax.tree.leaves(adapters)):
+        if not any(jax.tree.leaves(trainable_mask(params))):
             raise UsageError("DPO without LoRA adapters needs the reference log-probabilities in "
                              "the examples: call add_reference_logps before training.")
-        base = jax.tree.map(lambda x, a: jnp.zeros_like(x) if a else x, params, adapters)
-        reference = reply_logps(apply_fn, jax.lax.stop_gradient(base), batch)
+        base = jax.lax.stop_gradient(without_adapters(params))
+        reference = reply_logps(apply_fn, base, batch)
     return beta * (reply_logps(apply_fn, params, batch) - reference)
 
 

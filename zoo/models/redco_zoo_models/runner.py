@@ -22,6 +22,8 @@ from redco_zoo_models.llama import LLAMA_PRESETS, LlamaConfig
 from redco_zoo_models.lora import add_lora, has_lora, save_peft_adapters
 from redco_zoo_models.nnx_utils import split_model
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "chat_template.json", "preprocessor_config.json")
 DATA_KINDS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
 
 
@@ -182,7 +184,7 @@ def save_trained(trainer: Trainer, model: nnx.Module, model_dir: str,
         adapter = save_peft_adapters(model, os.path.join(trainer.deployer.workdir, "adapter"),
                                      os.path.abspath(model_dir))
         trainer.deployer.log_info(f"saved the LoRA adapters (PEFT layout) to {adapter}")
-    for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
+    for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(model_dir, name)):
             shutil.copy(os.path.join(model_dir, name), out)
     if tokenizer and os.path.isfile(tokenizer):

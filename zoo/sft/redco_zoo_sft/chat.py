@@ -41,15 +41,33 @@ def assistant_spans(tokenizer, messages: list[dict], text: str, where: str,
     return spans
 
 
+def require_chat_template(tokenizer) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError("The tokenizer has no chat template: give the model directory's "
+                         "tokenizer_config.json a 'chat_template' (or pass one to the tokenizer).")
+
+
+def render_prompt(tokenizer, prompt: list[dict] | str, max_len: int,
+                  where: str = "a prompt") -> np.ndarray:
+    """A prompt's token ids (int32): its messages (a string: one user message) rendered with
+    the chat template and the generation prompt, so that what follows is the assistant's."""
+    require_chat_template(tokenizer)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) > max_len:
+        raise UsageError(f"{where} is {len(ids)} tokens once rendered, longer than "
+                         f"--max_prompt_len {max_len}: raise --max_prompt_len or shorten it.")
+    return np.asarray(ids, np.int32)
+
+
 def render_chat(tokenizer, messages: list[dict], max_len: int, where: str = "a chat",
                 learn_from: int = 0) -> dict:
     """``{"token_ids", "loss_mask"}`` (int32, bool; one per token) of a chat rendered with
     ``tokenizer``'s chat template: the mask marks the assistant's tokens (of the messages from
     ``learn_from`` on: a preference pair's response, not its prompt). ``where`` names the chat
     in errors."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise UsageError("The tokenizer has no chat template: give the model directory's "
-                         "tokenizer_config.json a 'chat_template' (or pass one to the tokenizer).")
+    require_chat_template(tokenizer)
     if not any(m.get("role") == "assistant" for m in messages[learn_from:]):
         raise UsageError(f"{where} has no assistant message: nothing to learn from it. Give "
                          "every chat at least one {'role': 'assistant', ...} message.")

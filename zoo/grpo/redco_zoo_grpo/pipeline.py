@@ -1,0 +1,159 @@
+"""GRPO through the three functions, and ``redco zoo run grpo`` on a file of prompts rewarded by
+a Python function.
+
+``collate_fn`` stacks the samples of a round (``rollout.py``), ``loss_fn`` is GRPO's clipped
+loss with its KL penalty and its average (``loss.py``), ``pred_fn`` the sampler: G completions
+of each prompt with their log-probabilities.
+
+``--train`` rows hold a prompt (``--prompt_column``: a list of ``{"role", "content"}``
+messages, or a string, one user message) and whatever columns the reward function reads (the
+built-in ``exact_match`` reads ``answer``). Each round samples ``--n_samples`` completions of
+``--prompts_per_round`` prompts and trains ``--n_updates`` epochs over them (``rollout.py``);
+the greedy reward on ``--eval`` (or the last 5% of ``--train``) is logged before the first round,
+every ``--eval_every_n_rounds`` and after the last.
+"""
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import jax
+import numpy as np
+import optax
+
+import redco
+from redco import Deployer, Trainer
+from redco.protocols import UsageError
+from redco_zoo_grpo.loss import LOSS_TYPES, average, token_logps, token_losses
+from redco_zoo_grpo.rewards import BUILT_IN, load_reward_fn
+from redco_zoo_grpo.rollout import GRPO, GRPOConfig, left_pad
+from redco_zoo_models import generate, runner
+from redco_zoo_sft.chat import render_prompt
+from redco_zoo_sft.pipeline import load_chat_tokenizer
+
+
+def collate_fn(examples: list[dict]) -> dict:
+    """Examples (dicts of equally shaped arrays: prompts, or ``rollout.py``'s samples) -> one
+    stacked array each."""
+    return {key: np.stack([np.asarray(e[key]) for e in examples]) for key in examples[0]}
+
+
+def loss_fn(rng, state, params, batch, is_training, loss_type: str = "grpo",
+            temperature: float = 1.0, clip_low: float = 0.2, clip_high: float = 0.2,
+            beta: float = 0.0):
+    """Each completion token's clipped policy-ratio loss plus ``beta`` x its KL penalty,
+    averaged as ``loss_type`` defines (``loss.py``)."""
+    logps = token_logps(state.apply_fn, params, batch, temperature)
+    per_token = token_losses(logps, batch, clip_low, clip_high, beta)
+    return average(per_token, batch["completion_mask"], loss_type)
+
+
+def pred_fn(rng, params, batch, model, n_samples: int = 1, **sampling):
+    """``n_samples`` completions of each prompt and their log-probabilities, (B, G, N) each
+    (``sampling``: ``generate``'s keywords); the rng folds in the batch's ``round``, so every
+    round draws afresh."""
+    tokens, logps = generate(model, params, batch["prompt_ids"], prompt_mask=batch["prompt_mask"],
+                             rng=jax.random.fold_in(rng, batch["round"][0]),
+                             return_logprobs=True, num_samples=n_samples, **sampling)
+    shape = (batch["prompt_ids"].shape[0], n_samples, -1)
+    return {"tokens": tokens.reshape(shape), "logps": logps.reshape(shape)}
+
+
+def prompt_examples(tokenizer, parts: tuple[list, list], column: str,
+                    max_len: int) -> tuple[tuple[list, list], ...]:
+    """``(prompts, rows)`` of each part: its prompts rendered (``render_prompt``), all
+    left-padded to the longest."""
+    rendered = [[render_prompt(tokenizer, row[column], max_len, f"{what} row {i}")
+                 for i, row in enumerate(rows)]
+                for rows, what in zip(parts, ("--train", "--eval (or the last 5% of --train)"))]
+    width = max(len(ids) for part in rendered for ids in part)
+    return tuple((left_pad(ids, width, tokenizer.pad_token_id or 0), rows)
+                 for ids, rows in zip(rendered, parts))
+
+
+def add_grpo_arguments(parser) -> None:
+    """GRPO's own flags (``GRPOConfig``'s and the rounds')."""
+    add = parser.add_argument
+    add("--prompt_column", default="prompt")
+    add("--reward", default="exact_match", help="the reward function: a built-in ("
+        + ", ".join(BUILT_IN) + "), module:function or path/to/file.py:function")
+    add("--max_prompt_len", type=int, default=256, help="tokens of a rendered prompt, at most")
+    add("--n_samples", type=int, default=8, help="completions per prompt (G)")
+    add("--max_new_tokens", type=int, default=64)
+    add("--temperature", type=float, default=1.0)
+    add("--top_k", type=int, default=0)
+    add("--top_p", type=float, default=1.0)
+    add("--loss_type", choices=LOSS_TYPES, default="grpo")
+    add("--clip_low", type=float, default=0.2)
+    add("--clip_high", type=float, default=0.2, help="DAPO's clip-higher: e.g. 0.28")
+    add("--beta", type=float, default=0.0, help="weight of the KL penalty to the reference")
+    add("--n_updates", type=int, default=1, help="epochs over each round's samples (mu)")
+    add("--prompts_per_round", type=int, default=16)
+    add("--n_rounds", type=int, help="default: --n_epochs passes over the prompts")
+    add("--eval_every_n_rounds", type=int, default=10)
+
+
+def config_of(args) -> GRPOConfig:
+    return GRPOConfig(n_samples=args.n_samples, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                      loss_type=args.loss_type, clip_low=args.clip_low,
+                      clip_high=args.clip_high, beta=args.beta, n_updates=args.n_updates)
+
+
+def rounds_of(args, deployer: Deployer, n_prompts: int) -> int:
+    """How many rounds to run; refused early where a round's samples fill no minibatch."""
+    n_rounds = args.n_rounds or args.n_epochs * n_prompts // args.prompts_per_round
+    n_samples = args.prompts_per_round * args.n_samples
+    if n_samples % deployer.get_global_batch_size(args.per_device_batch_size) or n_rounds < 1:
+        raise UsageError(
+            f"A round's {args.prompts_per_round} prompts x {args.n_samples} samples must split "
+            f"into minibatches of {deployer.get_global_batch_size(args.per_device_batch_size)} "
+            f"(--per_device_batch_size x {deployer.dp_size} data-parallel devices), and there "
+            f"must be a round (got {n_rounds}): change --prompts_per_round or "
+            "--per_device_batch_size, or give --n_rounds.")
+    return n_rounds
+
+
+def train(args) -> list[float]:
+    """The whole run; returns the greedy held-out rewards (before, during and after)."""
+    tokenizer = load_chat_tokenizer(args.model)
+    config, reward_fn = config_of(args), load_reward_fn(args.reward)
+    model, _ = runner.load_model(args.model, args.from_scratch, args.jax_seed)
+    prompts, held_out = prompt_examples(tokenizer, runner.split_eval(
+        args, {"--prompt_column": args.prompt_column}), args.prompt_column, args.max_prompt_len)
+    deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
+                        workdir=args.workdir)
+    n_rounds = rounds_of(args, deployer, len(prompts[0]))
+    apply_fn, params, trainable = runner.split_for_training(model, args, deployer)
+    lr = deployer.get_lr_schedule_fn(n_rounds * args.prompts_per_round * args.n_samples,
+                                     args.per_device_batch_size, args.n_updates,
+                                     args.learning_rate, warmup_rate=args.warmup_rate)
+    trainer = Trainer(deployer, collate_fn, apply_fn, partial(loss_fn, **config.loss_kwargs()),
+                      params, optax.adamw(lr), lr_schedule_fn=lr, trainable=trainable)
+    grpo = GRPO(trainer, model, tokenizer, pred_fn, reward_fn, config, args.per_device_batch_size)
+    rewards = grpo.train(prompts, held_out, args.prompt_column, n_rounds, args.prompts_per_round,
+                         args.eval_every_n_rounds, args.jax_seed)
+    runner.save_trained(trainer, model, args.model)
+    return rewards
+
+
+class GRPOPipeline:
+    description = ("GRPO: G samples per prompt, rewards from a Python function, group-normalised "
+                   "advantages, the clipped loss (GRPO, Dr. GRPO or DAPO); greedy reward")
+
+    def add_arguments(self, parser) -> None:
+        runner.add_arguments(parser)
+        add_grpo_arguments(parser)
+
+    def run(self, args) -> float:
+        return train(args)[-1]
+
+
+@redco.hookimpl
+def register_zoo_pipelines(register):
+    register("grpo", GRPOPipeline())
+
+
+@redco.hookimpl
+def register_templates(register):
+    register("grpo", os.path.join(os.path.dirname(__file__), "template"))

@@ -1,0 +1,207 @@
+"""GRPO's loop. Each round takes the next prompts (a seeded shuffle, epoch after epoch) and:
+
+1. samples G completions of each on the params as they train (``pred_fn``, the zoo's cached
+   sampler: G samples per prompt in one call, run by a ``Predictor`` on the training layout,
+   no gather to one device);
+2. scores them with the reward function (``rewards.py``; checked: one finite number each);
+3. turns each group's rewards into advantages (``loss.group_advantages``);
+4. runs the trainer's forward pass over them once (``score_fn``): the ``old_logps`` the ratio
+   divides by, and the reference's ``ref_logps`` for the KL term. So the first update's ratio is
+   exactly 1 whatever the sampler's numerics; the largest gap between the two log-probabilities
+   of the same tokens is logged each round (``rollout/logprob_gap``);
+5. trains ``n_updates`` (mu) epochs of minibatches over those samples.
+
+The reference: with LoRA adapters, the same params with the adapters zeroed (no copy); without
+them and with ``beta > 0``, a copy of the params made before the first update.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from redco import Trainer
+from redco.lora import trainable_mask, without_adapters
+from redco.protocols import UsageError
+from redco_zoo_grpo.loss import LOSS_TYPES, group_advantages, k3, token_logps
+from redco_zoo_grpo.rewards import score
+from redco_zoo_models import split_model
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """What a GRPO run samples and how its loss weighs it (``loss.py``)."""
+    n_samples: int = 8  # G, completions per prompt
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    loss_type: str = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    beta: float = 0.0  # the KL penalty's weight (0: no reference needed)
+    n_updates: int = 1  # mu, epochs over each round's samples
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise UsageError(f"loss_type {self.loss_type!r}: choose one of {LOSS_TYPES}.")
+        if self.n_samples < 2 or self.temperature <= 0:
+            raise UsageError("GRPO compares samples within a group: give n_samples >= 2 and a "
+                             f"temperature > 0 (got {self.n_samples} and {self.temperature}).")
+
+    def sampling(self) -> dict:
+        return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                    top_k=self.top_k, top_p=self.top_p)
+
+    def loss_kwargs(self) -> dict:
+        return dict(loss_type=self.loss_type, temperature=self.temperature,
+                    clip_low=self.clip_low, clip_high=self.clip_high, beta=self.beta)
+
+
+def score_fn(rng, params, batch, apply_fn, temperature: float, reference: str | None):
+    """The trainer's log-probabilities of the sampled tokens: the policy's (``old_logps``) and,
+    for the KL term, the reference's (``ref_logps``)."""
+    out = {"old_logps": token_logps(apply_fn, params["policy"], batch, temperature)}
+    if reference is not None:
+        ref = without_adapters(params["policy"]) if reference == "adapters off" else \
+            params["reference"]
+        out["ref_logps"] = token_logps(apply_fn, ref, batch, temperature)
+    return out
+
+
+def completion_mask(tokens: np.ndarray, eos_id: int) -> np.ndarray:
+    """(M, N) True on each completion's tokens up to and including its first EOS."""
+    return np.cumsum(tokens == eos_id, 1) - (tokens == eos_id) == 0
+
+
+def left_pad(prompts: list[np.ndarray], width: int, pad_id: int) -> list[dict]:
+    """Prompt token ids -> ``{"prompt_ids", "prompt_mask"}`` left-padded to ``width``."""
+    out = []
+    for ids in prompts:
+        padded = np.full(width, pad_id, np.int32)
+        padded[width - len(ids):] = ids
+        out.append({"prompt_ids": padded, "prompt_mask": np.arange(width) >= width - len(ids)})
+    return out
+
+
+class GRPO:
+    """Rounds of sample -> score -> advantages -> ``n_updates`` epochs (module docstring) for
+    ``trainer``, whose params ``model`` gives the structure of; ``pred_fn(rng, params, batch,
+    model, n_samples, **sampling)`` samples (``pipeline.pred_fn``), ``tokenizer`` decodes and
+    ``reward_fn`` scores."""
+
+    def __init__(self, trainer: Trainer, model, tokenizer, pred_fn: Callable, reward_fn: Callable,
+                 config: GRPOConfig, per_device_batch_size: int):
+        self.trainer, self.tokenizer, self.reward_fn, self.config = \
+            trainer, tokenizer, reward_fn, config
+        self.batch_size = per_device_batch_size
+        self.eos_id = tokenizer.eos_token_id
+        sampling = dict(config.sampling(), eos_token_id=self.eos_id,
+                        pad_token_id=tokenizer.pad_token_id or 0)
+        self.sampler = trainer.get_default_predictor(partial(
+            pred_fn, model=model, n_samples=config.n_samples, **sampling))
+        self.greedy = trainer.get_default_predictor(partial(
+            pred_fn, model=model, n_samples=1, **dict(sampling, temperature=0.0)))
+        lora = any(jax.tree.leaves(trainable_mask(trainer.params)))
+        self.reference = None if not config.beta else "adapters off" if lora else "copy"
+        self.scorer = trainer.get_default_predictor(partial(
+            score_fn, apply_fn=split_model(model)[0], temperature=config.temperature,
+            reference=self.reference))
+        self.ref_params = None
+
+    def completions(self, predictor, prompts: list[dict], round_: int):
+        """``(tokens, logps, texts)``: the sampler's completions of ``prompts``, flat."""
+        n_devices = self.trainer.deployer.dp_size
+        out = predictor.predict([dict(p, round=np.int32(round_)) for p in prompts],
+                                -(-len(prompts) // n_devices), self.trainer.params, desc="sample")
+        tokens = np.concatenate([o["tokens"] for o in out])
+        mask = completion_mask(tokens, self.eos_id)
+        texts = self.tokenizer.batch_decode(np.where(mask, tokens, self.eos_id),
+                                            skip_special_tokens=True)
+        return tokens, np.concatenate([o["logps"] for o in out]), texts
+
+    def rewards(self, rows: list[dict], texts: list[str], prompt_column: str,
+                where: str) -> np.ndarray:
+        """The reward function's rewards for ``texts``, the completions of ``rows`` (as many
+        each: they are in groups)."""
+        per_row = len(texts) // len(rows)
+        columns = {key: [row[key] for row in rows for _ in range(per_row)] for key in rows[0]}
+        return score(self.reward_fn, columns.pop(prompt_column), texts, columns, where)
+
+    def rollout(self, prompts: list[dict], rows: list[dict], prompt_column: str,
+                round_: int) -> tuple[list[dict], dict]:
+        """One round's training samples (``loss.py``'s examples) and what to log of them."""
+        g = self.config.n_samples
+        tokens, sampler_logps, texts = self.completions(self.sampler, prompts, round_)
+        rewards = self.rewards(rows, texts, prompt_column, f"round {round_}'s rollouts")
+        advantages = group_advantages(rewards.reshape(-1, g), self.config.loss_type).ravel()
+        mask = completion_mask(tokens, self.eos_id)
+        samples = [dict(prompts[i // g], tokens=tokens[i], completion_mask=mask[i],
+                        advantage=np.float32(advantages[i])) for i in range(len(tokens))]
+        params = {"policy": self.trainer.params, "reference": self.ref_params}
+        for sample, logps in zip(samples, self.scorer.predict(samples, self.batch_size, params,
+                                                              desc="score")):
+            sample.update(logps)
+        old = np.stack([s["old_logps"] for s in samples])
+        metrics = {"reward": rewards.mean(), "reward_std": rewards.reshape(-1, g).std(1).mean(),
+                   "groups_without_signal": np.mean(rewards.reshape(-1, g).std(1) == 0),
+                   "completion_tokens": mask.sum(1).mean(),
+                   "logprob_gap": np.abs(np.where(mask, old - sampler_logps, 0)).max()}
+        if self.reference is not None:
+            metrics["kl"] = k3(old, np.stack([s["ref_logps"] for s in samples]), mask)
+        return samples, metrics
+
+    def greedy_reward(self, prompts: list[dict], rows: list[dict], prompt_column: str) -> float:
+        """The mean reward of the greedy completion of each prompt."""
+        _, _, texts = self.completions(self.greedy, prompts, 0)
+        return float(self.rewards(rows, texts, prompt_column, "the greedy completions").mean())
+
+    def decide_layout(self, prompts: list[dict]) -> None:
+        """Fix the trainer's layout (and place its params) before the first rollout samples on
+        them: from the loss on placeholder samples shaped as the rollouts' will be."""
+        n = self.config.max_new_tokens
+        placeholder = dict(prompts[0], tokens=np.zeros(n, np.int32),
+                           completion_mask=np.ones(n, bool), advantage=np.float32(0),
+                           old_logps=np.zeros(n, np.float32))
+        if self.reference is not None:
+            placeholder["ref_logps"] = placeholder["old_logps"]
+        size = self.trainer.deployer.get_global_batch_size(self.batch_size)
+        self.trainer.lower_train_step([placeholder] * size, self.batch_size)
+        if self.reference == "copy":  # the params before the first update
+            self.ref_params = jax.tree.map(jnp.copy, self.trainer.params)
+
+    def train(self, train: tuple[list[dict], list[dict]], evaluate: tuple[list[dict], list[dict]],
+              prompt_column: str, n_rounds: int, prompts_per_round: int,
+              eval_every: int = 10, seed: int = 0) -> list[float]:
+        """``n_rounds`` rounds over ``train = (prompts, rows)``; the greedy reward on
+        ``evaluate`` before the first, every ``eval_every`` rounds and after the last (logged
+        as ``eval/reward`` and returned)."""
+        deployer, rewards = self.trainer.deployer, []
+
+        def evaluation(round_):
+            rewards.append(self.greedy_reward(*evaluate, prompt_column))
+            deployer.log_metrics({"eval/reward": rewards[-1]}, self.trainer.step)
+            deployer.log_info(f"round {round_}: greedy reward on the held-out prompts "
+                              f"{rewards[-1]:.3f}")
+        self.decide_layout(train[0])
+        evaluation(0)  # before any update: also checks the reward function on real completions
+        order = np.concatenate([np.random.default_rng([seed, epoch]).permutation(len(train[0]))
+                                for epoch in range(-(-n_rounds * prompts_per_round
+                                                     // len(train[0])))])
+        for round_ in range(1, n_rounds + 1):
+            picked = order[(round_ - 1) * prompts_per_round:round_ * prompts_per_round]
+            samples, metrics = self.rollout([train[0][i] for i in picked],
+                                            [train[1][i] for i in picked], prompt_column, round_)
+            for update in range(self.config.n_updates):
+                self.trainer.train_epoch(samples, self.batch_size,
+                                         (round_ - 1) * self.config.n_updates + update,
+                                         desc=f"round {round_}/{n_rounds}")
+            deployer.log_metrics({f"rollout/{k}": float(v) for k, v in metrics.items()},
+                                 self.trainer.step)
+            if round_ % eval_every == 0 or round_ == n_rounds:
+                evaluation(round_)
+        return rewards
