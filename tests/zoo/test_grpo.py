@@ -17,7 +17,7 @@ from test_sft import SPECIALS, WORDS, chat_tokenizer
 from redco.cli import main
 from redco.protocols import UsageError
 from redco_zoo_grpo import loss_fn
-from redco_zoo_grpo.loss import average, group_advantages, token_logps
+from redco_zoo_grpo.loss import average, group_advantages, token_logps, token_losses
 from redco_zoo_grpo.rewards import exact_match, score
 from redco_zoo_grpo.rollout import completion_mask
 from redco_zoo_models.toy import save_model_dir, tiny_llama
@@ -69,6 +69,34 @@ def test_the_three_averages_weigh_tokens_as_their_variants_define():
     grpo = group_advantages(rewards, "grpo")
     assert grpo[0, 0] == pytest.approx(0.75 / np.std([1, 0, 0, 0]), rel=1e-3)
     assert not grpo[1].any()  # a group all alike teaches nothing
+
+
+def test_the_kl_penalty_pulls_along_kl_policy_to_reference_and_k3_would_not():
+    """Over a policy's own samples (exactly: every token weighed by its probability), the
+    gradient of the loss's k2 penalty is the gradient of KL(policy || reference); DeepSeek's k3
+    used as a loss gives that of KL(reference || policy) instead (``loss.py``'s docstring)."""
+    theta, ref = jax.random.normal(jax.random.PRNGKey(0), (2, 6))
+    tokens = jnp.arange(6)[:, None]
+    log_ref = jax.nn.log_softmax(ref)[tokens]
+    def expected(per_token_fn):
+        def loss(theta):
+            logps = jax.nn.log_softmax(theta)[tokens]
+            weights = jax.lax.stop_gradient(jnp.exp(logps))  # the samples' probabilities
+            return jnp.sum(weights * per_token_fn(logps))
+        return jax.grad(loss)(theta)
+    def k2_penalty(logps):
+        batch = {"old_logps": jax.lax.stop_gradient(logps), "advantage": jnp.zeros(6),
+                 "ref_logps": log_ref}
+        return token_losses(logps, batch, 0.2, 0.2, beta=1.0)
+    def k3(logps):
+        return jnp.exp(log_ref - logps) - (log_ref - logps) - 1
+    def kl(p_logits, q_logits):
+        p = jax.nn.log_softmax(p_logits)
+        return jnp.sum(jnp.exp(p) * (p - jax.nn.log_softmax(q_logits)))
+    reverse, forward = jax.grad(kl)(theta, ref), jax.grad(lambda t: kl(ref, t))(theta)
+    np.testing.assert_allclose(expected(k2_penalty), reverse, atol=1e-6)
+    np.testing.assert_allclose(expected(k3), forward, atol=1e-6)
+    assert not np.allclose(reverse, forward, atol=1e-3)
 
 
 def test_a_bad_reward_or_prompt_is_refused_naming_it():
