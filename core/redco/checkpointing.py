@@ -243,13 +243,19 @@ def unflatten_like(target, nested: dict):
     return jax.tree.unflatten(jax.tree.structure(target), leaves)
 
 
-def host_arrays(tree) -> dict[str, np.ndarray]:
-    """``{path: whole array}``; a collective (call it on every process)."""
+def host_tree(tree: Any) -> Any:
+    """``tree`` with every array whole in host memory (numpy), sharded across processes or not;
+    a collective (call it on every process)."""
     def whole(x):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return np.asarray(x)
-    return {path: whole(x) for path, x in named_leaves(tree)}
+    return jax.tree.map(whole, tree)
+
+
+def host_arrays(tree) -> dict[str, np.ndarray]:
+    """``{path: whole array}``; a collective (call it on every process)."""
+    return dict(named_leaves(host_tree(tree)))
 
 
 def place(target, read: Callable[[str, tuple], np.ndarray]):

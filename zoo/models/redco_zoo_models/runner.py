@@ -9,12 +9,12 @@ import os
 import shutil
 from typing import Any, Callable
 
-import jax
 import numpy as np
 import optax
 from flax import nnx
 
 from redco import Deployer, Trainer
+from redco.checkpointing import host_tree
 from redco.lora import DEFAULT_TARGETS, n_params, trainable_mask
 from redco.protocols import UsageError
 from redco_zoo_models.hf import auto_class, class_of, from_pretrained, save_pretrained
@@ -177,8 +177,10 @@ def save_trained(trainer: Trainer, model: nnx.Module, model_dir: str,
     directory, with the tokenizer files of ``model_dir`` (where the model came from) or the
     ``tokenizer.json`` file ``tokenizer``; a LoRA model is saved merged, and its adapters alone
     as ``workdir/adapter`` (PEFT's layout)."""
-    nnx.update(model, jax.device_get(trainer.params))
+    nnx.update(model, host_tree(trainer.params))  # (gathered from every process)
     out = os.path.join(trainer.deployer.workdir, "model")
+    if not trainer.deployer.is_main_process:
+        return out
     save_pretrained(model, out)
     if has_lora(model):
         adapter = save_peft_adapters(model, os.path.join(trainer.deployer.workdir, "adapter"),
