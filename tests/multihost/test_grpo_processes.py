@@ -2,26 +2,22 @@
 rollouts and ends at the same params as 1 process with 8 devices: every process gets every
 completion (the sampler's outputs are gathered), scores them alike, and trains on its rows."""
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 from multihost_helpers import free_port, worker_env
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "zoo"))
-from test_sft import SPECIALS, WORDS, chat_tokenizer  # noqa: E402
+from redco_zoo_models.toy import save_tiny_chat_model
 
-from redco_zoo_models.toy import save_model_dir, tiny_llama  # noqa: E402
+WORDS = ["system", "user", "assistant"] + [f"x{i}" for i in range(20)] + \
+    [f"y{i}" for i in range(20)]
 
 
 def write_task(root) -> None:
     """A tiny untrained LLaMA and prompts "x_a x_b"; the reward: the completion starts with a
     y word (``regex_match``), which an untrained model's samples do about 40% of the time."""
-    tokenizer = chat_tokenizer()
-    save_model_dir(tiny_llama(len(SPECIALS) + len(WORDS)), tokenizer._tokenizer,
-                   str(root / "model"))
-    tokenizer.save_pretrained(str(root / "model"))
+    save_tiny_chat_model(str(root / "model"), WORDS)
     with open(root / "prompts.jsonl", "w") as f:
         for a, b in np.random.default_rng(0).integers(0, 20, (64, 2)):
             f.write(json.dumps({"prompt": f"x{a} x{b}", "pattern": "y.*"}) + "\n")

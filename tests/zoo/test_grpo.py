@@ -1,8 +1,7 @@
-"""GRPO: tokens after EOS count for nothing, the three loss averages are what they say, bad
-rewards and prompts are refused before any update, and a tiny LLaMA warmed up by SFT learns a
-task it could not do (greedy reward from ~0 to >= 0.6) through `redco zoo run grpo`, the
-sampler's and the trainer's log-probabilities agreeing to float tolerance; sharded over 8
-devices (dp x mp) it samples and trains as on one device."""
+"""GRPO: tokens after EOS count for nothing, the three loss averages are what they say, the KL
+penalty's gradient is the one GRPO means, bad rewards and prompts are refused before any update,
+and sharded over 8 devices (dp x mp) it samples and trains as on one device. (That it learns,
+after SFT, is ``test_post_training.py``.)"""
 import json
 import os
 import subprocess
@@ -12,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_post_training import write_task
 from test_sft import SPECIALS, WORDS, chat_tokenizer
 
 from redco.cli import main
@@ -20,7 +20,6 @@ from redco_zoo_grpo import loss_fn
 from redco_zoo_grpo.loss import average, group_advantages, token_logps, token_losses
 from redco_zoo_grpo.rewards import exact_match, score
 from redco_zoo_grpo.rollout import completion_mask
-from redco_zoo_models.toy import save_model_dir, tiny_llama
 from redco_zoo_sft.chat import render_prompt
 
 EOS = SPECIALS.index("<|im_end|>")
@@ -120,63 +119,21 @@ def test_a_bad_reward_or_prompt_is_refused_naming_it():
         render_prompt(chat_tokenizer(template=None), "x1", 8)
 
 
-def write_task(root, seed: int) -> str:
-    """A tiny LLaMA with the ChatML tokenizer, and the task: the user says "x_a x_b", the
-    answer is y_b. The SFT warm-up data teach the format, and the answers for b < 10 only (for
-    b >= 10 a random y); GRPO's prompts are those with b >= 10, its held-out prompts the same
-    for pairs (a, b) it never sees."""
-    tokenizer = chat_tokenizer()
-    model_dir = str(root / "model")
-    save_model_dir(tiny_llama(len(SPECIALS) + len(WORDS), seed=seed), tokenizer._tokenizer,
-                   model_dir)
-    tokenizer.save_pretrained(model_dir)
-    rng = np.random.default_rng(seed)
-    pairs = rng.permutation([(a, b) for a in range(20) for b in range(20)])
-    held_out, seen = pairs[:80], pairs[80:]
-    def write(name, rows):
-        with open(root / name, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
-    write("sft.jsonl", [{"messages": [
-        {"role": "user", "content": f"x{a} x{b}"},
-        {"role": "assistant", "content": f"y{b if b < 10 else rng.integers(20)}"}]}
-        for a, b in seen])
-    for name, part in (("train.jsonl", seen), ("eval.jsonl", held_out)):
-        write(name, [{"prompt": [{"role": "user", "content": f"x{a} x{b}"}], "answer": f"y{b}"}
-                     for a, b in part if b >= 10])
-    return model_dir
-
-
 GRPO_FLAGS = ["--max_new_tokens", "4", "--max_prompt_len", "16", "--prompts_per_round", "16",
               "--n_samples", "16", "--learning_rate", "5e-4"]
 
 
 @pytest.fixture(scope="module")
 def warmed_up(tmp_path_factory):
-    """The task (``write_task``) and its model after the SFT warm-up, in ``root/sft/model``."""
+    """The README's task (``test_post_training.write_task``) and its model after the SFT
+    warm-up, in ``root/sft/model``."""
     root = tmp_path_factory.mktemp("grpo")
-    model_dir = write_task(root, seed=0)
-    main(["zoo", "run", "sft", "--model", model_dir, "--train", str(root / "sft.jsonl"),
+    write_task(root, seed=0)
+    main(["zoo", "run", "sft", "--model", str(root / "tiny-chat"), "--train",
+          str(root / "chats.jsonl"),
           "--workdir", str(root / "sft"), "--max_len", "16", "--per_device_batch_size", "2",
           "--n_epochs", "4", "--learning_rate", "3e-3"])
     return root
-
-
-def test_sft_then_grpo_learns_what_sft_could_not_teach(warmed_up, tmp_path):
-    main(["zoo", "run", "grpo", "--model", str(warmed_up / "sft" / "model"), "--train",
-          str(warmed_up / "train.jsonl"), "--eval", str(warmed_up / "eval.jsonl"), "--workdir",
-          str(tmp_path / "grpo"), "--per_device_batch_size", "4", "--n_rounds", "100",
-          "--eval_every_n_rounds", "25", *GRPO_FLAGS])
-    with open(tmp_path / "grpo" / "metrics.jsonl") as f:
-        rows = list(map(json.loads, f))
-    greedy = [row["eval/reward"] for row in rows if "eval/reward" in row]
-    gaps = [row["rollout/logprob_gap"] for row in rows if "rollout/logprob_gap" in row]
-    print(f"greedy held-out reward every 25 rounds: {greedy}; largest log-probability gap "
-          f"{max(gaps):.2e}")
-    # measured over 8 seeds: 0.000-0.051 before; 0.727-1.000 after 100 rounds
-    assert greedy[0] <= 0.1 and greedy[-1] >= 0.6, greedy
-    assert len(gaps) == 100 and max(gaps) < 1e-5, max(gaps)  # fp32: the sampler is the trainer
-    assert os.path.isfile(tmp_path / "grpo" / "model" / "chat_template.jinja")
-    assert os.path.isfile(warmed_up / "sft" / "model" / "chat_template.jinja")
 
 
 def run_grpo(root, workdir, n_devices: int, n_model_shards: int, per_device: int):
@@ -188,8 +145,9 @@ def run_grpo(root, workdir, n_devices: int, n_model_shards: int, per_device: int
     code = ("import jax; jax.config.update('jax_default_matmul_precision', 'highest'); "
             "from redco.cli import main; import sys; main(sys.argv[1:])")
     subprocess.run([sys.executable, "-c", code, "zoo", "run", "grpo", "--model",
-                    str(root / "sft" / "model"), "--train", str(root / "train.jsonl"), "--eval",
-                    str(root / "eval.jsonl"), "--workdir", str(workdir), "--n_rounds", "4",
+                    str(root / "sft" / "model"), "--train", str(root / "prompts.jsonl"),
+                    "--eval", str(root / "prompts_held_out.jsonl"), "--workdir", str(workdir),
+                    "--n_rounds", "4",
                     "--n_model_shards", str(n_model_shards), "--per_device_batch_size",
                     str(per_device), "--beta", "0.1", "--n_updates", "2", *GRPO_FLAGS],
                    check=True, env=env, timeout=600)

@@ -10,27 +10,24 @@ import pytest
 
 from redco.cli import main
 from redco.protocols import UsageError
-from redco_zoo_models.toy import save_model_dir, tiny_llama
+from redco_zoo_models.toy import (
+    CHAT_SPECIALS,
+    CHATML,
+    chat_word_tokenizer,
+    save_model_dir,
+    tiny_llama,
+)
 from redco_zoo_sft import collate_fn, loss_fn, pack_chats, render_chat
 from redco_zoo_sft.pipeline import load_chat_tokenizer
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-SPECIALS = ["<pad>", "<|im_end|>", "<unk>", "<|im_start|>"]
+SPECIALS = list(CHAT_SPECIALS)
 WORDS = ["system", "user", "assistant", "map", "it"] + [f"x{i}" for i in range(20)] + \
     [f"y{i}" for i in range(20)]
 
 
 def chat_tokenizer(template=CHATML):
-    """A word-level tokenizer with the ChatML template, as transformers loads one."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template, pad_token="<pad>",
-                                   eos_token="<|im_end|>", unk_token="<unk>")
+    """A word-level tokenizer of ``WORDS`` with the ChatML template, as transformers loads one."""
+    return chat_word_tokenizer(WORDS, template)
 
 
 def chat(pairs, system="map it"):

@@ -25,6 +25,34 @@ def word_tokenizer(words: list[str], specials: tuple[str, ...] = ("<pad>", "</s>
     return tokenizer
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_SPECIALS = ("<pad>", "<|im_end|>", "<unk>", "<|im_start|>")
+
+
+def chat_word_tokenizer(words: list[str], template: str | None = CHATML):
+    """A word-level tokenizer with ChatML's special tokens and chat template, as transformers
+    loads one (``PreTrainedTokenizerFast``). Ids: pad 0, ``<|im_end|>`` 1 (the EOS), unk 2,
+    ``<|im_start|>`` 3, then ``words``; the roles ``system``, ``user`` and ``assistant`` must be
+    among ``words``."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+    tokenizer = word_tokenizer(words, CHAT_SPECIALS)
+    tokenizer.add_special_tokens([AddedToken(s, special=True) for s in CHAT_SPECIALS])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=template,
+                                   pad_token="<pad>", eos_token="<|im_end|>", unk_token="<unk>")
+
+
+def save_tiny_chat_model(path: str, words: list[str], seed: int = 0) -> str:
+    """A ``tiny_llama`` and its ``chat_word_tokenizer(words)`` saved as a HuggingFace directory
+    whose tokenizer has a chat template: what ``redco zoo run sft`` (and dpo, grpo) take as
+    ``--model``. Returns ``path``."""
+    tokenizer = chat_word_tokenizer(words)
+    save_model_dir(tiny_llama(len(CHAT_SPECIALS) + len(words), seed), tokenizer._tokenizer, path)
+    tokenizer.save_pretrained(path)  # tokenizer_config.json and the chat template
+    return path
+
+
 def tiny_llama(vocab_size: int, seed: int = 0) -> LlamaForCausalLM:
     """A 2-layer LLaMA, width 64, 4 query and 2 key/value heads."""
     return LlamaForCausalLM(LlamaConfig(
