@@ -1,10 +1,9 @@
 """The README's post-training walk-through (block ``post-training``), run as written with
 ``redco`` on the PATH: SFT teaches a tiny chat model a task's format and half its answers; DPO
 from there learns which replies are preferred for the other half (held-out preference accuracy
-from ~0.5 to >= 0.75); GRPO from there learns
-the other half from a reward alone (greedy held-out reward from <= 0.1 to >= 0.6), its sampler's
-and trainer's log-probabilities agreeing to 1e-5 in fp32, and the trained model keeps the chat
-template a next stage needs."""
+from ~0.5 to >= 0.75); GRPO from there learns that half from a reward alone (greedy held-out
+reward from <= 0.1 to >= 0.6), its sampler's and trainer's log-probabilities agreeing to 1e-5
+in fp32, and the trained model keeps the chat template a next stage needs."""
 import json
 import os
 import subprocess
@@ -66,7 +65,7 @@ def test_the_readmes_sft_then_dpo_and_grpo_walk_through(tmp_path):
     print(f"DPO held-out accuracy {before} after SFT, by epoch {accuracy}; GRPO greedy "
           f"held-out reward {greedy}, largest log-probability gap {max(gaps):.1e}")
     # DPO, measured over 4 seeds: 0.83-0.97 (SFT taught no preference for b >= 10)
-    assert 0.3 < before < 0.7 and accuracy[-1] >= 0.75, (before, accuracy)
+    assert 0.3 < before < 0.75 and accuracy[-1] >= 0.75, (before, accuracy)
     # GRPO, measured over 8 seeds: 0.00-0.05 before; 0.73-1.00 after 100 rounds
     assert greedy[0] <= 0.1 and greedy[-1] >= 0.6, greedy
     assert len(gaps) == 100 and max(gaps) < 1e-5, max(gaps)
