@@ -20,6 +20,7 @@ from redco.evaluation import Evaluation
 from redco.fit_plan import plan_fit
 from redco.predictor import Predictor
 from redco.run_hooks import RunHooks
+from redco.scanned_updates import minibatch_orders, place_replicated, scan_updates
 from redco.sharding import Rules, dataflow_trace, opt_state_shardings
 from redco.step_checkpoints import StepCheckpoints
 from redco.step_flops import step_flops as count_step_flops
@@ -181,18 +182,22 @@ class Trainer(compat.TrainerV04):
 
     def _jit_steps(self) -> None:
         self._train_step = self._jit_train_step()
+        self._scanned_updates = None  # made at the first train_scanned
         self._eval_step = jax.jit(self._eval_loss)
         self._first_step_logged = False
         self._batch_shapes = None  # of the first batch the step ran on, for its FLOPs
         self._step_flops = None
 
-    def _jit_train_step(self, unroll: bool = False) -> Callable:
-        """The train step, jitted for the state's layout (its state donated); ``unroll``: the
+    def _step(self, unroll: bool = False) -> Callable:
+        """The train step ``(state, batch) -> (state, metrics)``, not jitted; ``unroll``: the
         micro-batch loop unrolled, for XLA's cost analysis only."""
-        step = compat.flax_train_step(self.train_step_fn, self) if self.train_step_fn else \
+        return compat.flax_train_step(self.train_step_fn, self) if self.train_step_fn else \
             make_train_step(self._loss, self.optimizer, self.trainable, self.accumulate_grad_batches,
                             self.lr_schedule_fn, self.count_tokens, unroll)
-        return jax.jit(step, in_shardings=(self.state_shardings, None),
+
+    def _jit_train_step(self, unroll: bool = False) -> Callable:
+        """The train step, jitted for the state's layout (its state donated)."""
+        return jax.jit(self._step(unroll), in_shardings=(self.state_shardings, None),
                        out_shardings=(self.state_shardings, self.deployer.replicated),
                        donate_argnums=0)
 
@@ -348,6 +353,38 @@ class Trainer(compat.TrainerV04):
         self.hooks.on_epoch_end(trainer=self, epoch=epoch)
         if self._watch is None:  # called outside fit: its checkpoints are written when it returns
             self._announce_checkpoints(wait=True)
+
+    def train_scanned(self, examples: Sequence, per_device_batch_size: int,
+                      epochs: Sequence[int], desc: str = "") -> None:
+        """Every update of ``epochs`` over ``examples`` in one compiled call: the updates
+        ``train_epoch`` would run for each epoch, as a ``lax.scan`` over examples collated and
+        placed once (``redco/scanned_updates.py``; ``collate_fn`` must pad to a fixed width).
+        For many small updates over one RL rollout (PPO, GRPO). Observers see each update
+        (``on_step_end``) once the call returns."""
+        self._decide_layout(examples, per_device_batch_size)
+        size = self.deployer.get_global_batch_size(per_device_batch_size)
+        n_full_batches(examples, size * self.accumulate_grad_batches, "train_examples")
+        orders = minibatch_orders(len(examples), size * self.accumulate_grad_batches, epochs,
+                                  self.deployer.epoch_permutation)
+        first, replicated = self.step, self.deployer.replicated
+        self.hooks.on_epoch_start(trainer=self, epoch=epochs[0], start=0, n_steps=len(orders),
+                                  desc=desc, examples_per_step=orders.shape[1])
+        start = time.perf_counter()
+        compiling = self._scanned_updates is None
+        if compiling:
+            self._scanned_updates = jax.jit(
+                scan_updates(self._step(), self.deployer.mesh, self.accumulate_grad_batches),
+                in_shardings=(self.state_shardings, replicated, replicated),
+                out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+        data = place_replicated(examples, self.collate_fn, replicated)
+        self.state, metrics = self._scanned_updates(self.state, data, place_replicated(
+            orders, np.stack, replicated))
+        metrics, seconds = jax.device_get(metrics), time.perf_counter() - start
+        for u in range(len(orders)):
+            self.hooks.on_time_spent(trainer=self, phase="compile" if compiling and u == 0
+                                     else "step", seconds=seconds / len(orders), step=first + u + 1)
+            self._report(first + u + 1, {k: v[u] for k, v in metrics.items()})
+        self.hooks.on_epoch_end(trainer=self, epoch=epochs[-1])
 
     def _epoch_batches(self, examples: Sequence | Iterable, per_device_batch_size: int,
                        epoch: int, start_example: int) -> EpochBatches:

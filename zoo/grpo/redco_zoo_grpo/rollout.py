@@ -9,7 +9,8 @@
    divides by, and the reference's ``ref_logps`` for the KL term. So the first update's ratio is
    exactly 1 whatever the sampler's numerics; the largest gap between the two log-probabilities
    of the same tokens is logged each round (``rollout/logprob_gap``);
-5. trains ``n_updates`` (mu) epochs of minibatches over those samples.
+5. trains ``n_updates`` (mu) epochs of minibatches over those samples, all in one compiled call
+   (``Trainer.train_scanned``).
 
 The reference: with LoRA adapters, the same params with the adapters zeroed (no copy); without
 them and with ``beta > 0``, a copy of the params made before the first update.
@@ -196,10 +197,10 @@ class GRPO:
             picked = order[(round_ - 1) * prompts_per_round:round_ * prompts_per_round]
             samples, metrics = self.rollout([train[0][i] for i in picked],
                                             [train[1][i] for i in picked], prompt_column, round_)
-            for update in range(self.config.n_updates):
-                self.trainer.train_epoch(samples, self.batch_size,
-                                         (round_ - 1) * self.config.n_updates + update,
-                                         desc=f"round {round_}/{n_rounds}")
+            mu = self.config.n_updates  # epochs over the samples, in one compiled call
+            self.trainer.train_scanned(samples, self.batch_size,
+                                       range((round_ - 1) * mu, round_ * mu),
+                                       desc=f"round {round_}/{n_rounds}")
             deployer.log_metrics({f"rollout/{k}": float(v) for k, v in metrics.items()},
                                  self.trainer.step)
             if round_ % eval_every == 0 or round_ == n_rounds:

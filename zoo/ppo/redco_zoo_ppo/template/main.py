@@ -85,9 +85,9 @@ def train(env_id="CartPole-v1", total_steps=300_000, n_envs=16, n_steps=64, seed
     for it in range(n_iters):
         params = jax.device_put(jax.device_get(trainer.params), jax.devices()[0])
         examples = collector.rollout(params, jax.random.PRNGKey(seed + 1 + it), n_steps, gamma, lam)
-        for epoch in range(update_epochs):
-            trainer.train_epoch(examples, per_device, it * update_epochs + epoch,
-                                desc=f"iteration {it + 1}/{n_iters}")
+        trainer.train_scanned(examples, per_device,  # all epochs' updates: one compiled call
+                              range(it * update_epochs, (it + 1) * update_epochs),
+                              desc=f"iteration {it + 1}/{n_iters}")
         returns = list(collector.envs.return_queue)
         deployer.log_metrics({"mean_return_20": np.mean(returns[-20:] or [0])}, trainer.step)
     collector.envs.close()

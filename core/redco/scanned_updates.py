@@ -1,0 +1,60 @@
+"""Many small updates in one compiled call: every update of several epochs over one set of
+examples (an RL rollout: PPO's transitions, GRPO's samples) as a ``lax.scan`` of the train step.
+
+A call of ``Trainer.train_epoch`` per epoch pays, per update, a collate, a transfer onto the
+mesh, a dispatch and a metrics read; for updates of a few milliseconds that is most of the
+time. Here the examples are collated once, placed once on every device (replicated: a rollout
+is small), and one jitted function runs the updates: update ``u`` gathers its minibatch's rows
+(``orders[u]``) from the placed examples, constrains them to the batch layout (each device keeps
+its own rows: a local slice, no communication) and applies the same step ``train_epoch`` runs,
+randomness included (``fold_in(rng, step)``). The minibatches are those ``train_epoch`` would
+make: each epoch's shuffled order (``Deployer.epoch_permutation``) cut into global batches, a
+last partial one left out. So the params are the same as the epochs run one by one.
+
+One condition: ``collate_fn`` runs once over all the examples, so it must give each example the
+same row whatever else is in the batch (fixed-width padding, as RL data has).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from redco.data import check_collated
+
+
+def minibatch_orders(n_examples: int, batch_size: int, epochs: Sequence[int],
+                     permutation: Callable[[int, int], np.ndarray]) -> np.ndarray:
+    """(updates, batch_size) int32: the rows of each update, epoch after epoch, each epoch's
+    order ``permutation(n_examples, epoch)`` cut into ``batch_size`` rows (a partial last one
+    dropped)."""
+    n = n_examples // batch_size
+    return np.concatenate([permutation(n_examples, epoch)[:n * batch_size].reshape(n, batch_size)
+                           for epoch in epochs]).astype(np.int32)
+
+
+def place_replicated(examples: Sequence, collate_fn: Callable, replicated: NamedSharding) -> Any:
+    """All ``examples`` collated once and placed whole on every device (every process must hold
+    the same examples)."""
+    data = check_collated(collate_fn(list(examples)), len(examples))
+    return jax.tree.map(lambda x: jax.make_array_from_callback(
+        np.shape(x), replicated, lambda index: np.asarray(x)[index]), data)
+
+
+def scan_updates(step: Callable, mesh, n_micro: int) -> Callable:
+    """``updates(state, data, orders) -> (state, metrics)``: ``step(state, batch)`` once per row
+    of ``orders``, the batch that row's examples of ``data`` split into ``n_micro``
+    micro-batches (the step's leading axis), laid out over ``dp`` as ``Deployer.make_batch``
+    lays a batch out; ``metrics`` stacked, one row per update."""
+    def updates(state, data, orders):
+        def one(state, rows):
+            def take(x):
+                batch = x[rows.reshape(n_micro, -1)]
+                dp = "dp" if batch.shape[1] % mesh.shape["dp"] == 0 else None
+                return jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, P(None, dp)))
+            return step(state, jax.tree.map(take, data))
+        return jax.lax.scan(one, state, orders)
+    return updates
