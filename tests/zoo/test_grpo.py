@@ -18,6 +18,7 @@ from redco.cli import main
 from redco.protocols import UsageError
 from redco_zoo_grpo import loss_fn
 from redco_zoo_grpo.loss import average, group_advantages, token_logps, token_losses
+from redco_zoo_grpo.pipeline import check_context
 from redco_zoo_grpo.rewards import exact_match, score
 from redco_zoo_grpo.rollout import completion_mask
 from redco_zoo_sft.chat import render_prompt
@@ -96,6 +97,34 @@ def test_the_kl_penalty_pulls_along_kl_policy_to_reference_and_k3_would_not():
     np.testing.assert_allclose(expected(k2_penalty), reverse, atol=1e-6)
     np.testing.assert_allclose(expected(k3), forward, atol=1e-6)
     assert not np.allclose(reverse, forward, atol=1e-3)
+
+
+def test_prompts_and_completions_beyond_a_models_positions_are_refused():
+    from flax import nnx
+
+    from redco_zoo_models.gpt2 import GPT2Config, GPT2LMHeadModel
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=1,
+                                      n_head=2), nnx.Rngs(0))
+    check_context(gpt2, 24, 8)  # fits exactly
+    with pytest.raises(UsageError, match=r"longest prompt \(24 tokens\) plus --max_new_tokens 9 "
+                                         r"exceeds the model's 32 positions"):
+        check_context(gpt2, 24, 9)
+
+
+def test_a_reward_function_of_the_wrong_shape_stops_the_run_before_any_update(
+        warmed_up, tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def one_for_all(prompts, completions, **columns):\n    return [1.0]\n")
+    monkeypatch.setenv("REDCO_DEBUG", "1")
+    with pytest.raises(UsageError, match=r"one_for_all returned shape \(1,\) for \d+ completions "
+                                         r"of the greedy completions"):
+        main(["zoo", "run", "grpo", "--model", str(warmed_up / "sft" / "model"), "--train",
+              str(warmed_up / "prompts.jsonl"), "--workdir", str(tmp_path / "run"), "--reward",
+              f"{tmp_path / 'my_rewards.py'}:one_for_all", "--per_device_batch_size", "4",
+              "--n_rounds", "2", *GRPO_FLAGS])
+    assert not (tmp_path / "run" / "model").exists()
+    metrics = (tmp_path / "run" / "metrics.jsonl")
+    assert not metrics.exists() or "train/loss" not in metrics.read_text()  # no update ran
 
 
 def test_a_bad_reward_or_prompt_is_refused_naming_it():

@@ -100,6 +100,15 @@ def config_of(args) -> GRPOConfig:
                       clip_high=args.clip_high, beta=args.beta, n_updates=args.n_updates)
 
 
+def check_context(model, prompt_width: int, max_new_tokens: int) -> None:
+    """Refuse prompts plus completions longer than a model with learned positions has."""
+    limit = getattr(getattr(model, "cfg", None), "n_positions", None)
+    if limit is not None and prompt_width + max_new_tokens > limit:
+        raise UsageError(f"The longest prompt ({prompt_width} tokens) plus --max_new_tokens "
+                         f"{max_new_tokens} exceeds the model's {limit} positions (n_positions): "
+                         "lower --max_new_tokens or --max_prompt_len.")
+
+
 def rounds_of(args, deployer: Deployer, n_prompts: int) -> int:
     """How many rounds to run; refused early where a round's samples fill no minibatch."""
     n_rounds = args.n_rounds or args.n_epochs * n_prompts // args.prompts_per_round
@@ -121,6 +130,7 @@ def train(args) -> list[float]:
     model, _ = runner.load_model(args.model, args.from_scratch, args.jax_seed)
     prompts, held_out = prompt_examples(tokenizer, runner.split_eval(
         args, {"--prompt_column": args.prompt_column}), args.prompt_column, args.max_prompt_len)
+    check_context(model, len(prompts[0][0]["prompt_ids"]), args.max_new_tokens)
     deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
                         workdir=args.workdir)
     n_rounds = rounds_of(args, deployer, len(prompts[0]))

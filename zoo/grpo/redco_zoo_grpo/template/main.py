@@ -20,7 +20,13 @@ import optax
 
 from redco import Deployer, Trainer
 from redco_zoo_grpo.loss import average, token_logps, token_losses
-from redco_zoo_grpo.pipeline import add_grpo_arguments, config_of, prompt_examples, rounds_of
+from redco_zoo_grpo.pipeline import (
+    add_grpo_arguments,
+    check_context,
+    config_of,
+    prompt_examples,
+    rounds_of,
+)
 from redco_zoo_grpo.rewards import load_reward_fn
 from redco_zoo_grpo.rollout import GRPO
 from redco_zoo_models import generate, runner
@@ -59,6 +65,7 @@ def train(args) -> list[float]:
     model, _ = runner.load_model(args.model, args.from_scratch, args.jax_seed)
     prompts, held_out = prompt_examples(tokenizer, runner.split_eval(
         args, {"--prompt_column": args.prompt_column}), args.prompt_column, args.max_prompt_len)
+    check_context(model, len(prompts[0][0]["prompt_ids"]), args.max_new_tokens)
     deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
                         workdir=args.workdir)
     n_rounds = rounds_of(args, deployer, len(prompts[0]))
