@@ -1,0 +1,130 @@
+"""Attention over a sequence split across devices (context parallelism), exact.
+
+The sequence axis of a batch is split over a mesh axis (``cp``, k devices). Causal attention
+makes the split uneven: the device holding the last tokens attends to everything, the first
+to almost nothing. ``balance`` fixes that once, where the batch is laid out: the sequence is cut
+into 2k chunks and device i holds chunks i and 2k-1-i (one early, one late), so every device
+has the same share of the causal mask's work; ``unbalance`` puts outputs that need order back.
+Each token carries its position in the row and its segment id (packed documents), so the mask
+is computed from them and the layout never changes the result.
+
+Two strategies, run inside ``shard_map`` over the axis (``attend_split``):
+
+* ``all_gather``: each device gathers every device's keys and values (and their positions and
+  segments) and attends its queries to the whole sequence: simple, exact, K/V of the whole
+  sequence per layer in memory (MaxText's default).
+* ``ring``: keys and values go round the devices with ``ppermute``, one block per step; each
+  step attends the local queries to the block at hand and folds the result into a running
+  softmax (its max, denominator and weighted sum), so no device ever holds more than two blocks
+  of K/V. The same bytes move as with all-gather, as k-1 permutes that XLA can overlap with
+  each step's compute.
+
+``sequence_parallel_attention`` wraps either for arrays laid out in order (tests, a first use):
+balance, ``shard_map``, unbalance.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from redco_zoo_models.attention import attend
+
+STRATEGIES = ("all_gather", "ring")
+
+
+def check_length(n: int, k: int) -> None:
+    """Refuse a sequence that does not split into ``2k`` equal chunks."""
+    if n % (2 * k):
+        raise ValueError(f"A sequence of {n} tokens does not split into 2 x {k} equal chunks "
+                         f"for {k}-way context parallelism with causal load balancing: pad the "
+                         f"rows to a multiple of {2 * k} tokens or change the context degree.")
+
+
+def balanced_order(n: int, k: int) -> jnp.ndarray:
+    """The token order whose k contiguous parts are chunks ``(i, 2k-1-i)`` of ``n`` tokens."""
+    check_length(n, k)
+    c = n // (2 * k)
+    chunks = [j for i in range(k) for j in (i, 2 * k - 1 - i)]
+    return jnp.concatenate([jnp.arange(j * c, (j + 1) * c) for j in chunks])
+
+
+def balance(x, k: int, axis: int = 1):
+    """``x`` with its sequence ``axis`` in the load-balanced order (``balanced_order``)."""
+    return jnp.take(x, balanced_order(x.shape[axis], k), axis=axis)
+
+
+def unbalance(x, k: int, axis: int = 1):
+    """``balance`` undone: the sequence back in order."""
+    return jnp.take(x, jnp.argsort(balanced_order(x.shape[axis], k)), axis=axis)
+
+
+def allowed_keys(q_pos, q_seg, k_pos, k_seg):
+    """(B, T, S): a query sees the keys of its own segment at its position or before."""
+    return (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_seg[:, None, :] == q_seg[:, :, None])
+
+
+def _block_softmax(q, k, v, allowed, scale):
+    """A block's part of attention: ``(weighted values, row max, row sum)`` with the softmax
+    unnormalised, float32; a row whose keys are all masked has max -inf and sum 0."""
+    groups = q.shape[2] // k.shape[2]  # grouped-query attention: each K/V head serves several
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(allowed[:, None], scores, -jnp.inf)
+    row_max = scores.max(-1)
+    weights = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0)[..., None])
+    out = jnp.einsum("bhts,bshd->bthd", weights, v.astype(jnp.float32))
+    return out, row_max, weights.sum(-1)
+
+
+def _fold(acc, block):
+    """Two blocks' softmax parts made one (the online softmax's rescaling)."""
+    (out_a, max_a, sum_a), (out_b, max_b, sum_b) = acc, block
+    new_max = jnp.maximum(max_a, max_b)
+    safe = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+    scale_a, scale_b = jnp.exp(max_a - safe), jnp.exp(max_b - safe)  # exp(-inf) = 0
+    per_token = lambda s: jnp.moveaxis(s, 1, 2)[..., None]  # (B, H, T) -> (B, T, H, 1)
+    return (out_a * per_token(scale_a) + out_b * per_token(scale_b), new_max,
+            sum_a * scale_a + sum_b * scale_b)
+
+
+def attend_split(q, k, v, q_pos, k_pos, q_seg, k_seg, axis: str, strategy: str = "all_gather",
+                 scale: float | None = None):
+    """This device's queries (B, T, H, D) attended to the keys and values of every device on
+    mesh ``axis``; call inside ``shard_map``. ``*_pos``, ``*_seg``: (B, T) positions in the row
+    and segment ids of the local tokens."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if strategy == "all_gather":
+        gather = partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True)
+        k, v, k_pos, k_seg = gather(k), gather(v), gather(k_pos), gather(k_seg)
+        allowed = allowed_keys(q_pos, q_seg, k_pos, k_seg)
+        return attend(q, k, v, allowed[:, None], scale=scale)
+    if strategy != "ring":
+        raise ValueError(f"strategy {strategy!r}: choose one of {STRATEGIES}.")
+    n = jax.lax.psum(1, axis)
+    to_next = [(i, (i + 1) % n) for i in range(n)]
+    block = (k, v, k_pos, k_seg)
+    acc = _block_softmax(q, k, v, allowed_keys(q_pos, q_seg, k_pos, k_seg), scale)
+    for _ in range(n - 1):  # (unrolled: k is small and static; XLA overlaps the permutes)
+        block = jax.tree.map(lambda x: jax.lax.ppermute(x, axis, to_next), block)
+        kb, vb, pb, sb = block
+        acc = _fold(acc, _block_softmax(q, kb, vb, allowed_keys(q_pos, q_seg, pb, sb), scale))
+    out, _, total = acc
+    return (out / jnp.moveaxis(total, 1, 2)[..., None]).astype(q.dtype)
+
+
+def sequence_parallel_attention(q, k, v, segment_ids, mesh, axis: str = "cp",
+                                strategy: str = "all_gather"):
+    """Causal attention of ``q`` (B, N, H, D) to ``k``, ``v`` (B, N, KV, D) within the
+    ``segment_ids`` (B, N) of packed rows, the sequence split over mesh ``axis`` in the balanced
+    layout; returns (B, N, H, D) in order, equal to unsplit attention."""
+    k_degree, n = mesh.shape[axis], q.shape[1]
+    positions = jnp.broadcast_to(jnp.arange(n), segment_ids.shape)
+    laid_out = [balance(x, k_degree) for x in (q, k, v, positions, segment_ids)]
+    seq = P(None, axis)
+    run = jax.shard_map(lambda q, k, v, pos, seg: attend_split(q, k, v, pos, pos, seg, seg, axis,
+                                                               strategy),
+                        mesh=mesh, in_specs=(seq,) * 5, out_specs=seq)
+    return unbalance(run(*laid_out), k_degree)
