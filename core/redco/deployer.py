@@ -14,7 +14,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from redco import _private, checkpointing, compile_cache, plugins, watchdog
+from redco import _private, checkpointing, compile_cache, plugins, sequence_split, watchdog
 from redco.compat import DeployerV04
 from redco.data import check_collated, check_number
 from redco.protocols import Layout
@@ -24,8 +24,9 @@ logger = logging.getLogger("redco")
 
 
 class Deployer(DeployerV04):
-    """Sets up the run: joins the processes, builds the ``('dp', 'mp')`` mesh, owns the seed,
-    the workdir, the loggers and the checkpoint format.
+    """Sets up the run: joins the processes, builds the ``('dp', 'mp')`` mesh (``('dp', 'cp',
+    'mp')`` with context parallelism), owns the seed, the workdir, the loggers and the
+    checkpoint format.
 
     Args:
       jax_seed: seed of every random number in the run (shuffling, dropout, sampling).
@@ -34,6 +35,10 @@ class Deployer(DeployerV04):
         ``device_memory``, on its first batch (the ``redco-planner`` plugin).
       device_memory: bytes per device (``"40GB"``) for ``n_model_shards="auto"``; read from the
         device on GPUs and TPUs.
+      n_context_shards: context-parallel degree ``cp``: each sequence split over this many
+        devices (the mesh becomes ``('dp', 'cp', 'mp')``), for a model whose attention can run
+        over a split sequence (``redco/sequence_split.py``); ``context_strategy`` how its
+        attention meets the other devices' keys: ``"all_gather"`` or ``"ring"``.
       workdir: where logs, metrics and checkpoints go; ``None`` writes nothing.
       run_tensorboard: also write TensorBoard event files under ``workdir/tensorboard``.
       n_processes, host0_address, host0_port, process_id: a multi-host run over bare IPs.
@@ -75,8 +80,16 @@ class Deployer(DeployerV04):
                  device_memory: int | str | None = None, verbose: bool = True,
                  wandb_init_kwargs: dict | None = None,
                  compile_cache_dir: str | bool | None = None,
-                 hang_timeout_s: float | None = None, async_checkpoints: bool = True):
+                 hang_timeout_s: float | None = None, async_checkpoints: bool = True,
+                 n_context_shards: int = 1, context_strategy: str = "all_gather"):
         check_number("jax_seed", jax_seed, 0)
+        if context_strategy not in sequence_split.STRATEGIES:
+            raise ValueError(f"context_strategy={context_strategy!r}: choose one of "
+                             f"{sequence_split.STRATEGIES}.")
+        if n_context_shards != 1 and n_model_shards == "auto":
+            raise ValueError("n_model_shards='auto' does not choose a context degree yet: give "
+                             "n_model_shards as a number with n_context_shards.")
+        self.n_context_shards, self.context_strategy = n_context_shards, context_strategy
         self.async_checkpoints = async_checkpoints
         self.hang_timeout_s = watchdog.resolve(hang_timeout_s)
         config = dict(n_processes=n_processes, host0_address=host0_address,
@@ -95,7 +108,7 @@ class Deployer(DeployerV04):
                              "own rules list, set n_model_shards yourself.")
         self.device_memory = device_memory
         if n_model_shards != "auto":
-            self.mesh = make_mesh(self.devices, n_model_shards)
+            self.mesh = make_mesh(self.devices, n_model_shards, n_context_shards)
         self.params_sharding_rules: Rules | None = None  # the final rules, once decided
         self.jax_seed = jax_seed
         self.workdir = os.path.abspath(workdir) if workdir is not None else None
@@ -155,7 +168,8 @@ class Deployer(DeployerV04):
 
     def _local_rows(self, global_size: int) -> slice:
         """The rows of a dp-sharded global batch that this process's devices hold."""
-        mine = [i for i, row in enumerate(self.mesh.devices)
+        by_dp = self.mesh.devices.reshape(self.dp_size, -1)  # (a cp axis too: still dp first)
+        mine = [i for i, row in enumerate(by_dp)
                 if any(d.process_index == jax.process_index() for d in row)]
         per_row = global_size // self.dp_size
         return slice(mine[0] * per_row, (mine[-1] + 1) * per_row)

@@ -39,15 +39,25 @@ def is_rule_set(rules) -> bool:
     return rules is None or (isinstance(rules, RuleSetRules) and list(rules) == rules._given)
 
 
-def make_mesh(devices: list, n_model_shards: int) -> Mesh:
-    """The ``('dp', 'mp')`` mesh over ``devices`` with ``mp = n_model_shards``."""
+def make_mesh(devices: list, n_model_shards: int, n_context_shards: int = 1) -> Mesh:
+    """The ``('dp', 'mp')`` mesh over ``devices`` with ``mp = n_model_shards``; with
+    ``n_context_shards > 1``, ``('dp', 'cp', 'mp')``: ``cp`` devices split each sequence."""
     n = len(devices)
     if not isinstance(n_model_shards, int) or n_model_shards < 1 or n % n_model_shards:
         raise ValueError(
             f"n_model_shards={n_model_shards!r} must be \"auto\" or a positive integer dividing "
             f"the number of devices ({n}). Use one of {[d for d in range(1, n + 1) if n % d == 0]}.")
-    return jax.make_mesh((n // n_model_shards, n_model_shards), ("dp", "mp"),
-                         axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
+    rest = n // n_model_shards
+    if not isinstance(n_context_shards, int) or n_context_shards < 1 or rest % n_context_shards:
+        raise ValueError(
+            f"n_context_shards={n_context_shards!r} must be a positive integer dividing the "
+            f"{rest} devices left by n_model_shards={n_model_shards}. Use one of "
+            f"{[d for d in range(1, rest + 1) if rest % d == 0]}.")
+    if n_context_shards == 1:
+        return jax.make_mesh((rest, n_model_shards), ("dp", "mp"),
+                             axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
+    return jax.make_mesh((rest // n_context_shards, n_context_shards, n_model_shards),
+                         ("dp", "cp", "mp"), axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
 def spec_for(path: str, rules: Rules) -> P:

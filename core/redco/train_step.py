@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from redco import _private, fsdp, lora
+from redco import _private, fsdp, lora, sequence_split
 from redco import remat as redco_remat
 from redco.data import cast_floats
 
@@ -68,14 +68,17 @@ def count_tokens_of(batch: Any, count_tokens: Callable | None) -> jax.Array | No
 
 
 def step_loss(loss_fn: Callable, params_shardings: Any = None, compute_dtype: Any = None,
-              remat: str | None = None) -> Callable:
+              remat: str | None = None, mesh: Any = None,
+              context_strategy: str = "all_gather") -> Callable:
     """``loss(params, state, batch, rng, is_training)``: ``loss_fn(rng, state, params, batch,
     is_training)`` on params cast to ``compute_dtype``, under the ``remat`` policy (None: the
-    one in force), with weights sharded over ``dp`` gathered as used (``params_shardings``)."""
+    one in force), with weights sharded over ``dp`` gathered as used (``params_shardings``)
+    and, where ``mesh`` has a ``cp`` axis, the sequence split over it (``sequence_split``)."""
     def loss(params, state, batch, rng, is_training: bool):
         params = cast_floats(params, compute_dtype)
         batch = jax.tree.map(lambda x: x, batch)  # a fresh dict: loss_fn may pop from it
-        with redco_remat.policy(remat), fsdp.gathering(params, params_shardings):
+        with redco_remat.policy(remat), fsdp.gathering(params, params_shardings), \
+                sequence_split.splitting(mesh, context_strategy):
             return loss_fn(rng, state, params, batch, is_training)
     return loss
 

@@ -292,7 +292,9 @@ class Trainer(compat.TrainerV04):
         """``loss_fn`` under the step's remat policy and FSDP gathers (none ``per_device``:
         inside a ``shard_map``, where params are a device's own copy)."""
         shardings = None if per_device or self.state_shardings is None else self.state_shardings.params
-        return step_loss(self.loss_fn, shardings, self.compute_dtype, self.remat)(
+        return step_loss(self.loss_fn, shardings, self.compute_dtype, self.remat,
+                         None if per_device else self.deployer.mesh,
+                         self.deployer.context_strategy)(
             params, state, batch, rng, is_training)
 
     def _eval_loss(self, state: TrainState, batch):

@@ -57,3 +57,99 @@ def test_split_attention_equals_unsplit_attention_and_its_gradients(strategy, k)
         return jax.grad(lambda *qkv: jnp.sum(f(*qkv) * weights), argnums=(0, 1, 2))(q, k_, v)
     for got, want in zip(loss(split), loss(lambda *qkv: unsplit(*qkv, segments))):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def lm_trainer(n_model_shards=1, n_context_shards=1, strategy="all_gather", one_device=False,
+               kind="llama"):
+    """A Trainer of a tiny LLaMA (4 query, 2 key/value heads) or GPT-2 on ``redco_zoo_lm``'s
+    three functions."""
+    import optax
+    from flax import nnx
+
+    from redco import Deployer, Trainer
+    from redco_zoo_lm import collate_fn, loss_fn
+    from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
+    from redco_zoo_models.gpt2 import GPT2Config, GPT2LMHeadModel
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2), rngs=nnx.Rngs(0)) if kind == "llama" else \
+        GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=32, n_embd=32, n_layer=2, n_head=4),
+                        nnx.Rngs(0))
+    apply_fn, params = split_model(model)
+    deployer = Deployer(jax_seed=0, n_model_shards=n_model_shards, workdir=None, verbose=False,
+                        n_context_shards=n_context_shards, context_strategy=strategy,
+                        n_local_devices=1 if one_device else None)
+    # (SGD: each update is the gradient itself. Adam would blow GPT-2's key-bias gradients,
+    # zero in exact arithmetic and ~1e-7 of rounding either way, up to full-size steps.)
+    return Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.sgd(0.5))
+
+
+def packed_rows(n=8, width=17, seed=0):
+    """Rows of 17 tokens (16 inputs): two documents each, the second cut at a random place."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        cut = int(rng.integers(3, 14))
+        rows.append({"token_ids": rng.integers(1, 32, width),
+                     "segment_ids": np.array([1] * cut + [2] * (width - cut))})
+    return rows
+
+
+@pytest.mark.parametrize("kind, n_model_shards, n_context_shards, strategy", [
+    ("llama", 1, 2, "all_gather"), ("llama", 1, 4, "ring"), ("llama", 1, 8, "all_gather"),
+    ("llama", 2, 2, "ring"), ("llama", 2, 4, "all_gather"), ("gpt2", 1, 4, "all_gather"),
+    ("gpt2", 2, 2, "ring")])
+def test_a_model_trained_with_its_sequence_split_matches_one_device(
+        kind, n_model_shards, n_context_shards, strategy):
+    """Two updates of a packed batch through Trainer (dp x cp x mp): the same params and eval
+    loss as on one device, to 1e-5 in fp32."""
+    rows = packed_rows()
+    one = lm_trainer(one_device=True, kind=kind)
+    split = lm_trainer(n_model_shards, n_context_shards, strategy, kind=kind)
+    assert split.deployer.mesh.shape["cp"] == n_context_shards
+    global_batch = 4
+    one.train_epoch(rows, global_batch, 0)
+    split.train_epoch(rows, global_batch // split.deployer.dp_size, 0)
+    assert split.step == one.step == 2
+    for a, b in zip(jax.tree.leaves(jax.device_get(split.params)),
+                    jax.tree.leaves(jax.device_get(one.params))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert split.eval_loss(rows, global_batch // split.deployer.dp_size) == pytest.approx(
+        one.eval_loss(rows, global_batch), rel=1e-5)
+
+
+def test_a_split_no_model_can_serve_and_a_length_that_does_not_split_are_refused_early():
+    import optax
+
+    from redco import Deployer, Trainer
+    deployer = Deployer(jax_seed=0, n_context_shards=2, workdir=None, verbose=False)
+
+    def mlp_loss(rng, state, params, batch, is_training):
+        return jnp.mean((batch["x"] @ params["w"]) ** 2)
+    mlp = Trainer(deployer, lambda rows: {"x": np.stack([r["x"] for r in rows])}, None,
+                  mlp_loss, {"w": jnp.ones((4, 1))}, optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"n_context_shards=2 splits the sequence over 2 devices, "
+                                         r"but the model never asked how"):
+        mlp.train_epoch([{"x": np.ones(4, np.float32)}] * 8, 2, 0)
+    llama = lm_trainer(n_context_shards=4)
+    rows = [dict(r, token_ids=r["token_ids"][:13], segment_ids=r["segment_ids"][:13])
+            for r in packed_rows()]  # 12 inputs: not 2 x 4 chunks
+    with pytest.raises(ValueError, match=r"12 tokens does not split into 2 x 4 equal chunks"):
+        llama.train_epoch(rows, 2, 0)
+    with pytest.raises(ValueError, match=r"n_context_shards=3 must be a positive integer "
+                                         r"dividing the 4 devices left by n_model_shards=2"):
+        Deployer(jax_seed=0, n_model_shards=2, n_context_shards=3, workdir=None, verbose=False)
+
+
+def test_a_decoder_with_cross_attention_is_refused_a_split_sequence():
+    from flax import nnx
+
+    from redco import sequence_split
+    from redco_zoo_models.gpt2 import GPT2Config, GPT2Model
+    decoder = GPT2Model(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                   add_cross_attention=True), nnx.Rngs(0))
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2, 1), ("dp", "cp", "mp"))
+    with pytest.raises(ValueError, match=r"also attends to an encoder \(cross-attention\), which "
+                                         r"it cannot serve: set n_context_shards=1"):
+        with sequence_split.splitting(mesh):
+            decoder(jnp.ones((1, 8), jnp.int32), encoder_hidden_states=jnp.ones((1, 4, 16)))

@@ -53,7 +53,8 @@ class Doctor(Command):
             print(f"devices: {len(devices)} in all, {len(local)} here, platform "
                   f"{devices[0].platform}, kind {', '.join(sorted({d.device_kind for d in devices}))}")
             print(f"local devices: {[d.id for d in local]}")
-            ids = [[d.id for d in row] for row in deployer.mesh.devices]
+            ids = [[d.id for d in row] for row in deployer.mesh.devices.reshape(
+                deployer.mesh.shape["dp"], -1)]
             shown = ids if len(ids) <= 16 else ids[:8] + ["..."] + ids[-4:]
             print(f"mesh of Deployer(n_model_shards=1): {dict(deployer.mesh.shape)}, device ids by "
                   f"dp row: {shown}", flush=True)

@@ -19,18 +19,29 @@ Two strategies, run inside ``shard_map`` over the axis (``attend_split``):
   of K/V. The same bytes move as with all-gather, as k-1 permutes that XLA can overlap with
   each step's compute.
 
-``sequence_parallel_attention`` wraps either for arrays laid out in order (tests, a first use):
+In a model (the zoo's LLaMA family), ``split_inputs`` lays a decoder's inputs out once, when
+``redco.sequence_split.current()`` says the sequence is split: token ids, RoPE positions and
+segment ids in the balanced order (the ids are replicated over the axis, so nothing moves), and a
+``SplitSequence`` that each layer's attention runs through in place of a mask. Norms, MLPs and
+embeddings run on the local tokens; the final hidden states are put back in order
+(``unbalance``) before the output head, so the loss sees the sequence as it was.
+
+``sequence_parallel_attention`` wraps either strategy for arrays laid out in order (tests):
 balance, ``shard_map``, unbalance.
 """
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from redco_zoo_models.attention import attend
+from redco import sequence_split
+from redco_zoo_models.attention import attend, decoder_inputs, segment_positions
 
 STRATEGIES = ("all_gather", "ring")
 
@@ -113,6 +124,72 @@ def attend_split(q, k, v, q_pos, k_pos, q_seg, k_seg, axis: str, strategy: str =
         acc = _fold(acc, _block_softmax(q, kb, vb, allowed_keys(q_pos, q_seg, pb, sb), scale))
     out, _, total = acc
     return (out / jnp.moveaxis(total, 1, 2)[..., None]).astype(q.dtype)
+
+
+@flax.struct.dataclass
+class SplitSequence:
+    """A split sequence, as a decoder layer's ``allowed`` argument: each local token's place in
+    its row (``row_positions``, for the causal mask) and segment id; ``attend`` runs
+    ``attend_split`` over the mesh ``axis``."""
+    row_positions: jax.Array
+    segments: jax.Array
+    mesh: Any = flax.struct.field(pytree_node=False)
+    axis: str = flax.struct.field(pytree_node=False)
+    strategy: str = flax.struct.field(pytree_node=False)
+
+    def attend(self, q, k, v, scale: float | None = None):
+        seq = P(None, self.axis)
+        run = jax.shard_map(
+            lambda q, k, v, pos, seg: attend_split(q, k, v, pos, pos, seg, seg, self.axis,
+                                                   self.strategy, scale),
+            mesh=self.mesh, in_specs=(seq,) * 5, out_specs=seq, axis_names={self.axis})
+        return run(q, k, v, self.row_positions, self.segments)
+
+    def split(self, x):
+        """``x`` (B, N, ...) constrained to the local tokens' devices (other dims as XLA likes)."""
+        spec = P(P.UNCONSTRAINED, self.axis, *[P.UNCONSTRAINED] * (x.ndim - 2))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def in_order(self, x):
+        """``x`` (B, N, ...) back in the sequence's order."""
+        return unbalance(x, self.mesh.shape[self.axis])
+
+
+def decoder_layout(input_ids, attention_mask=None, cached: bool = False, cache_index=0,
+                   segment_ids=None) -> tuple:
+    """``(ids, positions, allowed)`` of a decoder's input: ``attention.decoder_inputs``'s, or,
+    while ``redco.sequence_split`` splits the sequence (training: no mask, no cache), the ids and
+    positions in the balanced order and a ``SplitSequence`` as ``allowed``."""
+    split = None if cached or attention_mask is not None else sequence_split.current()
+    if split is None:
+        return (input_ids, *decoder_inputs(*input_ids.shape, attention_mask, cached, cache_index,
+                                           segment_ids))
+    return split_inputs(input_ids, segment_ids, split)
+
+
+def on_split(x, allowed):
+    """``x`` (B, N, ...) on its tokens' devices when the sequence is split, else as it is."""
+    return allowed.split(x) if isinstance(allowed, SplitSequence) else x
+
+
+def in_order(x, allowed):
+    """``x`` (B, N, ...) back in the sequence's order when the sequence is split."""
+    return allowed.in_order(x) if isinstance(allowed, SplitSequence) else x
+
+
+def split_inputs(input_ids, segment_ids, split: tuple) -> tuple:
+    """``(ids, positions, SplitSequence)``: a decoder's token ids and RoPE positions (restarting
+    at each segment) in the balanced order, for the split ``(mesh, axis, strategy)`` that
+    ``redco.sequence_split.current()`` gave."""
+    mesh, axis, strategy = split
+    k, (b, n) = mesh.shape[axis], input_ids.shape
+    check_length(n, k)
+    rows = jnp.broadcast_to(jnp.arange(n), (b, n))
+    segments = jnp.ones((b, n), jnp.int32) if segment_ids is None else segment_ids
+    positions = rows if segment_ids is None else segment_positions(segment_ids)
+    ids, positions, rows, segments = (balance(x, k) for x in (input_ids, positions, rows,
+                                                               segments))
+    return ids, positions, SplitSequence(rows, segments, mesh, axis, strategy)
 
 
 def sequence_parallel_attention(q, k, v, segment_ids, mesh, axis: str = "cp",

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redco import remat
-from redco_zoo_models.attention import attend, decoder_inputs, init_cache, write_cache
+from redco_zoo_models.attention import attend, init_cache, write_cache
+from redco_zoo_models.context_parallel import SplitSequence, decoder_layout, in_order, on_split
 from redco_zoo_models.layers import ACTIVATIONS
 
 
@@ -83,8 +84,8 @@ class Attention(nnx.Module):
             q, (k, v) = self.q_attn(x), jnp.split(self.c_attn(context), 2, -1)
         q, k, v = (y.reshape(*y.shape[:2], self.n_head, -1) for y in (q, k, v))
         k, v, layer_cache = write_cache(layer_cache, k, v, cache_index)
-        out = attend(q, k, v, allowed, scale=self.scale,
-                     is_causal=context is None and allowed is None)
+        out = allowed.attend(q, k, v, self.scale) if isinstance(allowed, SplitSequence) else \
+            attend(q, k, v, allowed, scale=self.scale, is_causal=context is None and allowed is None)
         return self.c_proj(out.reshape(*x.shape[:2], -1)), layer_cache
 
 
@@ -127,17 +128,21 @@ class GPT2Model(nnx.Module):
 
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
                  encoder_hidden_states=None, segment_ids=None):
-        positions, allowed = decoder_inputs(*input_ids.shape, attention_mask, cache is not None,
-                                            cache_index, segment_ids)
+        input_ids, positions, allowed = decoder_layout(  # (a split sequence: context parallel)
+            input_ids, attention_mask, cache is not None, cache_index, segment_ids)
+        if isinstance(allowed, SplitSequence) and encoder_hidden_states is not None:
+            raise ValueError("Context parallelism splits a decoder's own causal sequence; this "
+                             "decoder also attends to an encoder (cross-attention), which it "
+                             "cannot serve: set n_context_shards=1.")
         # not nnx.Embed's call, which fixes the dtype at init: this follows the params' dtype
-        x = (jnp.take(self.wte.embedding[...], input_ids, axis=0)
-             + jnp.take(self.wpe.embedding[...], positions, axis=0))
+        x = on_split(jnp.take(self.wte.embedding[...], input_ids, axis=0)
+                     + jnp.take(self.wpe.embedding[...], positions, axis=0), allowed)
         new_cache = []
         for i, block in enumerate(self.h):
             x, layer_cache = block(x, allowed, cache and cache[i], cache_index,
                                    encoder_hidden_states)
             new_cache.append(layer_cache)
-        return self.ln_f(x), (new_cache if cache is not None else None)
+        return in_order(self.ln_f(x), allowed), (new_cache if cache is not None else None)
 
 
 class GPT2LMHeadModel(nnx.Module):

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redco import remat
-from redco_zoo_models.attention import attend, decoder_inputs, init_cache, write_cache
+from redco_zoo_models.attention import attend, init_cache, write_cache
+from redco_zoo_models.context_parallel import SplitSequence, decoder_layout, in_order, on_split
 from redco_zoo_models.layers import RMSNorm
 
 
@@ -95,7 +96,8 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         q, k = apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta)
         k, v, layer_cache = write_cache(layer_cache, k, v, cache_index)
-        out = attend(q, k, v, allowed, is_causal=allowed is None)
+        out = allowed.attend(q, k, v) if isinstance(allowed, SplitSequence) else \
+            attend(q, k, v, allowed, is_causal=allowed is None)
         return self.o_proj(out.reshape(b, t, -1)), layer_cache
 
 
@@ -135,15 +137,15 @@ class LlamaModel(nnx.Module):
 
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
                  segment_ids=None):
-        positions, allowed = decoder_inputs(*input_ids.shape, attention_mask, cache is not None,
-                                            cache_index, segment_ids)
+        input_ids, positions, allowed = decoder_layout(  # (a split sequence: context parallel)
+            input_ids, attention_mask, cache is not None, cache_index, segment_ids)
         table = self.embed_tokens.embedding[...]  # not nnx.Embed's call: it fixes the dtype
-        x = jnp.take(table, input_ids, axis=0)     # at init; this follows the params' dtype
-        new_cache = []
+        x = on_split(jnp.take(table, input_ids, axis=0), allowed)  # at init; this follows the
+        new_cache = []                                             # params' dtype
         for i, layer in enumerate(self.layers):
             x, layer_cache = layer(x, positions, allowed, cache and cache[i], cache_index)
             new_cache.append(layer_cache)
-        return self.norm(x), (new_cache if cache is not None else None)
+        return in_order(self.norm(x), allowed), (new_cache if cache is not None else None)
 
 
 class LlamaForCausalLM(nnx.Module):
