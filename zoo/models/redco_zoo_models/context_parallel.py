@@ -43,8 +43,6 @@ from jax.sharding import PartitionSpec as P
 from redco import sequence_split
 from redco_zoo_models.attention import attend, decoder_inputs, segment_positions
 
-STRATEGIES = ("all_gather", "ring")
-
 
 def check_length(n: int, k: int) -> None:
     """Refuse a sequence that does not split into ``2k`` equal chunks."""
@@ -113,7 +111,7 @@ def attend_split(q, k, v, q_pos, k_pos, q_seg, k_seg, axis: str, strategy: str =
         allowed = allowed_keys(q_pos, q_seg, k_pos, k_seg)
         return attend(q, k, v, allowed[:, None], scale=scale)
     if strategy != "ring":
-        raise ValueError(f"strategy {strategy!r}: choose one of {STRATEGIES}.")
+        raise ValueError(f"strategy {strategy!r}: choose one of {sequence_split.STRATEGIES}.")
     n = jax.lax.psum(1, axis)
     to_next = [(i, (i + 1) % n) for i in range(n)]
     block = (k, v, k_pos, k_seg)

@@ -1,8 +1,8 @@
-"""main.py trains a tiny LLaMA, made here with a word-level tokenizer and the ChatML chat template
-(no hub), on 8 simulated CPU devices with the model split in two. The task: the user says
-"x_a x_b", the answer is y_b. An SFT warm-up teaches the format and the answers for b < 10 only;
-GRPO, rewarded by exact match, then learns those for b >= 10: the greedy reward on held-out
-pairs rises from about 0 to 0.6 or more."""
+"""main.py trains a tiny LLaMA with a word-level tokenizer and the ChatML chat template
+(``redco_zoo_models.toy.save_tiny_chat_model``: no hub), on 8 simulated CPU devices with the
+model split in two. The task: the user says "x_a x_b", the answer is y_b. An SFT warm-up teaches
+the format and the answers for b < 10 only; GRPO, rewarded by exact match, then learns those for
+b >= 10: the greedy reward on held-out pairs rises from about 0 to 0.6 or more."""
 import json
 import os
 
@@ -12,30 +12,10 @@ import main  # noqa: E402
 import numpy as np  # noqa: E402
 
 from redco.cli import main as redco  # noqa: E402
-from redco_zoo_models.toy import save_model_dir, tiny_llama  # noqa: E402
+from redco_zoo_models.toy import save_tiny_chat_model  # noqa: E402
 
-OPEN, CLOSE = "{" * 2, "}" * 2  # (written so: redco new reads doubled braces as its own)
-CHATML = ("{% for m in messages %}<|im_start|>" + OPEN + " m['role'] " + CLOSE + "\n" + OPEN
-          + " m['content'] " + CLOSE + "<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # ChatML
-SPECIALS = ["<pad>", "<|im_end|>", "<unk>", "<|im_start|>"]
 WORDS = ["system", "user", "assistant"] + [f"x{i}" for i in range(20)] + \
     [f"y{i}" for i in range(20)]
-
-
-def model_dir(tmp_path) -> str:
-    """A tiny LLaMA and its chat tokenizer, saved as a HuggingFace directory."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(SPECIALS + WORDS)},
-                                     unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHATML,
-                                        pad_token="<pad>", eos_token="<|im_end|>")
-    path = save_model_dir(tiny_llama(len(SPECIALS) + len(WORDS)), tok, str(tmp_path / "llama"))
-    tokenizer.save_pretrained(path)  # with the chat template
-    return path
 
 
 def write_task(tmp_path):
@@ -55,7 +35,8 @@ def write_task(tmp_path):
 
 def test_sft_then_main_learns_what_sft_did_not_teach(tmp_path):
     write_task(tmp_path)
-    redco(["zoo", "run", "sft", "--model", model_dir(tmp_path), "--train",
+    model_dir = save_tiny_chat_model(str(tmp_path / "llama"), WORDS)  # ChatML, word-level
+    redco(["zoo", "run", "sft", "--model", model_dir, "--train",
            str(tmp_path / "sft.jsonl"), "--workdir", str(tmp_path / "sft"), "--max_len", "16",
            "--per_device_batch_size", "2", "--n_epochs", "4", "--learning_rate", "3e-3"])
     workdir = tmp_path / "workdir"
