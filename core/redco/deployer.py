@@ -38,7 +38,9 @@ class Deployer(DeployerV04):
       n_context_shards: context-parallel degree ``cp``: each sequence split over this many
         devices (the mesh becomes ``('dp', 'cp', 'mp')``), for a model whose attention can run
         over a split sequence (``redco/sequence_split.py``); ``context_strategy`` how its
-        attention meets the other devices' keys: ``"all_gather"`` or ``"ring"``.
+        attention meets the other devices' keys: ``"all_gather"`` or ``"ring"``. ``"auto"``:
+        the layout planner picks it at the first batch, as it picks ``n_model_shards="auto"``;
+        by default (None) 1, or ``"auto"`` with ``n_model_shards="auto"``.
       workdir: where logs, metrics and checkpoints go; ``None`` writes nothing.
       run_tensorboard: also write TensorBoard event files under ``workdir/tensorboard``.
       n_processes, host0_address, host0_port, process_id: a multi-host run over bare IPs.
@@ -81,15 +83,15 @@ class Deployer(DeployerV04):
                  wandb_init_kwargs: dict | None = None,
                  compile_cache_dir: str | bool | None = None,
                  hang_timeout_s: float | None = None, async_checkpoints: bool = True,
-                 n_context_shards: int = 1, context_strategy: str = "all_gather"):
+                 n_context_shards: int | str | None = None, context_strategy: str = "all_gather"):
         check_number("jax_seed", jax_seed, 0)
         if context_strategy not in sequence_split.STRATEGIES:
             raise ValueError(f"context_strategy={context_strategy!r}: choose one of "
                              f"{sequence_split.STRATEGIES}.")
-        if n_context_shards != 1 and n_model_shards == "auto":
-            raise ValueError("n_model_shards='auto' does not choose a context degree yet: give "
-                             "n_model_shards as a number with n_context_shards.")
+        if n_context_shards is None:
+            n_context_shards = "auto" if n_model_shards == "auto" else 1
         self.n_context_shards, self.context_strategy = n_context_shards, context_strategy
+        planned = "auto" in (n_model_shards, n_context_shards)  # by the layout planner
         self.async_checkpoints = async_checkpoints
         self.hang_timeout_s = watchdog.resolve(hang_timeout_s)
         config = dict(n_processes=n_processes, host0_address=host0_address,
@@ -103,11 +105,12 @@ class Deployer(DeployerV04):
         self.layout: Layout | None = None  # the layout planner's pick (n_model_shards="auto")
         if isinstance(sharding_rules, str):
             plugins.lookup("sharding_rules", sharding_rules)  # an unknown name fails here
-        elif n_model_shards == "auto":
-            raise ValueError("n_model_shards='auto' chooses among rule sets by name; with your "
-                             "own rules list, set n_model_shards yourself.")
+        elif planned:
+            raise ValueError("The layout planner (n_model_shards or n_context_shards 'auto') "
+                             "chooses among rule sets by name; with your own rules list, set "
+                             "n_model_shards and n_context_shards yourself.")
         self.device_memory = device_memory
-        if n_model_shards != "auto":
+        if not planned:
             self.mesh = make_mesh(self.devices, n_model_shards, n_context_shards)
         self.params_sharding_rules: Rules | None = None  # the final rules, once decided
         self.jax_seed = jax_seed
@@ -309,15 +312,20 @@ class Deployer(DeployerV04):
         rule_sets = [self._rules_name] if self._rules_name != "auto" else ["auto", "auto+fsdp"]
         planner = plugins.lookup("layout_planners", "auto")
         takes = inspect.signature(planner.plan).parameters
+        degrees = {"model_degrees": self.n_model_shards, "context_degrees": self.n_context_shards}
+        degrees = {name: None if value == "auto" else [value] for name, value in degrees.items()}
         extra = {name: value for name, value in (("remat", remat), ("trainable", trainable),
-                                                 ("accumulate_grad_batches", accumulate_grad_batches))
+                                                 ("accumulate_grad_batches", accumulate_grad_batches),
+                                                 *degrees.items())
                  if name in takes}
         picked = planner.plan(self, params, loss, batch, optimizer, rule_sets, **extra)
         self.layout = picked
-        self.log_info(f"n_model_shards='auto': picked n_model_shards={picked.n_model_shards}, "
+        self.log_info(f"layout planner: picked n_model_shards={picked.n_model_shards}, "
+                      f"n_context_shards={picked.n_context_shards}, "
                       f"sharding_rules={picked.sharding_rules!r}, remat={picked.remat!r}")
         self._rules_name, self.n_model_shards = picked.sharding_rules, picked.n_model_shards
-        self.mesh = make_mesh(self.devices, picked.n_model_shards)
+        self.n_context_shards = picked.n_context_shards
+        self.mesh = make_mesh(self.devices, picked.n_model_shards, picked.n_context_shards)
         return list(picked.rules)
 
     def get_params_shardings(self, params: Any, rules: Rules):

@@ -2,10 +2,12 @@
 in the backward pass, so no more than one layer's gathered weights are alive at a time.
 
 Under the ``fsdp`` and ``auto+fsdp`` rules a weight is split over ``dp``, the axis the batch is
-split over too. Left to itself, XLA's SPMD partitioner often multiplies such a weight by
-all-gathering the *activations* over the batch instead: their size is the global batch's, so a
-device's peak then rises with the number of devices (measured on the zoo LLaMA, width 1024, 8
-layers, one 512-token row per device: temp bytes 493, 599 and 985 MB on 2, 4 and 8 devices).
+split over too (and over ``cp`` as well with context parallelism: ``dp`` x ``cp`` devices share
+the weights out, as torchtitan's FSDP spans its context axis). Left to itself, XLA's SPMD
+partitioner often multiplies such a weight by all-gathering the *activations* over the batch
+instead: their size is the global batch's, so a device's peak then rises with the number of
+devices (measured on the zoo LLaMA, width 1024, 8 layers, one 512-token row per device: temp
+bytes 493, 599 and 985 MB on 2, 4 and 8 devices).
 Constraining each layer's weights to be gathered before use fixes the choice. Under a remat
 policy the gather runs inside the layer's checkpoint (``redco.remat.layer``), so the backward
 pass gathers them again rather than keep them, as ZeRO-3 and PyTorch's FSDP do; with remat
@@ -30,28 +32,28 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 GATHERED = "redco_fsdp_gathered"  # the checkpoint name of a gathered weight
-FSDP_AXIS = "dp"
+FSDP_AXES = ("dp", "cp")  # the axes weights are split over, where the mesh has them
 _declared: list[dict[int, NamedSharding]] = []  # a stack: id(param leaf) -> its gathered sharding
 
 
-def without_axis(spec: P, axis: str = FSDP_AXIS) -> P:
-    """``spec`` with ``axis`` taken out of every entry: the layout after gathering over it."""
+def without_axes(spec: P, axes: tuple[str, ...] = FSDP_AXES) -> P:
+    """``spec`` with ``axes`` taken out of every entry: the layout after gathering over them."""
     def drop(entry):
         if isinstance(entry, tuple):
-            kept = tuple(a for a in entry if a != axis)
+            kept = tuple(a for a in entry if a not in axes)
             return kept if len(kept) > 1 else (kept[0] if kept else None)
-        return None if entry == axis else entry
+        return None if entry in axes else entry
     return P(*(drop(entry) for entry in spec))
 
 
 def gathered_shardings(shardings: Any) -> Any:
-    """Per leaf of a params-shaped tree of ``NamedSharding``: the sharding gathered over ``dp``,
-    or None where the leaf is not split over ``dp`` (nothing to gather)."""
+    """Per leaf of a params-shaped tree of ``NamedSharding``: the sharding gathered over the
+    FSDP axes, or None where the leaf is not split over them (nothing to gather)."""
     def one(sharding):
-        if not isinstance(sharding, NamedSharding) or FSDP_AXIS not in jax.tree.leaves(
-                tuple(sharding.spec)):
+        if not isinstance(sharding, NamedSharding) or not set(FSDP_AXES) & set(
+                jax.tree.leaves(tuple(sharding.spec))):
             return None
-        return NamedSharding(sharding.mesh, without_axis(sharding.spec))
+        return NamedSharding(sharding.mesh, without_axes(sharding.spec))
     return jax.tree.map(one, shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
@@ -59,7 +61,7 @@ def gathered_shardings(shardings: Any) -> Any:
 def gathering(params: Any, shardings: Any) -> Iterator[None]:
     """While tracing inside, ``remat.layer`` gathers each leaf of ``params`` that its
     ``shardings`` (a tree like ``params`` of ``NamedSharding``; None: nothing to gather) splits
-    over ``dp``."""
+    over ``dp`` (or ``cp``)."""
     gathered = jax.tree.leaves(gathered_shardings(shardings), is_leaf=lambda x: x is None)
     table = {} if shardings is None else {
         id(leaf): target for leaf, target in zip(jax.tree.leaves(params), gathered)

@@ -134,24 +134,31 @@ class Command:
 
 class Layout(NamedTuple):
     """What a layout planner picks: the model-parallel degree, the rule set's name, its rules,
-    and the ``redco.remat`` policy the train step was planned with."""
+    the ``redco.remat`` policy the train step was planned with, and the context-parallel
+    degree (devices splitting each sequence)."""
     n_model_shards: int
     sharding_rules: str
     rules: Rules
     remat: str = "none"
+    n_context_shards: int = 1
 
 
 class LayoutPlanner:
-    """Picks the layout for ``Deployer(n_model_shards="auto")`` (registered as ``"auto"``)."""
+    """Picks the layout for ``Deployer(n_model_shards="auto")`` or ``n_context_shards="auto"``
+    (registered as ``"auto"``)."""
 
     def plan(self, deployer: Any, params: Any, loss: Callable, batch: Any, optimizer: Any,
-             rule_sets: list[str], remat: str | None = None, trainable: Any = None) -> Layout:
+             rule_sets: list[str], remat: str | None = None, trainable: Any = None,
+             model_degrees: list[int] | None = None,
+             context_degrees: list[int] | None = (1,)) -> Layout:
         """``loss(params, batch) -> scalar`` with ``batch`` one device's abstract rows; try
         ``rule_sets`` over the deployer's devices and return the layout to use. ``remat`` is
         the ``Trainer``'s policy (plan with it); ``None`` lets the planner pick one
         (``Layout.remat``). ``trainable`` is the ``Trainer``'s mask (LoRA), None when every
-        param trains: frozen leaves take no gradient or optimizer state. A planner whose
-        ``plan`` takes no ``remat`` or ``trainable`` is called without it."""
+        param trains: frozen leaves take no gradient or optimizer state. ``model_degrees`` and
+        ``context_degrees``: the ``n_model_shards`` and ``n_context_shards`` to choose among
+        (None: any). A planner whose ``plan`` takes none of these is called without them (and
+        then cannot be asked to choose a context degree)."""
         raise NotImplementedError
 
 

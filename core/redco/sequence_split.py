@@ -22,6 +22,10 @@ STRATEGIES = ("all_gather", "ring")
 _state = threading.local()
 
 
+class SplitNotAsked(ValueError):
+    """A loss was traced with the sequence split, and no model in it asked how to split it."""
+
+
 @contextlib.contextmanager
 def splitting(mesh: Mesh | None, strategy: str = "all_gather") -> Iterator[None]:
     """Trace what runs inside with the sequence split over ``mesh``'s ``cp`` axis (nothing when
@@ -34,7 +38,7 @@ def splitting(mesh: Mesh | None, strategy: str = "all_gather") -> Iterator[None]
     try:
         yield
         if not _state.split["asked"]:
-            raise ValueError(
+            raise SplitNotAsked(
                 f"n_context_shards={mesh.shape[AXIS]} splits the sequence over {mesh.shape[AXIS]} "
                 "devices, but the model never asked how (redco.sequence_split.current()): its "
                 "attention cannot run over a split sequence. Use a zoo LLaMA-family or GPT-2 "

@@ -60,7 +60,7 @@ def test_split_attention_equals_unsplit_attention_and_its_gradients(strategy, k)
 
 
 def lm_trainer(n_model_shards=1, n_context_shards=1, strategy="all_gather", one_device=False,
-               kind="llama"):
+               kind="llama", rules="auto", compute_dtype=None):
     """A Trainer of a tiny LLaMA (4 query, 2 key/value heads) or GPT-2 on ``redco_zoo_lm``'s
     three functions."""
     import optax
@@ -78,10 +78,11 @@ def lm_trainer(n_model_shards=1, n_context_shards=1, strategy="all_gather", one_
     apply_fn, params = split_model(model)
     deployer = Deployer(jax_seed=0, n_model_shards=n_model_shards, workdir=None, verbose=False,
                         n_context_shards=n_context_shards, context_strategy=strategy,
-                        n_local_devices=1 if one_device else None)
+                        n_local_devices=1 if one_device else None, sharding_rules=rules)
     # (SGD: each update is the gradient itself. Adam would blow GPT-2's key-bias gradients,
     # zero in exact arithmetic and ~1e-7 of rounding either way, up to full-size steps.)
-    return Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.sgd(0.5))
+    return Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.sgd(0.5),
+                   compute_dtype=compute_dtype)
 
 
 def packed_rows(n=8, width=17, seed=0):
@@ -95,27 +96,45 @@ def packed_rows(n=8, width=17, seed=0):
     return rows
 
 
-@pytest.mark.parametrize("kind, n_model_shards, n_context_shards, strategy", [
-    ("llama", 1, 2, "all_gather"), ("llama", 1, 4, "ring"), ("llama", 1, 8, "all_gather"),
-    ("llama", 2, 2, "ring"), ("llama", 2, 4, "all_gather"), ("gpt2", 1, 4, "all_gather"),
-    ("gpt2", 2, 2, "ring")])
+@pytest.mark.parametrize("kind, n_model_shards, n_context_shards, strategy, rules", [
+    ("llama", 1, 2, "all_gather", "auto"), ("llama", 1, 4, "ring", "auto"),
+    ("llama", 1, 8, "all_gather", "auto+fsdp"), ("llama", 2, 2, "ring", "auto+fsdp"),
+    ("llama", 2, 4, "all_gather", "auto"), ("gpt2", 1, 4, "all_gather", "auto"),
+    ("gpt2", 2, 2, "ring", "auto")])
 def test_a_model_trained_with_its_sequence_split_matches_one_device(
-        kind, n_model_shards, n_context_shards, strategy):
-    """Two updates of a packed batch through Trainer (dp x cp x mp): the same params and eval
-    loss as on one device, to 1e-5 in fp32."""
+        kind, n_model_shards, n_context_shards, strategy, rules):
+    """Two updates of a packed batch through Trainer (dp x cp x mp, FSDP over dp x cp): the
+    same params and eval loss as on one device, to 1e-5 in fp32."""
     rows = packed_rows()
     one = lm_trainer(one_device=True, kind=kind)
-    split = lm_trainer(n_model_shards, n_context_shards, strategy, kind=kind)
+    split = lm_trainer(n_model_shards, n_context_shards, strategy, kind=kind, rules=rules)
     assert split.deployer.mesh.shape["cp"] == n_context_shards
     global_batch = 4
     one.train_epoch(rows, global_batch, 0)
     split.train_epoch(rows, global_batch // split.deployer.dp_size, 0)
     assert split.step == one.step == 2
+    if rules == "auto+fsdp":  # the weights are shared out over the devices splitting a sequence
+        specs = [str(spec) for _, spec in split.deployer.params_sharding_rules]
+        assert any("'cp'" in spec for spec in specs), specs
     for a, b in zip(jax.tree.leaves(jax.device_get(split.params)),
                     jax.tree.leaves(jax.device_get(one.params))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     assert split.eval_loss(rows, global_batch // split.deployer.dp_size) == pytest.approx(
         one.eval_loss(rows, global_batch), rel=1e-5)
+
+
+def test_a_bfloat16_model_trains_with_its_sequence_split_as_on_one_device():
+    """bf16 compute (the key/value gradients reduce-scattered in fp32): one update equals one
+    device's bf16 update to bf16's rounding. (XLA's CPU compiler crashed compiling this step
+    with the gradients reduce-scattered in bf16.)"""
+    rows = packed_rows()
+    one = lm_trainer(one_device=True, compute_dtype=jnp.bfloat16)
+    split = lm_trainer(1, 4, compute_dtype=jnp.bfloat16)
+    one.train_epoch(rows[:4], 4, 0)
+    split.train_epoch(rows[:4], 2, 0)
+    for a, b in zip(jax.tree.leaves(jax.device_get(split.params)),
+                    jax.tree.leaves(jax.device_get(one.params))):
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2)
 
 
 def test_a_split_no_model_can_serve_and_a_length_that_does_not_split_are_refused_early():

@@ -1,6 +1,7 @@
 """Built-in sharding rule sets: ``auto`` (the paper's two rules over ``mp``; ``auto-names``
 reads them off parameter names only, never the dataflow), ``fsdp``
-(ZeRO-3 style over ``dp``), ``auto+fsdp`` (both, on a 2-D layout) and ``replicate``."""
+(ZeRO-3 style over ``dp``, and ``cp`` with context parallelism), ``auto+fsdp`` (both, on a 2-D
+layout) and ``replicate``."""
 from __future__ import annotations
 
 import math
@@ -11,6 +12,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from redco.dataflow import dataflow_split_dims
+from redco.fsdp import FSDP_AXES
 from redco.plugins import hookimpl
 from redco.sharding import Rules, named_leaves
 
@@ -77,13 +79,22 @@ def auto_specs(params, mesh: Mesh, trace_fn=None) -> dict[str, P]:
     return specs
 
 
-def with_fsdp(spec: P, shape: tuple[int, ...], dp: int) -> P:
-    """``spec`` with ``'dp'`` added on the largest dim that is free and divisible by ``dp``."""
+def fsdp_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes FSDP splits weights over: ``dp``, and ``cp`` too where the mesh has one (the
+    devices splitting a sequence hold the same weights, so they share them out as well)."""
+    return tuple(axis for axis in FSDP_AXES if axis in mesh.axis_names)
+
+
+def with_fsdp(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """``spec`` with the FSDP axes (``fsdp_axes``) added on the largest dim that is free and
+    divisible by their size."""
+    axes = fsdp_axes(mesh)
+    n = math.prod(mesh.shape[axis] for axis in axes)
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    free = [d for d, axis in enumerate(entries) if axis is None and shape[d] % dp == 0]
-    if dp == 1 or not free or math.prod(shape) < FSDP_MIN_SIZE:
+    free = [d for d, axis in enumerate(entries) if axis is None and shape[d] % n == 0]
+    if n == 1 or not free or math.prod(shape) < FSDP_MIN_SIZE:
         return spec
-    entries[max(free, key=lambda d: shape[d])] = "dp"
+    entries[max(free, key=lambda d: shape[d])] = axes[0] if len(axes) == 1 else axes
     return P(*entries)
 
 
@@ -100,14 +111,13 @@ def auto_names_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
 def fsdp_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
     """Every large parameter (and so its optimizer state) split over the data-parallel devices
     and gathered for compute by XLA: ZeRO-3 without any code in the model."""
-    dp = mesh.shape["dp"]
-    return exact({path: with_fsdp(P(), leaf.shape, dp) for path, leaf in named_leaves(params)})
+    return exact({path: with_fsdp(P(), leaf.shape, mesh) for path, leaf in named_leaves(params)})
 
 
 def auto_fsdp_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
     """``auto`` over ``mp``, then ``fsdp`` over ``dp`` on a remaining dim."""
     specs = auto_specs(params, mesh, trace_fn) if mesh.shape["mp"] > 1 else {}
-    return exact({path: with_fsdp(specs.get(path, P()), leaf.shape, mesh.shape["dp"])
+    return exact({path: with_fsdp(specs.get(path, P()), leaf.shape, mesh)
                   for path, leaf in named_leaves(params)})
 
 

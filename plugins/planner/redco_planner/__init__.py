@@ -5,8 +5,8 @@ Registered through the ``redco`` entry-point group like any third-party plugin:
 
 * ``register_layout_planners``: ``"auto"``, an ``AutoLayoutPlanner``. At ``Trainer.fit``'s first
   batch the Deployer asks it for a layout; it compiles the train step ahead of time for
-  ``n_model_shards`` = 1, 2, 4, ... (``redco_planner.planner.plan``) and returns the first
-  that fits the device memory.
+  ``n_model_shards`` = 1, 2, 4, ... (with ``n_context_shards="auto"``, every mp x cp;
+  ``redco_planner.planner.plan``) and returns the first that fits the device memory.
 * ``register_commands``: ``"plan"`` and ``"rules"`` (``redco_planner.commands``).
 
 Every ``redco`` process that builds a registry imports this module, so it imports only the
@@ -26,7 +26,8 @@ __all__ = ["AutoLayoutPlanner", "PlanCommand", "RulesCommand"]
 
 
 class AutoLayoutPlanner(LayoutPlanner):
-    """The smallest model-parallel layout whose compiled train step fits one device's memory.
+    """The layout with the fewest devices per example (mp, or mp x cp with context
+    parallelism) whose compiled train step fits one device's memory.
 
     The memory is ``Deployer(device_memory=...)`` (``"40GB"`` or bytes), else what the device
     reports (GPUs and TPUs do; CPUs do not: then the error says to pass it). Each layout
@@ -36,21 +37,27 @@ class AutoLayoutPlanner(LayoutPlanner):
 
     def plan(self, deployer: Any, params: Any, loss: Callable, batch: Any, optimizer: Any,
              rule_sets: list[str], remat: str | None = None, trainable: Any = None,
-             accumulate_grad_batches: int = 1) -> Layout:
+             accumulate_grad_batches: int = 1, model_degrees: list[int] | None = None,
+             context_degrees: list[int] | None = (1,)) -> Layout:
         """``remat`` None (the Trainer's own is None): try ``planner.REMAT_POLICIES``, least
         recompute first; else plan with that policy alone. ``trainable``: the Trainer's mask
         (LoRA): the frozen leaves are measured without gradients or optimizer state.
-        ``accumulate_grad_batches``: micro-batches per update, each of ``batch``'s rows."""
+        ``accumulate_grad_batches``: micro-batches per update, each of ``batch``'s rows.
+        ``model_degrees``, ``context_degrees``: the mp and cp to choose among (None: any),
+        the sequence split the deployer's ``context_strategy`` way."""
         from redco_planner import planner
         memory = planner.device_memory_bytes(deployer)
         policies = planner.REMAT_POLICIES if remat is None else (remat,)
         result = planner.plan(params, loss, batch, len(deployer.devices), memory,
                               optimizer=optimizer, rule_sets=rule_sets, log=deployer.log_info,
                               remat_policies=policies, trainable=trainable,
-                              accumulate_grad_batches=accumulate_grad_batches)
+                              accumulate_grad_batches=accumulate_grad_batches,
+                              model_degrees=model_degrees, context_degrees=context_degrees,
+                              context_strategy=deployer.context_strategy)
         deployer.log_info(f"why: {result.reason}")
         deployer.layout_plan = result
-        return Layout(result.n_model_shards, result.sharding_rules, result.rules, result.remat)
+        return Layout(result.n_model_shards, result.sharding_rules, result.rules, result.remat,
+                      result.n_context_shards)
 
 
 @redco.hookimpl

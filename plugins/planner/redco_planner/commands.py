@@ -92,14 +92,25 @@ class RulesCommand(Command):
         print(f"wrote {args.png}")
 
 
+def context_degrees(value: str) -> list[int] | None:
+    """``--context-shards``: ``auto`` (None: every degree) or comma-separated degrees."""
+    if value == "auto":
+        return None
+    try:
+        return [int(d) for d in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: give auto or degrees such as 1,2,4") from None
+
+
 class PlanCommand(Command):
-    description = "Pick the smallest model-parallel layout whose train step fits the device memory."
+    description = ("Pick the layout with the fewest devices per example (model parallel x "
+                   "context parallel) whose train step fits the device memory.")
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--model", required=True, help=MODEL_HELP)
         parser.add_argument("--devices", type=int, required=True, help="simulated CPU devices")
         parser.add_argument("--device-memory", required=True, help="per device, e.g. 40GB (GiB)")
-        parser.add_argument("--seq-len", type=int, default=1024)
+        parser.add_argument("--seq-len", "--seq_len", type=int, default=1024)
         parser.add_argument("--batch", type=int, default=1, help="per-device batch size")
         parser.add_argument("--rules", default="auto,auto+fsdp", help="rule sets to try, in order")
         parser.add_argument("--all", action="store_true", help="measure every layout, not just "
@@ -108,6 +119,11 @@ class PlanCommand(Command):
                             "(none, dots_saveable, full: least recompute first) at each layout")
         parser.add_argument("--lora-rank", type=int, help="if no full fine-tuning layout fits, "
                             "try LoRA adapters of this rank (base frozen) the same way")
+        parser.add_argument("--context-shards", type=context_degrees, default=None,
+                            help="context-parallel degrees to consider (devices splitting each "
+                            "sequence): auto (every degree, the default) or e.g. 1 or 1,2,4")
+        parser.add_argument("--context-strategy", default="all_gather",
+                            choices=("all_gather", "ring"))
 
     def run(self, args: argparse.Namespace) -> None:
         simulate_devices(args.devices)
@@ -129,11 +145,14 @@ class PlanCommand(Command):
                           device_memory_bytes=memory, rule_sets=args.rules.split(","),
                           try_all=args.all, log=lambda line: print("  " + line, flush=True),
                           remat_policies=REMAT_POLICIES if args.remat else ("none",),
-                          lora_rank=args.lora_rank, lora=model.lora)
+                          lora_rank=args.lora_rank, lora=model.lora,
+                          context_degrees=args.context_shards,
+                          context_strategy=args.context_strategy)
         except PlanError as e:
             sys.exit(f"redco: {e}")
         remat = f", remat={result.remat!r}" if args.remat else ""
         remat += "" if result.lora_rank is None else f", LoRA rank {result.lora_rank}"
-        print(f"pick: n_model_shards={result.n_model_shards}, sharding_rules="
+        print(f"pick: n_model_shards={result.n_model_shards}, n_context_shards="
+              f"{result.n_context_shards}, sharding_rules="
               f"{result.sharding_rules!r}{remat} (peak {result.peak_bytes / memory:.0%} of device "
               f"memory)\nwhy: {result.reason}")

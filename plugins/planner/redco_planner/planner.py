@@ -1,15 +1,21 @@
-"""Pick a layout that fits: the smallest model-parallel degree whose train step fits in memory.
+"""Pick a layout that fits: the fewest devices per example whose train step fits in memory.
 
 ``plan(params, loss_fn, batch, n_devices, device_memory_bytes)`` tries ``n_model_shards`` =
 1, 2, 4, ... (least communication first), at each the rule sets in ``rule_sets`` and, with
 each, the rematerialisation policies in ``remat_policies`` (least recompute first, see
 ``redco.remat``), and picks the first layout whose per-device peak fits in ``1 - HEADROOM``
-of the memory. With ``lora_rank``, LoRA (frozen base, adapters
-of that rank trained: no gradients or optimizer state for the base) is tried the same way, only
-after every full fine-tuning layout failed; with ``trainable`` (a LoRA ``Trainer``'s mask), every
-layout is measured with only those leaves trained. The peak is measured, not estimated: the whole
-train step (forward, backward, optimizer update, with the state donated as ``Trainer`` does)
-is compiled ahead of time on abstract shapes,
+of the memory. With ``context_degrees`` (context parallelism: ``n_context_shards`` devices
+split each sequence), the layouts are ordered by how many devices share one example, mp x cp,
+and at the same number tensor parallelism comes first: context parallelism is picked when the
+sequence, not the weights, is what does not fit (a sequence's activations shrink ~1/cp; the
+weights and optimizer state do not). A model whose attention cannot run over a split sequence
+(``redco.sequence_split.SplitNotAsked``) is planned without it. With ``lora_rank``, LoRA
+(frozen base, adapters of that rank trained: no gradients or optimizer state for the base) is
+tried the same way, only after every full fine-tuning layout failed; with ``trainable`` (a LoRA
+``Trainer``'s mask), every layout is measured with only those leaves trained.
+
+The peak is measured, not estimated: the whole train step (forward, backward, optimizer update,
+with the state donated as ``Trainer`` does) is compiled ahead of time on abstract shapes,
 ``jax.jit(step, in_shardings=..., out_shardings=...).lower(...).compile()``, and read off
 XLA's ``memory_analysis()``: arguments + outputs - donated aliases + temporaries, so params,
 gradients, optimizer state and activations are all in. Nothing is allocated.
@@ -48,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 from redco import lora as redco_lora
 from redco import plugins, sharding
 from redco import remat as redco_remat
+from redco.sequence_split import SplitNotAsked
 from redco.sharding import Rules, dataflow_trace, opt_state_shardings, shardings_from_specs, specs_from_rules
 from redco.train_step import TrainState, make_train_step, split, step_loss
 from redco_planner.inspection import LoraModel, human_bytes, n_positional, parse_bytes
@@ -107,13 +114,17 @@ class TriedLayout:
     remat: str = "none"  # the redco.remat policy the step was compiled under
     flops: float | None = None  # per device: XLA's cost_analysis of the compiled step
     lora_rank: int | None = None  # LoRA adapters' rank (base frozen); None: full fine-tuning
+    n_context_shards: int = 1  # cp: devices that split each sequence
 
     @property
     def mesh_shape(self) -> dict:
-        return {"dp": self.n_devices // self.n_model_shards, "mp": self.n_model_shards}
+        return {"dp": self.n_devices // (self.n_model_shards * self.n_context_shards),
+                "cp": self.n_context_shards, "mp": self.n_model_shards}
 
     def describe(self) -> str:
-        name = f"mp={self.n_model_shards:<3} dp={self.mesh_shape['dp']:<3} {self.sharding_rules:<10}"
+        cp = f"cp={self.n_context_shards:<3} " if self.n_context_shards > 1 else ""
+        name = (f"mp={self.n_model_shards:<3} {cp}dp={self.mesh_shape['dp']:<3} "
+                f"{self.sharding_rules:<10}")
         if self.remat != "none":
             name += f" remat={self.remat}"
         if self.lora_rank is not None:
@@ -143,10 +154,12 @@ class Plan:
     reason: str = ""  # why this layout: what did not fit before it
     lora_rank: int | None = None  # the pick trains LoRA adapters of this rank (base frozen)
     lora_via: str = ""  # how the LoRA model was built
+    n_context_shards: int = 1
 
     def deployer_kwargs(self) -> dict:
         """``Deployer(**plan.deployer_kwargs(), jax_seed=...)``."""
-        return {"n_model_shards": self.n_model_shards, "sharding_rules": self.sharding_rules}
+        return {"n_model_shards": self.n_model_shards, "n_context_shards": self.n_context_shards,
+                "sharding_rules": self.sharding_rules}
 
     def __str__(self) -> str:
         usable = usable_bytes(self.device_memory_bytes, self.headroom)
@@ -155,6 +168,7 @@ class Plan:
                  f"({self.headroom:.0%} kept as headroom)"]
         lines += ["  " + layout.describe() for layout in self.tried]
         lines.append(f"pick: n_model_shards={self.n_model_shards}, "
+                     f"n_context_shards={self.n_context_shards}, "
                      f"sharding_rules={self.sharding_rules!r}, remat={self.remat!r}"
                      f"{'' if self.lora_rank is None else f', LoRA rank {self.lora_rank}'}, peak "
                      f"{human_bytes(self.peak_bytes)} per device "
@@ -163,15 +177,16 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_mesh(n_devices: int, n_model_shards: int):
-    """The ``('dp', 'mp')`` mesh ``Deployer`` builds, over the first ``n_devices`` devices."""
+def make_mesh(n_devices: int, n_model_shards: int, n_context_shards: int = 1):
+    """The ``('dp', 'mp')`` (or ``('dp', 'cp', 'mp')``) mesh ``Deployer`` builds, over the
+    first ``n_devices`` devices."""
     devices = jax.devices()
     if n_devices > len(devices):
         raise ValueError(
             f"Planning for {n_devices} devices needs as many here, but jax sees {len(devices)}. "
             f"On a CPU set XLA_FLAGS=--xla_force_host_platform_device_count={n_devices} before "
             "jax is imported (the redco CLI does this for you).")
-    return sharding.make_mesh(devices[:n_devices], n_model_shards)
+    return sharding.make_mesh(devices[:n_devices], n_model_shards, n_context_shards)
 
 
 def as_optimizer(optimizer) -> optax.GradientTransformation:
@@ -223,7 +238,8 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
             n_model_shards: int, sharding_rules: str = "auto",
             optimizer: Any = optax.adamw, trace_fn: Callable | None = None,
             rules: Rules | None = None, remat: str = "none",
-            trainable: Any = None, accumulate_grad_batches: int = 1) -> TriedLayout:
+            trainable: Any = None, accumulate_grad_batches: int = 1,
+            n_context_shards: int = 1, context_strategy: str = "all_gather") -> TriedLayout:
     """Compile one train step ahead of time on abstract shapes; read its per-device memory and
     FLOPs.
 
@@ -232,12 +248,13 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
     policy ``remat`` (a loss that sets its own, as ``Trainer(remat=...)`` does, keeps that).
     ``trainable`` (a mask like ``redco.lora.trainable_mask``): only those leaves get gradients
     and optimizer state, as with ``Trainer(trainable=...)``. The step is ``Trainer``'s own
-    (``redco.train_step.make_train_step``), over ``accumulate_grad_batches`` micro-batches.
+    (``redco.train_step.make_train_step``), over ``accumulate_grad_batches`` micro-batches,
+    with the sequence split over ``n_context_shards`` devices as ``Trainer`` splits it.
     """
     optimizer = as_optimizer(optimizer)
     layout = TriedLayout(sharding_rules, n_model_shards, n_devices,
-                         remat=redco_remat.check(remat))
-    mesh = make_mesh(n_devices, n_model_shards)
+                         remat=redco_remat.check(remat), n_context_shards=n_context_shards)
+    mesh = make_mesh(n_devices, n_model_shards, n_context_shards)
     dp = mesh.shape["dp"]
     batch = micro_batches(global_batch(batch_abstract, dp), accumulate_grad_batches)
     with warnings.catch_warnings():
@@ -257,7 +274,7 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
         math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
         for x, s in zip(jax.tree.leaves(params_abstract), jax.tree.leaves(params_shardings)))
     step = make_train_step(step_loss(lambda rng, state, params, batch, is_training: loss(params, batch),
-                                     params_shardings),
+                                     params_shardings, mesh=mesh, context_strategy=context_strategy),
                            optimizer, trainable, accumulate_grad_batches)
     start = time.perf_counter()
     with redco_remat.policy(remat):
@@ -289,6 +306,17 @@ def model_shard_degrees(n_devices: int) -> list[int]:
     return powers + [d for d in divisors if d not in powers]
 
 
+def split_degrees(n_devices: int, model_degrees: Sequence[int] | None = None,
+                  context_degrees: Sequence[int] | None = (1,)) -> list[tuple[int, int]]:
+    """The ``(mp, cp)`` pairs to try (None: every degree), in order: fewest devices per example
+    (mp x cp, in ``model_shard_degrees`` order) first, and at the same number, tensor before
+    context parallelism (it also shards the weights; context parallelism only activations)."""
+    order = model_shard_degrees(n_devices)
+    pairs = [(mp, cp) for mp in (model_degrees or order) for cp in (context_degrees or order)
+             if n_devices % (mp * cp) == 0]
+    return sorted(pairs, key=lambda pair: (order.index(pair[0] * pair[1]), pair[1]))
+
+
 def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices: int,
          device_memory_bytes: int, optimizer: Any = optax.adamw,
          rule_sets: Sequence[str] = ("auto", "auto+fsdp"), trace_fn: Callable | None = None,
@@ -296,8 +324,11 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
          headroom: float = HEADROOM, remat_policies: Sequence[str] = ("none",),
          lora_rank: int | None = None,
          lora: Callable[[int], LoraModel] | None = None, trainable: Any = None,
-         accumulate_grad_batches: int = 1) -> Plan:
-    """The smallest model-parallel layout whose train step fits ``device_memory_bytes``.
+         accumulate_grad_batches: int = 1, model_degrees: Sequence[int] | None = None,
+         context_degrees: Sequence[int] | None = (1,),
+         context_strategy: str = "all_gather") -> Plan:
+    """The layout with the fewest devices per example whose train step fits
+    ``device_memory_bytes``.
 
     Args:
       params_abstract: the params, ``jax.ShapeDtypeStruct`` leaves (``jax.eval_shape``) or real.
@@ -325,6 +356,9 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
         state in every layout measured.
       accumulate_grad_batches: micro-batches per update (``batch_abstract`` rows each), summed
         in one step as ``Trainer`` does.
+      model_degrees: the ``n_model_shards`` to try; None: every divisor of ``n_devices``.
+      context_degrees: the ``n_context_shards`` to try (None: every divisor), each sequence
+        split ``context_strategy``'s way; the default, 1, splits none.
 
     Raises:
       PlanError: nothing fits; the message names the smallest peak found.
@@ -341,14 +375,29 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
         trace_fn = loss_or_trace_fn
     params_abstract = abstract(params_abstract)
     policies = effective_policies(remat_policies, loss, params_abstract, batch_abstract)
-    candidates = [(mp, name, policy) for mp in model_shard_degrees(n_devices)
+    degrees = split_degrees(n_devices, model_degrees, context_degrees)
+    if not degrees:
+        raise ValueError(f"No n_model_shards in {model_degrees} and n_context_shards in "
+                         f"{context_degrees} together divide {n_devices} devices.")
+    candidates = [(mp, cp, name, policy) for mp, cp in degrees
                   for name in rule_sets for policy in policies]
+    splits = {"asked": True}  # False once a model is found not to split the sequence
 
     def search(params, loss, trace_fn, trainable=None, rank=None) -> TriedLayout | None:
         pick = None
-        for mp, name, policy in candidates:
-            layout = try_layout(params, loss, batch_abstract, n_devices, mp, name, optimizer,
-                                trace_fn, policy, trainable, usable, accumulate_grad_batches)
+        for mp, cp, name, policy in candidates:
+            if cp > 1 and not splits["asked"]:
+                continue
+            try:
+                layout = try_layout(params, loss, batch_abstract, n_devices, mp, name, optimizer,
+                                    trace_fn, policy, trainable, usable, accumulate_grad_batches,
+                                    cp, context_strategy)
+            except SplitNotAsked:
+                splits["asked"] = False
+                if log:
+                    log("n_context_shards > 1 not tried: the model's attention cannot run over "
+                        "a split sequence (it never asks redco.sequence_split how)")
+                continue
             layout.lora_rank = rank
             tried.append(layout)
             if log:
@@ -367,11 +416,16 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
                            dataflow_trace(adapters.loss, batch_abstract),
                            redco_lora.trainable_mask(adapters.params), lora_rank)
         pick = pick or lora_pick
+    if not tried and not splits["asked"]:
+        raise PlanError(f"Every layout asked for splits the sequence (n_context_shards in "
+                        f"{context_degrees}), but the model's attention cannot run over a split "
+                        "sequence: use a zoo LLaMA-family or GPT-2 model, or n_context_shards=1.")
     if pick is None:
         raise nothing_fits(tried, n_devices, device_memory_bytes, headroom)
     result = Plan(pick.n_model_shards, pick.sharding_rules, pick.rules, pick.peak_bytes,
                   device_memory_bytes, n_devices, tried, headroom, pick.remat, "",
-                  pick.lora_rank, adapters.via if adapters and pick.lora_rank else "")
+                  pick.lora_rank, adapters.via if adapters and pick.lora_rank else "",
+                  pick.n_context_shards)
     result.reason = why(pick, tried, result.lora_via)
     return result
 
@@ -382,17 +436,21 @@ def abstract(params):
 
 
 def try_layout(params, loss, batch, n_devices, mp, name, optimizer, trace_fn, policy,
-               trainable, usable, accumulate_grad_batches: int = 1) -> TriedLayout:
+               trainable, usable, accumulate_grad_batches: int = 1, cp: int = 1,
+               context_strategy: str = "all_gather") -> TriedLayout:
     """``measure``, with ``fits`` set. A layout XLA runs out of memory compiling does not fit;
     one that fails for any other reason could not be measured, and keeps the exception."""
     try:
         layout = measure(params, loss, batch, n_devices, mp, name, optimizer, trace_fn,
                          remat=policy, trainable=trainable,
-                         accumulate_grad_batches=accumulate_grad_batches)
+                         accumulate_grad_batches=accumulate_grad_batches,
+                         n_context_shards=cp, context_strategy=context_strategy)
         layout.fits = layout.peak_bytes <= usable
+    except SplitNotAsked:
+        raise  # the model, not this layout: the caller stops trying context parallelism
     except Exception as e:  # noqa: BLE001 - reported with the layout, type and message
         failure = f"{type(e).__name__}: {e}"[:800]
-        layout = TriedLayout(name, mp, n_devices, remat=policy)
+        layout = TriedLayout(name, mp, n_devices, remat=policy, n_context_shards=cp)
         if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e):
             layout.out_of_memory = failure
         else:
@@ -446,24 +504,35 @@ def effective_policies(policies: Sequence[str], loss: Callable, params_abstract,
     return policies if redco_remat.layers_traced() > before else policies[:1]
 
 
+def split_name(layout: TriedLayout) -> str:
+    """``mp=2``, or ``mp=2 cp=4`` for a layout that splits the sequence."""
+    cp = layout.n_context_shards
+    return f"mp={layout.n_model_shards}" + (f" cp={cp}" if cp > 1 else "")
+
+
 def why(pick: TriedLayout, tried: list[TriedLayout], lora_via: str = "") -> str:
-    """Why ``pick``: the smaller model-parallel degrees, and the lighter policies at its own,
-    that did not fit (and, for LoRA, that no full fine-tuning layout did)."""
+    """Why ``pick``: the layouts with fewer devices per example (smaller mp, or mp x cp), and
+    the lighter policies at its own, that did not fit (and, for LoRA, that no full fine-tuning
+    layout did)."""
     same_kind = [t for t in tried if t.lora_rank == pick.lora_rank]
-    below = [t for t in same_kind if t.n_model_shards < pick.n_model_shards]
-    reason = "the smallest mp that fits"
+    at_pick = lambda t: (t.n_model_shards, t.n_context_shards) == (pick.n_model_shards,
+                                                                   pick.n_context_shards)
+    below = [t for t in same_kind[:same_kind.index(pick)] if not at_pick(t)]
+    context = any(t.n_context_shards > 1 for t in below + [pick])
+    reason = "the fewest devices per example (mp x cp) that fit" if context else \
+        "the smallest mp that fits"
     if below:
-        smaller = ", ".join(map(str, sorted({t.n_model_shards for t in below})))
+        smaller = (", ".join(dict.fromkeys(map(split_name, below))) if context else
+                   "mp=" + ", ".join(map(str, sorted({t.n_model_shards for t in below}))))
         unmeasured = sum(1 for t in below if t.error)
-        reason += (f" (nothing tried at mp={smaller} fits)" if not unmeasured else
-                   f" (nothing measured at mp={smaller} fits; {unmeasured} could not be measured)")
+        reason += (f" (nothing tried at {smaller} fits)" if not unmeasured else
+                   f" (nothing measured at {smaller} fits; {unmeasured} could not be measured)")
     if pick.lora_rank is not None:
         reason = (f"no full fine-tuning layout fits; with LoRA rank {pick.lora_rank} "
                   f"({lora_via}), {reason}")
     if pick.remat == "none":
-        return f"{reason}; at mp={pick.n_model_shards} it fits without remat"
+        return f"{reason}; at {split_name(pick)} it fits without remat"
     lighter = [t.remat for t in same_kind[:same_kind.index(pick)]
-               if t.n_model_shards == pick.n_model_shards
-               and t.sharding_rules == pick.sharding_rules and t.remat != pick.remat]
-    return (f"{reason}; at mp={pick.n_model_shards} {pick.sharding_rules} fits only with "
+               if at_pick(t) and t.sharding_rules == pick.sharding_rules and t.remat != pick.remat]
+    return (f"{reason}; at {split_name(pick)} {pick.sharding_rules} fits only with "
             f"remat={pick.remat} (not with {', '.join(lighter)})")

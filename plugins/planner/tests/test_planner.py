@@ -30,7 +30,7 @@ def test_budget_that_needs_model_parallelism_picks_two_shards(tiny):
     assert [(t.n_model_shards, t.fits) for t in result.tried][:2] == [(1, False), (1, False)]
     assert result.tried[-1].fits and result.tried[-1].n_model_shards == 2
     assert any("q_proj" in pattern for pattern, _ in result.rules)
-    assert result.deployer_kwargs() == {"n_model_shards": 2,
+    assert result.deployer_kwargs() == {"n_model_shards": 2, "n_context_shards": 1,
                                         "sharding_rules": result.sharding_rules}
     assert "pick: n_model_shards=2" in str(result)
 
@@ -84,7 +84,7 @@ def test_plan_cli_reports_each_layout_and_the_pick(capsys):
           "--seq-len", "16"])
     out = capsys.readouterr().out
     assert "mp=1   dp=8   auto       peak" in out and "fits" in out
-    assert "pick: n_model_shards=1, sharding_rules='auto'" in out
+    assert "pick: n_model_shards=1, n_context_shards=1, sharding_rules='auto'" in out
     with pytest.raises(SystemExit, match="smallest per-device peak found is"):
         main(["plan", "--model", "llama-tiny", "--devices", "8", "--device-memory", "1KB",
               "--seq-len", "16", "--rules", "auto+fsdp"])

@@ -22,7 +22,9 @@ def test_the_readme_plan_block_runs_as_written():
     # LLaMA-7B's 6.74e9 fp32 params, split 8 ways by auto+fsdp with nothing replicated
     assert "total: 25.10 GiB (26953662464 bytes)" in out, out[-3000:]
     assert "1.00x ideal" in out and "replicated: 0 B" in out, out[-3000:]
-    compiled = re.findall(r"mp=(\d+)\s+dp=(\d+)\s+(\S+)\s+peak\s+([\d.]+) GiB", out)
-    assert compiled and all(int(mp) * int(dp) == 4 for mp, dp, _, _ in compiled), out[-3000:]
-    pick = re.search(r"pick: n_model_shards=(\d+), sharding_rules='(\S+)' \(peak (\d+)% of", out)
-    assert pick and int(pick.group(3)) <= 90, out[-3000:]  # within the planner's 10% headroom
+    compiled = re.findall(r"mp=(\d+)\s+(?:cp=(\d+)\s+)?dp=(\d+)\s+(\S+)\s+peak\s+([\d.]+) GiB", out)
+    assert compiled and all(int(mp) * int(cp or 1) * int(dp) == 4
+                            for mp, cp, dp, _, _ in compiled), out[-3000:]
+    pick = re.search(r"pick: n_model_shards=(\d+), n_context_shards=(\d+), sharding_rules='(\S+)' "
+                     r"\(peak (\d+)% of", out)
+    assert pick and int(pick.group(4)) <= 90, out[-3000:]  # within the planner's 10% headroom

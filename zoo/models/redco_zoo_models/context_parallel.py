@@ -99,6 +99,27 @@ def _fold(acc, block):
             sum_a * scale_a + sum_b * scale_b)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather_sequence(x, axis: str):
+    """Every device's ``x`` (B, T, ...) along the sequence, inside ``shard_map`` over ``axis``.
+    Its gradient is reduce-scattered in fp32 (then cast back): low-precision K/V gradients from
+    k devices are summed without rounding at each addition, and XLA's CPU compiler (jax 0.10)
+    crashes on a bf16 reduce-scatter in a ``shard_map`` manual over some mesh axes only."""
+    return jax.lax.all_gather(x, axis, axis=1, tiled=True)
+
+
+def _gather_forward(x, axis: str):
+    return gather_sequence(x, axis), None
+
+
+def _gather_backward(axis: str, _, grad):
+    summed = jax.lax.psum_scatter(grad.astype(jnp.float32), axis, scatter_dimension=1, tiled=True)
+    return (summed.astype(grad.dtype),)
+
+
+gather_sequence.defvjp(_gather_forward, _gather_backward)
+
+
 def attend_split(q, k, v, q_pos, k_pos, q_seg, k_seg, axis: str, strategy: str = "all_gather",
                  scale: float | None = None):
     """This device's queries (B, T, H, D) attended to the keys and values of every device on
@@ -107,7 +128,8 @@ def attend_split(q, k, v, q_pos, k_pos, q_seg, k_seg, axis: str, strategy: str =
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if strategy == "all_gather":
         gather = partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True)
-        k, v, k_pos, k_seg = gather(k), gather(v), gather(k_pos), gather(k_seg)
+        k, v = gather_sequence(k, axis), gather_sequence(v, axis)
+        k_pos, k_seg = gather(k_pos), gather(k_seg)
         allowed = allowed_keys(q_pos, q_seg, k_pos, k_seg)
         return attend(q, k, v, allowed[:, None], scale=scale)
     if strategy != "ring":
@@ -149,8 +171,10 @@ class SplitSequence:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     def in_order(self, x):
-        """``x`` (B, N, ...) back in the sequence's order."""
-        return unbalance(x, self.mesh.shape[self.axis])
+        """``x`` (B, N, ...) back in the sequence's order, still split over the devices (in
+        order now: device i holds the i-th k-th of the sequence), so the output head and the
+        loss run on each device's own tokens, not on the whole sequence everywhere."""
+        return self.split(unbalance(x, self.mesh.shape[self.axis]))
 
 
 def decoder_layout(input_ids, attention_mask=None, cached: bool = False, cache_index=0,
