@@ -5,8 +5,8 @@ and activations).
 
 Models: LLaMA-7B (``redco_zoo_models.LLAMA_PRESETS``) and a Llama-3-8B-shaped LLaMA (hidden
 4096, MLP 14336, 32 layers, 32 heads, 8 KV heads, vocab 128,256). One sequence per step
-(global batch 1 per data-parallel group), fp32 weights and AdamW state, bf16 compute (the
-params cast in the loss, as ``Trainer(compute_dtype=jnp.bfloat16)`` does), ``auto+fsdp`` rules
+(global batch 1 per data-parallel group), fp32 weights and AdamW state, bf16 compute (as
+``Trainer(compute_dtype=jnp.bfloat16)``), ``auto+fsdp`` rules
 (weights and optimizer state sharded over every device), full remat (each layer's input kept,
 the rest recomputed). Without CP: mp = 8 (tensor parallelism over all 8); with CP: cp = 8 (the
 weights and optimizer state FSDP-sharded over the 8), each strategy. The sequence doubles from
@@ -31,7 +31,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from redco.data import cast_floats  # noqa: E402
 from redco_planner.inspection import lm_loss  # noqa: E402
 from redco_planner.planner import measure, usable_bytes  # noqa: E402
 from redco_zoo_models import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, split_model  # noqa: E402
@@ -48,14 +47,13 @@ MEMORY = 80 * 10**9
 def model(name: str):
     cfg = LlamaConfig(**MODELS[name])
     apply_fn, params = split_model(nnx.eval_shape(lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))))
-    loss = lm_loss(apply_fn)
-    return params, lambda p, b: loss(cast_floats(p, jnp.bfloat16), b)
+    return params, lm_loss(apply_fn)
 
 
 def peak(params, loss, seq: int, mp: int, cp: int, strategy: str) -> float:
     batch = {"input_ids": jax.ShapeDtypeStruct((1, seq + 1), jnp.int32)}
     layout = measure(params, loss, batch, 8, mp, "auto+fsdp", remat="full",
-                     n_context_shards=cp, context_strategy=strategy)
+                     n_context_shards=cp, context_strategy=strategy, compute_dtype=jnp.bfloat16)
     return layout.peak_bytes
 
 

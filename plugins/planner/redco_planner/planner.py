@@ -239,7 +239,8 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
             optimizer: Any = optax.adamw, trace_fn: Callable | None = None,
             rules: Rules | None = None, remat: str = "none",
             trainable: Any = None, accumulate_grad_batches: int = 1,
-            n_context_shards: int = 1, context_strategy: str = "all_gather") -> TriedLayout:
+            n_context_shards: int = 1, context_strategy: str = "all_gather",
+            compute_dtype: Any = None) -> TriedLayout:
     """Compile one train step ahead of time on abstract shapes; read its per-device memory and
     FLOPs.
 
@@ -249,7 +250,8 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
     ``trainable`` (a mask like ``redco.lora.trainable_mask``): only those leaves get gradients
     and optimizer state, as with ``Trainer(trainable=...)``. The step is ``Trainer``'s own
     (``redco.train_step.make_train_step``), over ``accumulate_grad_batches`` micro-batches,
-    with the sequence split over ``n_context_shards`` devices as ``Trainer`` splits it.
+    with the sequence split over ``n_context_shards`` devices as ``Trainer`` splits it, and
+    the params cast to ``compute_dtype`` (e.g. ``jnp.bfloat16``) as ``Trainer`` casts them.
     """
     optimizer = as_optimizer(optimizer)
     layout = TriedLayout(sharding_rules, n_model_shards, n_devices,
@@ -274,7 +276,8 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
         math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
         for x, s in zip(jax.tree.leaves(params_abstract), jax.tree.leaves(params_shardings)))
     step = make_train_step(step_loss(lambda rng, state, params, batch, is_training: loss(params, batch),
-                                     params_shardings, mesh=mesh, context_strategy=context_strategy),
+                                     params_shardings, compute_dtype, mesh=mesh,
+                                     context_strategy=context_strategy),
                            optimizer, trainable, accumulate_grad_batches)
     start = time.perf_counter()
     with redco_remat.policy(remat):
