@@ -15,7 +15,7 @@ from redco_planner.planner import PlanError, plan, split_degrees
 
 SEQ_LEN = 512
 # ``one_head_lm`` at this length fits BUDGET only with its sequence split. Measured peaks per
-# device (MiB, auto+fsdp): mp1 7.9, mp2 7.4, mp4 7.1, mp8 6.9; cp2 4.4, cp4 2.4, cp8 1.6.
+# device (MiB, auto+fsdp): mp1 7.9, mp2 7.4, mp4 7.1, mp8 6.9; cp2 4.4.
 BUDGET = 6 * 2**20  # usable 5.4 MiB with the 10% headroom
 
 

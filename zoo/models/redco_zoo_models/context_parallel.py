@@ -13,17 +13,11 @@ Two strategies, run inside ``shard_map`` over the axis (``attend_split``):
 * ``all_gather``: each device gathers every device's keys and values (and their positions and
   segments) and attends its queries to the whole sequence: simple, exact, K/V of the whole
   sequence per layer in memory (MaxText's default).
-* ``ring``: keys and values go round the devices with ``ppermute``, one block per step (a
-  ``scan``); each step attends the local queries to the block at hand and folds the result into
-  a running softmax (its max, denominator and weighted sum), so no device ever holds more than
-  two blocks of K/V. The same bytes move as with all-gather, as k-1 permutes.
-
-Either way the scores are computed a tile at a time (``_attend_tiles``: ``TILE`` queries
-against ``TILE`` keys, folded into the same running softmax), and the backward pass recomputes
-a query tile's scores instead of keeping them: a device holds one tile's scores, not its share
-of the sequence's (N/k x N, or N/k x N/k per ring step). On the zoo LLaMA (width 256, 4 layers,
-8k tokens, CP 8) this took the step's temp memory from 1,189 MiB (all-gather) and 1,084 MiB
-(ring) to 419 and 417 MiB.
+* ``ring``: keys and values go round the devices with ``ppermute``, one block per step; each
+  step attends the local queries to the block at hand and folds the result into a running
+  softmax (its max, denominator and weighted sum), so no device ever holds more than two blocks
+  of K/V. The same bytes move as with all-gather, as k-1 permutes that XLA can overlap with
+  each step's compute.
 
 In a model (the zoo's LLaMA family), ``split_inputs`` lays a decoder's inputs out once, when
 ``redco.sequence_split.current()`` says the sequence is split: token ids, RoPE positions and
@@ -47,7 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from redco import sequence_split
-from redco_zoo_models.attention import decoder_inputs, segment_positions
+from redco_zoo_models.attention import attend, decoder_inputs, segment_positions
 
 
 def check_length(n: int, k: int) -> None:
@@ -94,9 +88,6 @@ def _block_softmax(q, k, v, allowed, scale):
     return out, row_max, weights.sum(-1)
 
 
-TILE = 1024  # tokens per query tile and per key tile (tile_size)
-
-
 def _fold(acc, block):
     """Two blocks' softmax parts made one (the online softmax's rescaling)."""
     (out_a, max_a, sum_a), (out_b, max_b, sum_b) = acc, block
@@ -129,65 +120,28 @@ def _gather_backward(axis: str, _, grad):
 gather_sequence.defvjp(_gather_forward, _gather_backward)
 
 
-def tile_size(n: int, target: int | None = None) -> int:
-    """Tokens per tile of a length-``n`` axis: its largest divisor not above ``target``
-    (default ``TILE``), or ``n`` itself when that divisor is under a quarter of ``min(n,
-    target)``: tiles too small to pay."""
-    target = TILE if target is None else target
-    size = max(d for d in range(1, min(n, target) + 1) if n % d == 0)
-    return size if 4 * size > min(n, target) else n
-
-
-def _tiles(x, size: int):
-    """(B, N, ...) -> (N / size, B, size, ...)."""
-    return x.reshape(x.shape[0], -1, size, *x.shape[2:]).swapaxes(0, 1)
-
-
-def _attend_tiles(q, k, v, q_pos, q_seg, k_pos, k_seg, scale):
-    """``_block_softmax`` of queries (B, T, H, D) over keys (B, S, KV, D), one tile of queries
-    after another, each folding one tile of keys after another: only one tile's scores are
-    held, and the backward pass recomputes a query tile's rather than keep them."""
-    key_tiles = [_tiles(x, tile_size(k.shape[1])) for x in (k, v, k_pos, k_seg)]
-
-    @jax.checkpoint
-    def query_tile(query):
-        qt, pt, st = query
-        part = lambda key: _block_softmax(qt, key[0], key[1],
-                                          allowed_keys(pt, st, key[2], key[3]), scale)
-        acc, _ = jax.lax.scan(lambda acc, key: (_fold(acc, part(key)), None),
-                              part([x[0] for x in key_tiles]), [x[1:] for x in key_tiles])
-        return acc
-    size = tile_size(q.shape[1])
-    out, row_max, total = jax.lax.map(query_tile, [_tiles(x, size) for x in (q, q_pos, q_seg)])
-    b, t = q.shape[:2]
-    per_head = lambda x: x.transpose(1, 2, 0, 3).reshape(b, x.shape[2], t)  # (B, H, T)
-    return out.swapaxes(0, 1).reshape(q.shape), per_head(row_max), per_head(total)
-
-
 def attend_split(q, k, v, q_pos, k_pos, q_seg, k_seg, axis: str, strategy: str = "all_gather",
                  scale: float | None = None):
     """This device's queries (B, T, H, D) attended to the keys and values of every device on
     mesh ``axis``; call inside ``shard_map``. ``*_pos``, ``*_seg``: (B, T) positions in the row
     and segment ids of the local tokens."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    n = jax.lax.psum(1, axis)
-    part = lambda block: _attend_tiles(q, block[0], block[1], q_pos, q_seg, block[2], block[3],
-                                       scale)
     if strategy == "all_gather":
         gather = partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True)
-        acc = part((gather_sequence(k, axis), gather_sequence(v, axis), gather(k_pos),
-                    gather(k_seg)))
-    elif strategy == "ring":
-        to_next = [(i, (i + 1) % n) for i in range(n)]
-
-        def step(carry, _):  # the next device's block arrives and is folded in
-            acc, block = carry
-            block = jax.tree.map(lambda x: jax.lax.ppermute(x, axis, to_next), block)
-            return (_fold(acc, part(block)), block), None
-        block = (k, v, k_pos, k_seg)
-        (acc, _), _ = jax.lax.scan(step, (part(block), block), None, length=n - 1)
-    else:
+        k, v = gather_sequence(k, axis), gather_sequence(v, axis)
+        k_pos, k_seg = gather(k_pos), gather(k_seg)
+        allowed = allowed_keys(q_pos, q_seg, k_pos, k_seg)
+        return attend(q, k, v, allowed[:, None], scale=scale)
+    if strategy != "ring":
         raise ValueError(f"strategy {strategy!r}: choose one of {sequence_split.STRATEGIES}.")
+    n = jax.lax.psum(1, axis)
+    to_next = [(i, (i + 1) % n) for i in range(n)]
+    block = (k, v, k_pos, k_seg)
+    acc = _block_softmax(q, k, v, allowed_keys(q_pos, q_seg, k_pos, k_seg), scale)
+    for _ in range(n - 1):  # (unrolled: k is small and static; XLA overlaps the permutes)
+        block = jax.tree.map(lambda x: jax.lax.ppermute(x, axis, to_next), block)
+        kb, vb, pb, sb = block
+        acc = _fold(acc, _block_softmax(q, kb, vb, allowed_keys(q_pos, q_seg, pb, sb), scale))
     out, _, total = acc
     return (out / jnp.moveaxis(total, 1, 2)[..., None]).astype(q.dtype)
 
