@@ -60,12 +60,15 @@ def gathered_shardings(shardings: Any) -> Any:
 @contextlib.contextmanager
 def gathering(params: Any, shardings: Any) -> Iterator[None]:
     """While tracing inside, ``remat.layer`` gathers each leaf of ``params`` that its
-    ``shardings`` (a tree like ``params`` of ``NamedSharding``; None: nothing to gather) splits
-    over ``dp`` (or ``cp``)."""
+    ``shardings`` (a tree like ``params`` of ``NamedSharding``) splits over ``dp`` (or
+    ``cp``). ``shardings`` None declares nothing: a declaration around this one stays in force
+    (the planner's, around a ``Trainer`` loss traced before its layout is known)."""
+    if shardings is None:
+        yield
+        return
     gathered = jax.tree.leaves(gathered_shardings(shardings), is_leaf=lambda x: x is None)
-    table = {} if shardings is None else {
-        id(leaf): target for leaf, target in zip(jax.tree.leaves(params), gathered)
-        if target is not None}
+    table = {id(leaf): target for leaf, target in zip(jax.tree.leaves(params), gathered)
+             if target is not None}
     _declared.append(table)
     try:
         yield

@@ -31,3 +31,22 @@ def test_measure_compiles_the_trainers_own_step(workdir):
     assert (measured.argument_bytes, measured.output_bytes, measured.alias_bytes,
             measured.temp_bytes) == (memory.argument_size_in_bytes, memory.output_size_in_bytes,
                                      memory.alias_size_in_bytes, memory.temp_size_in_bytes)
+
+
+def test_an_auto_deployer_plans_the_fsdp_step_its_trainer_then_compiles(workdir):
+    """``Deployer(n_model_shards="auto")`` hands the planner the Trainer's own loss: the FSDP
+    layout it picks is measured with the per-layer weight gathers the trained step has, so
+    the planned memory is the compiled step's."""
+    cfg = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    apply_fn, params = split_model(LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    deployer = Deployer(jax_seed=0, n_model_shards="auto", device_memory="1GB", workdir=workdir,
+                        verbose=False, sharding_rules="auto+fsdp", n_context_shards=1)
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(1e-2),
+                      remat="full", count_tokens=None)
+    examples = lm_examples(16, seq_len=64)
+    trained = trainer.compile_train_step(examples, per_device_batch_size=2).memory_analysis()
+    planned = deployer.layout_plan.tried[-1]
+    assert planned.sharding_rules == "auto+fsdp" and planned.fits
+    assert (planned.argument_bytes, planned.temp_bytes) == (trained.argument_size_in_bytes,
+                                                            trained.temp_size_in_bytes)
