@@ -14,6 +14,7 @@ import re
 import sys
 
 from redco.protocols import Command
+from redco.sequence_split import STRATEGIES
 
 MODEL_HELP = ("llama-tiny, llama-1b, llama-7b, llama-13b, llama-30b, llama-65b, or "
               "module:function returning params, (params, trace_fn) or (params, trace_fn, loss_fn)")
@@ -122,8 +123,7 @@ class PlanCommand(Command):
         parser.add_argument("--context-shards", type=context_degrees, default=None,
                             help="context-parallel degrees to consider (devices splitting each "
                             "sequence): auto (every degree, the default) or e.g. 1 or 1,2,4")
-        parser.add_argument("--context-strategy", default="all_gather",
-                            choices=("all_gather", "ring"))
+        parser.add_argument("--context-strategy", default=STRATEGIES[0], choices=STRATEGIES)
 
     def run(self, args: argparse.Namespace) -> None:
         simulate_devices(args.devices)

@@ -384,19 +384,20 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
                          f"{context_degrees} together divide {n_devices} devices.")
     candidates = [(mp, cp, name, policy) for mp, cp in degrees
                   for name in rule_sets for policy in policies]
-    splits = {"asked": True}  # False once a model is found not to split the sequence
+    splits_sequence = True  # False once the model is found not to split the sequence
 
     def search(params, loss, trace_fn, trainable=None, rank=None) -> TriedLayout | None:
+        nonlocal splits_sequence
         pick = None
         for mp, cp, name, policy in candidates:
-            if cp > 1 and not splits["asked"]:
+            if cp > 1 and not splits_sequence:
                 continue
             try:
                 layout = try_layout(params, loss, batch_abstract, n_devices, mp, name, optimizer,
                                     trace_fn, policy, trainable, usable, accumulate_grad_batches,
                                     cp, context_strategy)
             except SplitNotAsked:
-                splits["asked"] = False
+                splits_sequence = False
                 if log:
                     log("n_context_shards > 1 not tried: the model's attention cannot run over "
                         "a split sequence (it never asks redco.sequence_split how)")
@@ -419,7 +420,7 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
                            dataflow_trace(adapters.loss, batch_abstract),
                            redco_lora.trainable_mask(adapters.params), lora_rank)
         pick = pick or lora_pick
-    if not tried and not splits["asked"]:
+    if not tried and not splits_sequence:
         raise PlanError(f"Every layout asked for splits the sequence (n_context_shards in "
                         f"{context_degrees}), but the model's attention cannot run over a split "
                         "sequence: use a zoo LLaMA-family or GPT-2 model, or n_context_shards=1.")
