@@ -9,6 +9,7 @@ import tqdm
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
+from redco import sequence_split
 from redco.compat import PredictorV04, refuse_unknown
 from redco.data import by_name, check_batch_leading, check_collated, n_full_batches
 from redco.deployer import Deployer
@@ -31,7 +32,16 @@ class Predictor(PredictorV04):
         self.collate_fn = collate_fn
         self.output_fn = output_fn
         self.params_sharding_rules = params_sharding_rules
-        self._pred_step = jax.jit(by_name(pred_fn, PRED_ARGS))
+        self._pred_step = jax.jit(self._split(by_name(pred_fn, PRED_ARGS)))
+
+    def _split(self, pred_fn: Callable) -> Callable:
+        """``pred_fn`` traced with the sequence split over the deployer's ``cp`` devices, as a
+        train step is (``redco.sequence_split``): a long prompt is read split, its cache
+        held split."""
+        def split_pred_fn(*args):
+            with sequence_split.splitting(self.deployer.mesh, self.deployer.context_strategy):
+                return pred_fn(*args)
+        return split_pred_fn
 
     def _place(self, params):
         """Shard params that are not on this mesh yet (a trainer's already are) by the layout

@@ -1,10 +1,10 @@
-"""Context parallelism's switch: which mesh axis splits the sequence while a train step is
-traced. ``Deployer(n_context_shards=k)`` puts a ``cp`` axis of k devices in the mesh; the
-Trainer traces the user's loss inside ``splitting(mesh)``; a model whose attention can run over
-a split sequence asks ``current()`` and, when it gets ``(mesh, axis, strategy)``, lays its
-activations out along that axis (the zoo's: ``redco_zoo_models.context_parallel``). A loss
-traced under a split that no model asked for is refused: the mesh would hold ``cp`` devices
-that split nothing.
+"""Context parallelism's switch: which mesh axis splits the sequence while a train step (or a
+prediction) is traced. ``Deployer(n_context_shards=k)`` puts a ``cp`` axis of k devices in the
+mesh; the Trainer traces the user's loss inside ``splitting(mesh)``, the Predictor its
+``pred_fn``; a model whose attention can run over a split sequence asks ``current()`` and, when
+it gets ``(mesh, axis, strategy)``, lays its activations out along that axis (the zoo's:
+``redco_zoo_models.context_parallel``). A function traced under a split that no model asked for
+is refused: the mesh would hold ``cp`` devices that split nothing.
 
 The same kind of trace-time context as the remat policy (``redco.remat.policy``) and the FSDP
 gathers (``redco.fsdp.gathering``).

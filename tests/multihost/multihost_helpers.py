@@ -116,8 +116,10 @@ def reference():
     return reference_run()
 
 
-def assert_trains_like_reference(workdir: str, n_processes: int, launcher: str, reference):
-    """Every process saw all devices, the losses, predictions and final params match one
+def assert_trains_like_reference(workdir: str, n_processes: int, launcher: str, reference,
+                                 n_context_shards: int = 1):
+    """Every process saw all devices and read its share of the examples (processes splitting
+    the same sequences read the same ones), the losses, predictions and final params match one
     process to 1e-5, and the checkpoint was written once."""
     ref, ref_params = reference
     results = read_results(workdir, n_processes)
@@ -126,7 +128,7 @@ def assert_trains_like_reference(workdir: str, n_processes: int, launcher: str, 
         assert (r["process_count"], r["devices"]) == (n_processes, TOTAL_DEVICES)
         assert r["local_devices"] == TOTAL_DEVICES // n_processes
         assert len(r["losses"]) == len(ref["losses"]) == 8
-        assert r["examples_read"] == 2 * 32 // n_processes  # its own share of 2 epochs
+        assert r["examples_read"] == 2 * 32 * n_context_shards // n_processes  # of 2 epochs
         np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, atol=1e-5)
         assert r["preds"] == ref["preds"]
     assert results[0]["ckpts"] == ["step_8"]

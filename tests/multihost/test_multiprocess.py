@@ -38,10 +38,11 @@ def launch(n_processes: int, workdir: str, **env) -> None:
         assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
 
 
-@pytest.mark.parametrize("n_processes", [2, 4])
-def test_processes_train_like_one_process(n_processes, reference, tmp_path):
-    launch(n_processes, str(tmp_path))
-    assert_trains_like_reference(str(tmp_path), n_processes, "ip", reference)
+@pytest.mark.parametrize("n_processes, n_context_shards", [(2, 1), (4, 2)])
+def test_processes_train_like_one_process(n_processes, n_context_shards, reference, tmp_path):
+    """(4 processes of 2 devices: dp 2 x cp 2 x mp 2, each sequence split over 2 processes.)"""
+    launch(n_processes, str(tmp_path), REDCO_TEST_CONTEXT_SHARDS=str(n_context_shards))
+    assert_trains_like_reference(str(tmp_path), n_processes, "ip", reference, n_context_shards)
 
 
 @pytest.mark.parametrize("fmt", ["orbax", "safetensors", "msgpack"])

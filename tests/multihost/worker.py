@@ -4,7 +4,8 @@ to let ``Deployer`` detect its launcher (a SLURM step, the ``REDCO_*`` variables
 tiny LM of ``tests/core/helpers.py`` with ``n_model_shards=2`` at a global batch of 8, predicts,
 saves a checkpoint (``REDCO_TEST_CKPT_FORMAT``; resuming from one found in WORKDIR; after
 ``REDCO_TEST_EPOCHS`` epochs, 2 by default; ``REDCO_TEST_KILL_AT_STEP``/``_TERM_AT_STEP``: this
-process gets SIGKILL/SIGTERM at the end of that step; ``REDCO_TEST_TERM_DURING_SAVE``: this
+process gets SIGKILL/SIGTERM at the end of that step; ``REDCO_TEST_CONTEXT_SHARDS``: each
+sequence split over that many devices; ``REDCO_TEST_TERM_DURING_SAVE``: this
 process holds its save of that step's checkpoint midway (the state written into ``step_N.tmp``;
 meta.json and the rename still to come), prints ``save of step_N in progress``, and goes on only
 once ``WORKDIR/go_on_saving`` exists (the test sends its SIGTERMs first), printing what the
@@ -35,6 +36,7 @@ HANG_AT_STEP = int(os.environ.get("REDCO_TEST_HANG_AT_STEP", 0))  # a callback d
 STOPPABLE_AT_STEP = int(os.environ.get("REDCO_TEST_STOPPABLE_AT_STEP", 0))  # waits for SIGSTOP
 N_EPOCHS = int(os.environ.get("REDCO_TEST_EPOCHS", 2))
 CKPT_FORMAT = os.environ.get("REDCO_TEST_CKPT_FORMAT", "orbax")
+CONTEXT_SHARDS = int(os.environ.get("REDCO_TEST_CONTEXT_SHARDS", 1))  # devices per sequence
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices}"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "core"))
 
@@ -140,7 +142,8 @@ def detected_launcher() -> str:
 def main() -> None:
     multi = not DETECT and int(n_processes) > 1
     launcher = detected_launcher() if DETECT else ("ip" if multi else "local")
-    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir,  # verbose: bars in job logs
+    deployer = Deployer(jax_seed=0, n_model_shards=2, n_context_shards=CONTEXT_SHARDS,
+                        workdir=workdir,  # verbose: bars in job logs
                         checkpoint_format=CKPT_FORMAT,
                         n_processes=int(n_processes) if multi else None,
                         host0_address="127.0.0.1" if multi else None,

@@ -59,26 +59,38 @@ def test_split_attention_equals_unsplit_attention_and_its_gradients(strategy, k)
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def lm_trainer(n_model_shards=1, n_context_shards=1, strategy="all_gather", one_device=False,
-               kind="llama", rules="auto", compute_dtype=None):
-    """A Trainer of a tiny LLaMA (4 query, 2 key/value heads) or GPT-2 on ``redco_zoo_lm``'s
-    three functions."""
-    import optax
+def tiny_model(kind="llama"):
+    """A tiny LLaMA (4 query, 2 key/value heads) or GPT-2."""
     from flax import nnx
 
-    from redco import Deployer, Trainer
-    from redco_zoo_lm import collate_fn, loss_fn
-    from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
+    from redco_zoo_models import LlamaConfig, LlamaForCausalLM
     from redco_zoo_models.gpt2 import GPT2Config, GPT2LMHeadModel
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2), rngs=nnx.Rngs(0)) if kind == "llama" else \
-        GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=32, n_embd=32, n_layer=2, n_head=4),
-                        nnx.Rngs(0))
-    apply_fn, params = split_model(model)
-    deployer = Deployer(jax_seed=0, n_model_shards=n_model_shards, workdir=None, verbose=False,
-                        n_context_shards=n_context_shards, context_strategy=strategy,
-                        n_local_devices=1 if one_device else None, sharding_rules=rules)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(
+            vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2), rngs=nnx.Rngs(0))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=64, n_embd=32, n_layer=2,
+                                      n_head=4), nnx.Rngs(0))
+
+
+def deployer_of(n_model_shards=1, n_context_shards=1, strategy="all_gather", one_device=False,
+                rules="auto"):
+    from redco import Deployer
+    return Deployer(jax_seed=0, n_model_shards=n_model_shards, workdir=None, verbose=False,
+                    n_context_shards=n_context_shards, context_strategy=strategy,
+                    n_local_devices=1 if one_device else None, sharding_rules=rules)
+
+
+def lm_trainer(n_model_shards=1, n_context_shards=1, strategy="all_gather", one_device=False,
+               kind="llama", rules="auto", compute_dtype=None):
+    """A Trainer of ``tiny_model(kind)`` on ``redco_zoo_lm``'s three functions."""
+    import optax
+
+    from redco import Trainer
+    from redco_zoo_lm import collate_fn, loss_fn
+    from redco_zoo_models import split_model
+    apply_fn, params = split_model(tiny_model(kind))
+    deployer = deployer_of(n_model_shards, n_context_shards, strategy, one_device, rules)
     # (SGD: each update is the gradient itself. Adam would blow GPT-2's key-bias gradients,
     # zero in exact arithmetic and ~1e-7 of rounding either way, up to full-size steps.)
     return Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.sgd(0.5),
@@ -134,6 +146,52 @@ def test_a_bfloat16_model_trains_with_its_sequence_split_as_on_one_device():
     for a, b in zip(jax.tree.leaves(jax.device_get(split.params)),
                     jax.tree.leaves(jax.device_get(one.params))):
         np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kind, n_model_shards, n_context_shards, strategy", [
+    ("llama", 1, 4, "all_gather"), ("gpt2", 2, 2, "ring")])
+def test_generation_after_a_prompt_read_split_matches_one_device(
+        kind, n_model_shards, n_context_shards, strategy):
+    """Greedy generation after left-padded 32-token prompts through Predictor: each prompt is
+    read with its sequence split over the cp devices (its attention in ``shard_map``) and the
+    cache held split (a generated token's step leaves it so); the tokens and their
+    log-probabilities equal one device's (1e-5, fp32)."""
+    from flax import nnx
+
+    from redco import Predictor, sequence_split
+    from redco_zoo_models import generate, split_model
+    from redco_zoo_models.context_parallel import cache_slots
+    model = tiny_model(kind)
+    _, params = split_model(model)
+    rng = np.random.default_rng(0)
+    prompts = []
+    for n_pad in (0, 5, 13, 30):
+        prompts.append({"ids": np.concatenate([np.zeros(n_pad, np.int32),
+                                               rng.integers(1, 32, 32 - n_pad, np.int32)]),
+                        "mask": np.arange(32) >= n_pad})
+
+    def collate(rows):
+        return {key: np.stack([r[key] for r in rows]) for key in ("ids", "mask")}
+
+    def pred_fn(params, batch):
+        return generate(model, params, batch["ids"], 6, prompt_mask=batch["mask"],
+                        return_logprobs=True)
+    split = deployer_of(n_model_shards, n_context_shards, strategy)
+    got = Predictor(split, collate, pred_fn).predict(prompts, 2, params)
+    want = Predictor(deployer_of(one_device=True), collate, pred_fn).predict(prompts, 4, params)
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want):
+        np.testing.assert_array_equal(tokens, want_tokens)
+        np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-5)
+
+    def read(params, ids, index):  # a prompt (index 0) or one more token into the cache
+        with sequence_split.splitting(split.mesh, strategy):  # generate's 38 slots, split
+            m, n_slots = nnx.merge(nnx.graphdef(model), params), cache_slots(38)
+            return m.decode(ids, jnp.ones((4, n_slots), bool), m.init_cache(4, n_slots), index)[1]
+    ids = jnp.ones((4, 32), jnp.int32)
+    assert "shard_map" in str(jax.make_jaxpr(read, static_argnums=2)(params, ids, 0))
+    token_step = jax.jit(read).lower(params, ids[:, :1], jnp.int32(32)).compile()
+    assert all(c.spec[1] == "cp" for c in jax.tree.leaves(token_step.output_shardings)), \
+        token_step.output_shardings
 
 
 def test_a_split_no_model_can_serve_and_a_length_that_does_not_split_are_refused_early():

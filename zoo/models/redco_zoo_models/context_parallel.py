@@ -26,6 +26,11 @@ segment ids in the balanced order (the ids are replicated over the axis, so noth
 embeddings run on the local tokens; the final hidden states are put back in order
 (``unbalance``) before the output head, so the loss sees the sequence as it was.
 
+Generation (``redco_zoo_models.generation`` under a ``Predictor``): a prompt read into an empty
+cache is laid out the same way, its left padding a segment of its own; its keys and values go
+into the cache in order, and the cache's slots stay split over the axis (``cached_keys``), so a
+generated token's attention reads each device's share of the cache where it lies.
+
 ``sequence_parallel_attention`` wraps either strategy for arrays laid out in order (tests):
 balance, ``shard_map``, unbalance.
 """
@@ -41,7 +46,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from redco import sequence_split
-from redco_zoo_models.attention import attend, decoder_inputs, segment_positions
+from redco_zoo_models.attention import (
+    attend,
+    decoder_inputs,
+    positions_from,
+    segment_positions,
+    write_cache,
+)
 
 
 def check_length(n: int, k: int) -> None:
@@ -180,13 +191,46 @@ class SplitSequence:
 def decoder_layout(input_ids, attention_mask=None, cached: bool = False, cache_index=0,
                    segment_ids=None) -> tuple:
     """``(ids, positions, allowed)`` of a decoder's input: ``attention.decoder_inputs``'s, or,
-    while ``redco.sequence_split`` splits the sequence (training: no mask, no cache), the ids and
-    positions in the balanced order and a ``SplitSequence`` as ``allowed``."""
-    split = None if cached or attention_mask is not None else sequence_split.current()
-    if split is None:
+    while ``redco.sequence_split`` splits the sequence, the ids and positions in the balanced
+    order and a ``SplitSequence`` as ``allowed``: in training (no mask, no cache) and for a
+    prompt read into an empty cache (``cache_index`` 0; left padding its own segment). Single
+    generated tokens are not split: their cache is (``cached_keys``)."""
+    split = sequence_split.current()
+    prompt = cached and isinstance(cache_index, int) and cache_index == 0 \
+        and input_ids.shape[1] > 1
+    if split is not None and prompt:
+        valid = jnp.ones(input_ids.shape, bool) if attention_mask is None else \
+            attention_mask[:, :input_ids.shape[1]] > 0
+        return split_inputs(input_ids, valid.astype(jnp.int32), split, positions_from(valid))
+    if split is None or cached or attention_mask is not None:
         return (input_ids, *decoder_inputs(*input_ids.shape, attention_mask, cached, cache_index,
                                            segment_ids))
     return split_inputs(input_ids, segment_ids, split)
+
+
+def cache_slots(n: int) -> int:
+    """``n`` key/value cache slots, rounded up to split evenly over the devices while the
+    sequence is split (``cached_keys`` splits the cache's slots)."""
+    split = sequence_split.current()
+    k = 1 if split is None else split[0].shape[split[1]]
+    return -(-n // k) * k
+
+
+def cached_keys(layer_cache, k, v, cache_index, allowed):
+    """``attention.write_cache``'s ``(keys, values, cache)`` under context parallelism too: a
+    split prompt writes its keys and values into the cache in the sequence's order and attends
+    them as laid out; while the sequence is split, the cache's slots are split over the same
+    devices (each holds 1/k of it), and a generated token's attention reads them there."""
+    split = sequence_split.current() if layer_cache is not None else None
+    if split is None:
+        return write_cache(layer_cache, k, v, cache_index)
+    laid_out = isinstance(allowed, SplitSequence)
+    ordered = (allowed.in_order(k), allowed.in_order(v)) if laid_out else (k, v)
+    mesh, axis, _ = split
+    spec = NamedSharding(mesh, P(P.UNCONSTRAINED, axis, P.UNCONSTRAINED, P.UNCONSTRAINED))
+    layer_cache = jax.lax.with_sharding_constraint(write_cache(layer_cache, *ordered,
+                                                               cache_index)[2], spec)
+    return (k, v, layer_cache) if laid_out else (layer_cache["k"], layer_cache["v"], layer_cache)
 
 
 def on_split(x, allowed):
@@ -199,16 +243,17 @@ def in_order(x, allowed):
     return allowed.in_order(x) if isinstance(allowed, SplitSequence) else x
 
 
-def split_inputs(input_ids, segment_ids, split: tuple) -> tuple:
-    """``(ids, positions, SplitSequence)``: a decoder's token ids and RoPE positions (restarting
-    at each segment) in the balanced order, for the split ``(mesh, axis, strategy)`` that
-    ``redco.sequence_split.current()`` gave."""
+def split_inputs(input_ids, segment_ids, split: tuple, positions=None) -> tuple:
+    """``(ids, positions, SplitSequence)``: a decoder's token ids and positions (restarting at
+    each segment, unless given) in the balanced order, for the split ``(mesh, axis,
+    strategy)`` that ``redco.sequence_split.current()`` gave."""
     mesh, axis, strategy = split
     k, (b, n) = mesh.shape[axis], input_ids.shape
     check_length(n, k)
     rows = jnp.broadcast_to(jnp.arange(n), (b, n))
     segments = jnp.ones((b, n), jnp.int32) if segment_ids is None else segment_ids
-    positions = rows if segment_ids is None else segment_positions(segment_ids)
+    if positions is None:
+        positions = rows if segment_ids is None else segment_positions(segment_ids)
     ids, positions, rows, segments = (balance(x, k) for x in (input_ids, positions, rows,
                                                                segments))
     return ids, positions, SplitSequence(rows, segments, mesh, axis, strategy)

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from redco_zoo_models.context_parallel import cache_slots
+
 
 def pick_tokens(logits, rng, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
     """Greedy (``temperature == 0``) or sampled next tokens from ``logits`` (B, V)."""
@@ -62,7 +64,9 @@ def generate(model: nnx.Module, params: Any, prompt_ids, max_new_tokens: int, *,
     b, p = prompt_ids.shape
     if prompt_mask is None:
         prompt_mask = jnp.ones((b, p), bool)
-    key_valid = jnp.concatenate([prompt_mask > 0, jnp.ones((b, max_new_tokens), bool)], 1)
+    n_slots = cache_slots(p + max_new_tokens)  # (any slots past the last: never valid)
+    key_valid = jnp.concatenate([prompt_mask > 0, jnp.ones((b, max_new_tokens), bool),
+                                 jnp.zeros((b, n_slots - p - max_new_tokens), bool)], 1)
     context = m.encode(**encoder_inputs) if encoder_inputs is not None else None
     if num_beams > 1:
         if return_logprobs or num_samples > 1:
@@ -71,7 +75,7 @@ def generate(model: nnx.Module, params: Any, prompt_ids, max_new_tokens: int, *,
                              "return_logprobs.")
         return _beam_search(m, prompt_ids, key_valid, context, max_new_tokens, num_beams,
                             eos_token_id, pad_token_id, length_penalty, cache_dtype)
-    cache = m.init_cache(b, p + max_new_tokens, cache_dtype)
+    cache = m.init_cache(b, n_slots, cache_dtype)
     logits, cache = m.decode(prompt_ids, key_valid, cache, 0, context)
     if num_samples > 1:  # each prompt's cache and logits copied per sample
         repeat = lambda x: jnp.repeat(x, num_samples, axis=0)  # noqa: E731
@@ -108,7 +112,7 @@ def _beam_search(m, prompt_ids, key_valid, context, n_new, k, eos, pad, length_p
     b, p = prompt_ids.shape
     beams = lambda x: jnp.repeat(x, k, axis=0)  # (B, ...) -> (B * k, ...)
     key_valid, context = beams(key_valid), jax.tree.map(beams, context)
-    cache = m.init_cache(b * k, p + n_new, cache_dtype)
+    cache = m.init_cache(b * k, key_valid.shape[1], cache_dtype)
     logits, cache = m.decode(beams(prompt_ids), key_valid, cache, 0, context)
     alive = jnp.full((b, k, n_new), pad, prompt_ids.dtype)
     alive_scores = jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf), (b, 1))  # one start

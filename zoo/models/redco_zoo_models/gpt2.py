@@ -13,8 +13,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redco import remat
-from redco_zoo_models.attention import attend, init_cache, write_cache
-from redco_zoo_models.context_parallel import SplitSequence, decoder_layout, in_order, on_split
+from redco_zoo_models.attention import attend, init_cache
+from redco_zoo_models.context_parallel import (
+    SplitSequence,
+    cached_keys,
+    decoder_layout,
+    in_order,
+    on_split,
+)
 from redco_zoo_models.layers import ACTIVATIONS
 
 
@@ -83,7 +89,7 @@ class Attention(nnx.Module):
         else:
             q, (k, v) = self.q_attn(x), jnp.split(self.c_attn(context), 2, -1)
         q, k, v = (y.reshape(*y.shape[:2], self.n_head, -1) for y in (q, k, v))
-        k, v, layer_cache = write_cache(layer_cache, k, v, cache_index)
+        k, v, layer_cache = cached_keys(layer_cache, k, v, cache_index, allowed)
         out = allowed.attend(q, k, v, self.scale) if isinstance(allowed, SplitSequence) else \
             attend(q, k, v, allowed, scale=self.scale, is_causal=context is None and allowed is None)
         return self.c_proj(out.reshape(*x.shape[:2], -1)), layer_cache

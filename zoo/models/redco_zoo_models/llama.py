@@ -12,8 +12,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redco import remat
-from redco_zoo_models.attention import attend, init_cache, write_cache
-from redco_zoo_models.context_parallel import SplitSequence, decoder_layout, in_order, on_split
+from redco_zoo_models.attention import attend, init_cache
+from redco_zoo_models.context_parallel import (
+    SplitSequence,
+    cached_keys,
+    decoder_layout,
+    in_order,
+    on_split,
+)
 from redco_zoo_models.layers import RMSNorm
 
 
@@ -95,7 +101,7 @@ class Attention(nnx.Module):
         k = self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         q, k = apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta)
-        k, v, layer_cache = write_cache(layer_cache, k, v, cache_index)
+        k, v, layer_cache = cached_keys(layer_cache, k, v, cache_index, allowed)
         out = allowed.attend(q, k, v) if isinstance(allowed, SplitSequence) else \
             attend(q, k, v, allowed, is_causal=allowed is None)
         return self.o_proj(out.reshape(b, t, -1)), layer_cache
