@@ -192,20 +192,22 @@ def decoder_layout(input_ids, attention_mask=None, cached: bool = False, cache_i
                    segment_ids=None) -> tuple:
     """``(ids, positions, allowed)`` of a decoder's input: ``attention.decoder_inputs``'s, or,
     while ``redco.sequence_split`` splits the sequence, the ids and positions in the balanced
-    order and a ``SplitSequence`` as ``allowed``: in training (no mask, no cache) and for a
-    prompt read into an empty cache (``cache_index`` 0; left padding its own segment). Single
-    generated tokens are not split: their cache is (``cached_keys``)."""
-    split = sequence_split.current()
-    prompt = cached and isinstance(cache_index, int) and cache_index == 0 \
-        and input_ids.shape[1] > 1
-    if split is not None and prompt:
-        valid = jnp.ones(input_ids.shape, bool) if attention_mask is None else \
-            attention_mask[:, :input_ids.shape[1]] > 0
-        return split_inputs(input_ids, valid.astype(jnp.int32), split, positions_from(valid))
-    if split is None or cached or attention_mask is not None:
+    order and a ``SplitSequence`` as ``allowed``: in training, and for a prompt read into an
+    empty cache (``cache_index`` 0). An ``attention_mask``'s padding becomes a segment of its
+    own: the real tokens see what they see unsplit (the padding's own outputs, which a loss
+    leaves out, differ). Single generated tokens are not split: their cache is
+    (``cached_keys``)."""
+    split, n = sequence_split.current(), input_ids.shape[1]
+    prompt = cached and isinstance(cache_index, int) and cache_index == 0 and n > 1
+    if split is None or (cached and not prompt) or \
+            (attention_mask is not None and segment_ids is not None):
         return (input_ids, *decoder_inputs(*input_ids.shape, attention_mask, cached, cache_index,
                                            segment_ids))
-    return split_inputs(input_ids, segment_ids, split)
+    if attention_mask is None and not cached:
+        return split_inputs(input_ids, segment_ids, split)
+    valid = jnp.ones(input_ids.shape, bool) if attention_mask is None else \
+        attention_mask[:, :n] > 0
+    return split_inputs(input_ids, valid.astype(jnp.int32), split, positions_from(valid))
 
 
 def cache_slots(n: int) -> int:
