@@ -32,7 +32,8 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from redco_planner.inspection import lm_loss  # noqa: E402
-from redco_planner.planner import measure, usable_bytes  # noqa: E402
+from redco_planner.layouts import usable_bytes  # noqa: E402
+from redco_planner.measure import measure  # noqa: E402
 from redco_zoo_models import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, split_model  # noqa: E402
 
 MODELS = {"llama-7b": LLAMA_PRESETS["llama-7b"],

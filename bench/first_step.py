@@ -50,7 +50,7 @@ def aot_worker(preset: str, cache: str) -> None:
 
     from redco import compile_cache
     from redco_planner.inspection import load_model
-    from redco_planner.planner import measure
+    from redco_planner.measure import measure
     compile_cache.use(cache)
     model = load_model(preset, seq_len=AOT_SEQ_LEN)
     batch = {"input_ids": jax.ShapeDtypeStruct((1, AOT_SEQ_LEN + 1), jnp.int32)}

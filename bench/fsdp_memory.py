@@ -17,7 +17,7 @@ def peaks(gather: bool, remat: str, mp: int) -> dict[int, tuple[float, float]]:
     """``{devices: (peak MB, temp MB)}`` of the step, with or without the per-layer gather."""
     from redco import fsdp
     from redco_planner.inspection import zoo_llama
-    from redco_planner.planner import measure
+    from redco_planner.measure import measure
     model = zoo_llama(512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                       num_attention_heads=8, num_key_value_heads=8)
     declared = fsdp.targets

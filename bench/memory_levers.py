@@ -34,7 +34,7 @@ LEVERS = {"full": (False, ("none",)), "full + remat": (False, ("dots_saveable", 
 
 def first_fit(tried: list, memory: int):
     """``plan``'s pick among ``tried`` (in its order) for ``memory``: the first that fits."""
-    from redco_planner.planner import usable_bytes
+    from redco_planner.layouts import usable_bytes
     return next((t for t in tried if t.peak_bytes is not None
                  and t.peak_bytes <= usable_bytes(memory)), None)
 
@@ -75,7 +75,8 @@ def most_layers(preset: dict, seq_len: int, memory: int, use_lora: bool, policy:
     the two nearest compiled points reaches the limit, kept between the most layers known to
     fit and the fewest known not to, until those two are one layer apart."""
     from redco_planner.inspection import zoo_llama
-    from redco_planner.planner import measure, usable_bytes
+    from redco_planner.layouts import usable_bytes
+    from redco_planner.measure import measure
     usable, seen = usable_bytes(memory), {}
 
     def peak(layers: int) -> int:

@@ -22,7 +22,7 @@ from flax import nnx
 
 from redco import Deployer, Trainer
 from redco_planner.inspection import human_bytes, lm_loss
-from redco_planner.planner import measure
+from redco_planner.measure import measure
 from redco_zoo_lm import collate_fn, loss_fn
 from redco_zoo_models import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, split_model
 

@@ -361,7 +361,7 @@ class Bench:
         import jax
         from jax.sharding import PartitionSpec as P
 
-        from redco_planner.planner import make_mesh
+        from redco_planner.measure import make_mesh
         if (key, rows) not in self.reference_cache:
             mesh = make_mesh(1, 1)
             specs = jax.tree.map(lambda _: P(), model.params)
@@ -373,7 +373,7 @@ class Bench:
     def cell(self, key, model, mp: int, source: str, rules) -> dict:
         """Compile, parse and run one (model, layout, rule source)."""
         from redco.sharding import named_leaves, specs_from_rules
-        from redco_planner.planner import make_mesh
+        from redco_planner.measure import make_mesh
         mesh = make_mesh(N_DEVICES, mp)
         dp = N_DEVICES // mp
         rows = self.args.global_batch
@@ -646,7 +646,7 @@ def main(argv=None) -> None:
     import redco
     from redco import plugins
     from redco.sharding import dataflow_trace, named_leaves
-    from redco_planner.planner import make_mesh
+    from redco_planner.measure import make_mesh
 
     layouts = [tuple(int(x) for x in lay.split("x")) for lay in args.layouts.split(",")]
     families = [f for f in args.families.split(",") if f]

@@ -159,7 +159,7 @@ def n_params(model) -> int:
 def measure(model, devices: int, mp: int, rules: str) -> dict:
     """One AOT compile; the layout's numbers as a dict (peak None and an error if it failed)."""
     from redco.sharding import dataflow_trace
-    from redco_planner.planner import measure as planner_measure
+    from redco_planner.measure import measure as planner_measure
     batch = model.abstract_batch(1)
     start = time.perf_counter()
     try:

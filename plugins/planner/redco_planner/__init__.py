@@ -10,8 +10,9 @@ Registered through the ``redco`` entry-point group like any third-party plugin:
 * ``register_commands``: ``"plan"`` and ``"rules"`` (``redco_planner.commands``).
 
 Every ``redco`` process that builds a registry imports this module, so it imports only the
-command-line classes; the planner and the model inspection (``planner.py``, ``inspection.py``)
-are imported when a layout is planned or a command runs. A run with an integer
+command-line classes; the planner (``planner.py``: the search, ``measure.py``: one layout
+compiled, ``layouts.py``: what is reported) and the model inspection (``inspection.py``) are
+imported when a layout is planned or a command runs. A run with an integer
 ``n_model_shards`` never imports them.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ then 159 MB from 4 to 8 devices without remat; 120, then 150 MB with ``dots_save
 import pytest
 
 from redco_planner.inspection import zoo_llama
-from redco_planner.planner import measure
+from redco_planner.measure import measure
 
 
 @pytest.fixture(scope="module")

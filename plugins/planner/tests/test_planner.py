@@ -3,7 +3,9 @@ import jax
 import pytest
 
 from redco_planner.inspection import load_model, parse_bytes
-from redco_planner.planner import HEADROOM, PlanError, measure, plan, usable_bytes
+from redco_planner.layouts import HEADROOM, usable_bytes
+from redco_planner.measure import measure
+from redco_planner.planner import PlanError, plan
 
 SEQ_LEN = 32
 

@@ -6,7 +6,8 @@ import pytest
 
 from redco_planner import planner
 from redco_planner.inspection import load_model
-from redco_planner.planner import PlanError, TriedLayout, nothing_fits, plan
+from redco_planner.layouts import TriedLayout, nothing_fits
+from redco_planner.planner import PlanError, plan
 
 BUG = ValueError("a bug in the loss")
 OUT_OF_MEMORY = jax.errors.JaxRuntimeError(

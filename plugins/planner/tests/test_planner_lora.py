@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import pytest
 
 from redco_planner.inspection import lm_loss, load_model
-from redco_planner.planner import PlanError, measure, plan, usable_bytes
+from redco_planner.layouts import usable_bytes
+from redco_planner.measure import measure
+from redco_planner.planner import PlanError, plan
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from planner_helpers import lm_examples
 
 from redco import Deployer, Trainer, lora
 from redco_planner.inspection import lm_loss
-from redco_planner.planner import measure
+from redco_planner.measure import measure
 from redco_zoo_lm import collate_fn, loss_fn
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM, add_lora, split_model
 

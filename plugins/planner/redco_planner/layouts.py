@@ -1,0 +1,165 @@
+"""What the planner reports: each layout it tried (``TriedLayout``: the compiled step's memory
+per device, or why it could not be measured), the pick (``Plan``) and why it is the pick, or the
+error when nothing fits (``PlanError``). ``usable_bytes`` is where "fits" is drawn: the device
+memory less ``HEADROOM`` (why 10%: ``redco_planner.planner``'s docstring)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from redco.sharding import Rules
+from redco_planner.inspection import human_bytes
+
+HEADROOM = 0.1  # the fraction of device memory a plan leaves free
+def usable_bytes(device_memory_bytes: int, headroom: float = HEADROOM) -> int:
+    """The most a layout's compiled per-device peak may be: ``device_memory_bytes`` less the
+    ``headroom`` fraction kept for what XLA's buffer assignment does not see."""
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom={headroom!r} must be in [0, 1).")
+    return int(device_memory_bytes * (1 - headroom))
+
+
+
+class PlanError(ValueError):
+    """No layout fits the device memory; ``tried`` holds every layout measured."""
+
+    def __init__(self, message: str, tried: list | None = None):
+        super().__init__(message)
+        self.tried = tried or []
+
+
+@dataclass
+class TriedLayout:
+    """One tried layout and what its compiled train step needs per device."""
+    sharding_rules: str
+    n_model_shards: int
+    n_devices: int
+    peak_bytes: int | None = None
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0
+    temp_bytes: int = 0
+    params_bytes: int = 0  # per device, from the shardings alone
+    compile_s: float = 0.0
+    fits: bool = False
+    error: str | None = None  # could not be measured: the exception, type and message
+    out_of_memory: str | None = None  # does not fit: XLA's RESOURCE_EXHAUSTED while compiling
+    rules: Rules = field(default_factory=list, repr=False)
+    remat: str = "none"  # the redco.remat policy the step was compiled under
+    flops: float | None = None  # per device: XLA's cost_analysis of the compiled step
+    lora_rank: int | None = None  # LoRA adapters' rank (base frozen); None: full fine-tuning
+    n_context_shards: int = 1  # cp: devices that split each sequence
+
+    @property
+    def mesh_shape(self) -> dict:
+        return {"dp": self.n_devices // (self.n_model_shards * self.n_context_shards),
+                "cp": self.n_context_shards, "mp": self.n_model_shards}
+
+    def describe(self) -> str:
+        cp = f"cp={self.n_context_shards:<3} " if self.n_context_shards > 1 else ""
+        name = (f"mp={self.n_model_shards:<3} {cp}dp={self.mesh_shape['dp']:<3} "
+                f"{self.sharding_rules:<10}")
+        if self.remat != "none":
+            name += f" remat={self.remat}"
+        if self.lora_rank is not None:
+            name += f" lora r={self.lora_rank}"
+        if self.error:
+            return f"{name} could not be measured: {self.error}"
+        if self.out_of_memory:
+            return f"{name} does not fit: XLA ran out of memory compiling it ({self.out_of_memory})"
+        flops = "" if self.flops is None else f", {self.flops:.3g} FLOPs"
+        return (f"{name} peak {human_bytes(self.peak_bytes):>11} (params {human_bytes(self.params_bytes)}, "
+                f"temp {human_bytes(self.temp_bytes)}{flops}; compiled in {self.compile_s:.1f}s)"
+                f"{'  fits' if self.fits else '  does not fit'}")
+
+
+@dataclass
+class Plan:
+    """The pick (``n_model_shards``, ``sharding_rules``, ``rules``) and every layout tried."""
+    n_model_shards: int
+    sharding_rules: str
+    rules: Rules
+    peak_bytes: int
+    device_memory_bytes: int
+    n_devices: int
+    tried: list[TriedLayout]
+    headroom: float = HEADROOM
+    remat: str = "none"
+    reason: str = ""  # why this layout: what did not fit before it
+    lora_rank: int | None = None  # the pick trains LoRA adapters of this rank (base frozen)
+    lora_via: str = ""  # how the LoRA model was built
+    n_context_shards: int = 1
+
+    def deployer_kwargs(self) -> dict:
+        """``Deployer(**plan.deployer_kwargs(), jax_seed=...)``."""
+        return {"n_model_shards": self.n_model_shards, "n_context_shards": self.n_context_shards,
+                "sharding_rules": self.sharding_rules}
+
+    def __str__(self) -> str:
+        usable = usable_bytes(self.device_memory_bytes, self.headroom)
+        lines = [f"device memory {human_bytes(self.device_memory_bytes)} x {self.n_devices} devices; "
+                 f"a layout fits if its peak is at most {human_bytes(usable)} "
+                 f"({self.headroom:.0%} kept as headroom)"]
+        lines += ["  " + layout.describe() for layout in self.tried]
+        lines.append(f"pick: n_model_shards={self.n_model_shards}, "
+                     f"n_context_shards={self.n_context_shards}, "
+                     f"sharding_rules={self.sharding_rules!r}, remat={self.remat!r}"
+                     f"{'' if self.lora_rank is None else f', LoRA rank {self.lora_rank}'}, peak "
+                     f"{human_bytes(self.peak_bytes)} per device "
+                     f"({100 * self.peak_bytes / self.device_memory_bytes:.0f}% of memory)")
+        lines.append(f"why: {self.reason}")
+        return "\n".join(lines)
+
+
+def nothing_fits(tried: list[TriedLayout], n_devices: int, device_memory_bytes: int,
+                 headroom: float) -> PlanError:
+    """The error when no layout fits: the smallest peak found, or why none compiled."""
+    measured = [t for t in tried if t.peak_bytes is not None]
+    if not measured:
+        return PlanError(f"No layout was found for {n_devices} devices: "
+                         + "; ".join(t.describe() for t in tried), tried)
+    unmeasured = "; ".join(t.describe() for t in tried if t.error)
+    usable = usable_bytes(device_memory_bytes, headroom)
+    best = min(measured, key=lambda t: t.peak_bytes)
+    return PlanError(
+        f"No layout fits {human_bytes(device_memory_bytes)} per device on {n_devices} "
+        f"devices, less the {headroom:.0%} headroom (at most {human_bytes(usable)} per "
+        f"device, {usable} bytes): the smallest per-device peak found is {human_bytes(best.peak_bytes)} "
+        f"({best.peak_bytes} bytes, n_model_shards={best.n_model_shards}, "
+        f"sharding_rules={best.sharding_rules!r}). Use more devices or more memory per "
+        "device, a smaller batch or sequence, or a smaller model."
+        + (f" Not compared, since not measured: {unmeasured}" if unmeasured else ""), tried)
+
+
+
+def split_name(layout: TriedLayout) -> str:
+    """``mp=2``, or ``mp=2 cp=4`` for a layout that splits the sequence."""
+    cp = layout.n_context_shards
+    return f"mp={layout.n_model_shards}" + (f" cp={cp}" if cp > 1 else "")
+
+
+def why(pick: TriedLayout, tried: list[TriedLayout], lora_via: str = "") -> str:
+    """Why ``pick``: the layouts with fewer devices per example (smaller mp, or mp x cp), and
+    the lighter policies at its own, that did not fit (and, for LoRA, that no full fine-tuning
+    layout did)."""
+    same_kind = [t for t in tried if t.lora_rank == pick.lora_rank]
+    at_pick = lambda t: (t.n_model_shards, t.n_context_shards) == (pick.n_model_shards,
+                                                                   pick.n_context_shards)
+    below = [t for t in same_kind[:same_kind.index(pick)] if not at_pick(t)]
+    context = any(t.n_context_shards > 1 for t in below + [pick])
+    reason = "the fewest devices per example (mp x cp) that fit" if context else \
+        "the smallest mp that fits"
+    if below:
+        smaller = (", ".join(dict.fromkeys(map(split_name, below))) if context else
+                   "mp=" + ", ".join(map(str, sorted({t.n_model_shards for t in below}))))
+        unmeasured = sum(1 for t in below if t.error)
+        reason += (f" (nothing tried at {smaller} fits)" if not unmeasured else
+                   f" (nothing measured at {smaller} fits; {unmeasured} could not be measured)")
+    if pick.lora_rank is not None:
+        reason = (f"no full fine-tuning layout fits; with LoRA rank {pick.lora_rank} "
+                  f"({lora_via}), {reason}")
+    if pick.remat == "none":
+        return f"{reason}; at {split_name(pick)} it fits without remat"
+    lighter = [t.remat for t in same_kind[:same_kind.index(pick)]
+               if at_pick(t) and t.sharding_rules == pick.sharding_rules and t.remat != pick.remat]
+    return (f"{reason}; at {split_name(pick)} {pick.sharding_rules} fits only with "
+            f"remat={pick.remat} (not with {', '.join(lighter)})")
