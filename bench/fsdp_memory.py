@@ -1,7 +1,9 @@
-"""FSDP's per-device peak over 2, 4 and 8 devices, with each layer gathering its own weights
-(``redco.fsdp``, what trains) and without (XLA's SPMD partitioner choosing alone, as before it):
-the planner's ``measure`` of the zoo LLaMA's train step (width 1024, 8 layers, one 512-token row
-per device, fp32, AdamW), ``auto+fsdp`` at mp=1 and mp=2, no remat and ``dots_saveable``.
+"""FSDP's per-device peak and FLOPs over 2, 4 and 8 devices, with each layer gathering its own
+weights (``redco.fsdp``, what trains) and without (XLA's SPMD partitioner choosing alone, as
+before it): the planner's ``measure`` of the zoo LLaMA's train step (width 1024, 8 layers, one
+512-token row per device, fp32, AdamW), ``auto+fsdp`` at mp=1 and mp=2, no remat,
+``dots_saveable`` and ``full``. The FLOPs per device should not grow with the devices: each
+device computes its own rows.
 
     python bench/fsdp_memory.py        # 8 simulated CPU devices; a few minutes
 """
@@ -13,8 +15,9 @@ import sys
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 
-def peaks(gather: bool, remat: str, mp: int) -> dict[int, tuple[float, float]]:
-    """``{devices: (peak MB, temp MB)}`` of the step, with or without the per-layer gather."""
+def peaks(gather: bool, remat: str, mp: int) -> dict[int, tuple[float, float, float]]:
+    """``{devices: (peak MB, temp MB, GFLOPs)}`` per device of the step, with or without the
+    per-layer gather."""
     from redco import fsdp
     from redco_planner.inspection import zoo_llama
     from redco_planner.measure import measure
@@ -24,7 +27,8 @@ def peaks(gather: bool, remat: str, mp: int) -> dict[int, tuple[float, float]]:
     if not gather:
         fsdp.targets = lambda leaves: [None] * len(leaves)
     try:
-        return {n: (t.peak_bytes / 1e6, t.temp_bytes / 1e6) for n in (2, 4, 8) if n > mp
+        return {n: (t.peak_bytes / 1e6, t.temp_bytes / 1e6, t.flops / 1e9)
+                for n in (2, 4, 8) if n > mp
                 for t in [measure(model.params, model.loss_fn, model.batch(1), n, mp,
                                   sharding_rules="auto+fsdp", remat=remat)]}
     finally:
@@ -35,9 +39,11 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from provenance import print_provenance
     print_provenance()
-    print("remat          mp  per-layer gather   peak (temp) MB per device on 2 / 4 / 8 devices")
-    for remat in ("none", "dots_saveable"):
+    print("remat          mp  per-layer gather   peak (temp) MB, GFLOPs per device on 2 / 4 / 8 "
+          "devices")
+    for remat in ("none", "dots_saveable", "full"):
         for mp in (1, 2):
             for gather in (False, True):
-                row = "  ".join(f"{n}: {p:7.1f} ({t:6.1f})" for n, (p, t) in peaks(gather, remat, mp).items())
+                row = "  ".join(f"{n}: {p:7.1f} ({t:6.1f}) {f:5.1f}"
+                                for n, (p, t, f) in peaks(gather, remat, mp).items())
                 print(f"{remat:14s} {mp}   {'yes' if gather else 'no ':16s} {row}", flush=True)

@@ -1,7 +1,11 @@
-"""FSDP's per-device memory shrinks as devices are added: each layer gathers its own weights
-(``redco.fsdp``), so XLA never all-gathers activations over the global batch instead, which
-made the peak rise with the device count (measured on this model before the gather: peak 138,
-then 159 MB from 4 to 8 devices without remat; 120, then 150 MB with ``dots_saveable``)."""
+"""FSDP's per-device memory shrinks as devices are added, and its compute per device stays put:
+each layer gathers its own weights (``redco.fsdp``), the embedding table included
+(``redco_zoo_models.layers.embed``), so XLA never lays activations out over the global batch
+instead, which made the peak rise with the device count (measured on this model before the
+per-layer gather: peak 138, then 159 MB from 4 to 8 devices without remat; 120, then 150 MB
+with ``dots_saveable``) and, before the embedding's gather, every device run the forward pass
+over the whole global batch under remat (``full``: 32.6, 42.8, 63.3 GFLOPs per device and
+peaks 138, 106, 111 MB on 2, 4, 8 devices)."""
 import pytest
 
 from redco_planner.inspection import zoo_llama
@@ -16,8 +20,13 @@ def llama():
                      num_attention_heads=8, num_key_value_heads=8)
 
 
-@pytest.mark.parametrize("remat", ["none", "dots_saveable"])
+@pytest.mark.parametrize("remat", ["none", "dots_saveable", "full"])
 def test_an_fsdp_steps_peak_per_device_does_not_rise_with_devices(llama, remat):
-    peaks = {n: measure(llama.params, llama.loss_fn, llama.batch(1), n, 1,
-                        sharding_rules="auto+fsdp", remat=remat).peak_bytes for n in (2, 4, 8)}
+    """One 256-token row per device: the peak falls from 2 to 4 to 8 devices, and the FLOPs
+    per device stay within 2% (each device computes its own rows)."""
+    layouts = {n: measure(llama.params, llama.loss_fn, llama.batch(1), n, 1,
+                          sharding_rules="auto+fsdp", remat=remat) for n in (2, 4, 8)}
+    peaks = {n: layout.peak_bytes for n, layout in layouts.items()}
     assert peaks[2] >= peaks[4] >= peaks[8], {n: f"{p / 1e6:.1f} MB" for n, p in peaks.items()}
+    flops = {n: layout.flops for n, layout in layouts.items()}
+    assert max(flops.values()) <= 1.02 * min(flops.values()), flops

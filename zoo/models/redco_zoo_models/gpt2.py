@@ -21,7 +21,7 @@ from redco_zoo_models.context_parallel import (
     in_order,
     on_split,
 )
-from redco_zoo_models.layers import ACTIVATIONS
+from redco_zoo_models.layers import ACTIVATIONS, embed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,9 +140,7 @@ class GPT2Model(nnx.Module):
             raise ValueError("Context parallelism splits a decoder's own causal sequence; this "
                              "decoder also attends to an encoder (cross-attention), which it "
                              "cannot serve: set n_context_shards=1.")
-        # not nnx.Embed's call, which fixes the dtype at init: this follows the params' dtype
-        x = on_split(jnp.take(self.wte.embedding[...], input_ids, axis=0)
-                     + jnp.take(self.wpe.embedding[...], positions, axis=0), allowed)
+        x = on_split(embed(self.wte, input_ids) + embed(self.wpe, positions), allowed)
         new_cache = []
         for i, block in enumerate(self.h):
             x, layer_cache = block(x, allowed, cache and cache[i], cache_index,

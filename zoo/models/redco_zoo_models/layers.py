@@ -1,9 +1,12 @@
-"""Pieces several zoo models share: HuggingFace's activation names, and RMSNorm."""
+"""Pieces several zoo models share: HuggingFace's activation names, RMSNorm, and the embedding
+lookup."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from redco import remat
 
 ACTIVATIONS = {
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
@@ -22,3 +25,15 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 ** 2, axis=-1, keepdims=True) + self.eps)
         return (x32 * self.weight[...]).astype(x.dtype)
+
+
+@remat.layer
+def embed(table: nnx.Embed, ids):
+    """Rows ``ids`` of ``table``'s embedding, in the params' dtype (``nnx.Embed``'s own call
+    fixes the dtype at init). A layer (``redco.remat.layer``), so under FSDP the table is
+    gathered here and each device looks up its own rows. Left to XLA, a table split over the
+    devices that split the batch laid the lookup's output out split over the hidden size, and
+    every device then ran the forward pass over the whole global batch (zoo LLaMA, width 512,
+    4 layers, 256 tokens a device, ``auto+fsdp``, full remat: 32.6 GFLOPs per device on 2
+    devices, 63.3 on 8)."""
+    return jnp.take(table.embedding[...], ids, axis=0)

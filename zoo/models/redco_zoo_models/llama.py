@@ -20,7 +20,7 @@ from redco_zoo_models.context_parallel import (
     in_order,
     on_split,
 )
-from redco_zoo_models.layers import RMSNorm
+from redco_zoo_models.layers import RMSNorm, embed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,9 +145,8 @@ class LlamaModel(nnx.Module):
                  segment_ids=None):
         input_ids, positions, allowed = decoder_layout(  # (a split sequence: context parallel)
             input_ids, attention_mask, cache is not None, cache_index, segment_ids)
-        table = self.embed_tokens.embedding[...]  # not nnx.Embed's call: it fixes the dtype
-        x = on_split(jnp.take(table, input_ids, axis=0), allowed)  # at init; this follows the
-        new_cache = []                                             # params' dtype
+        x = on_split(embed(self.embed_tokens, input_ids), allowed)
+        new_cache = []
         for i, layer in enumerate(self.layers):
             x, layer_cache = layer(x, positions, allowed, cache and cache[i], cache_index)
             new_cache.append(layer_cache)

@@ -14,7 +14,7 @@ from flax import nnx
 
 from redco import remat
 from redco_zoo_models.attention import attend, init_cache, mask, write_cache
-from redco_zoo_models.layers import ACTIVATIONS, RMSNorm
+from redco_zoo_models.layers import ACTIVATIONS, RMSNorm, embed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +216,7 @@ class T5ForConditionalGeneration(nnx.Module):
             self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
 
     def embed(self, ids):
-        return jnp.take(self.shared.embedding[...], ids, axis=0)  # in the params' dtype
+        return embed(self.shared, ids)
 
     def encode(self, input_ids, attention_mask=None) -> dict:
         """The decoder's context: the encoder's hidden states and which source tokens are real."""
