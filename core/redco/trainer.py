@@ -24,7 +24,15 @@ from redco.scanned_updates import minibatch_orders, place_replicated, scan_updat
 from redco.sharding import Rules, dataflow_trace, opt_state_shardings
 from redco.step_checkpoints import StepCheckpoints
 from redco.step_flops import step_flops as count_step_flops
-from redco.train_step import TrainState, input_tokens, make_train_step, split, step_loss, unwrap_multisteps
+from redco.train_step import (
+    TrainState,
+    compiler_options,
+    input_tokens,
+    make_train_step,
+    split,
+    step_loss,
+    unwrap_multisteps,
+)
 
 LOSS_ARGS = ("rng", "state", "params", "batch", "is_training")
 
@@ -199,7 +207,7 @@ class Trainer(compat.TrainerV04):
         """The train step, jitted for the state's layout (its state donated)."""
         return jax.jit(self._step(unroll), in_shardings=(self.state_shardings, None),
                        out_shardings=(self.state_shardings, self.deployer.replicated),
-                       donate_argnums=0)
+                       donate_argnums=0, compiler_options=compiler_options())
 
     def _place_state(self, params, opt_state, apply_fn, step) -> tuple[TrainState, TrainState]:
         params_shardings = self.deployer.get_params_shardings(params, self.params_sharding_rules)
@@ -377,7 +385,8 @@ class Trainer(compat.TrainerV04):
             self._scanned_updates = jax.jit(
                 scan_updates(self._step(), self.deployer.mesh, self.accumulate_grad_batches),
                 in_shardings=(self.state_shardings, replicated, replicated),
-                out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+                out_shardings=(self.state_shardings, replicated), donate_argnums=0,
+                compiler_options=compiler_options())
         data = place_replicated(examples, self.collate_fn, replicated)
         self.state, metrics = self._scanned_updates(self.state, data, place_replicated(
             orders, np.stack, replicated))

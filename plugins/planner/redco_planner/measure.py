@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from redco import plugins, sharding
 from redco import remat as redco_remat
 from redco.sharding import Rules, opt_state_shardings, shardings_from_specs, specs_from_rules
-from redco.train_step import TrainState, make_train_step, split, step_loss
+from redco.train_step import TrainState, compiler_options, make_train_step, split, step_loss
 from redco_planner.inspection import n_positional
 from redco_planner.layouts import TriedLayout
 
@@ -140,8 +140,8 @@ def compile_step(step: Callable, params_abstract, params_shardings, batch, optim
             step=replicated, rng=replicated)
     batch_shardings = jax.tree.map(lambda x: NamedSharding(mesh, P(None, "dp")), batch)
     return jax.jit(step, in_shardings=(state_shardings, batch_shardings),
-                   out_shardings=(state_shardings, replicated),
-                   donate_argnums=0).lower(state, batch).compile()
+                   out_shardings=(state_shardings, replicated), donate_argnums=0,
+                   compiler_options=compiler_options()).lower(state, batch).compile()
 
 
 def read_memory(layout: TriedLayout, compiled) -> None:

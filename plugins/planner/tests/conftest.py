@@ -17,9 +17,10 @@ def workdir(tmp_path):
     return str(tmp_path / "workdir")
 
 
-def train_auto(workdir, memory, n_examples=32):
-    """``Deployer(n_model_shards="auto", device_memory=memory)`` and one epoch of Trainer.fit;
-    returns the deployer and the trainer."""
+def train_auto(workdir, memory, n_examples=32, remat=None):
+    """``Deployer(n_model_shards="auto", device_memory=memory)`` and one epoch of Trainer.fit
+    (``Trainer(remat=remat)``: None lets the planner choose); returns the deployer and the
+    trainer."""
     import optax
 
     from redco import Deployer, Trainer
@@ -27,7 +28,8 @@ def train_auto(workdir, memory, n_examples=32):
     apply_fn, params = lm_model()
     deployer = Deployer(jax_seed=0, n_model_shards="auto", device_memory=memory, workdir=workdir,
                         verbose=False)
-    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(1e-2))
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(1e-2),
+                      remat=remat)
     trainer.fit(lm_examples(n_examples), per_device_batch_size=1, n_epochs=1)
     return deployer, trainer
 

@@ -99,7 +99,7 @@ def test_n_model_shards_auto_picks_the_layout_on_the_first_batch(workdir, fit_au
         log = f.read()
     assert "mp=1   dp=8   auto       peak" in log  # each layout logged through deployer.log_info
     budget = roomy.layout_plan.peak_bytes - 1  # an int, not a string
-    tight, trainer = fit_auto(f"{workdir}/tight", budget)
+    tight, trainer = fit_auto(f"{workdir}/tight", budget, remat="none")  # a layout, not remat
     picked = (tight.n_model_shards, tight.layout_plan.sharding_rules)
     assert picked != (1, "auto") and tight.layout_plan.peak_bytes <= usable_bytes(budget)
     assert tight.layout_plan.device_memory_bytes == budget
