@@ -91,6 +91,24 @@ def test_fsdp_trains_like_one_device_on_a_fraction_of_the_memory(rule_set, n_mod
     assert ("mp" in str(specs)) == (n_model_shards > 1)
 
 
+def test_an_fsdp_step_reduces_each_gradient_apart(workdir):
+    """No all-reduce of a compiled ``auto+fsdp`` step carries more than one layer's worth of
+    gradients: XLA's CPU backend merged them all into one at the end of the step, holding every
+    full-size gradient at once (``redco.train_step.compiler_options`` turns that off)."""
+    deployer = Deployer(jax_seed=0, workdir=workdir, verbose=False, sharding_rules="auto+fsdp")
+    apply_fn, params = lm_model()
+    trainer = Trainer(deployer, lm_collate, apply_fn, lm_loss, params, optax.adamw(1e-3),
+                      remat="full")
+    hlo = trainer.compile_train_step(lm_examples(8), 1).as_text()
+    itemsize = {"f32": 4, "bf16": 2, "s32": 4, "pred": 1}
+    reduced = [sum(itemsize[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
+                   for t, dims in re.findall(r"(f32|bf16|s32|pred)\[([\d,]*)\]", shapes))
+               for shapes in re.findall(r"= (\(.*?\)|\S+) all-reduce\(", hlo)]
+    layer = sum(x.nbytes for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+                if path_str(path).startswith("model/layers/0/"))
+    assert reduced and max(reduced) <= layer, (max(reduced), layer)
+
+
 def test_a_rules_list_is_the_whole_rule_set_and_names_are_checked_early(workdir):
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False,
                         sharding_rules=[(r"Dense_(0|1)/kernel", ROW)])
