@@ -146,8 +146,9 @@ def test_memory_analysis_of_the_train_step_shows_no_gradient_or_adam_memory_for_
     inside = train_step_memory(*zoo(rank=4, cfg=cfg))
     print(f"per-device bytes, params {base:.0f}: full {full}, LoRA merged on the fly {merged}, "
           f"LoRA in the projection {inside}")
-    # full fine-tuning holds params + Adam's mu and nu (3x) and a gradient per param
-    assert full["arguments"] > 2.8 * base and full["temp"] > 0.9 * base
+    # full fine-tuning holds params + Adam's mu and nu (3x), and makes a gradient per param
+    # (each reduced and applied on its own, so not all alive at once: many times LoRA's temp)
+    assert full["arguments"] > 2.8 * base and full["temp"] > 5 * inside["temp"]
     # LoRA: the base's params and the adapters' small state only (Adam on the base: 3x)
     for lora_bytes in (merged, inside):
         assert lora_bytes["arguments"] < 1.15 * base, lora_bytes
