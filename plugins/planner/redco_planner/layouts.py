@@ -18,7 +18,6 @@ def usable_bytes(device_memory_bytes: int, headroom: float = HEADROOM) -> int:
     return int(device_memory_bytes * (1 - headroom))
 
 
-
 class PlanError(ValueError):
     """No layout fits the device memory; ``tried`` holds every layout measured."""
 
@@ -128,7 +127,6 @@ def nothing_fits(tried: list[TriedLayout], n_devices: int, device_memory_bytes: 
         f"sharding_rules={best.sharding_rules!r}). Use more devices or more memory per "
         "device, a smaller batch or sequence, or a smaller model."
         + (f" Not compared, since not measured: {unmeasured}" if unmeasured else ""), tried)
-
 
 
 def split_name(layout: TriedLayout) -> str:

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redco import remat
+from redco_zoo_models import layers
 from redco_zoo_models.attention import attend, init_cache, mask, write_cache
-from redco_zoo_models.layers import ACTIVATIONS, RMSNorm, embed
+from redco_zoo_models.layers import ACTIVATIONS, RMSNorm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +217,7 @@ class T5ForConditionalGeneration(nnx.Module):
             self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
 
     def embed(self, ids):
-        return embed(self.shared, ids)
+        return layers.embed(self.shared, ids)
 
     def encode(self, input_ids, attention_mask=None) -> dict:
         """The decoder's context: the encoder's hidden states and which source tokens are real."""
