@@ -11,7 +11,9 @@ bytes 493, 599 and 985 MB on 2, 4 and 8 devices).
 Constraining each layer's weights to be gathered before use fixes the choice. Under a remat
 policy the gather runs inside the layer's checkpoint (``redco.remat.layer``), so the backward
 pass gathers them again rather than keep them, as ZeRO-3 and PyTorch's FSDP do; with remat
-``"none"`` the gathered weights are kept for the backward pass.
+``"none"`` the gathered weights are kept for the backward pass. A layer's gathers wait for its
+input activations (a data dependency, ``gather(..., after=)``): a scheduler may not issue them
+all at the start of the step, so one layer's gathered weights are alive at a time.
 
 The ``Trainer`` (and the planner, measuring the same step) declares the params of a step:
 
@@ -67,8 +69,9 @@ def gathering(params: Any, shardings: Any) -> Iterator[None]:
         yield
         return
     gathered = jax.tree.leaves(gathered_shardings(shardings), is_leaf=lambda x: x is None)
-    table = {id(leaf): target for leaf, target in zip(jax.tree.leaves(params), gathered)
-             if target is not None}
+    own = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+    table = {id(leaf): (target, split) for leaf, target, split in
+             zip(jax.tree.leaves(params), gathered, own) if target is not None}
     _declared.append(table)
     try:
         yield
@@ -76,14 +79,37 @@ def gathering(params: Any, shardings: Any) -> Iterator[None]:
         _declared.pop()
 
 
-def targets(leaves: Sequence[Any]) -> list[NamedSharding | None]:
-    """For each of a layer's input leaves: the sharding to gather it to, None for the rest."""
+def targets(leaves: Sequence[Any]) -> list[tuple[NamedSharding, NamedSharding] | None]:
+    """For each of a layer's input leaves: ``(gathered, split)`` shardings, the one to gather
+    it to and its own, or None for the rest."""
     table = _declared[-1] if _declared else {}
     return [table.get(id(leaf)) for leaf in leaves]
 
 
-def gather(values: Sequence[Any], shardings: Sequence[NamedSharding | None]) -> list[Any]:
-    """``values`` with each one that has a sharding constrained to it and named ``GATHERED``
-    (no remat policy saves it: under one, the backward pass gathers it again)."""
-    return [v if s is None else checkpoint_name(jax.lax.with_sharding_constraint(v, s), GATHERED)
-            for v, s in zip(values, shardings)]
+def _zero_after(inputs: Sequence[Any]):
+    """A scalar 0 computed from the first floating array of ``inputs`` (no gradient flows
+    through it), or None without one."""
+    floating = [x for x in inputs if hasattr(x, "dtype") and x.size
+                and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]
+    return jax.lax.stop_gradient(floating[0][(0,) * floating[0].ndim]) * 0 if floating else None
+
+
+def gather(values: Sequence[Any], targets: Sequence[tuple | None],
+           after: Sequence[Any] = ()) -> list[Any]:
+    """``values`` with each one that has ``(gathered, split)`` shardings gathered and named
+    ``GATHERED`` (no remat policy saves it: under one, the backward pass gathers it again).
+
+    The gathers wait for ``after`` (the layer's activations; ``+ 0 * one of their elements``),
+    so they run layer by layer: without the tie XLA's CPU scheduler issues every layer's
+    gathers at the start of the step and holds all the gathered weights at once (LLaMA-7B
+    width, 8 layers, 8k tokens, CP 8, full remat: temp 13.6 GB, 6.8 GB tied)."""
+    zero = _zero_after(after) if any(targets) else None
+    tie = (lambda v: v) if zero is None else (lambda v: v + zero.astype(v.dtype))
+    return [v if t is None else checkpoint_name(_gathered(tie(v), *t), GATHERED)
+            for v, t in zip(values, targets)]
+
+
+def _gathered(x, target: NamedSharding, split: NamedSharding):
+    """``x`` gathered from its own shards: constrained to ``split`` first, so that XLA gathers
+    after the tie (else it lays the tie out gathered and gathers the weight early)."""
+    return jax.lax.with_sharding_constraint(jax.lax.with_sharding_constraint(x, split), target)

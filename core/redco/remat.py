@@ -96,18 +96,19 @@ def layer(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         leaves, tree = jax.tree.flatten((args, kwargs))
-        gathers = fsdp.targets(leaves)
+        gathers, n_first = fsdp.targets(leaves), len(jax.tree.leaves(args[:1]))
         if current() == "none":  # FSDP weights gathered here are kept for the backward pass
-            a, k = jax.tree.unflatten(tree, fsdp.gather(leaves, gathers))
+            a, k = jax.tree.unflatten(tree, fsdp.gather(leaves, gathers, leaves[n_first:]))
             return fn(*a, **k)
         _traced["layers"] += 1
         traced = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
         # gathered weights are recomputed from their shards: tie those to the gradient as well
-        n_weights = 0 if any(gathers) else sum(traced[:len(jax.tree.leaves(args[:1]))])
+        n_traced_first = sum(traced[:n_first])
+        n_weights = 0 if any(gathers) else n_traced_first
         gathers = [g for g, t in zip(gathers, traced) if t]
 
         def inner(*arrays):
-            it = iter(fsdp.gather(arrays, gathers))
+            it = iter(fsdp.gather(arrays, gathers, arrays[n_traced_first:]))
             a, k = jax.tree.unflatten(tree, [next(it) if t else x for x, t in zip(leaves, traced)])
             return fn(*a, **k)
         arrays = [x for x, t in zip(leaves, traced) if t]
