@@ -12,9 +12,9 @@ the rest recomputed). Without CP: mp = 8 (tensor parallelism over all 8); with C
 weights and optimizer state FSDP-sharded over the 8), each strategy. The sequence doubles from
 ``--start`` until the peak passes 90% of 80 GB (the planner's headroom).
 
-The zoo's attention on CPU is the XLA path: it materialises each device's (N/cp) x N scores
-(all-gather) or (N/cp) x (N/cp) per ring step, so these lengths are the XLA path's, not a fused
-kernel's.
+The zoo's attention runs in tiles of 512 keys off a GPU's fused kernel, split or not
+(``redco_zoo_models.tiled_attention``, flash attention's algorithm in plain JAX): a device holds
+(its tokens x 512) scores per head, never (N/cp) x N.
 
 Run:  python bench/context_parallel_longest.py [--models llama-7b,llama3-8b] 2>/dev/null
 """
@@ -62,6 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="llama-7b,llama3-8b")
     parser.add_argument("--start", type=int, default=8192)
+    parser.add_argument("--stop", type=int, default=2**20, help="longest length tried")
     args = parser.parse_args()
     usable = usable_bytes(MEMORY)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}; usable {usable / 1e9:.0f} GB of "
@@ -82,6 +83,9 @@ def main() -> None:
                 if bytes_ > usable:
                     break
                 longest, seq = seq, seq * 2
+                if seq > args.stop:
+                    print(f"  (stopped: --stop {args.stop})", flush=True)
+                    break
             print(f"{name} {label}: longest {longest} tokens", flush=True)
 
 

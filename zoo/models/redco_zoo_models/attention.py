@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from redco_zoo_models.tiled_attention import BLOCK, tiled_attention
+
 
 def mask(key_valid, n_queries: int, first_slot=0, causal: bool = True):
     """``(B, 1, T, S)`` bools: which of ``S`` key slots each of ``n_queries`` queries (in slots
@@ -83,9 +85,17 @@ def write_cache(layer_cache: dict | None, k, v, cache_index):
 def attend(q, k, v, allowed=None, bias=None, scale: float | None = None, is_causal=False):
     """``softmax(q k^T * scale + bias)`` over the ``allowed`` keys, times ``v``. ``q`` is
     (B, T, H, D); ``k``, ``v`` (B, S, KV, D) with ``H`` a multiple of ``KV`` (grouped-query
-    attention). On a GPU in 16-bit with a plain causal mask, cuDNN's flash attention."""
+    attention). On a GPU in 16-bit with a plain causal mask, cuDNN's flash attention; else a
+    plain causal mask over more than one tile of keys runs in tiles
+    (``redco_zoo_models.tiled_attention``: memory linear in the sequence), the rest by XLA."""
     half = q.dtype in (jnp.bfloat16, jnp.float16)
     fused = half and allowed is None and bias is None and jax.default_backend() == "gpu"
+    if is_causal and not fused and allowed is None and bias is None and \
+            q.shape[1] == k.shape[1] > BLOCK:
+        rows = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
+        segments = jnp.zeros(q.shape[:2], jnp.int32)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return tiled_attention(q, k, v, rows, rows, segments, segments, scale)[0]
     return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), bias=bias,
                                         mask=allowed, scale=scale, is_causal=is_causal,
                                         implementation="cudnn" if fused else None)

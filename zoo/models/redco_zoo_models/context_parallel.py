@@ -14,10 +14,13 @@ Two strategies, run inside ``shard_map`` over the axis (``attend_split``):
   segments) and attends its queries to the whole sequence: simple, exact, K/V of the whole
   sequence per layer in memory (MaxText's default).
 * ``ring``: keys and values go round the devices with ``ppermute``, one block per step; each
-  step attends the local queries to the block at hand and folds the result into a running
-  softmax (its max, denominator and weighted sum), so no device ever holds more than two blocks
-  of K/V. The same bytes move as with all-gather, as k-1 permutes that XLA can overlap with
-  each step's compute.
+  step attends the local queries to the block at hand and folds the result in by its
+  log-sum-exp (``tiled_attention.merge``). The same bytes move as with all-gather, as k-1
+  permutes that XLA can overlap with each step's compute.
+
+Either way a device's attention runs in tiles of keys with a recomputing backward pass
+(``redco_zoo_models.tiled_attention``, flash attention's algorithm): its scores are never more
+than (local tokens x one tile) per head, so the activation memory per device falls ~1/k.
 
 In a model (the zoo's LLaMA family), ``split_inputs`` lays a decoder's inputs out once, when
 ``redco.sequence_split.current()`` says the sequence is split: token ids, RoPE positions and
@@ -47,12 +50,12 @@ from jax.sharding import PartitionSpec as P
 
 from redco import sequence_split
 from redco_zoo_models.attention import (
-    attend,
     decoder_inputs,
     positions_from,
     segment_positions,
     write_cache,
 )
+from redco_zoo_models.tiled_attention import merge, tiled_attention
 
 
 def check_length(n: int, k: int) -> None:
@@ -81,35 +84,6 @@ def unbalance(x, k: int, axis: int = 1):
     return jnp.take(x, jnp.argsort(balanced_order(x.shape[axis], k)), axis=axis)
 
 
-def allowed_keys(q_pos, q_seg, k_pos, k_seg):
-    """(B, T, S): a query sees the keys of its own segment at its position or before."""
-    return (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_seg[:, None, :] == q_seg[:, :, None])
-
-
-def _block_softmax(q, k, v, allowed, scale):
-    """A block's part of attention: ``(weighted values, row max, row sum)`` with the softmax
-    unnormalised, float32; a row whose keys are all masked has max -inf and sum 0."""
-    groups = q.shape[2] // k.shape[2]  # grouped-query attention: each K/V head serves several
-    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-    scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(allowed[:, None], scores, -jnp.inf)
-    row_max = scores.max(-1)
-    weights = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0)[..., None])
-    out = jnp.einsum("bhts,bshd->bthd", weights, v.astype(jnp.float32))
-    return out, row_max, weights.sum(-1)
-
-
-def _fold(acc, block):
-    """Two blocks' softmax parts made one (the online softmax's rescaling)."""
-    (out_a, max_a, sum_a), (out_b, max_b, sum_b) = acc, block
-    new_max = jnp.maximum(max_a, max_b)
-    safe = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-    scale_a, scale_b = jnp.exp(max_a - safe), jnp.exp(max_b - safe)  # exp(-inf) = 0
-    per_token = lambda s: jnp.moveaxis(s, 1, 2)[..., None]  # (B, H, T) -> (B, T, H, 1)
-    return (out_a * per_token(scale_a) + out_b * per_token(scale_b), new_max,
-            sum_a * scale_a + sum_b * scale_b)
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
 def gather_sequence(x, axis: str):
     """Every device's ``x`` (B, T, ...) along the sequence, inside ``shard_map`` over ``axis``.
@@ -135,26 +109,24 @@ def attend_split(q, k, v, q_pos, k_pos, q_seg, k_seg, axis: str, strategy: str =
                  scale: float | None = None):
     """This device's queries (B, T, H, D) attended to the keys and values of every device on
     mesh ``axis``; call inside ``shard_map``. ``*_pos``, ``*_seg``: (B, T) positions in the row
-    and segment ids of the local tokens."""
+    and segment ids of the local tokens. Each device's share runs in tiles
+    (``redco_zoo_models.tiled_attention``): its scores never exceed (T, tile) per head."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if strategy == "all_gather":
         gather = partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True)
         k, v = gather_sequence(k, axis), gather_sequence(v, axis)
-        k_pos, k_seg = gather(k_pos), gather(k_seg)
-        allowed = allowed_keys(q_pos, q_seg, k_pos, k_seg)
-        return attend(q, k, v, allowed[:, None], scale=scale)
+        return tiled_attention(q, k, v, q_pos, gather(k_pos), q_seg, gather(k_seg), scale)[0]
     if strategy != "ring":
         raise ValueError(f"strategy {strategy!r}: choose one of {sequence_split.STRATEGIES}.")
     n = jax.lax.psum(1, axis)
     to_next = [(i, (i + 1) % n) for i in range(n)]
     block = (k, v, k_pos, k_seg)
-    acc = _block_softmax(q, k, v, allowed_keys(q_pos, q_seg, k_pos, k_seg), scale)
+    acc = tiled_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, scale)
     for _ in range(n - 1):  # (unrolled: k is small and static; XLA overlaps the permutes)
         block = jax.tree.map(lambda x: jax.lax.ppermute(x, axis, to_next), block)
         kb, vb, pb, sb = block
-        acc = _fold(acc, _block_softmax(q, kb, vb, allowed_keys(q_pos, q_seg, pb, sb), scale))
-    out, _, total = acc
-    return (out / jnp.moveaxis(total, 1, 2)[..., None]).astype(q.dtype)
+        acc = merge(acc, tiled_attention(q, kb, vb, q_pos, pb, q_seg, sb, scale))
+    return acc[0].astype(q.dtype)
 
 
 @flax.struct.dataclass
