@@ -16,7 +16,9 @@ The zoo's attention runs in tiles of 512 keys off a GPU's fused kernel, split or
 (``redco_zoo_models.tiled_attention``, flash attention's algorithm in plain JAX): a device holds
 (its tokens x 512) scores per head, never (N/cp) x N.
 
-Run:  python bench/context_parallel_longest.py [--models llama-7b,llama3-8b] 2>/dev/null
+Run:  python bench/context_parallel_longest.py [--models llama-7b,llama3-8b] [--start 8192]
+          [--layouts "no CP (mp 8);CP 8, ring"] 2>/dev/null
+(a ring layout compiles for about 5 minutes per length on 2 CPU cores: start it near its limit)
 """
 from __future__ import annotations
 
@@ -63,13 +65,16 @@ def main() -> None:
     parser.add_argument("--models", default="llama-7b,llama3-8b")
     parser.add_argument("--start", type=int, default=8192)
     parser.add_argument("--stop", type=int, default=2**20, help="longest length tried")
+    parser.add_argument("--layouts", default=";".join(LAYOUTS),
+                        help="';'-separated, of: " + "; ".join(LAYOUTS))
     args = parser.parse_args()
     usable = usable_bytes(MEMORY)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}; usable {usable / 1e9:.0f} GB of "
           f"{MEMORY / 1e9:.0f} GB per device")
     for name in args.models.split(","):
         params, loss = model(name)
-        for label, (mp, cp, strategy) in LAYOUTS.items():
+        for label in args.layouts.split(";"):
+            mp, cp, strategy = LAYOUTS[label]
             seq, longest = args.start, None
             while True:
                 start = time.perf_counter()
