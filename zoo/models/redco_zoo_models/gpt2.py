@@ -14,6 +14,7 @@ from flax import nnx
 
 from redco import remat
 from redco_zoo_models.attention import attend, init_cache
+from redco_zoo_models.chunked_loss import next_token_loss
 from redco_zoo_models.context_parallel import (
     SplitSequence,
     cached_keys,
@@ -160,14 +161,20 @@ class GPT2LMHeadModel(nnx.Module):
             self.lm_head = nnx.Linear(cfg.n_embd, cfg.vocab_size, use_bias=False, rngs=rngs)
 
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
-                 encoder_hidden_states=None, segment_ids=None):
+                 encoder_hidden_states=None, segment_ids=None, labels=None, label_mask=None):
         """Logits ``(B, T, vocab)`` for token ids ``(B, T)``; with a ``cache`` (``init_cache``),
         ``(logits, cache)``. ``attention_mask`` marks real tokens (1) and padding (0) over the
         input, or with a cache over all of its slots; ``segment_ids`` (B, T) pack documents into
         rows, none seeing another (see ``redco_zoo_models.attention``).
-        ``encoder_hidden_states`` (B, S, n_embd) feed the cross-attention."""
+        ``encoder_hidden_states`` (B, S, n_embd) feed the cross-attention. Given ``labels``
+        (B, T), the mean cross-entropy of predicting them (where ``label_mask``) instead, a
+        chunk of tokens at a time (``redco_zoo_models.chunked_loss``)."""
         x, cache = self.transformer(input_ids, attention_mask, cache, cache_index,
                                     encoder_hidden_states, segment_ids)
+        if labels is not None:
+            head = self.transformer.wte.embedding[...].T if self.cfg.tie_word_embeddings \
+                else self.lm_head.kernel[...]
+            return next_token_loss(x, head, labels, label_mask)
         if self.cfg.tie_word_embeddings:
             logits = x @ self.transformer.wte.embedding[...].T
         else:

@@ -13,6 +13,7 @@ from flax import nnx
 
 from redco import remat
 from redco_zoo_models.attention import attend, init_cache
+from redco_zoo_models.chunked_loss import next_token_loss
 from redco_zoo_models.context_parallel import (
     SplitSequence,
     cached_keys,
@@ -163,12 +164,18 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, rngs=rngs)
 
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
-                 segment_ids=None):
+                 segment_ids=None, labels=None, label_mask=None):
         """Logits ``(B, T, vocab)`` for token ids ``(B, T)``; with a ``cache`` (``init_cache``),
         ``(logits, cache)``. ``attention_mask`` marks real tokens (1) and padding (0) over the
         input, or with a cache over all of its slots; ``segment_ids`` (B, T) pack documents into
-        rows, none seeing another (see ``redco_zoo_models.attention``)."""
+        rows, none seeing another (see ``redco_zoo_models.attention``). Given ``labels`` (B, T),
+        the mean cross-entropy of predicting them (where ``label_mask``) instead, a chunk of
+        tokens at a time: the logits never exist whole (``redco_zoo_models.chunked_loss``)."""
         x, cache = self.model(input_ids, attention_mask, cache, cache_index, segment_ids)
+        if labels is not None:
+            head = self.model.embed_tokens.embedding[...].T if self.cfg.tie_word_embeddings \
+                else self.lm_head.kernel[...]
+            return next_token_loss(x, head, labels, label_mask)
         if self.cfg.tie_word_embeddings:
             logits = x @ self.model.embed_tokens.embedding[...].T
         else:
