@@ -14,7 +14,8 @@ weights and optimizer state FSDP-sharded over the 8), each strategy. The sequenc
 
 The zoo's attention runs in tiles of 512 keys off a GPU's fused kernel, split or not
 (``redco_zoo_models.tiled_attention``, flash attention's algorithm in plain JAX): a device holds
-(its tokens x 512) scores per head, never (N/cp) x N.
+(its tokens x 512) scores per head, never (N/cp) x N; the loss goes through ``labels=``, 1,024
+tokens' logits at a time (``redco_zoo_models.chunked_loss``).
 
 Run:  python bench/context_parallel_longest.py [--models llama-7b,llama3-8b] [--start 8192]
           [--layouts "no CP (mp 8);CP 8, ring"] 2>/dev/null
@@ -33,7 +34,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from redco_planner.inspection import lm_loss  # noqa: E402
 from redco_planner.layouts import usable_bytes  # noqa: E402
 from redco_planner.measure import measure  # noqa: E402
 from redco_zoo_models import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, split_model  # noqa: E402
@@ -48,9 +48,12 @@ MEMORY = 80 * 10**9
 
 
 def model(name: str):
+    """Abstract params and the next-token loss through ``labels=`` (the zoo model's chunked
+    loss: the logits never exist whole)."""
     cfg = LlamaConfig(**MODELS[name])
     apply_fn, params = split_model(nnx.eval_shape(lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))))
-    return params, lm_loss(apply_fn)
+    return params, lambda p, batch: apply_fn(p, batch["input_ids"][:, :-1],
+                                             labels=batch["input_ids"][:, 1:])
 
 
 def peak(params, loss, seq: int, mp: int, cp: int, strategy: str) -> float:
