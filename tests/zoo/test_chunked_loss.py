@@ -38,6 +38,9 @@ def test_chunks_give_the_masked_mean_cross_entropy_and_its_gradients(chunk):
     for got, want in zip(jax.grad(chunked, (0, 1))(hidden, head),
                          jax.grad(whole, (0, 1))(hidden, head)):
         np.testing.assert_allclose(got, want, atol=1e-5)
+    with pytest.raises(ValueError, match=r"labels \(2, 36\) .* shaped like the input ids "
+                                         r"\(2, 37\).*labels=ids\[:, 1:\]"):
+        next_token_loss(hidden, head, labels[:, 1:])
 
 
 def tiny(kind: str):

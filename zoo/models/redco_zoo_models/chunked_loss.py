@@ -39,6 +39,10 @@ def next_token_loss(hidden, head, labels, mask=None, chunk: int = CHUNK):
     """Mean cross-entropy of ``labels`` (B, T) under ``softmax(hidden @ head)`` (``hidden``
     (B, T, D), ``head`` (D, V)), over the tokens where ``mask`` (B, T) is true (all: None),
     ``chunk`` tokens at a time."""
+    if labels.shape != hidden.shape[:2] or (mask is not None and mask.shape != labels.shape):
+        raise ValueError(f"labels {labels.shape} (and label_mask, if given) must be shaped like the "
+                         f"input ids {hidden.shape[:2]}: one next token per input token, e.g. "
+                         "model(ids[:, :-1], labels=ids[:, 1:]).")
     split = sequence_split.current()
     k = 1 if split is None else split[0].shape[split[1]]
     mask = jnp.ones(labels.shape, bool) if mask is None else mask.astype(bool)
