@@ -39,12 +39,12 @@ def inputs():
 
 
 def grads(fn, arrays, masks, weights):
-    return jax.grad(lambda *a: jnp.sum(fn(*a, *masks) * weights), (0, 1, 2))(*arrays)
+    return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a, *masks) * weights), (0, 1, 2)))(*arrays)
 
 
-@pytest.mark.parametrize("block", [7, 16, 64])
+@pytest.mark.parametrize("block", [7, 64])
 def test_tiles_equal_plain_attention_and_its_gradients(inputs, block):
-    """Tiles of 7 and 16 keys (40 keys: the last tile padded) and one tile of 64: outputs and
+    """Tiles of 7 keys (40 keys: the last tile padded) and one tile of 64: outputs and
     the gradients of q, k and v within 1e-5 of plain attention; a query that sees no key
     gets 0 and a log-sum-exp of -inf."""
     (q, k, v, *masks), weights = inputs
