@@ -35,10 +35,12 @@ def _parts(x, k: int, chunk: int):
     return jnp.moveaxis(x.reshape(b, k, n, chunk, *x.shape[3:]), 2, 0)
 
 
-def next_token_loss(hidden, head, labels, mask=None, chunk: int = CHUNK):
+def next_token_loss(hidden, head, labels, mask=None, chunk: int = CHUNK,
+                    softcap: float | None = None):
     """Mean cross-entropy of ``labels`` (B, T) under ``softmax(hidden @ head)`` (``hidden``
     (B, T, D), ``head`` (D, V)), over the tokens where ``mask`` (B, T) is true (all: None),
-    ``chunk`` tokens at a time."""
+    ``chunk`` tokens at a time; ``softcap``: logits capped to ``softcap * tanh(x / softcap)``
+    first (Gemma 2)."""
     if labels.shape != hidden.shape[:2] or (mask is not None and mask.shape != labels.shape):
         raise ValueError(f"labels {labels.shape} (and label_mask, if given) must be shaped like the "
                          f"input ids {hidden.shape[:2]}: one next token per input token, e.g. "
@@ -58,6 +60,8 @@ def next_token_loss(hidden, head, labels, mask=None, chunk: int = CHUNK):
     def chunk_loss(h, y, m):
         logits = jnp.einsum("bkcd,dv->bkcv", h, head.astype(h.dtype),
                             preferred_element_type=jnp.float32)
+        if softcap is not None:
+            logits = softcap * jnp.tanh(logits / softcap)
         label_logit = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
         return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - label_logit) * m)
 

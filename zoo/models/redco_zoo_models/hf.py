@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import warnings
+import re
 from typing import Any
 
 import jax
@@ -22,11 +22,13 @@ from flax import nnx
 
 from redco.sharding import named_leaves
 from redco_safetensors import torch_name
+from redco_zoo_models.families import FAMILIES
 
+HARMLESS_TENSORS = re.compile(r"(rotary_emb\.inv_freq|attn\.masked_bias|attn\.bias)$")  # buffers
+
+DECODER = "redco_zoo_models.decoder:DecoderLM"
 MODEL_CLASSES = {  # config.json's model_type -> the zoo class that reads it
-    "llama": "redco_zoo_models.llama:LlamaForCausalLM",
-    "mistral": "redco_zoo_models.llama:LlamaForCausalLM",
-    "qwen2": "redco_zoo_models.llama:LlamaForCausalLM",
+    **{family: DECODER for family in FAMILIES},
     "gpt2": "redco_zoo_models.gpt2:GPT2LMHeadModel",
     "t5": "redco_zoo_models.t5:T5ForConditionalGeneration",
     "vision-encoder-decoder": "redco_zoo_models.vision_encoder_decoder:VisionEncoderDecoderModel",
@@ -73,13 +75,21 @@ def read_safetensors(model_dir: str) -> dict[str, np.ndarray]:
 def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = None,
                     seed: int = 0) -> nnx.Module:
     """``model_class`` built from ``model_dir``'s ``config.json`` with its safetensors weights
-    (in ``dtype`` when given). Raises naming the first parameter missing or of another shape."""
+    (in ``dtype`` when given). Raises naming the first parameter missing or of another shape,
+    and the checkpoint's tensors the model has no place for."""
     with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = model_class.config_class.from_hf(json.load(f))
+        config = json.load(f)
+    try:
+        cfg = model_class.config_class.from_hf(config)
+    except ValueError as e:
+        raise ValueError(f"{model_dir}/{e}" if str(e).startswith("config.json") else
+                         f"{model_dir}/config.json: {e}") from None
     model = nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(seed)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tensors, used = read_safetensors(model_dir), set()
-    tied = getattr(model_class, "hf_tied_weights", {})
+    tensors = read_safetensors(model_dir)
+    if hasattr(model, "hf_tensors_in"):
+        tensors = model.hf_tensors_in(tensors)
+    tied, used = getattr(model_class, "hf_tied_weights", {}), set()
     base = getattr(model_class, "base_model_prefix", None)  # e.g. GPT-2's "transformer"
     leaves = []
     for path, leaf in named_leaves(params):
@@ -90,17 +100,33 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
             name = tied[name]  # a tied copy transformers left out
         if name not in tensors:
             raise KeyError(f"{model_dir} has no tensor {name} (for {path}); is it a "
-                           f"{model_class.__name__} checkpoint?")
+                           f"{model_class.__name__} checkpoint of this config.json?")
         array = tensors[name] if perm is None else tensors[name].transpose(np.argsort(perm))
         if array.shape != leaf.shape:
             raise ValueError(f"{name} in {model_dir} has shape {array.shape}; "
                              f"{model_class.__name__} expects {leaf.shape} (for {path}).")
         used.add(name)
         leaves.append(np.asarray(array, dtype or leaf.dtype))
-    if unused := sorted(set(tensors) - used):
-        warnings.warn(f"{model_dir}: {len(unused)} tensors unused by {model_class.__name__}, "
-                      f"e.g. {unused[:3]}", stacklevel=2)
+    left = sorted(n for n in set(tensors) - used - set(tied.values())
+                  if not HARMLESS_TENSORS.search(n))
+    if left:
+        raise ValueError(f"{model_dir}: {len(left)} tensors have no place in "
+                         f"{model_class.__name__} as its config.json describes it, e.g. "
+                         f"{left[:3]}: a config that does not match the weights, or a variant "
+                         "the zoo does not implement.")
     return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(params), leaves), rest)
+
+
+GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def save_generation_config(config: dict, model_dir: str) -> None:
+    """``generation_config.json`` with the config's token ids, as transformers writes it: without
+    it ``generate()`` there falls back to its own defaults and runs past the end-of-turn token."""
+    ids = {k: config[k] for k in GENERATION_KEYS if config.get(k) is not None}
+    if ids:
+        with open(os.path.join(model_dir, "generation_config.json"), "w") as f:
+            json.dump({**ids, "_from_model_config": True}, f, indent=2)
 
 
 def save_pretrained(model: nnx.Module, model_dir: str) -> None:
@@ -116,7 +142,12 @@ def save_pretrained(model: nnx.Module, model_dir: str) -> None:
     for path, leaf in named_leaves(nnx.state(model, nnx.Param)):
         name, perm = torch_name(path, np.ndim(leaf))
         array = np.asarray(leaf)
-        tensors[name] = np.ascontiguousarray(array if perm is None else array.transpose(perm))
+        tensors[name] = array if perm is None else array.transpose(perm)
+    if hasattr(model, "hf_tensors_out"):
+        tensors = model.hf_tensors_out(tensors)
+    tensors = {name: np.ascontiguousarray(t) for name, t in tensors.items()}
     save_file(tensors, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
+    config = model.cfg.to_hf()
     with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(model.cfg.to_hf(), f, indent=2)
+        json.dump(config, f, indent=2)
+    save_generation_config(config, model_dir)

@@ -17,14 +17,17 @@ ACTIVATIONS = {
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.weight = nnx.Param(jnp.ones((dim,)))
-        self.eps = eps
+    """``x / rms(x) * (offset + weight)`` over the last axis, in float32. ``offset`` 1 is Gemma's
+    norm, whose stored weight starts at 0."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset))
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 ** 2, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.weight[...]).astype(x.dtype)
+        return (x32 * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
 
 
 @remat.layer

@@ -1,0 +1,262 @@
+"""One decoder for the LLaMA-like families: switches for what differs, not a copy per family.
+
+Every family here is a stack of layers ``attention -> MLP`` with RMSNorm, RoPE, grouped-query
+attention and a gated MLP. What differs is data in ``DecoderConfig``:
+
+* ``norm_layout``: ``pre`` (LLaMA, Qwen, Mistral, Phi-3: a norm before attention and the MLP),
+  ``sandwich`` (Gemma 2/3: also a norm on each block's output before the residual add), ``post``
+  (OLMo 2: only the output norms);
+* ``qk_norm``: RMSNorm of queries and keys before RoPE, per head (``head``: Qwen3, Gemma 3) or over
+  all heads at once (``all``: OLMo 2);
+* ``norm_offset``: Gemma's norms scale by ``1 + weight``; ``embed_scale``: Gemma multiplies
+  embeddings by ``sqrt(hidden_size)``; ``hidden_act``: the MLP's gate activation;
+* ``query_pre_attn_scalar`` (Gemma: scores scaled by its ``** -0.5``), ``attn_softcap`` and
+  ``final_softcap`` (Gemma 2: ``cap * tanh(x / cap)`` on attention scores and on logits);
+* ``layer_types`` with ``sliding_window``: which layers attend to the last ``window`` slots only
+  (Mistral, Gemma 2's every other layer, Gemma 3's five of six), each type with its own RoPE
+  (``rope``; Gemma 3's local layers ``local_rope``; ``redco_zoo_models.rope``).
+
+Module names follow HuggingFace's (``model/layers/0/self_attn/q_proj/kernel``), so checkpoints
+map by name (``redco_zoo_models.hf``); a family's own tensor names and config keys live in
+``redco_zoo_models.families``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from flax import nnx
+
+from redco import remat
+from redco_zoo_models.attention import attend, init_cache, within_window
+from redco_zoo_models.chunked_loss import next_token_loss
+from redco_zoo_models import families
+from redco_zoo_models.context_parallel import (
+    SplitSequence,
+    cached_keys,
+    decoder_layout,
+    in_order,
+    on_split,
+)
+from redco_zoo_models.layers import ACTIVATIONS, RMSNorm, embed
+from redco_zoo_models.rope import Rope, apply_rope
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int = 256
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: biases on q, k, v
+    max_position_embeddings: int = 4096
+    family: str = "llama"  # whose config.json and tensor names it writes (families.FAMILIES)
+    rope: Rope | None = None  # None: default RoPE with rope_theta over the whole head
+    local_rope: Rope | None = None  # the sliding layers' RoPE, where it differs (Gemma 3)
+    norm_layout: str = "pre"  # pre | sandwich | post
+    qk_norm: str | None = None  # None | head | all
+    norm_offset: float = 0.0
+    embed_scale: bool = False
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None  # scores scaled by its ** -0.5 (None: head_dim's)
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None  # None: every layer sliding if a window is set
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.rope is None:
+            object.__setattr__(self, "rope", Rope(self.head_dim, self.rope_theta,
+                                                  max_position_embeddings=self.max_position_embeddings))
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_hidden_layers} layers.")
+
+    def sliding(self, layer: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == SLIDING
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "DecoderConfig":
+        """From a HuggingFace ``config.json`` of any family in ``families.FAMILIES``."""
+        return families.read_config(cls, config)
+
+    def to_hf(self) -> dict:
+        return families.write_config(self)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int, rngs: nnx.Rngs):
+        d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        linear = lambda i, o, bias=cfg.attention_bias: nnx.Linear(i, o, use_bias=bias, rngs=rngs)
+        self.q_proj, self.k_proj = linear(d, h * hd), linear(d, kv * hd)
+        self.v_proj, self.o_proj = linear(d, kv * hd), linear(h * hd, d, bias=False)
+        if cfg.qk_norm:
+            per_head = cfg.qk_norm == "head"
+            norm = lambda n: RMSNorm(hd if per_head else n * hd, cfg.rms_norm_eps, cfg.norm_offset)
+            self.q_norm, self.k_norm = norm(h), norm(kv)
+        self.cfg = cfg
+        self.window = cfg.sliding_window if cfg.sliding(layer) else None
+        self.rope = cfg.local_rope if self.window and cfg.local_rope else cfg.rope
+
+    def _qk(self, x):
+        cfg, (b, t, _) = self.cfg, x.shape
+        q, k = self.q_proj(x), self.k_proj(x)
+        if cfg.qk_norm == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+        k = k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        if cfg.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k
+
+    def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0):
+        cfg, (b, t, _) = self.cfg, x.shape
+        q, k = self._qk(x)
+        v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
+        k, v, layer_cache = cached_keys(layer_cache, k, v, cache_index, allowed)
+        scale = cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar ** -0.5
+        options = dict(scale=scale, softcap=cfg.attn_softcap)
+        if isinstance(allowed, SplitSequence):
+            out = allowed.attend(q, k, v, window=self.window, **options)
+        elif allowed is None:
+            out = attend(q, k, v, is_causal=True, window=self.window, **options)
+        else:
+            out = attend(q, k, v, within_window(allowed, self.window, cache_index), **options)
+        return self.o_proj(out.reshape(b, t, -1)), layer_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)
+        self.gate_proj = linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = cfg.hidden_act
+
+    def __call__(self, x):
+        return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
+
+
+NORMS = {  # norm_layout -> the layer's norms, by HuggingFace's names
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int, rngs: nnx.Rngs):
+        for name in NORMS[cfg.norm_layout]:
+            setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset))
+        self.self_attn = Attention(cfg, layer, rngs)
+        self.mlp = MLP(cfg, rngs)
+        self.layout = cfg.norm_layout
+
+    @remat.layer
+    def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0):
+        keep = lambda h: h  # noqa: E731
+        norm = lambda name: getattr(self, name, keep)  # noqa: E731
+        before_attn = norm("input_layernorm")
+        after_attn = norm("post_attention_layernorm") if self.layout != "pre" else keep
+        before_mlp = norm("post_attention_layernorm" if self.layout == "pre"
+                          else "pre_feedforward_layernorm")
+        after_mlp = norm("post_feedforward_layernorm")
+        h, layer_cache = self.self_attn(before_attn(x), positions, allowed, layer_cache,
+                                        cache_index)
+        x = x + after_attn(h)
+        return x + after_mlp(self.mlp(before_mlp(x))), layer_cache
+
+
+class DecoderModel(nnx.Module):
+    """The decoder stack, named as HuggingFace names it (``model.layers.0.self_attn...``)."""
+
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.cfg = cfg
+
+    def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
+                 segment_ids=None):
+        input_ids, positions, allowed = decoder_layout(  # (a split sequence: context parallel)
+            input_ids, attention_mask, cache is not None, cache_index, segment_ids)
+        x = embed(self.embed_tokens, input_ids)
+        if self.cfg.embed_scale:
+            x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
+        x, new_cache = on_split(x, allowed), []
+        for i, layer in enumerate(self.layers):
+            x, layer_cache = layer(x, positions, allowed, cache and cache[i], cache_index)
+            new_cache.append(layer_cache)
+        return in_order(self.norm(x), allowed), (new_cache if cache is not None else None)
+
+
+def softcap(x, cap: float | None):
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+class DecoderLM(nnx.Module):
+    """A causal LM of any family in ``redco_zoo_models.families``."""
+    config_class = DecoderConfig
+
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.model = DecoderModel(cfg, rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, rngs=rngs)
+
+    def head(self):
+        """The output head's (hidden, vocab) matrix."""
+        return self.model.embed_tokens.embedding[...].T if self.cfg.tie_word_embeddings \
+            else self.lm_head.kernel[...]
+
+    def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
+                 segment_ids=None, labels=None, label_mask=None):
+        """Logits ``(B, T, vocab)`` for token ids ``(B, T)``; with a ``cache`` (``init_cache``),
+        ``(logits, cache)``. ``attention_mask`` marks real tokens (1) and padding (0) over the
+        input, or with a cache over all of its slots; ``segment_ids`` (B, T) pack documents into
+        rows, none seeing another (see ``redco_zoo_models.attention``). Given ``labels`` (B, T),
+        the mean cross-entropy of predicting them (where ``label_mask``) instead, a chunk of
+        tokens at a time: the logits never exist whole (``redco_zoo_models.chunked_loss``)."""
+        x, cache = self.model(input_ids, attention_mask, cache, cache_index, segment_ids)
+        if labels is not None:
+            return next_token_loss(x, self.head(), labels, label_mask,
+                                   softcap=self.cfg.final_softcap)
+        logits = x @ self.head().astype(x.dtype) if self.cfg.tie_word_embeddings \
+            else self.lm_head(x)
+        logits = softcap(logits, self.cfg.final_softcap)
+        return logits if cache is None else (logits, cache)
+
+    def decode(self, ids, key_valid, cache, cache_index, context=None):
+        """One generation step (``redco_zoo_models.generation``)."""
+        return self(ids, attention_mask=key_valid, cache=cache, cache_index=cache_index)
+
+    def init_cache(self, batch: int, n_slots: int, dtype=jnp.float32) -> list[dict]:
+        cfg = self.cfg
+        return init_cache(cfg.num_hidden_layers, batch, n_slots, cfg.num_key_value_heads,
+                          cfg.head_dim, dtype)
+
+    def hf_tensors_in(self, tensors: dict) -> dict:
+        """A checkpoint's tensors under this model's names (fused ones split)."""
+        return families.tensors_in(self.cfg, tensors)
+
+    def hf_tensors_out(self, tensors: dict) -> dict:
+        """This model's tensors under its family's checkpoint names (fused where it fuses)."""
+        return families.tensors_out(self.cfg, tensors)
+

@@ -1,0 +1,230 @@
+"""What each decoder family's ``config.json`` says, in ``DecoderConfig``'s switches, and back.
+
+A family is a few lines of data (``FAMILIES``): its HuggingFace class, the switches it fixes
+(``redco_zoo_models.decoder``), the config keys it reads and their defaults, which layers slide.
+Phi-3 fuses q/k/v and gate/up in its checkpoints; ``tensors_in`` splits them and ``tensors_out``
+fuses them back, so the model itself (LoRA, TP rules, FSDP) sees the same names everywhere.
+
+A key the family does not read is refused, naming it, unless it is bookkeeping (``HARMLESS``) or
+off (``None``, ``False``, 0): a softcap, a window or MoE fields are never silently dropped.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from redco_zoo_models.rope import read_rope
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+HARMLESS = {  # config.json keys that change nothing a forward pass computes
+    "model_type", "architectures", "transformers_version", "torch_dtype", "dtype",
+    "_name_or_path", "use_cache", "initializer_range", "attention_dropout", "resid_pdrop",
+    "embd_pdrop", "pretraining_tp", "output_attentions", "output_hidden_states", "return_dict",
+    "id2label", "label2id", "problem_type", "tokenizer_class", "_attn_implementation",
+    "cache_implementation", "use_bfloat16", "torchscript", "chunk_size_feed_forward",
+    "max_length", "min_length", "do_sample", "temperature", "top_k", "top_p", "num_beams",
+    "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "num_return_sequences",
+    "early_stopping", "bad_words_ids", "prefix", "task_specific_params", "finetuning_task",
+    "sep_token_id", "decoder_start_token_id", "forced_bos_token_id", "forced_eos_token_id",
+    "max_window_layers", "_sliding_window_pattern", "sliding_window_pattern",
+    "keys_to_ignore_at_inference", "tf_legacy_loss", "pruned_heads", "tie_encoder_decoder",
+}
+COMMON = {  # read for every family: DecoderConfig field -> config.json key
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size", "num_hidden_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
+    "head_dim": "head_dim", "rms_norm_eps": "rms_norm_eps",
+    "tie_word_embeddings": "tie_word_embeddings",
+    "max_position_embeddings": "max_position_embeddings", "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id",
+}
+ROPE_KEYS = {"rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    architecture: str
+    switches: dict = dataclasses.field(default_factory=dict)  # DecoderConfig fields it fixes
+    reads: dict = dataclasses.field(default_factory=dict)  # config key -> (field, default)
+    windows: str = "none"  # none | all | layer_types | qwen (use_sliding_window) | gemma2 | gemma3
+    fused: bool = False  # Phi-3: qkv_proj and gate_up_proj in the checkpoint
+    tied_default: bool = False
+    ignores: frozenset = frozenset()  # keys transformers' class of this family ignores too
+
+
+GEMMA = dict(norm_layout="sandwich", norm_offset=1.0, embed_scale=True)
+GEMMA_READS = {"hidden_activation": ("hidden_act", "gelu_pytorch_tanh"),
+               "query_pre_attn_scalar": ("query_pre_attn_scalar", 256),
+               "attn_logit_softcapping": ("attn_softcap", None),
+               "final_logit_softcapping": ("final_softcap", None)}
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM", reads={"attention_bias": ("attention_bias", False),
+                                               "hidden_act": ("hidden_act", "silu")}),
+    "mistral": Family("MistralForCausalLM", reads={"hidden_act": ("hidden_act", "silu")},
+                      windows="all"),
+    "qwen2": Family("Qwen2ForCausalLM", switches={"attention_bias": True},
+                    reads={"hidden_act": ("hidden_act", "silu")}, windows="qwen"),
+    "qwen3": Family("Qwen3ForCausalLM", switches={"qk_norm": "head"},
+                    reads={"attention_bias": ("attention_bias", False),
+                           "hidden_act": ("hidden_act", "silu")}, windows="qwen"),
+    "gemma2": Family("Gemma2ForCausalLM", switches=GEMMA, reads=GEMMA_READS, windows="gemma2",
+                     tied_default=True, ignores=frozenset({"hidden_act"})),
+    "gemma3_text": Family("Gemma3ForCausalLM", switches={**GEMMA, "qk_norm": "head"},
+                          reads=GEMMA_READS, windows="gemma3", tied_default=True,
+                          ignores=frozenset({"hidden_act"})),
+    "phi3": Family("Phi3ForCausalLM", reads={"hidden_act": ("hidden_act", "silu")},
+                   windows="all", fused=True),
+    "olmo2": Family("Olmo2ForCausalLM", switches={"norm_layout": "post", "qk_norm": "all"},
+                    reads={"attention_bias": ("attention_bias", False),
+                           "hidden_act": ("hidden_act", "silu")}),
+}
+
+
+def _layer_types(family: Family, config: dict, n: int) -> tuple | None:
+    if config.get("layer_types"):
+        return tuple(config["layer_types"])
+    if family.windows == "qwen":
+        first = config.get("max_window_layers", n)
+        return tuple(SLIDING if i >= first else FULL for i in range(n))
+    if family.windows in ("gemma2", "gemma3"):
+        every = 2 if family.windows == "gemma2" else config.get(
+            "sliding_window_pattern", config.get("_sliding_window_pattern", 6))
+        return tuple(SLIDING if (i + 1) % every else FULL for i in range(n))
+    return None
+
+
+def _window(family: Family, config: dict) -> int | None:
+    if family.windows == "none":
+        return None
+    if family.windows == "qwen" and not config.get("use_sliding_window"):
+        return None
+    return config.get("sliding_window", 4096 if family.windows.startswith("gemma") else None)
+
+
+def _ropes(family: Family, config: dict, head_dim: int, where: str) -> dict:
+    """``{"rope": Rope, "local_rope": Rope or None}`` from either layout of the config."""
+    longest = config.get("max_position_embeddings", 4096)
+    top = {k: config[k] for k in ("rope_theta", "partial_rotary_factor") if k in config}
+    params = config.get("rope_parameters") or {}
+    original = config.get("original_max_position_embeddings")  # Phi-3 keeps it at the top
+    if family.windows == "gemma3":
+        full = {"rope_theta": 1_000_000.0, **top, **(config.get("rope_scaling") or {}),
+                **(params.get(FULL) or {})}
+        local = {"rope_theta": config.get("rope_local_base_freq", 10_000.0),
+                 **(params.get(SLIDING) or {})}
+        return {"rope": read_rope(full, head_dim, longest, f"{where} ({FULL})"),
+                "local_rope": read_rope(local, head_dim, longest, f"{where} ({SLIDING})")}
+    merged = {**top, **(config.get("rope_scaling") or {}), **params}
+    return {"rope": read_rope(merged, head_dim, longest, where, original), "local_rope": None}
+
+
+def read_config(cls, config: dict, where: str = "config.json") -> Any:
+    """``cls`` (``DecoderConfig``) from a HuggingFace ``config.json``'s contents."""
+    model_type = config.get("model_type", "llama")
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ValueError(f"{where}: model_type {model_type!r} is not a decoder family the zoo "
+                         f"reads ({', '.join(FAMILIES)}).")
+    read = set(COMMON.values()) | set(family.reads) | ROPE_KEYS | family.ignores | {
+        "layer_types", "sliding_window", "use_sliding_window", "rope_local_base_freq",
+        "original_max_position_embeddings", "use_bidirectional_attention"}
+    if family.windows == "none":
+        read -= {"layer_types", "sliding_window", "use_sliding_window"}
+    if config.get("use_bidirectional_attention"):
+        raise ValueError(f"{where}: use_bidirectional_attention is set (an encoder such as "
+                         "EmbeddingGemma); the zoo's decoders are causal.")
+    if extra := sorted(k for k, v in config.items()
+                       if k not in read | HARMLESS and v not in (None, False, 0, [], {})):
+        raise ValueError(f"{where}: a {model_type!r} config with {extra}, which the zoo's "
+                         f"{model_type} does not read and which may change what the model "
+                         "computes: remove them if they are off, or use a model family that "
+                         "has them.")
+    fields = {f: config[k] for f, k in COMMON.items() if config.get(k) is not None}
+    fields.setdefault("num_key_value_heads", config["num_attention_heads"])
+    fields.setdefault("tie_word_embeddings", family.tied_default)
+    for key, (field, default) in family.reads.items():
+        fields[field] = config.get(key, default) if config.get(key) is not None else default
+    if isinstance(fields.get("eos_token_id"), list):
+        fields["eos_token_id"] = tuple(fields["eos_token_id"])
+    head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
+    window = _window(family, config)
+    return cls(**fields, **family.switches, family=model_type, sliding_window=window,
+               layer_types=_layer_types(family, config, fields["num_hidden_layers"])
+               if window else None, **_ropes(family, config, head_dim, where))
+
+
+def write_config(cfg) -> dict:
+    """A HuggingFace ``config.json``'s contents for ``cfg`` (transformers 5's layout)."""
+    family = FAMILIES[cfg.family]
+    out = {"model_type": cfg.family, "architectures": [family.architecture]}
+    out.update({k: getattr(cfg, f) for f, k in COMMON.items()})
+    if isinstance(out["eos_token_id"], tuple):
+        out["eos_token_id"] = list(out["eos_token_id"])
+    for key, (field, _) in family.reads.items():
+        out[key] = getattr(cfg, field)
+    rope = cfg.rope.to_hf()
+    if cfg.local_rope is not None:
+        out["rope_parameters"] = {FULL: rope, SLIDING: cfg.local_rope.to_hf()}
+    else:
+        if cfg.rope.rotary_dim != cfg.head_dim:
+            rope["partial_rotary_factor"] = cfg.rope.rotary_dim / cfg.head_dim
+        if "original_max_position_embeddings" in rope and family.fused:
+            out["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+        out["rope_parameters"] = rope
+        out["rope_theta"] = rope["rope_theta"]  # (transformers 4 reads it here)
+    if family.windows != "none":
+        out["sliding_window"] = cfg.sliding_window
+        out["use_sliding_window"] = cfg.sliding_window is not None
+        if cfg.layer_types is not None:
+            out["layer_types"] = list(cfg.layer_types)
+        if family.windows != "qwen":
+            out.pop("use_sliding_window")
+    return out
+
+
+FUSED = {"self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"),
+         "mlp.gate_up_proj.weight": ("gate_proj", "up_proj")}
+
+
+def _sizes(cfg, fused: str) -> list[int]:
+    if fused.startswith("self_attn"):
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        return [cfg.num_attention_heads * cfg.head_dim, kv, kv]
+    return [cfg.intermediate_size] * 2
+
+
+def tensors_in(cfg, tensors: dict) -> dict:
+    """A checkpoint's tensors (PyTorch names) under the zoo model's names: Phi-3's fused
+    projections split; a tied head's stored copy dropped when it equals the embedding."""
+    tensors = dict(tensors)
+    if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
+        embedding = tensors.get("model.embed_tokens.weight")
+        if embedding is None or not np.array_equal(tensors["lm_head.weight"], embedding):
+            raise ValueError("config.json ties the output head to the embedding, but the "
+                             "checkpoint's lm_head.weight differs from it: set "
+                             "tie_word_embeddings to false.")
+        del tensors["lm_head.weight"]
+    if not FAMILIES[cfg.family].fused:
+        return tensors
+    for name in [n for n in tensors if any(n.endswith(f) for f in FUSED)]:
+        suffix = next(f for f in FUSED if name.endswith(f))
+        prefix = name[:-len(suffix)] + suffix.split(".")[0]
+        parts = np.split(tensors.pop(name), np.cumsum(_sizes(cfg, suffix))[:-1], axis=0)
+        tensors.update({f"{prefix}.{p}.weight": t for p, t in zip(FUSED[suffix], parts)})
+    return tensors
+
+
+def tensors_out(cfg, tensors: dict) -> dict:
+    """The zoo model's tensors under its family's checkpoint names (``tensors_in`` undone)."""
+    if not FAMILIES[cfg.family].fused:
+        return tensors
+    tensors = dict(tensors)
+    for i in range(cfg.num_hidden_layers):
+        for suffix, parts in FUSED.items():
+            module = f"model.layers.{i}.{suffix.split('.')[0]}"
+            tensors[f"model.layers.{i}.{suffix}"] = np.concatenate(
+                [tensors.pop(f"{module}.{p}.weight") for p in parts], axis=0)
+    return tensors
