@@ -1,22 +1,31 @@
 """Tiled attention (``redco_zoo_models.tiled_attention``) equals plain attention, forward and
-backward, under every mask it takes, and never holds a whole (queries x keys) score matrix."""
+backward, under every mask it takes, and never holds a whole (queries x keys) score matrix; with
+a sliding window and soft-capped scores (Gemma 2/3, Qwen3, Phi-3) too, tiled, through ``attend``
+and split over devices (context parallelism), as HuggingFace transformers computes them."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
-from redco_zoo_models.attention import attend
+from redco_zoo_models.attention import attend, decoder_inputs, within_window
+from redco_zoo_models.context_parallel import SplitSequence, balance, sequence_parallel_attention
 from redco_zoo_models.tiled_attention import merge, tiled_attention
 
 SCALE = 0.3
 
 
-def plain(q, k, v, q_rows, k_rows, q_seg, k_seg):
-    """The reference: every score materialised, masked, softmaxed."""
+def plain(q, k, v, q_rows, k_rows, q_seg, k_seg, window=None, softcap=None, scale=SCALE):
+    """The reference: every score materialised, capped (HuggingFace's ``softcap * tanh(s /
+    softcap)``), masked (the window: key rows ``> row - window``), softmaxed."""
     groups = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, groups, 2), jnp.repeat(v, groups, 2)
-    scores = jnp.einsum("bthd,bshd->bhts", q, k) * SCALE
+    scores = jnp.einsum("bthd,bshd->bhts", q, k) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     allowed = (k_rows[:, None, :] <= q_rows[:, :, None]) & (k_seg[:, None, :] == q_seg[:, :, None])
+    if window is not None:
+        allowed &= k_rows[:, None, :] > q_rows[:, :, None] - window
     scores = jnp.where(allowed[:, None], scores, -jnp.inf)
     top = scores.max(-1, keepdims=True)
     weights = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0))
@@ -38,26 +47,41 @@ def inputs():
             q_seg, k_seg), normal(b, t, h, d)
 
 
-def grads(fn, arrays, masks, weights):
-    return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a, *masks) * weights), (0, 1, 2)))(*arrays)
+def out_and_grads(fn, arrays, weights, has_aux: bool = False):
+    """``fn(*arrays)`` and the gradients of ``sum(fn(*arrays) * weights)`` by ``arrays`` (then
+    ``fn``'s second output, with ``has_aux``), in one jitted program."""
+    def run(*arrays):
+        out, pull, *aux = jax.vjp(fn, *arrays, has_aux=has_aux)
+        return (out, pull(weights.astype(out.dtype)), *aux)
+    return jax.jit(run)(*arrays)
+
+
+def assert_same(got, want, atol=1e-5):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, atol=atol)
+
+
+
+@pytest.fixture(scope="module")
+def reference(inputs):
+    """``plain``'s output on ``inputs`` and its gradients."""
+    (q, k, v, *masks), weights = inputs
+    return out_and_grads(lambda q, k, v: plain(q, k, v, *masks), (q, k, v), weights)
 
 
 @pytest.mark.parametrize("block", [7, 64])
-def test_tiles_equal_plain_attention_and_its_gradients(inputs, block):
+def test_tiles_equal_plain_attention_and_its_gradients(inputs, reference, block):
     """Tiles of 7 keys (40 keys: the last tile padded) and one tile of 64: outputs and
     the gradients of q, k and v within 1e-5 of plain attention; a query that sees no key
     gets 0 and a log-sum-exp of -inf."""
     (q, k, v, *masks), weights = inputs
-    tiled = lambda *a: tiled_attention(*a, SCALE, block)[0]
-    out, lse = tiled_attention(q, k, v, *masks, SCALE, block)
-    np.testing.assert_allclose(out, plain(q, k, v, *masks), atol=1e-5)
+    tiled = lambda q, k, v: tiled_attention(q, k, v, *masks, SCALE, block)
+    out, d_qkv, lse = out_and_grads(tiled, (q, k, v), weights, has_aux=True)
+    assert_same((out, d_qkv), reference)
     assert float(jnp.abs(out[0, 0]).max()) == 0 and float(lse[0, 0, 0]) == -np.inf
-    for got, want in zip(grads(tiled, (q, k, v), masks, weights),
-                         grads(plain, (q, k, v), masks, weights)):
-        np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_two_halves_merged_by_log_sum_exp_equal_the_whole(inputs):
+def test_two_halves_merged_by_log_sum_exp_equal_the_whole(inputs, reference):
     """Ring attention's fold: the keys in two halves, merged by ``merge``, give plain
     attention over all of them, gradients too (they flow through the log-sum-exps)."""
     (q, k, v, q_rows, k_rows, q_seg, k_seg), weights = inputs
@@ -67,10 +91,8 @@ def test_two_halves_merged_by_log_sum_exp_equal_the_whole(inputs):
                                           k_seg[:, sl], SCALE, 8)
         return merge(part(slice(0, 20)), part(slice(20, None)))[0]
     masks = (q_rows, k_rows, q_seg, k_seg)
-    np.testing.assert_allclose(halves(q, k, v, *masks), plain(q, k, v, *masks), atol=1e-5)
-    for got, want in zip(grads(halves, (q, k, v), masks, weights),
-                         grads(plain, (q, k, v), masks, weights)):
-        np.testing.assert_allclose(got, want, atol=1e-5)
+    assert_same(out_and_grads(lambda q, k, v: halves(q, k, v, *masks), (q, k, v), weights),
+                reference)
 
 
 def causal_grad_temp_bytes(fn, n: int, heads: int = 4) -> int:
@@ -89,13 +111,82 @@ def test_a_long_causal_attention_runs_in_tiles_and_never_holds_a_score_matrix():
     q, k, v = (jnp.asarray(rng.normal(size=(1, 1100, 4, 16)), jnp.float32) for _ in range(3))
     xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
     ours = lambda q, k, v: attend(q, k, v, is_causal=True)
-    np.testing.assert_allclose(ours(q, k, v), xla(q, k, v), atol=1e-5)
     weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
-    for got, want in zip(grads(ours, (q, k, v), (), weights), grads(xla, (q, k, v), (), weights)):
-        np.testing.assert_allclose(got, want, atol=1e-5)
+    assert_same(out_and_grads(ours, (q, k, v), weights), out_and_grads(xla, (q, k, v), weights))
     scores = lambda n: 4 * n * n * 4
     assert causal_grad_temp_bytes(xla, 4096) > scores(4096)  # (the measure sees the matrix)
     temp = {n: causal_grad_temp_bytes(ours, n) for n in (4096, 8192)}
     assert temp[8192] < 2.5 * temp[4096], {n: f"{t / 1e6:.0f} MB" for n, t in temp.items()}
     assert temp[8192] < scores(8192) / 2, (f"{temp[8192] / 1e6:.0f} MB of temporaries, one "
                                            f"score matrix {scores(8192) / 1e6:.0f} MB")
+
+
+def test_a_window_and_capped_scores_in_tiles_equal_huggingfaces_formula(inputs, reference):
+    """A sliding window of 9 rows and scores capped at 1.5, in tiles of 8 keys (40 keys,
+    shuffled rows, 3 packed segments, grouped-query heads): outputs and the gradients of q, k
+    and v (through the cap's derivative) within 1e-5 of the reference; the window leaves some
+    queries no key (output 0)."""
+    (q, k, v, *masks), weights = inputs
+    tiled = lambda q, k, v: tiled_attention(q, k, v, *masks, SCALE, 8, window=9, softcap=1.5)[0]
+    ours = out_and_grads(tiled, (q, k, v), weights)
+    assert_same(ours, out_and_grads(lambda q, k, v: plain(q, k, v, *masks, window=9, softcap=1.5),
+                                    (q, k, v), weights))
+    unseen = jnp.all(ours[0] == 0, axis=(2, 3))
+    assert 0 < int(unseen.sum()) < unseen.size // 2, int(unseen.sum())
+    assert not np.allclose(ours[0], reference[0], atol=1e-2)  # (they change things)
+
+
+
+def causal_inputs(n: int, seed: int = 2):
+    """q (2, n, 4, 8), k and v (2, n, 2, 8) of a causal attention, the weights of a loss on it,
+    and their rows (2, n)."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    rows = jnp.broadcast_to(jnp.arange(n), (2, n))
+    return (normal(2, n, 4, 8), normal(2, n, 2, 8), normal(2, n, 2, 8)), normal(2, n, 4, 8), rows
+
+
+def test_attend_with_a_window_or_capped_scores_equals_huggingfaces_formula():
+    """``attend(is_causal=True, ...)`` over 40 tokens with a window of 7 (XLA's attention under
+    a windowed mask) and with the scores capped at 1.5 too (written out); a packed mask
+    restricted by ``within_window``, capped; and 520 tokens (more than one tile: tiled
+    attention) with a window of 100, capped: the reference's output within 1e-5."""
+    (q, k, v), _, rows = causal_inputs(40)
+    one = jnp.zeros_like(rows)
+    segments = jnp.asarray(np.repeat([[1, 2, 3]], [12, 20, 8], axis=1).repeat(2, 0), jnp.int32)
+    allowed = within_window(decoder_inputs(2, 40, segment_ids=segments)[1], 7)
+    reference = lambda q, k, v, seg, window, softcap: plain(
+        q, k, v, rows, rows, seg, seg, window=window, softcap=softcap, scale=8 ** -0.5)
+    ours = jax.jit(lambda q, k, v: (attend(q, k, v, is_causal=True, window=7),
+                                    attend(q, k, v, is_causal=True, window=7, softcap=1.5),
+                                    attend(q, k, v, allowed, softcap=1.5)))
+    want = jax.jit(lambda q, k, v: (reference(q, k, v, one, 7, None),
+                                    reference(q, k, v, one, 7, 1.5),
+                                    reference(q, k, v, segments, 7, 1.5)))
+    assert_same(ours(q, k, v), want(q, k, v))
+    (q, k, v), _, rows = causal_inputs(520)
+    long = jax.jit(lambda q, k, v: attend(q, k, v, is_causal=True, window=100, softcap=1.5))
+    one = jnp.zeros_like(rows)
+    want = jax.jit(lambda q, k, v: plain(q, k, v, rows, rows, one, one, window=100, softcap=1.5,
+                                         scale=8 ** -0.5))
+    assert_same(long(q, k, v), want(q, k, v))
+
+
+def test_split_attention_with_a_window_and_capped_scores_equals_unsplit():
+    """Context parallelism with a window of 5 rows (across the devices' chunks of 4 or 8
+    tokens) and scores capped at 1.5, packed rows: ``sequence_parallel_attention`` (all-gather,
+    CP 4) and a model's ``SplitSequence.attend`` (ring, CP 2, gradients too) give the
+    reference's within 1e-5."""
+    (q, k, v), weights, rows = causal_inputs(32)
+    segments = jnp.asarray(np.repeat([[1, 2, 0], [1, 1, 1]], [11, 14, 7], axis=1), jnp.int32)
+    want = out_and_grads(lambda q, k, v: plain(q, k, v, rows, rows, segments, segments, window=5,
+                                               softcap=1.5, scale=8 ** -0.5), (q, k, v), weights)
+    mesh = lambda k_degree: Mesh(np.array(jax.devices()[:k_degree]), ("cp",))
+    gathered = jax.jit(lambda q, k, v: sequence_parallel_attention(
+        q, k, v, segments, mesh(4), strategy="all_gather", window=5, softcap=1.5))
+    assert_same(gathered(q, k, v), want[0])
+    layer = SplitSequence(balance(rows, 2), balance(segments, 2), mesh(2), "cp", "ring")
+    ring = lambda q, k, v: layer.attend(q, k, v, window=5, softcap=1.5)
+    laid_out = [balance(x, 2) for x in (q, k, v)]
+    assert_same(out_and_grads(ring, laid_out, balance(weights, 2)),
+                [balance(x, 2) for x in jax.tree.leaves(want)])

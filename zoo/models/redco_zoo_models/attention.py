@@ -7,6 +7,12 @@ slots are just the input's positions.
 
 A cache is one dict ``{"k": (B, S, KV, D), "v": ...}`` per layer, the model writing a call's
 keys and values at ``cache_index`` (the slot of its first token).
+
+Gemma 2/3, Qwen3 and Phi-3 options, as HuggingFace transformers computes them: a sliding window
+(a query in slot ``i`` sees only the key slots ``j > i - window``: ``within_window`` restricts a
+mask to it, ``attend(..., window=)`` a plain causal one) and logit soft-capping
+(``attend(..., softcap=)``: each score ``s`` becomes ``softcap * tanh(s / softcap)`` before the
+mask and the softmax).
 """
 from __future__ import annotations
 
@@ -25,6 +31,18 @@ def mask(key_valid, n_queries: int, first_slot=0, causal: bool = True):
         query_slots = first_slot + jnp.arange(n_queries)
         allowed = allowed & (jnp.arange(s)[None, :] <= query_slots[:, None])
     return allowed
+
+
+def within_window(allowed, window: int | None, first_slot=0):
+    """``allowed`` (B, 1, T, S), as ``mask`` or ``decoder_inputs`` give it, restricted to a
+    sliding ``window``: query ``i`` (in slot ``first_slot + i``) keeps the key slots
+    ``j > first_slot + i - window``, at most ``window`` of them with its own. Unchanged without
+    a window (``None``)."""
+    if window is None:
+        return allowed
+    t, s = allowed.shape[-2:]
+    query_slots = first_slot + jnp.arange(t)
+    return allowed & (jnp.arange(s)[None, :] > query_slots[:, None] - window)
 
 
 def positions_from(key_valid):
@@ -82,20 +100,56 @@ def write_cache(layer_cache: dict | None, k, v, cache_index):
     return k, v, {"k": k, "v": v}
 
 
-def attend(q, k, v, allowed=None, bias=None, scale: float | None = None, is_causal=False):
+def attend(q, k, v, allowed=None, bias=None, scale: float | None = None, is_causal=False,
+           window: int | None = None, softcap: float | None = None):
     """``softmax(q k^T * scale + bias)`` over the ``allowed`` keys, times ``v``. ``q`` is
     (B, T, H, D); ``k``, ``v`` (B, S, KV, D) with ``H`` a multiple of ``KV`` (grouped-query
-    attention). On a GPU in 16-bit with a plain causal mask, cuDNN's flash attention; else a
-    plain causal mask over more than one tile of keys runs in tiles
-    (``redco_zoo_models.tiled_attention``: memory linear in the sequence), the rest by XLA."""
+    attention). ``softcap``: the scores capped (``softcap * tanh(s / softcap)``) before the mask.
+    ``window``: a sliding window on the plain causal mask (``is_causal``, no ``allowed``): query
+    ``i`` sees keys ``i - window < j <= i``; a given ``allowed`` is taken as it is, the window
+    already in it (``within_window``). On a GPU in 16-bit with a plain causal mask (no window,
+    no cap), cuDNN's flash attention; else a plain causal mask over more than one tile of keys
+    runs in tiles (``redco_zoo_models.tiled_attention``: memory linear in the sequence), the
+    rest by XLA."""
     half = q.dtype in (jnp.bfloat16, jnp.float16)
-    fused = half and allowed is None and bias is None and jax.default_backend() == "gpu"
+    fused = half and allowed is None and bias is None and window is None and softcap is None \
+        and jax.default_backend() == "gpu"
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if is_causal and not fused and allowed is None and bias is None and \
             q.shape[1] == k.shape[1] > BLOCK:
         rows = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
         segments = jnp.zeros(q.shape[:2], jnp.int32)
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return tiled_attention(q, k, v, rows, rows, segments, segments, scale)[0]
+        return tiled_attention(q, k, v, rows, rows, segments, segments, scale, window=window,
+                               softcap=softcap)[0]
+    if is_causal and allowed is None and window is not None:
+        causal = mask(jnp.ones((q.shape[0], k.shape[1]), bool), q.shape[1])
+        allowed, is_causal = within_window(causal, window), False
+    if softcap is not None:
+        return _capped(q, k, v, allowed, bias, scale, is_causal, softcap)
     return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), bias=bias,
                                         mask=allowed, scale=scale, is_causal=is_causal,
                                         implementation="cudnn" if fused else None)
+
+
+def _capped(q, k, v, allowed, bias, scale: float, is_causal: bool, softcap: float):
+    """``attend`` with capped scores, written out (XLA's attention has no cap): float32 scores
+    ``q.k * scale (+ bias)``, capped, masked as XLA's attention masks (a large negative, so a
+    query with no key averages them all), softmax in float32."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype),
+                   preferred_element_type=jnp.float32) * scale
+    if bias is not None:
+        s = s + jnp.broadcast_to(bias, (b, h, t, k.shape[1])).reshape(s.shape)
+    s = softcap * jnp.tanh(s / softcap)
+    if is_causal:
+        causal = jnp.arange(k.shape[1])[None, :] <= jnp.arange(t)[:, None]
+        allowed = causal if allowed is None else allowed & causal
+    if allowed is not None:
+        allowed = jnp.broadcast_to(allowed, (b, h, t, k.shape[1])).reshape(s.shape)
+        s = jnp.where(allowed, s, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(q.dtype),
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q.dtype)

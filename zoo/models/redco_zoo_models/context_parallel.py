@@ -106,26 +106,29 @@ gather_sequence.defvjp(_gather_forward, _gather_backward)
 
 
 def attend_split(q, k, v, q_pos, k_pos, q_seg, k_seg, axis: str, strategy: str = "all_gather",
-                 scale: float | None = None):
+                 scale: float | None = None, window: int | None = None,
+                 softcap: float | None = None):
     """This device's queries (B, T, H, D) attended to the keys and values of every device on
     mesh ``axis``; call inside ``shard_map``. ``*_pos``, ``*_seg``: (B, T) positions in the row
     and segment ids of the local tokens. Each device's share runs in tiles
-    (``redco_zoo_models.tiled_attention``): its scores never exceed (T, tile) per head."""
+    (``redco_zoo_models.tiled_attention``): its scores never exceed (T, tile) per head. A
+    sliding ``window`` counts in those row positions; ``softcap`` caps the scores (Gemma)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    attention = partial(tiled_attention, scale=scale, window=window, softcap=softcap)
     if strategy == "all_gather":
         gather = partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True)
         k, v = gather_sequence(k, axis), gather_sequence(v, axis)
-        return tiled_attention(q, k, v, q_pos, gather(k_pos), q_seg, gather(k_seg), scale)[0]
+        return attention(q, k, v, q_pos, gather(k_pos), q_seg, gather(k_seg))[0]
     if strategy != "ring":
         raise ValueError(f"strategy {strategy!r}: choose one of {sequence_split.STRATEGIES}.")
     n = jax.lax.psum(1, axis)
     to_next = [(i, (i + 1) % n) for i in range(n)]
     block = (k, v, k_pos, k_seg)
-    acc = tiled_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, scale)
+    acc = attention(q, k, v, q_pos, k_pos, q_seg, k_seg)
     for _ in range(n - 1):  # (unrolled: k is small and static; XLA overlaps the permutes)
         block = jax.tree.map(lambda x: jax.lax.ppermute(x, axis, to_next), block)
         kb, vb, pb, sb = block
-        acc = merge(acc, tiled_attention(q, kb, vb, q_pos, pb, q_seg, sb, scale))
+        acc = merge(acc, attention(q, kb, vb, q_pos, pb, q_seg, sb))
     return acc[0].astype(q.dtype)
 
 
@@ -140,11 +143,14 @@ class SplitSequence:
     axis: str = flax.struct.field(pytree_node=False)
     strategy: str = flax.struct.field(pytree_node=False)
 
-    def attend(self, q, k, v, scale: float | None = None):
+    def attend(self, q, k, v, scale: float | None = None, window: int | None = None,
+               softcap: float | None = None):
+        """``attend_split`` of the local tokens (a sliding ``window`` over their row positions,
+        ``softcap`` on the scores), inside ``shard_map`` over the axis."""
         seq = P(None, self.axis)
         run = jax.shard_map(
             lambda q, k, v, pos, seg: attend_split(q, k, v, pos, pos, seg, seg, self.axis,
-                                                   self.strategy, scale),
+                                                   self.strategy, scale, window, softcap),
             mesh=self.mesh, in_specs=(seq,) * 5, out_specs=seq, axis_names={self.axis})
         return run(q, k, v, self.row_positions, self.segments)
 
@@ -234,15 +240,17 @@ def split_inputs(input_ids, segment_ids, split: tuple, positions=None) -> tuple:
 
 
 def sequence_parallel_attention(q, k, v, segment_ids, mesh, axis: str = "cp",
-                                strategy: str = "all_gather"):
+                                strategy: str = "all_gather", window: int | None = None,
+                                softcap: float | None = None):
     """Causal attention of ``q`` (B, N, H, D) to ``k``, ``v`` (B, N, KV, D) within the
-    ``segment_ids`` (B, N) of packed rows, the sequence split over mesh ``axis`` in the balanced
-    layout; returns (B, N, H, D) in order, equal to unsplit attention."""
+    ``segment_ids`` (B, N) of packed rows (a sliding ``window``, capped scores: ``softcap``),
+    the sequence split over mesh ``axis`` in the balanced layout; returns (B, N, H, D) in order,
+    equal to unsplit attention."""
     k_degree, n = mesh.shape[axis], q.shape[1]
     positions = jnp.broadcast_to(jnp.arange(n), segment_ids.shape)
     laid_out = [balance(x, k_degree) for x in (q, k, v, positions, segment_ids)]
     seq = P(None, axis)
     run = jax.shard_map(lambda q, k, v, pos, seg: attend_split(q, k, v, pos, pos, seg, seg, axis,
-                                                               strategy),
+                                                               strategy, None, window, softcap),
                         mesh=mesh, in_specs=(seq,) * 5, out_specs=seq)
     return unbalance(run(*laid_out), k_degree)

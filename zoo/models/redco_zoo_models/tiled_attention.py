@@ -16,6 +16,12 @@ on a sequence split over devices in any order (``redco_zoo_models.context_parall
 whose keys are all masked gets output 0 and ``lse = -inf``: ring attention folds the blocks of
 several devices by their ``lse`` (``merge``).
 
+Two options of Gemma 2/3, Qwen3 and Phi-3, as HuggingFace transformers computes them: a sliding
+``window`` (a query in row ``i`` sees the keys in rows ``i - window < j <= i``: at most
+``window`` keys, itself included) and logit ``softcap`` (each score ``s = q.k * scale`` becomes
+``softcap * tanh(s / softcap)`` before the mask and the softmax; the backward pass multiplies the
+capped score's gradient by ``1 - tanh(s / softcap)^2``).
+
 The XLA path on every backend; on a GPU in 16-bit the zoo's unsplit attention uses cuDNN's
 fused kernel instead (``redco_zoo_models.attention.attend``).
 """
@@ -43,15 +49,25 @@ def _unblock(x, n: int):
     return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :n]
 
 
-def _scores(q, k, allowed, scale):
-    """(B, KV, G, T, block) float32 scores, -inf where not ``allowed`` (B, T, block); ``q``
-    (B, T, KV, G, D) grouped by the key/value head it shares."""
+def _scores(q, k, allowed, scale: float, softcap: float | None):
+    """``(scores, slope)``: (B, KV, G, T, block) float32 scores, capped by ``softcap`` (if any)
+    and -inf where not ``allowed`` (B, T, block), and the cap's derivative there
+    (``1 - tanh^2``; 1 without a cap), which the backward pass needs; ``q`` (B, T, KV, G, D)
+    grouped by the key/value head it shares."""
     s = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-    return jnp.where(allowed[:, None, None], s, -jnp.inf)
+    slope = 1.0
+    if softcap is not None:
+        s = jnp.tanh(s / softcap)
+        s, slope = softcap * s, 1 - s * s
+    return jnp.where(allowed[:, None, None], s, -jnp.inf), slope
 
 
-def _allowed(q_rows, q_seg, k_rows, k_seg):
-    return (k_rows[:, None, :] <= q_rows[:, :, None]) & (k_seg[:, None, :] == q_seg[:, :, None])
+def _allowed(q_rows, q_seg, k_rows, k_seg, window: int | None):
+    """(B, T, block) bools: the keys of the query's segment at or before its row and, with a
+    ``window``, fewer than ``window`` rows before it."""
+    before = k_rows[:, None, :] - q_rows[:, :, None]  # (B, T, block): <= 0 at or before
+    allowed = (before <= 0) & (k_seg[:, None, :] == q_seg[:, :, None])
+    return allowed if window is None else allowed & (before > -window)
 
 
 def _zeros_like(x):
@@ -64,7 +80,7 @@ def _safe(m):
     return jnp.where(jnp.isfinite(m), m, 0.0)
 
 
-def _forward(q, k, v, q_rows, k_rows, q_seg, k_seg, scale, block):
+def _forward(q, k, v, q_rows, k_rows, q_seg, k_seg, scale, block, window, softcap):
     b, t, h, d = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, d)
@@ -75,7 +91,7 @@ def _forward(q, k, v, q_rows, k_rows, q_seg, k_seg, scale, block):
     def step(carry, tile):
         m, total, acc = carry  # (B, KV, G, T), (B, KV, G, T), (B, KV, G, T, D)
         kb, vb, rb, sb = tile
-        s = _scores(qg, kb, _allowed(q_rows, q_seg, rb, sb), scale)
+        s, _ = _scores(qg, kb, _allowed(q_rows, q_seg, rb, sb, window), scale, softcap)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - _safe(m_new)[..., None])
         rescale = jnp.exp(m - _safe(m_new))
@@ -93,20 +109,22 @@ def _forward(q, k, v, q_rows, k_rows, q_seg, k_seg, scale, block):
     return out.astype(q.dtype), lse.reshape(b, h, t)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def tiled_attention(q, k, v, q_rows, k_rows, q_seg, k_seg, scale: float, block: int = BLOCK):
+@partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def tiled_attention(q, k, v, q_rows, k_rows, q_seg, k_seg, scale: float, block: int = BLOCK,
+                    window: int | None = None, softcap: float | None = None):
     """``(out, lse)``: ``q`` (B, T, H, D) attended to ``k``, ``v`` (B, S, KV, D) (``H`` a
-    multiple of ``KV``), a query seeing the keys of its own segment at or before its row;
+    multiple of ``KV``), a query seeing the keys of its own segment at or before its row (and,
+    with a ``window``, after row ``row - window``), the scores capped by ``softcap`` (if any);
     ``lse`` (B, H, T) float32 is each query's log-sum-exp of scores (-inf: no key seen)."""
-    return _forward(q, k, v, q_rows, k_rows, q_seg, k_seg, scale, block)
+    return _forward(q, k, v, q_rows, k_rows, q_seg, k_seg, scale, block, window, softcap)
 
 
-def _tiled_forward(q, k, v, q_rows, k_rows, q_seg, k_seg, scale, block):
-    out, lse = _forward(q, k, v, q_rows, k_rows, q_seg, k_seg, scale, block)
+def _tiled_forward(q, k, v, q_rows, k_rows, q_seg, k_seg, scale, block, window, softcap):
+    out, lse = _forward(q, k, v, q_rows, k_rows, q_seg, k_seg, scale, block, window, softcap)
     return (out, lse), (q, k, v, q_rows, k_rows, q_seg, k_seg, out, lse)
 
 
-def _tiled_backward(scale, block, saved, grads):
+def _tiled_backward(scale, block, window, softcap, saved, grads):
     q, k, v, q_rows, k_rows, q_seg, k_seg, out, lse = saved
     d_out, d_lse = grads
     b, t, h, d = q.shape
@@ -124,10 +142,10 @@ def _tiled_backward(scale, block, saved, grads):
     def step(carry, tile):
         d_q, d_k, d_v = carry
         i, kb, vb, rb, sb = tile
-        s = _scores(qg, kb, _allowed(q_rows, q_seg, rb, sb), scale)
+        s, slope = _scores(qg, kb, _allowed(q_rows, q_seg, rb, sb, window), scale, softcap)
         p = jnp.exp(s - _safe(lse)[..., None])  # masked scores: exp(-inf) = 0
         d_s = p * (jnp.einsum("bkgtd,bskd->bkgts", d_out, vb.astype(jnp.float32))
-                   - delta[..., None]) * scale
+                   - delta[..., None]) * slope * scale  # through the cap, then the scale
         d_q = d_q + jnp.einsum("bkgts,bskd->btkgd", d_s, kb.astype(jnp.float32))
         put = lambda acc, x: jax.lax.dynamic_update_index_in_dim(acc, x, i, 0)
         return (d_q, put(d_k, jnp.einsum("bkgts,btkgd->bskd", d_s, qg.astype(jnp.float32))),
