@@ -28,7 +28,7 @@ import redco
 from redco.lora import trainable_mask, without_adapters
 from redco.protocols import UsageError
 from redco_zoo_models import runner, split_model
-from redco_zoo_sft.chat import render_chat
+from redco_zoo_sft.chat import render_chat, template_kwargs_arg
 from redco_zoo_sft.pipeline import load_chat_tokenizer
 
 
@@ -91,15 +91,18 @@ def metric_fn(examples: list[dict], preds: list) -> dict:
             "chosen_reward": float(np.mean(r[:, 0])), "rejected_reward": float(np.mean(r[:, 1]))}
 
 
-def render_pair(tokenizer, row: dict, max_len: int, where: str) -> dict:
-    """A row's ``prompt`` (messages) with its ``chosen`` and ``rejected`` replies rendered."""
+def render_pair(tokenizer, row: dict, max_len: int, where: str,
+                template_kwargs: dict | None = None) -> dict:
+    """A row's ``prompt`` (messages) with its ``chosen`` and ``rejected`` replies rendered
+    (``template_kwargs``: the chat template's own variables)."""
     chosen, rejected = row["chosen"], row["rejected"]
     if chosen == rejected:
         raise UsageError(f"{where}: chosen and rejected are the same reply, which teaches "
                          "nothing; drop the pair or fix it.")
     prompt = row["prompt"]
     return {name: render_chat(tokenizer, prompt + [{"role": "assistant", "content": reply}],
-                              max_len, f"{where} ({name})", learn_from=len(prompt))
+                              max_len, f"{where} ({name})", learn_from=len(prompt),
+                              template_kwargs=template_kwargs)
             for name, reply in (("chosen", chosen), ("rejected", rejected))}
 
 
@@ -125,11 +128,16 @@ class DPOPipeline:
                             "prompt included")
         parser.add_argument("--beta", type=float, default=0.1)
         parser.add_argument("--label_smoothing", type=float, default=0.0)
+        parser.add_argument("--chat_template_kwargs", type=template_kwargs_arg, default=None,
+                            help="a JSON object of the chat template's own variables, e.g. "
+                            "'{\"enable_thinking\": false}' (Qwen3: the empty <think> block "
+                            "before each reply is the prompt's, not counted)")
 
     def run(self, args) -> dict:
         tokenizer = load_chat_tokenizer(args.model)
         model, _ = runner.load_model(args.model, args.from_scratch, args.jax_seed)
-        train, evaluate = ([render_pair(tokenizer, row, args.max_len, f"{what} row {i}")
+        train, evaluate = ([render_pair(tokenizer, row, args.max_len, f"{what} row {i}",
+                                        args.chat_template_kwargs)
                             for i, row in enumerate(part)]
                            for part, what in zip(runner.split_eval(args), ("--train", "--eval")))
         lora = bool(getattr(args, "lora_rank", 0))

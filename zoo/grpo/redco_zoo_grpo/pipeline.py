@@ -28,7 +28,7 @@ from redco_zoo_grpo.loss import LOSS_TYPES, average, token_logps, token_losses
 from redco_zoo_grpo.rewards import BUILT_IN, load_reward_fn
 from redco_zoo_grpo.rollout import GRPO, GRPOConfig, left_pad
 from redco_zoo_models import generate, runner
-from redco_zoo_sft.chat import render_prompt
+from redco_zoo_sft.chat import render_prompt, template_kwargs_arg
 from redco_zoo_sft.pipeline import load_chat_tokenizer
 
 
@@ -59,11 +59,11 @@ def pred_fn(rng, params, batch, model, n_samples: int = 1, **sampling):
     return {"tokens": tokens.reshape(shape), "logps": logps.reshape(shape)}
 
 
-def prompt_examples(tokenizer, parts: tuple[list, list], column: str,
-                    max_len: int) -> tuple[tuple[list, list], ...]:
-    """``(prompts, rows)`` of each part: its prompts rendered (``render_prompt``), all
-    left-padded to the longest."""
-    rendered = [[render_prompt(tokenizer, row[column], max_len, f"{what} row {i}")
+def prompt_examples(tokenizer, parts: tuple[list, list], column: str, max_len: int,
+                    template_kwargs: dict | None = None) -> tuple[tuple[list, list], ...]:
+    """``(prompts, rows)`` of each part: its prompts rendered (``render_prompt``, with
+    ``template_kwargs``), all left-padded to the longest."""
+    rendered = [[render_prompt(tokenizer, row[column], max_len, f"{what} row {i}", template_kwargs)
                  for i, row in enumerate(rows)]
                 for rows, what in zip(parts, ("--train", "--eval (or the last 5% of --train)"))]
     width = max(len(ids) for part in rendered for ids in part)
@@ -78,6 +78,9 @@ def add_grpo_arguments(parser) -> None:
     add("--reward", default="exact_match", help="the reward function: a built-in ("
         + ", ".join(BUILT_IN) + "), module:function or path/to/file.py:function")
     add("--max_prompt_len", type=int, default=256, help="tokens of a rendered prompt, at most")
+    add("--chat_template_kwargs", type=template_kwargs_arg, default=None, help="a JSON object of "
+        "the chat template's own variables, e.g. '{\"enable_thinking\": false}' (Qwen3: prompts "
+        "end with an empty <think> block, so the model answers without reasoning)")
     add("--n_samples", type=int, default=8, help="completions per prompt (G)")
     add("--max_new_tokens", type=int, default=64)
     add("--temperature", type=float, default=1.0)
@@ -129,7 +132,8 @@ def train(args) -> list[float]:
     config, reward_fn = config_of(args), load_reward_fn(args.reward)
     model, _ = runner.load_model(args.model, args.from_scratch, args.jax_seed)
     prompts, held_out = prompt_examples(tokenizer, runner.split_eval(
-        args, {"--prompt_column": args.prompt_column}), args.prompt_column, args.max_prompt_len)
+        args, {"--prompt_column": args.prompt_column}), args.prompt_column, args.max_prompt_len,
+        args.chat_template_kwargs)
     check_context(model, len(prompts[0][0]["prompt_ids"]), args.max_new_tokens)
     deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
                         workdir=args.workdir)

@@ -64,7 +64,8 @@ def train(args) -> list[float]:
     config, reward_fn = config_of(args), load_reward_fn(args.reward)
     model, _ = runner.load_model(args.model, args.from_scratch, args.jax_seed)
     prompts, held_out = prompt_examples(tokenizer, runner.split_eval(
-        args, {"--prompt_column": args.prompt_column}), args.prompt_column, args.max_prompt_len)
+        args, {"--prompt_column": args.prompt_column}), args.prompt_column, args.max_prompt_len,
+        args.chat_template_kwargs)
     check_context(model, len(prompts[0][0]["prompt_ids"]), args.max_new_tokens)
     deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
                         workdir=args.workdir)
