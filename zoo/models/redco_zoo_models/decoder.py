@@ -28,9 +28,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redco import remat
+from redco_zoo_models import families
 from redco_zoo_models.attention import attend, init_cache, within_window
 from redco_zoo_models.chunked_loss import next_token_loss
-from redco_zoo_models import families
 from redco_zoo_models.context_parallel import (
     SplitSequence,
     cached_keys,
@@ -246,6 +246,15 @@ class DecoderLM(nnx.Module):
     def decode(self, ids, key_valid, cache, cache_index, context=None):
         """One generation step (``redco_zoo_models.generation``)."""
         return self(ids, attention_mask=key_valid, cache=cache, cache_index=cache_index)
+
+    def rereads_at(self) -> int | None:
+        """The slot at which generation reads the whole sequence again: a ``longrope`` model's
+        factors switch past its original context (transformers' Phi-3 does the same), so the
+        cache of every layer is recomputed with the new ones. ``None``: never."""
+        ropes = [r for r in (self.cfg.rope, self.cfg.local_rope) if r is not None]
+        switching = [r.get("original_max_position_embeddings") for r in ropes
+                     if r.kind == "longrope"]
+        return min(switching) if switching else None
 
     def init_cache(self, batch: int, n_slots: int, dtype=jnp.float32) -> list[dict]:
         cfg = self.cfg

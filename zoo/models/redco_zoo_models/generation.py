@@ -69,6 +69,11 @@ def generate(model: nnx.Module, params: Any, prompt_ids, max_new_tokens: int, *,
                                  jnp.zeros((b, n_slots - p - max_new_tokens), bool)], 1)
     context = m.encode(**encoder_inputs) if encoder_inputs is not None else None
     if num_beams > 1:
+        if _reread_step(m, p, max_new_tokens) is not None:
+            raise ValueError(f"Beam search across slot {m.rereads_at()}, where this model's "
+                             "RoPE factors switch and the sequence is read again, is not "
+                             "supported: sample instead, or keep the prompt and the new tokens "
+                             "on one side of it.")
         if return_logprobs or num_samples > 1:
             raise ValueError("Beam search returns one sequence per prompt and no "
                              "log-probabilities: use num_beams=1 with num_samples or "
@@ -79,25 +84,51 @@ def generate(model: nnx.Module, params: Any, prompt_ids, max_new_tokens: int, *,
     logits, cache = m.decode(prompt_ids, key_valid, cache, 0, context)
     if num_samples > 1:  # each prompt's cache and logits copied per sample
         repeat = lambda x: jnp.repeat(x, num_samples, axis=0)  # noqa: E731
-        logits, key_valid, cache, context = jax.tree.map(repeat, (logits, key_valid, cache,
-                                                                  context))
+        logits, key_valid, cache, context, prompt_ids = jax.tree.map(
+            repeat, (logits, key_valid, cache, context, prompt_ids))
         b = b * num_samples
     rng = jax.random.PRNGKey(0) if rng is None else rng
     scale = temperature if temperature > 0 else 1.0
 
-    def step(carry, i):
-        logits, cache, finished = carry
+    def pick(logits, finished, i):
         token = pick_tokens(logits, jax.random.fold_in(rng, i), temperature, top_k, top_p)
         token = jnp.where(finished, pad_token_id, token).astype(prompt_ids.dtype)
         logprob = jnp.where(finished, 0.0, jnp.take_along_axis(
             jax.nn.log_softmax(logits.astype(jnp.float32) / scale), token[:, None], -1)[:, 0])
         if eos_token_id is not None:
             finished = finished | (token == eos_token_id)
+        return token, logprob, finished
+
+    def step(carry, i):
+        logits, cache, finished = carry
+        token, logprob, finished = pick(logits, finished, i)
         logits, cache = m.decode(token[:, None], key_valid, cache, p + i, context)
         return (logits[:, -1], cache, finished), (token, logprob)
-    _, (tokens, logprobs) = jax.lax.scan(step, (logits[:, -1], cache, jnp.zeros((b,), bool)),
-                                         jnp.arange(max_new_tokens))
-    return (tokens.T, logprobs.T) if return_logprobs else tokens.T
+
+    carry = (logits[:, -1], cache, jnp.zeros((b,), bool))
+    reread = _reread_step(m, p, max_new_tokens)
+    if reread is None:
+        _, (tokens, logprobs) = jax.lax.scan(step, carry, jnp.arange(max_new_tokens))
+        return (tokens.T, logprobs.T) if return_logprobs else tokens.T
+    # the token fed at slot `reread` is fed with all before it, into an empty cache
+    carry, (before, before_lp) = jax.lax.scan(step, carry, jnp.arange(reread))
+    logits, _, finished = carry
+    token, logprob, finished = pick(logits, finished, reread)
+    ids = jnp.concatenate([prompt_ids, before.T.astype(prompt_ids.dtype), token[:, None]], 1)
+    logits, cache = m.decode(ids, key_valid, m.init_cache(b, n_slots, cache_dtype), 0, context)
+    _, (after, after_lp) = jax.lax.scan(step, (logits[:, -1], cache, finished),
+                                        jnp.arange(reread + 1, max_new_tokens))
+    tokens = jnp.concatenate([before.T, token[:, None], after.T], 1)
+    logprobs = jnp.concatenate([before_lp.T, logprob[:, None], after_lp.T], 1)
+    return (tokens, logprobs) if return_logprobs else tokens
+
+
+def _reread_step(m, n_prompt: int, n_new: int) -> int | None:
+    """The generation step whose token is read together with the whole sequence before it, into
+    a new cache (``model.rereads_at()``: a RoPE whose factors switch with the length), if one of
+    this generation's steps feeds that slot."""
+    at = getattr(m, "rereads_at", lambda: None)()
+    return at - n_prompt if at is not None and 0 <= at - n_prompt < n_new else None
 
 
 def _beam_search(m, prompt_ids, key_valid, context, n_new, k, eos, pad, length_penalty,

@@ -1,0 +1,170 @@
+"""The dense families people fine-tune in 2026 against transformers' PyTorch models, one test per
+property, parametrized over the families: Llama 3.1 (``llama3`` RoPE, factor 8) and 3.2 (factor
+32, tied head, explicit head_dim), Qwen3 (q/k norm), Gemma 2 (softcaps, every other layer
+sliding), Gemma 3 (local/global layers, a RoPE each, scaled global RoPE), Phi-3/4 (fused
+projections, partial rotary, longrope), OLMo 2 (post-norms, q/k norm over all heads), Mistral
+(a window on every layer), and YaRN and dynamic-NTK RoPE on Qwen3 and LLaMA shapes.
+
+Each tiny checkpoint is written by transformers itself (``from_config`` + ``save_pretrained``,
+weights perturbed so a misplaced one shows, sharded so the index is read). The lengths cross
+every sliding window (8) and every RoPE's ``original_max_position_embeddings`` (16)."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from parity import close, hf_greedy, jiggle_torch, left_padded, transformers
+
+from redco_zoo_models import from_pretrained, generate, save_pretrained
+from redco_zoo_models.hf import auto_class
+
+VOCAB, EOS, PAD, BOS = 64, 63, 0, 1
+WINDOW, ORIGINAL = 8, 16
+BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            eos_token_id=EOS, pad_token_id=PAD, bos_token_id=BOS)
+LLAMA3 = dict(rope_type="llama3", rope_theta=500000.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=ORIGINAL)
+FAMILIES = {  # name -> (model_type, config beyond BASE)
+    "llama-3.1": ("llama", dict(rope_parameters=dict(LLAMA3, factor=8.0))),
+    "llama-3.2": ("llama", dict(tie_word_embeddings=True, head_dim=16,
+                                rope_parameters=dict(LLAMA3, factor=32.0))),
+    "qwen3": ("qwen3", dict(head_dim=16, rope_parameters=dict(rope_type="default",
+                                                              rope_theta=1e6))),
+    "gemma2": ("gemma2", dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=12,
+                              final_logit_softcapping=3.0, attn_logit_softcapping=2.0)),
+    "gemma3": ("gemma3_text", dict(
+        head_dim=16, sliding_window=WINDOW, num_hidden_layers=4, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention"],
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1e6),
+                         "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
+    "phi-4-mini": ("phi3", dict(
+        tie_word_embeddings=True, original_max_position_embeddings=ORIGINAL,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                             short_factor=[1.0, 1.1, 1.3], long_factor=[2.0, 3.5, 5.0]))),
+    "phi-3-window": ("phi3", dict(sliding_window=WINDOW)),
+    "olmo2": ("olmo2", {}),
+    "mistral": ("mistral", dict(sliding_window=WINDOW)),
+    "qwen3-yarn": ("qwen3", dict(head_dim=8, rope_parameters=dict(
+        rope_type="yarn", factor=4.0, rope_theta=10000.0,
+        original_max_position_embeddings=ORIGINAL))),
+    "llama-dynamic": ("llama", dict(max_position_embeddings=ORIGINAL, rope_parameters=dict(
+        rope_type="dynamic", factor=2.0, rope_theta=10000.0))),
+}
+
+
+ROPE_ONLY = {"phi-3-window", "qwen3-yarn"}  # logits and export checked only
+
+
+def jitted(model):
+    """``model(ids, attention_mask=None)`` compiled (eager NNX runs op by op)."""
+    graphdef, state = nnx.split(model)
+    run = jax.jit(lambda state, ids, mask: nnx.merge(graphdef, state)(ids, attention_mask=mask))
+    return lambda ids, attention_mask=None: run(state, jnp.asarray(ids), attention_mask)
+
+
+def generating(family):
+    if family in ROPE_ONLY:
+        pytest.skip("a RoPE variant: logits and export only (its family generates elsewhere)")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request, tmp_path_factory):
+    """``(transformers' model, its directory, ours read from it)`` for a family."""
+    model_type, extra = FAMILIES[request.param]
+    config = transformers.AutoConfig.for_model(model_type, **{**BASE, **extra})
+    torch.manual_seed(0)
+    theirs = jiggle_torch(transformers.AutoModelForCausalLM.from_config(config))
+    path = str(tmp_path_factory.mktemp(request.param))
+    theirs.save_pretrained(path, max_shard_size="40KB")  # several files and an index
+    assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+    return theirs, path, from_pretrained(auto_class(path), path), request.param
+
+
+def fresh_rope(model):
+    """transformers' dynamic-NTK RoPE keeps the longest length it has seen across calls; start
+    each comparison from none seen (ours computes each call's frequencies from the call)."""
+    rotary = model.model.rotary_emb
+    if "dynamic" in rotary.rope_type:
+        rotary.inv_freq.copy_(rotary.original_inv_freq)
+        rotary.max_seq_len_cached = rotary.original_max_seq_len
+    return model
+
+
+def torch_logits(model, ids, **inputs):
+    fresh_rope(model)
+    with torch.no_grad():
+        out = model(torch.tensor(np.asarray(ids)),
+                    **{k: torch.tensor(np.asarray(v)) for k, v in inputs.items()})
+    return out.logits.numpy()
+
+
+def test_logits_equal_transformers_at_two_lengths(pair):
+    """12 tokens: within the window and the original context; 40: past both."""
+    theirs, _, ours, _ = pair
+    forward = jitted(ours)
+    for n in (12, 40):
+        ids = np.random.RandomState(n).randint(1, EOS, (2, n))
+        close(forward(ids), torch_logits(theirs, ids))
+
+
+def test_left_padded_logits_equal_transformers(pair):
+    theirs, _, ours, family = pair
+    generating(family)
+    ids, mask = left_padded(3, 20, EOS, PAD, seed=3)
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    got = jitted(ours)(ids, attention_mask=jnp.asarray(mask))
+    want = torch_logits(theirs, ids, attention_mask=mask, position_ids=positions)
+    close(got * mask[..., None], want * mask[..., None])  # padding rows are don't-cares
+
+
+def test_greedy_generation_equals_transformers(pair):
+    """Prompts behind 0-3 pads, 24 new tokens: the cache crosses the window and the original
+    context while generating."""
+    theirs, _, ours, family = pair
+    generating(family)
+    prompts, mask = left_padded(4, 6, EOS, PAD, seed=4)
+    got = jax.jit(lambda params, prompts, mask: generate(
+        ours, params, prompts, 24, prompt_mask=mask, eos_token_id=EOS, pad_token_id=PAD))(
+        nnx.state(ours, nnx.Param), jnp.asarray(prompts), jnp.asarray(mask))
+    want = hf_greedy(fresh_rope(theirs), prompts, 6, 24, EOS, PAD, attention_mask=mask)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_sampler_logprobs_equal_a_training_forward(pair):
+    """What ``generate`` reports for each sampled token is what a forward pass over the prompt
+    and the completion computes (RL's ratio starts at 1). A RoPE whose frequencies change with
+    the length (longrope, dynamic) gives early tokens other frequencies in a forward over a
+    longer whole, in transformers too: there the sequence stays within the original context."""
+    _, _, ours, family = pair
+    generating(family)
+    n_new = 8 if ours.cfg.rope.kind in ("longrope", "dynamic") else 20
+    prompts = np.random.RandomState(5).randint(1, EOS, (2, 6))
+    tokens, logprobs = jax.jit(lambda params, prompts: generate(
+        ours, params, prompts, n_new, rng=jax.random.PRNGKey(1), temperature=1.0,
+        return_logprobs=True))(nnx.state(ours, nnx.Param), jnp.asarray(prompts))
+    whole = jnp.concatenate([jnp.asarray(prompts), tokens], 1)
+    forward = jax.nn.log_softmax(jitted(ours)(whole)[:, 5:-1].astype(jnp.float32))
+    want = jnp.take_along_axis(forward, tokens[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(logprobs), np.asarray(want), atol=2e-4)
+
+
+def test_export_loads_in_transformers_with_the_same_logits_and_token_ids(pair, tmp_path):
+    """Ours written back: transformers reads every tensor (none missing or left over), gives the
+    same logits, and its plain ``generate()`` stops at the config's EOS."""
+    theirs, _, ours, _ = pair
+    save_pretrained(ours, str(tmp_path))
+    model_class = type(theirs)
+    back, info = model_class.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    ids = np.random.RandomState(6).randint(1, EOS, (2, 40))
+    close(torch_logits(back.eval(), ids), torch_logits(theirs, ids))
+    with open(tmp_path / "generation_config.json") as f:
+        assert json.load(f)["eos_token_id"] == EOS
+    assert (back.generation_config.eos_token_id, back.generation_config.pad_token_id) == (EOS, PAD)
+    assert back.config.bos_token_id == BOS
