@@ -16,8 +16,12 @@ import sys
 from redco.protocols import Command
 from redco.sequence_split import STRATEGIES
 
-MODEL_HELP = ("llama-tiny, llama-1b, llama-7b, llama-13b, llama-30b, llama-65b, or "
-              "module:function returning params, (params, trace_fn) or (params, trace_fn, loss_fn)")
+MODEL_HELP = ("llama-tiny, llama-1b, llama-7b, llama-13b, llama-30b, llama-65b; a published "
+              "decoder (redco_zoo_models.presets): llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, "
+              "llama-3.1-70b, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, qwen3-32b, "
+              "gemma-3-1b, gemma-3-4b, gemma-3-12b, gemma-3-27b, phi-4-mini; or module:function "
+              "returning params, (params, trace_fn) or (params, trace_fn, loss_fn)")
+COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
 def simulate_devices(n: int) -> None:
@@ -124,12 +128,18 @@ class PlanCommand(Command):
                             help="context-parallel degrees to consider (devices splitting each "
                             "sequence): auto (every degree, the default) or e.g. 1 or 1,2,4")
         parser.add_argument("--context-strategy", default=STRATEGIES[0], choices=STRATEGIES)
+        parser.add_argument("--compute-dtype", default="float32", choices=COMPUTE_DTYPES,
+                            help="the step computes in this dtype, the params cast to it as "
+                            "Trainer(compute_dtype=...) does; params and AdamW state stay fp32")
 
     def run(self, args: argparse.Namespace) -> None:
         simulate_devices(args.devices)
+        import jax.numpy as jnp
+
         from redco_planner.inspection import load_model, parse_bytes
         from redco_planner.planner import REMAT_POLICIES, PlanError, plan
         model = load_model(args.model, seq_len=args.seq_len)
+        compute = None if args.compute_dtype == "float32" else jnp.dtype(args.compute_dtype)
         memory = parse_bytes(args.device_memory)
         if model.loss_fn is not None:
             loss, batch = model.loss_fn, model.batch(args.batch)
@@ -137,9 +147,10 @@ class PlanCommand(Command):
             print("(no loss_fn: the mean of the model's outputs on its own example input stands "
                   "for the loss; --seq-len and --batch are not used)")
             loss, batch = model.trace_fn, None
+        dtypes = "fp32" if compute is None else f"fp32 params, {args.compute_dtype} compute"
         print(f"{args.model}: {args.devices} devices x {args.device_memory}, per-device batch "
-              f"{args.batch} x seq {args.seq_len}, AdamW, fp32; per-device peak of the compiled "
-              "train step (and its FLOPs per device):")
+              f"{args.batch} x seq {args.seq_len}, AdamW, {dtypes}; per-device peak of the "
+              "compiled train step (and its FLOPs per device):")
         try:
             result = plan(model.params, loss, batch, n_devices=args.devices,
                           device_memory_bytes=memory, rule_sets=args.rules.split(","),
@@ -147,7 +158,7 @@ class PlanCommand(Command):
                           remat_policies=REMAT_POLICIES if args.remat else ("none",),
                           lora_rank=args.lora_rank, lora=model.lora,
                           context_degrees=args.context_shards,
-                          context_strategy=args.context_strategy)
+                          context_strategy=args.context_strategy, compute_dtype=compute)
         except PlanError as e:
             sys.exit(f"redco: {e}")
         remat = f", remat={result.remat!r}" if args.remat else ""

@@ -6,8 +6,9 @@ rows (path, shape, spec, bytes per device) that ``format_table`` prints and ``dr
 abstract models the ``redco rules`` and ``redco plan`` commands take by name.
 
 Two imports stay inside the functions that need them, so that neither is a dependency:
-matplotlib (``draw_png`` only) and ``redco_zoo_models`` (the ``llama-*`` models only). Each
-fails with the ``pip install`` line that fixes it.
+matplotlib (``draw_png`` only) and ``redco_zoo_models`` (the models by name only: ``llama-*``,
+``qwen3-*``, ``gemma-3-*``, ``phi-4-mini``). Each fails with the ``pip install`` line that fixes
+it.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from redco.protocols import UsageError
 from redco.sharding import named_leaves, specs_from_rules
 
 
@@ -178,29 +180,45 @@ def lm_loss(apply_fn: Callable) -> Callable:
     return loss_fn
 
 
+class UnknownModel(UsageError, ValueError):
+    """A model name ``load_model`` does not know; the message lists the names it does (the
+    ``redco`` command prints it in one line)."""
+
+
 def zoo_models():
-    """``redco_zoo_models``, imported only when a ``llama-*`` model is asked for."""
+    """``redco_zoo_models``, imported only when a preset (``llama-*``, ``qwen3-*``, ...) is asked
+    for."""
     try:
         import redco_zoo_models
+        import redco_zoo_models.decoder  # noqa: F401 - DecoderConfig, DecoderLM
+        import redco_zoo_models.presets  # noqa: F401 - the published decoders, by name
     except ImportError as e:
-        raise ImportError("The llama-* models come from the zoo: pip install redco-zoo-models "
-                          "(./zoo/models in the redco repository), or pip install "
-                          "'redco-planner[presets]'.") from e
+        raise ImportError("The preset models (llama-*, qwen3-*, gemma-3-*, phi-4-mini) come "
+                          "from the zoo: pip install redco-zoo-models (./zoo/models in the redco "
+                          "repository), or pip install 'redco-planner[presets]'.") from e
     return redco_zoo_models
 
 
-def zoo_llama(seq_len: int = 128, **config) -> Model:
-    """The zoo LLaMA (``redco_zoo_models``) with ``config`` overriding ``LlamaConfig``'s
-    defaults, built abstractly with ``nnx.eval_shape``: no weight is allocated."""
+def preset_names() -> list[str]:
+    """Every model ``load_model`` knows by name: ``llama-tiny``, the LLaMA shapes of
+    ``LLAMA_PRESETS`` and the published decoders of ``redco_zoo_models.presets.PRESETS``."""
+    zoo = zoo_models()
+    return ["llama-tiny", *zoo.LLAMA_PRESETS, *zoo.presets.PRESETS]
+
+
+def zoo_decoder(cfg, seq_len: int = 128) -> Model:
+    """The zoo's decoder (``redco_zoo_models.decoder.DecoderLM``) of config ``cfg``, built
+    abstractly with ``nnx.eval_shape``: no weight is allocated. Its loss is the next-token
+    cross-entropy over whole logits (``lm_loss``), as the zoo's LM and SFT pipelines compute it;
+    ``lora(rank)`` gives it the zoo's native LoRA layers."""
     from flax import nnx
     zoo = zoo_models()
-    cfg = zoo.LlamaConfig(**config)
-    apply_fn, params = zoo.split_model(
-        nnx.eval_shape(lambda: zoo.LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))))
+    build = lambda: zoo.decoder.DecoderLM(cfg, rngs=nnx.Rngs(0))  # noqa: E731
+    apply_fn, params = zoo.split_model(nnx.eval_shape(build))
 
     def with_lora(rank: int) -> LoraModel:
         lora_apply, lora_params = zoo.split_model(nnx.eval_shape(
-            lambda: zoo.add_lora(zoo.LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)), rank)))
+            lambda: zoo.add_lora(build(), rank)))
         return LoraModel(lora_params, lm_loss(lora_apply),
                          "redco_zoo_models.add_lora: native LoRALinear layers")
     return Model(params=params,
@@ -211,19 +229,38 @@ def zoo_llama(seq_len: int = 128, **config) -> Model:
                  lora=with_lora)
 
 
+def zoo_llama(seq_len: int = 128, **config) -> Model:
+    """The zoo LLaMA with ``config`` overriding ``LlamaConfig``'s defaults (``zoo_decoder``)."""
+    return zoo_decoder(zoo_models().LlamaConfig(**config), seq_len)
+
+
+def zoo_preset(name: str, seq_len: int = 128, **overrides) -> Model:
+    """A published decoder of ``redco_zoo_models.presets.PRESETS`` (``qwen3-8b``, ...), its
+    ``config.json`` read by ``DecoderConfig.from_hf``; ``overrides`` replace config.json keys
+    (e.g. ``vocab_size``)."""
+    zoo = zoo_models()
+    config = {**zoo.presets.preset(name), **overrides}
+    return zoo_decoder(zoo.decoder.DecoderConfig.from_hf(config), seq_len)
+
+
 def load_model(name: str, seq_len: int = 128) -> Model:
-    """``llama-tiny`` (``LlamaConfig`` defaults), a published LLaMA shape from
-    ``redco_zoo_models.LLAMA_PRESETS`` (``llama-1b``, ``llama-7b``, ... ``llama-65b``), or
+    """A model by name, built abstractly: ``llama-tiny`` (``LlamaConfig`` defaults), a LLaMA
+    shape from ``redco_zoo_models.LLAMA_PRESETS`` (``llama-1b``, ``llama-7b``, ...
+    ``llama-65b``), a published decoder from ``redco_zoo_models.presets.PRESETS``
+    (``llama-3.1-8b``, ``qwen3-8b``, ``gemma-3-27b``, ``phi-4-mini``, ...), or
     ``module:function``. The function returns params (real or abstract), ``(params,
     trace_fn)``, or ``(params, trace_fn, loss_fn)`` with ``loss_fn(params, batch)`` on
     ``{"input_ids": int32 (rows, seq_len + 1)}``. Real arrays are turned into shapes."""
-    if name == "llama-tiny":
-        return zoo_llama(seq_len)
-    if name.startswith("llama-") and name in zoo_models().LLAMA_PRESETS:
-        return zoo_llama(seq_len, **zoo_models().LLAMA_PRESETS[name])
     if ":" not in name:
-        raise ValueError(f"Unknown model {name!r}: use llama-tiny, llama-1b, llama-7b, "
-                         "llama-13b, llama-30b, llama-65b or module:function.")
+        zoo = zoo_models()
+        if name == "llama-tiny":
+            return zoo_llama(seq_len)
+        if name in zoo.LLAMA_PRESETS:
+            return zoo_llama(seq_len, **zoo.LLAMA_PRESETS[name])
+        if name in zoo.presets.PRESETS:
+            return zoo_preset(name, seq_len)
+        raise UnknownModel(f"Unknown model {name!r}: use one of {', '.join(preset_names())}, "
+                           "or module:function (a function returning the params).")
     module, _, attr = name.partition(":")
     out = getattr(importlib.import_module(module), attr)()
     parts = list(out) if isinstance(out, tuple) and len(out) in (2, 3) and callable(out[1]) \

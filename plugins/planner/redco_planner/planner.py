@@ -98,7 +98,7 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
          lora: Callable[[int], LoraModel] | None = None, trainable: Any = None,
          accumulate_grad_batches: int = 1, model_degrees: Sequence[int] | None = None,
          context_degrees: Sequence[int] | None = (1,),
-         context_strategy: str = "all_gather") -> Plan:
+         context_strategy: str = "all_gather", compute_dtype: Any = None) -> Plan:
     """The layout with the fewest devices per example whose train step fits
     ``device_memory_bytes``.
 
@@ -131,6 +131,9 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
       model_degrees: the ``n_model_shards`` to try; None: every divisor of ``n_devices``.
       context_degrees: the ``n_context_shards`` to try (None: every divisor), each sequence
         split ``context_strategy``'s way; the default, 1, splits none.
+      compute_dtype: the dtype the step computes in (e.g. ``jnp.bfloat16``), the params cast
+        to it as ``Trainer(compute_dtype=...)`` casts them; None: the params' own (fp32). The
+        params and optimizer state stay in theirs.
 
     Raises:
       PlanError: nothing fits; the message names the smallest peak found.
@@ -154,7 +157,8 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
                     dict(batch=batch_abstract, n_devices=n_devices, optimizer=optimizer,
                          usable=usable_bytes(device_memory_bytes, headroom),
                          accumulate_grad_batches=accumulate_grad_batches,
-                         context_strategy=context_strategy), try_all, log)
+                         context_strategy=context_strategy, compute_dtype=compute_dtype),
+                    try_all, log)
     pick, adapters = search.run(params_abstract, loss, trace_fn, trainable), None
     if lora_rank is not None and (pick is None or try_all):
         adapters = (lora or generic_lora(params_abstract, loss))(lora_rank)
@@ -213,14 +217,15 @@ class Search:
 
 def try_layout(params, loss, batch, n_devices, mp, name, optimizer, trace_fn, policy,
                trainable, usable, accumulate_grad_batches: int = 1, cp: int = 1,
-               context_strategy: str = "all_gather") -> TriedLayout:
+               context_strategy: str = "all_gather", compute_dtype: Any = None) -> TriedLayout:
     """``measure``, with ``fits`` set. A layout XLA runs out of memory compiling does not fit;
     one that fails for any other reason could not be measured, and keeps the exception."""
     try:
         layout = measure(params, loss, batch, n_devices, mp, name, optimizer, trace_fn,
                          remat=policy, trainable=trainable,
                          accumulate_grad_batches=accumulate_grad_batches,
-                         n_context_shards=cp, context_strategy=context_strategy)
+                         n_context_shards=cp, context_strategy=context_strategy,
+                         compute_dtype=compute_dtype)
         layout.fits = layout.peak_bytes <= usable
     except SplitNotAsked:
         raise  # the model, not this layout: the caller stops trying context parallelism

@@ -21,6 +21,7 @@ from redco_zoo_models.hf import auto_class, class_of, from_pretrained, save_pret
 from redco_zoo_models.llama import LLAMA_PRESETS, LlamaConfig
 from redco_zoo_models.lora import add_lora, has_lora, save_peft_adapters
 from redco_zoo_models.nnx_utils import split_model
+from redco_zoo_models.presets import PRESETS, preset
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "chat_template.json", "preprocessor_config.json")
@@ -31,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags every pipeline takes."""
     parser.add_argument("--model", required=True, help="a local HuggingFace model directory "
                         "(config.json, model.safetensors, tokenizer.json); with --from_scratch "
-                        "its config.json alone, or a preset: " + ", ".join(LLAMA_PRESETS))
+                        "its config.json alone, or a preset by name: a published decoder ("
+                        + ", ".join(PRESETS) + ") or a LLaMA shape ("
+                        + ", ".join(LLAMA_PRESETS) + ")")
     parser.add_argument("--from_scratch", action="store_true", help="start from random weights "
                         "(of --model's config.json or preset) instead of trained ones")
     parser.add_argument("--train", required=True, help="training data: a .json, .jsonl, .csv or "
@@ -100,8 +103,10 @@ def load_model(model: str, from_scratch: bool = False, seed: int = 0,
                **fields) -> tuple[nnx.Module, dict]:
     """The zoo model saved in the directory ``model`` and its ``config.json`` (token ids live
     there). ``from_scratch``: untrained, its weights drawn from ``seed``, of ``model``'s
-    ``config.json`` or of the preset named ``model`` (e.g. ``llama-1b``); ``fields`` replace
-    the preset's values (e.g. ``vocab_size``)."""
+    ``config.json`` or of the preset named ``model``: a published decoder's ``config.json``
+    (``redco_zoo_models.presets.PRESETS``: ``qwen3-8b``, ``llama-3.1-8b``, ...) or a LLaMA shape
+    (``LLAMA_PRESETS``: ``llama-1b``, ...); ``fields`` replace the preset's values (e.g.
+    ``vocab_size``)."""
     if not from_scratch:
         with open(os.path.join(model, "config.json")) as f:
             config = json.load(f)
@@ -109,11 +114,13 @@ def load_model(model: str, from_scratch: bool = False, seed: int = 0,
     if os.path.isfile(os.path.join(model, "config.json")):
         with open(os.path.join(model, "config.json")) as f:
             config = json.load(f)
+    elif model in PRESETS:
+        config = {**preset(model), **fields}
     elif model in LLAMA_PRESETS:
         config = LlamaConfig(**{**LLAMA_PRESETS[model], **fields}).to_hf()
     else:
         raise UsageError(f"--model {model}: neither a directory with config.json nor a preset "
-                         f"({', '.join(LLAMA_PRESETS)}).")
+                         f"({', '.join([*PRESETS, *LLAMA_PRESETS])}).")
     model_class = class_of(config, model)
     return model_class(model_class.config_class.from_hf(config), rngs=nnx.Rngs(seed)), config
 

@@ -1,0 +1,302 @@
+"""The published decoders the planner knows (``redco_zoo_models.presets``), in the spirit of the
+paper's Table 1: for each model, full fine-tuning and LoRA on 1 x 80 GB, 8 x 80 GB and
+8 x 16 GB, the planner's pick (layout and remat policy) and its per-device peak, or "does not
+fit", by ahead-of-time compilation on simulated CPU devices (nothing is allocated).
+
+Every cell is what ``redco_planner.planner.plan`` picks for one row of ``--seq_len`` tokens per
+device (global batch = dp rows), bf16 compute with fp32 params and AdamW state
+(``compute_dtype=jnp.bfloat16``, as ``Trainer(compute_dtype=...)``), the whole-logits
+next-token loss of ``redco plan --model <name>`` (``redco_planner.inspection.zoo_decoder``):
+the layouts in ``plan``'s order (``n_model_shards`` 1, 2, 4, 8; ``auto`` then ``auto+fsdp``;
+remat ``none``, ``dots_saveable``, ``full``), the first whose compiled peak fits 90% of the
+memory. LoRA (rank ``--lora_rank``, the zoo's native layers on the attention and MLP
+projections) is planned on its own (``plan(trainable=...)``), not only after full fine-tuning
+failed. On one device only ``auto`` is tried (every rule set shards nothing there).
+
+Two things make it affordable, neither changing a pick:
+
+* A layout whose params and AdamW state alone (per device, from its shardings) exceed the
+  usable memory is not compiled: the compiled peak counts them among its arguments, so it
+  cannot fit. A cell whose state does not fit even sharded over every device is "does not
+  fit" without any compile.
+* Each compile is kept (``--cache``, a JSON file), so 8 x 80 GB and 8 x 16 GB share the layouts
+  both walk through, and an interrupted run resumes where it stopped.
+
+Each model runs in its own process (XLA:CPU's compile memory is freed between models), the
+smallest model first, until ``--budget_minutes`` is spent; the table marks what did not run.
+
+CPU buffer assignment stands in for a GPU's: XLA:CPU fuses less and never rematerialises on
+its own (BENCHMARKS.md sections 4 and 22), so peaks are on the safe side.
+
+Run:  python bench/family_table.py [--models qwen3-0.6b,...] [--seq_len 2048]
+          [--budget_minutes 60] [--cache family_table.json] [--table_only]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+GiB = 1024 ** 3
+HARDWARE = {"1 x 80 GB": (1, 80 * GiB), "8 x 80 GB": (8, 80 * GiB), "8 x 16 GB": (8, 16 * GiB)}
+LEVERS = ("full", "LoRA")
+HERE = Path(__file__).resolve().parent
+
+
+# ---- the walk: plan's candidates in order, the first that fits ---------------------------------
+def candidates(n_devices: int, policies: list[str]) -> list[tuple[int, str, str]]:
+    """``(mp, rule set, remat)`` in ``plan``'s order for ``n_devices`` (no context parallelism)."""
+    from redco_planner.planner import split_degrees
+    rule_sets = ("auto",) if n_devices == 1 else ("auto", "auto+fsdp")
+    return [(mp, name, policy) for mp, _ in split_degrees(n_devices)
+            for name in rule_sets for policy in policies]
+
+
+def walk(cands: list, usable: int, entry: Callable[[tuple], dict | None]) -> dict:
+    """The first candidate whose entry fits ``usable``: ``{"pick": cand, **its entry}``;
+    ``{"pick": None, "best": smallest peak, "floor": smallest state}`` when none does;
+    ``{"incomplete": cand}`` where ``entry`` has nothing for a candidate it must see."""
+    best, floors, errors = None, [], 0
+    for cand in cands:
+        found = entry(cand, usable)
+        if found is None:
+            return {"incomplete": cand}
+        floors.append(found["floor"])
+        peak = found.get("peak")
+        if peak is not None and peak <= usable:
+            return {"pick": cand, **found}
+        if peak is not None and (best is None or peak < best):
+            best = peak
+        errors += bool(found.get("error")) and peak is None
+    return {"pick": None, "best": best, "floor": min(floors) if floors else None,
+            "errors": errors}
+
+
+def key(model: str, lever: str, n_devices: int, cand: tuple) -> str:
+    mp, name, policy = cand
+    return f"{model}|{lever}|{n_devices}|mp={mp}|{name}|{policy}"
+
+
+# ---- the worker: one model, every cell ---------------------------------------------------------
+def lever_parts(model, lever: str, rank: int) -> tuple[Any, Callable, Any]:
+    """``(params, loss, trainable mask or None)`` of the model for full fine-tuning or LoRA."""
+    from redco import lora
+    if lever == "full":
+        return model.params, model.loss_fn, None
+    adapters = model.lora(rank)
+    return adapters.params, adapters.loss, lora.trainable_mask(adapters.params)
+
+
+def state_bytes(params, trainable, n_devices: int, mp: int, rules: str, trace_fn) -> int:
+    """Per device: the params (as the layout shards them) and AdamW's two moments of the
+    trained ones, sharded like them (``redco.sharding.opt_state_shardings``)."""
+    import jax
+    import numpy as np
+
+    from redco.sharding import shardings_from_specs, specs_from_rules
+    from redco_planner.measure import layout_rules, make_mesh
+    mesh = make_mesh(n_devices, mp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        specs = specs_from_rules(params, layout_rules(params, mesh, rules, trace_fn), mesh)
+    leaves = jax.tree.leaves(params)
+    shardings = jax.tree.leaves(shardings_from_specs(specs, mesh))
+    mask = [True] * len(leaves) if trainable is None else jax.tree.leaves(trainable)
+    sizes = [math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+             for x, s in zip(leaves, shardings)]
+    return sum(sizes) + 2 * sum(b for b, t in zip(sizes, mask) if t)
+
+
+class Worker:
+    """Walks one model's cells, measuring what the cache lacks, saving after every compile."""
+
+    def __init__(self, name: str, seq_len: int, rank: int, cache_path: str):
+        from redco_planner.inspection import load_model
+        self.name, self.rank, self.cache_path = name, rank, cache_path
+        self.model = load_model(name, seq_len=seq_len)
+        self.batch = self.model.batch(1)
+
+    def load(self) -> dict:
+        return json.loads(Path(self.cache_path).read_text()) if os.path.exists(self.cache_path) \
+            else {}
+
+    def save(self, k: str, value: dict) -> None:
+        cache = self.load()  # (re-read: the file is this run's alone, but stay safe)
+        cache[k] = value
+        Path(self.cache_path).write_text(json.dumps(cache, indent=1, sort_keys=True))
+
+    def run(self) -> None:
+        import jax.numpy as jnp
+        import optax
+
+        from redco.sharding import dataflow_trace
+        from redco_planner.planner import REMAT_POLICIES, effective_policies
+        for lever in LEVERS:
+            params, loss, trainable = lever_parts(self.model, lever, self.rank)
+            trace_fn = dataflow_trace(loss, self.batch)
+            policies = effective_policies(REMAT_POLICIES, loss, params, self.batch)
+            total = state_bytes(params, trainable, 1, 1, "auto", trace_fn)
+            self.save(f"{self.name}|{lever}|state", {"bytes": total})
+            for hardware, (n, memory) in HARDWARE.items():
+                ctx = dict(lever=lever, params=params, loss=loss, trainable=trainable,
+                           trace_fn=trace_fn, n=n, compute_dtype=jnp.bfloat16,
+                           optimizer=optax.adamw)
+                if total / n > usable(memory):
+                    log(f"{self.name} {lever} {hardware}: the state alone does not fit")
+                    continue
+                result = walk(candidates(n, policies), usable(memory),
+                              lambda cand, limit: self.entry(cand, limit, ctx))
+                log(f"{self.name} {lever} {hardware}: {describe(result)}")
+
+    def entry(self, cand: tuple, limit: int, ctx: dict) -> dict:
+        """The cached entry of ``cand``; its state computed, and its step compiled if that
+        state is within ``limit``, where the cache lacks them."""
+        from redco_planner.planner import try_layout
+        k = key(self.name, ctx["lever"], ctx["n"], cand)
+        found = self.load().get(k)
+        if found is None:
+            found = {"floor": state_bytes(ctx["params"], ctx["trainable"], ctx["n"], cand[0],
+                                          cand[1], ctx["trace_fn"])}
+            self.save(k, found)
+        if "peak" in found or found["floor"] > limit:
+            return found
+        mp, name, policy = cand
+        start = time.perf_counter()
+        layout = try_layout(ctx["params"], ctx["loss"], self.batch, ctx["n"], mp, name,
+                            ctx["optimizer"], ctx["trace_fn"], policy, ctx["trainable"], limit,
+                            compute_dtype=ctx["compute_dtype"])
+        found.update(peak=layout.peak_bytes, temp=layout.temp_bytes,
+                     params=layout.params_bytes, error=layout.error or layout.out_of_memory,
+                     compile_s=round(time.perf_counter() - start, 1))
+        log(f"  {k}: {layout.describe()}")
+        self.save(k, found)
+        return found
+
+
+def usable(memory: int) -> int:
+    from redco_planner.layouts import usable_bytes
+    return usable_bytes(memory)
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# ---- the table ---------------------------------------------------------------------------------
+def describe(result: dict) -> str:
+    """A cell: the pick and its peak, "does not fit" and why, or "not run"."""
+    if "incomplete" in result:
+        return "not run"
+    if result.get("state_only"):
+        return f"does not fit (params + AdamW state alone ≥ {result['floor'] / GiB:.0f} GiB)"
+    if result["pick"] is None:
+        errors = f"; {result['errors']} layouts failed to compile" if result["errors"] else ""
+        if result["best"] is None:
+            return (f"does not fit (state alone ≥ {result['floor'] / GiB:.1f} GiB per "
+                    f"device{errors})")
+        return f"does not fit (best {result['best'] / GiB:.1f} GiB{errors})"
+    mp, name, policy = result["pick"]
+    return f"mp={mp} {name}, remat {policy}: {result['peak'] / GiB:.1f} GiB"
+
+
+def cell(cache: dict, model: str, lever: str, hardware: str) -> str:
+    """One cell from the cache alone (nothing compiled): the walk replayed."""
+    from redco_planner.planner import REMAT_POLICIES
+    n, memory = HARDWARE[hardware]
+    state = cache.get(f"{model}|{lever}|state")
+    if state is None:
+        return "not run"
+    if state["bytes"] / n > usable(memory):
+        return describe({"state_only": True, "floor": state["bytes"] / n})
+    cands = candidates(n, list(REMAT_POLICIES))
+
+    def entry(cand, limit):
+        found = cache.get(key(model, lever, n, cand))
+        if found is None or ("peak" not in found and found["floor"] <= limit):
+            return None
+        return found
+    return describe(walk(cands, usable(memory), entry))
+
+
+def n_params(model: str) -> str:
+    from redco_zoo_models.presets import PUBLISHED_PARAMS
+    return f"{PUBLISHED_PARAMS[model] / 1e9:.2f}B"
+
+
+def table(cache: dict, models: list[str], seq_len: int, rank: int) -> str:
+    lines = [f"seq_len {seq_len}, one row per device, bf16 compute, fp32 params and AdamW; "
+             f"LoRA rank {rank}; a layout fits at 90% of the memory",
+             "| model | params | training | " + " | ".join(HARDWARE) + " |",
+             "|---|---:|---|" + "---|" * len(HARDWARE)]
+    for model in models:
+        for lever in LEVERS:
+            cells = [cell(cache, model, lever, h) for h in HARDWARE]
+            lines.append(f"| {model} | {n_params(model)} | {lever} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def compile_minutes(cache: dict, model: str) -> float:
+    return sum(v.get("compile_s", 0) for k, v in cache.items() if k.startswith(model + "|")) / 60
+
+
+# ---- the driver --------------------------------------------------------------------------------
+def run_models(models: list[str], args: argparse.Namespace) -> None:
+    """One worker process per model, smallest first, until the budget is spent."""
+    deadline = time.time() + 60 * args.budget_minutes
+    for model in models:
+        left = deadline - time.time()
+        if left <= 0:
+            log(f"budget spent: {model} and the models after it not run")
+            return
+        cmd = [sys.executable, __file__, "--worker", model, "--seq_len", str(args.seq_len),
+               "--lora_rank", str(args.lora_rank), "--cache", args.cache]
+        log(f"== {model} ({left / 60:.0f} min left)")
+        proc = subprocess.Popen(cmd)
+        try:
+            proc.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            log(f"budget spent during {model}: its compiles so far are kept")
+            return
+
+
+def main() -> None:
+    from redco_zoo_models.presets import PRESETS, PUBLISHED_PARAMS
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(sorted(PRESETS, key=PUBLISHED_PARAMS.get)))
+    parser.add_argument("--seq_len", type=int, default=2048)
+    parser.add_argument("--lora_rank", type=int, default=16)
+    parser.add_argument("--budget_minutes", type=float, default=60)
+    parser.add_argument("--cache", default="family_table.json")
+    parser.add_argument("--table_only", action="store_true", help="print the table from the "
+                        "cache, compiling nothing")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        from redco_planner.commands import simulate_devices
+        simulate_devices(8)
+        Worker(args.worker, args.seq_len, args.lora_rank, args.cache).run()
+        return
+    models = args.models.split(",")
+    if not args.table_only:
+        run_models(models, args)
+    cache = json.loads(Path(args.cache).read_text()) if os.path.exists(args.cache) else {}
+    sys.path.insert(0, str(HERE))
+    from provenance import print_provenance
+    print_provenance()
+    print(table(cache, models, args.seq_len, args.lora_rank))
+    print("\ncompile time per model (min): " + ", ".join(
+        f"{m} {compile_minutes(cache, m):.0f}" for m in models if compile_minutes(cache, m)))
+
+
+if __name__ == "__main__":
+    main()

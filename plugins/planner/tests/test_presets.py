@@ -1,0 +1,97 @@
+"""The published decoders by name (``redco_zoo_models.presets``): each builds abstractly with its
+publisher's parameter count, ``redco plan --model <name>`` plans it, and a name the planner does
+not know is refused with the names it does.
+
+The parameter counts are read off abstract builds at 1 and 2 layers, the full count being
+``c1 + (L - 1) * (c2 - c1)``: every layer of these models holds the same parameters (Gemma 3's
+local and global layers differ only in RoPE and window). A full-depth ``nnx.eval_shape`` costs
+2 to 30 s a model on 2 cores (tracing grows with the square of the layers: each RNG-count
+update asks a tracer for its sharding and jax walks the whole trace to word the answer), so
+only the CLI test builds one whole, the smallest."""
+import jax
+import pytest
+from flax import nnx
+
+from redco.cli import main
+from redco.lora import trainable_mask
+from redco_planner.commands import MODEL_HELP
+from redco_planner.inspection import load_model, zoo_preset
+from redco_zoo_models.decoder import DecoderConfig, DecoderLM
+from redco_zoo_models.presets import PRESETS, PUBLISHED_PARAMS, preset
+from redco_zoo_models.runner import load_model as zoo_load_model
+
+# The publishers' counts (PUBLISHED_PARAMS), and what the configs give: Llama 3.1-8B
+# 8,030,261,248, 3.1-70B 70,553,706,496, 3.2-1B 1,235,814,400, 3.2-3B 3,212,749,824; Qwen3 0.6B
+# 596,049,920 ... 32B 32,762,123,264 (cards round: 0.6B, 1.7B, 4.0B, 8.2B, 14.8B, 32.8B); Gemma 3
+# 1B 999,885,952, 4B 3,880,263,168, 12B 11,766,034,176, 27B 27,009,346,304 (the report's text
+# model: 1,000M, 3,884M, 11,771M, 27,016M); Phi-4-mini 3,836,021,760 (3.84B).
+
+
+def count(config: dict) -> int:
+    cfg = DecoderConfig.from_hf(config)
+    model = nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)))
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def with_layers(config: dict, n: int) -> dict:
+    """``config`` cut to its first ``n`` layers (and their layer types)."""
+    out = {**config, "num_hidden_layers": n}
+    if config.get("layer_types"):
+        out["layer_types"] = config["layer_types"][:n]
+    return out
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_each_preset_has_its_published_parameter_count(name):
+    config = preset(name)
+    full = DecoderConfig.from_hf(config)  # the whole config reads (layer types, RoPE, window)
+    one, two = count(with_layers(config, 1)), count(with_layers(config, 2))
+    total = one + (full.num_hidden_layers - 1) * (two - one)
+    assert abs(total / PUBLISHED_PARAMS[name] - 1) < 0.02, (name, total)
+    assert name in MODEL_HELP  # redco plan --help names it
+
+
+def test_the_presets_carry_their_families_switches():
+    llama = DecoderConfig.from_hf(PRESETS["llama-3.2-1b"])
+    assert llama.tie_word_embeddings and llama.rope.kind == "llama3"
+    assert llama.rope.get("factor") == 32.0 and llama.head_dim == 64
+    assert DecoderConfig.from_hf(PRESETS["llama-3.1-70b"]).rope.get("factor") == 8.0
+    phi = DecoderConfig.from_hf(PRESETS["phi-4-mini"])
+    assert (phi.rope.kind, phi.rope.rotary_dim, len(phi.rope.get("long_factor"))) == \
+        ("longrope", 96, 48)
+    gemma = DecoderConfig.from_hf(PRESETS["gemma-3-27b"])
+    assert (gemma.query_pre_attn_scalar, gemma.sliding_window, gemma.local_rope.theta) == \
+        (168, 1024, 10000.0)
+    assert [gemma.sliding(i) for i in range(6)] == [True] * 5 + [False]
+    assert DecoderConfig.from_hf(PRESETS["qwen3-8b"]).qk_norm == "head"
+    assert preset("qwen3-8b") is not PRESETS["qwen3-8b"]  # a copy: callers may change it
+
+
+def test_redco_plan_plans_a_preset(capsys):
+    main(["plan", "--model", "llama-3.2-1b", "--devices", "1", "--device-memory", "80GB",
+          "--seq-len", "8", "--rules", "auto", "--compute-dtype", "bfloat16"])
+    out = capsys.readouterr().out
+    assert "llama-3.2-1b: 1 devices x 80GB" in out and "bfloat16 compute" in out, out
+    assert "pick: n_model_shards=1, n_context_shards=1, sharding_rules='auto'" in out, out
+
+
+def test_an_unknown_name_is_refused_with_the_names(capsys):
+    with pytest.raises(ValueError, match=r"Unknown model 'qwen3-9b': use one of .*qwen3-8b, "
+                                         r"qwen3-14b.*phi-4-mini, or module:function"):
+        load_model("qwen3-9b")
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "qwen3-9b", "--devices", "1", "--device-memory", "80GB"])
+    assert "redco plan: Unknown model 'qwen3-9b'" in capsys.readouterr().err
+    with pytest.raises(KeyError, match="No preset 'gemma-3-2b': the presets are .*gemma-3-1b"):
+        preset("gemma-3-2b")
+
+
+def test_a_preset_with_lora_and_the_zoo_cli_from_scratch():
+    small = dict(num_hidden_layers=1, layer_types=["sliding_attention"], vocab_size=64)
+    model = zoo_preset("gemma-3-1b", seq_len=8, **small)
+    assert any(jax.tree.leaves(trainable_mask(model.lora(4).params)))  # native LoRA layers
+    zoo, config = zoo_load_model("qwen3-0.6b", from_scratch=True, num_hidden_layers=1,
+                                 vocab_size=64, hidden_size=32, intermediate_size=64,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    assert config["model_type"] == "qwen3" and zoo.cfg.qk_norm == "head"
+    assert zoo.model.embed_tokens.embedding.shape == (64, 32)  # real weights, the overrides'

@@ -1,0 +1,135 @@
+"""Published decoder shapes as HuggingFace ``config.json`` contents, by name.
+
+``PRESETS[name]`` is what the model's ``config.json`` on the Hub says (transformers 5's layout:
+RoPE in ``rope_parameters``), so ``DecoderConfig.from_hf(PRESETS[name])`` builds the model's
+shape with random weights: for ``redco plan --model qwen3-8b`` and the zoo pipelines'
+``--model qwen3-8b --from_scratch``. Only what changes the computation (and the token ids) is
+written; training-only keys (dropout, initializer range) are left out.
+
+``PUBLISHED_PARAMS[name]`` is the parameter count the model's publisher gives (model card or
+report), for checking a preset against it. For Gemma 3 4B/12B/27B it is the text model's
+(embedding + non-embedding, Gemma 3 report Table 1), without the 417M vision encoder: the
+presets are the ``gemma3_text`` decoders.
+
+The older ``llama-1b`` ... ``llama-65b`` shapes (``LlamaConfig`` fields, not ``config.json``
+contents) stay in ``redco_zoo_models.llama.LLAMA_PRESETS``.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def _llama3(hidden: int, ffn: int, layers: int, heads: int, head_dim: int, factor: float,
+            tied: bool) -> dict[str, Any]:
+    """Llama 3.1 (``factor`` 8) and 3.2 (``factor`` 32): grouped-query attention with 8 KV
+    heads, the 128,256-token vocabulary, ``llama3`` RoPE scaling from 8,192 to 131,072."""
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256,
+            "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": 8, "head_dim": head_dim,
+            "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+            "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0,
+                                "factor": factor, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192},
+            "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": tied,
+            "bos_token_id": 128000, "eos_token_id": 128001}
+
+
+def _qwen3(hidden: int, ffn: int, layers: int, heads: int, tied: bool) -> dict[str, Any]:
+    """Qwen3 (dense): 8 KV heads of 128, RMSNorm on queries and keys, no sliding window."""
+    return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936,
+            "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": 8, "head_dim": 128,
+            "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+            "max_window_layers": layers, "tie_word_embeddings": tied,
+            "bos_token_id": 151643, "eos_token_id": 151645}
+
+
+def _gemma3(hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+            window: int, vocab: int = 262208, scalar: int = 256, full_rope: dict | None = None,
+            longest: int = 131072) -> dict[str, Any]:
+    """Gemma 3's text decoder: five sliding-window layers (RoPE theta 10k) to one global
+    (theta 1M, linearly scaled by 8 from 4B up), sandwich norms, tied embeddings."""
+    full_rope = full_rope or {"rope_type": "linear", "factor": 8.0}
+    return {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+            "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": ffn,
+            "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": head_dim,
+            "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+            "max_position_embeddings": longest, "query_pre_attn_scalar": scalar,
+            "sliding_window": window,
+            "layer_types": [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(layers)],
+            "rope_parameters": {FULL: {**full_rope, "rope_theta": 1000000.0},
+                                SLIDING: {"rope_type": "default", "rope_theta": 10000.0}},
+            "attn_logit_softcapping": None, "final_logit_softcapping": None,
+            "attention_bias": False, "tie_word_embeddings": True,
+            "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
+
+
+# Phi-4-mini's LongRoPE factors, one per rotary frequency: its rotary dimension is 0.75 of the
+# 128-wide head, 96, so 48 of each. As published in microsoft/Phi-4-mini-instruct's
+# config.json (memory planning does not depend on them: they only change the frequencies).
+PHI4_MINI_LONG_FACTOR = [
+    1.0, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817,
+    2.187582649, 2.446418898, 2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023,
+    4.785517845, 5.351743533, 5.984965424, 6.693110555, 7.485043894, 8.370679318, 9.36110372,
+    10.4687158, 11.70738129, 13.09260651, 14.64173252, 16.37415215, 18.31155283, 20.47818807,
+    22.90118105, 25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23, 32.6, 32.61, 32.64,
+    32.66, 32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77]
+
+
+def _phi4_mini() -> dict[str, Any]:
+    """Phi-4-mini (``phi3``): 24 heads of 128 with 8 KV heads, RoPE on 96 of 128 features
+    (LongRoPE from 4,096 to 131,072), a 200,064-token vocabulary, tied embeddings."""
+    return {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "vocab_size": 200064,
+            "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+            "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128,
+            "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096, "partial_rotary_factor": 0.75,
+            "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                "short_factor": [1.0] * 48,
+                                "long_factor": list(PHI4_MINI_LONG_FACTOR)},
+            "sliding_window": 262144, "attention_bias": False, "tie_word_embeddings": True,
+            "bos_token_id": 199999, "eos_token_id": 199999, "pad_token_id": 199999}
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": _llama3(2048, 8192, 16, 32, 64, 32.0, tied=True),
+    "llama-3.2-3b": _llama3(3072, 8192, 28, 24, 128, 32.0, tied=True),
+    "llama-3.1-8b": _llama3(4096, 14336, 32, 32, 128, 8.0, tied=False),
+    "llama-3.1-70b": _llama3(8192, 28672, 80, 64, 128, 8.0, tied=False),
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, tied=True),
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, tied=True),
+    "qwen3-4b": _qwen3(2560, 9728, 36, 32, tied=True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, tied=False),
+    "qwen3-14b": _qwen3(5120, 17408, 40, 40, tied=False),
+    "qwen3-32b": _qwen3(5120, 25600, 64, 64, tied=False),
+    "gemma-3-1b": _gemma3(1152, 6912, 26, 4, 1, 256, window=512, vocab=262144,
+                          full_rope={"rope_type": "default"}, longest=32768),
+    "gemma-3-4b": _gemma3(2560, 10240, 34, 8, 4, 256, window=1024),
+    "gemma-3-12b": _gemma3(3840, 15360, 48, 16, 8, 256, window=1024),
+    "gemma-3-27b": _gemma3(5376, 21504, 62, 32, 16, 128, window=1024, scalar=168),
+    "phi-4-mini": _phi4_mini(),
+}
+
+PUBLISHED_PARAMS: dict[str, float] = {  # name -> parameters, as the publisher counts them
+    "llama-3.2-1b": 1.24e9, "llama-3.2-3b": 3.21e9, "llama-3.1-8b": 8.03e9,
+    "llama-3.1-70b": 70.6e9,
+    "qwen3-0.6b": 0.6e9, "qwen3-1.7b": 1.7e9, "qwen3-4b": 4.0e9, "qwen3-8b": 8.2e9,
+    "qwen3-14b": 14.8e9, "qwen3-32b": 32.8e9,
+    "gemma-3-1b": 1.000e9, "gemma-3-4b": 3.884e9, "gemma-3-12b": 11.771e9,
+    "gemma-3-27b": 27.016e9,
+    "phi-4-mini": 3.84e9,
+}
+
+
+def preset(name: str) -> dict[str, Any]:
+    """A copy of ``PRESETS[name]``; an unknown name is refused with the list of names."""
+    if name not in PRESETS:
+        raise KeyError(f"No preset {name!r}: the presets are {', '.join(PRESETS)}.")
+    return copy.deepcopy(PRESETS[name])
