@@ -21,43 +21,10 @@ from parity import close, hf_greedy, jiggle_torch, left_padded, transformers
 
 from redco_zoo_models import from_pretrained, generate, save_pretrained
 from redco_zoo_models.hf import auto_class
+from redco_zoo_models.toy import TINY_FAMILIES
 
 VOCAB, EOS, PAD, BOS = 64, 63, 0, 1
-WINDOW, ORIGINAL = 8, 16
-BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            eos_token_id=EOS, pad_token_id=PAD, bos_token_id=BOS)
-LLAMA3 = dict(rope_type="llama3", rope_theta=500000.0, low_freq_factor=1.0, high_freq_factor=4.0,
-              original_max_position_embeddings=ORIGINAL)
-FAMILIES = {  # name -> (model_type, config beyond BASE)
-    "llama-3.1": ("llama", dict(rope_parameters=dict(LLAMA3, factor=8.0))),
-    "llama-3.2": ("llama", dict(tie_word_embeddings=True, head_dim=16,
-                                rope_parameters=dict(LLAMA3, factor=32.0))),
-    "qwen3": ("qwen3", dict(head_dim=16, rope_parameters=dict(rope_type="default",
-                                                              rope_theta=1e6))),
-    "gemma2": ("gemma2", dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=12,
-                              final_logit_softcapping=3.0, attn_logit_softcapping=2.0)),
-    "gemma3": ("gemma3_text", dict(
-        head_dim=16, sliding_window=WINDOW, num_hidden_layers=4, query_pre_attn_scalar=16,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                     "sliding_attention"],
-        rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1e6),
-                         "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
-    "phi-4-mini": ("phi3", dict(
-        tie_word_embeddings=True, original_max_position_embeddings=ORIGINAL,
-        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
-                             short_factor=[1.0, 1.1, 1.3], long_factor=[2.0, 3.5, 5.0]))),
-    "phi-3-window": ("phi3", dict(sliding_window=WINDOW)),
-    "olmo2": ("olmo2", {}),
-    "mistral": ("mistral", dict(sliding_window=WINDOW)),
-    "qwen3-yarn": ("qwen3", dict(head_dim=8, rope_parameters=dict(
-        rope_type="yarn", factor=4.0, rope_theta=10000.0,
-        original_max_position_embeddings=ORIGINAL))),
-    "llama-dynamic": ("llama", dict(max_position_embeddings=ORIGINAL, rope_parameters=dict(
-        rope_type="dynamic", factor=2.0, rope_theta=10000.0))),
-}
-
-
+FAMILIES = TINY_FAMILIES  # the lengths below cross WINDOW (8) and ORIGINAL_CONTEXT (16)
 ROPE_ONLY = {"phi-3-window", "qwen3-yarn"}  # logits and export checked only
 
 
@@ -76,8 +43,8 @@ def generating(family):
 @pytest.fixture(scope="module", params=FAMILIES)
 def pair(request, tmp_path_factory):
     """``(transformers' model, its directory, ours read from it)`` for a family."""
-    model_type, extra = FAMILIES[request.param]
-    config = transformers.AutoConfig.for_model(model_type, **{**BASE, **extra})
+    config = dict(FAMILIES[request.param])
+    config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
     torch.manual_seed(0)
     theirs = jiggle_torch(transformers.AutoModelForCausalLM.from_config(config))
     path = str(tmp_path_factory.mktemp(request.param))

@@ -62,7 +62,8 @@ def text_blocks(texts: list[str], tokenizer, block_size: int, what: str = "the t
 
 
 class LMPipeline:
-    description = ("causal LM: train a decoder (LLaMA, Mistral, Qwen2, GPT-2) on text, or on "
+    description = ("causal LM: train a decoder (Llama 1-3, Mistral, Qwen2/3, Gemma 2/3, Phi-3/4, "
+                   "OLMo 2, GPT-2) on text, or on "
                    "token files (.bin, a folder of them, or a weighted mixture; documents packed "
                    "into rows); perplexity")
 

@@ -39,7 +39,7 @@ from redco_zoo_models.context_parallel import (
     on_split,
 )
 from redco_zoo_models.layers import ACTIVATIONS, RMSNorm, embed
-from redco_zoo_models.rope import Rope, apply_rope
+from redco_zoo_models.rope import Rope, apply_rope, depends_on_length, segment_lengths
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -124,11 +124,11 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k
 
-    def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0):
+    def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0, lengths=None):
         cfg, (b, t, _) = self.cfg, x.shape
         q, k = self._qk(x)
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
+        q, k = (apply_rope(y, positions, self.rope, lengths) for y in (q, k))
         k, v, layer_cache = cached_keys(layer_cache, k, v, cache_index, allowed)
         scale = cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar ** -0.5
         options = dict(scale=scale, softcap=cfg.attn_softcap)
@@ -170,7 +170,7 @@ class DecoderLayer(nnx.Module):
         self.layout = cfg.norm_layout
 
     @remat.layer
-    def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0):
+    def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0, lengths=None):
         keep = lambda h: h  # noqa: E731
         norm = lambda name: getattr(self, name, keep)  # noqa: E731
         before_attn = norm("input_layernorm")
@@ -179,7 +179,7 @@ class DecoderLayer(nnx.Module):
                           else "pre_feedforward_layernorm")
         after_mlp = norm("post_feedforward_layernorm")
         h, layer_cache = self.self_attn(before_attn(x), positions, allowed, layer_cache,
-                                        cache_index)
+                                        cache_index, lengths)
         x = x + after_attn(h)
         return x + after_mlp(self.mlp(before_mlp(x))), layer_cache
 
@@ -201,10 +201,25 @@ class DecoderModel(nnx.Module):
         if self.cfg.embed_scale:
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
         x, new_cache = on_split(x, allowed), []
+        lengths = self._document_lengths(segment_ids, allowed)
         for i, layer in enumerate(self.layers):
-            x, layer_cache = layer(x, positions, allowed, cache and cache[i], cache_index)
+            x, layer_cache = layer(x, positions, allowed, cache and cache[i], cache_index,
+                                   lengths)
             new_cache.append(layer_cache)
         return in_order(self.norm(x), allowed), (new_cache if cache is not None else None)
+
+    def _document_lengths(self, segment_ids, allowed):
+        """Each token's document length in packed rows, for a RoPE that depends on the length
+        (a document computes what it computes alone); ``None`` otherwise."""
+        ropes = [r for r in (self.cfg.rope, self.cfg.local_rope) if r is not None]
+        if segment_ids is None or not any(depends_on_length(r) for r in ropes):
+            return None
+        if isinstance(allowed, SplitSequence):
+            raise ValueError(f"Packed rows under context parallelism with {self.cfg.rope.kind} "
+                             "RoPE (its frequencies depend on each document's length) are not "
+                             "supported: pack without context parallelism, or split unpacked "
+                             "rows.")
+        return segment_lengths(segment_ids)
 
 
 def softcap(x, cap: float | None):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 
 KEYS = {  # each type's keys beyond rope_type, rope_theta and partial_rotary_factor
@@ -135,7 +136,8 @@ def _longrope(rope: Rope, seq_len):
     attention = rope.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old))
-    ext = jnp.where(seq_len > old, jnp.asarray(rope.get("long_factor"), jnp.float32),
+    ext = jnp.where(jnp.asarray(seq_len)[..., None] > old,
+                    jnp.asarray(rope.get("long_factor"), jnp.float32),
                     jnp.asarray(rope.get("short_factor"), jnp.float32))
     shape = jnp.arange(0, rope.rotary_dim, 2, dtype=jnp.float32) / rope.rotary_dim
     return 1.0 / (ext * rope.theta ** shape), attention
@@ -144,14 +146,15 @@ def _longrope(rope: Rope, seq_len):
 def _dynamic(rope: Rope, seq_len):
     dim, longest = rope.rotary_dim, rope.max_position_embeddings
     factor = rope.get("factor")
-    seq_len = jnp.maximum(seq_len, longest).astype(jnp.float32)
+    seq_len = jnp.maximum(seq_len, longest).astype(jnp.float32)[..., None]
     theta = rope.theta * ((factor * seq_len / longest) - (factor - 1)) ** (dim / (dim - 2))
     return _base_inv_freq(rope, theta), 1.0
 
 
 def frequencies(rope: Rope, seq_len=None):
-    """``(inv_freq (rotary_dim / 2,), attention_factor)`` of ``rope`` for a call whose longest
-    sequence is ``seq_len`` (traced; only ``dynamic`` and ``longrope`` read it)."""
+    """``(inv_freq (..., rotary_dim / 2), attention_factor)`` of ``rope`` for a call whose
+    longest sequence is ``seq_len`` (traced, a scalar or one length per token; only ``dynamic``
+    and ``longrope`` read it)."""
     if rope.kind == "linear":
         return _base_inv_freq(rope) / rope.get("factor"), 1.0
     if rope.kind == "llama3":
@@ -173,7 +176,8 @@ def depends_on_length(rope: Rope) -> bool:
 def apply_rope(x, positions, rope: Rope, seq_len=None):
     """``x`` (B, T, heads, D) with its first ``rope.rotary_dim`` features rotated, half with
     half, by ``positions`` (B, T); ``seq_len`` as for ``frequencies`` (default: the largest
-    position + 1)."""
+    position + 1, over the batch as transformers takes it; packed rows give each token its
+    document's length, ``segment_lengths``)."""
     if seq_len is None and depends_on_length(rope):
         seq_len = jnp.max(positions) + 1
     inv_freq, attention = frequencies(rope, seq_len)
@@ -184,3 +188,14 @@ def apply_rope(x, positions, rope: Rope, seq_len=None):
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:dim].astype(jnp.float32)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
     return rotated if dim == x.shape[-1] else jnp.concatenate([rotated, x[..., dim:]], -1)
+
+
+def segment_lengths(segment_ids):
+    """(B, T): the length of each token's document in packed rows (a run of equal ids)."""
+    b, n = segment_ids.shape
+    index = jnp.broadcast_to(jnp.arange(n), (b, n))
+    last = jnp.concatenate([segment_ids[:, 1:] != segment_ids[:, :-1], jnp.ones((b, 1), bool)], 1)
+    first = jnp.concatenate([jnp.ones((b, 1), bool), last[:, :-1]], 1)
+    end = jax.lax.cummin(jnp.where(last, index, n), axis=1, reverse=True)
+    start = jax.lax.cummax(jnp.where(first, index, 0), axis=1)
+    return end - start + 1

@@ -60,6 +60,49 @@ def tiny_llama(vocab_size: int, seed: int = 0) -> LlamaForCausalLM:
         num_attention_heads=4, num_key_value_heads=2), nnx.Rngs(seed))
 
 
+WINDOW, ORIGINAL_CONTEXT = 8, 16  # every tiny family's sliding window and RoPE's original length
+_TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             eos_token_id=63, pad_token_id=0, bos_token_id=1)
+_LLAMA3 = dict(rope_type="llama3", rope_theta=500000.0, low_freq_factor=1.0,
+               high_freq_factor=4.0, original_max_position_embeddings=ORIGINAL_CONTEXT)
+TINY_FAMILIES = {  # config.json contents of a tiny model of each family, as transformers writes
+    "llama-3.1": dict(_TINY, model_type="llama", rope_parameters=dict(_LLAMA3, factor=8.0)),
+    "llama-3.2": dict(_TINY, model_type="llama", tie_word_embeddings=True, head_dim=16,
+                      rope_parameters=dict(_LLAMA3, factor=32.0)),
+    "qwen3": dict(_TINY, model_type="qwen3", head_dim=16,
+                  rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+    "gemma2": dict(_TINY, model_type="gemma2", head_dim=16, sliding_window=WINDOW,
+                   query_pre_attn_scalar=12, final_logit_softcapping=3.0,
+                   attn_logit_softcapping=2.0),
+    "gemma3": dict(_TINY, model_type="gemma3_text", head_dim=16, sliding_window=WINDOW,
+                   num_hidden_layers=4, query_pre_attn_scalar=16,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                "sliding_attention"],
+                   rope_parameters={
+                       "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1e6),
+                       "sliding_attention": dict(rope_type="default", rope_theta=1e4)}),
+    "phi-4-mini": dict(_TINY, model_type="phi3", tie_word_embeddings=True,
+                       original_max_position_embeddings=ORIGINAL_CONTEXT, rope_parameters=dict(
+                           rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                           short_factor=[1.0, 1.1, 1.3], long_factor=[2.0, 3.5, 5.0])),
+    "phi-3-window": dict(_TINY, model_type="phi3", sliding_window=WINDOW),
+    "olmo2": dict(_TINY, model_type="olmo2"),
+    "mistral": dict(_TINY, model_type="mistral", sliding_window=WINDOW),
+    "qwen3-yarn": dict(_TINY, model_type="qwen3", head_dim=8, rope_parameters=dict(
+        rope_type="yarn", factor=4.0, rope_theta=10000.0,
+        original_max_position_embeddings=ORIGINAL_CONTEXT)),
+    "llama-dynamic": dict(_TINY, model_type="llama", max_position_embeddings=ORIGINAL_CONTEXT,
+                          rope_parameters=dict(rope_type="dynamic", factor=2.0,
+                                               rope_theta=10000.0)),
+}
+
+
+def tiny_family(name: str, seed: int = 0) -> LlamaForCausalLM:
+    """A tiny model of a family in ``TINY_FAMILIES`` (random weights)."""
+    return LlamaForCausalLM(LlamaConfig.from_hf(TINY_FAMILIES[name]), nnx.Rngs(seed))
+
+
 def tiny_t5(vocab_size: int, seed: int = 0) -> T5ForConditionalGeneration:
     """A 2+2-layer T5, width 64, 4 heads; pad 0 starts the decoder, eos 1."""
     return T5ForConditionalGeneration(T5Config(
