@@ -276,3 +276,12 @@ def test_chat_template_kwargs_flag_of_grpo_and_dpo():
             with pytest.raises(argparse.ArgumentError, match=r"--chat_template_kwargs: .*give "
                                r"(an object|one), e\.g\. .\{\"enable_thinking\": false\}"):
                 parser.parse_args(required + ["--chat_template_kwargs", bad])
+
+
+@pytest.mark.parametrize("name", TEMPLATE)
+def test_sampling_stops_at_the_templates_end_of_turn(name):
+    """GRPO's rollouts stop where the template ends an assistant's turn (Gemma's
+    ``<end_of_turn>`` and Phi's ``<|end|>`` are not the tokenizer's EOS)."""
+    from redco_zoo_sft.chat import stop_token_id
+    tokenizer = tokenizer_for(name)
+    assert tokenizer.convert_ids_to_tokens(stop_token_id(tokenizer)) == TEMPLATE[name].end

@@ -28,6 +28,7 @@ import numpy as np
 from redco import Trainer
 from redco.lora import trainable_mask, without_adapters
 from redco.protocols import UsageError
+from redco_zoo_sft.chat import stop_token_id
 from redco_zoo_grpo.loss import LOSS_TYPES, group_advantages, k3, token_logps
 from redco_zoo_grpo.rewards import score
 from redco_zoo_models import split_model
@@ -100,7 +101,7 @@ class GRPO:
         self.trainer, self.tokenizer, self.reward_fn, self.config = \
             trainer, tokenizer, reward_fn, config
         self.batch_size = per_device_batch_size
-        self.eos_id = tokenizer.eos_token_id
+        self.eos_id = stop_token_id(tokenizer)  # the end of the assistant's turn
         sampling = dict(config.sampling(), eos_token_id=self.eos_id,
                         pad_token_id=tokenizer.pad_token_id or 0)
         self.sampler = trainer.get_default_predictor(partial(

@@ -84,6 +84,15 @@ def end_of_turn(tokenizer, head: list[dict], where: str,
     return last[:tokens["offset_mapping"][n - 1][1]].rstrip() if n else ""
 
 
+def stop_token_id(tokenizer) -> int:
+    """The token that ends an assistant's turn under the tokenizer's chat template (Gemma's
+    ``<end_of_turn>``, Phi's ``<|end|>``, Llama 3's ``<|eot_id|>``), where it is one token; else
+    the tokenizer's EOS. Sampling stops there, as the model learnt to end its replies."""
+    marker = end_of_turn(tokenizer, [{"role": "user", "content": PROBE_USER}], "the template")
+    ids = tokenizer(marker, add_special_tokens=False)["input_ids"] if marker else []
+    return ids[0] if len(ids) == 1 else tokenizer.eos_token_id
+
+
 def reply_text(message: dict) -> str:
     """The part of an assistant message that every template renders as it is, right before
     its end of turn (after it only the message's tool calls, if any): its content after its
