@@ -28,10 +28,10 @@ import numpy as np
 from redco import Trainer
 from redco.lora import trainable_mask, without_adapters
 from redco.protocols import UsageError
-from redco_zoo_sft.chat import stop_token_id
 from redco_zoo_grpo.loss import LOSS_TYPES, group_advantages, k3, token_logps
 from redco_zoo_grpo.rewards import score
 from redco_zoo_models import split_model
+from redco_zoo_sft.chat import stop_token_id
 
 
 @dataclass(frozen=True)
