@@ -135,3 +135,37 @@ def test_export_loads_in_transformers_with_the_same_logits_and_token_ids(pair, t
         assert json.load(f)["eos_token_id"] == EOS
     assert (back.generation_config.eos_token_id, back.generation_config.pad_token_id) == (EOS, PAD)
     assert back.config.bos_token_id == BOS
+
+
+OLDER = {  # config.json in the layout before transformers 5: rope_scaling, rope_theta at the top
+    "llama-3.1": dict(FAMILIES["llama-3.1"], rope_parameters=None, rope_theta=500000.0,
+                      rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                        high_freq_factor=4.0,
+                                        original_max_position_embeddings=16)),
+    "phi-3.5": dict(FAMILIES["phi-3-window"], sliding_window=None, rope_theta=10000.0,
+                    partial_rotary_factor=0.5, original_max_position_embeddings=16,
+                    rope_scaling=dict(type="longrope", short_factor=[1.0, 1.2],
+                                      long_factor=[3.0, 4.0])),
+    "gemma3": dict(FAMILIES["gemma3"], rope_parameters=None, layer_types=None, rope_theta=1e6,
+                   rope_local_base_freq=1e4, sliding_window_pattern=2,
+                   rope_scaling=dict(rope_type="linear", factor=8.0)),
+}
+
+
+@pytest.mark.parametrize("name", OLDER)
+def test_the_older_rope_scaling_layout_reads_as_transformers_reads_it(name, tmp_path):
+    """A hand-written config.json in the older layout (``rope_scaling``; Phi's top-level
+    ``partial_rotary_factor``, Gemma 3's ``rope_local_base_freq`` and window pattern; Phi-3's
+    rms_norm_eps left to the family's default): the logits of transformers reading it."""
+    config = {k: v for k, v in OLDER[name].items() if v is not None and k != "rms_norm_eps"}
+    torch.manual_seed(0)
+    made = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+        config["model_type"], **{k: v for k, v in config.items() if k != "model_type"}))
+    jiggle_torch(made).save_pretrained(str(tmp_path))
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    ours = jitted(from_pretrained(auto_class(str(tmp_path)), str(tmp_path)))
+    for n in (10, 40):
+        ids = np.random.RandomState(n).randint(1, EOS, (2, n))
+        close(ours(ids), torch_logits(theirs, ids))

@@ -53,6 +53,7 @@ class Family:
     fused: bool = False  # Phi-3: qkv_proj and gate_up_proj in the checkpoint
     tied_default: bool = False
     ignores: frozenset = frozenset()  # keys transformers' class of this family ignores too
+    defaults: dict = dataclasses.field(default_factory=dict)  # config.json keys it may omit
 
 
 GEMMA = dict(norm_layout="sandwich", norm_offset=1.0, embed_scale=True)
@@ -76,10 +77,11 @@ FAMILIES = {
                           reads=GEMMA_READS, windows="gemma3", tied_default=True,
                           ignores=frozenset({"hidden_act"})),
     "phi3": Family("Phi3ForCausalLM", reads={"hidden_act": ("hidden_act", "silu")},
-                   windows="all", fused=True),
+                   windows="all", fused=True, defaults={"rms_norm_eps": 1e-5}),
     "olmo2": Family("Olmo2ForCausalLM", switches={"norm_layout": "post", "qk_norm": "all"},
                     reads={"attention_bias": ("attention_bias", False),
-                           "hidden_act": ("hidden_act", "silu")}),
+                           "hidden_act": ("hidden_act", "silu")},
+                    defaults={"rms_norm_eps": 1e-5}),
 }
 
 
@@ -142,6 +144,7 @@ def read_config(cls, config: dict, where: str = "config.json") -> Any:
                          f"{model_type} does not read and which may change what the model "
                          "computes: remove them if they are off, or use a model family that "
                          "has them.")
+    config = {**family.defaults, **config}
     fields = {f: config[k] for f, k in COMMON.items() if config.get(k) is not None}
     fields.setdefault("num_key_value_heads", config["num_attention_heads"])
     fields.setdefault("tie_word_embeddings", family.tied_default)

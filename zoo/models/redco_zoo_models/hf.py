@@ -117,7 +117,7 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
     return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(params), leaves), rest)
 
 
-GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 
 
 def save_generation_config(config: dict, model_dir: str) -> None:

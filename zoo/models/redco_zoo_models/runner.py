@@ -24,7 +24,8 @@ from redco_zoo_models.nnx_utils import split_model
 from redco_zoo_models.presets import PRESETS, preset
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "chat_template.json", "preprocessor_config.json")
+                   "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+                   "generation_config.json")  # (the source's sampling defaults and stop ids)
 DATA_KINDS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
 
 
