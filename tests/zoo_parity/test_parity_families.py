@@ -25,7 +25,7 @@ from redco_zoo_models.toy import TINY_FAMILIES
 
 VOCAB, EOS, PAD, BOS = 64, 63, 0, 1
 FAMILIES = TINY_FAMILIES  # the lengths below cross WINDOW (8) and ORIGINAL_CONTEXT (16)
-ROPE_ONLY = {"phi-3-window", "qwen3-yarn"}  # logits and export checked only
+ROPE_ONLY = {"qwen3-yarn"}  # logits and export checked only
 
 
 def jitted(model):
