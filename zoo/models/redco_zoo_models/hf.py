@@ -24,7 +24,8 @@ from redco.sharding import named_leaves
 from redco_safetensors import torch_name
 from redco_zoo_models.families import FAMILIES
 
-HARMLESS_TENSORS = re.compile(r"(rotary_emb\.inv_freq|attn\.masked_bias|attn\.bias)$")  # buffers
+# buffers transformers once saved: RoPE's frequencies, GPT-2's causal mask (not c_attn.bias)
+HARMLESS_TENSORS = re.compile(r"(rotary_emb\.inv_freq|(^|\.)attn\.(masked_)?bias)$")
 
 DECODER = "redco_zoo_models.decoder:DecoderLM"
 MODEL_CLASSES = {  # config.json's model_type -> the zoo class that reads it
