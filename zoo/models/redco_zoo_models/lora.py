@@ -168,7 +168,7 @@ def has_lora(model: nnx.Module) -> bool:
     return bool(lora_layers(model))
 
 
-TASK_TYPES = {"LlamaForCausalLM": "CAUSAL_LM", "GPT2LMHeadModel": "CAUSAL_LM",
+TASK_TYPES = {"DecoderLM": "CAUSAL_LM", "GPT2LMHeadModel": "CAUSAL_LM",
               "T5ForConditionalGeneration": "SEQ_2_SEQ_LM"}
 
 
