@@ -26,10 +26,10 @@ Each model runs in its own process (XLA:CPU's compile memory is freed between mo
 smallest model first, until ``--budget_minutes`` is spent; the table marks what did not run.
 
 CPU buffer assignment stands in for a GPU's: XLA:CPU fuses less and never rematerialises on
-its own (BENCHMARKS.md sections 4 and 22), so peaks are on the safe side.
+its own (BENCHMARKS.md section 4 and "The paper's Table 1"), so peaks are on the safe side.
 
 Run:  python bench/family_table.py [--models qwen3-0.6b,...] [--seq_len 2048]
-          [--budget_minutes 60] [--cache family_table.json] [--table_only]
+          [--budget_minutes 60] [--cache family_table.json] [--table_only | --states_only]
 """
 from __future__ import annotations
 
@@ -94,6 +94,16 @@ def lever_parts(model, lever: str, rank: int) -> tuple[Any, Callable, Any]:
     return adapters.params, adapters.loss, lora.trainable_mask(adapters.params)
 
 
+def total_state_bytes(params, trainable) -> int:
+    """On one device: the params and AdamW's two moments of the trained ones."""
+    import jax
+    import numpy as np
+    leaves = jax.tree.leaves(params)
+    mask = [True] * len(leaves) if trainable is None else jax.tree.leaves(trainable)
+    sizes = [x.size * np.dtype(x.dtype).itemsize for x in leaves]
+    return sum(sizes) + 2 * sum(b for b, t in zip(sizes, mask) if t)
+
+
 def state_bytes(params, trainable, n_devices: int, mp: int, rules: str, trace_fn) -> int:
     """Per device: the params (as the layout shards them) and AdamW's two moments of the
     trained ones, sharded like them (``redco.sharding.opt_state_shardings``)."""
@@ -132,7 +142,8 @@ class Worker:
         cache[k] = value
         Path(self.cache_path).write_text(json.dumps(cache, indent=1, sort_keys=True))
 
-    def run(self) -> None:
+    def run(self, states_only: bool = False) -> None:
+        """Every cell of the model (``states_only``: only what its state alone decides)."""
         import jax.numpy as jnp
         import optax
 
@@ -140,10 +151,12 @@ class Worker:
         from redco_planner.planner import REMAT_POLICIES, effective_policies
         for lever in LEVERS:
             params, loss, trainable = lever_parts(self.model, lever, self.rank)
+            total = total_state_bytes(params, trainable)
+            self.save(f"{self.name}|{lever}|state", {"bytes": total})
+            if states_only:
+                continue
             trace_fn = dataflow_trace(loss, self.batch)
             policies = effective_policies(REMAT_POLICIES, loss, params, self.batch)
-            total = state_bytes(params, trainable, 1, 1, "auto", trace_fn)
-            self.save(f"{self.name}|{lever}|state", {"bytes": total})
             for hardware, (n, memory) in HARDWARE.items():
                 ctx = dict(lever=lever, params=params, loss=loss, trainable=trainable,
                            trace_fn=trace_fn, n=n, compute_dtype=jnp.bfloat16,
@@ -195,7 +208,7 @@ def describe(result: dict) -> str:
     if "incomplete" in result:
         return "not run"
     if result.get("state_only"):
-        return f"does not fit (params + AdamW state alone ≥ {result['floor'] / GiB:.0f} GiB)"
+        return f"does not fit (params + AdamW state alone {result['floor'] / GiB:.0f} GiB/device)"
     if result["pick"] is None:
         errors = f"; {result['errors']} layouts failed to compile" if result["errors"] else ""
         if result["best"] is None:
@@ -257,6 +270,7 @@ def run_models(models: list[str], args: argparse.Namespace) -> None:
             return
         cmd = [sys.executable, __file__, "--worker", model, "--seq_len", str(args.seq_len),
                "--lora_rank", str(args.lora_rank), "--cache", args.cache]
+        cmd += ["--states_only"] if args.states_only else []
         log(f"== {model} ({left / 60:.0f} min left)")
         proc = subprocess.Popen(cmd)
         try:
@@ -279,12 +293,14 @@ def main() -> None:
     parser.add_argument("--cache", default="family_table.json")
     parser.add_argument("--table_only", action="store_true", help="print the table from the "
                         "cache, compiling nothing")
+    parser.add_argument("--states_only", action="store_true", help="build the models and "
+                        "record only the cells their params and AdamW state decide (no compile)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    from redco_planner.commands import simulate_devices
+    simulate_devices(8)  # (the workers compile on them; here only the provenance names them)
     if args.worker:
-        from redco_planner.commands import simulate_devices
-        simulate_devices(8)
-        Worker(args.worker, args.seq_len, args.lora_rank, args.cache).run()
+        Worker(args.worker, args.seq_len, args.lora_rank, args.cache).run(args.states_only)
         return
     models = args.models.split(",")
     if not args.table_only:
