@@ -190,3 +190,12 @@ def test_a_window_the_decoder_honours_changes_what_it_computes():
     unwindowed = LlamaForCausalLM(dataclasses.replace(cfg, sliding_window=None), nnx.Rngs(0))(ids)
     np.testing.assert_allclose(windowed[:, :WINDOW], unwindowed[:, :WINDOW], atol=1e-5)
     assert np.abs(windowed[:, WINDOW:] - unwindowed[:, WINDOW:]).max() > 1e-3
+
+
+@pytest.mark.parametrize("family", TRAINED)
+def test_no_param_is_weakly_typed(family):
+    """A weakly typed param (``jnp.full(shape, 1.0)``) becomes strong after the first update,
+    and the train step compiles again at step 2 (seen: a multihost watchdog firing)."""
+    params = nnx.state(tiny_family(family), nnx.Param)
+    assert not [p for p, x in jax.tree_util.tree_leaves_with_path(params)
+                if jax.typeof(x).weak_type]

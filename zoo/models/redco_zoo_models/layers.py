@@ -21,7 +21,7 @@ class RMSNorm(nnx.Module):
     norm, whose stored weight starts at 0."""
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
-        self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset))
+        self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, jnp.float32))  # (not weak-typed)
         self.eps, self.offset = eps, offset
 
     def __call__(self, x):
