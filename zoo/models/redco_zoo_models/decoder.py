@@ -41,8 +41,6 @@ from redco_zoo_models.context_parallel import (
 from redco_zoo_models.layers import ACTIVATIONS, RMSNorm, embed
 from redco_zoo_models.rope import Rope, apply_rope, depends_on_length, segment_lengths
 
-SLIDING, FULL = "sliding_attention", "full_attention"
-
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
@@ -88,7 +86,7 @@ class DecoderConfig:
     def sliding(self, layer: int) -> bool:
         if self.sliding_window is None:
             return False
-        return self.layer_types is None or self.layer_types[layer] == SLIDING
+        return self.layer_types is None or self.layer_types[layer] == families.SLIDING
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":
