@@ -12,6 +12,16 @@ from planner_helpers import lm_examples, lm_model  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """``redco plan`` run in-process (``main([...])``) sets XLA_FLAGS for its ``--devices``; later
+    tests' subprocesses must see the suite's 8 devices again."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture
 def workdir(tmp_path):
     return str(tmp_path / "workdir")
