@@ -43,8 +43,7 @@ from redco.tree_paths import path_str
 
 Decisions = dict[int, int | None]  # param index -> param dim split over mp (None: replicate)
 ELEMENTWISE_SKIP = {"gather", "scatter", "scatter-add", "dynamic_slice", "dynamic_update_slice",
-                    "iota", "rng_bit_generator", "sort", "argsort", "cumsum", "while", "scan",
-                    "cond"}
+                    "iota", "rng_bit_generator", "sort", "argsort", "cumsum", "while", "cond"}
 LAYOUT = {"transpose", "reshape", "convert_element_type", "copy", "copy_p", "squeeze",
           "expand_dims", "broadcast_in_dim", "stop_gradient"}
 
@@ -86,6 +85,20 @@ def reshape_dim_map(in_shape, out_shape) -> list[int | None]:
         result[major_out] = major_in
         i, o = i + 1, o + 1
     return result
+
+
+def shift(info: Info, by: int) -> Info:
+    """``info`` for a var with its leading dim taken away (``by=-1``, a scan's slice) or put in
+    front (``by=+1``, a scan's stacked outputs)."""
+    def dims(held):
+        index, per_dim = held
+        return index, per_dim[1:] if by < 0 else [None, *per_dim]
+    split = info.split
+    if split is not None:
+        split = split + by if split + by >= 0 else None
+    return info._replace(split=split, origin=info.origin if split is not None else None,
+                         view=info.view and dims(info.view),
+                         lookup=info.lookup and dims(info.lookup))
 
 
 class Walker:
@@ -139,7 +152,9 @@ class Walker:
         info = [self.get(v) for v in ins]
         sub = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr")
                     if k in eqn.params), None)
-        if sub is not None and name not in ("while", "scan", "cond"):
+        if name == "scan":
+            self.info.update(zip(outs, self.scan(eqn, info)))
+        elif sub is not None and name not in ("while", "cond"):
             self.info.update(zip(outs, self.run(getattr(sub, "jaxpr", sub), info)))
         elif name == "dot_general":
             self.info[outs[0]] = self.dot_general(eqn, info)
@@ -154,6 +169,17 @@ class Walker:
                 self.info[out] = self.unary(eqn, info[0])
         else:
             self.elementwise(eqn, info)
+
+    def scan(self, eqn, info: list[Info]) -> list[Info]:
+        """A ``lax.scan``'s body (tiled attention over key blocks, scanned layers), walked once
+        with the consts, the carries and one slice of each scanned input (its dim 0 gone); what
+        it stacks gets that dim back. A carry started whole that the body adds split values to
+        (an accumulator of per-head results) comes out split, as it is after the first step."""
+        params = eqn.params
+        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        sliced = [shift(i, -1) for i in info[n_consts + n_carry:]]
+        out = self.run(params["jaxpr"].jaxpr, info[:n_consts + n_carry] + sliced)
+        return out[:n_carry] + [shift(i, +1) for i in out[n_carry:]]
 
     def gather(self, eqn, view) -> Info:
         """A lookup: which table dim is indexed, and where the table's other dims land."""
