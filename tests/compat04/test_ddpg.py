@@ -307,7 +307,7 @@ def test_ddpg_pendulum_critic_and_actor_learn():
     # The actor is judged update by update (``DDPGAgent.train``): each Adam step ascends its batch's
     # Q, so most updates gain and the mean is positive; 0.75 of 1800 and mean 1.1e-2 in this run.
     # The end-of-run ``gain`` (0.53 on the machine that set the bars, -0.08 on this one, same
-    # packages; CI failed its bar too) is printed only: its sign is float rounding's. An actor that descends Q: positive
-    # in 0.26, mean -1.7e-2 (red); one never updated: all 0.
+    # packages; CI failed its bar too) is printed only: its sign is float rounding's. An actor
+    # that descends Q: positive in 0.26, mean -1.7e-2 (red); one never updated: all 0.
     assert np.mean(gains > 0) > 0.5 and gains.mean() > 0, (np.mean(gains > 0), gains.mean())
     assert after > before, (before, after)
