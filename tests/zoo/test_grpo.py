@@ -57,6 +57,20 @@ def test_tokens_after_eos_count_for_nothing():
     assert counted.tolist() == batch["completion_mask"].tolist()
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_one_step_raises_the_log_probabilities_of_an_advantaged_completion(loss_type):
+    """One gradient step on the loss: the tokens of the completion with a positive advantage
+    become likelier, those of the one with a negative advantage less likely."""
+    batch = a_batch([[9, 12, 14, EOS], [5, 6, 7, EOS]], [1.0, -1.0])
+    logits = jax.random.normal(jax.random.PRNGKey(1), (2, 7, len(SPECIALS) + len(WORDS)))
+    logps = lambda p: token_logps(LogitsAreParams.apply_fn, p, batch, 1.0)
+    batch["old_logps"] = logps(logits)
+    grad = jax.grad(lambda p: loss_fn(None, LogitsAreParams, p, batch, True,
+                                      loss_type=loss_type))(logits)
+    change = np.asarray(logps(logits - 0.1 * grad) - batch["old_logps"])
+    assert (change[0] > 0).all() and (change[1] < 0).all(), change
+
+
 def test_the_three_averages_weigh_tokens_as_their_variants_define():
     per_token = jnp.array([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0]])
     mask = jnp.array([[1, 1, 1, 1], [1, 0, 0, 0]])
@@ -185,6 +199,39 @@ def run_grpo(root, workdir, n_devices: int, n_model_shards: int, per_device: int
         rollouts = [{k: v for k, v in row.items() if k.startswith("rollout/")}
                     for row in map(json.loads, f) if "rollout/reward" in row]
     return rollouts, load_file(workdir / "model" / "model.safetensors")
+
+
+def test_a_rollouts_samples_count_their_completion_up_to_its_first_eos(warmed_up, tmp_path):
+    """Real rollouts of the warmed-up model (answers of ~2 tokens in 6 new tokens): each sample
+    counts its completion up to and including its first EOS and nothing after, and the logged
+    completion length is what the samples count."""
+    import optax
+
+    from redco import Deployer, Trainer
+    from redco_zoo_grpo.pipeline import collate_fn, pred_fn, prompt_examples
+    from redco_zoo_grpo.rollout import GRPO, GRPOConfig
+    from redco_zoo_models import runner, split_model
+    from redco_zoo_sft.pipeline import load_chat_tokenizer
+    model_dir = str(warmed_up / "sft" / "model")
+    tokenizer, (model, _) = load_chat_tokenizer(model_dir), runner.load_model(model_dir, False, 0)
+    with open(warmed_up / "prompts.jsonl") as f:
+        rows = [json.loads(line) for line in f][:8]
+    (prompts, rows), _ = prompt_examples(tokenizer, (rows, rows[:1]), "prompt", 16)
+    deployer = Deployer(jax_seed=0, workdir=str(tmp_path), verbose=False)
+    apply_fn, params = split_model(model)
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.sgd(0.0))
+    grpo = GRPO(trainer, model, tokenizer, pred_fn, exact_match,
+                GRPOConfig(n_samples=4, max_new_tokens=6), per_device_batch_size=4)
+    grpo.decide_layout(prompts)
+    samples, metrics = grpo.rollout(prompts, rows, "prompt", 1)
+    ended_early = 0
+    for sample in samples:
+        tokens, mask = sample["tokens"], sample["completion_mask"]
+        end = list(tokens).index(grpo.eos_id) + 1 if grpo.eos_id in tokens else len(tokens)
+        assert mask.tolist() == [True] * end + [False] * (len(tokens) - end), (tokens, mask)
+        ended_early += end < len(tokens)
+    assert ended_early >= len(samples) // 2, ended_early  # so padding was there to count
+    assert metrics["completion_tokens"] == np.mean([s["completion_mask"].sum() for s in samples])
 
 
 def test_grpo_sharded_dp_x_mp_samples_and_trains_as_one_device(warmed_up, tmp_path):
