@@ -5,7 +5,8 @@ starts, so a rerun of the same command continues from the exact step.
 step and epoch, the data (how many examples and the seed, which fix their order; where the
 examples have a ``fingerprint`` attribute, that string, which names what they are made of, e.g.
 a corpus file's documents and tokens; and the position in them, ``redco/data_order.py``) and
-every plugin's ``state_to_save``. ``StepCheckpoints`` is the component ``fit`` calls for them;
+every plugin's ``state_to_save`` (in ``trainer.run(loop=...)``, the loop's ``state_dict()`` too).
+``StepCheckpoints`` is the component ``fit`` (and ``redco/run_context.py``) calls for them;
 resuming with other data or another seed is refused naming what changed, since the run would
 not see the examples the interrupted one would have (another batch size or number of
 processes is fine: the position is counted in examples).
@@ -37,6 +38,7 @@ class StepCheckpoints:
         self.trainer = trainer
         self.data_position: dict = {}  # fixes the examples' order: must match on resume
         self.batches: tuple | None = None  # (EpochBatches, epoch) being trained: the position
+        self.loop: Any = None  # a trainer.run(loop=...)'s loop: its state_dict() saved too
         self._writer: threading.Thread | None = None  # the write in flight
         self._done: list[tuple[str, int]] = []  # (path, step) written, not yet announced
         self._error: BaseException | None = None
@@ -76,7 +78,7 @@ class StepCheckpoints:
         deployer.log_info(f"Resumed from {found[-1]} (step {meta['step']}).")
         state = meta.get("plugins", {"best": meta.get("best", {})})  # (best: redco <= 0.5.x)
         trainer.hooks.on_resume(trainer=trainer, step=meta["step"], state=state)
-        return meta
+        return dict(meta, path=found[-1])
 
     def save(self, epoch: int, keep: int, background: bool = False) -> str:
         """Write ``ckpts/step_<step>`` and keep the newest ``keep``; with ``background``, in the
@@ -91,6 +93,8 @@ class StepCheckpoints:
             data.update(examples_per_step=batches.size, position=batches.state(at_epoch))
         meta = {"step": step, "epoch": epoch, "data": data,
                 "plugins": trainer.hooks.saved_state(trainer, step)}
+        if self.loop is not None:
+            meta["loop"] = self.loop.state_dict()
         if not (background and trainer.deployer.async_checkpoints and jax.process_count() == 1):
             return self._write(step, trainer.ckpt_tree(), meta, keep)
         tree = jax.tree.map(lambda x: np.array(x, copy=True), trainer.ckpt_tree())  # host copy

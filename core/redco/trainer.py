@@ -19,6 +19,7 @@ from redco.deployer import Deployer
 from redco.evaluation import Evaluation
 from redco.fit_plan import plan_fit
 from redco.predictor import Predictor
+from redco.run_context import LoopState, RunContext
 from redco.run_hooks import RunHooks
 from redco.scanned_updates import minibatch_orders, place_replicated, scan_updates
 from redco.sharding import Rules, dataflow_trace, opt_state_shardings
@@ -645,6 +646,13 @@ class Trainer(compat.TrainerV04):
             if self._watchdog is not None:
                 self._watchdog.stop()
                 self._watchdog = None
+
+    def run(self, loop: LoopState | None = None, **options) -> RunContext:
+        """``with trainer.run(loop=...) as run:``, then ``run.step_done()`` after each unit of
+        your loop: ``fit``'s resume, step checkpoints, SIGTERM save-and-stop and hang watchdog for
+        any loop (``redco/run_context.py``; ``options``: ``save_every_n_steps``,
+        ``save_every_minutes``, ``keep_last_ckpts``, ``resume``, ``save_at_end``)."""
+        return RunContext(self, loop, **options)
 
     def get_default_predictor(self, pred_fn: Callable, output_fn: Callable | None = None
                               ) -> Predictor:
