@@ -245,3 +245,63 @@ def test_grpo_sharded_dp_x_mp_samples_and_trains_as_one_device(warmed_up, tmp_pa
     for name, value in one_params.items():
         np.testing.assert_allclose(sharded_params[name], value, rtol=1e-4, atol=1e-5,
                                    err_msg=name)
+
+
+STOPPING_REWARD = """
+import os, signal
+from redco_zoo_grpo.rewards import exact_match
+calls = 0
+
+def reward(prompts, completions, answer, **_):
+    global calls
+    calls += 1  # 1: the greedy evaluation before round 1; 3: round 2's rollouts
+    if calls == 3 and os.environ.get("SIGTERM_IN_ROUND_2"):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return exact_match(prompts, completions, answer)
+"""
+
+
+def grpo_process(root, workdir, reward, stop: bool) -> subprocess.CompletedProcess:
+    """Three GRPO rounds (8 prompts x 16 samples in minibatches of 64, 2 epochs: 4 updates each)
+    of the warmed-up model on 2 devices, a checkpoint every 2 rounds; with ``stop``, SIGTERM in
+    round 2."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env.pop("SIGTERM_IN_ROUND_2", None)
+    env.update({"SIGTERM_IN_ROUND_2": "1"} if stop else {})
+    return subprocess.run(
+        [sys.executable, "-m", "redco.cli", "zoo", "run", "grpo", "--model",
+         str(root / "sft" / "model"), "--train", str(root / "prompts.jsonl"), "--eval",
+         str(root / "prompts_held_out.jsonl"), "--workdir", str(workdir), "--n_rounds", "3",
+         "--reward", f"{reward}:reward", "--per_device_batch_size", "32", "--n_updates", "2",
+         "--beta", "0.1", "--save_every_n_steps", "8", "--eval_every_n_rounds", "2",
+         *GRPO_FLAGS, "--prompts_per_round", "8"], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_a_grpo_run_stopped_by_sigterm_resumes_to_the_same_bits(warmed_up, tmp_path):
+    """SIGTERM in round 2 (of 3): the round and its evaluation end, step 8 is saved, exit 143;
+    the rerun says it resumed there, runs round 3, and ends with the params, rollout metrics,
+    losses and held-out rewards of a run never stopped."""
+    from safetensors.numpy import load_file
+    reward = tmp_path / "stopping_reward.py"
+    reward.write_text(STOPPING_REWARD)
+    whole = grpo_process(warmed_up, tmp_path / "whole", reward, stop=False)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    stopped = grpo_process(warmed_up, tmp_path / "cut", reward, stop=True)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "Stopped by SIGTERM after step 8" in stopped.stdout + stopped.stderr
+    assert not (tmp_path / "cut" / "model").exists()
+    resumed = grpo_process(warmed_up, tmp_path / "cut", reward, stop=False)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = (tmp_path / "cut" / "log.txt").read_text()
+    assert "Resumed from" in log and "step_8 (step 8)" in log, log[-2000:]
+    for name in ("whole", "cut"):
+        assert (tmp_path / name / "ckpts" / "step_12").exists()
+    rows = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+            for name in ("whole", "cut")}
+    pick = lambda rows, key: [(r["step"], r[key]) for r in rows if key in r]  # noqa: E731
+    for key in ("rollout/reward", "rollout/kl", "eval/reward", "train/loss"):
+        assert pick(rows["cut"], key) == pick(rows["whole"], key), key
+    whole_params = load_file(tmp_path / "whole" / "model" / "model.safetensors")
+    cut_params = load_file(tmp_path / "cut" / "model" / "model.safetensors")
+    for name, value in whole_params.items():
+        np.testing.assert_array_equal(cut_params[name], value, err_msg=name)

@@ -10,7 +10,10 @@ messages, or a string, one user message) and whatever columns the reward functio
 built-in ``exact_match`` reads ``answer``). Each round samples ``--n_samples`` completions of
 ``--prompts_per_round`` prompts and trains ``--n_updates`` epochs over them (``rollout.py``);
 the greedy reward on ``--eval`` (or the last 5% of ``--train``) is logged before the first round,
-every ``--eval_every_n_rounds`` and after the last.
+every ``--eval_every_n_rounds`` and after the last. A step checkpoint is written every
+``--save_every_n_steps`` updates (at the end of the round that reaches it), on SIGTERM (which
+then exits 143) and at the end; a rerun of the same command resumes at the round after the newest.
+``--max_steps`` caps the rounds (a multiple of a round's updates).
 """
 from __future__ import annotations
 
@@ -123,6 +126,14 @@ def rounds_of(args, deployer: Deployer, n_prompts: int) -> int:
             f"(--per_device_batch_size x {deployer.dp_size} data-parallel devices), and there "
             f"must be a round (got {n_rounds}): change --prompts_per_round or "
             "--per_device_batch_size, or give --n_rounds.")
+    if args.max_steps is not None:  # whole rounds of the same number of updates each
+        per_round = n_samples // deployer.get_global_batch_size(args.per_device_batch_size) \
+            * args.n_updates
+        if args.max_steps % per_round:
+            raise UsageError(f"--max_steps {args.max_steps}: GRPO trains whole rounds of "
+                             f"{per_round} updates each; give a multiple of {per_round}, or "
+                             "--n_rounds.")
+        n_rounds = min(n_rounds, args.max_steps // per_round)
     return n_rounds
 
 
@@ -146,7 +157,8 @@ def train(args) -> list[float]:
                       params, optax.adamw(lr), lr_schedule_fn=lr, trainable=trainable)
     grpo = GRPO(trainer, model, tokenizer, pred_fn, reward_fn, config, args.per_device_batch_size)
     rewards = grpo.train(prompts, held_out, args.prompt_column, n_rounds, args.prompts_per_round,
-                         args.eval_every_n_rounds, args.jax_seed)
+                         args.eval_every_n_rounds, args.jax_seed,
+                         save_every_n_steps=args.save_every_n_steps)
     runner.save_trained(trainer, model, args.model)
     return rewards
 

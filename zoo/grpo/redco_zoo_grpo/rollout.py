@@ -114,6 +114,7 @@ class GRPO:
             score_fn, apply_fn=split_model(model)[0], temperature=config.temperature,
             reference=self.reference))
         self.ref_params = None
+        self.round, self.eval_rewards = 0, []  # rounds done; greedy rewards so far
 
     def completions(self, predictor, prompts: list[dict], round_: int):
         """``(tokens, logps, texts)``: the sampler's completions of ``prompts``, flat."""
@@ -176,34 +177,53 @@ class GRPO:
         if self.reference == "copy":  # the params before the first update
             self.ref_params = jax.tree.map(jnp.copy, self.trainer.params)
 
+    def state_dict(self) -> dict:
+        """What a step checkpoint keeps of the loop (``trainer.run``): the rounds done and the
+        greedy rewards logged so far."""
+        return {"round": self.round, "eval_rewards": self.eval_rewards}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.round, self.eval_rewards = state["round"], state["eval_rewards"]
+
+    def evaluate(self, evaluate: tuple[list[dict], list[dict]], prompt_column: str) -> None:
+        """The greedy reward on ``evaluate``, logged (``eval/reward``) and kept."""
+        self.eval_rewards.append(self.greedy_reward(*evaluate, prompt_column))
+        self.trainer.deployer.log_metrics({"eval/reward": self.eval_rewards[-1]},
+                                          self.trainer.step)
+        self.trainer.deployer.log_info(f"round {self.round}: greedy reward on the held-out "
+                                       f"prompts {self.eval_rewards[-1]:.3f}")
+
     def train(self, train: tuple[list[dict], list[dict]], evaluate: tuple[list[dict], list[dict]],
               prompt_column: str, n_rounds: int, prompts_per_round: int,
-              eval_every: int = 10, seed: int = 0) -> list[float]:
+              eval_every: int = 10, seed: int = 0, **run_options) -> list[float]:
         """``n_rounds`` rounds over ``train = (prompts, rows)``; the greedy reward on
         ``evaluate`` before the first, every ``eval_every`` rounds and after the last (logged
-        as ``eval/reward`` and returned)."""
-        deployer, rewards = self.trainer.deployer, []
-
-        def evaluation(round_):
-            rewards.append(self.greedy_reward(*evaluate, prompt_column))
-            deployer.log_metrics({"eval/reward": rewards[-1]}, self.trainer.step)
-            deployer.log_info(f"round {round_}: greedy reward on the held-out prompts "
-                              f"{rewards[-1]:.3f}")
+        as ``eval/reward`` and returned). Run in ``trainer.run(**run_options)``: a rerun resumes
+        from the newest step checkpoint at the round after it, a SIGTERM saves one and stops."""
         self.decide_layout(train[0])
-        evaluation(0)  # before any update: also checks the reward function on real completions
+        self.round, self.eval_rewards = 0, []
         order = np.concatenate([np.random.default_rng([seed, epoch]).permutation(len(train[0]))
                                 for epoch in range(-(-n_rounds * prompts_per_round
                                                      // len(train[0])))])
-        for round_ in range(1, n_rounds + 1):
-            picked = order[(round_ - 1) * prompts_per_round:round_ * prompts_per_round]
-            samples, metrics = self.rollout([train[0][i] for i in picked],
-                                            [train[1][i] for i in picked], prompt_column, round_)
-            mu = self.config.n_updates  # epochs over the samples, in one compiled call
-            self.trainer.train_scanned(samples, self.batch_size,
-                                       range((round_ - 1) * mu, round_ * mu),
-                                       desc=f"round {round_}/{n_rounds}")
-            deployer.log_metrics({f"rollout/{k}": float(v) for k, v in metrics.items()},
-                                 self.trainer.step)
-            if round_ % eval_every == 0 or round_ == n_rounds:
-                evaluation(round_)
-        return rewards
+        with self.trainer.run(loop=self, **run_options) as run:
+            if run.resumed_from is None:
+                self.evaluate(evaluate, prompt_column)  # also checks the reward function
+            while self.round < n_rounds:
+                picked = order[self.round * prompts_per_round:(self.round + 1) * prompts_per_round]
+                self.train_round([train[0][i] for i in picked], [train[1][i] for i in picked],
+                                 prompt_column, n_rounds)
+                if self.round % eval_every == 0 or self.round == n_rounds:
+                    self.evaluate(evaluate, prompt_column)
+                run.step_done()
+        return self.eval_rewards
+
+    def train_round(self, prompts: list[dict], rows: list[dict], prompt_column: str,
+                    n_rounds: int) -> None:
+        """The next round: its rollouts, then ``n_updates`` epochs over them in one call."""
+        round_, mu = self.round + 1, self.config.n_updates
+        samples, metrics = self.rollout(prompts, rows, prompt_column, round_)
+        self.trainer.train_scanned(samples, self.batch_size, range((round_ - 1) * mu, round_ * mu),
+                                   desc=f"round {round_}/{n_rounds}")
+        self.trainer.deployer.log_metrics({f"rollout/{k}": float(v) for k, v in metrics.items()},
+                                          self.trainer.step)
+        self.round = round_

@@ -78,7 +78,8 @@ def train(args) -> list[float]:
                       params, optax.adamw(lr), lr_schedule_fn=lr, trainable=trainable)
     grpo = GRPO(trainer, model, tokenizer, pred_fn, reward_fn, config, args.per_device_batch_size)
     rewards = grpo.train(prompts, held_out, args.prompt_column, n_rounds, args.prompts_per_round,
-                         args.eval_every_n_rounds, args.jax_seed)
+                         args.eval_every_n_rounds, args.jax_seed,
+                         save_every_n_steps=args.save_every_n_steps)
     runner.save_trained(trainer, model, args.model)
     return rewards
 
