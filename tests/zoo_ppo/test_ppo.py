@@ -2,13 +2,17 @@
 reach, by 300k env steps, against ~22 for a random policy measured here) on 8 devices; ``redco
 zoo`` lists and runs it (its template's project: tests/templates)."""
 import os
+import signal
 import time
 
 import gymnasium as gym
+import jax
 import numpy as np
+import pytest
 
 from redco.cli import main
-from redco_zoo_ppo import train
+from redco.preemption import Preempted
+from redco_zoo_ppo import Collector, train
 
 SEED = 0  # seeds 0-5 all reach 500 by ~100k env steps here and stay there
 
@@ -48,3 +52,29 @@ def test_redco_zoo_lists_and_runs_ppo(workdir, capsys):
     out = capsys.readouterr().out
     assert "mean return of the last 20 episodes" in out, out
     assert os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+
+
+def test_a_ppo_run_stopped_by_sigterm_resumes_to_the_same_bits(tmp_path, monkeypatch):
+    """4 iterations of 16 updates; SIGTERM during iteration 2's rollout: it ends, step 32 is
+    saved (with the envs mid-episode), ``Preempted`` (143); the rerun resumes there and ends with
+    the params and episode returns of a run never stopped."""
+    def run(workdir):
+        trainer, returns = train("CartPole-v1", total_steps=4 * 1024, seed=SEED,
+                                 workdir=str(workdir), verbose=False)
+        return jax.device_get(trainer.params), returns
+    whole = run(tmp_path / "whole")
+    rollout, calls = Collector.rollout, []
+    def stopping_rollout(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return rollout(self, *args, **kwargs)
+    monkeypatch.setattr(Collector, "rollout", stopping_rollout)
+    with pytest.raises(Preempted, match="") as stopped:
+        run(tmp_path / "cut")
+    assert stopped.value.code == 143 and "after step 32" in stopped.value.reason
+    monkeypatch.setattr(Collector, "rollout", rollout)
+    cut = run(tmp_path / "cut")
+    assert "Resumed from" in (tmp_path / "cut" / "log.txt").read_text()
+    assert cut[1] == whole[1]
+    jax.tree.map(np.testing.assert_array_equal, cut[0], whole[0])

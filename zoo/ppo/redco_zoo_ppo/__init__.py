@@ -1,4 +1,4 @@
 """PPO on gymnasium environments through Redco's three functions."""
-from redco_zoo_ppo.pipeline import Collector, collate_fn, loss_fn, pred_fn, train
+from redco_zoo_ppo.pipeline import Collector, Iterations, collate_fn, loss_fn, placeholder, pred_fn, train
 
-__all__ = ["Collector", "collate_fn", "loss_fn", "pred_fn", "train"]
+__all__ = ["Collector", "Iterations", "collate_fn", "loss_fn", "placeholder", "pred_fn", "train"]

@@ -1,7 +1,9 @@
 """PPO (clipped surrogate, GAE) on gymnasium vector envs through the three functions; ``redco zoo run
 ppo``. Acting jits ``pred_fn`` on one device: a Predictor call per env step costs more than the step."""
 import argparse
+import base64
 import os
+import pickle
 
 import gymnasium as gym
 import jax
@@ -98,10 +100,40 @@ class Collector:
         return [dict(zip(roll, row)) for row in zip(*(v.reshape(-1, *v.shape[2:]) for v in roll.values()))]
 
 
+class Iterations:
+    """PPO's loop state for ``trainer.run``: the iterations done and the envs as they stand
+    (each sub-env with its rng, the vector env's and the episode statistics' fields, pickled
+    into the step checkpoint), so a resumed run steps them on exactly."""
+
+    def __init__(self, collector: Collector):
+        self.collector, self.done = collector, 0
+
+    def state_dict(self) -> dict:
+        envs = self.collector.envs
+        fields = ({k: v for k, v in vars(envs).items() if k != "env"},
+                  {k: v for k, v in vars(envs.unwrapped).items() if k != "env_fns"},
+                  self.collector.obs)
+        return {"iteration": self.done, "envs": base64.b64encode(pickle.dumps(fields)).decode()}
+
+    def load_state_dict(self, state: dict) -> None:
+        envs, self.done = self.collector.envs, state["iteration"]
+        wrapper, vector, self.collector.obs = pickle.loads(base64.b64decode(state["envs"]))
+        vars(envs).update(wrapper)
+        vars(envs.unwrapped).update(vector)
+
+
+def placeholder(envs, n: int) -> list[dict]:
+    """``n`` transitions shaped as a rollout's: the trainer's layout is decided on them."""
+    obs = np.zeros(envs.single_observation_space.shape, np.float32)
+    return [{"obs": obs, "action": 0, "logp": 0.0, "adv": 0.0, "ret": 0.0}] * n
+
+
 def train(env_id="CartPole-v1", total_steps=300_000, n_envs=16, n_steps=64, seed=0,
           n_model_shards=1, workdir="./workdir", lr=1e-3, update_epochs=4, n_minibatches=4,
-          gamma=0.98, lam=0.8, verbose=True):
-    """Train for ``total_steps`` env steps; returns ``(trainer, the last 100 episode returns)``."""
+          gamma=0.98, lam=0.8, verbose=True, save_every_n_steps=None):
+    """Train for ``total_steps`` env steps; returns ``(trainer, the last 100 episode returns)``.
+    Run in ``trainer.run``: a rerun in ``workdir`` resumes after the newest step checkpoint
+    (every ``save_every_n_steps`` updates, on SIGTERM and at the end)."""
     collector = Collector(env_id, n_envs, jax.jit(pred_fn), seed)
     deployer = Deployer(jax_seed=seed, n_model_shards=n_model_shards, workdir=workdir, verbose=verbose)
     n_iters = total_steps // (n_envs * n_steps)
@@ -115,16 +147,22 @@ def train(env_id="CartPole-v1", total_steps=300_000, n_envs=16, n_steps=64, seed
     params = init_params(jax.random.PRNGKey(seed), collector.envs.single_observation_space.shape[0],
                          collector.envs.single_action_space.n)
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optimizer, lr_schedule_fn=schedule)
-    for it in range(n_iters):
-        params = jax.device_put(jax.device_get(trainer.params), jax.devices()[0])
-        examples = collector.rollout(params, jax.random.PRNGKey(seed + 1 + it), n_steps, gamma, lam)
-        trainer.train_scanned(examples, per_device,  # all epochs' updates: one compiled call
-                              range(it * update_epochs, (it + 1) * update_epochs),
-                              desc=f"iteration {it + 1}/{n_iters}")
-        returns = list(collector.envs.return_queue)
-        deployer.log_metrics({"mean_return_20": np.mean(returns[-20:] or [0])}, trainer.step)
+    trainer.lower_train_step(placeholder(collector.envs, per_device * deployer.dp_size), per_device)
+    loop = Iterations(collector)
+    with trainer.run(loop=loop, save_every_n_steps=save_every_n_steps) as run:
+        while loop.done < n_iters:
+            it = loop.done
+            params = jax.device_put(jax.device_get(trainer.params), jax.devices()[0])
+            examples = collector.rollout(params, jax.random.PRNGKey(seed + 1 + it), n_steps, gamma, lam)
+            trainer.train_scanned(examples, per_device,  # all epochs' updates: one compiled call
+                                  range(it * update_epochs, (it + 1) * update_epochs),
+                                  desc=f"iteration {it + 1}/{n_iters}")
+            returns = list(collector.envs.return_queue)
+            deployer.log_metrics({"mean_return_20": np.mean(returns[-20:] or [0])}, trainer.step)
+            loop.done += 1
+            run.step_done()
     collector.envs.close()
-    return trainer, returns
+    return trainer, list(collector.envs.return_queue)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -135,6 +173,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--n_model_shards", type=int, default=1)
     parser.add_argument("--workdir", default="./workdir")
+    parser.add_argument("--save_every_n_steps", type=int, help="a step checkpoint every this "
+                        "many updates (also on SIGTERM and at the end); a rerun resumes")
 
 
 class PPOPipeline:

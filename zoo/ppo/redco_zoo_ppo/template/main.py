@@ -15,7 +15,7 @@ import numpy as np
 import optax
 
 from redco import Deployer, Trainer
-from redco_zoo_ppo import Collector
+from redco_zoo_ppo import Collector, Iterations, placeholder
 
 
 def init_params(rng, obs_dim: int, n_actions: int, hidden: int = 64) -> dict:
@@ -67,8 +67,10 @@ def pred_fn(rng, params, batch):
 
 def train(env_id="CartPole-v1", total_steps=300_000, n_envs=16, n_steps=64, seed=0,
           n_model_shards=1, workdir="./workdir", lr=1e-3, update_epochs=4, n_minibatches=4,
-          gamma=0.98, lam=0.8, verbose=True):
-    """Train for ``total_steps`` env steps; returns ``(trainer, the last 100 episode returns)``."""
+          gamma=0.98, lam=0.8, verbose=True, save_every_n_steps=None):
+    """Train for ``total_steps`` env steps; returns ``(trainer, the last 100 episode returns)``.
+    Run in ``trainer.run``: a rerun in ``workdir`` resumes after the newest step checkpoint
+    (every ``save_every_n_steps`` updates, on SIGTERM and at the end)."""
     collector = Collector(env_id, n_envs, jax.jit(pred_fn), seed)
     deployer = Deployer(jax_seed=seed, n_model_shards=n_model_shards, workdir=workdir, verbose=verbose)
     n_iters = total_steps // (n_envs * n_steps)
@@ -82,16 +84,22 @@ def train(env_id="CartPole-v1", total_steps=300_000, n_envs=16, n_steps=64, seed
     params = init_params(jax.random.PRNGKey(seed), collector.envs.single_observation_space.shape[0],
                          collector.envs.single_action_space.n)
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optimizer, lr_schedule_fn=schedule)
-    for it in range(n_iters):
-        params = jax.device_put(jax.device_get(trainer.params), jax.devices()[0])
-        examples = collector.rollout(params, jax.random.PRNGKey(seed + 1 + it), n_steps, gamma, lam)
-        trainer.train_scanned(examples, per_device,  # all epochs' updates: one compiled call
-                              range(it * update_epochs, (it + 1) * update_epochs),
-                              desc=f"iteration {it + 1}/{n_iters}")
-        returns = list(collector.envs.return_queue)
-        deployer.log_metrics({"mean_return_20": np.mean(returns[-20:] or [0])}, trainer.step)
+    trainer.lower_train_step(placeholder(collector.envs, per_device * deployer.dp_size), per_device)
+    loop = Iterations(collector)
+    with trainer.run(loop=loop, save_every_n_steps=save_every_n_steps) as run:
+        while loop.done < n_iters:
+            it = loop.done
+            params = jax.device_put(jax.device_get(trainer.params), jax.devices()[0])
+            examples = collector.rollout(params, jax.random.PRNGKey(seed + 1 + it), n_steps, gamma, lam)
+            trainer.train_scanned(examples, per_device,  # all epochs' updates: one compiled call
+                                  range(it * update_epochs, (it + 1) * update_epochs),
+                                  desc=f"iteration {it + 1}/{n_iters}")
+            returns = list(collector.envs.return_queue)
+            deployer.log_metrics({"mean_return_20": np.mean(returns[-20:] or [0])}, trainer.step)
+            loop.done += 1
+            run.step_done()
     collector.envs.close()
-    return trainer, returns
+    return trainer, list(collector.envs.return_queue)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--n_model_shards", type=int, default=1)
     parser.add_argument("--workdir", default="./workdir")
+    parser.add_argument("--save_every_n_steps", type=int, help="a step checkpoint every this "
+                        "many updates (also on SIGTERM and at the end); a rerun resumes")
 
 
 if __name__ == "__main__":
