@@ -81,3 +81,35 @@ def test_zoo_list_and_new_list_show_fedavg(capsys):
     assert any(line.split()[0] == "fedavg" for line in capsys.readouterr().out.splitlines())
     redco_main(["new", "--list"])
     assert "fedavg" in capsys.readouterr().out
+
+
+def test_a_fedavg_run_stopped_by_sigterm_resumes_to_the_same_bits(tmp_path, monkeypatch):
+    """4 rounds of 3 sampled clients; SIGTERM during round 2: it ends, its step checkpoint holds
+    the server's params and the sampler's rng, ``Preempted`` (143); the rerun resumes there and
+    ends with the params of a run never stopped."""
+    import os
+    import signal
+
+    import pytest
+
+    from redco.preemption import Preempted
+    clients = split_clients(load_digits(seed=0)[0], n_clients=10, iid=False, seed=0)
+
+    def run(workdir, on_round=lambda r, p: None):
+        deployer = redco.Deployer(jax_seed=0, workdir=str(workdir), verbose=False)
+        trainer = redco.Trainer(deployer, fedavg_module.collate_fn, fedavg_module.apply_fn,
+                                fedavg_module.loss_fn, jax.device_get(fedavg_module.init_params(0)),
+                                optax.sgd(0.1))
+        return fedavg(trainer, clients, n_rounds=4, clients_per_round=3, local_epochs=1,
+                      per_device_batch_size=2, on_round=on_round)
+
+    whole = run(tmp_path / "whole")
+    def sigterm_in_round_2(r, params):
+        if r == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(Preempted) as stopped:
+        run(tmp_path / "cut", sigterm_in_round_2)
+    assert stopped.value.code == 143
+    cut = run(tmp_path / "cut")
+    assert "Resumed from" in (tmp_path / "cut" / "log.txt").read_text()
+    jax.tree.map(np.testing.assert_array_equal, cut, whole)

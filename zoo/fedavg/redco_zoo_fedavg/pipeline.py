@@ -75,19 +75,42 @@ def train_locally(trainer: redco.Trainer, params, examples: list, n_epochs: int,
     return jax.device_get(trainer.params)
 
 
+class ServerRounds:
+    """FedAvg's loop state for ``trainer.run``: the rounds done and the client sampler's rng (the
+    server's params are the trainer's, set after each round, so the step checkpoint holds them)."""
+
+    def __init__(self, seed: int):
+        self.done, self.rng = 0, np.random.default_rng(seed)
+
+    def state_dict(self) -> dict:
+        return {"round": self.done, "rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.done, self.rng.bit_generator.state = state["round"], state["rng"]
+
+
 def fedavg(trainer: redco.Trainer, clients: list, n_rounds: int, clients_per_round: int,
-           local_epochs: int, per_device_batch_size: int, seed: int = 0, on_round=lambda r, p: None):
+           local_epochs: int, per_device_batch_size: int, seed: int = 0, on_round=lambda r, p: None,
+           **run_options):
     """The server: each round, train ``clients_per_round`` sampled clients from its params and
-    average theirs, weighted by their numbers of examples; ``on_round(round, params)`` after each."""
-    server = jax.device_get(trainer.params)
-    rng = np.random.default_rng(seed)
-    for r in range(n_rounds):
-        chosen = sorted(int(c) for c in rng.choice(len(clients), clients_per_round, replace=False))
-        local = [train_locally(trainer, server, clients[c], local_epochs, per_device_batch_size,
-                               first_epoch=(r * len(clients) + c) * local_epochs) for c in chosen]
-        sizes = [len(clients[c]) for c in chosen]
-        server = jax.tree.map(lambda *ps: np.average(ps, axis=0, weights=sizes).astype(ps[0].dtype), *local)
-        on_round(r, server)
+    average theirs, weighted by their numbers of examples; ``on_round(round, params)`` after each.
+    Run in ``trainer.run(**run_options)``: a rerun resumes after the newest step checkpoint."""
+    trainer.lower_train_step(clients[0], per_device_batch_size)  # the layout, before the run
+    loop = ServerRounds(seed)
+    with trainer.run(loop=loop, **run_options) as run:
+        server = jax.device_get(trainer.params)
+        while loop.done < n_rounds:
+            r = loop.done
+            chosen = sorted(int(c) for c in loop.rng.choice(len(clients), clients_per_round, replace=False))
+            local = [train_locally(trainer, server, clients[c], local_epochs, per_device_batch_size,
+                                   first_epoch=(r * len(clients) + c) * local_epochs) for c in chosen]
+            sizes = [len(clients[c]) for c in chosen]
+            server = jax.tree.map(lambda *ps: np.average(ps, axis=0, weights=sizes).astype(ps[0].dtype),
+                                  *local)
+            trainer.set_train_state(params=server)  # what the step checkpoint keeps
+            loop.done += 1
+            on_round(r, server)
+            run.step_done()
     return server
 
 
@@ -108,6 +131,9 @@ class FedAvgPipeline:
                 ("n_model_shards", 1, ""), ("workdir", "./workdir", ""), ("seed", 0, "")]:
             parser.add_argument(f"--{name}", type=type(value), default=value, help=f"{doc} (default {value})")
         parser.add_argument("--iid", action="store_true", help="split the data IID instead")
+        parser.add_argument("--save_every_n_steps", type=int, help="a step checkpoint after the "
+                            "round that reaches every this many updates (also on SIGTERM and at "
+                            "the end); a rerun resumes")
 
     def run(self, args) -> dict:
         """FedAvg, and its two baselines: the same MLP trained centrally on the union of the clients'
@@ -129,7 +155,8 @@ class FedAvgPipeline:
 
         per_round = max(1, round(args.client_fraction * args.n_clients))
         server = fedavg(trainer, clients, args.n_rounds, per_round, args.local_epochs,
-                        args.per_device_batch_size, args.seed, on_round)
+                        args.per_device_batch_size, args.seed, on_round,
+                        save_every_n_steps=args.save_every_n_steps)
         n_epochs = args.n_rounds * args.local_epochs  # of each sampled client's data
 
         def from_scratch(examples, epochs, first_epoch):  # first_epoch: epoch seeds after FedAvg's
