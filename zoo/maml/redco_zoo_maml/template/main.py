@@ -43,9 +43,12 @@ def pred_fn(rng, params, batch, apply_fn=mlp, inner_lr=0.01):
 
 def train(n_meta_iterations: int = 3000, meta_batch_size: int = 64, meta_lr: float = 5e-3,
           inner_lr: float = 0.01, first_order: bool = False, n_eval_tasks: int = 1000,
-          n_model_shards: int = 1, workdir: str = "./workdir", seed: int = 0) -> dict:
-    """Meta-train on fresh tasks (training losses go to ``workdir/metrics.jsonl``); return the
-    MSE on held-out tasks' query points before and after adapting to their support points."""
+          n_model_shards: int = 1, workdir: str = "./workdir", seed: int = 0,
+          save_every_n_steps: int | None = None) -> dict:
+    """Meta-train on fresh tasks (training losses go to ``workdir/metrics.jsonl``; a step
+    checkpoint every ``save_every_n_steps`` updates and on SIGTERM, from which a rerun resumes);
+    return the MSE on held-out tasks' query points before and after adapting to their support
+    points."""
     deployer = Deployer(jax_seed=seed, n_model_shards=n_model_shards, workdir=workdir)
     if meta_batch_size % deployer.dp_size:
         raise ValueError(f"meta_batch_size {meta_batch_size} does not divide among "
@@ -59,7 +62,7 @@ def train(n_meta_iterations: int = 3000, meta_batch_size: int = 64, meta_lr: flo
     trainer = Trainer(deployer, collate_fn, mlp,
                       functools.partial(loss_fn, inner_lr=inner_lr, first_order=first_order),
                       params, optax.adam(meta_lr), params_sharding_rules=rules)
-    trainer.fit(train_tasks, per_device, n_epochs=1)
+    trainer.fit(train_tasks, per_device, n_epochs=1, save_every_n_steps=save_every_n_steps)
     results = {}
     for name, lr in (("pre", 0.0), ("post", inner_lr)):
         predictor = trainer.get_default_predictor(functools.partial(pred_fn, inner_lr=lr))
@@ -83,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n_model_shards", type=int, default=1)
     parser.add_argument("--workdir", default="./workdir")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save_every_n_steps", type=int, help="a step checkpoint every this "
+                        "many updates (also on SIGTERM); a rerun resumes")
 
 
 if __name__ == "__main__":
