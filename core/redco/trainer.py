@@ -582,6 +582,7 @@ class Trainer(compat.TrainerV04):
         profiler trace of those updates (``redco/observers/profiler.py``). Redco 0.4.x's
         keywords are accepted too (``save_ckpt_every_k_epochs``, ...; see ``redco/compat.py``).
         """
+        self._stop_reason = None  # a stop asked in an earlier fit does not end this one
         plan = plan_fit(
             self, train_examples, per_device_batch_size, n_epochs, max_steps, eval_examples,
             eval_per_device_batch_size, eval_loss, eval_predictor, eval_metric_fn, save_last_ckpt,

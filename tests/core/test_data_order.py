@@ -187,3 +187,6 @@ def test_a_stream_is_evaluated_every_n_steps_and_can_stop_there(workdir):
     other.fit(examples(64), 2, n_epochs=2, eval_examples=data[:8], eval_every_n_steps=3,
               eval_sanity_check=False)  # 8 updates an epoch
     assert other.step == 3 and stopping.steps == [3]  # stopped right after the first
+    stopping.stop_after = None  # a later fit is not stopped by the earlier fit's request
+    other.fit(examples(64), 2, n_epochs=2, eval_examples=data[:8], eval_sanity_check=False)
+    assert other.step == 3 + 16, other.step
