@@ -75,3 +75,25 @@ def test_a_run_before_the_layout_is_decided_is_refused(tmp_path):
     trainer = Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, mlp_init(), optax.adam(1e-2))
     with pytest.raises(RuntimeError, match=r"call trainer.lower_train_step"):
         trainer.run(loop=Rounds())
+
+
+def test_the_readmes_own_loop_block_runs_as_written_and_resumes(tmp_path):
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from readme_blocks import block
+
+    def names():
+        deployer = Deployer(jax_seed=0, workdir=str(tmp_path), verbose=False)
+        return {"trainer": Trainer(deployer, mlp_collate, mlp_apply, mlp_loss,
+                                   mlp_init(n_layers=3), optax.adam(1e-2)),
+                "examples": mlp_examples(16),
+                "make_examples": lambda i: mlp_examples(32, seed=i)}
+    first = names()
+    exec(block("own-loop"), first)  # noqa: S102 - the README's own code
+    assert first["loop"].done == 5 and first["trainer"].step == 10
+    assert [os.path.basename(p) for p in checkpointing.step_ckpts(tmp_path / "ckpts")] == \
+        ["step_10"]
+    again = names()
+    exec(block("own-loop"), again)  # noqa: S102 - a rerun: resumes at the end, trains nothing
+    assert again["loop"].done == 5 and again["trainer"].step == 10
+    assert os.path.basename(again["run"].resumed_from) == "step_10"
