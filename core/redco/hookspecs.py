@@ -159,6 +159,19 @@ def on_resume(trainer, step, state):
 
 
 @hookspec
+def on_run_start(trainer, resumed_from):
+    """Called once when a ``trainer.run()`` (a loop that is not ``fit``) has resumed, from step
+    checkpoint ``resumed_from`` (None: a fresh start), and is about to run the loop. Returns
+    nothing."""
+
+
+@hookspec
+def on_run_end(trainer):
+    """Called once when a ``trainer.run()`` ends: the loop done, stopped by a signal or failed.
+    Returns nothing."""
+
+
+@hookspec
 def on_fit_end(trainer):
     """Called once when ``Trainer.fit`` finishes, all epochs run or a stop requested. Returns
     nothing."""

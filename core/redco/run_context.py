@@ -83,7 +83,13 @@ class RunContext:
             if self.loop is not None:
                 self.loop.load_state_dict(meta.get("loop", {}))
         self._last_save = (trainer.step, time.monotonic())
+        trainer.hooks.on_run_start(trainer=trainer, resumed_from=self.resumed_from)
         return self
+
+    def timed(self, phase: str):
+        """``with run.timed("rollout"):`` around a part of the loop that is not an update: its
+        time goes to ``phase`` in ``goodput.json`` (``redco/observers/goodput.py``)."""
+        return self.trainer._timed(phase)
 
     def step_done(self) -> None:
         """After a unit of the loop: stop on a signal (saving first), save when due."""
@@ -115,4 +121,5 @@ class RunContext:
         finally:
             trainer.checkpoints.loop = None
             handled = self._watched.__exit__(kind, error, traceback)
+            trainer.hooks.on_run_end(trainer=trainer)
         return handled

@@ -286,6 +286,14 @@ def test_a_grpo_run_stopped_by_sigterm_resumes_to_the_same_bits(warmed_up, tmp_p
     reward.write_text(STOPPING_REWARD)
     whole = grpo_process(warmed_up, tmp_path / "whole", reward, stop=False)
     assert whole.returncode == 0, whole.stderr[-3000:]
+    shown = (tmp_path / "whole" / "log.txt").read_text()  # what a round shows, goodput, samples
+    assert "round 1/3: reward " in shown and "cut at max_new_tokens" in shown and \
+        "tokens/s), updates " in shown, shown[-2000:]
+    goodput = json.loads((tmp_path / "whole" / "goodput.json").read_text())["total"]
+    assert goodput["rollout"] > 0 and goodput["steps"] > 0, goodput
+    samples = [json.loads(line) for line in open(tmp_path / "whole" / "samples.jsonl")]
+    assert [s["round"] for s in samples] == [2] * 32 + [3] * 32  # 2 prompts x 16, evaluated rounds
+    assert {"prompt", "completion", "reward"} <= set(samples[0])
     stopped = grpo_process(warmed_up, tmp_path / "cut", reward, stop=True)
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert "Stopped by SIGTERM after step 8" in stopped.stdout + stopped.stderr

@@ -4,8 +4,9 @@ Each ``fit`` is split into the phases the loop times (``on_time_spent``): ``star
 layout, placement, resume, sanity check), ``compile``, ``data`` (collating and placing batches;
 this overlaps the device's previous update), ``steps`` (updates), ``replayed`` (the data and
 update time of steps an earlier run had already reached before it was stopped or killed: the
-work lost since its last checkpoint), ``checkpoint``, ``evaluation``, and ``other`` (the rest:
-logging, callbacks). ``goodput`` is ``steps`` over the wall time.
+work lost since its last checkpoint), ``checkpoint``, ``evaluation``, ``rollout`` (an RL loop's
+sampling and scoring, ``run.timed("rollout")``) and ``other`` (the rest: logging, callbacks).
+``goodput`` is ``steps`` over the wall time. A ``trainer.run()`` is recorded as a fit is.
 
 ``workdir/goodput.json`` (process 0) holds every run's record and their ``total``. It is
 rewritten at least every ``$REDCO_GOODPUT_EVERY_S`` seconds (default 10) of training, after
@@ -20,7 +21,8 @@ import time
 
 from redco.plugins import hookimpl
 
-PHASES = ("startup", "compile", "data", "steps", "replayed", "checkpoint", "evaluation")
+PHASES = ("startup", "compile", "data", "steps", "replayed", "checkpoint", "evaluation",
+          "rollout")
 FILE = "goodput.json"
 
 
@@ -40,7 +42,7 @@ def read_runs(path: str) -> list[dict]:
 def total(runs: list[dict]) -> dict:
     """The runs' phases, wall time and replayed steps summed; ``goodput`` = steps / wall."""
     keys = (*PHASES, "other", "wall", "replayed_steps")
-    summed = {key: sum(run[key] for run in runs) for key in keys}
+    summed = {key: sum(run.get(key, 0.0) for run in runs) for key in keys}  # (older: no rollout)
     summed["goodput"] = summed["steps"] / summed["wall"] if summed["wall"] else 0.0
     return summed
 
@@ -90,6 +92,15 @@ class Goodput:
     def on_checkpoint_saved(self, trainer):
         if self.run is not None:
             self.write(trainer)
+
+    @hookimpl
+    def on_run_start(self, trainer):
+        if self.run is None:
+            self.begin(trainer, time.time())
+
+    @hookimpl
+    def on_run_end(self, trainer):
+        self.on_fit_end(trainer)
 
     @hookimpl
     def on_fit_end(self, trainer):

@@ -17,6 +17,9 @@ them and with ``beta > 0``, a copy of the params made before the first update.
 """
 from __future__ import annotations
 
+import json
+import os
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -115,6 +118,7 @@ class GRPO:
             reference=self.reference))
         self.ref_params = None
         self.round, self.eval_rewards = 0, []  # rounds done; greedy rewards so far
+        self.shown: list[dict] = []  # the last round's first completions (write_samples)
 
     def completions(self, predictor, prompts: list[dict], round_: int):
         """``(tokens, logps, texts)``: the sampler's completions of ``prompts``, flat."""
@@ -151,9 +155,14 @@ class GRPO:
             sample.update(logps)
         old = np.stack([s["old_logps"] for s in samples])
         metrics = {"reward": rewards.mean(), "reward_std": rewards.reshape(-1, g).std(1).mean(),
+                   "reward_min": rewards.min(), "reward_max": rewards.max(),
                    "groups_without_signal": np.mean(rewards.reshape(-1, g).std(1) == 0),
                    "completion_tokens": mask.sum(1).mean(),
+                   "cut_at_max_new_tokens": np.mean(~(tokens == self.eos_id).any(1)),
                    "logprob_gap": np.abs(np.where(mask, old - sampler_logps, 0)).max()}
+        self.shown = [{"round": round_, "prompt": rows[i // g][prompt_column],
+                       "completion": texts[i], "reward": float(rewards[i])}
+                      for i in range(min(len(texts), 2 * g))]  # the first two prompts' groups
         if self.reference is not None:
             metrics["kl"] = k3(old, np.stack([s["ref_logps"] for s in samples]), mask)
         return samples, metrics
@@ -210,20 +219,48 @@ class GRPO:
                 self.evaluate(evaluate, prompt_column)  # also checks the reward function
             while self.round < n_rounds:
                 picked = order[self.round * prompts_per_round:(self.round + 1) * prompts_per_round]
-                self.train_round([train[0][i] for i in picked], [train[1][i] for i in picked],
+                self.train_round(run, [train[0][i] for i in picked], [train[1][i] for i in picked],
                                  prompt_column, n_rounds)
                 if self.round % eval_every == 0 or self.round == n_rounds:
                     self.evaluate(evaluate, prompt_column)
+                    self.write_samples()
                 run.step_done()
         return self.eval_rewards
 
-    def train_round(self, prompts: list[dict], rows: list[dict], prompt_column: str,
+    def train_round(self, run, prompts: list[dict], rows: list[dict], prompt_column: str,
                     n_rounds: int) -> None:
-        """The next round: its rollouts, then ``n_updates`` epochs over them in one call."""
+        """The next round: its rollouts (timed as ``rollout`` in ``goodput.json``), then
+        ``n_updates`` epochs over them in one call; its metrics logged and shown."""
         round_, mu = self.round + 1, self.config.n_updates
-        samples, metrics = self.rollout(prompts, rows, prompt_column, round_)
+        start = time.perf_counter()
+        with run.timed("rollout"):
+            samples, metrics = self.rollout(prompts, rows, prompt_column, round_)
+        rollout_s, start = time.perf_counter() - start, time.perf_counter()
         self.trainer.train_scanned(samples, self.batch_size, range((round_ - 1) * mu, round_ * mu),
                                    desc=f"round {round_}/{n_rounds}")
+        metrics.update(seconds=rollout_s, update_seconds=time.perf_counter() - start,
+                       tokens_per_s=metrics["completion_tokens"] * len(samples) / rollout_s)
         self.trainer.deployer.log_metrics({f"rollout/{k}": float(v) for k, v in metrics.items()},
                                           self.trainer.step)
+        self.trainer.deployer.log_info(f"round {round_}/{n_rounds}: " + summary(metrics))
         self.round = round_
+
+    def write_samples(self) -> None:
+        """The last round's first completions with their rewards, appended to
+        ``workdir/samples.jsonl`` (process 0)."""
+        deployer = self.trainer.deployer
+        if deployer.workdir is None or not deployer.is_main_process or not self.shown:
+            return
+        with open(os.path.join(deployer.workdir, "samples.jsonl"), "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in self.shown)
+
+
+def summary(metrics: dict) -> str:
+    """A round's metrics in one line for the terminal."""
+    kl = f", KL {metrics['kl']:.4f}" if "kl" in metrics else ""
+    return (f"reward {metrics['reward']:.3f} (group std {metrics['reward_std']:.3f}, "
+            f"{metrics['reward_min']:.3f} to {metrics['reward_max']:.3f}), "
+            f"{metrics['completion_tokens']:.1f} tokens a completion "
+            f"({metrics['cut_at_max_new_tokens']:.0%} cut at max_new_tokens){kl}; rollout "
+            f"{metrics['seconds']:.1f} s ({metrics['tokens_per_s']:.0f} tokens/s), updates "
+            f"{metrics['update_seconds']:.1f} s")
