@@ -103,13 +103,7 @@ def test_bf16_compute_stays_near_fp32():
     assert (half.argmax(-1) == full.argmax(-1)).mean() > 0.8
 
 
-# Through the CLI, one family per kind of switch (the rest train in the tests above and match
-# transformers in tests/zoo_parity): Llama 3.2's tied head and llama3 RoPE, Gemma 3's sliding
-# layers and local RoPE, Phi-4-mini's fused tensors and longrope, OLMo 2's post-norm.
-CLI_TRAINED = ["llama-3.2", "gemma3", "phi-4-mini", "olmo2"]
-
-
-@pytest.mark.parametrize("family", CLI_TRAINED)
+@pytest.mark.parametrize("family", TRAINED)
 def test_each_family_trains_through_redco_zoo_run_lm(family, tmp_path):
     """``redco zoo run lm`` on a text file with 2 model shards (LoRA for every other family):
     the loss falls, and the saved directory is the same family with its token ids."""
@@ -121,7 +115,7 @@ def test_each_family_trains_through_redco_zoo_run_lm(family, tmp_path):
     word_tokenizer(words, ("<pad>", "<bos>", "<unk>")).save(os.path.join(model_dir,
                                                                          "tokenizer.json"))
     workdir = tmp_path / "run"
-    lora = ["--lora_rank", "4"] if CLI_TRAINED.index(family) % 2 else []
+    lora = ["--lora_rank", "4"] if TRAINED.index(family) % 2 else []
     main(["zoo", "run", "lm", "--model", model_dir, "--train", str(tmp_path / "train.txt"),
           "--workdir", str(workdir), "--n_model_shards", "2", "--per_device_batch_size", "2",
           "--max_steps", "6", "--learning_rate", "3e-3", "--block_size", "16", *lora])
