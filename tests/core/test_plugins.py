@@ -18,7 +18,7 @@ HOOKS = sorted(name for name, _ in inspect.getmembers(hookspecs, inspect.isfunct
 
 
 def test_every_hook_is_documented():
-    assert len(HOOKS) == 21
+    assert len(HOOKS) == 23
     for name in HOOKS:
         doc = inspect.getdoc(getattr(hookspecs, name)) or ""
         assert "Called" in doc and "Returns" in doc, f"{name} must say when it is called and " \
@@ -43,6 +43,12 @@ def test_every_hook_is_exercised_by_a_run(workdir, capsys, monkeypatch):
             trainer.fit(mlp_examples(32), 2, n_epochs=1, eval_examples=mlp_examples(8),
                         save_last_ckpt=True, save_argmin_ckpt_by_metrics=["loss"])
         main(["zoo", "list"])
+        own = Trainer(Deployer(jax_seed=0, workdir=workdir + "3", verbose=False), mlp_collate,
+                      mlp_apply, mlp_loss, params, optax.sgd(0.1), callbacks=[Recorder()])
+        own.lower_train_step(mlp_examples(16), 2)
+        with own.run() as run:  # a loop that is not fit: on_run_start, on_run_end
+            own.train_epoch(mlp_examples(16), 2, epoch=0)
+            run.step_done()
         main(["new", "--list"])
         auto = Deployer(jax_seed=0, n_model_shards="auto", device_memory="1GB",
                         workdir=workdir + "2", verbose=False)
