@@ -2,6 +2,8 @@
 above any client alone), and the pipeline and the template are found through entry points (the
 template's project: tests/templates)."""
 import argparse
+import os
+import sys
 
 import jax
 import numpy as np
@@ -11,6 +13,10 @@ import redco
 from redco.cli import main as redco_main
 from redco_zoo_fedavg import pipeline as fedavg_module
 from redco_zoo_fedavg.pipeline import FedAvgPipeline, fedavg, load_digits, split_clients, train_locally
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from kill_anywhere import (assert_same_arrays, kill_at_random, newest_step_arrays,  # noqa: E402
+                           redco_cmd, run_to_end, saved_a_new_ckpt)
 
 
 def test_pathological_split_gives_each_client_two_labels():
@@ -87,7 +93,6 @@ def test_a_fedavg_run_stopped_by_sigterm_resumes_to_the_same_bits(tmp_path, monk
     """4 rounds of 3 sampled clients; SIGTERM during round 2: it ends, its step checkpoint holds
     the server's params and the sampler's rng, ``Preempted`` (143); the rerun resumes there and
     ends with the params of a run never stopped."""
-    import os
     import signal
 
     import pytest
@@ -113,3 +118,26 @@ def test_a_fedavg_run_stopped_by_sigterm_resumes_to_the_same_bits(tmp_path, monk
     cut = run(tmp_path / "cut")
     assert "Resumed from" in (tmp_path / "cut" / "log.txt").read_text()
     jax.tree.map(np.testing.assert_array_equal, cut, whole)
+
+
+def test_a_fedavg_run_killed_at_random_moments_reruns_to_the_same_bits(tmp_path):
+    """``redco zoo run fedavg`` (4 rounds of 3 of 4 clients, a checkpoint each round) SIGKILLed
+    twice at random moments, each after it saved a round, then rerun to its end: the last step
+    checkpoint and the test accuracies equal an uninterrupted run's."""
+    import random
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    cmd = lambda workdir: redco_cmd(  # noqa: E731
+        "zoo", "run", "fedavg", "--n_clients", "4", "--n_rounds", "4", "--local_epochs", "1",
+        "--client_fraction", "0.75", "--save_every_n_steps", "1", "--workdir", workdir)
+    whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
+    whole_out, save_every_s = run_to_end(cmd(whole), whole)
+    kills = [kill_at_random(cmd(cut), saved_a_new_ckpt(cut), save_every_s, rng)
+             for _ in range(2)]
+    cut_out, _ = run_to_end(cmd(cut), cut)
+    log = open(os.path.join(cut, "log.txt")).read()
+    assert sum(kills) >= 1 and log.count("Resumed from") == 2, (seed, kills, log[-2000:])
+    print(f"seed {seed}: killed {kills}")
+    result = lambda out: [line for line in out.splitlines() if "test accuracy: FedAvg" in line]  # noqa: E731
+    assert result(cut_out)[-1].split("INFO")[-1] == result(whole_out)[-1].split("INFO")[-1], seed
+    assert_same_arrays(newest_step_arrays(cut), newest_step_arrays(whole))
