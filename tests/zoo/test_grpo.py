@@ -4,6 +4,7 @@ and sharded over 8 devices (dp x mp) it samples and trains as on one device. (Th
 after SFT, is ``test_post_training.py``.)"""
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -22,6 +23,9 @@ from redco_zoo_grpo.pipeline import check_context
 from redco_zoo_grpo.rewards import exact_match, score
 from redco_zoo_grpo.rollout import completion_mask
 from redco_zoo_sft.chat import render_prompt
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from kill_anywhere import kill_at_random, run_to_end, said_resumed  # noqa: E402
 
 EOS = SPECIALS.index("<|im_end|>")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -261,31 +265,34 @@ def reward(prompts, completions, answer, **_):
 """
 
 
-def grpo_process(root, workdir, reward, stop: bool) -> subprocess.CompletedProcess:
+def grpo_cmd(root, workdir, reward) -> list[str]:
     """Three GRPO rounds (8 prompts x 16 samples in minibatches of 64, 2 epochs: 4 updates each)
-    of the warmed-up model on 2 devices, a checkpoint every 2 rounds; with ``stop``, SIGTERM in
-    round 2."""
+    of the warmed-up model on 2 devices, a checkpoint every 2 rounds."""
+    return [sys.executable, "-m", "redco.cli", "zoo", "run", "grpo", "--model",
+            str(root / "sft" / "model"), "--train", str(root / "prompts.jsonl"), "--eval",
+            str(root / "prompts_held_out.jsonl"), "--workdir", str(workdir), "--n_rounds", "3",
+            "--reward", f"{reward}:reward", "--per_device_batch_size", "32", "--n_updates", "2",
+            "--beta", "0.1", "--save_every_n_steps", "8", "--eval_every_n_rounds", "2",
+            *GRPO_FLAGS, "--prompts_per_round", "8"]
+
+
+def grpo_env(stop: bool) -> dict:
+    """2 devices; with ``stop``, SIGTERM in round 2."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     env.pop("SIGTERM_IN_ROUND_2", None)
-    env.update({"SIGTERM_IN_ROUND_2": "1"} if stop else {})
-    return subprocess.run(
-        [sys.executable, "-m", "redco.cli", "zoo", "run", "grpo", "--model",
-         str(root / "sft" / "model"), "--train", str(root / "prompts.jsonl"), "--eval",
-         str(root / "prompts_held_out.jsonl"), "--workdir", str(workdir), "--n_rounds", "3",
-         "--reward", f"{reward}:reward", "--per_device_batch_size", "32", "--n_updates", "2",
-         "--beta", "0.1", "--save_every_n_steps", "8", "--eval_every_n_rounds", "2",
-         *GRPO_FLAGS, "--prompts_per_round", "8"], env=env, capture_output=True, text=True, timeout=600)
+    return {**env, "SIGTERM_IN_ROUND_2": "1"} if stop else env
 
 
-def test_a_grpo_run_stopped_by_sigterm_resumes_to_the_same_bits(warmed_up, tmp_path):
+def test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_same_bits(warmed_up, tmp_path):
     """SIGTERM in round 2 (of 3): the round and its evaluation end, step 8 is saved, exit 143;
-    the rerun says it resumed there, runs round 3, and ends with the params, rollout metrics,
-    losses and held-out rewards of a run never stopped."""
+    the rerun says it resumed there and is SIGKILLed at a random moment of round 3 (sampling,
+    updating, evaluating or saving); the next ends with the params, rollout metrics, losses and
+    held-out rewards of a run never stopped."""
     from safetensors.numpy import load_file
     reward = tmp_path / "stopping_reward.py"
     reward.write_text(STOPPING_REWARD)
-    whole = grpo_process(warmed_up, tmp_path / "whole", reward, stop=False)
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    _, round_s = run_to_end(grpo_cmd(warmed_up, tmp_path / "whole", reward),
+                            str(tmp_path / "whole"), grpo_env(stop=False))
     shown = (tmp_path / "whole" / "log.txt").read_text()  # what a round shows, goodput, samples
     assert "round 1/3: reward " in shown and "cut at max_new_tokens" in shown and \
         "tokens/s), updates " in shown, shown[-2000:]
@@ -294,22 +301,27 @@ def test_a_grpo_run_stopped_by_sigterm_resumes_to_the_same_bits(warmed_up, tmp_p
     samples = [json.loads(line) for line in open(tmp_path / "whole" / "samples.jsonl")]
     assert [s["round"] for s in samples] == [2] * 32 + [3] * 32  # 2 prompts x 16, evaluated rounds
     assert {"prompt", "completion", "reward"} <= set(samples[0])
-    stopped = grpo_process(warmed_up, tmp_path / "cut", reward, stop=True)
+    cut = tmp_path / "cut"
+    stopped = subprocess.run(grpo_cmd(warmed_up, cut, reward), env=grpo_env(stop=True),
+                             capture_output=True, text=True, timeout=600)
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert "Stopped by SIGTERM after step 8" in stopped.stdout + stopped.stderr
-    assert not (tmp_path / "cut" / "model").exists()
-    resumed = grpo_process(warmed_up, tmp_path / "cut", reward, stop=False)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    log = (tmp_path / "cut" / "log.txt").read_text()
-    assert "Resumed from" in log and "step_8 (step 8)" in log, log[-2000:]
+    assert not (cut / "model").exists()
+    seed = int.from_bytes(os.urandom(4), "little")
+    killed = kill_at_random(grpo_cmd(warmed_up, cut, reward), said_resumed(str(cut)), round_s,
+                            random.Random(seed), grpo_env(stop=False))
+    run_to_end(grpo_cmd(warmed_up, cut, reward), str(cut), grpo_env(stop=False))
+    log = (cut / "log.txt").read_text()
+    assert killed and log.count("Resumed from") == 2, (seed, killed, log[-2000:])
+    assert "step_8 (step 8)" in log, log[-2000:]
     for name in ("whole", "cut"):
         assert (tmp_path / name / "ckpts" / "step_12").exists()
     rows = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
             for name in ("whole", "cut")}
     pick = lambda rows, key: [(r["step"], r[key]) for r in rows if key in r]  # noqa: E731
     for key in ("rollout/reward", "rollout/kl", "eval/reward", "train/loss"):
-        assert pick(rows["cut"], key) == pick(rows["whole"], key), key
+        assert pick(rows["cut"], key) == pick(rows["whole"], key), (key, seed, killed)
     whole_params = load_file(tmp_path / "whole" / "model" / "model.safetensors")
-    cut_params = load_file(tmp_path / "cut" / "model" / "model.safetensors")
+    cut_params = load_file(cut / "model" / "model.safetensors")
     for name, value in whole_params.items():
         np.testing.assert_array_equal(cut_params[name], value, err_msg=name)
