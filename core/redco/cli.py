@@ -5,6 +5,7 @@ NAME`` offers every registered launcher that submits."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -54,7 +55,28 @@ def cmd_zoo(args) -> None:
     parser = argparse.ArgumentParser(prog=f"redco zoo run {args.name}",
                                      description=pipeline.description)
     pipeline.add_arguments(parser)
-    pipeline.run(parser.parse_args(args.rest))
+    everyone = [name for name, logger in plugins.registry("loggers").items()
+                if not getattr(logger, "needs_setup", False)]
+    parser.add_argument("--loggers", default=",".join(everyone), help="the metric loggers the "
+                        f"run writes to, comma-separated (default: {','.join(everyone)}: every "
+                        "installed one that needs no account)")
+    pipeline_args = parser.parse_args(args.rest)
+    with _environ("REDCO_LOGGERS", pipeline_args.__dict__.pop("loggers")):
+        pipeline.run(pipeline_args)  # every Deployer of the run, and its subprocesses, log to them
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str):
+    """``os.environ[name] = value`` for the block, then as it was."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def cmd_new(args) -> None:

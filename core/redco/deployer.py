@@ -55,7 +55,9 @@ class Deployer(DeployerV04):
       async_checkpoints: ``Trainer.fit`` writes step checkpoints in the background, from a host
         copy of the state, while training goes on (one process; ``redco/step_checkpoints.py``).
         ``False``: training waits for each write.
-      loggers: names of the metric-logger plugins to run (process 0 only).
+      loggers: names of the metric-logger plugins to run (process 0 only): by default
+        ``$REDCO_LOGGERS`` (comma-separated), else ``jsonl`` (``redco zoo run`` sets every
+        installed logger that needs no setup).
       launcher: name of a launcher plugin; by default the first that detects itself.
       verbose: print log lines and show progress bars (process 0 only); ``False`` keeps the
         terminal quiet, and ``workdir/log.txt`` is written all the same.
@@ -78,7 +80,7 @@ class Deployer(DeployerV04):
                  host0_address: str | None = None, host0_port: int | None = None,
                  process_id: int | None = None, n_local_devices: int | None = None,
                  sharding_rules: str | Rules = "auto", checkpoint_format: str = "orbax",
-                 loggers: Sequence[str] = ("jsonl",), launcher: str | None = None,
+                 loggers: Sequence[str] | None = None, launcher: str | None = None,
                  device_memory: int | str | None = None, verbose: bool = True,
                  wandb_init_kwargs: dict | None = None,
                  compile_cache_dir: str | bool | None = None,
@@ -122,6 +124,8 @@ class Deployer(DeployerV04):
         plugins.lookup("checkpoint_formats", checkpoint_format)  # unknown names fail here
         self.checkpoint_format = checkpoint_format
         self.wandb_init_kwargs = wandb_init_kwargs
+        if loggers is None:
+            loggers = [n for n in os.environ.get("REDCO_LOGGERS", "jsonl").split(",") if n]
         self._setup_logging(verbose, list(loggers) + (["tensorboard"] if run_tensorboard else []) +
                             (["wandb"] if wandb_init_kwargs is not None else []))
 

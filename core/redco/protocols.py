@@ -105,7 +105,11 @@ class CheckpointFormat:
 
 class MetricLogger:
     """Made as ``logger_class(workdir, **options)`` on process 0 only; ``options`` are what the
-    ``Deployer`` was given for this logger (``wandb_init_kwargs`` for ``wandb``), usually none."""
+    ``Deployer`` was given for this logger (``wandb_init_kwargs`` for ``wandb``), usually none.
+    ``redco zoo run`` writes to every installed logger but those with ``needs_setup`` (an
+    account, a project), which run only when named."""
+
+    needs_setup: bool = False
 
     def __init__(self, workdir: str, **options):
         self.workdir = workdir

@@ -10,7 +10,8 @@ import optax
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from redco import Deployer, Trainer, plugins
+from redco import Deployer, Trainer, hookimpl, plugins
+from redco.cli import main
 from redco_tensorboard import TensorBoardLogger
 
 
@@ -101,3 +102,42 @@ def test_events_decode_as_tensorboard_protos_and_records_carry_their_crcs(tmp_pa
     path.write_bytes(record(event(0.0, 0, file_version="brain.Event:2")) + record(scalars))
     from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
     assert list(RawEventFileLoader(str(path)).Load())[1] == scalars  # framing and CRCs read back
+
+
+class OneMetricPipeline:
+    """A zoo pipeline as a third party writes one: its own Deployer logs a metric."""
+    description = "logs x at step 1"
+
+    def add_arguments(self, parser):
+        parser.add_argument("--workdir")
+
+    def run(self, args):
+        Deployer(jax_seed=0, workdir=args.workdir, verbose=False).log_metrics({"x": 3.0}, 1)
+
+
+class ZooPlugin:
+    @hookimpl
+    def register_zoo_pipelines(self, register):
+        register("one-metric", OneMetricPipeline())
+
+
+def test_a_zoo_run_writes_to_every_installed_logger_that_needs_no_setup(tmp_path, capsys):
+    """``redco zoo run`` (any pipeline) logs to TensorBoard, csv and jsonl when they are
+    installed, not to wandb (an account), ``--loggers`` picks; a Deployer outside keeps jsonl."""
+    plugins.pm.register(ZooPlugin(), name="one-metric-test")
+    try:
+        with pytest.raises(SystemExit):
+            main(["zoo", "run", "one-metric", "--help"])
+        shown = " ".join(capsys.readouterr().out.split()).split("(default: ")[1].split(":")[0]
+        assert set(shown.split(",")) == {"csv", "tensorboard", "jsonl"}  # the plugins env's
+        main(["zoo", "run", "one-metric", "--workdir", str(tmp_path / "all")])
+        assert read_scalars(tmp_path / "all") == {"x": [(1, 3.0)]}
+        assert (tmp_path / "all" / "metrics.csv").exists()
+        assert (tmp_path / "all" / "metrics.jsonl").exists()
+        assert not (tmp_path / "all" / "wandb").exists()
+        main(["zoo", "run", "one-metric", "--workdir", str(tmp_path / "one"), "--loggers", "jsonl"])
+        assert sorted(os.listdir(tmp_path / "one")) == ["log.txt", "metrics.jsonl"]
+    finally:
+        plugins.pm.unregister(name="one-metric-test")
+    Deployer(jax_seed=0, workdir=str(tmp_path / "outside"), verbose=False).log_metrics({"x": 1}, 1)
+    assert sorted(os.listdir(tmp_path / "outside")) == ["log.txt", "metrics.jsonl"]

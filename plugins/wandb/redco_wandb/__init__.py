@@ -14,6 +14,8 @@ from redco.protocols import MetricLogger
 
 
 class WandbLogger(MetricLogger):
+    needs_setup = True  # an account and a project: only when named
+
     def __init__(self, workdir: str, **init_kwargs):
         super().__init__(workdir)
         import wandb
