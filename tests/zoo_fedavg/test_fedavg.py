@@ -15,8 +15,14 @@ from redco_zoo_fedavg import pipeline as fedavg_module
 from redco_zoo_fedavg.pipeline import FedAvgPipeline, fedavg, load_digits, split_clients, train_locally
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kill_anywhere import (assert_same_arrays, kill_at_random, newest_step_arrays,  # noqa: E402
-                           redco_cmd, run_to_end, saved_a_new_ckpt)
+from kill_anywhere import (  # noqa: E402
+    assert_same_arrays,
+    kill_at_random,
+    newest_step_arrays,
+    redco_cmd,
+    run_to_end,
+    saved_a_new_ckpt,
+)
 
 
 def test_pathological_split_gives_each_client_two_labels():

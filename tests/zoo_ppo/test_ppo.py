@@ -17,8 +17,14 @@ from redco.preemption import Preempted
 from redco_zoo_ppo import Collector, train
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kill_anywhere import (assert_same_arrays, kill_at_random, newest_step_arrays,  # noqa: E402
-                           redco_cmd, run_to_end, saved_a_new_ckpt)
+from kill_anywhere import (  # noqa: E402
+    assert_same_arrays,
+    kill_at_random,
+    newest_step_arrays,
+    redco_cmd,
+    run_to_end,
+    saved_a_new_ckpt,
+)
 
 SEED = 0  # seeds 0-5 all reach 500 by ~100k env steps here and stay there
 
