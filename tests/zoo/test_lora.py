@@ -8,6 +8,7 @@ from functools import partial
 import jax
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 from tasks import LETTERS, reversal_examples
@@ -61,6 +62,7 @@ def test_lora_lm_reaches_the_entropy_rate_training_under_2_percent_of_the_params
     assert floor <= cross_entropy <= 1.10 * entropy_rate, (cross_entropy, entropy_rate, floor)
 
 
+@pytest.mark.slow  # REDCO_SLOW_TESTS=1 (conftest.py)
 def test_lora_seq2seq_learns_to_reverse_strings_on_a_model_that_copies():
     tokenizer = word_tokenizer(LETTERS)
     ids = dict(pad_id=0, eos_id=1)

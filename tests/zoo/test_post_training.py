@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from test_dpo import preference_accuracy
 from test_sft import WORDS, chat_tokenizer
 
@@ -48,6 +49,7 @@ def metrics(path) -> list[dict]:
         return list(map(json.loads, f))
 
 
+@pytest.mark.slow  # REDCO_SLOW_TESTS=1 (conftest.py)
 def test_the_readmes_sft_then_dpo_and_grpo_walk_through(tmp_path):
     write_task(tmp_path)
     env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable),

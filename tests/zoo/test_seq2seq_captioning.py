@@ -8,6 +8,7 @@ from functools import partial
 import jax
 import numpy as np
 import optax
+import pytest
 from PIL import Image
 from tasks import COLOURS, LETTERS, SHAPES, reversal_examples, shape_examples
 
@@ -37,6 +38,7 @@ def train_and_predict(workdir, model, collate_fn, loss_fn, pred_fn, output_fn, t
     return output_fn(np.stack(sharded_ids))
 
 
+@pytest.mark.slow  # REDCO_SLOW_TESTS=1 (conftest.py)
 def test_seq2seq_learns_to_reverse_strings(workdir):
     tokenizer = word_tokenizer(LETTERS)
     ids = dict(pad_id=0, eos_id=1)
@@ -53,6 +55,7 @@ def test_seq2seq_learns_to_reverse_strings(workdir):
     assert scores["exact_match"] >= 0.95, (scores, preds[:4])
 
 
+@pytest.mark.slow  # REDCO_SLOW_TESTS=1 (conftest.py)
 def test_captioning_learns_coloured_shapes(workdir):
     tokenizer = word_tokenizer(list(COLOURS) + list(SHAPES), ("<pad>", "<bos>", "<eos>", "<unk>"))
     ids = dict(bos_id=1, eos_id=2, pad_id=0)

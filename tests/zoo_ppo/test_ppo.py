@@ -42,6 +42,7 @@ def random_policy_mean_return(n_episodes: int = 100, seed: int = 10_000) -> floa
     return float(np.mean(returns))
 
 
+@pytest.mark.slow  # REDCO_SLOW_TESTS=1 (conftest.py)
 def test_ppo_balances_cartpole_within_300k_env_steps(workdir):
     start = time.perf_counter()
     trainer, returns = train("CartPole-v1", total_steps=300_000, n_envs=16, n_steps=64, seed=SEED,
