@@ -94,51 +94,70 @@ def check_length(train_examples, n_epochs: int | None, max_steps: int | None,
                          "ends first).")
 
 
-def plan_fit(trainer, train_examples: Sequence | Callable, per_device_batch_size: int,
-             n_epochs: int | None, max_steps: int | None, eval_examples,
-             eval_per_device_batch_size, eval_loss, eval_predictor, eval_metric_fn,
-             save_last_ckpt, save_argmin_ckpt_by_metrics, save_argmax_ckpt_by_metrics,
-             save_every_n_steps, keep_last_ckpts, resume, eval_sanity_check, profile_steps,
-             eval_every_n_steps, v04_options: dict[str, Any]) -> FitPlan:
+@dataclasses.dataclass(frozen=True)
+class FitOptions:
+    """``Trainer.fit``'s arguments, by name (see its docstring)."""
+    train_examples: Sequence | Callable | Iterable
+    per_device_batch_size: int
+    n_epochs: int | None = None
+    max_steps: int | None = None
+    eval_examples: Sequence | None = None
+    eval_per_device_batch_size: int | None = None
+    eval_loss: bool = True
+    eval_predictor: Any = None
+    eval_metric_fn: Callable | None = None
+    save_last_ckpt: bool = False
+    save_argmin_ckpt_by_metrics: Sequence[str] | None = None
+    save_argmax_ckpt_by_metrics: Sequence[str] | None = None
+    save_every_n_steps: int | None = None
+    keep_last_ckpts: int = 1
+    resume: bool = True
+    eval_sanity_check: bool = True
+    profile_steps: tuple[int, int] | None = None
+    eval_every_n_steps: int | None = None
+    v04_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def plan_fit(trainer, o: FitOptions) -> FitPlan:
     """``fit``'s arguments checked and its run decided, in that order (see the module), for
     ``trainer`` (a ``Trainer``)."""
-    started, v04 = time.perf_counter(), compat.FitOptionsV04(**v04_options)
-    check_fit_numbers(n_epochs, max_steps, keep_last_ckpts, save_every_n_steps,
-                      eval_per_device_batch_size, per_device_batch_size, eval_every_n_steps)
-    if eval_every_n_steps and eval_examples is None:
-        raise UsageError(f"eval_every_n_steps={eval_every_n_steps} but no eval_examples: pass "
+    started, v04 = time.perf_counter(), compat.FitOptionsV04(**o.v04_options)
+    check_fit_numbers(o.n_epochs, o.max_steps, o.keep_last_ckpts, o.save_every_n_steps,
+                      o.eval_per_device_batch_size, o.per_device_batch_size, o.eval_every_n_steps)
+    if o.eval_every_n_steps and o.eval_examples is None:
+        raise UsageError(f"eval_every_n_steps={o.eval_every_n_steps} but no eval_examples: pass "
                          "the examples to evaluate on.")
-    train_examples = as_stream(train_examples)
-    save_ckpt = save_last_ckpt or bool(save_every_n_steps)
-    check_length(train_examples, n_epochs, max_steps, save_ckpt)
-    first_examples = train_examples.peek(per_device_batch_size) if isinstance(
+    train_examples = as_stream(o.train_examples)
+    save_ckpt = o.save_last_ckpt or bool(o.save_every_n_steps)
+    check_length(train_examples, o.n_epochs, o.max_steps, save_ckpt)
+    first_examples = train_examples.peek(o.per_device_batch_size) if isinstance(
         train_examples, Stream) else compat.examples_of_epoch(train_examples, 0)
     done = trainer.step if trainer._fitted else 0
     workdir = trainer.deployer.workdir
-    profile_window(profile_steps, done + 1, None, workdir)  # before placing anything
+    profile_window(o.profile_steps, done + 1, None, workdir)  # before placing anything
     evaluate = Evaluation.plan(
-        trainer, eval_examples, eval_per_device_batch_size or per_device_batch_size, eval_loss,
-        eval_predictor, eval_metric_fn,
-        [*(save_argmin_ckpt_by_metrics or ()), *(save_argmax_ckpt_by_metrics or ())],
-        check_names=eval_sanity_check)
+        trainer, o.eval_examples, o.eval_per_device_batch_size or o.per_device_batch_size, o.eval_loss,
+        o.eval_predictor, o.eval_metric_fn,
+        [*(o.save_argmin_ckpt_by_metrics or ()), *(o.save_argmax_ckpt_by_metrics or ())],
+        check_names=o.eval_sanity_check)
     examples_per_step, steps_per_epoch = plan_steps(trainer, train_examples, first_examples,
-                                                    per_device_batch_size, n_epochs, max_steps)
-    window = profile_window(profile_steps, done + 1,
-                            done + n_updates(n_epochs, steps_per_epoch, max_steps), workdir)
-    fit_options = {"save_argmin_ckpt_by_metrics": save_argmin_ckpt_by_metrics,
-                   "save_argmax_ckpt_by_metrics": save_argmax_ckpt_by_metrics,
+                                                    o.per_device_batch_size, o.n_epochs, o.max_steps)
+    window = profile_window(o.profile_steps, done + 1,
+                            done + n_updates(o.n_epochs, steps_per_epoch, o.max_steps), workdir)
+    fit_options = {"save_argmin_ckpt_by_metrics": o.save_argmin_ckpt_by_metrics,
+                   "save_argmax_ckpt_by_metrics": o.save_argmax_ckpt_by_metrics,
                    "profile_window": window}
     trainer.hooks.saved_state(trainer, trainer.step)  # a plugin's bad state fails now
     position = {"epoch": 0, "examples": 0}
     if not trainer._fitted:
-        meta = trainer.checkpoints.start(resume, saves=save_ckpt)
+        meta = trainer.checkpoints.start(o.resume, saves=save_ckpt)
         if meta is not None:
             position = resume_position(meta, train_examples, first_examples)
         elif trainer.step and not isinstance(train_examples, Stream):  # a step given (0.4's
             position = position_of(  # last_ckpt_info): that many updates are made already
                 {"step": trainer.step, "data": {"examples_per_step": examples_per_step}},
                 len(first_examples))
-    if evaluate is not None and eval_sanity_check:
+    if evaluate is not None and o.eval_sanity_check:
         evaluate.sanity_check()
     trainer.hooks.on_time_spent(trainer=trainer, phase="startup", step=None,
                                 seconds=time.perf_counter() - started)

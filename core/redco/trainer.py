@@ -17,7 +17,7 @@ from redco.data import by_name, check_array_leaves, check_collated, check_number
 from redco.data_order import EpochBatches, Stream, as_stream
 from redco.deployer import Deployer
 from redco.evaluation import Evaluation
-from redco.fit_plan import plan_fit
+from redco.fit_plan import FitOptions, FitPlan, plan_fit
 from redco.predictor import Predictor
 from redco.run_context import LoopState, RunContext
 from redco.run_hooks import RunHooks
@@ -583,37 +583,46 @@ class Trainer(compat.TrainerV04):
         keywords are accepted too (``save_ckpt_every_k_epochs``, ...; see ``redco/compat.py``).
         """
         self._stop_reason = None  # a stop asked in an earlier fit does not end this one
-        plan = plan_fit(
-            self, train_examples, per_device_batch_size, n_epochs, max_steps, eval_examples,
-            eval_per_device_batch_size, eval_loss, eval_predictor, eval_metric_fn, save_last_ckpt,
-            save_argmin_ckpt_by_metrics, save_argmax_ckpt_by_metrics, save_every_n_steps,
-            keep_last_ckpts, resume, eval_sanity_check, profile_steps, eval_every_n_steps,
-            v04_options)
-        evaluate_every = eval_every_n_steps and (plan.evaluate, eval_every_n_steps)
-        last = None if max_steps is None else plan.done + max_steps  # the last update's step
+        options = FitOptions(
+            train_examples=train_examples, per_device_batch_size=per_device_batch_size,
+            n_epochs=n_epochs, max_steps=max_steps, eval_examples=eval_examples,
+            eval_per_device_batch_size=eval_per_device_batch_size, eval_loss=eval_loss,
+            eval_predictor=eval_predictor, eval_metric_fn=eval_metric_fn,
+            save_last_ckpt=save_last_ckpt, save_argmin_ckpt_by_metrics=save_argmin_ckpt_by_metrics,
+            save_argmax_ckpt_by_metrics=save_argmax_ckpt_by_metrics,
+            save_every_n_steps=save_every_n_steps, keep_last_ckpts=keep_last_ckpts, resume=resume,
+            eval_sanity_check=eval_sanity_check, profile_steps=profile_steps,
+            eval_every_n_steps=eval_every_n_steps, v04_options=v04_options)
+        plan = plan_fit(self, options)
         with self._watched():
             self.hooks.on_fit_start(trainer=self, n_epochs=n_epochs, fit_options=plan.fit_options,
                                     steps_per_epoch=plan.steps_per_epoch)
-            for epoch in plan.epochs(n_epochs):
-                if last is not None and self.step >= last:
-                    break
-                examples = plan.examples_of(epoch)
-                start = plan.start_example(epoch, examples)
-                if start is None:  # ended before the checkpoint this run resumed from
-                    continue
-                self.train_epoch(examples, per_device_batch_size, epoch, start_example=start,
-                                 save_every_n_steps=save_every_n_steps,
-                                 keep_last_ckpts=keep_last_ckpts,
-                                 desc=plan.describe(epoch, n_epochs),
-                                 max_updates=None if last is None else last - self.step,
-                                 evaluate_every=evaluate_every)
-                self._end_epoch(epoch, plan.evaluate, plan.save_ckpt, keep_last_ckpts, plan.v04)
-                if self._stop_reason:
-                    self.deployer.log_info(f"Stopping early: {self._stop_reason}")
-                    break
+            self._train_epochs(plan, options)
             self._announce_checkpoints(wait=True)
             self._fitted = True
             self.hooks.on_fit_end(trainer=self)
+
+    def _train_epochs(self, plan: FitPlan, o: FitOptions) -> None:
+        """``fit``'s epochs, from where it resumed, until ``n_epochs``, ``max_steps`` or a stop."""
+        evaluate_every = o.eval_every_n_steps and (plan.evaluate, o.eval_every_n_steps)
+        last = None if o.max_steps is None else plan.done + o.max_steps  # the last update's step
+        for epoch in plan.epochs(o.n_epochs):
+            if last is not None and self.step >= last:
+                break
+            examples = plan.examples_of(epoch)
+            start = plan.start_example(epoch, examples)
+            if start is None:  # ended before the checkpoint this run resumed from
+                continue
+            self.train_epoch(examples, o.per_device_batch_size, epoch, start_example=start,
+                             save_every_n_steps=o.save_every_n_steps,
+                             keep_last_ckpts=o.keep_last_ckpts,
+                             desc=plan.describe(epoch, o.n_epochs),
+                             max_updates=None if last is None else last - self.step,
+                             evaluate_every=evaluate_every)
+            self._end_epoch(epoch, plan.evaluate, plan.save_ckpt, o.keep_last_ckpts, plan.v04)
+            if self._stop_reason:
+                self.deployer.log_info(f"Stopping early: {self._stop_reason}")
+                break
 
     def _end_epoch(self, epoch: int, evaluate: Evaluation | None, save_ckpt: bool,
                    keep_last_ckpts: int, v04: compat.FitOptionsV04) -> None:

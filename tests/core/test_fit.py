@@ -239,3 +239,20 @@ def test_the_papers_rules_call_ends_in_the_dataflow_plan_placed_once(workdir, mo
         s) or _put(x, s))
     predictor.predict(mlp_examples(4), 1, params=jax.device_get(trainer.params))
     assert {k: s.spec for k, s in seen[0].items()} == dataflow  # the final layout, not names
+
+
+def test_fit_hands_its_plan_every_argument_by_name_with_its_own_default():
+    """``fit``'s arguments reach ``plan_fit`` as one ``FitOptions`` made by keyword: the two
+    list the same names with the same defaults, so no option is dropped or swapped."""
+    import dataclasses
+    import inspect
+
+    from redco.fit_plan import FitOptions
+    params = {name: p.default for name, p in inspect.signature(Trainer.fit).parameters.items()
+              if name not in ("self", "v04_options")}
+    fields = {f.name: f.default for f in dataclasses.fields(FitOptions) if f.name != "v04_options"}
+    assert set(fields) == set(params)
+    for name, default in params.items():
+        want = None if default is inspect.Parameter.empty else default
+        got = None if fields[name] is dataclasses.MISSING else fields[name]
+        assert got == want, name

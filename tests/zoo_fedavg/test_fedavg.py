@@ -2,6 +2,7 @@
 above any client alone), and the pipeline and the template are found through entry points (the
 template's project: tests/templates)."""
 import argparse
+import json
 import os
 import sys
 
@@ -129,7 +130,8 @@ def test_a_fedavg_run_stopped_by_sigterm_resumes_to_the_same_bits(tmp_path, monk
 def test_a_fedavg_run_killed_at_random_moments_reruns_to_the_same_bits(tmp_path):
     """``redco zoo run fedavg`` (4 rounds of 3 of 4 clients, a checkpoint each round) SIGKILLed
     twice at random moments, each after it saved a round, then rerun to its end: the last step
-    checkpoint and the test accuracies equal an uninterrupted run's."""
+    checkpoint, the test accuracies and each round's row in metrics.jsonl (at its step, a killed
+    run's rows past its checkpoint forgotten) equal an uninterrupted run's."""
     import random
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
@@ -147,3 +149,9 @@ def test_a_fedavg_run_killed_at_random_moments_reruns_to_the_same_bits(tmp_path)
     result = lambda out: [line for line in out.splitlines() if "test accuracy: FedAvg" in line]  # noqa: E731
     assert result(cut_out)[-1].split("INFO")[-1] == result(whole_out)[-1].split("INFO")[-1], seed
     assert_same_arrays(newest_step_arrays(cut), newest_step_arrays(whole))
+    rounds = lambda workdir: [(row["step"], row["round"], row["round/test_accuracy"])  # noqa: E731
+                              for row in map(json.loads, open(os.path.join(workdir, "metrics.jsonl")))
+                              if "round" in row]
+    assert rounds(cut) == rounds(whole) and [r[1] for r in rounds(whole)] == [1, 2, 3, 4]
+    last_ckpt = redco.checkpointing.step_ckpts(os.path.join(whole, "ckpts"))[-1]
+    assert rounds(whole)[-1][0] == int(last_ckpt.rsplit("_", 1)[1])  # at the update it ended on

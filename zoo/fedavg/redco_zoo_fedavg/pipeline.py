@@ -150,7 +150,7 @@ class FedAvgPipeline:
 
         def on_round(r, server):
             acc = accuracy(predictor, server, test)
-            deployer.log_metrics({"round/test_accuracy": acc}, r + 1)
+            deployer.log_metrics({"round": r + 1, "round/test_accuracy": acc}, trainer.step)
             deployer.log_info(f"round {r + 1}/{args.n_rounds}: test accuracy {acc:.4f}")
 
         per_round = max(1, round(args.client_fraction * args.n_clients))
