@@ -89,6 +89,24 @@ def kill_at_random(cmd: list[str], ready: Callable[[], bool], within_s: float,
         proc.wait(timeout=timeout_s)
 
 
+def killed_twice_and_rerun(cmd: Callable[[str], list[str]], tmp_path) -> tuple[str, str, str, str]:
+    """Run ``cmd(workdir)`` uninterrupted in ``tmp_path/whole``; in ``tmp_path/cut``, SIGKILL it
+    twice at random moments (each after it saved a step checkpoint, within one checkpoint
+    interval of the uninterrupted run), then rerun it to its end. Checks that a kill landed and
+    that both reruns resumed; returns ``(whole, cut, whole's stdout, cut's last stdout)``."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
+    whole_out, save_every_s = run_to_end(cmd(whole), whole)
+    kills = [kill_at_random(cmd(cut), saved_a_new_ckpt(cut), save_every_s, rng) for _ in range(2)]
+    cut_out, _ = run_to_end(cmd(cut), cut)
+    with open(os.path.join(cut, "log.txt")) as f:
+        log = f.read()
+    assert sum(kills) >= 1 and log.count("Resumed from") == 2, (seed, kills, log[-2000:])
+    print(f"seed {seed}: killed {kills}")  # shown with a failure after this
+    return whole, cut, whole_out, cut_out
+
+
 def newest_step_arrays(workdir: str) -> dict[str, np.ndarray]:
     """``{path: array}`` of the newest step checkpoint in ``workdir/ckpts``: the params, the
     optimizer state and the step, as saved."""

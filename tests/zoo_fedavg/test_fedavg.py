@@ -16,14 +16,7 @@ from redco_zoo_fedavg import pipeline as fedavg_module
 from redco_zoo_fedavg.pipeline import FedAvgPipeline, fedavg, load_digits, split_clients, train_locally
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kill_anywhere import (  # noqa: E402
-    assert_same_arrays,
-    kill_at_random,
-    newest_step_arrays,
-    redco_cmd,
-    run_to_end,
-    saved_a_new_ckpt,
-)
+from kill_anywhere import assert_same_arrays, killed_twice_and_rerun, newest_step_arrays, redco_cmd  # noqa: E402, I001
 
 
 def test_pathological_split_gives_each_client_two_labels():
@@ -132,22 +125,12 @@ def test_a_fedavg_run_killed_at_random_moments_reruns_to_the_same_bits(tmp_path)
     twice at random moments, each after it saved a round, then rerun to its end: the last step
     checkpoint, the test accuracies and each round's row in metrics.jsonl (at its step, a killed
     run's rows past its checkpoint forgotten) equal an uninterrupted run's."""
-    import random
-    seed = int.from_bytes(os.urandom(4), "little")
-    rng = random.Random(seed)
     cmd = lambda workdir: redco_cmd(  # noqa: E731
         "zoo", "run", "fedavg", "--n_clients", "4", "--n_rounds", "4", "--local_epochs", "1",
         "--client_fraction", "0.75", "--save_every_n_steps", "1", "--workdir", workdir)
-    whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
-    whole_out, save_every_s = run_to_end(cmd(whole), whole)
-    kills = [kill_at_random(cmd(cut), saved_a_new_ckpt(cut), save_every_s, rng)
-             for _ in range(2)]
-    cut_out, _ = run_to_end(cmd(cut), cut)
-    log = open(os.path.join(cut, "log.txt")).read()
-    assert sum(kills) >= 1 and log.count("Resumed from") == 2, (seed, kills, log[-2000:])
-    print(f"seed {seed}: killed {kills}")
+    whole, cut, whole_out, cut_out = killed_twice_and_rerun(cmd, tmp_path)
     result = lambda out: [line for line in out.splitlines() if "test accuracy: FedAvg" in line]  # noqa: E731
-    assert result(cut_out)[-1].split("INFO")[-1] == result(whole_out)[-1].split("INFO")[-1], seed
+    assert result(cut_out)[-1].split("INFO")[-1] == result(whole_out)[-1].split("INFO")[-1]
     assert_same_arrays(newest_step_arrays(cut), newest_step_arrays(whole))
     rounds = lambda workdir: [(row["step"], row["round"], row["round/test_accuracy"])  # noqa: E731
                               for row in map(json.loads, open(os.path.join(workdir, "metrics.jsonl")))

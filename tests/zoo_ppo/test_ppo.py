@@ -2,7 +2,6 @@
 reach, by 300k env steps, against ~22 for a random policy measured here) on 8 devices; ``redco
 zoo`` lists and runs it (its template's project: tests/templates)."""
 import os
-import random
 import signal
 import sys
 import time
@@ -17,14 +16,7 @@ from redco.preemption import Preempted
 from redco_zoo_ppo import Collector, train
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kill_anywhere import (  # noqa: E402
-    assert_same_arrays,
-    kill_at_random,
-    newest_step_arrays,
-    redco_cmd,
-    run_to_end,
-    saved_a_new_ckpt,
-)
+from kill_anywhere import assert_same_arrays, killed_twice_and_rerun, newest_step_arrays, redco_cmd  # noqa: E402, I001
 
 SEED = 0  # seeds 0-5 all reach 500 by ~100k env steps here and stay there
 
@@ -97,17 +89,8 @@ def test_a_ppo_run_killed_at_random_moments_reruns_to_the_same_bits(tmp_path):
     """``redco zoo run ppo`` (4 iterations of 16 updates, a checkpoint each) SIGKILLed twice at
     random moments, each after it saved an iteration, then rerun to its end: the last step
     checkpoint (params, optimizer state, step) and the returns equal an uninterrupted run's."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    rng = random.Random(seed)
     cmd = lambda workdir: redco_cmd("zoo", "run", "ppo", "--total_steps", "4096",  # noqa: E731
                                     "--save_every_n_steps", "16", "--workdir", workdir)
-    whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
-    whole_out, save_every_s = run_to_end(cmd(whole), whole)
-    kills = [kill_at_random(cmd(cut), saved_a_new_ckpt(cut), save_every_s, rng)
-             for _ in range(2)]
-    cut_out, _ = run_to_end(cmd(cut), cut)
-    log = open(os.path.join(cut, "log.txt")).read()
-    assert sum(kills) >= 1 and log.count("Resumed from") == 2, (seed, kills, log[-2000:])
-    print(f"seed {seed}: killed {kills}")
-    assert cut_out.splitlines()[-1] == whole_out.splitlines()[-1], seed
+    whole, cut, whole_out, cut_out = killed_twice_and_rerun(cmd, tmp_path)
+    assert cut_out.splitlines()[-1] == whole_out.splitlines()[-1]
     assert_same_arrays(newest_step_arrays(cut), newest_step_arrays(whole))
