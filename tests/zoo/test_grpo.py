@@ -1,7 +1,7 @@
-"""GRPO: tokens after EOS count for nothing, the three loss averages are what they say, the KL
-penalty's gradient is the one GRPO means, bad rewards and prompts are refused before any update,
-and sharded over 8 devices (dp x mp) it samples and trains as on one device. (That it learns,
-after SFT, is ``test_post_training.py``.)"""
+"""GRPO: tokens after EOS count for nothing, the three loss averages are what they say, the clip
+fraction counts the tokens it should, the KL penalty's gradient is the one GRPO means, bad
+rewards and prompts are refused before any update, and sharded over 8 devices (dp x mp) it
+samples and trains as on one device. (That it learns, after SFT, is ``test_post_training.py``.)"""
 import json
 import os
 import random
@@ -18,7 +18,7 @@ from test_sft import SPECIALS, WORDS, chat_tokenizer
 from redco.cli import main
 from redco.protocols import UsageError
 from redco_zoo_grpo import loss_fn
-from redco_zoo_grpo.loss import average, group_advantages, token_logps, token_losses
+from redco_zoo_grpo.loss import average, clip_fraction, group_advantages, token_logps, token_losses
 from redco_zoo_grpo.pipeline import check_context
 from redco_zoo_grpo.rewards import exact_match, score
 from redco_zoo_grpo.rollout import completion_mask
@@ -87,6 +87,18 @@ def test_the_three_averages_weigh_tokens_as_their_variants_define():
     grpo = group_advantages(rewards, "grpo")
     assert grpo[0, 0] == pytest.approx(0.75 / np.std([1, 0, 0, 0]), rel=1e-3)
     assert not grpo[1].any()  # a group all alike teaches nothing
+
+
+def test_the_clip_fraction_counts_masked_in_tokens_outside_the_asymmetric_clip_range():
+    """Ratios against old log-probabilities that are not 0, DAPO's clip-higher range [0.8, 1.28]:
+    0.79 and 1.3 are outside, 1.1 and 1.0 inside, 0.5 outside, the masked-out 2.0 counts for
+    nothing; 3 of the 7 counted tokens, not the mean of each row's share (5 / 12)."""
+    ratios = np.array([[0.79, 1.0, 1.3, 1.1], [0.5, 1.0, 1.0, 2.0]])
+    mask = np.array([[1, 1, 1, 1], [1, 1, 1, 0]], bool)
+    old = np.full(ratios.shape, -1.5)
+    assert clip_fraction(old + np.log(ratios), old, mask, 0.2, 0.28) == pytest.approx(3 / 7)
+    # swapped bounds ([0.72, 1.2]) or the ratio inverted would count 2 of 7, the mask ignored 4 of 8
+    assert clip_fraction(old, old, mask, 0.2, 0.28) == 0.0  # the first update's ratio: 1
 
 
 def test_the_kl_penalty_pulls_along_kl_policy_to_reference_and_k3_would_not():
@@ -245,7 +257,10 @@ def test_grpo_sharded_dp_x_mp_samples_and_trains_as_one_device(warmed_up, tmp_pa
     assert [r["rollout/reward"] for r in one] == [r["rollout/reward"] for r in sharded]
     for a, b in zip(one, sharded):
         assert a["rollout/kl"] == pytest.approx(b["rollout/kl"], rel=1e-3, abs=1e-7)
+        assert a["rollout/clip_fraction"] == pytest.approx(b["rollout/clip_fraction"], abs=0.01)
     assert one[-1]["rollout/kl"] > 0  # the policy did move away from the reference
+    # 16 updates a round at learning rate 5e-4: some tokens' ratios end past the clip range
+    assert all(0 < r["rollout/clip_fraction"] <= 1 for r in one), one  # 0.11 to 0.34 seen
     for name, value in one_params.items():
         np.testing.assert_allclose(sharded_params[name], value, rtol=1e-4, atol=1e-5,
                                    err_msg=name)
@@ -295,7 +310,7 @@ def test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_same_bits(warmed
                             str(tmp_path / "whole"), grpo_env(stop=False))
     shown = (tmp_path / "whole" / "log.txt").read_text()  # what a round shows, goodput, samples
     assert "round 1/3: reward " in shown and "cut at max_new_tokens" in shown and \
-        "tokens/s), updates " in shown, shown[-2000:]
+        "clip fraction " in shown and "tokens/s), updates " in shown, shown[-2000:]
     goodput = json.loads((tmp_path / "whole" / "goodput.json").read_text())["total"]
     assert goodput["rollout"] > 0 and goodput["steps"] > 0, goodput
     samples = [json.loads(line) for line in open(tmp_path / "whole" / "samples.jsonl")]
@@ -319,7 +334,8 @@ def test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_same_bits(warmed
     rows = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
             for name in ("whole", "cut")}
     pick = lambda rows, key: [(r["step"], r[key]) for r in rows if key in r]  # noqa: E731
-    for key in ("rollout/reward", "rollout/kl", "eval/reward", "train/loss"):
+    for key in ("rollout/reward", "rollout/kl", "rollout/clip_fraction", "eval/reward",
+                "train/loss"):
         assert pick(rows["cut"], key) == pick(rows["whole"], key), (key, seed, killed)
     whole_params = load_file(tmp_path / "whole" / "model" / "model.safetensors")
     cut_params = load_file(cut / "model" / "model.safetensors")

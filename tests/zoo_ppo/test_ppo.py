@@ -2,6 +2,7 @@
 reach, by 300k env steps, against ~22 for a random policy measured here) on 8 devices; ``redco
 zoo`` lists and runs it (its template's project: tests/templates)."""
 import os
+import re
 import signal
 import sys
 import time
@@ -56,6 +57,8 @@ def test_redco_zoo_lists_and_runs_ppo(workdir, capsys):
           "--workdir", workdir])
     out = capsys.readouterr().out
     assert "mean return of the last 20 episodes" in out, out
+    assert re.search(r"iteration 8/8: mean return of the last 20 episodes [\d.]+; rollout [\d.]+ s, "
+                     r"updates [\d.]+ s", out), out  # each iteration's line
     assert os.path.exists(os.path.join(workdir, "metrics.jsonl"))
 
 

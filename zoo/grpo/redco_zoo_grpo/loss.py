@@ -1,5 +1,5 @@
 """GRPO's loss, piece by piece: each sample's tokens scored by the policy, the clipped loss
-of a token, the averages, the advantages.
+of a token, the averages, the advantages, the share of tokens outside the clip range.
 
 A training example is one sampled completion of a prompt (``rollout.py`` makes them):
 ``prompt_ids``/``prompt_mask`` (the prompt, left-padded), ``tokens`` (the completion, padding
@@ -77,6 +77,15 @@ def k3(logps, ref_logps, mask) -> float:
     never negative estimate of KL(policy || reference) from the policy's samples."""
     d = np.asarray(ref_logps, np.float64) - np.asarray(logps, np.float64)
     return float(((np.exp(d) - d - 1) * mask).sum() / max(mask.sum(), 1))
+
+
+def clip_fraction(logps, old_logps, mask, clip_low: float, clip_high: float) -> float:
+    """The share of counted tokens (``mask``) whose ratio ``exp(logp - old_logp)`` lies outside
+    ``[1 - clip_low, 1 + clip_high]``, whatever their advantage's sign (as PPO's ``clipfrac``):
+    the surrogate's gradient is zero for those of them the advantage pushes further out."""
+    ratio = np.exp(np.asarray(logps, np.float64) - np.asarray(old_logps, np.float64))
+    outside = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
+    return float((outside * mask).sum() / max(mask.sum(), 1))
 
 
 def group_advantages(rewards: np.ndarray, loss_type: str) -> np.ndarray:

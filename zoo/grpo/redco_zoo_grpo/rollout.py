@@ -10,7 +10,12 @@
    exactly 1 whatever the sampler's numerics; the largest gap between the two log-probabilities
    of the same tokens is logged each round (``rollout/logprob_gap``);
 5. trains ``n_updates`` (mu) epochs of minibatches over those samples, all in one compiled call
-   (``Trainer.train_scanned``).
+   (``Trainer.train_scanned``);
+6. scores the same samples once more with the updated policy (one forward pass, ``score_fn``
+   without the reference) for ``rollout/clip_fraction``: the share of counted completion tokens
+   whose ratio to ``old_logps`` lies outside ``[1 - clip_low, 1 + clip_high]``
+   (``loss.clip_fraction``). Measured after the round's updates: 0 means they left every
+   token's ratio inside the range, a large share that they moved the policy past it.
 
 The reference: with LoRA adapters, the same params with the adapters zeroed (no copy); without
 them and with ``beta > 0``, a copy of the params made before the first update.
@@ -31,7 +36,7 @@ import numpy as np
 from redco import Trainer
 from redco.lora import trainable_mask, without_adapters
 from redco.protocols import UsageError
-from redco_zoo_grpo.loss import LOSS_TYPES, group_advantages, k3, token_logps
+from redco_zoo_grpo.loss import LOSS_TYPES, clip_fraction, group_advantages, k3, token_logps
 from redco_zoo_grpo.rewards import score
 from redco_zoo_models import split_model
 from redco_zoo_sft.chat import stop_token_id
@@ -113,9 +118,9 @@ class GRPO:
             pred_fn, model=model, n_samples=1, **dict(sampling, temperature=0.0)))
         lora = any(jax.tree.leaves(trainable_mask(trainer.params)))
         self.reference = None if not config.beta else "adapters off" if lora else "copy"
-        self.scorer = trainer.get_default_predictor(partial(
-            score_fn, apply_fn=split_model(model)[0], temperature=config.temperature,
-            reference=self.reference))
+        score = partial(score_fn, apply_fn=split_model(model)[0], temperature=config.temperature)
+        self.scorer = trainer.get_default_predictor(partial(score, reference=self.reference))
+        self.rescorer = trainer.get_default_predictor(partial(score, reference=None))
         self.ref_params = None
         self.round, self.eval_rewards = 0, []  # rounds done; greedy rewards so far
         self.shown: list[dict] = []  # the last round's first completions (write_samples)
@@ -166,6 +171,15 @@ class GRPO:
         if self.reference is not None:
             metrics["kl"] = k3(old, np.stack([s["ref_logps"] for s in samples]), mask)
         return samples, metrics
+
+    def clip_fraction(self, samples: list[dict]) -> float:
+        """The share of ``samples``' counted tokens whose ratio under the params as they are now
+        lies outside the clip range (``loss.clip_fraction``): one forward pass."""
+        params = {"policy": self.trainer.params, "reference": None}
+        new = np.stack([out["old_logps"] for out in  # score_fn's name: the params' as they are
+                        self.rescorer.predict(samples, self.batch_size, params, desc="rescore")])
+        old, mask = (np.stack([s[key] for s in samples]) for key in ("old_logps", "completion_mask"))
+        return clip_fraction(new, old, mask, self.config.clip_low, self.config.clip_high)
 
     def greedy_reward(self, prompts: list[dict], rows: list[dict], prompt_column: str) -> float:
         """The mean reward of the greedy completion of each prompt."""
@@ -230,7 +244,8 @@ class GRPO:
     def train_round(self, run, prompts: list[dict], rows: list[dict], prompt_column: str,
                     n_rounds: int) -> None:
         """The next round: its rollouts (timed as ``rollout`` in ``goodput.json``), then
-        ``n_updates`` epochs over them in one call; its metrics logged and shown."""
+        ``n_updates`` epochs over them in one call, then their clip fraction (also ``rollout``
+        time); its metrics logged and shown."""
         round_, mu = self.round + 1, self.config.n_updates
         start = time.perf_counter()
         with run.timed("rollout"):
@@ -238,7 +253,10 @@ class GRPO:
         rollout_s, start = time.perf_counter() - start, time.perf_counter()
         self.trainer.train_scanned(samples, self.batch_size, range((round_ - 1) * mu, round_ * mu),
                                    desc=f"round {round_}/{n_rounds}")
-        metrics.update(seconds=rollout_s, update_seconds=time.perf_counter() - start,
+        update_s = time.perf_counter() - start
+        with run.timed("rollout"):
+            metrics["clip_fraction"] = self.clip_fraction(samples)
+        metrics.update(seconds=rollout_s, update_seconds=update_s,
                        tokens_per_s=metrics["completion_tokens"] * len(samples) / rollout_s)
         self.trainer.deployer.log_metrics({f"rollout/{k}": float(v) for k, v in metrics.items()},
                                           self.trainer.step)
@@ -261,6 +279,7 @@ def summary(metrics: dict) -> str:
     return (f"reward {metrics['reward']:.3f} (group std {metrics['reward_std']:.3f}, "
             f"{metrics['reward_min']:.3f} to {metrics['reward_max']:.3f}), "
             f"{metrics['completion_tokens']:.1f} tokens a completion "
-            f"({metrics['cut_at_max_new_tokens']:.0%} cut at max_new_tokens){kl}; rollout "
+            f"({metrics['cut_at_max_new_tokens']:.0%} cut at max_new_tokens){kl}, clip "
+            f"fraction {metrics['clip_fraction']:.3f} after the updates; rollout "
             f"{metrics['seconds']:.1f} s ({metrics['tokens_per_s']:.0f} tokens/s), updates "
             f"{metrics['update_seconds']:.1f} s")

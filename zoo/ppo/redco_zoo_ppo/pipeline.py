@@ -1,9 +1,12 @@
 """PPO (clipped surrogate, GAE) on gymnasium vector envs through the three functions; ``redco zoo run
-ppo``. Acting jits ``pred_fn`` on one device: a Predictor call per env step costs more than the step."""
+ppo``. Acting jits ``pred_fn`` on one device: a Predictor call per env step costs more than the step.
+Each iteration logs its mean return of the last 20 episodes and its rollout and update seconds
+(``metrics.jsonl`` and one log line)."""
 import argparse
 import base64
 import os
 import pickle
+import time
 
 import gymnasium as gym
 import jax
@@ -128,6 +131,17 @@ def placeholder(envs, n: int) -> list[dict]:
     return [{"obs": obs, "action": 0, "logp": 0.0, "adv": 0.0, "ret": 0.0}] * n
 
 
+def report(deployer: Deployer, step: int, where: str, returns: list, rollout_s: float,
+           update_s: float) -> None:
+    """An iteration's mean return of the last 20 episodes and its rollout and update seconds, to
+    ``metrics.jsonl`` and as one log line."""
+    mean = np.mean(returns[-20:] or [0])
+    deployer.log_metrics({"mean_return_20": mean, "rollout_seconds": rollout_s,
+                          "update_seconds": update_s}, step)
+    shown = f"mean return of the last 20 episodes {mean:.1f}" if returns else "no episode ended yet"
+    deployer.log_info(f"{where}: {shown}; rollout {rollout_s:.1f} s, updates {update_s:.1f} s")
+
+
 def train(env_id="CartPole-v1", total_steps=300_000, n_envs=16, n_steps=64, seed=0,
           n_model_shards=1, workdir="./workdir", lr=1e-3, update_epochs=4, n_minibatches=4,
           gamma=0.98, lam=0.8, verbose=True, save_every_n_steps=None):
@@ -151,14 +165,15 @@ def train(env_id="CartPole-v1", total_steps=300_000, n_envs=16, n_steps=64, seed
     loop = Iterations(collector)
     with trainer.run(loop=loop, save_every_n_steps=save_every_n_steps) as run:
         while loop.done < n_iters:
-            it = loop.done
-            params = jax.device_put(jax.device_get(trainer.params), jax.devices()[0])
-            examples = collector.rollout(params, jax.random.PRNGKey(seed + 1 + it), n_steps, gamma, lam)
+            it, where, start = loop.done, f"iteration {loop.done + 1}/{n_iters}", time.perf_counter()
+            with run.timed("rollout"):
+                params = jax.device_put(jax.device_get(trainer.params), jax.devices()[0])
+                examples = collector.rollout(params, jax.random.PRNGKey(seed + 1 + it), n_steps, gamma, lam)
+            rollout_s, start = time.perf_counter() - start, time.perf_counter()
             trainer.train_scanned(examples, per_device,  # all epochs' updates: one compiled call
-                                  range(it * update_epochs, (it + 1) * update_epochs),
-                                  desc=f"iteration {it + 1}/{n_iters}")
-            returns = list(collector.envs.return_queue)
-            deployer.log_metrics({"mean_return_20": np.mean(returns[-20:] or [0])}, trainer.step)
+                                  range(it * update_epochs, (it + 1) * update_epochs), desc=where)
+            report(deployer, trainer.step, where, list(collector.envs.return_queue), rollout_s,
+                   time.perf_counter() - start)
             loop.done += 1
             run.step_done()
     collector.envs.close()

@@ -8,6 +8,7 @@ the vectorised envs with ``pred_fn`` (jitted, on one device) and computes GAE ad
 ``workdir/metrics.jsonl``.
 """
 import argparse
+import time
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ import numpy as np
 import optax
 
 from redco import Deployer, Trainer
-from redco_zoo_ppo import Collector, Iterations, placeholder
+from redco_zoo_ppo import Collector, Iterations, placeholder, report
 
 
 def init_params(rng, obs_dim: int, n_actions: int, hidden: int = 64) -> dict:
@@ -88,14 +89,15 @@ def train(env_id="CartPole-v1", total_steps=300_000, n_envs=16, n_steps=64, seed
     loop = Iterations(collector)
     with trainer.run(loop=loop, save_every_n_steps=save_every_n_steps) as run:
         while loop.done < n_iters:
-            it = loop.done
-            params = jax.device_put(jax.device_get(trainer.params), jax.devices()[0])
-            examples = collector.rollout(params, jax.random.PRNGKey(seed + 1 + it), n_steps, gamma, lam)
+            it, where, start = loop.done, f"iteration {loop.done + 1}/{n_iters}", time.perf_counter()
+            with run.timed("rollout"):
+                params = jax.device_put(jax.device_get(trainer.params), jax.devices()[0])
+                examples = collector.rollout(params, jax.random.PRNGKey(seed + 1 + it), n_steps, gamma, lam)
+            rollout_s, start = time.perf_counter() - start, time.perf_counter()
             trainer.train_scanned(examples, per_device,  # all epochs' updates: one compiled call
-                                  range(it * update_epochs, (it + 1) * update_epochs),
-                                  desc=f"iteration {it + 1}/{n_iters}")
-            returns = list(collector.envs.return_queue)
-            deployer.log_metrics({"mean_return_20": np.mean(returns[-20:] or [0])}, trainer.step)
+                                  range(it * update_epochs, (it + 1) * update_epochs), desc=where)
+            report(deployer, trainer.step, where, list(collector.envs.return_queue), rollout_s,
+                   time.perf_counter() - start)
             loop.done += 1
             run.step_done()
     collector.envs.close()
