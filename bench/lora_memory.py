@@ -76,9 +76,7 @@ def _step_memory(kind: str, policy: str, hidden: int, layers: int, args) -> dict
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(1e-3),
                       remat=policy, trainable=trainable)
     examples = byte_sequences(args.seq_len, deployer.get_global_batch_size(args.batch))
-    trainer.eval_loss(examples, args.batch)  # decides the layout
-    batch = deployer.make_batch(examples, collate_fn, n_micro=1)
-    m = trainer._train_step.lower(trainer.state, batch).compile().memory_analysis()
+    m = trainer.compile_train_step(examples, args.batch).memory_analysis()
     base = sum(x.size * x.dtype.itemsize for p, x in lora.named_leaves(params)
                if not lora.is_adapter_path(p))
     return {"arguments": m.argument_size_in_bytes, "temp": m.temp_size_in_bytes, "base": base,

@@ -56,10 +56,8 @@ def compiled_step(policy: str, use_lora: bool = False, loss_wrapper=None):
                       params, optax.adamw(1e-3),
                       trainable=lora.trainable_mask(params) if use_lora else None)
     examples = [{"token_ids": np.arange(SEQ_LEN + 1) % 256} for _ in range(8)]
-    trainer._decide_layout(examples, 1)
-    batch = trainer.deployer.make_batch(examples[:trainer.deployer.dp_size], collate_fn, n_micro=1)
     with remat.policy(policy):
-        return trainer._train_step.lower(trainer.state, batch).compile()
+        return trainer.compile_train_step(examples[:trainer.deployer.dp_size], 1)
 
 
 def temp_and_flops(compiled) -> tuple[float, float]:

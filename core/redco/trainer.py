@@ -208,7 +208,7 @@ class Trainer(compat.TrainerV04):
         """The train step, jitted for the state's layout (its state donated)."""
         return jax.jit(self._step(unroll), in_shardings=(self.state_shardings, None),
                        out_shardings=(self.state_shardings, self.deployer.replicated),
-                       donate_argnums=0, compiler_options=compiler_options())
+                       donate_argnums=0)
 
     def _place_state(self, params, opt_state, apply_fn, step) -> tuple[TrainState, TrainState]:
         params_shardings = self.deployer.get_params_shardings(params, self.params_sharding_rules)
@@ -386,8 +386,7 @@ class Trainer(compat.TrainerV04):
             self._scanned_updates = jax.jit(
                 scan_updates(self._step(), self.deployer.mesh, self.accumulate_grad_batches),
                 in_shardings=(self.state_shardings, replicated, replicated),
-                out_shardings=(self.state_shardings, replicated), donate_argnums=0,
-                compiler_options=compiler_options())
+                out_shardings=(self.state_shardings, replicated), donate_argnums=0)
         data = place_replicated(examples, self.collate_fn, replicated)
         self.state, metrics = self._scanned_updates(self.state, data, place_replicated(
             orders, np.stack, replicated))
@@ -501,8 +500,10 @@ class Trainer(compat.TrainerV04):
                            per_device_batch_size: int) -> jax.stages.Compiled:
         """``lower_train_step(...)`` compiled ahead of time and not run. Ask it what a device
         holds (``.memory_analysis()``) and computes (``.cost_analysis()``) before a long run;
-        the later run compiles its own copy."""
-        return self.lower_train_step(examples, per_device_batch_size).compile()
+        the later run compiles its own copy. It compiles as the planner measures
+        (``redco.train_step.compiler_options``: on CPU, each all-reduce apart, as on a GPU)."""
+        lowered = self.lower_train_step(examples, per_device_batch_size)
+        return lowered.compile(compiler_options=compiler_options())
 
     def eval_loss(self, examples: Sequence, per_device_batch_size: int,
                   desc: str | None = None) -> float:
