@@ -37,6 +37,8 @@ import time
 from typing import Any, Protocol
 
 from redco.data import check_number
+from redco.epoch_loop import stop_on_signal
+from redco.step_reports import timed
 
 
 class LoopState(Protocol):
@@ -66,17 +68,17 @@ class RunContext:
         self.every_steps, self.resume, self.save_at_end = save_every_n_steps, resume, save_at_end
         self.every_s = None if save_every_minutes is None else 60 * save_every_minutes
         self.resumed_from: str | None = None
-        self._watched = trainer._watched()
+        self._guarded = trainer._guarded()
         self._last_save: tuple[int, float] = (trainer.step, time.monotonic())
 
     def __enter__(self) -> RunContext:
         trainer = self.trainer
         trainer.checkpoints.loop = self.loop
-        self._watched.__enter__()
+        self._guarded.__enter__()
         try:
             meta = trainer.checkpoints.start(self.resume, saves=trainer.deployer.workdir is not None)
         except BaseException as error:
-            self._watched.__exit__(type(error), error, error.__traceback__)
+            self._guarded.__exit__(type(error), error, error.__traceback__)
             raise
         if meta is not None:
             self.resumed_from = meta["path"]
@@ -89,19 +91,18 @@ class RunContext:
     def timed(self, phase: str):
         """``with run.timed("rollout"):`` around a part of the loop that is not an update: its
         time goes to ``phase`` in ``goodput.json`` (``redco/observers/goodput.py``)."""
-        return self.trainer._timed(phase)
+        return timed(self.trainer, phase)
 
     def step_done(self) -> None:
         """After a unit of the loop: stop on a signal (saving first), save when due."""
         trainer, step = self.trainer, self.trainer.step
-        if trainer._watch.stop_after(step):
-            trainer._stop_on_signal(0, step, self.keep)
-        if trainer._watchdog is not None:
-            trainer._watchdog.progress(step)
+        if trainer.guard.stop_after(step):
+            stop_on_signal(trainer, 0, step, self.keep)
+        trainer.guard.progress(step)
         if self._due(step) and trainer.deployer.workdir is not None:
             trainer.save_step_ckpt(0, self.keep, background=True)
             self._last_save = (step, time.monotonic())
-        trainer._announce_checkpoints()
+        trainer.checkpoints.announce()
 
     def _due(self, step: int) -> bool:
         last_step, last_time = self._last_save
@@ -117,9 +118,9 @@ class RunContext:
             if error is None and self.save_at_end and trainer.deployer.workdir is not None \
                     and self._last_save[0] != trainer.step:
                 trainer.save_step_ckpt(0, self.keep)
-            trainer._announce_checkpoints(wait=error is None)
+            trainer.checkpoints.announce(wait=error is None)
         finally:
             trainer.checkpoints.loop = None
-            handled = self._watched.__exit__(kind, error, traceback)
+            handled = self._guarded.__exit__(kind, error, traceback)
             trainer.hooks.on_run_end(trainer=trainer)
         return handled

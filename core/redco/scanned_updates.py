@@ -16,6 +16,7 @@ same row whatever else is in the batch (fixed-width padding, as RL data has).
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -23,7 +24,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from redco.data import check_collated
+from redco.data import check_collated, n_full_batches
+from redco.step_reports import report
 
 
 def minibatch_orders(n_examples: int, batch_size: int, epochs: Sequence[int],
@@ -58,3 +60,33 @@ def scan_updates(step: Callable, mesh, n_micro: int) -> Callable:
             return step(state, jax.tree.map(take, data))
         return jax.lax.scan(one, state, orders)
     return updates
+
+
+def train_scanned(trainer: Any, examples: Sequence, per_device_batch_size: int,
+                  epochs: Sequence[int], desc: str = "") -> None:
+    """``Trainer.train_scanned``: every update of ``epochs`` over ``examples`` in one compiled
+    call (module docstring); observers see each update (``on_step_end``) once it returns."""
+    trainer._decide_layout(examples, per_device_batch_size)
+    size = trainer.deployer.get_global_batch_size(per_device_batch_size)
+    size *= trainer.accumulate_grad_batches
+    n_full_batches(examples, size, "train_examples")
+    orders = minibatch_orders(len(examples), size, epochs, trainer.deployer.epoch_permutation)
+    first, replicated = trainer.step, trainer.deployer.replicated
+    trainer.hooks.on_epoch_start(trainer=trainer, epoch=epochs[0], start=0, n_steps=len(orders),
+                                 desc=desc, examples_per_step=orders.shape[1])
+    start = time.perf_counter()
+    compiling = trainer._scanned_updates is None
+    if compiling:
+        trainer._scanned_updates = jax.jit(
+            scan_updates(trainer._step(), trainer.deployer.mesh, trainer.accumulate_grad_batches),
+            in_shardings=(trainer.state_shardings, replicated, replicated),
+            out_shardings=(trainer.state_shardings, replicated), donate_argnums=0)
+    data = place_replicated(examples, trainer.collate_fn, replicated)
+    trainer.state, metrics = trainer._scanned_updates(trainer.state, data, place_replicated(
+        orders, np.stack, replicated))
+    metrics, seconds = jax.device_get(metrics), time.perf_counter() - start
+    for u in range(len(orders)):
+        trainer.hooks.on_time_spent(trainer=trainer, phase="compile" if compiling and u == 0
+                                    else "step", seconds=seconds / len(orders), step=first + u + 1)
+        report(trainer, first + u + 1, {k: v[u] for k, v in metrics.items()})
+    trainer.hooks.on_epoch_end(trainer=trainer, epoch=epochs[-1])

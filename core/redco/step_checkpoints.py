@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from redco import checkpointing
+from redco.step_reports import timed
 
 
 class StepCheckpoints:
@@ -129,6 +130,19 @@ class StepCheckpoints:
                                f"{type(error).__name__}: {error}. The checkpoints before it are "
                                "kept.") from error
         return done
+
+    def announce(self, wait: bool = False) -> None:
+        """``on_checkpoint_saved`` for each step checkpoint written since the last call (with
+        ``wait``: once the write in flight is done, the hang watch paused meanwhile)."""
+        trainer = self.trainer
+        if wait:
+            with trainer.hang_watch_paused(), timed(trainer, "checkpoint"):
+                self.join()
+        finished = self.finished()
+        if finished:
+            with trainer.hang_watch_paused():  # a callback may upload it, say
+                for path, step in finished:
+                    trainer.hooks.on_checkpoint_saved(trainer=trainer, path=path, step=step)
 
     def join(self) -> None:
         """Wait for the write in flight to end (its error kept for ``finished``)."""

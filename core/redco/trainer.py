@@ -2,48 +2,36 @@
 from __future__ import annotations
 
 import contextlib
-import time
-import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from redco import checkpointing, compat, compile_cache, preemption, watchdog
+from redco import compat, epoch_loop, scanned_updates, state_placement
 from redco import remat as redco_remat
 from redco.data import by_name, check_array_leaves, check_collated, check_number, n_full_batches
-from redco.data_order import EpochBatches, Stream, as_stream
 from redco.deployer import Deployer
 from redco.evaluation import Evaluation
-from redco.fit_plan import FitOptions, FitPlan, plan_fit
+from redco.fit_plan import FitOptions, plan_fit
 from redco.predictor import Predictor
 from redco.run_context import LoopState, RunContext
+from redco.run_guard import RunGuard
 from redco.run_hooks import RunHooks
-from redco.scanned_updates import minibatch_orders, place_replicated, scan_updates
-from redco.sharding import Rules, dataflow_trace, opt_state_shardings
+from redco.sharding import Rules, dataflow_trace
 from redco.step_checkpoints import StepCheckpoints
 from redco.step_flops import step_flops as count_step_flops
+from redco.step_reports import timed
 from redco.train_step import (
     TrainState,
     compiler_options,
     input_tokens,
     make_train_step,
-    split,
     step_loss,
     unwrap_multisteps,
 )
 
 LOSS_ARGS = ("rng", "state", "params", "batch", "is_training")
-
-
-def place_copy(tree: Any, shardings: Any) -> Any:
-    """``tree`` placed by ``shardings`` in buffers of its own. The train step donates its state,
-    and ``device_put`` can reuse a caller's device array as a shard (then deleted), so what came
-    in on a device is copied once placed: a shard's worth per device, not a whole array."""
-    placed = jax.device_put(tree, shardings)
-    return jax.tree.map(lambda x, y: jnp.copy(y) if isinstance(x, jax.Array) else y, tree, placed)
 
 
 class Trainer(compat.TrainerV04):
@@ -120,9 +108,8 @@ class Trainer(compat.TrainerV04):
         self.accumulate_grad_batches = accumulate_grad_batches
         self.callbacks = list(callbacks)
         self.hooks = RunHooks(self, self.callbacks)  # its observers, then the process's plugins
-        self._stop_reason = None
-        self._watch: preemption.Watch | None = None  # while fit trains
-        self._watchdog: watchdog.Watchdog | None = None  # while fit trains, if a hang timeout
+        self.stop_reason: str | None = None  # set by request_stop; fit stops on it
+        self.guard: RunGuard | None = None  # while fit (or trainer.run) trains
         self._fitted = False  # a fit ran to its end: a later fit trains its epochs again
         self.checkpoints = StepCheckpoints(self)  # resume and step checkpoints, as fit asks
         self.params_sharding_rules = params_sharding_rules
@@ -141,9 +128,6 @@ class Trainer(compat.TrainerV04):
                              f"{jax.tree.structure(self.trainable)} vs {jax.tree.structure(params)}.")
         if not any(bool(m) for m in jax.tree.leaves(self.trainable)):
             raise ValueError("trainable marks no param as trainable: nothing would train.")
-
-    def _split(self, tree) -> tuple[Any, Any]:
-        return split(tree, self.trainable)
 
     # ---- the layout, decided once; the state, placed once -------------------------------------
     def _decide_layout(self, examples: Sequence, per_device_batch_size: int) -> None:
@@ -164,21 +148,18 @@ class Trainer(compat.TrainerV04):
             return self._loss(params, state, batch, jax.random.PRNGKey(0), True)
         n_layers = redco_remat.layers_traced()
         out = jax.eval_shape(loss, start["params"], batch)
-        if self.remat not in (None, "none") and redco_remat.layers_traced() == n_layers:
-            warnings.warn(f"Trainer(remat={self.remat!r}) rematerialises nothing: loss_fn runs no "
-                          "redco.remat.layer. Wrap each block of the model with it (the zoo's "
-                          "models are); a checkpoint around the whole loss would save no memory.",
-                          stacklevel=3)
-        if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()):
-            shape = out.shape if isinstance(out, jax.ShapeDtypeStruct) else type(out).__name__
-            raise ValueError(f"loss_fn must return a scalar, but returned {shape}. Reduce it, "
-                             "e.g. with jnp.mean(...), before returning.")
+        state_placement.check_traced_loss(out, self.remat, n_layers, redco_remat.layers_traced())
         self.params_sharding_rules = self.deployer.decide_layout(
             start["params"], self.params_sharding_rules, trace_fn=dataflow_trace(loss, batch),
             plan=(loss, batch, self.optimizer, self.remat, self.trainable,
                   self.accumulate_grad_batches))
         self._adopt_planned_remat()
-        self.state, self.state_shardings = self._place_state(**start)
+        self.state_shardings = state_placement.state_shardings(
+            self.deployer, start["params"], self.params_sharding_rules, self.optimizer,
+            self.trainable, start["apply_fn"])
+        self.state = state_placement.initial_state(
+            self.deployer, self.state_shardings, start["params"], start["opt_state"],
+            start["step"], self.optimizer, self.trainable)
         self._start = None
         self._jit_steps()
 
@@ -210,33 +191,6 @@ class Trainer(compat.TrainerV04):
                        out_shardings=(self.state_shardings, self.deployer.replicated),
                        donate_argnums=0)
 
-    def _place_state(self, params, opt_state, apply_fn, step) -> tuple[TrainState, TrainState]:
-        params_shardings = self.deployer.get_params_shardings(params, self.params_sharding_rules)
-        replicated = self.deployer.replicated
-        shardings = TrainState(step=replicated, params=params_shardings, rng=replicated,
-                               opt_state=opt_state_shardings(self.optimizer, self._split(params)[0],
-                                                             self._split(params_shardings)[0],
-                                                             self.deployer.mesh),
-                               apply_fn=apply_fn)
-        state = TrainState(step=self._placed_step(step), params=None, opt_state=None,
-                           rng=jax.device_put(jax.random.PRNGKey(self.deployer.jax_seed), replicated),
-                           apply_fn=apply_fn)
-        return self._with_params(state, shardings, params, opt_state), shardings
-
-    def _placed_step(self, step) -> jax.Array:
-        return jax.device_put(jnp.asarray(step, jnp.int32), self.deployer.replicated)
-
-    def _with_params(self, state: TrainState, shardings: TrainState, params, opt_state):
-        """``state`` holding ``params`` and ``opt_state`` (a fresh ``optimizer.init`` when None)
-        placed by ``shardings``, in buffers of their own."""
-        params = place_copy(params, shardings.params)
-        if opt_state is None:
-            opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(
-                self._split(params)[0])
-        else:
-            opt_state = place_copy(opt_state, shardings.opt_state)
-        return state.replace(params=params, opt_state=opt_state)
-
     def set_train_state(self, params: Any = None, opt_state: Any = None,
                         step: int | None = None, **v04_options) -> None:
         """Replace the params, the optimizer state or the step (e.g. a FedAvg client starting
@@ -261,12 +215,13 @@ class Trainer(compat.TrainerV04):
                 self._start["opt_state"] = opt_state
             return
         if params is not None:
-            self.state = self._with_params(self.state, self.state_shardings, params, opt_state)
+            self.state = state_placement.with_params(self.state, self.state_shardings, params,
+                                                     opt_state, self.optimizer, self.trainable)
         elif opt_state is not None:
             self.state = self.state.replace(
-                opt_state=place_copy(opt_state, self.state_shardings.opt_state))
+                opt_state=state_placement.place_copy(opt_state, self.state_shardings.opt_state))
         if step is not None:
-            self.state = self.state.replace(step=self._placed_step(step))
+            self.state = self.state.replace(step=state_placement.placed_step(self.deployer, step))
 
     def _replace_optimizer_or_model(self, optimizer=None, apply_fn=None) -> None:
         """Take a new optimizer or model (``state.apply_fn``); once the layout is decided, the
@@ -278,9 +233,10 @@ class Trainer(compat.TrainerV04):
                 self._start["apply_fn"] = apply_fn
             return
         if optimizer is not None:
-            self.state_shardings = self.state_shardings.replace(opt_state=opt_state_shardings(
-                optimizer, self._split(self.state.params)[0],
-                self._split(self.state_shardings.params)[0], self.deployer.mesh))
+            self.state_shardings = self.state_shardings.replace(
+                opt_state=state_placement.optimizer_shardings(
+                    self.deployer, optimizer, self.state.params, self.state_shardings.params,
+                    self.trainable))
         if apply_fn is not None:
             self.state = self.state.replace(apply_fn=apply_fn)
             self.state_shardings = self.state_shardings.replace(apply_fn=apply_fn)
@@ -313,7 +269,7 @@ class Trainer(compat.TrainerV04):
     def request_stop(self, reason: str) -> None:
         """Ask ``fit`` to stop after the current epoch (e.g. from ``on_eval_end``; from an
         evaluation every ``eval_every_n_steps`` updates, right after it)."""
-        self._stop_reason = reason
+        self.stop_reason = reason
 
     def train_epoch(self, examples: Sequence | Iterable, per_device_batch_size: int, epoch: int,
                     start_example: int = 0, save_every_n_steps: int | None = None,
@@ -323,47 +279,10 @@ class Trainer(compat.TrainerV04):
         order on (``redco/data_order.py``; a stream: its next examples), at most
         ``max_updates`` of them; ``evaluate_every=(evaluation, n)``: evaluate after every n-th
         update (stop there if asked to). Called outside ``fit``, it returns once the step
-        checkpoints it started are written."""
-        batches = self._epoch_batches(examples, per_device_batch_size, epoch, start_example)
-        n_steps = batches.end(max_updates)
-        first_step = self.step - batches.start  # the step before this epoch's first update
-        self.hooks.on_epoch_start(trainer=self, epoch=epoch, start=batches.start,
-                                  n_steps=n_steps, desc=desc, examples_per_step=batches.size)
-        pending = None  # the last update's (step, metrics): read once the next is dispatched
-        for i, rows in zip(batches.indices(n_steps), batches):
-            step = first_step + i + 1
-            self.hooks.on_train_batch_start(trainer=self, step=step)
-            with self._timed("data", step):
-                batch = self.deployer.make_batch(rows, self.collate_fn,
-                                                 n_micro=self.accumulate_grad_batches)
-            with self._timed("step" if self._first_step_logged else "compile", step), \
-                    jax.profiler.StepTraceAnnotation("train_step", step_num=step):  # (profiles)
-                metrics = self._run_train_step(batch)
-                done = pending and (pending[0], jax.device_get(pending[1]))  # waits for it
-            if done:
-                self._report(*done)
-            pending = (step, metrics)
-            if self._watch is not None and self._watch.stop_after(step):
-                self._report(*self._wait_for(pending))
-                self._stop_on_signal(epoch, step, keep_last_ckpts)
-            evaluating = evaluate_every and step % evaluate_every[1] == 0
-            saving = save_every_n_steps and step % save_every_n_steps == 0 and i + 1 != n_steps
-            if evaluating or saving:
-                self._report(*self._wait_for(pending))
-                pending = None
-            if evaluating:
-                with self.hang_watch_paused(), self._timed("evaluation"):
-                    evaluate_every[0](epoch, mid_epoch=True)
-            if saving:
-                self.save_step_ckpt(epoch, keep_last_ckpts, background=True)
-            self._announce_checkpoints()
-            if evaluating and self._stop_reason:  # asked by on_eval_end
-                break
-        if pending is not None:
-            self._report(*self._wait_for(pending))
-        self.hooks.on_epoch_end(trainer=self, epoch=epoch)
-        if self._watch is None:  # called outside fit: its checkpoints are written when it returns
-            self._announce_checkpoints(wait=True)
+        checkpoints it started are written (``redco/epoch_loop.py``)."""
+        epoch_loop.train_epoch(self, examples, per_device_batch_size, epoch, start_example,
+                               save_every_n_steps, keep_last_ckpts, desc, max_updates,
+                               evaluate_every)
 
     def train_scanned(self, examples: Sequence, per_device_batch_size: int,
                       epochs: Sequence[int], desc: str = "") -> None:
@@ -372,103 +291,7 @@ class Trainer(compat.TrainerV04):
         placed once (``redco/scanned_updates.py``; ``collate_fn`` must pad to a fixed width).
         For many small updates over one RL rollout (PPO, GRPO). Observers see each update
         (``on_step_end``) once the call returns."""
-        self._decide_layout(examples, per_device_batch_size)
-        size = self.deployer.get_global_batch_size(per_device_batch_size)
-        n_full_batches(examples, size * self.accumulate_grad_batches, "train_examples")
-        orders = minibatch_orders(len(examples), size * self.accumulate_grad_batches, epochs,
-                                  self.deployer.epoch_permutation)
-        first, replicated = self.step, self.deployer.replicated
-        self.hooks.on_epoch_start(trainer=self, epoch=epochs[0], start=0, n_steps=len(orders),
-                                  desc=desc, examples_per_step=orders.shape[1])
-        start = time.perf_counter()
-        compiling = self._scanned_updates is None
-        if compiling:
-            self._scanned_updates = jax.jit(
-                scan_updates(self._step(), self.deployer.mesh, self.accumulate_grad_batches),
-                in_shardings=(self.state_shardings, replicated, replicated),
-                out_shardings=(self.state_shardings, replicated), donate_argnums=0)
-        data = place_replicated(examples, self.collate_fn, replicated)
-        self.state, metrics = self._scanned_updates(self.state, data, place_replicated(
-            orders, np.stack, replicated))
-        metrics, seconds = jax.device_get(metrics), time.perf_counter() - start
-        for u in range(len(orders)):
-            self.hooks.on_time_spent(trainer=self, phase="compile" if compiling and u == 0
-                                     else "step", seconds=seconds / len(orders), step=first + u + 1)
-            self._report(first + u + 1, {k: v[u] for k, v in metrics.items()})
-        self.hooks.on_epoch_end(trainer=self, epoch=epochs[-1])
-
-    def _epoch_batches(self, examples: Sequence | Iterable, per_device_batch_size: int,
-                       epoch: int, start_example: int) -> EpochBatches:
-        """``epoch``'s updates from ``start_example`` on (the layout decided at the first), and
-        the position the step checkpoints save."""
-        examples = as_stream(examples)
-        self._decide_layout(examples.peek(per_device_batch_size)
-                            if isinstance(examples, Stream) else examples, per_device_batch_size)
-        batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
-        batch_size *= self.accumulate_grad_batches
-        if not isinstance(examples, Stream):
-            n_full_batches(examples, batch_size, "train_examples")
-        batches = EpochBatches(examples, batch_size,
-                               lambda n: self.deployer.epoch_permutation(n, epoch), start_example)
-        self.checkpoints.batches = (batches, epoch)  # where training stands, saved with them
-        return batches
-
-    def _wait_for(self, pending: tuple[int, dict]) -> tuple[int, dict]:
-        """``(step, metrics)`` once the device has finished that update (a ``step`` phase)."""
-        with self._timed("step", pending[0]):
-            return pending[0], jax.device_get(pending[1])
-
-    @contextlib.contextmanager
-    def _timed(self, phase: str, step: int | None = None):
-        """Time what runs inside; tell the observers (``on_time_spent``)."""
-        start = time.perf_counter()
-        yield
-        self.hooks.on_time_spent(trainer=self, phase=phase, seconds=time.perf_counter() - start,
-                                 step=step)
-
-    def _stop_on_signal(self, epoch: int, step: int, keep_last_ckpts: int) -> None:
-        saved = self.save_step_ckpt(epoch, keep_last_ckpts) if self.deployer.workdir else None
-        error = self._watch.stopped(step, saved)
-        self.deployer.log_info(error.reason)
-        raise error
-
-    def _run_train_step(self, batch) -> dict:
-        """One update; the first one after the step is (re)made is timed and logged: how long
-        tracing and compiling took, and whether the program came from the compile cache."""
-        if self._first_step_logged:
-            self.state, metrics = self._train_step(self.state, batch)
-            return metrics
-        self._batch_shapes = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
-        start, (hits, misses) = time.perf_counter(), compile_cache.counts()
-        self.state, metrics = self._train_step(self.state, batch)
-        seconds, (new_hits, new_misses) = time.perf_counter() - start, compile_cache.counts()
-        where = self.deployer.compile_cache_dir
-        source = ("compile cache off" if where is None else
-                  f"compiled, and kept in the compile cache {where}" if new_misses > misses else
-                  f"loaded from the compile cache {where}" if new_hits > hits else
-                  "already compiled in this process")
-        self.deployer.log_info(f"First train step traced and compiled in {seconds:.2f} s "
-                               f"({source}).")
-        self._first_step_logged = True
-        return metrics
-
-    def _report(self, step: int, metrics: dict) -> None:
-        """Update ``step``'s metrics, on the host: stop on a NaN or inf loss, tell the hang
-        watchdog, add the observers' metrics (throughput) and hand them all to ``on_step_end``."""
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if not all(np.isfinite(metrics.get(k, 0.0)) for k in ("loss", "grad_norm")):
-            self.checkpoints.join()  # a write in flight holds an earlier, good state
-            found = checkpointing.step_ckpts(self.deployer.ckpt_dir)
-            kept = f"the last good checkpoint, {found[-1]}, is kept" if found else "no checkpoint was written"
-            raise FloatingPointError(
-                f"Training stopped at step {step}: loss is {metrics.get('loss')}, grad_norm is "
-                f"{metrics.get('grad_norm')}; {kept}. Lower the learning rate or check the data.")
-        if self._watchdog is not None:
-            self._watchdog.progress(step)
-        for extra in self.hooks.collect_step_metrics(trainer=self, step=step, metrics=metrics):
-            metrics.update(extra or {})
-        self.hooks.on_step_end(trainer=self, step=step, metrics=metrics)
+        scanned_updates.train_scanned(self, examples, per_device_batch_size, epochs, desc)
 
     def step_flops(self) -> float | None:
         """The FLOPs of one update over the whole batch, all devices: the matrix products of
@@ -530,29 +353,16 @@ class Trainer(compat.TrainerV04):
         ``keep_last_ckpts`` of them. With ``background`` (fit's own saves), training goes on
         while it is written (``Deployer(async_checkpoints=)``, ``redco/step_checkpoints.py``):
         it is complete when ``on_checkpoint_saved`` is called for it."""
-        with self.hang_watch_paused():
-            with self._timed("checkpoint"):
-                path = self.checkpoints.save(epoch, keep_last_ckpts, background)
-        self._announce_checkpoints()
+        with self.hang_watch_paused(), timed(self, "checkpoint"):
+            path = self.checkpoints.save(epoch, keep_last_ckpts, background)
+        self.checkpoints.announce()
         return path
-
-    def _announce_checkpoints(self, wait: bool = False) -> None:
-        """``on_checkpoint_saved`` for each step checkpoint written since the last call (with
-        ``wait``: once the write in flight is done, the hang watch paused meanwhile)."""
-        if wait:
-            with self.hang_watch_paused(), self._timed("checkpoint"):
-                self.checkpoints.join()
-        finished = self.checkpoints.finished()
-        if finished:
-            with self.hang_watch_paused():  # a callback may upload it, say
-                for path, step in finished:
-                    self.hooks.on_checkpoint_saved(trainer=self, path=path, step=step)
 
     def hang_watch_paused(self):
         """``with trainer.hang_watch_paused():`` around long work that is not a step (a
         checkpoint, an evaluation; your own in a callback) keeps ``Deployer(hang_timeout_s=)``
         from taking it for a hang."""
-        return self._watchdog.paused() if self._watchdog is not None else contextlib.nullcontext()
+        return self.guard.paused() if self.guard is not None else contextlib.nullcontext()
 
     def fit(self, train_examples: Sequence | Callable | Iterable, per_device_batch_size: int,
             n_epochs: int | None = None, eval_examples: Sequence | None = None,
@@ -583,7 +393,7 @@ class Trainer(compat.TrainerV04):
         profiler trace of those updates (``redco/observers/profiler.py``). Redco 0.4.x's
         keywords are accepted too (``save_ckpt_every_k_epochs``, ...; see ``redco/compat.py``).
         """
-        self._stop_reason = None  # a stop asked in an earlier fit does not end this one
+        self.stop_reason = None  # a stop asked in an earlier fit does not end this one
         options = FitOptions(
             train_examples=train_examples, per_device_batch_size=per_device_batch_size,
             n_epochs=n_epochs, max_steps=max_steps, eval_examples=eval_examples,
@@ -595,68 +405,22 @@ class Trainer(compat.TrainerV04):
             eval_sanity_check=eval_sanity_check, profile_steps=profile_steps,
             eval_every_n_steps=eval_every_n_steps, v04_options=v04_options)
         plan = plan_fit(self, options)
-        with self._watched():
+        with self._guarded():
             self.hooks.on_fit_start(trainer=self, n_epochs=n_epochs, fit_options=plan.fit_options,
                                     steps_per_epoch=plan.steps_per_epoch)
-            self._train_epochs(plan, options)
-            self._announce_checkpoints(wait=True)
+            epoch_loop.train_epochs(self, plan, options)
+            self.checkpoints.announce(wait=True)
             self._fitted = True
             self.hooks.on_fit_end(trainer=self)
 
-    def _train_epochs(self, plan: FitPlan, o: FitOptions) -> None:
-        """``fit``'s epochs, from where it resumed, until ``n_epochs``, ``max_steps`` or a stop."""
-        evaluate_every = o.eval_every_n_steps and (plan.evaluate, o.eval_every_n_steps)
-        last = None if o.max_steps is None else plan.done + o.max_steps  # the last update's step
-        for epoch in plan.epochs(o.n_epochs):
-            if last is not None and self.step >= last:
-                break
-            examples = plan.examples_of(epoch)
-            start = plan.start_example(epoch, examples)
-            if start is None:  # ended before the checkpoint this run resumed from
-                continue
-            self.train_epoch(examples, o.per_device_batch_size, epoch, start_example=start,
-                             save_every_n_steps=o.save_every_n_steps,
-                             keep_last_ckpts=o.keep_last_ckpts,
-                             desc=plan.describe(epoch, o.n_epochs),
-                             max_updates=None if last is None else last - self.step,
-                             evaluate_every=evaluate_every)
-            self._end_epoch(epoch, plan.evaluate, plan.save_ckpt, o.keep_last_ckpts, plan.v04)
-            if self._stop_reason:
-                self.deployer.log_info(f"Stopping early: {self._stop_reason}")
-                break
-
-    def _end_epoch(self, epoch: int, evaluate: Evaluation | None, save_ckpt: bool,
-                   keep_last_ckpts: int, v04: compat.FitOptionsV04) -> None:
-        """After an epoch's updates, with the hang watch paused: evaluate (and keep the best
-        checkpoints), save the step checkpoint if asked, and Redco 0.4's per-epoch options."""
-        with self.hang_watch_paused():
-            if evaluate is not None and evaluate.last_step != self.step:  # (not just done)
-                with self._timed("evaluation"):
-                    evaluate(epoch)
-            if save_ckpt:
-                self.save_step_ckpt(epoch, keep_last_ckpts, background=True)
-            v04.epoch_end(self, epoch)
-
     @contextlib.contextmanager
-    def _watched(self):
-        """While training: SIGTERM/SIGINT caught (save and stop), the hang watchdog running; a
-        lost process named in the error; a step checkpoint in flight written before it ends."""
-        try:
-            self._watch = preemption.Watch()  # SIGTERM, SIGINT: save a checkpoint and stop
-            if self.deployer.hang_timeout_s:  # no step for that long: exit naming the stuck one
-                self._watchdog = watchdog.Watchdog(self.deployer.hang_timeout_s)
-            yield
-        except jax.errors.JaxRuntimeError as e:
-            if jax.process_count() > 1:
-                raise self.deployer.lost_process_error(e) from e
-            raise
-        finally:
-            self.checkpoints.join()  # a write in flight completes whatever ended training
-            self._watch.restore()
-            self._watch = None
-            if self._watchdog is not None:
-                self._watchdog.stop()
-                self._watchdog = None
+    def _guarded(self):
+        """While training: ``self.guard`` stands watch (``redco/run_guard.py``)."""
+        with RunGuard(self) as self.guard:
+            try:
+                yield
+            finally:
+                self.guard = None
 
     def run(self, loop: LoopState | None = None, **options) -> RunContext:
         """``with trainer.run(loop=...) as run:``, then ``run.step_done()`` after each unit of

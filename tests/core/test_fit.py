@@ -218,8 +218,8 @@ def test_the_papers_rules_call_ends_in_the_dataflow_plan_placed_once(workdir, mo
         return {"x": batch["x"], "y": np.repeat(batch["y"], 2, axis=1)}
 
     placed = []
-    place_copy = redco.trainer.place_copy
-    monkeypatch.setattr(redco.trainer, "place_copy",
+    place_copy = redco.state_placement.place_copy
+    monkeypatch.setattr(redco.state_placement, "place_copy",
                         lambda tree, shardings: placed.append(1) or place_copy(tree, shardings))
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
     column, row = P(None, "mp"), P("mp", None)
