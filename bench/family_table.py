@@ -16,9 +16,9 @@ failed. On one device only ``auto`` is tried (every rule set shards nothing ther
 Two things make it affordable, neither changing a pick:
 
 * A layout whose params and AdamW state alone (per device, from its shardings) exceed the
-  usable memory is not compiled: the compiled peak counts them among its arguments, so it
-  cannot fit. A cell whose state does not fit even sharded over every device is "does not
-  fit" without any compile.
+  usable memory is not compiled (the planner's own rule, ``redco_planner.measure``): the
+  compiled peak counts them among its arguments, so it cannot fit. A cell whose state does
+  not fit even sharded over every device is "does not fit" without any compile.
 * Each compile is kept (``--cache``, a JSON file), so 8 x 80 GB and 8 x 16 GB share the layouts
   both walk through, and an interrupted run resumes where it stopped.
 
@@ -35,12 +35,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -104,26 +102,6 @@ def total_state_bytes(params, trainable) -> int:
     return sum(sizes) + 2 * sum(b for b, t in zip(sizes, mask) if t)
 
 
-def state_bytes(params, trainable, n_devices: int, mp: int, rules: str, trace_fn) -> int:
-    """Per device: the params (as the layout shards them) and AdamW's two moments of the
-    trained ones, sharded like them (``redco.sharding.opt_state_shardings``)."""
-    import jax
-    import numpy as np
-
-    from redco.sharding import shardings_from_specs, specs_from_rules
-    from redco_planner.measure import layout_rules, make_mesh
-    mesh = make_mesh(n_devices, mp)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        specs = specs_from_rules(params, layout_rules(params, mesh, rules, trace_fn), mesh)
-    leaves = jax.tree.leaves(params)
-    shardings = jax.tree.leaves(shardings_from_specs(specs, mesh))
-    mask = [True] * len(leaves) if trainable is None else jax.tree.leaves(trainable)
-    sizes = [math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-             for x, s in zip(leaves, shardings)]
-    return sum(sizes) + 2 * sum(b for b, t in zip(sizes, mask) if t)
-
-
 class Worker:
     """Walks one model's cells, measuring what the cache lacks, saving after every compile."""
 
@@ -171,12 +149,15 @@ class Worker:
     def entry(self, cand: tuple, limit: int, ctx: dict) -> dict:
         """The cached entry of ``cand``; its state computed, and its step compiled if that
         state is within ``limit``, where the cache lacks them."""
+        from redco_planner.measure import measure
         from redco_planner.planner import try_layout
         k = key(self.name, ctx["lever"], ctx["n"], cand)
         found = self.load().get(k)
         if found is None:
-            found = {"floor": state_bytes(ctx["params"], ctx["trainable"], ctx["n"], cand[0],
-                                          cand[1], ctx["trace_fn"])}
+            found = {"floor": measure(  # skip_above=0: the state's bytes, nothing compiled
+                ctx["params"], ctx["loss"], self.batch, ctx["n"], cand[0], cand[1],
+                ctx["optimizer"], ctx["trace_fn"], trainable=ctx["trainable"],
+                skip_above=0).state_bytes}
             self.save(k, found)
         if "peak" in found or found["floor"] > limit:
             return found

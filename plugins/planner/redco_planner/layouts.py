@@ -38,6 +38,8 @@ class TriedLayout:
     alias_bytes: int = 0
     temp_bytes: int = 0
     params_bytes: int = 0  # per device, from the shardings alone
+    state_bytes: int = 0  # params and optimizer state per device, from the shardings alone
+    over_budget: int | None = None  # not compiled: state_bytes alone is over these usable bytes
     compile_s: float = 0.0
     fits: bool = False
     error: str | None = None  # could not be measured: the exception, type and message
@@ -63,6 +65,10 @@ class TriedLayout:
             name += f" lora r={self.lora_rank}"
         if self.error:
             return f"{name} could not be measured: {self.error}"
+        if self.over_budget is not None:
+            return (f"{name} does not fit: its params and optimizer state alone are "
+                    f"{human_bytes(self.state_bytes)} per device, over the "
+                    f"{human_bytes(self.over_budget)} usable (not compiled)")
         if self.out_of_memory:
             return f"{name} does not fit: XLA ran out of memory compiling it ({self.out_of_memory})"
         flops = "" if self.flops is None else f", {self.flops:.3g} FLOPs"
@@ -113,6 +119,17 @@ def nothing_fits(tried: list[TriedLayout], n_devices: int, device_memory_bytes: 
                  headroom: float) -> PlanError:
     """The error when no layout fits: the smallest peak found, or why none compiled."""
     measured = [t for t in tried if t.peak_bytes is not None]
+    over = [t for t in tried if t.over_budget is not None]
+    if over and not measured:
+        least = min(over, key=lambda t: t.state_bytes)
+        return PlanError(
+            f"No layout fits {human_bytes(device_memory_bytes)} per device on {n_devices} "
+            f"devices, less the {headroom:.0%} headroom (at most "
+            f"{human_bytes(usable_bytes(device_memory_bytes, headroom))} per device): even the "
+            f"params and optimizer state alone need at least {human_bytes(least.state_bytes)} "
+            f"({least.state_bytes} bytes, n_model_shards={least.n_model_shards}, "
+            f"sharding_rules={least.sharding_rules!r}), before activations. Use more devices or "
+            "more memory per device, LoRA (--lora-rank), or a smaller model.", tried)
     if not measured:
         return PlanError(f"No layout was found for {n_devices} devices: "
                          + "; ".join(t.describe() for t in tried), tried)

@@ -1,7 +1,12 @@
 """Measure one layout: compile ``Trainer``'s own train step ahead of time on abstract shapes,
 sharded as that layout shards it, and read the per-device memory (arguments + outputs - donated
 aliases + temporaries, from XLA's ``memory_analysis()``) and FLOPs (``cost_analysis()``) off
-the compiled executable. Nothing is allocated."""
+the compiled executable. Nothing is allocated.
+
+A layout whose state alone (params and optimizer state, per device, from the shardings) is over
+``skip_above`` bytes is not compiled: the peak counts the arguments, so it cannot be lower. The
+planner passes its usable bytes, which spares it the longest compiles (every layout that
+replicates a model too big for one device)."""
 from __future__ import annotations
 
 import math
@@ -87,7 +92,7 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
             rules: Rules | None = None, remat: str = "none",
             trainable: Any = None, accumulate_grad_batches: int = 1,
             n_context_shards: int = 1, context_strategy: str = "all_gather",
-            compute_dtype: Any = None) -> TriedLayout:
+            compute_dtype: Any = None, skip_above: int | None = None) -> TriedLayout:
     """Compile one train step ahead of time on abstract shapes; read its per-device memory and
     FLOPs.
 
@@ -99,6 +104,8 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
     (``redco.train_step.make_train_step``), over ``accumulate_grad_batches`` micro-batches,
     with the sequence split over ``n_context_shards`` devices as ``Trainer`` splits it, and
     the params cast to ``compute_dtype`` (e.g. ``jnp.bfloat16``) as ``Trainer`` casts them.
+    With ``skip_above``, a layout whose params and optimizer state alone are over that many
+    bytes per device is returned uncompiled (``layout.over_budget`` says why).
     """
     optimizer = as_optimizer(optimizer)
     layout = TriedLayout(sharding_rules, n_model_shards, n_devices,
@@ -111,33 +118,47 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
                         layout_rules(params_abstract, mesh, sharding_rules, trace_fn))
         specs = specs_from_rules(params_abstract, layout.rules, mesh)
     params_shardings = shardings_from_specs(specs, mesh)
-    layout.params_bytes = sum(
-        math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-        for x, s in zip(jax.tree.leaves(params_abstract), jax.tree.leaves(params_shardings)))
+    layout.params_bytes = per_device_bytes(params_abstract, params_shardings)
+    state, state_shardings = abstract_state(params_abstract, params_shardings, optimizer,
+                                            trainable, mesh)
+    layout.state_bytes = per_device_bytes(state, state_shardings)
+    if skip_above is not None and layout.state_bytes > skip_above:
+        layout.over_budget = skip_above
+        return layout
     step = make_train_step(step_loss(lambda rng, state, params, batch, is_training: loss(params, batch),
                                      params_shardings, compute_dtype, mesh=mesh,
                                      context_strategy=context_strategy),
                            optimizer, trainable, accumulate_grad_batches)
     start = time.perf_counter()
     with redco_remat.policy(remat):
-        compiled = compile_step(step, params_abstract, params_shardings, batch, optimizer,
-                                trainable, mesh)
+        compiled = compile_step(step, state, state_shardings, batch, mesh)
     layout.compile_s = time.perf_counter() - start
     read_memory(layout, compiled)
     return layout
 
 
-def compile_step(step: Callable, params_abstract, params_shardings, batch, optimizer,
-                 trainable, mesh):
-    """``step`` compiled on abstract shapes as ``Trainer`` runs it: the state (params and the
-    optimizer state of the ``trainable`` part) sharded by ``params_shardings`` and donated, the
-    micro-batches split over ``dp``."""
+def abstract_state(params_abstract, params_shardings, optimizer, trainable, mesh):
+    """The abstract ``TrainState`` ``Trainer`` keeps (params, and the optimizer state of the
+    ``trainable`` part) and its shardings: the optimizer state sharded like its params."""
     replicated = NamedSharding(mesh, P())
     trained = split(params_abstract, trainable)[0]
     state = train_state(params_abstract, jax.eval_shape(optimizer.init, trained))
     state_shardings = train_state(params_shardings, opt_state_shardings(
         optimizer, trained, split(params_shardings, trainable)[0], mesh)).replace(
             step=replicated, rng=replicated)
+    return state, state_shardings
+
+
+def per_device_bytes(tree, shardings) -> int:
+    """The bytes one device holds of ``tree`` (abstract leaves) sharded by ``shardings``."""
+    return sum(math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+               for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+
+
+def compile_step(step: Callable, state, state_shardings, batch, mesh):
+    """``step`` compiled on abstract shapes as ``Trainer`` runs it: the state sharded by
+    ``state_shardings`` and donated, the micro-batches split over ``dp``."""
+    replicated = NamedSharding(mesh, P())
     batch_shardings = jax.tree.map(lambda x: NamedSharding(mesh, P(None, "dp")), batch)
     return jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                    out_shardings=(state_shardings, replicated), donate_argnums=0,

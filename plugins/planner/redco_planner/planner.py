@@ -112,7 +112,9 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
       optimizer: an optax optimizer or factory (``optax.adamw``); its state is counted.
       rule_sets: rule-set names tried at every ``n_model_shards``, in order.
       trace_fn: for the ``auto`` rules' dataflow; by default the loss on the batch shapes.
-      try_all: compile every layout instead of stopping at the first that fits.
+      try_all: compile every layout instead of stopping at the first that fits. Without it, a
+        layout whose params and optimizer state alone are over the usable memory is reported
+        as not fitting without being compiled (its peak can only be higher).
       log: called with a line per layout as it is measured (e.g. ``print``).
       headroom: the fraction of ``device_memory_bytes`` left free: a layout fits when its
         peak is at most ``usable_bytes(device_memory_bytes, headroom)``. The default,
@@ -199,7 +201,8 @@ class Search:
                 continue
             try:
                 layout = try_layout(params, loss, mp=mp, cp=cp, name=name, policy=policy,
-                                    trace_fn=trace_fn, trainable=trainable, **self.settings)
+                                    trace_fn=trace_fn, trainable=trainable,
+                                    compile_all=self.try_all, **self.settings)
             except SplitNotAsked:
                 self.splits_sequence = False
                 self.log("n_context_shards > 1 not tried: the model's attention cannot run over "
@@ -217,16 +220,20 @@ class Search:
 
 def try_layout(params, loss, batch, n_devices, mp, name, optimizer, trace_fn, policy,
                trainable, usable, accumulate_grad_batches: int = 1, cp: int = 1,
-               context_strategy: str = "all_gather", compute_dtype: Any = None) -> TriedLayout:
-    """``measure``, with ``fits`` set. A layout XLA runs out of memory compiling does not fit;
-    one that fails for any other reason could not be measured, and keeps the exception."""
+               context_strategy: str = "all_gather", compute_dtype: Any = None,
+               compile_all: bool = False) -> TriedLayout:
+    """``measure``, with ``fits`` set. A layout whose params and optimizer state alone exceed
+    ``usable`` does not fit and is not compiled (unless ``compile_all``); one XLA runs out of
+    memory compiling does not fit; one that fails for any other reason could not be measured,
+    and keeps the exception."""
     try:
         layout = measure(params, loss, batch, n_devices, mp, name, optimizer, trace_fn,
                          remat=policy, trainable=trainable,
                          accumulate_grad_batches=accumulate_grad_batches,
                          n_context_shards=cp, context_strategy=context_strategy,
-                         compute_dtype=compute_dtype)
-        layout.fits = layout.peak_bytes <= usable
+                         compute_dtype=compute_dtype,
+                         skip_above=None if compile_all else usable)
+        layout.fits = layout.over_budget is None and layout.peak_bytes <= usable
     except SplitNotAsked:
         raise  # the model, not this layout: the caller stops trying context parallelism
     except Exception as e:  # noqa: BLE001 - reported with the layout, type and message

@@ -48,10 +48,39 @@ def test_measured_peak_counts_params_grads_and_adam_state(tiny):
 def test_nothing_fits_names_the_smallest_peak(tiny):
     with pytest.raises(PlanError, match="smallest per-device peak found is") as info:
         plan(tiny.params, tiny.loss_fn, tiny.batch(1), n_devices=8, device_memory_bytes=1000,
-             rule_sets=("auto+fsdp",))
+             rule_sets=("auto+fsdp",), try_all=True)  # every layout compiled
     smallest = min(t.peak_bytes for t in info.value.tried)
     assert len(info.value.tried) == 4  # mp = 1, 2, 4, 8
     assert f"({smallest} bytes" in str(info.value)
+
+
+def test_a_layout_whose_state_alone_is_over_budget_is_not_compiled_and_could_not_fit(tiny):
+    batch, settings = tiny.batch(1), dict(n_devices=8, rule_sets=("auto",))
+    every = plan(tiny.params, tiny.loss_fn, batch, device_memory_bytes=2 ** 40, try_all=True,
+                 **settings).tried  # compiled, each one
+    replicated = every[0]
+    assert (replicated.n_model_shards, replicated.over_budget) == (1, None)
+    budget = int(replicated.state_bytes / (1 - HEADROOM)) - 64  # mp=1 auto's state is over
+    result = plan(tiny.params, tiny.loss_fn, batch, device_memory_bytes=budget, **settings)
+    skipped = [t for t in result.tried if t.over_budget is not None]
+    assert skipped and skipped[0].n_model_shards == 1, [t.describe() for t in result.tried]
+    assert all(t.compile_s == 0 and t.peak_bytes is None and not t.fits for t in skipped)
+    assert "params and optimizer state alone are" in skipped[0].describe()
+    # the bound is sound: compiled, each skipped layout peaks at least its state, over budget
+    for t in skipped:
+        compiled = next(c for c in every if c.n_model_shards == t.n_model_shards)
+        assert compiled.state_bytes == t.state_bytes <= compiled.argument_bytes
+        assert compiled.peak_bytes > usable_bytes(budget), t.describe()
+    fitting = [c for c in every if c.peak_bytes <= usable_bytes(budget)]
+    assert (result.n_model_shards, result.peak_bytes) == (fitting[0].n_model_shards,
+                                                          fitting[0].peak_bytes)
+
+
+def test_a_model_too_big_for_any_layout_says_so_without_compiling(tiny):
+    with pytest.raises(PlanError, match="params and optimizer state alone need at least") as info:
+        plan(tiny.params, tiny.loss_fn, tiny.batch(1), n_devices=8, device_memory_bytes=1000,
+             rule_sets=("auto+fsdp",))
+    assert len(info.value.tried) == 4 and all(t.compile_s == 0 for t in info.value.tried)
 
 
 def test_trace_fn_instead_of_a_loss(tiny):
@@ -87,7 +116,7 @@ def test_plan_cli_reports_each_layout_and_the_pick(capsys):
     out = capsys.readouterr().out
     assert "mp=1   dp=8   auto       peak" in out and "fits" in out
     assert "pick: n_model_shards=1, n_context_shards=1, sharding_rules='auto'" in out
-    with pytest.raises(SystemExit, match="smallest per-device peak found is"):
+    with pytest.raises(SystemExit, match="params and optimizer state alone need at least"):
         main(["plan", "--model", "llama-tiny", "--devices", "8", "--device-memory", "1KB",
               "--seq-len", "16", "--rules", "auto+fsdp"])
 
