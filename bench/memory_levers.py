@@ -39,6 +39,19 @@ def first_fit(tried: list, memory: int):
                  and t.peak_bytes <= usable_bytes(memory)), None)
 
 
+def compile_skipped(layout, params, loss, batch, trainable, memory: int):
+    """``layout``, compiled if ``plan`` skipped it for its state alone at the smallest memory
+    and that state is within ``memory``'s usable bytes (it may fit there)."""
+    from redco.sharding import dataflow_trace
+    from redco_planner.layouts import usable_bytes
+    from redco_planner.measure import measure
+    if layout.over_budget is None or layout.state_bytes > usable_bytes(memory):
+        return layout
+    return measure(params, loss, batch, layout.n_devices, layout.n_model_shards,
+                   layout.sharding_rules, trace_fn=dataflow_trace(loss, batch),
+                   remat=layout.remat, trainable=trainable)
+
+
 def lever_model(model, use_lora: bool, rank: int):
     """``(params, loss, trainable mask)`` of ``model`` with or without its native LoRA layers."""
     from redco import lora
@@ -60,6 +73,7 @@ def plan_levers(model, batch, n_devices: int, memories: list[int], rank: int) ->
                          trainable=trainable, log=lambda line: print("   ", line, flush=True)).tried
         except PlanError as e:
             tried = e.tried
+        tried = [compile_skipped(t, params, loss, batch, trainable, max(memories)) for t in tried]
         seconds = time.perf_counter() - start
         for memory in memories:
             rows.append((lever, memory, first_fit(tried, memory), seconds))
