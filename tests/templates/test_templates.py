@@ -2,7 +2,8 @@
 becomes a named project through ``redco new`` and that project's own tests pass out of the box,
 run as a user would run them: the project README's block ``install-and-test`` (``pip install -e
 ".[test]"``, ``pytest``, and whatever else it lists), verbatim in the new directory, with this
-environment's ``pip`` and ``pytest``. Each zoo pipeline has a template of the same name."""
+environment's ``pip`` and ``pytest`` (seq2seq's steps run in tests/install instead, in a fresh venv
+from the wheels). Each zoo pipeline has a template of the same name."""
 import os
 import subprocess
 import sys
@@ -17,6 +18,9 @@ from redco.plugins import registry
 
 TEMPLATES = registry("templates")
 NEEDS_INSTALL = {"plugin"}  # found through its entry point: tests/install installs and runs it
+# tests/install runs this project's block install-and-test verbatim in a fresh venv made from
+# the wheels (README.md's install lines), so here only what `redco new` writes is checked
+RUN_BY_INSTALL = {"seq2seq"}
 
 
 def test_every_zoo_pipeline_has_a_template():
@@ -32,6 +36,8 @@ def test_new_project_passes_its_own_tests(name, tmp_path, capsys):
     assert {"README.md", "main.py", "pyproject.toml", "tests"} <= set(os.listdir(dest))
     assert f'name = "my_{name}"' in (dest / "pyproject.toml").read_text()
     assert not [p for p in dest.rglob("*") if p.is_file() and "{{" in p.read_text()]
+    if name in RUN_BY_INSTALL:
+        return
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the tests set their own
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]])  # pip, pytest
     steps = block("install-and-test", str(dest / "README.md"))
