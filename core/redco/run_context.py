@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 from redco.data import check_number
 from redco.epoch_loop import stop_on_signal
+from redco.run_guard import RunGuard
 from redco.step_reports import timed
 
 
@@ -68,17 +69,17 @@ class RunContext:
         self.every_steps, self.resume, self.save_at_end = save_every_n_steps, resume, save_at_end
         self.every_s = None if save_every_minutes is None else 60 * save_every_minutes
         self.resumed_from: str | None = None
-        self._guarded = trainer._guarded()
+        self._guard = RunGuard(trainer)
         self._last_save: tuple[int, float] = (trainer.step, time.monotonic())
 
     def __enter__(self) -> RunContext:
         trainer = self.trainer
         trainer.checkpoints.loop = self.loop
-        self._guarded.__enter__()
+        self._guard.__enter__()
         try:
             meta = trainer.checkpoints.start(self.resume, saves=trainer.deployer.workdir is not None)
         except BaseException as error:
-            self._guarded.__exit__(type(error), error, error.__traceback__)
+            self._guard.__exit__(type(error), error, error.__traceback__)
             raise
         if meta is not None:
             self.resumed_from = meta["path"]
@@ -121,6 +122,6 @@ class RunContext:
             trainer.checkpoints.announce(wait=error is None)
         finally:
             trainer.checkpoints.loop = None
-            handled = self._guarded.__exit__(kind, error, traceback)
+            handled = self._guard.__exit__(kind, error, traceback)
             trainer.hooks.on_run_end(trainer=trainer)
         return handled

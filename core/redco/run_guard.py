@@ -1,6 +1,7 @@
 """``RunGuard``: what stands watch while a trainer trains, in ``fit`` and in ``trainer.run``.
 
-Entered when training starts and left when it ends, it
+Entered when training starts and left when it ends (``with RunGuard(trainer):``, which sets
+``trainer.guard`` meanwhile), it
 
 * catches SIGTERM and SIGINT (``redco/preemption.py``): ``stop_after(step)`` then says to save
   and stop after that update;
@@ -30,9 +31,11 @@ class RunGuard:
         timeout = self.trainer.deployer.hang_timeout_s
         if timeout:  # no update for that long: exit naming the stuck process
             self.watchdog = watchdog.Watchdog(timeout)
+        self.trainer.guard = self  # read by the loop while training
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
+        self.trainer.guard = None  # training has ended, whatever ended it
         try:
             if isinstance(error, jax.errors.JaxRuntimeError) and jax.process_count() > 1:
                 raise self.trainer.deployer.lost_process_error(error) from error

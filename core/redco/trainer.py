@@ -109,7 +109,7 @@ class Trainer(compat.TrainerV04):
         self.callbacks = list(callbacks)
         self.hooks = RunHooks(self, self.callbacks)  # its observers, then the process's plugins
         self.stop_reason: str | None = None  # set by request_stop; fit stops on it
-        self.guard: RunGuard | None = None  # while fit (or trainer.run) trains
+        self.guard: RunGuard | None = None  # set by RunGuard while fit (or trainer.run) trains
         self._fitted = False  # a fit ran to its end: a later fit trains its epochs again
         self.checkpoints = StepCheckpoints(self)  # resume and step checkpoints, as fit asks
         self.params_sharding_rules = params_sharding_rules
@@ -405,22 +405,13 @@ class Trainer(compat.TrainerV04):
             eval_sanity_check=eval_sanity_check, profile_steps=profile_steps,
             eval_every_n_steps=eval_every_n_steps, v04_options=v04_options)
         plan = plan_fit(self, options)
-        with self._guarded():
+        with RunGuard(self):
             self.hooks.on_fit_start(trainer=self, n_epochs=n_epochs, fit_options=plan.fit_options,
                                     steps_per_epoch=plan.steps_per_epoch)
             epoch_loop.train_epochs(self, plan, options)
             self.checkpoints.announce(wait=True)
             self._fitted = True
             self.hooks.on_fit_end(trainer=self)
-
-    @contextlib.contextmanager
-    def _guarded(self):
-        """While training: ``self.guard`` stands watch (``redco/run_guard.py``)."""
-        with RunGuard(self) as self.guard:
-            try:
-                yield
-            finally:
-                self.guard = None
 
     def run(self, loop: LoopState | None = None, **options) -> RunContext:
         """``with trainer.run(loop=...) as run:``, then ``run.step_done()`` after each unit of
