@@ -219,8 +219,9 @@ def run_grpo(root, workdir, n_devices: int, n_model_shards: int, per_device: int
 
 def test_a_rollouts_samples_count_their_completion_up_to_its_first_eos(warmed_up, tmp_path):
     """Real rollouts of the warmed-up model (answers of ~2 tokens in 6 new tokens): each sample
-    counts its completion up to and including its first EOS and nothing after, and the logged
-    completion length is what the samples count."""
+    counts its completion up to and including its first EOS and nothing after, the logged
+    completion length is what the samples count, and the clip fraction reuses the scorer's
+    compiled program."""
     import optax
 
     from redco import Deployer, Trainer
@@ -248,6 +249,10 @@ def test_a_rollouts_samples_count_their_completion_up_to_its_first_eos(warmed_up
         ended_early += end < len(tokens)
     assert ended_early >= len(samples) // 2, ended_early  # so padding was there to count
     assert metrics["completion_tokens"] == np.mean([s["completion_mask"].sum() for s in samples])
+    # without a reference, the clip fraction's pass is the scoring program, compiled once
+    assert grpo.rescorer is grpo.scorer
+    assert grpo.clip_fraction(samples) == 0.0  # no update yet: every ratio exactly 1
+    assert grpo.scorer._pred_step._cache_size() == 1
 
 
 def test_grpo_sharded_dp_x_mp_samples_and_trains_as_one_device(warmed_up, tmp_path):

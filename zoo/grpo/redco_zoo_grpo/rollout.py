@@ -12,7 +12,8 @@
 5. trains ``n_updates`` (mu) epochs of minibatches over those samples, all in one compiled call
    (``Trainer.train_scanned``);
 6. scores the same samples once more with the updated policy (one forward pass, ``score_fn``
-   without the reference) for ``rollout/clip_fraction``: the share of counted completion tokens
+   without the reference: without a reference model, the very program of step 4, not compiled
+   again) for ``rollout/clip_fraction``: the share of counted completion tokens
    whose ratio to ``old_logps`` lies outside ``[1 - clip_low, 1 + clip_high]``
    (``loss.clip_fraction``). Measured after the round's updates: 0 means they left every
    token's ratio inside the range, a large share that they moved the policy past it.
@@ -83,6 +84,9 @@ def score_fn(rng, params, batch, apply_fn, temperature: float, reference: str | 
     return out
 
 
+SCORED = ("old_logps", "ref_logps")  # what score_fn adds to a sample
+
+
 def completion_mask(tokens: np.ndarray, eos_id: int) -> np.ndarray:
     """(M, N) True on each completion's tokens up to and including its first EOS."""
     return np.cumsum(tokens == eos_id, 1) - (tokens == eos_id) == 0
@@ -120,7 +124,10 @@ class GRPO:
         self.reference = None if not config.beta else "adapters off" if lora else "copy"
         score = partial(score_fn, apply_fn=split_model(model)[0], temperature=config.temperature)
         self.scorer = trainer.get_default_predictor(partial(score, reference=self.reference))
-        self.rescorer = trainer.get_default_predictor(partial(score, reference=None))
+        # the clip fraction's pass scores the policy alone: without a reference that is the
+        # scorer's own program, compiled once for both
+        self.rescorer = self.scorer if self.reference is None else \
+            trainer.get_default_predictor(partial(score, reference=None))
         self.ref_params = None
         self.round, self.eval_rewards = 0, []  # rounds done; greedy rewards so far
         self.shown: list[dict] = []  # the last round's first completions (write_samples)
@@ -176,8 +183,9 @@ class GRPO:
         """The share of ``samples``' counted tokens whose ratio under the params as they are now
         lies outside the clip range (``loss.clip_fraction``): one forward pass."""
         params = {"policy": self.trainer.params, "reference": None}
+        scored = [{k: v for k, v in s.items() if k not in SCORED} for s in samples]  # as scored
         new = np.stack([out["old_logps"] for out in  # score_fn's name: the params' as they are
-                        self.rescorer.predict(samples, self.batch_size, params, desc="rescore")])
+                        self.rescorer.predict(scored, self.batch_size, params, desc="rescore")])
         old, mask = (np.stack([s[key] for s in samples]) for key in ("old_logps", "completion_mask"))
         return clip_fraction(new, old, mask, self.config.clip_low, self.config.clip_high)
 
