@@ -13,7 +13,7 @@ stop, evaluating and saving after each as its plan says (``fit_plan.py``).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import jax
 
@@ -22,8 +22,12 @@ from redco.data_order import EpochBatches, Stream, as_stream
 from redco.evaluation import Evaluation
 from redco.step_reports import report, run_update, timed
 
+if TYPE_CHECKING:  # annotations only (trainer.py imports this module)
+    from redco.fit_plan import FitOptions, FitPlan
+    from redco.trainer import Trainer
 
-def train_epochs(trainer: Any, plan: Any, o: Any) -> None:
+
+def train_epochs(trainer: Trainer, plan: FitPlan, o: FitOptions) -> None:
     """``fit``'s epochs (``plan``: its ``FitPlan``; ``o``: its ``FitOptions``), from where it
     resumed, until ``n_epochs``, ``max_steps`` or a stop."""
     evaluate_every = o.eval_every_n_steps and (plan.evaluate, o.eval_every_n_steps)
@@ -46,7 +50,7 @@ def train_epochs(trainer: Any, plan: Any, o: Any) -> None:
             break
 
 
-def end_epoch(trainer: Any, epoch: int, plan: Any, keep_last_ckpts: int) -> None:
+def end_epoch(trainer: Trainer, epoch: int, plan: FitPlan, keep_last_ckpts: int) -> None:
     """After an epoch's updates, with the hang watch paused: evaluate (and keep the best
     checkpoints), save the step checkpoint if asked, and Redco 0.4's per-epoch options."""
     with trainer.hang_watch_paused():
@@ -58,7 +62,7 @@ def end_epoch(trainer: Any, epoch: int, plan: Any, keep_last_ckpts: int) -> None
         plan.v04.epoch_end(trainer, epoch)
 
 
-def train_epoch(trainer: Any, examples: Sequence | Iterable, per_device_batch_size: int,
+def train_epoch(trainer: Trainer, examples: Sequence | Iterable, per_device_batch_size: int,
                 epoch: int, start_example: int = 0, save_every_n_steps: int | None = None,
                 keep_last_ckpts: int = 1, desc: str = "", max_updates: int | None = None,
                 evaluate_every: tuple[Evaluation, int] | None = None) -> None:
@@ -95,7 +99,7 @@ def train_epoch(trainer: Any, examples: Sequence | Iterable, per_device_batch_si
         trainer.checkpoints.announce(wait=True)
 
 
-def update(trainer: Any, rows: list, step: int, pending: tuple | None) -> tuple[int, Any]:
+def update(trainer: Trainer, rows: list, step: int, pending: tuple | None) -> tuple[int, dict]:
     """Update ``step`` on ``rows`` dispatched, then the previous update's (``pending``)
     metrics read back and reported; returns ``(step, metrics)`` of this one, not yet read."""
     trainer.hooks.on_train_batch_start(trainer=trainer, step=step)
@@ -111,7 +115,7 @@ def update(trainer: Any, rows: list, step: int, pending: tuple | None) -> tuple[
     return step, metrics
 
 
-def epoch_batches(trainer: Any, examples: Sequence | Iterable, per_device_batch_size: int,
+def epoch_batches(trainer: Trainer, examples: Sequence | Iterable, per_device_batch_size: int,
                   epoch: int, start_example: int) -> EpochBatches:
     """``epoch``'s updates from ``start_example`` on (the layout decided at the first), and
     the position the step checkpoints save."""
@@ -128,13 +132,13 @@ def epoch_batches(trainer: Any, examples: Sequence | Iterable, per_device_batch_
     return batches
 
 
-def wait_for(trainer: Any, pending: tuple[int, dict]) -> tuple[int, dict]:
+def wait_for(trainer: Trainer, pending: tuple[int, dict]) -> tuple[int, dict]:
     """``(step, metrics)`` once the device has finished that update (a ``step`` phase)."""
     with timed(trainer, "step", pending[0]):
         return pending[0], jax.device_get(pending[1])
 
 
-def stop_on_signal(trainer: Any, epoch: int, step: int, keep_last_ckpts: int) -> None:
+def stop_on_signal(trainer: Trainer, epoch: int, step: int, keep_last_ckpts: int) -> None:
     """Save a step checkpoint (where there is a workdir) and raise ``Preempted``."""
     saved = trainer.save_step_ckpt(epoch, keep_last_ckpts) if trainer.deployer.workdir else None
     error = trainer.guard.watch.stopped(step, saved)

@@ -34,12 +34,15 @@ trainer's layout is decided (after a first ``lower_train_step``, ``train_epoch``
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from redco.data import check_number
 from redco.epoch_loop import stop_on_signal
 from redco.run_guard import RunGuard
 from redco.step_reports import timed
+
+if TYPE_CHECKING:  # annotations only (trainer.py imports this module)
+    from redco.trainer import Trainer
 
 
 class LoopState(Protocol):
@@ -53,7 +56,7 @@ class LoopState(Protocol):
 class RunContext:
     """``with trainer.run(...) as run`` (module docstring)."""
 
-    def __init__(self, trainer: Any, loop: LoopState | None = None,
+    def __init__(self, trainer: Trainer, loop: LoopState | None = None,
                  save_every_n_steps: int | None = None, save_every_minutes: float | None = None,
                  keep_last_ckpts: int = 1, resume: bool = True, save_at_end: bool = True):
         check_number("save_every_n_steps", save_every_n_steps, 1, optional=True)

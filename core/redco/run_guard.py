@@ -13,15 +13,18 @@ Entered when training starts and left when it ends (``with RunGuard(trainer):``,
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 
 from redco import preemption, watchdog
 
+if TYPE_CHECKING:  # annotations only (trainer.py imports this module)
+    from redco.trainer import Trainer
+
 
 class RunGuard:
-    def __init__(self, trainer: Any):
+    def __init__(self, trainer: Trainer):
         self.trainer = trainer
         self.watch: preemption.Watch | None = None
         self.watchdog: watchdog.Watchdog | None = None
