@@ -54,7 +54,8 @@ class Deployer(DeployerV04):
         ``safetensors``, ``msgpack`` or a third party's. Loading reads any format.
       async_checkpoints: ``Trainer.fit`` writes step checkpoints in the background, from a host
         copy of the state, while training goes on (one process; ``redco/step_checkpoints.py``).
-        ``False``: training waits for each write.
+        ``False``: training waits for each write. The default for every Trainer on this
+        deployer; ``Trainer(async_checkpoints=)`` overrides it.
       loggers: names of the metric-logger plugins to run (process 0 only): by default
         ``$REDCO_LOGGERS`` (comma-separated), else ``jsonl`` (``redco zoo run`` sets every
         installed logger that needs no setup).
@@ -63,11 +64,13 @@ class Deployer(DeployerV04):
         terminal quiet, and ``workdir/log.txt`` is written all the same.
       compile_cache_dir: where compiled steps are kept across restarts (a resumed or requeued
         run loads them instead of compiling): by default ``$REDCO_COMPILE_CACHE``, else
-        ``<workdir>/compile_cache``; ``False`` (or ``REDCO_COMPILE_CACHE=off``) for none.
+        ``<workdir>/compile_cache``; ``False`` (or ``REDCO_COMPILE_CACHE=off``) for none. It
+        is the Deployer's, not a Trainer's: JAX keeps one compile cache per process.
       hang_timeout_s: ``Trainer.fit`` ends the run (exit status 124) when no train step has
         finished for this many seconds, naming the stuck process and its last step
         (``redco/watchdog.py``): by default ``$REDCO_HANG_TIMEOUT``, else 1800; ``0`` (or
-        ``REDCO_HANG_TIMEOUT=off``): never.
+        ``REDCO_HANG_TIMEOUT=off``): never. The default for every Trainer on this deployer;
+        ``Trainer(hang_timeout_s=)`` overrides it.
       wandb_init_kwargs: Redco 0.4.x's Weights & Biases switch: ``wandb.init(**kwargs)`` on
         process 0 and the ``wandb`` logger (plugin ``redco-wandb``).
 

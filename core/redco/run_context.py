@@ -16,7 +16,7 @@ Entering the run:
   (``loop.load_state_dict(d)`` with what ``loop.state_dict()`` returned when it was saved: a
   JSON-able dict, e.g. the round counter and the position in the prompts); ``run.resumed_from``
   names the checkpoint (None: a fresh start);
-* catches SIGTERM and SIGINT, and starts the hang watchdog (``Deployer(hang_timeout_s=)``).
+* catches SIGTERM and SIGINT, and starts the hang watchdog (``Trainer(hang_timeout_s=)``).
 
 ``run.step_done()``, called after each unit of the loop (an update, a round), then:
 

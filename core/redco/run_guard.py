@@ -5,7 +5,7 @@ Entered when training starts and left when it ends (``with RunGuard(trainer):``,
 
 * catches SIGTERM and SIGINT (``redco/preemption.py``): ``stop_after(step)`` then says to save
   and stop after that update;
-* runs the hang watchdog when ``hang_timeout_s`` is set (``redco/watchdog.py``): ``progress(step)``
+* runs the hang watchdog when ``trainer.hang_timeout_s`` is set (``redco/watchdog.py``): ``progress(step)``
   after each update, ``paused()`` around long work that is not one (a checkpoint, an evaluation);
 * names the lost process when a multi-process run fails in a collective;
 * waits, whatever ended training, for the step checkpoint still being written.
@@ -31,7 +31,7 @@ class RunGuard:
 
     def __enter__(self) -> RunGuard:
         self.watch = preemption.Watch()  # SIGTERM, SIGINT: save a checkpoint and stop
-        timeout = self.trainer.deployer.hang_timeout_s
+        timeout = self.trainer.hang_timeout_s
         if timeout:  # no update for that long: exit naming the stuck process
             self.watchdog = watchdog.Watchdog(timeout)
         self.trainer.guard = self  # read by the loop while training

@@ -11,7 +11,7 @@ resuming with other data or another seed is refused naming what changed, since t
 not see the examples the interrupted one would have (another batch size or number of
 processes is fine: the position is counted in examples).
 
-**Writing in the background** (``Deployer(async_checkpoints=True)``, the default, in a run of
+**Writing in the background** (``Trainer(async_checkpoints=True)``, the default, in a run of
 one process). ``save`` copies the state to host memory, which is all training waits for (the
 next update donates the state's device buffers), and a writer thread writes that copy with the
 checkpoint format, atomically as any checkpoint (``redco/checkpointing.py``): a kill at any
@@ -96,7 +96,7 @@ class StepCheckpoints:
                 "plugins": trainer.hooks.saved_state(trainer, step)}
         if self.loop is not None:
             meta["loop"] = self.loop.state_dict()
-        if not (background and trainer.deployer.async_checkpoints and jax.process_count() == 1):
+        if not (background and trainer.async_checkpoints and jax.process_count() == 1):
             return self._write(step, trainer.ckpt_tree(), meta, keep)
         tree = jax.tree.map(lambda x: np.array(x, copy=True), trainer.ckpt_tree())  # host copy
         self._writer = threading.Thread(target=self._write_in_background,

@@ -6,9 +6,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from redco import compat, epoch_loop, scanned_updates, state_placement
+from redco import compat, epoch_loop, scanned_updates, state_placement, watchdog
 from redco import remat as redco_remat
 from redco.data import by_name, check_array_leaves, check_collated, check_number, n_full_batches
 from redco.deployer import Deployer
@@ -64,6 +65,14 @@ class Trainer(compat.TrainerV04):
         counts for the logged tokens/s; by default every position of ``input_ids`` (and
         ``decoder_input_ids``). E.g. ``lambda b: (b["labels"] != -100).sum()`` counts the
         tokens the loss sees. None: no token count.
+      hang_timeout_s: ``fit`` (and ``trainer.run``) end the run (exit status 124) when no train
+        step has finished for this many seconds, naming the stuck process and its last step
+        (``redco/watchdog.py``); ``0``: never. By default (None) the deployer's
+        (``Deployer(hang_timeout_s=)``: ``$REDCO_HANG_TIMEOUT``, else 1800).
+      async_checkpoints: ``fit`` writes step checkpoints in the background, from a host copy of
+        the state, while training goes on (one process; ``redco/step_checkpoints.py``);
+        ``False``: training waits for each write. By default (None) the deployer's (True unless
+        ``Deployer(async_checkpoints=False)``).
 
     Redco 0.4.x's keywords are accepted too (``last_ckpt_info``, ``train_step_fn``, ...; see
     ``redco/compat.py``).
@@ -79,8 +88,18 @@ class Trainer(compat.TrainerV04):
                  lr_schedule_fn: Callable | None = None, accumulate_grad_batches: int | None = 1,
                  params_sharding_rules: Rules | None = None, callbacks: Sequence[Any] = (),
                  remat: str | None = None, trainable: Any = None,
-                 count_tokens: Callable | None = input_tokens, **v04_options):
+                 count_tokens: Callable | None = input_tokens,
+                 hang_timeout_s: float | None = None, async_checkpoints: bool | None = None,
+                 **v04_options):
         v04 = compat.trainer_options(v04_options)
+        self._overrides = {}  # the deployer's loop settings this trainer overrides
+        if hang_timeout_s is not None:
+            self._overrides["hang_timeout_s"] = watchdog.resolve(hang_timeout_s)
+        if async_checkpoints is not None:
+            if not isinstance(async_checkpoints, (bool, np.bool_)):
+                raise TypeError(f"async_checkpoints={async_checkpoints!r}: use True or False (or "
+                                "None: the deployer's).")
+            self._overrides["async_checkpoints"] = bool(async_checkpoints)
         accumulate_grad_batches = check_number("accumulate_grad_batches",
                                                accumulate_grad_batches or 1, 1)
         self.deployer = deployer
@@ -252,6 +271,18 @@ class Trainer(compat.TrainerV04):
     def step(self) -> int:
         return self._start["step"] if self.state is None else int(self.state.step)
 
+    @property
+    def hang_timeout_s(self) -> float | None:
+        """The hang watchdog's timeout in seconds (None: no watchdog): ``Trainer(hang_timeout_s=)``,
+        else the deployer's."""
+        return self._overrides.get("hang_timeout_s", self.deployer.hang_timeout_s)
+
+    @property
+    def async_checkpoints(self) -> bool:
+        """Whether ``fit`` writes step checkpoints in the background: ``Trainer(async_checkpoints=)``,
+        else the deployer's."""
+        return self._overrides.get("async_checkpoints", self.deployer.async_checkpoints)
+
     # ---- the jitted functions ---------------------------------------------------------------
     def _loss(self, params, state, batch, rng, is_training: bool, per_device: bool = False):
         """``loss_fn`` under the step's remat policy and FSDP gathers (none ``per_device``:
@@ -351,7 +382,7 @@ class Trainer(compat.TrainerV04):
                        background: bool = False) -> str:
         """Checkpoint everything a resume needs as ``ckpts/step_<step>``; keep the newest
         ``keep_last_ckpts`` of them. With ``background`` (fit's own saves), training goes on
-        while it is written (``Deployer(async_checkpoints=)``, ``redco/step_checkpoints.py``):
+        while it is written (``Trainer(async_checkpoints=)``, ``redco/step_checkpoints.py``):
         it is complete when ``on_checkpoint_saved`` is called for it."""
         with self.hang_watch_paused(), timed(self, "checkpoint"):
             path = self.checkpoints.save(epoch, keep_last_ckpts, background)
@@ -360,7 +391,7 @@ class Trainer(compat.TrainerV04):
 
     def hang_watch_paused(self):
         """``with trainer.hang_watch_paused():`` around long work that is not a step (a
-        checkpoint, an evaluation; your own in a callback) keeps ``Deployer(hang_timeout_s=)``
+        checkpoint, an evaluation; your own in a callback) keeps ``Trainer(hang_timeout_s=)``
         from taking it for a hang."""
         return self.guard.paused() if self.guard is not None else contextlib.nullcontext()
 

@@ -1,5 +1,6 @@
 """Ending a run that hangs: when no train step has finished for ``hang_timeout_s`` seconds
-(``Deployer(hang_timeout_s=)``, else ``$REDCO_HANG_TIMEOUT``, else 1800; ``0``/``off``: never),
+(``Trainer(hang_timeout_s=)``, else ``Deployer(hang_timeout_s=)``, else ``$REDCO_HANG_TIMEOUT``,
+else 1800; ``0``/``off``: never),
 the process says which process is stuck and at which step, and exits with status 124 (as
 ``timeout(1)``) instead of waiting forever in a collective whose other side stopped, or on a
 deadlocked data loader.
@@ -53,7 +54,8 @@ KEY = "redco/watchdog/"
 
 
 def resolve(setting: float | None) -> float | None:
-    """The timeout in seconds for ``Deployer(hang_timeout_s=setting)``, or None for none:
+    """The timeout in seconds for ``Deployer(hang_timeout_s=setting)`` (or ``Trainer``'s), or
+    None for none:
     ``setting`` if given, else ``$REDCO_HANG_TIMEOUT``, else ``DEFAULT_S``."""
     if setting is None:
         env = os.environ.get(ENV, str(DEFAULT_S)).strip().lower()
@@ -152,8 +154,8 @@ class Watchdog:
                        f"{jax.process_index()} of {jax.process_count()} (last finished step "
                        f"{self.step}). Stuck: {stuck}. Exiting with status {EXIT_STATUS}; "
                        "find out why it hangs, then run the same command again to resume from "
-                       f"the last step checkpoint (Deployer(hang_timeout_s=) or {ENV} sets the "
-                       "timeout).")
+                       f"the last step checkpoint (Trainer(hang_timeout_s=), Deployer(hang_timeout_s=) "
+                       f"or {ENV} sets the timeout).")
             if jax.process_index() == 0:
                 logging.getLogger("redco").error(message)  # log.txt
             print(message, file=sys.stderr, flush=True)

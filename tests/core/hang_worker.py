@@ -1,6 +1,8 @@
 """One training command for tests/core/test_watchdog.py: ``hang_worker.py WORKDIR MODE``, with
-the hang timeout from ``REDCO_HANG_TIMEOUT`` (as a user sets it). Trains helpers' MLP, one epoch
-of 8 updates (global batch 16 on 8 simulated CPU devices), evaluating at the epoch's end.
+the hang timeout from ``REDCO_HANG_TIMEOUT`` (as a user sets it); ``hang_worker.py WORKDIR MODE
+SECONDS``: from ``Trainer(hang_timeout_s=SECONDS)``, on a ``Deployer(hang_timeout_s=0)`` (off).
+Trains helpers' MLP, one epoch of 8 updates (global batch 16 on 8 simulated CPU devices),
+evaluating at the epoch's end.
 
 * ``hang:N`` - the collate_fn never returns from its call for update N + 1 (a deadlocked data
   loader); just before, it writes the wall time to ``WORKDIR/hung_at``.
@@ -27,6 +29,7 @@ import redco  # noqa: E402
 from redco import Deployer, Trainer  # noqa: E402
 
 workdir, mode = sys.argv[1], sys.argv[2]
+on_trainer = {} if len(sys.argv) < 4 else {"hang_timeout_s": float(sys.argv[3])}
 kind, _, value = mode.partition(":")
 collated = {"n": None}  # collate_fn calls once training started
 
@@ -69,9 +72,10 @@ def loss(rng, state, params, batch, is_training):
     return mlp_loss(rng, state, params, batch, is_training)
 
 
-deployer = Deployer(jax_seed=0, workdir=workdir, verbose=False)
+deployer = Deployer(jax_seed=0, workdir=workdir, verbose=False,
+                    **({"hang_timeout_s": 0} if on_trainer else {}))
 trainer = Trainer(deployer, collate, mlp_apply, loss, mlp_init(), optax.adam(1e-3),
-                  callbacks=[Slow()])
+                  callbacks=[Slow()], **on_trainer)
 examples = mlp_examples(128)
 trainer.fit(examples, per_device_batch_size=2, n_epochs=1, eval_examples=examples[:16],
             save_every_n_steps=3)

@@ -1,7 +1,8 @@
 """A run that stops making progress ends by itself (exit status 124) within twice its hang
 timeout, naming its last finished step; a slow first compile, slow checkpoints and a slow
-evaluation do not count as a hang. Real processes (``hang_worker.py``), no mocks. The
-multi-process case (a SIGSTOPped process named by the other) is in tests/multihost."""
+evaluation do not count as a hang; ``Trainer(hang_timeout_s=)`` overrides the deployer's. Real
+processes (``hang_worker.py``), no mocks. The multi-process case (a SIGSTOPped process named by
+the other) is in tests/multihost."""
 import json
 import os
 import re
@@ -9,19 +10,25 @@ import subprocess
 import sys
 import time
 
+import optax
 import pytest
+from helpers import mlp_apply, mlp_collate, mlp_init, mlp_loss
 
-from redco import Deployer
+from redco import Deployer, Trainer
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hang_worker.py")
 TIMEOUT_S = 3
 
 
-def run_worker(workdir: str, mode: str, timeout_s: float = TIMEOUT_S):
-    """The worker, run to its end: (exit status, output, wall time when it ended)."""
+def run_worker(workdir: str, mode: str, timeout_s: float = TIMEOUT_S, on_trainer: bool = False):
+    """The worker, run to its end: (exit status, output, wall time when it ended). The timeout
+    from ``REDCO_HANG_TIMEOUT``, or ``on_trainer``: from ``Trainer(hang_timeout_s=)`` over a
+    deployer (and environment) that say off."""
     os.makedirs(workdir)
-    env = dict(os.environ, REDCO_HANG_TIMEOUT=str(timeout_s), HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen([sys.executable, WORKER, workdir, mode], env=env, text=True,
+    env = dict(os.environ, REDCO_HANG_TIMEOUT="off" if on_trainer else str(timeout_s),
+               HF_HUB_OFFLINE="1")
+    args = [str(timeout_s)] if on_trainer else []
+    proc = subprocess.Popen([sys.executable, WORKER, workdir, mode, *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         out = proc.communicate(timeout=300)[0]
@@ -35,9 +42,12 @@ def last_logged_step(workdir: str) -> int:
         return max(json.loads(line)["step"] for line in f if line.strip())
 
 
-def test_a_deadlocked_data_loader_ends_the_run_naming_the_last_step(tmp_path):
+@pytest.mark.parametrize("on_trainer", [False, True], ids=["deployer", "trainer-over-off"])
+def test_a_deadlocked_data_loader_ends_the_run_naming_the_last_step(tmp_path, on_trainer):
+    """The timeout from the environment (as the Deployer reads it), or from
+    ``Trainer(hang_timeout_s=)`` over ``Deployer(hang_timeout_s=0)``: the same end."""
     workdir = str(tmp_path / "run")
-    code, out, ended = run_worker(workdir, "hang:5")  # the collate of update 6 never returns
+    code, out, ended = run_worker(workdir, "hang:5", on_trainer=on_trainer)  # update 6's collate
     with open(os.path.join(workdir, "hung_at")) as f:
         hung_at = float(f.read())
     assert code == 124, out[-3000:]
@@ -74,6 +84,37 @@ def test_a_bad_REDCO_HANG_TIMEOUT_is_refused_naming_it(value, tmp_path, monkeypa
     monkeypatch.setenv("REDCO_HANG_TIMEOUT", value)
     with pytest.raises(ValueError, match="REDCO_HANG_TIMEOUT="):
         Deployer(jax_seed=0, workdir=str(tmp_path), verbose=False)
+
+
+def a_trainer(deployer, **options):
+    return Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, mlp_init(), optax.adam(1e-3),
+                   **options)
+
+
+@pytest.mark.parametrize("value", [-1, "5", True, [1]])
+def test_a_bad_hang_timeout_on_a_trainer_is_refused_at_construction_naming_it(value, tmp_path):
+    deployer = Deployer(jax_seed=0, workdir=str(tmp_path), verbose=False)
+    with pytest.raises(ValueError, match=rf"hang_timeout_s={re.escape(repr(value))}: use a number"):
+        a_trainer(deployer, hang_timeout_s=value)
+
+
+@pytest.mark.parametrize("value", [1, "no", 0.0])
+def test_a_bad_async_checkpoints_on_a_trainer_is_refused_at_construction_naming_it(value,
+                                                                                   tmp_path):
+    deployer = Deployer(jax_seed=0, workdir=str(tmp_path), verbose=False)
+    with pytest.raises(TypeError, match=rf"async_checkpoints={re.escape(repr(value))}: use True"):
+        a_trainer(deployer, async_checkpoints=value)
+
+
+def test_a_trainers_loop_settings_override_its_deployers_which_stay_the_default(tmp_path):
+    deployer = Deployer(jax_seed=0, workdir=str(tmp_path), verbose=False, hang_timeout_s=0,
+                        async_checkpoints=False)
+    inherits = a_trainer(deployer)
+    assert (inherits.hang_timeout_s, inherits.async_checkpoints) == (None, False)
+    overrides = a_trainer(deployer, hang_timeout_s=2.5, async_checkpoints=True)
+    assert (overrides.hang_timeout_s, overrides.async_checkpoints) == (2.5, True)
+    deployer = Deployer(jax_seed=0, workdir=str(tmp_path), verbose=False, hang_timeout_s=60)
+    assert a_trainer(deployer, hang_timeout_s=0).hang_timeout_s is None  # 0: off, here too
 
 
 @pytest.mark.parametrize("env, arg, expected", [
