@@ -5,13 +5,12 @@ import contextlib
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
-from redco import compat, epoch_loop, scanned_updates, state_placement, watchdog
+from redco import compat, epoch_loop, scanned_updates, trainer_state, watchdog
 from redco import remat as redco_remat
-from redco.data import by_name, check_array_leaves, check_collated, check_number, n_full_batches
+from redco.data import by_name, check_array_leaves, check_number, n_full_batches
 from redco.deployer import Deployer
 from redco.evaluation import Evaluation
 from redco.fit_plan import FitOptions, plan_fit
@@ -19,7 +18,7 @@ from redco.predictor import Predictor
 from redco.run_context import LoopState, RunContext
 from redco.run_guard import RunGuard
 from redco.run_hooks import RunHooks
-from redco.sharding import Rules, dataflow_trace
+from redco.sharding import Rules
 from redco.step_checkpoints import StepCheckpoints
 from redco.step_flops import step_flops as count_step_flops
 from redco.step_reports import timed
@@ -150,44 +149,9 @@ class Trainer(compat.TrainerV04):
 
     # ---- the layout, decided once; the state, placed once -------------------------------------
     def _decide_layout(self, examples: Sequence, per_device_batch_size: int) -> None:
-        """At the first batch: the deployer fixes the mesh and the final rules (from the loss's
-        dataflow, traced on one device's batch, unless rules were given); then the state is
-        placed, once."""
-        if self.state is not None:
-            return
-        n_full_batches(examples, per_device_batch_size, "train_examples")
-        rows = list(examples[:per_device_batch_size])
-        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                             check_collated(self.collate_fn(rows), len(rows)))
-        start = self._start
-
-        def loss(params, batch):
-            state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=None,
-                               rng=jax.random.PRNGKey(0), apply_fn=start["apply_fn"])
-            return self._loss(params, state, batch, jax.random.PRNGKey(0), True)
-        n_layers = redco_remat.layers_traced()
-        out = jax.eval_shape(loss, start["params"], batch)
-        state_placement.check_traced_loss(out, self.remat, n_layers, redco_remat.layers_traced())
-        self.params_sharding_rules = self.deployer.decide_layout(
-            start["params"], self.params_sharding_rules, trace_fn=dataflow_trace(loss, batch),
-            plan=(loss, batch, self.optimizer, self.remat, self.trainable,
-                  self.accumulate_grad_batches))
-        self._adopt_planned_remat()
-        self.state_shardings = state_placement.state_shardings(
-            self.deployer, start["params"], self.params_sharding_rules, self.optimizer,
-            self.trainable, start["apply_fn"])
-        self.state = state_placement.initial_state(
-            self.deployer, self.state_shardings, start["params"], start["opt_state"],
-            start["step"], self.optimizer, self.trainable)
-        self._start = None
-        self._jit_steps()
-
-    def _adopt_planned_remat(self) -> None:
-        """``Trainer(remat=None)`` under ``n_model_shards="auto"``: take the policy the planner
-        fitted the layout with (before the steps are traced; jit traces at the first call)."""
-        if self.remat is None and self.deployer.layout is not None:
-            self.remat = redco_remat.check(self.deployer.layout.remat)
-            self.deployer.log_info(f"Trainer: remat={self.remat!r}, as planned")
+        """At the first batch: the deployer fixes the mesh and the final rules, then the state
+        is placed, once (``redco/trainer_state.py``)."""
+        trainer_state.decide_layout(self, examples, per_device_batch_size)
 
     def _jit_steps(self) -> None:
         self._train_step = self._jit_train_step()
@@ -214,52 +178,9 @@ class Trainer(compat.TrainerV04):
                         step: int | None = None, **v04_options) -> None:
         """Replace the params, the optimizer state or the step (e.g. a FedAvg client starting
         from the server's params); new ``params`` without ``opt_state`` get a fresh
-        ``optimizer.init``. Before the first batch they become the starting state."""
-        compat.refuse_unknown("set_train_state()", v04_options,  # Redco 0.4.x's keywords
-                              {"apply_fn", "optimizer", "params_sharded", "opt_state_sharded"})
-        apply_fn = self._start["apply_fn"] if self.state is None else self.state.apply_fn
-        optimizer = v04_options.get("optimizer")
-        optimizer = optimizer if optimizer is not self.optimizer else None
-        apply_fn = v04_options.get("apply_fn") if v04_options.get("apply_fn") != apply_fn else None
-        if optimizer is not None or apply_fn is not None:
-            self._replace_optimizer_or_model(optimizer, apply_fn)
-        if optimizer is not None and params is None and opt_state is None:
-            params = self.params  # the new optimizer's state starts fresh
-        if params is not None:
-            params = compat.params_for_optimizer(self.optimizer, params)
-        if self.state is None:
-            new = {"params": params, "step": step} if params is not None else {"step": step}
-            self._start.update({k: v for k, v in new.items() if v is not None})
-            if params is not None or opt_state is not None:
-                self._start["opt_state"] = opt_state
-            return
-        if params is not None:
-            self.state = state_placement.with_params(self.state, self.state_shardings, params,
-                                                     opt_state, self.optimizer, self.trainable)
-        elif opt_state is not None:
-            self.state = self.state.replace(
-                opt_state=state_placement.place_copy(opt_state, self.state_shardings.opt_state))
-        if step is not None:
-            self.state = self.state.replace(step=state_placement.placed_step(self.deployer, step))
-
-    def _replace_optimizer_or_model(self, optimizer=None, apply_fn=None) -> None:
-        """Take a new optimizer or model (``state.apply_fn``); once the layout is decided, the
-        steps are compiled again for them. The caller starts the new optimizer's state."""
-        if optimizer is not None:
-            self.optimizer = optimizer
-        if self.state is None:
-            if apply_fn is not None:
-                self._start["apply_fn"] = apply_fn
-            return
-        if optimizer is not None:
-            self.state_shardings = self.state_shardings.replace(
-                opt_state=state_placement.optimizer_shardings(
-                    self.deployer, optimizer, self.state.params, self.state_shardings.params,
-                    self.trainable))
-        if apply_fn is not None:
-            self.state = self.state.replace(apply_fn=apply_fn)
-            self.state_shardings = self.state_shardings.replace(apply_fn=apply_fn)
-        self._jit_steps()
+        ``optimizer.init``. Before the first batch they become the starting state
+        (``redco/trainer_state.py``)."""
+        trainer_state.set_train_state(self, params, opt_state, step, v04_options)
 
     @property
     def params(self):
