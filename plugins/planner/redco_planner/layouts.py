@@ -117,33 +117,37 @@ class Plan:
 
 def nothing_fits(tried: list[TriedLayout], n_devices: int, device_memory_bytes: int,
                  headroom: float) -> PlanError:
-    """The error when no layout fits: the smallest peak found, or why none compiled."""
+    """The error when no layout fits: the smallest peak found, the smallest state if every
+    layout's state alone was over the budget, or why none compiled."""
     measured = [t for t in tried if t.peak_bytes is not None]
     over = [t for t in tried if t.over_budget is not None]
-    if over and not measured:
-        least = min(over, key=lambda t: t.state_bytes)
-        return PlanError(
-            f"No layout fits {human_bytes(device_memory_bytes)} per device on {n_devices} "
-            f"devices, less the {headroom:.0%} headroom (at most "
-            f"{human_bytes(usable_bytes(device_memory_bytes, headroom))} per device): even the "
-            f"params and optimizer state alone need at least {human_bytes(least.state_bytes)} "
-            f"({least.state_bytes} bytes, n_model_shards={least.n_model_shards}, "
-            f"sharding_rules={least.sharding_rules!r}), before activations. Use more devices or "
-            "more memory per device, LoRA (--lora-rank), or a smaller model.", tried)
-    if not measured:
+    if not measured and not over:
         return PlanError(f"No layout was found for {n_devices} devices: "
                          + "; ".join(t.describe() for t in tried), tried)
-    unmeasured = "; ".join(t.describe() for t in tried if t.error)
     usable = usable_bytes(device_memory_bytes, headroom)
+    budget = (f"No layout fits {human_bytes(device_memory_bytes)} per device on {n_devices} "
+              f"devices, less the {headroom:.0%} headroom (at most {human_bytes(usable)} per "
+              f"device, {usable} bytes): ")
+    if not measured:
+        least = min(over, key=lambda t: t.state_bytes)
+        return PlanError(
+            budget + f"even the params and optimizer state alone need at least "
+            f"{human_bytes(least.state_bytes)} ({where(least, least.state_bytes)}), before "
+            "activations. Use more devices or more memory per device, LoRA (--lora-rank), or a "
+            "smaller model.", tried)
+    unmeasured = "; ".join(t.describe() for t in tried if t.error)
     best = min(measured, key=lambda t: t.peak_bytes)
     return PlanError(
-        f"No layout fits {human_bytes(device_memory_bytes)} per device on {n_devices} "
-        f"devices, less the {headroom:.0%} headroom (at most {human_bytes(usable)} per "
-        f"device, {usable} bytes): the smallest per-device peak found is {human_bytes(best.peak_bytes)} "
-        f"({best.peak_bytes} bytes, n_model_shards={best.n_model_shards}, "
-        f"sharding_rules={best.sharding_rules!r}). Use more devices or more memory per "
-        "device, a smaller batch or sequence, or a smaller model."
+        budget + f"the smallest per-device peak found is {human_bytes(best.peak_bytes)} "
+        f"({where(best, best.peak_bytes)}). Use more devices or more memory per device, a "
+        "smaller batch or sequence, or a smaller model."
         + (f" Not compared, since not measured: {unmeasured}" if unmeasured else ""), tried)
+
+
+def where(layout: TriedLayout, n_bytes: int) -> str:
+    """``123 bytes, n_model_shards=2, sharding_rules='auto'``: a figure and its layout."""
+    return (f"{n_bytes} bytes, n_model_shards={layout.n_model_shards}, "
+            f"sharding_rules={layout.sharding_rules!r}")
 
 
 def split_name(layout: TriedLayout) -> str:
