@@ -6,7 +6,8 @@ read off ``eval_metric_fn`` called once on zeros shaped like ``pred_fn``'s outpu
 traced, not compiled); where ``output_fn`` or the metric cannot take zeros, the sanity check's
 real evaluation checks the names instead. ``evaluation.sanity_check()`` runs it once on one
 batch before training, so a broken ``pred_fn`` or metric fails in seconds;
-``evaluation(epoch)`` runs it on every example, logs it, writes
+``evaluation(epoch)`` runs it on every example (the first ``max_batches`` global batches of them,
+where ``fit(max_eval_batches=)`` bounds it: the cut is said in the log), logs it, writes
 ``eval_results_epoch<i>.json`` (``eval_results_step<n>.json`` for one every
 ``eval_every_n_steps`` updates) and calls ``on_eval_end`` (where the best checkpoints are kept).
 """
@@ -17,6 +18,11 @@ from typing import Any, Callable, Sequence
 
 from redco import compat
 from redco.data import n_full_batches
+
+
+def first_batches(examples: Sequence, batch_size: int, max_batches: int | None) -> Sequence:
+    """The first ``max_batches`` batches of ``batch_size`` of ``examples`` (None: all)."""
+    return examples if max_batches is None else examples[:max_batches * batch_size]
 
 
 def refuse_missing_metrics(metric_names: Sequence[str], names: set[str], found: str) -> None:
@@ -36,17 +42,20 @@ class Evaluation:
     predictor: Any
     metric_fn: Callable | None
     metric_names: list[str]  # those save_arg*_ckpt_by_metrics names
+    max_batches: int | None = None  # fit(max_eval_batches=)
+    cut_said: bool = field(default=False, init=False)
     last_step: int | None = field(default=None, init=False)  # the update last evaluated after
 
     @classmethod
     def plan(cls, trainer, examples, per_device_batch_size: int, eval_loss: bool, predictor,
-             metric_fn, metric_names: list[str], check_names: bool) -> Evaluation | None:
+             metric_fn, metric_names: list[str], check_names: bool,
+             max_batches: int | None = None) -> Evaluation | None:
         """The evaluation, its inputs checked (and with ``check_names`` the metric names);
         None without ``examples``."""
         if examples is None:
             return None
         evaluation = cls(trainer, examples, per_device_batch_size, eval_loss, predictor,
-                         metric_fn, metric_names)
+                         metric_fn, metric_names, max_batches)
         n_full_batches(len(examples), 1, "eval_examples")
         if check_names:
             evaluation.check_names()
@@ -67,6 +76,18 @@ class Evaluation:
             except Exception:  # zeros are not predictions this metric_fn can score
                 return
         refuse_missing_metrics(self.metric_names, names, "before compiling, from pred_fn traced")
+
+    def evaluated_examples(self) -> Sequence:
+        """The examples each evaluation runs on: with ``max_batches``, the first that many
+        global batches (the layout's, decided by now); a cut is said in the log, once."""
+        size = self.trainer.deployer.get_global_batch_size(self.per_device_batch_size)
+        kept = first_batches(self.examples, size, self.max_batches)
+        if len(kept) < len(self.examples) and not self.cut_said:
+            self.trainer.deployer.log_info(
+                f"Evaluating on the first {len(kept):,} of {len(self.examples):,} eval examples: "
+                f"{self.max_batches} batches of {size} (max_eval_batches; None evaluates all).")
+            self.cut_said = True
+        return kept
 
     def sanity_check(self) -> None:
         """The evaluation once, on one batch, before training."""
@@ -95,7 +116,7 @@ class Evaluation:
         ``epoch``): logged, written, handed to ``on_eval_end``."""
         trainer = self.trainer
         when = f"step {trainer.step}" if mid_epoch else f"epoch {epoch + 1}"
-        metrics = self.run(self.examples, trainer.state.params, f"predict {when}")
+        metrics = self.run(self.evaluated_examples(), trainer.state.params, f"predict {when}")
         trainer.deployer.log_info(f"{when} eval: " +
                                   ", ".join(f"{k} = {v:.5g}" for k, v in metrics.items()))
         trainer.deployer.log_metrics({f"eval/{k}": v for k, v in metrics.items()}, trainer.step)

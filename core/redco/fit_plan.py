@@ -62,11 +62,12 @@ class FitPlan:
 
 def check_fit_numbers(n_epochs, max_steps, keep_last_ckpts, save_every_n_steps,
                       eval_per_device_batch_size, per_device_batch_size,
-                      eval_every_n_steps) -> None:
+                      eval_every_n_steps, max_eval_batches=None) -> None:
     """``fit``'s counts: each a positive int (those that may be left out: or None)."""
     check_number("n_epochs", n_epochs, 1, optional=True)
     check_number("max_steps", max_steps, 1, optional=True)
     check_number("eval_every_n_steps", eval_every_n_steps, 1, optional=True)
+    check_number("max_eval_batches", max_eval_batches, 1, optional=True)
     check_number("keep_last_ckpts", keep_last_ckpts, 1)
     check_number("save_every_n_steps", save_every_n_steps, 1, optional=True)
     check_number("eval_per_device_batch_size", eval_per_device_batch_size, 1, optional=True)
@@ -115,6 +116,7 @@ class FitOptions:
     eval_sanity_check: bool = True
     profile_steps: tuple[int, int] | None = None
     eval_every_n_steps: int | None = None
+    max_eval_batches: int | None = None
     v04_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -123,7 +125,8 @@ def plan_fit(trainer, o: FitOptions) -> FitPlan:
     ``trainer`` (a ``Trainer``)."""
     started, v04 = time.perf_counter(), compat.FitOptionsV04(**o.v04_options)
     check_fit_numbers(o.n_epochs, o.max_steps, o.keep_last_ckpts, o.save_every_n_steps,
-                      o.eval_per_device_batch_size, o.per_device_batch_size, o.eval_every_n_steps)
+                      o.eval_per_device_batch_size, o.per_device_batch_size, o.eval_every_n_steps,
+                      o.max_eval_batches)
     if o.eval_every_n_steps and o.eval_examples is None:
         raise UsageError(f"eval_every_n_steps={o.eval_every_n_steps} but no eval_examples: pass "
                          "the examples to evaluate on.")
@@ -139,7 +142,7 @@ def plan_fit(trainer, o: FitOptions) -> FitPlan:
         trainer, o.eval_examples, o.eval_per_device_batch_size or o.per_device_batch_size, o.eval_loss,
         o.eval_predictor, o.eval_metric_fn,
         [*(o.save_argmin_ckpt_by_metrics or ()), *(o.save_argmax_ckpt_by_metrics or ())],
-        check_names=o.eval_sanity_check)
+        check_names=o.eval_sanity_check, max_batches=o.max_eval_batches)
     examples_per_step, steps_per_epoch = plan_steps(trainer, train_examples, first_examples,
                                                     o.per_device_batch_size, o.n_epochs, o.max_steps)
     window = profile_window(o.profile_steps, done + 1,

@@ -13,6 +13,7 @@ from redco import sequence_split
 from redco.compat import PredictorV04, refuse_unknown
 from redco.data import by_name, check_batch_leading, check_collated, n_full_batches
 from redco.deployer import Deployer
+from redco.in_flight import read_in_order
 from redco.sharding import Rules, is_rule_set
 
 PRED_ARGS = ("rng", "params", "batch")
@@ -68,17 +69,20 @@ class Predictor(PredictorV04):
         params = self._place(params)
         batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
         n_batches = -(-len(examples) // batch_size)
-        padded = list(examples) + [examples[-1]] * (n_batches * batch_size - len(examples))
+        last = len(examples) - 1  # the last batch is padded with the last example
         rng = jax.random.PRNGKey(self.deployer.jax_seed + 1)
+
+        def dispatched():
+            for i in tqdm.trange(n_batches, desc=desc or "predict",
+                                 disable=not self.deployer.show_progress,
+                                 dynamic_ncols=True, leave=False):
+                rows = [examples[min(j, last)] for j in range(i * batch_size, (i + 1) * batch_size)]
+                batch = self.deployer.make_batch(rows, self.collate_fn)
+                yield self._pred_step(jax.random.fold_in(rng, i), params, batch)
         outputs = []
-        for i in tqdm.trange(n_batches, desc=desc or "predict",
-                             disable=not self.deployer.show_progress,
-                             dynamic_ncols=True, leave=False):
-            batch = self.deployer.make_batch(padded[i * batch_size:(i + 1) * batch_size],
-                                             self.collate_fn)
-            preds = self._pred_step(jax.random.fold_in(rng, i), params, batch)
-            preds = multihost_utils.process_allgather(preds, tiled=True)
-            if i == 0 and self.output_fn is None:
+        for preds in read_in_order(dispatched(), lambda preds: multihost_utils.process_allgather(
+                preds, tiled=True)):  # the next batch runs while this one is read back
+            if not outputs and self.output_fn is None:
                 check_batch_leading(preds, batch_size, "pred_fn output")
             outputs.extend(self.per_example(preds, batch_size))
         return outputs[:len(examples)]

@@ -12,8 +12,9 @@ from redco import compat, epoch_loop, scanned_updates, trainer_state, watchdog
 from redco import remat as redco_remat
 from redco.data import by_name, check_array_leaves, check_number, n_full_batches
 from redco.deployer import Deployer
-from redco.evaluation import Evaluation
+from redco.evaluation import Evaluation, first_batches
 from redco.fit_plan import FitOptions, plan_fit
+from redco.in_flight import read_in_order
 from redco.predictor import Predictor
 from redco.run_context import LoopState, RunContext
 from redco.run_guard import RunGuard
@@ -281,17 +282,22 @@ class Trainer(compat.TrainerV04):
         return lowered.compile(compiler_options=compiler_options())
 
     def eval_loss(self, examples: Sequence, per_device_batch_size: int,
-                  desc: str | None = None) -> float:
-        """Mean loss over every example; the last partial batch counts by its size."""
+                  desc: str | None = None, max_batches: int | None = None) -> float:
+        """Mean loss over the examples (over the first ``max_batches`` global batches of them,
+        where given); the last partial batch counts by its size. A few steps at most are in
+        flight at a time (``redco/in_flight.py``)."""
         n_full_batches(len(examples), 1, "eval_examples")
         self._decide_layout(examples, min(per_device_batch_size, len(examples)))
         batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
-        losses = []
-        for begin in range(0, len(examples), batch_size):
-            chunk = list(examples[begin:begin + batch_size])
-            batch = self.deployer.make_batch(chunk, self.collate_fn)
-            losses.append((self._eval_step(self.state, batch), len(chunk)))
-        return sum(float(loss) * n for loss, n in losses) / len(examples)
+        examples = first_batches(examples, batch_size, max_batches)
+
+        def dispatched():
+            for begin in range(0, len(examples), batch_size):
+                chunk = list(examples[begin:begin + batch_size])
+                batch = self.deployer.make_batch(chunk, self.collate_fn)
+                yield self._eval_step(self.state, batch), len(chunk)
+        summed = sum(read_in_order(dispatched(), lambda loss_n: float(loss_n[0]) * loss_n[1]))
+        return summed / len(examples)
 
     def ckpt_tree(self) -> dict:
         """What a step checkpoint holds of the state (params, optimizer state, rng), as placed
@@ -325,9 +331,12 @@ class Trainer(compat.TrainerV04):
             save_every_n_steps: int | None = None, keep_last_ckpts: int = 1,
             resume: bool = True, eval_sanity_check: bool = True,
             profile_steps: tuple[int, int] | None = None, max_steps: int | None = None,
-            eval_every_n_steps: int | None = None, **v04_options) -> None:
+            eval_every_n_steps: int | None = None, max_eval_batches: int | None = None,
+            **v04_options) -> None:
         """Train for ``n_epochs`` (or ``max_steps`` updates, whichever ends first), evaluating
-        after each epoch (and every ``eval_every_n_steps`` updates) and checkpointing as asked.
+        after each epoch (and every ``eval_every_n_steps`` updates; on the first
+        ``max_eval_batches`` global batches of ``eval_examples``, where given) and
+        checkpointing as asked.
 
         ``train_examples`` is any random-access sequence (a corpus on disk read row by row; each
         process reads only its rows), a function of the epoch index (``epoch_idx``) returning
@@ -355,7 +364,8 @@ class Trainer(compat.TrainerV04):
             save_argmax_ckpt_by_metrics=save_argmax_ckpt_by_metrics,
             save_every_n_steps=save_every_n_steps, keep_last_ckpts=keep_last_ckpts, resume=resume,
             eval_sanity_check=eval_sanity_check, profile_steps=profile_steps,
-            eval_every_n_steps=eval_every_n_steps, v04_options=v04_options)
+            eval_every_n_steps=eval_every_n_steps, max_eval_batches=max_eval_batches,
+            v04_options=v04_options)
         plan = plan_fit(self, options)
         with RunGuard(self):
             self.hooks.on_fit_start(trainer=self, n_epochs=n_epochs, fit_options=plan.fit_options,

@@ -186,6 +186,32 @@ def test_redco_zoo_run_lm_trains_on_a_token_file(tmp_path, capsys):
     assert "--eos_id: give the id that ends each document" in capsys.readouterr().err
 
 
+def test_a_large_eval_file_is_evaluated_on_its_first_eval_steps_batches_said_in_the_log(
+        tmp_path, capsys):
+    """``--eval`` of 50 batches, ``--eval_steps 3``: 3 batches of 8 rows each evaluation, and
+    the log says so (issue 43: an eval file of 525 batches aborted the run)."""
+    from redco_zoo_models import save_pretrained
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    save_pretrained(LlamaForCausalLM(config, nnx.Rngs(0)), str(tmp_path / "config"))
+    os.remove(tmp_path / "config" / "model.safetensors")  # a config.json alone
+    train = write_token_file(str(tmp_path / "train.bin"), documents(40, 4, 60, vocab=64), EOS)
+    evaluate = write_token_file(str(tmp_path / "eval.bin"), documents(700, 4, 60, vocab=64, seed=1),
+                                EOS)
+    n_eval = len(PackedRows(TokenFile(evaluate, EOS), 31))
+    assert n_eval > 50 * 8
+    run = ["zoo", "run", "lm", "--model", str(tmp_path / "config"), "--from_scratch", "--train",
+           train, "--eval", evaluate, "--eos_id", str(EOS), "--max_steps", "1",
+           "--per_device_batch_size", "1", "--block_size", "31"]
+    main(run + ["--eval_steps", "3", "--workdir", str(tmp_path / "run")])
+    log = open(tmp_path / "run" / "log.txt").read()
+    assert f"Evaluating on the first 24 of {n_eval:,} eval examples: 3 batches of 8" in log
+    assert "eval perplexity" in log
+    with pytest.raises(SystemExit):
+        main(run + ["--eval_steps", "-1", "--workdir", str(tmp_path / "other")])
+    assert "--eval_steps -1: give the number of batches" in capsys.readouterr().err
+
+
 class Crash(Exception):
     pass
 

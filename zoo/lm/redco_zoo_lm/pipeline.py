@@ -75,7 +75,8 @@ class LMPipeline:
         examples = lm_examples(args, config)
         trainer = runner.train_and_eval(args, model, examples, collate_fn, loss_fn,
                                         tokenizer=args.tokenizer)
-        perplexity = math.exp(trainer.eval_loss(examples[1], args.per_device_batch_size))
+        perplexity = math.exp(trainer.eval_loss(examples[1], args.per_device_batch_size,
+                                                max_batches=runner.eval_batches(args)))
         trainer.deployer.log_info(f"eval perplexity {perplexity:.3f}")
         return perplexity
 

@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train", required=True, help="training data: a .json, .jsonl, .csv or "
                         ".txt file, or a folder of images with metadata.jsonl")
     parser.add_argument("--eval", help="evaluation data (default: 5%% of --train)")
+    parser.add_argument("--eval_steps", type=int, default=100, help="evaluate on at most this "
+                        "many batches, the first of the evaluation data (a cut is said in the "
+                        "log; 0: all of it)")
     parser.add_argument("--workdir", default="./workdir")
     parser.add_argument("--n_model_shards", type=int, default=1)
     parser.add_argument("--per_device_batch_size", type=int, default=8)
@@ -160,10 +163,18 @@ def train_and_eval(args, model: nnx.Module, examples: tuple[list, list], collate
     trainer.fit(train, args.per_device_batch_size, n_epochs, max_steps=args.max_steps,
                 eval_examples=evaluate,
                 eval_predictor=predictor, eval_metric_fn=metric_fn,
-                save_every_n_steps=args.save_every_n_steps,
+                save_every_n_steps=args.save_every_n_steps, max_eval_batches=eval_batches(args),
                 save_argmax_ckpt_by_metrics=[best_metric] if best_metric else None)
     save_trained(trainer, model, args.model, tokenizer)
     return trainer
+
+
+def eval_batches(args) -> int | None:
+    """``--eval_steps`` as ``fit``'s ``max_eval_batches`` (0: None, all of them)."""
+    if args.eval_steps < 0:
+        raise UsageError(f"--eval_steps {args.eval_steps}: give the number of batches to "
+                         "evaluate on, or 0 for all of the evaluation data.")
+    return args.eval_steps or None
 
 
 def split_for_training(model: nnx.Module, args, deployer: Deployer) -> tuple[Callable, Any, Any]:

@@ -79,7 +79,8 @@ class SFTPipeline:
         train, evaluate = (chat_rows(part, tokenizer, args, what) for part, what in
                            zip(parts, ("--train", "--eval (or the last 5% of --train)")))
         trainer = runner.train_and_eval(args, model, (train, evaluate), collate_fn, loss_fn)
-        loss = trainer.eval_loss(evaluate, args.per_device_batch_size)
+        loss = trainer.eval_loss(evaluate, args.per_device_batch_size,
+                                 max_batches=runner.eval_batches(args))
         trainer.deployer.log_info(f"eval loss on the assistant's tokens {loss:.4f}")
         return loss
 
