@@ -27,8 +27,10 @@ WORKDIR/final.npz. With ``--kill POINT`` the process dies at
   (before redco's meta.json and rename), and SIGKILL comes in ``on_step_end`` for update N+1,
   once the write is held: training went on while the write was in flight (a write that blocked
   training would never get there);
-* ``term-held:N`` - the same hold, then SIGTERM in ``on_step_end`` for update N+1, which also
-  releases the write: the stop waits for it, saves ``step_<N+1>`` and exits 143.
+* ``term-held:N`` - the same hold, then SIGTERM in ``on_step_end`` for update N+1; the write
+  stays held until the trainer waits for it (``trainer.checkpoints.join``), so a stop that
+  saves ``step_<N+2>`` without waiting starts that write with ``step_N`` unfinished, which is
+  printed ("began with step_N still being written"); the stop saves and exits 143.
 
 The saves killed through the file-size limit (``create``, ``write``, ``term-save``) are written
 while training waits (``Deployer(async_checkpoints=False)``): the limit is the whole process's,
@@ -114,6 +116,10 @@ class KillingFormat(CheckpointFormat):
             self.holding.set()
             self.release.wait()  # until term-held's SIGTERM; held: until the SIGKILL
             return None
+        if self.holding.is_set() and not self.release.is_set():
+            print(f"kill_worker: the write of {path} began with step_{self.hold_step} still "
+                  "being written", flush=True)
+            self.release.set()
         if not (m and int(m.group(1)) == self.kill_step):
             return self.real.save(path, tree)
         limit = self.limit(os.path.dirname(ckpt))
@@ -152,8 +158,13 @@ class Killer:
                 sys.exit(f"kill_worker: the write of step_{self.n} never reached its hold")
             die(f"at the end of step {step}, the write of step_{self.n} in flight")
         if self.point == "term-held" and step == self.n + 1:
+            checkpoints, join = trainer.checkpoints, trainer.checkpoints.join
+
+            def released_then_joined():  # the trainer waits for the held write: release it
+                self.fmt.release.set()
+                join()
+            checkpoints.join = released_then_joined
             os.kill(os.getpid(), signal.SIGTERM)
-            self.fmt.release.set()
         if self.point in ("term", "int", "int2") and step == self.n:
             signum = signal.SIGTERM if self.point == "term" else signal.SIGINT
             for _ in range(2 if self.point == "int2" else 1):

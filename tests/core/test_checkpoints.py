@@ -186,30 +186,85 @@ def test_a_third_party_format_registers_through_entry_points(tmp_path, monkeypat
         plugins.pm.unregister(name="npz")
 
 
-def test_checkpoints_written_from_two_threads_at_once_all_land(tmp_path):
+def test_one_checkpoint_is_written_at_a_time_and_both_land(tmp_path):
     """A step checkpoint written in the background and a best-by-metric one saved meanwhile on
     the training thread: orbax loses files when two of its saves run at once, so redco writes
-    one checkpoint at a time. Each of 2 x 30 saves lands complete and reads back."""
-    import threading
-    tree = {"params": {"w": np.arange(256 * 256, dtype=np.float32).reshape(256, 256)}}
-    errors = []
+    one checkpoint at a time. While the first save is inside the format, a second is started
+    on another thread: it must not enter the format until the first is done (without the lock
+    it enters at once: red in every run), and both land complete."""
+    real = plugins.lookup("checkpoint_formats", "orbax")
+    inside, second_entered, errors = threading.Event(), threading.Event(), []
+    tree = {"params": {"w": np.arange(64 * 64, dtype=np.float32).reshape(64, 64)}}
 
-    def save_many(prefix):
-        for i in range(30):
-            try:
-                checkpointing.save(str(tmp_path), f"{prefix}_{i}", tree, {"step": i}, "orbax")
-            except Exception as e:  # noqa: BLE001 - collected, then asserted none
-                errors.append(f"{prefix}_{i}: {type(e).__name__}: {e}")
-    threads = [threading.Thread(target=save_many, args=(prefix,)) for prefix in ("step", "best")]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert errors == []
-    for name in sorted(os.listdir(tmp_path)):
-        loaded, meta = checkpointing.load(str(tmp_path / name), tree)
-        np.testing.assert_array_equal(np.asarray(loaded["params"]["w"]), tree["params"]["w"])
-    assert len(os.listdir(tmp_path)) == 60
+    def save(name):
+        try:
+            checkpointing.save(str(tmp_path), name, tree, {"step": 0}, "one-at-a-time")
+        except Exception as e:  # noqa: BLE001 - collected, then asserted none
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+    second = threading.Thread(target=save, args=("best_loss",))
+
+    class StartsASecondSave(CheckpointFormat):
+        def save(self, path, tree):
+            if inside.is_set():  # the second save, in the format
+                second_entered.set()
+            else:
+                inside.set()
+                second.start()
+                assert not second_entered.wait(timeout=1), "two saves ran at once"
+            real.save(path, tree)
+
+        def load(self, path, target):
+            return real.load(path, target)
+
+    plugin = types.SimpleNamespace(register_checkpoint_formats=redco.hookimpl(
+        lambda register: register("one-at-a-time", StartsASecondSave())))
+    plugins.pm.register(plugin, name="one-at-a-time")
+    try:
+        save("step_2")
+        second.join(timeout=120)
+        assert not second.is_alive() and errors == [] and second_entered.is_set()
+        for name in ("step_2", "best_loss"):
+            loaded, meta = checkpointing.load(str(tmp_path / name), tree)
+            np.testing.assert_array_equal(np.asarray(loaded["params"]["w"]), tree["params"]["w"])
+    finally:
+        plugins.pm.unregister(name="one-at-a-time")
+
+
+class Killed(BaseException):
+    """What a SIGKILL leaves on disk, in-process: nothing after the point it is raised runs."""
+
+
+@pytest.mark.parametrize("killed_at", ["writing", "between the renames"])
+def test_a_kill_while_resaving_under_an_existing_name_keeps_the_earlier_one(
+        tmp_path, monkeypatch, killed_at):
+    """``best_loss`` saved again (a better metric): killed while the new one is written, or
+    after the old one was moved aside and before the new one took its name, the next start
+    (``recover``) leaves the earlier ``best_loss`` complete, in its place."""
+    first = {"w": np.full((8, 8), 1.0, np.float32)}
+    checkpointing.save(str(tmp_path), "best_loss", first, {"step": 2}, "orbax")
+    if killed_at == "writing":
+        fmt = type(plugins.lookup("checkpoint_formats", "orbax"))
+        monkeypatch.setattr(fmt, "save", lambda self, path, tree: (_ for _ in ()).throw(Killed()))
+    else:
+        rename = os.rename
+
+        def second_rename_killed(src, dst):
+            if src.endswith(".tmp"):
+                raise Killed()
+            rename(src, dst)
+        monkeypatch.setattr(os, "rename", second_rename_killed)
+    with pytest.raises(Killed):
+        checkpointing.save(str(tmp_path), "best_loss", {"w": np.zeros((8, 8), np.float32)},
+                           {"step": 4}, "orbax")
+    monkeypatch.undo()
+    left = sorted(os.listdir(tmp_path))
+    assert left == (["best_loss", "best_loss.tmp"] if killed_at == "writing"
+                    else ["best_loss.old", "best_loss.tmp"])
+    checkpointing.recover(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["best_loss"]
+    loaded, meta = checkpointing.load(str(tmp_path / "best_loss"), first)
+    assert meta["step"] == 2
+    np.testing.assert_array_equal(np.asarray(loaded["w"]), first["w"])
 
 
 def test_train_epoch_outside_fit_returns_with_its_checkpoints_written(workdir):

@@ -56,9 +56,10 @@ def test_ctrl_c_once_saves_and_stops_twice_stops_at_once(tmp_path):
 def test_a_kill_or_a_sigterm_while_a_background_write_is_in_flight(tmp_path):
     """Step checkpoints are written in the background: training goes on while ``step_6`` is
     written (the worker holds that write until it is killed at update 7); the kill leaves a
-    ``.tmp`` without meta.json, which resume ignores. A SIGTERM with a write
-    in flight waits for it, then saves the step it stopped after. Rerun until done, the run ends
-    as one never interrupted."""
+    ``.tmp`` without meta.json, which resume ignores. A SIGTERM with a write in flight waits
+    for it (held until the trainer waits: a stop that did not wait would start ``step_8``'s
+    write with ``step_6`` unfinished), then saves the step it stopped after. Rerun until done,
+    the run ends as one never interrupted."""
     full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
     uninterrupted = start(full)
 
@@ -72,6 +73,7 @@ def test_a_kill_or_a_sigterm_while_a_background_write_is_in_flight(tmp_path):
     # the stop waits for step_6, then saves the update under way, 8 (the newest 2 kept)
     out = run(killed, "term-held:6")
     assert "holding the write of" in out
+    assert "still being written" not in out, out[-2000:]  # step_6 was complete before step_8
     assert stopped_after(out, killed) == 8
     assert ckpt_names(killed) == ["step_6", "step_8"]
 
