@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import redco
-from redco import Deployer, Trainer
+from redco import Deployer, Trainer, checkpointing
 from redco.cli import main
 from redco.protocols import UsageError
 from redco_zoo_lm import packing
@@ -210,6 +210,35 @@ def test_a_large_eval_file_is_evaluated_on_its_first_eval_steps_batches_said_in_
     with pytest.raises(SystemExit):
         main(run + ["--eval_steps", "-1", "--workdir", str(tmp_path / "other")])
     assert "--eval_steps -1: give the number of batches" in capsys.readouterr().err
+
+
+def test_a_token_file_written_to_under_a_running_job_stops_it_keeping_its_checkpoints(
+        tmp_path):
+    """A document appended to the file after update 3 is reported: the next read refuses the
+    changed file, naming it, and the step checkpoints written before stay complete."""
+    path = write_token_file(str(tmp_path / "c.bin"), documents(200, 4, 40, vocab=32), EOS)
+    rows = PackedRows(TokenFile(path, EOS), 63)
+    config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+    class AppendAfter3:
+        @redco.hookimpl
+        def on_step_end(self, trainer, step, metrics):
+            if step == 3:
+                with open(path, "ab") as f:
+                    np.array([5, 6, EOS], np.uint16).tofile(f)
+    apply_fn, params = split_model(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+    trainer = Trainer(Deployer(jax_seed=0, workdir=str(tmp_path / "run"), verbose=False),
+                      collate_fn, apply_fn, loss_fn, params, optax.adam(3e-3),
+                      callbacks=[AppendAfter3()])
+    with pytest.raises(UsageError, match=r"c\.bin changed while it was being read: it was "
+                                         r"[\d,]+ bytes, it is [\d,]+ bytes now.*Put the file "
+                                         r"back as it was"):
+        trainer.fit(rows, per_device_batch_size=1, n_epochs=2, save_every_n_steps=2)
+    # update 4 had read its rows (and was dispatched) before update 3 was reported: its
+    # checkpoint, of the file as it was, is the newest, complete
+    assert checkpointing.step_ckpts(str(tmp_path / "run" / "ckpts")) == [
+        str(tmp_path / "run" / "ckpts" / "step_4")]
 
 
 class Crash(Exception):

@@ -7,7 +7,9 @@ against the vocabulary); what stays in memory is two integers per document. The 
 is kept beside the file (``<file>.index.npz``) and read back by the next opening while the
 file's size and modification time are unchanged, so a restart does not scan again. A document
 is read when asked for, with ``os.pread``: nothing maps or holds the file, so resident memory
-does not grow with it.
+does not grow with it. Each read first checks that the file was not written to since it was
+indexed (its size and modification time), so a job whose file is changed under it stops with
+a message instead of training on rows that are no longer the ones planned.
 """
 from __future__ import annotations
 
@@ -92,8 +94,23 @@ class TokenFile:
         if self._fd is None:  # opened once, at the first read; closed with this object
             self._fd = os.open(self.path, os.O_RDONLY)
             weakref.finalize(self, os.close, self._fd)
+        if hasattr(self, "key"):  # (the scan's own reads come before the key)
+            self._refuse_a_change()
         data = os.pread(self._fd, count * self.dtype.itemsize, start * self.dtype.itemsize)
         return np.frombuffer(data, self.dtype)
+
+    def _refuse_a_change(self) -> None:
+        """Raise if the file was written to since it was indexed: its documents, and the rows
+        planned from them, would no longer be what was read before (a file replaced by a new
+        one under the same name is not seen: the open one is still read)."""
+        now = os.fstat(self._fd)
+        if (now.st_size, now.st_mtime_ns) != (self.key["size"], self.key["mtime_ns"]):
+            raise UsageError(
+                f"{self.path} changed while it was being read: it was {self.key['size']:,} "
+                f"bytes, it is {now.st_size:,} bytes now, modified since. A job reads the token "
+                "file it started with. Put the file back as it was and run the same command "
+                "to resume from its last checkpoint (kept), or write the new data to another "
+                "file and start a new run.")
 
     def document(self, i: int) -> np.ndarray:
         return self.tokens(int(self.starts[i]), int(self.lengths[i]))
