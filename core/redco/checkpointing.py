@@ -16,6 +16,7 @@ is stored, so a checkpoint restores onto any mesh and any number of processes.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -68,7 +69,35 @@ def save(ckpt_dir: str, name: str, tree: Any, meta: dict, format_name: str) -> s
     """Write ``tree`` with the format ``format_name`` and ``meta`` as ``ckpt_dir/name``
     (replacing it). Called on every process; returns the checkpoint's path."""
     with _ONE_AT_A_TIME:
-        return _save(ckpt_dir, name, tree, meta, format_name)
+        try:
+            return _save(ckpt_dir, name, tree, meta, format_name)
+        except Exception as e:
+            if jax.process_index() == 0:  # the partial write: its space back
+                shutil.rmtree(os.path.join(ckpt_dir, name + ".tmp"), ignore_errors=True)
+            if _no_room(e):
+                raise OSError(
+                    f"No room to write checkpoint {os.path.join(ckpt_dir, name)}: the disk (or a "
+                    f"quota or file-size limit) is full ({e}). The checkpoints already in "
+                    f"{ckpt_dir} are kept and the partial write is removed: free space, or give a "
+                    "workdir on a larger disk, and run the same command again to resume from "
+                    "the newest one.") from e
+            raise
+
+
+# How a full disk, a quota or a file-size limit shows: an OSError's errno, or the words of a
+# format's own writer (orbax's tensorstore: "Failed to write ... File too large").
+NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+NO_ROOM_WORDS = ("No space left on device", "Disk quota exceeded", "File too large")
+
+
+def _no_room(error: BaseException | None) -> bool:
+    """Whether ``error``, or one it was raised from, says there is no room to write."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in NO_ROOM_ERRNOS or \
+                any(words in str(error) for words in NO_ROOM_WORDS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _save(ckpt_dir: str, name: str, tree: Any, meta: dict, format_name: str) -> str:

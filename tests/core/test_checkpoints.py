@@ -267,6 +267,31 @@ def test_a_kill_while_resaving_under_an_existing_name_keeps_the_earlier_one(
     np.testing.assert_array_equal(np.asarray(loaded["w"]), first["w"])
 
 
+def test_a_checkpoint_that_does_not_fit_on_the_disk_says_so_and_keeps_the_earlier_one(tmp_path):
+    """The second save of ``best_loss`` runs out of room part way (the process's file-size
+    limit, RLIMIT_FSIZE, stops orbax's writes as a full disk does: the kernel refuses them):
+    one error naming the checkpoint and what to do, the partial write removed, the earlier
+    ``best_loss`` complete."""
+    import resource
+    rng = np.random.default_rng(0)
+    first = {"w": rng.normal(size=(256, 256)).astype(np.float32)}  # 256 KB, incompressible
+    checkpointing.save(str(tmp_path), "best_loss", first, {"step": 2}, "orbax")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+    try:
+        with pytest.raises(OSError, match=r"No room to write checkpoint .*best_loss: the disk "
+                                          r"\(or a quota or file-size limit\) is full .*The "
+                                          r"checkpoints already in .* are kept"):
+            checkpointing.save(str(tmp_path), "best_loss", {"w": first["w"] + 1}, {"step": 4},
+                               "orbax")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert os.listdir(tmp_path) == ["best_loss"]
+    loaded, meta = checkpointing.load(str(tmp_path / "best_loss"), first)
+    assert meta["step"] == 2
+    np.testing.assert_array_equal(np.asarray(loaded["w"]), first["w"])
+
+
 def test_train_epoch_outside_fit_returns_with_its_checkpoints_written(workdir):
     """A background write that ``train_epoch`` started is complete, and announced through
     ``on_checkpoint_saved``, when it returns. The write is held until the epoch's last update
