@@ -9,7 +9,8 @@ A checkpoint is a directory ``<ckpt_dir>/<name>/`` holding
   metrics).
 
 It is written as ``<name>.tmp``, flushed to disk and renamed into place only once complete, so
-a crash mid-write never leaves a directory that looks finished. Loading checks that the files
+a crash mid-write never leaves a directory that looks finished; a write that runs out of disk
+is removed and said in one error, the earlier checkpoints untouched. Loading checks that the files
 are intact and that the arrays fit the target before reading any of them. Arrays are named by
 their pytree path joined with ``/`` (``params/model/layers/0/mlp/up_proj/kernel``); no layout
 is stored, so a checkpoint restores onto any mesh and any number of processes.
