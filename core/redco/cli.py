@@ -6,12 +6,42 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
+import importlib.metadata
 import json
 import os
+import re
 import sys
 
 from redco import plugins
 from redco.protocols import LaunchError, UsageError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that names the flag a mistyped one was likely meant to be."""
+
+    def error(self, message: str):
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            flags = self.flags()
+            hints = [(typed, close[0]) for typed in unknown.group(1).split()
+                     if typed.startswith("-") and
+                     (close := difflib.get_close_matches(typed.split("=")[0], flags, 1, 0.7))]
+            if len(hints) == 1:
+                message += f" (did you mean {hints[0][1]}?)"
+            elif hints:
+                message += f" (did you mean {', '.join(f'{c} for {t}' for t, c in hints)}?)"
+        super().error(message)
+
+    def flags(self) -> list[str]:
+        """Every flag of this parser and of its subcommands'."""
+        found = []
+        for action in self._actions:
+            found += action.option_strings
+            for sub in getattr(action, "choices", None) or ():
+                if isinstance(action.choices, dict) and isinstance(action.choices[sub], Parser):
+                    found += action.choices[sub].flags()
+        return found
 
 
 def cmd_plugins(args) -> None:
@@ -52,8 +82,7 @@ def cmd_zoo(args) -> None:
     if not args.name:
         raise UsageError("name a pipeline (redco zoo list shows them).")
     pipeline = plugins.lookup("zoo_pipelines", args.name)
-    parser = argparse.ArgumentParser(prog=f"redco zoo run {args.name}",
-                                     description=pipeline.description)
+    parser = Parser(prog=f"redco zoo run {args.name}", description=pipeline.description)
     pipeline.add_arguments(parser)
     everyone = [name for name, logger in plugins.registry("loggers").items()
                 if not getattr(logger, "needs_setup", False)]
@@ -91,7 +120,9 @@ def cmd_new(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="redco", description=__doc__)
+    parser = Parser(prog="redco", description=__doc__)
+    parser.add_argument("--version", action="version",
+                        version=f"redco {importlib.metadata.version('redco')}")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of a usage error (or set REDCO_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -116,10 +147,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         args.run(args)
-    except UsageError as e:  # the user's mistake: one line; internal errors keep their traceback
-        if args.debug or os.environ.get("REDCO_DEBUG"):
+    except ValueError as e:  # bad input (UsageError is one): one line; other errors keep
+        if args.debug or os.environ.get("REDCO_DEBUG"):  # their traceback
             raise
-        print(f"redco {args.command}: {e}", file=sys.stderr)
+        hint = "" if isinstance(e, UsageError) else " (redco --debug ... shows the traceback)"
+        print(f"redco {args.command}: {e}{hint}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -23,10 +23,11 @@ from typing import Any, Callable, NamedTuple
 Rules = list  # [(regex, jax.sharding.PartitionSpec), ...]; see redco.sharding
 
 
-class UsageError(Exception):
+class UsageError(ValueError):
     """A mistake in how redco was called (an unknown name, a missing file, a bad flag), with
     what to do instead: the ``redco`` command prints it in one line and exits 2 (``--debug``
-    or ``REDCO_DEBUG=1`` shows the traceback)."""
+    or ``REDCO_DEBUG=1`` shows the traceback). A ``ValueError``, as the library's other
+    refusals of bad input are."""
 
 
 class LaunchError(UsageError):

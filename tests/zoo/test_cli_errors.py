@@ -65,3 +65,58 @@ def test_debug_shows_the_traceback():
     result = redco("new", "--template", "nope", "proj", debug=True)
     assert result.returncode == 1 and "Traceback" in result.stderr
     assert "NotRegistered: No templates named 'nope'" in result.stderr
+
+
+# ---- in-process (``redco.cli.main``): the same one line and exit 2, without a new Python ------
+def main_says(capsys, *args) -> str:
+    from redco.cli import main
+    with pytest.raises(SystemExit) as stop:
+        main(list(args))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and err, err
+    return err[-1]
+
+
+def test_a_model_folder_that_is_not_there_or_not_a_model_names_the_fix(lm_dir, capsys,
+                                                                        tmp_path):
+    line = main_says(capsys, "zoo", "run", "lm", "--model", str(tmp_path / "nope"), "--train",
+                     str(lm_dir / "data.jsonl"))
+    assert "--model" in line and "nope: no such directory" in line and "--from_scratch" in line
+    os.makedirs(tmp_path / "empty")
+    line = main_says(capsys, "zoo", "run", "lm", "--model", str(tmp_path / "empty"), "--train",
+                     str(lm_dir / "data.jsonl"))
+    assert "the directory has no config.json" in line
+    os.makedirs(tmp_path / "bert")
+    with open(tmp_path / "bert" / "config.json", "w") as f:
+        json.dump({"model_type": "bert"}, f)
+    line = main_says(capsys, "zoo", "run", "lm", "--model", str(tmp_path / "bert"), "--train",
+                     str(lm_dir / "data.jsonl"))
+    assert "holds a 'bert' model; the zoo reads [" in line and "families.py" in line
+
+
+def test_a_mistyped_flag_names_the_one_meant(lm_dir, capsys):
+    line = main_says(capsys, "zoo", "run", "lm", "--model", str(lm_dir / "model"), "--train",
+                     str(lm_dir / "data.jsonl"), "--lerning_rate", "3e-4")
+    assert line.endswith("unrecognized arguments: --lerning_rate 3e-4 (did you mean "
+                         "--learning_rate?)"), line
+    line = main_says(capsys, "new", "--tempalte", "lm", "--lsit")
+    assert line.endswith("(did you mean --template for --tempalte, --list for --lsit?)"), line
+
+
+def test_preference_rows_without_chosen_or_rejected_name_what_they_need(tmp_path, capsys):
+    from redco_zoo_models.toy import save_tiny_chat_model
+    model = save_tiny_chat_model(str(tmp_path / "chat"), WORDS)
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        for _ in range(4):
+            f.write(json.dumps({"prompt": [{"role": "user", "content": "the cat"}],
+                                "good": "sat", "bad": "ran"}) + "\n")
+    line = main_says(capsys, "zoo", "run", "dpo", "--model", model, "--train",
+                     str(tmp_path / "pairs.jsonl"), "--workdir", str(tmp_path / "run"))
+    assert "has no chosen or rejected (its keys: ['bad', 'good', 'prompt'])" in line
+    assert "each row needs 'prompt'" in line
+
+
+def test_version():
+    from importlib.metadata import version
+    result = redco("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"redco {version('redco')}"

@@ -95,6 +95,11 @@ def render_pair(tokenizer, row: dict, max_len: int, where: str,
                 template_kwargs: dict | None = None) -> dict:
     """A row's ``prompt`` (messages) with its ``chosen`` and ``rejected`` replies rendered
     (``template_kwargs``: the chat template's own variables)."""
+    missing = [key for key in ("prompt", "chosen", "rejected") if key not in row]
+    if missing:
+        raise UsageError(f"{where} has no {' or '.join(missing)} (its keys: {sorted(row)}): each "
+                         "row needs 'prompt' (a list of chat messages), 'chosen' and 'rejected' "
+                         "(the preferred and the dispreferred reply, as text).")
     chosen, rejected = row["chosen"], row["rejected"]
     if chosen == rejected:
         raise UsageError(f"{where}: chosen and rejected are the same reply, which teaches "

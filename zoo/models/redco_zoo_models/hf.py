@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from redco.protocols import UsageError
 from redco.sharding import named_leaves
 from redco_safetensors import torch_name
 from redco_zoo_models.families import FAMILIES
@@ -47,8 +48,9 @@ def class_of(config: dict, where: str) -> type[nnx.Module]:
     ``where`` (named in the error)."""
     model_type = config.get("model_type")
     if model_type not in MODEL_CLASSES:
-        raise ValueError(f"{where} holds a {model_type!r} model; the zoo reads "
-                         f"{sorted(MODEL_CLASSES)}.")
+        raise UsageError(f"{where} holds a {model_type!r} model; the zoo reads "
+                         f"{sorted(MODEL_CLASSES)}. Convert it to one of those, or add the "
+                         "family to redco_zoo_models/families.py.")
     module, name = MODEL_CLASSES[model_type].split(":")
     return getattr(importlib.import_module(module), name)
 
@@ -83,8 +85,8 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
     try:
         cfg = model_class.config_class.from_hf(config)
     except ValueError as e:
-        raise ValueError(f"{model_dir}/{e}" if str(e).startswith("config.json") else
-                         f"{model_dir}/config.json: {e}") from None
+        raise type(e)(f"{model_dir}/{e}" if str(e).startswith("config.json") else
+                      f"{model_dir}/config.json: {e}") from None
     model = nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(seed)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tensors = read_safetensors(model_dir)

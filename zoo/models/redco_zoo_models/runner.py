@@ -112,6 +112,13 @@ def load_model(model: str, from_scratch: bool = False, seed: int = 0,
     (``LLAMA_PRESETS``: ``llama-1b``, ...); ``fields`` replace the preset's values (e.g.
     ``vocab_size``)."""
     if not from_scratch:
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise UsageError(
+                f"--model {model}: " + ("no such directory" if not os.path.isdir(model) else
+                                       "the directory has no config.json") +
+                ". Give a local HuggingFace model directory (config.json, model.safetensors, "
+                "tokenizer.json; save_pretrained writes one), or add --from_scratch to start "
+                f"from a preset ({', '.join([*PRESETS, *LLAMA_PRESETS][:4])}, ...).")
         with open(os.path.join(model, "config.json")) as f:
             config = json.load(f)
         return from_pretrained(auto_class(model), model), config
