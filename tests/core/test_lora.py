@@ -241,7 +241,7 @@ def compiled_step_bytes(cfg, kind: str, policy: str) -> tuple[int, int, int]:
             + m.temp_size_in_bytes, m.temp_size_in_bytes, base)
 
 
-@pytest.mark.parametrize("hidden,layers", [(256, 2), (512, 4)])
+@pytest.mark.parametrize("hidden,layers", [(256, 2), pytest.param(512, 4, marks=pytest.mark.slow)])
 def test_the_compiled_lora_step_peaks_below_full_fine_tuning_by_adams_moments(hidden, layers):
     """Under every remat policy, the compiled step's peak with LoRA is at least 2x the base's
     param bytes (AdamW's moments, which LoRA keeps none of) below full fine-tuning's: LoRA's

@@ -3,6 +3,7 @@ re-running the whole sequence gives, left padding, beam search, bf16, checkpoint
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from rerun import greedy_without_cache
 
@@ -74,6 +75,7 @@ def sequence_logprob(logits_fn, prompt, continuation):
     return jnp.take_along_axis(logprobs, continuation[..., None], -1).sum((1, 2))
 
 
+@pytest.mark.slow  # REDCO_SLOW_TESTS=1: _beam_search: test_generation.py; caches: cached greedy
 def test_beam_search_beats_or_ties_greedy():
     gpt2 = jiggled(GPT2LMHeadModel(GPT2, nnx.Rngs(4)), 4)
     ved = jiggled(VisionEncoderDecoderModel(VED, nnx.Rngs(4)), 4)

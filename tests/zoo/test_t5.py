@@ -60,6 +60,7 @@ def sequence_logprob(model, ids, mask, tokens):
     return jnp.take_along_axis(logprobs, tokens[..., None], -1).sum((1, 2))
 
 
+@pytest.mark.slow  # REDCO_SLOW_TESTS=1: _beam_search: test_generation.py; the cache: cached greedy
 def test_beam_search_is_at_least_as_likely_as_greedy():
     model, params = model_and_params("t5", seed=2)
     ids, mask = source(3)
