@@ -1,0 +1,152 @@
+"""The MoE block (``redco_zoo_models.moe``) against a per-token loop written here: top-k routing
+by softmax and by sigmoid with the balancing bias, shared experts, dropless and with a
+capacity, its gradients, the auxiliary losses at their known values, and the bias update."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from redco_zoo_models.moe import BalanceBias, MoE, MoEConfig, updated_balance_bias
+
+
+def reference(moe: MoE, x, dropped_pairs=frozenset()):
+    """Each token through each expert it picks, one at a time, weighted; ``dropped_pairs``
+    ``(token, expert)`` add nothing."""
+    cfg, tokens = moe.cfg, np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+    g, u, d = (np.asarray(p[...], np.float64) for p in
+               (moe.experts.gate_proj, moe.experts.up_proj, moe.experts.down_proj))
+    logits = tokens @ np.asarray(moe.gate.kernel[...], np.float64)
+    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+    out = np.zeros_like(tokens)
+    for n, (t, row) in enumerate(zip(tokens, logits)):
+        if cfg.router == "softmax":
+            probs = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+            chosen = np.argsort(-probs, kind="stable")[:cfg.top_k]
+        else:
+            probs = 1 / (1 + np.exp(-row))
+            chosen = np.argsort(-(probs + np.asarray(moe.balance_bias[...])), kind="stable")[:cfg.top_k]
+        weights = probs[chosen] / (probs[chosen].sum() if cfg.normalize_top_k else 1)
+        for e, w in zip(chosen, weights * cfg.routed_scaling_factor):
+            if (n, int(e)) not in dropped_pairs:
+                out[n] += w * (silu(t @ g[e]) * (t @ u[e])) @ d[e]
+        if cfg.n_shared_experts:
+            s = moe.shared_experts
+            out[n] += (silu(t @ np.asarray(s.gate_proj.kernel[...])) *
+                       (t @ np.asarray(s.up_proj.kernel[...]))) @ np.asarray(s.down_proj.kernel[...])
+    return out.reshape(x.shape)
+
+
+def block(seed=0, **overrides):
+    cfg = MoEConfig(**{**dict(hidden_size=16, n_experts=6, top_k=2, expert_size=24), **overrides})
+    return MoE(cfg, nnx.Rngs(seed))
+
+
+X = jax.random.normal(jax.random.PRNGKey(1), (3, 7, 16))
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"top_k": 1}, {"normalize_top_k": False},
+    {"router": "sigmoid", "routed_scaling_factor": 2.5, "n_shared_experts": 2}])
+def test_dropless_equals_each_token_through_its_experts(overrides):
+    moe = block(**overrides)
+    if moe.cfg.router == "sigmoid":  # a bias that changes which experts are chosen
+        moe.balance_bias[...] = jnp.linspace(-0.3, 0.3, moe.cfg.n_experts)
+    y, aux = moe(X)
+    np.testing.assert_allclose(np.asarray(y), reference(moe, X), rtol=2e-4, atol=2e-5)
+    assert float(aux["dropped_share"]) == 0 and float(aux["expert_load"].sum()) == 21 * moe.cfg.top_k
+
+
+def test_a_large_enough_capacity_changes_nothing_and_a_small_one_drops_later_choices():
+    dropless = block()
+    y, _ = dropless(X)
+    roomy = block(capacity_factor=float(dropless.cfg.n_experts))  # room for every pair
+    np.testing.assert_allclose(np.asarray(roomy(X)[0]), np.asarray(y), rtol=1e-5, atol=1e-6)
+    tight = block(capacity_factor=0.5)  # 21 tokens x 2 / 6 experts x 0.5: 4 pairs an expert
+    capacity = tight.cfg.capacity(21)
+    y_tight, aux = tight(X)
+    chosen = np.asarray(tight.route(X.reshape(-1, 16))[0])
+    taken, dropped = {e: 0 for e in range(6)}, set()
+    for k in range(2):  # first choices first, in token order, then second choices
+        for n in range(21):
+            e = int(chosen[n, k])
+            if taken[e] < capacity:
+                taken[e] += 1
+            else:
+                dropped.add((n, e))
+    assert capacity == 4 and dropped, "the test needs some pairs over capacity"
+    np.testing.assert_allclose(np.asarray(y_tight), reference(tight, X, dropped), rtol=2e-4,
+                               atol=2e-5)
+    assert float(aux["dropped_share"]) == pytest.approx(len(dropped) / 42)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.5])
+def test_gradients_equal_the_dense_computation(capacity_factor):
+    """Gradients of a loss with respect to every expert and the router: the block against the
+    same routing written as a dense sum over all experts with zero weight off the top-k."""
+    moe = block(capacity_factor=capacity_factor, n_shared_experts=1)
+    graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
+
+    def loss(params, dense):
+        m = nnx.merge(graphdef, params, rest)
+        if not dense:
+            y, aux = m(X)
+            return jnp.sum(jnp.sin(y)) + aux["aux_loss"]
+        tokens = X.reshape(-1, 16)
+        chosen, weights, _, _ = m.route(tokens)
+        gate = jnp.zeros((21, 6)).at[jnp.arange(21)[:, None], chosen].set(weights)
+        ex = m.experts
+        per = jax.vmap(lambda g, u, d: (jax.nn.silu(tokens @ g) * (tokens @ u)) @ d)(
+            ex.gate_proj[...], ex.up_proj[...], ex.down_proj[...])  # (E, N, H)
+        y = jnp.einsum("ne,enh->nh", gate, per) + m.shared_experts(tokens)
+        return jnp.sum(jnp.sin(y.reshape(X.shape))) + m(X)[1]["aux_loss"]
+    if capacity_factor is not None:
+        assert float(moe(X)[1]["dropped_share"]) == 0  # 1.5x: nothing dropped on this input
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    got, want = grad(params, False), grad(params, True)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    assert any(float(jnp.abs(a).max()) > 0 for a in jax.tree.leaves(got["gate"]))
+
+
+def test_the_auxiliary_losses_at_balance_and_at_collapse():
+    moe = block(top_k=1, z_loss_weight=1e-3)
+    moe.gate.kernel[...] = jnp.zeros_like(moe.gate.kernel[...])  # every expert equally likely
+    tokens = jnp.eye(16)[:12] * 0  # 12 tokens; top_k of ties: expert 0 for all
+    _, aux = moe(tokens)
+    assert float(aux["load_balancing_loss"]) == pytest.approx(1.0)  # P uniform: 6 * (1 * 1/6)
+    assert float(aux["router_z_loss"]) == pytest.approx(np.log(6) ** 2, rel=1e-5)
+    assert float(aux["load_max"]) == 12 and float(aux["load_min"]) == 0
+    moe.gate.kernel[...] = jnp.zeros_like(moe.gate.kernel[...]).at[:, 0].set(50.0)
+    _, collapsed = moe(jnp.ones((12, 16)))  # every token sure of expert 0
+    assert float(collapsed["load_balancing_loss"]) == pytest.approx(6.0, rel=1e-4)
+    assert float(collapsed["aux_loss"]) == pytest.approx(
+        0.01 * float(collapsed["load_balancing_loss"]) + 1e-3 * float(collapsed["router_z_loss"]))
+
+
+def test_the_balancing_bias_moves_against_the_load_until_it_evens_out():
+    moe = block(router="sigmoid", top_k=1, n_experts=4)
+    moe.gate.kernel[...] = moe.gate.kernel[...].at[:, 0].add(0.5)  # expert 0 favoured
+    x = jax.random.normal(jax.random.PRNGKey(3), (256, 16))
+    graphdef, bias, rest = nnx.split(moe, BalanceBias, ...)
+
+    @jax.jit
+    def balanced(bias, _):  # one step: the load with this bias, then the bias moved
+        aux = nnx.merge(graphdef, bias, rest)(x)[1]
+        moved = jax.tree.map(lambda b: updated_balance_bias(b, aux["expert_load"], 0.01), bias)
+        return moved, aux["load_cv"]
+    bias, cvs = jax.lax.scan(balanced, bias, None, length=300)
+    nnx.update(moe, bias)
+    bias = np.asarray(moe.balance_bias[...])
+    assert bias[0] == bias.min() < 0, bias  # the favoured expert is held back most
+    assert cvs[-1] < 0.25 * cvs[0], (cvs[0], cvs[-1])
+    np.testing.assert_array_equal(np.asarray(updated_balance_bias(jnp.zeros(3), jnp.array(
+        [5.0, 1.0, 3.0]), 0.1)), np.array([-0.1, 0.1, 0.0], np.float32))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"router": "relu"}, "router='relu'"), ({"top_k": 7}, "top_k=7 with n_experts=6"),
+    ({"capacity_factor": 0.0}, "capacity_factor=0.0")])
+def test_a_bad_config_is_refused_naming_the_field(bad, match):
+    with pytest.raises(ValueError, match=match):
+        block(**bad)

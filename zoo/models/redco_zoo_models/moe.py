@@ -1,0 +1,198 @@
+"""A Mixture-of-Experts feed-forward block: a router picks ``top_k`` of ``n_experts`` gated MLPs
+for each token, and the token's output is their outputs weighted by the router.
+
+**Routing.** ``softmax`` (Mixtral, Qwen3-MoE): the router's logits become probabilities and the
+``top_k`` largest are taken, renormalised to sum to 1 where ``normalize_top_k`` (Mixtral always,
+Qwen3-MoE by its ``norm_topk_prob``). ``sigmoid`` (DeepSeek-V3): each expert scores
+``sigmoid(logit)``; the choice is by score plus a per-expert balancing bias, the weights are the
+scores alone, renormalised and multiplied by ``routed_scaling_factor``. The bias is not trained by
+the optimizer: ``updated_balance_bias`` moves it after each step against the step's load (an
+overloaded expert's bias goes down by ``bias_update_rate``, an underloaded one's up), DeepSeek-V3's
+auxiliary-loss-free balancing. ``n_shared_experts`` (DeepSeek-V3, Qwen2-MoE) adds an MLP every
+token goes through.
+
+**Computing the experts.** Dropless (``capacity_factor=None``): the ``N * top_k`` (token, expert)
+pairs are sorted by expert and each expert's rows multiplied by its weights in one grouped
+matmul (``jax.lax.ragged_dot``): no token is dropped, whatever the load. With a
+``capacity_factor``, each expert takes at most ``ceil(capacity_factor * N * top_k / n_experts)``
+pairs (a token's first choice before anyone's second), in dense einsums of fixed shape; pairs
+past an expert's capacity are dropped: that expert adds nothing to the token (the residual
+carries it), and the share dropped is reported.
+
+**What it reports** (``MoE.__call__`` returns ``(y, aux)``): ``load_balancing_loss`` (Switch and
+Mixtral's ``n_experts * sum_e f_e * P_e``, f the share of pairs routed to e, P the mean router
+probability of e: 1 when balanced, ``n_experts`` when every token picks one expert),
+``router_z_loss`` (the mean squared log-sum-exp of the logits, ST-MoE), their weighted sum
+``aux_loss`` to add to the training loss, and per step ``expert_load`` (pairs per expert),
+its min / max / coefficient of variation, and ``dropped_share``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from redco_zoo_models.layers import ACTIVATIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    hidden_size: int
+    n_experts: int
+    top_k: int
+    expert_size: int  # each expert's intermediate size
+    router: str = "softmax"  # softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3)
+    normalize_top_k: bool = True
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0  # an MLP of n_shared_experts * expert_size every token goes through
+    capacity_factor: float | None = None  # None: dropless
+    load_balancing_weight: float = 0.01
+    z_loss_weight: float = 0.0
+    bias_update_rate: float = 1e-3  # sigmoid routing's balancing bias, per step
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        if self.router not in ("softmax", "sigmoid"):
+            raise ValueError(f"router={self.router!r}: use 'softmax' (Mixtral, Qwen3-MoE) or "
+                             "'sigmoid' (DeepSeek-V3).")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} with n_experts={self.n_experts}: each token "
+                             "picks between 1 and n_experts experts.")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor}: give a positive factor "
+                             "(1.0: an even share each), or None for dropless.")
+
+    def capacity(self, n_tokens: int) -> int:
+        """Pairs an expert takes of ``n_tokens`` tokens with ``capacity_factor``."""
+        return max(1, math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts))
+
+
+class BalanceBias(nnx.Variable):
+    """Sigmoid routing's per-expert bias: read by the router, moved by ``updated_balance_bias``
+    after each step, never by the optimizer."""
+
+
+class Experts(nnx.Module):
+    """``n_experts`` gated MLPs, their weights stacked: ``gate_proj`` and ``up_proj`` (E, H, I),
+    ``down_proj`` (E, I, H)."""
+
+    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        e, h, i = cfg.n_experts, cfg.hidden_size, cfg.expert_size
+        self.gate_proj = nnx.Param(init(rngs.params(), (e, h, i)))
+        self.up_proj = nnx.Param(init(rngs.params(), (e, h, i)))
+        self.down_proj = nnx.Param(init(rngs.params(), (e, i, h)))
+        self.act = ACTIVATIONS[cfg.hidden_act]
+
+    def grouped(self, rows, group_sizes):
+        """Rows sorted by expert, ``group_sizes[e]`` of them for expert e: each through its own."""
+        gate = jax.lax.ragged_dot(rows, self.gate_proj[...].astype(rows.dtype), group_sizes)
+        up = jax.lax.ragged_dot(rows, self.up_proj[...].astype(rows.dtype), group_sizes)
+        return jax.lax.ragged_dot(self.act(gate) * up, self.down_proj[...].astype(rows.dtype),
+                                  group_sizes)
+
+    def batched(self, per_expert):
+        """``(E, C, H)``: each expert's C rows through it."""
+        dtype = per_expert.dtype
+        gate = jnp.einsum("ech,ehi->eci", per_expert, self.gate_proj[...].astype(dtype))
+        up = jnp.einsum("ech,ehi->eci", per_expert, self.up_proj[...].astype(dtype))
+        return jnp.einsum("eci,eih->ech", self.act(gate) * up, self.down_proj[...].astype(dtype))
+
+
+class SharedMLP(nnx.Module):
+    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
+        size = cfg.n_shared_experts * cfg.expert_size
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)  # noqa: E731
+        self.gate_proj = linear(cfg.hidden_size, size)
+        self.up_proj = linear(cfg.hidden_size, size)
+        self.down_proj = linear(size, cfg.hidden_size)
+        self.act = ACTIVATIONS[cfg.hidden_act]
+
+    def __call__(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.gate = nnx.Linear(cfg.hidden_size, cfg.n_experts, use_bias=False, rngs=rngs)
+        self.experts = Experts(cfg, rngs)
+        if cfg.router == "sigmoid":
+            self.balance_bias = BalanceBias(jnp.zeros(cfg.n_experts, jnp.float32))
+        if cfg.n_shared_experts:
+            self.shared_experts = SharedMLP(cfg, rngs)
+
+    def route(self, tokens):
+        """``(chosen (N, k) expert ids, weights (N, k), probs (N, E), logits (N, E))``."""
+        cfg = self.cfg
+        logits = self.gate(tokens).astype(jnp.float32)
+        if cfg.router == "softmax":
+            probs = jax.nn.softmax(logits, axis=-1)
+            weights, chosen = jax.lax.top_k(probs, cfg.top_k)
+        else:
+            probs = jax.nn.sigmoid(logits)
+            _, chosen = jax.lax.top_k(probs + self.balance_bias[...], cfg.top_k)
+            weights = jnp.take_along_axis(probs, chosen, axis=-1)
+        if cfg.normalize_top_k:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return chosen, weights * cfg.routed_scaling_factor, probs, logits
+
+    def __call__(self, x):
+        """``(y, aux)`` for ``x`` (..., H): the module docstring says what ``aux`` holds."""
+        cfg, shape = self.cfg, x.shape
+        tokens = x.reshape(-1, shape[-1])
+        chosen, weights, probs, logits = self.route(tokens)
+        if cfg.capacity_factor is None:
+            y, dropped = self.dropless(tokens, chosen, weights), jnp.zeros((), jnp.float32)
+        else:
+            y, dropped = self.with_capacity(tokens, chosen, weights)
+        if cfg.n_shared_experts:
+            y = y + self.shared_experts(tokens)
+        return y.reshape(shape), self.report(chosen, probs, logits, dropped)
+
+    def dropless(self, tokens, chosen, weights):
+        """Every (token, expert) pair computed: sorted by expert, one grouped matmul each."""
+        pairs = chosen.reshape(-1)
+        order = jnp.argsort(pairs, stable=True)
+        token_of = order // self.cfg.top_k
+        group_sizes = jnp.bincount(pairs, length=self.cfg.n_experts).astype(jnp.int32)
+        out = self.experts.grouped(tokens[token_of], group_sizes)
+        out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+        return jnp.zeros_like(tokens).at[token_of].add(out)
+
+    def with_capacity(self, tokens, chosen, weights):
+        """At most ``capacity`` pairs an expert (first choices first); ``(y, share dropped)``."""
+        cfg = self.cfg
+        n, capacity = tokens.shape[0], cfg.capacity(tokens.shape[0])
+        picked = jax.nn.one_hot(chosen, cfg.n_experts, dtype=jnp.int32)  # (N, k, E)
+        by_choice = picked.transpose(1, 0, 2).reshape(cfg.top_k * n, cfg.n_experts)
+        slot = (jnp.cumsum(by_choice, axis=0) - 1).reshape(cfg.top_k, n, cfg.n_experts)
+        slot = jnp.where(picked.transpose(1, 0, 2) > 0, slot, -1).transpose(1, 0, 2)  # (N, k, E)
+        kept = jax.nn.one_hot(slot, capacity, dtype=tokens.dtype)  # (N, k, E, C); -1, >= C: 0
+        dispatch = kept.sum(1)  # (N, E, C): a token picks an expert at most once
+        combine = jnp.einsum("nkec,nk->nec", kept, weights.astype(tokens.dtype))
+        out = self.experts.batched(jnp.einsum("nec,nh->ech", dispatch, tokens))
+        dropped = 1 - kept.sum() / (n * cfg.top_k)
+        return jnp.einsum("nec,ech->nh", combine, out), dropped.astype(jnp.float32)
+
+    def report(self, chosen, probs, logits, dropped) -> dict:
+        """The auxiliary losses and the load metrics of one call (module docstring)."""
+        cfg = self.cfg
+        load = jnp.bincount(chosen.reshape(-1), length=cfg.n_experts).astype(jnp.float32)
+        share = load / jnp.sum(load)
+        mean_prob = jnp.mean(probs / jnp.sum(probs, axis=-1, keepdims=True), axis=0)
+        balancing = cfg.n_experts * jnp.sum(share * mean_prob)
+        z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+        return {"aux_loss": cfg.load_balancing_weight * balancing + cfg.z_loss_weight * z_loss,
+                "load_balancing_loss": balancing, "router_z_loss": z_loss,
+                "expert_load": load, "load_min": jnp.min(load), "load_max": jnp.max(load),
+                "load_cv": jnp.std(load) / jnp.mean(load), "dropped_share": dropped}
+
+
+def updated_balance_bias(bias, expert_load, rate: float):
+    """DeepSeek-V3's balancing step: each expert's bias moves by ``rate`` against its load's
+    side of the mean (overloaded: down, underloaded: up, at the mean: unchanged)."""
+    return bias + rate * jnp.sign(jnp.mean(expert_load) - expert_load)
