@@ -3,7 +3,8 @@ property, parametrized over the families: Llama 3.1 (``llama3`` RoPE, factor 8) 
 32, tied head, explicit head_dim), Qwen3 (q/k norm), Gemma 2 (softcaps, every other layer
 sliding), Gemma 3 (local/global layers, a RoPE each, scaled global RoPE), Phi-3/4 (fused
 projections, partial rotary, longrope), OLMo 2 (post-norms, q/k norm over all heads), Mistral
-(a window on every layer), and YaRN and dynamic-NTK RoPE on Qwen3 and LLaMA shapes.
+(a window on every layer), Qwen3-MoE (a dense layer between sparse ones, per-expert tensors) and
+Mixtral (its own expert names), and YaRN and dynamic-NTK RoPE on Qwen3 and LLaMA shapes.
 
 Each tiny checkpoint is written by transformers itself (``from_config`` + ``save_pretrained``,
 weights perturbed so a misplaced one shows, sharded so the index is read). The lengths cross

@@ -63,7 +63,7 @@ def text_blocks(texts: list[str], tokenizer, block_size: int, what: str = "the t
 
 class LMPipeline:
     description = ("causal LM: train a decoder (Llama 1-3, Mistral, Qwen2/3, Gemma 2/3, Phi-3/4, "
-                   "OLMo 2, GPT-2) on text, or on "
+                   "OLMo 2, Qwen3-MoE, Mixtral, GPT-2) on text, or on "
                    "token files (.bin, a folder of them, or a weighted mixture; documents packed "
                    "into rows); perplexity")
 

@@ -14,7 +14,10 @@ attention and a gated MLP. What differs is data in ``DecoderConfig``:
   ``final_softcap`` (Gemma 2: ``cap * tanh(x / cap)`` on attention scores and on logits);
 * ``layer_types`` with ``sliding_window``: which layers attend to the last ``window`` slots only
   (Mistral, Gemma 2's every other layer, Gemma 3's five of six), each type with its own RoPE
-  (``rope``; Gemma 3's local layers ``local_rope``; ``redco_zoo_models.rope``).
+  (``rope``; Gemma 3's local layers ``local_rope``; ``redco_zoo_models.rope``);
+* ``n_experts`` (Mixtral, Qwen3-MoE): the MLP of each sparse layer is a Mixture-of-Experts block
+  (``redco_zoo_models.moe``) of that many experts, ``experts_per_token`` of them per token.
+  Its auxiliary losses are computed but not yet added to the training loss.
 
 Module names follow HuggingFace's (``model/layers/0/self_attn/q_proj/kernel``), so checkpoints
 map by name (``redco_zoo_models.hf``); a family's own tensor names and config keys live in
@@ -39,6 +42,7 @@ from redco_zoo_models.context_parallel import (
     on_split,
 )
 from redco_zoo_models.layers import ACTIVATIONS, RMSNorm, embed
+from redco_zoo_models.moe import MoE, MoEConfig
 from redco_zoo_models.rope import Rope, apply_rope, depends_on_length, segment_lengths
 
 
@@ -72,6 +76,13 @@ class DecoderConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    n_experts: int = 0  # Mixture-of-Experts MLPs (Mixtral, Qwen3-MoE); 0: dense
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0  # each expert's (0: intermediate_size)
+    norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1
+    decoder_sparse_step: int = 1  # every step-th layer is sparse (Qwen3-MoE) ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... but these
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         if not self.head_dim:
@@ -87,6 +98,17 @@ class DecoderConfig:
         if self.sliding_window is None:
             return False
         return self.layer_types is None or self.layer_types[layer] == families.SLIDING
+
+    def sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a Mixture-of-Experts block."""
+        return self.n_experts > 0 and layer not in self.mlp_only_layers and \
+            (layer + 1) % self.decoder_sparse_step == 0
+
+    def moe(self) -> MoEConfig:
+        return MoEConfig(self.hidden_size, self.n_experts, self.experts_per_token,
+                         self.moe_intermediate_size or self.intermediate_size,
+                         normalize_top_k=self.norm_topk_prob, hidden_act=self.hidden_act,
+                         load_balancing_weight=self.router_aux_loss_coef)
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":
@@ -164,7 +186,7 @@ class DecoderLayer(nnx.Module):
         for name in NORMS[cfg.norm_layout]:
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset))
         self.self_attn = Attention(cfg, layer, rngs)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MoE(cfg.moe(), rngs) if cfg.sparse(layer) else MLP(cfg, rngs)
         self.layout = cfg.norm_layout
 
     @remat.layer
@@ -179,7 +201,10 @@ class DecoderLayer(nnx.Module):
         h, layer_cache = self.self_attn(before_attn(x), positions, allowed, layer_cache,
                                         cache_index, lengths)
         x = x + after_attn(h)
-        return x + after_mlp(self.mlp(before_mlp(x))), layer_cache
+        h = self.mlp(before_mlp(x))
+        if isinstance(self.mlp, MoE):
+            h, _ = h  # (its auxiliary losses: not yet in the training loss)
+        return x + after_mlp(h), layer_cache
 
 
 class DecoderModel(nnx.Module):

@@ -4,6 +4,9 @@ A family is a few lines of data (``FAMILIES``): its HuggingFace class, the switc
 (``redco_zoo_models.decoder``), the config keys it reads and their defaults, which layers slide.
 Phi-3 fuses q/k/v and gate/up in its checkpoints; ``tensors_in`` splits them and ``tensors_out``
 fuses them back, so the model itself (LoRA, TP rules, FSDP) sees the same names everywhere.
+Mixture-of-Experts families store one tensor per expert (Qwen3-MoE ``mlp.experts.<e>.gate_proj``,
+Mixtral ``block_sparse_moe.experts.<e>.w1``); ``tensors_in`` stacks them into the zoo's
+``mlp.experts.gate_proj`` (experts, in, out) and ``tensors_out`` unstacks them.
 
 A key the family does not read is refused, naming it, unless it is bookkeeping (``HARMLESS``) or
 off (``None``, ``False``, 0): a softcap, a window or MoE fields are never silently dropped.
@@ -54,6 +57,7 @@ class Family:
     tied_default: bool = False
     ignores: frozenset = frozenset()  # keys transformers' class of this family ignores too
     defaults: dict = dataclasses.field(default_factory=dict)  # config.json keys it may omit
+    experts: str | None = None  # an MoE checkpoint's expert layout: qwen | mixtral (EXPERTS)
 
 
 GEMMA = dict(norm_layout="sandwich", norm_offset=1.0, embed_scale=True)
@@ -61,6 +65,9 @@ GEMMA_READS = {"hidden_activation": ("hidden_act", "gelu_pytorch_tanh"),
                "query_pre_attn_scalar": ("query_pre_attn_scalar", 256),
                "attn_logit_softcapping": ("attn_softcap", None),
                "final_logit_softcapping": ("final_softcap", None)}
+MOE_READS = {"num_experts_per_tok": ("experts_per_token", 2),
+             "router_aux_loss_coef": ("router_aux_loss_coef", 0.001)}
+MOE_IGNORES = frozenset({"output_router_logits", "router_jitter_noise"})  # training-time only
 FAMILIES = {
     "llama": Family("LlamaForCausalLM", reads={"attention_bias": ("attention_bias", False),
                                                "hidden_act": ("hidden_act", "silu")}),
@@ -78,6 +85,20 @@ FAMILIES = {
                           ignores=frozenset({"hidden_act"})),
     "phi3": Family("Phi3ForCausalLM", reads={"hidden_act": ("hidden_act", "silu")},
                    windows="all", fused=True, defaults={"rms_norm_eps": 1e-5}),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", switches={"qk_norm": "head"},
+                        reads={"attention_bias": ("attention_bias", False),
+                               "hidden_act": ("hidden_act", "silu"), **MOE_READS,
+                               "num_experts": ("n_experts", 128),  # (hub configs)
+                               "num_local_experts": ("n_experts", 128),  # (transformers 5's)
+                               "moe_intermediate_size": ("moe_intermediate_size", 768),
+                               "norm_topk_prob": ("norm_topk_prob", False),
+                               "decoder_sparse_step": ("decoder_sparse_step", 1),
+                               "mlp_only_layers": ("mlp_only_layers", ())},
+                        windows="qwen", experts="qwen", ignores=MOE_IGNORES),
+    "mixtral": Family("MixtralForCausalLM", switches={"norm_topk_prob": True},
+                      reads={"hidden_act": ("hidden_act", "silu"), **MOE_READS,
+                             "num_local_experts": ("n_experts", 8)},
+                      windows="all", experts="mixtral", ignores=MOE_IGNORES),
     "olmo2": Family("Olmo2ForCausalLM", switches={"norm_layout": "post", "qk_norm": "all"},
                     reads={"attention_bias": ("attention_bias", False),
                            "hidden_act": ("hidden_act", "silu")},
@@ -148,10 +169,14 @@ def read_config(cls, config: dict, where: str = "config.json") -> Any:
     fields = {f: config[k] for f, k in COMMON.items() if config.get(k) is not None}
     fields.setdefault("num_key_value_heads", config["num_attention_heads"])
     fields.setdefault("tie_word_embeddings", family.tied_default)
-    for key, (field, default) in family.reads.items():
-        fields[field] = config.get(key, default) if config.get(key) is not None else default
-    if isinstance(fields.get("eos_token_id"), list):
-        fields["eos_token_id"] = tuple(fields["eos_token_id"])
+    for key, (field, default) in family.reads.items():  # (two keys may name one field)
+        if config.get(key) is not None:
+            fields[field] = config[key]
+        else:
+            fields.setdefault(field, default)
+    for field in ("eos_token_id", "mlp_only_layers"):  # (a config is hashed: no lists)
+        if isinstance(fields.get(field), list):
+            fields[field] = tuple(fields[field])
     head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
     window = _window(family, config)
     return cls(**fields, **family.switches, family=model_type, sliding_window=window,
@@ -202,7 +227,7 @@ def _sizes(cfg, fused: str) -> list[int]:
 def tensors_in(cfg, tensors: dict) -> dict:
     """A checkpoint's tensors (PyTorch names) under the zoo model's names: Phi-3's fused
     projections split; a tied head's stored copy dropped when it equals the embedding."""
-    tensors = dict(tensors)
+    tensors = _stacked_experts(cfg, dict(tensors))
     if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
         embedding = tensors.get("model.embed_tokens.weight")
         if embedding is None or not np.array_equal(tensors["lm_head.weight"], embedding):
@@ -222,12 +247,55 @@ def tensors_in(cfg, tensors: dict) -> dict:
 
 def tensors_out(cfg, tensors: dict) -> dict:
     """The zoo model's tensors under its family's checkpoint names (``tensors_in`` undone)."""
+    tensors = _unstacked_experts(cfg, dict(tensors))
     if not FAMILIES[cfg.family].fused:
         return tensors
-    tensors = dict(tensors)
     for i in range(cfg.num_hidden_layers):
         for suffix, parts in FUSED.items():
             module = f"model.layers.{i}.{suffix.split('.')[0]}"
             tensors[f"model.layers.{i}.{suffix}"] = np.concatenate(
                 [tensors.pop(f"{module}.{p}.weight") for p in parts], axis=0)
+    return tensors
+
+
+EXPERTS = {  # layout -> (the block's checkpoint name, {the zoo's projection: the checkpoint's})
+    "qwen": ("mlp", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
+    "mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
+}
+
+
+def _expert_names(cfg):
+    """``(layer's zoo prefix, its checkpoint prefix, projections)`` of every sparse layer."""
+    block, projections = EXPERTS[FAMILIES[cfg.family].experts]
+    return [(f"model.layers.{i}.mlp", f"model.layers.{i}.{block}", projections)
+            for i in range(cfg.num_hidden_layers) if cfg.sparse(i)]
+
+
+def _stacked_experts(cfg, tensors: dict) -> dict:
+    """Each sparse layer's per-expert (out, in) tensors as one (experts, in, out) array."""
+    if not FAMILIES[cfg.family].experts:
+        return tensors
+    for ours, theirs, projections in _expert_names(cfg):
+        for projection, stored in projections.items():
+            names = [f"{theirs}.experts.{e}.{stored}.weight" for e in range(cfg.n_experts)]
+            if missing := [n for n in names if n not in tensors]:
+                raise KeyError(f"the checkpoint has no tensor {missing[0]} ({len(missing)} of "
+                               f"{cfg.n_experts} experts missing); is it a {cfg.family} "
+                               "checkpoint of this config.json?")
+            tensors[f"{ours}.experts.{projection}"] = np.stack([tensors.pop(n).T for n in names])
+        if theirs != ours:
+            tensors[f"{ours}.gate.weight"] = tensors.pop(f"{theirs}.gate.weight")
+    return tensors
+
+
+def _unstacked_experts(cfg, tensors: dict) -> dict:
+    """``_stacked_experts`` undone: one (out, in) tensor per expert, the family's names."""
+    if not FAMILIES[cfg.family].experts:
+        return tensors
+    for ours, theirs, projections in _expert_names(cfg):
+        for projection, stored in projections.items():
+            stacked = tensors.pop(f"{ours}.experts.{projection}")
+            tensors.update({f"{theirs}.experts.{e}.{stored}.weight": stacked[e].T
+                            for e in range(cfg.n_experts)})
+        tensors[f"{theirs}.gate.weight"] = tensors.pop(f"{ours}.gate.weight")
     return tensors

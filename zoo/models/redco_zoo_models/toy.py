@@ -88,6 +88,12 @@ TINY_FAMILIES = {  # config.json contents of a tiny model of each family, as tra
                            short_factor=[1.0, 1.1, 1.3], long_factor=[2.0, 3.5, 5.0])),
     "phi-3-window": dict(_TINY, model_type="phi3", sliding_window=WINDOW),
     "olmo2": dict(_TINY, model_type="olmo2"),
+    "qwen3-moe": dict(_TINY, model_type="qwen3_moe", head_dim=16, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True,
+                      mlp_only_layers=[1], rope_parameters=dict(rope_type="default",
+                                                                rope_theta=1e6)),
+    "mixtral": dict(_TINY, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=WINDOW),
     "mistral": dict(_TINY, model_type="mistral", sliding_window=WINDOW),
     "qwen3-yarn": dict(_TINY, model_type="qwen3", head_dim=8, rope_parameters=dict(
         rope_type="yarn", factor=4.0, rope_theta=10000.0,
