@@ -150,3 +150,37 @@ def test_the_balancing_bias_moves_against_the_load_until_it_evens_out():
 def test_a_bad_config_is_refused_naming_the_field(bad, match):
     with pytest.raises(ValueError, match=match):
         block(**bad)
+
+
+def test_an_moe_models_loss_with_labels_adds_its_weighted_balancing_losses():
+    """Qwen3-MoE (two sparse layers, one dense): given labels, the loss is the cross-entropy of
+    its logits plus ``router_aux_loss_coef`` times the blocks' balancing losses, linear in the
+    coefficient; and the router's gradient feels it."""
+    import dataclasses
+
+    import optax
+
+    from redco_zoo_models import LlamaForCausalLM
+    from redco_zoo_models.toy import tiny_family
+    base = tiny_family("qwen3-moe")
+    ids = jnp.asarray(np.random.RandomState(0).randint(1, 63, (2, 12)))
+
+    def with_coef(coef):
+        model = LlamaForCausalLM(dataclasses.replace(base.cfg, router_aux_loss_coef=coef),
+                                 nnx.Rngs(0))
+        nnx.update(model, nnx.state(base, nnx.Param))
+        return model
+    logits = base(ids)[:, :-1]
+    cross_entropy = float(optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean())
+    losses = {c: float(with_coef(c)(ids[:, :-1], labels=ids[:, 1:])) for c in (0.0, 0.5, 1.0)}
+    assert losses[0.0] == pytest.approx(cross_entropy, rel=1e-5)
+    balancing = losses[1.0] - losses[0.0]
+    assert balancing > 1.5  # two sparse layers, each about 1 (2 at most here)
+    assert losses[0.5] - losses[0.0] == pytest.approx(0.5 * balancing, rel=1e-4)
+    graphdef, params, rest = nnx.split(with_coef(1.0), nnx.Param, ...)
+    router = jax.grad(lambda p: nnx.merge(graphdef, p, rest)(ids[:, :-1], labels=ids[:, 1:]))(
+        params)["model"]["layers"][0]["mlp"]["gate"]["kernel"]
+    graphdef0, params0, rest0 = nnx.split(with_coef(0.0), nnx.Param, ...)
+    router0 = jax.grad(lambda p: nnx.merge(graphdef0, p, rest0)(ids[:, :-1], labels=ids[:, 1:]))(
+        params0)["model"]["layers"][0]["mlp"]["gate"]["kernel"]
+    assert float(jnp.abs(router[...] - router0[...]).max()) > 1e-4

@@ -16,8 +16,9 @@ attention and a gated MLP. What differs is data in ``DecoderConfig``:
   (Mistral, Gemma 2's every other layer, Gemma 3's five of six), each type with its own RoPE
   (``rope``; Gemma 3's local layers ``local_rope``; ``redco_zoo_models.rope``);
 * ``n_experts`` (Mixtral, Qwen3-MoE): the MLP of each sparse layer is a Mixture-of-Experts block
-  (``redco_zoo_models.moe``) of that many experts, ``experts_per_token`` of them per token.
-  Its auxiliary losses are computed but not yet added to the training loss.
+  (``redco_zoo_models.moe``) of that many experts, ``experts_per_token`` of them per token. The
+  blocks' load-balancing losses, weighted by ``router_aux_loss_coef``, are added to the loss
+  the model returns given ``labels`` (the logits alone carry none).
 
 Module names follow HuggingFace's (``model/layers/0/self_attn/q_proj/kernel``), so checkpoints
 map by name (``redco_zoo_models.hf``); a family's own tensor names and config keys live in
@@ -201,10 +202,11 @@ class DecoderLayer(nnx.Module):
         h, layer_cache = self.self_attn(before_attn(x), positions, allowed, layer_cache,
                                         cache_index, lengths)
         x = x + after_attn(h)
-        h = self.mlp(before_mlp(x))
+        h, aux_loss = self.mlp(before_mlp(x)), jnp.zeros((), jnp.float32)
         if isinstance(self.mlp, MoE):
-            h, _ = h  # (its auxiliary losses: not yet in the training loss)
-        return x + after_mlp(h), layer_cache
+            h, aux = h
+            aux_loss = aux["aux_loss"]
+        return x + after_mlp(h), layer_cache, aux_loss
 
 
 class DecoderModel(nnx.Module):
@@ -223,13 +225,15 @@ class DecoderModel(nnx.Module):
         x = embed(self.embed_tokens, input_ids)
         if self.cfg.embed_scale:
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
-        x, new_cache = on_split(x, allowed), []
+        x, new_cache, aux_loss = on_split(x, allowed), [], jnp.zeros((), jnp.float32)
         lengths = self._document_lengths(segment_ids, allowed)
         for i, layer in enumerate(self.layers):
-            x, layer_cache = layer(x, positions, allowed, cache and cache[i], cache_index,
-                                   lengths)
+            x, layer_cache, layer_aux = layer(x, positions, allowed, cache and cache[i],
+                                              cache_index, lengths)
             new_cache.append(layer_cache)
-        return in_order(self.norm(x), allowed), (new_cache if cache is not None else None)
+            aux_loss = aux_loss + layer_aux
+        return (in_order(self.norm(x), allowed), (new_cache if cache is not None else None),
+                aux_loss)
 
     def _document_lengths(self, segment_ids, allowed):
         """Each token's document length in packed rows, for a RoPE that depends on the length
@@ -271,11 +275,14 @@ class DecoderLM(nnx.Module):
         input, or with a cache over all of its slots; ``segment_ids`` (B, T) pack documents into
         rows, none seeing another (see ``redco_zoo_models.attention``). Given ``labels`` (B, T),
         the mean cross-entropy of predicting them (where ``label_mask``) instead, a chunk of
-        tokens at a time: the logits never exist whole (``redco_zoo_models.chunked_loss``)."""
-        x, cache = self.model(input_ids, attention_mask, cache, cache_index, segment_ids)
+        tokens at a time: the logits never exist whole (``redco_zoo_models.chunked_loss``);
+        an MoE model adds its blocks' weighted load-balancing losses."""
+        x, cache, aux_loss = self.model(input_ids, attention_mask, cache, cache_index,
+                                        segment_ids)
         if labels is not None:
-            return next_token_loss(x, self.head(), labels, label_mask,
+            loss = next_token_loss(x, self.head(), labels, label_mask,
                                    softcap=self.cfg.final_softcap)
+            return loss + aux_loss.astype(loss.dtype) if self.cfg.n_experts else loss
         logits = x @ self.head().astype(x.dtype) if self.cfg.tie_word_embeddings \
             else self.lm_head(x)
         logits = softcap(logits, self.cfg.final_softcap)
