@@ -28,6 +28,13 @@ def test_every_zoo_pipeline_has_a_template():
     assert set(registry("zoo_pipelines")) <= set(TEMPLATES), sorted(TEMPLATES)
 
 
+def test_the_templates_readme_lists_every_template():
+    readme = os.path.join(os.path.dirname(__file__), "..", "..", "templates", "README.md")
+    with open(readme) as f:
+        text = f.read()
+    assert not [name for name in TEMPLATES if f"| `{name}` |" not in text], sorted(TEMPLATES)
+
+
 @pytest.mark.parametrize("name", sorted(set(TEMPLATES) - NEEDS_INSTALL))
 def test_new_project_passes_its_own_tests(name, tmp_path, capsys):
     dest = tmp_path / f"my-{name}"
