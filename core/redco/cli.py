@@ -13,7 +13,7 @@ import os
 import re
 import sys
 
-from redco import plugins
+from redco import plugins, run_config
 from redco.protocols import LaunchError, UsageError
 
 
@@ -89,9 +89,24 @@ def cmd_zoo(args) -> None:
     parser.add_argument("--loggers", default=",".join(everyone), help="the metric loggers the "
                         f"run writes to, comma-separated (default: {','.join(everyone)}: every "
                         "installed one that needs no account)")
+    parser.add_argument("--config", help="a YAML, TOML or JSON file of these settings (the "
+                        "flags without dashes); a flag given here wins; what the run resolved "
+                        "is written to WORKDIR/run_config.json")
+    config = _config_path(args.rest)
+    if config:
+        run_config.apply(parser, run_config.read(config), config)
     pipeline_args = parser.parse_args(args.rest)
+    if getattr(pipeline_args, "workdir", None):
+        run_config.record(pipeline_args, pipeline_args.workdir, print)
     with _environ("REDCO_LOGGERS", pipeline_args.__dict__.pop("loggers")):
         pipeline.run(pipeline_args)  # every Deployer of the run, and its subprocesses, log to them
+
+
+def _config_path(argv: list[str]) -> str | None:
+    """``--config``'s value in ``argv``, read before the rest (it sets their defaults)."""
+    found = argparse.ArgumentParser(add_help=False)
+    found.add_argument("--config")
+    return found.parse_known_args(argv)[0].config
 
 
 @contextlib.contextmanager
