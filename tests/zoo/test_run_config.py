@@ -65,3 +65,44 @@ def test_a_setting_the_pipeline_has_not_is_refused_naming_the_closest(lm, tmp_pa
     with pytest.raises(SystemExit):
         main(["zoo", "run", "lm", "--config", str(path)])
     assert "write flat `name: value` lines" in capsys.readouterr().err
+
+
+def test_the_training_levers_reach_the_deployer_trainer_and_optimizer(lm, tmp_path):
+    """``--n_context_shards``, ``--remat``, ``--compute_dtype``, ``--accumulate_grad_batches``,
+    ``--schedule``, ``--weight_decay``, ``--max_grad_norm``, ``--eval_every_n_steps``: each is
+    what the trainer that ``train_and_eval`` builds uses, and the run trains."""
+    import jax
+    import jax.numpy as jnp
+
+    from redco.cli import Parser
+    from redco_zoo_lm.pipeline import LMPipeline, collate_fn, lm_examples, load_lm, loss_fn
+    from redco_zoo_models import runner
+    parser = Parser()
+    LMPipeline().add_arguments(parser)
+    args = parser.parse_args([
+        "--model", str(lm / "model"), "--train", str(lm / "train.txt"), "--workdir",
+        str(tmp_path / "run"), "--block_size", "16", "--per_device_batch_size", "1",
+        "--max_steps", "2", "--n_context_shards", "2", "--remat", "full", "--compute_dtype",
+        "bfloat16", "--accumulate_grad_batches", "2", "--schedule", "cosine", "--weight_decay",
+        "0.5", "--max_grad_norm", "1e-6", "--eval_every_n_steps", "1"])
+    seen = {}
+    model, config = load_lm(args)
+    trainer = runner.train_and_eval(args, model, lm_examples(args, config), collate_fn, loss_fn,
+                                    before_fit=lambda t: seen.update(trainer=t))
+    assert seen["trainer"] is trainer and trainer.step == 2
+    assert trainer.deployer.mesh.shape["cp"] == 2 and trainer.remat == "full"
+    assert trainer.compute_dtype == jnp.bfloat16 and trainer.accumulate_grad_batches == 2
+    assert (tmp_path / "run" / "eval_results_step1.json").is_file()  # every update
+    schedule = trainer.lr_schedule_fn
+    assert float(schedule(schedule.total_steps - 1)) == pytest.approx(0.0, abs=1e-9)
+    g = {"w": jnp.full((4,), 100.0)}
+    params = {"w": jnp.ones(4)}
+    for clip, weight_decay in ((2e-8, 0.5), (None, 0.5), (None, 0.0)):
+        args.max_grad_norm, args.weight_decay = clip, weight_decay
+        opt = runner.optimizer_of(args, 1.0)
+        update = opt.update(g, opt.init(params), params)[0]["w"]
+        seen[(clip, weight_decay)] = float(jax.device_get(update)[0])
+    assert seen[(None, 0.5)] == pytest.approx(-1.5, rel=1e-3)  # -(sign(g) + 0.5 * w)
+    assert seen[(None, 0.0)] == pytest.approx(-1.0, rel=1e-3)
+    # clipped to a norm of 2e-8, each gradient entry is 1e-8, Adam's eps: half a step
+    assert seen[(2e-8, 0.5)] == pytest.approx(-1.0, rel=1e-2)

@@ -56,6 +56,7 @@ class CaptioningPipeline:
 
     def add_arguments(self, parser) -> None:
         runner.add_arguments(parser)
+        runner.add_training_levers(parser)
         parser.add_argument("--caption_column", default="caption")
         parser.add_argument("--max_len", type=int, default=32, help="caption tokens")
         parser.add_argument("--num_beams", type=int, default=4)

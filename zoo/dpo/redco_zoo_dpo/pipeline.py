@@ -129,6 +129,7 @@ class DPOPipeline:
 
     def add_arguments(self, parser) -> None:
         runner.add_arguments(parser)
+        runner.add_training_levers(parser)
         parser.add_argument("--max_len", type=int, default=512, help="tokens per reply, "
                             "prompt included")
         parser.add_argument("--beta", type=float, default=0.1)

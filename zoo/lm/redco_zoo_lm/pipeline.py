@@ -69,6 +69,7 @@ class LMPipeline:
 
     def add_arguments(self, parser) -> None:
         add_lm_arguments(parser)
+        runner.add_training_levers(parser)
 
     def run(self, args) -> float:
         model, config = load_lm(args)

@@ -9,6 +9,7 @@ import os
 import shutil
 from typing import Any, Callable
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -60,6 +61,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="LoRA scale numerator: the adapters add (alpha / rank) * A @ B")
     parser.add_argument("--lora_targets", default=DEFAULT_TARGETS, help="regex selecting the "
                         "kernels to adapt (default: attention and MLP projections)")
+
+
+def add_training_levers(parser: argparse.ArgumentParser) -> None:
+    """The flags of what ``train_and_eval`` builds (a pipeline that trains through it)."""
+    from redco.remat import POLICIES
+    from redco.sequence_split import STRATEGIES
+    parser.add_argument("--n_context_shards", type=int, default=1, help="split each sequence "
+                        "over this many devices (context parallelism, for long rows)")
+    parser.add_argument("--context_strategy", choices=STRATEGIES, default=STRATEGIES[0])
+    parser.add_argument("--remat", choices=list(POLICIES), default="none", help="recompute "
+                        "activations in the backward pass instead of keeping them (full: least "
+                        "memory)")
+    parser.add_argument("--compute_dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the dtype of the forward and backward pass (params stay float32)")
+    parser.add_argument("--accumulate_grad_batches", type=int, default=1, help="micro-batches "
+                        "summed into each update")
+    parser.add_argument("--weight_decay", type=float, default=1e-4, help="AdamW's")
+    parser.add_argument("--max_grad_norm", type=float, help="clip the gradient to this global "
+                        "norm (default: no clipping)")
+    parser.add_argument("--schedule", choices=["linear", "cosine"], default="linear",
+                        help="the learning rate's decay after warmup")
+    parser.add_argument("--eval_every_n_steps", type=int, help="also evaluate every N updates")
+
+
+def optimizer_of(args, lr) -> optax.GradientTransformation:
+    """AdamW with ``--weight_decay`` after clipping to ``--max_grad_norm`` (where given)."""
+    adamw = optax.adamw(lr, weight_decay=getattr(args, "weight_decay", 1e-4))
+    if getattr(args, "max_grad_norm", None) is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), adamw)
 
 
 def load_examples(path: str) -> list[dict]:
@@ -139,12 +170,15 @@ def load_model(model: str, from_scratch: bool = False, seed: int = 0,
 def n_epochs_and_schedule(args, deployer: Deployer, n_train: int) -> tuple[int | None, Any]:
     """``(n_epochs, lr schedule)``: ``--n_epochs`` of ``n_train`` examples, or, with
     ``--max_steps``, no epoch count and a schedule over that many updates."""
+    accumulate = getattr(args, "accumulate_grad_batches", 1)
     if args.max_steps:
-        n_train = args.max_steps * deployer.get_global_batch_size(args.per_device_batch_size)
+        n_train = args.max_steps * deployer.get_global_batch_size(args.per_device_batch_size) \
+            * accumulate
     n_epochs = None if args.max_steps else args.n_epochs
-    return n_epochs, deployer.get_lr_schedule_fn(n_train, args.per_device_batch_size,
-                                                 n_epochs or 1, args.learning_rate,
-                                                 warmup_rate=args.warmup_rate)
+    return n_epochs, deployer.get_lr_schedule_fn(
+        n_train, args.per_device_batch_size, n_epochs or 1, args.learning_rate,
+        schedule_type=getattr(args, "schedule", "linear"), warmup_rate=args.warmup_rate,
+        accumulate_grad_batches=accumulate)
 
 
 def train_and_eval(args, model: nnx.Module, examples: tuple[list, list], collate_fn: Callable,
@@ -152,18 +186,22 @@ def train_and_eval(args, model: nnx.Module, examples: tuple[list, list], collate
                    output_fn: Callable | None = None, metric_fn: Callable | None = None,
                    best_metric: str | None = None, tokenizer: str | None = None,
                    before_fit: Callable[[Trainer], Any] | None = None) -> Any:
-    """Train ``model`` on ``examples = (train, eval)`` with the three functions; evaluate
-    after each epoch; save the trained model as ``workdir/model`` (HuggingFace format, with the
+    """Train ``model`` on ``examples = (train, eval)`` with the three functions and the levers
+    of ``add_training_levers`` (which the pipeline's parser must have); evaluate after each
+    epoch; save the trained model as ``workdir/model`` (HuggingFace format, with the
     tokenizer files of ``args.model``, or the ``tokenizer.json`` file ``tokenizer``).
     ``before_fit(trainer)`` runs once the trainer is made (e.g. a pass over the examples with
     the untrained params). Returns the trainer."""
     train, evaluate = examples
     deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
-                        workdir=args.workdir)
+                        workdir=args.workdir, n_context_shards=args.n_context_shards,
+                        context_strategy=args.context_strategy)
     apply_fn, params, trainable = split_for_training(model, args, deployer)
     n_epochs, lr = n_epochs_and_schedule(args, deployer, len(train))
-    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(lr),
-                      lr_schedule_fn=lr, trainable=trainable)
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optimizer_of(args, lr),
+                      lr_schedule_fn=lr, trainable=trainable, remat=args.remat,
+                      compute_dtype=None if args.compute_dtype == "float32" else jnp.bfloat16,
+                      accumulate_grad_batches=args.accumulate_grad_batches)
     predictor = pred_fn and trainer.get_default_predictor(pred_fn, output_fn)
     if before_fit is not None:
         before_fit(trainer)
@@ -171,6 +209,7 @@ def train_and_eval(args, model: nnx.Module, examples: tuple[list, list], collate
                 eval_examples=evaluate,
                 eval_predictor=predictor, eval_metric_fn=metric_fn,
                 save_every_n_steps=args.save_every_n_steps, max_eval_batches=eval_batches(args),
+                eval_every_n_steps=args.eval_every_n_steps,
                 save_argmax_ckpt_by_metrics=[best_metric] if best_metric else None)
     save_trained(trainer, model, args.model, tokenizer)
     return trainer

@@ -54,6 +54,7 @@ class Seq2SeqPipeline:
 
     def add_arguments(self, parser) -> None:
         runner.add_arguments(parser)
+        runner.add_training_levers(parser)
         parser.add_argument("--src_column", default="src")
         parser.add_argument("--tgt_column", default="tgt")
         parser.add_argument("--max_src_len", type=int, default=128)

@@ -68,6 +68,7 @@ class SFTPipeline:
 
     def add_arguments(self, parser) -> None:
         runner.add_arguments(parser)
+        runner.add_training_levers(parser)
         parser.add_argument("--messages_column", default="messages", help="each row's chat: a "
                             "list of {role, content} messages")
         parser.add_argument("--max_len", type=int, default=512, help="tokens per packed row")
