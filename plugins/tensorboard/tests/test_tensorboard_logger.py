@@ -136,7 +136,8 @@ def test_a_zoo_run_writes_to_every_installed_logger_that_needs_no_setup(tmp_path
         assert (tmp_path / "all" / "metrics.jsonl").exists()
         assert not (tmp_path / "all" / "wandb").exists()
         main(["zoo", "run", "one-metric", "--workdir", str(tmp_path / "one"), "--loggers", "jsonl"])
-        assert sorted(os.listdir(tmp_path / "one")) == ["log.txt", "metrics.jsonl"]
+        assert sorted(os.listdir(tmp_path / "one")) == ["log.txt", "metrics.jsonl",
+                                                        "run_config.json"]  # (what it resolved)
     finally:
         plugins.pm.unregister(name="one-metric-test")
     Deployer(jax_seed=0, workdir=str(tmp_path / "outside"), verbose=False).log_metrics({"x": 1}, 1)
