@@ -98,6 +98,7 @@ def cmd_zoo(args) -> None:
     pipeline_args = parser.parse_args(args.rest)
     if getattr(pipeline_args, "workdir", None):
         run_config.record(pipeline_args, pipeline_args.workdir, print)
+    del pipeline_args.config  # (read here: the pipeline gets its own flags only)
     with _environ("REDCO_LOGGERS", pipeline_args.__dict__.pop("loggers")):
         pipeline.run(pipeline_args)  # every Deployer of the run, and its subprocesses, log to them
 
