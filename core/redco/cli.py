@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import importlib.metadata
 import json
 import os
@@ -14,7 +13,7 @@ import re
 import sys
 
 from redco import plugins, run_config
-from redco.protocols import LaunchError, UsageError
+from redco.protocols import LaunchError, UsageError, did_you_mean
 
 
 class Parser(argparse.ArgumentParser):
@@ -24,9 +23,9 @@ class Parser(argparse.ArgumentParser):
         unknown = re.match(r"unrecognized arguments: (.*)", message)
         if unknown:
             flags = self.flags()
-            hints = [(typed, close[0]) for typed in unknown.group(1).split()
-                     if typed.startswith("-") and
-                     (close := difflib.get_close_matches(typed.split("=")[0], flags, 1, 0.7))]
+            hints = [(typed, close) for typed in unknown.group(1).split()
+                     if typed.startswith("-") and (close := did_you_mean(typed.split("=")[0],
+                                                                         flags))]
             if len(hints) == 1:
                 message += f" (did you mean {hints[0][1]}?)"
             elif hints:
@@ -35,13 +34,10 @@ class Parser(argparse.ArgumentParser):
 
     def flags(self) -> list[str]:
         """Every flag of this parser and of its subcommands'."""
-        found = []
-        for action in self._actions:
-            found += action.option_strings
-            for sub in getattr(action, "choices", None) or ():
-                if isinstance(action.choices, dict) and isinstance(action.choices[sub], Parser):
-                    found += action.choices[sub].flags()
-        return found
+        subcommands = [parser for action in self._actions if isinstance(action.choices, dict)
+                       for parser in action.choices.values() if isinstance(parser, Parser)]
+        return [flag for action in self._actions for flag in action.option_strings] + \
+            [flag for parser in subcommands for flag in parser.flags()]
 
 
 def cmd_plugins(args) -> None:

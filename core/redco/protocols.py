@@ -17,6 +17,7 @@ refuses one that misses any, with a warning naming the plugin and the method.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 from typing import Any, Callable, NamedTuple
 
@@ -28,6 +29,13 @@ class UsageError(ValueError):
     what to do instead: the ``redco`` command prints it in one line and exits 2 (``--debug``
     or ``REDCO_DEBUG=1`` shows the traceback). A ``ValueError``, as the library's other
     refusals of bad input are."""
+
+
+def did_you_mean(typed: str, known) -> str | None:
+    """The one of the names ``known`` that a mistyped ``typed`` was most likely meant to be, for
+    a usage error's "did you mean ...?"; ``None`` when none is close."""
+    close = difflib.get_close_matches(typed, list(known), 1, 0.6)
+    return close[0] if close else None
 
 
 class LaunchError(UsageError):

@@ -11,12 +11,11 @@ never silent.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
 from typing import Any
 
-from redco.protocols import UsageError
+from redco.protocols import UsageError, did_you_mean
 
 RESOLVED = "run_config.json"
 
@@ -50,9 +49,9 @@ def apply(parser: argparse.ArgumentParser, settings: dict[str, Any], path: str) 
     for name, value in settings.items():
         key = name.replace("-", "_")
         if key not in flags:
-            close = difflib.get_close_matches(key, flags, 1, 0.6)
+            close = did_you_mean(key, flags)
             raise UsageError(f"--config {path}: {name!r} is not a setting of this pipeline"
-                             + (f" (did you mean {close[0]!r}?)" if close else "") +
+                             + (f" (did you mean {close!r}?)" if close else "") +
                              f". Its settings: {', '.join(sorted(flags))}.")
         action = flags[key]
         if isinstance(value, str) and action.type is not None:

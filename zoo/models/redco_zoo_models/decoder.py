@@ -42,7 +42,7 @@ from redco_zoo_models.context_parallel import (
     in_order,
     on_split,
 )
-from redco_zoo_models.layers import ACTIVATIONS, RMSNorm, embed
+from redco_zoo_models.layers import GatedMLP, RMSNorm, embed
 from redco_zoo_models.moe import MoE, MoEConfig
 from redco_zoo_models.rope import Rope, apply_rope, depends_on_length, segment_lengths
 
@@ -162,18 +162,6 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(b, t, -1)), layer_cache
 
 
-class MLP(nnx.Module):
-    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
-        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)
-        self.gate_proj = linear(cfg.hidden_size, cfg.intermediate_size)
-        self.up_proj = linear(cfg.hidden_size, cfg.intermediate_size)
-        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size)
-        self.act = cfg.hidden_act
-
-    def __call__(self, x):
-        return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
-
-
 NORMS = {  # norm_layout -> the layer's norms, by HuggingFace's names
     "pre": ("input_layernorm", "post_attention_layernorm"),
     "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -187,7 +175,8 @@ class DecoderLayer(nnx.Module):
         for name in NORMS[cfg.norm_layout]:
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset))
         self.self_attn = Attention(cfg, layer, rngs)
-        self.mlp = MoE(cfg.moe(), rngs) if cfg.sparse(layer) else MLP(cfg, rngs)
+        self.mlp = MoE(cfg.moe(), rngs) if cfg.sparse(layer) else \
+            GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, rngs)
         self.layout = cfg.norm_layout
 
     @remat.layer

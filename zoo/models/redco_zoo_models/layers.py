@@ -1,5 +1,5 @@
-"""Pieces several zoo models share: HuggingFace's activation names, RMSNorm, and the embedding
-lookup."""
+"""Pieces several zoo models share: HuggingFace's activation names, RMSNorm, the gated MLP and
+the embedding lookup."""
 from __future__ import annotations
 
 import jax
@@ -28,6 +28,22 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 ** 2, axis=-1, keepdims=True) + self.eps)
         return (x32 * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class GatedMLP(nnx.Module):
+    """``down(act(gate(x)) * up(x))``, without biases: the MLP of LLaMA-style decoders and an
+    MoE block's shared experts, named as HuggingFace names it (``gate_proj``, ``up_proj``,
+    ``down_proj``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, rngs: nnx.Rngs):
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)  # noqa: E731
+        self.gate_proj = linear(hidden_size, intermediate_size)
+        self.up_proj = linear(hidden_size, intermediate_size)
+        self.down_proj = linear(intermediate_size, hidden_size)
+        self.act = act
+
+    def __call__(self, x):
+        return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
 
 
 @remat.layer

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from redco_zoo_models.layers import ACTIVATIONS
+from redco_zoo_models.layers import ACTIVATIONS, GatedMLP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,19 +102,6 @@ class Experts(nnx.Module):
         return jnp.einsum("eci,eih->ech", self.act(gate) * up, self.down_proj[...].astype(dtype))
 
 
-class SharedMLP(nnx.Module):
-    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
-        size = cfg.n_shared_experts * cfg.expert_size
-        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)  # noqa: E731
-        self.gate_proj = linear(cfg.hidden_size, size)
-        self.up_proj = linear(cfg.hidden_size, size)
-        self.down_proj = linear(size, cfg.hidden_size)
-        self.act = ACTIVATIONS[cfg.hidden_act]
-
-    def __call__(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
 class MoE(nnx.Module):
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -123,7 +110,8 @@ class MoE(nnx.Module):
         if cfg.router == "sigmoid":
             self.balance_bias = BalanceBias(jnp.zeros(cfg.n_experts, jnp.float32))
         if cfg.n_shared_experts:
-            self.shared_experts = SharedMLP(cfg, rngs)
+            self.shared_experts = GatedMLP(cfg.hidden_size, cfg.n_shared_experts * cfg.expert_size,
+                                           cfg.hidden_act, rngs)
 
     def route(self, tokens):
         """``(chosen (N, k) expert ids, weights (N, k), probs (N, E), logits (N, E))``."""
