@@ -21,20 +21,32 @@ from flax import nnx
 from redco_zoo_models.context_parallel import cache_slots
 
 
+def cut_logits(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """``logits`` (B, V) in float32, divided by ``temperature``, with the tokens outside the
+    ``top_k`` most likely (0: no cut) and then outside the fewest most likely whose
+    probabilities reach ``top_p`` (1.0: no cut) at ``-inf``. Each of ``temperature`` (> 0),
+    ``top_k`` and ``top_p`` is a number or a (B, 1) array, one per row (``redco_zoo_models.engine``
+    samples each request with its own)."""
+    logits = logits.astype(jnp.float32) / temperature
+    ranked = jnp.sort(logits, -1)[:, ::-1]
+    kth = jnp.take_along_axis(ranked, jnp.broadcast_to(jnp.maximum(jnp.asarray(top_k) - 1, 0),
+                                                       (len(ranked), 1)), -1)
+    kth = jnp.where(jnp.asarray(top_k) > 0, kth, -jnp.inf)
+    logits, ranked = (jnp.where(x < kth, -jnp.inf, x) for x in (logits, ranked))
+    probs = jax.nn.softmax(ranked, -1)
+    keep = (jnp.cumsum(probs, -1) - probs < top_p) | (jnp.asarray(top_p) >= 1.0)
+    cutoff = jnp.min(jnp.where(keep, ranked, jnp.inf), -1, keepdims=True)
+    return jnp.where(logits < cutoff, -jnp.inf, logits)
+
+
 def pick_tokens(logits, rng, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
     """Greedy (``temperature == 0``) or sampled next tokens from ``logits`` (B, V)."""
     if temperature == 0:
         return jnp.argmax(logits, -1)
-    logits = logits.astype(jnp.float32) / temperature
-    if top_k:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p < 1.0:  # the fewest most likely tokens whose probabilities reach top_p
-        ranked = jnp.sort(logits, -1)[:, ::-1]
-        probs = jax.nn.softmax(ranked, -1)
-        keep = jnp.cumsum(probs, -1) - probs < top_p
-        cutoff = jnp.min(jnp.where(keep, ranked, jnp.inf), -1, keepdims=True)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    if top_k or top_p < 1.0:
+        logits = cut_logits(logits, temperature, top_k, top_p)
+    else:
+        logits = logits.astype(jnp.float32) / temperature
     return jax.random.categorical(rng, logits)
 
 

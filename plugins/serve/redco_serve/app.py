@@ -1,0 +1,218 @@
+"""The HTTP routes, on Starlette: each request is checked, tokenized (chat messages through the
+tokenizer's chat template) and submitted to the engine, which runs in its own thread; its
+tokens come back to the event loop through an ``asyncio.Queue`` and leave as one JSON body or,
+when ``stream``, as server-sent events. A client that goes away cancels its samples."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from redco_serve import openai_api as api
+from redco_serve.text import TextStream
+from redco_zoo_models.engine import Engine
+
+
+class Job:
+    """One HTTP request's samples, seen from the event loop: the engine's thread puts
+    ``(choice, kind, payload)`` on ``queue`` (kind ``"text"``: new text; ``"end"``: the finish
+    reason)."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
+        self.tokenizer, self.stop = tokenizer, stop
+        self.streams: dict[int, TextStream] = {}
+        self.requests, self.first_choice = [], {}
+
+    def submit(self, engine: Engine, prompt: list[int], sampling) -> None:
+        request = engine.submit(prompt, sampling, self._on_token, self._on_end)
+        self.first_choice[id(request)] = len(self.streams)
+        for index in range(sampling.n):
+            self.streams[len(self.streams)] = TextStream(self.tokenizer, self.stop)
+        self.requests.append(request)
+
+    def choice(self, request, index: int) -> int:
+        return self.first_choice[id(request)] + index
+
+    def _on_token(self, request, index, token, logprob) -> bool:
+        stream = self.streams[self.choice(request, index)]
+        delta = stream.push(token)
+        if delta:
+            self._put(self.choice(request, index), "text", delta)
+        return stream.stopped
+
+    def _on_end(self, request, index) -> None:
+        self._put(self.choice(request, index), "end", request.samples[index].finish_reason)
+
+    def _put(self, *event) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    async def events(self):
+        """``(choice, kind, payload)`` until every sample has ended; cancels what is left when
+        the consumer stops early (a client gone)."""
+        ended = 0
+        try:
+            while ended < len(self.streams):
+                event = await self.queue.get()
+                ended += event[1] == "end"
+                yield event
+        finally:
+            for request in self.requests:
+                request.cancel()
+
+    def sample(self, choice: int):
+        request = next(r for r in reversed(self.requests) if self.first_choice[id(r)] <= choice)
+        return request.samples[choice - self.first_choice[id(request)]]
+
+
+def build_app(engine: Engine, tokenizer, model_name: str, eos_ids: tuple[int, ...]) -> Starlette:
+    """The OpenAI-compatible application over a started ``engine``."""
+
+    async def health(request: Request):
+        return JSONResponse({"status": "ok"})
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": 0, "owned_by": "redco"}]})
+
+    async def completions(request: Request):
+        body = await json_body(request)
+        api.check_model(body, model_name)
+        prompts = prompt_ids(body.get("prompt"), tokenizer)
+        return await answer(body, prompts, chat=False)
+
+    async def chat_completions(request: Request):
+        body = await json_body(request)
+        api.check_model(body, model_name)
+        return await answer(body, [chat_ids(body.get("messages"), tokenizer)], chat=True)
+
+    async def answer(body: dict, prompts: list[list[int]], chat: bool):
+        logprobs = api.wants_logprobs(body, chat)
+        room = engine.max_len - max(len(p) for p in prompts)
+        if room < 1:
+            raise api.BadRequest(f"The prompt is {max(len(p) for p in prompts)} tokens; this "
+                                 f"server's --max_len is {engine.max_len}, which leaves no room "
+                                 "for a completion: shorten it, or restart the server with a "
+                                 "larger --max_len.", "messages" if chat else "prompt")
+        key = "max_completion_tokens" if chat else "max_tokens"
+        sampling, stop = api.sampling_of(body, key, room, engine.max_seqs, eos_ids)
+        job = Job(tokenizer, stop)
+        for prompt in prompts:
+            try:
+                job.submit(engine, prompt, sampling)
+            except ValueError as e:
+                raise api.BadRequest(str(e)) from e
+        reply = Reply(job, model_name, chat, logprobs, sum(map(len, prompts)))
+        if body.get("stream"):
+            return StreamingResponse(reply.stream(), media_type="text/event-stream")
+        return JSONResponse(await reply.whole())
+
+    async def refused(request: Request, error: api.BadRequest):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    return Starlette(routes=[
+        Route("/health", health), Route("/v1/models", models),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ], exception_handlers={api.BadRequest: refused})
+
+
+class Reply:
+    """A job's answer, whole or as server-sent events, in the completions or the chat shape."""
+
+    def __init__(self, job: Job, model: str, chat: bool, logprobs: bool, prompt_tokens: int):
+        self.job, self.model, self.chat, self.logprobs = job, model, chat, logprobs
+        self.kind = "chat.completion" if chat else "text_completion"
+        self.id, self.prompt_tokens = api.new_id("chatcmpl" if chat else "cmpl"), prompt_tokens
+
+    def _logprobs(self, choice: int):
+        if not self.logprobs:
+            return None
+        sample = self.job.sample(choice)
+        pieces = [self.job.tokenizer.decode([t]) for t in sample.tokens]
+        shape = api.chat_logprobs if self.chat else api.completion_logprobs
+        return shape(pieces, sample.logprobs)
+
+    def _choice(self, choice: int, text: str, reason: str | None, first: bool = False) -> dict:
+        body = {"index": choice, "finish_reason": reason,
+                "logprobs": self._logprobs(choice) if reason else None}
+        if not self.chat:
+            return {**body, "text": text}
+        if first is None:  # the whole answer
+            return {**body, "message": {"role": "assistant", "content": text}}
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        return {**body, "delta": delta if text or first else {}}
+
+    def _usage(self) -> dict:
+        streams = self.job.streams.values()
+        return api.usage(self.prompt_tokens, sum(len(s.tokens) for s in streams))
+
+    async def whole(self) -> dict:
+        reasons = {}
+        async for choice, kind, payload in self.job.events():
+            if kind == "end":
+                reasons[choice] = payload
+        choices = [self._choice(c, s.text, reasons[c], first=None)
+                   for c, s in sorted(self.job.streams.items())]
+        return api.envelope(self.kind, self.id, self.model, choices, usage=self._usage())
+
+    async def stream(self):
+        kind = self.kind + ".chunk" if self.chat else self.kind
+        started = set()
+        async for choice, what, payload in self.job.events():
+            text = payload if what == "text" else self.job.streams[choice].finish()
+            reason = payload if what == "end" else None
+            body = self._choice(choice, text, reason, first=choice not in started)
+            started.add(choice)
+            yield f"data: {json.dumps(api.envelope(kind, self.id, self.model, [body]))}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+async def json_body(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except ValueError as e:
+        raise api.BadRequest(f"The body is not JSON: {e}.") from e
+    if not isinstance(body, dict):
+        raise api.BadRequest("The body must be a JSON object.")
+    return body
+
+
+def prompt_ids(prompt, tokenizer) -> list[list[int]]:
+    """A completions ``prompt`` (a string, a list of strings, token ids or lists of them) as
+    token id lists."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not all(
+            isinstance(p, str) and p or isinstance(p, list) and p and
+            all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
+        raise api.BadRequest("prompt: give a non-empty string, a list of them, a list of token "
+                             "ids, or a list of such lists.", "prompt")
+    return [tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else p
+            for p in prompt]
+
+
+def chat_ids(messages, tokenizer) -> list[int]:
+    """``messages`` rendered with the tokenizer's chat template and the generation prompt."""
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise api.BadRequest("messages: give a non-empty list of {\"role\", \"content\"} "
+                             "objects.", "messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise api.BadRequest("This model's tokenizer has no chat template: use "
+                             "/v1/completions, or give tokenizer_config.json a chat_template.",
+                             "messages")
+    from jinja2 import TemplateError
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True)
+    except TemplateError as e:
+        raise api.BadRequest(f"The chat template refuses these messages: {e}",
+                             "messages") from e
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

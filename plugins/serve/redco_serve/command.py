@@ -1,0 +1,104 @@
+"""``redco serve --model DIR``: load a zoo model directory (``config.json``, safetensors, a
+transformers tokenizer), place it on the devices (``--n_model_shards``: tensor parallel over
+that many, replicas over the rest, so decoding never gathers weights), start the engine and
+serve it with uvicorn. The socket is bound before the line ``serving NAME on URL`` is printed
+(``--port 0`` picks a free port and the line names it). SIGTERM or Ctrl-C stops taking
+connections and finishes the requests in flight before the process exits."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+
+from redco.protocols import Command, UsageError
+
+
+class ServeCommand(Command):
+    description = "serve a zoo model directory over an OpenAI-compatible HTTP API"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--model", required=True, help="a model directory (config.json, "
+                            "model.safetensors, tokenizer files), e.g. a zoo run's workdir/model")
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=8000, help="0: any free port")
+        parser.add_argument("--served_model_name", help="the model's name in requests "
+                            "(default: the directory's name)")
+        parser.add_argument("--max_seqs", type=int, default=16,
+                            help="sequences decoded at once (rows of the key/value cache)")
+        parser.add_argument("--max_len", type=int, default=1024,
+                            help="prompt plus completion tokens per sequence")
+        parser.add_argument("--n_model_shards", type=int, default=1,
+                            help="devices each replica's weights are split over (tensor parallel)")
+        parser.add_argument("--cache_dtype", choices=["float32", "bfloat16"], default="float32")
+
+    def run(self, args: argparse.Namespace) -> None:
+        import uvicorn
+
+        from redco_serve.app import build_app
+        if args.max_seqs < 1 or args.max_len < 2:
+            raise UsageError("--max_seqs must be >= 1 and --max_len >= 2.")
+        engine, tokenizer, eos = start_engine(args)
+        name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((args.host, args.port))
+        except OSError as e:
+            raise UsageError(f"--host {args.host} --port {args.port}: cannot listen there ({e}); "
+                             "pick another port, or --port 0 for any free one.") from e
+        host, port = sock.getsockname()[:2]
+        config = uvicorn.Config(build_app(engine, tokenizer, name, eos), log_level="warning",
+                                timeout_graceful_shutdown=None)
+        print(f"redco serve: serving {name} on http://{host}:{port}/v1", flush=True)
+        signals = []  # uvicorn drains on SIGTERM/SIGINT, then raises the signal again: to here
+        for each in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(each, lambda number, frame: signals.append(number))
+        try:
+            uvicorn.Server(config).run(sockets=[sock])
+        finally:
+            engine.stop()
+        how = f" on {signal.Signals(signals[0]).name}" if signals else ""
+        print(f"redco serve: stopped{how} after finishing the requests in flight", flush=True)
+
+
+def start_engine(args: argparse.Namespace):
+    """``(engine, tokenizer, eos ids)`` for ``args.model``, compiled and warmed up."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from transformers import AutoTokenizer
+
+    from redco import Deployer
+    from redco_zoo_models.engine import Engine, Sampling
+    from redco_zoo_models.runner import load_model
+    model, config = load_model(args.model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--model {args.model}: no tokenizer there that transformers reads "
+                         f"(tokenizer.json, tokenizer_config.json): {e}") from e
+    deployer = Deployer(jax_seed=0, n_model_shards=args.n_model_shards, workdir=None,
+                        verbose=False)
+    params = nnx.state(model, nnx.Param)
+    rules = list(deployer.get_sharding_rules(params))  # by parameter names: tensor parallel
+    params = jax.device_put(params, deployer.get_params_shardings(params, rules))
+    eos = eos_ids(args.model, config, tokenizer)
+    engine = Engine(model, params, max_seqs=args.max_seqs, max_len=args.max_len,
+                    eos_token_ids=eos, cache_dtype=getattr(jnp, args.cache_dtype),
+                    mesh=deployer.mesh)
+    engine.generate([[eos[0] if eos else 0]], Sampling(max_tokens=1))  # compile before serving
+    return engine.start(), tokenizer, eos
+
+
+def eos_ids(model_dir: str, config: dict, tokenizer) -> tuple[int, ...]:
+    """The ids that end a completion: ``config.json``'s and ``generation_config.json``'s
+    ``eos_token_id`` (an id or a list) and the tokenizer's EOS."""
+    found = [config.get("eos_token_id"), tokenizer.eos_token_id]
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            found.append(json.load(f).get("eos_token_id"))
+    flat = [i for item in found for i in (item if isinstance(item, list) else [item])]
+    return tuple(dict.fromkeys(i for i in flat if i is not None))

@@ -1,0 +1,216 @@
+"""``redco serve`` as a user runs it: a real server process on 127.0.0.1 (the model split over 2
+of 8 simulated devices), asked by the real ``openai`` client. Greedy answers are compared with
+``generate`` run in this process on the same model directory."""
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jax.numpy as jnp
+import openai
+import pytest
+from flax import nnx
+from transformers import AutoTokenizer
+
+from redco_zoo_models.generation import generate
+from redco_zoo_models.runner import load_model
+from redco_zoo_models.toy import save_tiny_chat_model
+
+WORDS = "the cat sat on a mat and then it ran off system user assistant".split()
+MAX_LEN = 48
+STARTUP_S = 300
+
+
+class Server:
+    def __init__(self, model_dir: str, *flags: str):
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "redco.cli", "serve", "--model", model_dir, "--port", "0",
+             "--max_seqs", "4", "--max_len", str(MAX_LEN), "--n_model_shards", "2", *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.output, deadline = [], time.monotonic() + STARTUP_S
+        while True:  # wait for the line that names the port (the socket is bound by then)
+            line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            assert line is not None, "the server exited before serving:\n" + "".join(self.output)
+            self.output.append(line)
+            if "serving" in line:
+                self.url = line.split(" on ")[1].strip()
+                break
+        self.client = openai.OpenAI(base_url=self.url, api_key="none", max_retries=0,
+                                    timeout=120)
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def rest_of_output(self, timeout: float) -> str:
+        lines, deadline = [], time.monotonic() + timeout
+        while (line := self.lines.get(timeout=max(0.0, deadline - time.monotonic()))) is not None:
+            lines.append(line)
+        return "".join(lines)
+
+    def close(self):
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_chat_model(str(tmp_path_factory.mktemp("serve") / "tiny-chat"), WORDS)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    server = Server(model_dir)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """``generate``'s greedy text after token ids, cut at the EOS, as the server decodes it."""
+    model, config = load_model(model_dir)
+    params = nnx.state(model, nnx.Param)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+    def greedy(ids: list[int], max_new: int) -> tuple[str, str]:
+        tokens = [int(t) for t in generate(model, params, jnp.asarray([ids], jnp.int32),
+                                           max_new)[0]]
+        eos = tokenizer.eos_token_id
+        reason = "stop" if eos in tokens else "length"
+        return tokenizer.decode(tokens[:tokens.index(eos)] if eos in tokens else tokens,
+                                skip_special_tokens=True), reason
+    greedy.tokenizer = tokenizer
+    return greedy
+
+
+PROMPTS = ["the cat sat on", "a mat and then it", "it ran off the mat and the cat sat"]
+
+
+def test_models_and_health_list_what_is_served(server):
+    assert [m.id for m in server.client.models.list().data] == ["tiny-chat"]
+    import httpx
+    assert httpx.get(server.url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_greedy_completions_equal_generate(server, reference, stream):
+    for prompt in PROMPTS:
+        ids = reference.tokenizer(prompt)["input_ids"]
+        expected, reason = reference(ids, 12)
+        kwargs = dict(model="tiny-chat", prompt=prompt, max_tokens=12, temperature=0)
+        if stream:
+            chunks = list(server.client.completions.create(stream=True, **kwargs))
+            text = "".join(c.choices[0].text for c in chunks)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+            assert finish == [reason] and len(chunks) > 2
+        else:
+            answer = server.client.completions.create(**kwargs)
+            text = answer.choices[0].text
+            assert answer.choices[0].finish_reason == reason
+            assert answer.usage.prompt_tokens == len(ids)
+        assert text == expected, prompt
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_completions_use_the_chat_template(server, reference, stream):
+    messages = [{"role": "user", "content": "the cat sat on the mat"}]
+    ids = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=True)["input_ids"]
+    expected, reason = reference(ids, 10)
+    kwargs = dict(model="tiny-chat", messages=messages, max_tokens=10, temperature=0)
+    if stream:
+        chunks = list(server.client.chat.completions.create(stream=True, **kwargs))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == reason
+    else:
+        answer = server.client.chat.completions.create(**kwargs)
+        text = answer.choices[0].message.content
+        assert answer.choices[0].finish_reason == reason
+    assert text == expected
+
+
+def test_samples_stop_strings_and_logprobs(server, reference):
+    answer = server.client.completions.create(model="tiny-chat", prompt="the cat", n=3,
+                                              max_tokens=8, temperature=1.0, seed=7, logprobs=0)
+    assert sorted(c.index for c in answer.choices) == [0, 1, 2]
+    for choice in answer.choices:
+        assert len(choice.logprobs.token_logprobs) >= 1
+        assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    again = server.client.completions.create(model="tiny-chat", prompt="the cat", n=3,
+                                             max_tokens=8, temperature=1.0, seed=7, logprobs=0)
+    assert [c.text for c in again.choices] == [c.text for c in answer.choices]  # seeded
+    greedy = dict(model="tiny-chat", prompt=PROMPTS[2], max_tokens=20, temperature=0)
+    full = server.client.completions.create(**greedy).choices[0].text
+    assert full.split()[6] == "it"  # this tiny model's greedy answer: cut it at "it"
+    cut = server.client.completions.create(stop=["xyz", "it"], **greedy).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[:full.index("it")]
+    streamed = "".join(c.choices[0].text for c in server.client.completions.create(
+        stop=["xyz", "it"], stream=True, **greedy))
+    assert streamed == cut.text
+
+
+@pytest.mark.parametrize("kwargs, status, says", [
+    (dict(prompt="the cat " * 40), 400, "--max_len"),
+    (dict(prompt="the cat", max_tokens=1000), 400, "max_tokens=1000"),
+    (dict(prompt="the cat", temperature=-1), 400, "temperature=-1"),
+    (dict(prompt="the cat", n=9), 400, "n=9"),
+    (dict(prompt="the cat", echo=True), 400, "echo"),
+    (dict(prompt=""), 400, "prompt"),
+    (dict(prompt="the cat", model="gpt-4"), 404, "'gpt-4' does not exist"),
+])
+def test_bad_requests_get_a_4xx_that_says_what_is_wrong(server, kwargs, status, says):
+    kwargs = {"model": "tiny-chat", **kwargs}
+    with pytest.raises(openai.APIStatusError) as refused:
+        server.client.completions.create(**kwargs)
+    assert refused.value.status_code == status
+    assert says in refused.value.message
+    assert server.client.completions.create(model="tiny-chat", prompt="the cat",
+                                            max_tokens=2).choices  # still serving
+
+
+def test_64_concurrent_clients_all_get_their_answers(server, reference):
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
+    expected = {p: reference(reference.tokenizer(p)["input_ids"], 6)[0] for p in PROMPTS}
+
+    def ask(prompt):
+        return server.client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=6,
+                                                temperature=0).choices[0].text
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(64) as pool:
+        answers = list(pool.map(ask, prompts))
+    together = time.perf_counter() - start
+    assert answers == [expected[p] for p in prompts]  # none lost, none mixed up
+    start = time.perf_counter()
+    for prompt in prompts[:8]:
+        ask(prompt)
+    one_at_a_time = (time.perf_counter() - start) * 8
+    print(f"64 clients: {together:.2f} s together, ~{one_at_a_time:.2f} s one at a time")
+
+
+def test_sigterm_finishes_the_requests_in_flight(model_dir, reference):
+    server = Server(model_dir)
+    try:
+        stream = server.client.completions.create(model="tiny-chat", prompt=PROMPTS[2],
+                                                  max_tokens=30, temperature=0, stream=True)
+        chunks = iter(stream)
+        first = next(chunks)  # the request is running
+        server.process.send_signal(signal.SIGTERM)
+        rest = list(chunks)
+        expected = reference(reference.tokenizer(PROMPTS[2])["input_ids"], 30)
+        assert "".join(c.choices[0].text for c in [first, *rest]) == expected[0]
+        assert rest[-1].choices[0].finish_reason == expected[1]
+        assert server.process.wait(timeout=120) == 0
+        assert "finishing the requests in flight" in server.rest_of_output(30)
+    finally:
+        server.close()

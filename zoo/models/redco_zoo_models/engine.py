@@ -1,0 +1,315 @@
+"""An inference engine with continuous batching: requests join and leave the running batch at
+every decode step, on any zoo decoder (``model.init_cache`` and ``model.decode``, as
+``redco_zoo_models.generation`` uses them), sharded or not.
+
+The engine holds one key/value cache of ``max_seqs`` rows of ``max_len`` slots; each running
+sequence owns a row. A ``step``:
+
+1. **admit**: waiting requests take free rows, first come first served. A request's prompt is
+   read once (a prefill into a one-row cache, right-padded to a power of two so that few shapes
+   compile) and that row is copied to each of its ``n`` samples: G samples of one prompt share
+   its prefill.
+2. **decode**: every row's next token at once, each at its own slot (the model's ``decode`` run
+   per row under ``jax.vmap``) and sampled with its own request's temperature, top-k, top-p and
+   key (``fold_in(PRNGKey(seed), sample)``, then the token's index): a seeded request samples
+   the same tokens whatever else runs beside it.
+3. **finish**: a sample ends at an end-of-sequence or stop token, at ``max_tokens``, when its
+   ``on_token`` callback says so (a stop string), or when its request is cancelled; its row is
+   free for the next admit.
+
+Each token comes with its log-probability under ``softmax(logits / temperature)`` before any
+top-k or top-p cut (untempered when greedy), as ``generate(return_logprobs=True)`` and a training
+step compute it. Greedy requests give ``generate``'s tokens.
+
+``step`` runs in the caller's thread (``generate`` steps until its requests end); ``start`` runs
+it in a background thread that requests from other threads feed (``redco serve``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from collections import deque
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from redco_zoo_models.generation import cut_logits
+
+MIN_BUCKET = 16  # the shortest prefill shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How one request samples: ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1.0 cut
+    nothing; ``n`` samples of the prompt; ``stop_token_ids`` end a sample as the model's EOS
+    does; ``seed`` None draws one."""
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        checks = {"max_tokens": self.max_tokens >= 1, "temperature": self.temperature >= 0,
+                  "top_k": self.top_k >= 0, "top_p": 0 < self.top_p <= 1, "n": self.n >= 1}
+        wrong = [name for name, ok in checks.items() if not ok]
+        if wrong:
+            raise ValueError(f"Sampling {wrong[0]}={getattr(self, wrong[0])!r} is out of range: "
+                             "max_tokens and n >= 1, temperature >= 0, top_k >= 0 (0: no cut), "
+                             "0 < top_p <= 1.")
+
+
+@dataclasses.dataclass
+class Sample:
+    """One sample's tokens so far, their log-probabilities, and why it ended (``"stop"``: an
+    EOS, a stop token or a stop string; ``"length"``: ``max_tokens``; ``"cancelled"``)."""
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Request:
+    """A submitted prompt: its ``samples`` fill in as the engine steps; ``done`` is set when all
+    have ended. In the engine's thread, ``on_token(request, index, token, logprob)`` is called
+    for each new token of sample ``index`` (returning True ends that sample: a stop string), and
+    ``on_end(request, index)`` once the sample has ended."""
+
+    def __init__(self, prompt: list[int], sampling: Sampling,
+                 on_token: Callable[..., bool | None] | None = None,
+                 on_end: Callable[..., None] | None = None):
+        self.prompt, self.sampling = list(prompt), sampling
+        self.on_token, self.on_end = on_token, on_end
+        self.samples = [Sample() for _ in range(sampling.n)]
+        self.done, self.cancelled = threading.Event(), False
+
+    def cancel(self) -> None:
+        """End every sample at the engine's next step (a client that went away)."""
+        self.cancelled = True
+
+
+class Engine:
+    """Continuous batching over ``model`` with weights ``params`` (``nnx.split``'s params, placed
+    as they are: on one device or sharded over ``mesh``, whose ``dp`` axis then splits the
+    cache's rows and ``mp`` its key/value heads where they divide)."""
+
+    def __init__(self, model: nnx.Module, params: Any, *, max_seqs: int = 8,
+                 max_len: int = 256, eos_token_ids: tuple[int, ...] = (),
+                 cache_dtype=jnp.float32, mesh=None):
+        at = getattr(model, "rereads_at", lambda: None)()
+        if at is not None and at < max_len:
+            raise ValueError(f"max_len={max_len} passes slot {at}, where this model's RoPE "
+                             "factors switch and generation reads the sequence again; the engine "
+                             f"does not: use max_len <= {at}, or generate().")
+        self.graphdef, self.params = nnx.graphdef(model), params
+        self.max_seqs, self.max_len, self.eos = max_seqs, max_len, set(eos_token_ids)
+        self.cache_dtype = cache_dtype
+        cache = model.init_cache(max_seqs, max_len, cache_dtype)
+        self.cache = jax.device_put(cache, _cache_sharding(mesh, cache))
+        self.key_valid = jnp.zeros((max_seqs, max_len), bool)
+        vocab = jax.eval_shape(lambda: model.decode(
+            jnp.zeros((1, 1), jnp.int32), jnp.ones((1, max_len), bool),
+            model.init_cache(1, max_len, cache_dtype), 0))[0].shape[-1]
+        self.logits = jnp.zeros((max_seqs, vocab), jnp.float32)
+        self.rows: list[tuple[Request, int] | None] = [None] * max_seqs
+        self.slot = np.zeros(max_seqs, np.int32)  # where each row's next token goes
+        self.row_keys = np.zeros((max_seqs, 2), np.uint32)
+        self.waiting: deque[Request] = deque()
+        self._lock, self._wake = threading.Lock(), threading.Condition()
+        self._thread, self._closing = None, False
+        self._seeds = itertools.count(int(np.random.SeedSequence().entropy % 2 ** 31))
+        self._decode = jax.jit(self._decode_rows, donate_argnums=(1, 2))
+        self._prefill = jax.jit(self._prefill_rows, donate_argnums=(1, 2, 3))
+
+    # ---- requests ------------------------------------------------------------------------------
+    def submit(self, prompt: list[int], sampling: Sampling = Sampling(),
+               on_token: Callable[..., bool | None] | None = None,
+               on_end: Callable[..., None] | None = None) -> Request:
+        """Queue ``prompt`` (token ids); refused at once when it cannot fit."""
+        if not prompt:
+            raise ValueError("The prompt is empty: give at least one token.")
+        if len(prompt) + sampling.max_tokens > self.max_len:
+            raise ValueError(f"The prompt ({len(prompt)} tokens) and max_tokens "
+                             f"({sampling.max_tokens}) take {len(prompt) + sampling.max_tokens} "
+                             f"slots; this engine's sequences hold {self.max_len}: shorten "
+                             "either, or start the engine with a larger max_len.")
+        if sampling.n > self.max_seqs:
+            raise ValueError(f"n={sampling.n} samples need as many rows; this engine runs "
+                             f"{self.max_seqs}: lower n, or raise max_seqs.")
+        request = Request(prompt, sampling, on_token, on_end)
+        with self._wake:
+            self.waiting.append(request)
+            self._wake.notify()
+        return request
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling = Sampling()) -> list[Request]:
+        """Each prompt run to its end, stepping in this thread (no background thread)."""
+        requests = [self.submit(prompt, sampling) for prompt in prompts]
+        while not all(r.done.is_set() for r in requests):
+            self.step()
+        return requests
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Admit what fits, then one token for every running row. False: nothing ran."""
+        with self._lock:
+            self._admit()
+            running = [i for i, row in enumerate(self.rows) if row is not None]
+            if not running:
+                return False
+            tokens, logprobs = self._decode_running(running)
+            for i in running:
+                self._take(i, int(tokens[i]), float(logprobs[i]))
+            return True
+
+    def start(self) -> "Engine":
+        """Step in a background thread whenever there is work, until ``stop``."""
+        self._thread = threading.Thread(target=self._serve, name="redco-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Finish what runs and waits, then end the background thread."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _serve(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self.waiting or self._closing or any(self.rows))
+                if self._closing and not self.waiting and not any(self.rows):
+                    return
+            self.step()
+
+    # ---- rows -----------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        free = [i for i, row in enumerate(self.rows) if row is None]
+        while self.waiting and len(free) >= self.waiting[0].sampling.n:
+            with self._wake:
+                request = self.waiting.popleft()
+            if request.cancelled:
+                self._end(request, "cancelled")
+                continue
+            rows, free = free[:request.sampling.n], free[request.sampling.n:]
+            self._prefill_into(request, rows)
+
+    def _prefill_into(self, request: Request, rows: list[int]) -> None:
+        n = len(request.prompt)
+        bucket = min(max(MIN_BUCKET, 1 << (n - 1).bit_length()), self.max_len)
+        ids = np.zeros((1, bucket), np.int32)
+        ids[0, :n] = request.prompt
+        target = np.isin(np.arange(self.max_seqs), rows)
+        self.cache, self.key_valid, self.logits = self._prefill(
+            self.params, self.cache, self.key_valid, self.logits, ids, n, target)
+        seed = request.sampling.seed if request.sampling.seed is not None else next(self._seeds)
+        key = jax.random.PRNGKey(seed)
+        for sample, row in enumerate(rows):
+            self.rows[row], self.slot[row] = (request, sample), n
+            self.row_keys[row] = np.asarray(jax.random.fold_in(key, sample))
+
+    def _decode_running(self, running: list[int]):
+        active = np.zeros(self.max_seqs, bool)
+        active[running] = True
+        settings = np.zeros((3, self.max_seqs), np.float32)
+        counts = np.zeros(self.max_seqs, np.int32)
+        for i in running:
+            request, sample = self.rows[i]
+            s = request.sampling
+            settings[:, i] = s.temperature, s.top_k, s.top_p
+            counts[i] = len(request.samples[sample].tokens)
+        tokens, logprobs, self.logits, self.cache, self.key_valid = self._decode(
+            self.params, self.cache, self.key_valid, self.logits, self.slot.copy(), active, settings,
+            self.row_keys.copy(), counts)
+        return np.asarray(tokens), np.asarray(logprobs)
+
+    def _take(self, row: int, token: int, logprob: float) -> None:
+        request, index = self.rows[row]
+        sample = request.samples[index]
+        sample.tokens.append(token)
+        sample.logprobs.append(logprob)
+        self.slot[row] += 1
+        stopped = request.on_token is not None and request.on_token(request, index, token,
+                                                                    logprob)
+        if request.cancelled:
+            sample.finish_reason = "cancelled"
+        elif stopped or token in self.eos or token in request.sampling.stop_token_ids:
+            sample.finish_reason = "stop"
+        elif len(sample.tokens) == request.sampling.max_tokens:
+            sample.finish_reason = "length"
+        if sample.finish_reason is not None:
+            self.rows[row] = None
+            self._ended(request, index)
+
+    def _end(self, request: Request, reason: str) -> None:
+        for index, sample in enumerate(request.samples):
+            sample.finish_reason = reason
+            self._ended(request, index)
+
+    @staticmethod
+    def _ended(request: Request, index: int) -> None:
+        if request.on_end is not None:
+            request.on_end(request, index)
+        if all(s.finish_reason for s in request.samples):
+            request.done.set()
+
+    # ---- what runs on the devices ---------------------------------------------------------------
+    def _prefill_rows(self, params, cache, key_valid, logits, ids, n, target):
+        """The prompt ``ids`` (1, bucket; its first ``n`` real) read into a one-row cache, copied
+        into the rows where ``target``, with its last token's logits."""
+        m = nnx.merge(self.graphdef, params)
+        valid = jnp.arange(self.max_len)[None] < n
+        out, row = m.decode(ids, valid, m.init_cache(1, self.max_len, self.cache_dtype), 0)
+        last = jax.lax.dynamic_index_in_dim(out[0], n - 1, keepdims=False).astype(jnp.float32)
+        put = lambda new, old: jnp.where(  # noqa: E731
+            target.reshape((-1,) + (1,) * (old.ndim - 1)), new.astype(old.dtype), old)
+        return jax.tree.map(put, row, cache), put(valid, key_valid), put(last[None], logits)
+
+    def _decode_rows(self, params, cache, key_valid, logits, slot, active, settings, row_keys,
+                     counts):
+        """Every row's next token from ``logits``, each sampled its own way, and the logits
+        after it: ``(tokens, logprobs, logits, cache, key_valid)``."""
+        m = nnx.merge(self.graphdef, params)
+        temperature, top_k, top_p = settings[0], settings[1].astype(jnp.int32), settings[2]
+        keys = jax.vmap(jax.random.fold_in)(row_keys, counts)
+        tokens = pick_rows(logits, keys, temperature, top_k, top_p)
+        scale = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits / scale), tokens[:, None],
+                                       -1)[:, 0]
+        key_valid = key_valid.at[jnp.arange(self.max_seqs), slot].set(active)
+
+        def one_row(token, valid, row_cache, at):
+            batch = lambda x: x[None]  # noqa: E731
+            out, row_cache = m.decode(token.reshape(1, 1), valid[None],
+                                      jax.tree.map(batch, row_cache), at)
+            return out[0, -1].astype(jnp.float32), jax.tree.map(lambda x: x[0], row_cache)
+
+        logits, cache = jax.vmap(one_row)(tokens, key_valid, cache, slot)
+        return tokens, logprobs, logits, cache, key_valid
+
+
+def pick_rows(logits, keys, temperature, top_k, top_p):
+    """Each row's next token from ``logits`` (B, V), with its own ``temperature`` (0: greedy),
+    ``top_k``, ``top_p`` (each (B,)) and PRNG key (``keys`` (B, 2))."""
+    sampled_t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    cut = cut_logits(logits, sampled_t, top_k[:, None], top_p[:, None])
+    sampled = jax.vmap(jax.random.categorical)(keys, cut)
+    return jnp.where(temperature > 0, sampled, jnp.argmax(logits, -1)).astype(jnp.int32)
+
+
+def _cache_sharding(mesh, cache):
+    """Rows over ``dp`` and key/value heads over ``mp``, where they divide; None without a mesh."""
+    if mesh is None:
+        return None
+    rows, _, heads, _ = cache[0]["k"].shape
+    divides = lambda axis, n: axis if axis in mesh.shape and n % mesh.shape[axis] == 0 else None  # noqa: E731
+    return NamedSharding(mesh, P(divides("dp", rows), None, divides("mp", heads), None))
