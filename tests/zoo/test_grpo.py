@@ -217,7 +217,9 @@ def run_grpo(root, workdir, n_devices: int, n_model_shards: int, per_device: int
     return rollouts, load_file(workdir / "model" / "model.safetensors")
 
 
-def test_a_rollouts_samples_count_their_completion_up_to_its_first_eos(warmed_up, tmp_path):
+@pytest.mark.parametrize("engine_rows", [0, 8])
+def test_a_rollouts_samples_count_their_completion_up_to_its_first_eos(warmed_up, tmp_path,
+                                                                       engine_rows):
     """Real rollouts of the warmed-up model (answers of ~2 tokens in 6 new tokens): each sample
     counts its completion up to and including its first EOS and nothing after, the logged
     completion length is what the samples count, and the clip fraction reuses the scorer's
@@ -238,8 +240,9 @@ def test_a_rollouts_samples_count_their_completion_up_to_its_first_eos(warmed_up
     apply_fn, params = split_model(model)
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.sgd(0.0))
     grpo = GRPO(trainer, model, tokenizer, pred_fn, exact_match,
-                GRPOConfig(n_samples=4, max_new_tokens=6), per_device_batch_size=4)
-    grpo.decide_layout(prompts)
+                GRPOConfig(n_samples=4, max_new_tokens=6), per_device_batch_size=4,
+                engine_rows=engine_rows)
+    grpo.decide_layout(prompts, 0)
     samples, metrics = grpo.rollout(prompts, rows, "prompt", 1)
     ended_early = 0
     for sample in samples:

@@ -95,6 +95,9 @@ def add_grpo_arguments(parser) -> None:
     add("--beta", type=float, default=0.0, help="weight of the KL penalty to the reference")
     add("--n_updates", type=int, default=1, help="epochs over each round's samples (mu)")
     add("--prompts_per_round", type=int, default=16)
+    add("--engine_rows", type=int, default=32, help="rollouts on the continuous-batching engine "
+        "with this many sequences at once (redco_zoo_models.engine); 0: pred_fn's fixed-batch "
+        "sampler")
     add("--n_rounds", type=int, help="default: --n_epochs passes over the prompts")
     add("--eval_every_n_rounds", type=int, default=10)
 
@@ -155,7 +158,8 @@ def train(args) -> list[float]:
                                      args.learning_rate, warmup_rate=args.warmup_rate)
     trainer = Trainer(deployer, collate_fn, apply_fn, partial(loss_fn, **config.loss_kwargs()),
                       params, optax.adamw(lr), lr_schedule_fn=lr, trainable=trainable)
-    grpo = GRPO(trainer, model, tokenizer, pred_fn, reward_fn, config, args.per_device_batch_size)
+    grpo = GRPO(trainer, model, tokenizer, pred_fn, reward_fn, config, args.per_device_batch_size,
+                args.engine_rows)
     rewards = grpo.train(prompts, held_out, args.prompt_column, n_rounds, args.prompts_per_round,
                          args.eval_every_n_rounds, args.jax_seed,
                          save_every_n_steps=args.save_every_n_steps)

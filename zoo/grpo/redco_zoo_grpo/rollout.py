@@ -1,8 +1,10 @@
 """GRPO's loop. Each round takes the next prompts (a seeded shuffle, epoch after epoch) and:
 
-1. samples G completions of each on the params as they train (``pred_fn``, the zoo's cached
-   sampler: G samples per prompt in one call, run by a ``Predictor`` on the training layout,
-   no gather to one device);
+1. samples G completions of each on the params as they train: on the continuous-batching
+   engine (``engine_rollouts.py``: the trainer's own params, each prompt's samples sharing its
+   prefill, finished rows refilled at once), or with ``engine_rows=0`` by ``pred_fn`` (the
+   zoo's fixed-batch sampler, G samples per prompt in one call, run by a ``Predictor`` on the
+   training layout);
 2. scores them with the reward function (``rewards.py``; checked: one finite number each);
 3. turns each group's rewards into advantages (``loss.group_advantages``);
 4. runs the trainer's forward pass over them once (``score_fn``): the ``old_logps`` the ratio
@@ -37,6 +39,7 @@ import numpy as np
 from redco import Trainer
 from redco.lora import trainable_mask, without_adapters
 from redco.protocols import UsageError
+from redco_zoo_grpo.engine_rollouts import EngineRollouts
 from redco_zoo_grpo.loss import LOSS_TYPES, clip_fraction, group_advantages, k3, token_logps
 from redco_zoo_grpo.rewards import score
 from redco_zoo_models import split_model
@@ -105,13 +108,14 @@ def left_pad(prompts: list[np.ndarray], width: int, pad_id: int) -> list[dict]:
 class GRPO:
     """Rounds of sample -> score -> advantages -> ``n_updates`` epochs (module docstring) for
     ``trainer``, whose params ``model`` gives the structure of; ``pred_fn(rng, params, batch,
-    model, n_samples, **sampling)`` samples (``pipeline.pred_fn``), ``tokenizer`` decodes and
-    ``reward_fn`` scores."""
+    model, n_samples, **sampling)`` samples (``pipeline.pred_fn``) when ``engine_rows`` is 0,
+    else the engine with that many rows does; ``tokenizer`` decodes and ``reward_fn`` scores."""
 
     def __init__(self, trainer: Trainer, model, tokenizer, pred_fn: Callable, reward_fn: Callable,
-                 config: GRPOConfig, per_device_batch_size: int):
+                 config: GRPOConfig, per_device_batch_size: int, engine_rows: int = 0):
         self.trainer, self.tokenizer, self.reward_fn, self.config = \
             trainer, tokenizer, reward_fn, config
+        self.model, self.engine_rows, self.engine = model, engine_rows, None
         self.batch_size = per_device_batch_size
         self.eos_id = stop_token_id(tokenizer)  # the end of the assistant's turn
         sampling = dict(config.sampling(), eos_token_id=self.eos_id,
@@ -134,14 +138,19 @@ class GRPO:
 
     def completions(self, predictor, prompts: list[dict], round_: int):
         """``(tokens, logps, texts)``: the sampler's completions of ``prompts``, flat."""
-        n_devices = self.trainer.deployer.dp_size
-        out = predictor.predict([dict(p, round=np.int32(round_)) for p in prompts],
-                                -(-len(prompts) // n_devices), self.trainer.params, desc="sample")
-        tokens = np.concatenate([o["tokens"] for o in out])
+        if self.engine is not None:
+            tokens, logps = self.engine.sample(prompts, round_, greedy=predictor is self.greedy)
+        else:
+            n_devices = self.trainer.deployer.dp_size
+            out = predictor.predict([dict(p, round=np.int32(round_)) for p in prompts],
+                                    -(-len(prompts) // n_devices), self.trainer.params,
+                                    desc="sample")
+            tokens = np.concatenate([o["tokens"] for o in out])
+            logps = np.concatenate([o["logps"] for o in out])
         mask = completion_mask(tokens, self.eos_id)
         texts = self.tokenizer.batch_decode(np.where(mask, tokens, self.eos_id),
                                             skip_special_tokens=True)
-        return tokens, np.concatenate([o["logps"] for o in out]), texts
+        return tokens, logps, texts
 
     def rewards(self, rows: list[dict], texts: list[str], prompt_column: str,
                 where: str) -> np.ndarray:
@@ -194,9 +203,10 @@ class GRPO:
         _, _, texts = self.completions(self.greedy, prompts, 0)
         return float(self.rewards(rows, texts, prompt_column, "the greedy completions").mean())
 
-    def decide_layout(self, prompts: list[dict]) -> None:
+    def decide_layout(self, prompts: list[dict], seed: int) -> None:
         """Fix the trainer's layout (and place its params) before the first rollout samples on
-        them: from the loss on placeholder samples shaped as the rollouts' will be."""
+        them: from the loss on placeholder samples shaped as the rollouts' will be; then the
+        engine on that layout."""
         n = self.config.max_new_tokens
         placeholder = dict(prompts[0], tokens=np.zeros(n, np.int32),
                            completion_mask=np.ones(n, bool), advantage=np.float32(0),
@@ -207,6 +217,11 @@ class GRPO:
         self.trainer.lower_train_step([placeholder] * size, self.batch_size)
         if self.reference == "copy":  # the params before the first update
             self.ref_params = jax.tree.map(jnp.copy, self.trainer.params)
+        if self.engine_rows:
+            self.engine = EngineRollouts(
+                self.trainer, self.model, self.config, self.eos_id,
+                self.tokenizer.pad_token_id or 0, self.engine_rows,
+                len(prompts[0]["prompt_ids"]), seed)
 
     def state_dict(self) -> dict:
         """What a step checkpoint keeps of the loop (``trainer.run``): the rounds done and the
@@ -231,7 +246,7 @@ class GRPO:
         ``evaluate`` before the first, every ``eval_every`` rounds and after the last (logged
         as ``eval/reward`` and returned). Run in ``trainer.run(**run_options)``: a rerun resumes
         from the newest step checkpoint at the round after it, a SIGTERM saves one and stops."""
-        self.decide_layout(train[0])
+        self.decide_layout(train[0], seed)
         self.round, self.eval_rewards = 0, []
         order = np.concatenate([np.random.default_rng([seed, epoch]).permutation(len(train[0]))
                                 for epoch in range(-(-n_rounds * prompts_per_round

@@ -6,7 +6,9 @@ slots ``<= i`` (causal) or all valid slots (an encoder, cross-attention). Withou
 slots are just the input's positions.
 
 A cache is one dict ``{"k": (B, S, KV, D), "v": ...}`` per layer, the model writing a call's
-keys and values at ``cache_index`` (the slot of its first token).
+keys and values at ``cache_index`` (the slot of its first token): one slot for every row, or a
+(B,) array, each row its own (``redco_zoo_models.engine``: sequences at different lengths
+decoded together).
 
 Gemma 2/3, Qwen3 and Phi-3 options, as HuggingFace transformers computes them: a sliding window
 (a query in slot ``i`` sees only the key slots ``j > i - window``: ``within_window`` restricts a
@@ -22,14 +24,20 @@ import jax.numpy as jnp
 from redco_zoo_models.tiled_attention import BLOCK, tiled_attention
 
 
+def query_slots(first_slot, n_queries: int):
+    """``(B or 1, n_queries)``: the slots of ``n_queries`` queries from ``first_slot`` on (a
+    number, or a (B,) array: each row's own)."""
+    return jnp.reshape(first_slot, (-1, 1)) + jnp.arange(n_queries)
+
+
 def mask(key_valid, n_queries: int, first_slot=0, causal: bool = True):
     """``(B, 1, T, S)`` bools: which of ``S`` key slots each of ``n_queries`` queries (in slots
-    ``first_slot ...``) may attend to."""
+    ``first_slot ...``, a number or each row's) may attend to."""
     b, s = key_valid.shape
     allowed = jnp.broadcast_to(key_valid[:, None, None, :], (b, 1, n_queries, s))
     if causal:
-        query_slots = first_slot + jnp.arange(n_queries)
-        allowed = allowed & (jnp.arange(s)[None, :] <= query_slots[:, None])
+        queries = query_slots(first_slot, n_queries)[:, None, :, None]
+        allowed = allowed & (jnp.arange(s) <= queries)
     return allowed
 
 
@@ -41,8 +49,8 @@ def within_window(allowed, window: int | None, first_slot=0):
     if window is None:
         return allowed
     t, s = allowed.shape[-2:]
-    query_slots = first_slot + jnp.arange(t)
-    return allowed & (jnp.arange(s)[None, :] > query_slots[:, None] - window)
+    queries = query_slots(first_slot, t)[:, None, :, None]
+    return allowed & (jnp.arange(s) > queries - window)
 
 
 def positions_from(key_valid):
@@ -78,7 +86,8 @@ def decoder_inputs(batch: int, n: int, attention_mask=None, cached: bool = False
     if attention_mask is None and not cached:
         return jnp.broadcast_to(jnp.arange(n), (batch, n)), None
     key_valid = jnp.ones((batch, n), bool) if attention_mask is None else attention_mask > 0
-    positions = jax.lax.dynamic_slice_in_dim(positions_from(key_valid), cache_index, n, 1)
+    slots = jnp.broadcast_to(query_slots(cache_index, n), (batch, n))
+    positions = jnp.take_along_axis(positions_from(key_valid), slots, 1)
     return positions, mask(key_valid, n, cache_index)
 
 
@@ -93,11 +102,18 @@ def write_cache(layer_cache: dict | None, k, v, cache_index):
     cache attended to; without a cache, just ``k`` and ``v``."""
     if layer_cache is None:
         return k, v, None
-    k = jax.lax.dynamic_update_slice_in_dim(layer_cache["k"], k.astype(layer_cache["k"].dtype),
-                                            cache_index, axis=1)
-    v = jax.lax.dynamic_update_slice_in_dim(layer_cache["v"], v.astype(layer_cache["v"].dtype),
-                                            cache_index, axis=1)
+    k, v = _write(layer_cache["k"], k, cache_index), _write(layer_cache["v"], v, cache_index)
     return k, v, {"k": k, "v": v}
+
+
+def _write(cache, new, cache_index):
+    """``new`` (B, T, ...) written into ``cache`` (B, S, ...) from slot ``cache_index`` on (a
+    number, or a (B,) array: each row's own)."""
+    new = new.astype(cache.dtype)
+    if jnp.ndim(cache_index) == 0:
+        return jax.lax.dynamic_update_slice_in_dim(cache, new, cache_index, 1)
+    row = lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 0)  # noqa: E731
+    return jax.vmap(row)(cache, new, cache_index)
 
 
 def attend(q, k, v, allowed=None, bias=None, scale: float | None = None, is_causal=False,

@@ -5,14 +5,18 @@ every decode step, on any zoo decoder (``model.init_cache`` and ``model.decode``
 The engine holds one key/value cache of ``max_seqs`` rows of ``max_len`` slots; each running
 sequence owns a row. A ``step``:
 
-1. **admit**: waiting requests take free rows, first come first served. A request's prompt is
-   read once (a prefill into a one-row cache, right-padded to a power of two so that few shapes
-   compile) and that row is copied to each of its ``n`` samples: G samples of one prompt share
-   its prefill.
-2. **decode**: every row's next token at once, each at its own slot (the model's ``decode`` run
-   per row under ``jax.vmap``) and sampled with its own request's temperature, top-k, top-p and
-   key (``fold_in(PRNGKey(seed), sample)``, then the token's index): a seeded request samples
-   the same tokens whatever else runs beside it.
+1. **admit**: waiting requests take free rows, first come first served. Their prompts are
+   read together, once each (one prefill, right-padded to powers of two so that few shapes
+   compile), and each prompt's cache row is copied to each of its ``n`` samples' rows: G
+   samples of one prompt share its prefill.
+2. **decode**: every row's next token at once, each at its own slot (the model's ``decode``
+   given a (B,) ``cache_index``: ``redco_zoo_models.attention``) and sampled with its own
+   request's temperature, top-k, top-p and key (``fold_in(PRNGKey(seed), sample)``, then the
+   token's index): a seeded request samples the same tokens whatever else runs beside it.
+   ``steps_per_sync`` tokens are decoded per step before the host looks at them (fewer round
+   trips; a row that ends on the way computes the rest for nothing), over the fewest leading
+   rows that hold every running sequence (rows are taken lowest first; a power of two of them,
+   so that few shapes compile).
 3. **finish**: a sample ends at an end-of-sequence or stop token, at ``max_tokens``, when its
    ``on_token`` callback says so (a stop string), or when its request is cancelled; its row is
    free for the next admit.
@@ -102,7 +106,7 @@ class Engine:
 
     def __init__(self, model: nnx.Module, params: Any, *, max_seqs: int = 8,
                  max_len: int = 256, eos_token_ids: tuple[int, ...] = (),
-                 cache_dtype=jnp.float32, mesh=None):
+                 cache_dtype=jnp.float32, mesh=None, steps_per_sync: int = 4):
         at = getattr(model, "rereads_at", lambda: None)()
         if at is not None and at < max_len:
             raise ValueError(f"max_len={max_len} passes slot {at}, where this model's RoPE "
@@ -110,7 +114,7 @@ class Engine:
                              f"does not: use max_len <= {at}, or generate().")
         self.graphdef, self.params = nnx.graphdef(model), params
         self.max_seqs, self.max_len, self.eos = max_seqs, max_len, set(eos_token_ids)
-        self.cache_dtype = cache_dtype
+        self.cache_dtype, self.steps_per_sync = cache_dtype, steps_per_sync
         cache = model.init_cache(max_seqs, max_len, cache_dtype)
         self.cache = jax.device_put(cache, _cache_sharding(mesh, cache))
         self.key_valid = jnp.zeros((max_seqs, max_len), bool)
@@ -125,7 +129,7 @@ class Engine:
         self._lock, self._wake = threading.Lock(), threading.Condition()
         self._thread, self._closing = None, False
         self._seeds = itertools.count(int(np.random.SeedSequence().entropy % 2 ** 31))
-        self._decode = jax.jit(self._decode_rows, donate_argnums=(1, 2))
+        self._decode = jax.jit(self._decode_rows, donate_argnums=(1, 2, 3))
         self._prefill = jax.jit(self._prefill_rows, donate_argnums=(1, 2, 3))
 
     # ---- requests ------------------------------------------------------------------------------
@@ -158,15 +162,18 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> bool:
-        """Admit what fits, then one token for every running row. False: nothing ran."""
+        """Admit what fits, then ``steps_per_sync`` tokens for every running row (a row that
+        ends on the way keeps what it took until then). False: nothing ran."""
         with self._lock:
             self._admit()
             running = [i for i, row in enumerate(self.rows) if row is not None]
             if not running:
                 return False
             tokens, logprobs = self._decode_running(running)
-            for i in running:
-                self._take(i, int(tokens[i]), float(logprobs[i]))
+            for j in range(self.steps_per_sync):
+                for i in running:
+                    if self.rows[i] is not None:
+                        self._take(i, int(tokens[j, i]), float(logprobs[j, i]))
             return True
 
     def start(self) -> "Engine":
@@ -194,42 +201,57 @@ class Engine:
     # ---- rows -----------------------------------------------------------------------------------
     def _admit(self) -> None:
         free = [i for i, row in enumerate(self.rows) if row is None]
+        admitted = []
         while self.waiting and len(free) >= self.waiting[0].sampling.n:
             with self._wake:
                 request = self.waiting.popleft()
             if request.cancelled:
                 self._end(request, "cancelled")
                 continue
-            rows, free = free[:request.sampling.n], free[request.sampling.n:]
-            self._prefill_into(request, rows)
+            admitted.append((request, free[:request.sampling.n]))
+            free = free[request.sampling.n:]
+        if admitted:
+            self._prefill_into(admitted)
 
-    def _prefill_into(self, request: Request, rows: list[int]) -> None:
-        n = len(request.prompt)
-        bucket = min(max(MIN_BUCKET, 1 << (n - 1).bit_length()), self.max_len)
-        ids = np.zeros((1, bucket), np.int32)
-        ids[0, :n] = request.prompt
-        target = np.isin(np.arange(self.max_seqs), rows)
+    def _prefill_into(self, admitted: list[tuple[Request, list[int]]]) -> None:
+        """The prompts of ``admitted`` (a request and its rows each) read in one prefill, right-
+        padded to powers of two (their number and the longest), each copied to its rows."""
+        longest = max(len(request.prompt) for request, _ in admitted)
+        width = min(max(MIN_BUCKET, 1 << (longest - 1).bit_length()), self.max_len)
+        ids = np.zeros((1 << (len(admitted) - 1).bit_length(), width), np.int32)
+        lengths = np.ones(len(ids), np.int32)
+        sources, targets = np.zeros((2, self.max_seqs), np.int32)
+        n_rows = 0
+        for i, (request, rows) in enumerate(admitted):
+            ids[i, :len(request.prompt)], lengths[i] = request.prompt, len(request.prompt)
+            sources[n_rows:n_rows + len(rows)], targets[n_rows:n_rows + len(rows)] = i, rows
+            n_rows += len(rows)
+            seed = request.sampling.seed if request.sampling.seed is not None \
+                else next(self._seeds)
+            for sample, row in enumerate(rows):
+                self.rows[row], self.slot[row] = (request, sample), len(request.prompt)
+                self.row_keys[row] = np.asarray(jax.random.fold_in(jax.random.PRNGKey(seed),
+                                                                   sample))
         self.cache, self.key_valid, self.logits = self._prefill(
-            self.params, self.cache, self.key_valid, self.logits, ids, n, target)
-        seed = request.sampling.seed if request.sampling.seed is not None else next(self._seeds)
-        key = jax.random.PRNGKey(seed)
-        for sample, row in enumerate(rows):
-            self.rows[row], self.slot[row] = (request, sample), n
-            self.row_keys[row] = np.asarray(jax.random.fold_in(key, sample))
+            self.params, self.cache, self.key_valid, self.logits, ids, lengths, sources, targets,
+            n_rows)
 
     def _decode_running(self, running: list[int]):
-        active = np.zeros(self.max_seqs, bool)
+        """``(tokens, logprobs)``, (steps_per_sync, rows) each, over the fewest leading rows (a
+        power of two) that hold every running one: few rows running, little computed."""
+        bucket = min(self.max_seqs, 1 << max(running).bit_length())
+        active = np.zeros(bucket, bool)
         active[running] = True
-        settings = np.zeros((3, self.max_seqs), np.float32)
-        counts = np.zeros(self.max_seqs, np.int32)
+        settings = np.zeros((3, bucket), np.float32)
+        counts = np.zeros(bucket, np.int32)
         for i in running:
             request, sample = self.rows[i]
             s = request.sampling
             settings[:, i] = s.temperature, s.top_k, s.top_p
             counts[i] = len(request.samples[sample].tokens)
         tokens, logprobs, self.logits, self.cache, self.key_valid = self._decode(
-            self.params, self.cache, self.key_valid, self.logits, self.slot.copy(), active, settings,
-            self.row_keys.copy(), counts)
+            self.params, self.cache, self.key_valid, self.logits, self.slot[:bucket].copy(),
+            active, settings, self.row_keys[:bucket].copy(), counts)
         return np.asarray(tokens), np.asarray(logprobs)
 
     def _take(self, row: int, token: int, logprob: float) -> None:
@@ -263,47 +285,66 @@ class Engine:
             request.done.set()
 
     # ---- what runs on the devices ---------------------------------------------------------------
-    def _prefill_rows(self, params, cache, key_valid, logits, ids, n, target):
-        """The prompt ``ids`` (1, bucket; its first ``n`` real) read into a one-row cache, copied
-        into the rows where ``target``, with its last token's logits."""
+    def _prefill_rows(self, params, cache, key_valid, logits, ids, lengths, sources, targets,
+                      n_rows):
+        """The prompts ``ids`` (P, width; row ``p``'s first ``lengths[p]`` real) read into a
+        P-row cache; for ``j < n_rows``, prompt ``sources[j]``'s cache, key mask and last
+        logits copied into row ``targets[j]``."""
         m = nnx.merge(self.graphdef, params)
-        valid = jnp.arange(self.max_len)[None] < n
-        out, row = m.decode(ids, valid, m.init_cache(1, self.max_len, self.cache_dtype), 0)
-        last = jax.lax.dynamic_index_in_dim(out[0], n - 1, keepdims=False).astype(jnp.float32)
-        put = lambda new, old: jnp.where(  # noqa: E731
-            target.reshape((-1,) + (1,) * (old.ndim - 1)), new.astype(old.dtype), old)
-        return jax.tree.map(put, row, cache), put(valid, key_valid), put(last[None], logits)
+        valid = jnp.arange(self.max_len)[None] < lengths[:, None]
+        out, read = m.decode(ids, valid, m.init_cache(len(ids), self.max_len, self.cache_dtype),
+                             0)
+        last = jnp.take_along_axis(out, (lengths - 1)[:, None, None], 1)[:, 0]
+
+        def put(new, old):
+            def write(j, x):
+                row = jax.lax.dynamic_index_in_dim(new, sources[j]).astype(x.dtype)
+                return jax.lax.dynamic_update_slice_in_dim(x, row, targets[j], 0)
+            return jax.lax.fori_loop(0, n_rows, write, old)
+        return (jax.tree.map(put, read, cache), put(valid, key_valid),
+                put(last.astype(jnp.float32), logits))
 
     def _decode_rows(self, params, cache, key_valid, logits, slot, active, settings, row_keys,
                      counts):
-        """Every row's next token from ``logits``, each sampled its own way, and the logits
-        after it: ``(tokens, logprobs, logits, cache, key_valid)``."""
-        m = nnx.merge(self.graphdef, params)
+        """``steps_per_sync`` next tokens of the first ``len(slot)`` rows, each sampled its own
+        way: ``(tokens, logprobs, logits, cache, key_valid)``, the first two
+        (steps_per_sync, rows)."""
+        m, rows = nnx.merge(self.graphdef, params), len(slot)
         temperature, top_k, top_p = settings[0], settings[1].astype(jnp.int32), settings[2]
-        keys = jax.vmap(jax.random.fold_in)(row_keys, counts)
-        tokens = pick_rows(logits, keys, temperature, top_k, top_p)
         scale = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits / scale), tokens[:, None],
-                                       -1)[:, 0]
-        key_valid = key_valid.at[jnp.arange(self.max_seqs), slot].set(active)
 
-        def one_row(token, valid, row_cache, at):
-            batch = lambda x: x[None]  # noqa: E731
-            out, row_cache = m.decode(token.reshape(1, 1), valid[None],
-                                      jax.tree.map(batch, row_cache), at)
-            return out[0, -1].astype(jnp.float32), jax.tree.map(lambda x: x[0], row_cache)
+        def one_token(carry, j):
+            cache, key_valid, logits = carry
+            keys = jax.vmap(jax.random.fold_in)(row_keys, counts + j)
+            tokens = pick_rows(logits, keys, temperature, top_k, top_p)
+            logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits / scale),
+                                           tokens[:, None], -1)[:, 0]
+            key_valid = key_valid.at[jnp.arange(rows), slot + j].set(active)
+            out, cache = m.decode(tokens[:, None], key_valid, cache, slot + j)
+            return (cache, key_valid, out[:, -1].astype(jnp.float32)), (tokens, logprobs)
 
-        logits, cache = jax.vmap(one_row)(tokens, key_valid, cache, slot)
+        lead = lambda x: x[:rows]  # noqa: E731
+        carry = jax.tree.map(lead, (cache, key_valid, logits))
+        carry, (tokens, logprobs) = jax.lax.scan(one_token, carry,
+                                                 jnp.arange(self.steps_per_sync))
+        back = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, 0)  # noqa: E731
+        cache, key_valid, logits = jax.tree.map(back, (cache, key_valid, logits), carry)
         return tokens, logprobs, logits, cache, key_valid
 
 
 def pick_rows(logits, keys, temperature, top_k, top_p):
     """Each row's next token from ``logits`` (B, V), with its own ``temperature`` (0: greedy),
-    ``top_k``, ``top_p`` (each (B,)) and PRNG key (``keys`` (B, 2))."""
-    sampled_t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    cut = cut_logits(logits, sampled_t, top_k[:, None], top_p[:, None])
-    sampled = jax.vmap(jax.random.categorical)(keys, cut)
-    return jnp.where(temperature > 0, sampled, jnp.argmax(logits, -1)).astype(jnp.int32)
+    ``top_k``, ``top_p`` (each (B,)) and PRNG key (``keys`` (B, 2)). The sort that top-k and
+    top-p need, and the sampling, run only when some row asks for them."""
+    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    cut = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)),
+                       lambda x: cut_logits(x, 1.0, top_k[:, None], top_p[:, None]),
+                       lambda x: x, scaled)
+    greedy = jnp.argmax(logits, -1).astype(jnp.int32)
+    sampled = jax.lax.cond(jnp.any(temperature > 0),
+                           lambda x: jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32),
+                           lambda x: greedy, cut)
+    return jnp.where(temperature > 0, sampled, greedy)
 
 
 def _cache_sharding(mesh, cache):

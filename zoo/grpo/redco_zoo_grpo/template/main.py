@@ -76,7 +76,8 @@ def train(args) -> list[float]:
                                      args.learning_rate, warmup_rate=args.warmup_rate)
     trainer = Trainer(deployer, collate_fn, apply_fn, partial(loss_fn, **config.loss_kwargs()),
                       params, optax.adamw(lr), lr_schedule_fn=lr, trainable=trainable)
-    grpo = GRPO(trainer, model, tokenizer, pred_fn, reward_fn, config, args.per_device_batch_size)
+    grpo = GRPO(trainer, model, tokenizer, pred_fn, reward_fn, config, args.per_device_batch_size,
+                args.engine_rows)
     rewards = grpo.train(prompts, held_out, args.prompt_column, n_rounds, args.prompts_per_round,
                          args.eval_every_n_rounds, args.jax_seed,
                          save_every_n_steps=args.save_every_n_steps)

@@ -1,0 +1,9 @@
+"""8 simulated CPU devices (set before jax is imported), exact matmuls, offline hubs."""
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")

@@ -1,0 +1,130 @@
+"""The continuous-batching engine gives what ``generate`` gives one request at a time, while
+requests join and leave the batch, on every decoder family and sharded; each request samples
+its own way, and its samples share one prefill."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from redco import Deployer
+from redco_zoo_models import generate
+from redco_zoo_models.engine import Engine, Sampling
+from redco_zoo_models.gpt2 import GPT2Config, GPT2LMHeadModel
+from redco_zoo_models.toy import tiny_family
+
+PROMPTS = [[5, 9, 2], [7, 1, 3, 3, 8, 4, 4, 12, 30], [11], [3, 6, 9, 12, 15, 18],
+           [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57]]
+NEW = 9
+
+
+def model_of(name: str, seed: int = 0):
+    if name == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2,
+                                          n_head=4), nnx.Rngs(seed))
+    return tiny_family(name, seed)
+
+
+def one_at_a_time(model, params, prompt, n_new=NEW):
+    tokens, logprobs = generate(model, params, jnp.asarray([prompt], jnp.int32), n_new,
+                                return_logprobs=True)
+    return [int(t) for t in tokens[0]], np.asarray(logprobs[0])
+
+
+def run_staggered(engine, prompts, sampling):
+    """Two requests first; the rest join after three steps, while those run."""
+    requests = [engine.submit(p, sampling) for p in prompts[:2]]
+    for _ in range(3):
+        engine.step()
+    requests += [engine.submit(p, sampling) for p in prompts[2:]]
+    while not all(r.done.is_set() for r in requests):
+        engine.step()
+    return requests
+
+
+@pytest.mark.parametrize("family", ["llama-3.1", "gemma2", "gemma3", "qwen3-moe", "gpt2"])
+def test_greedy_equals_generate_as_requests_come_and_go(family):
+    model = model_of(family)
+    params = nnx.state(model, nnx.Param)
+    engine = Engine(model, params, max_seqs=3, max_len=32)
+    requests = run_staggered(engine, PROMPTS, Sampling(max_tokens=NEW))
+    for prompt, request in zip(PROMPTS, requests):
+        tokens, logprobs = one_at_a_time(model, params, prompt)
+        assert request.samples[0].tokens == tokens, prompt
+        np.testing.assert_allclose(request.samples[0].logprobs, logprobs, atol=2e-5)
+        assert request.samples[0].finish_reason == "length"
+    assert engine.rows == [None] * 3  # every row freed
+
+
+def test_sharded_engine_answers_as_one_device():
+    model = model_of("qwen3-moe")
+    params = nnx.state(model, nnx.Param)
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=None, verbose=False)
+    rules = list(deployer.get_sharding_rules(params))
+    sharded = jax.device_put(params, deployer.get_params_shardings(params, rules))
+    assert any(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
+               for x in jax.tree.leaves(sharded))
+    engine = Engine(model, sharded, max_seqs=4, max_len=32, mesh=deployer.mesh)
+    assert engine.cache[0]["k"].sharding.spec[0] == "dp"
+    requests = run_staggered(engine, PROMPTS, Sampling(max_tokens=NEW))
+    for prompt, request in zip(PROMPTS, requests):
+        assert request.samples[0].tokens == one_at_a_time(model, params, prompt)[0]
+
+
+def test_a_seeded_request_samples_the_same_whatever_runs_beside_it():
+    model = model_of("llama-3.1")
+    params = nnx.state(model, nnx.Param)
+    engine = Engine(model, params, max_seqs=4, max_len=32)
+    mine = Sampling(max_tokens=NEW, temperature=0.9, top_k=20, top_p=0.9, seed=5)
+    alone = engine.generate([PROMPTS[1]], mine)[0].samples[0]
+    others = [engine.submit(p, Sampling(max_tokens=NEW, temperature=1.3, seed=i))
+              for i, p in enumerate(PROMPTS[2:])]
+    engine.step()
+    beside = engine.generate([PROMPTS[1]], mine)[0].samples[0]
+    assert all(r.done.is_set() for r in others)
+    assert beside.tokens == alone.tokens
+    np.testing.assert_allclose(beside.logprobs, alone.logprobs, atol=1e-6)
+    other_seed = engine.generate([PROMPTS[1]], Sampling(**{**mine.__dict__, "seed": 6}))[0]
+    assert other_seed.samples[0].tokens != alone.tokens
+
+
+def test_samples_of_a_prompt_share_one_prefill():
+    model = model_of("llama-3.1")
+    params = nnx.state(model, nnx.Param)
+    engine = Engine(model, params, max_seqs=4, max_len=32)
+    prefills, prefill = [], engine._prefill
+    engine._prefill = lambda *args: prefills.append(args[4].shape) or prefill(*args)
+    sampled = engine.generate([PROMPTS[3]], Sampling(max_tokens=NEW, temperature=1.0, n=4,
+                                                     seed=0))[0]
+    assert [shape[0] for shape in prefills] == [1]  # one call, one prompt row, for 4 samples
+    assert len({tuple(s.tokens) for s in sampled.samples}) > 1  # each sample its own key
+    greedy = engine.generate([PROMPTS[3]], Sampling(max_tokens=NEW, n=2))[0]
+    expected = one_at_a_time(model, params, PROMPTS[3])[0]
+    assert [s.tokens for s in greedy.samples] == [expected, expected]
+
+
+def test_stop_tokens_end_a_sample_and_free_its_row_for_the_next():
+    model = model_of("llama-3.1")
+    params = nnx.state(model, nnx.Param)
+    expected = one_at_a_time(model, params, PROMPTS[0])[0]
+    engine = Engine(model, params, max_seqs=1, max_len=32, eos_token_ids=(expected[3],))
+    first, second = engine.generate([PROMPTS[0], PROMPTS[0]], Sampling(max_tokens=NEW))
+    for request in (first, second):  # one row: the second ran once the first had stopped
+        assert request.samples[0].tokens == expected[:expected.index(expected[3]) + 1]
+        assert request.samples[0].finish_reason == "stop"
+    ended = engine.generate([PROMPTS[0]], Sampling(max_tokens=NEW, stop_token_ids=(expected[1],)))
+    assert ended[0].samples[0].tokens == expected[:2]
+
+
+def test_requests_that_cannot_fit_are_refused_before_running():
+    model = model_of("llama-3.1")
+    engine = Engine(model, nnx.state(model, nnx.Param), max_seqs=2, max_len=16)
+    with pytest.raises(ValueError, match="take 20 slots; this engine's sequences hold 16"):
+        engine.submit(list(range(1, 12)), Sampling(max_tokens=9))
+    with pytest.raises(ValueError, match="n=3 samples need as many rows"):
+        engine.submit([1, 2], Sampling(max_tokens=4, n=3))
+    with pytest.raises(ValueError, match="top_p=0"):
+        Sampling(top_p=0)
+    longrope = model_of("phi-4-mini")
+    with pytest.raises(ValueError, match="max_len=32 passes slot 16"):
+        Engine(longrope, nnx.state(longrope, nnx.Param), max_len=32)
