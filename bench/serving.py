@@ -16,14 +16,19 @@ its accelerator), compile times left out (each configuration runs once before it
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import jax
 import numpy as np
 from flax import nnx
 
-from redco_zoo_models import LlamaConfig, LlamaForCausalLM, generate
-from redco_zoo_models.engine import Engine, Sampling
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from provenance import print_provenance  # noqa: E402
+
+from redco_zoo_models import LlamaConfig, LlamaForCausalLM, generate  # noqa: E402
+from redco_zoo_models.engine import Engine, Sampling  # noqa: E402
 
 
 def llama(vocab: int, width: int, layers: int) -> LlamaForCausalLM:
@@ -112,5 +117,6 @@ if __name__ == "__main__":
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max_new", type=int, default=128)
     args = parser.parse_args()
+    print_provenance()
     serving(args)
     rollouts(args)
