@@ -37,8 +37,7 @@ def run_staggered(engine, prompts, sampling):
     for _ in range(3):
         engine.step()
     requests += [engine.submit(p, sampling) for p in prompts[2:]]
-    while not all(r.done.is_set() for r in requests):
-        engine.step()
+    engine.run_until_done(requests)
     return requests
 
 
@@ -108,7 +107,12 @@ def test_stop_tokens_end_a_sample_and_free_its_row_for_the_next():
     params = nnx.state(model, nnx.Param)
     expected = one_at_a_time(model, params, PROMPTS[0])[0]
     engine = Engine(model, params, max_seqs=1, max_len=32, eos_token_ids=(expected[3],))
-    first, second = engine.generate([PROMPTS[0], PROMPTS[0]], Sampling(max_tokens=NEW))
+    first, second = [engine.submit(PROMPTS[0], Sampling(max_tokens=NEW)) for _ in range(2)]
+    for _ in range(2 * NEW):  # a bound, so that a row never freed fails instead of hanging
+        if second.done.is_set():
+            break
+        engine.step()
+    assert second.done.is_set(), "the second request never got the row"
     for request in (first, second):  # one row: the second ran once the first had stopped
         assert request.samples[0].tokens == expected[:expected.index(expected[3]) + 1]
         assert request.samples[0].finish_reason == "stop"

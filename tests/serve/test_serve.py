@@ -214,3 +214,18 @@ def test_sigterm_finishes_the_requests_in_flight(model_dir, reference):
         assert "finishing the requests in flight" in server.rest_of_output(30)
     finally:
         server.close()
+
+
+def test_streamed_text_holds_back_what_may_become_a_stop_string(reference):
+    """A stop string across two tokens ("t s" in "cat sat"): the "t" that may start it is not
+    sent until the next token shows it does, so the streamed text is the whole text's."""
+    from redco_serve.text import TextStream
+    tokenizer = reference.tokenizer
+    stream, sent = TextStream(tokenizer, ["t s"]), []
+    for token in tokenizer("the cat sat on")["input_ids"]:
+        sent.append(stream.push(token))
+        if stream.stopped:
+            break
+    sent.append(stream.finish())
+    assert stream.stopped and stream.text == "the ca"
+    assert "".join(sent) == "the ca" and sent[1] == " ca"  # "t" held back after "cat"

@@ -35,8 +35,7 @@ class EngineRollouts:
             requests = [self.engine.submit(
                 [int(t) for t in p["prompt_ids"][p["prompt_mask"]]],
                 Sampling(seed=self._seed(round_, i), **sampling)) for i, p in enumerate(prompts)]
-            while not all(r.done.is_set() for r in requests):
-                self.engine.step()
+            self.engine.run_until_done(requests)
         finally:
             self.engine.params = None  # the next update donates them
         samples = [s for r in requests for s in r.samples]

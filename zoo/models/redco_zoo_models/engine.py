@@ -116,12 +116,13 @@ class Engine:
         self.max_seqs, self.max_len, self.eos = max_seqs, max_len, set(eos_token_ids)
         self.cache_dtype, self.steps_per_sync = cache_dtype, steps_per_sync
         cache = model.init_cache(max_seqs, max_len, cache_dtype)
+        self.mesh = mesh
         self.cache = jax.device_put(cache, _cache_sharding(mesh, cache))
-        self.key_valid = jnp.zeros((max_seqs, max_len), bool)
+        self.key_valid = self._on_rows(jnp.zeros((max_seqs, max_len), bool))
         vocab = jax.eval_shape(lambda: model.decode(
             jnp.zeros((1, 1), jnp.int32), jnp.ones((1, max_len), bool),
             model.init_cache(1, max_len, cache_dtype), 0))[0].shape[-1]
-        self.logits = jnp.zeros((max_seqs, vocab), jnp.float32)
+        self.logits = self._on_rows(jnp.zeros((max_seqs, vocab), jnp.float32))
         self.rows: list[tuple[Request, int] | None] = [None] * max_seqs
         self.slot = np.zeros(max_seqs, np.int32)  # where each row's next token goes
         self.row_keys = np.zeros((max_seqs, 2), np.uint32)
@@ -156,9 +157,15 @@ class Engine:
     def generate(self, prompts: list[list[int]], sampling: Sampling = Sampling()) -> list[Request]:
         """Each prompt run to its end, stepping in this thread (no background thread)."""
         requests = [self.submit(prompt, sampling) for prompt in prompts]
-        while not all(r.done.is_set() for r in requests):
-            self.step()
+        self.run_until_done(requests)
         return requests
+
+    def run_until_done(self, requests: list[Request]) -> None:
+        """Step in this thread until ``requests`` have ended."""
+        while not all(r.done.is_set() for r in requests):
+            if not self.step():
+                raise RuntimeError("The engine has nothing to run but requests have not ended: "
+                                   "is it also stepping in a background thread (start)?")
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> bool:
@@ -285,6 +292,20 @@ class Engine:
             request.done.set()
 
     # ---- what runs on the devices ---------------------------------------------------------------
+    def _on_rows(self, x):
+        """``x`` (rows, ...) placed as the cache's rows are: on every process of a multi-host
+        mesh alike (a value made on one device would not meet the cache there)."""
+        if self.mesh is None:
+            return x
+        rows = "dp" if self.max_seqs % self.mesh.shape.get("dp", 1) == 0 else None
+        return jax.device_put(x, NamedSharding(self.mesh, P(rows)))
+
+    def _everywhere(self, x):
+        """``x`` on every device of the mesh, so that each process reads it whole."""
+        if self.mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P()))
+
     def _prefill_rows(self, params, cache, key_valid, logits, ids, lengths, sources, targets,
                       n_rows):
         """The prompts ``ids`` (P, width; row ``p``'s first ``lengths[p]`` real) read into a
@@ -329,7 +350,7 @@ class Engine:
                                                  jnp.arange(self.steps_per_sync))
         back = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, 0)  # noqa: E731
         cache, key_valid, logits = jax.tree.map(back, (cache, key_valid, logits), carry)
-        return tokens, logprobs, logits, cache, key_valid
+        return self._everywhere(tokens), self._everywhere(logprobs), logits, cache, key_valid
 
 
 def pick_rows(logits, keys, temperature, top_k, top_p):
