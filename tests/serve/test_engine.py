@@ -132,3 +132,22 @@ def test_requests_that_cannot_fit_are_refused_before_running():
     longrope = model_of("phi-4-mini")
     with pytest.raises(ValueError, match="max_len=32 passes slot 16"):
         Engine(longrope, nnx.state(longrope, nnx.Param), max_len=32)
+
+
+def test_rows_that_fit_fill_the_memory_left_beside_the_params():
+    from redco_zoo_models.engine import rows_that_fit
+    model = model_of("qwen3-moe")
+    params = nnx.state(model, nnx.Param)
+    held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    one_row = Engine(model, params, max_seqs=1, max_len=32)
+    row = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+        (one_row.cache, one_row.logits, one_row.key_valid)))
+    assert rows_that_fit(model, params, 32, held + 10 * row) == 10
+    assert rows_that_fit(model, params, 32, held + 10 * row - 1) == 9
+    with pytest.raises(ValueError, match="no sequence of max_len 32"):
+        rows_that_fit(model, params, 32, held + row - 1)
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=None, verbose=False)
+    sharded = jax.device_put(params, deployer.get_params_shardings(
+        params, list(deployer.get_sharding_rules(params))))
+    on_mesh = rows_that_fit(model, sharded, 32, held + 10 * row, mesh=deployer.mesh)
+    assert on_mesh > 4 * 10 and on_mesh % 4 == 0  # dp 4 splits the rows, mp 2 the heads

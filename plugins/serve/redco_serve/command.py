@@ -25,8 +25,11 @@ class ServeCommand(Command):
         parser.add_argument("--port", type=int, default=8000, help="0: any free port")
         parser.add_argument("--served_model_name", help="the model's name in requests "
                             "(default: the directory's name)")
-        parser.add_argument("--max_seqs", type=int, default=16,
-                            help="sequences decoded at once (rows of the key/value cache)")
+        parser.add_argument("--max_seqs", default="16", help="sequences decoded at once (rows "
+                            "of the key/value cache), or auto: as many as the device memory "
+                            "holds beside the params, less the planner's 10%% headroom")
+        parser.add_argument("--device_memory", help="one device's memory for --max_seqs auto, "
+                            "e.g. 80GB (default: what the device reports; CPUs report none)")
         parser.add_argument("--max_len", type=int, default=1024,
                             help="prompt plus completion tokens per sequence")
         parser.add_argument("--n_model_shards", type=int, default=1,
@@ -37,8 +40,10 @@ class ServeCommand(Command):
         import uvicorn
 
         from redco_serve.app import build_app
-        if args.max_seqs < 1 or args.max_len < 2:
-            raise UsageError("--max_seqs must be >= 1 and --max_len >= 2.")
+        if not (args.max_seqs == "auto" or args.max_seqs.isdigit() and int(args.max_seqs) >= 1) \
+                or args.max_len < 2:
+            raise UsageError(f"--max_seqs {args.max_seqs} --max_len {args.max_len}: give "
+                             "--max_seqs auto or a number >= 1, and --max_len >= 2.")
         engine, tokenizer, eos = start_engine(args)
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -71,7 +76,8 @@ def start_engine(args: argparse.Namespace):
     from transformers import AutoTokenizer
 
     from redco import Deployer
-    from redco_zoo_models.engine import Engine, Sampling
+    from redco_planner.layouts import usable_bytes
+    from redco_zoo_models.engine import Engine, Sampling, rows_that_fit
     from redco_zoo_models.runner import load_model
     model, config = load_model(args.model)
     try:
@@ -80,16 +86,32 @@ def start_engine(args: argparse.Namespace):
         raise UsageError(f"--model {args.model}: no tokenizer there that transformers reads "
                          f"(tokenizer.json, tokenizer_config.json): {e}") from e
     deployer = Deployer(jax_seed=0, n_model_shards=args.n_model_shards, workdir=None,
-                        verbose=False)
+                        verbose=False, device_memory=args.device_memory)
     params = nnx.state(model, nnx.Param)
     rules = list(deployer.get_sharding_rules(params))  # by parameter names: tensor parallel
     params = jax.device_put(params, deployer.get_params_shardings(params, rules))
     eos = eos_ids(args.model, config, tokenizer)
-    engine = Engine(model, params, max_seqs=args.max_seqs, max_len=args.max_len,
-                    eos_token_ids=eos, cache_dtype=getattr(jnp, args.cache_dtype),
+    cache_dtype = getattr(jnp, args.cache_dtype)
+    max_seqs = int(args.max_seqs) if args.max_seqs != "auto" else rows_that_fit(
+        model, params, args.max_len, usable_bytes(memory_of(deployer)), cache_dtype,
+        deployer.mesh)
+    print(f"redco serve: {max_seqs} sequences of {args.max_len} tokens at once", flush=True)
+    engine = Engine(model, params, max_seqs=max_seqs, max_len=args.max_len,
+                    eos_token_ids=eos, cache_dtype=cache_dtype,
                     mesh=deployer.mesh)
     engine.generate([[eos[0] if eos else 0]], Sampling(max_tokens=1))  # compile before serving
     return engine.start(), tokenizer, eos
+
+
+def memory_of(deployer) -> int:
+    """One device's memory for ``--max_seqs auto`` (``--device_memory``, else the device's)."""
+    from redco_planner.planner import device_memory_bytes
+    try:
+        return device_memory_bytes(deployer)
+    except ValueError as e:
+        raise UsageError("--max_seqs auto sizes the key/value cache to one device's memory, "
+                         f"and {deployer.devices[0].platform} devices do not report it: add "
+                         "--device_memory (e.g. 80GB), or give --max_seqs a number.") from e
 
 
 def eos_ids(model_dir: str, config: dict, tokenizer) -> tuple[int, ...]:
