@@ -151,3 +151,19 @@ def test_rows_that_fit_fill_the_memory_left_beside_the_params():
         params, list(deployer.get_sharding_rules(params))))
     on_mesh = rows_that_fit(model, sharded, 32, held + 10 * row, mesh=deployer.mesh)
     assert on_mesh > 4 * 10 and on_mesh % 4 == 0  # dp 4 splits the rows, mp 2 the heads
+
+
+def test_a_step_that_raises_ends_its_requests_and_the_engine_serves_on():
+    model = model_of("llama-3.1")
+    engine = Engine(model, nnx.state(model, nnx.Param), max_seqs=2, max_len=32).start()
+    try:
+        decode, failures = engine._decode, [RuntimeError("device lost")]
+        engine._decode = lambda *a: (_ for _ in ()).throw(failures.pop()) if failures else \
+            decode(*a)
+        broken = engine.submit(PROMPTS[0], Sampling(max_tokens=4))
+        assert broken.done.wait(60), "a request of a failed step never ended"
+        assert broken.samples[0].finish_reason == "error" and "device lost" in repr(broken.error)
+        after = engine.submit(PROMPTS[0], Sampling(max_tokens=4))
+        assert after.done.wait(120) and after.samples[0].finish_reason == "length"
+    finally:
+        engine.stop()

@@ -156,6 +156,10 @@ class Reply:
         async for choice, kind, payload in self.job.events():
             if kind == "end":
                 reasons[choice] = payload
+        failed = next((r.error for r in self.job.requests if r.error is not None), None)
+        if failed is not None:
+            raise api.BadRequest(f"The engine failed while running this request: {failed!r}",
+                                 status=500)
         choices = [self._choice(c, s.text, reasons[c], first=None)
                    for c, s in sorted(self.job.streams.items())]
         return api.envelope(self.kind, self.id, self.model, choices, usage=self._usage())

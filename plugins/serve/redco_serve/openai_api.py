@@ -17,14 +17,16 @@ UNSUPPORTED = {  # field -> the value that asks for nothing
 
 
 class BadRequest(Exception):
-    """A request refused with ``status`` and a message naming the field and the fix."""
+    """A request refused with ``status`` and a message naming the field and the fix (or, with
+    500, what failed)."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
         self.param, self.status = param, status
 
     def body(self) -> dict:
-        kind = "invalid_request_error" if self.status == 400 else "not_found_error"
+        kind = {400: "invalid_request_error", 404: "not_found_error"}.get(self.status,
+                                                                          "server_error")
         return {"error": {"message": str(self), "type": kind, "param": self.param,
                           "code": None}}
 

@@ -74,7 +74,8 @@ class Sampling:
 @dataclasses.dataclass
 class Sample:
     """One sample's tokens so far, their log-probabilities, and why it ended (``"stop"``: an
-    EOS, a stop token or a stop string; ``"length"``: ``max_tokens``; ``"cancelled"``)."""
+    EOS, a stop token or a stop string; ``"length"``: ``max_tokens``; ``"cancelled"``;
+    ``"error"``: a step raised, ``Request.error``)."""
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
@@ -93,6 +94,7 @@ class Request:
         self.on_token, self.on_end = on_token, on_end
         self.samples = [Sample() for _ in range(sampling.n)]
         self.done, self.cancelled = threading.Event(), False
+        self.error: Exception | None = None  # why its samples ended with "error"
 
     def cancel(self) -> None:
         """End every sample at the engine's next step (a client that went away)."""
@@ -203,7 +205,24 @@ class Engine:
                 self._wake.wait_for(lambda: self.waiting or self._closing or any(self.rows))
                 if self._closing and not self.waiting and not any(self.rows):
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 (ended with every request, then serving on)
+                self._fail_all(e)
+
+    def _fail_all(self, error: Exception) -> None:
+        """End every running and waiting request with ``"error"`` (``request.error`` says
+        what), so that no caller waits forever on a step that raised."""
+        with self._wake:
+            waiting, self.waiting = list(self.waiting), deque()
+        running = {id(row[0]): row[0] for row in self.rows if row is not None}
+        self.rows = [None] * self.max_seqs
+        for request in [*running.values(), *waiting]:
+            request.error = error
+            for index, sample in enumerate(request.samples):
+                if sample.finish_reason is None:
+                    sample.finish_reason = "error"
+                    self._ended(request, index)
 
     # ---- rows -----------------------------------------------------------------------------------
     def _admit(self) -> None:
