@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from provenance import print_provenance  # noqa: E402
 
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM, generate  # noqa: E402
-from redco_zoo_models.engine import Engine, Sampling  # noqa: E402
+from redco_zoo_models.engine import Engine  # noqa: E402
+from redco_zoo_models.requests import Sampling  # noqa: E402
 
 
 def llama(vocab: int, width: int, layers: int) -> LlamaForCausalLM:

@@ -9,8 +9,10 @@ from flax import nnx
 
 from redco import Deployer
 from redco_zoo_models import generate
-from redco_zoo_models.engine import Engine, Sampling
+from redco_zoo_models.engine import Engine
+from redco_zoo_models.engine_memory import rows_that_fit
 from redco_zoo_models.gpt2 import GPT2Config, GPT2LMHeadModel
+from redco_zoo_models.requests import Sampling
 from redco_zoo_models.toy import tiny_family
 
 PROMPTS = [[5, 9, 2], [7, 1, 3, 3, 8, 4, 4, 12, 30], [11], [3, 6, 9, 12, 15, 18],
@@ -135,7 +137,6 @@ def test_requests_that_cannot_fit_are_refused_before_running():
 
 
 def test_rows_that_fit_fill_the_memory_left_beside_the_params():
-    from redco_zoo_models.engine import rows_that_fit
     model = model_of("qwen3-moe")
     params = nnx.state(model, nnx.Param)
     held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))

@@ -77,7 +77,9 @@ def start_engine(args: argparse.Namespace):
 
     from redco import Deployer
     from redco_planner.layouts import usable_bytes
-    from redco_zoo_models.engine import Engine, Sampling, rows_that_fit
+    from redco_zoo_models.engine import Engine
+    from redco_zoo_models.engine_memory import rows_that_fit
+    from redco_zoo_models.requests import Sampling
     from redco_zoo_models.runner import load_model
     model, config = load_model(args.model)
     try:

@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any
 
-from redco_zoo_models.engine import Sampling
+from redco_zoo_models.requests import Sampling
 
 UNSUPPORTED = {  # field -> the value that asks for nothing
     "echo": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0,

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from redco_zoo_models.engine import Engine, Sampling
+from redco_zoo_models.engine import Engine
+from redco_zoo_models.requests import Sampling
 
 
 class EngineRollouts:

@@ -26,11 +26,12 @@ top-k or top-p cut (untempered when greedy), as ``generate(return_logprobs=True)
 step compute it. Greedy requests give ``generate``'s tokens.
 
 ``step`` runs in the caller's thread (``generate`` steps until its requests end); ``start`` runs
-it in a background thread that requests from other threads feed (``redco serve``).
+it in a background thread that requests from other threads feed (``redco serve``). What a
+request is: ``requests.py``; how many rows fit a device and where the cache lives:
+``engine_memory.py``; how each row samples: ``generation.pick_rows``.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 from collections import deque
@@ -43,62 +44,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from redco_zoo_models.generation import cut_logits
+from redco_zoo_models.engine_memory import cache_sharding
+from redco_zoo_models.generation import pick_rows
+from redco_zoo_models.requests import Request, Sampling
 
 MIN_BUCKET = 16  # the shortest prefill shape
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """How one request samples: ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1.0 cut
-    nothing; ``n`` samples of the prompt; ``stop_token_ids`` end a sample as the model's EOS
-    does; ``seed`` None draws one."""
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    n: int = 1
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        checks = {"max_tokens": self.max_tokens >= 1, "temperature": self.temperature >= 0,
-                  "top_k": self.top_k >= 0, "top_p": 0 < self.top_p <= 1, "n": self.n >= 1}
-        wrong = [name for name, ok in checks.items() if not ok]
-        if wrong:
-            raise ValueError(f"Sampling {wrong[0]}={getattr(self, wrong[0])!r} is out of range: "
-                             "max_tokens and n >= 1, temperature >= 0, top_k >= 0 (0: no cut), "
-                             "0 < top_p <= 1.")
-
-
-@dataclasses.dataclass
-class Sample:
-    """One sample's tokens so far, their log-probabilities, and why it ended (``"stop"``: an
-    EOS, a stop token or a stop string; ``"length"``: ``max_tokens``; ``"cancelled"``;
-    ``"error"``: a step raised, ``Request.error``)."""
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-
-
-class Request:
-    """A submitted prompt: its ``samples`` fill in as the engine steps; ``done`` is set when all
-    have ended. In the engine's thread, ``on_token(request, index, token, logprob)`` is called
-    for each new token of sample ``index`` (returning True ends that sample: a stop string), and
-    ``on_end(request, index)`` once the sample has ended."""
-
-    def __init__(self, prompt: list[int], sampling: Sampling,
-                 on_token: Callable[..., bool | None] | None = None,
-                 on_end: Callable[..., None] | None = None):
-        self.prompt, self.sampling = list(prompt), sampling
-        self.on_token, self.on_end = on_token, on_end
-        self.samples = [Sample() for _ in range(sampling.n)]
-        self.done, self.cancelled = threading.Event(), False
-        self.error: Exception | None = None  # why its samples ended with "error"
-
-    def cancel(self) -> None:
-        """End every sample at the engine's next step (a client that went away)."""
-        self.cancelled = True
 
 
 class Engine:
@@ -119,7 +69,7 @@ class Engine:
         self.cache_dtype, self.steps_per_sync = cache_dtype, steps_per_sync
         cache = model.init_cache(max_seqs, max_len, cache_dtype)
         self.mesh = mesh
-        self.cache = jax.device_put(cache, _cache_sharding(mesh, cache))
+        self.cache = jax.device_put(cache, cache_sharding(mesh, cache))
         self.key_valid = self._on_rows(jnp.zeros((max_seqs, max_len), bool))
         vocab = jax.eval_shape(lambda: model.decode(
             jnp.zeros((1, 1), jnp.int32), jnp.ones((1, max_len), bool),
@@ -370,53 +320,3 @@ class Engine:
         back = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, 0)  # noqa: E731
         cache, key_valid, logits = jax.tree.map(back, (cache, key_valid, logits), carry)
         return self._everywhere(tokens), self._everywhere(logprobs), logits, cache, key_valid
-
-
-def pick_rows(logits, keys, temperature, top_k, top_p):
-    """Each row's next token from ``logits`` (B, V), with its own ``temperature`` (0: greedy),
-    ``top_k``, ``top_p`` (each (B,)) and PRNG key (``keys`` (B, 2)). The sort that top-k and
-    top-p need, and the sampling, run only when some row asks for them."""
-    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    cut = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)),
-                       lambda x: cut_logits(x, 1.0, top_k[:, None], top_p[:, None]),
-                       lambda x: x, scaled)
-    greedy = jnp.argmax(logits, -1).astype(jnp.int32)
-    sampled = jax.lax.cond(jnp.any(temperature > 0),
-                           lambda x: jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32),
-                           lambda x: greedy, cut)
-    return jnp.where(temperature > 0, sampled, greedy)
-
-
-def rows_that_fit(model: nnx.Module, params: Any, max_len: int, usable_bytes: int,
-                  cache_dtype=jnp.float32, mesh=None) -> int:
-    """The most sequences of ``max_len`` an ``Engine`` can hold in ``usable_bytes`` of one
-    device beside that device's share of ``params`` (as placed): each row's key/value cache (its
-    heads split over ``mp`` where they divide), its logits and key mask, the rows split over
-    ``dp``. What a decode step computes on the way is not counted: leave headroom for it (the
-    planner's ``usable_bytes`` keeps 10%)."""
-    cache = jax.eval_shape(lambda: model.init_cache(1, max_len, cache_dtype))
-    heads = cache[0]["k"].shape[2]
-    dp, mp = (1, 1) if mesh is None else (mesh.shape.get("dp", 1), mesh.shape.get("mp", 1))
-    split = mp if heads % mp == 0 else 1
-    vocab = jax.eval_shape(lambda: model.decode(
-        jnp.zeros((1, 1), jnp.int32), jnp.ones((1, max_len), bool), cache, 0))[0].shape[-1]
-    row = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)) / split \
-        + vocab * 4 + max_len
-    held = sum(np.prod(x.sharding.shard_shape(x.shape) if hasattr(x, "sharding") else x.shape)
-               * x.dtype.itemsize for x in jax.tree.leaves(params))
-    rows = int((usable_bytes - held) // row) * dp
-    if rows < 1:
-        raise ValueError(f"One device's {usable_bytes / 2 ** 30:.2f} GiB hold its "
-                         f"{held / 2 ** 30:.2f} GiB of the params and no sequence of max_len "
-                         f"{max_len} ({row / 2 ** 20:.1f} MiB each): lower max_len, or split the "
-                         "params over more devices (n_model_shards).")
-    return rows
-
-
-def _cache_sharding(mesh, cache):
-    """Rows over ``dp`` and key/value heads over ``mp``, where they divide; None without a mesh."""
-    if mesh is None:
-        return None
-    rows, _, heads, _ = cache[0]["k"].shape
-    divides = lambda axis, n: axis if axis in mesh.shape and n % mesh.shape[axis] == 0 else None  # noqa: E731
-    return NamedSharding(mesh, P(divides("dp", rows), None, divides("mp", heads), None))

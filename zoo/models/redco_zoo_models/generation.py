@@ -50,6 +50,21 @@ def pick_tokens(logits, rng, temperature: float = 0.0, top_k: int = 0, top_p: fl
     return jax.random.categorical(rng, logits)
 
 
+def pick_rows(logits, keys, temperature, top_k, top_p):
+    """Each row's next token from ``logits`` (B, V), with its own ``temperature`` (0: greedy),
+    ``top_k``, ``top_p`` (each (B,)) and PRNG key (``keys`` (B, 2)). The sort that top-k and
+    top-p need, and the sampling, run only when some row asks for them."""
+    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    cut = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)),
+                       lambda x: cut_logits(x, 1.0, top_k[:, None], top_p[:, None]),
+                       lambda x: x, scaled)
+    greedy = jnp.argmax(logits, -1).astype(jnp.int32)
+    sampled = jax.lax.cond(jnp.any(temperature > 0),
+                           lambda x: jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32),
+                           lambda x: greedy, cut)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
 def generate(model: nnx.Module, params: Any, prompt_ids, max_new_tokens: int, *,
              prompt_mask=None, encoder_inputs: dict | None = None, rng=None,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, num_beams: int = 1,

@@ -1,0 +1,47 @@
+"""How many sequences an engine (``redco_zoo_models.engine``) can hold, and where its key/value
+cache lives on a mesh: rows over ``dp``, key/value heads over ``mp``, where they divide."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def rows_that_fit(model: nnx.Module, params: Any, max_len: int, usable_bytes: int,
+                  cache_dtype=jnp.float32, mesh=None) -> int:
+    """The most sequences of ``max_len`` an ``Engine`` can hold in ``usable_bytes`` of one
+    device beside that device's share of ``params`` (as placed): each row's key/value cache (its
+    heads split over ``mp`` where they divide), its logits and key mask, the rows split over
+    ``dp``. What a decode step computes on the way is not counted: leave headroom for it (the
+    planner's ``usable_bytes`` keeps 10%)."""
+    cache = jax.eval_shape(lambda: model.init_cache(1, max_len, cache_dtype))
+    heads = cache[0]["k"].shape[2]
+    dp, mp = (1, 1) if mesh is None else (mesh.shape.get("dp", 1), mesh.shape.get("mp", 1))
+    split = mp if heads % mp == 0 else 1
+    vocab = jax.eval_shape(lambda: model.decode(
+        jnp.zeros((1, 1), jnp.int32), jnp.ones((1, max_len), bool), cache, 0))[0].shape[-1]
+    row = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)) / split \
+        + vocab * 4 + max_len
+    held = sum(np.prod(x.sharding.shard_shape(x.shape) if hasattr(x, "sharding") else x.shape)
+               * x.dtype.itemsize for x in jax.tree.leaves(params))
+    rows = int((usable_bytes - held) // row) * dp
+    if rows < 1:
+        raise ValueError(f"One device's {usable_bytes / 2 ** 30:.2f} GiB hold its "
+                         f"{held / 2 ** 30:.2f} GiB of the params and no sequence of max_len "
+                         f"{max_len} ({row / 2 ** 20:.1f} MiB each): lower max_len, or split the "
+                         "params over more devices (n_model_shards).")
+    return rows
+
+
+def cache_sharding(mesh, cache):
+    """Rows over ``dp`` and key/value heads over ``mp``, where they divide; None without a mesh."""
+    if mesh is None:
+        return None
+    rows, _, heads, _ = cache[0]["k"].shape
+    divides = lambda axis, n: axis if axis in mesh.shape and n % mesh.shape[axis] == 0 else None  # noqa: E731
+    return NamedSharding(mesh, P(divides("dp", rows), None, divides("mp", heads), None))
