@@ -129,6 +129,8 @@ def test_requests_that_cannot_fit_are_refused_before_running():
         engine.submit(list(range(1, 12)), Sampling(max_tokens=9))
     with pytest.raises(ValueError, match="n=3 samples need as many rows"):
         engine.submit([1, 2], Sampling(max_tokens=4, n=3))
+    with pytest.raises(ValueError, match=r"outside this model's vocabulary \(0 to 63\): \[64\]"):
+        engine.submit([1, 64], Sampling(max_tokens=4))
     with pytest.raises(ValueError, match="top_p=0"):
         Sampling(top_p=0)
     longrope = model_of("phi-4-mini")

@@ -5,8 +5,9 @@ every decode step, on any zoo decoder (``model.init_cache`` and ``model.decode``
 The engine holds one key/value cache of ``max_seqs`` rows of ``max_len`` slots; each running
 sequence owns a row. A ``step``:
 
-1. **admit**: waiting requests take free rows, first come first served. Their prompts are
-   read together, once each (one prefill, right-padded to powers of two so that few shapes
+1. **admit**: waiting requests take free rows, first come first served. Their prompts (up to
+   ``MAX_PREFILL`` a step; the rest wait a step while the running rows decode) are read
+   together, once each (one prefill, right-padded to powers of two so that few shapes
    compile), and each prompt's cache row is copied to each of its ``n`` samples' rows: G
    samples of one prompt share its prefill.
 2. **decode**: every row's next token at once, each at its own slot (the model's ``decode``
@@ -49,6 +50,7 @@ from redco_zoo_models.generation import pick_rows
 from redco_zoo_models.requests import Request, Sampling
 
 MIN_BUCKET = 16  # the shortest prefill shape
+MAX_PREFILL = 8  # prompts read per step at most: the rest wait a step, decoding goes on
 
 
 class Engine:
@@ -92,6 +94,10 @@ class Engine:
         """Queue ``prompt`` (token ids); refused at once when it cannot fit."""
         if not prompt:
             raise ValueError("The prompt is empty: give at least one token.")
+        vocab = self.logits.shape[-1]
+        if not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"The prompt holds token ids outside this model's vocabulary "
+                             f"(0 to {vocab - 1}): {[t for t in prompt if not 0 <= t < vocab][:5]}.")
         if len(prompt) + sampling.max_tokens > self.max_len:
             raise ValueError(f"The prompt ({len(prompt)} tokens) and max_tokens "
                              f"({sampling.max_tokens}) take {len(prompt) + sampling.max_tokens} "
@@ -178,7 +184,8 @@ class Engine:
     def _admit(self) -> None:
         free = [i for i, row in enumerate(self.rows) if row is None]
         admitted = []
-        while self.waiting and len(free) >= self.waiting[0].sampling.n:
+        while self.waiting and len(free) >= self.waiting[0].sampling.n and \
+                len(admitted) < MAX_PREFILL:
             with self._wake:
                 request = self.waiting.popleft()
             if request.cancelled:
