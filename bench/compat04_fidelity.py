@@ -63,7 +63,7 @@ METRIC = {"lora": "validation acc", "dp": "test acc", "ppo": "mean return, episo
 def setup_like_conftest() -> None:
     """What tests/compat04/conftest.py does before a test: 8 simulated devices, offline hubs,
     full-precision matmuls, a fresh working directory; and the test modules importable."""
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import jax
@@ -327,7 +327,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # as the workers run
+    # as the workers run
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from provenance import print_provenance
     print_provenance()

@@ -44,7 +44,7 @@ def aot_worker(preset: str, cache: str) -> None:
     """In a fresh process: compile ``preset``'s train step ahead of time with ``cache`` as the
     compile cache; print one JSON line (seconds since the process started, the compile's own
     seconds, cache hits)."""
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     import jax
     import jax.numpy as jnp
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 if __name__ == "__main__":  # before jax starts
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import time  # noqa: E402
 

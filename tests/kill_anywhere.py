@@ -23,7 +23,8 @@ import numpy as np
 from redco import checkpointing
 from redco.sharding import named_leaves
 
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+ENV = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_force_host_platform_device_count=8"),
        "HF_HUB_OFFLINE": "1"}
 
 

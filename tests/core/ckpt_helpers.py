@@ -100,7 +100,8 @@ PREALLOCATING = {"safetensors"}
 def worker_env(fmt: str) -> dict:
     """Only the format's own plugin loads (through its entry point), beside redco's built-ins."""
     env = dict(os.environ)
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", HF_HUB_OFFLINE="1",
+    env.update(XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+               HF_HUB_OFFLINE="1",
                REDCO_PLUGINS=fmt, JAX_PLATFORMS="cpu",
                REDCO_GOODPUT_EVERY_S="0")  # goodput.json after every update: a kill loses none
     env.pop("REDCO_DISABLE_PLUGIN_AUTOLOAD", None)

@@ -53,7 +53,7 @@ Every start appends the step training starts from (after any resume) to WORKDIR/
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -176,7 +176,8 @@ def test_main_job_trains_on_one_device_as_on_one_gpu(tmp_path):
     """One device (one GPU, say): the demo's default n_model_shards, 2 on 8 devices, becomes 1
     instead of an error that 2 does not divide 1; it trains a step and is stopped."""
     workdir = str(tmp_path / "one")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
+                                       + " --xla_force_host_platform_device_count=1")}
     cmd = [sys.executable, "-m", "redco_zoo_lm.demo", "--workdir", workdir, "--n_epochs", "1",
            "--hidden_size", str(HIDDEN), "--n_layers", str(LAYERS)]
     with open(f"{workdir}.err", "w+") as err:

@@ -50,6 +50,11 @@ def free_port() -> int:
 LAUNCHER_VARS = ("SLURM_", "REDCO_N_", "REDCO_HOST", "REDCO_PROCESS")
 
 
+def simulated_devices(n: int) -> str:
+    """XLA_FLAGS of this run (tox.ini's compile flags) with ``n`` simulated CPU devices."""
+    return os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+
+
 def worker_env(**extra) -> dict:
     """The environment of a worker: CPU only, offline, no SLURM or REDCO_* variables of ours."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARS)}

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
-from multihost_helpers import free_port, worker_env
+from multihost_helpers import free_port, simulated_devices, worker_env
 
 from redco_zoo_models.toy import save_tiny_chat_model
 
@@ -43,14 +43,14 @@ def rollouts_and_params(workdir):
 def test_grpo_on_two_processes_samples_and_trains_like_one(tmp_path):
     write_task(tmp_path)
     one = subprocess.run(grpo(tmp_path, tmp_path / "one", 8), capture_output=True, text=True,
-                         env=worker_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+                         env=worker_env(XLA_FLAGS=simulated_devices(8)),
                          timeout=600)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     two = subprocess.run(
         [sys.executable, "-m", "redco.cli", "launch", "--launcher", "ip", "--hosts",
          "127.0.0.1,127.0.0.1", "--port", str(free_port()), "--run", "--",
          *grpo(tmp_path, tmp_path / "two", 8)], capture_output=True, text=True,
-        env=worker_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"), timeout=600)
+        env=worker_env(XLA_FLAGS=simulated_devices(4)), timeout=600)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     assert "processes: 2" in (tmp_path / "two" / "log.txt").read_text()
     (one_rollouts, one_params), (two_rollouts, two_params) = (

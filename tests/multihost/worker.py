@@ -37,7 +37,8 @@ STOPPABLE_AT_STEP = int(os.environ.get("REDCO_TEST_STOPPABLE_AT_STEP", 0))  # wa
 N_EPOCHS = int(os.environ.get("REDCO_TEST_EPOCHS", 2))
 CKPT_FORMAT = os.environ.get("REDCO_TEST_CKPT_FORMAT", "orbax")
 CONTEXT_SHARDS = int(os.environ.get("REDCO_TEST_CONTEXT_SHARDS", 1))  # devices per sequence
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices}"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + f" --xla_force_host_platform_device_count={n_devices}")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "core"))
 
 import jax  # noqa: E402

@@ -27,7 +27,8 @@ STARTUP_S = 300
 
 class Server:
     def __init__(self, model_dir: str, *flags: str):
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+        env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
+                                           + " --xla_force_host_platform_device_count=8")}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "redco.cli", "serve", "--model", model_dir, "--port", "0",
              "--max_seqs", "4", "--max_len", str(MAX_LEN), "--n_model_shards", "2", *flags],

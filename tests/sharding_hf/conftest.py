@@ -3,7 +3,7 @@ HuggingFace Flax architectures of ``hf_archs`` importable from every test here."
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["HF_HUB_OFFLINE"] = "1"
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -199,7 +199,8 @@ def run_grpo(root, workdir, n_devices: int, n_model_shards: int, per_device: int
     """Four GRPO rounds of the warmed-up model (a KL penalty to a reference copy included) in a
     fresh process with ``n_devices`` simulated devices; returns its rollout metrics and trained
     params."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}",
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
+                                      + f" --xla_force_host_platform_device_count={n_devices}"),
                REDCO_DEBUG="1")
     code = ("import jax; jax.config.update('jax_default_matmul_precision', 'highest'); "
             "from redco.cli import main; import sys; main(sys.argv[1:])")
@@ -301,7 +302,8 @@ def grpo_cmd(root, workdir, reward) -> list[str]:
 
 def grpo_env(stop: bool) -> dict:
     """2 devices; with ``stop``, SIGTERM in round 2."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
+                                      + " --xla_force_host_platform_device_count=2"))
     env.pop("SIGTERM_IN_ROUND_2", None)
     return {**env, "SIGTERM_IN_ROUND_2": "1"} if stop else env
 

@@ -14,6 +14,7 @@ from multihost_helpers import (
     deployer_error,
     free_port,
     run_cli,
+    simulated_devices,
     worker_env,
 )
 
@@ -81,7 +82,7 @@ def test_ip_run_returns_the_failing_exit_code_and_stops_the_others(tmp_path):
 # ---- redco doctor ----------------------------------------------------------------------------
 def test_doctor_one_process(tmp_path):
     out = subprocess.run([sys.executable, "-m", "redco.cli", "doctor"], cwd=tmp_path,
-                         env=worker_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+                         env=worker_env(XLA_FLAGS=simulated_devices(8)),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

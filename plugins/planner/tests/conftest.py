@@ -2,7 +2,7 @@
 trained with ``Deployer(n_model_shards="auto")`` (``fit_auto``)."""
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import jax  # noqa: E402

@@ -15,7 +15,8 @@ import sys
 import tempfile
 
 ARGS = json.loads(sys.argv[1])
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ARGS['n_devices']}"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + f" --xla_force_host_platform_device_count={ARGS['n_devices']}")
 os.environ["HF_HUB_OFFLINE"] = "1"
 LIBC = ctypes.CDLL("libc.so.6")
 # glibc keeps freed blocks of up to 32 MiB in its arenas (the mmap threshold grows to the largest

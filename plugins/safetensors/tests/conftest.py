@@ -1,7 +1,7 @@
 """8 simulated CPU devices (set before jax is imported), exact matmuls."""
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
 

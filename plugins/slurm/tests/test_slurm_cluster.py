@@ -23,6 +23,7 @@ from multihost_helpers import (
     assert_trains_like_reference,
     free_port,
     read_results,
+    simulated_devices,
     wait_until,
     worker_env,
 )
@@ -60,7 +61,7 @@ def test_slurm_job_trains_like_one_process(slurm, reference, tmp_path):
 
 
 def test_doctor_in_a_slurm_step(slurm, tmp_path):
-    env = dict(slurm, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(slurm, XLA_FLAGS=simulated_devices(4))
     out = redco_launch(env, str(tmp_path), sys.executable, "-m", "redco.cli", "doctor")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count(" -> slurm    detected: task ") == 2

@@ -1,7 +1,7 @@
 """Runs out of the box: 8 simulated CPU devices, a short training, a loss a broken setup misses."""
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import main  # noqa: E402
 

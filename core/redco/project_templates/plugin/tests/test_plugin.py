@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

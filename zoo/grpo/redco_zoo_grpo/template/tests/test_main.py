@@ -6,7 +6,8 @@ b >= 10: the greedy reward on held-out pairs rises from about 0 to 0.6 or more."
 import json
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # before jax starts
+# before jax starts
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import main  # noqa: E402
 import numpy as np  # noqa: E402

@@ -6,7 +6,8 @@ tokenized into a token file, for --max_steps updates."""
 import json
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # before jax starts
+# before jax starts
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import main  # noqa: E402
 import numpy as np  # noqa: E402

@@ -4,7 +4,7 @@ the same episodes; a setup that does not learn (no policy gradient, no updates) 
 import json
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import gymnasium as gym  # noqa: E402
 import jax  # noqa: E402

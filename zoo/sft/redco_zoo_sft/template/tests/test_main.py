@@ -5,7 +5,8 @@ falls under 0.3 (from 3.9) and the reply to a prompt is the right answer."""
 import json
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # before jax starts
+# before jax starts
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import main  # noqa: E402
 import numpy as np  # noqa: E402
