@@ -27,12 +27,14 @@ class Job:
         self.tokenizer, self.stop = tokenizer, stop
         self.streams: dict[int, TextStream] = {}
         self.requests, self.first_choice = [], {}
+        self.samples = {}  # choice -> (request, index of the sample in it)
 
     def submit(self, engine: Engine, prompt: list[int], sampling) -> None:
         request = engine.submit(prompt, sampling, self._on_token, self._on_end)
-        self.first_choice[id(request)] = len(self.streams)
+        first = self.first_choice[id(request)] = len(self.streams)
         for index in range(sampling.n):
-            self.streams[len(self.streams)] = TextStream(self.tokenizer, self.stop)
+            self.streams[first + index] = TextStream(self.tokenizer, self.stop)
+            self.samples[first + index] = (request, index)
         self.requests.append(request)
 
     def choice(self, request, index: int) -> int:
@@ -65,8 +67,8 @@ class Job:
                 request.cancel()
 
     def sample(self, choice: int):
-        request = next(r for r in reversed(self.requests) if self.first_choice[id(r)] <= choice)
-        return request.samples[choice - self.first_choice[id(request)]]
+        request, index = self.samples[choice]
+        return request.samples[index]
 
 
 def build_app(engine: Engine, tokenizer, model_name: str, eos_ids: tuple[int, ...]) -> Starlette:
@@ -137,15 +139,21 @@ class Reply:
         shape = api.chat_logprobs if self.chat else api.completion_logprobs
         return shape(pieces, sample.logprobs)
 
-    def _choice(self, choice: int, text: str, reason: str | None, first: bool = False) -> dict:
-        body = {"index": choice, "finish_reason": reason,
+    def _choice(self, choice: int, reason: str | None) -> dict:
+        return {"index": choice, "finish_reason": reason,
                 "logprobs": self._logprobs(choice) if reason else None}
+
+    def _whole_choice(self, choice: int, text: str, reason: str) -> dict:
+        """A sample's whole answer: its text, or the chat's assistant message."""
+        content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        return {**self._choice(choice, reason), **content}
+
+    def _chunk_choice(self, choice: int, text: str, reason: str | None, first: bool) -> dict:
+        """A piece of a sample's answer, streamed; in a chat, its first delta names the role."""
         if not self.chat:
-            return {**body, "text": text}
-        if first is None:  # the whole answer
-            return {**body, "message": {"role": "assistant", "content": text}}
+            return {**self._choice(choice, reason), "text": text}
         delta = {"role": "assistant", "content": text} if first else {"content": text}
-        return {**body, "delta": delta if text or first else {}}
+        return {**self._choice(choice, reason), "delta": delta if text or first else {}}
 
     def _usage(self) -> dict:
         streams = self.job.streams.values()
@@ -160,7 +168,7 @@ class Reply:
         if failed is not None:
             raise api.BadRequest(f"The engine failed while running this request: {failed!r}",
                                  status=500)
-        choices = [self._choice(c, s.text, reasons[c], first=None)
+        choices = [self._whole_choice(c, s.text, reasons[c])
                    for c, s in sorted(self.job.streams.items())]
         return api.envelope(self.kind, self.id, self.model, choices, usage=self._usage())
 
@@ -170,7 +178,7 @@ class Reply:
         async for choice, what, payload in self.job.events():
             text = payload if what == "text" else self.job.streams[choice].finish()
             reason = payload if what == "end" else None
-            body = self._choice(choice, text, reason, first=choice not in started)
+            body = self._chunk_choice(choice, text, reason, first=choice not in started)
             started.add(choice)
             yield f"data: {json.dumps(api.envelope(kind, self.id, self.model, [body]))}\n\n"
         yield "data: [DONE]\n\n"

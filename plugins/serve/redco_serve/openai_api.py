@@ -72,7 +72,7 @@ def sampling_of(body: dict, max_tokens_key: str, room: int, max_seqs: int,
                          "or restart the server with a larger --max_len.", max_tokens_key)
     seed = number(body, "seed", None, 0, 2 ** 31 - 1, integer=True)
     return Sampling(
-        max_tokens=max(1, min(max_tokens, room)),
+        max_tokens=max(1, max_tokens),  # (a chat's default, room, may be 0)
         temperature=float(number(body, "temperature", 1.0, 0, 2)),
         top_p=float(number(body, "top_p", 1.0, 1e-9, 1)),
         top_k=max(0, number(body, "top_k", 0, -1, 10 ** 9, integer=True)),

@@ -45,7 +45,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from redco_zoo_models.engine_memory import cache_sharding
+from redco_zoo_models.engine_memory import cache_sharding, vocab_size
 from redco_zoo_models.generation import pick_rows
 from redco_zoo_models.requests import Request, Sampling
 
@@ -73,9 +73,7 @@ class Engine:
         self.mesh = mesh
         self.cache = jax.device_put(cache, cache_sharding(mesh, cache))
         self.key_valid = self._on_rows(jnp.zeros((max_seqs, max_len), bool))
-        vocab = jax.eval_shape(lambda: model.decode(
-            jnp.zeros((1, 1), jnp.int32), jnp.ones((1, max_len), bool),
-            model.init_cache(1, max_len, cache_dtype), 0))[0].shape[-1]
+        vocab = vocab_size(model, max_len, cache_dtype)
         self.logits = self._on_rows(jnp.zeros((max_seqs, vocab), jnp.float32))
         self.rows: list[tuple[Request, int] | None] = [None] * max_seqs
         self.slot = np.zeros(max_seqs, np.int32)  # where each row's next token goes
@@ -86,6 +84,8 @@ class Engine:
         self._seeds = itertools.count(int(np.random.SeedSequence().entropy % 2 ** 31))
         self._decode = jax.jit(self._decode_rows, donate_argnums=(1, 2, 3))
         self._prefill = jax.jit(self._prefill_rows, donate_argnums=(1, 2, 3))
+        self._keys = jax.jit(jax.vmap(lambda seed, sample: jax.random.fold_in(
+            jax.random.PRNGKey(seed), sample)))  # each sample's key, for all rows at once
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt: list[int], sampling: Sampling = Sampling(),
@@ -203,18 +203,18 @@ class Engine:
         width = min(max(MIN_BUCKET, 1 << (longest - 1).bit_length()), self.max_len)
         ids = np.zeros((1 << (len(admitted) - 1).bit_length(), width), np.int32)
         lengths = np.ones(len(ids), np.int32)
-        sources, targets = np.zeros((2, self.max_seqs), np.int32)
+        sources, targets, seeds, samples = np.zeros((4, self.max_seqs), np.int32)
         n_rows = 0
         for i, (request, rows) in enumerate(admitted):
             ids[i, :len(request.prompt)], lengths[i] = request.prompt, len(request.prompt)
-            sources[n_rows:n_rows + len(rows)], targets[n_rows:n_rows + len(rows)] = i, rows
+            written = slice(n_rows, n_rows + len(rows))
+            sources[written], targets[written], samples[written] = i, rows, range(len(rows))
+            seeds[written] = request.sampling.seed if request.sampling.seed is not None \
+                else next(self._seeds) % 2 ** 31
             n_rows += len(rows)
-            seed = request.sampling.seed if request.sampling.seed is not None \
-                else next(self._seeds)
             for sample, row in enumerate(rows):
                 self.rows[row], self.slot[row] = (request, sample), len(request.prompt)
-                self.row_keys[row] = np.asarray(jax.random.fold_in(jax.random.PRNGKey(seed),
-                                                                   sample))
+        self.row_keys[targets[:n_rows]] = np.asarray(self._keys(seeds, samples))[:n_rows]
         self.cache, self.key_valid, self.logits = self._prefill(
             self.params, self.cache, self.key_valid, self.logits, ids, lengths, sources, targets,
             n_rows)

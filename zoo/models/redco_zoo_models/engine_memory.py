@@ -12,6 +12,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
+def vocab_size(model: nnx.Module, max_len: int, cache_dtype) -> int:
+    """The width of the model's logits (a decode step traced, not run)."""
+    logits = jax.eval_shape(lambda: model.decode(
+        jnp.zeros((1, 1), jnp.int32), jnp.ones((1, max_len), bool),
+        model.init_cache(1, max_len, cache_dtype), 0))[0]
+    return logits.shape[-1]
+
+
 def rows_that_fit(model: nnx.Module, params: Any, max_len: int, usable_bytes: int,
                   cache_dtype=jnp.float32, mesh=None) -> int:
     """The most sequences of ``max_len`` an ``Engine`` can hold in ``usable_bytes`` of one
@@ -23,10 +31,8 @@ def rows_that_fit(model: nnx.Module, params: Any, max_len: int, usable_bytes: in
     heads = cache[0]["k"].shape[2]
     dp, mp = (1, 1) if mesh is None else (mesh.shape.get("dp", 1), mesh.shape.get("mp", 1))
     split = mp if heads % mp == 0 else 1
-    vocab = jax.eval_shape(lambda: model.decode(
-        jnp.zeros((1, 1), jnp.int32), jnp.ones((1, max_len), bool), cache, 0))[0].shape[-1]
     row = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)) / split \
-        + vocab * 4 + max_len
+        + vocab_size(model, max_len, cache_dtype) * 4 + max_len
     held = sum(np.prod(x.sharding.shard_shape(x.shape) if hasattr(x, "sharding") else x.shape)
                * x.dtype.itemsize for x in jax.tree.leaves(params))
     rows = int((usable_bytes - held) // row) * dp
