@@ -16,7 +16,7 @@ Rows:
                            NamedSharding(mesh, P('dp')), then the jitted step; loss read at the
                            end only.  This is the reference for the ratio.
   hand-written, pre-placed the same loop over batches already on device: the device-bound ceiling.
-  redco step, bare loop    redco's own jitted step (``trainer._train_step``) called in the same
+  redco step, bare loop    redco's own jitted step (``trainer.steps.train``) called in the same
                            bare loop over pre-placed batches: splits a gap into "the step
                            function" (this row vs pre-placed) and "fit's host loop" (fit vs
                            this row).
@@ -96,7 +96,7 @@ def time_steps(trainer, batches: list) -> float:
     t0 = time.perf_counter()
     state, metrics = trainer.state, None
     for batch in batches:
-        state, metrics = trainer._train_step(state, batch)
+        state, metrics = trainer.steps.train(state, batch)
     float(metrics["loss"])
     jax.block_until_ready(state)
     trainer.state = state
@@ -262,7 +262,7 @@ def main(argv=None) -> None:
                          flops_per_token, args)
     if args.collectives:
         import re
-        hlos = {"redco Trainer._train_step": trainer._train_step.lower(
+        hlos = {"redco Trainer.steps.train": trainer.steps.train.lower(
                     trainer.state, redco_batches[0]).compile().as_text(),
                 "hand-written step": hw_step.lower(
                     hw["params"], hw["opt"], placed[0]).compile().as_text()}

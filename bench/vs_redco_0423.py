@@ -226,7 +226,7 @@ def count_collectives(args, trainer, deployer, examples) -> dict:
                                               batch).compile().as_text()
     else:
         batch = deployer.make_batch(examples, collate_fn, n_micro=1)
-        hlo = trainer._train_step.lower(trainer.state, batch).compile().as_text()
+        hlo = trainer.steps.train.lower(trainer.state, batch).compile().as_text()
     ops = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
     return {op: len(re.findall(rf"= [^=]*? {op}(-start)?\(", hlo)) for op in ops}
 

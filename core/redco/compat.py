@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from redco import checkpointing
 from redco.data import by_name, cast_floats
 from redco.sharding import opt_state_shardings, shardings_from_specs, specs_from_rules
+from redco.train_step import unwrap_multisteps
 
 META_KEYS = ("format", "arrays", "files", "path")  # what meta.json holds besides the user's info
 
@@ -226,6 +227,26 @@ def accumulates_inside(optimizer, params: Any) -> bool:
         return isinstance(x, optax.MultiStepsState)
     state = jax.eval_shape(optimizer.init, params)
     return any(is_multisteps(x) for x in jax.tree.leaves(state, is_leaf=is_multisteps))
+
+
+def optimizer_and_accumulation(optimizer, params: Any, accumulate_grad_batches: int,
+                               train_step_fn, log: Callable) -> tuple[Any, Any, int]:
+    """The optimizer the Trainer steps (an outer ``optax.MultiSteps`` unwrapped into its own
+    accumulation), the params it takes (``params_for_optimizer``) and the micro-batches it
+    accumulates: one where a 0.4 ``train_step_fn`` makes the update or a MultiSteps inside the
+    optimizer accumulates them."""
+    if train_step_fn is not None:
+        if accumulate_grad_batches != 1:
+            raise ValueError("A train_step_fn makes one update per batch: pass "
+                             "accumulate_grad_batches=1 (or None).")
+        return optimizer, params_for_optimizer(optimizer, params), 1
+    optimizer = unwrap_multisteps(optimizer, accumulate_grad_batches)
+    params = params_for_optimizer(optimizer, params)
+    if accumulate_grad_batches > 1 and accumulates_inside(optimizer, params):
+        log("An optax.MultiSteps inside the optimizer accumulates the micro-batches, fed one per "
+            "step (as Redco 0.4 did).")
+        accumulate_grad_batches = 1
+    return optimizer, params, accumulate_grad_batches
 
 
 def trainer_options(options: dict) -> dict:

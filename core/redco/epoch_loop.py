@@ -106,7 +106,7 @@ def update(trainer: Trainer, rows: list, step: int, pending: tuple | None) -> tu
     with timed(trainer, "data", step):
         batch = trainer.deployer.make_batch(rows, trainer.collate_fn,
                                             n_micro=trainer.accumulate_grad_batches)
-    with timed(trainer, "step" if trainer._first_step_logged else "compile", step), \
+    with timed(trainer, "step" if trainer.steps.first_run else "compile", step), \
             jax.profiler.StepTraceAnnotation("train_step", step_num=step):  # (profiles)
         metrics = run_update(trainer, batch)
         done = pending and (pending[0], jax.device_get(pending[1]))  # waits for it

@@ -18,11 +18,28 @@ from typing import Any, Callable, Sequence
 
 from redco import compat
 from redco.data import n_full_batches
+from redco.in_flight import read_in_order
 
 
 def first_batches(examples: Sequence, batch_size: int, max_batches: int | None) -> Sequence:
     """The first ``max_batches`` batches of ``batch_size`` of ``examples`` (None: all)."""
     return examples if max_batches is None else examples[:max_batches * batch_size]
+
+
+def mean_loss(trainer: Any, examples: Sequence, per_device_batch_size: int,
+              max_batches: int | None) -> float:
+    """``Trainer.eval_loss``: the mean loss, the last partial batch counted by its size, a few
+    batches in flight at a time (``redco/in_flight.py``)."""
+    batch_size = trainer.deployer.get_global_batch_size(per_device_batch_size)
+    examples = first_batches(examples, batch_size, max_batches)
+
+    def dispatched():
+        for begin in range(0, len(examples), batch_size):
+            chunk = list(examples[begin:begin + batch_size])
+            batch = trainer.deployer.make_batch(chunk, trainer.collate_fn)
+            yield trainer.steps.eval_step(trainer.state, batch), len(chunk)
+    summed = sum(read_in_order(dispatched(), lambda loss_n: float(loss_n[0]) * loss_n[1]))
+    return summed / len(examples)
 
 
 def refuse_missing_metrics(metric_names: Sequence[str], names: set[str], found: str) -> None:

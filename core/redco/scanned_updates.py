@@ -75,14 +75,14 @@ def train_scanned(trainer: Any, examples: Sequence, per_device_batch_size: int,
     trainer.hooks.on_epoch_start(trainer=trainer, epoch=epochs[0], start=0, n_steps=len(orders),
                                  desc=desc, examples_per_step=orders.shape[1])
     start = time.perf_counter()
-    compiling = trainer._scanned_updates is None
+    compiling = trainer.steps.scanned is None
     if compiling:
-        trainer._scanned_updates = jax.jit(
-            scan_updates(trainer._step(), trainer.deployer.mesh, trainer.accumulate_grad_batches),
+        trainer.steps.scanned = jax.jit(
+            scan_updates(trainer.steps.step(), trainer.deployer.mesh, trainer.accumulate_grad_batches),
             in_shardings=(trainer.state_shardings, replicated, replicated),
             out_shardings=(trainer.state_shardings, replicated), donate_argnums=0)
     data = place_replicated(examples, trainer.collate_fn, replicated)
-    trainer.state, metrics = trainer._scanned_updates(trainer.state, data, place_replicated(
+    trainer.state, metrics = trainer.steps.scanned(trainer.state, data, place_replicated(
         orders, np.stack, replicated))
     metrics, seconds = jax.device_get(metrics), time.perf_counter() - start
     for u in range(len(orders)):

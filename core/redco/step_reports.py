@@ -27,13 +27,13 @@ def run_update(trainer: Any, batch) -> dict:
     """One update (metrics still on the device); the first one after the step is (re)made is
     timed and logged: how long tracing and compiling took, and whether the program came from
     the compile cache."""
-    if trainer._first_step_logged:
-        trainer.state, metrics = trainer._train_step(trainer.state, batch)
+    if trainer.steps.first_run:
+        trainer.state, metrics = trainer.steps.train(trainer.state, batch)
         return metrics
-    trainer._batch_shapes = jax.tree.map(
+    trainer.steps.batch_shapes = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
     start, (hits, misses) = time.perf_counter(), compile_cache.counts()
-    trainer.state, metrics = trainer._train_step(trainer.state, batch)
+    trainer.state, metrics = trainer.steps.train(trainer.state, batch)
     seconds, (new_hits, new_misses) = time.perf_counter() - start, compile_cache.counts()
     where = trainer.deployer.compile_cache_dir
     source = ("compile cache off" if where is None else
@@ -42,7 +42,7 @@ def run_update(trainer: Any, batch) -> dict:
               "already compiled in this process")
     trainer.deployer.log_info(f"First train step traced and compiled in {seconds:.2f} s "
                               f"({source}).")
-    trainer._first_step_logged = True
+    trainer.steps.first_run = True
     return metrics
 
 

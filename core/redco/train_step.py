@@ -49,6 +49,22 @@ def compiler_options() -> dict[str, str] | None:
     return None
 
 
+def check_trainable(trainable: Any, params: Any, train_step_fn: Callable | None) -> Any:
+    """``Trainer(trainable=)``, checked against the params (None: everything trains)."""
+    if trainable is None:
+        return None
+    if train_step_fn is not None:
+        raise ValueError("trainable= freezes params in Trainer's own step; a train_step_fn "
+                         "makes its own update: freeze them there (optax.multi_transform).")
+    if jax.tree.structure(params) != jax.tree.structure(trainable):
+        raise ValueError("trainable must be a pytree of bools shaped like params (e.g. "
+                         "redco.lora.trainable_mask(params)); its structure differs: "
+                         f"{jax.tree.structure(trainable)} vs {jax.tree.structure(params)}.")
+    if not any(bool(m) for m in jax.tree.leaves(trainable)):
+        raise ValueError("trainable marks no param as trainable: nothing would train.")
+    return trainable
+
+
 def unwrap_multisteps(optimizer: optax.GradientTransformation,
                       accumulate_grad_batches: int) -> optax.GradientTransformation:
     """The step accumulates micro-batches itself; an ``optax.MultiSteps`` wrapper (as in the

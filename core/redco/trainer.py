@@ -10,29 +10,40 @@ import optax
 
 from redco import compat, epoch_loop, scanned_updates, trainer_state, watchdog
 from redco import remat as redco_remat
+from redco.compiled_steps import CompiledSteps
 from redco.data import by_name, check_array_leaves, check_number, n_full_batches
 from redco.deployer import Deployer
-from redco.evaluation import Evaluation, first_batches
+from redco.evaluation import Evaluation, mean_loss
 from redco.fit_plan import FitOptions, plan_fit
-from redco.in_flight import read_in_order
 from redco.predictor import Predictor
 from redco.run_context import LoopState, RunContext
 from redco.run_guard import RunGuard
 from redco.run_hooks import RunHooks
 from redco.sharding import Rules
 from redco.step_checkpoints import StepCheckpoints
-from redco.step_flops import step_flops as count_step_flops
 from redco.step_reports import timed
 from redco.train_step import (
     TrainState,
+    check_trainable,
     compiler_options,
     input_tokens,
-    make_train_step,
     step_loss,
-    unwrap_multisteps,
 )
 
 LOSS_ARGS = ("rng", "state", "params", "batch", "is_training")
+
+
+def loop_overrides(hang_timeout_s: float | None, async_checkpoints: bool | None) -> dict:
+    """The deployer's loop settings a ``Trainer`` overrides (those not None), checked."""
+    overrides = {}
+    if hang_timeout_s is not None:
+        overrides["hang_timeout_s"] = watchdog.resolve(hang_timeout_s)
+    if async_checkpoints is not None:
+        if not isinstance(async_checkpoints, (bool, np.bool_)):
+            raise TypeError(f"async_checkpoints={async_checkpoints!r}: use True or False (or "
+                            "None: the deployer's).")
+        overrides["async_checkpoints"] = bool(async_checkpoints)
+    return overrides
 
 
 class Trainer(compat.TrainerV04):
@@ -92,34 +103,17 @@ class Trainer(compat.TrainerV04):
                  hang_timeout_s: float | None = None, async_checkpoints: bool | None = None,
                  **v04_options):
         v04 = compat.trainer_options(v04_options)
-        self._overrides = {}  # the deployer's loop settings this trainer overrides
-        if hang_timeout_s is not None:
-            self._overrides["hang_timeout_s"] = watchdog.resolve(hang_timeout_s)
-        if async_checkpoints is not None:
-            if not isinstance(async_checkpoints, (bool, np.bool_)):
-                raise TypeError(f"async_checkpoints={async_checkpoints!r}: use True or False (or "
-                                "None: the deployer's).")
-            self._overrides["async_checkpoints"] = bool(async_checkpoints)
-        accumulate_grad_batches = check_number("accumulate_grad_batches",
-                                               accumulate_grad_batches or 1, 1)
+        self._overrides = loop_overrides(hang_timeout_s, async_checkpoints)
         self.deployer = deployer
         self.collate_fn = collate_fn
         self.loss_fn = by_name(loss_fn, LOSS_ARGS)
         self.train_step_fn = v04["train_step_fn"]
-        if self.train_step_fn is not None and accumulate_grad_batches != 1:
-            raise ValueError("A train_step_fn makes one update per batch: pass "
-                             "accumulate_grad_batches=1 (or None).")
-        self.optimizer = optimizer if self.train_step_fn else \
-            unwrap_multisteps(optimizer, accumulate_grad_batches)
         check_array_leaves(params, "params")
-        params = compat.params_for_optimizer(self.optimizer, params)
-        if accumulate_grad_batches > 1 and compat.accumulates_inside(self.optimizer, params):
-            deployer.log_info("An optax.MultiSteps inside the optimizer accumulates the "
-                              "micro-batches, fed one per step (as Redco 0.4 did).")
-            accumulate_grad_batches = 1
-        self.trainable = trainable
-        if trainable is not None:
-            self._check_trainable(params)
+        self.optimizer, params, accumulate_grad_batches = compat.optimizer_and_accumulation(
+            optimizer, params, check_number("accumulate_grad_batches",
+                                            accumulate_grad_batches or 1, 1),
+            self.train_step_fn, deployer.log_info)
+        self.trainable = check_trainable(trainable, params, self.train_step_fn)
         self.compute_dtype = compute_dtype
         self.remat = remat if remat is None else redco_remat.check(remat)
         self.lr_schedule_fn = lr_schedule_fn
@@ -134,46 +128,15 @@ class Trainer(compat.TrainerV04):
         self.params_sharding_rules = params_sharding_rules
         self.state: TrainState | None = None  # placed once the layout is decided
         self.state_shardings: TrainState | None = None
+        self.steps: CompiledSteps | None = None  # made with the state (redco/compiled_steps.py)
         self._start = {"params": params, "opt_state": opt_state, "apply_fn": apply_fn,
                        "step": v04["step"]}
-
-    def _check_trainable(self, params) -> None:
-        if self.train_step_fn is not None:
-            raise ValueError("trainable= freezes params in Trainer's own step; a train_step_fn "
-                             "makes its own update: freeze them there (optax.multi_transform).")
-        if jax.tree.structure(params) != jax.tree.structure(self.trainable):
-            raise ValueError("trainable must be a pytree of bools shaped like params (e.g. "
-                             "redco.lora.trainable_mask(params)); its structure differs: "
-                             f"{jax.tree.structure(self.trainable)} vs {jax.tree.structure(params)}.")
-        if not any(bool(m) for m in jax.tree.leaves(self.trainable)):
-            raise ValueError("trainable marks no param as trainable: nothing would train.")
 
     # ---- the layout, decided once; the state, placed once -------------------------------------
     def _decide_layout(self, examples: Sequence, per_device_batch_size: int) -> None:
         """At the first batch: the deployer fixes the mesh and the final rules, then the state
         is placed, once (``redco/trainer_state.py``)."""
         trainer_state.decide_layout(self, examples, per_device_batch_size)
-
-    def _jit_steps(self) -> None:
-        self._train_step = self._jit_train_step()
-        self._scanned_updates = None  # made at the first train_scanned
-        self._eval_step = jax.jit(self._eval_loss)
-        self._first_step_logged = False
-        self._batch_shapes = None  # of the first batch the step ran on, for its FLOPs
-        self._step_flops = None
-
-    def _step(self, unroll: bool = False) -> Callable:
-        """The train step ``(state, batch) -> (state, metrics)``, not jitted; ``unroll``: the
-        micro-batch loop unrolled, for XLA's cost analysis only."""
-        return compat.flax_train_step(self.train_step_fn, self) if self.train_step_fn else \
-            make_train_step(self._loss, self.optimizer, self.trainable, self.accumulate_grad_batches,
-                            self.lr_schedule_fn, self.count_tokens, unroll)
-
-    def _jit_train_step(self, unroll: bool = False) -> Callable:
-        """The train step, jitted for the state's layout (its state donated)."""
-        return jax.jit(self._step(unroll), in_shardings=(self.state_shardings, None),
-                       out_shardings=(self.state_shardings, self.deployer.replicated),
-                       donate_argnums=0)
 
     def set_train_state(self, params: Any = None, opt_state: Any = None,
                         step: int | None = None, **v04_options) -> None:
@@ -215,9 +178,6 @@ class Trainer(compat.TrainerV04):
                          self.deployer.context_strategy)(
             params, state, batch, rng, is_training)
 
-    def _eval_loss(self, state: TrainState, batch):
-        return self._loss(state.params, state, batch, state.rng, False)
-
     # ---- training ------------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
         """Ask ``fit`` to stop after the current epoch (e.g. from ``on_eval_end``; from an
@@ -252,11 +212,7 @@ class Trainer(compat.TrainerV04):
         while loop inside the model counted once), fused attention counted as its unfused dots
         (``redco.step_flops``; within 2% of XLA's count where XLA gives one); None before the
         first update."""
-        if self._batch_shapes is not None and self._step_flops is None:
-            step = self._train_step if self.accumulate_grad_batches == 1 else \
-                self._jit_train_step(unroll=True)  # (one micro-batch: the trace jit has kept)
-            self._step_flops = count_step_flops(step.trace(self.state, self._batch_shapes))
-        return self._step_flops
+        return None if self.steps is None else self.steps.flops()
 
     def lower_train_step(self, examples: Sequence, per_device_batch_size: int) -> jax.stages.Lowered:
         """The train step this Trainer runs on batches of ``per_device_batch_size`` rows per
@@ -265,12 +221,7 @@ class Trainer(compat.TrainerV04):
         ``.cost_analysis()`` counts the micro-batch loop once; ``step_flops()`` gives the whole
         update's FLOPs.) The layout is decided here as at the first batch."""
         self._decide_layout(examples, per_device_batch_size)
-        batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
-        batch_size *= self.accumulate_grad_batches
-        n_full_batches(len(examples), batch_size, "examples")
-        batch = self.deployer.make_batch(list(examples[:batch_size]), self.collate_fn,
-                                         n_micro=self.accumulate_grad_batches)
-        return self._train_step.lower(self.state, batch)
+        return self.steps.lower(examples, per_device_batch_size)
 
     def compile_train_step(self, examples: Sequence,
                            per_device_batch_size: int) -> jax.stages.Compiled:
@@ -288,16 +239,7 @@ class Trainer(compat.TrainerV04):
         flight at a time (``redco/in_flight.py``)."""
         n_full_batches(len(examples), 1, "eval_examples")
         self._decide_layout(examples, min(per_device_batch_size, len(examples)))
-        batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
-        examples = first_batches(examples, batch_size, max_batches)
-
-        def dispatched():
-            for begin in range(0, len(examples), batch_size):
-                chunk = list(examples[begin:begin + batch_size])
-                batch = self.deployer.make_batch(chunk, self.collate_fn)
-                yield self._eval_step(self.state, batch), len(chunk)
-        summed = sum(read_in_order(dispatched(), lambda loss_n: float(loss_n[0]) * loss_n[1]))
-        return summed / len(examples)
+        return mean_loss(self, examples, per_device_batch_size, max_batches)
 
     def ckpt_tree(self) -> dict:
         """What a step checkpoint holds of the state (params, optimizer state, rng), as placed
@@ -354,18 +296,8 @@ class Trainer(compat.TrainerV04):
         profiler trace of those updates (``redco/observers/profiler.py``). Redco 0.4.x's
         keywords are accepted too (``save_ckpt_every_k_epochs``, ...; see ``redco/compat.py``).
         """
+        options = FitOptions(**{name: value for name, value in locals().items() if name != "self"})
         self.stop_reason = None  # a stop asked in an earlier fit does not end this one
-        options = FitOptions(
-            train_examples=train_examples, per_device_batch_size=per_device_batch_size,
-            n_epochs=n_epochs, max_steps=max_steps, eval_examples=eval_examples,
-            eval_per_device_batch_size=eval_per_device_batch_size, eval_loss=eval_loss,
-            eval_predictor=eval_predictor, eval_metric_fn=eval_metric_fn,
-            save_last_ckpt=save_last_ckpt, save_argmin_ckpt_by_metrics=save_argmin_ckpt_by_metrics,
-            save_argmax_ckpt_by_metrics=save_argmax_ckpt_by_metrics,
-            save_every_n_steps=save_every_n_steps, keep_last_ckpts=keep_last_ckpts, resume=resume,
-            eval_sanity_check=eval_sanity_check, profile_steps=profile_steps,
-            eval_every_n_steps=eval_every_n_steps, max_eval_batches=max_eval_batches,
-            v04_options=v04_options)
         plan = plan_fit(self, options)
         with RunGuard(self):
             self.hooks.on_fit_start(trainer=self, n_epochs=n_epochs, fit_options=plan.fit_options,

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from redco import compat, state_placement
 from redco import remat as redco_remat
+from redco.compiled_steps import CompiledSteps
 from redco.data import check_collated, n_full_batches
 from redco.sharding import dataflow_trace
 from redco.train_step import TrainState
@@ -51,7 +52,7 @@ def decide_layout(trainer: Trainer, examples: Sequence, per_device_batch_size: i
         trainer.deployer, trainer.state_shardings, start["params"], start["opt_state"],
         start["step"], trainer.optimizer, trainer.trainable)
     trainer._start = None
-    trainer._jit_steps()
+    trainer.steps = CompiledSteps(trainer)
 
 
 def adopt_planned_remat(trainer: Trainer) -> None:
@@ -111,4 +112,4 @@ def replace_optimizer_or_model(trainer: Trainer, optimizer=None, apply_fn=None) 
     if apply_fn is not None:
         trainer.state = trainer.state.replace(apply_fn=apply_fn)
         trainer.state_shardings = trainer.state_shardings.replace(apply_fn=apply_fn)
-    trainer._jit_steps()
+    trainer.steps = CompiledSteps(trainer)

@@ -33,4 +33,4 @@ def test_same_seed_gives_bitwise_equal_params(workdir):
 def test_train_step_compiles_once(workdir):
     _, _, trainer = train("mlp", workdir, 2, n_epochs=3)
     assert trainer.step == 3 * (64 // GLOBAL_BATCH)
-    assert trainer._train_step._cache_size() == 1
+    assert trainer.steps.train._cache_size() == 1

@@ -17,7 +17,7 @@ import pytest
 from jax._src import config as jax_config
 
 from redco import _private, watchdog
-from redco.trainer import unwrap_multisteps
+from redco.train_step import unwrap_multisteps
 
 # Run in a fresh process: jax.distributed can be initialized only once per process.
 DISTRIBUTED = """
