@@ -9,6 +9,7 @@ import os
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -254,8 +255,13 @@ class Deployer(DeployerV04):
         else:
             decay = optax.cosine_decay_schedule(
                 learning_rate, max(decay_steps, 1), end_learning_rate / learning_rate)
-        schedule = optax.join_schedules(
+        joined = optax.join_schedules(
             [optax.linear_schedule(init_learning_rate, learning_rate, warmup), decay], [warmup])
+        low, high = sorted((init_learning_rate, learning_rate, end_learning_rate))[::2]
+        last = total - 1 if decay_steps else total  # (no decay: no end value to reach)
+
+        def schedule(count):  # jitted, XLA's division by multiplying ended a decay at -4e-11
+            return jnp.where(count >= last, end_learning_rate, jnp.clip(joined(count), low, high))
         schedule.total_steps = total
         return schedule
 

@@ -56,3 +56,17 @@ def test_schedule_counts_updates_and_ends_at_last_update(workdir):
         assert max(lrs) == np.float32(0.1)
         np.testing.assert_allclose(lrs[-1], 0.01, rtol=1e-6)  # exactly the end value
         assert lrs[-2] > 0.01
+
+
+def test_a_jitted_schedule_ends_at_zero_never_below():
+    """Computed inside the jitted step, linear decay to 0 ended at -4e-11 at the last update
+    (XLA's fused arithmetic): a negative learning rate, however small, steps uphill."""
+    deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False)
+    for schedule_type in ("linear", "cosine"):
+        for total in (12, 37, 158):
+            schedule = deployer.get_lr_schedule_fn(
+                train_size=total * 4, per_device_batch_size=1, n_epochs=1, learning_rate=3e-3,
+                schedule_type=schedule_type, warmup_rate=0.1)
+            lrs = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(total + 1)))
+            assert lrs.min() == 0 and lrs[total - 1] == 0, (schedule_type, total, lrs[-3:])
+            assert lrs.max() == np.float32(3e-3)
