@@ -9,7 +9,6 @@ import os
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -18,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from redco import _private, checkpointing, compile_cache, plugins, sequence_split, watchdog
 from redco.compat import DeployerV04
 from redco.data import check_collated, check_number
+from redco.lr_schedule import LrSchedule
 from redco.protocols import Layout
 from redco.sharding import Rules, RuleSetRules, is_rule_set, make_mesh, shardings_from_specs, specs_from_rules
 
@@ -229,40 +229,27 @@ class Deployer(DeployerV04):
                            accumulate_grad_batches: int = 1,
                            warmup_ratio: float | None = None) -> optax.Schedule:
         """Warmup then linear or cosine decay, counted in optimizer updates: the value is
-        ``end_learning_rate`` exactly at the last update of ``n_epochs``. (``warmup_ratio``:
-        Redco 0.4.x's name of ``warmup_rate``.)"""
+        ``end_learning_rate`` exactly at the last update of ``n_epochs``; under
+        ``n_model_shards="auto"`` counted once the layout is picked (``redco/lr_schedule.py``).
+        (``warmup_ratio``: Redco 0.4.x's name of ``warmup_rate``.)"""
         warmup_rate = warmup_ratio if warmup_ratio is not None else warmup_rate
-        for name, value, low, high, integer, optional in (
-                ("train_size", train_size, 1, None, True, False),
-                ("n_epochs", n_epochs, 1, None, True, False),
-                ("learning_rate", learning_rate, 0, None, False, False),
-                ("warmup_rate", warmup_rate, 0, 1, False, False),
-                ("warmup_steps", warmup_steps, 0, None, True, True),
-                ("init_learning_rate", init_learning_rate, 0, None, False, False),
-                ("end_learning_rate", end_learning_rate, 0, None, False, False),
-                ("accumulate_grad_batches", accumulate_grad_batches, 1, None, True, False)):
-            check_number(name, value, low, high, integer, optional)
-        if schedule_type not in ("linear", "cosine"):
-            raise ValueError(f"schedule_type={schedule_type!r}: use 'linear' or 'cosine'.")
-        batch = self.get_global_batch_size(per_device_batch_size) * accumulate_grad_batches
-        total = n_epochs * (train_size // batch)
-        if total < 1:
-            raise ValueError(f"train_size={train_size} gives no full batch of {batch} examples.")
-        warmup = warmup_steps if warmup_steps is not None else int(warmup_rate * total)
-        decay_steps = max(total - 1 - warmup, 0)
-        if schedule_type == "linear":
-            decay = optax.linear_schedule(learning_rate, end_learning_rate, decay_steps)
-        else:
-            decay = optax.cosine_decay_schedule(
-                learning_rate, max(decay_steps, 1), end_learning_rate / learning_rate)
-        joined = optax.join_schedules(
-            [optax.linear_schedule(init_learning_rate, learning_rate, warmup), decay], [warmup])
-        low, high = sorted((init_learning_rate, learning_rate, end_learning_rate))[::2]
-        last = total - 1 if decay_steps else total  # (no decay: no end value to reach)
+        for name, value in (("train_size", train_size), ("per_device_batch_size",
+                            per_device_batch_size), ("accumulate_grad_batches", accumulate_grad_batches)):
+            check_number(name, value, 1)
 
-        def schedule(count):  # jitted, XLA's division by multiplying ended a decay at -4e-11
-            return jnp.where(count >= last, end_learning_rate, jnp.clip(joined(count), low, high))
-        schedule.total_steps = total
+        def updates_per_epoch() -> int | None:  # None until the planner picks the layout
+            if self.mesh is None:
+                return None
+            batch = self.get_global_batch_size(per_device_batch_size) * accumulate_grad_batches
+            if train_size < batch:
+                raise ValueError(f"train_size={train_size} gives no full batch of {batch} "
+                                 "examples.")
+            return train_size // batch
+        one_device = max(train_size // (per_device_batch_size * accumulate_grad_batches), 1)
+        schedule = LrSchedule(updates_per_epoch, one_device, n_epochs, learning_rate,
+                              schedule_type, warmup_rate, warmup_steps, init_learning_rate,
+                              end_learning_rate)
+        updates_per_epoch()  # too few examples for a batch: refused now, where the layout is set
         return schedule
 
     # ---- sharding: rules, and the one step that decides the layout ----------------------------

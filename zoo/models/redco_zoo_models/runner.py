@@ -17,6 +17,7 @@ from flax import nnx
 from redco import Deployer, Trainer
 from redco.checkpointing import host_tree
 from redco.lora import DEFAULT_TARGETS, n_params, trainable_mask
+from redco.lr_schedule import LrSchedule
 from redco.protocols import UsageError
 from redco_zoo_models.hf import auto_class, class_of, from_pretrained, save_pretrained
 from redco_zoo_models.llama import LLAMA_PRESETS, LlamaConfig
@@ -46,7 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "many batches, the first of the evaluation data (a cut is said in the "
                         "log; 0: all of it)")
     parser.add_argument("--workdir", default="./workdir")
-    parser.add_argument("--n_model_shards", type=int, default=1)
+    parser.add_argument("--n_model_shards", type=model_shards, default=1, help="devices each "
+                        "model is split over (tensor parallelism), or auto: the layout planner "
+                        "picks it (and FSDP, remat) by compiling the step (redco-planner)")
+    parser.add_argument("--device_memory", help="memory of one device for --n_model_shards "
+                        "auto, e.g. 16GB (read from the device on GPUs and TPUs)")
     parser.add_argument("--per_device_batch_size", type=int, default=8)
     parser.add_argument("--n_epochs", type=int, default=2)
     parser.add_argument("--max_steps", type=int, help="train this many updates, across epochs "
@@ -83,6 +88,16 @@ def add_training_levers(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedule", choices=["linear", "cosine"], default="linear",
                         help="the learning rate's decay after warmup")
     parser.add_argument("--eval_every_n_steps", type=int, help="also evaluate every N updates")
+
+
+def model_shards(value: str) -> int | str:
+    """``--n_model_shards``: a number of devices, or ``auto``."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: give a number of devices, or auto") from None
 
 
 def optimizer_of(args, lr) -> optax.GradientTransformation:
@@ -170,15 +185,14 @@ def load_model(model: str, from_scratch: bool = False, seed: int = 0,
 def n_epochs_and_schedule(args, deployer: Deployer, n_train: int) -> tuple[int | None, Any]:
     """``(n_epochs, lr schedule)``: ``--n_epochs`` of ``n_train`` examples, or, with
     ``--max_steps``, no epoch count and a schedule over that many updates."""
-    accumulate = getattr(args, "accumulate_grad_batches", 1)
-    if args.max_steps:
-        n_train = args.max_steps * deployer.get_global_batch_size(args.per_device_batch_size) \
-            * accumulate
-    n_epochs = None if args.max_steps else args.n_epochs
-    return n_epochs, deployer.get_lr_schedule_fn(
-        n_train, args.per_device_batch_size, n_epochs or 1, args.learning_rate,
-        schedule_type=getattr(args, "schedule", "linear"), warmup_rate=args.warmup_rate,
-        accumulate_grad_batches=accumulate)
+    schedule_type = getattr(args, "schedule", "linear")
+    if args.max_steps:  # (whatever the layout: the planner may not have picked it yet)
+        return None, LrSchedule(lambda: args.max_steps, args.max_steps, 1, args.learning_rate,
+                                schedule_type, args.warmup_rate)
+    return args.n_epochs, deployer.get_lr_schedule_fn(
+        n_train, args.per_device_batch_size, args.n_epochs, args.learning_rate,
+        schedule_type=schedule_type, warmup_rate=args.warmup_rate,
+        accumulate_grad_batches=getattr(args, "accumulate_grad_batches", 1))
 
 
 def train_and_eval(args, model: nnx.Module, examples: tuple[list, list], collate_fn: Callable,
@@ -195,7 +209,8 @@ def train_and_eval(args, model: nnx.Module, examples: tuple[list, list], collate
     train, evaluate = examples
     deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
                         workdir=args.workdir, n_context_shards=args.n_context_shards,
-                        context_strategy=args.context_strategy)
+                        context_strategy=args.context_strategy,
+                        device_memory=getattr(args, "device_memory", None))
     apply_fn, params, trainable = split_for_training(model, args, deployer)
     n_epochs, lr = n_epochs_and_schedule(args, deployer, len(train))
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optimizer_of(args, lr),
