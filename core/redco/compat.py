@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from redco import checkpointing
 from redco.data import by_name, cast_floats
 from redco.sharding import opt_state_shardings, shardings_from_specs, specs_from_rules
-from redco.train_step import unwrap_multisteps
+from redco.train_step import loss_and_metrics, unwrap_multisteps
 
 META_KEYS = ("format", "arrays", "files", "path")  # what meta.json holds besides the user's info
 
@@ -176,7 +176,8 @@ def flax_train_step(train_step_fn: Callable, trainer) -> Callable:
     per_device = mesh.shape["mp"] == 1
 
     def loss_fn(rng, state, params, batch, is_training):
-        return trainer._loss(params, state, batch, rng, is_training, per_device=per_device)
+        return loss_and_metrics(trainer._loss(params, state, batch, rng, is_training,
+                                              per_device=per_device))[0]
 
     def run(rng, flax_state, batch, step_mesh):
         return train_step_fn(rng=rng, state=flax_state, batch=batch, loss_fn=loss_fn,

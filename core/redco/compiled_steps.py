@@ -17,7 +17,7 @@ import jax
 from redco import compat
 from redco.data import n_full_batches
 from redco.step_flops import step_flops as count_step_flops
-from redco.train_step import TrainState, make_train_step
+from redco.train_step import TrainState, loss_and_metrics, make_train_step
 
 if TYPE_CHECKING:
     from redco.trainer import Trainer
@@ -48,7 +48,7 @@ class CompiledSteps:
                        out_shardings=(t.state_shardings, t.deployer.replicated), donate_argnums=0)
 
     def eval_loss(self, state: TrainState, batch):
-        return self.trainer._loss(state.params, state, batch, state.rng, False)
+        return loss_and_metrics(self.trainer._loss(state.params, state, batch, state.rng, False))[0]
 
     def flops(self) -> float | None:
         """FLOPs of one whole update (``Trainer.step_flops``); None before the first update."""

@@ -18,7 +18,7 @@ import optax
 
 from redco.deployer import Deployer
 from redco.sharding import Rules, opt_state_shardings
-from redco.train_step import TrainState, split
+from redco.train_step import TrainState, loss_and_metrics, split
 
 
 def place_copy(tree: Any, shardings: Any) -> Any:
@@ -81,7 +81,15 @@ def check_traced_loss(out: Any, remat: str | None, layers_before: int, layers_af
                       "redco.remat.layer. Wrap each block of the model with it (the zoo's "
                       "models are); a checkpoint around the whole loss would save no memory.",
                       stacklevel=4)
-    if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()):
-        shape = out.shape if isinstance(out, jax.ShapeDtypeStruct) else type(out).__name__
-        raise ValueError(f"loss_fn must return a scalar, but returned {shape}. Reduce it, "
-                         "e.g. with jnp.mean(...), before returning.")
+    loss, metrics = loss_and_metrics(out)
+    if not (isinstance(loss, jax.ShapeDtypeStruct) and loss.shape == ()):
+        shape = loss.shape if isinstance(loss, jax.ShapeDtypeStruct) else type(loss).__name__
+        raise ValueError(f"loss_fn must return a scalar, but returned {shape}. Reduce it, e.g. "
+                         "with jnp.mean(...), before returning (with metrics to log: "
+                         "(loss, {name: scalar})).")
+    wrong = {name: getattr(value, "shape", type(value).__name__)
+             for name, value in metrics.items() if getattr(value, "shape", None) != ()}
+    if wrong or {"loss", "grad_norm", "lr", "tokens"} & set(metrics):
+        raise ValueError(f"loss_fn's metrics must be scalars under names of your own (not loss, "
+                         f"grad_norm, lr or tokens): {wrong or sorted(metrics)}. Reduce each, "
+                         "e.g. with jnp.mean(...), or rename it.")

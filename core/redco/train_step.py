@@ -91,6 +91,15 @@ def input_tokens(batch: dict) -> int | None:
     return sum(batch[n].size for n in names) if names else None
 
 
+def loss_and_metrics(out: Any) -> tuple[Any, dict]:
+    """``loss_fn``'s output as ``(loss, metrics)``: it returns the scalar loss, or ``(loss,
+    {name: scalar})``, whose scalars are logged with each update's metrics (averaged over its
+    micro-batches) and left out of the gradient."""
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+        return out
+    return out, {}
+
+
 def count_tokens_of(batch: Any, count_tokens: Callable | None) -> jax.Array | None:
     """``count_tokens(micro_batch)`` summed over the batch's micro-batches (leading axis), as
     an int32; None where there is no counter or it returns None for this batch."""
@@ -129,22 +138,28 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
         rng = jax.random.fold_in(state.rng, state.step)
         train, frozen = split(state.params, trainable)  # only the trainable part is differentiated
         join = (lambda t: t) if frozen is None else (lambda t: lora.combine(t, frozen))
-        grad_fn = jax.value_and_grad(lambda t, *args: loss(join(t), *args))
+        grad_fn = jax.value_and_grad(lambda t, *args: loss_and_metrics(loss(join(t), *args)),
+                                     has_aux=True)
         if accumulate_grad_batches == 1:
-            value, grads = grad_fn(train, state, jax.tree.map(lambda x: x[0], batch), rng, True)
+            (value, extra), grads = grad_fn(train, state, jax.tree.map(lambda x: x[0], batch),
+                                            rng, True)
         else:
             def micro_step(carry, inputs):
                 i, micro_batch = inputs
                 out = grad_fn(train, state, micro_batch, jax.random.fold_in(rng, i), True)
-                return jax.tree.map(jnp.add, carry, out), None
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, train))
+                return jax.tree.map(lambda a, b: a + b.astype(a.dtype), carry, out), None
+            (value_and_extra, _) = jax.eval_shape(
+                grad_fn, train, state, jax.tree.map(lambda x: x[0], batch), rng, True)
+            zeros = (jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), value_and_extra),
+                     jax.tree.map(jnp.zeros_like, train))
             indices = jnp.arange(accumulate_grad_batches)
-            (value, grads), _ = jax.lax.scan(micro_step, zeros, (indices, batch), unroll=unroll)
-            value = value / accumulate_grad_batches
-            grads = jax.tree.map(lambda g: g / accumulate_grad_batches, grads)
+            ((value, extra), grads), _ = jax.lax.scan(micro_step, zeros, (indices, batch),
+                                                      unroll=unroll)
+            value, extra, grads = jax.tree.map(lambda x: x / accumulate_grad_batches,
+                                               (value, extra, grads))
         updates, opt_state = optimizer.update(grads, state.opt_state, train)
         params = join(optax.apply_updates(train, updates))
-        metrics = {"loss": value, "grad_norm": optax.global_norm(grads)}
+        metrics = {**extra, "loss": value, "grad_norm": optax.global_norm(grads)}
         if lr_schedule_fn is not None:
             metrics["lr"] = lr_schedule_fn(state.step)
         tokens = count_tokens_of(batch, count_tokens)

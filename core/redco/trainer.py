@@ -53,7 +53,9 @@ class Trainer(compat.TrainerV04):
       deployer: the run's ``Deployer``.
       collate_fn: ``list of examples -> dict of numpy arrays`` (first dim = batch).
       apply_fn: the model, available to ``loss_fn`` as ``state.apply_fn``.
-      loss_fn: the scalar loss; the rng argument may also be named ``train_rng``.
+      loss_fn: the scalar loss, or ``(loss, {name: scalar})``: those scalars are logged with
+        each update (the mean of its micro-batches; ``redco.train_step.loss_and_metrics``),
+        outside the gradient; the rng argument may also be named ``train_rng``.
       params: a pytree of arrays (numpy, jax, Flax NNX ``State``, ...).
       optimizer: an optax optimizer (an ``optax.MultiSteps`` wrapper is unwrapped).
       opt_state: a starting optimizer state; by default ``optimizer.init(params)``.
