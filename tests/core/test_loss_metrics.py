@@ -22,6 +22,8 @@ class Metrics:
 
 
 def with_metrics(rng, state, params, batch, is_training):
+    if not isinstance(is_training, bool):  # loss functions branch on it (HF Flax's models do)
+        raise TypeError(f"is_training is {is_training!r}, not a Python bool")
     error = state.apply_fn(params, batch["x"]) - batch["y"]
     return jnp.mean(error ** 2), {"mae": jnp.mean(jnp.abs(error)),
                                   "rows": jnp.float32(batch["x"].shape[0])}
