@@ -184,3 +184,34 @@ def test_an_moe_models_loss_with_labels_adds_its_weighted_balancing_losses():
     router0 = jax.grad(lambda p: nnx.merge(graphdef0, p, rest0)(ids[:, :-1], labels=ids[:, 1:]))(
         params0)["model"]["layers"][0]["mlp"]["gate"]["kernel"]
     assert float(jnp.abs(router[...] - router0[...]).max()) > 1e-4
+
+
+def test_the_lm_and_sft_loss_fns_add_the_balancing_losses_and_return_the_experts_metrics():
+    """``redco zoo run lm`` and ``sft`` compute their loss from logits, which carry no balancing
+    loss: through ``return_metrics`` an MoE model's loss is what its ``labels=`` loss is (the
+    cross-entropy plus ``router_aux_loss_coef`` times the balancing losses), with the experts'
+    load logged beside it; a dense model's is its plain loss."""
+    from redco.train_step import TrainState
+    from redco_zoo_lm.pipeline import loss_fn as lm_loss
+    from redco_zoo_models import split_model
+    from redco_zoo_models.toy import tiny_family
+    from redco_zoo_sft.pipeline import loss_fn as sft_loss
+    ids = np.random.RandomState(0).randint(1, 63, (2, 13)).astype(np.int32)
+    batch = {"input_ids": ids, "segment_ids": np.ones_like(ids),
+             "loss_mask": np.ones(ids.shape, bool)}
+    for family, sparse in (("qwen3-moe", True), ("qwen3", False)):
+        model = tiny_family(family)
+        apply_fn, params = split_model(model)
+        state = TrainState(step=0, params=params, opt_state=None, rng=None, apply_fn=apply_fn)
+        labelled = float(model(ids[:, :-1], labels=ids[:, 1:]))
+        for loss_fn in (lm_loss, sft_loss):
+            out = loss_fn(None, state, params, batch, True)
+            assert isinstance(out, tuple) == sparse, (family, loss_fn.__module__)
+            loss, metrics = out if sparse else (out, {})
+            assert float(loss) == pytest.approx(labelled, rel=1e-5), (family, loss_fn.__module__)
+            if sparse:
+                assert set(metrics) >= {"moe/aux_loss", "moe/load_balancing_loss",
+                                        "moe/router_z_loss", "moe/load_cv", "moe/load_cv_max",
+                                        "moe/dropped_share"}
+                assert float(metrics["moe/aux_loss"]) > 0
+                assert float(metrics["moe/load_cv_max"]) >= float(metrics["moe/load_cv"])

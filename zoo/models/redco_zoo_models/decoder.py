@@ -191,11 +191,10 @@ class DecoderLayer(nnx.Module):
         h, layer_cache = self.self_attn(before_attn(x), positions, allowed, layer_cache,
                                         cache_index, lengths)
         x = x + after_attn(h)
-        h, aux_loss = self.mlp(before_mlp(x)), jnp.zeros((), jnp.float32)
+        h, report = self.mlp(before_mlp(x)), {}
         if isinstance(self.mlp, MoE):
-            h, aux = h
-            aux_loss = aux["aux_loss"]
-        return x + after_mlp(h), layer_cache, aux_loss
+            h, report = h
+        return x + after_mlp(h), layer_cache, {k: v for k, v in report.items() if v.ndim == 0}
 
 
 class DecoderModel(nnx.Module):
@@ -214,15 +213,15 @@ class DecoderModel(nnx.Module):
         x = embed(self.embed_tokens, input_ids)
         if self.cfg.embed_scale:
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
-        x, new_cache, aux_loss = on_split(x, allowed), [], jnp.zeros((), jnp.float32)
+        x, new_cache, reports = on_split(x, allowed), [], []
         lengths = self._document_lengths(segment_ids, allowed)
         for i, layer in enumerate(self.layers):
-            x, layer_cache, layer_aux = layer(x, positions, allowed, cache and cache[i],
-                                              cache_index, lengths)
+            x, layer_cache, report = layer(x, positions, allowed, cache and cache[i],
+                                           cache_index, lengths)
             new_cache.append(layer_cache)
-            aux_loss = aux_loss + layer_aux
+            reports.append(report)
         return (in_order(self.norm(x), allowed), (new_cache if cache is not None else None),
-                aux_loss)
+                experts_report([r for r in reports if r]))
 
     def _document_lengths(self, segment_ids, allowed):
         """Each token's document length in packed rows, for a RoPE that depends on the length
@@ -236,6 +235,18 @@ class DecoderModel(nnx.Module):
                              "supported: pack without context parallelism, or split unpacked "
                              "rows.")
         return segment_lengths(segment_ids)
+
+
+def experts_report(reports: list[dict]) -> dict:
+    """The MoE blocks' reports (``MoE.report``'s scalars, one per block) as the model's:
+    ``moe/aux_loss`` summed over blocks (what the loss adds), the rest averaged over them, and
+    the worst block's load imbalance (``moe/load_cv_max``); empty for a dense model."""
+    if not reports:
+        return {}
+    stacked = {k: jnp.stack([r[k] for r in reports]) for k in reports[0]}
+    report = {f"moe/{k}": jnp.mean(v) for k, v in stacked.items() if k != "aux_loss"}
+    return {**report, "moe/aux_loss": jnp.sum(stacked["aux_loss"]),
+            "moe/load_cv_max": jnp.max(stacked["load_cv"])}
 
 
 def softcap(x, cap: float | None):
@@ -258,24 +269,29 @@ class DecoderLM(nnx.Module):
             else self.lm_head.kernel[...]
 
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
-                 segment_ids=None, labels=None, label_mask=None):
+                 segment_ids=None, labels=None, label_mask=None, return_metrics=False):
         """Logits ``(B, T, vocab)`` for token ids ``(B, T)``; with a ``cache`` (``init_cache``),
         ``(logits, cache)``. ``attention_mask`` marks real tokens (1) and padding (0) over the
         input, or with a cache over all of its slots; ``segment_ids`` (B, T) pack documents into
         rows, none seeing another (see ``redco_zoo_models.attention``). Given ``labels`` (B, T),
         the mean cross-entropy of predicting them (where ``label_mask``) instead, a chunk of
         tokens at a time: the logits never exist whole (``redco_zoo_models.chunked_loss``);
-        an MoE model adds its blocks' weighted load-balancing losses."""
-        x, cache, aux_loss = self.model(input_ids, attention_mask, cache, cache_index,
-                                        segment_ids)
+        an MoE model adds its blocks' weighted load-balancing losses. With ``return_metrics``,
+        ``(that, metrics)``: an MoE model's ``experts_report`` (the logits alone carry no
+        balancing loss: add ``metrics["moe/aux_loss"]`` to yours), ``{}`` for a dense one."""
+        x, cache, metrics = self.model(input_ids, attention_mask, cache, cache_index,
+                                       segment_ids)
         if labels is not None:
-            loss = next_token_loss(x, self.head(), labels, label_mask,
-                                   softcap=self.cfg.final_softcap)
-            return loss + aux_loss.astype(loss.dtype) if self.cfg.n_experts else loss
-        logits = x @ self.head().astype(x.dtype) if self.cfg.tie_word_embeddings \
-            else self.lm_head(x)
-        logits = softcap(logits, self.cfg.final_softcap)
-        return logits if cache is None else (logits, cache)
+            out = next_token_loss(x, self.head(), labels, label_mask,
+                                  softcap=self.cfg.final_softcap)
+            if metrics:
+                out = out + metrics["moe/aux_loss"].astype(out.dtype)
+        else:
+            logits = x @ self.head().astype(x.dtype) if self.cfg.tie_word_embeddings \
+                else self.lm_head(x)
+            logits = softcap(logits, self.cfg.final_softcap)
+            out = logits if cache is None else (logits, cache)
+        return (out, metrics) if return_metrics else out
 
     def decode(self, ids, key_valid, cache, cache_index, context=None):
         """One generation step (``redco_zoo_models.generation``)."""

@@ -161,14 +161,22 @@ class GPT2LMHeadModel(nnx.Module):
             self.lm_head = nnx.Linear(cfg.n_embd, cfg.vocab_size, use_bias=False, rngs=rngs)
 
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
-                 encoder_hidden_states=None, segment_ids=None, labels=None, label_mask=None):
+                 encoder_hidden_states=None, segment_ids=None, labels=None, label_mask=None,
+                 return_metrics=False):
         """Logits ``(B, T, vocab)`` for token ids ``(B, T)``; with a ``cache`` (``init_cache``),
         ``(logits, cache)``. ``attention_mask`` marks real tokens (1) and padding (0) over the
         input, or with a cache over all of its slots; ``segment_ids`` (B, T) pack documents into
         rows, none seeing another (see ``redco_zoo_models.attention``).
         ``encoder_hidden_states`` (B, S, n_embd) feed the cross-attention. Given ``labels``
         (B, T), the mean cross-entropy of predicting them (where ``label_mask``) instead, a
-        chunk of tokens at a time (``redco_zoo_models.chunked_loss``)."""
+        chunk of tokens at a time (``redco_zoo_models.chunked_loss``). With
+        ``return_metrics``, ``(that, {})``, as the decoders return theirs (GPT-2 has none)."""
+        out = self._outputs(input_ids, attention_mask, cache, cache_index, encoder_hidden_states,
+                            segment_ids, labels, label_mask)
+        return (out, {}) if return_metrics else out
+
+    def _outputs(self, input_ids, attention_mask, cache, cache_index, encoder_hidden_states,
+                 segment_ids, labels, label_mask):
         x, cache = self.transformer(input_ids, attention_mask, cache, cache_index,
                                     encoder_hidden_states, segment_ids)
         if labels is not None:

@@ -3,6 +3,7 @@ lower-cased; the scores of Lin (2004) without stemming), and the masked token lo
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 
 def exact_match(predictions: list[str], references: list[str]) -> float:
@@ -38,6 +39,23 @@ def rouge(predictions: list[str], references: list[str]) -> dict[str, float]:
 def text_scores(predictions: list[str], references: list[str]) -> dict[str, float]:
     """``exact_match``, ``rouge1``, ``rouge2`` and ``rougeL``."""
     return {"exact_match": exact_match(predictions, references), **rouge(predictions, references)}
+
+
+def logits_and_experts(apply_fn, params, *args, **kwargs) -> tuple[Any, dict]:
+    """``(apply_fn(params, ...), metrics)``: the model's metrics (an MoE's experts) where its apply
+    function has them (``split_model`` of a zoo model: ``return_metrics``), else ``{}``; any
+    other apply function is called as it is."""
+    if getattr(apply_fn, "returns_metrics", False):
+        return apply_fn(params, *args, return_metrics=True, **kwargs)
+    return apply_fn(params, *args, **kwargs), {}
+
+
+def with_experts(loss, metrics: dict):
+    """A loss from logits (``logits_and_experts``) with an MoE model's balancing losses added,
+    and its expert metrics to log: ``(loss, metrics)``; a dense model's loss as it is."""
+    if not metrics:
+        return loss
+    return loss + metrics["moe/aux_loss"].astype(loss.dtype), metrics
 
 
 def token_cross_entropy(logits, labels, mask):

@@ -15,7 +15,7 @@ import numpy as np
 import redco
 from redco.protocols import UsageError
 from redco_zoo_models import generate, runner
-from redco_zoo_models.metrics import token_cross_entropy
+from redco_zoo_models.metrics import logits_and_experts, token_cross_entropy, with_experts
 from redco_zoo_sft.chat import pack_chats, render_chat
 
 __all__ = ["collate_fn", "loss_fn", "pred_fn"]
@@ -31,9 +31,10 @@ def collate_fn(examples: list[dict]) -> dict:
 def loss_fn(rng, state, params, batch, is_training):
     """Mean next-token cross-entropy over the assistant's tokens (module docstring)."""
     ids, segments = batch["input_ids"], batch["segment_ids"]
-    logits = state.apply_fn(params, ids[:, :-1], segment_ids=segments[:, :-1])
+    logits, experts = logits_and_experts(state.apply_fn, params, ids[:, :-1],
+                                         segment_ids=segments[:, :-1])
     counted = batch["loss_mask"][:, 1:] & (segments[:, 1:] == segments[:, :-1])
-    return token_cross_entropy(logits, ids[:, 1:], counted)
+    return with_experts(token_cross_entropy(logits, ids[:, 1:], counted), experts)
 
 
 def pred_fn(rng, params, batch, model, max_new_tokens: int = 64, temperature: float = 0.0):

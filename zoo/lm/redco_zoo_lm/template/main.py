@@ -27,6 +27,7 @@ import optax
 from redco import Deployer, Trainer
 from redco_zoo_lm.pipeline import add_lm_arguments, lm_examples, load_lm
 from redco_zoo_models import generate, runner
+from redco_zoo_models.metrics import logits_and_experts, with_experts
 
 
 def collate_fn(examples: list[dict]) -> dict:
@@ -42,16 +43,19 @@ def collate_fn(examples: list[dict]) -> dict:
 def loss_fn(rng, state, params, batch, is_training):
     """Mean next-token cross-entropy. In packed rows (``segment_ids``) a document attends only
     to itself, and the prediction of the next document's first token and the padding's are
-    left out: the mean is over the tokens predicted within their own document."""
+    left out: the mean is over the tokens predicted within their own document. An MoE model adds
+    its balancing losses and logs its experts' load (``with_experts``)."""
     ids, segments = batch["input_ids"], batch.get("segment_ids")
     if segments is None:
-        logits = state.apply_fn(params, ids[:, :-1]).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
-    logits = state.apply_fn(params, ids[:, :-1], segment_ids=segments[:, :-1])
+        logits, experts = logits_and_experts(state.apply_fn, params, ids[:, :-1])
+        return with_experts(optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), ids[:, 1:]).mean(), experts)
+    logits, experts = logits_and_experts(state.apply_fn, params, ids[:, :-1],
+                                         segment_ids=segments[:, :-1])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
                                                              ids[:, 1:])
     counted = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
-    return (losses * counted).sum() / jnp.maximum(counted.sum(), 1)
+    return with_experts((losses * counted).sum() / jnp.maximum(counted.sum(), 1), experts)
 
 
 def pred_fn(rng, params, batch, model, max_new_tokens: int = 64, temperature: float = 0.8):
