@@ -351,3 +351,13 @@ def test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_same_bits(warmed
     cut_params = load_file(cut / "model" / "model.safetensors")
     for name, value in whole_params.items():
         np.testing.assert_array_equal(cut_params[name], value, err_msg=name)
+
+
+def test_auto_shards_are_refused_before_anything_loads_naming_why(tmp_path, capsys):
+    """The layout planner cannot pick a GRPO run's layout yet (its rounds are sized by the
+    data-parallel size first): ``--n_model_shards auto`` is a one-line refusal, not a crash."""
+    with pytest.raises(SystemExit):
+        main(["zoo", "run", "grpo", "--model", str(tmp_path / "missing"), "--train",
+              str(tmp_path / "missing.jsonl"), "--n_model_shards", "auto",
+              "--workdir", str(tmp_path / "w")])
+    assert "--n_model_shards auto: a GRPO run sizes its rounds" in capsys.readouterr().err

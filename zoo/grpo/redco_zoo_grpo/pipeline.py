@@ -142,6 +142,10 @@ def rounds_of(args, deployer: Deployer, n_prompts: int) -> int:
 
 def train(args) -> list[float]:
     """The whole run; returns the greedy held-out rewards (before, during and after)."""
+    if args.n_model_shards == "auto":
+        raise UsageError("--n_model_shards auto: a GRPO run sizes its rounds by the data-parallel "
+                         "size before anything trains, so the layout planner cannot pick it yet; "
+                         "give a number of devices.")
     tokenizer = load_chat_tokenizer(args.model)
     config, reward_fn = config_of(args), load_reward_fn(args.reward)
     model, _ = runner.load_model(args.model, args.from_scratch, args.jax_seed)

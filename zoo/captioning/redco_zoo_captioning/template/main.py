@@ -60,7 +60,7 @@ def main(args):
     train, evaluate = runner.split_eval(args)  # --eval, or the last 5% of --train
 
     deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
-                        workdir=args.workdir)
+                        workdir=args.workdir, device_memory=args.device_memory)  # for auto
     apply_fn, params = split_model(model)
     n_epochs, lr = runner.n_epochs_and_schedule(args, deployer, len(train))  # or --max_steps
     trainer = Trainer(deployer, partial(collate_fn, tokenizer=tokenizer, max_len=args.max_len,

@@ -69,7 +69,7 @@ def main(args):
                        for rows, what in zip(runner.split_eval(args), ("--train", "--eval")))
 
     deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
-                        workdir=args.workdir)
+                        workdir=args.workdir, device_memory=args.device_memory)  # for auto
     apply_fn, params, trainable = runner.split_for_training(model, args, deployer)  # --lora_rank
     n_epochs, lr = runner.n_epochs_and_schedule(args, deployer, len(train))  # or --max_steps
     trainer = Trainer(deployer, partial(collate_fn, max_len=args.max_len), apply_fn,

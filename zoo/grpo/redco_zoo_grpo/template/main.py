@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from redco import Deployer, Trainer
+from redco.protocols import UsageError
 from redco_zoo_grpo.loss import average, token_logps, token_losses
 from redco_zoo_grpo.pipeline import (
     add_grpo_arguments,
@@ -60,6 +61,10 @@ def pred_fn(rng, params, batch, model, n_samples: int = 1, **sampling):
     return {"tokens": tokens.reshape(shape), "logps": logps.reshape(shape)}
 def train(args) -> list[float]:
     """The whole run; returns the greedy held-out rewards (before, during and after)."""
+    if args.n_model_shards == "auto":
+        raise UsageError("--n_model_shards auto: a GRPO run sizes its rounds by the data-parallel "
+                         "size before anything trains, so the layout planner cannot pick it yet; "
+                         "give a number of devices.")
     tokenizer = load_chat_tokenizer(args.model)
     config, reward_fn = config_of(args), load_reward_fn(args.reward)
     model, _ = runner.load_model(args.model, args.from_scratch, args.jax_seed)

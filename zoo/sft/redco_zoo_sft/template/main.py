@@ -52,7 +52,7 @@ def main(args):
         ("--train", "--eval (or the last 5% of --train)")))  # rendered, masked, packed
 
     deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
-                        workdir=args.workdir)
+                        workdir=args.workdir, device_memory=args.device_memory)  # for auto
     apply_fn, params, trainable = runner.split_for_training(model, args, deployer)  # --lora_rank
     n_epochs, lr = runner.n_epochs_and_schedule(args, deployer, len(train))  # or --max_steps
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(lr),
