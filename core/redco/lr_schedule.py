@@ -15,7 +15,7 @@ schedule's range, and the last update's is the end value exactly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import jax.numpy as jnp
@@ -35,7 +35,6 @@ class LrSchedule:
     warmup_steps: int | None = None
     init_learning_rate: float = 0.0
     end_learning_rate: float = 0.0
-    _made: dict = field(default_factory=dict, repr=False)  # total updates -> its schedule
 
     def __post_init__(self):
         for name, value, low, high, integer, optional in (
@@ -57,9 +56,7 @@ class LrSchedule:
     def __call__(self, count):
         per_epoch = self.updates_per_epoch()
         total = self.n_epochs * (self.stand_in_updates if per_epoch is None else per_epoch)
-        if total not in self._made:
-            self._made[total] = self._schedule(total)
-        return self._made[total](count)
+        return self._schedule(total)(count)
 
     def _schedule(self, total: int) -> Callable:
         lr, end = self.learning_rate, self.end_learning_rate
