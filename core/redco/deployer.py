@@ -227,12 +227,18 @@ class Deployer(DeployerV04):
                            warmup_rate: float = 0.0, warmup_steps: int | None = None,
                            init_learning_rate: float = 0.0, end_learning_rate: float = 0.0,
                            accumulate_grad_batches: int = 1,
-                           warmup_ratio: float | None = None) -> optax.Schedule:
+                           warmup_ratio: float | None = None,
+                           max_steps: int | None = None) -> optax.Schedule:
         """Warmup then linear or cosine decay, counted in optimizer updates: the value is
-        ``end_learning_rate`` exactly at the last update of ``n_epochs``; under
-        ``n_model_shards="auto"`` counted once the layout is picked (``redco/lr_schedule.py``).
-        (``warmup_ratio``: Redco 0.4.x's name of ``warmup_rate``.)"""
+        ``end_learning_rate`` exactly at the last update of ``n_epochs`` (of ``max_steps``
+        updates, where given, as ``fit(max_steps=...)`` trains; then the data's size does not
+        count); under ``n_model_shards="auto"`` counted once the layout is picked
+        (``redco/lr_schedule.py``). (``warmup_ratio``: Redco 0.4.x's name of ``warmup_rate``.)"""
         warmup_rate = warmup_ratio if warmup_ratio is not None else warmup_rate
+        if max_steps is not None:
+            check_number("max_steps", max_steps, 1)
+            return LrSchedule(lambda: max_steps, max_steps, 1, learning_rate, schedule_type,
+                              warmup_rate, warmup_steps, init_learning_rate, end_learning_rate)
         for name, value in (("train_size", train_size), ("per_device_batch_size",
                             per_device_batch_size), ("accumulate_grad_batches", accumulate_grad_batches)):
             check_number(name, value, 1)

@@ -70,3 +70,16 @@ def test_a_jitted_schedule_ends_at_zero_never_below():
             lrs = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(total + 1)))
             assert lrs.min() == 0 and lrs[total - 1] == 0, (schedule_type, total, lrs[-3:])
             assert lrs.max() == np.float32(3e-3)
+
+
+def test_a_max_steps_schedule_is_counted_in_those_updates_whatever_the_data():
+    """``fit(max_steps=N)`` trains N updates: the schedule given ``max_steps=N`` reaches its end
+    value at update N - 1, with data for far more (or fewer) updates than that."""
+    deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False)
+    for train_size in (3, 40_000):
+        schedule = deployer.get_lr_schedule_fn(
+            train_size=train_size, per_device_batch_size=1, n_epochs=5, learning_rate=1e-3,
+            warmup_steps=2, end_learning_rate=1e-5, max_steps=10)
+        lrs = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(12)))
+        assert np.isclose(lrs[2], 1e-3) and lrs[8] > np.float32(1e-5), lrs
+        assert (lrs[9:] == np.float32(1e-5)).all(), lrs

@@ -17,7 +17,6 @@ from flax import nnx
 from redco import Deployer, Trainer
 from redco.checkpointing import host_tree
 from redco.lora import DEFAULT_TARGETS, n_params, trainable_mask
-from redco.lr_schedule import LrSchedule
 from redco.protocols import UsageError
 from redco_zoo_models.hf import auto_class, class_of, from_pretrained, save_pretrained
 from redco_zoo_models.llama import LLAMA_PRESETS, LlamaConfig
@@ -185,14 +184,12 @@ def load_model(model: str, from_scratch: bool = False, seed: int = 0,
 def n_epochs_and_schedule(args, deployer: Deployer, n_train: int) -> tuple[int | None, Any]:
     """``(n_epochs, lr schedule)``: ``--n_epochs`` of ``n_train`` examples, or, with
     ``--max_steps``, no epoch count and a schedule over that many updates."""
-    schedule_type = getattr(args, "schedule", "linear")
-    if args.max_steps:  # (whatever the layout: the planner may not have picked it yet)
-        return None, LrSchedule(lambda: args.max_steps, args.max_steps, 1, args.learning_rate,
-                                schedule_type, args.warmup_rate)
-    return args.n_epochs, deployer.get_lr_schedule_fn(
+    schedule = deployer.get_lr_schedule_fn(
         n_train, args.per_device_batch_size, args.n_epochs, args.learning_rate,
-        schedule_type=schedule_type, warmup_rate=args.warmup_rate,
-        accumulate_grad_batches=getattr(args, "accumulate_grad_batches", 1))
+        schedule_type=getattr(args, "schedule", "linear"), warmup_rate=args.warmup_rate,
+        accumulate_grad_batches=getattr(args, "accumulate_grad_batches", 1),
+        max_steps=args.max_steps or None)
+    return (None if args.max_steps else args.n_epochs), schedule
 
 
 def train_and_eval(args, model: nnx.Module, examples: tuple[list, list], collate_fn: Callable,
