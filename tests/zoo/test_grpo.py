@@ -361,3 +361,14 @@ def test_auto_shards_are_refused_before_anything_loads_naming_why(tmp_path, caps
               str(tmp_path / "missing.jsonl"), "--n_model_shards", "auto",
               "--workdir", str(tmp_path / "w")])
     assert "--n_model_shards auto: a GRPO run sizes its rounds" in capsys.readouterr().err
+
+
+def test_grpo_help_offers_no_planner_flags(capsys):
+    """What GRPO refuses its ``--help`` does not offer: no ``--device_memory``, no ``auto``;
+    the pipelines the planner serves offer both."""
+    for name, offered in (("grpo", False), ("lm", True)):
+        with pytest.raises(SystemExit):
+            main(["zoo", "run", name, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert ("--device_memory" in text) is offered, name
+        assert ("or auto: the layout planner picks it" in text) is offered, name

@@ -176,7 +176,7 @@ class GRPOPipeline:
                    "advantages, the clipped loss (GRPO, Dr. GRPO or DAPO); greedy reward")
 
     def add_arguments(self, parser) -> None:
-        runner.add_arguments(parser)
+        runner.add_arguments(parser, planner=False)
         add_grpo_arguments(parser)
 
     def run(self, args) -> float:

@@ -30,8 +30,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 DATA_KINDS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags every pipeline takes."""
+def add_arguments(parser: argparse.ArgumentParser, planner: bool = True) -> None:
+    """The flags every pipeline takes (``planner``: one that lets the layout planner pick
+    ``--n_model_shards``, and takes ``--device_memory`` for it)."""
     parser.add_argument("--model", required=True, help="a local HuggingFace model directory "
                         "(config.json, model.safetensors, tokenizer.json); with --from_scratch "
                         "its config.json alone, or a preset by name: a published decoder ("
@@ -46,11 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "many batches, the first of the evaluation data (a cut is said in the "
                         "log; 0: all of it)")
     parser.add_argument("--workdir", default="./workdir")
+    auto = ", or auto: the layout planner picks it (and FSDP, remat) by compiling the step " \
+        "(redco-planner)" if planner else ""
     parser.add_argument("--n_model_shards", type=model_shards, default=1, help="devices each "
-                        "model is split over (tensor parallelism), or auto: the layout planner "
-                        "picks it (and FSDP, remat) by compiling the step (redco-planner)")
-    parser.add_argument("--device_memory", help="memory of one device for --n_model_shards "
-                        "auto, e.g. 16GB (read from the device on GPUs and TPUs)")
+                        "model is split over (tensor parallelism)" + auto)
+    if planner:
+        parser.add_argument("--device_memory", help="memory of one device for --n_model_shards "
+                            "auto, e.g. 16GB (read from the device on GPUs and TPUs)")
     parser.add_argument("--per_device_batch_size", type=int, default=8)
     parser.add_argument("--n_epochs", type=int, default=2)
     parser.add_argument("--max_steps", type=int, help="train this many updates, across epochs "
