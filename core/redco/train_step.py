@@ -148,8 +148,8 @@ def make_train_step(loss: Callable, optimizer: optax.GradientTransformation,
                 i, micro_batch = inputs
                 out = grad_fn(train, state, micro_batch, jax.random.fold_in(rng, i), True)
                 return jax.tree.map(lambda a, b: a + b.astype(a.dtype), carry, out), None
-            (value_and_extra, _) = jax.eval_shape(  # (is_training stays a Python bool)
-                lambda *args: grad_fn(*args, True), train, state,
+            value_and_extra = jax.eval_shape(  # the forward's only (is_training: a bool)
+                lambda t, *args: loss_and_metrics(loss(join(t), *args, True)), train, state,
                 jax.tree.map(lambda x: x[0], batch), rng)
             zeros = (jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), value_and_extra),
                      jax.tree.map(jnp.zeros_like, train))
