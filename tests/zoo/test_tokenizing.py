@@ -46,7 +46,7 @@ def test_text_files_become_a_token_file_of_their_documents(tmp_path, tokenizer_d
     assert manifest["documents"] == 300 and manifest["tokens"] == corpus.n_tokens
     assert (manifest["eos_id"], manifest["dtype"], manifest["vocab_size"]) == (eos, "uint16", 400)
     assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "b.txt", "corpus.bin",  # no leftovers
-                                            "corpus.bin.index.npz", "corpus.json"]  # (TokenFile's)
+                                            "corpus.bin.index", "corpus.json"]  # (TokenFile's)
 
 
 def test_an_interrupted_run_rerun_writes_the_same_bytes(tmp_path, tokenizer_dir, capsys,

@@ -8,26 +8,33 @@ percent of a row empty at most). A row's pieces carry segment ids 1, 2, ... and 
 padding with segment id 0, which the zoo's models and LM loss honour (a document attends only
 to itself; predictions across a boundary and of padding are not counted).
 
-The plan is a few integers per piece, kept beside the corpus (``<file>.rows<width>-seed<seed>.npz``,
-remade when the file changes) so that a restart does not pack again, and ``PackedRows`` is a
-random-access sequence of rows:
-``fit`` shuffles, shards across processes and resumes it like any list, and a row is read from
-the corpus only when a batch needs it. Its ``fingerprint`` (the file's documents' lengths and
-its first and last 4,096 tokens, the row width, the seed) goes into every step checkpoint: a
-resume against a changed corpus is refused, naming what changed (a change in the middle of the
-file that keeps every document's length is not seen).
+Packing works on windows of consecutive documents, ``WINDOW_PIECES`` pieces at most each, one
+after another, so its memory is bounded whatever the corpus's size (a corpus of fewer pieces is
+one window; packing in windows leaves at most a row or two less full per window). Window ``k``
+breaks ties with ``seed`` and ``k``. The plan, a few integers per piece and per row, goes to disk
+as it is made (``<file>.rows<width>-seed<seed>/``, ``redco_zoo_lm/disk_arrays.py``, remade when
+the file changes), so that a restart does not pack again; ``PackedRows`` is a random-access
+sequence of rows that reads a row's few entries of the plan, then its tokens, when a batch needs
+it: ``fit`` shuffles, shards across processes and resumes it like any list. Its ``fingerprint``
+(the file's documents' lengths and its first and last 4,096 tokens, the row width, the seed,
+the number of windows where more than one) goes into every step checkpoint: a resume against a
+changed corpus is refused, naming what changed (a change in the middle of the file that keeps
+every document's length is not seen).
 """
 from __future__ import annotations
 
 import bisect
-import hashlib
 import os
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from redco.data_order import Rows
-from redco_zoo_lm.corpus import TokenFile, kept_arrays
+from redco_zoo_lm.corpus import Progress, TokenFile
+from redco_zoo_lm.disk_arrays import ArrayWriter, DiskArray, kept
+
+WINDOW_PIECES = 1 << 20  # pieces packed together at most (about 100 MB while packed)
+PLAN_FILES = {"start.i64": np.int64, "length.i32": np.int32, "bounds.i64": np.int64}
 
 
 def pieces_of(lengths: np.ndarray, row: int) -> tuple[np.ndarray, np.ndarray]:
@@ -65,17 +72,52 @@ def best_fit(lengths: np.ndarray, row: int, order: np.ndarray) -> np.ndarray:
     return placed
 
 
-def pack(corpus: TokenFile, width: int, seed: int, packed: bool = True) -> dict:
-    """Each piece's first token in the corpus and length, row after row; ``bounds[i]``: the
-    first piece of row ``i``. Not ``packed``: a piece a row, in the corpus's order."""
-    document, offset, length = pieces_of(corpus.lengths, width)
-    tie_break = np.random.default_rng(seed).permutation(len(length))
+def windows(corpus: TokenFile, width: int) -> Iterator[tuple[int, int]]:
+    """Consecutive ranges of documents of ``WINDOW_PIECES`` pieces at most (a longer
+    document: alone)."""
+    first = 0
+    while first < len(corpus):
+        _, lengths = corpus.spans(first, first + WINDOW_PIECES)
+        pieces = np.cumsum(-(-lengths // width))
+        stop = first + max(int(np.searchsorted(pieces, WINDOW_PIECES, side="right")), 1)
+        yield first, stop
+        first = stop
+
+
+def pack_window(starts: np.ndarray, lengths: np.ndarray, width: int, rng: np.random.Generator,
+                packed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(start, length, bounds)`` of documents ``(starts, lengths)``: each piece's first token
+    in the corpus and length, row after row; ``bounds[i]``: the first piece of row ``i``. Not
+    ``packed``: a piece a row, in the corpus's order."""
+    document, offset, length = pieces_of(lengths, width)
+    tie_break = rng.permutation(len(length))
     row = best_fit(length, width, np.lexsort((tie_break, -length))) if packed else \
         np.arange(len(length))
     by_row = np.lexsort((tie_break, row))  # each row's pieces together
-    return {"start": corpus.starts[document[by_row]] + offset[by_row],
-            "length": length[by_row],
-            "bounds": np.searchsorted(row[by_row], np.arange(row.max() + 2))}
+    return (starts[document[by_row]] + offset[by_row], length[by_row],
+            np.searchsorted(row[by_row], np.arange(row.max() + 2)))
+
+
+def pack(corpus: TokenFile, width: int, seed: int, packed: bool, folder: str) -> dict:
+    """Writes the plan (``start.i64``, ``length.i32``, ``bounds.i64``, as ``pack_window``'s)
+    of every window into ``folder``; returns its rows, tokens and windows."""
+    files = {name.split(".")[0]: ArrayWriter(os.path.join(folder, name), dtype)
+             for name, dtype in PLAN_FILES.items()}
+    n_pieces = n_tokens = n_windows = 0
+    progress = Progress(f"packing {corpus.path} into rows of {width}", len(corpus), "documents")
+    for first, stop in windows(corpus, width):
+        rng = np.random.default_rng(seed if n_windows == 0 else [seed, n_windows])
+        start, length, bounds = pack_window(*corpus.spans(first, stop), width, rng, packed)
+        files["start"].write(start)
+        files["length"].write(length)
+        files["bounds"].write(bounds[:-1] + n_pieces)
+        n_pieces, n_tokens, n_windows = n_pieces + len(start), n_tokens + int(length.sum()), \
+            n_windows + 1
+        progress(stop)
+    files["bounds"].write([n_pieces])
+    for file in files.values():
+        file.close()
+    return {"rows": files["bounds"].n - 1, "tokens": n_tokens, "windows": n_windows}
 
 
 class PackedRows(Sequence):
@@ -86,15 +128,15 @@ class PackedRows(Sequence):
     def __init__(self, corpus: TokenFile, seq_len: int, seed: int = 0, packed: bool = True):
         self.corpus, self.width = corpus, seq_len + 1
         kind = "" if packed else "-unpacked"
-        plan = kept_arrays(f"{corpus.path}.rows{self.width}{kind}-seed{seed}.npz", corpus.key,
-                           lambda: pack(corpus, self.width, seed, packed))
-        self.start, self.length, self.bounds = plan["start"], plan["length"], plan["bounds"]
-        self.padding_share = 1 - self.length.sum() / (len(self) * self.width)
-        digest = hashlib.sha256(corpus.lengths.tobytes())  # and its first and last tokens:
-        digest.update(corpus.key["ends_sha256"].encode())
+        folder, plan = kept(f"{corpus.path}.rows{self.width}{kind}-seed{seed}", corpus.key,
+                            lambda into: pack(corpus, self.width, seed, packed, into))
+        self.start, self.length, self.bounds = (
+            DiskArray(os.path.join(folder, name), dtype) for name, dtype in PLAN_FILES.items())
+        self.padding_share = 1 - plan["tokens"] / (len(self) * self.width)
+        windows_said = f", packed in {plan['windows']} windows" if plan["windows"] > 1 else ""
         self.fingerprint = (f"{os.path.basename(corpus.path)}: {len(corpus)} documents, "
-                            f"{corpus.n_tokens} tokens (sha256 {digest.hexdigest()[:12]}), rows "
-                            f"of {self.width}{kind}, seed {seed}")  # saved with step checkpoints
+                            f"{corpus.n_tokens} tokens (sha256 {corpus.documents_sha256[:12]}), "
+                            f"rows of {self.width}{kind}, seed {seed}{windows_said}")
 
     def __len__(self) -> int:
         return len(self.bounds) - 1
@@ -105,12 +147,13 @@ class PackedRows(Sequence):
         if not -len(self) <= i < len(self):
             raise IndexError(f"row {i} of {len(self)}")
         i %= len(self)
+        first, stop = self.bounds[i:i + 2]
         token_ids = np.zeros(self.width, np.int32)
         segment_ids = np.zeros(self.width, np.int32)
         at = 0
-        for segment, piece in enumerate(range(self.bounds[i], self.bounds[i + 1]), start=1):
-            n = int(self.length[piece])
-            token_ids[at:at + n] = self.corpus.tokens(int(self.start[piece]), n)
+        for segment, (start, n) in enumerate(zip(self.start[first:stop].tolist(),
+                                                 self.length[first:stop].tolist()), start=1):
+            token_ids[at:at + n] = self.corpus.tokens(start, n)
             segment_ids[at:at + n] = segment
             at += n
         return {"token_ids": token_ids, "segment_ids": segment_ids}
