@@ -18,6 +18,7 @@ from redco import _private, checkpointing, compile_cache, plugins, sequence_spli
 from redco.compat import DeployerV04
 from redco.data import check_collated, check_number
 from redco.lr_schedule import LrSchedule
+from redco.permutation import FeistelOrder, epoch_order
 from redco.protocols import Layout
 from redco.sharding import Rules, RuleSetRules, is_rule_set, make_mesh, shardings_from_specs, specs_from_rules
 
@@ -216,10 +217,11 @@ class Deployer(DeployerV04):
         self._rng, rng = jax.random.split(self._rng)
         return rng
 
-    def epoch_permutation(self, n_examples: int, epoch: int) -> np.ndarray:
+    def epoch_permutation(self, n_examples: int, epoch: int) -> np.ndarray | FeistelOrder:
         """The shuffled example order of ``epoch``: a function of the seed and the epoch only,
-        so a resumed run sees exactly the order the interrupted one would have."""
-        return np.random.default_rng([self.jax_seed, epoch]).permutation(n_examples)
+        so a resumed run sees exactly the order the interrupted one would have; above 2^24
+        examples computed a slice at a time (``redco/permutation.py``)."""
+        return epoch_order(n_examples, self.jax_seed, epoch)
 
     # ---- learning rate -----------------------------------------------------------------------
     def get_lr_schedule_fn(self, train_size: int, per_device_batch_size: int, n_epochs: int,

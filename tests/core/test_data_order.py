@@ -9,7 +9,7 @@ import pytest
 from helpers import mlp_apply, mlp_init, mlp_loss
 
 import redco
-from redco import Deployer, Trainer
+from redco import Deployer, Trainer, permutation
 from redco.data_order import position_of
 from redco.protocols import UsageError
 
@@ -56,7 +56,10 @@ def trainer_for(workdir, seen, *more_callbacks):
                    callbacks=[seen, *more_callbacks])
 
 
-def test_a_resume_with_another_batch_size_continues_at_the_same_example(tmp_path):
+@pytest.mark.parametrize("in_memory", [1 << 24, 10], ids=["array-order", "feistel-order"])
+def test_a_resume_with_another_batch_size_continues_at_the_same_example(tmp_path, monkeypatch,
+                                                                        in_memory):
+    monkeypatch.setattr(permutation, "IN_MEMORY", in_memory)  # 10: the order of a huge corpus
     data = examples(100)  # dp 4: 8 examples per update at 2 per device, 12 at 3
     whole = Seen()
     trainer_for(str(tmp_path / "whole"), whole).fit(data, 2, n_epochs=2)
@@ -190,3 +193,22 @@ def test_a_stream_is_evaluated_every_n_steps_and_can_stop_there(workdir):
     stopping.stop_after = None  # a later fit is not stopped by the earlier fit's request
     other.fit(examples(64), 2, n_epochs=2, eval_examples=data[:8], eval_sanity_check=False)
     assert other.step == 3 + 16, other.step
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 64, 1000, 4097, 65539])
+def test_a_feistel_order_shuffles_every_example_once_by_slices(n):
+    """The order of a corpus above ``IN_MEMORY`` rows: a bijection of ``[0, n)``, the same by
+    slices as whole, fixed by the seed and the epoch, other for another epoch, and shuffled
+    (no position keeps a neighbourhood: positions and examples uncorrelated)."""
+    order = permutation.FeistelOrder(n, seed=7, epoch=0)
+    whole = order[:]
+    assert len(order) == n and sorted(whole.tolist()) == list(range(n))
+    cut = n // 3
+    assert np.concatenate([order[:cut], order[cut:]]).tolist() == whole.tolist()
+    assert order[n - 1] == whole[-1] and order[-1] == whole[-1]
+    assert permutation.FeistelOrder(n, 7, 0)[:].tolist() == whole.tolist()
+    if n >= 64:
+        assert permutation.FeistelOrder(n, 7, 1)[:].tolist() != whole.tolist()
+        assert permutation.FeistelOrder(n, 8, 0)[:].tolist() != whole.tolist()
+        assert abs(np.corrcoef(np.arange(n), whole)[0, 1]) < 0.2
+        assert np.mean(np.abs(np.diff(whole))) > n / 5  # neighbours land far apart
