@@ -375,3 +375,20 @@ def test_a_corpus_packed_in_windows_holds_every_token_once(tmp_path, monkeypatch
     shutil.rmtree(path + ".rows256-seed3")
     again = PackedRows(TokenFile(path, EOS), 255, seed=3)
     np.testing.assert_array_equal(again.start[:], starts)
+
+
+@pytest.mark.parametrize("every", [2, 3, 20])
+def test_hold_out_keeps_every_nth_row_for_evaluation_and_trains_on_the_rest(every):
+    """Found by arithmetic (a corpus of millions of rows holds no index per row): every
+    ``every``-th row is held out, at least one (the last, where there are fewer rows), the
+    others train, each row in exactly one of the two, in order."""
+    for n in [1, 2, every - 1, every, every + 1, 3 * every - 1, 3 * every, 97]:
+        if n < 2:
+            continue
+        train, held = hold_out(list(range(n)), every)
+        want_held = [i for i in range(n) if i % every == every - 1] or [n - 1]
+        assert [held[i] for i in range(len(held))] == want_held, (n, every)
+        assert [train[i] for i in range(len(train))] == \
+            [i for i in range(n) if i not in want_held], (n, every)
+        assert list(train[1:3]) == [train[i] for i in range(1, min(3, len(train)))]
+        assert held.fingerprint == f"every {every}th row ({len(want_held)}) of {n}"

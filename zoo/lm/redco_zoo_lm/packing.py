@@ -168,10 +168,34 @@ class RowsView(Rows):
         self.fingerprint = f"{what} ({len(indices)}) of {getattr(rows, 'fingerprint', len(rows))}"
 
 
-def hold_out(rows: Sequence, every: int = 20) -> tuple[RowsView, RowsView]:
+class EveryNth(Sequence):
+    """Every ``every``-th row of ``rows`` (``held``; at least one: the last where there are
+    fewer), or all the others, found by arithmetic: nothing is held per row."""
+
+    def __init__(self, rows: Sequence, every: int, held: bool):
+        self.rows, self.every, self.held = rows, every, held
+        n_held = max(len(rows) // every, 1)
+        self.n = n_held if held else len(rows) - n_held
+        what = f"every {every}th row" if held else f"all but every {every}th row"
+        self.fingerprint = f"{what} ({self.n}) of {getattr(rows, 'fingerprint', len(rows))}"
+
+    def __len__(self) -> int:
+        return self.n
+
+    def index(self, i: int) -> int:
+        """Which row of ``rows`` is this one's ``i``-th."""
+        if self.held:
+            return (i + 1) * self.every - 1 if len(self.rows) >= self.every else len(self.rows) - 1
+        return i // (self.every - 1) * self.every + i % (self.every - 1)
+
+    def __getitem__(self, i: int | slice):
+        if isinstance(i, slice):
+            return Rows(self, np.arange(*i.indices(self.n)))
+        if not -self.n <= i < self.n:
+            raise IndexError(f"row {i} of {self.n}")
+        return self.rows[self.index(i % self.n)]
+
+
+def hold_out(rows: Sequence, every: int = 20) -> tuple[EveryNth, EveryNth]:
     """``(train, eval)``: every ``every``-th row held out for evaluation (at least one)."""
-    held = np.arange(len(rows)) % every == every - 1
-    if not held.any():
-        held[-1] = True
-    return (RowsView(rows, np.flatnonzero(~held), f"all but every {every}th row"),
-            RowsView(rows, np.flatnonzero(held), f"every {every}th row"))
+    return EveryNth(rows, every, held=False), EveryNth(rows, every, held=True)
