@@ -93,6 +93,12 @@ def test_the_lines_tested_here_are_the_readmes():
                          "as the documented install lines: put them back, or change both together")
 
 
+def test_getting_started_shows_the_main_job_run_here():
+    """docs/getting-started.md repeats the README's main job: the same lines, which
+    ``test_the_main_job_runs_as_written`` runs."""
+    assert block("main-job", "docs/getting-started.md") == block("main-job")
+
+
 def test_every_distribution_states_its_license_as_an_spdx_string():
     """A TOML-table ``project.license`` is deprecated (setuptools warns at every build and stops
     building such projects in 2027); an SPDX string needs hatchling>=1.27. hatchling builds a
