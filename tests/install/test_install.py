@@ -10,7 +10,7 @@ README fails here, including its own tests; ``pip install --find-links dist redc
 ``slurm`` to ``redco launch --launcher``. The ``plugin`` template's project, installed as its
 README says, is listed by ``redco plugins`` and its tests use its rule set. Each line is also
 looked up in README.md's block ``install``, so the lines tested are the lines documented. The
-the README's main job (block ``main-job``) runs verbatim in the same copy."""
+README's main job (block ``main-job``) runs verbatim in the same copy."""
 import glob
 import os
 import re
