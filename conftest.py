@@ -1,5 +1,5 @@
 """Every test run of this repository: tests marked ``slow`` (a pipeline learning its task end to
-end, a walk-through of the README, the same property at a bigger size than the fast test that
+end, the docs' post-training walk-through, the same property at a bigger size than the fast test that
 guards it) run only with ``REDCO_SLOW_TESTS=1`` (``REDCO_SLOW_TESTS=1 tox p``), so that the
 default ``tox p`` fits CI's budget; each is listed as deselected."""
 import os

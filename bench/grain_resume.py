@@ -1,5 +1,5 @@
 """Grain's checkpointed iterators resumed on another process count or batch size: exact, refused,
-or silently wrong. The measurement behind README's "Why not Grain".
+or silently wrong. The measurement behind "Why not Grain" (docs/tutorials/pretrain.md).
 
 1000 integers, ``grain.MapDataset.source(...).shuffle(seed=42)``; a pipeline of ``n`` shards is
 run for 10 batches per shard, its state saved (``get_state``), then a pipeline of another shard

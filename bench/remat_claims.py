@@ -1,6 +1,7 @@
-"""The numbers behind the README's rematerialisation and LoRA-collective sentences, from the
-train step a ``Trainer`` compiles (XLA's ``memory_analysis()``/``cost_analysis()`` on CPU, 8
-simulated devices, dp4 x mp2, the zoo LLaMA: 8 layers, width 64, 128 tokens per device):
+"""The numbers behind the rematerialisation and LoRA-collective sentences of
+docs/guides/lora-and-remat.md, from the train step a ``Trainer`` compiles (XLA's
+``memory_analysis()``/``cost_analysis()`` on CPU, 8 simulated devices, dp4 x mp2, the zoo LLaMA: 8
+layers, width 64, 128 tokens per device):
 
 1. the remat table: temp bytes and FLOPs of the step under each ``redco.remat`` policy;
 2. "a checkpoint around a whole loss_fn saves nothing": the same step, the model's layers not

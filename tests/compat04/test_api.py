@@ -1,4 +1,4 @@
-"""Each Redco 0.4.x name, called the 0.4.x way, does what 0.4.x did (README "Coming from Redco 0.4").
+"""Each Redco 0.4.x name, called the 0.4.x way, does what 0.4.x did (docs/tutorials/from-0.4.md).
 
 A small regression model on 8 simulated devices; every test checks an outcome (values, files,
 steps), not only that the call is accepted.

@@ -327,7 +327,7 @@ def test_lora_works_on_a_plain_dict_of_arrays():
     assert specs["mlp/fc1/lora_a"] == P() and specs["mlp/fc1/lora_b"] == P(None, "mp")
 
 
-def test_the_readmes_lora_block_runs_as_written():
+def test_the_docs_lora_block_runs_as_written():
     import os
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -336,7 +336,7 @@ def test_the_readmes_lora_block_runs_as_written():
     names = {"deployer": Deployer(jax_seed=0, n_model_shards=2, workdir=None, verbose=False),
              "collate_fn": collate_fn, "loss_fn": loss_fn, "apply_fn": apply_fn,
              "params": params, "train": EXAMPLES}
-    exec(block("lora"), names)  # noqa: S102 - the README's own code
+    exec(block("lora", "docs/guides/lora-and-remat.md"), names)  # noqa: S102 - the docs' own code
     assert jax.tree.structure(names["merged"]) == jax.tree.structure(params)
     trained = flat(names["trainer"].params)
     assert all(np.abs(x).max() > 0 for p, x in trained.items() if p.endswith("lora_b"))

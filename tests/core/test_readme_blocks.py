@@ -1,9 +1,10 @@
-"""Every code block of every README says how it is checked, and what it says is true: a block
-``run by`` a test file is executed by it: a ``test_*`` function there calls
-``block("<name>")`` (with a README path for a README other than the project's) and uses what it
-returns; ``.ci/run`` holds its block's lines verbatim. So the blocks a user is meant to run are
-the ones the suite runs; the rest are marked as sketches or as needing what this machine lacks
-(see ``tests/readme_blocks.py``)."""
+"""Every code block of every README and docs page says how it is checked, and what it says is true: a
+block ``run by`` a test file is executed by it: a ``test_*`` function there calls
+``block("<name>")`` (with the page's path for any page but the project's README: for CONTRIBUTING.md
+and the docs site's pages that path as written, relative to the repository root, ``block("lora",
+"docs/guides/lora-and-remat.md")``) and uses what it returns; ``.ci/run`` holds its block's lines
+verbatim. So the blocks a user is meant to run are the ones the suite runs; the rest are marked as
+sketches or as needing what this machine lacks (see ``tests/readme_blocks.py``)."""
 import ast
 import os
 import sys
@@ -18,7 +19,8 @@ README_PATHS = readmes()
 
 def test_the_readmes_are_found():
     names = {os.path.relpath(p, REPO) for p in README_PATHS}
-    assert {"README.md", "zoo/seq2seq/redco_zoo_seq2seq/template/README.md",
+    assert {"README.md", "CONTRIBUTING.md", "docs/getting-started.md",
+            "docs/guides/lora-and-remat.md", "zoo/seq2seq/redco_zoo_seq2seq/template/README.md",
             "core/redco/project_templates/plugin/README.md"} <= names, names
 
 
@@ -36,28 +38,48 @@ def test_every_block_is_marked_and_every_run_is_real(path):
             continue
         runner = os.path.join(REPO, b.how.removeprefix("run by "))
         assert os.path.isfile(runner), f"{path} '{b.name}' is run by {runner}, which is missing"
-        why = why_not_run(runner, b, readme_given=path != os.path.join(REPO, "README.md"))
+        why = why_not_run(runner, b, os.path.relpath(path, REPO))
         assert why is None, f"{path} '{b.name}' is run by {runner}, but {why}"
 
 
-def why_not_run(runner: str, b: Block, readme_given: bool) -> str | None:
-    """None if ``runner`` executes block ``b``: a test file looks it up by name in a ``test_*``
-    function and uses the text (see ``block_lookups``); another file (``.ci/run``) holds its
-    lines verbatim. Else what is missing."""
+def path_argument(page: str) -> str | bool | None:
+    """What a ``block(name, ...)`` call must give as the page's path: nothing for README.md; for
+    CONTRIBUTING.md and the docs site's pages, their path relative to the repository root as a
+    string literal; for a template's README (written by ``redco new`` somewhere else) any path
+    (``True``)."""
+    if page == "README.md":
+        return None
+    if page == "CONTRIBUTING.md" or page.startswith("docs" + os.sep):
+        return page
+    return True
+
+
+def why_not_run(runner: str, b: Block, page: str) -> str | None:
+    """None if ``runner`` executes block ``b`` of ``page`` (relative to the repository root): a
+    test file looks it up by name (and path) in a ``test_*`` function and uses the text (see
+    ``block_lookups``); another file (``.ci/run``) holds its lines verbatim. Else what is
+    missing."""
     with open(runner) as f:
         code = f.read()
     if runner.endswith(".py"):
-        call = f"block({b.name!r}{', <its README path>' if readme_given else ''})"
-        return None if (b.name, readme_given) in block_lookups(code) else (
-            f"no test_* function there calls {call} and uses the text: call it there and run it")
+        given = path_argument(page)
+        lookups = block_lookups(code)
+        found = (b.name, given) in lookups or (
+            given is True and any(name == b.name and path is not None for name, path in lookups))
+        shown = {None: "", True: ", <its README path>"}.get(given, f", {given!r}")
+        return None if found else (
+            f"no test_* function there calls block({b.name!r}{shown}) and uses the text: "
+            "call it there and run it")
     lines = [line for line in b.text.splitlines() if line.strip() and not line.startswith("#")]
     missing = [line for line in lines if line not in code]
     return f"it lacks the block's lines {missing}: copy them verbatim" if missing else None
 
 
-def block_lookups(code: str) -> set[tuple[str, bool]]:
-    """``(name, README path given)`` of each ``block("<name>", ...)`` call inside a top-level
-    ``test_*`` function whose value is used (not a bare statement)."""
+def block_lookups(code: str) -> set[tuple[str, str | bool | None]]:
+    """``(name, path)`` of each ``block("<name>", ...)`` call inside a top-level ``test_*``
+    function whose value is used (not a bare statement): ``path`` is None when the call gives
+    none (or ``"README.md"``), the string when it gives another string literal, ``True`` when it
+    gives an expression."""
     found = set()
     for test in ast.parse(code).body:
         if not (isinstance(test, ast.FunctionDef) and test.name.startswith("test_")):
@@ -67,5 +89,8 @@ def block_lookups(code: str) -> set[tuple[str, bool]]:
             if (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
                     and call.func.id == "block" and id(call) not in bare and call.args
                     and isinstance(call.args[0], ast.Constant)):
-                found.add((call.args[0].value, len(call.args) + len(call.keywords) > 1))
+                given = call.args[1:2] or [k.value for k in call.keywords if k.arg == "path"]
+                path = (None if not given else given[0].value
+                        if isinstance(given[0], ast.Constant) else True)
+                found.add((call.args[0].value, None if path == "README.md" else path))
     return found

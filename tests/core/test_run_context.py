@@ -77,7 +77,7 @@ def test_a_run_before_the_layout_is_decided_is_refused(tmp_path):
         trainer.run(loop=Rounds())
 
 
-def test_the_readmes_own_loop_block_runs_as_written_and_resumes(tmp_path):
+def test_the_docs_own_loop_block_runs_as_written_and_resumes(tmp_path):
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from readme_blocks import block
@@ -89,11 +89,11 @@ def test_the_readmes_own_loop_block_runs_as_written_and_resumes(tmp_path):
                 "examples": mlp_examples(16),
                 "make_examples": lambda i: mlp_examples(32, seed=i)}
     first = names()
-    exec(block("own-loop"), first)  # noqa: S102 - the README's own code
+    exec(block("own-loop", "docs/guides/checkpoints.md"), first)  # noqa: S102 - the docs' own code
     assert first["loop"].done == 5 and first["trainer"].step == 10
     assert [os.path.basename(p) for p in checkpointing.step_ckpts(tmp_path / "ckpts")] == \
         ["step_10"]
     again = names()
-    exec(block("own-loop"), again)  # noqa: S102 - a rerun: resumes at the end, trains nothing
+    exec(block("own-loop", "docs/guides/checkpoints.md"), again)  # noqa: S102 - a rerun: resumes at the end, trains nothing
     assert again["loop"].done == 5 and again["trainer"].step == 10
     assert os.path.basename(again["run"].resumed_from) == "step_10"

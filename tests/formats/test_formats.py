@@ -116,13 +116,15 @@ def test_no_pickle_or_eval_in_the_format(fmt):
 
 
 def test_the_readme_snippet_reads_a_checkpoint_without_redco(saved, fmt, tmp_path):
-    """The README's block, as written, run where ``workdir/ckpts/step_100`` is this checkpoint."""
+    """The block of docs/guides/checkpoints.md, as written, run where ``workdir/ckpts/step_100``
+    is this checkpoint."""
     path, want = saved
     shutil.copytree(path, tmp_path / "workdir" / "ckpts" / "step_100")
     leaf = ('params["model.layers.1.mlp.down_proj.weight"].T' if fmt == "safetensors"
             else 'params["model"]["layers"]["1"]["mlp"]["down_proj"]["kernel"]')
     script = ("import sys\nsys.modules['redco'] = None  # importing redco fails\n"
-              f"sys.modules['redco_{fmt}'] = None\n" + block("read-checkpoint") +
+              f"sys.modules['redco_{fmt}'] = None\n" +
+              block("read-checkpoint", "docs/guides/checkpoints.md") +
               f"\nnp.save({str(tmp_path / 'leaf.npy')!r}, {leaf})\n")
     subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path,
                    env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})

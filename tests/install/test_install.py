@@ -10,7 +10,7 @@ README fails here, including its own tests; ``pip install --find-links dist redc
 ``slurm`` to ``redco launch --launcher``. The ``plugin`` template's project, installed as its
 README says, is listed by ``redco plugins`` and its tests use its rule set. Each line is also
 looked up in README.md's block ``install``, so the lines tested are the lines documented. The
-Quickstart's main job (block ``main-job``) runs verbatim in the same copy."""
+README's main job (block ``main-job``) runs verbatim in the same copy."""
 import glob
 import os
 import re
@@ -93,6 +93,12 @@ def test_the_lines_tested_here_are_the_readmes():
                          "as the documented install lines: put them back, or change both together")
 
 
+def test_getting_started_shows_the_main_job_run_here():
+    """docs/getting-started.md repeats the README's main job: the same lines, which
+    ``test_the_main_job_runs_as_written`` runs."""
+    assert block("main-job", "docs/getting-started.md") == block("main-job")
+
+
 def test_every_distribution_states_its_license_as_an_spdx_string():
     """A TOML-table ``project.license`` is deprecated (setuptools warns at every build and stops
     building such projects in 2027); an SPDX string needs hatchling>=1.27. hatchling builds a
@@ -108,7 +114,7 @@ def test_every_distribution_states_its_license_as_an_spdx_string():
 
 
 def test_the_main_job_runs_as_written(sh):
-    """Quickstart's first block, verbatim, in the fresh copy: it makes its own .venv, installs,
+    """The README's main-job block, verbatim, in the fresh copy: it makes its own .venv, installs,
     trains and leaves what the README says under workdir/lm-demo."""
     out = sh(block("main-job"))
     log = os.path.join(sh.cwd, "workdir", "lm-demo", "log.txt")

@@ -1,9 +1,9 @@
-"""The README's post-training walk-through (block ``post-training``), run as written with
-``redco`` on the PATH: SFT teaches a tiny chat model a task's format and half its answers; DPO
-from there learns which replies are preferred for the other half (held-out preference accuracy
-from ~0.5 to >= 0.75); GRPO from there learns that half from a reward alone (greedy held-out
-reward from <= 0.1 to >= 0.6), its sampler's and trainer's log-probabilities agreeing to 1e-5
-in fp32, and the trained model keeps the chat template a next stage needs."""
+"""The post-training walk-through (block ``post-training`` of docs/tutorials/post-training.md), run as
+written with ``redco`` on the PATH: SFT teaches a tiny chat model a task's format and half its
+answers; DPO from there learns which replies are preferred for the other half (held-out preference
+accuracy from ~0.5 to >= 0.75); GRPO from there learns that half from a reward alone (greedy
+held-out reward from <= 0.1 to >= 0.6), its sampler's and trainer's log-probabilities agreeing to
+1e-5 in fp32, and the trained model keeps the chat template a next stage needs."""
 import json
 import os
 import subprocess
@@ -50,11 +50,12 @@ def metrics(path) -> list[dict]:
 
 
 @pytest.mark.slow  # REDCO_SLOW_TESTS=1 (conftest.py)
-def test_the_readmes_sft_then_dpo_and_grpo_walk_through(tmp_path):
+def test_the_docs_sft_then_dpo_and_grpo_walk_through(tmp_path):
     write_task(tmp_path)
     env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable),
                                                   os.environ["PATH"]]))
-    done = subprocess.run(["bash", "-ec", block("post-training")], cwd=tmp_path, env=env,
+    walk_through = block("post-training", "docs/tutorials/post-training.md")
+    done = subprocess.run(["bash", "-ec", walk_through], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     accuracy = [r["eval/accuracy"] for r in metrics(tmp_path / "dpo" / "metrics.jsonl")

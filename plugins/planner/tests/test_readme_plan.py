@@ -1,5 +1,5 @@
-"""The README's "See a plan before you run it" block, run as written from the repository root:
-install the planner with its presets, print LLaMA-7B's rules on 8 devices and plan it on 4
+"""The "See a plan before you run it" block of docs/guides/layouts.md, run as written from the
+repository root: install the planner with its presets, print LLaMA-7B's rules on 8 devices and plan it on 4
 devices of 40 GB (AOT compiles on abstract shapes: nothing allocated)."""
 import os
 import re
@@ -15,8 +15,8 @@ from readme_blocks import block  # noqa: E402
 def test_the_readme_plan_block_runs_as_written():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # a user's shell has none
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]])  # this env's pip
-    done = subprocess.run(["bash", "-ec", block("plan")], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=900)
+    done = subprocess.run(["bash", "-ec", block("plan", "docs/guides/layouts.md")], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     # LLaMA-7B's 6.74e9 fp32 params, split 8 ways by auto+fsdp with nothing replicated

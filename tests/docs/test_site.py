@@ -1,0 +1,97 @@
+"""The built docs site (``mkdocs build``, into ``$DOCS_SITE_DIR``, else ``site/``) has a page for
+every entry of mkdocs.yml's nav, and every link of every built page that stays inside the site
+reaches a built file, and its ``#anchor`` an element of that page with that id. ``tox -e docs``
+builds the site and runs this; no browser is needed (the HTML is parsed as text)."""
+import html.parser
+import os
+import posixpath
+import re
+import urllib.parse
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SITE = os.environ.get("DOCS_SITE_DIR", os.path.join(ROOT, "site"))
+
+
+class Page(html.parser.HTMLParser):
+    """The links (``href``/``src``) and element ids of one HTML page."""
+
+    def __init__(self):
+        super().__init__()
+        self.links, self.ids = [], set()
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if attrs.get("id"):
+            self.ids.add(attrs["id"])
+        for name in ("href", "src"):
+            if attrs.get(name) is not None:
+                self.links.append(attrs[name])
+
+
+def parse(path: str) -> Page:
+    page = Page()
+    with open(path, encoding="utf-8") as f:
+        page.feed(f.read())
+    return page
+
+
+def built_pages() -> list[str]:
+    """Every HTML file of the site, relative to it (``/``-separated)."""
+    if not os.path.isfile(os.path.join(SITE, "index.html")):
+        pytest.fail(f"no built site at {SITE}: run `mkdocs build` (tox -e docs does)")
+    return sorted(os.path.relpath(os.path.join(d, f), SITE).replace(os.sep, "/")
+                  for d, _, files in os.walk(SITE) for f in files if f.endswith(".html"))
+
+
+def nav_pages() -> list[str]:
+    """The markdown files mkdocs.yml's nav names."""
+    with open(os.path.join(ROOT, "mkdocs.yml")) as f:
+        nav = f.read().split("\nnav:\n", 1)[1]
+    return re.findall(r":\s+(\S+\.md)\s*$", nav, re.M)
+
+
+def target(page: str, link: str) -> tuple[str, str] | None:
+    """The site file and anchor an internal ``link`` of ``page`` points at; None if external."""
+    parts = urllib.parse.urlsplit(link)
+    if parts.scheme or parts.netloc or link.startswith(("mailto:", "javascript:")):
+        return None
+    path = urllib.parse.unquote(parts.path)
+    if not path:
+        resolved = page
+    else:  # (404.html links from the site's root: it is served at any depth)
+        base = "" if path.startswith("/") else posixpath.dirname(page)
+        resolved = posixpath.normpath(posixpath.join(base, path.lstrip("/")))
+        if path.endswith("/") or os.path.isdir(os.path.join(SITE, resolved)):
+            resolved = posixpath.join(resolved, "index.html")
+    return resolved, parts.fragment
+
+
+def test_every_nav_entry_is_a_built_page():
+    pages = set(built_pages())
+    nav = nav_pages()
+    assert len(nav) >= 15, nav
+    for md in nav:
+        html_file = "index.html" if md == "index.md" else md.removesuffix(".md") + "/index.html"
+        assert html_file in pages, f"mkdocs.yml's nav names {md}, but {html_file} was not built"
+
+
+def test_every_internal_link_reaches_a_built_file_and_anchor():
+    pages = built_pages()
+    parsed = {p: parse(os.path.join(SITE, p)) for p in pages}
+    broken = []
+    n_checked = 0
+    for page, found in parsed.items():
+        for link in found.links:
+            hit = target(page, link)
+            if hit is None:
+                continue
+            n_checked += 1
+            path, anchor = hit
+            if path.startswith("../") or not os.path.isfile(os.path.join(SITE, path)):
+                broken.append(f"{page}: {link} (no {path})")
+            elif anchor and path.endswith(".html") and anchor not in parsed[path].ids:
+                broken.append(f"{page}: {link} (no id {anchor!r} in {path})")
+    assert n_checked > 500, n_checked  # the nav alone links every page from every page
+    assert not broken, "\n".join(broken[:50])

@@ -1,0 +1,70 @@
+"""MkDocs hook (``hooks:`` in mkdocs.yml): the reference pages that are generated when the site
+is built, so they cannot drift from the code.
+
+* ``<!-- generated: cli -->`` becomes the ``--help`` of ``redco``, of each of its subcommands and
+  of each installed zoo pipeline (``redco zoo run NAME --help``), as argparse prints them. It
+  needs redco and the plugins and zoo packages to document installed where mkdocs runs
+  (``tox -e docs`` installs them).
+* ``<!-- generated: hookspecs -->`` becomes every hook of ``core/redco/hookspecs.py`` with its
+  docstring, read from the source (nothing imported).
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import inspect
+import io
+import os
+import re
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    if "<!-- generated: cli -->" in markdown:
+        markdown = markdown.replace("<!-- generated: cli -->", cli_reference())
+    if "<!-- generated: hookspecs -->" in markdown:
+        markdown = markdown.replace("<!-- generated: hookspecs -->", hooks_reference())
+    return markdown
+
+
+def rst_to_markdown(text: str) -> str:
+    """A docstring's ``code`` (reStructuredText) as `code` (markdown)."""
+    return re.sub(r"``(.+?)``", r"`\1`", text, flags=re.S)
+
+
+def hooks_reference() -> str:
+    with open(os.path.join(REPO, "core", "redco", "hookspecs.py")) as f:
+        module = ast.parse(f.read())
+    parts = [rst_to_markdown(inspect.cleandoc(ast.get_docstring(module)))]
+    for node in module.body:
+        if isinstance(node, ast.FunctionDef) and any(
+                isinstance(d, ast.Name) and d.id == "hookspec" for d in node.decorator_list):
+            args = ", ".join(a.arg for a in node.args.args)
+            doc = ast.get_docstring(node)
+            assert doc, f"hookspecs.py: {node.name} has no docstring"
+            parts.append(f"## `{node.name}`\n\n```text\n{node.name}({args})\n```\n\n"
+                         + rst_to_markdown(inspect.cleandoc(doc)))
+    return "\n\n".join(parts) + "\n"
+
+
+def help_of(argv: list[str]) -> str:
+    """What ``redco ARGV`` prints (``--help``), run in this process."""
+    from redco import cli
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        cli.main(argv)
+    return out.getvalue().rstrip()
+
+
+def cli_reference() -> str:
+    os.environ["COLUMNS"] = "100"  # argparse wraps to this width, wherever the site is built
+    from redco import plugins
+    fixed = ["plugins", "launch", "new", "zoo"]
+    commands = fixed + sorted(set(plugins.registry("commands")) - set(fixed))
+    sections = [("redco", ["--help"])]
+    sections += [(f"redco {name}", [name, "--help"]) for name in commands]
+    sections += [(f"redco zoo run {name}", ["zoo", "run", name, "--help"])
+                 for name in sorted(plugins.registry("zoo_pipelines"))]
+    return "\n\n".join(f"## `{title}`\n\n```text\n{help_of(argv)}\n```"
+                       for title, argv in sections) + "\n"
