@@ -392,3 +392,19 @@ def test_hold_out_keeps_every_nth_row_for_evaluation_and_trains_on_the_rest(ever
             [i for i in range(n) if i not in want_held], (n, every)
         assert list(train[1:3]) == [train[i] for i in range(1, min(3, len(train)))]
         assert held.fingerprint == f"every {every}th row ({len(want_held)}) of {n}"
+
+
+def test_the_first_opening_of_a_large_file_shows_its_progress(tmp_path, monkeypatch, capsys):
+    """Indexing and packing say how far they are (on a large corpus: every 10 s); a rerun,
+    which reads both back, says nothing."""
+    from redco_zoo_lm import corpus as corpus_module
+    monkeypatch.setattr(corpus_module, "PROGRESS_EVERY_S", 0.0)  # every step, here
+    monkeypatch.setattr(corpus_module, "SCAN_TOKENS", 1000)
+    monkeypatch.setattr(packing, "WINDOW_PIECES", 64)
+    path = write_token_file(str(tmp_path / "c.bin"), documents(100, 10, 300), EOS)
+    PackedRows(TokenFile(path, EOS), 127)
+    said = capsys.readouterr().err
+    assert f"indexing {path}: 100% of" in said and said.count("indexing") > 3, said
+    assert f"packing {path} into rows of 128: 100% of 100 documents" in said, said
+    PackedRows(TokenFile(path, EOS), 127)
+    assert capsys.readouterr().err == ""

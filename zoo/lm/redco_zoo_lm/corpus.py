@@ -26,14 +26,15 @@ from redco.protocols import UsageError
 from redco_zoo_lm.disk_arrays import ArrayWriter, DiskArray, kept
 
 SCAN_TOKENS = 1 << 22  # tokens read per step of the scan (8 MB of uint16)
+PROGRESS_EVERY_S = 10.0
 
 
 class Progress:
-    """Prints ``what``'s progress to stderr, at most every ``every`` seconds, once it has taken
-    that long (a small corpus prints nothing)."""
+    """Prints ``what``'s progress to stderr, at most every ``PROGRESS_EVERY_S`` seconds, once
+    it has taken that long (a small corpus prints nothing)."""
 
-    def __init__(self, what: str, total: int, unit: str, every: float = 10.0):
-        self.what, self.total, self.unit, self.every = what, total, unit, every
+    def __init__(self, what: str, total: int, unit: str):
+        self.what, self.total, self.unit, self.every = what, total, unit, PROGRESS_EVERY_S
         self.started = self.shown = time.monotonic()
 
     def __call__(self, done: int) -> None:
