@@ -408,3 +408,30 @@ def test_the_first_opening_of_a_large_file_shows_its_progress(tmp_path, monkeypa
     assert f"packing {path} into rows of 128: 100% of 100 documents" in said, said
     PackedRows(TokenFile(path, EOS), 127)
     assert capsys.readouterr().err == ""
+
+
+def test_opening_packing_and_reading_hold_no_memory_per_document_or_row(tmp_path, monkeypatch):
+    """The index and the plan go to disk as they are made and are read a few entries at a time:
+    on 300,000 documents (one int64 each would be 2.4 MB) Python's and numpy's allocations
+    peak under 2 MB while the corpus is indexed, packed in windows, held out and read."""
+    import tracemalloc
+
+    from redco_zoo_lm import corpus as corpus_module
+    monkeypatch.setattr(corpus_module, "SCAN_TOKENS", 1 << 16)
+    monkeypatch.setattr(packing, "WINDOW_PIECES", 1 << 12)
+    lengths = np.random.default_rng(0).integers(1, 10, 300_000)
+    tokens = np.random.default_rng(1).integers(1, 100, int(lengths.sum())).astype(np.uint16)
+    tokens[np.cumsum(lengths) - 1] = EOS
+    path = str(tmp_path / "c.bin")
+    tokens.tofile(path)
+    del tokens, lengths
+    tracemalloc.start()
+    try:
+        rows = PackedRows(TokenFile(path, EOS), 15)
+        train, held = hold_out(rows)
+        read = [train[len(train) - 1], held[0], rows[len(rows) // 2]]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(rows.corpus) == 300_000 and all(r["token_ids"].shape == (16,) for r in read)
+    assert peak < 2e6, f"{peak / 1e6:.1f} MB held while opening 300,000 documents"
