@@ -7,7 +7,7 @@ EOS, written once into ``--dir``. For each file and row width, a fresh process o
 (``TokenFile``), packs it (``PackedRows``), holds out every 20th row as ``redco zoo run lm``
 does (``hold_out``) and trains a tiny LLaMA (hidden 64, 2 layers, ``remat="full"``) for
 ``--steps`` updates of ``--tokens`` tokens (8 rows of 128, 1 of 2,048) through ``Trainer.fit``,
-which shuffles the whole training share (above 2^24 rows by ``redco/permutation.py``), on one
+which shuffles the whole training share (above 2^20 rows by ``redco/permutation.py``), on one
 CPU device (whose buffers are host memory too). "First run" deletes the file's index and plan
 before; "rerun" is the same process again. Printed per run: documents, rows, seconds to open and
 plan, the padding share, and the process's peak resident memory (``VmHWM``); then each run's

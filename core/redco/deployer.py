@@ -219,7 +219,7 @@ class Deployer(DeployerV04):
 
     def epoch_permutation(self, n_examples: int, epoch: int) -> np.ndarray | FeistelOrder:
         """The shuffled example order of ``epoch``: a function of the seed and the epoch only,
-        so a resumed run sees exactly the order the interrupted one would have; above 2^24
+        so a resumed run sees exactly the order the interrupted one would have; above 2^20
         examples computed a slice at a time (``redco/permutation.py``)."""
         return epoch_order(n_examples, self.jax_seed, epoch)
 

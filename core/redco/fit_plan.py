@@ -10,7 +10,7 @@ import time
 import warnings
 from typing import Any, Callable, Iterable, Sequence
 
-from redco import compat
+from redco import compat, permutation
 from redco.data import check_number, n_full_batches
 from redco.data_order import Stream, as_stream, position_of
 from redco.evaluation import Evaluation
@@ -195,7 +195,9 @@ def plan_steps(trainer, train_examples, first_examples: Sequence, per_device_bat
             "deployer.get_lr_schedule_fn.", stacklevel=4)
     data = {"jax_seed": trainer.deployer.jax_seed}
     if not stream:
-        data["n_examples"] = len(first_examples)
+        data["n_examples"] = len(first_examples)  # and the shuffle above IN_MEMORY examples:
+        data["shuffle"] = permutation.SHUFFLE if len(first_examples) > permutation.IN_MEMORY \
+            else None  # (None: numpy's, as every checkpoint before it was written)
     source = getattr(train_examples.iterator if stream else first_examples, "fingerprint", None)
     if source is not None:  # what the examples are made of
         data["source"] = str(source)

@@ -1,21 +1,24 @@
 """An epoch's shuffled order of ``n`` examples, held in memory or computed a slice at a time.
 
 Up to ``IN_MEMORY`` examples the order is numpy's ``permutation`` of them (8 bytes an example).
-Above that, a corpus of tens of millions of rows would hold gigabytes for it on every host, so
-the order is a keyed bijection of ``[0, n)``, computed for just the slice an update asks for:
+Above that, a corpus of millions of rows would hold hundreds of megabytes for it on every host,
+so the order is a keyed bijection of ``[0, n)``, computed for just the slice an update asks for:
 a Feistel network (``ROUNDS`` rounds, each mixing one half of an index's bits with a
 splitmix64 hash of the other half under a round key drawn from the seed) permutes
-``[0, 2^2h)``, the smallest power of four at least ``n``, and an index it sends beyond ``n`` is
+``[0, 4^h)``, the smallest power of four at least ``n``, and an index it sends beyond ``n`` is
 sent on again until it lands inside ("cycle walking"), which keeps it a bijection of
 ``[0, n)``. Grain's ``index_shuffle`` and Levanter's ``FeistelPermutation`` shuffle corpora the
-same way. Either order is a function of the seed and the epoch only.
+same way. Either order is a function of the seed and the epoch only; which one a run used is
+saved with its step checkpoints (``SHUFFLE``), so a resume under the other is refused, not
+trained on other examples.
 """
 from __future__ import annotations
 
 import numpy as np
 
-IN_MEMORY = 1 << 24  # examples: above this, the order is computed by slices (128 MB held)
+IN_MEMORY = 1 << 20  # examples: above this, the order is computed by slices (8 MB held)
 ROUNDS = 6
+SHUFFLE = "feistel"  # a run's step checkpoints say so where its order was a FeistelOrder
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray | FeistelOrder:
