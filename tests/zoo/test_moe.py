@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from redco_zoo_models.moe import BalanceBias, MoE, MoEConfig, updated_balance_bias
+from redco_zoo_models.balancing import BalanceBias, updated_balance_bias
+from redco_zoo_models.moe import MoE, MoEConfig
 
 
 def reference(moe: MoE, x, dropped_pairs=frozenset()):
