@@ -1,13 +1,18 @@
 """The MoE block (``redco_zoo_models.moe``) against a per-token loop written here: top-k routing
 by softmax and by sigmoid with the balancing bias, shared experts, dropless and with a
-capacity, its gradients, the auxiliary losses at their known values, and the bias update."""
+capacity, its gradients, the auxiliary losses at their known values, and the bias update, in
+``Trainer.fit`` too."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
-from redco_zoo_models.balancing import BalanceBias, updated_balance_bias
+import redco
+from redco import Deployer, Trainer
+from redco_zoo_models import split_model
+from redco_zoo_models.balancing import BalanceBias, moe_optimizer, updated_balance_bias
 from redco_zoo_models.moe import MoE, MoEConfig
 
 
@@ -216,3 +221,47 @@ def test_the_lm_and_sft_loss_fns_add_the_balancing_losses_and_return_the_experts
                                         "moe/dropped_share"}
                 assert float(metrics["moe/aux_loss"]) > 0
                 assert float(metrics["moe/load_cv_max"]) >= float(metrics["moe/load_cv"])
+
+
+class Favouring:
+    """A ``Trainer`` plugin keeping the params after each step and the step's load CV."""
+
+    def __init__(self):
+        self.params, self.load_cv = [], []
+
+    @redco.hookimpl
+    def on_step_end(self, trainer, step, metrics):
+        self.params.append(jax.device_get(trainer.params))
+        self.load_cv.append(float(metrics["load_cv"]))
+
+
+def test_trainer_fit_moves_the_balancing_bias_by_each_steps_load_outside_the_optimizer():
+    """A sigmoid-routed block, expert 0 favoured, trained by ``Trainer.fit`` with AdamW (weight
+    decay 0.5) through ``moe_optimizer``: after every step the bias is exactly DeepSeek-V3's
+    update of the step's load (``updated_balance_bias``: no decay, no Adam moments on it), the
+    favoured expert's bias ends lowest, and the load evens out over the run."""
+    rate = 0.02
+    model = block(router="sigmoid", top_k=1, n_experts=4, bias_update_rate=rate)
+    model.gate.kernel[...] = model.gate.kernel[...].at[:, 0].add(0.5)
+    x = np.random.RandomState(0).normal(size=(64, 16)).astype(np.float32)
+    examples = [{"x": r, "y": np.tanh(r[::-1])} for r in x]  # one global batch of 8 x 8
+    apply_fn, params = split_model(model)
+
+    def loss_fn(rng, state, params, batch, is_training):
+        y, aux = state.apply_fn(params, batch["x"])
+        return jnp.mean((y - batch["y"]) ** 2), {"load_cv": aux["load_cv"]}
+    collate = lambda rows: {k: np.stack([r[k] for r in rows]) for k in rows[0]}  # noqa: E731
+    recorder = Favouring()
+    trainer = Trainer(Deployer(jax_seed=0, workdir=None, verbose=False), collate, apply_fn,
+                      loss_fn, params, moe_optimizer(optax.adamw(1e-2, weight_decay=0.5), model),
+                      callbacks=[recorder])
+    trainer.fit(examples, per_device_batch_size=8, max_steps=25, eval_sanity_check=False)
+    load_at = jax.jit(lambda p: apply_fn(p, jnp.asarray(x))[1]["expert_load"])
+    for before, after in zip([params, *recorder.params], recorder.params):
+        bias = before["balance_bias"][...]
+        np.testing.assert_allclose(after["balance_bias"][...], updated_balance_bias(
+            bias, load_at(before), rate), atol=1e-7)
+        assert np.abs(after["gate"]["kernel"][...] - before["gate"]["kernel"][...]).max() > 0
+    bias = recorder.params[-1]["balance_bias"][...]
+    assert bias[0] == bias.min() < 0, bias
+    assert np.mean(recorder.load_cv[-10:]) < 0.5 * recorder.load_cv[0], recorder.load_cv
