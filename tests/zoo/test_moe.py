@@ -12,7 +12,12 @@ from flax import nnx
 import redco
 from redco import Deployer, Trainer
 from redco_zoo_models import split_model
-from redco_zoo_models.balancing import BalanceBias, moe_optimizer, updated_balance_bias
+from redco_zoo_models.balancing import (
+    BalanceBias,
+    moe_optimizer,
+    sigmoid_choice,
+    updated_balance_bias,
+)
 from redco_zoo_models.moe import MoE, MoEConfig
 
 
@@ -31,7 +36,8 @@ def reference(moe: MoE, x, dropped_pairs=frozenset()):
             chosen = np.argsort(-probs, kind="stable")[:cfg.top_k]
         else:
             probs = 1 / (1 + np.exp(-row))
-            chosen = np.argsort(-(probs + np.asarray(moe.balance_bias[...])), kind="stable")[:cfg.top_k]
+            chosen = np.argsort(-within_best_groups(cfg, probs + np.asarray(
+                moe.balance_bias[...])), kind="stable")[:cfg.top_k]
         weights = probs[chosen] / (probs[chosen].sum() if cfg.normalize_top_k else 1)
         for e, w in zip(chosen, weights * cfg.routed_scaling_factor):
             if (n, int(e)) not in dropped_pairs:
@@ -41,6 +47,14 @@ def reference(moe: MoE, x, dropped_pairs=frozenset()):
             out[n] += (silu(t @ np.asarray(s.gate_proj.kernel[...])) *
                        (t @ np.asarray(s.up_proj.kernel[...]))) @ np.asarray(s.down_proj.kernel[...])
     return out.reshape(x.shape)
+
+
+def within_best_groups(cfg, biased):
+    """``biased`` scores outside the ``topk_group`` groups of the largest top-2 sums at -inf."""
+    groups = biased.reshape(cfg.n_group, -1)
+    sums = np.sort(groups, axis=1)[:, -2:].sum(1)
+    kept = np.argsort(-sums, kind="stable")[:cfg.topk_group]
+    return np.where(np.isin(np.arange(cfg.n_group), kept)[:, None], groups, -np.inf).reshape(-1)
 
 
 def block(seed=0, **overrides):
@@ -53,7 +67,8 @@ X = jax.random.normal(jax.random.PRNGKey(1), (3, 7, 16))
 
 @pytest.mark.parametrize("overrides", [
     {}, {"top_k": 1}, {"normalize_top_k": False},
-    {"router": "sigmoid", "routed_scaling_factor": 2.5, "n_shared_experts": 2}])
+    {"router": "sigmoid", "routed_scaling_factor": 2.5, "n_shared_experts": 2},
+    {"router": "sigmoid", "n_group": 3, "topk_group": 1}])
 def test_dropless_equals_each_token_through_its_experts(overrides):
     moe = block(**overrides)
     if moe.cfg.router == "sigmoid":  # a bias that changes which experts are chosen
@@ -113,6 +128,21 @@ def test_gradients_equal_the_dense_computation(capacity_factor):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
     assert any(float(jnp.abs(a).max()) > 0 for a in jax.tree.leaves(got["gate"]))
+
+
+def test_the_sigmoid_choice_gives_the_scores_their_gradient_and_the_bias_its_load_sign():
+    """Backward through the choice: the scores get the gradient of picking the chosen ones (the
+    choice held fixed); the bias gets ``sign(load - mean load)``, whatever the loss."""
+    scores = jax.nn.sigmoid(jax.random.normal(jax.random.PRNGKey(2), (21, 6)))
+    bias = jnp.linspace(-0.2, 0.2, 6)
+    weights, chosen = sigmoid_choice(scores, bias, 2, 3, 2)
+    fixed = jax.grad(lambda s: jnp.sum(jnp.sin(jnp.take_along_axis(s, chosen, -1))))(scores)
+    np.testing.assert_allclose(jax.grad(lambda s: jnp.sum(jnp.sin(
+        sigmoid_choice(s, bias, 2, 3, 2)[0])))(scores), fixed, rtol=1e-6)
+    load = np.bincount(np.asarray(chosen).reshape(-1), minlength=6)
+    for loss in (jnp.sum, lambda w: -3 * jnp.sum(w ** 2)):
+        np.testing.assert_array_equal(jax.grad(lambda b: loss(sigmoid_choice(
+            scores, b, 2, 3, 2)[0]))(bias), np.sign(load - load.mean()))
 
 
 def test_the_auxiliary_losses_at_balance_and_at_collapse():
