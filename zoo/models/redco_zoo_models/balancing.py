@@ -84,13 +84,14 @@ def moe_optimizer(optimizer: optax.GradientTransformation, model: nnx.Module):
     """``optimizer`` for ``model``'s params with every ``BalanceBias`` moved by plain SGD at its
     block's ``bias_update_rate`` instead (module docstring); ``optimizer`` itself for a model
     without one. The labels follow the params' tree (``nnx.State`` or a plain dict of it)."""
-    rates = {path: module.cfg.bias_update_rate for path, module in nnx.iter_graph(model)
+    rates = {tuple(map(str, path)): module.cfg.bias_update_rate
+             for path, module in nnx.iter_graph(model)
              if isinstance(getattr(module, "balance_bias", None), BalanceBias)}
     if not rates:
         return optimizer
 
     def label(path, _):
-        keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+        keys = tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
         if "balance_bias" not in keys:
             return "rest"
         return f"bias {rates[keys[:keys.index('balance_bias')]]}"
