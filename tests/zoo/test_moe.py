@@ -1,13 +1,24 @@
 """The MoE block (``redco_zoo_models.moe``) against a per-token loop written here: top-k routing
 by softmax and by sigmoid with the balancing bias, shared experts, dropless and with a
-capacity, its gradients, the auxiliary losses at their known values, and the bias update."""
+capacity, its gradients, the auxiliary losses at their known values, and the bias update, in
+``Trainer.fit`` too."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
-from redco_zoo_models.moe import BalanceBias, MoE, MoEConfig, updated_balance_bias
+import redco
+from redco import Deployer, Trainer
+from redco_zoo_models import split_model
+from redco_zoo_models.balancing import (
+    BalanceBias,
+    moe_optimizer,
+    sigmoid_choice,
+    updated_balance_bias,
+)
+from redco_zoo_models.moe import MoE, MoEConfig
 
 
 def reference(moe: MoE, x, dropped_pairs=frozenset()):
@@ -25,7 +36,8 @@ def reference(moe: MoE, x, dropped_pairs=frozenset()):
             chosen = np.argsort(-probs, kind="stable")[:cfg.top_k]
         else:
             probs = 1 / (1 + np.exp(-row))
-            chosen = np.argsort(-(probs + np.asarray(moe.balance_bias[...])), kind="stable")[:cfg.top_k]
+            chosen = np.argsort(-within_best_groups(cfg, probs + np.asarray(
+                moe.balance_bias[...])), kind="stable")[:cfg.top_k]
         weights = probs[chosen] / (probs[chosen].sum() if cfg.normalize_top_k else 1)
         for e, w in zip(chosen, weights * cfg.routed_scaling_factor):
             if (n, int(e)) not in dropped_pairs:
@@ -35,6 +47,14 @@ def reference(moe: MoE, x, dropped_pairs=frozenset()):
             out[n] += (silu(t @ np.asarray(s.gate_proj.kernel[...])) *
                        (t @ np.asarray(s.up_proj.kernel[...]))) @ np.asarray(s.down_proj.kernel[...])
     return out.reshape(x.shape)
+
+
+def within_best_groups(cfg, biased):
+    """``biased`` scores outside the ``topk_group`` groups of the largest top-2 sums at -inf."""
+    groups = biased.reshape(cfg.n_group, -1)
+    sums = np.sort(groups, axis=1)[:, -2:].sum(1)
+    kept = np.argsort(-sums, kind="stable")[:cfg.topk_group]
+    return np.where(np.isin(np.arange(cfg.n_group), kept)[:, None], groups, -np.inf).reshape(-1)
 
 
 def block(seed=0, **overrides):
@@ -47,7 +67,8 @@ X = jax.random.normal(jax.random.PRNGKey(1), (3, 7, 16))
 
 @pytest.mark.parametrize("overrides", [
     {}, {"top_k": 1}, {"normalize_top_k": False},
-    {"router": "sigmoid", "routed_scaling_factor": 2.5, "n_shared_experts": 2}])
+    {"router": "sigmoid", "routed_scaling_factor": 2.5, "n_shared_experts": 2},
+    {"router": "sigmoid", "n_group": 3, "topk_group": 1}])
 def test_dropless_equals_each_token_through_its_experts(overrides):
     moe = block(**overrides)
     if moe.cfg.router == "sigmoid":  # a bias that changes which experts are chosen
@@ -107,6 +128,21 @@ def test_gradients_equal_the_dense_computation(capacity_factor):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
     assert any(float(jnp.abs(a).max()) > 0 for a in jax.tree.leaves(got["gate"]))
+
+
+def test_the_sigmoid_choice_gives_the_scores_their_gradient_and_the_bias_its_load_sign():
+    """Backward through the choice: the scores get the gradient of picking the chosen ones (the
+    choice held fixed); the bias gets ``sign(load - mean load)``, whatever the loss."""
+    scores = jax.nn.sigmoid(jax.random.normal(jax.random.PRNGKey(2), (21, 6)))
+    bias = jnp.linspace(-0.2, 0.2, 6)
+    weights, chosen = sigmoid_choice(scores, bias, 2, 3, 2)
+    fixed = jax.grad(lambda s: jnp.sum(jnp.sin(jnp.take_along_axis(s, chosen, -1))))(scores)
+    np.testing.assert_allclose(jax.grad(lambda s: jnp.sum(jnp.sin(
+        sigmoid_choice(s, bias, 2, 3, 2)[0])))(scores), fixed, rtol=1e-6)
+    load = np.bincount(np.asarray(chosen).reshape(-1), minlength=6)
+    for loss in (jnp.sum, lambda w: -3 * jnp.sum(w ** 2)):
+        np.testing.assert_array_equal(jax.grad(lambda b: loss(sigmoid_choice(
+            scores, b, 2, 3, 2)[0]))(bias), np.sign(load - load.mean()))
 
 
 def test_the_auxiliary_losses_at_balance_and_at_collapse():
@@ -248,3 +284,47 @@ def test_sft_then_grpo_train_a_tiny_moe_and_log_its_router(tmp_path):
                 assert row["train/loss"] > row["moe/aux_loss"], row
             assert 0 <= row["moe/load_cv"] <= row["moe/load_cv_max"], (stage, row)
             assert row["moe/dropped_share"] == 0, (stage, row)  # dropless
+
+
+class Favouring:
+    """A ``Trainer`` plugin keeping the params after each step and the step's load CV."""
+
+    def __init__(self):
+        self.params, self.load_cv = [], []
+
+    @redco.hookimpl
+    def on_step_end(self, trainer, step, metrics):
+        self.params.append(jax.device_get(trainer.params))
+        self.load_cv.append(float(metrics["load_cv"]))
+
+
+def test_trainer_fit_moves_the_balancing_bias_by_each_steps_load_outside_the_optimizer():
+    """A sigmoid-routed block, expert 0 favoured, trained by ``Trainer.fit`` with AdamW (weight
+    decay 0.5) through ``moe_optimizer``: after every step the bias is exactly DeepSeek-V3's
+    update of the step's load (``updated_balance_bias``: no decay, no Adam moments on it), the
+    favoured expert's bias ends lowest, and the load evens out over the run."""
+    rate = 0.02
+    model = block(router="sigmoid", top_k=1, n_experts=4, bias_update_rate=rate)
+    model.gate.kernel[...] = model.gate.kernel[...].at[:, 0].add(0.5)
+    x = np.random.RandomState(0).normal(size=(64, 16)).astype(np.float32)
+    examples = [{"x": r, "y": np.tanh(r[::-1])} for r in x]  # one global batch of 8 x 8
+    apply_fn, params = split_model(model)
+
+    def loss_fn(rng, state, params, batch, is_training):
+        y, aux = state.apply_fn(params, batch["x"])
+        return jnp.mean((y - batch["y"]) ** 2), {"load_cv": aux["load_cv"]}
+    collate = lambda rows: {k: np.stack([r[k] for r in rows]) for k in rows[0]}  # noqa: E731
+    recorder = Favouring()
+    trainer = Trainer(Deployer(jax_seed=0, workdir=None, verbose=False), collate, apply_fn,
+                      loss_fn, params, moe_optimizer(optax.adamw(1e-2, weight_decay=0.5), model),
+                      callbacks=[recorder])
+    trainer.fit(examples, per_device_batch_size=8, max_steps=25, eval_sanity_check=False)
+    load_at = jax.jit(lambda p: apply_fn(p, jnp.asarray(x))[1]["expert_load"])
+    for before, after in zip([params, *recorder.params], recorder.params):
+        bias = before["balance_bias"][...]
+        np.testing.assert_allclose(after["balance_bias"][...], updated_balance_bias(
+            bias, load_at(before), rate), atol=1e-7)
+        assert np.abs(after["gate"]["kernel"][...] - before["gate"]["kernel"][...]).max() > 0
+    bias = recorder.params[-1]["balance_bias"][...]
+    assert bias[0] == bias.min() < 0, bias
+    assert np.mean(recorder.load_cv[-10:]) < 0.5 * recorder.load_cv[0], recorder.load_cv

@@ -4,11 +4,15 @@ property, parametrized over the families: Llama 3.1 (``llama3`` RoPE, factor 8) 
 sliding), Gemma 3 (local/global layers, a RoPE each, scaled global RoPE), Phi-3/4 (fused
 projections, partial rotary, longrope), OLMo 2 (post-norms, q/k norm over all heads), Mistral
 (a window on every layer), Qwen3-MoE (a dense layer between sparse ones, per-expert tensors) and
-Mixtral (its own expert names), and YaRN and dynamic-NTK RoPE on Qwen3 and LLaMA shapes.
+Mixtral (its own expert names), DeepSeek-V3 (multi-head latent attention with YaRN's mscale and
+interleaved RoPE, dense first layer, sigmoid routing limited to 2 of 4 groups with a random
+balancing bias, shared experts; and a variant without the query latent, RoPE in halves), and
+YaRN and dynamic-NTK RoPE on Qwen3 and LLaMA shapes.
 
 Each tiny checkpoint is written by transformers itself (``from_config`` + ``save_pretrained``,
 weights perturbed so a misplaced one shows, sharded so the index is read). The lengths cross
 every sliding window (8) and every RoPE's ``original_max_position_embeddings`` (16)."""
+import dataclasses
 import json
 import os
 
@@ -21,12 +25,13 @@ from flax import nnx
 from parity import close, hf_greedy, jiggle_torch, left_padded, transformers
 
 from redco_zoo_models import from_pretrained, generate, save_pretrained
+from redco_zoo_models.balancing import BalanceBias
 from redco_zoo_models.hf import auto_class
 from redco_zoo_models.toy import TINY_FAMILIES
 
 VOCAB, EOS, PAD, BOS = 64, 63, 0, 1
 FAMILIES = TINY_FAMILIES  # the lengths below cross WINDOW (8) and ORIGINAL_CONTEXT (16)
-ROPE_ONLY = {"qwen3-yarn"}  # logits and export checked only
+ROPE_ONLY = {"qwen3-yarn", "deepseek-v3-plain-q"}  # logits and export checked only
 
 
 def jitted(model):
@@ -38,7 +43,7 @@ def jitted(model):
 
 def generating(family):
     if family in ROPE_ONLY:
-        pytest.skip("a RoPE variant: logits and export only (its family generates elsewhere)")
+        pytest.skip("a variant: logits and export only (its family generates elsewhere)")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -47,11 +52,23 @@ def pair(request, tmp_path_factory):
     config = dict(FAMILIES[request.param])
     config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
     torch.manual_seed(0)
-    theirs = jiggle_torch(transformers.AutoModelForCausalLM.from_config(config))
+    theirs = random_balancing_bias(jiggle_torch(transformers.AutoModelForCausalLM.from_config(
+        config)))
     path = str(tmp_path_factory.mktemp(request.param))
     theirs.save_pretrained(path, max_shard_size="40KB")  # several files and an index
     assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
     return theirs, path, from_pretrained(auto_class(path), path), request.param
+
+
+def random_balancing_bias(model):
+    """DeepSeek-V3's routers' ``e_score_correction_bias`` (a buffer: ``jiggle_torch`` leaves it
+    at 0) drawn at the scale of the sigmoid scores, so that it changes the choice."""
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.copy_(
+                    0.3 * torch.randn_like(module.e_score_correction_bias))
+    return model
 
 
 def fresh_rope(model):
@@ -136,6 +153,24 @@ def test_export_loads_in_transformers_with_the_same_logits_and_token_ids(pair, t
         assert json.load(f)["eos_token_id"] == EOS
     assert (back.generation_config.eos_token_id, back.generation_config.pad_token_id) == (EOS, PAD)
     assert back.config.bos_token_id == BOS
+
+
+def test_deepseek_v3s_logits_are_within_1e4_where_its_routing_limits_matter(pair):
+    """DeepSeek-V3's logits equal transformers' within 1e-4 (fp32), and there its routing
+    limits take effect: without the group limit (every group kept) or without the loaded
+    balancing bias, other experts are chosen and the logits differ."""
+    theirs, _, ours, _ = pair
+    if ours.cfg.topk_group == ours.cfg.n_group:
+        pytest.skip("no group limit in this family")
+    ids = np.random.RandomState(40).randint(1, EOS, (2, 40))
+    np.testing.assert_allclose(jitted(ours)(ids), torch_logits(theirs, ids), atol=1e-4)
+    ungrouped = type(ours)(dataclasses.replace(ours.cfg, topk_group=ours.cfg.n_group),
+                           nnx.Rngs(0))
+    nnx.update(ungrouped, nnx.state(ours, nnx.Param))
+    unbiased = nnx.clone(ours)
+    nnx.update(unbiased, jax.tree.map(jnp.zeros_like, nnx.state(ours, BalanceBias)))
+    for other in (ungrouped, unbiased):
+        assert np.abs(jitted(other)(ids) - jitted(ours)(ids)).max() > 1e-2
 
 
 OLDER = {  # config.json in the layout before transformers 5: rope_scaling, rope_theta at the top

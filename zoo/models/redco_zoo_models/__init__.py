@@ -1,5 +1,6 @@
 """Flax NNX models for the Redco zoo, named as HuggingFace names them, so that
 ``from_pretrained``/``save_pretrained`` read and write HuggingFace checkpoints."""
+from redco_zoo_models.balancing import moe_optimizer
 from redco_zoo_models.generation import generate
 from redco_zoo_models.gpt2 import GPT2Config, GPT2LMHeadModel
 from redco_zoo_models.hf import from_pretrained, save_pretrained
@@ -12,6 +13,6 @@ from redco_zoo_models.vit import ViTConfig, ViTModel
 
 __all__ = ["GPT2Config", "GPT2LMHeadModel", "LLAMA_PRESETS", "LlamaConfig", "LlamaForCausalLM",
            "T5Config", "T5ForConditionalGeneration", "ViTConfig", "ViTModel", "add_lora",
-           "merge_lora", "save_peft_adapters",
+           "merge_lora", "moe_optimizer", "save_peft_adapters",
            "VisionEncoderDecoderConfig", "VisionEncoderDecoderModel", "from_pretrained",
            "generate", "save_pretrained", "split_model"]

@@ -50,9 +50,11 @@ from jax.sharding import PartitionSpec as P
 
 from redco import sequence_split
 from redco_zoo_models.attention import (
+    attend,
     decoder_inputs,
     positions_from,
     segment_positions,
+    within_window,
     write_cache,
 )
 from redco_zoo_models.tiled_attention import merge, tiled_attention
@@ -211,6 +213,17 @@ def cached_keys(layer_cache, k, v, cache_index, allowed):
     layer_cache = jax.lax.with_sharding_constraint(write_cache(layer_cache, *ordered,
                                                                cache_index)[2], spec)
     return (k, v, layer_cache) if laid_out else (layer_cache["k"], layer_cache["v"], layer_cache)
+
+
+def attend_laid_out(q, k, v, allowed, window: int | None, cache_index=0, **options):
+    """A decoder layer's attention as ``decoder_layout`` laid its tokens out: over a split
+    sequence, plain causal (``allowed`` None), or by the mask ``allowed`` (its ``window``
+    applied); ``options``: ``attend``'s ``scale`` and ``softcap``."""
+    if isinstance(allowed, SplitSequence):
+        return allowed.attend(q, k, v, window=window, **options)
+    if allowed is None:
+        return attend(q, k, v, is_causal=True, window=window, **options)
+    return attend(q, k, v, within_window(allowed, window, cache_index), **options)
 
 
 def on_split(x, allowed):

@@ -18,7 +18,11 @@ attention and a gated MLP. What differs is data in ``DecoderConfig``:
 * ``n_experts`` (Mixtral, Qwen3-MoE): the MLP of each sparse layer is a Mixture-of-Experts block
   (``redco_zoo_models.moe``) of that many experts, ``experts_per_token`` of them per token. The
   blocks' load-balancing losses, weighted by ``router_aux_loss_coef``, are added to the loss
-  the model returns given ``labels`` (the logits alone carry none).
+  the model returns given ``labels`` (the logits alone carry none). ``router`` ``sigmoid``
+  (DeepSeek-V3) with ``n_group``/``topk_group``, ``routed_scaling_factor``, ``n_shared_experts``
+  and the first ``first_k_dense_replace`` layers dense;
+* ``kv_lora_rank`` (DeepSeek-V3): multi-head latent attention (``redco_zoo_models.mla``) in
+  place of grouped-query attention, ``head_dim`` being the size of its rotated part.
 
 Module names follow HuggingFace's (``model/layers/0/self_attn/q_proj/kernel``), so checkpoints
 map by name (``redco_zoo_models.hf``); a family's own tensor names and config keys live in
@@ -33,16 +37,18 @@ from flax import nnx
 
 from redco import remat
 from redco_zoo_models import families
-from redco_zoo_models.attention import attend, init_cache, within_window
+from redco_zoo_models.attention import init_cache
 from redco_zoo_models.chunked_loss import next_token_loss
 from redco_zoo_models.context_parallel import (
     SplitSequence,
+    attend_laid_out,
     cached_keys,
     decoder_layout,
     in_order,
     on_split,
 )
 from redco_zoo_models.layers import GatedMLP, RMSNorm, embed
+from redco_zoo_models.mla import LatentAttention, cached_width
 from redco_zoo_models.moe import MoE, MoEConfig
 from redco_zoo_models.rope import Rope, apply_rope, depends_on_length, segment_lengths
 
@@ -84,6 +90,18 @@ class DecoderConfig:
     decoder_sparse_step: int = 1  # every step-th layer is sparse (Qwen3-MoE) ...
     mlp_only_layers: tuple[int, ...] = ()  # ... but these
     router_aux_loss_coef: float = 0.0
+    router: str = "softmax"  # softmax | sigmoid (DeepSeek-V3: redco_zoo_models.balancing)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0  # the first layers' MLPs are dense (DeepSeek-V3)
+    bias_update_rate: float = 1e-3  # sigmoid routing's balancing bias, per training step
+    kv_lora_rank: int = 0  # multi-head latent attention (redco_zoo_models.mla); 0: GQA
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
 
     def __post_init__(self):
         if not self.head_dim:
@@ -103,13 +121,23 @@ class DecoderConfig:
     def sparse(self, layer: int) -> bool:
         """Whether ``layer``'s MLP is a Mixture-of-Experts block."""
         return self.n_experts > 0 and layer not in self.mlp_only_layers and \
-            (layer + 1) % self.decoder_sparse_step == 0
+            (layer + 1) % self.decoder_sparse_step == 0 and layer >= self.first_k_dense_replace
 
     def moe(self) -> MoEConfig:
         return MoEConfig(self.hidden_size, self.n_experts, self.experts_per_token,
                          self.moe_intermediate_size or self.intermediate_size,
                          normalize_top_k=self.norm_topk_prob, hidden_act=self.hidden_act,
-                         load_balancing_weight=self.router_aux_loss_coef)
+                         load_balancing_weight=self.router_aux_loss_coef, router=self.router,
+                         n_group=self.n_group, topk_group=self.topk_group,
+                         routed_scaling_factor=self.routed_scaling_factor,
+                         n_shared_experts=self.n_shared_experts,
+                         bias_update_rate=self.bias_update_rate)
+
+    def cached_heads(self) -> tuple[int, int]:
+        """``(heads, size)`` of each layer's cached keys and values."""
+        if self.kv_lora_rank:
+            return self.num_attention_heads, cached_width(self)
+        return self.num_key_value_heads, self.head_dim
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":
@@ -152,13 +180,8 @@ class Attention(nnx.Module):
         q, k = (apply_rope(y, positions, self.rope, lengths) for y in (q, k))
         k, v, layer_cache = cached_keys(layer_cache, k, v, cache_index, allowed)
         scale = cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar ** -0.5
-        options = dict(scale=scale, softcap=cfg.attn_softcap)
-        if isinstance(allowed, SplitSequence):
-            out = allowed.attend(q, k, v, window=self.window, **options)
-        elif allowed is None:
-            out = attend(q, k, v, is_causal=True, window=self.window, **options)
-        else:
-            out = attend(q, k, v, within_window(allowed, self.window, cache_index), **options)
+        out = attend_laid_out(q, k, v, allowed, self.window, cache_index, scale=scale,
+                              softcap=cfg.attn_softcap)
         return self.o_proj(out.reshape(b, t, -1)), layer_cache
 
 
@@ -174,7 +197,8 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: DecoderConfig, layer: int, rngs: nnx.Rngs):
         for name in NORMS[cfg.norm_layout]:
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset))
-        self.self_attn = Attention(cfg, layer, rngs)
+        self.self_attn = LatentAttention(cfg, rngs) if cfg.kv_lora_rank else \
+            Attention(cfg, layer, rngs)
         self.mlp = MoE(cfg.moe(), rngs) if cfg.sparse(layer) else \
             GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, rngs)
         self.layout = cfg.norm_layout
@@ -308,8 +332,7 @@ class DecoderLM(nnx.Module):
 
     def init_cache(self, batch: int, n_slots: int, dtype=jnp.float32) -> list[dict]:
         cfg = self.cfg
-        return init_cache(cfg.num_hidden_layers, batch, n_slots, cfg.num_key_value_heads,
-                          cfg.head_dim, dtype)
+        return init_cache(cfg.num_hidden_layers, batch, n_slots, *cfg.cached_heads(), dtype)
 
     def hf_tensors_in(self, tensors: dict) -> dict:
         """A checkpoint's tensors under this model's names (fused ones split)."""

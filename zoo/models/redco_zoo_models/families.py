@@ -6,7 +6,10 @@ Phi-3 fuses q/k/v and gate/up in its checkpoints; ``tensors_in`` splits them and
 fuses them back, so the model itself (LoRA, TP rules, FSDP) sees the same names everywhere.
 Mixture-of-Experts families store one tensor per expert (Qwen3-MoE ``mlp.experts.<e>.gate_proj``,
 Mixtral ``block_sparse_moe.experts.<e>.w1``); ``tensors_in`` stacks them into the zoo's
-``mlp.experts.gate_proj`` (experts, in, out) and ``tensors_out`` unstacks them.
+``mlp.experts.gate_proj`` (experts, in, out) and ``tensors_out`` unstacks them; DeepSeek-V3's
+``mlp.gate.e_score_correction_bias`` is the block's ``balance_bias``. DeepSeek-V3's
+``qk_rope_head_dim`` is the decoder's ``head_dim`` (the size RoPE turns), and its
+``num_nextn_predict_layers`` (multi-token prediction) is not part of the causal LM.
 
 A key the family does not read is refused, naming it, unless it is bookkeeping (``HARMLESS``) or
 off (``None``, ``False``, 0): a softcap, a window or MoE fields are never silently dropped.
@@ -57,7 +60,7 @@ class Family:
     tied_default: bool = False
     ignores: frozenset = frozenset()  # keys transformers' class of this family ignores too
     defaults: dict = dataclasses.field(default_factory=dict)  # config.json keys it may omit
-    experts: str | None = None  # an MoE checkpoint's expert layout: qwen | mixtral (EXPERTS)
+    experts: str | None = None  # an MoE checkpoint's expert layout: qwen | mixtral | deepseek
 
 
 GEMMA = dict(norm_layout="sandwich", norm_offset=1.0, embed_scale=True)
@@ -99,6 +102,21 @@ FAMILIES = {
                       reads={"hidden_act": ("hidden_act", "silu"), **MOE_READS,
                              "num_local_experts": ("n_experts", 8)},
                       windows="all", experts="mixtral", ignores=MOE_IGNORES),
+    "deepseek_v3": Family(
+        "DeepseekV3ForCausalLM", switches={"router": "sigmoid"},
+        reads={"attention_bias": ("attention_bias", False), "hidden_act": ("hidden_act", "silu"),
+               "num_experts_per_tok": ("experts_per_token", 8),
+               "n_routed_experts": ("n_experts", 256),
+               "moe_intermediate_size": ("moe_intermediate_size", 2048),
+               "norm_topk_prob": ("norm_topk_prob", True), "n_group": ("n_group", 8),
+               "topk_group": ("topk_group", 4), "routed_scaling_factor": (
+                   "routed_scaling_factor", 2.5), "n_shared_experts": ("n_shared_experts", 1),
+               "first_k_dense_replace": ("first_k_dense_replace", 3),
+               "kv_lora_rank": ("kv_lora_rank", 512), "q_lora_rank": ("q_lora_rank", None),
+               "qk_nope_head_dim": ("qk_nope_head_dim", 128),
+               "qk_rope_head_dim": ("head_dim", 64), "v_head_dim": ("v_head_dim", 128),
+               "rope_interleave": ("rope_interleave", True)},
+        experts="deepseek", ignores=MOE_IGNORES | {"qk_head_dim", "num_nextn_predict_layers"}),
     "olmo2": Family("Olmo2ForCausalLM", switches={"norm_layout": "post", "qk_norm": "all"},
                     reads={"attention_bias": ("attention_bias", False),
                            "hidden_act": ("hidden_act", "silu")},
@@ -258,9 +276,15 @@ def tensors_out(cfg, tensors: dict) -> dict:
     return tensors
 
 
+QWEN_EXPERTS = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 EXPERTS = {  # layout -> (the block's checkpoint name, {the zoo's projection: the checkpoint's})
-    "qwen": ("mlp", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
+    "qwen": ("mlp", QWEN_EXPERTS),
+    "deepseek": ("mlp", QWEN_EXPERTS),
     "mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
+}
+RENAMED = {  # layout -> {the zoo's name in a block: the checkpoint's}
+    "qwen": {"gate.weight": "gate.weight"}, "mixtral": {"gate.weight": "gate.weight"},
+    "deepseek": {"gate.weight": "gate.weight", "balance_bias": "gate.e_score_correction_bias"},
 }
 
 
@@ -283,8 +307,8 @@ def _stacked_experts(cfg, tensors: dict) -> dict:
                                f"{cfg.n_experts} experts missing); is it a {cfg.family} "
                                "checkpoint of this config.json?")
             tensors[f"{ours}.experts.{projection}"] = np.stack([tensors.pop(n).T for n in names])
-        if theirs != ours:
-            tensors[f"{ours}.gate.weight"] = tensors.pop(f"{theirs}.gate.weight")
+        for name, stored in RENAMED[FAMILIES[cfg.family].experts].items():
+            tensors[f"{ours}.{name}"] = tensors.pop(f"{theirs}.{stored}")
     return tensors
 
 
@@ -297,5 +321,6 @@ def _unstacked_experts(cfg, tensors: dict) -> dict:
             stacked = tensors.pop(f"{ours}.experts.{projection}")
             tensors.update({f"{theirs}.experts.{e}.{stored}.weight": stacked[e].T
                             for e in range(cfg.n_experts)})
-        tensors[f"{theirs}.gate.weight"] = tensors.pop(f"{ours}.gate.weight")
+        for name, stored in RENAMED[FAMILIES[cfg.family].experts].items():
+            tensors[f"{theirs}.{stored}"] = tensors.pop(f"{ours}.{name}")
     return tensors

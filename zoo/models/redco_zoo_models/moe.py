@@ -4,12 +4,12 @@ for each token, and the token's output is their outputs weighted by the router.
 **Routing.** ``softmax`` (Mixtral, Qwen3-MoE): the router's logits become probabilities and the
 ``top_k`` largest are taken, renormalised to sum to 1 where ``normalize_top_k`` (Mixtral always,
 Qwen3-MoE by its ``norm_topk_prob``). ``sigmoid`` (DeepSeek-V3): each expert scores
-``sigmoid(logit)``; the choice is by score plus a per-expert balancing bias, the weights are the
-scores alone, renormalised and multiplied by ``routed_scaling_factor``. The bias is not trained by
-the optimizer: ``updated_balance_bias`` moves it after each step against the step's load (an
-overloaded expert's bias goes down by ``bias_update_rate``, an underloaded one's up), DeepSeek-V3's
-auxiliary-loss-free balancing. ``n_shared_experts`` (DeepSeek-V3, Qwen2-MoE) adds an MLP every
-token goes through.
+``sigmoid(logit)``; the choice is by score plus a per-expert balancing bias, within the token's
+best ``topk_group`` of ``n_group`` groups of experts, the weights are the scores alone,
+renormalised and multiplied by ``routed_scaling_factor``. The bias is moved in training against
+each step's load (an overloaded expert's bias goes down by ``bias_update_rate``, an underloaded
+one's up), DeepSeek-V3's auxiliary-loss-free balancing: ``redco_zoo_models.balancing`` says how.
+``n_shared_experts`` (DeepSeek-V3, Qwen2-MoE) adds an MLP every token goes through.
 
 **Computing the experts.** Dropless (``capacity_factor=None``): the ``N * top_k`` (token, expert)
 pairs are sorted by expert and each expert's rows multiplied by its weights in one grouped
@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from redco_zoo_models.balancing import BalanceBias, sigmoid_choice
 from redco_zoo_models.layers import ACTIVATIONS, GatedMLP
 
 
@@ -48,6 +49,8 @@ class MoEConfig:
     normalize_top_k: bool = True
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0  # an MLP of n_shared_experts * expert_size every token goes through
+    n_group: int = 1  # sigmoid routing: experts in n_group groups, ...
+    topk_group: int = 1  # ... a token choosing within its best topk_group of them
     capacity_factor: float | None = None  # None: dropless
     load_balancing_weight: float = 0.01
     z_loss_weight: float = 0.0
@@ -61,6 +64,10 @@ class MoEConfig:
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} with n_experts={self.n_experts}: each token "
                              "picks between 1 and n_experts experts.")
+        if self.n_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"n_group={self.n_group}, topk_group={self.topk_group} with "
+                             f"n_experts={self.n_experts}: groups split the experts evenly and "
+                             "a token keeps between 1 and n_group of them.")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor={self.capacity_factor}: give a positive factor "
                              "(1.0: an even share each), or None for dropless.")
@@ -68,11 +75,6 @@ class MoEConfig:
     def capacity(self, n_tokens: int) -> int:
         """Pairs an expert takes of ``n_tokens`` tokens with ``capacity_factor``."""
         return max(1, math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts))
-
-
-class BalanceBias(nnx.Variable):
-    """Sigmoid routing's per-expert bias: read by the router, moved by ``updated_balance_bias``
-    after each step, never by the optimizer."""
 
 
 class Experts(nnx.Module):
@@ -122,8 +124,8 @@ class MoE(nnx.Module):
             weights, chosen = jax.lax.top_k(probs, cfg.top_k)
         else:
             probs = jax.nn.sigmoid(logits)
-            _, chosen = jax.lax.top_k(probs + self.balance_bias[...], cfg.top_k)
-            weights = jnp.take_along_axis(probs, chosen, axis=-1)
+            weights, chosen = sigmoid_choice(probs, self.balance_bias[...], cfg.top_k,
+                                             cfg.n_group, cfg.topk_group)
         if cfg.normalize_top_k:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return chosen, weights * cfg.routed_scaling_factor, probs, logits
@@ -179,8 +181,3 @@ class MoE(nnx.Module):
                 "expert_load": load, "load_min": jnp.min(load), "load_max": jnp.max(load),
                 "load_cv": jnp.std(load) / jnp.mean(load), "dropped_share": dropped}
 
-
-def updated_balance_bias(bias, expert_load, rate: float):
-    """DeepSeek-V3's balancing step: each expert's bias moves by ``rate`` against its load's
-    side of the mean (overloaded: down, underloaded: up, at the mean: unchanged)."""
-    return bias + rate * jnp.sign(jnp.mean(expert_load) - expert_load)

@@ -107,15 +107,19 @@ def _llama3(rope: Rope):
     return jnp.where(medium, smoothed, scaled), 1.0
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by ``factor``."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def _yarn(rope: Rope):
     dim, base = rope.rotary_dim, rope.theta
     factor, old = rope.get("factor"), rope.get("original_max_position_embeddings")
     mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
-    m = lambda scale, ms=1: 1.0 if scale <= 1 else 0.1 * ms * math.log(scale) + 1.0  # noqa: E731
     attention = rope.get("attention_factor")
     if attention is None:
-        attention = m(factor, mscale) / m(factor, mscale_all) if mscale and mscale_all \
-            else m(factor)
+        attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) \
+            if mscale and mscale_all else yarn_mscale(factor)
     correction = lambda rotations: (dim * math.log(old / (rotations * 2 * math.pi))  # noqa: E731
                                     / (2 * math.log(base)))
     low, high = correction(rope.get("beta_fast") or 32), correction(rope.get("beta_slow") or 1)

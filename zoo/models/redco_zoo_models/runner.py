@@ -18,6 +18,7 @@ from redco import Deployer, Trainer
 from redco.checkpointing import host_tree
 from redco.lora import DEFAULT_TARGETS, n_params, trainable_mask
 from redco.protocols import UsageError
+from redco_zoo_models.balancing import moe_optimizer
 from redco_zoo_models.hf import auto_class, class_of, from_pretrained, save_pretrained
 from redco_zoo_models.llama import LLAMA_PRESETS, LlamaConfig
 from redco_zoo_models.lora import add_lora, has_lora, save_peft_adapters
@@ -213,7 +214,8 @@ def train_and_eval(args, model: nnx.Module, examples: tuple[list, list], collate
                         device_memory=getattr(args, "device_memory", None))
     apply_fn, params, trainable = split_for_training(model, args, deployer)
     n_epochs, lr = n_epochs_and_schedule(args, deployer, len(train))
-    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optimizer_of(args, lr),
+    optimizer = moe_optimizer(optimizer_of(args, lr), model)  # (a sigmoid router's bias)
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optimizer,
                       lr_schedule_fn=lr, trainable=trainable, remat=args.remat,
                       compute_dtype=None if args.compute_dtype == "float32" else jnp.bfloat16,
                       accumulate_grad_batches=args.accumulate_grad_batches)

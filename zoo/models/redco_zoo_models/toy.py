@@ -102,6 +102,19 @@ TINY_FAMILIES = {  # config.json contents of a tiny model of each family, as tra
     "mixtral": dict(_TINY, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
                     sliding_window=WINDOW),
     "mistral": dict(_TINY, model_type="mistral", sliding_window=WINDOW),
+    "deepseek-v3": dict(  # 8 experts in 4 groups, a token's 2 from its best 2 groups
+        _TINY, model_type="deepseek_v3", num_key_value_heads=4, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=16,
+        first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+        rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0, mscale=1.0,
+                             mscale_all_dim=0.8, original_max_position_embeddings=ORIGINAL_CONTEXT)),
+    "deepseek-v3-plain-q": dict(  # no query latent, RoPE in halves, one group
+        _TINY, model_type="deepseek_v3", num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=16,
+        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=12, rope_interleave=False,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
     "qwen3-yarn": dict(_TINY, model_type="qwen3", head_dim=8, rope_parameters=dict(
         rope_type="yarn", factor=4.0, rope_theta=10000.0,
         original_max_position_embeddings=ORIGINAL_CONTEXT)),
