@@ -20,7 +20,7 @@ import optax
 
 from redco import Deployer, Trainer
 from redco_zoo_dpo.pipeline import add_reference_logps, render_pair, rewards
-from redco_zoo_models import runner, split_model
+from redco_zoo_models import moe_optimizer, runner, split_model
 from redco_zoo_sft.pipeline import load_chat_tokenizer
 
 
@@ -72,9 +72,10 @@ def main(args):
                         workdir=args.workdir, device_memory=args.device_memory)  # for auto
     apply_fn, params, trainable = runner.split_for_training(model, args, deployer)  # --lora_rank
     n_epochs, lr = runner.n_epochs_and_schedule(args, deployer, len(train))  # or --max_steps
+    optimizer = moe_optimizer(optax.adamw(lr), model)  # (an MoE bias: balancing.py)
     trainer = Trainer(deployer, partial(collate_fn, max_len=args.max_len), apply_fn,
                       partial(loss_fn, beta=args.beta, label_smoothing=args.label_smoothing),
-                      params, optax.adamw(lr), lr_schedule_fn=lr, trainable=trainable)
+                      params, optimizer, lr_schedule_fn=lr, trainable=trainable)
     if trainable is None:  # full fine-tuning: the reference's log-probabilities, once
         add_reference_logps(trainer, model, [train, evaluate], args.per_device_batch_size)
     predictor = trainer.get_default_predictor(partial(pred_fn, model=model, beta=args.beta))

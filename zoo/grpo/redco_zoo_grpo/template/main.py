@@ -30,7 +30,7 @@ from redco_zoo_grpo.pipeline import (
 )
 from redco_zoo_grpo.rewards import load_reward_fn
 from redco_zoo_grpo.rollout import GRPO
-from redco_zoo_models import generate, runner
+from redco_zoo_models import generate, moe_optimizer, runner
 from redco_zoo_models.metrics import with_experts
 from redco_zoo_sft.pipeline import load_chat_tokenizer
 
@@ -81,8 +81,9 @@ def train(args) -> list[float]:
     lr = deployer.get_lr_schedule_fn(n_rounds * args.prompts_per_round * args.n_samples,
                                      args.per_device_batch_size, args.n_updates,
                                      args.learning_rate, warmup_rate=args.warmup_rate)
+    optimizer = moe_optimizer(optax.adamw(lr), model)  # (an MoE bias: balancing.py)
     trainer = Trainer(deployer, collate_fn, apply_fn, partial(loss_fn, **config.loss_kwargs()),
-                      params, optax.adamw(lr), lr_schedule_fn=lr, trainable=trainable)
+                      params, optimizer, lr_schedule_fn=lr, trainable=trainable)
     grpo = GRPO(trainer, model, tokenizer, pred_fn, reward_fn, config, args.per_device_batch_size,
                 args.engine_rows)
     rewards = grpo.train(prompts, held_out, args.prompt_column, n_rounds, args.prompts_per_round,

@@ -26,7 +26,7 @@ import optax
 
 from redco import Deployer, Trainer
 from redco_zoo_lm.pipeline import add_lm_arguments, lm_examples, load_lm
-from redco_zoo_models import generate, runner
+from redco_zoo_models import generate, moe_optimizer, runner
 from redco_zoo_models.metrics import logits_and_experts, with_experts
 
 
@@ -73,7 +73,8 @@ def main(args):
                         workdir=args.workdir, device_memory=args.device_memory)  # for auto
     apply_fn, params, trainable = runner.split_for_training(model, args, deployer)  # --lora_rank
     n_epochs, lr = runner.n_epochs_and_schedule(args, deployer, len(train))  # or --max_steps
-    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(lr),
+    optimizer = moe_optimizer(optax.adamw(lr), model)  # (an MoE bias: balancing.py)
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optimizer,
                       lr_schedule_fn=lr, trainable=trainable)
     trainer.fit(train, args.per_device_batch_size, n_epochs, max_steps=args.max_steps,
                 eval_examples=evaluate, save_every_n_steps=args.save_every_n_steps,
