@@ -16,6 +16,7 @@ from redco.cli import main
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from readme_blocks import block  # noqa: E402
+
 from redco.plugins import registry
 
 TEMPLATES = registry("templates")
@@ -48,9 +49,11 @@ def test_every_zoo_package_registers_its_pipeline_and_template():
 def test_zoo_templates_import_their_pipelines_functions():
     """A template's main.py imports the three functions from its package's pipeline.py (the code
     `redco zoo run NAME` runs) rather than holding a copy that could drift from it."""
-    copies = {name: sorted(THREE & defined_in(ZOO / name / f"redco_zoo_{name}" / "template" / "main.py"))
-              for name in IN_REPO}
-    assert not any(copies.values()), copies
+    copies = {name: found for name in IN_REPO
+              if (found := sorted(THREE & defined_in(ZOO / name / f"redco_zoo_{name}" / "template"
+                                                     / "main.py")))}
+    assert not copies, (f"these templates' main.py define {copies} themselves: import them from "
+                        "the package's pipeline.py instead")
 
 
 def test_the_templates_readme_lists_every_template():
