@@ -62,6 +62,10 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
+        for action in self._actions:  # argparse names a flag by all its spellings: the shown ones
+            if len(shown_options(action)) < len(action.option_strings):
+                message = message.replace("/".join(action.option_strings),
+                                          "/".join(shown_options(action)))
         self.exit(2, f"{self.prog}: error: {message}{self.hint(message)}\n")
 
     def hint(self, message: str) -> str:

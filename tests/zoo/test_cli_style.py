@@ -126,6 +126,8 @@ def test_argument_errors_are_one_line_naming_what_was_meant(capsys):
                       "--lora-rnak", "8").endswith(
         "(did you mean --lora_rank?)")  # the shown spelling, not an alias
     assert error_line(capsys, "list", "templtes").endswith("(did you mean templates?)")
+    assert error_line(capsys, "plan", "--model", "m", "--devices", "8").endswith(
+        "the following arguments are required: --device_memory")  # not its old spelling too
 
 
 def test_version(capsys):
