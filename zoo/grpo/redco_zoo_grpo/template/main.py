@@ -11,7 +11,7 @@ round samples ``--n_samples`` completions of ``--prompts_per_round`` prompts, sc
 normalises the rewards within each prompt's group and trains ``--n_updates`` epochs over them.
 The three functions and ``train``, which calls them, come from ``redco_zoo_grpo/pipeline.py``,
 the code ``redco zoo run grpo`` runs: to change one, copy it and ``train`` from there into this
-file in place of their import. See ``redco_zoo_grpo/loss.py`` for the loss's pieces and
+file in place of the import of ``train``. See ``redco_zoo_grpo/loss.py`` for the loss's pieces and
 ``redco_zoo_grpo/rollout.py`` for the rounds."""
 import argparse
 

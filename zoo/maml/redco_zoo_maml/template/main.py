@@ -7,7 +7,7 @@ task's support set and scores its query set, ``pred_fn`` predicts after adapting
 sampler, the MLP and the inner step come from ``redco_zoo_maml``. The three functions and
 ``train``, which calls them, are those of ``redco_zoo_maml/pipeline.py``, the code ``redco zoo
 run maml`` runs: to change one, copy it and ``train`` from there into this file in place of
-their import."""
+the import of ``train``."""
 import argparse
 
 from redco_zoo_maml.pipeline import add_arguments, train

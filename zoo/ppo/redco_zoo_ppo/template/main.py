@@ -4,10 +4,10 @@ Run: python main.py [--env_id CartPole-v1 --total_steps 300000 --n_model_shards 
 
 The policy (``init_params``, ``apply_fn``), the three functions and ``train``, which calls them,
 come from ``redco_zoo_ppo/pipeline.py``, the code ``redco zoo run ppo`` runs: to change one, copy
-it and ``train`` from there into this file in place of their import. ``redco_zoo_ppo.Collector`` steps
-the vectorised envs with ``pred_fn`` (jitted, on one device) and computes GAE advantages
-(gamma 0.98, lambda 0.8); ``Trainer`` runs the updates on every local device and logs them to
-``workdir/metrics.jsonl``.
+it and ``train`` from there into this file in place of the import of ``train``.
+``redco_zoo_ppo.Collector`` steps the vectorised envs with ``pred_fn`` (jitted, on one device)
+and computes GAE advantages (gamma 0.98, lambda 0.8); ``Trainer`` runs the updates on every local
+device and logs them to ``workdir/metrics.jsonl``.
 """
 import argparse
 
