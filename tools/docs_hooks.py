@@ -60,7 +60,7 @@ def help_of(argv: list[str]) -> str:
 def cli_reference() -> str:
     os.environ["COLUMNS"] = "100"  # argparse wraps to this width, wherever the site is built
     from redco import plugins
-    fixed = ["plugins", "launch", "new", "zoo"]
+    fixed = ["list", "launch", "new", "zoo"]  # (plugins: the same as list plugins)
     commands = fixed + sorted(set(plugins.registry("commands")) - set(fixed))
     sections = [("redco", ["--help"])]
     sections += [(f"redco {name}", [name, "--help"]) for name in commands]

@@ -1,4 +1,4 @@
-"""The ``redco`` command: a thin dispatcher. ``plugins``, ``launch``, ``new`` and ``zoo`` are here;
+"""The ``redco`` command: a thin dispatcher. ``list``, ``launch``, ``new`` and ``zoo`` are here;
 plugins add subcommands through ``register_commands`` (``redco-ip``, always installed with redco,
 adds ``doctor``; ``redco-planner`` adds ``plan`` and ``rules``), and ``redco launch --launcher
 NAME`` offers every registered launcher that submits."""
@@ -9,45 +9,50 @@ import contextlib
 import importlib.metadata
 import json
 import os
-import re
 import sys
 
 from redco import plugins, run_config
-from redco.protocols import LaunchError, UsageError, did_you_mean
+from redco.cli_parser import Parser
+from redco.protocols import LaunchError, UsageError
+
+LISTS = {  # redco list SECTION: its rows, and each row as a line
+    "templates": (lambda: [{"name": name, "directory": directory}
+                           for name, directory in plugins.registry("templates").items()],
+                  lambda row: f"{row['name']:<14} {row['directory']}"),
+    "zoo": (lambda: [{"name": name, "description": pipeline.description}
+                     for name, pipeline in plugins.registry("zoo_pipelines").items()],
+            lambda row: f"{row['name']:<14} {row['description']}"),
+    "plugins": (plugins.list_plugins,
+                lambda row: f"{row['name']:<16} {row['source']:<28} {', '.join(row['hooks'])}"),
+}
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse that names the flag a mistyped one was likely meant to be."""
-
-    def error(self, message: str):
-        unknown = re.match(r"unrecognized arguments: (.*)", message)
-        if unknown:
-            flags = self.flags()
-            hints = [(typed, close) for typed in unknown.group(1).split()
-                     if typed.startswith("-") and (close := did_you_mean(typed.split("=")[0],
-                                                                         flags))]
-            if len(hints) == 1:
-                message += f" (did you mean {hints[0][1]}?)"
-            elif hints:
-                message += f" (did you mean {', '.join(f'{c} for {t}' for t, c in hints)}?)"
-        super().error(message)
-
-    def flags(self) -> list[str]:
-        """Every flag of this parser and of its subcommands'."""
-        subcommands = [parser for action in self._actions if isinstance(action.choices, dict)
-                       for parser in action.choices.values() if isinstance(parser, Parser)]
-        return [flag for action in self._actions for flag in action.option_strings] + \
-            [flag for parser in subcommands for flag in parser.flags()]
-
-
-def cmd_plugins(args) -> None:
-    """List loaded plugins, where each comes from, and the hooks it implements."""
-    rows = plugins.list_plugins()
+def cmd_list(args) -> None:
+    """List what is installed: the templates (redco new), the zoo pipelines (redco zoo run) and
+    the plugins with the hooks each implements; or one of them."""
+    sections = [args.section] if args.section else list(LISTS)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        rows = {section: LISTS[section][0]() for section in sections}
+        print(json.dumps(rows[args.section] if args.section else rows, indent=2))
         return
-    for row in rows:
-        print(f"{row['name']:<16} {row['source']:<28} {', '.join(row['hooks'])}")
+    for section in sections:
+        if not args.section:
+            print(f"{section}:")
+        line = LISTS[section][1]
+        for row in LISTS[section][0]():
+            print(line(row) if args.section else f"  {line(row)}")
+
+
+def add_list(commands) -> None:
+    """``redco list [SECTION]``, and the older ``redco plugins`` (``redco list plugins``)."""
+    listing = commands.add_parser("list", help=cmd_list.__doc__, description=cmd_list.__doc__)
+    listing.add_argument("section", nargs="?", choices=list(LISTS),
+                         help="list this only (default: all)")
+    listing.add_argument("--json", action="store_true", help="print JSON")
+    listing.set_defaults(run=cmd_list)
+    older = commands.add_parser("plugins", help="The same as redco list plugins.")
+    older.add_argument("--json", action="store_true", help="print JSON")
+    older.set_defaults(run=cmd_list, section="plugins")
 
 
 def add_launch(commands) -> None:
@@ -70,24 +75,13 @@ def add_launch(commands) -> None:
 
 
 def cmd_zoo(args) -> None:
-    """List the installed zoo pipelines, or run one: redco zoo run NAME --help."""
-    if args.action == "list":
-        for name, pipeline in plugins.registry("zoo_pipelines").items():
-            print(f"{name:<14} {pipeline.description}")
-        return
+    """Run an installed zoo pipeline: redco zoo run NAME --help (redco list zoo shows them)."""
+    if args.action == "list":  # the older spelling of redco list zoo
+        return cmd_list(argparse.Namespace(section="zoo", json=False))
     if not args.name:
-        raise UsageError("name a pipeline (redco zoo list shows them).")
+        raise UsageError("name a pipeline (redco list zoo shows them).")
     pipeline = plugins.lookup("zoo_pipelines", args.name)
-    parser = Parser(prog=f"redco zoo run {args.name}", description=pipeline.description)
-    pipeline.add_arguments(parser)
-    everyone = [name for name, logger in plugins.registry("loggers").items()
-                if not getattr(logger, "needs_setup", False)]
-    parser.add_argument("--loggers", default=",".join(everyone), help="the metric loggers the "
-                        f"run writes to, comma-separated (default: {','.join(everyone)}: every "
-                        "installed one that needs no account)")
-    parser.add_argument("--config", help="a YAML, TOML or JSON file of these settings (the "
-                        "flags without dashes); a flag given here wins; what the run resolved "
-                        "is written to WORKDIR/run_config.json")
+    parser = zoo_parser(args.name, pipeline)
     config = _config_path(args.rest)
     if config:
         run_config.apply(parser, run_config.read(config), config)
@@ -97,6 +91,21 @@ def cmd_zoo(args) -> None:
     del pipeline_args.config  # (read here: the pipeline gets its own flags only)
     with _environ("REDCO_LOGGERS", pipeline_args.__dict__.pop("loggers")):
         pipeline.run(pipeline_args)  # every Deployer of the run, and its subprocesses, log to them
+
+
+def zoo_parser(name: str, pipeline) -> Parser:
+    """``redco zoo run NAME``'s flags: the pipeline's own, ``--loggers`` and ``--config``."""
+    parser = Parser(prog=f"redco zoo run {name}", description=pipeline.description)
+    pipeline.add_arguments(parser)
+    everyone = [name for name, logger in plugins.registry("loggers").items()
+                if not getattr(logger, "needs_setup", False)]
+    parser.add_argument("--loggers", default=",".join(everyone), help="the metric loggers the "
+                        f"run writes to, comma-separated (default: {','.join(everyone)}: every "
+                        "installed one that needs no account)")
+    parser.add_argument("--config", help="a YAML, TOML or JSON file of these settings (the "
+                        "flags without dashes); a flag given here wins; what the run resolved "
+                        "is written to WORKDIR/run_config.json")
+    return parser
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -121,34 +130,32 @@ def _environ(name: str, value: str):
 
 
 def cmd_new(args) -> None:
-    """Write a new project from a template: redco new --template NAME DEST (--list shows them)."""
-    if args.list or not args.dest:
-        for name, directory in plugins.registry("templates").items():
-            print(f"{name:<14} {directory}")
-        return
+    """Write a new project from a template: redco new --template NAME DEST (redco list
+    templates shows them)."""
+    if args.list or not args.dest:  # --list: the older spelling of redco list templates
+        return cmd_list(argparse.Namespace(section="templates", json=False))
     from redco.scaffold import write_project
     dest = write_project(plugins.lookup("templates", args.template), args.dest)
     print(f'wrote {dest}: cd {args.dest} && pip install -e ".[test]" && pytest (see its README.md)')
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> Parser:
+    """The ``redco`` command and every subcommand, the plugins' included."""
     parser = Parser(prog="redco", description=__doc__)
     parser.add_argument("--version", action="version",
                         version=f"redco {importlib.metadata.version('redco')}")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of a usage error (or set REDCO_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True)
-    listing = commands.add_parser("plugins", help=cmd_plugins.__doc__)
-    listing.add_argument("--json", action="store_true", help="print JSON")
-    listing.set_defaults(run=cmd_plugins)
+    add_list(commands)
     add_launch(commands)
     new = commands.add_parser("new", help=cmd_new.__doc__)
     new.add_argument("dest", nargs="?", help="the project's directory (must not exist)")
     new.add_argument("--template", default="minimal")
-    new.add_argument("--list", action="store_true", help="list the templates")
+    new.add_argument("--list", action="store_true", help="the same as redco list templates")
     new.set_defaults(run=cmd_new)
     zoo = commands.add_parser("zoo", help=cmd_zoo.__doc__)
-    zoo.add_argument("action", choices=["list", "run"])
+    zoo.add_argument("action", choices=["run", "list"], help="list: the same as redco list zoo")
     zoo.add_argument("name", nargs="?", help="the pipeline to run")
     zoo.add_argument("rest", nargs=argparse.REMAINDER, help="its flags (see --help)")
     zoo.set_defaults(run=cmd_zoo)
@@ -156,11 +163,28 @@ def main(argv: list[str] | None = None) -> None:
         sub = commands.add_parser(name, help=command.description)
         command.add_arguments(sub)
         sub.set_defaults(run=command.run)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def input_error(e: Exception) -> bool:
+    """Whether ``e`` is a user's mistake, told in one line: a ``UsageError``, or a ``ValueError``
+    that Redco's own code (``redco``, ``redco_*``) raised checking its input; a ``ValueError``
+    from elsewhere (jax, numpy, a user's pipeline) may be a bug and keeps its traceback."""
+    if isinstance(e, UsageError):
+        return True
+    frame = e.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    module = frame.tb_frame.f_globals.get("__name__", "") if frame is not None else ""
+    return module.partition(".")[0] == "redco" or module.startswith("redco_")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     try:
         args.run(args)
-    except ValueError as e:  # bad input (UsageError is one): one line; other errors keep
-        if args.debug or os.environ.get("REDCO_DEBUG"):  # their traceback
+    except ValueError as e:  # a user's mistake: one line; other errors keep their traceback
+        if args.debug or os.environ.get("REDCO_DEBUG") or not input_error(e):
             raise
         hint = "" if isinstance(e, UsageError) else " (redco --debug ... shows the traceback)"
         print(f"redco {args.command}: {e}{hint}", file=sys.stderr)

@@ -15,6 +15,7 @@ import json
 import os
 from typing import Any
 
+from redco.cli_parser import shown_options
 from redco.protocols import UsageError, did_you_mean
 
 RESOLVED = "run_config.json"
@@ -45,21 +46,24 @@ def read(path: str) -> dict[str, Any]:
 def apply(parser: argparse.ArgumentParser, settings: dict[str, Any], path: str) -> None:
     """Make ``settings`` the defaults of ``parser``'s flags (so the command line wins), each
     checked against the flags the parser has."""
-    flags = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+    actions = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    flags = {spelling.lstrip("-").replace("-", "_"): a  # any spelling of a flag, or its dest
+             for a in actions for spelling in [a.dest, *a.option_strings]}
     for name, value in settings.items():
         key = name.replace("-", "_")
         if key not in flags:
             close = did_you_mean(key, flags)
+            known = sorted(shown_options(a)[-1][2:] for a in actions)
             raise UsageError(f"--config {path}: {name!r} is not a setting of this pipeline"
                              + (f" (did you mean {close!r}?)" if close else "") +
-                             f". Its settings: {', '.join(sorted(flags))}.")
+                             f". Its settings: {', '.join(known)}.")
         action = flags[key]
         if isinstance(value, str) and action.type is not None:
             value = action.type(value)  # the flag's own conversion, as on the command line
         if action.choices is not None and value not in action.choices:
             raise UsageError(f"--config {path}: {name} {value!r} is not one of "
                              f"{list(action.choices)}.")
-        parser.set_defaults(**{key: value})
+        parser.set_defaults(**{action.dest: value})
         action.required = False
 
 

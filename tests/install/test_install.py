@@ -4,11 +4,11 @@ A copy of this working tree as a clone of it would be (no ``.git``, nothing ``.g
 builds the wheels of every distribution into its ``dist/`` with the documented command; then the
 card's lines run in a shell whose PATH starts with the new venv (``pip``, ``redco``, ``pytest``
 and ``python`` are its own; this tox env's are off the PATH): ``pip install --find-links dist
-redco-zoo-maml`` and ``redco zoo list`` shows maml; ``redco new --template seq2seq myproj`` and
+redco-zoo-maml`` and ``redco list zoo`` shows maml; ``redco new --template seq2seq myproj`` and
 then the generated project's README steps, read out of its block ``install-and-test`` so that a drifting
 README fails here, including its own tests; ``pip install --find-links dist redco-slurm`` adds
 ``slurm`` to ``redco launch --launcher``. The ``plugin`` template's project, installed as its
-README says, is listed by ``redco plugins`` and its tests use its rule set. Each line is also
+README says, is listed by ``redco list plugins`` and its tests use its rule set. Each line is also
 looked up in README.md's block ``install``, so the lines tested are the lines documented. The
 README's main job (block ``main-job``) runs verbatim in the same copy."""
 import glob
@@ -27,7 +27,7 @@ from readme_blocks import block  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD = "python tools/build_dists.py"
 MAML = "pip install --find-links dist redco-zoo-maml"
-ZOO_LIST = "redco zoo list"
+ZOO_LIST = "redco list zoo"
 SEQ2SEQ = "pip install --find-links dist redco-zoo-seq2seq"
 NEW = "redco new --template seq2seq myproj"
 SLURM = "pip install --find-links dist redco-slurm"
@@ -158,7 +158,7 @@ def test_installing_redco_slurm_adds_slurm_to_redco_launch(sh):
     assert "slurm" not in before
     sh(SLURM)
     assert launchers(sh("redco launch --help")) == before | {"slurm"}
-    assert "redco-slurm" in sh("redco plugins")
+    assert "redco-slurm" in sh("redco list plugins")
 
 
 def test_a_plugin_project_installed_as_its_readme_says_is_listed_and_used(sh):

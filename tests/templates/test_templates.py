@@ -4,9 +4,11 @@ run as a user would run them: the project README's block ``install-and-test`` (`
 ".[test]"``, ``pytest``, and whatever else it lists), verbatim in the new directory, with this
 environment's ``pip`` and ``pytest`` (seq2seq's steps run in tests/install instead, in a fresh venv
 from the wheels). Each zoo pipeline has a template of the same name."""
+import ast
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,9 +16,15 @@ from redco.cli import main
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from readme_blocks import block  # noqa: E402
+
 from redco.plugins import registry
 
 TEMPLATES = registry("templates")
+THREE = {"collate_fn", "loss_fn", "pred_fn"}
+ZOO = Path(__file__).resolve().parents[2] / "zoo"
+IN_REPO = sorted(d.name for d in ZOO.iterdir()  # zoo/NAME/redco_zoo_NAME/{pipeline.py,template}
+                 if (d / f"redco_zoo_{d.name}" / "pipeline.py").is_file()
+                 and (d / f"redco_zoo_{d.name}" / "template" / "main.py").is_file())
 NEEDS_INSTALL = {"plugin"}  # found through its entry point: tests/install installs and runs it
 # tests/install runs this project's block install-and-test verbatim in a fresh venv made from
 # the wheels (README.md's install lines), so here only what `redco new` writes is checked
@@ -28,11 +36,37 @@ def test_every_zoo_pipeline_has_a_template():
     assert set(registry("zoo_pipelines")) <= set(TEMPLATES), sorted(TEMPLATES)
 
 
+def test_every_zoo_package_registers_its_pipeline_and_template():
+    """A zoo package that fails to load (its plugin skipped with a warning) would otherwise drop
+    out of these tests silently."""
+    assert len(IN_REPO) >= 9, IN_REPO
+    unregistered = set(IN_REPO) - (set(registry("zoo_pipelines")) & set(TEMPLATES))
+    assert not unregistered, (f"zoo packages {sorted(unregistered)} register no pipeline and template "
+                              "of their name: pip install -e zoo/NAME, and see the warnings of "
+                              "plugins that failed to load.")
+
+
+def test_zoo_templates_import_their_pipelines_functions():
+    """A template's main.py imports the three functions from its package's pipeline.py (the code
+    `redco zoo run NAME` runs) rather than holding a copy that could drift from it."""
+    copies = {name: found for name in IN_REPO
+              if (found := sorted(THREE & defined_in(ZOO / name / f"redco_zoo_{name}" / "template"
+                                                     / "main.py")))}
+    assert not copies, (f"these templates' main.py define {copies} themselves: import them from "
+                        "the package's pipeline.py instead")
+
+
 def test_the_templates_readme_lists_every_template():
     readme = os.path.join(os.path.dirname(__file__), "..", "..", "templates", "README.md")
     with open(readme) as f:
         text = f.read()
     assert not [name for name in TEMPLATES if f"| `{name}` |" not in text], sorted(TEMPLATES)
+
+
+def defined_in(path: Path) -> set[str]:
+    """The names of the functions and classes defined at the top level of the file at ``path``."""
+    return {node.name for node in ast.parse(path.read_text()).body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
 
 
 @pytest.mark.parametrize("name", sorted(set(TEMPLATES) - NEEDS_INSTALL))

@@ -1,7 +1,7 @@
 """MAML meta-learns sinusoid regression through Trainer on 8 simulated devices (Finn et al.'s
 setup, 1 inner step): post-adaptation MSE < 0.7 and < 0.3 x pre-adaptation on held-out tasks,
 second-order with the MLP split over 2 model shards and first-order through ``redco zoo run``.
-``redco zoo list`` shows it (its template's project: tests/templates)."""
+``redco list zoo`` shows it (its template's project: tests/templates)."""
 import argparse
 import functools
 import os

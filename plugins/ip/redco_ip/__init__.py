@@ -167,8 +167,8 @@ class IPLauncher(Launcher):
 
     def add_arguments(self, group) -> None:
         group.add_argument("--hosts", help="comma-separated, one entry per process; host 0 first")
-        group.add_argument("--host0-address", help="host 0's address as the others reach it "
-                           "(default: the first host)")
+        group.add_argument("--host0_address", "--host0-address", help="host 0's address as the "
+                           "others reach it (default: the first host)")
         group.add_argument("--port", type=int, default=12355, help="host 0's coordinator port")
         group.add_argument("--run", dest="run_here", action="store_true",
                            help="run the processes here (every host must be this machine) and wait")

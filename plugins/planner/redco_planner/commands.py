@@ -98,7 +98,7 @@ class RulesCommand(Command):
 
 
 def context_degrees(value: str) -> list[int] | None:
-    """``--context-shards``: ``auto`` (None: every degree) or comma-separated degrees."""
+    """``--n_context_shards``: ``auto`` (None: every degree) or comma-separated degrees."""
     if value == "auto":
         return None
     try:
@@ -114,21 +114,24 @@ class PlanCommand(Command):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--model", required=True, help=MODEL_HELP)
         parser.add_argument("--devices", type=int, required=True, help="simulated CPU devices")
-        parser.add_argument("--device-memory", required=True, help="per device, e.g. 40GB (GiB)")
-        parser.add_argument("--seq-len", "--seq_len", type=int, default=1024)
-        parser.add_argument("--batch", type=int, default=1, help="per-device batch size")
+        parser.add_argument("--device_memory", "--device-memory", required=True,
+                            help="per device, e.g. 40GB (GiB)")
+        parser.add_argument("--seq_len", "--seq-len", type=int, default=1024)
+        parser.add_argument("--per_device_batch_size", "--batch", type=int, default=1)
         parser.add_argument("--rules", default="auto,auto+fsdp", help="rule sets to try, in order")
         parser.add_argument("--all", action="store_true", help="measure every layout, not just "
                             "up to the first that fits")
         parser.add_argument("--remat", action="store_true", help="also try rematerialisation "
                             "(none, dots_saveable, full: least recompute first) at each layout")
-        parser.add_argument("--lora-rank", type=int, help="if no full fine-tuning layout fits, "
-                            "try LoRA adapters of this rank (base frozen) the same way")
-        parser.add_argument("--context-shards", type=context_degrees, default=None,
+        parser.add_argument("--lora_rank", "--lora-rank", type=int, help="if no full fine-tuning "
+                            "layout fits, try LoRA adapters of this rank (base frozen) the same way")
+        parser.add_argument("--n_context_shards", "--context-shards", type=context_degrees,
                             help="context-parallel degrees to consider (devices splitting each "
                             "sequence): auto (every degree, the default) or e.g. 1 or 1,2,4")
-        parser.add_argument("--context-strategy", default=STRATEGIES[0], choices=STRATEGIES)
-        parser.add_argument("--compute-dtype", default="float32", choices=COMPUTE_DTYPES,
+        parser.add_argument("--context_strategy", "--context-strategy", default=STRATEGIES[0],
+                            choices=STRATEGIES)
+        parser.add_argument("--compute_dtype", "--compute-dtype", default="float32",
+                            choices=COMPUTE_DTYPES,
                             help="the step computes in this dtype, the params cast to it as "
                             "Trainer(compute_dtype=...) does; params and AdamW state stay fp32")
 
@@ -142,14 +145,14 @@ class PlanCommand(Command):
         compute = None if args.compute_dtype == "float32" else jnp.dtype(args.compute_dtype)
         memory = parse_bytes(args.device_memory)
         if model.loss_fn is not None:
-            loss, batch = model.loss_fn, model.batch(args.batch)
+            loss, batch = model.loss_fn, model.batch(args.per_device_batch_size)
         else:
             print("(no loss_fn: the mean of the model's outputs on its own example input stands "
-                  "for the loss; --seq-len and --batch are not used)")
+                  "for the loss; --seq_len and --per_device_batch_size are not used)")
             loss, batch = model.trace_fn, None
         dtypes = "fp32" if compute is None else f"fp32 params, {args.compute_dtype} compute"
         print(f"{args.model}: {args.devices} devices x {args.device_memory}, per-device batch "
-              f"{args.batch} x seq {args.seq_len}, AdamW, {dtypes}; per-device peak of the "
+              f"{args.per_device_batch_size} x seq {args.seq_len}, AdamW, {dtypes}; per-device peak of the "
               "compiled train step (and its FLOPs per device):")
         try:
             result = plan(model.params, loss, batch, n_devices=args.devices,
@@ -157,7 +160,7 @@ class PlanCommand(Command):
                           try_all=args.all, log=lambda line: print("  " + line, flush=True),
                           remat_policies=REMAT_POLICIES if args.remat else ("none",),
                           lora_rank=args.lora_rank, lora=model.lora,
-                          context_degrees=args.context_shards,
+                          context_degrees=args.n_context_shards,
                           context_strategy=args.context_strategy, compute_dtype=compute)
         except PlanError as e:
             sys.exit(f"redco: {e}")

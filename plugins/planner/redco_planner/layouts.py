@@ -133,7 +133,7 @@ def nothing_fits(tried: list[TriedLayout], n_devices: int, device_memory_bytes: 
         return PlanError(
             budget + f"even the params and optimizer state alone need at least "
             f"{human_bytes(least.state_bytes)} ({where(least, least.state_bytes)}), before "
-            "activations. Use more devices or more memory per device, LoRA (--lora-rank), or a "
+            "activations. Use more devices or more memory per device, LoRA (--lora_rank), or a "
             "smaller model.", tried)
     unmeasured = "; ".join(t.describe() for t in tried if t.error)
     best = min(measured, key=lambda t: t.peak_bytes)

@@ -30,7 +30,7 @@ def test_registered_from_its_distribution(capsys):
     with pytest.raises(SystemExit) as info:
         main(["plan", "--help"])
     assert info.value.code == 0
-    assert "--device-memory" in capsys.readouterr().out
+    assert "--device_memory" in capsys.readouterr().out
 
 
 def test_without_the_planner_auto_and_plan_say_what_is_missing(planner_blocked, workdir, capsys,

@@ -3,7 +3,7 @@
 * Joining (``join.py``): in a task of an ``srun`` step of several tasks, an unchanged script's
   ``Deployer()`` joins the run through JAX's SLURM cluster detection; ``redco doctor`` explains
   why it does or does not apply.
-* Submitting (``sbatch.py``): ``redco launch --launcher slurm --nodes 2 --ntasks-per-node 4
+* Submitting (``sbatch.py``): ``redco launch --launcher slurm --nodes 2 --ntasks_per_node 4
   [--wait] -- python train.py ...`` writes an sbatch script running the command under ``srun``
   and submits it; ``--wait`` follows the job and exits with its exit code.
 
@@ -38,25 +38,25 @@ class SlurmLauncher(Launcher):
 
     def add_arguments(self, group: argparse._ArgumentGroup) -> None:
         group.add_argument("--nodes", type=int, default=1)
-        group.add_argument("--ntasks-per-node", type=int, default=1,
+        group.add_argument("--ntasks_per_node", "--ntasks-per-node", type=int, default=1,
                            help="processes per node (one per GPU, or one per node with all of them)")
         group.add_argument("--partition")
         group.add_argument("--time", help="time limit, e.g. 1:00:00")
-        group.add_argument("--cpus-per-task", type=int)
-        group.add_argument("--gpus-per-node", type=int)
-        group.add_argument("--job-name", default="redco")
+        group.add_argument("--cpus_per_task", "--cpus-per-task", type=int)
+        group.add_argument("--gpus_per_node", "--gpus-per-node", type=int)
+        group.add_argument("--job_name", "--job-name", default="redco")
         group.add_argument("--requeue", action="store_true", help="SIGTERM the tasks "
-                           "--signal-before seconds before the time limit (or on scancel "
+                           "--signal_before seconds before the time limit (or on scancel "
                            "--signal=TERM): redco saves a step checkpoint and exits 143, and the "
                            "job requeues itself and resumes from it")
-        group.add_argument("--signal-before", type=int, default=120, metavar="SECONDS",
+        group.add_argument("--signal_before", "--signal-before", type=int, default=120, metavar="SECONDS",
                            help="with --requeue: how long before the time limit (default 120)")
         group.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
                            help="another #SBATCH option, e.g. --sbatch=--account=abc or "
                            "--sbatch=--requeue (repeatable)")
         group.add_argument("--workdir", default=".",
                            help="where the script and the job's output file go (default: here)")
-        group.add_argument("--dry-run", action="store_true",
+        group.add_argument("--dry_run", "--dry-run", action="store_true",
                            help="print the script, submit nothing")
         group.add_argument("--wait", action="store_true", help="poll squeue until the job ends, "
                            "print its output, exit with its exit code")

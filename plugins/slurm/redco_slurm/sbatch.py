@@ -90,7 +90,7 @@ def sbatch_script(job: SlurmJob) -> str:
         raise LaunchError("no command: put it after `--`, e.g. `redco launch --launcher slurm "
                           "--nodes 2 -- python train.py`")
     if job.nodes < 1 or job.ntasks_per_node < 1:
-        raise LaunchError(f"--nodes {job.nodes} --ntasks-per-node {job.ntasks_per_node}: both "
+        raise LaunchError(f"--nodes {job.nodes} --ntasks_per_node {job.ntasks_per_node}: both "
                           "must be at least 1")
     n, plural = job.n_tasks, lambda k: "s" * (k > 1)
     return "\n".join(["#!/bin/bash"] + [f"#SBATCH {o}" for o in sbatch_options(job)] + [
@@ -111,7 +111,7 @@ def _tool(name: str) -> str:
     path = shutil.which(name)
     if path is None:
         raise LaunchError(f"`{name}` is not on PATH: run this on a SLURM login node, or use "
-                          "--dry-run to see the script.")
+                          "--dry_run to see the script.")
     return path
 
 

@@ -43,8 +43,8 @@ def test_launch_help_lists_slurm_and_its_options():
     assert "slurm" in choices and "ip" in choices
     assert "slurm: write an sbatch script running the command under srun, and submit it" \
         in out.stdout
-    for option in ("--nodes", "--ntasks-per-node", "--partition", "--time", "--cpus-per-task",
-                   "--gpus-per-node", "--job-name", "--sbatch", "--workdir", "--dry-run",
+    for option in ("--nodes", "--ntasks_per_node", "--partition", "--time", "--cpus_per_task",
+                   "--gpus_per_node", "--job_name", "--sbatch", "--workdir", "--dry_run",
                    "--wait"):
         assert f"  {option} " in out.stdout or f"  {option}\n" in out.stdout, option
 
@@ -122,7 +122,7 @@ def test_slurm_launch_mistakes_are_refused(capsys, tmp_path, monkeypatch):
     assert code == 2 and "no command: put it after `--`" in err
     code, _, err = run_cli(capsys, "launch", "--launcher", "slurm", "--nodes", "0", "--dry-run",
                            "--", "python", "t.py")
-    assert code == 2 and "--nodes 0 --ntasks-per-node 1: both must be at least 1" in err
+    assert code == 2 and "--nodes 0 --ntasks_per_node 1: both must be at least 1" in err
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch anywhere
     code, _, err = run_cli(capsys, "launch", "--launcher", "slurm", "--", "python", "t.py")
     assert code == 2 and "`sbatch` is not on PATH: run this on a SLURM login node" in err

@@ -34,7 +34,7 @@ def run_work_unit(command: list[str], n_processes: int, port: int, title: str = 
     """Run ``command`` as ``n_processes`` jobs of one XManager work unit and wait; return 0, or 1
     when a job failed (XManager's error, naming the job and its exit code, is printed)."""
     if n_processes < 1:
-        raise LaunchError(f"--n-processes {n_processes} must be at least 1")
+        raise LaunchError(f"--n_processes {n_processes} must be at least 1")
     rows = ip_commands(command, ["localhost"] * n_processes, port)
     xm, xm_local = _xmanager()
 

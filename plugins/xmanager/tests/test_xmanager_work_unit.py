@@ -32,7 +32,7 @@ def test_offered_by_redco_launch_and_submits_only():
     out = subprocess.run([sys.executable, "-m", "redco.cli", "launch", "--help"],
                          env=worker_env(), capture_output=True, text=True, timeout=120)
     assert "xmanager" in out.stdout.split("--launcher {")[1].split("}")[0].split(",")
-    assert "--n-processes N_PROCESSES" in out.stdout and "--title TITLE" in out.stdout
+    assert "--n_processes N_PROCESSES" in out.stdout and "--title TITLE" in out.stdout
 
 
 def test_xmanager_work_unit_trains_like_one_process(reference, tmp_path):
@@ -58,5 +58,5 @@ def test_no_processes_is_refused(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     code, _, err = run_cli(capsys, "launch", "--launcher", "xmanager", "--n-processes", "0",
                            "--", "python", "t.py")
-    assert code == 2 and "--n-processes 0 must be at least 1" in err
+    assert code == 2 and "--n_processes 0 must be at least 1" in err
     assert not os.path.exists(tmp_path / ".xmanager")  # refused before any experiment

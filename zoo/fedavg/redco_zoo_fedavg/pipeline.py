@@ -128,8 +128,10 @@ class FedAvgPipeline:
                 ("client_fraction", 1.0, "C: the fraction of clients sampled each round"),
                 ("learning_rate", 0.1, "of the clients' SGD"), ("per_device_batch_size", 2, ""),
                 ("labels_per_client", 2, "non-IID: how many labels each client holds"),
-                ("n_model_shards", 1, ""), ("workdir", "./workdir", ""), ("seed", 0, "")]:
+                ("n_model_shards", 1, ""), ("workdir", "./workdir", "")]:
             parser.add_argument(f"--{name}", type=type(value), default=value, help=f"{doc} (default {value})")
+        parser.add_argument("--jax_seed", "--seed", dest="seed", type=int, default=0,
+                            help="seeds jax and the data (default 0)")
         parser.add_argument("--iid", action="store_true", help="split the data IID instead")
         parser.add_argument("--save_every_n_steps", type=int, help="a step checkpoint after the "
                             "round that reaches every this many updates (also on SIGTERM and at "

@@ -1,7 +1,6 @@
 """Causal language modelling through the three functions, and ``redco zoo run lm``."""
 from __future__ import annotations
 
-import argparse
 import math
 import os
 from collections.abc import Sequence
@@ -11,6 +10,7 @@ import numpy as np
 import optax
 
 import redco
+from redco.cli_parser import BooleanFlag
 from redco.protocols import UsageError
 from redco_zoo_lm.packing import hold_out
 from redco_zoo_lm.token_data import is_token_data, manifest_of, parse_sources, token_files, token_rows
@@ -97,8 +97,8 @@ def add_lm_arguments(parser) -> None:
                         "id (default: its manifest's, else config.json's eos_token_id)")
     parser.add_argument("--token_dtype", choices=["uint16", "uint32"], help="the ids' type "
                         "in a token file (default: its manifest's, else uint16)")
-    parser.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
-                        help="pack a token file's documents into full rows (--no-pack: a "
+    parser.add_argument("--pack", action=BooleanFlag, default=True,
+                        help="pack a token file's documents into full rows (--no_pack: a "
                         "document a row, padded)")
 
 

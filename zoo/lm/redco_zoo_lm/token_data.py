@@ -1,6 +1,6 @@
 """The LM zoo's tokenized data on the command line: ``--train``/``--eval`` as a token file
 (``.bin``), a folder of them (one corpus, its files in name order), or a weighted mixture of
-those (``web.bin=0.7,books/=0.3``), their documents packed into rows (``--no-pack``: a document
+those (``web.bin=0.7,books/=0.3``), their documents packed into rows (``--no_pack``: a document
 a row, padded).
 
 A token file's EOS id, dtype and vocabulary come from the flags (``--eos_id``,

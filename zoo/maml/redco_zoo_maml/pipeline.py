@@ -143,7 +143,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n_eval_tasks", type=int, default=1000)
     parser.add_argument("--n_model_shards", type=int, default=1)
     parser.add_argument("--workdir", default="./workdir")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jax_seed", "--seed", dest="seed", type=int, default=0,
+                        help="seeds jax and the data (train's seed)")
     parser.add_argument("--save_every_n_steps", type=int, help="a step checkpoint every this "
                         "many updates (also on SIGTERM); a rerun resumes")
 

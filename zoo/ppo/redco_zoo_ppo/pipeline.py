@@ -185,7 +185,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env_id", default="CartPole-v1")
     parser.add_argument("--total_steps", type=int, default=300_000, help="env steps")
     parser.add_argument("--n_envs", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jax_seed", "--seed", dest="seed", type=int, default=0,
+                        help="seeds jax and the data (train's seed)")
     parser.add_argument("--n_model_shards", type=int, default=1)
     parser.add_argument("--workdir", default="./workdir")
     parser.add_argument("--save_every_n_steps", type=int, help="a step checkpoint every this "

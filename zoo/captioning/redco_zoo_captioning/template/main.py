@@ -5,50 +5,18 @@
 ``--model`` is a local HuggingFace vision-encoder-decoder directory with a ViT encoder and a
 GPT-2 decoder (config.json, model.safetensors, tokenizer.json); ``--train`` is a folder of
 images with a ``metadata.jsonl`` naming each ``file_name`` and its ``caption``. The three
-functions are yours to change. ``Deployer`` and ``Trainer`` take care of devices, sharding
-(``--n_model_shards``), checkpoints (rerun to resume) and logs in ``--workdir``."""
+functions come from ``redco_zoo_captioning/pipeline.py``, the code ``redco zoo run captioning``
+runs: to change one, copy it from there into this file in place of its import. ``Deployer`` and
+``Trainer`` take care of devices, sharding (``--n_model_shards``), checkpoints (rerun to resume)
+and logs in ``--workdir``."""
 import argparse
 from functools import partial
 
-import jax.numpy as jnp
-import numpy as np
 import optax
 
 from redco import Deployer, Trainer
-from redco_zoo_captioning.pipeline import pixels
-from redco_zoo_models import generate, runner, split_model
-from redco_zoo_models.metrics import text_scores, token_cross_entropy
-
-
-def collate_fn(examples: list[dict], tokenizer, image_size: int, max_len: int, bos_id: int,
-               eos_id: int, pad_id: int) -> dict:
-    """``image`` and ``caption`` -> pixel values in [-1, 1], decoder inputs (BOS, caption) and
-    labels (caption, EOS), right-padded with a mask."""
-    captions = [tokenizer.encode(e["caption"], add_special_tokens=False).ids for e in examples]
-    labels, label_mask = runner.pad_ids([c + [eos_id] for c in captions], max_len, pad_id)
-    decoder_input_ids, _ = runner.pad_ids([[bos_id] + c for c in captions], max_len, pad_id)
-    return {"pixel_values": np.stack([pixels(e["image"], image_size) for e in examples]),
-            "decoder_input_ids": decoder_input_ids, "labels": labels, "label_mask": label_mask}
-
-
-def loss_fn(rng, state, params, batch, is_training):
-    """Cross-entropy of the caption tokens (padding excluded)."""
-    logits = state.apply_fn(params, batch["pixel_values"], batch["decoder_input_ids"])
-    return token_cross_entropy(logits, batch["labels"], batch["label_mask"])
-
-
-def pred_fn(rng, params, batch, model, max_new_tokens: int, num_beams: int, bos_id: int,
-            eos_id: int, pad_id: int):
-    """Beam-search caption ids (B, max_new_tokens) for each image."""
-    start = jnp.full((batch["pixel_values"].shape[0], 1), bos_id, jnp.int32)
-    return generate(model, params, start, max_new_tokens, num_beams=num_beams,
-                    eos_token_id=eos_id, pad_token_id=pad_id,
-                    encoder_inputs={"pixel_values": batch["pixel_values"]})
-
-
-def metric_fn(examples: list[dict], preds: list[str]) -> dict:
-    """ROUGE-1/2/L and exact match of the predicted captions."""
-    return text_scores(preds, [e["caption"] for e in examples])
+from redco_zoo_captioning.pipeline import collate_fn, loss_fn, metric_fn, pred_fn
+from redco_zoo_models import runner, split_model
 
 
 def main(args):

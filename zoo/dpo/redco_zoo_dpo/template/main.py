@@ -3,62 +3,30 @@
     python main.py --model my-llama --train pairs.jsonl --lora_rank 8   # reference: adapters off
     python main.py --model my-llama --train pairs.jsonl                 # full: reference precomputed
 
-``--model`` is a local HuggingFace LLaMA, Mistral, Qwen2 or GPT-2 directory whose tokenizer has a
-chat template; ``--train`` is a ``.jsonl`` file of preference pairs: ``prompt`` (a list of
+``--model`` is a local HuggingFace LLaMA, Mistral, Qwen2 or GPT-2 directory whose tokenizer has
+a chat template; ``--train`` is a ``.jsonl`` file of preference pairs: ``prompt`` (a list of
 ``{"role", "content"}`` messages), ``chosen`` and ``rejected`` (two replies to it). Both replies
 go through the model in one forward pass; the reference is the model before training (with
 ``--lora_rank``, the same weights with the adapters off; without, log-probabilities computed
-once before training). The three functions are yours to change; see
-``redco_zoo_dpo/pipeline.py`` for the loss."""
+once before training). The three functions come from ``redco_zoo_dpo/pipeline.py``, the code
+``redco zoo run dpo`` runs: to change one, copy it from there into this file in place of its
+import."""
 import argparse
 from functools import partial
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 
 from redco import Deployer, Trainer
-from redco_zoo_dpo.pipeline import add_reference_logps, render_pair, rewards
-from redco_zoo_models import moe_optimizer, runner, split_model
+from redco_zoo_dpo.pipeline import (
+    add_reference_logps,
+    collate_fn,
+    loss_fn,
+    metric_fn,
+    pred_fn,
+    render_pair,
+)
+from redco_zoo_models import moe_optimizer, runner
 from redco_zoo_sft.pipeline import load_chat_tokenizer
-
-
-def collate_fn(examples: list[dict], max_len: int) -> dict:
-    """Pairs -> ``input_ids`` and ``loss_mask`` (B, 2, max_len): each pair's chosen then rejected
-    reply, right-padded; ``ref_logps`` (B, 2) where the examples carry them."""
-    batch = {"input_ids": np.zeros((len(examples), 2, max_len), np.int32),
-             "loss_mask": np.zeros((len(examples), 2, max_len), bool)}
-    for i, example in enumerate(examples):
-        for j, reply in enumerate((example["chosen"], example["rejected"])):
-            n = len(reply["token_ids"])
-            batch["input_ids"][i, j, :n] = reply["token_ids"]
-            batch["loss_mask"][i, j, :n] = reply["loss_mask"]
-    if "ref_logps" in examples[0]:
-        batch["ref_logps"] = np.array([e["ref_logps"] for e in examples], np.float32)
-    return batch
-
-
-def loss_fn(rng, state, params, batch, is_training, beta: float = 0.1,
-            label_smoothing: float = 0.0):
-    """DPO's loss (module docstring), the mean over the batch's pairs."""
-    r = rewards(state.apply_fn, params, batch, beta)
-    margin = r[:, 0] - r[:, 1]
-    return jnp.mean(-(1 - label_smoothing) * jax.nn.log_sigmoid(margin)
-                    - label_smoothing * jax.nn.log_sigmoid(-margin))
-
-
-def pred_fn(rng, params, batch, model, beta: float = 0.1):
-    """(B, 2): each pair's chosen and rejected reward; ``model`` gives the structure."""
-    return rewards(split_model(model)[0], params, batch, beta)
-
-
-def metric_fn(examples: list[dict], preds: list) -> dict:
-    """Preference accuracy, mean margin and mean rewards of the pairs' predicted rewards."""
-    r = np.asarray(preds, np.float64)
-    return {"accuracy": float(np.mean(r[:, 0] > r[:, 1])),
-            "margin": float(np.mean(r[:, 0] - r[:, 1])),
-            "chosen_reward": float(np.mean(r[:, 0])), "rejected_reward": float(np.mean(r[:, 1]))}
 
 
 def main(args):

@@ -1,48 +1,19 @@
 """{{project_name}}: federated averaging (FedAvg, McMahan et al. 2017) with Redco. Run: python main.py
 
-Every client trains the model below on its own data through the three functions; the server
+Every client trains the model on its own data through the three functions; the server
 (``redco_zoo_fedavg.fedavg``) averages the clients' params, weighted by how many examples each
-holds. Replace the model, the data and the three functions with yours.
+holds. The model (``init_params``, ``apply_fn``) and the three functions come from
+``redco_zoo_fedavg/pipeline.py``, the code ``redco zoo run fedavg`` runs: to change one, copy it
+from there into this file in place of its import. Replace the data with yours.
 """
 import argparse
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 
 from redco import Deployer, Trainer
 from redco_zoo_fedavg import accuracy, fedavg, load_digits, split_clients
-
-
-def init_params(seed: int = 0, sizes: tuple = (64, 128, 10)) -> dict:
-    """MLP params ``fc1``, ``fc2``, ...: kernels ~ N(0, 1 / fan_in), zero biases."""
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(sizes) - 1)
-    return {f"fc{i + 1}": {"kernel": jax.random.normal(k, (m, n)) * m ** -0.5, "bias": jnp.zeros(n)}
-            for i, (k, m, n) in enumerate(zip(keys, sizes[:-1], sizes[1:]))}
-
-
-def apply_fn(params, x):
-    """A one-hidden-layer ReLU MLP: pixels (B, 64) -> logits (B, 10)."""
-    h = jax.nn.relu(x @ params["fc1"]["kernel"] + params["fc1"]["bias"])
-    return h @ params["fc2"]["kernel"] + params["fc2"]["bias"]
-
-
-def collate_fn(examples: list[dict]) -> dict:
-    """``{"x": 64 pixels in 0..16, "y": label}`` examples -> ``x`` (B, 64) in [0, 1], ``y`` (B,)."""
-    return {"x": np.stack([e["x"] for e in examples]).astype(np.float32) / 16.,
-            "y": np.array([e["y"] for e in examples], np.int32)}
-
-
-def loss_fn(rng, state, params, batch, is_training):
-    """Mean cross-entropy."""
-    logits = state.apply_fn(params, batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-
-def pred_fn(rng, params, batch):
-    """The predicted class of each example."""
-    return jnp.argmax(apply_fn(params, batch["x"]), axis=-1)
+from redco_zoo_fedavg.pipeline import apply_fn, collate_fn, init_params, loss_fn, pred_fn
 
 
 def main(n_clients: int = 10, n_rounds: int = 50, local_epochs: int = 2, client_fraction: float = 1.0,

@@ -6,63 +6,28 @@
     python main.py --model llama-1b --from_scratch --train corpus.bin --max_steps 1000
 
 ``--model`` is a local HuggingFace LLaMA, Mistral, Qwen2 or GPT-2 directory (config.json,
-model.safetensors, tokenizer.json), or with ``--from_scratch`` a directory with config.json alone
-or a preset (``llama-1b``, ...): an untrained model. ``--train`` is a ``.txt`` file (one
+model.safetensors, tokenizer.json), or with ``--from_scratch`` a directory with config.json
+alone or a preset (``llama-1b``, ...): an untrained model. ``--train`` is a ``.txt`` file (one
 document per line) or a ``.jsonl``/``.json``/``.csv`` file with a ``text`` column, cut into
 blocks; or token files, read from disk as training goes, their documents packed into rows: a
 ``.bin`` file, a folder of them, or a mixture (``web.bin=0.7,books/=0.3``). ``--max_steps``
-trains that many updates instead of ``--n_epochs``. The three functions are yours to
-change. ``Deployer`` and ``Trainer`` take care of devices, sharding (``--n_model_shards``),
-checkpoints (rerun to resume) and logs in ``--workdir``. With ``--lora_rank`` only low-rank
-adapters on the attention and MLP projections train; ``--workdir``/model is then the merged
-model and ``--workdir``/adapter the adapters alone (PEFT's layout)."""
+trains that many updates instead of ``--n_epochs``. The three functions come from
+``redco_zoo_lm/pipeline.py``, the code ``redco zoo run lm`` runs: to change one, copy it from
+there into this file in place of its import. ``Deployer`` and ``Trainer`` take care of devices,
+sharding (``--n_model_shards``), checkpoints (rerun to resume) and logs in ``--workdir``. With
+``--lora_rank`` only low-rank adapters on the attention and MLP projections train;
+``--workdir``/model is then the merged model and ``--workdir``/adapter the adapters alone
+(PEFT's layout)."""
 import argparse
 import math
 from functools import partial
 
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from redco import Deployer, Trainer
-from redco_zoo_lm.pipeline import add_lm_arguments, lm_examples, load_lm
-from redco_zoo_models import generate, moe_optimizer, runner
-from redco_zoo_models.metrics import logits_and_experts, with_experts
-
-
-def collate_fn(examples: list[dict]) -> dict:
-    """Examples hold equal-length ``token_ids`` (and, for packed rows, ``segment_ids``: one id
-    per document, 0 for padding); the batch is ``input_ids`` (B, T) (and ``segment_ids``)."""
-    batch = {"input_ids": np.stack([np.asarray(e["token_ids"], np.int32) for e in examples])}
-    if "segment_ids" in examples[0]:
-        batch["segment_ids"] = np.stack([np.asarray(e["segment_ids"], np.int32)
-                                         for e in examples])
-    return batch
-
-
-def loss_fn(rng, state, params, batch, is_training):
-    """Mean next-token cross-entropy. In packed rows (``segment_ids``) a document attends only
-    to itself, and the prediction of the next document's first token and the padding's are
-    left out: the mean is over the tokens predicted within their own document. An MoE model adds
-    its balancing losses and logs its experts' load (``with_experts``)."""
-    ids, segments = batch["input_ids"], batch.get("segment_ids")
-    if segments is None:
-        logits, experts = logits_and_experts(state.apply_fn, params, ids[:, :-1])
-        return with_experts(optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), ids[:, 1:]).mean(), experts)
-    logits, experts = logits_and_experts(state.apply_fn, params, ids[:, :-1],
-                                         segment_ids=segments[:, :-1])
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
-                                                             ids[:, 1:])
-    counted = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
-    return with_experts((losses * counted).sum() / jnp.maximum(counted.sum(), 1), experts)
-
-
-def pred_fn(rng, params, batch, model, max_new_tokens: int = 64, temperature: float = 0.8):
-    """``max_new_tokens`` sampled after each row of ``input_ids`` (``temperature`` 0: greedy);
-    ``model`` gives the structure, ``params`` its weights."""
-    return generate(model, params, batch["input_ids"], max_new_tokens, rng=rng,
-                    temperature=temperature)
+from redco_zoo_lm.pipeline import add_lm_arguments, collate_fn, lm_examples, load_lm, loss_fn, pred_fn
+from redco_zoo_models import moe_optimizer, runner
 
 
 def main(args):

@@ -2,119 +2,18 @@
 
 Run: python main.py [--env_id CartPole-v1 --total_steps 300000 --n_model_shards 1]
 
-Change the policy, the three functions or the environment. ``redco_zoo_ppo.Collector`` steps
-the vectorised envs with ``pred_fn`` (jitted, on one device) and computes GAE advantages
-(gamma 0.98, lambda 0.8); ``Trainer`` runs the updates on every local device and logs them to
-``workdir/metrics.jsonl``.
+The policy (``init_params``, ``apply_fn``), the three functions and ``train``, which calls them,
+come from ``redco_zoo_ppo/pipeline.py``, the code ``redco zoo run ppo`` runs: to change one, copy
+it and ``train`` from there into this file in place of the import of ``train``.
+``redco_zoo_ppo.Collector`` steps the vectorised envs with ``pred_fn`` (jitted, on one device)
+and computes GAE advantages (gamma 0.98, lambda 0.8); ``Trainer`` runs the updates on every local
+device and logs them to ``workdir/metrics.jsonl``.
 """
 import argparse
-import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
-from redco import Deployer, Trainer
-from redco_zoo_ppo import Collector, Iterations, placeholder, report
-
-
-def init_params(rng, obs_dim: int, n_actions: int, hidden: int = 64) -> dict:
-    """Separate actor and critic MLPs, orthogonally initialised as in CleanRL (a small actor
-    output layer: a near-uniform first policy)."""
-    def mlp(rng, sizes, last_scale):
-        scales = [np.sqrt(2)] * (len(sizes) - 2) + [last_scale]
-        return [{"kernel": jax.nn.initializers.orthogonal(s)(k, (i, o)), "bias": jnp.zeros(o)}
-                for k, s, i, o in zip(jax.random.split(rng, len(scales)), scales, sizes, sizes[1:])]
-    actor, critic = jax.random.split(rng)
-    return {"actor": mlp(actor, [obs_dim, hidden, hidden, n_actions], 0.01),
-            "critic": mlp(critic, [obs_dim, hidden, hidden, 1], 1.0)}
-
-
-def apply_fn(params, obs):
-    """``(logits, value)`` for a batch of observations (tanh MLPs)."""
-    def mlp(layers, x):
-        for layer in layers[:-1]:
-            x = jnp.tanh(x @ layer["kernel"] + layer["bias"])
-        return x @ layers[-1]["kernel"] + layers[-1]["bias"]
-    return mlp(params["actor"], obs), mlp(params["critic"], obs)[..., 0]
-
-
-def collate_fn(examples: list[dict]) -> dict:
-    """Transitions (obs, action, logp, adv, ret) -> one array each."""
-    return {k: np.array([e[k] for e in examples], np.int32 if k == "action" else np.float32)
-            for k in examples[0]}
-
-
-def loss_fn(rng, state, params, batch, is_training, clip=0.2, vf_coef=0.5, ent_coef=0.01):
-    """Clipped surrogate + ``vf_coef`` x value loss - ``ent_coef`` x entropy (to minimise)."""
-    logits, value = state.apply_fn(params, batch["obs"])
-    logp_all = jax.nn.log_softmax(logits)
-    logp = jnp.take_along_axis(logp_all, batch["action"][:, None], 1)[:, 0]
-    adv = (batch["adv"] - batch["adv"].mean()) / (batch["adv"].std() + 1e-8)
-    ratio = jnp.exp(logp - batch["logp"])
-    surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - clip, 1 + clip) * adv).mean()
-    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, -1).mean()
-    return -surrogate + vf_coef * 0.5 * jnp.mean((value - batch["ret"]) ** 2) - ent_coef * entropy
-
-
-def pred_fn(rng, params, batch):
-    """A sampled action, its log-probability and the value for each of ``batch["obs"]``."""
-    logits, value = apply_fn(params, batch["obs"])
-    action = jax.random.categorical(rng, logits)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None], 1)[:, 0]
-    return {"action": action, "logp": logp, "value": value}
-
-
-def train(env_id="CartPole-v1", total_steps=300_000, n_envs=16, n_steps=64, seed=0,
-          n_model_shards=1, workdir="./workdir", lr=1e-3, update_epochs=4, n_minibatches=4,
-          gamma=0.98, lam=0.8, verbose=True, save_every_n_steps=None):
-    """Train for ``total_steps`` env steps; returns ``(trainer, the last 100 episode returns)``.
-    Run in ``trainer.run``: a rerun in ``workdir`` resumes after the newest step checkpoint
-    (every ``save_every_n_steps`` updates, on SIGTERM and at the end)."""
-    collector = Collector(env_id, n_envs, jax.jit(pred_fn), seed)
-    deployer = Deployer(jax_seed=seed, n_model_shards=n_model_shards, workdir=workdir, verbose=verbose)
-    n_iters = total_steps // (n_envs * n_steps)
-    per_device = n_envs * n_steps // n_minibatches // deployer.dp_size  # rows of a minibatch
-    if n_iters < 1 or per_device < 1:
-        raise ValueError(f"Too few steps: {total_steps=} makes {n_iters} rollouts of {n_envs}x{n_steps} env "
-                         f"steps and minibatches of {per_device} rows per device; raise total_steps or "
-                         "lower n_minibatches.")
-    schedule = optax.linear_schedule(lr, 0.0, n_iters * update_epochs * n_minibatches)
-    optimizer = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(schedule, eps=1e-5))
-    params = init_params(jax.random.PRNGKey(seed), collector.envs.single_observation_space.shape[0],
-                         collector.envs.single_action_space.n)
-    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optimizer, lr_schedule_fn=schedule)
-    trainer.lower_train_step(placeholder(collector.envs, per_device * deployer.dp_size), per_device)
-    loop = Iterations(collector)
-    with trainer.run(loop=loop, save_every_n_steps=save_every_n_steps) as run:
-        while loop.done < n_iters:
-            it, where, start = loop.done, f"iteration {loop.done + 1}/{n_iters}", time.perf_counter()
-            with run.timed("rollout"):
-                params = jax.device_put(jax.device_get(trainer.params), jax.devices()[0])
-                examples = collector.rollout(params, jax.random.PRNGKey(seed + 1 + it), n_steps, gamma, lam)
-            rollout_s, start = time.perf_counter() - start, time.perf_counter()
-            trainer.train_scanned(examples, per_device,  # all epochs' updates: one compiled call
-                                  range(it * update_epochs, (it + 1) * update_epochs), desc=where)
-            report(deployer, trainer.step, where, list(collector.envs.return_queue), rollout_s,
-                   time.perf_counter() - start)
-            loop.done += 1
-            run.step_done()
-    collector.envs.close()
-    return trainer, list(collector.envs.return_queue)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The command line: some of ``train``'s parameters as flags."""
-    parser.add_argument("--env_id", default="CartPole-v1")
-    parser.add_argument("--total_steps", type=int, default=300_000, help="env steps")
-    parser.add_argument("--n_envs", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--n_model_shards", type=int, default=1)
-    parser.add_argument("--workdir", default="./workdir")
-    parser.add_argument("--save_every_n_steps", type=int, help="a step checkpoint every this "
-                        "many updates (also on SIGTERM and at the end); a rerun resumes")
-
+from redco_zoo_ppo.pipeline import add_arguments, pred_fn, train  # noqa: F401 (tests use main.pred_fn)
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)

@@ -3,45 +3,23 @@
     python main.py --model my-llama --train chats.jsonl --prompt "x3"
     python main.py --model my-llama --train chats.jsonl --lora_rank 8   # LoRA: adapters only
 
-``--model`` is a local HuggingFace LLaMA, Mistral, Qwen2 or GPT-2 directory whose tokenizer has a
-chat template (``tokenizer_config.json``'s ``chat_template``); ``--train`` is a ``.jsonl`` file
-of chats: a ``messages`` list of ``{"role", "content"}`` per row. Each chat is rendered with the
-tokenizer's own template, the assistant's tokens are the only targets, and chats are packed
-into rows of ``--max_len`` tokens (``redco_zoo_sft/chat.py``). The three functions are yours to
-change. ``Deployer`` and ``Trainer`` take care of devices, sharding (``--n_model_shards``),
-checkpoints (rerun to resume) and logs in ``--workdir``."""
+``--model`` is a local HuggingFace LLaMA, Mistral, Qwen2 or GPT-2 directory whose tokenizer has
+a chat template (``tokenizer_config.json``'s ``chat_template``); ``--train`` is a ``.jsonl``
+file of chats: a ``messages`` list of ``{"role", "content"}`` per row. Each chat is rendered
+with the tokenizer's own template, the assistant's tokens are the only targets, and chats are
+packed into rows of ``--max_len`` tokens (``redco_zoo_sft/chat.py``). The three functions come
+from ``redco_zoo_sft/pipeline.py``, the code ``redco zoo run sft`` runs: to change one, copy it
+from there into this file in place of its import. ``Deployer`` and ``Trainer`` take care of
+devices, sharding (``--n_model_shards``), checkpoints (rerun to resume) and logs in
+``--workdir``."""
 import argparse
 
 import numpy as np
 import optax
 
 from redco import Deployer, Trainer
-from redco_zoo_models import generate, moe_optimizer, runner
-from redco_zoo_models.metrics import logits_and_experts, token_cross_entropy, with_experts
-from redco_zoo_sft.pipeline import chat_rows, load_chat_tokenizer
-
-
-def collate_fn(examples: list[dict]) -> dict:
-    """Rows of packed chats -> ``input_ids``, ``segment_ids``, ``loss_mask``, each (B, T)."""
-    return {"input_ids": np.stack([e["token_ids"] for e in examples]).astype(np.int32),
-            "segment_ids": np.stack([e["segment_ids"] for e in examples]).astype(np.int32),
-            "loss_mask": np.stack([e["loss_mask"] for e in examples])}
-
-
-def loss_fn(rng, state, params, batch, is_training):
-    """Mean next-token cross-entropy over the assistant's tokens (module docstring)."""
-    ids, segments = batch["input_ids"], batch["segment_ids"]
-    logits, experts = logits_and_experts(state.apply_fn, params, ids[:, :-1],
-                                         segment_ids=segments[:, :-1])
-    counted = batch["loss_mask"][:, 1:] & (segments[:, 1:] == segments[:, :-1])
-    return with_experts(token_cross_entropy(logits, ids[:, 1:], counted), experts)
-
-
-def pred_fn(rng, params, batch, model, max_new_tokens: int = 64, temperature: float = 0.0):
-    """``max_new_tokens`` sampled after each prompt row of ``input_ids`` (``temperature`` 0:
-    greedy); ``model`` gives the structure, ``params`` its weights."""
-    return generate(model, params, batch["input_ids"], max_new_tokens, rng=rng,
-                    temperature=temperature)
+from redco_zoo_models import moe_optimizer, runner
+from redco_zoo_sft.pipeline import chat_rows, collate_fn, load_chat_tokenizer, loss_fn, pred_fn
 
 
 def main(args):

@@ -1,4 +1,4 @@
-"""The installed plugin is listed by ``redco plugins`` and its rule set shards a model."""
+"""The installed plugin is listed by ``redco list plugins`` and its rule set shards a model."""
 import json
 import os
 import subprocess

@@ -1,6 +1,6 @@
 """{{project_name}}: a Redco plugin registering the sharding rule set ``{{project_name}}``.
 
-Once installed (``pip install -e .``) it shows in ``redco plugins`` and
+Once installed (``pip install -e .``) it shows in ``redco list plugins`` and
 ``Deployer(sharding_rules="{{project_name}}")`` uses it. The same module could implement any
 other hook of ``redco.hookspecs``: ``register_launchers``, ``register_checkpoint_formats``,
 ``register_loggers``, ``register_zoo_pipelines``, ``register_templates`` or the ``on_*``
