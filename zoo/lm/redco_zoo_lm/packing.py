@@ -33,7 +33,7 @@ from redco.data_order import Rows
 from redco_zoo_lm.corpus import Progress, TokenFile
 from redco_zoo_lm.disk_arrays import ArrayWriter, DiskArray, kept
 
-WINDOW_PIECES = 1 << 20  # pieces packed together at most (about 100 MB while packed)
+WINDOW_PIECES = 1 << 18  # pieces packed together at most (about 45 MB while packed)
 PLAN_FILES = {"start.i64": np.int64, "length.i32": np.int32, "bounds.i64": np.int64}
 
 
