@@ -11,14 +11,16 @@ process dies by SIGKILL at
 * ``step:N`` - the end of update N, once no write is in flight;
 * ``held:N`` - the end of update N+1, while its background write of ``step_N`` is held: the
   format has written this process's part (``step_N.tmp``; the barriers, meta.json and the
-  rename still to come) and waits there. Training went on while the write was in flight, or
-  update N+1 would not have ended: where it does not (a write that blocks training), the hold
-  gives up after ``HOLD_S`` and the worker exits 3 saying so.
+  rename still to come) and waits there, and the other process's writer has reached a barrier
+  of that save (each writer says so in ``WORKDIR/barriers/<process>``). Training went on while
+  the write was in flight, or update N+1 would not have ended: where it does not (a write that
+  blocks training), the hold gives up after ``HOLD_S`` and the worker exits 3 saying so.
 """
 import os
 import signal
 import sys
 import threading
+import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -36,7 +38,7 @@ import optax  # noqa: E402
 from helpers import GLOBAL_BATCH, lm_collate, lm_examples, lm_loss, lm_model  # noqa: E402
 
 import redco  # noqa: E402
-from redco import Deployer, Trainer, checkpointing, plugins  # noqa: E402
+from redco import Deployer, Trainer, checkpointing, ckpt_writes, plugins  # noqa: E402
 from redco.protocols import CheckpointFormat  # noqa: E402
 from redco.sharding import named_leaves  # noqa: E402
 
@@ -101,7 +103,32 @@ class Killer:
                 print(f"bg_ckpt_worker: step {step} ended with the write of step_{self.n} not "
                       "held in flight: training did not go on while it was written", flush=True)
                 os._exit(3)
+            wait_for_barrier(os.path.join(self.workdir, "barriers", str(1 - jax.process_index())),
+                             f"redco-ckpt/step_{self.n}/")
             die(f"at the end of step {step}, the write of step_{self.n} held in flight")
+
+
+def wait_for_barrier(path: str, prefix: str) -> None:
+    """Until the barriers the other process's writer reached (``path``) include one named
+    ``prefix...``; at most ``HOLD_S``."""
+    deadline = time.monotonic() + HOLD_S
+    while not (os.path.exists(path) and any(line.startswith(prefix) for line in open(path))):
+        if time.monotonic() > deadline:
+            sys.exit(f"bg_ckpt_worker: the other process's writer reached no barrier {prefix}")
+        time.sleep(0.01)  # polling the other process's file, not a fixed wait
+
+
+def say_barriers(workdir: str) -> None:
+    """Each barrier this process's writer reaches, appended to ``workdir/barriers/<process>``
+    as it gets there (before waiting)."""
+    barrier = ckpt_writes._barrier
+    os.makedirs(os.path.join(workdir, "barriers"), exist_ok=True)
+
+    def said(tag: str, name: str) -> None:
+        with open(os.path.join(workdir, "barriers", str(jax.process_index())), "a") as f:
+            f.write(tag + "\n")
+        barrier(tag, name)
+    ckpt_writes._barrier = said
 
 
 def main() -> None:
@@ -114,6 +141,7 @@ def main() -> None:
     point, n = args.kill.split(":") if args.kill else (None, None)
     assert point in (None, "step", "held"), args.kill
     n = int(n) if n else None
+    say_barriers(args.workdir)
     fmt = HeldWrite("orbax", n if point == "held" else None)
     plugins.pm.register(fmt)
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=args.workdir, verbose=False,

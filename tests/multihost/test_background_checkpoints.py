@@ -5,9 +5,10 @@ reruns of the same command end with the params of an uninterrupted run, bit for 
 
 A write is held deterministically (``bg_ckpt_worker.py``'s ``held:N``): one process's write of
 ``step_N`` waits once its part is written, and that process is killed at the end of update N+1,
-which it reaches only because training went on meanwhile. Its partner is then killed too (as a
-job scheduler ends the rest of a job); the other process was waiting for the held one at the
-coordination service's barrier, so ``step_N`` was not renamed into place.
+which it reaches only because training went on meanwhile, once the other process's writer has
+reached the coordination service's barrier of that save, where it waits for the held one: so
+``step_N`` is not renamed into place. The other process is then killed too (as a job scheduler
+ends the rest of a job).
 """
 import os
 import subprocess
@@ -75,23 +76,19 @@ def test_two_processes_killed_anywhere_in_background_writes_rerun_to_the_same_bi
     full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
     run(full)
 
-    # 1. process 1 holds its write of step_3 and dies at the end of step 4: nothing complete.
-    run_killed(killed, 1, "held:3")
-    assert [name for name in listing(killed) if not name.endswith(".tmp")] == []
-
-    # 2. from the start again; process 0 (the coordinator, which renames) holds its write of
-    #    step_6 and dies at the end of step 7: step_3 and step_4 are complete, step_6 is not.
+    # 1. process 0 (the coordinator, which renames) holds its write of step_6 and dies at the
+    #    end of step 7: step_3 and step_4 are complete, step_6 is not.
     run_killed(killed, 0, "held:6")
     assert listing(killed) in (["step_3", "step_4"], ["step_3", "step_4", "step_6.tmp"])
 
-    # 3. from step_4; process 1 dies at the end of step 7, step_6's write complete.
-    run_killed(killed, 1, "step:7")
-    assert listing(killed) == ["step_4", "step_6"]
+    # 2. from step_4; now process 1 holds its write of step_6 and dies at the end of step 7.
+    run_killed(killed, 1, "held:6")
+    assert [name for name in listing(killed) if not name.endswith(".tmp")] == ["step_3", "step_4"]
 
-    # 4. from step_6 to the end.
+    # 3. from step_4 to the end.
     run(killed)
     assert listing(killed) == listing(full) == ["step_6", "step_8"]
-    assert starts(killed, 0) == starts(killed, 1) == [0, 0, 4, 6]
+    assert starts(killed, 0) == starts(killed, 1) == [0, 4, 4]
     want, got = np.load(os.path.join(full, "final.npz")), np.load(os.path.join(killed, "final.npz"))
     assert sorted(got) == sorted(want)
     for name in want:
