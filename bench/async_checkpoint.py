@@ -53,14 +53,14 @@ def worker(args) -> None:
     cfg = LlamaConfig(vocab_size=32000, hidden_size=args.hidden_size, intermediate_size=
                       args.hidden_size * 8 // 3, num_hidden_layers=args.n_layers,
                       num_attention_heads=12, num_key_value_heads=4)
-    apply_fn, params = split_model(LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
     multi = args.processes > 1
-    deployer = Deployer(jax_seed=0, workdir=args.workdir, verbose=False,
+    deployer = Deployer(jax_seed=0, workdir=args.workdir, verbose=False,  # (before any jax call)
                         checkpoint_format=args.format, async_checkpoints=args.side == "async",
                         n_processes=args.processes if multi else None,
                         host0_address="127.0.0.1" if multi else None,
                         host0_port=args.port if multi else None,
                         process_id=args.process_id if multi else None)
+    apply_fn, params = split_model(LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
     pauses = []
 
     class Pauses:  # how long each checkpoint phase held training, in order
