@@ -103,9 +103,10 @@ def _barrier(tag: str, name: str) -> None:
     except jax.errors.JaxRuntimeError as e:
         raise RuntimeError(
             f"Process {jax.process_index()} waited in vain for the other processes to finish "
-            f"writing checkpoint {name} ({tag}: {e}). It is left unfinished (a .tmp that resume "
-            "ignores); the checkpoints before it are kept. See why the other processes stopped, "
-            "and run the same command again to resume.") from e
+            f"writing checkpoint {name} ({tag}: {e}). It is not put in place (a partial write "
+            "is removed, or left as a .tmp that resume ignores); the checkpoints before it are "
+            "kept. See why the other processes stopped, and run the same command again to "
+            "resume.") from e
 
 
 @contextlib.contextmanager
