@@ -16,13 +16,18 @@ copy when async), the median step time (``metrics.jsonl``) apart from and beside
 flight, and the wall time of the training loop (``goodput.json``); then the hiccup ratio
 async / blocking, each the pause plus what the step beside the write lost.
 
-    python bench/async_checkpoint.py [--steps 16 --save_every 4 --format orbax]
+With ``--processes 2`` each run is 2 processes of 4 devices, joined through ``jax.distributed``
+on 127.0.0.1 (redco's ``ip`` launcher): the writer threads meet at the coordination service's
+barriers, and what training waits for at a save is each process's host copy.
+
+    python bench/async_checkpoint.py [--steps 16 --save_every 4 --format orbax --processes 1]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -34,7 +39,8 @@ from provenance import print_provenance  # noqa: E402
 
 def worker(args) -> None:
     """In a fresh process: train, then print one JSON line of what the run measured."""
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
+                               f"device_count={8 // args.processes}")
     import jax
     import numpy as np
     import optax
@@ -47,9 +53,14 @@ def worker(args) -> None:
     cfg = LlamaConfig(vocab_size=32000, hidden_size=args.hidden_size, intermediate_size=
                       args.hidden_size * 8 // 3, num_hidden_layers=args.n_layers,
                       num_attention_heads=12, num_key_value_heads=4)
+    multi = args.processes > 1
+    deployer = Deployer(jax_seed=0, workdir=args.workdir, verbose=False,  # (before any jax call)
+                        checkpoint_format=args.format, async_checkpoints=args.side == "async",
+                        n_processes=args.processes if multi else None,
+                        host0_address="127.0.0.1" if multi else None,
+                        host0_port=args.port if multi else None,
+                        process_id=args.process_id if multi else None)
     apply_fn, params = split_model(LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
-    deployer = Deployer(jax_seed=0, workdir=args.workdir, verbose=False,
-                        checkpoint_format=args.format, async_checkpoints=args.side == "async")
     pauses = []
 
     class Pauses:  # how long each checkpoint phase held training, in order
@@ -65,7 +76,14 @@ def worker(args) -> None:
     trainer.fit(examples, 1, n_epochs=1,
                 save_every_n_steps=None if args.side == "none" else args.save_every)
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.ckpt_tree()))
-    print(json.dumps({"state_bytes": state_bytes, "pauses": pauses}))
+    if jax.process_index() == 0:
+        print(json.dumps({"state_bytes": state_bytes, "pauses": pauses}))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run(side: str, args) -> dict:
@@ -73,10 +91,16 @@ def run(side: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--side", side, "--workdir", workdir,
            "--steps", str(args.steps), "--save_every", str(args.save_every), "--format",
            args.format, "--hidden_size", str(args.hidden_size), "--n_layers", str(args.n_layers)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{side} failed:\n{done.stderr[-3000:]}")
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    port = free_port()
+    procs = [subprocess.Popen(cmd + ["--processes", str(args.processes), "--process_id", str(i),
+                                     "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(args.processes)]
+    outputs = [p.communicate() for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        if p.returncode != 0:
+            raise SystemExit(f"{side} failed:\n{err[-3000:]}")
+    out = json.loads(outputs[0][0].strip().splitlines()[-1])
     with open(os.path.join(workdir, "goodput.json")) as f:
         (record,) = json.load(f)["runs"]
     mid_run = out["pauses"][:args.steps // args.save_every - 1]  # not the end's save and wait
@@ -100,6 +124,9 @@ def main() -> None:
     parser.add_argument("--format", default="orbax")
     parser.add_argument("--hidden_size", type=int, default=768)
     parser.add_argument("--n_layers", type=int, default=6)
+    parser.add_argument("--processes", type=int, default=1, help="1, or 2 (4 devices each)")
+    parser.add_argument("--process_id", type=int, default=0)
+    parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--side", default="async")
     parser.add_argument("--workdir")
@@ -107,6 +134,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
     print_provenance()
+    print(f"processes: {args.processes}, {8 // args.processes} devices each\n")
     results = {side: run(side, args) for side in ("none", "blocking", "async")}
     print("| run | state, GB | saves | training stopped per save, s | median step, s | "
           "median step beside a write, s | loop wall, s |")

@@ -35,6 +35,14 @@ def key_value_dir_get(client: Any, prefix: str) -> list[tuple[str, str]]:
     return list(client.key_value_dir_get(prefix))
 
 
+def wait_at_barrier(client: Any, name: str, timeout_ms: int) -> None:
+    """``client.wait_at_barrier(name, timeout_ms)``: return once every process reached the
+    barrier ``name`` (used once per name). Unlike ``multihost_utils.sync_global_devices`` it runs
+    nothing on the devices, so a writer thread can wait there while training runs collectives;
+    JAX has no public barrier of the coordination service."""
+    client.wait_at_barrier(name, timeout_ms)
+
+
 def live_processes(client: Any, n_processes: int) -> list[int]:
     """The ids among ``range(n_processes)`` that the coordination service still hears from,
     ``client.get_live_nodes(ids)`` (a dict keyed by process id)."""

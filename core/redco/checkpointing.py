@@ -8,132 +8,38 @@ A checkpoint is a directory ``<ckpt_dir>/<name>/`` holding
   of every file under ``state/``, and what the trainer adds (step, epoch, data position, best
   metrics).
 
-It is written as ``<name>.tmp``, flushed to disk and renamed into place only once complete, so
-a crash mid-write never leaves a directory that looks finished; a write that runs out of disk
-is removed and said in one error, the earlier checkpoints untouched. Loading checks that the files
-are intact and that the arrays fit the target before reading any of them. Arrays are named by
-their pytree path joined with ``/`` (``params/model/layers/0/mlp/up_proj/kernel``); no layout
-is stored, so a checkpoint restores onto any mesh and any number of processes.
+It is written as ``<name>.tmp``, flushed to disk and renamed into place by process 0 only once
+every process has written its part (``redco/ckpt_writes.py``: in one go, or, for a step
+checkpoint written in the background, copied to host on the training thread and written by a
+writer thread), so a crash mid-write never leaves a directory that looks finished; a write that
+runs out of disk is removed and said in one error, the earlier checkpoints untouched. Loading
+checks that the files are intact and that the arrays fit the target before reading any of them.
+Arrays are named by their pytree path joined with ``/`` (``params/model/layers/0/mlp/up_proj/
+kernel``); no layout is stored, so a checkpoint restores onto any mesh and any number of processes.
 """
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
 import os
 import re
 import shutil
-import threading
 from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from redco import plugins
+from redco.ckpt_writes import (  # noqa: F401 (its writing half)
+    ONE_AT_A_TIME,
+    host_tree,
+    save,
+    save_in_background,
+    sha256,
+    start_save,
+)
 from redco.tree_paths import named_leaves
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
-# One checkpoint is written or read at a time in a process: a background step checkpoint and a
-# best-by-metric one saved meanwhile would otherwise run two writers at once, which orbax is not
-# made for (concurrent saves lose files of each other's).
-_ONE_AT_A_TIME = threading.Lock()
-
-
-def _sync(tag: str) -> None:  # every process reaches here before any goes on
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(tag)
-
-
-def _files(root: str) -> list[str]:
-    return sorted(os.path.relpath(os.path.join(d, f), root)
-                  for d, _, names in os.walk(root) for f in names)
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def save(ckpt_dir: str, name: str, tree: Any, meta: dict, format_name: str) -> str:
-    """Write ``tree`` with the format ``format_name`` and ``meta`` as ``ckpt_dir/name``
-    (replacing it). Called on every process; returns the checkpoint's path."""
-    with _ONE_AT_A_TIME:
-        try:
-            return _save(ckpt_dir, name, tree, meta, format_name)
-        except Exception as e:
-            if jax.process_index() == 0:  # the partial write: its space back
-                shutil.rmtree(os.path.join(ckpt_dir, name + ".tmp"), ignore_errors=True)
-            if _no_room(e):
-                raise OSError(
-                    f"No room to write checkpoint {os.path.join(ckpt_dir, name)}: the disk (or a "
-                    f"quota or file-size limit) is full ({e}). The checkpoints already in "
-                    f"{ckpt_dir} are kept and the partial write is removed: free space, or give a "
-                    "workdir on a larger disk, and run the same command again to resume from "
-                    "the newest one.") from e
-            raise
-
-
-# How a full disk, a quota or a file-size limit shows: an OSError's errno, or the words of a
-# format's own writer (orbax's tensorstore: "Failed to write ... File too large").
-NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-NO_ROOM_WORDS = ("No space left on device", "Disk quota exceeded", "File too large")
-
-
-def _no_room(error: BaseException | None) -> bool:
-    """Whether ``error``, or one it was raised from, says there is no room to write."""
-    while error is not None:
-        if isinstance(error, OSError) and error.errno in NO_ROOM_ERRNOS or \
-                any(words in str(error) for words in NO_ROOM_WORDS):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def _save(ckpt_dir: str, name: str, tree: Any, meta: dict, format_name: str) -> str:
-    fmt = plugins.lookup("checkpoint_formats", format_name)
-    final = os.path.join(ckpt_dir, name)
-    tmp, old = final + ".tmp", final + ".old"
-    if jax.process_index() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _sync(f"redco-ckpt-start-{name}")
-    fmt.save(os.path.join(tmp, "state"), tree)
-    _sync(f"redco-ckpt-written-{name}")
-    if jax.process_index() == 0:
-        state_dir = os.path.join(tmp, "state")
-        files = {}
-        for rel in _files(state_dir):
-            full = os.path.join(state_dir, rel)
-            _fsync(full)
-            files[rel] = {"bytes": os.path.getsize(full), "sha256": _sha256(full)}
-        for directory, _, _ in os.walk(state_dir):
-            _fsync(directory)
-        arrays = {path: [list(np.shape(x)), str(x.dtype)] for path, x in named_leaves(tree)}
-        meta = {**meta, "format": format_name, "arrays": arrays, "files": files}
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync(tmp)
-        if os.path.exists(final):
-            os.rename(final, old)
-        os.rename(tmp, final)
-        _fsync(ckpt_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    _sync(f"redco-ckpt-done-{name}")
-    return final
 
 
 def read_meta(path: str) -> dict:
@@ -167,7 +73,7 @@ def verify_files(meta: dict) -> None:
                    f"is truncated or damaged: {size} bytes, but {want['bytes']} were written"
                    if size != want["bytes"] else
                    "is corrupted: its sha256 differs from the one recorded when it was written"
-                   if _sha256(full) != want["sha256"] else None)
+                   if sha256(full) != want["sha256"] else None)
         if problem:
             raise ValueError(f"Checkpoint file {full} {problem}. Delete its directory to use an "
                              "older checkpoint.")
@@ -199,7 +105,7 @@ def load(path: str, target: Any) -> tuple[Any, dict]:
     fmt = plugins.lookup("checkpoint_formats", meta["format"])
     state_dir = os.path.join(meta["path"], "state")
     try:
-        with _ONE_AT_A_TIME:
+        with ONE_AT_A_TIME:
             tree = fmt.load(state_dir, target)
     except Exception as e:  # the files are intact (checked above): do not advise deleting them
         raise ValueError(f"Could not read {state_dir} as a {meta['format']} checkpoint "
@@ -271,16 +177,6 @@ def leaf_at(nested: dict, path: str):
 def unflatten_like(target, nested: dict):
     leaves = [leaf_at(nested, path) for path, _ in named_leaves(target)]
     return jax.tree.unflatten(jax.tree.structure(target), leaves)
-
-
-def host_tree(tree: Any) -> Any:
-    """``tree`` with every array whole in host memory (numpy), sharded across processes or not;
-    a collective (call it on every process)."""
-    def whole(x):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return np.asarray(x)
-    return jax.tree.map(whole, tree)
 
 
 def host_arrays(tree) -> dict[str, np.ndarray]:

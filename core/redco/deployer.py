@@ -55,7 +55,7 @@ class Deployer(DeployerV04):
       checkpoint_format: the checkpoint-format plugin that writes checkpoints: ``orbax``,
         ``safetensors``, ``msgpack`` or a third party's. Loading reads any format.
       async_checkpoints: ``Trainer.fit`` writes step checkpoints in the background, from a host
-        copy of the state, while training goes on (one process; ``redco/step_checkpoints.py``).
+        copy of the state, while training goes on (``redco/step_checkpoints.py``).
         ``False``: training waits for each write. The default for every Trainer on this
         deployer; ``Trainer(async_checkpoints=)`` overrides it.
       loggers: names of the metric-logger plugins to run (process 0 only): by default

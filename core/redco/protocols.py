@@ -111,6 +111,16 @@ class CheckpointFormat:
         ``jax.ShapeDtypeStruct``, possibly a subset of what was saved)."""
         raise NotImplementedError
 
+    # Optional, for saves in the background (step checkpoints while training goes on):
+    # ``start_save(path, tree)`` is called on every process's training thread, copies what this
+    # process writes of ``tree`` to host memory (device collectives may run there) and returns
+    # ``finish()``, which a writer thread calls to write it into ``path``: with no device
+    # collective (training runs its own meanwhile), only what the coordination service offers.
+    # Without it (None), the whole arrays are copied to every process's host and ``finish``
+    # calls ``save`` with them: right for a format whose ``save`` of host arrays runs no
+    # collective (``safetensors``, ``msgpack``: process 0 writes it all).
+    start_save: Callable[[str, Any], Callable[[], None]] | None = None
+
 
 class MetricLogger:
     """Made as ``logger_class(workdir, **options)`` on process 0 only; ``options`` are what the

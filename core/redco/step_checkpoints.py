@@ -11,24 +11,25 @@ resuming with other data or another seed is refused naming what changed, since t
 not see the examples the interrupted one would have (another batch size or number of
 processes is fine: the position is counted in examples).
 
-**Writing in the background** (``Trainer(async_checkpoints=True)``, the default, in a run of
-one process). ``save`` copies the state to host memory, which is all training waits for (the
-next update donates the state's device buffers), and a writer thread writes that copy with the
-checkpoint format, atomically as any checkpoint (``redco/checkpointing.py``): a kill at any
-moment leaves either the complete checkpoint or a ``.tmp`` that resume ignores. At most one
-write is in flight: the next ``save`` first waits for it. ``on_checkpoint_saved`` is called on
-the training thread once the write is complete (``finished()``, asked at every update). A
-SIGTERM stop, the end of ``fit``, and an error that ends it wait for the write in flight; a
-write that failed raises its error on the training thread. With several processes a write ends
-in barriers that run on the devices, so there training waits for it.
+**Writing in the background** (``Trainer(async_checkpoints=True)``, the default, with any
+number of processes). ``save`` copies the state to host memory on the training thread, which
+is all training waits for (the next update donates the state's device buffers; with several
+processes, the format's ``start_save`` may gather arrays there), and a writer thread writes
+that copy with the checkpoint format (``redco/ckpt_writes.py``). The writer threads of the
+processes meet only at the coordination service's barriers (``jax.distributed``'s, named after
+the checkpoint and the save), never on the devices, where training runs its own collectives
+meanwhile: process 0 renames the checkpoint into place once every process has written its
+part. So a kill of any process at any moment leaves either the complete checkpoint or a
+``.tmp`` that resume ignores. At most one write is in flight: the next ``save`` first waits for
+it. ``on_checkpoint_saved`` is called on the training thread once the write is complete
+(``finished()``, asked at every update). A SIGTERM stop, the end of ``fit``, and an error that
+ends it wait for the write in flight; a write that failed raises its error on the training
+thread.
 """
 from __future__ import annotations
 
 import threading
-from typing import Any
-
-import jax
-import numpy as np
+from typing import Any, Callable
 
 from redco import checkpointing
 from redco.step_reports import timed
@@ -43,6 +44,7 @@ class StepCheckpoints:
         self._writer: threading.Thread | None = None  # the write in flight
         self._done: list[tuple[str, int]] = []  # (path, step) written, not yet announced
         self._error: BaseException | None = None
+        self._n_background = 0  # background saves started
 
     def start(self, resume: bool, saves: bool) -> dict | None:
         """At a trainer's first fit: resume from the newest step checkpoint (``resume``; its
@@ -96,25 +98,30 @@ class StepCheckpoints:
                 "plugins": trainer.hooks.saved_state(trainer, step)}
         if self.loop is not None:
             meta["loop"] = self.loop.state_dict()
-        if not (background and trainer.async_checkpoints and jax.process_count() == 1):
-            return self._write(step, trainer.ckpt_tree(), meta, keep)
-        tree = jax.tree.map(lambda x: np.array(x, copy=True), trainer.ckpt_tree())  # host copy
+        name, deployer = f"step_{step}", trainer.deployer
+        if not (background and trainer.async_checkpoints) or deployer.workdir is None:
+            return self._write(step, trainer.ckpt_tree(), meta, keep)  # (None: its error)
+        self._n_background += 1  # (every process counts the same saves: the barriers' names)
+        write = checkpointing.save_in_background(
+            deployer.ckpt_dir, name, trainer.ckpt_tree(), meta, deployer.checkpoint_format,
+            barrier_tag=f"redco-ckpt/{name}/{self._n_background}")
         self._writer = threading.Thread(target=self._write_in_background,
-                                        args=(step, tree, meta, keep),
-                                        name=f"redco-ckpt-step_{step}")
+                                        args=(write, step, keep), name=f"redco-ckpt-{name}")
         self._writer.start()
-        return f"{trainer.deployer.ckpt_dir}/step_{step}"
+        return f"{deployer.ckpt_dir}/{name}"
 
     def _write(self, step: int, tree: Any, meta: dict, keep: int) -> str:
         deployer = self.trainer.deployer
-        path = deployer.save_ckpt(f"step_{step}", tree, meta)
-        checkpointing.prune(deployer.ckpt_dir, keep)
+        return self._written(deployer.save_ckpt(f"step_{step}", tree, meta), step, keep)
+
+    def _written(self, path: str, step: int, keep: int) -> str:
+        checkpointing.prune(self.trainer.deployer.ckpt_dir, keep)
         self._done.append((path, step))
         return path
 
-    def _write_in_background(self, *args) -> None:
+    def _write_in_background(self, write: Callable[[], str], step: int, keep: int) -> None:
         try:
-            self._write(*args)
+            self._written(write(), step, keep)
         except BaseException as e:  # noqa: BLE001 - raised on the training thread by finished()
             self._error = e
 

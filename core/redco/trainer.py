@@ -83,7 +83,7 @@ class Trainer(compat.TrainerV04):
         (``redco/watchdog.py``); ``0``: never. By default (None) the deployer's
         (``Deployer(hang_timeout_s=)``: ``$REDCO_HANG_TIMEOUT``, else 1800).
       async_checkpoints: ``fit`` writes step checkpoints in the background, from a host copy of
-        the state, while training goes on (one process; ``redco/step_checkpoints.py``);
+        the state, while training goes on (``redco/step_checkpoints.py``);
         ``False``: training waits for each write. By default (None) the deployer's (True unless
         ``Deployer(async_checkpoints=False)``).
 

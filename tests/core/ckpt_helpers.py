@@ -69,7 +69,7 @@ def forge(ckpt: str, name: str, data: bytes) -> None:
     with open(meta_path) as f:
         meta = json.load(f)
     meta["files"][name] = {"bytes": len(data),
-                           "sha256": checkpointing._sha256(os.path.join(ckpt, "state", name))}
+                           "sha256": checkpointing.sha256(os.path.join(ckpt, "state", name))}
     with open(meta_path, "w") as f:
         json.dump(meta, f)
 

@@ -29,7 +29,9 @@ jax.distributed.initialize(f"127.0.0.1:{sys.argv[1]}", num_processes=1, process_
 client = _private.coordination_client()
 out["type"] = type(client).__module__ + "." + type(client).__name__
 out["docs"] = {name: getattr(type(client), name).__doc__.splitlines()[0]
-               for name in ("key_value_set", "key_value_dir_get", "get_live_nodes")}
+               for name in ("key_value_set", "key_value_dir_get", "get_live_nodes",
+                            "wait_at_barrier")}
+_private.wait_at_barrier(client, "test/barrier", 10_000)  # (the only process: passes at once)
 _private.key_value_set(client, "test/0", "a")
 _private.key_value_set(client, "test/0", "b")  # overwritten, not refused
 _private.key_value_set(client, "test/1", "c")
@@ -62,7 +64,9 @@ def test_the_coordination_client_its_key_value_store_and_live_processes():
                          "False) -> None",
         "key_value_dir_get": "key_value_dir_get(self, key: str) -> list[tuple[str, str]]",
         "get_live_nodes": "get_live_nodes(self, process_ids: collections.abc.Sequence[int]) -> "
-                          "dict[int, int]"}
+                          "dict[int, int]",
+        "wait_at_barrier": "wait_at_barrier(self, barrier_id: str, timeout_in_ms: int, "
+                           "process_ids: collections.abc.Sequence[int] | None = None) -> None"}
     assert out["dir"] == [["test/0", "b"], ["test/1", "c"]]
     assert "ALREADY_EXISTS" in out["refused"]
     assert out["live"] == [0] and out["preemption"] is True

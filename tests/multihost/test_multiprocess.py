@@ -154,13 +154,17 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_resumes_bitwi
     port = free_port()
     notice = {"REDCO_TEST_TERM_AT_STEP": "2"} if during == "step" else \
         {"REDCO_TEST_TERM_DURING_SAVE": "4"}
+    # a held save holds training too, so the SIGTERMs come while it is held (every process
+    # writes the same way: the blocking one meets on the devices, the background on the side)
+    blocking = {"REDCO_TEST_BLOCKING_CKPTS": "1"} if during == "save" else {}
     logs = [tmp_path / f"process_{i}.log" for i in range(2)]
     procs = []
     for i, log in enumerate(logs):
         with open(log, "w") as out:
             procs.append(subprocess.Popen(
                 [sys.executable, WORKER, str(i), "2", str(port), "4", preempted], stdout=out,
-                stderr=subprocess.STDOUT, env=worker_env(**notice) if i == noticed_by else worker_env()))
+                stderr=subprocess.STDOUT, env=worker_env(**blocking, **notice) if i == noticed_by
+                else worker_env(**blocking)))
     if during == "save":
         term_while_save_is_held(procs[noticed_by], logs[noticed_by], preempted, "step_4")
     for p in procs:

@@ -1,20 +1,21 @@
-"""One process of a multi-process run on 127.0.0.1: ``python worker.py PROCESS_ID N_PROCESSES
-PORT DEVICES_PER_PROCESS WORKDIR``, or ``python worker.py detect DEVICES_PER_PROCESS WORKDIR``
-to let ``Deployer`` detect its launcher (a SLURM step, the ``REDCO_*`` variables). Trains the
-tiny LM of ``tests/core/helpers.py`` with ``n_model_shards=2`` at a global batch of 8, predicts,
-saves a checkpoint (``REDCO_TEST_CKPT_FORMAT``; resuming from one found in WORKDIR; after
+"""One process of a multi-process run on 127.0.0.1: ``python worker.py PROCESS_ID N_PROCESSES PORT
+DEVICES_PER_PROCESS WORKDIR``, or ``python worker.py detect DEVICES_PER_PROCESS WORKDIR`` to let
+``Deployer`` detect its launcher (a SLURM step, the ``REDCO_*`` variables). Trains the tiny LM
+of ``tests/core/helpers.py`` with ``n_model_shards=2`` at a global batch of 8, predicts, saves a
+checkpoint (``REDCO_TEST_CKPT_FORMAT``; resuming from one found in WORKDIR; after
 ``REDCO_TEST_EPOCHS`` epochs, 2 by default; ``REDCO_TEST_KILL_AT_STEP``/``_TERM_AT_STEP``: this
 process gets SIGKILL/SIGTERM at the end of that step; ``REDCO_TEST_CONTEXT_SHARDS``: each
-sequence split over that many devices; ``REDCO_TEST_TERM_DURING_SAVE``: this
+sequence split over that many devices; ``REDCO_TEST_BLOCKING_CKPTS=1``: step checkpoints written
+while training waits (``async_checkpoints=False``); ``REDCO_TEST_TERM_DURING_SAVE``: this
 process holds its save of that step's checkpoint midway (the state written into ``step_N.tmp``;
 meta.json and the rename still to come), prints ``save of step_N in progress``, and goes on only
-once ``WORKDIR/go_on_saving`` exists (the test sends its SIGTERMs first), printing what the
-test wrote there and whether ``step_N.tmp`` was still unfinished then; ``REDCO_TEST_HANG_AT_STEP``: this
-process's ``on_step_end`` of that step never returns; ``REDCO_TEST_STOPPABLE_AT_STEP``: at the end
-of that step, once this process's heartbeat says so, it prints ``heartbeat says step N`` and
-waits there, its hang watch paused, for the test's SIGSTOP; ``REDCO_HANG_TIMEOUT``, as users set
-it), prints ``finished step N`` after each step, and writes what it saw (and which launcher it
-detected) to ``WORKDIR/result_<PROCESS_ID>.json`` (process 0 also writes the final params as
+once ``WORKDIR/go_on_saving`` exists (the test sends its SIGTERMs first), printing what the test
+wrote there and whether ``step_N.tmp`` was still unfinished then; ``REDCO_TEST_HANG_AT_STEP``:
+this process's ``on_step_end`` of that step never returns; ``REDCO_TEST_STOPPABLE_AT_STEP``: at
+the end of that step, once this process's heartbeat says so, it prints ``heartbeat says step N``
+and waits there, its hang watch paused, for the test's SIGSTOP; ``REDCO_HANG_TIMEOUT``, as users
+set it), prints ``finished step N`` after each step, and writes what it saw (and which launcher
+it detected) to ``WORKDIR/result_<PROCESS_ID>.json`` (process 0 also writes the final params as
 ``.npz``)."""
 import json
 import os
@@ -36,6 +37,7 @@ HANG_AT_STEP = int(os.environ.get("REDCO_TEST_HANG_AT_STEP", 0))  # a callback d
 STOPPABLE_AT_STEP = int(os.environ.get("REDCO_TEST_STOPPABLE_AT_STEP", 0))  # waits for SIGSTOP
 N_EPOCHS = int(os.environ.get("REDCO_TEST_EPOCHS", 2))
 CKPT_FORMAT = os.environ.get("REDCO_TEST_CKPT_FORMAT", "orbax")
+BLOCKING_CKPTS = os.environ.get("REDCO_TEST_BLOCKING_CKPTS") == "1"  # written while training waits
 CONTEXT_SHARDS = int(os.environ.get("REDCO_TEST_CONTEXT_SHARDS", 1))  # devices per sequence
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + f" --xla_force_host_platform_device_count={n_devices}")
@@ -145,7 +147,7 @@ def main() -> None:
     launcher = detected_launcher() if DETECT else ("ip" if multi else "local")
     deployer = Deployer(jax_seed=0, n_model_shards=2, n_context_shards=CONTEXT_SHARDS,
                         workdir=workdir,  # verbose: bars in job logs
-                        checkpoint_format=CKPT_FORMAT,
+                        checkpoint_format=CKPT_FORMAT, async_checkpoints=not BLOCKING_CKPTS,
                         n_processes=int(n_processes) if multi else None,
                         host0_address="127.0.0.1" if multi else None,
                         host0_port=int(port) if multi else None,

@@ -1,0 +1,95 @@
+"""Step checkpoints written in the background with 2 processes (``redco/step_checkpoints.py``):
+training goes on while a write is in flight, and a SIGKILL of either process at any moment
+(mid-write included) leaves complete checkpoints or ``.tmp`` directories that resume ignores, so
+reruns of the same command end with the params of an uninterrupted run, bit for bit.
+
+A write is held deterministically (``bg_ckpt_worker.py``'s ``held:N``): one process's write of
+``step_N`` waits once its part is written, and that process is killed at the end of update N+1,
+which it reaches only because training went on meanwhile, once the other process's writer has
+reached the coordination service's barrier of that save, where it waits for the held one: so
+``step_N`` is not renamed into place. The other process is then killed too (as a job scheduler
+ends the rest of a job).
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+from multihost_helpers import free_port, worker_env
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bg_ckpt_worker.py")
+
+
+def start(workdir: str, kills: dict[int, str]) -> tuple[list[subprocess.Popen], list[str]]:
+    """Both processes, process ``i`` with ``--kill kills[i]`` where given; their log files."""
+    port, procs, logs = free_port(), [], []
+    for i in range(2):
+        logs.append(f"{workdir}.{len(os.listdir(os.path.dirname(workdir)))}.log")
+        with open(logs[-1], "w") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, WORKER, str(i), str(port), workdir]
+                + (["--kill", kills[i]] if i in kills else []),
+                env=worker_env(), stdout=out, stderr=subprocess.STDOUT))
+    return procs, logs
+
+
+def tail(logs: list[str]) -> str:
+    return "\n".join(f"--- {log}:\n" + open(log).read()[-2500:] for log in logs)
+
+
+def run(workdir: str) -> None:
+    procs, logs = start(workdir, {})
+    assert [p.wait(timeout=300) for p in procs] == [0, 0], tail(logs)
+
+
+def run_killed(workdir: str, victim: int, kill: str) -> None:
+    """Run both processes, ``victim`` killed at ``kill``; once it is dead, SIGKILL its partner.
+    Checks that the victim died as planned and, for ``held:N``, that ``step_N`` was not put in
+    place while its write was held."""
+    procs, logs = start(workdir, {victim: kill})
+    try:
+        code = procs[victim].wait(timeout=300)
+    finally:
+        procs[1 - victim].kill()
+        procs[1 - victim].wait(timeout=60)
+    out = open(logs[victim]).read()
+    assert code == -9, f"process {victim} ended with {code}, not by its SIGKILL:\n" + tail(logs)
+    point, n = kill.split(":")
+    if point == "held":
+        assert (f"SIGKILL at the end of step {int(n) + 1}, the write of step_{n} held in flight"
+                in out), tail(logs)
+        assert not os.path.exists(os.path.join(workdir, "ckpts", f"step_{n}")), \
+            f"step_{n} was renamed into place while process {victim} still held its write"
+
+
+def listing(workdir: str) -> list[str]:
+    return sorted(os.listdir(os.path.join(workdir, "ckpts")))
+
+
+def starts(workdir: str, process: int) -> list[int]:
+    with open(os.path.join(workdir, f"starts_{process}.txt")) as f:
+        return [int(line) for line in f]
+
+
+def test_two_processes_killed_anywhere_in_background_writes_rerun_to_the_same_bits(tmp_path):
+    # 2 epochs of 4 updates; checkpoints at steps 3, 6 and the epochs' ends 4, 8; 2 kept.
+    full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
+    run(full)
+
+    # 1. process 0 (the coordinator, which renames) holds its write of step_6 and dies at the
+    #    end of step 7: step_3 and step_4 are complete, step_6 is not.
+    run_killed(killed, 0, "held:6")
+    assert listing(killed) in (["step_3", "step_4"], ["step_3", "step_4", "step_6.tmp"])
+
+    # 2. from step_4; now process 1 holds its write of step_6 and dies at the end of step 7.
+    run_killed(killed, 1, "held:6")
+    assert [name for name in listing(killed) if not name.endswith(".tmp")] == ["step_3", "step_4"]
+
+    # 3. from step_4 to the end.
+    run(killed)
+    assert listing(killed) == listing(full) == ["step_6", "step_8"]
+    assert starts(killed, 0) == starts(killed, 1) == [0, 4, 4]
+    want, got = np.load(os.path.join(full, "final.npz")), np.load(os.path.join(killed, "final.npz"))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
