@@ -215,3 +215,36 @@ def test_the_lm_and_sft_loss_fns_add_the_balancing_losses_and_return_the_experts
                                         "moe/dropped_share"}
                 assert float(metrics["moe/aux_loss"]) > 0
                 assert float(metrics["moe/load_cv_max"]) >= float(metrics["moe/load_cv"])
+
+
+def test_sft_then_grpo_train_a_tiny_moe_and_log_its_router(tmp_path):
+    """Post-training reaches MoE models: ``redco zoo run sft`` and then ``grpo`` (its rollouts on
+    the engine) train a tiny Qwen3-MoE end to end, each update's loss carrying the balancing
+    losses and the router's state logged beside it (expert load CV, dropped share): router
+    collapse would show there."""
+    import json
+
+    from test_post_training import write_task
+    from test_sft import WORDS
+
+    from redco.cli import main
+    from redco_zoo_models.toy import save_tiny_chat_model
+    write_task(tmp_path)
+    save_tiny_chat_model(str(tmp_path / "moe-chat"), WORDS, family="qwen3-moe")
+    main(["zoo", "run", "sft", "--model", str(tmp_path / "moe-chat"), "--train",
+          str(tmp_path / "chats.jsonl"), "--workdir", str(tmp_path / "sft"), "--max_len", "16",
+          "--per_device_batch_size", "2", "--max_steps", "3", "--learning_rate", "3e-3"])
+    main(["zoo", "run", "grpo", "--model", str(tmp_path / "sft" / "model"), "--train",
+          str(tmp_path / "prompts.jsonl"), "--workdir", str(tmp_path / "grpo"),
+          "--n_rounds", "1", "--max_new_tokens", "4", "--max_prompt_len", "16",
+          "--prompts_per_round", "8", "--n_samples", "2", "--per_device_batch_size", "2"])
+    for stage in ("sft", "grpo"):
+        with open(tmp_path / stage / "metrics.jsonl") as f:
+            updates = [row for row in map(json.loads, f) if "train/loss" in row]
+        assert updates, stage
+        for row in updates:
+            assert np.isfinite(row["train/loss"]) and row["moe/aux_loss"] > 0, (stage, row)
+            if stage == "sft":  # (a cross-entropy, so at least the balancing losses added)
+                assert row["train/loss"] > row["moe/aux_loss"], row
+            assert 0 <= row["moe/load_cv"] <= row["moe/load_cv_max"], (stage, row)
+            assert row["moe/dropped_share"] == 0, (stage, row)  # dropless

@@ -34,18 +34,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from redco_zoo_models.metrics import logits_and_experts
+
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
 
 
-def token_logps(apply_fn, params, batch: dict, temperature: float) -> jax.Array:
-    """(B, N): each completion token's log-probability under ``softmax(logits / temperature)``
-    of the model ``params`` (the distribution the sampler draws from), prompt as context."""
+def token_logps_and_experts(apply_fn, params, batch: dict,
+                            temperature: float) -> tuple[jax.Array, dict]:
+    """``(logps, metrics)``: (B, N) each completion token's log-probability under
+    ``softmax(logits / temperature)`` of the model ``params`` (the distribution the sampler
+    draws from), prompt as context; and an MoE model's expert metrics (``{}`` for a dense one:
+    ``redco_zoo_models.metrics.logits_and_experts``)."""
     prompt, tokens = batch["prompt_ids"], batch["tokens"]
     ids = jnp.concatenate([prompt, tokens], 1)
     segments = jnp.concatenate([batch["prompt_mask"], jnp.ones_like(tokens)], 1).astype(jnp.int32)
-    logits = apply_fn(params, ids[:, :-1], segment_ids=segments[:, :-1])[:, prompt.shape[1] - 1:]
-    logps = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature)
-    return jnp.take_along_axis(logps, tokens[..., None], -1)[..., 0]
+    logits, experts = logits_and_experts(apply_fn, params, ids[:, :-1],
+                                         segment_ids=segments[:, :-1])
+    logps = jax.nn.log_softmax(logits[:, prompt.shape[1] - 1:].astype(jnp.float32) / temperature)
+    return jnp.take_along_axis(logps, tokens[..., None], -1)[..., 0], experts
+
+
+def token_logps(apply_fn, params, batch: dict, temperature: float) -> jax.Array:
+    """(B, N): ``token_logps_and_experts``'s log-probabilities alone."""
+    return token_logps_and_experts(apply_fn, params, batch, temperature)[0]
 
 
 def token_losses(logps: jax.Array, batch: dict, clip_low: float, clip_high: float,

@@ -20,7 +20,7 @@ import optax
 
 from redco import Deployer, Trainer
 from redco.protocols import UsageError
-from redco_zoo_grpo.loss import average, token_logps, token_losses
+from redco_zoo_grpo.loss import average, token_logps_and_experts, token_losses
 from redco_zoo_grpo.pipeline import (
     add_grpo_arguments,
     check_context,
@@ -31,6 +31,7 @@ from redco_zoo_grpo.pipeline import (
 from redco_zoo_grpo.rewards import load_reward_fn
 from redco_zoo_grpo.rollout import GRPO
 from redco_zoo_models import generate, runner
+from redco_zoo_models.metrics import with_experts
 from redco_zoo_sft.pipeline import load_chat_tokenizer
 
 
@@ -44,10 +45,11 @@ def loss_fn(rng, state, params, batch, is_training, loss_type: str = "grpo",
             temperature: float = 1.0, clip_low: float = 0.2, clip_high: float = 0.2,
             beta: float = 0.0):
     """Each completion token's clipped policy-ratio loss plus ``beta`` x its KL penalty,
-    averaged as ``loss_type`` defines (``loss.py``)."""
-    logps = token_logps(state.apply_fn, params, batch, temperature)
+    averaged as ``loss_type`` defines (``loss.py``); an MoE model's balancing losses added
+    and its experts' metrics logged (``with_experts``)."""
+    logps, experts = token_logps_and_experts(state.apply_fn, params, batch, temperature)
     per_token = token_losses(logps, batch, clip_low, clip_high, beta)
-    return average(per_token, batch["completion_mask"], loss_type)
+    return with_experts(average(per_token, batch["completion_mask"], loss_type), experts)
 
 
 def pred_fn(rng, params, batch, model, n_samples: int = 1, **sampling):
