@@ -79,6 +79,15 @@ def gathering(params: Any, shardings: Any) -> Iterator[None]:
         _declared.pop()
 
 
+def keep_split(leaves: Sequence[Any]) -> None:
+    """Leave ``leaves`` split where the innermost ``gathering`` declared them, for the rest of
+    its trace: a model that computes on a weight where it lies (e.g. in ``shard_map`` over
+    ``dp``) says so before its layers run, and no layer gathers it."""
+    for leaf in leaves:
+        if _declared:
+            _declared[-1].pop(id(leaf), None)
+
+
 def targets(leaves: Sequence[Any]) -> list[tuple[NamedSharding, NamedSharding] | None]:
     """For each of a layer's input leaves: ``(gathered, split)`` shardings, the one to gather
     it to and its own, or None for the rest."""

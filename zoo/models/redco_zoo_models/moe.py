@@ -15,9 +15,12 @@ one's up), DeepSeek-V3's auxiliary-loss-free balancing: ``redco_zoo_models.balan
 pairs are sorted by expert and each expert's rows multiplied by its weights in one grouped
 matmul (``jax.lax.ragged_dot``): no token is dropped, whatever the load. With a
 ``capacity_factor``, each expert takes at most ``ceil(capacity_factor * N * top_k / n_experts)``
-pairs (a token's first choice before anyone's second), in dense einsums of fixed shape; pairs
+pairs (a token's first choice before anyone's second), written by index into an (E, C, H)
+buffer of fixed shape and computed in batched matmuls (``expert_parallel.slots``); pairs
 past an expert's capacity are dropped: that expert adds nothing to the token (the residual
-carries it), and the share dropped is reported.
+carries it), and the share dropped is reported. Traced inside
+``expert_parallel.expert_parallel(mesh)``, the experts are split over the mesh's ``dp`` axis
+and the tokens sent to them and back (``redco_zoo_models.expert_parallel``).
 
 **What it reports** (``MoE.__call__`` returns ``(y, aux)``): ``load_balancing_loss`` (Switch and
 Mixtral's ``n_experts * sum_e f_e * P_e``, f the share of pairs routed to e, P the mean router
@@ -35,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from redco_zoo_models import expert_parallel
 from redco_zoo_models.balancing import BalanceBias, sigmoid_choice
 from redco_zoo_models.layers import ACTIVATIONS, GatedMLP
 
@@ -96,12 +100,15 @@ class Experts(nnx.Module):
         return jax.lax.ragged_dot(self.act(gate) * up, self.down_proj[...].astype(rows.dtype),
                                   group_sizes)
 
-    def batched(self, per_expert):
-        """``(E, C, H)``: each expert's C rows through it."""
+    def batched(self, per_expert, weights: tuple | None = None):
+        """``(E, C, H)``: each expert's C rows through it; ``weights`` ``(gate, up, down)`` in
+        place of the module's (one device's share of the experts under expert parallelism)."""
         dtype = per_expert.dtype
-        gate = jnp.einsum("ech,ehi->eci", per_expert, self.gate_proj[...].astype(dtype))
-        up = jnp.einsum("ech,ehi->eci", per_expert, self.up_proj[...].astype(dtype))
-        return jnp.einsum("eci,eih->ech", self.act(gate) * up, self.down_proj[...].astype(dtype))
+        gate_w, up_w, down_w = (w.astype(dtype) for w in weights or (
+            self.gate_proj[...], self.up_proj[...], self.down_proj[...]))
+        gate = jnp.einsum("ech,ehi->eci", per_expert, gate_w)
+        up = jnp.einsum("ech,ehi->eci", per_expert, up_w)
+        return jnp.einsum("eci,eih->ech", self.act(gate) * up, down_w)
 
 
 class MoE(nnx.Module):
@@ -135,7 +142,9 @@ class MoE(nnx.Module):
         cfg, shape = self.cfg, x.shape
         tokens = x.reshape(-1, shape[-1])
         chosen, weights, probs, logits = self.route(tokens)
-        if cfg.capacity_factor is None:
+        if (mesh := expert_parallel.current()) is not None:  # experts split over dp
+            y, dropped = expert_parallel.dispatched(self, tokens, chosen, weights, mesh)
+        elif cfg.capacity_factor is None:
             y, dropped = self.dropless(tokens, chosen, weights), jnp.zeros((), jnp.float32)
         else:
             y, dropped = self.with_capacity(tokens, chosen, weights)
@@ -155,18 +164,12 @@ class MoE(nnx.Module):
 
     def with_capacity(self, tokens, chosen, weights):
         """At most ``capacity`` pairs an expert (first choices first); ``(y, share dropped)``."""
-        cfg = self.cfg
-        n, capacity = tokens.shape[0], cfg.capacity(tokens.shape[0])
-        picked = jax.nn.one_hot(chosen, cfg.n_experts, dtype=jnp.int32)  # (N, k, E)
-        by_choice = picked.transpose(1, 0, 2).reshape(cfg.top_k * n, cfg.n_experts)
-        slot = (jnp.cumsum(by_choice, axis=0) - 1).reshape(cfg.top_k, n, cfg.n_experts)
-        slot = jnp.where(picked.transpose(1, 0, 2) > 0, slot, -1).transpose(1, 0, 2)  # (N, k, E)
-        kept = jax.nn.one_hot(slot, capacity, dtype=tokens.dtype)  # (N, k, E, C); -1, >= C: 0
-        dispatch = kept.sum(1)  # (N, E, C): a token picks an expert at most once
-        combine = jnp.einsum("nkec,nk->nec", kept, weights.astype(tokens.dtype))
-        out = self.experts.batched(jnp.einsum("nec,nh->ech", dispatch, tokens))
-        dropped = 1 - kept.sum() / (n * cfg.top_k)
-        return jnp.einsum("nec,ech->nh", combine, out), dropped.astype(jnp.float32)
+        cfg, capacity = self.cfg, self.cfg.capacity(tokens.shape[0])
+        places, kept = expert_parallel.slots(chosen, cfg.n_experts, capacity)
+        out = self.experts.batched(expert_parallel.dispatch(tokens, places, cfg.n_experts,
+                                                            capacity))
+        dropped = 1 - kept / chosen.size
+        return expert_parallel.combine(out, places, weights), dropped.astype(jnp.float32)
 
     def report(self, chosen, probs, logits, dropped) -> dict:
         """The auxiliary losses and the load metrics of one call (module docstring)."""

@@ -18,6 +18,7 @@ from redco import Deployer, Trainer
 from redco.checkpointing import host_tree
 from redco.lora import DEFAULT_TARGETS, n_params, trainable_mask
 from redco.protocols import UsageError
+from redco_zoo_models import expert_parallel
 from redco_zoo_models.balancing import moe_optimizer
 from redco_zoo_models.hf import auto_class, class_of, from_pretrained, save_pretrained
 from redco_zoo_models.llama import LLAMA_PRESETS, LlamaConfig
@@ -78,6 +79,9 @@ def add_training_levers(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n_context_shards", type=int, default=1, help="split each sequence "
                         "over this many devices (context parallelism, for long rows)")
     parser.add_argument("--context_strategy", choices=STRATEGIES, default=STRATEGIES[0])
+    parser.add_argument("--expert_parallel", action="store_true", help="split each MoE block's "
+                        "experts over the data-parallel devices (expert parallelism): tokens "
+                        "go to their experts' devices and back")
     parser.add_argument("--remat", choices=list(POLICIES), default="none", help="recompute "
                         "activations in the backward pass instead of keeping them (full: least "
                         "memory)")
@@ -214,8 +218,12 @@ def train_and_eval(args, model: nnx.Module, examples: tuple[list, list], collate
                         device_memory=getattr(args, "device_memory", None))
     apply_fn, params, trainable = split_for_training(model, args, deployer)
     n_epochs, lr = n_epochs_and_schedule(args, deployer, len(train))
+    rules = None
+    if getattr(args, "expert_parallel", False):
+        apply_fn, rules = expert_parallel.for_trainer(apply_fn, params, deployer)
     optimizer = moe_optimizer(optimizer_of(args, lr), model)  # (a sigmoid router's bias)
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optimizer,
+                      params_sharding_rules=rules,
                       lr_schedule_fn=lr, trainable=trainable, remat=args.remat,
                       compute_dtype=None if args.compute_dtype == "float32" else jnp.bfloat16,
                       accumulate_grad_batches=args.accumulate_grad_batches)

@@ -1,0 +1,193 @@
+"""Expert parallelism (EP): an MoE block's experts split over the mesh's ``dp`` axis, each token
+sent to the devices holding the experts it picked and its outputs sent back.
+
+**Layout.** With ``d`` devices on ``dp``, device ``j`` holds experts ``j*E/d .. (j+1)*E/d - 1``:
+the stacked weights (E, H, I) / (E, I, H) are split on E over ``dp`` (``sharding_rules``), and
+on I over ``mp`` as tensor parallelism splits a dense MLP. The batch is split over ``dp`` as
+always, so each device routes its own ``n = N/d`` tokens (the router runs outside, on the whole
+batch as XLA lays it out: the auxiliary losses and loads are the single-device ones).
+
+**One step, inside ``jax.shard_map`` manual over ``dp`` only** (``mp`` stays automatic, so the
+experts' matmuls are split over it as XLA likes):
+
+1. *Dispatch by capacity, per source device.* Each device gives every expert ``C`` slots for
+   its ``n`` tokens and fills them first choices first, in its token order, then second choices
+   (``slots``, as ``moe.MoE.with_capacity`` does on one device); a pair past its expert's ``C``
+   slots is dropped. The device's ``(E, C, H)`` buffer holds the tokens in their slots
+   (``dispatch``: written by index, not by a one-hot (n, E, C) einsum, whose cost grows as
+   ``n * E * C * H``, i.e. with the square of the tokens: ``bench/moe_step.py``).
+2. *There.* The buffer, cut on E into ``d`` parts of ``E/d`` experts, goes part ``j`` to device
+   ``j`` (``all_to_all``): each device then holds ``(d sources, E/d, C, H)``, every source's
+   tokens for its own experts.
+3. *Compute.* Each local expert takes its ``d * C`` rows through its weights in one batched
+   matmul (``moe.Experts.batched`` with the local share of the weights).
+4. *Back.* The reverse ``all_to_all`` returns each source its ``(E, C, H)`` outputs, and each
+   token reads its pairs' rows, weighted by the router (``combine``, as on one device).
+
+**Capacity.** With ``capacity_factor`` each expert takes ``ceil(capacity_factor * n * top_k /
+E)`` pairs *from each source device* (``MoEConfig.capacity`` of the device's ``n`` tokens): the
+drop rule is per source device, not the single device's over the whole batch, so the same
+factor can drop other pairs (the tests check it against that rule written out). Dropless
+(``capacity_factor=None``) is the same path with ``C = n``, a capacity no (source, expert) pair
+can exceed (a token picks an expert at most once): nothing is dropped and the result is the
+single device's. The grouped-matmul dropless path (``jax.lax.ragged_dot``) would need
+``jax.lax.ragged_all_to_all`` to move uneven groups, which XLA:CPU refuses; the fixed ``C = n``
+buffer costs ``E/top_k`` times the pairs' memory and expert compute instead.
+
+**Switch.** ``expert_parallel(mesh)`` is a trace-time context like ``redco.sequence_split``:
+an MoE block traced inside it (``current()``) runs as above; outside it, on one device's view.
+Entered with the step's ``params``, it also tells ``redco.fsdp`` to leave the expert weights
+split: FSDP would all-gather every ``dp``-split weight before its layer, undoing EP. With a
+``Trainer``: ``for_trainer`` gives its apply function and rules (``redco zoo run ...
+--expert_parallel`` uses them, ``runner.train_and_eval``).
+
+Bad input is refused while tracing, before anything compiles: experts that do not divide by
+the ``dp`` degree (``check``); ``top_k`` above the expert count and a non-positive capacity
+factor (any positive one leaves every expert a slot) are refused by ``MoEConfig``. Tokens that
+do not divide by the degree (a training step's batch always does: its rows are split over
+``dp``; the ``Trainer`` traces one device's batch to read the layout off it) are padded with
+tokens that pick no expert (their one-hot over E is all zero): they take no slot and are cut
+off the output.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+import threading
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from redco import fsdp
+from redco.tree_paths import named_leaves
+
+AXIS = "dp"
+EXPERT_WEIGHTS = re.compile(r"(^|/)experts/(gate_proj|up_proj|down_proj)$")
+_state = threading.local()
+
+
+def sharding_rules() -> list[tuple[str, P]]:
+    """Rules placing the experts' stacked weights for EP: E over ``dp``, I over ``mp``. Give
+    them as overrides: ``deployer.get_sharding_rules(params, rules=sharding_rules())``."""
+    return [(r"(^|/)experts/(gate_proj|up_proj)$", P(AXIS, None, "mp")),
+            (r"(^|/)experts/down_proj$", P(AXIS, "mp", None))]
+
+
+@contextlib.contextmanager
+def expert_parallel(mesh: Mesh | None, params: Any = None) -> Iterator[None]:
+    """Trace the MoE blocks inside with their experts split over ``mesh``'s ``dp`` axis
+    (nothing when it has none, or one device on it). ``params``: the step's params, whose
+    expert weights ``redco.fsdp`` must then leave split rather than gather per layer."""
+    if mesh is None or AXIS not in mesh.axis_names or mesh.shape[AXIS] == 1:
+        yield
+        return
+    if params is not None:
+        fsdp.keep_split([leaf for path, leaf in named_leaves(params)
+                         if EXPERT_WEIGHTS.search(path)])
+    previous, _state.mesh = getattr(_state, "mesh", None), mesh
+    try:
+        yield
+    finally:
+        _state.mesh = previous
+
+
+def for_trainer(apply_fn: Callable, params: Any, deployer) -> tuple[Callable, list]:
+    """``(apply_fn, params_sharding_rules)`` for a ``Trainer`` of a model whose MoE blocks run
+    expert-parallel: ``apply_fn`` traced under ``expert_parallel`` over the deployer's mesh, and
+    the deployer's rules for ``params`` behind ``sharding_rules()``."""
+    return (traced_under(apply_fn, lambda: deployer.mesh),
+            deployer.get_sharding_rules(params, rules=sharding_rules()))
+
+
+def traced_under(apply_fn: Callable, mesh_of: Callable[[], Mesh | None]) -> Callable:
+    """``apply_fn(params, ...)`` tracing its model inside ``expert_parallel(mesh_of(),
+    params)``: the mesh is read when traced (a ``Trainer`` decides it at its first batch)."""
+    @functools.wraps(apply_fn)
+    def apply(params, *args, **kwargs):
+        with expert_parallel(mesh_of(), params):
+            return apply_fn(params, *args, **kwargs)
+    return apply
+
+
+def current() -> Mesh | None:
+    """The mesh whose ``dp`` axis splits the experts while ``expert_parallel`` is in force."""
+    return getattr(_state, "mesh", None)
+
+
+def check(n_experts: int, degree: int) -> None:
+    """Refuse experts that do not split evenly over the devices, naming the fix."""
+    if n_experts % degree:
+        raise ValueError(f"n_experts={n_experts} do not split over the {degree} devices of "
+                         f"expert parallelism (dp={degree}): use a data-parallel degree that "
+                         f"divides {n_experts}, or leave expert parallelism off.")
+
+
+def slots(chosen, n_experts: int, capacity: int):
+    """``(places, kept)``: each (token, choice) pair's row (n, k) in a buffer of ``capacity``
+    rows an expert (expert e's: ``e*C .. e*C + C - 1``), filled first choices first, then in
+    token order; ``E*C`` (past the end) for a pair over capacity. ``kept``: pairs with a row."""
+    n, k = chosen.shape
+    picked = jax.nn.one_hot(chosen.T, n_experts, dtype=jnp.int32)  # (k, n, E); id E: all 0
+    slot = (jnp.cumsum(picked.reshape(k * n, n_experts), axis=0) - 1).reshape(k, n, n_experts)
+    slot = jnp.sum(slot * picked, axis=-1).T  # (n, k): the pair's slot at its expert
+    end = n_experts * capacity
+    places = jnp.where(slot < capacity, chosen * capacity + slot, end)
+    return places, jnp.sum(places < end)  # (a padding token's id E: place E*C, none kept)
+
+
+def dispatch(tokens, places, n_experts: int, capacity: int):
+    """The (E, C, H) buffer: each token written into its pairs' rows (``slots``)."""
+    rows = jnp.zeros((n_experts * capacity + 1, tokens.shape[-1]), tokens.dtype)  # +1: dropped
+    rows = rows.at[places.reshape(-1)].add(jnp.repeat(tokens, places.shape[1], axis=0))
+    return rows[:-1].reshape(n_experts, capacity, -1)
+
+
+def combine(out, places, weights):
+    """Each token's output (n, H): its pairs' rows of the experts' ``out`` (E, C, H), weighted
+    by the router (a dropped pair reads a row of zeros)."""
+    rows = out.reshape(-1, out.shape[-1])
+    rows = jnp.concatenate([rows, jnp.zeros_like(rows[:1])])
+    return jnp.einsum("nkh,nk->nh", rows[places], weights.astype(out.dtype))
+
+
+def dispatched(moe, tokens, chosen, weights, mesh: Mesh):
+    """``(y, share of pairs dropped)`` of ``moe`` (a ``moe.MoE``) for ``tokens`` (N, H) routed
+    to ``chosen`` (N, k) with ``weights``, its experts split over ``mesh``'s ``dp`` axis."""
+    cfg, degree = moe.cfg, mesh.shape[AXIS]
+    check(cfg.n_experts, degree)
+    n_tokens = tokens.shape[0]
+    pad = ((0, -n_tokens % degree), (0, 0))  # tokens that pick no expert (module docstring)
+    tokens, weights = jnp.pad(tokens, pad), jnp.pad(weights, pad)
+    chosen = jnp.pad(chosen, pad, constant_values=cfg.n_experts)
+    n = tokens.shape[0] // degree
+    # dropless: C = n, which no (source, expert) pair can exceed (ragged_all_to_all, which
+    # would move only the pairs, is refused by XLA:CPU); else each source device's capacity
+    capacity = n if cfg.capacity_factor is None else min(n, cfg.capacity(n))
+    experts = moe.experts
+    split = P(AXIS)
+    run = jax.shard_map(
+        lambda *a: _local(experts.batched, *a, n_experts=cfg.n_experts, capacity=capacity),
+        mesh=mesh, in_specs=(split,) * 6, out_specs=(split, P()), axis_names={AXIS})
+    y, kept = run(tokens, chosen, weights, experts.gate_proj[...], experts.up_proj[...],
+                  experts.down_proj[...])
+    return y[:n_tokens], (1 - kept / (n_tokens * cfg.top_k)).astype(jnp.float32)
+
+
+def _local(batched, tokens, chosen, weights, gate, up, down, n_experts: int, capacity: int):
+    """One device's share (steps 1-4 of the module docstring): ``(its tokens' outputs, pairs
+    kept on every device)``."""
+    degree = jax.lax.psum(1, AXIS)
+    places, kept = slots(chosen, n_experts, capacity)
+    buffer = dispatch(tokens, places, n_experts, capacity)  # (E, C, H)
+    local = n_experts // degree
+    sent = buffer.reshape(degree, local, capacity, -1)  # part j: device j's experts
+    received = jax.lax.all_to_all(sent, AXIS, 0, 0)  # (sources, E/d, C, H)
+    rows = received.transpose(1, 0, 2, 3).reshape(local, degree * capacity, -1)
+    out = batched(rows, (gate, up, down)).reshape(local, degree, capacity, -1)
+    returned = jax.lax.all_to_all(out.transpose(1, 0, 2, 3), AXIS, 0, 0)  # (owners, E/d, C, H)
+    y = combine(returned.reshape(n_experts, capacity, -1), places, weights)
+    return y, jax.lax.psum(kept, AXIS)
