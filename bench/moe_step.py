@@ -4,8 +4,8 @@
 * ``dense``: a gated MLP of intermediate size ``top_k * expert_size``: what each token computes
   in the MoE block, as one matmul chain;
 * ``dropless``: the MoE block, ``capacity_factor=None`` (sorted pairs, ``jax.lax.ragged_dot``);
-* ``capacity 1.25``: the MoE block with each expert's capacity 1.25x an even share (one-hot
-  dispatch and combine einsums);
+* ``capacity 1.25``: the MoE block with each expert's capacity 1.25x an even share (pairs
+  written to their slots and read back by index, ``expert_parallel.dispatch``/``combine``);
 * with ``--ep N`` (N simulated CPU devices), ``EP N dropless`` and ``EP N capacity 1.25``: the
   same under ``expert_parallel`` over a ``dp`` axis of N devices (all_to_all there and back).
   Simulated devices share the host's cores: these rows show the path runs, not EP's speed.
