@@ -7,6 +7,8 @@ is built, so they cannot drift from the code.
   (``tox -e docs`` installs them).
 * ``<!-- generated: hookspecs -->`` becomes every hook of ``core/redco/hookspecs.py`` with its
   docstring, read from the source (nothing imported).
+* ``<!-- generated: api -->`` becomes the public API (``redco.__all__``): each class's
+  signature and docstring, then each of its public methods and properties'.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         markdown = markdown.replace("<!-- generated: cli -->", cli_reference())
     if "<!-- generated: hookspecs -->" in markdown:
         markdown = markdown.replace("<!-- generated: hookspecs -->", hooks_reference())
+    if "<!-- generated: api -->" in markdown:
+        markdown = markdown.replace("<!-- generated: api -->", api_reference())
     return markdown
 
 
@@ -68,3 +72,29 @@ def cli_reference() -> str:
                  for name in sorted(plugins.registry("zoo_pipelines"))]
     return "\n\n".join(f"## `{title}`\n\n```text\n{help_of(argv)}\n```"
                        for title, argv in sections) + "\n"
+
+
+def documented(name: str, obj) -> str:
+    """``name``'s signature (where it has one) and docstring, as markdown."""
+    try:
+        signature = f"{name}{inspect.signature(obj)}"
+    except (TypeError, ValueError):
+        signature = name
+    doc = inspect.getdoc(obj) or "(no docstring)"
+    return f"```text\n{signature}\n```\n\n{rst_to_markdown(doc)}"
+
+
+def api_reference() -> str:
+    import redco
+    parts = []
+    for name in redco.__all__:
+        obj = getattr(redco, name)
+        parts.append(f"## `redco.{name}`\n\n" + documented(name, obj))
+        if not inspect.isclass(obj):
+            continue
+        for member, value in sorted(vars(obj).items()):
+            if member.startswith("_") or not (callable(value) or isinstance(value, property)):
+                continue
+            target = value.fget if isinstance(value, property) else value
+            parts.append(f"### `{name}.{member}`\n\n" + documented(member, target))
+    return "\n\n".join(parts) + "\n"

@@ -95,3 +95,35 @@ def test_every_internal_link_reaches_a_built_file_and_anchor():
                 broken.append(f"{page}: {link} (no id {anchor!r} in {path})")
     assert n_checked > 500, n_checked  # the nav alone links every page from every page
     assert not broken, "\n".join(broken[:50])
+
+
+def test_the_generated_reference_pages_hold_the_code_s_own_text():
+    """The API, CLI and hooks pages are generated from the code when the site is built: each
+    public class of ``redco`` and each public method of it is there with its docstring's first
+    line, as are every hook and the ``redco`` command's subcommands."""
+    import html as html_module
+    import inspect
+
+    import redco
+    from redco import hookspecs
+
+    def text_of(page: str) -> str:
+        with open(os.path.join(SITE, page), encoding="utf-8") as f:
+            return " ".join(html_module.unescape(re.sub(r"<[^>]+>", " ", f.read())).split())
+    api = text_of("reference/api/index.html")
+    for name in redco.__all__:
+        obj = getattr(redco, name)
+        assert f"redco.{name}" in api, name
+        members = [(m, v) for m, v in vars(obj).items() if not m.startswith("_")
+                   and (callable(v) or isinstance(v, property))] if inspect.isclass(obj) else []
+        for member, value in members:
+            doc = inspect.getdoc(value.fget if isinstance(value, property) else value)
+            assert f"{name}.{member}" in api, f"{name}.{member}"
+            first = "".join(re.sub(r"``(.+?)``", r"\1", doc or "(no docstring)")
+                            .split("\n\n")[0].split())[:40]  # (spaces aside: tags move them)
+            assert first in "".join(api.split()), (f"{name}.{member}", first)
+    hooks = text_of("reference/hooks/index.html")
+    for name in dir(hookspecs):
+        if getattr(getattr(hookspecs, name), "redco_spec", None) is not None:
+            assert name in hooks, name
+    assert "redco zoo run lm" in text_of("reference/cli/index.html")
