@@ -103,3 +103,18 @@ def test_llama_models_without_the_zoo_say_how_to_install_it(monkeypatch, tmp_pat
         "import numpy as np\ndef params():\n    return {'w': np.zeros((8, 16), np.float32)}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert load_model("zoo_free:params").params["w"].shape == (8, 16)  # the zoo is optional
+
+
+def test_plan_argument_errors_name_flags_by_their_shown_spelling(capsys):
+    """One-line argument errors of ``redco plan`` (exit 2) name a mistyped flag's shown
+    spelling and a missing required flag by it alone, never by its old dashed alias."""
+    def error_line(*argv) -> str:
+        with pytest.raises(SystemExit) as stop:
+            main(list(argv))
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and len(lines) == 1, lines
+        return lines[0]
+    assert error_line("plan", "--model", "m", "--devices", "8", "--device_memory", "1GB",
+                      "--lora-rnak", "8").endswith("(did you mean --lora_rank?)")
+    assert error_line("plan", "--model", "m", "--devices", "8").endswith(
+        "the following arguments are required: --device_memory")
