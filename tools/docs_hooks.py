@@ -9,6 +9,9 @@ is built, so they cannot drift from the code.
   docstring, read from the source (nothing imported).
 * ``<!-- generated: api -->`` becomes the public API (``redco.__all__``): each class's
   signature and docstring, then each of its public methods and properties'.
+* ``BENCHMARKS.md`` (at the repository's root, where each bench's output is pasted with its
+  commit) becomes one page per section (``benchmarks/<n>.md``: one measured claim each), and
+  ``<!-- generated: benchmarks -->`` its introduction and a list of them.
 """
 from __future__ import annotations
 
@@ -22,6 +25,32 @@ import re
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def benchmark_sections() -> tuple[str, list[tuple[str, str, str]]]:
+    """BENCHMARKS.md's introduction and its ``## `` sections as ``(slug, title, body)``."""
+    with open(os.path.join(REPO, "BENCHMARKS.md")) as f:
+        intro, *sections = re.split(r"^## ", f.read(), flags=re.M)
+    found = []
+    for i, section in enumerate(sections):
+        title, _, body = section.partition("\n")
+        number = re.match(r"(\d+)\.", title)
+        slug = number.group(1) if number else re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+        found.append((slug or str(i), title.strip(), body))
+    return intro.split("\n", 1)[1].strip(), found
+
+
+def on_files(files, config):
+    from mkdocs.structure.files import File
+    for slug, title, body in benchmark_sections()[1]:
+        files.append(File.generated(config, f"benchmarks/{slug}.md", content=f"# {title}\n{body}"))
+    return files
+
+
+def benchmarks_index() -> str:
+    intro, sections = benchmark_sections()
+    return intro + "\n\n" + "\n".join(f"- [{title}](benchmarks/{slug}.md)"
+                                     for slug, title, _ in sections) + "\n"
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     if "<!-- generated: cli -->" in markdown:
         markdown = markdown.replace("<!-- generated: cli -->", cli_reference())
@@ -29,6 +58,8 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         markdown = markdown.replace("<!-- generated: hookspecs -->", hooks_reference())
     if "<!-- generated: api -->" in markdown:
         markdown = markdown.replace("<!-- generated: api -->", api_reference())
+    if "<!-- generated: benchmarks -->" in markdown:
+        markdown = markdown.replace("<!-- generated: benchmarks -->", benchmarks_index())
     return markdown
 
 

@@ -127,3 +127,25 @@ def test_the_generated_reference_pages_hold_the_code_s_own_text():
         if getattr(getattr(hookspecs, name), "redco_spec", None) is not None:
             assert name in hooks, name
     assert "redco zoo run lm" in text_of("reference/cli/index.html")
+
+
+def test_every_benchmark_section_is_a_page_of_its_own_linked_from_the_index():
+    """BENCHMARKS.md's sections are built into one page each (one measured claim a page),
+    holding the section's title and its provenance (the ``commit:`` lines its bench printed),
+    and the benchmarks page links every one."""
+    with open(os.path.join(ROOT, "BENCHMARKS.md")) as f:
+        sections = re.split(r"^## ", f.read(), flags=re.M)[1:]
+    assert len(sections) > 20, len(sections)
+    index = parse(os.path.join(SITE, "benchmarks", "index.html"))
+    linked = {target("benchmarks/index.html", link)[0] for link in index.links
+              if target("benchmarks/index.html", link) is not None}
+    for section in sections:
+        title = section.split("\n", 1)[0].strip()
+        number = re.match(r"(\d+)\.", title)
+        slug = number.group(1) if number else re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+        page = f"benchmarks/{slug}/index.html"
+        assert page in linked, f"the benchmarks page does not link {title!r}"
+        with open(os.path.join(SITE, page), encoding="utf-8") as f:
+            built = f.read()
+        for commit in re.findall(r"^commit: (\S+)", section, re.M):
+            assert f"commit: {commit}" in built, (title, commit)
