@@ -106,3 +106,32 @@ def test_the_training_levers_reach_the_deployer_trainer_and_optimizer(lm, tmp_pa
     assert seen[(None, 0.0)] == pytest.approx(-1.0, rel=1e-3)
     # clipped to a norm of 2e-8, each gradient entry is 1e-8, Adam's eps: half a step
     assert seen[(2e-8, 0.5)] == pytest.approx(-1.0, rel=1e-2)
+
+
+@pytest.mark.parametrize("name, config", [
+    ("lm", "redco_zoo_lm/configs/pretrain_llama_1b.yaml"),
+    ("sft", "redco_zoo_sft/configs/sft_small.yaml"),
+    ("grpo", "redco_zoo_grpo/configs/grpo_small.yaml")])
+def test_the_shipped_example_configs_are_whole_runs_of_their_pipelines(name, config):
+    """Each zoo job's example config (pretraining a 1B LLaMA shape on a token file, SFT and GRPO
+    of a small model), shipped in its package, is read by its pipeline's parser as a complete
+    run: every key one of its settings, every required flag given, each value what the run gets
+    (the pretraining one reaching the planner, context parallelism, remat, bf16, accumulation,
+    the optimizer and the cadences)."""
+    import importlib.resources
+
+    from redco import plugins, run_config
+    from redco.cli import zoo_parser
+    package, _, inside = config.partition("/")
+    path = str(importlib.resources.files(package).joinpath(inside))
+    settings = run_config.read(path)
+    parser = zoo_parser(name, plugins.lookup("zoo_pipelines", name))
+    run_config.apply(parser, settings, path)
+    args = parser.parse_args([])
+    for key, value in settings.items():
+        assert getattr(args, key) == value, (key, getattr(args, key), value)
+    if name == "lm":
+        assert args.n_model_shards == "auto" and args.compute_dtype == "bfloat16"
+        assert {"n_context_shards", "remat", "accumulate_grad_batches", "weight_decay",
+                "max_grad_norm", "schedule", "save_every_n_steps", "eval_every_n_steps",
+                "jax_seed"} <= set(settings)
