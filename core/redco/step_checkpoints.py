@@ -24,15 +24,34 @@ part. So a kill of any process at any moment leaves either the complete checkpoi
 it. ``on_checkpoint_saved`` is called on the training thread once the write is complete
 (``finished()``, asked at every update). A SIGTERM stop, the end of ``fit``, and an error that
 ends it wait for the write in flight; a write that failed raises its error on the training
-thread.
+thread. Every process must write the same way: a run whose processes disagree on
+``async_checkpoints`` is refused at its start (``writing_agreed``).
 """
 from __future__ import annotations
 
 import threading
 from typing import Any, Callable
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
 from redco import checkpointing
 from redco.step_reports import timed
+
+
+def writing_agreed(background: bool) -> None:
+    """Refuse, on every process, a run whose processes disagree on writing step checkpoints in
+    the background: the blocking ones would wait for the others on the devices while those meet
+    at the coordination service, and the run would hang at its first save."""
+    try:
+        multihost_utils.assert_equal(np.int32(background))
+    except AssertionError:
+        raise ValueError(
+            f"Process {jax.process_index()} writes step checkpoints "
+            f"{'in the background' if background else 'while training waits'}, and another "
+            "process the other way: give every process the same async_checkpoints "
+            "(Deployer or Trainer).") from None
 
 
 class StepCheckpoints:
@@ -51,6 +70,8 @@ class StepCheckpoints:
         meta is returned), or refuse to write (``saves``) step checkpoints beside an earlier
         run's."""
         ckpt_dir = self.trainer.deployer.ckpt_dir
+        if saves and jax.process_count() > 1:
+            writing_agreed(self.trainer.async_checkpoints)
         if not resume and saves and checkpointing.step_ckpts(ckpt_dir):
             raise ValueError(
                 f"{ckpt_dir} holds step checkpoints of an earlier run; with resume=False this "

@@ -306,3 +306,26 @@ def test_a_process_stuck_between_steps_is_named_with_its_last_step(tmp_path):
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_processes_that_disagree_on_background_writes_are_refused_before_training(tmp_path):
+    """One process writing step checkpoints in the background and the other while training
+    waits would meet at different barriers and hang at the first save: both refuse at the
+    start, naming the setting, and nothing trains or is saved."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, WORKER, str(i), "2", str(port), "4",
+                               str(tmp_path)], env=worker_env(**blocking),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i, blocking in enumerate(({}, {"REDCO_TEST_BLOCKING_CKPTS": "1"}))]
+    try:  # (refused within seconds; without the check, a hang at the first save)
+        outputs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode != 0, f"process {i} trained:\n{out[-2000:]}"
+        assert re.search(r"writes step checkpoints (in the background|while training waits), "
+                         r"and another process the other way: give every process the same "
+                         r"async_checkpoints", out), out[-3000:]
+    assert not os.path.exists(os.path.join(tmp_path, "ckpts")) or \
+        not os.listdir(os.path.join(tmp_path, "ckpts"))
