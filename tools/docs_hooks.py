@@ -10,8 +10,9 @@ is built, so they cannot drift from the code.
 * ``<!-- generated: api -->`` becomes the public API (``redco.__all__``): each class's
   signature and docstring, then each of its public methods and properties'.
 * ``BENCHMARKS.md`` (at the repository's root, where each bench's output is pasted with its
-  commit) becomes one page per section (``benchmarks/<n>.md``: one measured claim each), and
-  ``<!-- generated: benchmarks -->`` its introduction and a list of them.
+  commit) becomes one page per section (``benchmarks/<n>.md``: one measured claim each), in the
+  nav under the benchmarks page, and ``<!-- generated: benchmarks -->`` its introduction and a
+  list of them.
 """
 from __future__ import annotations
 
@@ -36,6 +37,15 @@ def benchmark_sections() -> tuple[str, list[tuple[str, str, str]]]:
         slug = number.group(1) if number else re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
         found.append((slug or str(i), title.strip(), body))
     return intro.split("\n", 1)[1].strip(), found
+
+
+def on_config(config):
+    """The benchmarks' section of the nav: the benchmarks page, then one page per section."""
+    pages = [{title: f"benchmarks/{slug}.md"} for slug, title, _ in benchmark_sections()[1]]
+    config["nav"] = [{"Benchmarks": ["benchmarks.md", *pages]}
+                     if entry == {"Benchmarks": "benchmarks.md"} else entry
+                     for entry in config["nav"]]
+    return config
 
 
 def on_files(files, config):
