@@ -15,6 +15,13 @@ process dies by SIGKILL at
   of that save (each writer says so in ``WORKDIR/barriers/<process>``). Training went on while
   the write was in flight, or update N+1 would not have ended: where it does not (a write that
   blocks training), the hold gives up after ``HOLD_S`` and the worker exits 3 saying so.
+* ``term-held:N`` - the same hold, then before update N+1 a SIGTERM of this process (a
+  preemption notice, which JAX's preemption service passes on to the other), and that update
+  starts only once the processes agreed on the step to stop after (this process's own log says
+  so): the step after the furthest either had reached, N+1 or N+2. The write stays
+  held until the trainer waits for it (``trainer.checkpoints.join``), so a stop that saved
+  without waiting would start its write with ``step_N`` unfinished, which is printed ("began
+  with step_N still being written"); the stop saves and both processes exit 143.
 """
 import os
 import signal
@@ -25,6 +32,7 @@ import time
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"  # XLA's INFO lines: the preemption sync point set
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "core"))
 
 import argparse  # noqa: E402
@@ -43,7 +51,9 @@ from redco.protocols import CheckpointFormat  # noqa: E402
 from redco.sharding import named_leaves  # noqa: E402
 
 N_EXAMPLES, N_EPOCHS, SAVE_EVERY, KEEP = 32, 2, 3, 2  # 4 updates an epoch: saves at 3, 4, 6, 8
-HOLD_S = 60  # the most a held write waits for the kill that should come
+HOLD_S = 60  # the most a held write waits for the kill or the release that should come
+# what JAX's preemption service logs once the processes agreed on the step to stop after
+SYNC_POINT_SET = "Preemption sync counter is set"
 
 
 def die(why: str) -> None:
@@ -53,18 +63,27 @@ def die(why: str) -> None:
 
 class HeldWrite(CheckpointFormat):
     """Registered under the name of the format it wraps (so it wins): that format, except that
-    this process's background write of ``step_<step>`` is held once its part is written."""
+    this process's background write of ``step_<step>`` is held once its part is written, until
+    ``release`` is set (by ``term-held``) or ``HOLD_S`` have passed."""
 
     def __init__(self, name: str, step: int | None):
-        self.name, self.step, self.holding = name, step, threading.Event()
+        self.name, self.step = name, step
+        self.holding, self.release = threading.Event(), threading.Event()
         self.real = plugins.lookup("checkpoint_formats", name)
 
     @redco.hookimpl
     def register_checkpoint_formats(self, register):
         register(self.name, self)
 
-    def save(self, path, tree):
+    def save(self, path, tree):  # a write training waits for (a stop's)
+        self.began(path)
         return self.real.save(path, tree)
+
+    def began(self, path: str) -> None:
+        """Say so where the write of ``path`` begins while the held one is unfinished."""
+        if self.holding.is_set() and not self.release.is_set():
+            print(f"bg_ckpt_worker: the write of {path} began with step_{self.step} still "
+                  "being written", flush=True)
 
     def load(self, path, target):
         return self.real.load(path, target)
@@ -72,15 +91,17 @@ class HeldWrite(CheckpointFormat):
     def start_save(self, path, tree):
         finish = checkpointing.start_save(self.real, path, tree)
         if os.path.basename(os.path.dirname(path)) != f"step_{self.step}.tmp":
+            self.began(path)
             return finish
 
         def held() -> None:
             finish()
             print(f"bg_ckpt_worker: holding the write of {path}", flush=True)
             self.holding.set()
-            threading.Event().wait(HOLD_S)  # the kill comes first where training goes on
+            released = self.release.wait(HOLD_S)  # held: the kill comes first
             self.holding.clear()
-            print(f"bg_ckpt_worker: released the write of {path} after {HOLD_S} s", flush=True)
+            print(f"bg_ckpt_worker: released the write of {path}"
+                  + ("" if released else f" after {HOLD_S} s"), flush=True)
         return held
 
 
@@ -103,19 +124,41 @@ class Killer:
                 print(f"bg_ckpt_worker: step {step} ended with the write of step_{self.n} not "
                       "held in flight: training did not go on while it was written", flush=True)
                 os._exit(3)
-            wait_for_barrier(os.path.join(self.workdir, "barriers", str(1 - jax.process_index())),
-                             f"redco-ckpt/step_{self.n}/")
+            wait_for_line(os.path.join(self.workdir, "barriers", str(1 - jax.process_index())),
+                          f"redco-ckpt/step_{self.n}/",
+                          f"the other process's writer reached no barrier of step_{self.n}")
             die(f"at the end of step {step}, the write of step_{self.n} held in flight")
 
+    @redco.hookimpl
+    def on_train_batch_start(self, trainer, step):
+        if self.point == "term-held" and step == self.n + 1:
+            if not self.fmt.holding.wait(timeout=HOLD_S):
+                sys.exit(f"bg_ckpt_worker: the write of step_{self.n} never reached its hold")
+            checkpoints, join = trainer.checkpoints, trainer.checkpoints.join
 
-def wait_for_barrier(path: str, prefix: str) -> None:
-    """Until the barriers the other process's writer reached (``path``) include one named
-    ``prefix...``; at most ``HOLD_S``."""
+            def released_then_joined() -> None:  # the trainer waits for the held write
+                self.fmt.release.set()
+                join()
+            checkpoints.join = released_then_joined
+            os.kill(os.getpid(), signal.SIGTERM)
+            wait_for_line(os.readlink("/proc/self/fd/2"), SYNC_POINT_SET,
+                          f"JAX's preemption service did not log '{SYNC_POINT_SET}'")
+            print(f"bg_ckpt_worker: SIGTERM before update {step}, the write of step_{self.n} "
+                  "held in flight", flush=True)
+
+
+def wait_for_line(path: str, text: str, what: str) -> None:
+    """Until a line of ``path`` (another process's file, or this one's log) holds ``text``; at
+    most ``HOLD_S``, else exit naming ``what`` did not happen."""
     deadline = time.monotonic() + HOLD_S
-    while not (os.path.exists(path) and any(line.startswith(prefix) for line in open(path))):
+    while True:
+        if os.path.exists(path):
+            with open(path) as f:
+                if any(text in line for line in f):
+                    return
         if time.monotonic() > deadline:
-            sys.exit(f"bg_ckpt_worker: the other process's writer reached no barrier {prefix}")
-        time.sleep(0.01)  # polling the other process's file, not a fixed wait
+            sys.exit(f"bg_ckpt_worker: {what} within {HOLD_S} s")
+        time.sleep(0.01)  # polling a file another thread or process writes, not a fixed wait
 
 
 def say_barriers(workdir: str) -> None:
@@ -136,13 +179,13 @@ def main() -> None:
     parser.add_argument("process_id", type=int)
     parser.add_argument("port", type=int)
     parser.add_argument("workdir")
-    parser.add_argument("--kill", default=None, help="step:N or held:N")
+    parser.add_argument("--kill", default=None, help="step:N, held:N or term-held:N")
     args = parser.parse_args()
     point, n = args.kill.split(":") if args.kill else (None, None)
-    assert point in (None, "step", "held"), args.kill
+    assert point in (None, "step", "held", "term-held"), args.kill
     n = int(n) if n else None
     say_barriers(args.workdir)
-    fmt = HeldWrite("orbax", n if point == "held" else None)
+    fmt = HeldWrite("orbax", n if point in ("held", "term-held") else None)
     plugins.pm.register(fmt)
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=args.workdir, verbose=False,
                         n_processes=2, host0_address="127.0.0.1", host0_port=args.port,

@@ -8,8 +8,10 @@ A write is held deterministically (``bg_ckpt_worker.py``'s ``held:N``): one proc
 which it reaches only because training went on meanwhile, once the other process's writer has
 reached the coordination service's barrier of that save, where it waits for the held one: so
 ``step_N`` is not renamed into place. The other process is then killed too (as a job scheduler
-ends the rest of a job).
+ends the rest of a job). A SIGTERM with a write held in flight (``term-held:N``) stops both
+processes after the same step; the stop waits for the held write before it writes its own.
 """
+import re
 import os
 import subprocess
 import sys
@@ -34,7 +36,9 @@ def start(workdir: str, kills: dict[int, str]) -> tuple[list[subprocess.Popen], 
 
 
 def tail(logs: list[str]) -> str:
-    return "\n".join(f"--- {log}:\n" + open(log).read()[-2500:] for log in logs)
+    """The ends of the processes' logs, less XLA's INFO lines (``I1129 13:48:54...``)."""
+    return "\n".join(f"--- {log}:\n" + re.sub(r"(?m)^I\d{4} .*\n", "", open(log).read())[-2500:]
+                     for log in logs)
 
 
 def run(workdir: str) -> None:
@@ -62,6 +66,24 @@ def run_killed(workdir: str, victim: int, kill: str) -> None:
             f"step_{n} was renamed into place while process {victim} still held its write"
 
 
+def run_stopped(workdir: str, noticed_by: int, kill: str) -> int:
+    """Run both processes, ``noticed_by`` sent SIGTERM at ``kill`` (``term-held:N``, the write
+    of ``step_N`` held until the trainer waits for it); both must stop after the same step,
+    with status 143. Returns that step."""
+    procs, logs = start(workdir, {noticed_by: kill})
+    assert [p.wait(timeout=300) for p in procs] == [143, 143], tail(logs)
+    out, n = open(logs[noticed_by]).read(), int(kill.split(":")[1])
+    assert f"SIGTERM before update {n + 1}, the write of step_{n} held in flight" in out, \
+        tail(logs)
+    assert "still being written" not in out, tail(logs)  # the stop waited for step_N first
+    held = os.path.join(workdir, "ckpts", f"step_{n}.tmp", "state")
+    assert f"released the write of {held}\n" in out, tail(logs)  # by the stop's wait, in time
+    with open(os.path.join(workdir, "log.txt")) as f:
+        stops = re.findall(r"Stopped by SIGTERM after step (\d+): saved", f.read())
+    assert len(stops) == 1, tail(logs)
+    return int(stops[0])
+
+
 def listing(workdir: str) -> list[str]:
     return sorted(os.listdir(os.path.join(workdir, "ckpts")))
 
@@ -85,10 +107,15 @@ def test_two_processes_killed_anywhere_in_background_writes_rerun_to_the_same_bi
     run_killed(killed, 1, "held:6")
     assert [name for name in listing(killed) if not name.endswith(".tmp")] == ["step_3", "step_4"]
 
-    # 3. from step_4 to the end.
+    # 3. from step_4; process 0 holds its write of step_6 and gets SIGTERM at the end of step 7:
+    #    both stop after the same step S, step_6 complete before step_S's write began.
+    stopped = run_stopped(killed, 0, "term-held:6")
+    assert listing(killed) == ["step_6", f"step_{stopped}"]
+
+    # 4. from step_S to the end.
     run(killed)
     assert listing(killed) == listing(full) == ["step_6", "step_8"]
-    assert starts(killed, 0) == starts(killed, 1) == [0, 4, 4]
+    assert starts(killed, 0) == starts(killed, 1) == [0, 4, 4, stopped]
     want, got = np.load(os.path.join(full, "final.npz")), np.load(os.path.join(killed, "final.npz"))
     assert sorted(got) == sorted(want)
     for name in want:
