@@ -11,8 +11,8 @@ reached the coordination service's barrier of that save, where it waits for the 
 ends the rest of a job). A SIGTERM with a write held in flight (``term-held:N``) stops both
 processes after the same step; the stop waits for the held write before it writes its own.
 """
-import re
 import os
+import re
 import subprocess
 import sys
 
