@@ -2,6 +2,7 @@
 fixed by their seed; and the LM zoo trained from scratch on them for a number of updates."""
 import json
 import os
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ from flax import nnx
 
 from redco.cli import main
 from redco.protocols import UsageError
+from redco_zoo_lm import mixture
 from redco_zoo_lm.mixture import Concat, Mixture
 from redco_zoo_models import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM
 from redco_zoo_models.hf import save_pretrained
@@ -22,9 +24,20 @@ class Named(list):
         self.fingerprint = f"{name} x {n}"
 
 
-def test_a_mixture_draws_by_weight_fixed_by_its_seed_each_source_in_its_order():
+@pytest.fixture(params=["at once", "by blocks"])
+def draws(request, monkeypatch):
+    """Both ways of drawing: at once (20,000 rows are below ``IN_MEMORY``), and a block at a
+    time (as above ``IN_MEMORY`` rows: here with it and the blocks made small)."""
+    if request.param == "by blocks":
+        monkeypatch.setattr(mixture, "IN_MEMORY", 1000)
+        monkeypatch.setattr(mixture, "BLOCK", 256)
+    return request.param
+
+
+def test_a_mixture_draws_by_weight_fixed_by_its_seed_each_source_in_its_order(draws):
     sources = {"a": (Named("a", 50), 3.0), "b": (Named("b", 5000), 1.0)}
     mix = Mixture(sources, seed=0, n_rows=20_000)
+    assert ("drawn by blocks of 256" in mix.fingerprint) == (draws == "by blocks")
     shares = mix.shares()
     for name, p in (("a", 0.75), ("b", 0.25)):  # within 4 standard deviations
         assert abs(shares[name] - p) < 4 * np.sqrt(p * (1 - p) / len(mix)), shares
@@ -33,11 +46,30 @@ def test_a_mixture_draws_by_weight_fixed_by_its_seed_each_source_in_its_order():
     assert from_a[:120] == [f"a{i % 50}" for i in range(120)]  # in order, round and round
     from_b = [r for r in rows if r.startswith("b")]
     assert from_b[:5000] == [f"b{i}" for i in range(5000)]  # a large source: sampled in order
-    assert rows == [Mixture(sources, seed=0, n_rows=20_000)[i] for i in range(len(mix))]
-    assert rows != [Mixture(sources, seed=1, n_rows=20_000)[i] for i in range(len(mix))]
+    again, other_seed = Mixture(sources, seed=0, n_rows=20_000), Mixture(sources, seed=1,
+                                                                          n_rows=20_000)
+    assert rows == [again[i] for i in range(len(mix))]
+    assert rows != [other_seed[i] for i in range(len(mix))]
     assert mix.fingerprint != Mixture({**sources, "a": (sources["a"][0], 2.0)}, seed=0,
                                       n_rows=20_000).fingerprint  # a resume would be refused
     assert len(Mixture(sources)) == 5050  # by default: as many rows as the sources hold
+    assert mix[-1] == rows[-1]
+    with pytest.raises(IndexError):
+        mix[20_000]
+
+
+def test_a_mixture_of_twenty_million_rows_holds_under_a_megabyte():
+    """Above ``IN_MEMORY`` rows what is kept does not grow with the rows: 100M rows drawn at
+    once would hold 100 MB (and make 320 MB of temporaries)."""
+    sources = {"a": (Named("a", 7), 1.0), "b": (Named("b", 11), 2.0)}
+    tracemalloc.start()
+    mix = Mixture(sources, seed=0, n_rows=20_000_000)
+    rows = [mix[i] for i in (0, 12_345_678, 19_999_999)]
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak / 2**20:.1f} MiB"
+    assert all(row[0] in "ab" for row in rows)
+    assert abs(mix.shares()["b"] - 2 / 3) < 1e-3, mix.shares()
 
 
 def test_a_mixture_refuses_a_source_without_weight_or_rows():
