@@ -5,8 +5,8 @@ The home page renders its navigation (Material's sidebar, laid out by its styles
 page mkdocs.yml's nav lists, under its nav title; every entry of that rendered navigation opens
 (HTTP 200, the page's title and heading, each code block given its copy button by Material's
 JavaScript, no uncaught JavaScript exception, nothing requested from outside the site: it works
-offline); the search (Material's lunr index, in a web worker)
-answers a query with the right page first; and the browser leaves no process behind.
+offline); the search (Material's lunr index, in a web worker) answers a query with the right page
+first; and the browser leaves no process behind.
 
 ``tox -e docs`` installs Chromium first (tests/docs/chromium.sh, Debian's package). Without it the
 test fails under ``CI=true`` and is skipped elsewhere, saying how to install it.
@@ -25,7 +25,8 @@ from devtools import Chromium, Page, session_processes
 INSTALL = ("no chromium on PATH: install it with `bash tests/docs/chromium.sh` as root "
            "(Debian's `apt-get install chromium`), or put a Chromium binary named chromium on PATH")
 
-# (query, the page that must come first), each a word that page's title holds.
+# (query, the page the search must answer first): a word of that page's title, and a word of its
+# text (the commands' reference names it too).
 SEARCHES = [("rematerialisation", "guides/lora-and-remat/"), ("sbatch", "tutorials/multi-host/")]
 
 # The primary navigation's page links (the active page's table of contents, which Material nests
@@ -145,3 +146,21 @@ def test_the_browser_leaves_no_process_behind(site_url, tmp_path_factory):
     assert browser.process.returncode is not None
     left = session_processes(browser.process.pid)
     assert not left, f"Chromium processes (zombies included) left after close: {left}"
+
+
+def test_a_missing_browser_fails_under_ci_and_is_skipped_elsewhere(monkeypatch, tmp_path):
+    def outcome() -> BaseException:  # (a skip caught here, not one of this test)
+        try:
+            chromium_binary()
+        except BaseException as raised:
+            return raised
+        raise AssertionError("a browser was found on an empty PATH")
+    monkeypatch.setenv("PATH", str(tmp_path))  # (an empty directory: no chromium on PATH)
+    monkeypatch.setenv("CI", "true")
+    failed = outcome()
+    assert isinstance(failed, pytest.fail.Exception), repr(failed)
+    assert "CI=true: this check may not be skipped" in str(failed), failed
+    monkeypatch.delenv("CI")
+    skipped = outcome()
+    assert isinstance(skipped, pytest.skip.Exception), repr(skipped)
+    assert "tests/docs/chromium.sh" in str(skipped), skipped
