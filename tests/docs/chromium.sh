@@ -13,7 +13,9 @@ command -v chromium >/dev/null && exit 0
 command -v apt-get >/dev/null || die "chromium is not installed and there is no apt-get here: \
 install Chromium yourself (a binary named chromium on PATH)"
 log=${TMPDIR:-/tmp}/redco-chromium-apt.log
-apt=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium)
+# DPkg::Lock::Timeout: wait for an apt run of another environment (`tox p`: slurm.sh) to end.
+apt=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends
+     -o DPkg::Lock::Timeout=600 chromium)
 "${apt[@]}" >"$log" 2>&1 || {  # (a fresh machine may have no package lists yet)
     apt-get update -q >>"$log" 2>&1 || true
     "${apt[@]}" >>"$log" 2>&1
