@@ -1,17 +1,15 @@
 """The built docs site (``mkdocs build``, into ``$DOCS_SITE_DIR``, else ``site/``) has a page for
 every entry of mkdocs.yml's nav, and every link of every built page that stays inside the site
 reaches a built file, and its ``#anchor`` an element of that page with that id. ``tox -e docs``
-builds the site and runs this; no browser is needed (the HTML is parsed as text)."""
+builds the site and runs this; no browser is needed (the HTML is parsed as text; test_browser.py
+opens the site in one)."""
 import html.parser
 import os
 import posixpath
 import re
 import urllib.parse
 
-import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SITE = os.environ.get("DOCS_SITE_DIR", os.path.join(ROOT, "site"))
+from built_site import ROOT, SITE, nav_entries, require_built_site, url_of
 
 
 class Page(html.parser.HTMLParser):
@@ -39,17 +37,9 @@ def parse(path: str) -> Page:
 
 def built_pages() -> list[str]:
     """Every HTML file of the site, relative to it (``/``-separated)."""
-    if not os.path.isfile(os.path.join(SITE, "index.html")):
-        pytest.fail(f"no built site at {SITE}: run `mkdocs build` (tox -e docs does)")
+    require_built_site()
     return sorted(os.path.relpath(os.path.join(d, f), SITE).replace(os.sep, "/")
                   for d, _, files in os.walk(SITE) for f in files if f.endswith(".html"))
-
-
-def nav_pages() -> list[str]:
-    """The markdown files mkdocs.yml's nav names."""
-    with open(os.path.join(ROOT, "mkdocs.yml")) as f:
-        nav = f.read().split("\nnav:\n", 1)[1]
-    return re.findall(r":\s+(\S+\.md)\s*$", nav, re.M)
 
 
 def target(page: str, link: str) -> tuple[str, str] | None:
@@ -70,10 +60,10 @@ def target(page: str, link: str) -> tuple[str, str] | None:
 
 def test_every_nav_entry_is_a_built_page():
     pages = set(built_pages())
-    nav = nav_pages()
+    nav = [md for _, md in nav_entries()]
     assert len(nav) >= 15, nav
     for md in nav:
-        html_file = "index.html" if md == "index.md" else md.removesuffix(".md") + "/index.html"
+        html_file = url_of(md) + "index.html"
         assert html_file in pages, f"mkdocs.yml's nav names {md}, but {html_file} was not built"
 
 

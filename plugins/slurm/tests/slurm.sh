@@ -29,8 +29,9 @@ install() {
 'apt-get install slurm-wlm munge' as root (or set REDCO_SKIP_SLURM=1 to skip the SLURM test)"
     command -v apt-get >/dev/null || die "slurm-wlm and munge are not installed and there is no \
 apt-get here: install SLURM and munge yourself (or set REDCO_SKIP_SLURM=1 to skip the SLURM test)"
+    # DPkg::Lock::Timeout: wait for an apt run of another environment (`tox p`: chromium.sh).
     local apt=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends
-               slurm-wlm munge)
+               -o DPkg::Lock::Timeout=600 slurm-wlm munge)
     "${apt[@]}" >"${TMPDIR:-/tmp}/redco-slurm-apt.log" 2>&1 || {
         apt-get update -q >>"${TMPDIR:-/tmp}/redco-slurm-apt.log" 2>&1 || true
         "${apt[@]}" >>"${TMPDIR:-/tmp}/redco-slurm-apt.log" 2>&1
