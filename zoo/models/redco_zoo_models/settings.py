@@ -108,7 +108,8 @@ class RunConfig(Generic[T]):
         taken: set[str] = set()
         config = group_of(cls, flags, "", taken, {"task": task})
         if strict and set(flags) - taken:
-            raise TypeError(f"flags that no field of {cls.__name__} or {task} takes: "
+            raise TypeError(f"flags that no field of {cls.__name__} or "
+                            f"{getattr(task, '__name__', task)} takes: "
                             f"{sorted(set(flags) - taken)}; add each to its group.")
         return config
 
