@@ -95,7 +95,7 @@ def train_lm(config: RunConfig[LMData]) -> float:
 
 
 def add_lm_arguments(parser) -> None:
-    """The LM's flags: every pipeline's (``runner.add_arguments``) and its data's."""
+    """The LM's flags: every pipeline's (``flags.add_arguments``) and its data's."""
     flags.add_arguments(parser)
     parser.add_argument("--block_size", type=int, default=LMData.block_size, help="tokens per example (a "
                         "row of packed documents holds one more)")

@@ -13,7 +13,7 @@ On the command line the namespace stops at the pipeline's ``run``: ``RunConfig.o
 LMData)`` makes the typed object once. A field is named as its flag (a group's ``prefix``
 prepended: ``LoRA.rank`` is ``--lora_rank``), so the mapping is by name, and a flag that lands
 in no field is refused (a flag added without its field would otherwise be silently ignored).
-The defaults here are the flags' defaults (``runner.add_arguments`` reads them).
+The defaults here are the flags' defaults (``flags.py`` reads them).
 """
 from __future__ import annotations
 
