@@ -230,3 +230,18 @@ def test_every_flag_of_a_pipeline_is_a_field_of_its_typed_config(pipeline, task)
     assert {name: fields[name] for name in flags} == flags
     with pytest.raises(TypeError, match=r"takes: \['warmup_ratio'\]"):
         RunConfig.of_flags({**flags, "warmup_ratio": 0.1}, task)
+
+
+def test_a_typed_config_built_in_python_refuses_a_choice_the_flag_would_refuse():
+    """Built in Python, with no argparse to check the choices, a group refuses a value its flag
+    would (``bf16`` must not silently run as something else), naming the choices."""
+    from redco.protocols import UsageError
+    from redco_zoo_models.settings import Layout, Optimizer
+    with pytest.raises(UsageError, match=r"Layout\(compute_dtype='bf16'\): choose one of "
+                                         r"\['float32', 'bfloat16'\]"):
+        Layout(compute_dtype="bf16")
+    with pytest.raises(UsageError, match=r"remat='all'.*'full'"):
+        Layout(remat="all")
+    with pytest.raises(UsageError, match=r"schedule='cos'.*\['linear', 'cosine'\]"):
+        Optimizer(schedule="cos")
+    assert Layout(compute_dtype="bfloat16", remat="full").remat == "full"

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 
+from redco.remat import POLICIES
+from redco.sequence_split import STRATEGIES
 from redco_zoo_models.llama import LLAMA_PRESETS
 from redco_zoo_models.presets import PRESETS
-from redco_zoo_models.settings import Layout, Loop, LoRA, Optimizer, RunConfig
+from redco_zoo_models.settings import COMPUTE_DTYPES, SCHEDULES, Layout, Loop, LoRA, Optimizer, RunConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser, planner: bool = True) -> None:
@@ -53,8 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser, planner: bool = True) -> None
 
 def add_training_levers(parser: argparse.ArgumentParser) -> None:
     """The flags of what ``train_and_eval`` builds (a pipeline that trains through it)."""
-    from redco.remat import POLICIES
-    from redco.sequence_split import STRATEGIES
     parser.add_argument("--n_context_shards", type=int, default=Layout.n_context_shards,
                         help="split each sequence over this many devices (context parallelism, "
                         "for long rows)")
@@ -65,7 +65,7 @@ def add_training_levers(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remat", choices=list(POLICIES), default=Layout.remat, help="recompute "
                         "activations in the backward pass instead of keeping them (full: least "
                         "memory)")
-    parser.add_argument("--compute_dtype", choices=["float32", "bfloat16"],
+    parser.add_argument("--compute_dtype", choices=COMPUTE_DTYPES,
                         default=Layout.compute_dtype,
                         help="the dtype of the forward and backward pass (params stay float32)")
     parser.add_argument("--accumulate_grad_batches", type=int,
@@ -75,7 +75,7 @@ def add_training_levers(parser: argparse.ArgumentParser) -> None:
                         help="AdamW's")
     parser.add_argument("--max_grad_norm", type=float, help="clip the gradient to this global "
                         "norm (default: no clipping)")
-    parser.add_argument("--schedule", choices=["linear", "cosine"], default=Optimizer.schedule,
+    parser.add_argument("--schedule", choices=SCHEDULES, default=Optimizer.schedule,
                         help="the learning rate's decay after warmup")
     parser.add_argument("--eval_every_n_steps", type=int, help="also evaluate every N updates")
 

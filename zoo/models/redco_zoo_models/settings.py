@@ -23,8 +23,21 @@ from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
 from redco.lora import DEFAULT_TARGETS
+from redco.protocols import UsageError
+from redco.remat import POLICIES
+from redco.sequence_split import STRATEGIES
 
 T = TypeVar("T")
+COMPUTE_DTYPES = ("float32", "bfloat16")
+SCHEDULES = ("linear", "cosine")
+
+
+def check_choice(group: object, name: str, choices) -> None:
+    """Refuse ``group``'s field ``name`` unless it is one of ``choices``, naming them."""
+    value = getattr(group, name)
+    if value not in choices:
+        raise UsageError(f"{type(group).__name__}({name}={value!r}): choose one of "
+                         f"{list(choices)} (the flag --{name}).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +61,15 @@ class Layout:
     n_model_shards: int | str = 1  # or "auto": the layout planner picks it
     device_memory: str | None = None  # one device's memory, for "auto"
     n_context_shards: int = 1
-    context_strategy: str = "all_gather"
+    context_strategy: str = STRATEGIES[0]
     expert_parallel: bool = False
     remat: str = "none"
-    compute_dtype: str = "float32"
+    compute_dtype: str = COMPUTE_DTYPES[0]
+
+    def __post_init__(self):
+        for name, choices in (("context_strategy", STRATEGIES), ("remat", POLICIES),
+                              ("compute_dtype", COMPUTE_DTYPES)):
+            check_choice(self, name, choices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +77,12 @@ class Optimizer:
     """AdamW after optional clipping, and its learning rate's schedule."""
     learning_rate: float = 1e-4
     warmup_rate: float = 0.05
-    schedule: str = "linear"  # the decay after warmup: linear or cosine
+    schedule: str = SCHEDULES[0]  # the decay after warmup
     weight_decay: float = 1e-4
     max_grad_norm: float | None = None
+
+    def __post_init__(self):
+        check_choice(self, "schedule", SCHEDULES)
 
 
 @dataclasses.dataclass(frozen=True)
