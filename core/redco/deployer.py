@@ -46,7 +46,8 @@ class Deployer(DeployerV04):
       workdir: where logs, metrics and checkpoints go; ``None`` writes nothing.
       run_tensorboard: also write TensorBoard event files under ``workdir/tensorboard``.
       n_processes, host0_address, host0_port, process_id: a multi-host run over bare IPs.
-      n_local_devices: use only this many devices of this process.
+      n_local_devices: use only this many devices of this process (a cap per process; the
+        mesh is every process's devices together, the count ``redco plan --devices`` plans for).
       sharding_rules: name of the rule-set plugin behind ``get_sharding_rules`` (``auto``,
         ``auto-names``: ``auto`` from parameter names only, for a model the dataflow walker
         cannot follow; ``fsdp``, ``auto+fsdp``, ``replicate``, or a third party's), or your own

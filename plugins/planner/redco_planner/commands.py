@@ -1,7 +1,10 @@
 """``redco rules`` and ``redco plan``: the two subcommands this plugin adds to the ``redco`` CLI.
 
 Both work on abstract shapes over simulated CPU devices (``--devices``), so any machine can plan
-for any cluster. ``simulate_devices`` must run before jax starts its backends: ``redco`` imports
+for any cluster. ``--devices`` is the size of the mesh planned for, every process's devices
+together; it is not ``Deployer(n_local_devices=)``, which caps how many of its own real devices
+one process of a run uses (the commands pass it so because their one process holds the whole
+simulated mesh). ``simulate_devices`` must run before jax starts its backends: ``redco`` imports
 jax but starts nothing, so each command calls it first thing in ``run``, and imports the rest
 (Deployer, the planner, the models) only then. Building the CLI imports this module alone.
 """
@@ -22,6 +25,9 @@ MODEL_HELP = ("llama-tiny, llama-1b, llama-7b, llama-13b, llama-30b, llama-65b; 
               "gemma-3-1b, gemma-3-4b, gemma-3-12b, gemma-3-27b, phi-4-mini; or module:function "
               "returning params, (params, trace_fn) or (params, trace_fn, loss_fn)")
 COMPUTE_DTYPES = ("float32", "bfloat16")
+DEVICES_HELP = ("the devices the plan is for, every process's together (the mesh's size), "
+                "simulated on CPU; not Deployer's n_local_devices, which caps the devices one "
+                "process of a run uses")
 
 
 def simulate_devices(n: int) -> None:
@@ -48,7 +54,7 @@ class RulesCommand(Command):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("model", help=MODEL_HELP)
         parser.add_argument("--n_model_shards", type=int, default=2)
-        parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
+        parser.add_argument("--devices", type=int, default=8, help=DEVICES_HELP)
         parser.add_argument("--rules", default="auto", help="rule set: auto, fsdp, auto+fsdp, ...")
         parser.add_argument("--png", help="also draw the plan to this PNG (needs matplotlib)")
         parser.add_argument("--json", action="store_true", help="print JSON")
@@ -113,7 +119,7 @@ class PlanCommand(Command):
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--model", required=True, help=MODEL_HELP)
-        parser.add_argument("--devices", type=int, required=True, help="simulated CPU devices")
+        parser.add_argument("--devices", type=int, required=True, help=DEVICES_HELP)
         parser.add_argument("--device_memory", "--device-memory", required=True,
                             help="per device, e.g. 40GB (GiB)")
         parser.add_argument("--seq_len", "--seq-len", type=int, default=1024)

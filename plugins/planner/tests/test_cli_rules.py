@@ -118,3 +118,17 @@ def test_plan_argument_errors_name_flags_by_their_shown_spelling(capsys):
                       "--lora-rnak", "8").endswith("(did you mean --lora_rank?)")
     assert error_line("plan", "--model", "m", "--devices", "8").endswith(
         "the following arguments are required: --device_memory")
+
+
+def test_devices_says_it_is_the_whole_mesh_not_n_local_devices():
+    """``--devices`` (of both commands) and ``Deployer(n_local_devices=)`` are two concepts (the
+    mesh planned for; a per-process cap), and the help of each says which."""
+    import argparse
+
+    from redco_planner.commands import PlanCommand, RulesCommand
+    for command in (PlanCommand(), RulesCommand()):
+        parser = argparse.ArgumentParser()
+        command.add_arguments(parser)
+        [devices] = [a for a in parser._actions if "--devices" in a.option_strings]
+        assert "every process's together" in devices.help and "n_local_devices" in devices.help
+    assert "redco plan --devices" in Deployer.__doc__

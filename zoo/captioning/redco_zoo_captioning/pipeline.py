@@ -2,6 +2,7 @@
 is a VisionEncoderDecoder: a ViT encoder and a GPT-2 decoder that cross-attends to it."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from functools import partial
 
@@ -9,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import redco
-from redco_zoo_models import generate, runner
+from redco_zoo_models import flags, generate, runner
 from redco_zoo_models.metrics import text_scores, token_cross_entropy
+from redco_zoo_models.settings import RunConfig
 
 
 def pixels(image, size: int) -> np.ndarray:
@@ -51,31 +53,47 @@ def metric_fn(examples: list[dict], preds: list[str]) -> dict:
     return text_scores(preds, [e["caption"] for e in examples])
 
 
+@dataclasses.dataclass(frozen=True)
+class Captions:
+    """A captioning run's own settings (``RunConfig.task``): each image's caption is its
+    ``caption_column``, at most ``max_len`` tokens, decoded with ``num_beams`` beams."""
+    caption_column: str = "caption"
+    max_len: int = 32
+    num_beams: int = 4
+
+
 class CaptioningPipeline:
     description = "image captioning: train a ViT + GPT-2 VisionEncoderDecoder; ROUGE, exact match"
 
     def add_arguments(self, parser) -> None:
-        runner.add_arguments(parser)
-        runner.add_training_levers(parser)
-        parser.add_argument("--caption_column", default="caption")
-        parser.add_argument("--max_len", type=int, default=32, help="caption tokens")
-        parser.add_argument("--num_beams", type=int, default=4)
+        flags.add_arguments(parser)
+        flags.add_training_levers(parser)
+        parser.add_argument("--caption_column", default=Captions.caption_column)
+        parser.add_argument("--max_len", type=int, default=Captions.max_len, help="caption tokens")
+        parser.add_argument("--num_beams", type=int, default=Captions.num_beams)
 
     def run(self, args):
-        tokenizer = runner.load_tokenizer(args.model)
-        model, config = runner.load_model(args.model, args.from_scratch, args.jax_seed)
-        ids = dict(bos_id=config["decoder"]["bos_token_id"], eos_id=config["decoder"]["eos_token_id"],
-                   pad_id=config.get("pad_token_id") or config["decoder"]["eos_token_id"])
-        train, evaluate = ([{"image": r["image"], "caption": r[args.caption_column]} for r in part]
-                           for part in runner.split_eval(args, {"--caption_column": args.caption_column}))
-        return runner.train_and_eval(
-            args, model, (train, evaluate),
-            partial(collate_fn, tokenizer=tokenizer, image_size=config["encoder"]["image_size"],
-                    max_len=args.max_len, **ids), loss_fn,
-            pred_fn=partial(pred_fn, model=model, max_new_tokens=args.max_len,
-                            num_beams=args.num_beams, **ids),
-            output_fn=partial(runner.detokenize, tokenizer=tokenizer, eos_id=ids["eos_id"]),
-            metric_fn=metric_fn, best_metric="rougeL")
+        return train_captioning(RunConfig.of_flags(args, Captions))
+
+
+def train_captioning(config: RunConfig[Captions]):
+    """The whole captioning run of ``config``; returns the trainer."""
+    captions, source = config.task, config.source
+    tokenizer = runner.load_tokenizer(source.model)
+    model, hf = runner.load_model(source.model, source.from_scratch, config.jax_seed)
+    ids = dict(bos_id=hf["decoder"]["bos_token_id"], eos_id=hf["decoder"]["eos_token_id"],
+               pad_id=hf.get("pad_token_id") or hf["decoder"]["eos_token_id"])
+    column = captions.caption_column
+    train, evaluate = ([{"image": r["image"], "caption": r[column]} for r in part]
+                       for part in runner.split_eval(config.data, {"--caption_column": column}))
+    return runner.train_and_eval(
+        config, model, (train, evaluate),
+        partial(collate_fn, tokenizer=tokenizer, image_size=hf["encoder"]["image_size"],
+                max_len=captions.max_len, **ids), loss_fn,
+        pred_fn=partial(pred_fn, model=model, max_new_tokens=captions.max_len,
+                        num_beams=captions.num_beams, **ids),
+        output_fn=partial(runner.detokenize, tokenizer=tokenizer, eos_id=ids["eos_id"]),
+        metric_fn=metric_fn, best_metric="rougeL")
 
 
 @redco.hookimpl

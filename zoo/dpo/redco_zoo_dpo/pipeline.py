@@ -17,6 +17,7 @@ chosen reply's reward is the larger), the mean margin and the mean rewards.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from functools import partial
 
@@ -27,7 +28,8 @@ import numpy as np
 import redco
 from redco.lora import trainable_mask, without_adapters
 from redco.protocols import UsageError
-from redco_zoo_models import runner, split_model
+from redco_zoo_models import flags, runner, split_model
+from redco_zoo_models.settings import RunConfig
 from redco_zoo_sft.chat import render_chat, template_kwargs_arg
 from redco_zoo_sft.pipeline import load_chat_tokenizer
 
@@ -123,37 +125,51 @@ def add_reference_logps(trainer, model, examples: list[list[dict]],
             example["ref_logps"] = np.asarray(logps, np.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class DPOSettings:
+    """A DPO run's own settings (``RunConfig.task``): tokens per reply (prompt included), the
+    loss's ``beta`` and ``label_smoothing``, the chat template's own variables."""
+    max_len: int = 512
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    chat_template_kwargs: dict | None = None
+
+
 class DPOPipeline:
     description = ("preference optimisation (DPO) on chats: chosen and rejected replies to a "
                    "prompt; preference accuracy and margins")
 
     def add_arguments(self, parser) -> None:
-        runner.add_arguments(parser)
-        runner.add_training_levers(parser)
-        parser.add_argument("--max_len", type=int, default=512, help="tokens per reply, "
-                            "prompt included")
-        parser.add_argument("--beta", type=float, default=0.1)
-        parser.add_argument("--label_smoothing", type=float, default=0.0)
+        flags.add_arguments(parser)
+        flags.add_training_levers(parser)
+        parser.add_argument("--max_len", type=int, default=DPOSettings.max_len,
+                            help="tokens per reply, prompt included")
+        parser.add_argument("--beta", type=float, default=DPOSettings.beta)
+        parser.add_argument("--label_smoothing", type=float, default=DPOSettings.label_smoothing)
         parser.add_argument("--chat_template_kwargs", type=template_kwargs_arg, default=None,
                             help="a JSON object of the chat template's own variables, e.g. "
                             "'{\"enable_thinking\": false}' (Qwen3: the empty <think> block "
                             "before each reply is the prompt's, not counted)")
 
-    def run(self, args) -> dict:
-        tokenizer = load_chat_tokenizer(args.model)
-        model, _ = runner.load_model(args.model, args.from_scratch, args.jax_seed)
-        train, evaluate = ([render_pair(tokenizer, row, args.max_len, f"{what} row {i}",
-                                        args.chat_template_kwargs)
-                            for i, row in enumerate(part)]
-                           for part, what in zip(runner.split_eval(args), ("--train", "--eval")))
-        lora = bool(getattr(args, "lora_rank", 0))
-        trainer = runner.train_and_eval(
-            args, model, (train, evaluate), partial(collate_fn, max_len=args.max_len),
-            partial(loss_fn, beta=args.beta, label_smoothing=args.label_smoothing),
-            pred_fn=partial(pred_fn, model=model, beta=args.beta), metric_fn=metric_fn,
-            best_metric="accuracy", before_fit=None if lora else lambda t: add_reference_logps(
-                t, model, [train, evaluate], args.per_device_batch_size))
-        return trainer
+    def run(self, args):
+        return train_dpo(RunConfig.of_flags(args, DPOSettings))
+
+
+def train_dpo(config: RunConfig[DPOSettings]):
+    """The whole DPO run of ``config``; returns the trainer."""
+    dpo, source, batch_size = config.task, config.source, config.loop.per_device_batch_size
+    tokenizer = load_chat_tokenizer(source.model)
+    model, _ = runner.load_model(source.model, source.from_scratch, config.jax_seed)
+    train, evaluate = ([render_pair(tokenizer, row, dpo.max_len, f"{what} row {i}",
+                                    dpo.chat_template_kwargs)
+                        for i, row in enumerate(part)]
+                       for part, what in zip(runner.split_eval(config.data), ("--train", "--eval")))
+    return runner.train_and_eval(
+        config, model, (train, evaluate), partial(collate_fn, max_len=dpo.max_len),
+        partial(loss_fn, beta=dpo.beta, label_smoothing=dpo.label_smoothing),
+        pred_fn=partial(pred_fn, model=model, beta=dpo.beta), metric_fn=metric_fn,
+        best_metric="accuracy", before_fit=None if config.lora.rank else lambda t:
+        add_reference_logps(t, model, [train, evaluate], batch_size))
 
 
 @redco.hookimpl

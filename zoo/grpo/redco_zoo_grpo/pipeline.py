@@ -17,6 +17,7 @@ then exits 143) and at the end; a rerun of the same command resumes at the round
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from functools import partial
 
@@ -30,8 +31,9 @@ from redco.protocols import UsageError
 from redco_zoo_grpo.loss import LOSS_TYPES, average, token_logps_and_experts, token_losses
 from redco_zoo_grpo.rewards import BUILT_IN, load_reward_fn
 from redco_zoo_grpo.rollout import GRPO, GRPOConfig, left_pad
-from redco_zoo_models import generate, moe_optimizer, runner
+from redco_zoo_models import flags, generate, moe_optimizer, runner
 from redco_zoo_models.metrics import with_experts
+from redco_zoo_models.settings import Loop, RunConfig, check_config
 from redco_zoo_sft.chat import render_prompt, template_kwargs_arg
 from redco_zoo_sft.pipeline import load_chat_tokenizer
 
@@ -76,39 +78,53 @@ def prompt_examples(tokenizer, parts: tuple[list, list], column: str, max_len: i
                  for ids, rows in zip(rendered, parts))
 
 
+@dataclasses.dataclass(frozen=True)
+class GRPORun:
+    """A GRPO run's own settings (``RunConfig.task``): the prompts (``prompt_column``, rendered
+    to at most ``max_prompt_len`` tokens with the chat template's ``chat_template_kwargs``), the
+    ``reward`` function, what is sampled and how the loss weighs it (``algorithm``), and the
+    rounds: ``prompts_per_round`` prompts each, ``n_rounds`` of them (None: ``n_epochs``
+    passes over the prompts), an evaluation every ``eval_every_n_rounds``; rollouts on the
+    engine with ``engine_rows`` sequences at once (0: ``pred_fn``'s fixed-batch sampler)."""
+    prompt_column: str = "prompt"
+    reward: str = "exact_match"
+    max_prompt_len: int = 256
+    chat_template_kwargs: dict | None = None
+    algorithm: GRPOConfig = GRPOConfig()
+    prompts_per_round: int = 16
+    engine_rows: int = 32
+    n_rounds: int | None = None
+    eval_every_n_rounds: int = 10
+
+
 def add_grpo_arguments(parser) -> None:
-    """GRPO's own flags (``GRPOConfig``'s and the rounds')."""
-    add = parser.add_argument
-    add("--prompt_column", default="prompt")
-    add("--reward", default="exact_match", help="the reward function: a built-in ("
+    """GRPO's own flags (``GRPORun``'s, its ``GRPOConfig``'s among them)."""
+    add, run, algo = parser.add_argument, GRPORun, GRPOConfig
+    add("--prompt_column", default=run.prompt_column)
+    add("--reward", default=run.reward, help="the reward function: a built-in ("
         + ", ".join(BUILT_IN) + "), module:function or path/to/file.py:function")
-    add("--max_prompt_len", type=int, default=256, help="tokens of a rendered prompt, at most")
+    add("--max_prompt_len", type=int, default=run.max_prompt_len, help="tokens of a rendered prompt, at most")
     add("--chat_template_kwargs", type=template_kwargs_arg, default=None, help="a JSON object of "
         "the chat template's own variables, e.g. '{\"enable_thinking\": false}' (Qwen3: prompts "
         "end with an empty <think> block, so the model answers without reasoning)")
-    add("--n_samples", type=int, default=8, help="completions per prompt (G)")
-    add("--max_new_tokens", type=int, default=64)
-    add("--temperature", type=float, default=1.0)
-    add("--top_k", type=int, default=0)
-    add("--top_p", type=float, default=1.0)
-    add("--loss_type", choices=LOSS_TYPES, default="grpo")
-    add("--clip_low", type=float, default=0.2)
-    add("--clip_high", type=float, default=0.2, help="DAPO's clip-higher: e.g. 0.28")
-    add("--beta", type=float, default=0.0, help="weight of the KL penalty to the reference")
-    add("--n_updates", type=int, default=1, help="epochs over each round's samples (mu)")
-    add("--prompts_per_round", type=int, default=16)
-    add("--engine_rows", type=int, default=32, help="rollouts on the continuous-batching engine "
+    add("--n_samples", type=int, default=algo.n_samples, help="completions per prompt (G)")
+    add("--max_new_tokens", type=int, default=algo.max_new_tokens)
+    add("--temperature", type=float, default=algo.temperature)
+    add("--top_k", type=int, default=algo.top_k)
+    add("--top_p", type=float, default=algo.top_p)
+    add("--loss_type", choices=LOSS_TYPES, default=algo.loss_type)
+    add("--clip_low", type=float, default=algo.clip_low)
+    add("--clip_high", type=float, default=algo.clip_high, help="DAPO's clip-higher: e.g. 0.28")
+    add("--beta", type=float, default=algo.beta, help="weight of the KL penalty to the "
+        "reference")
+    add("--n_updates", type=int, default=algo.n_updates, help="epochs over each round's "
+        "samples (mu)")
+    add("--prompts_per_round", type=int, default=run.prompts_per_round)
+    add("--engine_rows", type=int, default=run.engine_rows, help="rollouts on the continuous-batching engine "
         "with this many sequences at once (redco_zoo_models.engine); 0: pred_fn's fixed-batch "
         "sampler")
     add("--n_rounds", type=int, help="default: --n_epochs passes over the prompts")
-    add("--eval_every_n_rounds", type=int, default=10)
-
-
-def config_of(args) -> GRPOConfig:
-    return GRPOConfig(n_samples=args.n_samples, max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                      loss_type=args.loss_type, clip_low=args.clip_low,
-                      clip_high=args.clip_high, beta=args.beta, n_updates=args.n_updates)
+    add("--eval_every_n_rounds", type=int, default=run.eval_every_n_rounds)
 
 
 def check_context(model, prompt_width: int, max_new_tokens: int) -> None:
@@ -120,57 +136,58 @@ def check_context(model, prompt_width: int, max_new_tokens: int) -> None:
                          "lower --max_new_tokens or --max_prompt_len.")
 
 
-def rounds_of(args, deployer: Deployer, n_prompts: int) -> int:
+def rounds_of(run: GRPORun, loop: Loop, deployer: Deployer, n_prompts: int) -> int:
     """How many rounds to run; refused early where a round's samples fill no minibatch."""
-    n_rounds = args.n_rounds or args.n_epochs * n_prompts // args.prompts_per_round
-    n_samples = args.prompts_per_round * args.n_samples
-    if n_samples % deployer.get_global_batch_size(args.per_device_batch_size) or n_rounds < 1:
+    n_rounds = run.n_rounds or loop.n_epochs * n_prompts // run.prompts_per_round
+    n_samples = run.prompts_per_round * run.algorithm.n_samples
+    minibatch = deployer.get_global_batch_size(loop.per_device_batch_size)
+    if n_samples % minibatch or n_rounds < 1:
         raise UsageError(
-            f"A round's {args.prompts_per_round} prompts x {args.n_samples} samples must split "
-            f"into minibatches of {deployer.get_global_batch_size(args.per_device_batch_size)} "
+            f"A round's {run.prompts_per_round} prompts x {run.algorithm.n_samples} samples must "
+            f"split into minibatches of {minibatch} "
             f"(--per_device_batch_size x {deployer.dp_size} data-parallel devices), and there "
             f"must be a round (got {n_rounds}): change --prompts_per_round or "
             "--per_device_batch_size, or give --n_rounds.")
-    if args.max_steps is not None:  # whole rounds of the same number of updates each
-        per_round = n_samples // deployer.get_global_batch_size(args.per_device_batch_size) \
-            * args.n_updates
-        if args.max_steps % per_round:
-            raise UsageError(f"--max_steps {args.max_steps}: GRPO trains whole rounds of "
+    if loop.max_steps is not None:  # whole rounds of the same number of updates each
+        per_round = n_samples // minibatch * run.algorithm.n_updates
+        if loop.max_steps % per_round:
+            raise UsageError(f"--max_steps {loop.max_steps}: GRPO trains whole rounds of "
                              f"{per_round} updates each; give a multiple of {per_round}, or "
                              "--n_rounds.")
-        n_rounds = min(n_rounds, args.max_steps // per_round)
+        n_rounds = min(n_rounds, loop.max_steps // per_round)
     return n_rounds
 
 
-def train(args) -> list[float]:
+def train(config: RunConfig[GRPORun]) -> list[float]:
     """The whole run; returns the greedy held-out rewards (before, during and after)."""
-    if args.n_model_shards == "auto":
+    check_config(config, "train")
+    run, loop, source, seed = config.task, config.loop, config.source, config.jax_seed
+    if config.layout.n_model_shards == "auto":
         raise UsageError("--n_model_shards auto: a GRPO run sizes its rounds by the data-parallel "
                          "size before anything trains, so the layout planner cannot pick it yet; "
                          "give a number of devices.")
-    tokenizer = load_chat_tokenizer(args.model)
-    config, reward_fn = config_of(args), load_reward_fn(args.reward)
-    model, _ = runner.load_model(args.model, args.from_scratch, args.jax_seed)
+    tokenizer = load_chat_tokenizer(source.model)
+    algorithm, reward_fn = run.algorithm, load_reward_fn(run.reward)
+    model, _ = runner.load_model(source.model, source.from_scratch, seed)
     prompts, held_out = prompt_examples(tokenizer, runner.split_eval(
-        args, {"--prompt_column": args.prompt_column}), args.prompt_column, args.max_prompt_len,
-        args.chat_template_kwargs)
-    check_context(model, len(prompts[0][0]["prompt_ids"]), args.max_new_tokens)
-    deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
-                        workdir=args.workdir)
-    n_rounds = rounds_of(args, deployer, len(prompts[0]))
-    apply_fn, params, trainable = runner.split_for_training(model, args, deployer)
-    lr = deployer.get_lr_schedule_fn(n_rounds * args.prompts_per_round * args.n_samples,
-                                     args.per_device_batch_size, args.n_updates,
-                                     args.learning_rate, warmup_rate=args.warmup_rate)
+        config.data, {"--prompt_column": run.prompt_column}), run.prompt_column,
+        run.max_prompt_len, run.chat_template_kwargs)
+    check_context(model, len(prompts[0][0]["prompt_ids"]), algorithm.max_new_tokens)
+    deployer = runner.deployer_of(config)
+    n_rounds = rounds_of(run, loop, deployer, len(prompts[0]))
+    apply_fn, params, trainable = runner.split_for_training(model, config.lora, seed, deployer)
+    lr = deployer.get_lr_schedule_fn(n_rounds * run.prompts_per_round * algorithm.n_samples,
+                                     loop.per_device_batch_size, algorithm.n_updates,
+                                     config.optimizer.learning_rate,
+                                     warmup_rate=config.optimizer.warmup_rate)
     optimizer = moe_optimizer(optax.adamw(lr), model)  # (an MoE bias: balancing.py)
-    trainer = Trainer(deployer, collate_fn, apply_fn, partial(loss_fn, **config.loss_kwargs()),
+    trainer = Trainer(deployer, collate_fn, apply_fn, partial(loss_fn, **algorithm.loss_kwargs()),
                       params, optimizer, lr_schedule_fn=lr, trainable=trainable)
-    grpo = GRPO(trainer, model, tokenizer, pred_fn, reward_fn, config, args.per_device_batch_size,
-                args.engine_rows)
-    rewards = grpo.train(prompts, held_out, args.prompt_column, n_rounds, args.prompts_per_round,
-                         args.eval_every_n_rounds, args.jax_seed,
-                         save_every_n_steps=args.save_every_n_steps)
-    runner.save_trained(trainer, model, args.model)
+    grpo = GRPO(trainer, model, tokenizer, pred_fn, reward_fn, algorithm,
+                loop.per_device_batch_size, run.engine_rows)
+    rewards = grpo.train(prompts, held_out, run.prompt_column, n_rounds, run.prompts_per_round,
+                         run.eval_every_n_rounds, seed, save_every_n_steps=loop.save_every_n_steps)
+    runner.save_trained(trainer, model, source.model)
     return rewards
 
 
@@ -179,11 +196,11 @@ class GRPOPipeline:
                    "advantages, the clipped loss (GRPO, Dr. GRPO or DAPO); greedy reward")
 
     def add_arguments(self, parser) -> None:
-        runner.add_arguments(parser, planner=False)
+        flags.add_arguments(parser, planner=False)
         add_grpo_arguments(parser)
 
     def run(self, args) -> float:
-        return train(args)[-1]
+        return train(RunConfig.of_flags(args, GRPORun))[-1]
 
 
 @redco.hookimpl

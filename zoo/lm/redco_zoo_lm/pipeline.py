@@ -8,15 +8,18 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 import redco
 from redco.cli_parser import BooleanFlag
 from redco.protocols import UsageError
 from redco_zoo_lm.packing import hold_out
+from redco_zoo_lm.settings import LMData
 from redco_zoo_lm.token_data import is_token_data, manifest_of, parse_sources, token_files, token_rows
 from redco_zoo_lm.tokenizing import TokenizeCommand
-from redco_zoo_models import generate, runner
+from redco_zoo_models import flags, generate, runner
 from redco_zoo_models.metrics import logits_and_experts, with_experts
+from redco_zoo_models.settings import Data, ModelSource, RunConfig
 
 
 def collate_fn(examples: list[dict]) -> dict:
@@ -73,67 +76,77 @@ class LMPipeline:
 
     def add_arguments(self, parser) -> None:
         add_lm_arguments(parser)
-        runner.add_training_levers(parser)
+        flags.add_training_levers(parser)
 
     def run(self, args) -> float:
-        model, config = load_lm(args)
-        examples = lm_examples(args, config)
-        trainer = runner.train_and_eval(args, model, examples, collate_fn, loss_fn,
-                                        tokenizer=args.tokenizer)
-        perplexity = math.exp(trainer.eval_loss(examples[1], args.per_device_batch_size,
-                                                max_batches=runner.eval_batches(args)))
-        trainer.deployer.log_info(f"eval perplexity {perplexity:.3f}")
-        return perplexity
+        return train_lm(RunConfig.of_flags(args, LMData))
+
+
+def train_lm(config: RunConfig[LMData]) -> float:
+    """The whole LM run of ``config``; returns the held-out perplexity."""
+    model, model_config = load_lm(config)
+    examples = lm_examples(config, model_config)
+    trainer = runner.train_and_eval(config, model, examples, collate_fn, loss_fn,
+                                    tokenizer=config.task.tokenizer)
+    perplexity = math.exp(trainer.eval_loss(examples[1], config.loop.per_device_batch_size,
+                                            max_batches=runner.eval_batches(config.loop)))
+    trainer.deployer.log_info(f"eval perplexity {perplexity:.3f}")
+    return perplexity
 
 
 def add_lm_arguments(parser) -> None:
-    """The LM's flags: every pipeline's (``runner.add_arguments``) and its data's."""
-    runner.add_arguments(parser)
-    parser.add_argument("--block_size", type=int, default=128, help="tokens per example (a "
+    """The LM's flags: every pipeline's (``flags.add_arguments``) and its data's."""
+    flags.add_arguments(parser)
+    parser.add_argument("--block_size", type=int, default=LMData.block_size, help="tokens per example (a "
                         "row of packed documents holds one more)")
-    parser.add_argument("--text_column", default="text")
+    parser.add_argument("--text_column", default=LMData.text_column)
     parser.add_argument("--tokenizer", help="a tokenizer.json (default: --model's)")
     parser.add_argument("--eos_id", type=int, help="a token file's (.bin) end-of-document "
                         "id (default: its manifest's, else config.json's eos_token_id)")
     parser.add_argument("--token_dtype", choices=["uint16", "uint32"], help="the ids' type "
                         "in a token file (default: its manifest's, else uint16)")
-    parser.add_argument("--pack", action=BooleanFlag, default=True,
+    parser.add_argument("--pack", action=BooleanFlag, default=LMData.pack,
                         help="pack a token file's documents into full rows (--no_pack: a "
                         "document a row, padded)")
 
 
-def load_lm(args):
-    """``(model, config)``: ``--model`` trained, or untrained with ``--from_scratch`` (of its
-    config.json, or a preset sized to the data's vocabulary)."""
-    return runner.load_model(args.model, args.from_scratch, args.jax_seed, **scratch_fields(args))
+def load_lm(config: RunConfig[LMData]) -> tuple[nnx.Module, dict]:
+    """``(model, its config.json)``: ``--model`` trained, or untrained with ``from_scratch``
+    (of its config.json, or a preset sized to the data's vocabulary)."""
+    source = config.source
+    return runner.load_model(source.model, source.from_scratch, config.jax_seed,
+                             **scratch_fields(source, config.task, config.data))
 
 
-def lm_examples(args, config: dict) -> tuple[Sequence, Sequence]:
+def lm_examples(config: RunConfig[LMData], model_config: dict) -> tuple[Sequence, Sequence]:
     """``(train, eval)``: token files with their documents packed into rows
     (``redco_zoo_lm/token_data.py``; without ``--eval``, every 20th row held out), or text cut
-    into blocks of ``--block_size`` (without ``--eval``, the last 5% of ``--train``)."""
-    if is_token_data(args.train):
-        train = token_rows(args.train, args, config)
-        return (train, token_rows(args.eval, args, config)) if args.eval else hold_out(train)
-    tokenizer = runner.load_tokenizer(args.tokenizer or args.model)
-    parts = runner.split_eval(args, {"--text_column": args.text_column})
-    return tuple(text_blocks([r[args.text_column] for r in part], tokenizer, args.block_size, what)
+    into blocks of ``block_size`` (without ``--eval``, the last 5% of ``--train``), tokenized
+    by ``--tokenizer`` or the model's."""
+    data, lm = config.data, config.task
+    if is_token_data(data.train):
+        train = token_rows(data.train, lm, config.jax_seed, model_config)
+        return (train, token_rows(data.eval, lm, config.jax_seed, model_config)) if data.eval \
+            else hold_out(train)
+    tokenizer = runner.load_tokenizer(lm.tokenizer or config.source.model)
+    parts = runner.split_eval(data, {"--text_column": lm.text_column})
+    return tuple(text_blocks([r[lm.text_column] for r in part], tokenizer, lm.block_size, what)
                  for part, what in zip(parts, ("--train", "--eval (or the last 5% of --train)")))
 
 
-def scratch_fields(args) -> dict:
-    """A preset's field that the data decides: the vocabulary (of ``--tokenizer``, else of the
-    first token file's manifest)."""
-    if not args.from_scratch or os.path.isdir(args.model):
+def scratch_fields(source: ModelSource, lm: LMData, data: Data) -> dict:
+    """A preset's field that the data decides: the vocabulary (of ``lm.tokenizer``, else of
+    the first token file's manifest)."""
+    if not source.from_scratch or os.path.isdir(source.model):
         return {}
-    if args.tokenizer:
-        tokenizer = runner.load_tokenizer(args.tokenizer)
+    if lm.tokenizer:
+        tokenizer = runner.load_tokenizer(lm.tokenizer)
         return {"vocab_size": tokenizer.get_vocab_size()}
-    files = token_files(next(iter(parse_sources(args.train)))) if is_token_data(args.train) \
+    files = token_files(next(iter(parse_sources(data.train)))) if is_token_data(data.train) \
         else []
     manifest = manifest_of(files[0]) if files else {}
     if "vocab_size" not in manifest:
-        raise UsageError(f"--model {args.model} --from_scratch: say which vocabulary with "
+        raise UsageError(f"--model {source.model} --from_scratch: say which vocabulary with "
                          "--tokenizer tokenizer.json (or train on a token file made by redco "
                          "tokenize, whose manifest names it).")
     return {"vocab_size": manifest["vocab_size"]}

@@ -1,9 +1,9 @@
-"""What every zoo pipeline's command line shares: the usual flags, local data through
-``datasets``, local tokenizers, and the run (``Deployer`` + ``Trainer`` + ``Predictor``, then
-the trained model saved as a HuggingFace directory)."""
+"""What every zoo pipeline's run shares: local data through ``datasets``, local tokenizers, and
+the run (``Deployer`` + ``Trainer`` + ``Predictor``, then the trained model saved as a
+HuggingFace directory). It takes the typed settings (``settings.RunConfig``, or the group a
+function needs), never argparse's namespace: the flags are ``flags.py``'s."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -16,7 +16,7 @@ from flax import nnx
 
 from redco import Deployer, Trainer
 from redco.checkpointing import host_tree
-from redco.lora import DEFAULT_TARGETS, n_params, trainable_mask
+from redco.lora import n_params, trainable_mask
 from redco.protocols import UsageError
 from redco_zoo_models import expert_parallel
 from redco_zoo_models.balancing import moe_optimizer
@@ -25,6 +25,7 @@ from redco_zoo_models.llama import LLAMA_PRESETS, LlamaConfig
 from redco_zoo_models.lora import add_lora, has_lora, save_peft_adapters
 from redco_zoo_models.nnx_utils import split_model
 from redco_zoo_models.presets import PRESETS, preset
+from redco_zoo_models.settings import Data, Loop, LoRA, Optimizer, RunConfig, check_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
@@ -32,87 +33,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 DATA_KINDS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
 
 
-def add_arguments(parser: argparse.ArgumentParser, planner: bool = True) -> None:
-    """The flags every pipeline takes (``planner``: one that lets the layout planner pick
-    ``--n_model_shards``, and takes ``--device_memory`` for it)."""
-    parser.add_argument("--model", required=True, help="a local HuggingFace model directory "
-                        "(config.json, model.safetensors, tokenizer.json); with --from_scratch "
-                        "its config.json alone, or a preset by name: a published decoder ("
-                        + ", ".join(PRESETS) + ") or a LLaMA shape ("
-                        + ", ".join(LLAMA_PRESETS) + ")")
-    parser.add_argument("--from_scratch", action="store_true", help="start from random weights "
-                        "(of --model's config.json or preset) instead of trained ones")
-    parser.add_argument("--train", required=True, help="training data: a .json, .jsonl, .csv or "
-                        ".txt file, or a folder of images with metadata.jsonl")
-    parser.add_argument("--eval", help="evaluation data (default: 5%% of --train)")
-    parser.add_argument("--eval_steps", type=int, default=100, help="evaluate on at most this "
-                        "many batches, the first of the evaluation data (a cut is said in the "
-                        "log; 0: all of it)")
-    parser.add_argument("--workdir", default="./workdir")
-    auto = ", or auto: the layout planner picks it (and FSDP, remat) by compiling the step " \
-        "(redco-planner)" if planner else ""
-    parser.add_argument("--n_model_shards", type=model_shards, default=1, help="devices each "
-                        "model is split over (tensor parallelism)" + auto)
-    if planner:
-        parser.add_argument("--device_memory", help="memory of one device for --n_model_shards "
-                            "auto, e.g. 16GB (read from the device on GPUs and TPUs)")
-    parser.add_argument("--per_device_batch_size", type=int, default=8)
-    parser.add_argument("--n_epochs", type=int, default=2)
-    parser.add_argument("--max_steps", type=int, help="train this many updates, across epochs "
-                        "(instead of --n_epochs)")
-    parser.add_argument("--learning_rate", type=float, default=1e-4)
-    parser.add_argument("--warmup_rate", type=float, default=0.05)
-    parser.add_argument("--save_every_n_steps", type=int)
-    parser.add_argument("--jax_seed", type=int, default=42)
-    parser.add_argument("--lora_rank", type=int, default=0, help="train LoRA adapters of this "
-                        "rank on a frozen model (0: train the whole model)")
-    parser.add_argument("--lora_alpha", type=float, default=16.0,
-                        help="LoRA scale numerator: the adapters add (alpha / rank) * A @ B")
-    parser.add_argument("--lora_targets", default=DEFAULT_TARGETS, help="regex selecting the "
-                        "kernels to adapt (default: attention and MLP projections)")
-
-
-def add_training_levers(parser: argparse.ArgumentParser) -> None:
-    """The flags of what ``train_and_eval`` builds (a pipeline that trains through it)."""
-    from redco.remat import POLICIES
-    from redco.sequence_split import STRATEGIES
-    parser.add_argument("--n_context_shards", type=int, default=1, help="split each sequence "
-                        "over this many devices (context parallelism, for long rows)")
-    parser.add_argument("--context_strategy", choices=STRATEGIES, default=STRATEGIES[0])
-    parser.add_argument("--expert_parallel", action="store_true", help="split each MoE block's "
-                        "experts over the data-parallel devices (expert parallelism): tokens "
-                        "go to their experts' devices and back")
-    parser.add_argument("--remat", choices=list(POLICIES), default="none", help="recompute "
-                        "activations in the backward pass instead of keeping them (full: least "
-                        "memory)")
-    parser.add_argument("--compute_dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="the dtype of the forward and backward pass (params stay float32)")
-    parser.add_argument("--accumulate_grad_batches", type=int, default=1, help="micro-batches "
-                        "summed into each update")
-    parser.add_argument("--weight_decay", type=float, default=1e-4, help="AdamW's")
-    parser.add_argument("--max_grad_norm", type=float, help="clip the gradient to this global "
-                        "norm (default: no clipping)")
-    parser.add_argument("--schedule", choices=["linear", "cosine"], default="linear",
-                        help="the learning rate's decay after warmup")
-    parser.add_argument("--eval_every_n_steps", type=int, help="also evaluate every N updates")
-
-
-def model_shards(value: str) -> int | str:
-    """``--n_model_shards``: a number of devices, or ``auto``."""
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r}: give a number of devices, or auto") from None
-
-
-def optimizer_of(args, lr) -> optax.GradientTransformation:
-    """AdamW with ``--weight_decay`` after clipping to ``--max_grad_norm`` (where given)."""
-    adamw = optax.adamw(lr, weight_decay=getattr(args, "weight_decay", 1e-4))
-    if getattr(args, "max_grad_norm", None) is None:
+def optimizer_of(optimizer: Optimizer, lr) -> optax.GradientTransformation:
+    """AdamW with ``weight_decay`` after clipping to ``max_grad_norm`` (where given)."""
+    adamw = optax.adamw(lr, weight_decay=optimizer.weight_decay)
+    if optimizer.max_grad_norm is None:
         return adamw
-    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), adamw)
+    return optax.chain(optax.clip_by_global_norm(optimizer.max_grad_norm), adamw)
 
 
 def load_examples(path: str) -> list[dict]:
@@ -189,74 +115,85 @@ def load_model(model: str, from_scratch: bool = False, seed: int = 0,
     return model_class(model_class.config_class.from_hf(config), rngs=nnx.Rngs(seed)), config
 
 
-def n_epochs_and_schedule(args, deployer: Deployer, n_train: int) -> tuple[int | None, Any]:
-    """``(n_epochs, lr schedule)``: ``--n_epochs`` of ``n_train`` examples, or, with
-    ``--max_steps``, no epoch count and a schedule over that many updates."""
+def n_epochs_and_schedule(loop: Loop, optimizer: Optimizer, deployer: Deployer,
+                          n_train: int) -> tuple[int | None, Any]:
+    """``(n_epochs, lr schedule)``: ``loop.n_epochs`` of ``n_train`` examples, or, with
+    ``loop.max_steps``, no epoch count and a schedule over that many updates."""
     schedule = deployer.get_lr_schedule_fn(
-        n_train, args.per_device_batch_size, args.n_epochs, args.learning_rate,
-        schedule_type=getattr(args, "schedule", "linear"), warmup_rate=args.warmup_rate,
-        accumulate_grad_batches=getattr(args, "accumulate_grad_batches", 1),
-        max_steps=args.max_steps or None)
-    return (None if args.max_steps else args.n_epochs), schedule
+        n_train, loop.per_device_batch_size, loop.n_epochs, optimizer.learning_rate,
+        schedule_type=optimizer.schedule, warmup_rate=optimizer.warmup_rate,
+        accumulate_grad_batches=loop.accumulate_grad_batches, max_steps=loop.max_steps or None)
+    return (None if loop.max_steps else loop.n_epochs), schedule
 
 
-def train_and_eval(args, model: nnx.Module, examples: tuple[list, list], collate_fn: Callable,
+def deployer_of(config: RunConfig) -> Deployer:
+    """The run's ``Deployer``: its seed, workdir and layout."""
+    layout = config.layout
+    return Deployer(jax_seed=config.jax_seed, n_model_shards=layout.n_model_shards,
+                    workdir=config.workdir, n_context_shards=layout.n_context_shards,
+                    context_strategy=layout.context_strategy,
+                    device_memory=layout.device_memory)
+
+
+def train_and_eval(config: RunConfig, model: nnx.Module, examples: tuple[list, list],
+                   collate_fn: Callable,
                    loss_fn: Callable, pred_fn: Callable | None = None,
                    output_fn: Callable | None = None, metric_fn: Callable | None = None,
                    best_metric: str | None = None, tokenizer: str | None = None,
                    before_fit: Callable[[Trainer], Any] | None = None) -> Any:
     """Train ``model`` on ``examples = (train, eval)`` with the three functions and the levers
-    of ``add_training_levers`` (which the pipeline's parser must have); evaluate after each
-    epoch; save the trained model as ``workdir/model`` (HuggingFace format, with the
-    tokenizer files of ``args.model``, or the ``tokenizer.json`` file ``tokenizer``).
-    ``before_fit(trainer)`` runs once the trainer is made (e.g. a pass over the examples with
-    the untrained params). Returns the trainer."""
+    of ``config`` (its layout, optimizer, loop and LoRA); evaluate after each epoch; save the
+    trained model as ``workdir/model`` (HuggingFace format, with the tokenizer files of the
+    model's directory, or the ``tokenizer.json`` file ``tokenizer``). ``before_fit(trainer)``
+    runs once the trainer is made (e.g. a pass over the examples with the untrained params).
+    Returns the trainer."""
+    check_config(config, "train_and_eval")
     train, evaluate = examples
-    deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
-                        workdir=args.workdir, n_context_shards=args.n_context_shards,
-                        context_strategy=args.context_strategy,
-                        device_memory=getattr(args, "device_memory", None))
-    apply_fn, params, trainable = split_for_training(model, args, deployer)
-    n_epochs, lr = n_epochs_and_schedule(args, deployer, len(train))
+    deployer, layout, loop = deployer_of(config), config.layout, config.loop
+    apply_fn, params, trainable = split_for_training(model, config.lora, config.jax_seed,
+                                                     deployer)
+    n_epochs, lr = n_epochs_and_schedule(loop, config.optimizer, deployer, len(train))
     rules = None
-    if getattr(args, "expert_parallel", False):
+    if layout.expert_parallel:
         apply_fn, rules = expert_parallel.for_trainer(apply_fn, params, deployer)
-    optimizer = moe_optimizer(optimizer_of(args, lr), model)  # (a sigmoid router's bias)
+    optimizer = moe_optimizer(optimizer_of(config.optimizer, lr), model)  # (a router's bias)
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optimizer,
                       params_sharding_rules=rules,
-                      lr_schedule_fn=lr, trainable=trainable, remat=args.remat,
-                      compute_dtype=None if args.compute_dtype == "float32" else jnp.bfloat16,
-                      accumulate_grad_batches=args.accumulate_grad_batches)
+                      lr_schedule_fn=lr, trainable=trainable, remat=layout.remat,
+                      compute_dtype=None if layout.compute_dtype == "float32" else jnp.bfloat16,
+                      accumulate_grad_batches=loop.accumulate_grad_batches)
     predictor = pred_fn and trainer.get_default_predictor(pred_fn, output_fn)
     if before_fit is not None:
         before_fit(trainer)
-    trainer.fit(train, args.per_device_batch_size, n_epochs, max_steps=args.max_steps,
+    trainer.fit(train, loop.per_device_batch_size, n_epochs, max_steps=loop.max_steps,
                 eval_examples=evaluate,
                 eval_predictor=predictor, eval_metric_fn=metric_fn,
-                save_every_n_steps=args.save_every_n_steps, max_eval_batches=eval_batches(args),
-                eval_every_n_steps=args.eval_every_n_steps,
+                save_every_n_steps=loop.save_every_n_steps, max_eval_batches=eval_batches(loop),
+                eval_every_n_steps=loop.eval_every_n_steps,
                 save_argmax_ckpt_by_metrics=[best_metric] if best_metric else None)
-    save_trained(trainer, model, args.model, tokenizer)
+    save_trained(trainer, model, config.source.model, tokenizer)
     return trainer
 
 
-def eval_batches(args) -> int | None:
-    """``--eval_steps`` as ``fit``'s ``max_eval_batches`` (0: None, all of them)."""
-    if args.eval_steps < 0:
-        raise UsageError(f"--eval_steps {args.eval_steps}: give the number of batches to "
+def eval_batches(loop: Loop) -> int | None:
+    """``loop.eval_steps`` as ``fit``'s ``max_eval_batches`` (0: None, all of them)."""
+    if loop.eval_steps < 0:
+        raise UsageError(f"--eval_steps {loop.eval_steps}: give the number of batches to "
                          "evaluate on, or 0 for all of the evaluation data.")
-    return args.eval_steps or None
+    return loop.eval_steps or None
 
 
-def split_for_training(model: nnx.Module, args, deployer: Deployer) -> tuple[Callable, Any, Any]:
-    """``(apply_fn, params, trainable)`` for ``Trainer``: with ``--lora_rank`` the model gets
-    LoRA adapters (in place, so a ``pred_fn`` holding it sees them) and only they train."""
-    if not getattr(args, "lora_rank", 0):
+def split_for_training(model: nnx.Module, lora: LoRA, seed: int,
+                       deployer: Deployer) -> tuple[Callable, Any, Any]:
+    """``(apply_fn, params, trainable)`` for ``Trainer``: with ``lora.rank`` the model gets
+    LoRA adapters drawn from ``seed`` (in place, so a ``pred_fn`` holding it sees them) and
+    only they train."""
+    if not lora.rank:
         return (*split_model(model), None)
-    add_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets, seed=args.jax_seed)
+    add_lora(model, lora.rank, lora.alpha, lora.targets, seed=seed)
     apply_fn, params = split_model(model)
     trainable = trainable_mask(params)
-    deployer.log_info(f"LoRA rank {args.lora_rank}, alpha {args.lora_alpha}: training "
+    deployer.log_info(f"LoRA rank {lora.rank}, alpha {lora.alpha}: training "
                       f"{n_params(params, trainable):,} of {n_params(params):,} params.")
     return apply_fn, params, trainable
 
@@ -285,15 +222,16 @@ def save_trained(trainer: Trainer, model: nnx.Module, model_dir: str,
     return out
 
 
-def split_eval(args, columns: dict[str, str] | None = None) -> tuple[list, list]:
-    """``(train, eval)`` rows: ``--train`` and ``--eval``, or the last 5% of ``--train``; each
-    has the ``columns`` (``{flag: column}``) or the error lists the columns it has."""
-    rows = load_examples(args.train)
+def split_eval(data: Data, columns: dict[str, str] | None = None) -> tuple[list, list]:
+    """``(train, eval)`` rows: ``data.train`` and ``data.eval``, or the last 5% of
+    ``data.train``; each has the ``columns`` (``{flag: column}``) or the error lists the
+    columns it has."""
+    rows = load_examples(data.train)
     for flag, name in (columns or {}).items():
         if rows and name not in rows[0]:
-            raise UsageError(f"{flag} {name!r}: {args.train} has no such column. Its columns: "
+            raise UsageError(f"{flag} {name!r}: {data.train} has no such column. Its columns: "
                              f"{sorted(rows[0])}.")
-    if args.eval:
-        return rows, load_examples(args.eval)
+    if data.eval:
+        return rows, load_examples(data.eval)
     n = max(1, len(rows) // 20)
     return rows[:-n], rows[-n:]

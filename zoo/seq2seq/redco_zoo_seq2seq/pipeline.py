@@ -2,6 +2,7 @@
 ``redco zoo run seq2seq``. The model is an encoder-decoder such as T5 or flan-T5."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from functools import partial
 
@@ -9,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import redco
-from redco_zoo_models import generate, runner
+from redco_zoo_models import flags, generate, runner
 from redco_zoo_models.metrics import text_scores, token_cross_entropy
+from redco_zoo_models.settings import RunConfig
 
 
 def collate_fn(examples: list[dict], tokenizer, max_src_len: int, max_tgt_len: int, pad_id: int,
@@ -49,34 +51,51 @@ def metric_fn(examples: list[dict], preds: list[str]) -> dict:
     return text_scores(preds, [e["tgt"] for e in examples])
 
 
+@dataclasses.dataclass(frozen=True)
+class TextPairs:
+    """A seq2seq run's own settings (``RunConfig.task``): each row's source and target text
+    (``src_column``, ``tgt_column``), cut to ``max_src_len`` and ``max_tgt_len`` tokens; the
+    targets decoded with ``num_beams`` beams."""
+    src_column: str = "src"
+    tgt_column: str = "tgt"
+    max_src_len: int = 128
+    max_tgt_len: int = 64
+    num_beams: int = 4
+
+
 class Seq2SeqPipeline:
     description = "text-to-text: train an encoder-decoder (T5, flan-T5); ROUGE and exact match"
 
     def add_arguments(self, parser) -> None:
-        runner.add_arguments(parser)
-        runner.add_training_levers(parser)
-        parser.add_argument("--src_column", default="src")
-        parser.add_argument("--tgt_column", default="tgt")
-        parser.add_argument("--max_src_len", type=int, default=128)
-        parser.add_argument("--max_tgt_len", type=int, default=64)
-        parser.add_argument("--num_beams", type=int, default=4)
+        flags.add_arguments(parser)
+        flags.add_training_levers(parser)
+        parser.add_argument("--src_column", default=TextPairs.src_column)
+        parser.add_argument("--tgt_column", default=TextPairs.tgt_column)
+        parser.add_argument("--max_src_len", type=int, default=TextPairs.max_src_len)
+        parser.add_argument("--max_tgt_len", type=int, default=TextPairs.max_tgt_len)
+        parser.add_argument("--num_beams", type=int, default=TextPairs.num_beams)
 
     def run(self, args):
-        tokenizer = runner.load_tokenizer(args.model)
-        model, config = runner.load_model(args.model, args.from_scratch, args.jax_seed)
-        pad_id, eos_id = config["pad_token_id"], config["eos_token_id"]
-        train, evaluate = ([{"src": r[args.src_column], "tgt": r[args.tgt_column]} for r in part]
-                           for part in runner.split_eval(
-                               args, {"--src_column": args.src_column, "--tgt_column": args.tgt_column}))
-        return runner.train_and_eval(
-            args, model, (train, evaluate),
-            partial(collate_fn, tokenizer=tokenizer, max_src_len=args.max_src_len,
-                    max_tgt_len=args.max_tgt_len, pad_id=pad_id, eos_id=eos_id), loss_fn,
-            pred_fn=partial(pred_fn, model=model,
-                            max_new_tokens=args.max_tgt_len, num_beams=args.num_beams,
-                            pad_id=pad_id, eos_id=eos_id),
-            output_fn=partial(runner.detokenize, tokenizer=tokenizer, eos_id=eos_id),
-            metric_fn=metric_fn, best_metric="rougeL")
+        return train_seq2seq(RunConfig.of_flags(args, TextPairs))
+
+
+def train_seq2seq(config: RunConfig[TextPairs]):
+    """The whole seq2seq run of ``config``; returns the trainer."""
+    pairs, source = config.task, config.source
+    tokenizer = runner.load_tokenizer(source.model)
+    model, hf = runner.load_model(source.model, source.from_scratch, config.jax_seed)
+    ids = dict(pad_id=hf["pad_token_id"], eos_id=hf["eos_token_id"])
+    train, evaluate = ([{"src": r[pairs.src_column], "tgt": r[pairs.tgt_column]} for r in part]
+                       for part in runner.split_eval(config.data, {
+                           "--src_column": pairs.src_column, "--tgt_column": pairs.tgt_column}))
+    return runner.train_and_eval(
+        config, model, (train, evaluate),
+        partial(collate_fn, tokenizer=tokenizer, max_src_len=pairs.max_src_len,
+                max_tgt_len=pairs.max_tgt_len, **ids), loss_fn,
+        pred_fn=partial(pred_fn, model=model, max_new_tokens=pairs.max_tgt_len,
+                        num_beams=pairs.num_beams, **ids),
+        output_fn=partial(runner.detokenize, tokenizer=tokenizer, eos_id=ids["eos_id"]),
+        metric_fn=metric_fn, best_metric="rougeL")
 
 
 @redco.hookimpl

@@ -8,14 +8,16 @@ samples the assistant's reply after a prompt rendered with the generation prompt
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 
 import redco
 from redco.protocols import UsageError
-from redco_zoo_models import generate, runner
+from redco_zoo_models import flags, generate, runner
 from redco_zoo_models.metrics import logits_and_experts, token_cross_entropy, with_experts
+from redco_zoo_models.settings import RunConfig
 from redco_zoo_sft.chat import pack_chats, render_chat
 
 __all__ = ["collate_fn", "loss_fn", "pred_fn"]
@@ -55,12 +57,20 @@ def load_chat_tokenizer(path: str):
                          f"(tokenizer.json and tokenizer_config.json): {e}") from e
 
 
-def chat_rows(rows: list[dict], tokenizer, args, what: str) -> list[dict]:
-    """The chats of ``rows`` (``--messages_column``) rendered and packed into rows of
-    ``--max_len`` tokens."""
-    chats = [render_chat(tokenizer, row[args.messages_column], args.max_len, f"{what} row {i}")
+@dataclasses.dataclass(frozen=True)
+class SFTData:
+    """An SFT run's own settings (``RunConfig.task``): each row's chat is its
+    ``messages_column``, packed with others into rows of ``max_len`` tokens."""
+    messages_column: str = "messages"
+    max_len: int = 512
+
+
+def chat_rows(rows: list[dict], tokenizer, data: SFTData, seed: int, what: str) -> list[dict]:
+    """The chats of ``rows`` (``data.messages_column``) rendered and packed into rows of
+    ``data.max_len`` tokens, in an order drawn from ``seed``."""
+    chats = [render_chat(tokenizer, row[data.messages_column], data.max_len, f"{what} row {i}")
              for i, row in enumerate(rows)]
-    return pack_chats(chats, args.max_len, seed=args.jax_seed)
+    return pack_chats(chats, data.max_len, seed=seed)
 
 
 class SFTPipeline:
@@ -68,23 +78,31 @@ class SFTPipeline:
                    "the assistant's tokens, chats packed into rows")
 
     def add_arguments(self, parser) -> None:
-        runner.add_arguments(parser)
-        runner.add_training_levers(parser)
-        parser.add_argument("--messages_column", default="messages", help="each row's chat: a "
+        flags.add_arguments(parser)
+        flags.add_training_levers(parser)
+        parser.add_argument("--messages_column", default=SFTData.messages_column, help="each row's chat: a "
                             "list of {role, content} messages")
-        parser.add_argument("--max_len", type=int, default=512, help="tokens per packed row")
+        parser.add_argument("--max_len", type=int, default=SFTData.max_len,
+                            help="tokens per packed row")
 
     def run(self, args) -> float:
-        tokenizer = load_chat_tokenizer(args.model)
-        model, _ = runner.load_model(args.model, args.from_scratch, args.jax_seed)
-        parts = runner.split_eval(args, {"--messages_column": args.messages_column})
-        train, evaluate = (chat_rows(part, tokenizer, args, what) for part, what in
-                           zip(parts, ("--train", "--eval (or the last 5% of --train)")))
-        trainer = runner.train_and_eval(args, model, (train, evaluate), collate_fn, loss_fn)
-        loss = trainer.eval_loss(evaluate, args.per_device_batch_size,
-                                 max_batches=runner.eval_batches(args))
-        trainer.deployer.log_info(f"eval loss on the assistant's tokens {loss:.4f}")
-        return loss
+        return train_sft(RunConfig.of_flags(args, SFTData))
+
+
+def train_sft(config: RunConfig[SFTData]) -> float:
+    """The whole SFT run of ``config``; returns the held-out loss on the assistant's tokens."""
+    source = config.source
+    tokenizer = load_chat_tokenizer(source.model)
+    model, _ = runner.load_model(source.model, source.from_scratch, config.jax_seed)
+    parts = runner.split_eval(config.data, {"--messages_column": config.task.messages_column})
+    train, evaluate = (chat_rows(part, tokenizer, config.task, config.jax_seed, what)
+                       for part, what in zip(parts, ("--train",
+                                                     "--eval (or the last 5% of --train)")))
+    trainer = runner.train_and_eval(config, model, (train, evaluate), collate_fn, loss_fn)
+    loss = trainer.eval_loss(evaluate, config.loop.per_device_batch_size,
+                             max_batches=runner.eval_batches(config.loop))
+    trainer.deployer.log_info(f"eval loss on the assistant's tokens {loss:.4f}")
+    return loss
 
 
 @redco.hookimpl

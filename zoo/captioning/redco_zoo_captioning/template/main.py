@@ -15,43 +15,47 @@ from functools import partial
 import optax
 
 from redco import Deployer, Trainer
-from redco_zoo_captioning.pipeline import collate_fn, loss_fn, metric_fn, pred_fn
-from redco_zoo_models import runner, split_model
+from redco_zoo_captioning.pipeline import Captions, collate_fn, loss_fn, metric_fn, pred_fn
+from redco_zoo_models import flags, runner, split_model
+from redco_zoo_models.settings import RunConfig
 
 
-def main(args):
-    tokenizer = runner.load_tokenizer(args.model)
-    model, config = runner.load_model(args.model, args.from_scratch, args.jax_seed)
-    decoder = config["decoder"]
+def main(config: RunConfig[Captions]):
+    captions, loop, source = config.task, config.loop, config.source
+    tokenizer = runner.load_tokenizer(source.model)
+    model, hf = runner.load_model(source.model, source.from_scratch, config.jax_seed)
+    decoder = hf["decoder"]
     ids = {"bos_id": decoder["bos_token_id"], "eos_id": decoder["eos_token_id"],
-           "pad_id": config.get("pad_token_id") or decoder["eos_token_id"]}
-    train, evaluate = runner.split_eval(args)  # --eval, or the last 5% of --train
+           "pad_id": hf.get("pad_token_id") or decoder["eos_token_id"]}
+    train, evaluate = runner.split_eval(config.data)  # --eval, or the last 5% of --train
 
-    deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
-                        workdir=args.workdir, device_memory=args.device_memory)  # for auto
+    deployer = Deployer(jax_seed=config.jax_seed, n_model_shards=config.layout.n_model_shards,
+                        workdir=config.workdir, device_memory=config.layout.device_memory)
     apply_fn, params = split_model(model)
-    n_epochs, lr = runner.n_epochs_and_schedule(args, deployer, len(train))  # or --max_steps
-    trainer = Trainer(deployer, partial(collate_fn, tokenizer=tokenizer, max_len=args.max_len,
-                                        image_size=config["encoder"]["image_size"], **ids),
+    n_epochs, lr = runner.n_epochs_and_schedule(
+        loop, config.optimizer, deployer, len(train))  # or --max_steps
+    trainer = Trainer(deployer, partial(collate_fn, tokenizer=tokenizer, max_len=captions.max_len,
+                                        image_size=hf["encoder"]["image_size"], **ids),
                       apply_fn, loss_fn, params, optax.adamw(lr), lr_schedule_fn=lr)
     predictor = trainer.get_default_predictor(
-        partial(pred_fn, model=model, max_new_tokens=args.max_len, num_beams=args.num_beams,
-                **ids),
+        partial(pred_fn, model=model, max_new_tokens=captions.max_len,
+                num_beams=captions.num_beams, **ids),
         output_fn=partial(runner.detokenize, tokenizer=tokenizer, eos_id=ids["eos_id"]))
-    trainer.fit(train, args.per_device_batch_size, n_epochs, max_steps=args.max_steps,
+    trainer.fit(train, loop.per_device_batch_size, n_epochs, max_steps=loop.max_steps,
                 eval_examples=evaluate,
                 eval_predictor=predictor, eval_metric_fn=metric_fn,
-                save_every_n_steps=args.save_every_n_steps, save_argmax_ckpt_by_metrics=["rougeL"])
-    runner.save_trained(trainer, model, args.model)  # workdir/model, a HuggingFace directory
+                save_every_n_steps=loop.save_every_n_steps, save_argmax_ckpt_by_metrics=["rougeL"])
+    runner.save_trained(trainer, model, source.model)  # workdir/model, a HuggingFace directory
     return trainer
 
 
-def parse_args(argv=None):
+def parse_args(argv=None) -> RunConfig[Captions]:
+    """The command line as the run's typed settings (argparse stops here)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    runner.add_arguments(parser)  # --model --train --eval --workdir --n_model_shards --n_epochs ...
-    parser.add_argument("--max_len", type=int, default=32, help="caption tokens")
-    parser.add_argument("--num_beams", type=int, default=4)
-    return parser.parse_args(argv)
+    flags.add_arguments(parser)  # --model --train --eval --workdir --n_model_shards --n_epochs ...
+    parser.add_argument("--max_len", type=int, default=Captions.max_len, help="caption tokens")
+    parser.add_argument("--num_beams", type=int, default=Captions.num_beams)
+    return RunConfig.of_flags(parser.parse_args(argv), Captions)
 
 
 if __name__ == "__main__":

@@ -15,15 +15,17 @@ file in place of the import of ``train``. See ``redco_zoo_grpo/loss.py`` for the
 ``redco_zoo_grpo/rollout.py`` for the rounds."""
 import argparse
 
-from redco_zoo_grpo.pipeline import add_grpo_arguments, train
-from redco_zoo_models import runner
+from redco_zoo_grpo.pipeline import GRPORun, add_grpo_arguments, train
+from redco_zoo_models import flags
+from redco_zoo_models.settings import RunConfig
 
 
-def parse_args(argv=None):
+def parse_args(argv=None) -> RunConfig[GRPORun]:
+    """The command line as the run's typed settings (argparse stops here)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    runner.add_arguments(parser, planner=False)  # --model --train --eval --lora_rank --learning_rate ...
+    flags.add_arguments(parser, planner=False)  # --model --train --eval --lora_rank --learning_rate ...
     add_grpo_arguments(parser)  # --reward --n_samples --loss_type --beta --n_updates ...
-    return parser.parse_args(argv)
+    return RunConfig.of_flags(parser.parse_args(argv), GRPORun)
 
 
 if __name__ == "__main__":

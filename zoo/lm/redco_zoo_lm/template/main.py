@@ -27,30 +27,36 @@ import optax
 
 from redco import Deployer, Trainer
 from redco_zoo_lm.pipeline import add_lm_arguments, collate_fn, lm_examples, load_lm, loss_fn, pred_fn
+from redco_zoo_lm.settings import LMData
 from redco_zoo_models import moe_optimizer, runner
+from redco_zoo_models.settings import RunConfig
 
 
 def main(args):
-    model, config = load_lm(args)  # --model, or --from_scratch
-    train, evaluate = lm_examples(args, config)  # text blocks, or token files' packed rows
+    config = RunConfig.of_flags(args, LMData, strict=False)  # typed; --prompt ... are ours
+    loop, model_dir, tokenizer_file = config.loop, config.source.model, config.task.tokenizer
+    model, model_config = load_lm(config)  # --model, or --from_scratch
+    train, evaluate = lm_examples(config, model_config)  # text blocks, or token files' rows
 
-    deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
-                        workdir=args.workdir, device_memory=args.device_memory)  # for auto
-    apply_fn, params, trainable = runner.split_for_training(model, args, deployer)  # --lora_rank
-    n_epochs, lr = runner.n_epochs_and_schedule(args, deployer, len(train))  # or --max_steps
+    deployer = Deployer(jax_seed=config.jax_seed, n_model_shards=config.layout.n_model_shards,
+                        workdir=config.workdir, device_memory=config.layout.device_memory)
+    apply_fn, params, trainable = runner.split_for_training(
+        model, config.lora, config.jax_seed, deployer)  # --lora_rank
+    n_epochs, lr = runner.n_epochs_and_schedule(
+        loop, config.optimizer, deployer, len(train))  # or --max_steps
     optimizer = moe_optimizer(optax.adamw(lr), model)  # (an MoE bias: balancing.py)
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optimizer,
                       lr_schedule_fn=lr, trainable=trainable)
-    trainer.fit(train, args.per_device_batch_size, n_epochs, max_steps=args.max_steps,
-                eval_examples=evaluate, save_every_n_steps=args.save_every_n_steps,
+    trainer.fit(train, loop.per_device_batch_size, n_epochs, max_steps=loop.max_steps,
+                eval_examples=evaluate, save_every_n_steps=loop.save_every_n_steps,
                 save_argmin_ckpt_by_metrics=["loss"])
-    perplexity = math.exp(trainer.eval_loss(evaluate, args.per_device_batch_size))
+    perplexity = math.exp(trainer.eval_loss(evaluate, loop.per_device_batch_size))
     deployer.log_info(f"eval perplexity {perplexity:.3f}")
-    runner.save_trained(trainer, model, args.model, args.tokenizer)  # workdir/model (HF)
+    runner.save_trained(trainer, model, model_dir, tokenizer_file)  # workdir/model (HF)
     if not args.prompt:
         return perplexity, {}
 
-    tokenizer = runner.load_tokenizer(args.tokenizer or args.model)
+    tokenizer = runner.load_tokenizer(tokenizer_file or model_dir)
     predictor = trainer.get_default_predictor(
         partial(pred_fn, model=model, max_new_tokens=args.max_new_tokens,
                 temperature=args.temperature),

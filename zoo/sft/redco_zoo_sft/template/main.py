@@ -18,30 +18,35 @@ import numpy as np
 import optax
 
 from redco import Deployer, Trainer
-from redco_zoo_models import moe_optimizer, runner
-from redco_zoo_sft.pipeline import chat_rows, collate_fn, load_chat_tokenizer, loss_fn, pred_fn
+from redco_zoo_models import flags, moe_optimizer, runner
+from redco_zoo_models.settings import RunConfig
+from redco_zoo_sft.pipeline import SFTData, chat_rows, collate_fn, load_chat_tokenizer, loss_fn, pred_fn
 
 
 def main(args):
-    tokenizer = load_chat_tokenizer(args.model)  # with its chat template
-    model, _ = runner.load_model(args.model, args.from_scratch, args.jax_seed)
-    train, evaluate = (chat_rows(rows, tokenizer, args, what) for rows, what in zip(
-        runner.split_eval(args, {"--messages_column": args.messages_column}),
+    config = RunConfig.of_flags(args, SFTData, strict=False)  # typed; --prompt ... are ours
+    loop, source, seed = config.loop, config.source, config.jax_seed
+    tokenizer = load_chat_tokenizer(source.model)  # with its chat template
+    model, _ = runner.load_model(source.model, source.from_scratch, seed)
+    train, evaluate = (chat_rows(rows, tokenizer, config.task, seed, what) for rows, what in zip(
+        runner.split_eval(config.data, {"--messages_column": config.task.messages_column}),
         ("--train", "--eval (or the last 5% of --train)")))  # rendered, masked, packed
 
-    deployer = Deployer(jax_seed=args.jax_seed, n_model_shards=args.n_model_shards,
-                        workdir=args.workdir, device_memory=args.device_memory)  # for auto
-    apply_fn, params, trainable = runner.split_for_training(model, args, deployer)  # --lora_rank
-    n_epochs, lr = runner.n_epochs_and_schedule(args, deployer, len(train))  # or --max_steps
+    deployer = Deployer(jax_seed=seed, n_model_shards=config.layout.n_model_shards,
+                        workdir=config.workdir, device_memory=config.layout.device_memory)
+    apply_fn, params, trainable = runner.split_for_training(
+        model, config.lora, seed, deployer)  # --lora_rank
+    n_epochs, lr = runner.n_epochs_and_schedule(
+        loop, config.optimizer, deployer, len(train))  # or --max_steps
     optimizer = moe_optimizer(optax.adamw(lr), model)  # (an MoE bias: balancing.py)
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optimizer,
                       lr_schedule_fn=lr, trainable=trainable)
-    trainer.fit(train, args.per_device_batch_size, n_epochs, max_steps=args.max_steps,
-                eval_examples=evaluate, save_every_n_steps=args.save_every_n_steps,
+    trainer.fit(train, loop.per_device_batch_size, n_epochs, max_steps=loop.max_steps,
+                eval_examples=evaluate, save_every_n_steps=loop.save_every_n_steps,
                 save_argmin_ckpt_by_metrics=["loss"])
-    loss = trainer.eval_loss(evaluate, args.per_device_batch_size)
+    loss = trainer.eval_loss(evaluate, loop.per_device_batch_size)
     deployer.log_info(f"eval loss on the assistant's tokens {loss:.4f}")
-    runner.save_trained(trainer, model, args.model)  # workdir/model, with the tokenizer
+    runner.save_trained(trainer, model, source.model)  # workdir/model, with the tokenizer
 
     predictor = trainer.get_default_predictor(
         lambda rng, params, batch: pred_fn(rng, params, batch, model, args.max_new_tokens),
@@ -61,9 +66,10 @@ def main(args):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    runner.add_arguments(parser)  # --model --train --eval --max_steps --lora_rank ...
-    parser.add_argument("--messages_column", default="messages")
-    parser.add_argument("--max_len", type=int, default=512, help="tokens per packed row")
+    flags.add_arguments(parser)  # --model --train --eval --max_steps --lora_rank ...
+    parser.add_argument("--messages_column", default=SFTData.messages_column)
+    parser.add_argument("--max_len", type=int, default=SFTData.max_len, help="tokens per packed "
+                        "row")
     parser.add_argument("--prompt", action="append", help="after training, the assistant's "
                         "reply to this user message (repeat the flag for more)")
     parser.add_argument("--max_new_tokens", type=int, default=16)
