@@ -17,6 +17,7 @@ then exits 143) and at the end; a rerun of the same command resumes at the round
 """
 from __future__ import annotations
 
+import argparse
 import os
 from functools import partial
 
@@ -100,8 +101,23 @@ def add_grpo_arguments(parser) -> None:
     add("--engine_rows", type=int, default=32, help="rollouts on the continuous-batching engine "
         "with this many sequences at once (redco_zoo_models.engine); 0: pred_fn's fixed-batch "
         "sampler")
+    add("--decode_model_shards", type=decode_degree, default="auto", help="the engine's decode "
+        "layout: a tensor-parallel degree (the other devices replicas), auto (the smallest whose "
+        "compiled decode step fits a device; 1 where devices report no memory), or train (the "
+        "training layout: under FSDP each decode step gathers the weights again)")
     add("--n_rounds", type=int, help="default: --n_epochs passes over the prompts")
     add("--eval_every_n_rounds", type=int, default=10)
+
+
+def decode_degree(text: str) -> int | str | None:
+    """``--decode_model_shards``: ``auto``, ``train`` (None: the training layout) or a
+    positive integer."""
+    if text in ("auto", "train"):
+        return None if text == "train" else text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give auto, train or a positive integer "
+                                         "(a tensor-parallel degree dividing the devices)")
+    return int(text)
 
 
 def config_of(args) -> GRPOConfig:
@@ -166,7 +182,7 @@ def train(args) -> list[float]:
     trainer = Trainer(deployer, collate_fn, apply_fn, partial(loss_fn, **config.loss_kwargs()),
                       params, optimizer, lr_schedule_fn=lr, trainable=trainable)
     grpo = GRPO(trainer, model, tokenizer, pred_fn, reward_fn, config, args.per_device_batch_size,
-                args.engine_rows)
+                args.engine_rows, args.decode_model_shards)
     rewards = grpo.train(prompts, held_out, args.prompt_column, n_rounds, args.prompts_per_round,
                          args.eval_every_n_rounds, args.jax_seed,
                          save_every_n_steps=args.save_every_n_steps)

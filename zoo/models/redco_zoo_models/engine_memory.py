@@ -51,3 +51,8 @@ def cache_sharding(mesh, cache):
     rows, _, heads, _ = cache[0]["k"].shape
     divides = lambda axis, n: axis if axis in mesh.shape and n % mesh.shape[axis] == 0 else None  # noqa: E731
     return NamedSharding(mesh, P(divides("dp", rows), None, divides("mp", heads), None))
+
+
+def rows_sharding(mesh, n_rows: int) -> NamedSharding:
+    """An engine's per-row arrays (key mask, logits): rows over ``dp`` where they divide."""
+    return NamedSharding(mesh, P("dp" if n_rows % mesh.shape.get("dp", 1) == 0 else None))
