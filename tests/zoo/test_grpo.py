@@ -296,6 +296,9 @@ def test_rollouts_decode_tensor_parallel_on_the_fsdp_trainers_own_params(warmed_
     before = trainer.params
     values = jax.tree.map(np.asarray, before)
     samples, metrics = grpo.rollout(prompts, rows, "prompt", 2)
+    # the sampler's log-probabilities are the trainer's forward pass's (FSDP layout)
+    assert metrics["logprob_gap"] < 1e-5, metrics["logprob_gap"]
+    assert metrics["completion_tokens"] > 1
     assert dict(grpo.engine.layout.mesh.shape) == {"dp": 4, "mp": 2}
     decoding, training = lent[0]
     assert not any("dp" in spec for spec in specs(decoding))  # no FSDP gathers when decoding
@@ -307,9 +310,6 @@ def test_rollouts_decode_tensor_parallel_on_the_fsdp_trainers_own_params(warmed_
     assert all(t.is_deleted() or t is d for t, d, _ in pairs)
     assert all(d.is_deleted() or d is back for _, d, back in pairs)
     assert sum(t.is_deleted() for t, _, _ in pairs) > len(pairs) // 2, "few leaves moved"
-    # the sampler's log-probabilities are the trainer's forward pass's (FSDP layout)
-    assert metrics["logprob_gap"] < 1e-5, metrics["logprob_gap"]
-    assert metrics["completion_tokens"] > 1
     assert specs(trainer.params) == fsdp_specs
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, trainer.params), values)
     trainer.train_scanned(samples, 4, range(1, 2))  # the compiled step takes them back
