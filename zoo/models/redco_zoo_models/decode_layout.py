@@ -28,6 +28,7 @@ so is kept as it is, shared.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
@@ -43,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from redco import plugins
 from redco.sharding import make_mesh, shardings_from_specs, specs_from_rules
 from redco_zoo_models.engine import decode_rows
-from redco_zoo_models.engine_memory import cache_sharding, rows_sharding, vocab_size
+from redco_zoo_models.engine_memory import cache_sharding, rows_sharding, traced, vocab_size
 
 HEADROOM = 0.1  # of a device's memory kept free, as the layout planner keeps it
 
@@ -97,7 +98,7 @@ def compile_decode_step(model: nnx.Module, params: Any, mesh: Mesh, shardings: A
     def shaped(x, sharding):
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
     params = jax.tree.map(shaped, params, shardings)
-    cache = jax.eval_shape(lambda: model.init_cache(max_seqs, max_len, cache_dtype))
+    cache = traced(model, lambda m: m.init_cache(max_seqs, max_len, cache_dtype))
     cache = jax.tree.map(partial(shaped, sharding=cache_sharding(mesh, cache)), cache)
     rows, everywhere = rows_sharding(mesh, max_seqs), NamedSharding(mesh, P())
     vocab = vocab_size(model, max_len, cache_dtype)
@@ -115,6 +116,29 @@ def peak_bytes(compiled) -> int:
     m = compiled.memory_analysis()
     return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
             + m.temp_size_in_bytes)
+
+
+COLLECTIVE = re.compile(r"= (.+?) (all-gather|all-reduce|reduce-scatter|all-to-all|"
+                        r"collective-permute)(-start)?\(")
+SHAPE = re.compile(r"\b(?:pred|[a-z]+(\d+)[a-z0-9]*)\[([\d,]*)\]")  # bits of an element, dims
+
+
+def collective_bytes(compiled) -> dict[str, int]:
+    """Bytes each kind of collective delivers to one device in one run of ``compiled``: the
+    sizes of their results in its HLO (an async ``-start``'s outputs, not its operands),
+    each op counted once (a loop's body once, not per iteration)."""
+    found: dict[str, int] = {}
+    for line in compiled.as_text().splitlines():
+        match = COLLECTIVE.search(line)
+        if match is None:
+            continue
+        shapes = SHAPE.findall(match.group(1))
+        if match.group(3) and match.group(2) != "all-reduce":  # (operands, outputs)
+            shapes = shapes[len(shapes) // 2:]
+        size = sum(math.prod(int(d) for d in dims.split(",") if d) * max(int(bits or 8) // 8, 1)
+                   for bits, dims in shapes)
+        found[match.group(2)] = found.get(match.group(2), 0) + size
+    return found
 
 
 def choose_decode_layout(model: nnx.Module, params: Any, devices: Sequence, max_seqs: int,

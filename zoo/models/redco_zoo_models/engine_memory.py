@@ -12,11 +12,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
+def traced(model: nnx.Module, fn):
+    """The shapes ``fn(model)`` returns, traced, not run: ``model`` real or abstract
+    (``nnx.eval_shape``)."""
+    graphdef, state = nnx.split(model)
+    return jax.eval_shape(lambda s: fn(nnx.merge(graphdef, s)), state)
+
+
 def vocab_size(model: nnx.Module, max_len: int, cache_dtype) -> int:
     """The width of the model's logits (a decode step traced, not run)."""
-    logits = jax.eval_shape(lambda: model.decode(
+    logits = traced(model, lambda m: m.decode(
         jnp.zeros((1, 1), jnp.int32), jnp.ones((1, max_len), bool),
-        model.init_cache(1, max_len, cache_dtype), 0))[0]
+        m.init_cache(1, max_len, cache_dtype), 0))[0]
     return logits.shape[-1]
 
 
