@@ -11,7 +11,7 @@ from redco_zoo_models import LlamaConfig, LlamaForCausalLM
 from redco_zoo_models.decode_layout import (choose_decode_layout, collective_bytes,
                                             compile_decode_step, decode_shardings, peak_bytes)
 
-ROWS, SLOTS = 16, 64
+ROWS, SLOTS = 16, 256  # the cache (4 MiB) outweighs the weights (1.8 MiB)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_the_smallest_tensor_parallel_degree_whose_decode_step_fits_is_picked(mo
         (1, {"dp": 8, "mp": 1}, one)  # 1 fits: the least communication, all replicas
     tight = choose(model, (one + two) // 2)
     assert (tight.n_model_shards, dict(tight.mesh.shape)) == (2, {"dp": 4, "mp": 2})
-    assert tight.tried[2] == two and tight.tried[1] in (one, None)  # None: weights over, uncompiled
+    assert tight.tried == {1: one, 2: two}  # both compiled: the weights alone fit either
     specs = [s.spec for s in jax.tree.leaves(tight.shardings)]
     assert not any("dp" in spec for spec in specs) and any("mp" in spec for spec in specs)
     assert choose(model, None).n_model_shards == 1  # no budget known: degree 1, uncompiled
