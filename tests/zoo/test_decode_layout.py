@@ -8,8 +8,13 @@ from flax import nnx
 from redco import plugins
 from redco.sharding import make_mesh, shardings_from_specs, specs_from_rules
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM
-from redco_zoo_models.decode_layout import (choose_decode_layout, collective_bytes,
-                                            compile_decode_step, decode_shardings, peak_bytes)
+from redco_zoo_models.decode_layout import (
+    choose_decode_layout,
+    collective_bytes,
+    compile_decode_step,
+    decode_shardings,
+    peak_bytes,
+)
 
 ROWS, SLOTS = 16, 256  # the cache (4 MiB) outweighs the weights (1.8 MiB)
 
@@ -53,9 +58,10 @@ def test_the_smallest_tensor_parallel_degree_whose_decode_step_fits_is_picked(mo
 
 def test_a_decode_step_gathers_fsdp_weights_and_on_the_decode_layout_moves_none(model):
     """Under FSDP (weights split over 8 devices) the compiled decode step all-gathers weights
-    whole (for some matmuls XLA all-reduces partial products of the few rows instead); on the decode layout of degree 1 (8 replicas, each its own rows) it
-    moves no weight: what is left is each row's sampled token, its log-probability and key
-    gathered for the host (tens of bytes a row)."""
+    whole (for some matmuls XLA all-reduces partial products of the few rows instead); on the
+    decode layout of degree 1 (8 replicas, each its own rows) it moves no weight: what is left
+    is each row's sampled token, its log-probability and key gathered for the host (tens of
+    bytes a row)."""
     params = nnx.state(model, nnx.Param)
     fsdp_mesh = make_mesh(jax.devices(), 1)
     rules = plugins.lookup("sharding_rules", "fsdp")(params, fsdp_mesh)

@@ -93,8 +93,9 @@ def compile_decode_step(model: nnx.Module, params: Any, mesh: Mesh, shardings: A
                         max_seqs: int, max_len: int, cache_dtype=jnp.float32,
                         steps_per_sync: int = 1):
     """The engine's decode step over all ``max_seqs`` rows, compiled ahead of time on abstract
-    shapes: ``params`` (real or abstract) placed by ``shardings``, the cache, key mask and logits as ``Engine`` places
-    them on ``mesh`` (and donated, as it donates them). Nothing is allocated."""
+    shapes: ``params`` (real or abstract) placed by ``shardings``, the cache, key mask and
+    logits as ``Engine`` places them on ``mesh`` (and donated, as it donates them). Nothing is
+    allocated."""
     def shaped(x, sharding):
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
     params = jax.tree.map(shaped, params, shardings)
