@@ -66,10 +66,11 @@ def aot_row(name, model, params, mesh, shardings, args) -> None:
     compiled = compile_decode_step(model, params, mesh, shardings, args.rows, args.max_len)
     moved = collective_bytes(compiled)
     total = sum(moved.values())
-    ops = ", ".join(f"{op} {b / MiB:.2f}" for op, b in sorted(moved.items())) or "none"
+    ops = ", ".join(f"{op} {b / MiB:.2f}" if b >= MiB // 100 else f"{op} {b} bytes"
+                    for op, b in sorted(moved.items())) or "none"
     print(f"{name:>22} {held_bytes(params, shardings) / GiB:>9.2f} "
           f"{peak_bytes(compiled) / GiB:>9.2f} {total / MiB:>12.2f} "
-          f"{total / args.rows / 2 ** 10:>12.1f}   {ops}")
+          f"{total / args.rows:>12.0f}   {ops}")
 
 
 def aot(args) -> None:
@@ -81,7 +82,7 @@ def aot(args) -> None:
     n = sum(x.size for x in jax.tree.leaves(params))
     print(f"1. decode step of {args.preset} ({n / 1e9:.2f}B params, fp32), {args.rows} rows of "
           f"{args.max_len} slots, one token each; 8 devices, by AOT")
-    print(f"{'layout':>22} {'weights':>9} {'peak':>9} {'coll. MiB':>12} {'KiB/token':>12}   "
+    print(f"{'layout':>22} {'weights':>9} {'peak':>9} {'coll. MiB':>12} {'bytes/token':>12}   "
           "by collective (MiB a step)\n" + f"{'':>22} {'GiB/dev':>9} {'GiB/dev':>9} "
           f"{'a step':>12}")
     aot_row("FSDP (training) dp8", model, params, *fsdp_layout(params), args)
