@@ -419,6 +419,19 @@ def test_auto_shards_are_refused_before_anything_loads_naming_why(tmp_path, caps
     assert "--n_model_shards auto: a GRPO run sizes its rounds" in capsys.readouterr().err
 
 
+def test_a_decode_degree_that_does_not_divide_the_devices_is_refused_before_anything_loads(
+        tmp_path, capsys):
+    run = ["zoo", "run", "grpo", "--model", str(tmp_path / "missing"), "--train",
+           str(tmp_path / "missing.jsonl"), "--workdir", str(tmp_path / "w")]
+    with pytest.raises(SystemExit):
+        main(run + ["--decode_model_shards", "3"])
+    assert "--decode_model_shards 3 does not divide the 8 devices: use one of [1, 2, 4, 8]" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(run + ["--decode_model_shards", "0"])
+    assert "'0': give auto, train or a positive integer" in capsys.readouterr().err
+
+
 def test_grpo_help_offers_no_planner_flags(capsys):
     """What GRPO refuses its ``--help`` does not offer: no ``--device_memory``, no ``auto``;
     the pipelines the planner serves offer both."""

@@ -32,6 +32,7 @@ from redco_zoo_grpo.loss import LOSS_TYPES, average, token_logps_and_experts, to
 from redco_zoo_grpo.rewards import BUILT_IN, load_reward_fn
 from redco_zoo_grpo.rollout import GRPO, GRPOConfig, left_pad
 from redco_zoo_models import generate, moe_optimizer, runner
+from redco_zoo_models.decode_layout import model_shard_degrees
 from redco_zoo_models.metrics import with_experts
 from redco_zoo_sft.chat import render_prompt, template_kwargs_arg
 from redco_zoo_sft.pipeline import load_chat_tokenizer
@@ -164,6 +165,11 @@ def train(args) -> list[float]:
         raise UsageError("--n_model_shards auto: a GRPO run sizes its rounds by the data-parallel "
                          "size before anything trains, so the layout planner cannot pick it yet; "
                          "give a number of devices.")
+    degree = args.decode_model_shards
+    if isinstance(degree, int) and jax.device_count() % degree:
+        raise UsageError(f"--decode_model_shards {degree} does not divide the "
+                         f"{jax.device_count()} devices: use one of "
+                         f"{model_shard_degrees(jax.device_count())}, auto or train.")
     tokenizer = load_chat_tokenizer(args.model)
     config, reward_fn = config_of(args), load_reward_fn(args.reward)
     model, _ = runner.load_model(args.model, args.from_scratch, args.jax_seed)
