@@ -19,6 +19,7 @@ Each prompt samples with a seed of its own, from the run's seed, the round and t
 place in the round, so a resumed run draws what the uninterrupted one drew."""
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from redco_zoo_models.decode_layout import DecodeLayout, choose_decode_layout, to_layout
@@ -32,7 +33,7 @@ def decode_layout_of(trainer, model, rows: int, max_len: int,
     if decode_model_shards is None:
         return None
     devices = trainer.deployer.devices
-    stats = devices[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}  # (another process's: not readable)
     layout = choose_decode_layout(
         model, trainer.params, devices, rows, max_len, stats.get("bytes_limit"),
         degrees=None if decode_model_shards == "auto" else (int(decode_model_shards),))

@@ -27,7 +27,6 @@ so is kept as it is, shared.
 """
 from __future__ import annotations
 
-import functools
 import math
 import re
 import warnings
@@ -180,13 +179,6 @@ def choose_decode_layout(model: nnx.Module, params: Any, devices: Sequence, max_
                      "or decode in bfloat16.")
 
 
-@functools.lru_cache(maxsize=None)
-def _copy_to(sharding: NamedSharding):
-    """A compiled copy onto ``sharding``: a program every process runs, so that it reshards
-    across processes too (``jax.device_put`` does not, between meshes of several processes)."""
-    return jax.jit(lambda x: x, out_shardings=sharding)
-
-
 def to_layout(tree: Any, shardings: Any) -> Any:
     """``tree`` (device arrays) placed by ``shardings``, leaf by leaf: each copied, waited for,
     and its source freed, so that no more than one leaf is held twice. A leaf already placed so
@@ -194,7 +186,7 @@ def to_layout(tree: Any, shardings: Any) -> Any:
     def move(x, sharding):
         if x.sharding.is_equivalent_to(sharding, x.ndim):
             return x
-        moved = _copy_to(sharding)(x).block_until_ready()
+        moved = jax.device_put(x, sharding).block_until_ready()
         x.delete()
         return moved
     return jax.tree.map(move, tree, shardings)
