@@ -259,6 +259,62 @@ def test_a_rollouts_samples_count_their_completion_up_to_its_first_eos(warmed_up
     assert grpo.scorer._pred_step._cache_size() == 1
 
 
+def test_rollouts_decode_tensor_parallel_on_the_fsdp_trainers_own_params(warmed_up, tmp_path):
+    """A trainer under FSDP over 8 devices, after an update: its engine rollouts decode on
+    tensor parallelism over 2 (4 replicas, no weight split over dp), with the trainer's params
+    moved there and the training copy freed (no second copy), their log-probabilities those
+    of the trainer's own forward pass; after the rollout the params are back on the FSDP
+    shardings, unchanged, and train on."""
+    import optax
+
+    from redco import Deployer, Trainer
+    from redco_zoo_grpo.pipeline import collate_fn, pred_fn, prompt_examples
+    from redco_zoo_grpo.rollout import GRPO, GRPOConfig
+    from redco_zoo_models import runner, split_model
+    from redco_zoo_sft.pipeline import load_chat_tokenizer
+    model_dir = str(warmed_up / "sft" / "model")
+    tokenizer, (model, _) = load_chat_tokenizer(model_dir), runner.load_model(model_dir, False, 0)
+    with open(warmed_up / "prompts.jsonl") as f:
+        rows = [json.loads(line) for line in f][:8]
+    (prompts, rows), _ = prompt_examples(tokenizer, (rows, rows[:1]), "prompt", 16)
+    deployer = Deployer(jax_seed=0, workdir=str(tmp_path), verbose=False, sharding_rules="fsdp")
+    apply_fn, params = split_model(model)
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adam(1e-3))
+    grpo = GRPO(trainer, model, tokenizer, pred_fn, exact_match,
+                GRPOConfig(n_samples=4, max_new_tokens=6), per_device_batch_size=4,
+                engine_rows=8, decode_model_shards=2)
+    grpo.decide_layout(prompts, 0)
+    specs = lambda tree: [x.sharding.spec for x in jax.tree.leaves(tree)]  # noqa: E731
+    fsdp_specs = specs(trainer.params)
+    assert any("dp" in spec for spec in fsdp_specs)  # trained under FSDP
+    samples, _ = grpo.rollout(prompts, rows, "prompt", 1)
+    trainer.train_scanned(samples, 4, range(1))  # an update: params no longer as loaded
+    lent = []  # the engine's params and the trainer's, seen while decoding
+    run = grpo.engine.engine.run_until_done
+    grpo.engine.engine.run_until_done = lambda requests: (
+        lent.append((grpo.engine.engine.params, trainer.state.params)), run(requests))
+    before = trainer.params
+    values = jax.tree.map(np.asarray, before)
+    samples, metrics = grpo.rollout(prompts, rows, "prompt", 2)
+    # the sampler's log-probabilities are the trainer's forward pass's (FSDP layout)
+    assert metrics["logprob_gap"] < 1e-5, metrics["logprob_gap"]
+    assert metrics["completion_tokens"] > 1
+    assert dict(grpo.engine.layout.mesh.shape) == {"dp": 4, "mp": 2}
+    decoding, training = lent[0]
+    assert not any("dp" in spec for spec in specs(decoding))  # no FSDP gathers when decoding
+    assert any("mp" in spec for spec in specs(decoding))
+    # not held twice: each training leaf freed once moved, or the very array decoding (shared,
+    # where both layouts replicate it); the same on the way back
+    pairs = list(zip(jax.tree.leaves(training), jax.tree.leaves(decoding),
+                     jax.tree.leaves(trainer.params)))
+    assert all(t.is_deleted() or t is d for t, d, _ in pairs)
+    assert all(d.is_deleted() or d is back for _, d, back in pairs)
+    assert sum(t.is_deleted() for t, _, _ in pairs) > len(pairs) // 2, "few leaves moved"
+    assert specs(trainer.params) == fsdp_specs
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, trainer.params), values)
+    trainer.train_scanned(samples, 4, range(1, 2))  # the compiled step takes them back
+
+
 def test_grpo_sharded_dp_x_mp_samples_and_trains_as_one_device(warmed_up, tmp_path):
     one, one_params = run_grpo(warmed_up, tmp_path / "one", 1, 1, 32)
     sharded, sharded_params = run_grpo(warmed_up, tmp_path / "sharded", 8, 2, 8)  # dp 4 x mp 2
@@ -361,6 +417,19 @@ def test_auto_shards_are_refused_before_anything_loads_naming_why(tmp_path, caps
               str(tmp_path / "missing.jsonl"), "--n_model_shards", "auto",
               "--workdir", str(tmp_path / "w")])
     assert "--n_model_shards auto: a GRPO run sizes its rounds" in capsys.readouterr().err
+
+
+def test_a_decode_degree_that_does_not_divide_the_devices_is_refused_before_anything_loads(
+        tmp_path, capsys):
+    run = ["zoo", "run", "grpo", "--model", str(tmp_path / "missing"), "--train",
+           str(tmp_path / "missing.jsonl"), "--workdir", str(tmp_path / "w")]
+    with pytest.raises(SystemExit):
+        main(run + ["--decode_model_shards", "3"])
+    assert "--decode_model_shards 3 does not divide the 8 devices: use one of [1, 2, 4, 8]" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(run + ["--decode_model_shards", "0"])
+    assert "'0': give auto, train or a positive integer" in capsys.readouterr().err
 
 
 def test_grpo_help_offers_no_planner_flags(capsys):

@@ -17,6 +17,7 @@ then exits 143) and at the end; a rerun of the same command resumes at the round
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from functools import partial
@@ -32,6 +33,7 @@ from redco_zoo_grpo.loss import LOSS_TYPES, average, token_logps_and_experts, to
 from redco_zoo_grpo.rewards import BUILT_IN, load_reward_fn
 from redco_zoo_grpo.rollout import GRPO, GRPOConfig, left_pad
 from redco_zoo_models import flags, generate, moe_optimizer, runner
+from redco_zoo_models.decode_layout import model_shard_degrees
 from redco_zoo_models.metrics import with_experts
 from redco_zoo_models.settings import Loop, RunConfig, check_config
 from redco_zoo_sft.chat import render_prompt, template_kwargs_arg
@@ -85,7 +87,9 @@ class GRPORun:
     ``reward`` function, what is sampled and how the loss weighs it (``algorithm``), and the
     rounds: ``prompts_per_round`` prompts each, ``n_rounds`` of them (None: ``n_epochs``
     passes over the prompts), an evaluation every ``eval_every_n_rounds``; rollouts on the
-    engine with ``engine_rows`` sequences at once (0: ``pred_fn``'s fixed-batch sampler)."""
+    engine with ``engine_rows`` sequences at once (0: ``pred_fn``'s fixed-batch sampler), decoding
+    on ``decode_model_shards``' layout (a tensor-parallel degree, ``"auto"``, or None: the
+    training layout; ``redco_zoo_models.decode_layout``)."""
     prompt_column: str = "prompt"
     reward: str = "exact_match"
     max_prompt_len: int = 256
@@ -93,6 +97,7 @@ class GRPORun:
     algorithm: GRPOConfig = GRPOConfig()
     prompts_per_round: int = 16
     engine_rows: int = 32
+    decode_model_shards: int | str | None = "auto"
     n_rounds: int | None = None
     eval_every_n_rounds: int = 10
 
@@ -120,11 +125,35 @@ def add_grpo_arguments(parser) -> None:
     add("--n_updates", type=int, default=algo.n_updates, help="epochs over each round's "
         "samples (mu)")
     add("--prompts_per_round", type=int, default=run.prompts_per_round)
-    add("--engine_rows", type=int, default=run.engine_rows, help="rollouts on the continuous-batching engine "
-        "with this many sequences at once (redco_zoo_models.engine); 0: pred_fn's fixed-batch "
-        "sampler")
+    add("--engine_rows", type=int, default=run.engine_rows, help="rollouts on the "
+        "continuous-batching engine with this many sequences at once (redco_zoo_models.engine); "
+        "0: pred_fn's fixed-batch sampler")
+    add("--decode_model_shards", type=decode_degree, default=run.decode_model_shards,
+        help="the engine's decode layout: a tensor-parallel degree (the other devices "
+        "replicas), auto (the smallest whose compiled decode step fits a device; 1 where "
+        "devices report no memory), or train (the training layout: under FSDP each decode step "
+        "gathers the weights again)")
     add("--n_rounds", type=int, help="default: --n_epochs passes over the prompts")
     add("--eval_every_n_rounds", type=int, default=run.eval_every_n_rounds)
+
+
+def decode_degree(text: str) -> int | str | None:
+    """``--decode_model_shards``: ``auto``, ``train`` (None: the training layout) or a
+    positive integer."""
+    if text in ("auto", "train"):
+        return None if text == "train" else text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give auto, train or a positive integer "
+                                         "(a tensor-parallel degree dividing the devices)")
+    return int(text)
+
+
+def check_decode_degree(degree: int | str | None) -> None:
+    """Refuse a decode degree that does not divide the devices, before anything loads."""
+    if isinstance(degree, int) and jax.device_count() % degree:
+        raise UsageError(f"--decode_model_shards {degree} does not divide the "
+                         f"{jax.device_count()} devices: use one of "
+                         f"{model_shard_degrees(jax.device_count())}, auto or train.")
 
 
 def check_context(model, prompt_width: int, max_new_tokens: int) -> None:
@@ -166,6 +195,7 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
         raise UsageError("--n_model_shards auto: a GRPO run sizes its rounds by the data-parallel "
                          "size before anything trains, so the layout planner cannot pick it yet; "
                          "give a number of devices.")
+    check_decode_degree(run.decode_model_shards)
     tokenizer = load_chat_tokenizer(source.model)
     algorithm, reward_fn = run.algorithm, load_reward_fn(run.reward)
     model, _ = runner.load_model(source.model, source.from_scratch, seed)
@@ -184,7 +214,7 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
     trainer = Trainer(deployer, collate_fn, apply_fn, partial(loss_fn, **algorithm.loss_kwargs()),
                       params, optimizer, lr_schedule_fn=lr, trainable=trainable)
     grpo = GRPO(trainer, model, tokenizer, pred_fn, reward_fn, algorithm,
-                loop.per_device_batch_size, run.engine_rows)
+                loop.per_device_batch_size, run.engine_rows, run.decode_model_shards)
     rewards = grpo.train(prompts, held_out, run.prompt_column, n_rounds, run.prompts_per_round,
                          run.eval_every_n_rounds, seed, save_every_n_steps=loop.save_every_n_steps)
     runner.save_trained(trainer, model, source.model)

@@ -1,8 +1,9 @@
 """GRPO's loop. Each round takes the next prompts (a seeded shuffle, epoch after epoch) and:
 
 1. samples G completions of each on the params as they train: on the continuous-batching
-   engine (``engine_rollouts.py``: the trainer's own params, each prompt's samples sharing its
-   prefill, finished rows refilled at once), or with ``engine_rows=0`` by ``pred_fn`` (the
+   engine (``engine_rollouts.py``: the trainer's own params moved onto a decode layout and
+   back, no second copy; each prompt's samples sharing its prefill, finished rows refilled at
+   once), or with ``engine_rows=0`` by ``pred_fn`` (the
    zoo's fixed-batch sampler, G samples per prompt in one call, run by a ``Predictor`` on the
    training layout);
 2. scores them with the reward function (``rewards.py``; checked: one finite number each);
@@ -109,13 +110,17 @@ class GRPO:
     """Rounds of sample -> score -> advantages -> ``n_updates`` epochs (module docstring) for
     ``trainer``, whose params ``model`` gives the structure of; ``pred_fn(rng, params, batch,
     model, n_samples, **sampling)`` samples (``pipeline.pred_fn``) when ``engine_rows`` is 0,
-    else the engine with that many rows does; ``tokenizer`` decodes and ``reward_fn`` scores."""
+    else the engine with that many rows does, on the decode layout ``decode_model_shards``
+    (``"auto"``, a tensor-parallel degree, or None: the training layout;
+    ``engine_rollouts.py``); ``tokenizer`` decodes and ``reward_fn`` scores."""
 
     def __init__(self, trainer: Trainer, model, tokenizer, pred_fn: Callable, reward_fn: Callable,
-                 config: GRPOConfig, per_device_batch_size: int, engine_rows: int = 0):
+                 config: GRPOConfig, per_device_batch_size: int, engine_rows: int = 0,
+                 decode_model_shards: int | str | None = "auto"):
         self.trainer, self.tokenizer, self.reward_fn, self.config = \
             trainer, tokenizer, reward_fn, config
         self.model, self.engine_rows, self.engine = model, engine_rows, None
+        self.decode_model_shards = decode_model_shards
         self.batch_size = per_device_batch_size
         self.eos_id = stop_token_id(tokenizer)  # the end of the assistant's turn
         sampling = dict(config.sampling(), eos_token_id=self.eos_id,
@@ -221,7 +226,7 @@ class GRPO:
             self.engine = EngineRollouts(
                 self.trainer, self.model, self.config, self.eos_id,
                 self.tokenizer.pad_token_id or 0, self.engine_rows,
-                len(prompts[0]["prompt_ids"]), seed)
+                len(prompts[0]["prompt_ids"]), seed, self.decode_model_shards)
 
     def state_dict(self) -> dict:
         """What a step checkpoint keeps of the loop (``trainer.run``): the rounds done and the

@@ -12,11 +12,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
+def traced(model: nnx.Module, fn):
+    """The shapes ``fn(model)`` returns, traced, not run: ``model`` real or abstract
+    (``nnx.eval_shape``)."""
+    graphdef, state = nnx.split(model)
+    return jax.eval_shape(lambda s: fn(nnx.merge(graphdef, s)), state)
+
+
 def vocab_size(model: nnx.Module, max_len: int, cache_dtype) -> int:
     """The width of the model's logits (a decode step traced, not run)."""
-    logits = jax.eval_shape(lambda: model.decode(
+    logits = traced(model, lambda m: m.decode(
         jnp.zeros((1, 1), jnp.int32), jnp.ones((1, max_len), bool),
-        model.init_cache(1, max_len, cache_dtype), 0))[0]
+        m.init_cache(1, max_len, cache_dtype), 0))[0]
     return logits.shape[-1]
 
 
@@ -51,3 +58,8 @@ def cache_sharding(mesh, cache):
     rows, _, heads, _ = cache[0]["k"].shape
     divides = lambda axis, n: axis if axis in mesh.shape and n % mesh.shape[axis] == 0 else None  # noqa: E731
     return NamedSharding(mesh, P(divides("dp", rows), None, divides("mp", heads), None))
+
+
+def rows_sharding(mesh, n_rows: int) -> NamedSharding:
+    """An engine's per-row arrays (key mask, logits): rows over ``dp`` where they divide."""
+    return NamedSharding(mesh, P("dp" if n_rows % mesh.shape.get("dp", 1) == 0 else None))
