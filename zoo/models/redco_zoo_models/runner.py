@@ -220,7 +220,7 @@ def train_and_eval(args, model: nnx.Module, examples: tuple[list, list], collate
     n_epochs, lr = n_epochs_and_schedule(args, deployer, len(train))
     rules = None
     if getattr(args, "expert_parallel", False):
-        apply_fn, rules = expert_parallel.for_trainer(apply_fn, params, deployer)
+        rules = expert_parallel.for_trainer(params, deployer)
     optimizer = moe_optimizer(optimizer_of(args, lr), model)  # (a sigmoid router's bias)
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optimizer,
                       params_sharding_rules=rules,
