@@ -10,7 +10,10 @@ layout), ``replicate``, and expert parallelism on top of the first two: ``auto+e
 puts them less the FSDP axes; every other param as the base rule set puts it. A model whose
 MoE blocks read where their experts lie (``redco.fsdp.declared``; the zoo's,
 ``redco_zoo_models.expert_parallel``) then sends each token to its experts' devices
-(``all_to_all``) instead of gathering the experts. ``has_experts`` says whether a model has
+(``all_to_all``) instead of gathering the experts. Under ``auto`` (and so every set built on
+it) the experts' tensor-parallel split comes from their names where the dataflow walker leaves
+them whole (it does not follow their batched matmuls): gate and up projections on their
+output, down on their input, as a dense MLP's (``expert_tp_spec``). ``has_experts`` says whether a model has
 any (the layout planner tries the ``+ep`` sets only then)."""
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import math
 import re
 import warnings
 
+import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -33,6 +37,8 @@ FFN_IN = re.compile(r"(^|/)(gate|up|gate_proj|up_proj|w1|w3|wi|wi_0|wi_1|fc1|fc_
 FFN_OUT = re.compile(r"(^|/)(down|down_proj|w2|fc2|fc_out|dense_4h_to_h)/(kernel|weight)$")
 EMBEDDING = re.compile(r"(embed|embedding|wte|tok_embeddings)")
 EXPERTS = re.compile(r"(^|/)experts/[^/]+$")  # stacked (experts, in, out): expert parallelism
+EXPERT_IN = re.compile(r"(^|/)experts/(gate|up|gate_proj|up_proj|w1|w3)$")
+EXPERT_OUT = re.compile(r"(^|/)experts/(down|down_proj|w2)$")
 COLUMN, ROW = P(None, "mp"), P("mp", None)
 FSDP_MIN_SIZE = 1024  # params with fewer elements stay replicated: not worth a gather
 
@@ -114,7 +120,25 @@ def auto_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
 
 
 def _auto(params, mesh: Mesh, trace_fn=None) -> dict[str, P]:
-    return auto_specs(params, mesh, trace_fn) if mesh.shape["mp"] > 1 else {}
+    """``auto_specs`` (none at mp=1), expert weights the dataflow left whole split by name."""
+    mp = mesh.shape["mp"]
+    if mp == 1:
+        return {}
+    specs = auto_specs(params, mesh, trace_fn)
+    for path, leaf in named_leaves(params):
+        if _is_expert(path, leaf) and "mp" not in jax.tree.leaves(tuple(specs.get(path, P()))):
+            specs[path] = expert_tp_spec(path, leaf.shape, mp)
+    return specs
+
+
+def expert_tp_spec(path: str, shape: tuple[int, ...], mp: int) -> P:
+    """Tensor parallelism of a stacked expert weight (experts, in, out), as of a dense MLP: a
+    gate or up projection split on its output (column), a down projection on its input (row);
+    replicated where that dim does not divide by ``mp``, or the name is neither."""
+    dim = 2 if EXPERT_IN.search(path) else 1 if EXPERT_OUT.search(path) else None
+    if dim is None or shape[dim] % mp:
+        return P()
+    return P(*["mp" if d == dim else None for d in range(len(shape))])
 
 
 def auto_names_rules(params, mesh: Mesh, trace_fn=None) -> Rules:

@@ -20,7 +20,8 @@ import re
 import numpy as np
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-_OP = re.compile(r"=\s*(\([^=]*?\)|\S+)\s+(" + "|".join(KINDS) + r")(?:-start)?\(")
+_OP = re.compile(r"^\s*(?:ROOT\s+)?\S+\s*=\s*(.*?)\s(" + "|".join(KINDS) + r")(?:-start)?\(",
+                 re.MULTILINE)  # one instruction a line: "%name = shape op(operands), ..."
 _ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|c64|c128)\[([\d,]*)\]")
 _DTYPES = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
 

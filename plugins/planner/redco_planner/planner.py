@@ -122,7 +122,8 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
          lora: Callable[[int], LoraModel] | None = None, trainable: Any = None,
          accumulate_grad_batches: int = 1, model_degrees: Sequence[int] | None = None,
          context_degrees: Sequence[int] | None = (1,),
-         context_strategy: str = "all_gather", compute_dtype: Any = None) -> Plan:
+         context_strategy: str = "all_gather", compute_dtype: Any = None,
+         expert_parallel: bool = True) -> Plan:
     """The layout with the fewest devices per example whose train step fits
     ``device_memory_bytes``.
 
@@ -159,6 +160,8 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
       model_degrees: the ``n_model_shards`` to try; None: every divisor of ``n_devices``.
       context_degrees: the ``n_context_shards`` to try (None: every divisor), each sequence
         split ``context_strategy``'s way; the default, 1, splits none.
+      expert_parallel: for a model with experts, also try each rule set's expert-parallel
+        variant (module docstring); False: only ``rule_sets``.
       compute_dtype: the dtype the step computes in (e.g. ``jnp.bfloat16``), the params cast
         to it as ``Trainer(compute_dtype=...)`` casts them; None: the params' own (fp32). The
         params and optimizer state stay in theirs.
@@ -175,7 +178,8 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
         trace_fn = dataflow_trace(loss, batch_abstract) if n_positional(loss_or_trace_fn) >= 2 \
             else loss_or_trace_fn
     params_abstract = abstract(params_abstract)
-    rule_sets = with_expert_parallel(rule_sets, params_abstract)
+    if expert_parallel:
+        rule_sets = with_expert_parallel(rule_sets, params_abstract)
     degrees = split_degrees(n_devices, model_degrees, context_degrees)
     if not degrees:
         raise ValueError(f"No n_model_shards in {model_degrees} and n_context_shards in "
@@ -233,8 +237,9 @@ class Search:
         """The first layout that fits (every one measured with ``try_all``), or None."""
         pick = None
         for mp, cp, name, policy in self.candidates:
-            if cp > 1 and not self.splits_sequence:
-                continue
+            if cp > 1 and not self.splits_sequence or \
+                    name.endswith("+ep") and mp * cp == self.settings["n_devices"]:
+                continue  # (experts split over dp = 1 device: the same as without +ep)
             try:
                 layout = try_layout(params, loss, mp=mp, cp=cp, name=name, policy=policy,
                                     trace_fn=trace_fn, trainable=trainable,

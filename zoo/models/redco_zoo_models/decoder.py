@@ -99,6 +99,7 @@ class DecoderConfig:
     n_shared_experts: int = 0
     first_k_dense_replace: int = 0  # the first layers' MLPs are dense (DeepSeek-V3)
     bias_update_rate: float = 1e-3  # sigmoid routing's balancing bias, per training step
+    capacity_factor: float | None = None  # MoE: None dropless (a training choice, no config.json key)
     kv_lora_rank: int = 0  # multi-head latent attention (redco_zoo_models.mla); 0: GQA
     q_lora_rank: int | None = None
     qk_nope_head_dim: int = 0
@@ -133,7 +134,8 @@ class DecoderConfig:
                          n_group=self.n_group, topk_group=self.topk_group,
                          routed_scaling_factor=self.routed_scaling_factor,
                          n_shared_experts=self.n_shared_experts,
-                         bias_update_rate=self.bias_update_rate)
+                         bias_update_rate=self.bias_update_rate,
+                         capacity_factor=self.capacity_factor)
 
     def cached_heads(self) -> tuple[int, int]:
         """``(heads, size)`` of each layer's cached keys and values."""
