@@ -32,7 +32,12 @@ there the non-EP dropless peaks are the CPU's, not a GPU's; with cf = 1.25 both 
 same batched matmuls over (E, C, H) buffers.
 
 Run:  nice -n 10 python bench/moe_plans.py [--models mixtral-8x7b,...] [--devices 8,16]
-          [--seq_len 4096] [--budget_minutes 60] [--cache moe_plans.json] [--table_only]
+          [--factors dropless,1.25] [--seq_len 4096] [--budget_minutes 60]
+          [--cache moe_plans.json] [--table_only]
+
+Each cell (model, devices, capacity) runs in its own process, most devices first, until
+``--budget_minutes`` is spent; the table says "not run" for the rest. A layout whose peak at
+the first depth is already over the memory is not compiled at the second.
 """
 from __future__ import annotations
 
@@ -44,10 +49,9 @@ import subprocess
 import sys
 import time
 
-from provenance import provenance
+from provenance import print_provenance
 
 MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")
-FACTORS = (None, 1.25)
 GB = 10 ** 9
 
 
@@ -128,6 +132,10 @@ def measure_layout(model: str, builds: dict, n_devices: int, mp: int, name: str,
             layouts[depth] = measure(built.params, built.loss_fn, built.batch(1), n_devices, mp,
                                      name, trace_fn=built.trace_fn, remat=args.remat,
                                      compute_dtype=jnp.bfloat16)
+            if layouts[depth].peak_bytes > usable:  # (deeper can only peak higher)
+                return {**row, "fits": False, "over": f"peak at {depth} layers",
+                        "peak_at_depth": layouts[depth].peak_bytes,
+                        "compile_s": time.perf_counter() - start}
         row["compile_s"] = time.perf_counter() - start
     except Exception as e:  # noqa: BLE001 - reported in the table, type and message
         return {**row, "error": f"{type(e).__name__}: {e}"[:300]}
@@ -151,6 +159,9 @@ def summary(row: dict) -> str:
         return f"{name}: not measured ({row['error']})"
     if row.get("over") == "state":
         return f"{name}: state {row['state'] / GB:.1f} GB alone does not fit"
+    if row.get("over"):
+        return (f"{name}: {row['peak_at_depth'] / GB:.1f} GB {row['over']} does not fit, "
+                f"compiled in {row['compile_s']:.0f}s")
     return (f"{name}: peak {row['peak'] / GB:.1f} GB ({'fits' if row['fits'] else 'no'}), "
             f"compiled in {row['compile_s']:.0f}s")
 
@@ -167,22 +178,29 @@ def formula_all_to_all(model: str, factor: float | None, seq_len: int, remat: st
     return full_depth(model)[1] * per_layer * experts * capacity * config["hidden_size"] * 2
 
 
-def run_model(model: str, args) -> None:
-    """Every cell of ``model`` not in the cache, in this process; each written as it ends."""
+def run_cell(key: str, args) -> None:
+    """One cell (``model|devices|capacity``), in this process, written to the cache."""
     from redco_planner.commands import simulate_devices
-    simulate_devices(max(args.devices))
-    for n_devices in args.devices:
-        for factor in FACTORS:
-            key = cell_key(model, n_devices, factor)
-            if key in load(args.cache):
-                continue
-            start = time.perf_counter()
-            result = plan_cell(model, n_devices, factor, args)
-            result["minutes"] = (time.perf_counter() - start) / 60
-            cache = load(args.cache)
-            cache[key] = result
-            with open(args.cache, "w") as f:
-                json.dump(cache, f, indent=1)
+    model, n_devices, factor = parse_key(key)
+    simulate_devices(n_devices)
+    start = time.perf_counter()
+    result = plan_cell(model, n_devices, factor, args)
+    result["minutes"] = (time.perf_counter() - start) / 60
+    cache = load(args.cache)
+    cache[key] = result
+    with open(args.cache, "w") as f:
+        json.dump(cache, f, indent=1)
+
+
+def parse_key(key: str) -> tuple[str, int, float | None]:
+    model, devices, factor = key.split("|")
+    return model, int(devices), None if factor == "dropless" else float(factor)
+
+
+def cells(args) -> list[str]:
+    """Every cell, most devices first (their walks are shortest), then by model."""
+    return [cell_key(model, n, factor) for n in sorted(args.devices, reverse=True)
+            for factor in args.factors for model in args.models]
 
 
 def load(path: str) -> dict:
@@ -201,7 +219,7 @@ def table(args) -> str:
     for model in args.models:
         layers, moe = full_depth(model)
         for n_devices in args.devices:
-            for factor in FACTORS:
+            for factor in args.factors:
                 result = cache.get(cell_key(model, n_devices, factor))
                 lines.append(row_text(model, layers, moe, n_devices, factor, result, args))
     return "\n".join(lines)
@@ -235,24 +253,31 @@ def main() -> None:
     parser.add_argument("--budget_minutes", type=float, default=60)
     parser.add_argument("--cache", default="moe_plans.json")
     parser.add_argument("--table_only", action="store_true")
-    parser.add_argument("--one_model", help=argparse.SUPPRESS)  # the child process's model
+    parser.add_argument("--factors", default="dropless,1.25",
+                        help="capacity factors, each a column: dropless and/or numbers")
+    parser.add_argument("--one_cell", help=argparse.SUPPRESS)  # the child process's cell
     args = parser.parse_args()
     args.models = args.models.split(",")
     args.devices = [int(d) for d in args.devices.split(",")]
-    if args.one_model:
-        return run_model(args.one_model, args)
+    args.factors = [None if f == "dropless" else float(f) for f in args.factors.split(",")]
+    if args.one_cell:
+        return run_cell(args.one_cell, args)
     if not args.table_only:
         deadline = time.time() + 60 * args.budget_minutes
-        for model in args.models:
+        for key in cells(args):
             left = deadline - time.time()
             if left <= 0:
                 break
-            try:  # (each model in its own process: XLA:CPU's compile memory is freed)
-                subprocess.run([sys.executable, __file__, "--one_model", model,
-                                *sys.argv[1:]], timeout=left, check=False)
+            if key in load(args.cache):
+                continue
+            try:  # (each cell in its own process: XLA:CPU's compile memory is freed)
+                subprocess.run([sys.executable, __file__, "--one_cell", key, *sys.argv[1:]],
+                               timeout=left, check=False)
             except subprocess.TimeoutExpired:
-                print(f"{model}: stopped at --budget_minutes", flush=True)
-    print(provenance(sys.argv))
+                print(f"{key}: stopped at --budget_minutes", flush=True)
+    from redco_planner.commands import simulate_devices
+    simulate_devices(max(args.devices))  # (for the machine line: the devices compiled on)
+    print_provenance()
     print(f"seq {args.seq_len} tokens x 1 row per device, bf16 compute, fp32 params + AdamW, "
           f"remat={args.remat}")
     print(table(args))
