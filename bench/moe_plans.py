@@ -3,8 +3,9 @@
 compiled HLO, against a formula (issue 44 point 4).
 
 **Models** (``redco_zoo_models.presets``): ``mixtral-8x7b`` (32 layers, 8 experts, top-2),
-``qwen3-30b-a3b`` (48 layers, 128 experts, top-8), ``deepseek-v3`` (61 layers: 3 dense, then
-256 routed experts, top-8, and a shared one). One row of ``--seq_len`` tokens per device, bf16
+``qwen3-30b-a3b`` (48 layers, 128 experts, top-8), DeepSeek-V3-shaped: ``deepseek-v3``'s
+layers (3 dense, then 256 routed experts, top-8, and a shared one; latent attention), 5 of its
+61 (``LAYERS``). One row of ``--seq_len`` tokens per device, bf16
 compute with fp32 params and AdamW state, remat ``--remat`` (one policy: the planner's walk
 over policies would triple the compiles), the next-token loss of ``redco plan``.
 
@@ -52,6 +53,9 @@ import time
 from provenance import print_provenance
 
 MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")
+# DeepSeek-V3-shaped: 5 of its 61 layers (3 dense, 2 MoE of 11.3B params each). Its full
+# fp32 params and AdamW state, ~16 bytes x 671B, are 8x what 16 x 80 GB hold.
+LAYERS = {"deepseek-v3": 5}
 GB = 10 ** 9
 
 
@@ -90,11 +94,16 @@ def depths(model: str) -> tuple[int, int]:
 
 
 def full_depth(model: str) -> tuple[int, int]:
-    """``(layers, MoE layers)`` of the published model."""
+    """``(layers, MoE layers)`` planned for: the published model's, or ``LAYERS``'."""
     from redco_zoo_models.presets import preset
     config = preset(model)
-    return config["num_hidden_layers"], config["num_hidden_layers"] - config.get(
-        "first_k_dense_replace", 0)
+    layers = LAYERS.get(model, config["num_hidden_layers"])
+    return layers, layers - config.get("first_k_dense_replace", 0)
+
+
+def preset_layers(model: str) -> int:
+    from redco_zoo_models.presets import preset
+    return preset(model)["num_hidden_layers"]
 
 
 def build(model: str, layers: int, factor: float | None, seq_len: int):
@@ -226,7 +235,9 @@ def table(args) -> str:
 
 
 def row_text(model, layers, moe, n_devices, factor, result, args) -> str:
-    head = (f"| {model} ({layers}; from {depths(model)[0]}, {depths(model)[1]}) | "
+    of = f" of {preset_layers(model)}" if layers != preset_layers(model) else ""
+    head = (f"| {model} ({layers}{of} layers; compiled at {depths(model)[0]}, "
+            f"{depths(model)[1]}) | "
             f"{n_devices} x {args.memory_gb} GB | {factor or 'dropless'} | ")
     if result is None:
         return head + "not run (out of --budget_minutes) | | | | |"

@@ -141,6 +141,7 @@ class PlanCommand(Command):
         import jax.numpy as jnp
 
         from redco_planner.inspection import load_model, parse_bytes
+        from redco_planner.layouts import expert_shards
         from redco_planner.planner import REMAT_POLICIES, PlanError, plan
         model = load_model(args.model, seq_len=args.seq_len)
         compute = None if args.compute_dtype == "float32" else jnp.dtype(args.compute_dtype)
@@ -168,7 +169,6 @@ class PlanCommand(Command):
         remat = f", remat={result.remat!r}" if args.remat else ""
         remat += "" if result.lora_rank is None else f", LoRA rank {result.lora_rank}"
         print(f"pick: n_model_shards={result.n_model_shards}, n_context_shards="
-              f"{result.n_context_shards}, n_expert_shards={result.n_expert_shards}, "
-              "sharding_rules="
+              f"{result.n_context_shards}, {expert_shards(result)}sharding_rules="
               f"{result.sharding_rules!r}{remat} (peak {result.peak_bytes / memory:.0%} of device "
               f"memory)\nwhy: {result.reason}")

@@ -65,7 +65,7 @@ class TriedLayout:
         cp = f"cp={self.n_context_shards:<3} " if self.n_context_shards > 1 else ""
         ep = f"ep={self.n_expert_shards:<3} " if self.n_expert_shards > 1 else ""
         name = (f"mp={self.n_model_shards:<3} {cp}dp={self.mesh_shape['dp']:<3} {ep}"
-                f"{self.sharding_rules:<12}")
+                f"{self.sharding_rules:<10}")
         if self.remat != "none":
             name += f" remat={self.remat}"
         if self.lora_rank is not None:
@@ -114,8 +114,7 @@ class Plan:
                  f"({self.headroom:.0%} kept as headroom)"]
         lines += ["  " + layout.describe() for layout in self.tried]
         lines.append(f"pick: n_model_shards={self.n_model_shards}, "
-                     f"n_context_shards={self.n_context_shards}, "
-                     f"n_expert_shards={self.n_expert_shards}, "
+                     f"n_context_shards={self.n_context_shards}, {expert_shards(self)}"
                      f"sharding_rules={self.sharding_rules!r}, remat={self.remat!r}"
                      f"{'' if self.lora_rank is None else f', LoRA rank {self.lora_rank}'}, peak "
                      f"{human_bytes(self.peak_bytes)} per device "
@@ -192,6 +191,11 @@ def why(pick: TriedLayout, tried: list[TriedLayout], lora_via: str = "") -> str:
                if at_pick(t) and t.sharding_rules == pick.sharding_rules and t.remat != pick.remat]
     return (f"{reason}; at {split_name(pick)} {pick.sharding_rules} fits only with "
             f"remat={pick.remat} (not with {', '.join(lighter)})")
+
+
+def expert_shards(layout) -> str:
+    """``n_expert_shards=8, `` for a layout that splits the experts, else nothing."""
+    return f"n_expert_shards={layout.n_expert_shards}, " if layout.n_expert_shards > 1 else ""
 
 
 def expert_reason(pick: TriedLayout, before: list[TriedLayout]) -> str:

@@ -48,9 +48,9 @@ from redco_zoo_models.context_parallel import (
     in_order,
     on_split,
 )
+from redco_zoo_models.expert_parallel import as_laid_out
 from redco_zoo_models.layers import GatedMLP, RMSNorm, embed
 from redco_zoo_models.mla import LatentAttention, cached_width
-from redco_zoo_models.expert_parallel import as_laid_out
 from redco_zoo_models.moe import MoE, MoEConfig
 from redco_zoo_models.rope import Rope, apply_rope, depends_on_length, segment_lengths
 
