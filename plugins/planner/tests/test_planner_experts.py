@@ -2,9 +2,9 @@
 (``moe_helpers.MOE``: 8 experts, 509 wide, 97% of its params) on 8 simulated devices of 6 MiB
 (5.4 usable). Only layouts that split the experts by expert fit: measured with every layout
 compiled, ``auto+ep`` peaks at 4.3 MiB at mp=1 (one expert a device) and 5.2 MiB at mp=2; no
-other layout is under 14.3 MiB (TP cannot split a 509-wide expert; FSDP splits it, but gathers
-each layer's experts and runs them on the single-device path, whose ``ragged_dot`` XLA:CPU
-lowers through every expert). ``Deployer(n_model_shards="auto")`` picks ``auto+ep`` at mp=1 with
+other layout without context parallelism is under 14.3 MiB, none with it under 7.8 MiB (TP
+cannot split a 509-wide expert; FSDP splits it, but gathers each layer's experts and runs them
+on the single-device path, whose ``ragged_dot`` XLA:CPU lowers through every expert). ``Deployer(n_model_shards="auto")`` picks ``auto+ep`` at mp=1 with
 no EP flag, and the step it trains with sends the tokens to their experts (all_to_all)."""
 import jax
 import jax.numpy as jnp
