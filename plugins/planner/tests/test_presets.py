@@ -78,7 +78,8 @@ def test_redco_plan_plans_a_preset(capsys):
 
 def test_an_unknown_name_is_refused_with_the_names(capsys):
     with pytest.raises(ValueError, match=r"Unknown model 'qwen3-9b': use one of .*qwen3-8b, "
-                                         r"qwen3-14b.*phi-4-mini, or module:function"):
+                                         r"qwen3-14b.*phi-4-mini, mixtral-8x7b.*deepseek-v3, or "
+                                         r"module:function"):
         load_model("qwen3-9b")
     with pytest.raises(SystemExit):
         main(["plan", "--model", "qwen3-9b", "--devices", "1", "--device-memory", "80GB"])
