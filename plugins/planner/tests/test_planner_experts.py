@@ -4,8 +4,9 @@
 compiled, ``auto+ep`` peaks at 4.3 MiB at mp=1 (one expert a device) and 5.2 MiB at mp=2; no
 other layout without context parallelism is under 14.3 MiB, none with it under 7.8 MiB (TP
 cannot split a 509-wide expert; FSDP splits it, but gathers each layer's experts and runs them
-on the single-device path, whose ``ragged_dot`` XLA:CPU lowers through every expert). ``Deployer(n_model_shards="auto")`` picks ``auto+ep`` at mp=1 with
-no EP flag, and the step it trains with sends the tokens to their experts (all_to_all)."""
+on the single-device path, whose ``ragged_dot`` XLA:CPU lowers through every expert).
+``Deployer(n_model_shards="auto")`` picks ``auto+ep`` at mp=1 with no EP flag, and the step it
+trains with sends the tokens to their experts (all_to_all)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
