@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 GATHERED = "redco_fsdp_gathered"  # the checkpoint name of a gathered weight
 FSDP_AXES = ("dp", "cp")  # the axes weights are split over, where the mesh has them
-_declared: list[dict[int, NamedSharding]] = []  # a stack: id(param leaf) -> its gathered sharding
+_declared: list[dict[int, tuple]] = []  # a stack: id(param leaf) -> (gathered, split) shardings
 
 
 def without_axes(spec: P, axes: tuple[str, ...] = FSDP_AXES) -> P:
@@ -86,6 +86,14 @@ def keep_split(leaves: Sequence[Any]) -> None:
     for leaf in leaves:
         if _declared:
             _declared[-1].pop(id(leaf), None)
+
+
+def declared(leaf: Any) -> NamedSharding | None:
+    """The sharding the innermost ``gathering`` declared ``leaf`` split by (over ``dp`` or
+    ``cp``), None for a leaf it did not declare: a model reads where a weight lies (e.g. experts
+    split over ``dp``, ``redco_zoo_models.expert_parallel``) before deciding how to compute."""
+    entry = _declared[-1].get(id(leaf)) if _declared else None
+    return None if entry is None else entry[1]
 
 
 def targets(leaves: Sequence[Any]) -> list[tuple[NamedSharding, NamedSharding] | None]:

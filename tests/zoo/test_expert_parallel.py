@@ -145,8 +145,7 @@ def test_a_tiny_moe_trains_with_its_experts_split_as_on_one_device():
 
     def trainer(deployer, expert_split: bool):
         apply_fn, params = split_model(tiny_family("qwen3-moe"))
-        apply_fn, rules = for_trainer(apply_fn, params, deployer) if expert_split else \
-            (apply_fn, None)
+        rules = for_trainer(params, deployer) if expert_split else None
         return Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.sgd(0.5),
                        params_sharding_rules=rules)
     rows = packed_rows(4)  # one update

@@ -1,18 +1,32 @@
 """Built-in sharding rule sets: ``auto`` (the paper's two rules over ``mp``; ``auto-names``
 reads them off parameter names only, never the dataflow), ``fsdp``
 (ZeRO-3 style over ``dp``, and ``cp`` with context parallelism), ``auto+fsdp`` (both, on a 2-D
-layout) and ``replicate``."""
+layout), ``replicate``, and expert parallelism on top of the first two: ``auto+ep`` and
+``auto+fsdp+ep``.
+
+**Expert parallelism** (``+ep``): a Mixture-of-Experts model's stacked expert weights, a leaf
+``.../experts/<name>`` of 3 dims (experts, in, out), are split on the experts over ``dp``
+(device j holds experts ``j*E/dp .. (j+1)*E/dp - 1``), their other dims as the base rule set
+puts them less the FSDP axes; every other param as the base rule set puts it. A model whose
+MoE blocks read where their experts lie (``redco.fsdp.declared``; the zoo's,
+``redco_zoo_models.expert_parallel``) then sends each token to its experts' devices
+(``all_to_all``) instead of gathering the experts. Under ``auto`` (and so every set built on
+it) the experts' tensor-parallel split comes from their names where the dataflow walker leaves
+them whole (it does not follow their batched matmuls): gate and up projections on their
+output, down on their input, as a dense MLP's (``expert_tp_spec``). ``has_experts`` says whether a model has
+any (the layout planner tries the ``+ep`` sets only then)."""
 from __future__ import annotations
 
 import math
 import re
 import warnings
 
+import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from redco.dataflow import dataflow_split_dims
-from redco.fsdp import FSDP_AXES
+from redco.fsdp import FSDP_AXES, without_axes
 from redco.plugins import hookimpl
 from redco.sharding import Rules, named_leaves
 
@@ -22,6 +36,9 @@ FFN_IN = re.compile(r"(^|/)(gate|up|gate_proj|up_proj|w1|w3|wi|wi_0|wi_1|fc1|fc_
                     r"dense_h_to_4h)/(kernel|weight)$")
 FFN_OUT = re.compile(r"(^|/)(down|down_proj|w2|fc2|fc_out|dense_4h_to_h)/(kernel|weight)$")
 EMBEDDING = re.compile(r"(embed|embedding|wte|tok_embeddings)")
+EXPERTS = re.compile(r"(^|/)experts/[^/]+$")  # stacked (experts, in, out): expert parallelism
+EXPERT_IN = re.compile(r"(^|/)experts/(gate|up|gate_proj|up_proj|w1|w3)$")
+EXPERT_OUT = re.compile(r"(^|/)experts/(down|down_proj|w2)$")
 COLUMN, ROW = P(None, "mp"), P("mp", None)
 FSDP_MIN_SIZE = 1024  # params with fewer elements stay replicated: not worth a gather
 
@@ -99,7 +116,29 @@ def with_fsdp(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
 
 
 def auto_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
-    return exact(auto_specs(params, mesh, trace_fn)) if mesh.shape["mp"] > 1 else []
+    return exact(_auto(params, mesh, trace_fn))
+
+
+def _auto(params, mesh: Mesh, trace_fn=None) -> dict[str, P]:
+    """``auto_specs`` (none at mp=1), expert weights the dataflow left whole split by name."""
+    mp = mesh.shape["mp"]
+    if mp == 1:
+        return {}
+    specs = auto_specs(params, mesh, trace_fn)
+    for path, leaf in named_leaves(params):
+        if _is_expert(path, leaf) and "mp" not in jax.tree.leaves(tuple(specs.get(path, P()))):
+            specs[path] = expert_tp_spec(path, leaf.shape, mp)
+    return specs
+
+
+def expert_tp_spec(path: str, shape: tuple[int, ...], mp: int) -> P:
+    """Tensor parallelism of a stacked expert weight (experts, in, out), as of a dense MLP: a
+    gate or up projection split on its output (column), a down projection on its input (row);
+    replicated where that dim does not divide by ``mp``, or the name is neither."""
+    dim = 2 if EXPERT_IN.search(path) else 1 if EXPERT_OUT.search(path) else None
+    if dim is None or shape[dim] % mp:
+        return P()
+    return P(*["mp" if d == dim else None for d in range(len(shape))])
 
 
 def auto_names_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
@@ -116,9 +155,41 @@ def fsdp_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
 
 def auto_fsdp_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
     """``auto`` over ``mp``, then ``fsdp`` over ``dp`` on a remaining dim."""
-    specs = auto_specs(params, mesh, trace_fn) if mesh.shape["mp"] > 1 else {}
-    return exact({path: with_fsdp(specs.get(path, P()), leaf.shape, mesh)
-                  for path, leaf in named_leaves(params)})
+    return exact(_auto_fsdp(params, mesh, trace_fn))
+
+
+def _auto_fsdp(params, mesh: Mesh, trace_fn=None) -> dict[str, P]:
+    specs = _auto(params, mesh, trace_fn)
+    return {path: with_fsdp(specs.get(path, P()), leaf.shape, mesh)
+            for path, leaf in named_leaves(params)}
+
+
+def has_experts(params) -> bool:
+    """Whether ``params`` hold stacked expert weights (``EXPERTS``, 3 dims)."""
+    return any(_is_expert(path, leaf) for path, leaf in named_leaves(params))
+
+
+def _is_expert(path: str, leaf) -> bool:
+    return bool(EXPERTS.search(path)) and len(leaf.shape) == 3
+
+
+def with_experts_split(base_specs):
+    """The rule set of ``base_specs`` (``params, mesh, trace_fn -> {path: spec}``) with every
+    expert weight split on its experts over ``dp`` (module docstring)."""
+    def rules(params, mesh: Mesh, trace_fn=None) -> Rules:
+        specs, dp = base_specs(params, mesh, trace_fn), mesh.shape["dp"]
+        for path, leaf in named_leaves(params):
+            if not _is_expert(path, leaf):
+                continue
+            if leaf.shape[0] % dp:
+                raise ValueError(
+                    f"{path} holds {leaf.shape[0]} experts, which do not split over dp={dp} "
+                    "devices for expert parallelism: use a data-parallel degree (devices / "
+                    f"(n_model_shards x n_context_shards)) that divides {leaf.shape[0]}, or "
+                    "rules without +ep.")
+            specs[path] = P("dp", *list(without_axes(specs.get(path, P())))[1:])
+        return exact(specs)
+    return rules
 
 
 @hookimpl(trylast=True)
@@ -128,3 +199,5 @@ def register_sharding_rules(register):
     register("fsdp", fsdp_rules)
     register("auto+fsdp", auto_fsdp_rules)
     register("replicate", lambda params, mesh, trace_fn=None: [])
+    register("auto+ep", with_experts_split(_auto))
+    register("auto+fsdp+ep", with_experts_split(_auto_fsdp))

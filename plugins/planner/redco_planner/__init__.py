@@ -6,7 +6,9 @@ Registered through the ``redco`` entry-point group like any third-party plugin:
 * ``register_layout_planners``: ``"auto"``, an ``AutoLayoutPlanner``. At ``Trainer.fit``'s first
   batch the Deployer asks it for a layout; it compiles the train step ahead of time for
   ``n_model_shards`` = 1, 2, 4, ... (with ``n_context_shards="auto"``, every mp x cp;
-  ``redco_planner.planner.plan``) and returns the first that fits the device memory.
+  ``redco_planner.planner.plan``) and returns the first that fits the device memory; for a
+  Mixture-of-Experts model, each rule set also with its experts split over ``dp`` (expert
+  parallelism, ``auto+ep``, ``auto+fsdp+ep``), so an MoE trains expert-parallel with no flag.
 * ``register_commands``: ``"plan"`` and ``"rules"`` (``redco_planner.commands``).
 
 Every ``redco`` process that builds a registry imports this module, so it imports only the

@@ -22,7 +22,8 @@ from redco.sequence_split import STRATEGIES
 MODEL_HELP = ("llama-tiny, llama-1b, llama-7b, llama-13b, llama-30b, llama-65b; a published "
               "decoder (redco_zoo_models.presets): llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, "
               "llama-3.1-70b, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, qwen3-32b, "
-              "gemma-3-1b, gemma-3-4b, gemma-3-12b, gemma-3-27b, phi-4-mini; or module:function "
+              "gemma-3-1b, gemma-3-4b, gemma-3-12b, gemma-3-27b, phi-4-mini, mixtral-8x7b, "
+              "qwen3-30b-a3b, deepseek-v3; or module:function "
               "returning params, (params, trace_fn) or (params, trace_fn, loss_fn)")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 DEVICES_HELP = ("the devices the plan is for, every process's together (the mesh's size), "
@@ -146,6 +147,7 @@ class PlanCommand(Command):
         import jax.numpy as jnp
 
         from redco_planner.inspection import load_model, parse_bytes
+        from redco_planner.layouts import expert_shards
         from redco_planner.planner import REMAT_POLICIES, PlanError, plan
         model = load_model(args.model, seq_len=args.seq_len)
         compute = None if args.compute_dtype == "float32" else jnp.dtype(args.compute_dtype)
@@ -173,6 +175,6 @@ class PlanCommand(Command):
         remat = f", remat={result.remat!r}" if args.remat else ""
         remat += "" if result.lora_rank is None else f", LoRA rank {result.lora_rank}"
         print(f"pick: n_model_shards={result.n_model_shards}, n_context_shards="
-              f"{result.n_context_shards}, sharding_rules="
+              f"{result.n_context_shards}, {expert_shards(result)}sharding_rules="
               f"{result.sharding_rules!r}{remat} (peak {result.peak_bytes / memory:.0%} of device "
               f"memory)\nwhy: {result.reason}")

@@ -49,15 +49,22 @@ class TriedLayout:
     flops: float | None = None  # per device: XLA's cost_analysis of the compiled step
     lora_rank: int | None = None  # LoRA adapters' rank (base frozen); None: full fine-tuning
     n_context_shards: int = 1  # cp: devices that split each sequence
+    collectives: dict = field(default_factory=dict)  # redco_planner.collectives of the step
 
     @property
     def mesh_shape(self) -> dict:
         return {"dp": self.n_devices // (self.n_model_shards * self.n_context_shards),
                 "cp": self.n_context_shards, "mp": self.n_model_shards}
 
+    @property
+    def n_expert_shards(self) -> int:
+        """Devices the experts are split over: ``dp`` under the ``+ep`` rule sets, else 1."""
+        return self.mesh_shape["dp"] if self.sharding_rules.endswith("+ep") else 1
+
     def describe(self) -> str:
         cp = f"cp={self.n_context_shards:<3} " if self.n_context_shards > 1 else ""
-        name = (f"mp={self.n_model_shards:<3} {cp}dp={self.mesh_shape['dp']:<3} "
+        ep = f"ep={self.n_expert_shards:<3} " if self.n_expert_shards > 1 else ""
+        name = (f"mp={self.n_model_shards:<3} {cp}dp={self.mesh_shape['dp']:<3} {ep}"
                 f"{self.sharding_rules:<10}")
         if self.remat != "none":
             name += f" remat={self.remat}"
@@ -93,6 +100,7 @@ class Plan:
     lora_rank: int | None = None  # the pick trains LoRA adapters of this rank (base frozen)
     lora_via: str = ""  # how the LoRA model was built
     n_context_shards: int = 1
+    n_expert_shards: int = 1  # devices the experts are split over (dp under +ep rules), or 1
 
     def deployer_kwargs(self) -> dict:
         """``Deployer(**plan.deployer_kwargs(), jax_seed=...)``."""
@@ -106,7 +114,7 @@ class Plan:
                  f"({self.headroom:.0%} kept as headroom)"]
         lines += ["  " + layout.describe() for layout in self.tried]
         lines.append(f"pick: n_model_shards={self.n_model_shards}, "
-                     f"n_context_shards={self.n_context_shards}, "
+                     f"n_context_shards={self.n_context_shards}, {expert_shards(self)}"
                      f"sharding_rules={self.sharding_rules!r}, remat={self.remat!r}"
                      f"{'' if self.lora_rank is None else f', LoRA rank {self.lora_rank}'}, peak "
                      f"{human_bytes(self.peak_bytes)} per device "
@@ -176,9 +184,25 @@ def why(pick: TriedLayout, tried: list[TriedLayout], lora_via: str = "") -> str:
     if pick.lora_rank is not None:
         reason = (f"no full fine-tuning layout fits; with LoRA rank {pick.lora_rank} "
                   f"({lora_via}), {reason}")
+    reason += expert_reason(pick, [t for t in same_kind[:same_kind.index(pick)] if at_pick(t)])
     if pick.remat == "none":
         return f"{reason}; at {split_name(pick)} it fits without remat"
     lighter = [t.remat for t in same_kind[:same_kind.index(pick)]
                if at_pick(t) and t.sharding_rules == pick.sharding_rules and t.remat != pick.remat]
     return (f"{reason}; at {split_name(pick)} {pick.sharding_rules} fits only with "
             f"remat={pick.remat} (not with {', '.join(lighter)})")
+
+
+def expert_shards(layout) -> str:
+    """``n_expert_shards=8, `` for a layout that splits the experts, else nothing."""
+    return f"n_expert_shards={layout.n_expert_shards}, " if layout.n_expert_shards > 1 else ""
+
+
+def expert_reason(pick: TriedLayout, before: list[TriedLayout]) -> str:
+    """Why the experts are split (or not), from the rule sets tried before ``pick`` at its mp
+    and cp: ``; experts split over ep=8 devices (auto+ep), as auto did not fit``."""
+    if pick.n_expert_shards == 1:
+        return ""
+    others = list(dict.fromkeys(t.sharding_rules for t in before if not t.n_expert_shards > 1))
+    return (f"; experts split over ep={pick.n_expert_shards} devices ({pick.sharding_rules})"
+            + (f", as {' and '.join(others)} did not fit" if others else ""))

@@ -25,6 +25,7 @@ from redco import plugins, sharding
 from redco import remat as redco_remat
 from redco.sharding import Rules, opt_state_shardings, shardings_from_specs, specs_from_rules
 from redco.train_step import TrainState, compiler_options, make_train_step, split, step_loss
+from redco_planner.collectives import collectives
 from redco_planner.inspection import n_positional
 from redco_planner.layouts import TriedLayout
 
@@ -134,6 +135,12 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
         compiled = compile_step(step, state, state_shardings, batch, mesh)
     layout.compile_s = time.perf_counter() - start
     read_memory(layout, compiled)
+    layout.collectives = collectives(compiled.as_text())
+    if layout.n_expert_shards > 1 and "all-to-all" not in layout.collectives:
+        raise ValueError(f"{sharding_rules} splits the experts over dp={mesh.shape['dp']}, but "
+                         "the compiled step has no all-to-all: the model's MoE blocks do not "
+                         "run expert-parallel (they never read redco.fsdp.declared; the zoo's "
+                         "do, redco_zoo_models.expert_parallel).")
     return layout
 
 

@@ -14,6 +14,27 @@ weights and optimizer state do not). A model whose attention cannot run over a s
 tried the same way, only after every full fine-tuning layout failed; with ``trainable`` (a LoRA
 ``Trainer``'s mask), every layout is measured with only those leaves trained.
 
+**Expert parallelism.** For a Mixture-of-Experts model (stacked ``experts/...`` weights,
+``redco.builtins.rules.has_experts``) each rule set comes with its expert-parallel variant
+(``+ep``: the experts split over ``dp``, tokens sent to them by ``all_to_all``; EP degree = dp,
+so it costs no device per example), at the same mp and cp, in this order: ``auto``,
+``auto+ep``, ``auto+fsdp+ep``, ``auto+fsdp``. The rule is the fewest bytes moved inside the
+layers first. ``auto`` replicates the experts and moves nothing in the layer (its gradient
+all-reduce overlaps the backward pass; an all_to_all sits on the layer's critical path and
+waits for the most loaded device). ``auto+ep`` keeps each device's share of the experts
+(1/dp of their weights, gradients and AdamW state) and moves tokens: per MoE layer and step,
+4 all_to_alls (2 forward, 2 backward) of an (E, C, H) buffer per device, n tokens per device,
+``C = ceil(cf * n * k / E)`` with a capacity factor cf, ``C = n`` dropless (this EP pads every
+(source, expert) pair to n rows: ``redco_zoo_models.expert_parallel``). ``auto+fsdp+ep`` also
+splits the rest over dp. ``auto+fsdp`` last: it all-gathers every layer's experts (forward and
+backward) and reduce-scatters their gradients, ``3 * 3 * E * H * I`` elements per MoE layer.
+With cf = 1.25 that is several times the tokens' ``4 * E * C * H`` (Qwen3-30B-A3B at 4,096
+tokens per device: 5.4x); dropless, E/k times more tokens move and the order can be the wrong
+way round (Qwen3-30B-A3B: 0.42x), which ``bench/moe_plans.py`` measures. The capacity factor
+is the model's own (``MoEConfig.capacity_factor``, dropless by default): the planner does not
+choose it, because a factor drops tokens, i.e. changes what the step computes, which no
+layout the planner picks does (LoRA, the one exception, is asked for with ``lora_rank``).
+
 The peak is measured, not estimated (``redco_planner.measure``): the whole train step
 (forward, backward, optimizer update, with the state donated as ``Trainer`` does) is compiled
 ahead of time on abstract shapes,
@@ -47,6 +68,7 @@ import optax
 from redco import lora as redco_lora
 from redco import plugins
 from redco import remat as redco_remat
+from redco.builtins.rules import has_experts
 from redco.sequence_split import SplitNotAsked
 from redco.sharding import dataflow_trace
 from redco_planner.inspection import LoraModel, n_positional, parse_bytes
@@ -54,6 +76,8 @@ from redco_planner.layouts import HEADROOM, Plan, PlanError, TriedLayout, nothin
 from redco_planner.measure import abstract, as_loss, measure
 
 REMAT_POLICIES = ("none", "dots_saveable", "full")  # least recompute first
+# a rule set -> it and its expert-parallel variant, in the order tried (module docstring)
+EXPERT_PARALLEL = {"auto": ("auto", "auto+ep"), "auto+fsdp": ("auto+fsdp+ep", "auto+fsdp")}
 
 
 def device_memory_bytes(deployer) -> int:
@@ -98,7 +122,8 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
          lora: Callable[[int], LoraModel] | None = None, trainable: Any = None,
          accumulate_grad_batches: int = 1, model_degrees: Sequence[int] | None = None,
          context_degrees: Sequence[int] | None = (1,),
-         context_strategy: str = "all_gather", compute_dtype: Any = None) -> Plan:
+         context_strategy: str = "all_gather", compute_dtype: Any = None,
+         expert_parallel: bool = True) -> Plan:
     """The layout with the fewest devices per example whose train step fits
     ``device_memory_bytes``.
 
@@ -110,7 +135,9 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
       n_devices: devices to plan for (this process must see at least as many).
       device_memory_bytes: memory per device.
       optimizer: an optax optimizer or factory (``optax.adamw``); its state is counted.
-      rule_sets: rule-set names tried at every ``n_model_shards``, in order.
+      rule_sets: rule-set names tried at every ``n_model_shards``, in order; for a model with
+        experts, ``auto`` and ``auto+fsdp`` each with its expert-parallel variant
+        (``EXPERT_PARALLEL``).
       trace_fn: for the ``auto`` rules' dataflow; by default the loss on the batch shapes.
       try_all: compile every layout instead of stopping at the first that fits. Without it, a
         layout whose params and optimizer state alone are over the usable memory is reported
@@ -133,6 +160,8 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
       model_degrees: the ``n_model_shards`` to try; None: every divisor of ``n_devices``.
       context_degrees: the ``n_context_shards`` to try (None: every divisor), each sequence
         split ``context_strategy``'s way; the default, 1, splits none.
+      expert_parallel: for a model with experts, also try each rule set's expert-parallel
+        variant (module docstring); False: only ``rule_sets``.
       compute_dtype: the dtype the step computes in (e.g. ``jnp.bfloat16``), the params cast
         to it as ``Trainer(compute_dtype=...)`` casts them; None: the params' own (fp32). The
         params and optimizer state stay in theirs.
@@ -149,6 +178,8 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
         trace_fn = dataflow_trace(loss, batch_abstract) if n_positional(loss_or_trace_fn) >= 2 \
             else loss_or_trace_fn
     params_abstract = abstract(params_abstract)
+    if expert_parallel:
+        rule_sets = with_expert_parallel(rule_sets, params_abstract)
     degrees = split_degrees(n_devices, model_degrees, context_degrees)
     if not degrees:
         raise ValueError(f"No n_model_shards in {model_degrees} and n_context_shards in "
@@ -178,7 +209,16 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
     return Plan(pick.n_model_shards, pick.sharding_rules, pick.rules, pick.peak_bytes,
                 device_memory_bytes, n_devices, search.tried, headroom, pick.remat,
                 why(pick, search.tried, lora_via), pick.lora_rank, lora_via,
-                pick.n_context_shards)
+                pick.n_context_shards, pick.n_expert_shards)
+
+
+def with_expert_parallel(rule_sets: Sequence[str], params_abstract) -> list[str]:
+    """``rule_sets`` with, for a model with experts (``redco.builtins.rules.has_experts``),
+    each one's expert-parallel variant (``EXPERT_PARALLEL``, in that order) in its place."""
+    if not has_experts(params_abstract):
+        return list(rule_sets)
+    return list(dict.fromkeys(name for base in rule_sets
+                              for name in EXPERT_PARALLEL.get(base, (base,))))
 
 
 class Search:
@@ -197,8 +237,9 @@ class Search:
         """The first layout that fits (every one measured with ``try_all``), or None."""
         pick = None
         for mp, cp, name, policy in self.candidates:
-            if cp > 1 and not self.splits_sequence:
-                continue
+            if cp > 1 and not self.splits_sequence or \
+                    name.endswith("+ep") and mp * cp == self.settings["n_devices"]:
+                continue  # (experts split over dp = 1 device: the same as without +ep)
             try:
                 layout = try_layout(params, loss, mp=mp, cp=cp, name=name, policy=policy,
                                     trace_fn=trace_fn, trainable=trainable,

@@ -24,7 +24,7 @@ from redco_zoo_models.runner import load_model as zoo_load_model
 # 8,030,261,248, 3.1-70B 70,553,706,496, 3.2-1B 1,235,814,400, 3.2-3B 3,212,749,824; Qwen3 0.6B
 # 596,049,920 ... 32B 32,762,123,264 (cards round: 0.6B, 1.7B, 4.0B, 8.2B, 14.8B, 32.8B); Gemma 3
 # 1B 999,885,952, 4B 3,880,263,168, 12B 11,766,034,176, 27B 27,009,346,304 (the report's text
-# model: 1,000M, 3,884M, 11,771M, 27,016M); Phi-4-mini 3,836,021,760 (3.84B).
+# model: 1,000M, 3,884M, 11,771M, 27,016M); Phi-4-mini 3,836,021,760 (3.84B); MoE: see below.
 
 
 def count(config: dict) -> int:
@@ -45,8 +45,9 @@ def with_layers(config: dict, n: int) -> dict:
 def test_each_preset_has_its_published_parameter_count(name):
     config = preset(name)
     full = DecoderConfig.from_hf(config)  # the whole config reads (layer types, RoPE, window)
-    one, two = count(with_layers(config, 1)), count(with_layers(config, 2))
-    total = one + (full.num_hidden_layers - 1) * (two - one)
+    dense = config.get("first_k_dense_replace", 0)  # (DeepSeek-V3: 3 dense, then MoE layers)
+    one, two = count(with_layers(config, dense + 1)), count(with_layers(config, dense + 2))
+    total = one + (full.num_hidden_layers - dense - 1) * (two - one)
     assert abs(total / PUBLISHED_PARAMS[name] - 1) < 0.02, (name, total)
     assert name in MODEL_HELP  # redco plan --help names it
 
@@ -77,7 +78,8 @@ def test_redco_plan_plans_a_preset(capsys):
 
 def test_an_unknown_name_is_refused_with_the_names(capsys):
     with pytest.raises(ValueError, match=r"Unknown model 'qwen3-9b': use one of .*qwen3-8b, "
-                                         r"qwen3-14b.*phi-4-mini, or module:function"):
+                                         r"qwen3-14b.*phi-4-mini, mixtral-8x7b.*deepseek-v3, or "
+                                         r"module:function"):
         load_model("qwen3-9b")
     with pytest.raises(SystemExit):
         main(["plan", "--model", "qwen3-9b", "--devices", "1", "--device-memory", "80GB"])

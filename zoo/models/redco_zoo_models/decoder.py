@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from redco import remat
+from redco.tree_paths import named_leaves
 from redco_zoo_models import families
 from redco_zoo_models.attention import init_cache
 from redco_zoo_models.chunked_loss import next_token_loss
@@ -47,6 +48,7 @@ from redco_zoo_models.context_parallel import (
     in_order,
     on_split,
 )
+from redco_zoo_models.expert_parallel import as_laid_out
 from redco_zoo_models.layers import GatedMLP, RMSNorm, embed
 from redco_zoo_models.mla import LatentAttention, cached_width
 from redco_zoo_models.moe import MoE, MoEConfig
@@ -97,6 +99,7 @@ class DecoderConfig:
     n_shared_experts: int = 0
     first_k_dense_replace: int = 0  # the first layers' MLPs are dense (DeepSeek-V3)
     bias_update_rate: float = 1e-3  # sigmoid routing's balancing bias, per training step
+    capacity_factor: float | None = None  # MoE: None dropless (a training choice, no config.json key)
     kv_lora_rank: int = 0  # multi-head latent attention (redco_zoo_models.mla); 0: GQA
     q_lora_rank: int | None = None
     qk_nope_head_dim: int = 0
@@ -131,7 +134,8 @@ class DecoderConfig:
                          n_group=self.n_group, topk_group=self.topk_group,
                          routed_scaling_factor=self.routed_scaling_factor,
                          n_shared_experts=self.n_shared_experts,
-                         bias_update_rate=self.bias_update_rate)
+                         bias_update_rate=self.bias_update_rate,
+                         capacity_factor=self.capacity_factor)
 
     def cached_heads(self) -> tuple[int, int]:
         """``(heads, size)`` of each layer's cached keys and values."""
@@ -239,13 +243,20 @@ class DecoderModel(nnx.Module):
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
         x, new_cache, reports = on_split(x, allowed), [], []
         lengths = self._document_lengths(segment_ids, allowed)
-        for i, layer in enumerate(self.layers):
-            x, layer_cache, report = layer(x, positions, allowed, cache and cache[i],
-                                           cache_index, lengths)
-            new_cache.append(layer_cache)
-            reports.append(report)
+        with as_laid_out(self.moe_weights()):  # experts split over dp: expert parallel
+            for i, layer in enumerate(self.layers):
+                x, layer_cache, report = layer(x, positions, allowed, cache and cache[i],
+                                               cache_index, lengths)
+                new_cache.append(layer_cache)
+                reports.append(report)
         return (in_order(self.norm(x), allowed), (new_cache if cache is not None else None),
                 experts_report([r for r in reports if r]))
+
+    def moe_weights(self) -> list:
+        """``(path, leaf)`` of the MoE blocks' params (none for a dense model)."""
+        return [(f"{i}/{path}", leaf) for i, layer in enumerate(self.layers)
+                if isinstance(layer.mlp, MoE)
+                for path, leaf in named_leaves(nnx.state(layer.mlp, nnx.Param))]
 
     def _document_lengths(self, segment_ids, allowed):
         """Each token's document length in packed rows, for a RoPE that depends on the length

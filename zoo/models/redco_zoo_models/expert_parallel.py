@@ -37,9 +37,14 @@ buffer costs ``E/top_k`` times the pairs' memory and expert compute instead.
 **Switch.** ``expert_parallel(mesh)`` is a trace-time context like ``redco.sequence_split``:
 an MoE block traced inside it (``current()``) runs as above; outside it, on one device's view.
 Entered with the step's ``params``, it also tells ``redco.fsdp`` to leave the expert weights
-split: FSDP would all-gather every ``dp``-split weight before its layer, undoing EP. With a
-``Trainer``: ``for_trainer`` gives its apply function and rules (``redco zoo run ...
---expert_parallel`` uses them, ``runner.train_and_eval``).
+split: FSDP would all-gather every ``dp``-split weight before its layer, undoing EP.
+``as_laid_out(weights)`` (the zoo decoder enters it around its layers) enters it by itself
+when the step laid the experts out for it: every expert weight declared (``redco.fsdp.declared``)
+split on its experts over ``dp``, as the ``auto+ep`` and ``auto+fsdp+ep`` rule sets split them
+(``redco.builtins.rules``). So a ``Trainer`` with those rules, given or picked by the layout
+planner (``Deployer(n_model_shards="auto")``, which compiles the step so, all_to_all and all),
+runs EP with no other switch; ``redco zoo run ... --expert_parallel`` gives the rules
+(``for_trainer``).
 
 Bad input is refused while tracing, before anything compiles: experts that do not divide by
 the ``dp`` degree (``check``); ``top_k`` above the expert count and a non-positive capacity
@@ -52,10 +57,9 @@ off the output.
 from __future__ import annotations
 
 import contextlib
-import functools
 import re
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -95,22 +99,25 @@ def expert_parallel(mesh: Mesh | None, params: Any = None) -> Iterator[None]:
         _state.mesh = previous
 
 
-def for_trainer(apply_fn: Callable, params: Any, deployer) -> tuple[Callable, list]:
-    """``(apply_fn, params_sharding_rules)`` for a ``Trainer`` of a model whose MoE blocks run
-    expert-parallel: ``apply_fn`` traced under ``expert_parallel`` over the deployer's mesh, and
-    the deployer's rules for ``params`` behind ``sharding_rules()``."""
-    return (traced_under(apply_fn, lambda: deployer.mesh),
-            deployer.get_sharding_rules(params, rules=sharding_rules()))
+def for_trainer(params: Any, deployer) -> list:
+    """The ``params_sharding_rules`` for a ``Trainer`` of a model whose MoE blocks run
+    expert-parallel: the deployer's rules for ``params`` behind ``sharding_rules()``."""
+    return deployer.get_sharding_rules(params, rules=sharding_rules())
 
 
-def traced_under(apply_fn: Callable, mesh_of: Callable[[], Mesh | None]) -> Callable:
-    """``apply_fn(params, ...)`` tracing its model inside ``expert_parallel(mesh_of(),
-    params)``: the mesh is read when traced (a ``Trainer`` decides it at its first batch)."""
-    @functools.wraps(apply_fn)
-    def apply(params, *args, **kwargs):
-        with expert_parallel(mesh_of(), params):
-            return apply_fn(params, *args, **kwargs)
-    return apply
+@contextlib.contextmanager
+def as_laid_out(weights: list[tuple[str, Any]]) -> Iterator[None]:
+    """``expert_parallel`` over the mesh the step split the expert weights of ``weights``
+    (``(path, leaf)`` pairs) on, when it declared every one split on its experts over ``dp``
+    (``redco.fsdp.declared``); else nothing."""
+    experts = [leaf for path, leaf in weights if EXPERT_WEIGHTS.search(path)]
+    shardings = [fsdp.declared(leaf) for leaf in experts]
+    if not experts or not all(s is not None and s.spec and s.spec[0] == AXIS for s in shardings):
+        yield
+        return
+    fsdp.keep_split(experts)
+    with expert_parallel(shardings[0].mesh):
+        yield
 
 
 def current() -> Mesh | None:

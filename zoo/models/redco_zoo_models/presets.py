@@ -98,6 +98,50 @@ def _phi4_mini() -> dict[str, Any]:
             "bos_token_id": 199999, "eos_token_id": 199999, "pad_token_id": 199999}
 
 
+def _mixtral_8x7b() -> dict[str, Any]:
+    """Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1): 32 layers, every MLP 8 experts of 14,336,
+    2 per token; 8 KV heads of 128, no sliding window."""
+    return {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "vocab_size": 32000,
+            "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 32768,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2,
+            "router_aux_loss_coef": 0.02, "tie_word_embeddings": False,
+            "bos_token_id": 1, "eos_token_id": 2}
+
+
+def _qwen3_30b_a3b() -> dict[str, Any]:
+    """Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B): 48 layers, every MLP 128 experts of 768, 8 per
+    token (renormalised); 32 query and 4 KV heads of 128."""
+    return {**_qwen3(2048, 6144, 48, 32, tied=False), "model_type": "qwen3_moe",
+            "architectures": ["Qwen3MoeForCausalLM"], "num_key_value_heads": 4,
+            "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "router_aux_loss_coef": 0.001}
+
+
+def _deepseek_v3() -> dict[str, Any]:
+    """DeepSeek-V3 (deepseek-ai/DeepSeek-V3, without the multi-token-prediction layer): 61
+    layers, the first 3 dense (18,432), then 256 routed experts of 2,048 (8 per token, sigmoid
+    routing within 4 of 8 groups, scaled by 2.5) and one shared; latent attention (MLA) with
+    128 heads, KV rank 512, Q rank 1,536; YaRN RoPE (x40 from 4,096)."""
+    return {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+            "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+            "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+            "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+            "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+            "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+            "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+            "norm_topk_prob": True, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 163840,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                "original_max_position_embeddings": 4096, "beta_fast": 32,
+                                "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+            "attention_bias": False, "tie_word_embeddings": False,
+            "bos_token_id": 0, "eos_token_id": 1}
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": _llama3(2048, 8192, 16, 32, 64, 32.0, tied=True),
     "llama-3.2-3b": _llama3(3072, 8192, 28, 24, 128, 32.0, tied=True),
@@ -115,6 +159,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gemma-3-12b": _gemma3(3840, 15360, 48, 16, 8, 256, window=1024),
     "gemma-3-27b": _gemma3(5376, 21504, 62, 32, 16, 128, window=1024, scalar=168),
     "phi-4-mini": _phi4_mini(),
+    "mixtral-8x7b": _mixtral_8x7b(),
+    "qwen3-30b-a3b": _qwen3_30b_a3b(),
+    "deepseek-v3": _deepseek_v3(),
 }
 
 PUBLISHED_PARAMS: dict[str, float] = {  # name -> parameters, as the publisher counts them
@@ -125,6 +172,7 @@ PUBLISHED_PARAMS: dict[str, float] = {  # name -> parameters, as the publisher c
     "gemma-3-1b": 1.000e9, "gemma-3-4b": 3.884e9, "gemma-3-12b": 11.771e9,
     "gemma-3-27b": 27.016e9,
     "phi-4-mini": 3.84e9,
+    "mixtral-8x7b": 46.7e9, "qwen3-30b-a3b": 30.5e9, "deepseek-v3": 671e9,
 }
 
 

@@ -155,7 +155,7 @@ def train_and_eval(config: RunConfig, model: nnx.Module, examples: tuple[list, l
     n_epochs, lr = n_epochs_and_schedule(loop, config.optimizer, deployer, len(train))
     rules = None
     if layout.expert_parallel:
-        apply_fn, rules = expert_parallel.for_trainer(apply_fn, params, deployer)
+        rules = expert_parallel.for_trainer(params, deployer)
     optimizer = moe_optimizer(optimizer_of(config.optimizer, lr), model)  # (a router's bias)
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optimizer,
                       params_sharding_rules=rules,
