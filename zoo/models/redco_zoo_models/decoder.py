@@ -1,36 +1,14 @@
 """One decoder for the LLaMA-like families: switches for what differs, not a copy per family.
 
 Every family here is a stack of layers ``attention -> MLP`` with RMSNorm, RoPE, grouped-query
-attention and a gated MLP. What differs is data in ``DecoderConfig``:
-
-* ``norm_layout``: ``pre`` (LLaMA, Qwen, Mistral, Phi-3: a norm before attention and the MLP),
-  ``sandwich`` (Gemma 2/3: also a norm on each block's output before the residual add), ``post``
-  (OLMo 2: only the output norms);
-* ``qk_norm``: RMSNorm of queries and keys before RoPE, per head (``head``: Qwen3, Gemma 3) or over
-  all heads at once (``all``: OLMo 2);
-* ``norm_offset``: Gemma's norms scale by ``1 + weight``; ``embed_scale``: Gemma multiplies
-  embeddings by ``sqrt(hidden_size)``; ``hidden_act``: the MLP's gate activation;
-* ``query_pre_attn_scalar`` (Gemma: scores scaled by its ``** -0.5``), ``attn_softcap`` and
-  ``final_softcap`` (Gemma 2: ``cap * tanh(x / cap)`` on attention scores and on logits);
-* ``layer_types`` with ``sliding_window``: which layers attend to the last ``window`` slots only
-  (Mistral, Gemma 2's every other layer, Gemma 3's five of six), each type with its own RoPE
-  (``rope``; Gemma 3's local layers ``local_rope``; ``redco_zoo_models.rope``);
-* ``n_experts`` (Mixtral, Qwen3-MoE): the MLP of each sparse layer is a Mixture-of-Experts block
-  (``redco_zoo_models.moe``) of that many experts, ``experts_per_token`` of them per token. The
-  blocks' load-balancing losses, weighted by ``router_aux_loss_coef``, are added to the loss
-  the model returns given ``labels`` (the logits alone carry none). ``router`` ``sigmoid``
-  (DeepSeek-V3) with ``n_group``/``topk_group``, ``routed_scaling_factor``, ``n_shared_experts``
-  and the first ``first_k_dense_replace`` layers dense;
-* ``kv_lora_rank`` (DeepSeek-V3): multi-head latent attention (``redco_zoo_models.mla``) in
-  place of grouped-query attention, ``head_dim`` being the size of its rotated part.
+attention (or DeepSeek-V3's latent attention) and a gated MLP (or a Mixture-of-Experts block);
+what differs is data, ``DecoderConfig`` (``redco_zoo_models.decoder_config`` says each switch).
 
 Module names follow HuggingFace's (``model/layers/0/self_attn/q_proj/kernel``), so checkpoints
 map by name (``redco_zoo_models.hf``); a family's own tensor names and config keys live in
 ``redco_zoo_models.families``.
 """
 from __future__ import annotations
-
-import dataclasses
 
 import jax.numpy as jnp
 from flax import nnx
@@ -48,108 +26,12 @@ from redco_zoo_models.context_parallel import (
     in_order,
     on_split,
 )
+from redco_zoo_models.decoder_config import DecoderConfig
 from redco_zoo_models.expert_parallel import as_laid_out
 from redco_zoo_models.layers import GatedMLP, RMSNorm, embed
-from redco_zoo_models.mla import LatentAttention, cached_width
-from redco_zoo_models.moe import MoE, MoEConfig
-from redco_zoo_models.rope import Rope, apply_rope, depends_on_length, segment_lengths
-
-
-@dataclasses.dataclass(frozen=True)
-class DecoderConfig:
-    vocab_size: int = 256
-    hidden_size: int = 128
-    intermediate_size: int = 352
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 0  # 0: hidden_size // num_attention_heads
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2: biases on q, k, v
-    max_position_embeddings: int = 4096
-    family: str = "llama"  # whose config.json and tensor names it writes (families.FAMILIES)
-    rope: Rope | None = None  # None: default RoPE with rope_theta over the whole head
-    local_rope: Rope | None = None  # the sliding layers' RoPE, where it differs (Gemma 3)
-    norm_layout: str = "pre"  # pre | sandwich | post
-    qk_norm: str | None = None  # None | head | all
-    norm_offset: float = 0.0
-    embed_scale: bool = False
-    hidden_act: str = "silu"
-    query_pre_attn_scalar: float | None = None  # scores scaled by its ** -0.5 (None: head_dim's)
-    attn_softcap: float | None = None
-    final_softcap: float | None = None
-    sliding_window: int | None = None
-    layer_types: tuple[str, ...] | None = None  # None: every layer sliding if a window is set
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
-    pad_token_id: int | None = None
-    n_experts: int = 0  # Mixture-of-Experts MLPs (Mixtral, Qwen3-MoE); 0: dense
-    experts_per_token: int = 0
-    moe_intermediate_size: int = 0  # each expert's (0: intermediate_size)
-    norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1
-    decoder_sparse_step: int = 1  # every step-th layer is sparse (Qwen3-MoE) ...
-    mlp_only_layers: tuple[int, ...] = ()  # ... but these
-    router_aux_loss_coef: float = 0.0
-    router: str = "softmax"  # softmax | sigmoid (DeepSeek-V3: redco_zoo_models.balancing)
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    n_shared_experts: int = 0
-    first_k_dense_replace: int = 0  # the first layers' MLPs are dense (DeepSeek-V3)
-    bias_update_rate: float = 1e-3  # sigmoid routing's balancing bias, per training step
-    capacity_factor: float | None = None  # MoE: None dropless (a training choice, no config.json key)
-    kv_lora_rank: int = 0  # multi-head latent attention (redco_zoo_models.mla); 0: GQA
-    q_lora_rank: int | None = None
-    qk_nope_head_dim: int = 0
-    v_head_dim: int = 0
-    rope_interleave: bool = False
-
-    def __post_init__(self):
-        if not self.head_dim:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if self.rope is None:
-            object.__setattr__(self, "rope", Rope(self.head_dim, self.rope_theta,
-                                                  max_position_embeddings=self.max_position_embeddings))
-        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
-                             f"{self.num_hidden_layers} layers.")
-
-    def sliding(self, layer: int) -> bool:
-        if self.sliding_window is None:
-            return False
-        return self.layer_types is None or self.layer_types[layer] == families.SLIDING
-
-    def sparse(self, layer: int) -> bool:
-        """Whether ``layer``'s MLP is a Mixture-of-Experts block."""
-        return self.n_experts > 0 and layer not in self.mlp_only_layers and \
-            (layer + 1) % self.decoder_sparse_step == 0 and layer >= self.first_k_dense_replace
-
-    def moe(self) -> MoEConfig:
-        return MoEConfig(self.hidden_size, self.n_experts, self.experts_per_token,
-                         self.moe_intermediate_size or self.intermediate_size,
-                         normalize_top_k=self.norm_topk_prob, hidden_act=self.hidden_act,
-                         load_balancing_weight=self.router_aux_loss_coef, router=self.router,
-                         n_group=self.n_group, topk_group=self.topk_group,
-                         routed_scaling_factor=self.routed_scaling_factor,
-                         n_shared_experts=self.n_shared_experts,
-                         bias_update_rate=self.bias_update_rate,
-                         capacity_factor=self.capacity_factor)
-
-    def cached_heads(self) -> tuple[int, int]:
-        """``(heads, size)`` of each layer's cached keys and values."""
-        if self.kv_lora_rank:
-            return self.num_attention_heads, cached_width(self)
-        return self.num_key_value_heads, self.head_dim
-
-    @classmethod
-    def from_hf(cls, config: dict) -> "DecoderConfig":
-        """From a HuggingFace ``config.json`` of any family in ``families.FAMILIES``."""
-        return families.read_config(cls, config)
-
-    def to_hf(self) -> dict:
-        return families.write_config(self)
+from redco_zoo_models.mla import LatentAttention
+from redco_zoo_models.moe import MoE
+from redco_zoo_models.rope import apply_rope, depends_on_length, segment_lengths
 
 
 class Attention(nnx.Module):
