@@ -27,7 +27,6 @@ import os
 import signal
 import sys
 import threading
-import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -44,6 +43,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from helpers import GLOBAL_BATCH, lm_collate, lm_examples, lm_loss, lm_model  # noqa: E402
+from multihost_helpers import wait_until  # noqa: E402
 
 import redco  # noqa: E402
 from redco import Deployer, Trainer, checkpointing, ckpt_writes, plugins  # noqa: E402
@@ -124,9 +124,9 @@ class Killer:
                 print(f"bg_ckpt_worker: step {step} ended with the write of step_{self.n} not "
                       "held in flight: training did not go on while it was written", flush=True)
                 os._exit(3)
-            wait_for_line(os.path.join(self.workdir, "barriers", str(1 - jax.process_index())),
-                          f"redco-ckpt/step_{self.n}/",
-                          f"the other process's writer reached no barrier of step_{self.n}")
+            barriers = os.path.join(self.workdir, "barriers", str(1 - jax.process_index()))
+            wait_until(lambda: has_line(barriers, f"redco-ckpt/step_{self.n}/"),
+                       f"the other process's writer reached a barrier of step_{self.n}", HOLD_S)
             die(f"at the end of step {step}, the write of step_{self.n} held in flight")
 
     @redco.hookimpl
@@ -141,24 +141,19 @@ class Killer:
                 join()
             checkpoints.join = released_then_joined
             os.kill(os.getpid(), signal.SIGTERM)
-            wait_for_line(os.readlink("/proc/self/fd/2"), SYNC_POINT_SET,
-                          f"JAX's preemption service did not log '{SYNC_POINT_SET}'")
+            log = os.readlink("/proc/self/fd/2")
+            wait_until(lambda: has_line(log, SYNC_POINT_SET),
+                       f"JAX's preemption service logged '{SYNC_POINT_SET}'", HOLD_S)
             print(f"bg_ckpt_worker: SIGTERM before update {step}, the write of step_{self.n} "
                   "held in flight", flush=True)
 
 
-def wait_for_line(path: str, text: str, what: str) -> None:
-    """Until a line of ``path`` (another process's file, or this one's log) holds ``text``; at
-    most ``HOLD_S``, else exit naming ``what`` did not happen."""
-    deadline = time.monotonic() + HOLD_S
-    while True:
-        if os.path.exists(path):
-            with open(path) as f:
-                if any(text in line for line in f):
-                    return
-        if time.monotonic() > deadline:
-            sys.exit(f"bg_ckpt_worker: {what} within {HOLD_S} s")
-        time.sleep(0.01)  # polling a file another thread or process writes, not a fixed wait
+def has_line(path: str, text: str) -> bool:
+    """Whether a line of ``path`` (another process's file, or this one's log) holds ``text``."""
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        return any(text in line for line in f)
 
 
 def say_barriers(workdir: str) -> None:
