@@ -49,7 +49,7 @@ class TriedLayout:
     flops: float | None = None  # per device: XLA's cost_analysis of the compiled step
     lora_rank: int | None = None  # LoRA adapters' rank (base frozen); None: full fine-tuning
     n_context_shards: int = 1  # cp: devices that split each sequence
-    collectives: dict = field(default_factory=dict)  # redco_planner.collectives of the step
+    collectives: dict = field(default_factory=dict)  # redco.hlo_collectives of the step
 
     @property
     def mesh_shape(self) -> dict:

@@ -23,9 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 from redco import plugins, sharding
 from redco import remat as redco_remat
+from redco.hlo_collectives import collectives
 from redco.sharding import Rules, opt_state_shardings, shardings_from_specs, specs_from_rules
 from redco.train_step import TrainState, compiler_options, make_train_step, split, step_loss
-from redco_planner.collectives import collectives
 from redco_planner.inspection import n_positional
 from redco_planner.layouts import TriedLayout
 

@@ -28,7 +28,6 @@ so is kept as it is, shared.
 from __future__ import annotations
 
 import math
-import re
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
@@ -42,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from redco import plugins
+from redco.hlo_collectives import collectives
 from redco.sharding import make_mesh, shardings_from_specs, specs_from_rules
 from redco_zoo_models.engine import decode_rows
 from redco_zoo_models.engine_memory import cache_sharding, rows_sharding, traced, vocab_size
@@ -119,27 +119,10 @@ def peak_bytes(compiled) -> int:
             + m.temp_size_in_bytes)
 
 
-COLLECTIVE = re.compile(r"= (.+?) (all-gather|all-reduce|reduce-scatter|all-to-all|"
-                        r"collective-permute)(-start)?\(")
-SHAPE = re.compile(r"\b(?:pred|[a-z]+(\d+)[a-z0-9]*)\[([\d,]*)\]")  # bits of an element, dims
-
-
 def collective_bytes(compiled) -> dict[str, int]:
-    """Bytes each kind of collective delivers to one device in one run of ``compiled``: the
-    sizes of their results in its HLO (an async ``-start``'s outputs, not its operands),
-    each op counted once (a loop's body once, not per iteration)."""
-    found: dict[str, int] = {}
-    for line in compiled.as_text().splitlines():
-        match = COLLECTIVE.search(line)
-        if match is None:
-            continue
-        shapes = SHAPE.findall(match.group(1))
-        if match.group(3) and match.group(2) != "all-reduce":  # (operands, outputs)
-            shapes = shapes[len(shapes) // 2:]
-        size = sum(math.prod(int(d) for d in dims.split(",") if d) * max(int(bits or 8) // 8, 1)
-                   for bits, dims in shapes)
-        found[match.group(2)] = found.get(match.group(2), 0) + size
-    return found
+    """Bytes each kind of collective delivers to one device in one run of ``compiled``
+    (``redco.hlo_collectives``: each op counted once, a loop's body once)."""
+    return {kind: entry["bytes"] for kind, entry in collectives(compiled.as_text()).items()}
 
 
 def choose_decode_layout(model: nnx.Module, params: Any, devices: Sequence, max_seqs: int,
