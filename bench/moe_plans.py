@@ -20,7 +20,7 @@ same params), the collective bytes linearly, ``x(L) = x(d1) + (L - d1) (x(d1 + 1
 and the rest of the peak (temporaries) as ``full_peak`` says (XLA's buffer assignment does
 not add a layer's worth of temporaries per layer under remat). The table says which depths.
 
-**The formula** (result bytes per device, as ``redco_planner.collectives`` counts them), per
+**The formula** (result bytes per device, as ``redco.hlo_collectives`` counts them), per
 MoE layer and step: all-to-all ``a * E * C * H * 2`` (bf16 tokens), ``a`` all-to-alls (2
 forward, 2 backward, 2 more when remat recomputes the forward), ``C = n`` dropless (this EP's
 fixed buffer) or ``ceil(cf * n * k / E)`` with capacity factor cf, n = tokens per
