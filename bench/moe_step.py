@@ -6,13 +6,16 @@
 * ``dropless``: the MoE block, ``capacity_factor=None`` (sorted pairs, ``jax.lax.ragged_dot``);
 * ``capacity 1.25``: the MoE block with each expert's capacity 1.25x an even share (pairs
   written to their slots and read back by index, ``expert_parallel.dispatch``/``combine``);
+* ``experts only (1.25)``: the capacity path's batched expert matmuls alone, on a full buffer:
+  the ceiling of the capacity path's speed;
 * with ``--ep N`` (N simulated CPU devices), ``EP N dropless`` and ``EP N capacity 1.25``: the
   same under ``expert_parallel`` over a ``dp`` axis of N devices (all_to_all there and back).
   Simulated devices share the host's cores: these rows show the path runs, not EP's speed.
 
 Printed per row: the median step time over ``--repeats`` timed steps (after one compiling
-step), and its speed relative to the dense step (issue 44's target for the capacity path:
-at least 0.75x). The router's matmul and the auxiliary losses are the MoE block's own cost.
+step; the rows are timed in turn, so a shared machine's load falls on each alike), and its speed
+relative to the dense step (issue 44's target for the capacity path: at least 0.75x). The
+router's matmul and the auxiliary losses are the MoE block's own cost.
 
     python bench/moe_step.py [--tokens 4096 --hidden 512 --experts 8 --top_k 2 --expert_size 512]
 """
@@ -25,14 +28,15 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from flax import nnx  # noqa: E402  (jax reads XLA_FLAGS when it first runs, not on import)
 from provenance import print_provenance  # noqa: E402
 
 
-def step_time(module, x, repeats: int, mesh=None) -> float:
-    """Median seconds of one jitted forward + backward of ``sum(sin(module(x)))``."""
+def compiled_step(module, x, mesh=None):
+    """One jitted forward + backward of ``sum(sin(module(x)))``, compiled: a function running
+    it to completion."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
     from redco_zoo_models.expert_parallel import expert_parallel
     graphdef, params = nnx.split(module, nnx.Param)
@@ -44,12 +48,35 @@ def step_time(module, x, repeats: int, mesh=None) -> float:
         return jnp.sum(jnp.sin(y)) + aux["aux_loss"]
     step = jax.jit(jax.grad(loss))
     jax.block_until_ready(step(params))  # compile
-    times = []
+    return lambda: jax.block_until_ready(step(params))
+
+
+class ExpertsOnly(nnx.Module):
+    """The capacity path's batched expert matmuls alone, on a full (E, C, H) buffer (the input
+    rows repeated): their speed is the capacity path's ceiling, which adds the router and the
+    slots written and read around them."""
+
+    def __init__(self, moe, n_tokens: int):
+        self.experts, self.capacity = moe.experts, moe.cfg.capacity(n_tokens)
+
+    def __call__(self, x):
+        import jax.numpy as jnp
+        n_experts, n_rows = self.experts.gate_proj.shape[0], self.experts.gate_proj.shape[0] * \
+            self.capacity
+        rows = jnp.tile(x, (-(-n_rows // x.shape[0]), 1))[:n_rows]
+        return self.experts.batched(rows.reshape(n_experts, self.capacity, x.shape[-1]))
+
+
+def median_times(steps: dict, repeats: int) -> dict:
+    """Median seconds of each step, timed round-robin (a shared machine's load falls on every
+    row alike)."""
+    times = {name: [] for name in steps}
     for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(step(params))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, run in steps.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -67,7 +94,6 @@ def main() -> None:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + \
             f" --xla_force_host_platform_device_count={args.ep}"
     import jax
-    from flax import nnx
 
     from redco.sharding import make_mesh
     from redco_zoo_models.layers import GatedMLP
@@ -86,11 +112,11 @@ def main() -> None:
                  (f"EP {args.ep} capacity 1.25", moe(1.25), mesh)]
     print(f"{args.tokens} tokens, hidden {args.hidden}, {args.experts} experts of "
           f"{args.expert_size}, top {args.top_k}; dense MLP of {args.top_k * args.expert_size}")
-    dense = None
-    for name, module, mesh in rows:
-        seconds = step_time(module, x, args.repeats, mesh)
-        dense = dense or seconds
-        print(f"{name:>24}: {seconds * 1e3:8.1f} ms/step, {dense / seconds:5.2f}x dense speed")
+    rows.insert(3, ("experts only (1.25)", ExpertsOnly(moe(1.25), args.tokens), None))
+    seconds = median_times({name: compiled_step(module, x, mesh) for name, module, mesh in rows},
+                           args.repeats)
+    for name, s in seconds.items():
+        print(f"{name:>24}: {s * 1e3:8.1f} ms/step, {seconds['dense'] / s:5.2f}x dense speed")
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ experts' matmuls are split over it as XLA likes):
 
 1. *Dispatch by capacity, per source device.* Each device gives every expert ``C`` slots for
    its ``n`` tokens and fills them first choices first, in its token order, then second choices
-   (``slots``, as ``moe.MoE.with_capacity`` does on one device); a pair past its expert's ``C``
-   slots is dropped. The device's ``(E, C, H)`` buffer holds the tokens in their slots
-   (``dispatch``: written by index, not by a one-hot (n, E, C) einsum, whose cost grows as
+   (``redco_zoo_models.slots``, as ``moe.MoE.with_capacity`` does on one device); a pair past
+   its expert's ``C`` slots is dropped. The device's ``(E, C, H)`` buffer holds the tokens in
+   their slots (gathered by index, not a one-hot (n, E, C) einsum, whose cost grows as
    ``n * E * C * H``, i.e. with the square of the tokens: ``bench/moe_step.py``).
 2. *There.* The buffer, cut on E into ``d`` parts of ``E/d`` experts, goes part ``j`` to device
    ``j`` (``all_to_all``): each device then holds ``(d sources, E/d, C, H)``, every source's
@@ -68,6 +68,7 @@ from jax.sharding import PartitionSpec as P
 
 from redco import fsdp
 from redco.tree_paths import named_leaves
+from redco_zoo_models.slots import combine, dispatch, slots
 
 AXIS = "dp"
 EXPERT_WEIGHTS = re.compile(r"(^|/)experts/(gate_proj|up_proj|down_proj)$")
@@ -131,34 +132,6 @@ def check(n_experts: int, degree: int) -> None:
         raise ValueError(f"n_experts={n_experts} do not split over the {degree} devices of "
                          f"expert parallelism (dp={degree}): use a data-parallel degree that "
                          f"divides {n_experts}, or leave expert parallelism off.")
-
-
-def slots(chosen, n_experts: int, capacity: int):
-    """``(places, kept)``: each (token, choice) pair's row (n, k) in a buffer of ``capacity``
-    rows an expert (expert e's: ``e*C .. e*C + C - 1``), filled first choices first, then in
-    token order; ``E*C`` (past the end) for a pair over capacity. ``kept``: pairs with a row."""
-    n, k = chosen.shape
-    picked = jax.nn.one_hot(chosen.T, n_experts, dtype=jnp.int32)  # (k, n, E); id E: all 0
-    slot = (jnp.cumsum(picked.reshape(k * n, n_experts), axis=0) - 1).reshape(k, n, n_experts)
-    slot = jnp.sum(slot * picked, axis=-1).T  # (n, k): the pair's slot at its expert
-    end = n_experts * capacity
-    places = jnp.where(slot < capacity, chosen * capacity + slot, end)
-    return places, jnp.sum(places < end)  # (a padding token's id E: place E*C, none kept)
-
-
-def dispatch(tokens, places, n_experts: int, capacity: int):
-    """The (E, C, H) buffer: each token written into its pairs' rows (``slots``)."""
-    rows = jnp.zeros((n_experts * capacity + 1, tokens.shape[-1]), tokens.dtype)  # +1: dropped
-    rows = rows.at[places.reshape(-1)].add(jnp.repeat(tokens, places.shape[1], axis=0))
-    return rows[:-1].reshape(n_experts, capacity, -1)
-
-
-def combine(out, places, weights):
-    """Each token's output (n, H): its pairs' rows of the experts' ``out`` (E, C, H), weighted
-    by the router (a dropped pair reads a row of zeros)."""
-    rows = out.reshape(-1, out.shape[-1])
-    rows = jnp.concatenate([rows, jnp.zeros_like(rows[:1])])
-    return jnp.einsum("nkh,nk->nh", rows[places], weights.astype(out.dtype))
 
 
 def dispatched(moe, tokens, chosen, weights, mesh: Mesh):

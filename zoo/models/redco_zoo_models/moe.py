@@ -16,7 +16,7 @@ pairs are sorted by expert and each expert's rows multiplied by its weights in o
 matmul (``jax.lax.ragged_dot``): no token is dropped, whatever the load. With a
 ``capacity_factor``, each expert takes at most ``ceil(capacity_factor * N * top_k / n_experts)``
 pairs (a token's first choice before anyone's second), written by index into an (E, C, H)
-buffer of fixed shape and computed in batched matmuls (``expert_parallel.slots``); pairs
+buffer of fixed shape and computed in batched matmuls (``redco_zoo_models.slots``); pairs
 past an expert's capacity are dropped: that expert adds nothing to the token (the residual
 carries it), and the share dropped is reported. Traced inside
 ``expert_parallel.expert_parallel(mesh)``, the experts are split over the mesh's ``dp`` axis
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from redco_zoo_models import expert_parallel
+from redco_zoo_models import expert_parallel, slots
 from redco_zoo_models.balancing import BalanceBias, sigmoid_choice
 from redco_zoo_models.layers import ACTIVATIONS, GatedMLP
 
@@ -165,11 +165,10 @@ class MoE(nnx.Module):
     def with_capacity(self, tokens, chosen, weights):
         """At most ``capacity`` pairs an expert (first choices first); ``(y, share dropped)``."""
         cfg, capacity = self.cfg, self.cfg.capacity(tokens.shape[0])
-        places, kept = expert_parallel.slots(chosen, cfg.n_experts, capacity)
-        out = self.experts.batched(expert_parallel.dispatch(tokens, places, cfg.n_experts,
-                                                            capacity))
+        places, kept = slots.slots(chosen, cfg.n_experts, capacity)
+        out = self.experts.batched(slots.dispatch(tokens, places, cfg.n_experts, capacity))
         dropped = 1 - kept / chosen.size
-        return expert_parallel.combine(out, places, weights), dropped.astype(jnp.float32)
+        return slots.combine(out, places, weights), dropped.astype(jnp.float32)
 
     def report(self, chosen, probs, logits, dropped) -> dict:
         """The auxiliary losses and the load metrics of one call (module docstring)."""
