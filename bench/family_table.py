@@ -150,7 +150,7 @@ class Worker:
         """The cached entry of ``cand``; its state computed, and its step compiled if that
         state is within ``limit``, where the cache lacks them."""
         from redco_planner.measure import measure
-        from redco_planner.planner import try_layout
+        from redco_planner.search import try_layout
         k = key(self.name, ctx["lever"], ctx["n"], cand)
         found = self.load().get(k)
         if found is None:
