@@ -8,7 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from redco import sequence_split
+from redco_zoo_models import generate
 from redco_zoo_models.engine import Engine
 from redco_zoo_models.lora import add_lora, lora_layers
 from redco_zoo_models.requests import Sampling
@@ -33,10 +36,13 @@ def test_engine_caches_the_latent_and_decodes_as_the_training_forward():
         engine.step()
     requests += [engine.submit(p, Sampling(max_tokens=NEW)) for p in PROMPTS[2:]]
     engine.run_until_done(requests)
-    forward = jax.jit(lambda ids: jax.nn.log_softmax(model(ids).astype(jnp.float32)))
-    for prompt, request in zip(PROMPTS, requests):
+    whole = [prompt + request.samples[0].tokens for prompt, request in zip(PROMPTS, requests)]
+    width = max(map(len, whole))  # right-padded into one batch: causal, the padding unseen
+    ids = jnp.asarray([row + [0] * (width - len(row)) for row in whole])
+    forward = np.asarray(jax.nn.log_softmax(jax.jit(model)(ids).astype(jnp.float32)))
+    for prompt, request, row in zip(PROMPTS, requests, forward):
         tokens = request.samples[0].tokens
-        logprobs = np.asarray(forward(jnp.asarray([prompt + tokens]))[0, len(prompt) - 1:-1])
+        logprobs = row[len(prompt) - 1:len(prompt) - 1 + NEW]
         assert tokens == logprobs.argmax(-1).tolist(), prompt
         np.testing.assert_allclose(request.samples[0].logprobs,
                                    logprobs[np.arange(NEW), tokens], atol=2e-5)
@@ -65,3 +71,24 @@ def test_a_lora_adapted_up_projection_is_absorbed_merged():
     cached, forward = cached_and_forward(state, jnp.asarray(
         np.random.RandomState(0).randint(1, 60, (2, 9))))
     np.testing.assert_allclose(cached, forward, atol=1e-5)
+
+
+def test_generation_with_the_prompt_read_split_over_devices_equals_one_devices():
+    """Context parallelism (4-way, all-gather): a left-padded prompt read split (absorbed
+    attention in ``shard_map``) into the latent cache, its slots split over ``cp``; greedy tokens
+    equal, log-probabilities to 1e-5, against the unsplit run."""
+    model = tiny_family("deepseek-v3")
+    params = nnx.state(model, nnx.Param)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(1, 4), ("dp", "cp"))
+    ids = jnp.asarray(np.random.RandomState(1).randint(1, 60, (2, 16)))
+    mask = jnp.asarray(np.arange(16)[None] >= np.array([[0], [5]]))
+
+    def run(params, ids, mask):
+        return generate(model, params, ids, 6, prompt_mask=mask, return_logprobs=True)
+    want = jax.jit(run)(params, ids, mask)
+    with sequence_split.splitting(mesh, "all_gather"):  # (a fresh function: traced anew)
+        split = lambda *args: run(*args)  # noqa: E731
+        assert "shard_map" in str(jax.make_jaxpr(split)(params, ids, mask))
+        got = jax.jit(split)(params, ids, mask)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], atol=1e-5)
