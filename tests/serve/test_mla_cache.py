@@ -9,10 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from redco import sequence_split
+from redco.sharding import make_mesh
 from redco_zoo_models import generate
 from redco_zoo_models.engine import Engine
+from redco_zoo_models.engine_memory import cache_sharding
 from redco_zoo_models.lora import add_lora, lora_layers
 from redco_zoo_models.requests import Sampling
 from redco_zoo_models.toy import TINY_FAMILIES, tiny_family
@@ -25,12 +28,15 @@ def test_engine_caches_the_latent_and_decodes_as_the_training_forward():
     """Two requests, then two more joining after three steps (3 rows: one waits for a free
     row); each one's greedy tokens are the forward pass's argmax over prompt + completion and
     its log-probabilities that forward's (fp32, 2e-5). The allocated cache holds
-    ``kv_lora_rank + qk_rope_head_dim`` numbers per token in every layer."""
+    ``kv_lora_rank + qk_rope_head_dim`` numbers per token in every layer; on a mesh its rows
+    split over ``dp``, the latent whole on each ``mp`` device."""
     model, config = tiny_family("deepseek-v3"), TINY_FAMILIES["deepseek-v3"]
     engine = Engine(model, nnx.state(model, nnx.Param), max_seqs=3, max_len=24)
     for layer in engine.cache:
         numbers = sum(x.size for x in jax.tree.leaves(layer))
         assert numbers == 3 * 24 * (config["kv_lora_rank"] + config["qk_rope_head_dim"])
+    placed = cache_sharding(make_mesh(jax.devices(), 2), model.init_cache(4, 8))  # dp 4 x mp 2
+    assert placed.spec == P("dp", None, None, None)  # one shared latent: whole on each of mp
     requests = [engine.submit(p, Sampling(max_tokens=NEW)) for p in PROMPTS[:2]]
     for _ in range(3):
         engine.step()
