@@ -8,7 +8,8 @@ slots are just the input's positions.
 A cache is one dict ``{"k": (B, S, KV, D), "v": ...}`` per layer, the model writing a call's
 keys and values at ``cache_index`` (the slot of its first token): one slot for every row, or a
 (B,) array, each row its own (``redco_zoo_models.engine``: sequences at different lengths
-decoded together).
+decoded together). A layer whose values are read out of its keys (latent attention,
+``redco_zoo_models.mla``) caches ``{"k": ...}`` alone.
 
 Gemma 2/3, Qwen3 and Phi-3 options, as HuggingFace transformers computes them: a sliding window
 (a query in slot ``i`` sees only the key slots ``j > i - window``: ``within_window`` restricts a
@@ -92,18 +93,20 @@ def decoder_inputs(batch: int, n: int, attention_mask=None, cached: bool = False
 
 
 def init_cache(n_layers: int, batch: int, n_slots: int, n_kv_heads: int, head_dim: int,
-               dtype=jnp.float32) -> list[dict]:
-    zeros = lambda: jnp.zeros((batch, n_slots, n_kv_heads, head_dim), dtype)
-    return [{"k": zeros(), "v": zeros()} for _ in range(n_layers)]
+               dtype=jnp.float32, values: bool = True) -> list[dict]:
+    """An empty cache: keys and (``values``) values of ``n_kv_heads`` x ``head_dim`` a slot."""
+    zeros = lambda: jnp.zeros((batch, n_slots, n_kv_heads, head_dim), dtype)  # noqa: E731
+    return [{"k": zeros(), "v": zeros()} if values else {"k": zeros()} for _ in range(n_layers)]
 
 
 def write_cache(layer_cache: dict | None, k, v, cache_index):
     """``(keys, values, new layer cache)``: ``k``, ``v`` written at ``cache_index`` and the whole
-    cache attended to; without a cache, just ``k`` and ``v``."""
+    cache attended to; without a cache, just ``k`` and ``v``. ``v`` None: a keys-only cache."""
     if layer_cache is None:
         return k, v, None
-    k, v = _write(layer_cache["k"], k, cache_index), _write(layer_cache["v"], v, cache_index)
-    return k, v, {"k": k, "v": v}
+    new = {"k": k} if v is None else {"k": k, "v": v}
+    written = {name: _write(layer_cache[name], x, cache_index) for name, x in new.items()}
+    return written["k"], written.get("v"), written
 
 
 def _write(cache, new, cache_index):

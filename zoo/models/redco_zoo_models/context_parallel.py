@@ -199,20 +199,22 @@ def cache_slots(n: int) -> int:
 
 
 def cached_keys(layer_cache, k, v, cache_index, allowed):
-    """``attention.write_cache``'s ``(keys, values, cache)`` under context parallelism too: a
-    split prompt writes its keys and values into the cache in the sequence's order and attends
-    them as laid out; while the sequence is split, the cache's slots are split over the same
-    devices (each holds 1/k of it), and a generated token's attention reads them there."""
+    """``attention.write_cache``'s ``(keys, values, cache)`` (``v`` None: keys only) under
+    context parallelism too: a split prompt writes its keys and values into the cache in the
+    sequence's order and attends them as laid out; while the sequence is split, the cache's
+    slots are split over the same devices (each holds 1/k of it), and a generated token's
+    attention reads them there."""
     split = sequence_split.current() if layer_cache is not None else None
     if split is None:
         return write_cache(layer_cache, k, v, cache_index)
     laid_out = isinstance(allowed, SplitSequence)
-    ordered = (allowed.in_order(k), allowed.in_order(v)) if laid_out else (k, v)
+    ordered = jax.tree.map(allowed.in_order, (k, v)) if laid_out else (k, v)  # (v None: kept)
     mesh, axis, _ = split
     spec = NamedSharding(mesh, P(P.UNCONSTRAINED, axis, P.UNCONSTRAINED, P.UNCONSTRAINED))
     layer_cache = jax.lax.with_sharding_constraint(write_cache(layer_cache, *ordered,
                                                                cache_index)[2], spec)
-    return (k, v, layer_cache) if laid_out else (layer_cache["k"], layer_cache["v"], layer_cache)
+    return (k, v, layer_cache) if laid_out else \
+        (layer_cache["k"], layer_cache.get("v"), layer_cache)
 
 
 def attend_laid_out(q, k, v, allowed, window: int | None, cache_index=0, **options):

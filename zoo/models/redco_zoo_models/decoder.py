@@ -29,7 +29,7 @@ from redco_zoo_models.context_parallel import (
 from redco_zoo_models.decoder_config import DecoderConfig
 from redco_zoo_models.expert_parallel import as_laid_out
 from redco_zoo_models.layers import GatedMLP, RMSNorm, embed
-from redco_zoo_models.mla import LatentAttention
+from redco_zoo_models.mla import LatentAttention, latent_width
 from redco_zoo_models.moe import MoE
 from redco_zoo_models.rope import apply_rope, depends_on_length, segment_lengths
 
@@ -224,8 +224,14 @@ class DecoderLM(nnx.Module):
         return min(switching) if switching else None
 
     def init_cache(self, batch: int, n_slots: int, dtype=jnp.float32) -> list[dict]:
+        """An empty cache (``redco_zoo_models.attention``). Latent attention's holds one
+        shared key a slot, its latent, and no values (``redco_zoo_models.mla``)."""
         cfg = self.cfg
-        return init_cache(cfg.num_hidden_layers, batch, n_slots, *cfg.cached_heads(), dtype)
+        if cfg.kv_lora_rank:
+            return init_cache(cfg.num_hidden_layers, batch, n_slots, 1, latent_width(cfg), dtype,
+                              values=False)
+        return init_cache(cfg.num_hidden_layers, batch, n_slots, cfg.num_key_value_heads,
+                          cfg.head_dim, dtype)
 
     def hf_tensors_in(self, tensors: dict) -> dict:
         """A checkpoint's tensors under this model's names (fused ones split)."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 
 from redco_zoo_models import families
-from redco_zoo_models.mla import cached_width
 from redco_zoo_models.moe import MoEConfig
 from redco_zoo_models.rope import Rope
 
@@ -115,12 +114,6 @@ class DecoderConfig:
                          n_shared_experts=self.n_shared_experts,
                          bias_update_rate=self.bias_update_rate,
                          capacity_factor=self.capacity_factor)
-
-    def cached_heads(self) -> tuple[int, int]:
-        """``(heads, size)`` of each layer's cached keys and values."""
-        if self.kv_lora_rank:
-            return self.num_attention_heads, cached_width(self)
-        return self.num_key_value_heads, self.head_dim
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":

@@ -2,21 +2,32 @@
 ``kv_lora_rank`` is set.
 
 Keys and values come from a low-rank latent: ``kv_a_proj_with_mqa`` maps each token to a latent
-of ``kv_lora_rank`` features (normalised by ``kv_a_layernorm``) plus one ``qk_rope_head_dim``
-key part shared by every head; ``kv_b_proj`` expands the latent to each head's key part without
-position (``qk_nope_head_dim``) and its value (``v_head_dim``). A head's key is its own part
-followed by the shared rotated one. Queries are ``q_proj`` (``q_lora_rank`` None), or a low-rank
-``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``, each head's last ``qk_rope_head_dim`` features
-rotated. RoPE turns that part only (``head_dim`` is its size); ``rope_interleave`` (DeepSeek's
-checkpoints) pairs features (0, 1), (2, 3)... instead of the two halves. Scores are scaled by
-``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times YaRN's ``mscale(factor,
-mscale_all_dim) ** 2`` where the RoPE is ``yarn`` with ``mscale_all_dim``.
+``c`` of ``kv_lora_rank`` (r) features (normalised by ``kv_a_layernorm``) plus one
+``qk_rope_head_dim`` key part ``k_r`` shared by every head, rotated; ``kv_b_proj`` expands ``c``
+to each head's key part without position (``qk_nope_head_dim``: ``W_UK c``) and its value
+(``v_head_dim``: ``W_UV c``). A head's key is its own part followed by the shared rotated one.
+Queries are ``q_proj`` (``q_lora_rank`` None), or a low-rank ``q_a_proj``, ``q_a_layernorm``,
+``q_b_proj``, each head's last ``qk_rope_head_dim`` features rotated. RoPE turns that part only
+(``head_dim`` is its size); ``rope_interleave`` (DeepSeek's checkpoints) pairs features (0, 1),
+(2, 3)... instead of the two halves. Scores are scaled by ``(qk_nope_head_dim +
+qk_rope_head_dim) ** -0.5``, times YaRN's ``mscale(factor, mscale_all_dim) ** 2`` where the RoPE
+is ``yarn`` with ``mscale_all_dim``.
 
-The cache holds each head's full key and value after the up-projection (as a grouped-query
-layer's, one per head), not the latent: simple and exact, ``2 * heads * width`` numbers a token
-against the latent's ``kv_lora_rank + qk_rope_head_dim``. Queries, keys and values are zero-padded
-to one ``width`` (the larger of the key's and the value's size), which changes no score, so the
-attention, its tiled and split forms and the cache are the grouped-query layer's.
+Two forms of one attention:
+
+* **Expanded** (no cache: training, a forward pass): keys and values up-projected per head,
+  zero-padded to one width (the larger of the key's and the value's size, which changes no
+  score), so the attention, its tiled and context-parallel forms are the grouped-query
+  layer's. Per score it costs ``qk_nope_head_dim + qk_rope_head_dim`` multiply-adds.
+* **Absorbed** (with a cache: a prompt read into it and each generated token), as DeepSeek's
+  own inference, vLLM and SGLang run it: the cache holds per token and layer only ``[c, k_r]``,
+  ``kv_lora_rank + qk_rope_head_dim`` numbers (576 for DeepSeek-V3, against
+  ``2 x 128 heads x 192`` = 49,152 up-projected). A head's score ``q_nope . W_UK c + q_r . k_r``
+  is ``(W_UK^T q_nope) . c + q_r . k_r``, so it is multi-query attention: one shared key
+  ``[c, k_r]``, each head's absorbed query ``[W_UK^T q_nope, q_r]``, one shared value ``c``
+  (read out of the key: the attention's output past r is dropped), same scale. Each head's
+  output latent then goes through its ``W_UV`` and ``o_proj``. ``kv_b_proj`` has no bias, so
+  this is exact; a LoRA-adapted ``kv_b_proj`` absorbs its merged matrix.
 """
 from __future__ import annotations
 
@@ -30,9 +41,14 @@ from redco_zoo_models.rope import apply_rope, yarn_mscale
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm (not the config's rms_norm_eps)
 
 
-def cached_width(cfg) -> int:
-    """The size of each head's cached key and value."""
+def padded_width(cfg) -> int:
+    """The expanded form's one width of queries, keys and values (each zero-padded to it)."""
     return max(cfg.qk_nope_head_dim + cfg.head_dim, cfg.v_head_dim)
+
+
+def latent_width(cfg) -> int:
+    """The numbers the cache holds per token and layer: the latent and the shared RoPE key."""
+    return cfg.kv_lora_rank + cfg.head_dim
 
 
 def softmax_scale(cfg) -> float:
@@ -70,25 +86,59 @@ class LatentAttention(nnx.Module):
             x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], -1)
         return apply_rope(x, positions, self.cfg.rope, lengths)
 
-    def _qkv(self, x, positions, lengths):
+    def _queries(self, x, positions, lengths):
+        """(B, T, heads, qk_nope_head_dim + head_dim): each head's query, its RoPE part turned."""
         cfg, (b, t, _) = self.cfg, x.shape
-        h, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
+        nope = cfg.qk_nope_head_dim
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if cfg.q_lora_rank \
             else self.q_proj(x)
-        q = q.reshape(b, t, h, nope + cfg.head_dim)
-        q = jnp.concatenate([q[..., :nope], self._rotated(q[..., nope:], positions, lengths)], -1)
+        q = q.reshape(b, t, cfg.num_attention_heads, nope + cfg.head_dim)
+        return jnp.concatenate([q[..., :nope], self._rotated(q[..., nope:], positions, lengths)],
+                               -1)
+
+    def _latent(self, x, positions, lengths):
+        """``(c, k_r)``: the normalised latent (B, T, r) and the shared key part, turned
+        (B, T, 1, head_dim)."""
         latent = self.kv_a_proj_with_mqa(x)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent[..., :cfg.kv_lora_rank]))
-        kv = kv.reshape(b, t, h, nope + cfg.v_head_dim)
-        shared = self._rotated(latent[..., None, cfg.kv_lora_rank:], positions, lengths)
-        k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(shared, (b, t, h, cfg.head_dim))],
-                            -1)
-        return q, k, kv[..., nope:]
+        r = self.cfg.kv_lora_rank
+        return (self.kv_a_layernorm(latent[..., :r]),
+                self._rotated(latent[..., None, r:], positions, lengths))
+
+    def _up_projection(self):
+        """``(W_UK, W_UV)``: ``kv_b_proj``'s matrix per head, (r, heads, qk_nope_head_dim) and
+        (r, heads, v_head_dim); a LoRA layer's merged (``redco_zoo_models.lora``)."""
+        cfg, up = self.cfg, self.kv_b_proj
+        kernel = (up.merged() if hasattr(up, "merged") else up).kernel[...]
+        kernel = kernel.reshape(cfg.kv_lora_rank, cfg.num_attention_heads, -1)
+        return kernel[..., :cfg.qk_nope_head_dim], kernel[..., cfg.qk_nope_head_dim:]
+
+    def _expanded(self, q, c, k_r, allowed):
+        """Each head's attention output (B, T, heads, v_head_dim), keys and values
+        up-projected (no cache)."""
+        cfg, (b, t, h, _) = self.cfg, q.shape
+        nope, width = cfg.qk_nope_head_dim, padded_width(cfg)
+        kv = self.kv_b_proj(c).reshape(b, t, h, nope + cfg.v_head_dim)
+        k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_r, (b, t, h, cfg.head_dim))], -1)
+        q, k, v = (_padded(y, width) for y in (q, k, kv[..., nope:]))
+        out = attend_laid_out(q, k, v, allowed, None, scale=softmax_scale(cfg))
+        return out[..., :cfg.v_head_dim]
+
+    def _absorbed(self, q, c, k_r, allowed, layer_cache, cache_index):
+        """``(output (B, T, heads, v_head_dim), cache)``: ``[c, k_r]`` cached, the attention
+        multi-query over it with ``W_UK`` absorbed into the queries, ``W_UV`` applied after."""
+        cfg, nope, r = self.cfg, self.cfg.qk_nope_head_dim, self.cfg.kv_lora_rank
+        w_uk, w_uv = self._up_projection()
+        q = jnp.concatenate([jnp.einsum("bthn,rhn->bthr", q[..., :nope], w_uk.astype(q.dtype)),
+                             q[..., nope:]], -1)
+        key = jnp.concatenate([c[:, :, None], k_r], -1)  # (B, T, 1, r + head_dim)
+        key, _, layer_cache = cached_keys(layer_cache, key, None, cache_index, allowed)
+        out = attend_laid_out(q, key, key, allowed, None, cache_index, scale=softmax_scale(cfg))
+        return jnp.einsum("bthr,rhv->bthv", out[..., :r], w_uv.astype(out.dtype)), layer_cache
 
     def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0, lengths=None):
-        cfg, (b, t, _) = self.cfg, x.shape
-        width = cached_width(cfg)
-        q, k, v = (_padded(y, width) for y in self._qkv(x, positions, lengths))
-        k, v, layer_cache = cached_keys(layer_cache, k, v, cache_index, allowed)
-        out = attend_laid_out(q, k, v, allowed, None, cache_index, scale=softmax_scale(cfg))
-        return self.o_proj(out[..., :cfg.v_head_dim].reshape(b, t, -1)), layer_cache
+        q, (c, k_r) = self._queries(x, positions, lengths), self._latent(x, positions, lengths)
+        if layer_cache is None:
+            out = self._expanded(q, c, k_r, allowed)
+        else:
+            out, layer_cache = self._absorbed(q, c, k_r, allowed, layer_cache, cache_index)
+        return self.o_proj(out.reshape(*x.shape[:2], -1)), layer_cache
