@@ -1,7 +1,8 @@
 """Expert parallelism (``redco_zoo_models.expert_parallel``) against one device: the MoE block's
 loss and gradients with its experts split over dp = 2, 4, 8 devices (and dp 4 x mp 2), dropless
-and with a capacity (against the per-source-device drop rule written out here), the FSDP
-gathers it turns off, and the bad inputs it refuses before compiling."""
+and with a capacity (against the per-source-device drop rule written out here), gpt-oss's
+expert biases split with their experts, the FSDP gathers it turns off, and the bad inputs it
+refuses before compiling."""
 import re
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_moe import reference
+from test_moe import GPT_OSS, reference, with_random_biases
 
 from redco import fsdp
 from redco.sharding import make_mesh, specs_from_rules
@@ -49,9 +50,10 @@ def loss_and_grads(moe: MoE, mesh=None):
     return value, grads, aux, str(jax.make_jaxpr(step)(params, x))
 
 
-@pytest.mark.parametrize("dp, mp", [(1, 1), (2, 1), (4, 1), (8, 1), (4, 2)])
-def test_dropless_equals_one_device(dp, mp):
-    moe = block()
+@pytest.mark.parametrize("dp, mp, overrides", [(1, 1, {}), (2, 1, {}), (4, 1, {}), (8, 1, {}),
+                                               (4, 2, {}), (4, 2, GPT_OSS)])
+def test_dropless_equals_one_device(dp, mp, overrides):
+    moe = with_random_biases(block(**overrides)) if overrides else block()
     want, want_grads, _, _ = loss_and_grads(moe)
     got, grads, aux, jaxpr = loss_and_grads(moe, mesh_of(dp, mp))
     assert ("all_to_all" in jaxpr) == (dp > 1)
@@ -78,9 +80,11 @@ def per_source_drops(moe: MoE, dp: int) -> set:
     return dropped
 
 
-@pytest.mark.parametrize("dp, mp", [(4, 1), (4, 2)])
-def test_a_capacity_drops_by_the_per_source_device_rule(dp, mp):
-    moe = block(capacity_factor=1.0)  # 8 tokens a device x 2 / 8 experts: 2 slots each
+@pytest.mark.parametrize("dp, mp, overrides", [(4, 1, {}), (4, 2, {}), (4, 2, GPT_OSS)])
+def test_a_capacity_drops_by_the_per_source_device_rule(dp, mp, overrides):
+    moe = block(capacity_factor=1.0, **overrides)  # 8 tokens a device x 2 / 8 experts: 2 slots
+    if overrides:
+        with_random_biases(moe)
     dropped = per_source_drops(moe, dp)
     graphdef, params = nnx.split(moe, nnx.Param)
     mesh = mesh_of(dp, mp)
@@ -129,11 +133,15 @@ def test_a_bad_top_k_or_capacity_is_refused_naming_the_field():
         block(capacity_factor=0.0)  # (any positive factor leaves every expert a slot)
 
 
-def test_a_tiny_moe_trains_with_its_experts_split_as_on_one_device():
-    """An update of a tiny Qwen3-MoE through ``Trainer`` (dp 2 x cp 2 x mp 2, ``auto+fsdp``),
-    its experts split over dp as ``--expert_parallel`` splits them (``for_trainer``): each
-    device holds two experts' share of the weights, never all-gathered by FSDP (the other
-    weights are), and the params are one device's (1e-5, fp32)."""
+@pytest.mark.parametrize("family, expert_shapes", [("qwen3-moe", {"4,32,12", "4,12,32"}),
+                                                   ("gpt-oss", {"4,32,16", "4,16,32"})])
+def test_a_tiny_moe_trains_with_its_experts_split_as_on_one_device(family, expert_shapes):
+    """An update of a tiny Qwen3-MoE, and of a gpt-oss (attention sinks over the split
+    sequence, biased router and experts), through ``Trainer`` (dp 2 x cp 2 x mp 2,
+    ``auto+fsdp``), its experts split over dp as ``--expert_parallel`` splits them
+    (``for_trainer``; gpt-oss's expert biases with them): each device holds two experts' share
+    of the weights, never all-gathered by FSDP (the other weights are), and the params are one
+    device's (1e-5, fp32)."""
     import optax
     from test_context_parallel import deployer_of, packed_rows
 
@@ -144,7 +152,7 @@ def test_a_tiny_moe_trains_with_its_experts_split_as_on_one_device():
     from redco_zoo_models.toy import tiny_family
 
     def trainer(deployer, expert_split: bool):
-        apply_fn, params = split_model(tiny_family("qwen3-moe"))
+        apply_fn, params = split_model(tiny_family(family))
         rules = for_trainer(params, deployer) if expert_split else None
         return Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.sgd(0.5),
                        params_sharding_rules=rules)
@@ -156,10 +164,13 @@ def test_a_tiny_moe_trains_with_its_experts_split_as_on_one_device():
     experts = split.params["model"]["layers"][0]["mlp"]["experts"]
     assert experts["gate_proj"].sharding.spec == P("dp", None, "mp")
     assert experts["down_proj"].sharding.spec == P("dp", "mp", None)
+    if family == "gpt-oss":
+        assert experts["gate_proj_bias"].sharding.spec == P("dp", "mp")
+        assert experts["down_proj_bias"].sharding.spec == P("dp", None)
     for a, b in zip(jax.tree.leaves(jax.device_get(split.params)),
                     jax.tree.leaves(jax.device_get(one.params))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     hlo = split.compile_train_step(rows, 2).as_text()
     assert "all-to-all" in hlo
     gathered = {shape for shape in re.findall(r"= f32\[([\d,]+)\]\S* all-gather\(", hlo)}
-    assert gathered and not {"4,32,12", "4,12,32"} & gathered, gathered  # (FSDP's: the rest)
+    assert gathered and not expert_shapes & gathered, gathered  # (FSDP's: the rest)
