@@ -95,6 +95,23 @@ def test_a_capacity_drops_by_the_per_source_device_rule(dp, mp, overrides):
     assert float(aux["dropped_share"]) == pytest.approx(len(dropped) / 64)
 
 
+def test_expert_biases_are_split_with_their_experts():
+    """gpt-oss's expert biases go where their experts go: on the experts over dp, by the EP
+    rules here and by the core's ``auto+ep`` / ``auto+fsdp+ep`` rule sets (a gate or up bias on
+    its outputs over mp, as its projection; a down bias whole over mp)."""
+    from redco import Deployer
+    params = nnx.split(block(**GPT_OSS), nnx.Param)[1]
+    want = {"gate_proj_bias": P("dp", "mp"), "up_proj_bias": P("dp", "mp"),
+            "down_proj_bias": P("dp", None), "gate_proj": P("dp", None, "mp")}
+    for rules in (sharding_rules(), "auto+ep", "auto+fsdp+ep"):
+        deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=None, verbose=False,
+                            sharding_rules=rules if isinstance(rules, str) else "auto")
+        found = specs_from_rules(params, rules if not isinstance(rules, str) else
+                                 deployer.get_sharding_rules(params), deployer.mesh)
+        got = {k: tuple(found["experts"][k]) for k in want}  # (trailing Nones as written)
+        assert got == {k: tuple(v)[:len(got[k])] for k, v in want.items()}, (rules, got)
+
+
 def test_fsdp_leaves_the_expert_weights_split():
     """Under FSDP every dp-split weight is gathered before its layer; the experts' are not,
     once ``expert_parallel`` is entered with the step's params."""

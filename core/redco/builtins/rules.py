@@ -121,13 +121,15 @@ def auto_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
 
 
 def _auto(params, mesh: Mesh, trace_fn=None) -> dict[str, P]:
-    """``auto_specs`` (none at mp=1), expert weights the dataflow left whole split by name."""
+    """``auto_specs`` (none at mp=1), expert weights the dataflow left whole split by name, and
+    expert biases always by name (``auto_specs`` would read one as an (in, out) matrix)."""
     mp = mesh.shape["mp"]
     if mp == 1:
         return {}
     specs = auto_specs(params, mesh, trace_fn)
     for path, leaf in named_leaves(params):
-        if _is_expert(path, leaf) and "mp" not in jax.tree.leaves(tuple(specs.get(path, P()))):
+        whole = "mp" not in jax.tree.leaves(tuple(specs.get(path, P())))
+        if _is_expert(path, leaf) and (whole or len(leaf.shape) == 2):
             specs[path] = expert_tp_spec(path, leaf.shape, mp)
     return specs
 
