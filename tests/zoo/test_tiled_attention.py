@@ -149,7 +149,7 @@ def test_attention_sinks_in_tiles_and_through_attend_equal_transformers_formula(
     window of 9, shuffled rows, packed segments, a query that sees no key) and rescaled by the
     log-sum-exp (``with_sinks``), outputs and the gradients of q, k, v and the sinks within
     1e-5 of the reference; through ``attend`` written out (40 tokens, a window) and tiled (520
-    tokens) too."""
+    tokens), and split over 2 devices (ring, a window across them, gradients), too."""
     (q, k, v, *masks), weights = inputs
     sinks = jnp.asarray([-1.0, 0.0, 0.5, 2.0])
     tiled = lambda q, k, v, s: with_sinks(*tiled_attention(q, k, v, *masks, SCALE, 8, window=9), s)
@@ -165,6 +165,16 @@ def test_attention_sinks_in_tiles_and_through_attend_equal_transformers_formula(
         got = jax.jit(lambda q, k, v: attend(q, k, v, is_causal=True, window=window, sinks=sinks))
         assert_same(got(q, k, v), plain(q, k, v, rows, rows, one, one, window=window,
                                         scale=8 ** -0.5, sinks=sinks))
+    (q, k, v), weights, rows = causal_inputs(32)
+    one = jnp.zeros_like(rows)
+    want = out_and_grads(lambda q, k, v, s: plain(q, k, v, rows, rows, one, one, window=5,
+                                                  scale=8 ** -0.5, sinks=s), (q, k, v, sinks),
+                         weights)
+    layer = SplitSequence(balance(rows, 2), one, Mesh(np.array(jax.devices()[:2]), ("cp",)),
+                          "cp", "ring")
+    ring = lambda q, k, v, s: layer.attend(q, k, v, window=5, sinks=s)
+    got = out_and_grads(ring, [balance(x, 2) for x in (q, k, v)] + [sinks], balance(weights, 2))
+    assert_same(got, [balance(x, 2) for x in jax.tree.leaves(want)[:4]] + [want[1][3]])
 
 
 def causal_inputs(n: int, seed: int = 2):
