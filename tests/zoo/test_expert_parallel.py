@@ -1,7 +1,8 @@
 """Expert parallelism (``redco_zoo_models.expert_parallel``) against one device: the MoE block's
 loss and gradients with its experts split over dp = 2, 4, 8 devices (and dp 4 x mp 2), dropless
-and with a capacity (against the per-source-device drop rule written out here), the FSDP
-gathers it turns off, and the bad inputs it refuses before compiling."""
+and with a capacity (against the per-source-device drop rule written out here), gpt-oss's
+expert biases split with their experts, the FSDP gathers it turns off, and the bad inputs it
+refuses before compiling."""
 import re
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_moe import reference
+from test_moe import GPT_OSS, reference, with_random_biases
 
 from redco import fsdp
 from redco.sharding import make_mesh, specs_from_rules
@@ -49,9 +50,10 @@ def loss_and_grads(moe: MoE, mesh=None):
     return value, grads, aux, str(jax.make_jaxpr(step)(params, x))
 
 
-@pytest.mark.parametrize("dp, mp", [(1, 1), (2, 1), (4, 1), (8, 1), (4, 2)])
-def test_dropless_equals_one_device(dp, mp):
-    moe = block()
+@pytest.mark.parametrize("dp, mp, overrides", [(1, 1, {}), (2, 1, {}), (4, 1, {}), (8, 1, {}),
+                                               (4, 2, {}), (4, 2, GPT_OSS)])
+def test_dropless_equals_one_device(dp, mp, overrides):
+    moe = with_random_biases(block(**overrides)) if overrides else block()
     want, want_grads, _, _ = loss_and_grads(moe)
     got, grads, aux, jaxpr = loss_and_grads(moe, mesh_of(dp, mp))
     assert ("all_to_all" in jaxpr) == (dp > 1)
@@ -78,9 +80,11 @@ def per_source_drops(moe: MoE, dp: int) -> set:
     return dropped
 
 
-@pytest.mark.parametrize("dp, mp", [(4, 1), (4, 2)])
-def test_a_capacity_drops_by_the_per_source_device_rule(dp, mp):
-    moe = block(capacity_factor=1.0)  # 8 tokens a device x 2 / 8 experts: 2 slots each
+@pytest.mark.parametrize("dp, mp, overrides", [(4, 1, {}), (4, 2, {}), (4, 2, GPT_OSS)])
+def test_a_capacity_drops_by_the_per_source_device_rule(dp, mp, overrides):
+    moe = block(capacity_factor=1.0, **overrides)  # 8 tokens a device x 2 / 8 experts: 2 slots
+    if overrides:
+        with_random_biases(moe)
     dropped = per_source_drops(moe, dp)
     graphdef, params = nnx.split(moe, nnx.Param)
     mesh = mesh_of(dp, mp)
@@ -89,6 +93,23 @@ def test_a_capacity_drops_by_the_per_source_device_rule(dp, mp):
     assert dropped, "the test needs some pairs over capacity"
     np.testing.assert_allclose(np.asarray(y), reference(moe, X, dropped), rtol=2e-4, atol=2e-5)
     assert float(aux["dropped_share"]) == pytest.approx(len(dropped) / 64)
+
+
+def test_expert_biases_are_split_with_their_experts():
+    """gpt-oss's expert biases go where their experts go: on the experts over dp, by the EP
+    rules here and by the core's ``auto+ep`` / ``auto+fsdp+ep`` rule sets (a gate or up bias on
+    its outputs over mp, as its projection; a down bias whole over mp)."""
+    from redco import Deployer
+    params = nnx.split(block(**GPT_OSS), nnx.Param)[1]
+    want = {"gate_proj_bias": P("dp", "mp"), "up_proj_bias": P("dp", "mp"),
+            "down_proj_bias": P("dp", None), "gate_proj": P("dp", None, "mp")}
+    for rules in (sharding_rules(), "auto+ep", "auto+fsdp+ep"):
+        deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=None, verbose=False,
+                            sharding_rules=rules if isinstance(rules, str) else "auto")
+        found = specs_from_rules(params, rules if not isinstance(rules, str) else
+                                 deployer.get_sharding_rules(params), deployer.mesh)
+        got = {k: tuple(found["experts"][k]) for k in want}  # (trailing Nones as written)
+        assert got == {k: tuple(v)[:len(got[k])] for k, v in want.items()}, (rules, got)
 
 
 def test_fsdp_leaves_the_expert_weights_split():

@@ -56,7 +56,8 @@ def test_the_chunked_loss_equals_the_loss_of_whole_logits(family):
                                               ("phi-4-mini", "all_gather")])
 def test_a_split_sequence_gives_the_unsplit_logits(family, strategy):
     """32 tokens over 4 devices (CP 4): windows (8) that cross devices, softcaps, local and
-    global RoPEs, partial rotary, as on one device."""
+    global RoPEs, partial rotary, as on one device (gpt-oss's sinks: test_expert_parallel's
+    training at CP 2)."""
     apply_fn, params = split_model(tiny_family(family))
     ids = jnp.asarray(np.random.RandomState(2).randint(1, 63, (2, 32)))
     whole = np.asarray(jax.jit(apply_fn)(params, ids))
@@ -152,6 +153,7 @@ def saved_family(tmp_path, family="qwen3", **config):
     ("llama-3.1", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
     ("olmo2", {"sliding_window": 4096}, "sliding_window"),
     ("qwen3", {"num_experts": 8, "num_experts_per_tok": 2}, "num_experts"),
+    ("gpt-oss", {"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config"),
     ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ("phi-4-mini", {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0],
                                         "long_factor": [1.0, 2.0, 3.0]}}, "short_factor has 1"),

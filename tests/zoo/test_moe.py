@@ -1,7 +1,7 @@
 """The MoE block (``redco_zoo_models.moe``) against a per-token loop written here: top-k routing
-by softmax and by sigmoid with the balancing bias, shared experts, dropless and with a
-capacity, its gradients, the auxiliary losses at their known values, and the bias update, in
-``Trainer.fit`` too."""
+by softmax and by sigmoid with the balancing bias, shared experts, gpt-oss's biased router and
+experts with its clamped SwiGLU, dropless and with a capacity, its gradients, the auxiliary
+losses at their known values, and the bias update, in ``Trainer.fit`` too."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,9 +25,13 @@ def reference(moe: MoE, x, dropped_pairs=frozenset()):
     """Each token through each expert it picks, one at a time, weighted; ``dropped_pairs``
     ``(token, expert)`` add nothing."""
     cfg, tokens = moe.cfg, np.asarray(x, np.float64).reshape(-1, x.shape[-1])
-    g, u, d = (np.asarray(p[...], np.float64) for p in
-               (moe.experts.gate_proj, moe.experts.up_proj, moe.experts.down_proj))
+    names = ("gate_proj", "up_proj", "down_proj")
+    g, u, d = (np.asarray(getattr(moe.experts, n)[...], np.float64) for n in names)
+    gb, ub, db = (np.asarray(getattr(moe.experts, f"{n}_bias")[...], np.float64)
+                  if cfg.expert_bias else np.zeros((cfg.n_experts, 1)) for n in names)
     logits = tokens @ np.asarray(moe.gate.kernel[...], np.float64)
+    if cfg.router_bias:
+        logits = logits + np.asarray(moe.gate.bias[...], np.float64)
     silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
     out = np.zeros_like(tokens)
     for n, (t, row) in enumerate(zip(tokens, logits)):
@@ -41,12 +45,32 @@ def reference(moe: MoE, x, dropped_pairs=frozenset()):
         weights = probs[chosen] / (probs[chosen].sum() if cfg.normalize_top_k else 1)
         for e, w in zip(chosen, weights * cfg.routed_scaling_factor):
             if (n, int(e)) not in dropped_pairs:
-                out[n] += w * (silu(t @ g[e]) * (t @ u[e])) @ d[e]
+                out[n] += w * (expert_glu(cfg, t @ g[e] + gb[e], t @ u[e] + ub[e]) @ d[e] + db[e])
         if cfg.n_shared_experts:
             s = moe.shared_experts
             out[n] += (silu(t @ np.asarray(s.gate_proj.kernel[...])) *
                        (t @ np.asarray(s.up_proj.kernel[...]))) @ np.asarray(s.down_proj.kernel[...])
     return out.reshape(x.shape)
+
+
+def expert_glu(cfg, gate, up):
+    """``silu(gate) * up``; with ``swiglu_limit`` gpt-oss's, as its paper writes it."""
+    if cfg.swiglu_limit is None:
+        return gate / (1 + np.exp(-gate)) * up
+    gate, up = np.minimum(gate, cfg.swiglu_limit), np.clip(up, -cfg.swiglu_limit,
+                                                           cfg.swiglu_limit)
+    return gate / (1 + np.exp(-cfg.swiglu_alpha * gate)) * (up + 1)
+
+
+GPT_OSS = {"router_bias": True, "expert_bias": True, "swiglu_limit": 1.0}  # (a limit reached)
+
+
+def with_random_biases(moe: MoE) -> MoE:
+    """``moe`` with its router's and experts' biases (zeros at init) drawn at random."""
+    for i, leaf in enumerate([moe.gate.bias] + [getattr(moe.experts, f"{n}_bias") for n in (
+            "gate_proj", "up_proj", "down_proj")]):
+        leaf[...] = jax.random.normal(jax.random.PRNGKey(10 + i), leaf.shape)
+    return moe
 
 
 def within_best_groups(cfg, biased):
@@ -68,22 +92,27 @@ X = jax.random.normal(jax.random.PRNGKey(1), (3, 7, 16))
 @pytest.mark.parametrize("overrides", [
     {}, {"top_k": 1}, {"normalize_top_k": False},
     {"router": "sigmoid", "routed_scaling_factor": 2.5, "n_shared_experts": 2},
-    {"router": "sigmoid", "n_group": 3, "topk_group": 1}])
+    {"router": "sigmoid", "n_group": 3, "topk_group": 1}, GPT_OSS])
 def test_dropless_equals_each_token_through_its_experts(overrides):
     moe = block(**overrides)
     if moe.cfg.router == "sigmoid":  # a bias that changes which experts are chosen
         moe.balance_bias[...] = jnp.linspace(-0.3, 0.3, moe.cfg.n_experts)
+    if moe.cfg.expert_bias:
+        with_random_biases(moe)
     y, aux = moe(X)
     np.testing.assert_allclose(np.asarray(y), reference(moe, X), rtol=2e-4, atol=2e-5)
     assert float(aux["dropped_share"]) == 0 and float(aux["expert_load"].sum()) == 21 * moe.cfg.top_k
 
 
-def test_a_large_enough_capacity_changes_nothing_and_a_small_one_drops_later_choices():
-    dropless = block()
+@pytest.mark.parametrize("overrides", [{}, GPT_OSS])
+def test_a_large_enough_capacity_changes_nothing_and_a_small_one_drops_later_choices(overrides):
+    """A dropped pair adds nothing to its token (gpt-oss: not its expert's output bias either)."""
+    biased = with_random_biases if overrides else (lambda moe: moe)
+    dropless = biased(block(**overrides))
     y, _ = dropless(X)
-    roomy = block(capacity_factor=float(dropless.cfg.n_experts))  # room for every pair
+    roomy = biased(block(capacity_factor=float(dropless.cfg.n_experts), **overrides))
     np.testing.assert_allclose(np.asarray(roomy(X)[0]), np.asarray(y), rtol=1e-5, atol=1e-6)
-    tight = block(capacity_factor=0.5)  # 21 tokens x 2 / 6 experts x 0.5: 4 pairs an expert
+    tight = biased(block(capacity_factor=0.5, **overrides))  # 21 x 2 / 6 x 0.5: 4 pairs each
     capacity = tight.cfg.capacity(21)
     y_tight, aux = tight(X)
     chosen = np.asarray(tight.route(X.reshape(-1, 16))[0])

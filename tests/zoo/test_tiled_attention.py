@@ -1,7 +1,8 @@
 """Tiled attention (``redco_zoo_models.tiled_attention``) equals plain attention, forward and
 backward, under every mask it takes, and never holds a whole (queries x keys) score matrix; with
-a sliding window and soft-capped scores (Gemma 2/3, Qwen3, Phi-3) too, tiled, through ``attend``
-and split over devices (context parallelism), as HuggingFace transformers computes them."""
+a sliding window and soft-capped scores (Gemma 2/3, Qwen3, Phi-3) and attention sinks (gpt-oss)
+too, tiled, through ``attend`` and split over devices (context parallelism), as HuggingFace
+transformers computes them."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,14 +11,16 @@ from jax.sharding import Mesh
 
 from redco_zoo_models.attention import attend, decoder_inputs, within_window
 from redco_zoo_models.context_parallel import SplitSequence, balance, sequence_parallel_attention
-from redco_zoo_models.tiled_attention import merge, tiled_attention
+from redco_zoo_models.tiled_attention import merge, tiled_attention, with_sinks
 
 SCALE = 0.3
 
 
-def plain(q, k, v, q_rows, k_rows, q_seg, k_seg, window=None, softcap=None, scale=SCALE):
+def plain(q, k, v, q_rows, k_rows, q_seg, k_seg, window=None, softcap=None, scale=SCALE,
+          sinks=None):
     """The reference: every score materialised, capped (HuggingFace's ``softcap * tanh(s /
-    softcap)``), masked (the window: key rows ``> row - window``), softmaxed."""
+    softcap)``), masked (the window: key rows ``> row - window``), softmaxed; with ``sinks``
+    (H,), as transformers' gpt-oss: each head's sink a column of the softmax, then dropped."""
     groups = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, groups, 2), jnp.repeat(v, groups, 2)
     scores = jnp.einsum("bthd,bshd->bhts", q, k) * scale
@@ -27,10 +30,14 @@ def plain(q, k, v, q_rows, k_rows, q_seg, k_seg, window=None, softcap=None, scal
     if window is not None:
         allowed &= k_rows[:, None, :] > q_rows[:, :, None] - window
     scores = jnp.where(allowed[:, None], scores, -jnp.inf)
+    if sinks is not None:
+        column = jnp.broadcast_to(sinks[None, :, None, None], (*scores.shape[:-1], 1))
+        scores = jnp.concatenate([scores, column], -1)
     top = scores.max(-1, keepdims=True)
     weights = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0))
     total = weights.sum(-1, keepdims=True)
-    return jnp.einsum("bhts,bshd->bthd", weights / jnp.where(total > 0, total, 1), v)
+    weights = (weights / jnp.where(total > 0, total, 1))[..., :k.shape[1]]
+    return jnp.einsum("bhts,bshd->bthd", weights, v)
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +142,39 @@ def test_a_window_and_capped_scores_in_tiles_equal_huggingfaces_formula(inputs, 
     assert 0 < int(unseen.sum()) < unseen.size // 2, int(unseen.sum())
     assert not np.allclose(ours[0], reference[0], atol=1e-2)  # (they change things)
 
+
+
+def test_attention_sinks_in_tiles_and_through_attend_equal_transformers_formula(inputs):
+    """gpt-oss's sinks (one logit per head in the softmax, no value): tiled (tiles of 8, a
+    window of 9, shuffled rows, packed segments, a query that sees no key) and rescaled by the
+    log-sum-exp (``with_sinks``), outputs and the gradients of q, k, v and the sinks within
+    1e-5 of the reference; through ``attend`` written out (40 tokens, a window) and tiled (520
+    tokens), and split over 2 devices (ring, a window across them, gradients), too."""
+    (q, k, v, *masks), weights = inputs
+    sinks = jnp.asarray([-1.0, 0.0, 0.5, 2.0])
+    tiled = lambda q, k, v, s: with_sinks(*tiled_attention(q, k, v, *masks, SCALE, 8, window=9), s)
+    ours = out_and_grads(tiled, (q, k, v, sinks), weights)
+    want = out_and_grads(lambda q, k, v, s: plain(q, k, v, *masks, window=9, sinks=s),
+                         (q, k, v, sinks), weights)
+    assert_same(ours, want)
+    assert not np.allclose(ours[0], out_and_grads(
+        lambda q, k, v: plain(q, k, v, *masks, window=9), (q, k, v), weights)[0], atol=1e-2)
+    for n, window in ((40, 7), (520, None)):
+        (q, k, v), _, rows = causal_inputs(n)
+        one = jnp.zeros_like(rows)
+        got = jax.jit(lambda q, k, v: attend(q, k, v, is_causal=True, window=window, sinks=sinks))
+        assert_same(got(q, k, v), plain(q, k, v, rows, rows, one, one, window=window,
+                                        scale=8 ** -0.5, sinks=sinks))
+    (q, k, v), weights, rows = causal_inputs(32)
+    one = jnp.zeros_like(rows)
+    want = out_and_grads(lambda q, k, v, s: plain(q, k, v, rows, rows, one, one, window=5,
+                                                  scale=8 ** -0.5, sinks=s), (q, k, v, sinks),
+                         weights)
+    layer = SplitSequence(balance(rows, 2), one, Mesh(np.array(jax.devices()[:2]), ("cp",)),
+                          "cp", "ring")
+    ring = lambda q, k, v, s: layer.attend(q, k, v, window=5, sinks=s)
+    got = out_and_grads(ring, [balance(x, 2) for x in (q, k, v)] + [sinks], balance(weights, 2))
+    assert_same(got, [balance(x, 2) for x in jax.tree.leaves(want)[:4]] + [want[1][3]])
 
 
 def causal_inputs(n: int, seed: int = 2):

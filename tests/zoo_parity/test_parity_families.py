@@ -6,8 +6,10 @@ projections, partial rotary, longrope), OLMo 2 (post-norms, q/k norm over all he
 (a window on every layer), Qwen3-MoE (a dense layer between sparse ones, per-expert tensors) and
 Mixtral (its own expert names), DeepSeek-V3 (multi-head latent attention with YaRN's mscale and
 interleaved RoPE, dense first layer, sigmoid routing limited to 2 of 4 groups with a random
-balancing bias, shared experts; and a variant without the query latent, RoPE in halves), and
-YaRN and dynamic-NTK RoPE on Qwen3 and LLaMA shapes.
+balancing bias, shared experts; and a variant without the query latent, RoPE in halves),
+gpt-oss (attention sinks, biases on attention, router and experts, interleaved gate/up experts
+with a clamped SwiGLU whose limit the tiny model reaches, every other layer sliding, YaRN
+without truncation), and YaRN and dynamic-NTK RoPE on Qwen3 and LLaMA shapes.
 
 Each tiny checkpoint is written by transformers itself (``from_config`` + ``save_pretrained``,
 weights perturbed so a misplaced one shows, sharded so the index is read). The lengths cross
@@ -24,6 +26,7 @@ import torch
 from flax import nnx
 from parity import close, hf_greedy, jiggle_torch, left_padded, transformers
 
+from redco.tree_paths import named_leaves
 from redco_zoo_models import from_pretrained, generate, save_pretrained
 from redco_zoo_models.balancing import BalanceBias
 from redco_zoo_models.hf import auto_class
@@ -171,6 +174,34 @@ def test_deepseek_v3s_logits_are_within_1e4_where_its_routing_limits_matter(pair
     nnx.update(unbiased, jax.tree.map(jnp.zeros_like, nnx.state(ours, BalanceBias)))
     for other in (ungrouped, unbiased):
         assert np.abs(jitted(other)(ids) - jitted(ours)(ids)).max() > 1e-2
+
+
+def test_gpt_oss_logits_are_within_1e4_where_each_of_its_switches_matters(pair):
+    """gpt-oss's logits (40 tokens, past its window of 8) equal transformers' within 1e-4 (fp32),
+    and each of its switches changes them there: without the attention sinks (a sink of -1e9
+    takes no share), the router's bias, the experts' biases or the SwiGLU's clamp (a limit no
+    value reaches) they differ."""
+    theirs, _, ours, _ = pair
+    if not ours.cfg.attention_sinks:
+        pytest.skip("not gpt-oss")
+    ids = jnp.asarray(np.random.RandomState(40).randint(1, EOS, (2, 40)))
+    graphdef, params = nnx.split(ours, nnx.Param)
+    forward = jax.jit(lambda params: nnx.merge(graphdef, params)(ids))  # (compiled once)
+    want = forward(params)
+    np.testing.assert_allclose(want, torch_logits(theirs, ids), atol=1e-4)
+
+    def with_params(suffix: str, value: float):
+        return jax.tree.unflatten(jax.tree.structure(params), [
+            jnp.full_like(x, value) if path.endswith(suffix) else x
+            for path, x in named_leaves(params)])
+    unclamped = type(ours)(dataclasses.replace(ours.cfg, swiglu_limit=1e9), nnx.Rngs(0))
+    nnx.update(unclamped, params)
+    variants = {"no sinks": forward(with_params("self_attn/sinks", -1e9)),
+                "no router bias": forward(with_params("mlp/gate/bias", 0.0)),
+                "no expert biases": forward(with_params("_bias", 0.0)),
+                "no clamp": jitted(unclamped)(ids)}
+    for name, logits in variants.items():
+        assert np.abs(logits - want).max() > 1e-2, name
 
 
 OLDER = {  # config.json in the layout before transformers 5: rope_scaling, rope_theta at the top

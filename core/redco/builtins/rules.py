@@ -5,7 +5,8 @@ layout), ``replicate``, and expert parallelism on top of the first two: ``auto+e
 ``auto+fsdp+ep``.
 
 **Expert parallelism** (``+ep``): a Mixture-of-Experts model's stacked expert weights, a leaf
-``.../experts/<name>`` of 3 dims (experts, in, out), are split on the experts over ``dp``
+``.../experts/<name>`` of 3 dims (experts, in, out) or, a bias, 2 (experts, out), are split
+on the experts over ``dp``
 (device j holds experts ``j*E/dp .. (j+1)*E/dp - 1``), their other dims as the base rule set
 puts them less the FSDP axes; every other param as the base rule set puts it. A model whose
 MoE blocks read where their experts lie (``redco.fsdp.declared``; the zoo's,
@@ -36,8 +37,8 @@ FFN_IN = re.compile(r"(^|/)(gate|up|gate_proj|up_proj|w1|w3|wi|wi_0|wi_1|fc1|fc_
                     r"dense_h_to_4h)/(kernel|weight)$")
 FFN_OUT = re.compile(r"(^|/)(down|down_proj|w2|fc2|fc_out|dense_4h_to_h)/(kernel|weight)$")
 EMBEDDING = re.compile(r"(embed|embedding|wte|tok_embeddings)")
-EXPERTS = re.compile(r"(^|/)experts/[^/]+$")  # stacked (experts, in, out): expert parallelism
-EXPERT_IN = re.compile(r"(^|/)experts/(gate|up|gate_proj|up_proj|w1|w3)$")
+EXPERTS = re.compile(r"(^|/)experts/[^/]+$")  # stacked (experts, ...): expert parallelism
+EXPERT_IN = re.compile(r"(^|/)experts/(gate|up|gate_proj|up_proj|w1|w3)(_bias)?$")
 EXPERT_OUT = re.compile(r"(^|/)experts/(down|down_proj|w2)$")
 COLUMN, ROW = P(None, "mp"), P("mp", None)
 FSDP_MIN_SIZE = 1024  # params with fewer elements stay replicated: not worth a gather
@@ -120,13 +121,15 @@ def auto_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
 
 
 def _auto(params, mesh: Mesh, trace_fn=None) -> dict[str, P]:
-    """``auto_specs`` (none at mp=1), expert weights the dataflow left whole split by name."""
+    """``auto_specs`` (none at mp=1), expert weights the dataflow left whole split by name, and
+    expert biases always by name (``auto_specs`` would read one as an (in, out) matrix)."""
     mp = mesh.shape["mp"]
     if mp == 1:
         return {}
     specs = auto_specs(params, mesh, trace_fn)
     for path, leaf in named_leaves(params):
-        if _is_expert(path, leaf) and "mp" not in jax.tree.leaves(tuple(specs.get(path, P()))):
+        whole = "mp" not in jax.tree.leaves(tuple(specs.get(path, P())))
+        if _is_expert(path, leaf) and (whole or len(leaf.shape) == 2):
             specs[path] = expert_tp_spec(path, leaf.shape, mp)
     return specs
 
@@ -134,8 +137,9 @@ def _auto(params, mesh: Mesh, trace_fn=None) -> dict[str, P]:
 def expert_tp_spec(path: str, shape: tuple[int, ...], mp: int) -> P:
     """Tensor parallelism of a stacked expert weight (experts, in, out), as of a dense MLP: a
     gate or up projection split on its output (column), a down projection on its input (row);
-    replicated where that dim does not divide by ``mp``, or the name is neither."""
-    dim = 2 if EXPERT_IN.search(path) else 1 if EXPERT_OUT.search(path) else None
+    replicated where that dim does not divide by ``mp``, or the name is neither. A gate or up
+    projection's bias (experts, out) is split as its output; a down projection's is not."""
+    dim = len(shape) - 1 if EXPERT_IN.search(path) else 1 if EXPERT_OUT.search(path) else None
     if dim is None or shape[dim] % mp:
         return P()
     return P(*["mp" if d == dim else None for d in range(len(shape))])
@@ -165,12 +169,12 @@ def _auto_fsdp(params, mesh: Mesh, trace_fn=None) -> dict[str, P]:
 
 
 def has_experts(params) -> bool:
-    """Whether ``params`` hold stacked expert weights (``EXPERTS``, 3 dims)."""
+    """Whether ``params`` hold stacked expert weights (``EXPERTS``, 3 dims; their biases 2)."""
     return any(_is_expert(path, leaf) for path, leaf in named_leaves(params))
 
 
 def _is_expert(path: str, leaf) -> bool:
-    return bool(EXPERTS.search(path)) and len(leaf.shape) == 3
+    return bool(EXPERTS.search(path)) and len(leaf.shape) in (2, 3)
 
 
 def with_experts_split(base_specs):

@@ -24,7 +24,8 @@ from redco_zoo_models.runner import load_model as zoo_load_model
 # 8,030,261,248, 3.1-70B 70,553,706,496, 3.2-1B 1,235,814,400, 3.2-3B 3,212,749,824; Qwen3 0.6B
 # 596,049,920 ... 32B 32,762,123,264 (cards round: 0.6B, 1.7B, 4.0B, 8.2B, 14.8B, 32.8B); Gemma 3
 # 1B 999,885,952, 4B 3,880,263,168, 12B 11,766,034,176, 27B 27,009,346,304 (the report's text
-# model: 1,000M, 3,884M, 11,771M, 27,016M); Phi-4-mini 3,836,021,760 (3.84B); MoE: see below.
+# model: 1,000M, 3,884M, 11,771M, 27,016M); Phi-4-mini 3,836,021,760 (3.84B); MoE: see below;
+# gpt-oss-20b 20,914,757,184 (the card's 20.91B).
 
 
 def count(config: dict) -> int:
@@ -66,6 +67,10 @@ def test_the_presets_carry_their_families_switches():
     assert [gemma.sliding(i) for i in range(6)] == [True] * 5 + [False]
     assert DecoderConfig.from_hf(PRESETS["qwen3-8b"]).qk_norm == "head"
     assert preset("qwen3-8b") is not PRESETS["qwen3-8b"]  # a copy: callers may change it
+    oss = DecoderConfig.from_hf(PRESETS["gpt-oss-20b"])
+    assert (oss.attention_sinks, oss.router_bias, oss.expert_bias, oss.o_proj_bias) == (True,) * 4
+    assert [oss.sliding(i) for i in range(4)] == [True, False] * 2 and oss.sliding_window == 128
+    assert (oss.rope.kind, oss.rope.get("truncate"), oss.swiglu_limit) == ("yarn", False, 7.0)
 
 
 def test_redco_plan_plans_a_preset(capsys):
@@ -78,7 +83,7 @@ def test_redco_plan_plans_a_preset(capsys):
 
 def test_an_unknown_name_is_refused_with_the_names(capsys):
     with pytest.raises(ValueError, match=r"Unknown model 'qwen3-9b': use one of .*qwen3-8b, "
-                                         r"qwen3-14b.*phi-4-mini, mixtral-8x7b.*deepseek-v3, or "
+                                         r"qwen3-14b.*phi-4-mini, mixtral-8x7b.*deepseek-v3, gpt-oss-20b, or "
                                          r"module:function"):
         load_model("qwen3-9b")
     with pytest.raises(SystemExit):

@@ -15,14 +15,17 @@ Gemma 2/3, Qwen3 and Phi-3 options, as HuggingFace transformers computes them: a
 (a query in slot ``i`` sees only the key slots ``j > i - window``: ``within_window`` restricts a
 mask to it, ``attend(..., window=)`` a plain causal one) and logit soft-capping
 (``attend(..., softcap=)``: each score ``s`` becomes ``softcap * tanh(s / softcap)`` before the
-mask and the softmax).
+mask and the softmax). gpt-oss's attention sinks (``attend(..., sinks=)``): a learned logit per
+head joins each query's softmax denominator and takes no value, so a query may attend to
+"nothing"; with the keys' log-sum-exp ``lse`` that scales the output by ``sigmoid(lse - sink)``
+(``tiled_attention.with_sinks``).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from redco_zoo_models.tiled_attention import BLOCK, tiled_attention
+from redco_zoo_models.tiled_attention import BLOCK, tiled_attention, with_sinks
 
 
 def query_slots(first_slot, n_queries: int):
@@ -120,40 +123,43 @@ def _write(cache, new, cache_index):
 
 
 def attend(q, k, v, allowed=None, bias=None, scale: float | None = None, is_causal=False,
-           window: int | None = None, softcap: float | None = None):
+           window: int | None = None, softcap: float | None = None, sinks=None):
     """``softmax(q k^T * scale + bias)`` over the ``allowed`` keys, times ``v``. ``q`` is
     (B, T, H, D); ``k``, ``v`` (B, S, KV, D) with ``H`` a multiple of ``KV`` (grouped-query
     attention). ``softcap``: the scores capped (``softcap * tanh(s / softcap)``) before the mask.
     ``window``: a sliding window on the plain causal mask (``is_causal``, no ``allowed``): query
     ``i`` sees keys ``i - window < j <= i``; a given ``allowed`` is taken as it is, the window
-    already in it (``within_window``). On a GPU in 16-bit with a plain causal mask (no window,
-    no cap), cuDNN's flash attention; else a plain causal mask over more than one tile of keys
+    already in it (``within_window``). ``sinks`` (H,): each head's sink logit (module
+    docstring). On a GPU in 16-bit with a plain causal mask (no window, cap or sinks), cuDNN's
+    flash attention; else a plain causal mask over more than one tile of keys
     runs in tiles (``redco_zoo_models.tiled_attention``: memory linear in the sequence), the
     rest by XLA."""
     half = q.dtype in (jnp.bfloat16, jnp.float16)
     fused = half and allowed is None and bias is None and window is None and softcap is None \
-        and jax.default_backend() == "gpu"
+        and sinks is None and jax.default_backend() == "gpu"
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if is_causal and not fused and allowed is None and bias is None and \
             q.shape[1] == k.shape[1] > BLOCK:
         rows = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
         segments = jnp.zeros(q.shape[:2], jnp.int32)
-        return tiled_attention(q, k, v, rows, rows, segments, segments, scale, window=window,
-                               softcap=softcap)[0]
+        return with_sinks(*tiled_attention(q, k, v, rows, rows, segments, segments, scale,
+                                           window=window, softcap=softcap), sinks)
     if is_causal and allowed is None and window is not None:
         causal = mask(jnp.ones((q.shape[0], k.shape[1]), bool), q.shape[1])
         allowed, is_causal = within_window(causal, window), False
-    if softcap is not None:
-        return _capped(q, k, v, allowed, bias, scale, is_causal, softcap)
+    if softcap is not None or sinks is not None:
+        return _written_out(q, k, v, allowed, bias, scale, is_causal, softcap, sinks)
     return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), bias=bias,
                                         mask=allowed, scale=scale, is_causal=is_causal,
                                         implementation="cudnn" if fused else None)
 
 
-def _capped(q, k, v, allowed, bias, scale: float, is_causal: bool, softcap: float):
-    """``attend`` with capped scores, written out (XLA's attention has no cap): float32 scores
-    ``q.k * scale (+ bias)``, capped, masked as XLA's attention masks (a large negative, so a
-    query with no key averages them all), softmax in float32."""
+def _written_out(q, k, v, allowed, bias, scale: float, is_causal: bool, softcap: float | None,
+                 sinks):
+    """``attend`` with capped scores or sinks, written out (XLA's attention has neither): float32
+    scores ``q.k * scale (+ bias)``, capped, masked as XLA's attention masks (a large negative,
+    so a query with no key averages them all), softmax in float32 over them and each head's
+    sink (dropped from the weights)."""
     b, t, h, d = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, d)
@@ -161,14 +167,20 @@ def _capped(q, k, v, allowed, bias, scale: float, is_causal: bool, softcap: floa
                    preferred_element_type=jnp.float32) * scale
     if bias is not None:
         s = s + jnp.broadcast_to(bias, (b, h, t, k.shape[1])).reshape(s.shape)
-    s = softcap * jnp.tanh(s / softcap)
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
     if is_causal:
         causal = jnp.arange(k.shape[1])[None, :] <= jnp.arange(t)[:, None]
         allowed = causal if allowed is None else allowed & causal
     if allowed is not None:
         allowed = jnp.broadcast_to(allowed, (b, h, t, k.shape[1])).reshape(s.shape)
         s = jnp.where(allowed, s, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(kv, h // kv, 1, 1),
+                                (*s.shape[:-1], 1))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], -1), axis=-1)[..., :-1].astype(q.dtype)
+    else:
+        p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(q.dtype),
                      preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, d).astype(q.dtype)

@@ -57,7 +57,7 @@ from redco_zoo_models.attention import (
     within_window,
     write_cache,
 )
-from redco_zoo_models.tiled_attention import merge, tiled_attention
+from redco_zoo_models.tiled_attention import merge, tiled_attention, with_sinks
 
 
 def check_length(n: int, k: int) -> None:
@@ -109,18 +109,21 @@ gather_sequence.defvjp(_gather_forward, _gather_backward)
 
 def attend_split(q, k, v, q_pos, k_pos, q_seg, k_seg, axis: str, strategy: str = "all_gather",
                  scale: float | None = None, window: int | None = None,
-                 softcap: float | None = None):
+                 softcap: float | None = None, sinks=None):
     """This device's queries (B, T, H, D) attended to the keys and values of every device on
     mesh ``axis``; call inside ``shard_map``. ``*_pos``, ``*_seg``: (B, T) positions in the row
     and segment ids of the local tokens. Each device's share runs in tiles
     (``redco_zoo_models.tiled_attention``): its scores never exceed (T, tile) per head. A
-    sliding ``window`` counts in those row positions; ``softcap`` caps the scores (Gemma)."""
+    sliding ``window`` counts in those row positions; ``softcap`` caps the scores (Gemma);
+    ``sinks`` (H,) join every softmax (gpt-oss: ``tiled_attention.with_sinks`` of the whole
+    sequence's log-sum-exp)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     attention = partial(tiled_attention, scale=scale, window=window, softcap=softcap)
     if strategy == "all_gather":
         gather = partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True)
         k, v = gather_sequence(k, axis), gather_sequence(v, axis)
-        return attention(q, k, v, q_pos, gather(k_pos), q_seg, gather(k_seg))[0]
+        return with_sinks(*attention(q, k, v, q_pos, gather(k_pos), q_seg, gather(k_seg)),
+                          sinks)
     if strategy != "ring":
         raise ValueError(f"strategy {strategy!r}: choose one of {sequence_split.STRATEGIES}.")
     n = jax.lax.psum(1, axis)
@@ -131,7 +134,7 @@ def attend_split(q, k, v, q_pos, k_pos, q_seg, k_seg, axis: str, strategy: str =
         block = jax.tree.map(lambda x: jax.lax.ppermute(x, axis, to_next), block)
         kb, vb, pb, sb = block
         acc = merge(acc, attention(q, kb, vb, q_pos, pb, q_seg, sb))
-    return acc[0].astype(q.dtype)
+    return with_sinks(*acc, sinks).astype(q.dtype)
 
 
 @flax.struct.dataclass
@@ -146,15 +149,17 @@ class SplitSequence:
     strategy: str = flax.struct.field(pytree_node=False)
 
     def attend(self, q, k, v, scale: float | None = None, window: int | None = None,
-               softcap: float | None = None):
+               softcap: float | None = None, sinks=None):
         """``attend_split`` of the local tokens (a sliding ``window`` over their row positions,
-        ``softcap`` on the scores), inside ``shard_map`` over the axis."""
-        seq = P(None, self.axis)
+        ``softcap`` on the scores, each head's ``sinks``), inside ``shard_map`` over the axis."""
+        seq, given = P(None, self.axis), () if sinks is None else (sinks,)
         run = jax.shard_map(
-            lambda q, k, v, pos, seg: attend_split(q, k, v, pos, pos, seg, seg, self.axis,
-                                                   self.strategy, scale, window, softcap),
-            mesh=self.mesh, in_specs=(seq,) * 5, out_specs=seq, axis_names={self.axis})
-        return run(q, k, v, self.row_positions, self.segments)
+            lambda q, k, v, pos, seg, *sink: attend_split(
+                q, k, v, pos, pos, seg, seg, self.axis, self.strategy, scale, window, softcap,
+                *sink),
+            mesh=self.mesh, in_specs=(seq,) * 5 + (P(),) * len(given), out_specs=seq,
+            axis_names={self.axis})
+        return run(q, k, v, self.row_positions, self.segments, *given)
 
     def split(self, x):
         """``x`` (B, N, ...) constrained to the local tokens' devices (other dims as XLA likes)."""
@@ -220,7 +225,7 @@ def cached_keys(layer_cache, k, v, cache_index, allowed):
 def attend_laid_out(q, k, v, allowed, window: int | None, cache_index=0, **options):
     """A decoder layer's attention as ``decoder_layout`` laid its tokens out: over a split
     sequence, plain causal (``allowed`` None), or by the mask ``allowed`` (its ``window``
-    applied); ``options``: ``attend``'s ``scale`` and ``softcap``."""
+    applied); ``options``: ``attend``'s ``scale``, ``softcap`` and ``sinks``."""
     if isinstance(allowed, SplitSequence):
         return allowed.attend(q, k, v, window=window, **options)
     if allowed is None:

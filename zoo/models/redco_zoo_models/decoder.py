@@ -15,7 +15,7 @@ from flax import nnx
 
 from redco import remat
 from redco.tree_paths import named_leaves
-from redco_zoo_models import families
+from redco_zoo_models import family_tensors
 from redco_zoo_models.attention import init_cache
 from redco_zoo_models.chunked_loss import next_token_loss
 from redco_zoo_models.context_parallel import (
@@ -39,7 +39,9 @@ class Attention(nnx.Module):
         d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         linear = lambda i, o, bias=cfg.attention_bias: nnx.Linear(i, o, use_bias=bias, rngs=rngs)
         self.q_proj, self.k_proj = linear(d, h * hd), linear(d, kv * hd)
-        self.v_proj, self.o_proj = linear(d, kv * hd), linear(h * hd, d, bias=False)
+        self.v_proj, self.o_proj = linear(d, kv * hd), linear(h * hd, d, bias=cfg.o_proj_bias)
+        if cfg.attention_sinks:
+            self.sinks = nnx.Param(jnp.zeros((h,), jnp.float32))
         if cfg.qk_norm:
             per_head = cfg.qk_norm == "head"
             norm = lambda n: RMSNorm(hd if per_head else n * hd, cfg.rms_norm_eps, cfg.norm_offset)
@@ -66,8 +68,9 @@ class Attention(nnx.Module):
         q, k = (apply_rope(y, positions, self.rope, lengths) for y in (q, k))
         k, v, layer_cache = cached_keys(layer_cache, k, v, cache_index, allowed)
         scale = cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar ** -0.5
+        sinks = self.sinks[...] if cfg.attention_sinks else None
         out = attend_laid_out(q, k, v, allowed, self.window, cache_index, scale=scale,
-                              softcap=cfg.attn_softcap)
+                              softcap=cfg.attn_softcap, sinks=sinks)
         return self.o_proj(out.reshape(b, t, -1)), layer_cache
 
 
@@ -235,9 +238,9 @@ class DecoderLM(nnx.Module):
 
     def hf_tensors_in(self, tensors: dict) -> dict:
         """A checkpoint's tensors under this model's names (fused ones split)."""
-        return families.tensors_in(self.cfg, tensors)
+        return family_tensors.tensors_in(self.cfg, tensors)
 
     def hf_tensors_out(self, tensors: dict) -> dict:
         """This model's tensors under its family's checkpoint names (fused where it fuses)."""
-        return families.tensors_out(self.cfg, tensors)
+        return family_tensors.tensors_out(self.cfg, tensors)
 

@@ -21,6 +21,10 @@ attention and a gated MLP. What differs:
   the model returns given ``labels`` (the logits alone carry none). ``router`` ``sigmoid``
   (DeepSeek-V3) with ``n_group``/``topk_group``, ``routed_scaling_factor``, ``n_shared_experts``
   and the first ``first_k_dense_replace`` layers dense;
+* ``attention_sinks`` (gpt-oss): a learned logit per head in every softmax's denominator
+  (``redco_zoo_models.attention``), with biases on all four projections (``attention_bias``,
+  ``o_proj_bias``); its MoE blocks' ``router_bias``, ``expert_bias`` and clamped SwiGLU
+  (``swiglu_limit``, ``swiglu_alpha``: ``redco_zoo_models.layers.glu``);
 * ``kv_lora_rank`` (DeepSeek-V3): multi-head latent attention (``redco_zoo_models.mla``) in
   place of grouped-query attention, ``head_dim`` being the size of its rotated part.
 """
@@ -46,6 +50,8 @@ class DecoderConfig:
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: biases on q, k, v
+    o_proj_bias: bool = False  # gpt-oss: and on the output projection
+    attention_sinks: bool = False  # gpt-oss: a learned sink logit per head
     max_position_embeddings: int = 4096
     family: str = "llama"  # whose config.json and tensor names it writes (families.FAMILIES)
     rope: Rope | None = None  # None: default RoPE with rope_theta over the whole head
@@ -78,6 +84,10 @@ class DecoderConfig:
     first_k_dense_replace: int = 0  # the first layers' MLPs are dense (DeepSeek-V3)
     bias_update_rate: float = 1e-3  # sigmoid routing's balancing bias, per training step
     capacity_factor: float | None = None  # MoE: None dropless (a training choice, no config.json key)
+    router_bias: bool = False  # gpt-oss: the router's linear has a bias, ...
+    expert_bias: bool = False  # ... and so does every expert projection
+    swiglu_limit: float | None = None  # gpt-oss: the experts' clamped SwiGLU
+    swiglu_alpha: float = 1.702
     kv_lora_rank: int = 0  # multi-head latent attention (redco_zoo_models.mla); 0: GQA
     q_lora_rank: int | None = None
     qk_nope_head_dim: int = 0
@@ -113,7 +123,9 @@ class DecoderConfig:
                          routed_scaling_factor=self.routed_scaling_factor,
                          n_shared_experts=self.n_shared_experts,
                          bias_update_rate=self.bias_update_rate,
-                         capacity_factor=self.capacity_factor)
+                         capacity_factor=self.capacity_factor, router_bias=self.router_bias,
+                         expert_bias=self.expert_bias, swiglu_limit=self.swiglu_limit,
+                         swiglu_alpha=self.swiglu_alpha)
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":

@@ -3,7 +3,8 @@ sent to the devices holding the experts it picked and its outputs sent back.
 
 **Layout.** With ``d`` devices on ``dp``, device ``j`` holds experts ``j*E/d .. (j+1)*E/d - 1``:
 the stacked weights (E, H, I) / (E, I, H) are split on E over ``dp`` (``sharding_rules``), and
-on I over ``mp`` as tensor parallelism splits a dense MLP. The batch is split over ``dp`` as
+on I over ``mp`` as tensor parallelism splits a dense MLP; gpt-oss's expert biases (E, I) /
+(E, H) are split on E with them. The batch is split over ``dp`` as
 always, so each device routes its own ``n = N/d`` tokens (the router runs outside, on the whole
 batch as XLA lays it out: the auxiliary losses and loads are the single-device ones).
 
@@ -71,7 +72,7 @@ from redco.tree_paths import named_leaves
 from redco_zoo_models.slots import combine, dispatch, slots
 
 AXIS = "dp"
-EXPERT_WEIGHTS = re.compile(r"(^|/)experts/(gate_proj|up_proj|down_proj)$")
+EXPERT_WEIGHTS = re.compile(r"(^|/)experts/(gate_proj|up_proj|down_proj)(_bias)?$")
 _state = threading.local()
 
 
@@ -79,7 +80,9 @@ def sharding_rules() -> list[tuple[str, P]]:
     """Rules placing the experts' stacked weights for EP: E over ``dp``, I over ``mp``. Give
     them as overrides: ``deployer.get_sharding_rules(params, rules=sharding_rules())``."""
     return [(r"(^|/)experts/(gate_proj|up_proj)$", P(AXIS, None, "mp")),
-            (r"(^|/)experts/down_proj$", P(AXIS, "mp", None))]
+            (r"(^|/)experts/down_proj$", P(AXIS, "mp", None)),
+            (r"(^|/)experts/(gate_proj|up_proj)_bias$", P(AXIS, "mp")),  # (gpt-oss)
+            (r"(^|/)experts/down_proj_bias$", P(AXIS, None))]
 
 
 @contextlib.contextmanager
@@ -148,18 +151,19 @@ def dispatched(moe, tokens, chosen, weights, mesh: Mesh):
     # would move only the pairs, is refused by XLA:CPU); else each source device's capacity
     capacity = n if cfg.capacity_factor is None else min(n, cfg.capacity(n))
     experts = moe.experts
+    expert_weights = experts.weights()  # (biases too, each split with its experts)
     split = P(AXIS)
     run = jax.shard_map(
         lambda *a: _local(experts.batched, *a, n_experts=cfg.n_experts, capacity=capacity),
-        mesh=mesh, in_specs=(split,) * 6, out_specs=(split, P()), axis_names={AXIS})
-    y, kept = run(tokens, chosen, weights, experts.gate_proj[...], experts.up_proj[...],
-                  experts.down_proj[...])
+        mesh=mesh, in_specs=(split,) * (3 + len(expert_weights)), out_specs=(split, P()),
+        axis_names={AXIS})
+    y, kept = run(tokens, chosen, weights, *expert_weights)
     return y[:n_tokens], (1 - kept / (n_tokens * cfg.top_k)).astype(jnp.float32)
 
 
-def _local(batched, tokens, chosen, weights, gate, up, down, n_experts: int, capacity: int):
+def _local(batched, tokens, chosen, weights, *expert_weights, n_experts: int, capacity: int):
     """One device's share (steps 1-4 of the module docstring): ``(its tokens' outputs, pairs
-    kept on every device)``."""
+    kept on every device)``; ``expert_weights``: its experts' (``moe.Experts.weights``)."""
     degree = jax.lax.psum(1, AXIS)
     places, kept = slots(chosen, n_experts, capacity)
     buffer = dispatch(tokens, places, n_experts, capacity)  # (E, C, H)
@@ -167,7 +171,7 @@ def _local(batched, tokens, chosen, weights, gate, up, down, n_experts: int, cap
     sent = buffer.reshape(degree, local, capacity, -1)  # part j: device j's experts
     received = jax.lax.all_to_all(sent, AXIS, 0, 0)  # (sources, E/d, C, H)
     rows = received.transpose(1, 0, 2, 3).reshape(local, degree * capacity, -1)
-    out = batched(rows, (gate, up, down)).reshape(local, degree, capacity, -1)
+    out = batched(rows, expert_weights).reshape(local, degree, capacity, -1)
     returned = jax.lax.all_to_all(out.transpose(1, 0, 2, 3), AXIS, 0, 0)  # (owners, E/d, C, H)
     y = combine(returned.reshape(n_experts, capacity, -1), places, weights)
     return y, jax.lax.psum(kept, AXIS)

@@ -1,15 +1,14 @@
 """What each decoder family's ``config.json`` says, in ``DecoderConfig``'s switches, and back.
 
 A family is a few lines of data (``FAMILIES``): its HuggingFace class, the switches it fixes
-(``redco_zoo_models.decoder``), the config keys it reads and their defaults, which layers slide.
-Phi-3 fuses q/k/v and gate/up in its checkpoints; ``tensors_in`` splits them and ``tensors_out``
-fuses them back, so the model itself (LoRA, TP rules, FSDP) sees the same names everywhere.
-Mixture-of-Experts families store one tensor per expert (Qwen3-MoE ``mlp.experts.<e>.gate_proj``,
-Mixtral ``block_sparse_moe.experts.<e>.w1``); ``tensors_in`` stacks them into the zoo's
-``mlp.experts.gate_proj`` (experts, in, out) and ``tensors_out`` unstacks them; DeepSeek-V3's
-``mlp.gate.e_score_correction_bias`` is the block's ``balance_bias``. DeepSeek-V3's
+(``redco_zoo_models.decoder``), the config keys it reads and their defaults (a key may set two
+fields: gpt-oss's ``attention_bias`` puts biases on q/k/v and on the output projection), which
+layers slide. Its checkpoint's tensor names (Phi-3's fused projections, the MoE families'
+experts) are mapped to the zoo's in ``redco_zoo_models.family_tensors``. DeepSeek-V3's
 ``qk_rope_head_dim`` is the decoder's ``head_dim`` (the size RoPE turns), and its
-``num_nextn_predict_layers`` (multi-token prediction) is not part of the causal LM.
+``num_nextn_predict_layers`` (multi-token prediction) is not part of the causal LM. gpt-oss's
+``experts_per_token`` and ``initial_context_length`` (its hub config's copies of
+``num_experts_per_tok`` and of YaRN's original length) transformers ignores too.
 
 A key the family does not read is refused, naming it, unless it is bookkeeping (``HARMLESS``) or
 off (``None``, ``False``, 0): a softcap, a window or MoE fields are never silently dropped.
@@ -18,8 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
-
-import numpy as np
 
 from redco_zoo_models.rope import read_rope
 
@@ -55,12 +52,12 @@ class Family:
     architecture: str
     switches: dict = dataclasses.field(default_factory=dict)  # DecoderConfig fields it fixes
     reads: dict = dataclasses.field(default_factory=dict)  # config key -> (field, default)
-    windows: str = "none"  # none | all | layer_types | qwen (use_sliding_window) | gemma2 | gemma3
-    fused: bool = False  # Phi-3: qkv_proj and gate_up_proj in the checkpoint
+    windows: str = "none"  # none | all | qwen (use_sliding_window) | gemma2 | gemma3 | alternate
+    fused: bool = False  # Phi-3: qkv_proj and gate_up_proj in the checkpoint (family_tensors)
     tied_default: bool = False
     ignores: frozenset = frozenset()  # keys transformers' class of this family ignores too
     defaults: dict = dataclasses.field(default_factory=dict)  # config.json keys it may omit
-    experts: str | None = None  # an MoE checkpoint's expert layout: qwen | mixtral | deepseek
+    experts: str | None = None  # an MoE checkpoint's layout: qwen | mixtral | deepseek | gpt_oss
 
 
 GEMMA = dict(norm_layout="sandwich", norm_offset=1.0, embed_scale=True)
@@ -117,6 +114,17 @@ FAMILIES = {
                "qk_rope_head_dim": ("head_dim", 64), "v_head_dim": ("v_head_dim", 128),
                "rope_interleave": ("rope_interleave", True)},
         experts="deepseek", ignores=MOE_IGNORES | {"qk_head_dim", "num_nextn_predict_layers"}),
+    "gpt_oss": Family(  # every layer sparse; attention sinks; biased router and experts
+        "GptOssForCausalLM", switches={"attention_sinks": True, "router_bias": True,
+                                       "expert_bias": True, "norm_topk_prob": True},
+        reads={"attention_bias": (("attention_bias", "o_proj_bias"), True),
+               "num_experts_per_tok": ("experts_per_token", 4),
+               "router_aux_loss_coef": ("router_aux_loss_coef", 0.001),
+               "num_local_experts": ("n_experts", 128), "swiglu_limit": ("swiglu_limit", 7.0),
+               "swiglu_alpha": ("swiglu_alpha", 1.702)},
+        windows="alternate", experts="gpt_oss", defaults={"rms_norm_eps": 1e-5,
+                                                          "sliding_window": 128},
+        ignores=MOE_IGNORES | {"hidden_act", "experts_per_token", "initial_context_length"}),
     "olmo2": Family("Olmo2ForCausalLM", switches={"norm_layout": "post", "qk_norm": "all"},
                     reads={"attention_bias": ("attention_bias", False),
                            "hidden_act": ("hidden_act", "silu")},
@@ -130,8 +138,8 @@ def _layer_types(family: Family, config: dict, n: int) -> tuple | None:
     if family.windows == "qwen":
         first = config.get("max_window_layers", n)
         return tuple(SLIDING if i >= first else FULL for i in range(n))
-    if family.windows in ("gemma2", "gemma3"):
-        every = 2 if family.windows == "gemma2" else config.get(
+    if family.windows in ("gemma2", "gemma3", "alternate"):  # (alternate: gpt-oss)
+        every = 2 if family.windows != "gemma3" else config.get(
             "sliding_window_pattern", config.get("_sliding_window_pattern", 6))
         return tuple(SLIDING if (i + 1) % every else FULL for i in range(n))
     return None
@@ -187,11 +195,12 @@ def read_config(cls, config: dict, where: str = "config.json") -> Any:
     fields = {f: config[k] for f, k in COMMON.items() if config.get(k) is not None}
     fields.setdefault("num_key_value_heads", config["num_attention_heads"])
     fields.setdefault("tie_word_embeddings", family.tied_default)
-    for key, (field, default) in family.reads.items():  # (two keys may name one field)
-        if config.get(key) is not None:
-            fields[field] = config[key]
-        else:
-            fields.setdefault(field, default)
+    for key, (names, default) in family.reads.items():  # (two keys may name one field)
+        for field in names if isinstance(names, tuple) else (names,):
+            if config.get(key) is not None:
+                fields[field] = config[key]
+            else:
+                fields.setdefault(field, default)
     for field in ("eos_token_id", "mlp_only_layers"):  # (a config is hashed: no lists)
         if isinstance(fields.get(field), list):
             fields[field] = tuple(fields[field])
@@ -209,8 +218,8 @@ def write_config(cfg) -> dict:
     out.update({k: getattr(cfg, f) for f, k in COMMON.items()})
     if isinstance(out["eos_token_id"], tuple):
         out["eos_token_id"] = list(out["eos_token_id"])
-    for key, (field, _) in family.reads.items():
-        out[key] = getattr(cfg, field)
+    for key, (names, _) in family.reads.items():
+        out[key] = getattr(cfg, names[0] if isinstance(names, tuple) else names)
     rope = cfg.rope.to_hf()
     if cfg.local_rope is not None:
         out["rope_parameters"] = {FULL: rope, SLIDING: cfg.local_rope.to_hf()}
@@ -229,98 +238,3 @@ def write_config(cfg) -> dict:
         if family.windows != "qwen":
             out.pop("use_sliding_window")
     return out
-
-
-FUSED = {"self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"),
-         "mlp.gate_up_proj.weight": ("gate_proj", "up_proj")}
-
-
-def _sizes(cfg, fused: str) -> list[int]:
-    if fused.startswith("self_attn"):
-        kv = cfg.num_key_value_heads * cfg.head_dim
-        return [cfg.num_attention_heads * cfg.head_dim, kv, kv]
-    return [cfg.intermediate_size] * 2
-
-
-def tensors_in(cfg, tensors: dict) -> dict:
-    """A checkpoint's tensors (PyTorch names) under the zoo model's names: Phi-3's fused
-    projections split; a tied head's stored copy dropped when it equals the embedding."""
-    tensors = _stacked_experts(cfg, dict(tensors))
-    if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
-        embedding = tensors.get("model.embed_tokens.weight")
-        if embedding is None or not np.array_equal(tensors["lm_head.weight"], embedding):
-            raise ValueError("config.json ties the output head to the embedding, but the "
-                             "checkpoint's lm_head.weight differs from it: set "
-                             "tie_word_embeddings to false.")
-        del tensors["lm_head.weight"]
-    if not FAMILIES[cfg.family].fused:
-        return tensors
-    for name in [n for n in tensors if any(n.endswith(f) for f in FUSED)]:
-        suffix = next(f for f in FUSED if name.endswith(f))
-        prefix = name[:-len(suffix)] + suffix.split(".")[0]
-        parts = np.split(tensors.pop(name), np.cumsum(_sizes(cfg, suffix))[:-1], axis=0)
-        tensors.update({f"{prefix}.{p}.weight": t for p, t in zip(FUSED[suffix], parts)})
-    return tensors
-
-
-def tensors_out(cfg, tensors: dict) -> dict:
-    """The zoo model's tensors under its family's checkpoint names (``tensors_in`` undone)."""
-    tensors = _unstacked_experts(cfg, dict(tensors))
-    if not FAMILIES[cfg.family].fused:
-        return tensors
-    for i in range(cfg.num_hidden_layers):
-        for suffix, parts in FUSED.items():
-            module = f"model.layers.{i}.{suffix.split('.')[0]}"
-            tensors[f"model.layers.{i}.{suffix}"] = np.concatenate(
-                [tensors.pop(f"{module}.{p}.weight") for p in parts], axis=0)
-    return tensors
-
-
-QWEN_EXPERTS = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
-EXPERTS = {  # layout -> (the block's checkpoint name, {the zoo's projection: the checkpoint's})
-    "qwen": ("mlp", QWEN_EXPERTS),
-    "deepseek": ("mlp", QWEN_EXPERTS),
-    "mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
-}
-RENAMED = {  # layout -> {the zoo's name in a block: the checkpoint's}
-    "qwen": {"gate.weight": "gate.weight"}, "mixtral": {"gate.weight": "gate.weight"},
-    "deepseek": {"gate.weight": "gate.weight", "balance_bias": "gate.e_score_correction_bias"},
-}
-
-
-def _expert_names(cfg):
-    """``(layer's zoo prefix, its checkpoint prefix, projections)`` of every sparse layer."""
-    block, projections = EXPERTS[FAMILIES[cfg.family].experts]
-    return [(f"model.layers.{i}.mlp", f"model.layers.{i}.{block}", projections)
-            for i in range(cfg.num_hidden_layers) if cfg.sparse(i)]
-
-
-def _stacked_experts(cfg, tensors: dict) -> dict:
-    """Each sparse layer's per-expert (out, in) tensors as one (experts, in, out) array."""
-    if not FAMILIES[cfg.family].experts:
-        return tensors
-    for ours, theirs, projections in _expert_names(cfg):
-        for projection, stored in projections.items():
-            names = [f"{theirs}.experts.{e}.{stored}.weight" for e in range(cfg.n_experts)]
-            if missing := [n for n in names if n not in tensors]:
-                raise KeyError(f"the checkpoint has no tensor {missing[0]} ({len(missing)} of "
-                               f"{cfg.n_experts} experts missing); is it a {cfg.family} "
-                               "checkpoint of this config.json?")
-            tensors[f"{ours}.experts.{projection}"] = np.stack([tensors.pop(n).T for n in names])
-        for name, stored in RENAMED[FAMILIES[cfg.family].experts].items():
-            tensors[f"{ours}.{name}"] = tensors.pop(f"{theirs}.{stored}")
-    return tensors
-
-
-def _unstacked_experts(cfg, tensors: dict) -> dict:
-    """``_stacked_experts`` undone: one (out, in) tensor per expert, the family's names."""
-    if not FAMILIES[cfg.family].experts:
-        return tensors
-    for ours, theirs, projections in _expert_names(cfg):
-        for projection, stored in projections.items():
-            stacked = tensors.pop(f"{ours}.experts.{projection}")
-            tensors.update({f"{theirs}.experts.{e}.{stored}.weight": stacked[e].T
-                            for e in range(cfg.n_experts)})
-        for name, stored in RENAMED[FAMILIES[cfg.family].experts].items():
-            tensors[f"{theirs}.{stored}"] = tensors.pop(f"{ours}.{name}")
-    return tensors

@@ -1,5 +1,5 @@
-"""Pieces several zoo models share: HuggingFace's activation names, RMSNorm, the gated MLP and
-the embedding lookup."""
+"""Pieces several zoo models share: HuggingFace's activation names, the gated linear unit, RMSNorm,
+the gated MLP and the embedding lookup."""
 from __future__ import annotations
 
 import jax
@@ -14,6 +14,16 @@ ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "relu": jax.nn.relu, "silu": jax.nn.silu, "swish": jax.nn.silu, "tanh": jnp.tanh,
 }
+
+
+def glu(gate, up, act: str, limit: float | None = None, alpha: float = 1.702):
+    """The gated linear unit of a gated MLP: ``act(gate) * up``. With a ``limit``, gpt-oss's
+    clamped SwiGLU instead (``act`` unused): the gate clamped above at ``limit``, ``up`` to
+    ``[-limit, limit]``, then ``gate * sigmoid(alpha * gate) * (up + 1)``."""
+    if limit is None:
+        return ACTIVATIONS[act](gate) * up
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return gate * jax.nn.sigmoid(alpha * gate) * (up + 1)
 
 
 class RMSNorm(nnx.Module):

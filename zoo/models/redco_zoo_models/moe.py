@@ -3,13 +3,16 @@ for each token, and the token's output is their outputs weighted by the router.
 
 **Routing.** ``softmax`` (Mixtral, Qwen3-MoE): the router's logits become probabilities and the
 ``top_k`` largest are taken, renormalised to sum to 1 where ``normalize_top_k`` (Mixtral always,
-Qwen3-MoE by its ``norm_topk_prob``). ``sigmoid`` (DeepSeek-V3): each expert scores
+Qwen3-MoE by its ``norm_topk_prob``; gpt-oss's softmax over the ``top_k`` largest logits is
+the same thing). ``sigmoid`` (DeepSeek-V3): each expert scores
 ``sigmoid(logit)``; the choice is by score plus a per-expert balancing bias, within the token's
 best ``topk_group`` of ``n_group`` groups of experts, the weights are the scores alone,
 renormalised and multiplied by ``routed_scaling_factor``. The bias is moved in training against
 each step's load (an overloaded expert's bias goes down by ``bias_update_rate``, an underloaded
 one's up), DeepSeek-V3's auxiliary-loss-free balancing: ``redco_zoo_models.balancing`` says how.
-``n_shared_experts`` (DeepSeek-V3, Qwen2-MoE) adds an MLP every token goes through.
+``n_shared_experts`` (DeepSeek-V3, Qwen2-MoE) adds an MLP every token goes through. gpt-oss
+switches on biases (``router_bias`` on the router's linear, ``expert_bias`` on every expert
+projection) and its experts' clamped SwiGLU (``swiglu_limit``, ``layers.glu``).
 
 **Computing the experts.** Dropless (``capacity_factor=None``): the ``N * top_k`` (token, expert)
 pairs are sorted by expert and each expert's rows multiplied by its weights in one grouped
@@ -40,7 +43,7 @@ from flax import nnx
 
 from redco_zoo_models import expert_parallel, slots
 from redco_zoo_models.balancing import BalanceBias, sigmoid_choice
-from redco_zoo_models.layers import ACTIVATIONS, GatedMLP
+from redco_zoo_models.layers import GatedMLP, glu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +63,10 @@ class MoEConfig:
     z_loss_weight: float = 0.0
     bias_update_rate: float = 1e-3  # sigmoid routing's balancing bias, per step
     hidden_act: str = "silu"
+    router_bias: bool = False  # gpt-oss: the router's linear has a bias
+    expert_bias: bool = False  # gpt-oss: biases on each expert's projections
+    swiglu_limit: float | None = None  # gpt-oss: the experts' clamped SwiGLU (layers.glu)
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         if self.router not in ("softmax", "sigmoid"):
@@ -83,7 +90,9 @@ class MoEConfig:
 
 class Experts(nnx.Module):
     """``n_experts`` gated MLPs, their weights stacked: ``gate_proj`` and ``up_proj`` (E, H, I),
-    ``down_proj`` (E, I, H)."""
+    ``down_proj`` (E, I, H); with ``expert_bias`` (gpt-oss) also ``gate_proj_bias``,
+    ``up_proj_bias`` (E, I) and ``down_proj_bias`` (E, H). The unit between them is
+    ``layers.glu`` (gpt-oss: clamped by ``swiglu_limit``)."""
 
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal()
@@ -91,30 +100,51 @@ class Experts(nnx.Module):
         self.gate_proj = nnx.Param(init(rngs.params(), (e, h, i)))
         self.up_proj = nnx.Param(init(rngs.params(), (e, h, i)))
         self.down_proj = nnx.Param(init(rngs.params(), (e, i, h)))
-        self.act = ACTIVATIONS[cfg.hidden_act]
+        if cfg.expert_bias:
+            self.gate_proj_bias = nnx.Param(jnp.zeros((e, i), jnp.float32))
+            self.up_proj_bias = nnx.Param(jnp.zeros((e, i), jnp.float32))
+            self.down_proj_bias = nnx.Param(jnp.zeros((e, h), jnp.float32))
+        self.cfg = cfg
+
+    def weights(self) -> tuple:
+        """``(gate, up, down)`` and, with ``expert_bias``, their biases: what ``batched`` takes
+        (expert parallelism passes each device its share of every one)."""
+        names = ("gate_proj", "up_proj", "down_proj")
+        if self.cfg.expert_bias:
+            names += tuple(f"{n}_bias" for n in names)
+        return tuple(getattr(self, n)[...] for n in names)
+
+    def _mlp(self, x, weights: tuple, project):
+        """``down(glu(gate(x), up(x)))``, each ``project(x, weight, bias or None)``."""
+        cfg, (gate_w, up_w, down_w, *biases) = self.cfg, (jnp.asarray(w, x.dtype) for w in weights)
+        gate_b, up_b, down_b = biases or (None, None, None)
+        h = glu(project(x, gate_w, gate_b), project(x, up_w, up_b), cfg.hidden_act,
+                cfg.swiglu_limit, cfg.swiglu_alpha)
+        return project(h, down_w, down_b)
 
     def grouped(self, rows, group_sizes):
         """Rows sorted by expert, ``group_sizes[e]`` of them for expert e: each through its own."""
-        gate = jax.lax.ragged_dot(rows, self.gate_proj[...].astype(rows.dtype), group_sizes)
-        up = jax.lax.ragged_dot(rows, self.up_proj[...].astype(rows.dtype), group_sizes)
-        return jax.lax.ragged_dot(self.act(gate) * up, self.down_proj[...].astype(rows.dtype),
-                                  group_sizes)
+        expert_of = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes,
+                               total_repeat_length=rows.shape[0])
+
+        def project(x, w, b):
+            y = jax.lax.ragged_dot(x, w, group_sizes)
+            return y if b is None else y + b[expert_of]
+        return self._mlp(rows, self.weights(), project)
 
     def batched(self, per_expert, weights: tuple | None = None):
-        """``(E, C, H)``: each expert's C rows through it; ``weights`` ``(gate, up, down)`` in
-        place of the module's (one device's share of the experts under expert parallelism)."""
-        dtype = per_expert.dtype
-        gate_w, up_w, down_w = (w.astype(dtype) for w in weights or (
-            self.gate_proj[...], self.up_proj[...], self.down_proj[...]))
-        gate = jnp.einsum("ech,ehi->eci", per_expert, gate_w)
-        up = jnp.einsum("ech,ehi->eci", per_expert, up_w)
-        return jnp.einsum("eci,eih->ech", self.act(gate) * up, down_w)
+        """``(E, C, H)``: each expert's C rows through it; ``weights`` (``weights()``'s) in place
+        of the module's (one device's share of the experts under expert parallelism)."""
+        def project(x, w, b):
+            y = jnp.einsum("ech,ehi->eci", x, w)
+            return y if b is None else y + b[:, None, :]
+        return self._mlp(per_expert, weights or self.weights(), project)
 
 
 class MoE(nnx.Module):
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.gate = nnx.Linear(cfg.hidden_size, cfg.n_experts, use_bias=False, rngs=rngs)
+        self.gate = nnx.Linear(cfg.hidden_size, cfg.n_experts, use_bias=cfg.router_bias, rngs=rngs)
         self.experts = Experts(cfg, rngs)
         if cfg.router == "sigmoid":
             self.balance_bias = BalanceBias(jnp.zeros(cfg.n_experts, jnp.float32))

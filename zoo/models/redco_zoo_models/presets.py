@@ -142,6 +142,25 @@ def _deepseek_v3() -> dict[str, Any]:
             "bos_token_id": 0, "eos_token_id": 1}
 
 
+def _gpt_oss_20b() -> dict[str, Any]:
+    """gpt-oss-20b (openai/gpt-oss-20b, its bf16 shape: the hub's weights are MXFP4, which the
+    zoo does not read): 24 layers alternating a 128-token window and full attention, each with
+    64 query and 8 KV heads of 64, biases and a sink per head, and 32 experts of 2,880 (4 per
+    token, biased router and experts, SwiGLU clamped at 7); YaRN RoPE (x32 from 4,096)."""
+    return {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+            "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+            "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+            "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4,
+            "router_aux_loss_coef": 0.9, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 131072, "sliding_window": 128,
+            "layer_types": [SLIDING if i % 2 == 0 else FULL for i in range(24)],
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                "original_max_position_embeddings": 4096},
+            "attention_bias": True, "tie_word_embeddings": False,
+            "eos_token_id": 200002, "pad_token_id": 199999}
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": _llama3(2048, 8192, 16, 32, 64, 32.0, tied=True),
     "llama-3.2-3b": _llama3(3072, 8192, 28, 24, 128, 32.0, tied=True),
@@ -162,6 +181,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": _mixtral_8x7b(),
     "qwen3-30b-a3b": _qwen3_30b_a3b(),
     "deepseek-v3": _deepseek_v3(),
+    "gpt-oss-20b": _gpt_oss_20b(),
 }
 
 PUBLISHED_PARAMS: dict[str, float] = {  # name -> parameters, as the publisher counts them
@@ -173,6 +193,7 @@ PUBLISHED_PARAMS: dict[str, float] = {  # name -> parameters, as the publisher c
     "gemma-3-27b": 27.016e9,
     "phi-4-mini": 3.84e9,
     "mixtral-8x7b": 46.7e9, "qwen3-30b-a3b": 30.5e9, "deepseek-v3": 671e9,
+    "gpt-oss-20b": 20.91e9,  # (the model card's, bf16 count)
 }
 
 

@@ -20,7 +20,9 @@ Two options of Gemma 2/3, Qwen3 and Phi-3, as HuggingFace transformers computes 
 ``window`` (a query in row ``i`` sees the keys in rows ``i - window < j <= i``: at most
 ``window`` keys, itself included) and logit ``softcap`` (each score ``s = q.k * scale`` becomes
 ``softcap * tanh(s / softcap)`` before the mask and the softmax; the backward pass multiplies the
-capped score's gradient by ``1 - tanh(s / softcap)^2``).
+capped score's gradient by ``1 - tanh(s / softcap)^2``). gpt-oss's attention sinks need no
+pass of their own: they rescale the output by its ``lse`` (``with_sinks``), and the backward
+pass takes the ``lse``'s gradient.
 
 The XLA path on every backend; on a GPU in 16-bit the zoo's unsplit attention uses cuDNN's
 fused kernel instead (``redco_zoo_models.attention.attend``).
@@ -160,6 +162,17 @@ def _tiled_backward(scale, block, window, softcap, saved, grads):
 
 
 tiled_attention.defvjp(_tiled_forward, _tiled_backward)
+
+
+def with_sinks(out, lse, sinks):
+    """``out`` (B, T, H, D), a softmax over keys whose log-sum-exp is ``lse`` (B, H, T), as if
+    each head's ``sinks`` (H,) logit had joined the denominator with no value (gpt-oss):
+    ``out * sigmoid(lse - sink)`` (``exp(lse) / (exp(lse) + exp(sink))``; 0 where no key is
+    seen). ``out`` as it is without sinks."""
+    if sinks is None:
+        return out
+    share = jax.nn.sigmoid(lse - sinks.astype(jnp.float32)[None, :, None])  # (B, H, T)
+    return (out.astype(jnp.float32) * jnp.moveaxis(share, 1, 2)[..., None]).astype(out.dtype)
 
 
 def merge(a, b):

@@ -102,6 +102,13 @@ TINY_FAMILIES = {  # config.json contents of a tiny model of each family, as tra
     "mixtral": dict(_TINY, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
                     sliding_window=WINDOW),
     "mistral": dict(_TINY, model_type="mistral", sliding_window=WINDOW),
+    "gpt-oss": dict(  # sinks, biased router and experts; a limit the clamped SwiGLU reaches
+        _TINY, model_type="gpt_oss", head_dim=16, intermediate_size=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=WINDOW, swiglu_limit=1.0, num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=150000.0, beta_fast=32.0,
+                             beta_slow=1.0, truncate=False,
+                             original_max_position_embeddings=ORIGINAL_CONTEXT)),
     "deepseek-v3": dict(  # 8 experts in 4 groups, a token's 2 from its best 2 groups
         _TINY, model_type="deepseek_v3", num_key_value_heads=4, n_routed_experts=8,
         num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=16,

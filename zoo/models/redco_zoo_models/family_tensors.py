@@ -1,0 +1,139 @@
+"""A decoder family's checkpoint tensors under the zoo model's names, and back.
+
+The zoo's decoder (``redco_zoo_models.decoder``) names its parameters as most families'
+checkpoints do, so ``redco_safetensors.torch_name`` maps them; what differs, per family
+(``families.FAMILIES``):
+
+* Phi-3 fuses q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``) in its checkpoints:
+  ``tensors_in`` splits them and ``tensors_out`` fuses them back, so the model itself (LoRA,
+  TP rules, FSDP) sees the same names everywhere.
+* Mixture-of-Experts families store one tensor per expert (Qwen3-MoE
+  ``mlp.experts.<e>.gate_proj``, Mixtral ``block_sparse_moe.experts.<e>.w1``); they are
+  stacked into the zoo's ``mlp.experts.gate_proj`` (experts, in, out) and unstacked on export.
+  DeepSeek-V3's ``mlp.gate.e_score_correction_bias`` is the block's ``balance_bias``.
+* gpt-oss stores its experts stacked already, as (experts, in, out), but its gate and up
+  projections fused in one ``mlp.experts.gate_up_proj`` whose columns alternate (gate, up,
+  gate, ...), and their biases so in ``gate_up_proj_bias``; its router is ``mlp.router``.
+
+A tied head's stored copy is dropped on import when it equals the embedding (refused when not).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from redco_zoo_models.families import FAMILIES
+
+FUSED = {"self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"),
+         "mlp.gate_up_proj.weight": ("gate_proj", "up_proj")}
+INTERLEAVED = {  # gpt-oss: a fused tensor -> the zoo's (even columns, odd columns)
+    "experts.gate_up_proj": ("experts.gate_proj", "experts.up_proj"),
+    "experts.gate_up_proj_bias": ("experts.gate_proj_bias", "experts.up_proj_bias"),
+}
+QWEN_EXPERTS = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+EXPERTS = {  # layout -> (the block's checkpoint name, {the zoo's projection: the checkpoint's})
+    "qwen": ("mlp", QWEN_EXPERTS),
+    "deepseek": ("mlp", QWEN_EXPERTS),
+    "mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
+    "gpt_oss": ("mlp", {}),  # stacked already (INTERLEAVED)
+}
+RENAMED = {  # layout -> {the zoo's name in a block: the checkpoint's}
+    "qwen": {"gate.weight": "gate.weight"}, "mixtral": {"gate.weight": "gate.weight"},
+    "deepseek": {"gate.weight": "gate.weight", "balance_bias": "gate.e_score_correction_bias"},
+    "gpt_oss": {"gate.weight": "router.weight", "gate.bias": "router.bias"},
+}
+
+
+def _sizes(cfg, fused: str) -> list[int]:
+    if fused.startswith("self_attn"):
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        return [cfg.num_attention_heads * cfg.head_dim, kv, kv]
+    return [cfg.intermediate_size] * 2
+
+
+def tensors_in(cfg, tensors: dict) -> dict:
+    """A checkpoint's tensors (PyTorch names) under the zoo model's names (``cfg``: its
+    ``DecoderConfig``)."""
+    tensors = _stacked_experts(cfg, dict(tensors))
+    if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
+        embedding = tensors.get("model.embed_tokens.weight")
+        if embedding is None or not np.array_equal(tensors["lm_head.weight"], embedding):
+            raise ValueError("config.json ties the output head to the embedding, but the "
+                             "checkpoint's lm_head.weight differs from it: set "
+                             "tie_word_embeddings to false.")
+        del tensors["lm_head.weight"]
+    if not FAMILIES[cfg.family].fused:
+        return tensors
+    for name in [n for n in tensors if any(n.endswith(f) for f in FUSED)]:
+        suffix = next(f for f in FUSED if name.endswith(f))
+        prefix = name[:-len(suffix)] + suffix.split(".")[0]
+        parts = np.split(tensors.pop(name), np.cumsum(_sizes(cfg, suffix))[:-1], axis=0)
+        tensors.update({f"{prefix}.{p}.weight": t for p, t in zip(FUSED[suffix], parts)})
+    return tensors
+
+
+def tensors_out(cfg, tensors: dict) -> dict:
+    """The zoo model's tensors under its family's checkpoint names (``tensors_in`` undone)."""
+    tensors = _unstacked_experts(cfg, dict(tensors))
+    if not FAMILIES[cfg.family].fused:
+        return tensors
+    for i in range(cfg.num_hidden_layers):
+        for suffix, parts in FUSED.items():
+            module = f"model.layers.{i}.{suffix.split('.')[0]}"
+            tensors[f"model.layers.{i}.{suffix}"] = np.concatenate(
+                [tensors.pop(f"{module}.{p}.weight") for p in parts], axis=0)
+    return tensors
+
+
+def _expert_names(cfg):
+    """``(layer's zoo prefix, its checkpoint prefix, projections)`` of every sparse layer."""
+    block, projections = EXPERTS[FAMILIES[cfg.family].experts]
+    return [(f"model.layers.{i}.mlp", f"model.layers.{i}.{block}", projections)
+            for i in range(cfg.num_hidden_layers) if cfg.sparse(i)]
+
+
+def _take(tensors: dict, name: str, cfg) -> np.ndarray:
+    if name not in tensors:
+        raise KeyError(f"the checkpoint has no tensor {name}; is it a {cfg.family} checkpoint "
+                       "of this config.json?")
+    return tensors.pop(name)
+
+
+def _stacked_experts(cfg, tensors: dict) -> dict:
+    """Each sparse layer's experts as the zoo's stacked (experts, in, out) arrays."""
+    layout = FAMILIES[cfg.family].experts
+    if not layout:
+        return tensors
+    for ours, theirs, projections in _expert_names(cfg):
+        for projection, stored in projections.items():
+            names = [f"{theirs}.experts.{e}.{stored}.weight" for e in range(cfg.n_experts)]
+            if missing := [n for n in names if n not in tensors]:
+                raise KeyError(f"the checkpoint has no tensor {missing[0]} ({len(missing)} of "
+                               f"{cfg.n_experts} experts missing); is it a {cfg.family} "
+                               "checkpoint of this config.json?")
+            tensors[f"{ours}.experts.{projection}"] = np.stack([tensors.pop(n).T for n in names])
+        if layout == "gpt_oss":
+            for fused, (even, odd) in INTERLEAVED.items():
+                both = _take(tensors, f"{theirs}.{fused}", cfg)
+                tensors[f"{ours}.{even}"], tensors[f"{ours}.{odd}"] = both[..., ::2], both[..., 1::2]
+        for name, stored in RENAMED[layout].items():
+            tensors[f"{ours}.{name}"] = _take(tensors, f"{theirs}.{stored}", cfg)
+    return tensors
+
+
+def _unstacked_experts(cfg, tensors: dict) -> dict:
+    """``_stacked_experts`` undone: the family's names and layout."""
+    layout = FAMILIES[cfg.family].experts
+    if not layout:
+        return tensors
+    for ours, theirs, projections in _expert_names(cfg):
+        for projection, stored in projections.items():
+            stacked = tensors.pop(f"{ours}.experts.{projection}")
+            tensors.update({f"{theirs}.experts.{e}.{stored}.weight": stacked[e].T
+                            for e in range(cfg.n_experts)})
+        if layout == "gpt_oss":
+            for fused, (even, odd) in INTERLEAVED.items():
+                pair = (tensors.pop(f"{ours}.{even}"), tensors.pop(f"{ours}.{odd}"))
+                tensors[f"{theirs}.{fused}"] = np.stack(pair, -1).reshape(*pair[0].shape[:-1], -1)
+        for name, stored in RENAMED[layout].items():
+            tensors[f"{theirs}.{stored}"] = tensors.pop(f"{ours}.{name}")
+    return tensors
