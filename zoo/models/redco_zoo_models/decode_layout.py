@@ -13,7 +13,7 @@ decode step fits ``1 - headroom`` of one device's memory, and the remaining devi
 replicas over ``dp``, the engine's rows split among them. The smallest, because the all-reduces
 grow with the degree and the replicas, which run in parallel for free, shrink. "Fits" is
 measured, not estimated, as the layout planner measures a train step: the engine's own decode
-step (``engine.decode_rows``) compiled ahead of time on abstract shapes, its params, key/value
+step (``engine_steps.decode_rows``) compiled ahead of time on abstract shapes, its params, key/value
 cache and logits sharded as the engine places them, read off XLA's ``memory_analysis()``
 (arguments + outputs - donated aliases + temporaries). Without a memory budget (CPU devices
 report none) the first degree is taken, uncompiled. The weights split over ``mp`` as the
@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 from redco import plugins
 from redco.hlo_collectives import collectives
 from redco.sharding import make_mesh, shardings_from_specs, specs_from_rules
-from redco_zoo_models.engine import decode_rows
+from redco_zoo_models.engine_steps import decode_rows
 from redco_zoo_models.engine_memory import cache_sharding, rows_sharding, traced, vocab_size
 
 HEADROOM = 0.1  # of a device's memory kept free, as the layout planner keeps it
