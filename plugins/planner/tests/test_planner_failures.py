@@ -4,7 +4,7 @@ latter's exception: a bug is not reported as "too big"."""
 import jax
 import pytest
 
-from redco_planner import planner
+from redco_planner import search
 from redco_planner.inspection import load_model
 from redco_planner.layouts import TriedLayout, nothing_fits
 from redco_planner.planner import PlanError, plan
@@ -23,14 +23,14 @@ def test_an_unrelated_error_could_not_be_measured_and_out_of_memory_does_not_fit
                                                                                   monkeypatch):
     """At mp=1 the auto layout raises a bug, auto+fsdp runs XLA out of memory; mp=2 is measured
     for real and picked."""
-    real = planner.measure
+    real = search.measure
 
     def measure(params, loss, batch, n_devices, n_model_shards, sharding_rules, *args, **kwargs):
         if n_model_shards == 1:
             raise BUG if sharding_rules == "auto" else OUT_OF_MEMORY
         return real(params, loss, batch, n_devices, n_model_shards, sharding_rules, *args,
                     **kwargs)
-    monkeypatch.setattr(planner, "measure", measure)
+    monkeypatch.setattr(search, "measure", measure)  # what the planner's walk measures with
     result = plan(tiny.params, tiny.loss_fn, tiny.batch(1), n_devices=8,
                   device_memory_bytes=2 ** 40)
     bug, oom, picked = result.tried
