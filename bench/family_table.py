@@ -170,9 +170,10 @@ class Worker:
         found.update(self.extrapolated(cand, limit, ctx) if self.extrapolate
                      else self.compiled(cand, limit, ctx))
         found["compile_s"] = round(time.perf_counter() - start, 1)
-        log(f"  {k}: {found.get('peak')} bytes{' (extrapolated)' * self.extrapolate}")
         self.save(k, found)
-        return with_extrapolation(self.name, found)
+        found = with_extrapolation(self.name, found)
+        log(f"  {k}: {found.get('peak')} bytes{' (extrapolated)' * self.extrapolate}")
+        return found
 
     def compiled(self, cand: tuple, limit: int, ctx: dict) -> dict:
         """The layout's step compiled at full depth."""
