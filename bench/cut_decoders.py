@@ -2,12 +2,20 @@
 training step compiled at those cuts, so that ``depth_rule`` carries its peak to full depth
 (``bench/family_table.py --extrapolate``, ``bench/depth_rule_check.py``).
 
-The cuts of a model whose first layer is of kind ``k`` (its ``layer_types``; one kind where the
-preset has none) are ``[k]``, ``[k, k]`` and, for each other kind ``K`` the model has, ``[k, K]``:
-Gemma 3 (five sliding-window layers to one global) compiles three, the others two. Each further
-layer of the full model then adds the growth measured for its kind (``depth_rule``), its fp32
-gradient floor read off the state: the optimizer's two AdamW moments grow by twice the
-trainable bytes, so a layer's gradients are ``(state growth - params growth) / 2``.
+The cuts are the model's first ``BASE`` layers (all of one kind ``k`` in every preset here:
+Gemma 3's first global layer is its sixth), then that base with one more layer of each kind
+``K`` the model has: ``BASE + [k]`` and ``BASE + [K]``. Gemma 3 (five sliding-window layers to
+one global) compiles three cuts, the others two. Each further layer of the full model adds the
+growth measured for its kind (``depth_rule``), its fp32 gradient floor read off the state: the
+optimizer's two AdamW moments grow by twice the trainable bytes, so a layer's gradients are
+``(state growth - params growth) / 2``.
+
+Why 3 and 4 layers, not 1 and 2: the first layers are no steady state of XLA's buffer
+assignment. Compiled at 1, 2, 3, 4 layers (8 devices, ``mp=1 auto+fsdp``, remat ``full``, LoRA),
+the peak beyond the state grows by 283, 265, then 36 MB a layer for Qwen3-4B, and by -9, 107,
+then 12 MB for Gemma-3-1B, whose full 26 layers grow by 16 MB a layer on average: carried from
+1 and 2 layers, Gemma-3-1B's peak came out 5.6% under its full-depth compile, and Qwen3-4B's
+8 x 16 GB LoRA cell "does not fit" (16.6 GB) where from 3 and 4 layers it fits (8.0 GB).
 """
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ from typing import Any, Callable
 from depth_rule import Compiled, full_peak, layer_growth
 
 LAYER = "layer"  # the one kind of a model without layer_types
+BASE = 3  # layers in the base cut (module docstring)
 
 
 def layer_kinds(name: str) -> tuple[str, ...]:
@@ -27,10 +36,14 @@ def layer_kinds(name: str) -> tuple[str, ...]:
 
 
 def cut_kinds(name: str) -> list[tuple[str, ...]]:
-    """The cuts compiled: ``[k]``, ``[k, k]``, then ``[k, K]`` for each other kind ``K``."""
+    """The cuts compiled: the base (``BASE`` layers of the first kind ``k``), the base and a
+    ``k`` layer, then the base and a ``K`` layer for each other kind ``K``."""
     kinds = layer_kinds(name)
-    first = kinds[0]
-    return [(first,), (first, first)] + [(first, k) for k in dict.fromkeys(kinds) if k != first]
+    base = kinds[:BASE]
+    if set(base) != {kinds[0]}:
+        raise ValueError(f"{name}'s first {BASE} layers are of kinds {base}: cut_decoders "
+                         "needs them of one kind")
+    return [base] + [base + (k,) for k in dict.fromkeys((kinds[0],) + kinds)]
 
 
 def cut(name: str, kinds: tuple[str, ...], seq_len: int):
@@ -51,14 +64,17 @@ def compile_cuts(name: str, seq_len: int, parts: Callable, n: int, cand: tuple, 
     more) or that fails (``{"error": ...}`` in its place)."""
     import optax
 
+    from redco.sharding import dataflow_trace
     from redco_planner.planner import try_layout
     out = {}
     for kinds in cut_kinds(name):
         model = cut(name, kinds, seq_len)
         params, loss, trainable = parts(model)
         mp, rules, policy = cand
-        layout = try_layout(params, loss, model.batch(1), n, mp, rules, optax.adamw,
-                            model.trace_fn, policy, trainable, limit, compute_dtype=compute_dtype)
+        batch = model.batch(1)  # (the rules traced on the loss trained, as the full model's)
+        layout = try_layout(params, loss, batch, n, mp, rules, optax.adamw,
+                            dataflow_trace(loss, batch), policy, trainable, limit,
+                            compute_dtype=compute_dtype)
         failed = layout.error or layout.out_of_memory
         out[",".join(kinds)] = {"error": failed} if failed else {
             "peak": layout.peak_bytes, "state": layout.state_bytes,
@@ -75,10 +91,10 @@ def extrapolated_peak(name: str, state: int, cuts: dict[str, dict]) -> int | Non
     order = [",".join(k) for k in cut_kinds(name)]
     if any("peak" not in cuts.get(k, {}) for k in order):
         return None
-    one = cuts[order[0]]
+    base = cuts[order[0]]
     counts = Counter(layer_kinds(name))
-    counts[layer_kinds(name)[0]] -= 2  # the base cut's two layers
-    further = [(counts[k.split(",")[1]], growth(one, cuts[k])) for k in order[1:]]
+    counts[layer_kinds(name)[0]] -= BASE + 1  # the layers of the deepest cut of that kind
+    further = [(counts[k.split(",")[-1]], growth(base, cuts[k])) for k in order[1:]]
     return full_peak(state, compiled(cuts[order[1]]), further)
 
 

@@ -3,7 +3,8 @@ layout, remat) cases of the small published decoders on 8 simulated devices, the
 at full depth against the peak carried from its cuts (``cut_decoders``), and their ratio.
 
 Run:  nice -n 10 python bench/depth_rule_check.py [--seq_len 2048] [--cache depth_check.json]
-Each case is kept in ``--cache`` as it completes, so a run resumes.
+Each case is kept in ``--cache`` as it completes, so a run resumes; a case whose cuts are not
+``cut_decoders``' (its ``BASE`` changed) compiles its cuts again and keeps its full compile.
 """
 from __future__ import annotations
 
@@ -24,29 +25,46 @@ CASES = (  # (model, training, mp, rules, remat): the 8 x 16 GB walk's layouts
 )
 
 
-def check(case: tuple, seq_len: int, rank: int) -> dict:
-    """The case compiled at full depth and at its cuts: both peaks (bytes) and compile times."""
+def check(case: tuple, seq_len: int, rank: int, known: dict | None) -> dict:
+    """The case compiled at its cuts and at full depth (the full compile reused from ``known``,
+    an earlier result of the case): both peaks (bytes) and compile times."""
     import jax.numpy as jnp
-    import optax
     from cut_decoders import compile_cuts, extrapolated_peak
     from family_table import lever_parts
-
-    from redco_planner.inspection import load_model
-    from redco_planner.planner import try_layout
     name, lever, mp, rules, remat = case
     parts = lambda model: lever_parts(model, lever, rank)  # noqa: E731
     start = time.perf_counter()
     cuts = compile_cuts(name, seq_len, parts, 8, (mp, rules, remat), 2 ** 62, jnp.bfloat16)
-    cut_s = time.perf_counter() - start
+    full = known or full_depth(case, seq_len, parts)
+    return {**full, "cuts": cuts, "extrapolated": extrapolated_peak(name, full["state"], cuts),
+            "cut_s": round(time.perf_counter() - start)}
+
+
+def full_depth(case: tuple, seq_len: int, parts) -> dict:
+    """The case's step compiled at the model's full depth."""
+    import jax.numpy as jnp
+    import optax
+
+    from redco.sharding import dataflow_trace
+    from redco_planner.inspection import load_model
+    from redco_planner.planner import try_layout
+    name, lever, mp, rules, remat = case
+    start = time.perf_counter()
     model = load_model(name, seq_len=seq_len)
     params, loss, trainable = parts(model)
-    layout = try_layout(params, loss, model.batch(1), 8, mp, rules, optax.adamw, model.trace_fn,
-                        remat, trainable, 2 ** 62, compute_dtype=jnp.bfloat16)
+    batch = model.batch(1)
+    layout = try_layout(params, loss, batch, 8, mp, rules, optax.adamw,
+                        dataflow_trace(loss, batch), remat, trainable, 2 ** 62,
+                        compute_dtype=jnp.bfloat16)
     if layout.error:
         raise RuntimeError(f"{case}: the full-depth compile failed: {layout.error}")
-    return {"compiled": layout.peak_bytes, "state": layout.state_bytes, "cuts": cuts,
-            "extrapolated": extrapolated_peak(name, layout.state_bytes, cuts),
-            "cut_s": round(cut_s), "full_s": round(time.perf_counter() - start - cut_s)}
+    return {"compiled": layout.peak_bytes, "state": layout.state_bytes,
+            "full_s": round(time.perf_counter() - start)}
+
+
+def cut_names(name: str) -> set[str]:
+    from cut_decoders import cut_kinds
+    return {",".join(kinds) for kinds in cut_kinds(name)}
 
 
 def table(results: dict) -> str:
@@ -76,8 +94,10 @@ def main() -> None:
     results = json.loads(path.read_text()) if os.path.exists(path) else {}
     for case in CASES if not args.table_only else ():
         k = "|".join(map(str, case))
-        if k not in results:
-            results[k] = check(case, args.seq_len, args.lora_rank)
+        if k not in results or set(results[k]["cuts"]) != cut_names(case[0]):
+            known = {f: results[k][f] for f in ("compiled", "state", "full_s")} \
+                if k in results else None
+            results[k] = check(case, args.seq_len, args.lora_rank, known)
             path.write_text(json.dumps(results, indent=1))
             print(k, results[k], flush=True)
     from provenance import print_provenance

@@ -34,20 +34,22 @@ def test_the_gradient_floor_is_the_trainable_bytes_not_the_frozen_ones():
 
 def test_each_layer_kind_adds_its_own_growth():
     """Gemma-3-1B: 26 layers, every sixth global (4), the others sliding (22); the cuts are
-    [S], [S, S], [S, F], and the 24 layers beyond [S, S] add 20 sliding and 4 global growths."""
-    assert cut_kinds("gemma-3-1b") == [(S,), (S, S), (S, F)]
-    cuts = {S: {"peak": 1000, "state": 100, "params": 100},
-            f"{S},{S}": {"peak": 1150, "state": 150, "params": 150},  # growth 100
-            f"{S},{F}": {"peak": 1450, "state": 150, "params": 150}}  # growth 400
-    assert extrapolated_peak("gemma-3-1b", 10_000, cuts) == 10_000 + 1000 + 20 * 100 + 4 * 400
-    assert extrapolated_peak("gemma-3-1b", 10_000, {S: cuts[S], f"{S},{S}": cuts[f"{S},{S}"]}) \
-        is None  # a cut over the memory: no peak
+    [S, S, S], + S, + F, and the 22 layers beyond [S, S, S, S] add 18 sliding and 4 global
+    growths."""
+    base = (S, S, S)
+    assert cut_kinds("gemma-3-1b") == [base, base + (S,), base + (F,)]
+    cuts = {",".join(base): {"peak": 1000, "state": 100, "params": 100},
+            ",".join(base + (S,)): {"peak": 1150, "state": 150, "params": 150},  # growth 100
+            ",".join(base + (F,)): {"peak": 1450, "state": 150, "params": 150}}  # growth 400
+    assert extrapolated_peak("gemma-3-1b", 10_000, cuts) == 10_000 + 1000 + 18 * 100 + 4 * 400
+    del cuts[",".join(base + (F,))]  # a cut over the memory: no peak
+    assert extrapolated_peak("gemma-3-1b", 10_000, cuts) is None
 
 
-def test_a_model_of_one_kind_extends_its_two_layer_cut():
-    """Llama-3.2-1B: 16 layers of one kind, cut at 1 and 2: 14 further layers."""
-    assert len(cut_kinds("llama-3.2-1b")) == 2
-    one, two = cut_kinds("llama-3.2-1b")
-    cuts = {",".join(one): {"peak": 1000, "state": 100, "params": 100},
-            ",".join(two): {"peak": 1120, "state": 130, "params": 130}}
-    assert extrapolated_peak("llama-3.2-1b", 7_000, cuts) == 7_000 + 990 + 14 * 90
+def test_a_model_of_one_kind_extends_its_deepest_cut():
+    """Llama-3.2-1B: 16 layers of one kind, cut at 3 and 4: 12 further layers."""
+    assert [len(kinds) for kinds in cut_kinds("llama-3.2-1b")] == [3, 4]
+    three, four = (",".join(kinds) for kinds in cut_kinds("llama-3.2-1b"))
+    cuts = {three: {"peak": 1000, "state": 100, "params": 100},
+            four: {"peak": 1120, "state": 130, "params": 130}}
+    assert extrapolated_peak("llama-3.2-1b", 7_000, cuts) == 7_000 + 990 + 12 * 90
