@@ -22,6 +22,12 @@ Two things make it affordable, neither changing a pick:
 * Each compile is kept (``--cache``, a JSON file), so 8 x 80 GB and 8 x 16 GB share the layouts
   both walk through, and an interrupted run resumes where it stopped.
 
+``--extrapolate`` (for the models whose full-depth compiles take minutes each here) compiles
+each layout at the model's first 3 and 4 layers instead (``cut_decoders``) and carries the peak
+to full depth by ``depth_rule`` (its error against full-depth compiles:
+``bench/depth_rule_check.py``); the state checks stay exact, and a cell whose walk went
+through such a layout is marked with a dagger. ``--levers`` and ``--servers`` pick the cells.
+
 Each model runs in its own process (XLA:CPU's compile memory is freed between models), the
 smallest model first, until ``--budget_minutes`` is spent; the table marks what did not run.
 
@@ -30,6 +36,7 @@ its own (BENCHMARKS.md section 4 and "The paper's Table 1"), so peaks are on the
 
 Run:  python bench/family_table.py [--models qwen3-0.6b,...] [--seq_len 2048]
           [--budget_minutes 60] [--cache family_table.json] [--table_only | --states_only]
+          [--extrapolate] [--levers full,LoRA] [--servers "8 x 80 GB,8 x 16 GB"]
 """
 from __future__ import annotations
 
