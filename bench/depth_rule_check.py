@@ -69,7 +69,8 @@ def cut_names(name: str) -> set[str]:
 
 def table(results: dict) -> str:
     lines = ["| model | training | layout | remat | compiled full depth | extrapolated | "
-             "ratio | compile s: cuts, full |", "|---|---|---|---|---:|---:|---:|---|"]
+             "extrapolated - compiled | compile s: cuts, full |",
+             "|---|---|---|---|---:|---:|---:|---|"]
     for case in CASES:
         r = results.get("|".join(map(str, case)))
         if r is None:
@@ -77,7 +78,8 @@ def table(results: dict) -> str:
         name, lever, mp, rules, remat = case
         lines.append(f"| {name} | {lever} | mp={mp} {rules} | {remat} | "
                      f"{r['compiled'] / GiB:.2f} GiB | {r['extrapolated'] / GiB:.2f} GiB | "
-                     f"{r['extrapolated'] / r['compiled']:.3f} | {r['cut_s']}, {r['full_s']} |")
+                     f"{r['extrapolated'] - r['compiled']:+,} B "
+                     f"({r['extrapolated'] / r['compiled'] - 1:+.2%}) | {r['cut_s']}, {r['full_s']} |")
     return "\n".join(lines)
 
 
