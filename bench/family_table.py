@@ -22,6 +22,12 @@ Two things make it affordable, neither changing a pick:
 * Each compile is kept (``--cache``, a JSON file), so 8 x 80 GB and 8 x 16 GB share the layouts
   both walk through, and an interrupted run resumes where it stopped.
 
+``--extrapolate`` (for the models whose full-depth compiles take minutes each here) compiles
+each layout at the model's first 3 and 4 layers instead (``cut_decoders``) and carries the peak
+to full depth by ``depth_rule`` (its error against full-depth compiles:
+``bench/depth_rule_check.py``); the state checks stay exact, and a cell whose walk went
+through such a layout is marked with a dagger. ``--levers`` and ``--servers`` pick the cells.
+
 Each model runs in its own process (XLA:CPU's compile memory is freed between models), the
 smallest model first, until ``--budget_minutes`` is spent; the table marks what did not run.
 
@@ -30,6 +36,7 @@ its own (BENCHMARKS.md section 4 and "The paper's Table 1"), so peaks are on the
 
 Run:  python bench/family_table.py [--models qwen3-0.6b,...] [--seq_len 2048]
           [--budget_minutes 60] [--cache family_table.json] [--table_only | --states_only]
+          [--extrapolate] [--levers full,LoRA] [--servers "8 x 80 GB,8 x 16 GB"]
 """
 from __future__ import annotations
 
@@ -61,20 +68,21 @@ def walk(cands: list, usable: int, entry: Callable[[tuple], dict | None]) -> dic
     """The first candidate whose entry fits ``usable``: ``{"pick": cand, **its entry}``;
     ``{"pick": None, "best": smallest peak, "floor": smallest state}`` when none does;
     ``{"incomplete": cand}`` where ``entry`` has nothing for a candidate it must see."""
-    best, floors, errors = None, [], 0
+    best, floors, errors, carried = None, [], 0, False
     for cand in cands:
         found = entry(cand, usable)
         if found is None:
             return {"incomplete": cand}
         floors.append(found["floor"])
+        carried |= "cuts" in found
         peak = found.get("peak")
         if peak is not None and peak <= usable:
-            return {"pick": cand, **found}
+            return {"pick": cand, **found, "extrapolated": carried}
         if peak is not None and (best is None or peak < best):
             best = peak
         errors += bool(found.get("error")) and peak is None
     return {"pick": None, "best": best, "floor": min(floors) if floors else None,
-            "errors": errors}
+            "errors": errors, "extrapolated": carried}
 
 
 def key(model: str, lever: str, n_devices: int, cand: tuple) -> str:
@@ -105,9 +113,11 @@ def total_state_bytes(params, trainable) -> int:
 class Worker:
     """Walks one model's cells, measuring what the cache lacks, saving after every compile."""
 
-    def __init__(self, name: str, seq_len: int, rank: int, cache_path: str):
+    def __init__(self, name: str, seq_len: int, rank: int, cache_path: str,
+                 extrapolate: bool = False):
         from redco_planner.inspection import load_model
         self.name, self.rank, self.cache_path = name, rank, cache_path
+        self.seq_len, self.extrapolate = seq_len, extrapolate
         self.model = load_model(name, seq_len=seq_len)
         self.batch = self.model.batch(1)
 
@@ -120,14 +130,16 @@ class Worker:
         cache[k] = value
         Path(self.cache_path).write_text(json.dumps(cache, indent=1, sort_keys=True))
 
-    def run(self, states_only: bool = False) -> None:
-        """Every cell of the model (``states_only``: only what its state alone decides)."""
+    def run(self, states_only: bool = False, levers: tuple[str, ...] = LEVERS,
+            servers: tuple[str, ...] = tuple(HARDWARE)) -> None:
+        """The model's cells of ``levers`` x ``servers`` (``states_only``: only what its state
+        alone decides)."""
         import jax.numpy as jnp
         import optax
 
         from redco.sharding import dataflow_trace
         from redco_planner.planner import REMAT_POLICIES, effective_policies
-        for lever in LEVERS:
+        for lever in levers:
             params, loss, trainable = lever_parts(self.model, lever, self.rank)
             total = total_state_bytes(params, trainable)
             self.save(f"{self.name}|{lever}|state", {"bytes": total})
@@ -135,7 +147,8 @@ class Worker:
                 continue
             trace_fn = dataflow_trace(loss, self.batch)
             policies = effective_policies(REMAT_POLICIES, loss, params, self.batch)
-            for hardware, (n, memory) in HARDWARE.items():
+            for hardware in servers:
+                n, memory = HARDWARE[hardware]
                 ctx = dict(lever=lever, params=params, loss=loss, trainable=trainable,
                            trace_fn=trace_fn, n=n, compute_dtype=jnp.bfloat16,
                            optimizer=optax.adamw)
@@ -150,7 +163,6 @@ class Worker:
         """The cached entry of ``cand``; its state computed, and its step compiled if that
         state is within ``limit``, where the cache lacks them."""
         from redco_planner.measure import measure
-        from redco_planner.search import try_layout
         k = key(self.name, ctx["lever"], ctx["n"], cand)
         found = self.load().get(k)
         if found is None:
@@ -159,19 +171,45 @@ class Worker:
                 ctx["optimizer"], ctx["trace_fn"], trainable=ctx["trainable"],
                 skip_above=0).state_bytes}
             self.save(k, found)
-        if "peak" in found or found["floor"] > limit:
-            return found
-        mp, name, policy = cand
+        if "peak" in found or "cuts" in found or found["floor"] > limit:
+            return with_extrapolation(self.name, found)
         start = time.perf_counter()
+        found.update(self.extrapolated(cand, limit, ctx) if self.extrapolate
+                     else self.compiled(cand, limit, ctx))
+        found["compile_s"] = round(time.perf_counter() - start, 1)
+        self.save(k, found)
+        found = with_extrapolation(self.name, found)
+        log(f"  {k}: {found.get('peak')} bytes{' (extrapolated)' * self.extrapolate}")
+        return found
+
+    def compiled(self, cand: tuple, limit: int, ctx: dict) -> dict:
+        """The layout's step compiled at full depth."""
+        from redco_planner.search import try_layout
+        mp, name, policy = cand
         layout = try_layout(ctx["params"], ctx["loss"], self.batch, ctx["n"], mp, name,
                             ctx["optimizer"], ctx["trace_fn"], policy, ctx["trainable"], limit,
                             compute_dtype=ctx["compute_dtype"])
-        found.update(peak=layout.peak_bytes, temp=layout.temp_bytes,
-                     params=layout.params_bytes, error=layout.error or layout.out_of_memory,
-                     compile_s=round(time.perf_counter() - start, 1))
-        log(f"  {k}: {layout.describe()}")
-        self.save(k, found)
+        return dict(peak=layout.peak_bytes, temp=layout.temp_bytes, params=layout.params_bytes,
+                    error=layout.error or layout.out_of_memory)
+
+    def extrapolated(self, cand: tuple, limit: int, ctx: dict) -> dict:
+        """The layout's step compiled at the cuts of ``cut_decoders``; its peak carried to
+        full depth by ``depth_rule`` when the cache is read (``with_extrapolation``)."""
+        from cut_decoders import compile_cuts
+        cuts = compile_cuts(self.name, self.seq_len,
+                            lambda model: lever_parts(model, ctx["lever"], self.rank),
+                            ctx["n"], cand, limit, ctx["compute_dtype"])
+        errors = [c["error"] for c in cuts.values() if "error" in c]
+        return {"cuts": cuts, "error": errors[0] if errors else None}
+
+
+def with_extrapolation(model: str, found: dict) -> dict:
+    """A cache entry with its ``peak``: compiled, or carried from its cuts' compiles by
+    ``depth_rule`` (None where a cut was over the memory or failed)."""
+    if "cuts" not in found:
         return found
+    from cut_decoders import extrapolated_peak
+    return {**found, "peak": extrapolated_peak(model, found["floor"], found["cuts"])}
 
 
 def usable(memory: int) -> int:
@@ -185,7 +223,12 @@ def log(line: str) -> None:
 
 # ---- the table ---------------------------------------------------------------------------------
 def describe(result: dict) -> str:
-    """A cell: the pick and its peak, "does not fit" and why, or "not run"."""
+    """A cell: the pick and its peak, "does not fit" and why, or "not run"; a dagger where a
+    layout of its walk was compiled at cuts and carried to full depth (``--extrapolate``)."""
+    return plain(result) + (" †" if result.get("extrapolated") else "")
+
+
+def plain(result: dict) -> str:
     if "incomplete" in result:
         return "not run"
     if result.get("state_only"):
@@ -213,9 +256,9 @@ def cell(cache: dict, model: str, lever: str, hardware: str) -> str:
 
     def entry(cand, limit):
         found = cache.get(key(model, lever, n, cand))
-        if found is None or ("peak" not in found and found["floor"] <= limit):
+        if found is None or not ({"peak", "cuts"} & set(found) or found["floor"] > limit):
             return None
-        return found
+        return with_extrapolation(model, found)
     return describe(walk(cands, usable(memory), entry))
 
 
@@ -251,7 +294,8 @@ def run_models(models: list[str], args: argparse.Namespace) -> None:
             return
         cmd = [sys.executable, __file__, "--worker", model, "--seq_len", str(args.seq_len),
                "--lora_rank", str(args.lora_rank), "--cache", args.cache]
-        cmd += ["--states_only"] if args.states_only else []
+        cmd += ["--levers", args.levers, "--servers", args.servers]
+        cmd += ["--states_only"] * args.states_only + ["--extrapolate"] * args.extrapolate
         log(f"== {model} ({left / 60:.0f} min left)")
         proc = subprocess.Popen(cmd)
         try:
@@ -276,12 +320,23 @@ def main() -> None:
                         "cache, compiling nothing")
     parser.add_argument("--states_only", action="store_true", help="build the models and "
                         "record only the cells their params and AdamW state decide (no compile)")
+    parser.add_argument("--extrapolate", action="store_true", help="compile each layout at the "
+                        "model's first 1-2 layers (bench/cut_decoders.py) and carry the peak to "
+                        "full depth (bench/depth_rule.py); such cells are marked with a dagger")
+    parser.add_argument("--levers", default=",".join(LEVERS), help="the trainings to walk")
+    parser.add_argument("--servers", default=",".join(HARDWARE), help="the hardware to walk")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    unknown = set(args.levers.split(",")) - set(LEVERS) | \
+        set(args.servers.split(",")) - set(HARDWARE)
+    if unknown:
+        parser.error(f"unknown --levers/--servers {sorted(unknown)}: use {LEVERS}, "
+                     f"{list(HARDWARE)}")
     from redco_planner.commands import simulate_devices
     simulate_devices(8)  # (the workers compile on them; here only the provenance names them)
     if args.worker:
-        Worker(args.worker, args.seq_len, args.lora_rank, args.cache).run(args.states_only)
+        Worker(args.worker, args.seq_len, args.lora_rank, args.cache, args.extrapolate).run(
+            args.states_only, args.levers.split(","), args.servers.split(","))
         return
     models = args.models.split(",")
     if not args.table_only:

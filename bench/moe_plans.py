@@ -17,8 +17,8 @@ planner's: compiling 30 to 61 layers of these shapes on 2 shared CPU cores takes
 each layout is compiled at two depths, ``d1`` and ``d1 + 1`` MoE layers (DeepSeek-V3's 3
 dense layers kept), and carried to the full depth: the state exactly (each MoE layer adds the
 same params), the collective bytes linearly, ``x(L) = x(d1) + (L - d1) (x(d1 + 1) - x(d1))``,
-and the rest of the peak (temporaries) as ``full_peak`` says (XLA's buffer assignment does
-not add a layer's worth of temporaries per layer under remat). The table says which depths.
+and the rest of the peak (temporaries) by ``depth_rule`` (its module docstring). The table says
+which depths.
 
 **The formula** (result bytes per device, as ``redco.hlo_collectives`` counts them), per
 MoE layer and step: all-to-all ``a * E * C * H * 2`` (bf16 tokens), ``a`` all-to-alls (2
@@ -53,6 +53,8 @@ import subprocess
 import sys
 import time
 
+from depth_rule import Compiled, extrapolate, layer_growth
+from depth_rule import full_peak as full_peak_rule
 from provenance import print_provenance
 
 MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")
@@ -163,21 +165,13 @@ def measure_layout(model: str, builds: dict, n_devices: int, mp: int, name: str,
 
 
 def full_peak(row: dict, more_layers: int) -> int:
-    """The state at full depth, plus the rest of the peak (temporaries, mostly): the deeper
-    compile's, plus ``more_layers - 1`` times its growth per layer, at least a third of the
-    state's (the fp32 gradients of a layer's params, a third of params + 2 AdamW moments).
-    XLA's buffer assignment does not add a layer's worth each layer (Qwen3-30B-A3B, 8 devices,
-    auto+fsdp+ep: 11.1 GB beyond the state at 1 MoE layer, 10.3 at 2; 16 devices: 10.4, 11.7),
-    so the measured growth alone is noise around the gradients' floor."""
-    one, two = row["at_depths"]
-    first, second = one["peak"] - one["state"], two["peak"] - two["state"]
-    growth = max(second - first, (two["state"] - one["state"]) / 3)
-    return int(row["state"] + second + (more_layers - 1) * growth)
-
-
-def extrapolate(at_one: int, at_two: int, more_layers: int) -> int:
-    """``at_one + more_layers * (at_two - at_one)``: the first MoE layer's figure plus the rest."""
-    return int(at_one + more_layers * (at_two - at_one))
+    """``depth_rule.full_peak`` from the row's two compiles, ``more_layers`` past the first
+    MoE layer, the gradient floor a third of a layer's state (params + 2 AdamW moments). The
+    measured growth alone is noise around that floor here (Qwen3-30B-A3B, 8 devices,
+    auto+fsdp+ep: 11.1 GB beyond the state at 1 MoE layer, 10.3 at 2; 16 devices: 10.4, 11.7)."""
+    one, two = (Compiled(d["peak"], d["state"]) for d in row["at_depths"])
+    growth = layer_growth(one, two, (two.state - one.state) / 3)
+    return full_peak_rule(row["state"], two, [(more_layers - 1, growth)])
 
 
 def summary(row: dict) -> str:

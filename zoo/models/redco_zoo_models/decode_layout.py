@@ -43,8 +43,8 @@ from jax.sharding import PartitionSpec as P
 from redco import plugins
 from redco.hlo_collectives import collectives
 from redco.sharding import make_mesh, shardings_from_specs, specs_from_rules
-from redco_zoo_models.engine_steps import decode_rows
 from redco_zoo_models.engine_memory import cache_sharding, rows_sharding, traced, vocab_size
+from redco_zoo_models.engine_steps import decode_rows
 
 HEADROOM = 0.1  # of a device's memory kept free, as the layout planner keeps it
 
