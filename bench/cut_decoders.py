@@ -65,7 +65,7 @@ def compile_cuts(name: str, seq_len: int, parts: Callable, n: int, cand: tuple, 
     import optax
 
     from redco.sharding import dataflow_trace
-    from redco_planner.planner import try_layout
+    from redco_planner.search import try_layout
     out = {}
     for kinds in cut_kinds(name):
         model = cut(name, kinds, seq_len)
