@@ -47,7 +47,7 @@ def full_depth(case: tuple, seq_len: int, parts) -> dict:
 
     from redco.sharding import dataflow_trace
     from redco_planner.inspection import load_model
-    from redco_planner.planner import try_layout
+    from redco_planner.search import try_layout
     name, lever, mp, rules, remat = case
     start = time.perf_counter()
     model = load_model(name, seq_len=seq_len)
