@@ -25,6 +25,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from redco import checkpointing
+from redco.plugins import hookimpl
 from redco.data import by_name, cast_floats
 from redco.sharding import opt_state_shardings, shardings_from_specs, specs_from_rules
 from redco.train_step import loss_and_metrics, unwrap_multisteps
@@ -280,7 +281,9 @@ class FitOptionsV04:
         self.save_opt_states = save_opt_states
         self.float_dtype = save_float_dtype
 
-    def epoch_end(self, trainer, epoch: int) -> None:
+    @hookimpl
+    def on_epoch_end(self, trainer, epoch: int) -> None:
+        """(Registered on the trainer's hooks for the fit that asked.)"""
         if self.every_k and (epoch + 1) % self.every_k == 0:
             trainer.save_ckpt(epoch, f"epoch_{epoch}", self.save_opt_states, self.float_dtype)
 

@@ -30,7 +30,7 @@ class FitPlan:
     save_ckpt: bool  # a step checkpoint after each epoch
     fit_options: dict  # for the observers' ``on_fit_start``
     v04: compat.FitOptionsV04
-
+    started: float  # perf_counter() when fit began: its startup time is logged
 
     def epochs(self, n_epochs: int | None) -> Iterable[int]:
         """The epochs this fit trains, from the one it resumes in (a stream: one)."""
@@ -122,7 +122,7 @@ class FitOptions:
 
 def plan_fit(trainer, o: FitOptions) -> FitPlan:
     """``fit``'s arguments checked and its run decided, in that order (see the module), for
-    ``trainer`` (a ``Trainer``)."""
+    ``trainer`` (a ``Trainer``); where it starts is known once its run has resumed (``start``)."""
     started, v04 = time.perf_counter(), compat.FitOptionsV04(**o.v04_options)
     check_fit_numbers(o.n_epochs, o.max_steps, o.keep_last_ckpts, o.save_every_n_steps,
                       o.eval_per_device_batch_size, o.per_device_batch_size, o.eval_every_n_steps,
@@ -135,7 +135,7 @@ def plan_fit(trainer, o: FitOptions) -> FitPlan:
     check_length(train_examples, o.n_epochs, o.max_steps, save_ckpt)
     first_examples = train_examples.peek(o.per_device_batch_size) if isinstance(
         train_examples, Stream) else compat.examples_of_epoch(train_examples, 0)
-    done = trainer.step if trainer._fitted else 0
+    done = trainer.step if trainer.fitted else 0
     workdir = trainer.deployer.workdir
     profile_window(o.profile_steps, done + 1, None, workdir)  # before placing anything
     evaluate = Evaluation.plan(
@@ -151,21 +151,23 @@ def plan_fit(trainer, o: FitOptions) -> FitPlan:
                    "save_argmax_ckpt_by_metrics": o.save_argmax_ckpt_by_metrics,
                    "profile_window": window}
     trainer.hooks.saved_state(trainer, trainer.step)  # a plugin's bad state fails now
-    position = {"epoch": 0, "examples": 0}
-    if not trainer._fitted:
-        meta = trainer.checkpoints.start(o.resume, saves=save_ckpt)
-        if meta is not None:
-            position = resume_position(meta, train_examples, first_examples)
-        elif trainer.step and not isinstance(train_examples, Stream):  # a step given (0.4's
-            position = position_of(  # last_ckpt_info): that many updates are made already
-                {"step": trainer.step, "data": {"examples_per_step": examples_per_step}},
-                len(first_examples))
-    if evaluate is not None and o.eval_sanity_check:
-        evaluate.sanity_check()
-    trainer.hooks.on_time_spent(trainer=trainer, phase="startup", step=None,
-                                seconds=time.perf_counter() - started)
     return FitPlan(train_examples, first_examples, done, examples_per_step, steps_per_epoch,
-                   position, evaluate, save_ckpt, fit_options, v04)
+                   {"epoch": 0, "examples": 0}, evaluate, save_ckpt, fit_options, v04, started)
+
+
+def start(plan: FitPlan, trainer, resumed: dict | None, sanity_check: bool) -> None:
+    """Once the run has resumed (``resumed``: the checkpoint's meta, or None): where this fit
+    starts in its data, then the evaluation's sanity check."""
+    if resumed is not None:
+        plan.position = resume_position(resumed, plan.train_examples, plan.first_examples)
+    elif plan.done == 0 and trainer.step and not isinstance(plan.train_examples, Stream):
+        plan.position = position_of(  # a step given (0.4's last_ckpt_info): that many updates
+            {"step": trainer.step, "data": {"examples_per_step": plan.examples_per_step}},
+            len(plan.first_examples))  # are made already
+    if plan.evaluate is not None and sanity_check:
+        plan.evaluate.sanity_check()
+    trainer.hooks.on_time_spent(trainer=trainer, phase="startup", step=None,
+                                seconds=time.perf_counter() - plan.started)
 
 
 def n_updates(n_epochs: int | None, steps_per_epoch: int | None, max_steps: int | None) -> int:
@@ -179,7 +181,7 @@ def plan_steps(trainer, train_examples, first_examples: Sequence, per_device_bat
     """Decide the layout on the first examples; ``(examples per update, updates per epoch)``
     (a stream: None). Warns when the lr schedule spans another number of updates than this fit
     makes."""
-    trainer._decide_layout(first_examples, per_device_batch_size)
+    trainer.prepare(first_examples, per_device_batch_size)
     batch_size = trainer.deployer.get_global_batch_size(per_device_batch_size)
     examples_per_step = batch_size * trainer.accumulate_grad_batches
     stream = isinstance(train_examples, Stream)

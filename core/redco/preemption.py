@@ -7,10 +7,13 @@ finishes, one step checkpoint is written (atomically, as always), and ``fit`` ra
 SIGINT), so the command exits saying so and a rerun resumes from that checkpoint. A second SIGINT
 exits at once (``KeyboardInterrupt``); a second SIGTERM is ignored, so it cannot cut the save.
 
-With several processes every one must stop after the same step. JAX's preemption service (on in
-every ``jax.distributed`` run) takes SIGTERM, tells the other processes, and agrees with them on
-the step to stop after (``reached_preemption_sync_point``); a SIGINT here is passed on to it as a
-SIGTERM of this process.
+With several processes every one must stop at the same boundary of its loop (an update in ``fit``,
+a round of a loop of rounds). JAX's preemption service (on in every ``jax.distributed`` run) takes
+SIGTERM, tells the other processes, and agrees with them on the boundary to stop at
+(``reached_preemption_sync_point``: the one after the furthest any process reached); a SIGINT
+here is passed on to it as a SIGTERM of this process. The service matches boundaries by an
+increasing number that must step by one, so boundaries are counted here, for the whole process
+(a round of many updates is one), not by the trainer's step.
 """
 from __future__ import annotations
 
@@ -29,9 +32,12 @@ class Preempted(SystemExit):
     signal's number."""
 
 
+_boundaries = 0  # boundaries reached in this process, counted the same on every process
+
+
 class Watch:
-    """Made when ``fit`` starts training, which installs its signal handlers, and ``restore``d
-    when it ends; ``stop_after(step)`` says whether to stop once ``step`` is done."""
+    """Made when a run starts (``redco/run_context.py``), which installs its signal handlers, and
+    ``restore``d when it ends; ``stop_after_boundary()`` says whether to stop at this boundary."""
 
     def __init__(self):
         self.signum: int | None = None
@@ -56,9 +62,12 @@ class Watch:
         elif signum == signal.SIGINT:
             raise KeyboardInterrupt
 
-    def stop_after(self, step: int) -> bool:
+    def stop_after_boundary(self) -> bool:
+        """Whether a signal asks to stop at the boundary just reached (all processes agree)."""
+        global _boundaries
         if self._service:
-            if self._previous and multihost_utils.reached_preemption_sync_point(step):
+            _boundaries += 1
+            if self._previous and multihost_utils.reached_preemption_sync_point(_boundaries):
                 self.signum = self.signum or signal.SIGTERM
                 return True
             return False

@@ -11,8 +11,9 @@ the whole process sees every Trainer. Results of both are returned as one list.
 """
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import pluggy
 
@@ -37,6 +38,15 @@ class RunHooks:
         def call(**kwargs) -> list:
             return [*getattr(self._local.hook, name)(**kwargs), *getattr(pm.hook, name)(**kwargs)]
         return call
+
+    @contextlib.contextmanager
+    def registered(self, callback: Any) -> Iterator[None]:
+        """``callback``'s hooks called meanwhile (after the others')."""
+        self._local.register(callback)
+        try:
+            yield
+        finally:
+            self._local.unregister(callback)
 
     def saved_state(self, trainer: Any, step: int) -> dict:
         """Every plugin's ``state_to_save``, merged; an error naming two plugins that return

@@ -66,7 +66,7 @@ def train_scanned(trainer: Any, examples: Sequence, per_device_batch_size: int,
                   epochs: Sequence[int], desc: str = "") -> None:
     """``Trainer.train_scanned``: every update of ``epochs`` over ``examples`` in one compiled
     call (module docstring); observers see each update (``on_step_end``) once it returns."""
-    trainer._decide_layout(examples, per_device_batch_size)
+    trainer.prepare(examples, per_device_batch_size)
     size = trainer.deployer.get_global_batch_size(per_device_batch_size)
     size *= trainer.accumulate_grad_batches
     n_full_batches(examples, size, "train_examples")

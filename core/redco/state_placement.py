@@ -1,4 +1,4 @@
-"""Placing a trainer's state on the mesh, once its layout is decided (``Trainer._decide_layout``).
+"""Placing a trainer's state on the mesh, once its layout is decided (``Trainer.prepare``).
 
 The shardings (``state_shardings``): params by the layout's rules; the optimizer state as the
 params it tracks (``opt_state_shardings``; only for the trainable ones); step and rng

@@ -6,7 +6,7 @@ step and epoch, the data (how many examples and the seed, which fix their order;
 examples have a ``fingerprint`` attribute, that string, which names what they are made of, e.g.
 a corpus file's documents and tokens; and the position in them, ``redco/data_order.py``) and
 every plugin's ``state_to_save`` (in ``trainer.run(loop=...)``, the loop's ``state_dict()`` too).
-``StepCheckpoints`` is the component ``fit`` (and ``redco/run_context.py``) calls for them;
+``StepCheckpoints`` writes and reads them for the run (``redco/run_context.py``), which decides when;
 resuming with other data or another seed is refused naming what changed, since the run would
 not see the examples the interrupted one would have (another batch size or number of
 processes is fine: the position is counted in examples).
@@ -164,7 +164,8 @@ class StepCheckpoints:
         ``wait``: once the write in flight is done, the hang watch paused meanwhile)."""
         trainer = self.trainer
         if wait:
-            with trainer.hang_watch_paused(), timed(trainer, "checkpoint"):
+            with trainer.hang_watch_paused("waiting for a step checkpoint's background write"), \
+                    timed(trainer, "checkpoint"):
                 self.join()
         finished = self.finished()
         if finished:

@@ -58,8 +58,8 @@ def report(trainer: Any, step: int, metrics: dict) -> None:
         raise FloatingPointError(
             f"Training stopped at step {step}: loss is {metrics.get('loss')}, grad_norm is "
             f"{metrics.get('grad_norm')}; {kept}. Lower the learning rate or check the data.")
-    if trainer.guard is not None:
-        trainer.guard.progress(step)
+    if trainer.context is not None:
+        trainer.context.progress(step)
     for extra in trainer.hooks.collect_step_metrics(trainer=trainer, step=step, metrics=metrics):
         metrics.update(extra or {})
     trainer.hooks.on_step_end(trainer=trainer, step=step, metrics=metrics)

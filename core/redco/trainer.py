@@ -8,16 +8,17 @@ import jax
 import numpy as np
 import optax
 
-from redco import compat, epoch_loop, scanned_updates, trainer_state, watchdog
+from redco import compat, epoch_loop, fit_plan, scanned_updates, trainer_state, watchdog
 from redco import remat as redco_remat
 from redco.compiled_steps import CompiledSteps
 from redco.data import by_name, check_array_leaves, check_number, n_full_batches
+from redco.data_order import Stream, as_stream
 from redco.deployer import Deployer
 from redco.evaluation import Evaluation, mean_loss
-from redco.fit_plan import FitOptions, plan_fit
+from redco.fit_plan import FitOptions
 from redco.predictor import Predictor
+from redco.protocols import UsageError
 from redco.run_context import LoopState, RunContext
-from redco.run_guard import RunGuard
 from redco.run_hooks import RunHooks
 from redco.sharding import Rules
 from redco.step_checkpoints import StepCheckpoints
@@ -124,8 +125,8 @@ class Trainer(compat.TrainerV04):
         self.callbacks = list(callbacks)
         self.hooks = RunHooks(self, self.callbacks)  # its observers, then the process's plugins
         self.stop_reason: str | None = None  # set by request_stop; fit stops on it
-        self.guard: RunGuard | None = None  # set by RunGuard while fit (or trainer.run) trains
-        self._fitted = False  # a fit ran to its end: a later fit trains its epochs again
+        self.context: RunContext | None = None  # the run under way (fit's, trainer.run's)
+        self.fitted = False  # a fit ran to its end: a later fit trains its epochs again
         self.checkpoints = StepCheckpoints(self)  # resume and step checkpoints, as fit asks
         self.params_sharding_rules = params_sharding_rules
         self.state: TrainState | None = None  # placed once the layout is decided
@@ -135,9 +136,11 @@ class Trainer(compat.TrainerV04):
                        "step": v04["step"]}
 
     # ---- the layout, decided once; the state, placed once -------------------------------------
-    def _decide_layout(self, examples: Sequence, per_device_batch_size: int) -> None:
-        """At the first batch: the deployer fixes the mesh and the final rules, then the state
-        is placed, once (``redco/trainer_state.py``)."""
+    def prepare(self, examples: Sequence, per_device_batch_size: int) -> None:
+        """Decide the layout for batches of ``per_device_batch_size`` rows per device of
+        ``examples`` (one device's rows are collated and traced abstractly; nothing compiles) and
+        place the state on it, once: what ``fit`` does at its first batch. Call it before a loop
+        of your own (``trainer.run``) (``redco/trainer_state.py``)."""
         trainer_state.decide_layout(self, examples, per_device_batch_size)
 
     def set_train_state(self, params: Any = None, opt_state: Any = None,
@@ -193,11 +196,27 @@ class Trainer(compat.TrainerV04):
         """Run the updates of ``epoch``, from the ``start_example``-th example of its shuffled
         order on (``redco/data_order.py``; a stream: its next examples), at most
         ``max_updates`` of them; ``evaluate_every=(evaluation, n)``: evaluate after every n-th
-        update (stop there if asked to). Called outside ``fit``, it returns once the step
-        checkpoints it started are written (``redco/epoch_loop.py``)."""
-        epoch_loop.train_epoch(self, examples, per_device_batch_size, epoch, start_example,
-                               save_every_n_steps, keep_last_ckpts, desc, max_updates,
-                               evaluate_every)
+        update (stop there if asked to). Inside ``trainer.run`` its updates are part of the
+        loop's unit (the run saves and stops at the loop's ``step_done``); called on its own it
+        is a run of its own, whose updates are its boundaries (``save_every_n_steps``,
+        ``keep_last_ckpts``; SIGTERM saves and stops), and returns once its checkpoints are
+        written (``redco/epoch_loop.py``)."""
+        if self.context is not None:
+            if save_every_n_steps is not None:
+                raise UsageError("train_epoch(save_every_n_steps=...) inside fit() or "
+                                 "trainer.run(): the run decides when to save; pass "
+                                 "save_every_n_steps to trainer.run() instead.")
+            epoch_loop.train_epoch(self, examples, per_device_batch_size, epoch, start_example,
+                                   desc, max_updates, evaluate_every)
+            return
+        examples = as_stream(examples)
+        self.prepare(examples.peek(per_device_batch_size) if isinstance(examples, Stream)
+                     else examples, per_device_batch_size)
+        with RunContext(self, save_every_n_steps=save_every_n_steps,
+                        keep_last_ckpts=keep_last_ckpts, resume=None, save_at_end=False,
+                        each_update=True):
+            epoch_loop.train_epoch(self, examples, per_device_batch_size, epoch, start_example,
+                                   desc, max_updates, evaluate_every)
 
     def train_scanned(self, examples: Sequence, per_device_batch_size: int,
                       epochs: Sequence[int], desc: str = "") -> None:
@@ -222,7 +241,7 @@ class Trainer(compat.TrainerV04):
         first such batch of ``examples``, not compiled: ``.as_text()`` is its StableHLO. (Its
         ``.cost_analysis()`` counts the micro-batch loop once; ``step_flops()`` gives the whole
         update's FLOPs.) The layout is decided here as at the first batch."""
-        self._decide_layout(examples, per_device_batch_size)
+        self.prepare(examples, per_device_batch_size)
         return self.steps.lower(examples, per_device_batch_size)
 
     def compile_train_step(self, examples: Sequence,
@@ -240,7 +259,7 @@ class Trainer(compat.TrainerV04):
         where given); the last partial batch counts by its size. A few steps at most are in
         flight at a time (``redco/in_flight.py``)."""
         n_full_batches(len(examples), 1, "eval_examples")
-        self._decide_layout(examples, min(per_device_batch_size, len(examples)))
+        self.prepare(examples, min(per_device_batch_size, len(examples)))
         return mean_loss(self, examples, per_device_batch_size, max_batches)
 
     def ckpt_tree(self) -> dict:
@@ -249,22 +268,26 @@ class Trainer(compat.TrainerV04):
         return {"params": self.state.params, "opt_state": self.state.opt_state,
                 "rng": self.state.rng}
 
-    def save_step_ckpt(self, epoch: int, keep_last_ckpts: int = 1,
+    def save_step_ckpt(self, epoch: int | None = None, keep_last_ckpts: int = 1,
                        background: bool = False) -> str:
         """Checkpoint everything a resume needs as ``ckpts/step_<step>``; keep the newest
-        ``keep_last_ckpts`` of them. With ``background`` (fit's own saves), training goes on
+        ``keep_last_ckpts`` of them. With ``background`` (a run's own saves), training goes on
         while it is written (``Trainer(async_checkpoints=)``, ``redco/step_checkpoints.py``):
-        it is complete when ``on_checkpoint_saved`` is called for it."""
-        with self.hang_watch_paused(), timed(self, "checkpoint"):
+        it is complete when ``on_checkpoint_saved`` is called for it. (A run decides when to
+        save by itself: ``trainer.run``'s ``save_every_n_steps``.)"""
+        with self.hang_watch_paused(f"saving step checkpoint step_{self.step}"), \
+                timed(self, "checkpoint"):
             path = self.checkpoints.save(epoch, keep_last_ckpts, background)
         self.checkpoints.announce()
         return path
 
-    def hang_watch_paused(self):
+    def hang_watch_paused(self, waiting_for: str | None = None):
         """``with trainer.hang_watch_paused():`` around long work that is not a step (a
         checkpoint, an evaluation; your own in a callback) keeps ``Trainer(hang_timeout_s=)``
-        from taking it for a hang."""
-        return self.guard.paused() if self.guard is not None else contextlib.nullcontext()
+        from taking it for a hang; ``waiting_for`` (what it waits for): unless it lasts longer
+        than that timeout."""
+        return self.context.paused(waiting_for) if self.context is not None \
+            else contextlib.nullcontext()
 
     def fit(self, train_examples: Sequence | Callable | Iterable, per_device_batch_size: int,
             n_epochs: int | None = None, eval_examples: Sequence | None = None,
@@ -300,21 +323,28 @@ class Trainer(compat.TrainerV04):
         """
         options = FitOptions(**{name: value for name, value in locals().items() if name != "self"})
         self.stop_reason = None  # a stop asked in an earlier fit does not end this one
-        plan = plan_fit(self, options)
-        with RunGuard(self):
+        plan = fit_plan.plan_fit(self, options)
+        with RunContext(self, save_every_n_steps=options.save_every_n_steps,
+                        keep_last_ckpts=keep_last_ckpts, resume=None if self.fitted else resume,
+                        save_at_end=False, each_update=True, saves=plan.save_ckpt) as run, \
+                self.hooks.registered(plan.v04):  # (Redco 0.4's per-epoch saves)
+            fit_plan.start(plan, self, run.resumed, eval_sanity_check)
             self.hooks.on_fit_start(trainer=self, n_epochs=n_epochs, fit_options=plan.fit_options,
                                     steps_per_epoch=plan.steps_per_epoch)
-            epoch_loop.train_epochs(self, plan, options)
+            epoch_loop.train_epochs(self, plan, options, run)
             self.checkpoints.announce(wait=True)
-            self._fitted = True
+            self.fitted = True
             self.hooks.on_fit_end(trainer=self)
 
-    def run(self, loop: LoopState | None = None, **options) -> RunContext:
+    def run(self, loop: LoopState | None = None, save_every_n_steps: int | None = None,
+            save_every_minutes: float | None = None, keep_last_ckpts: int = 1,
+            resume: bool = True, save_at_end: bool = True) -> RunContext:
         """``with trainer.run(loop=...) as run:``, then ``run.step_done()`` after each unit of
         your loop: ``fit``'s resume, step checkpoints, SIGTERM save-and-stop and hang watchdog for
-        any loop (``redco/run_context.py``; ``options``: ``save_every_n_steps``,
-        ``save_every_minutes``, ``keep_last_ckpts``, ``resume``, ``save_at_end``)."""
-        return RunContext(self, loop, **options)
+        any loop, acting only at those boundaries (``redco/run_context.py``). Call
+        ``trainer.prepare`` first."""
+        return RunContext(self, loop, save_every_n_steps, save_every_minutes, keep_last_ckpts,
+                          resume, save_at_end)
 
     def get_default_predictor(self, pred_fn: Callable, output_fn: Callable | None = None
                               ) -> Predictor:

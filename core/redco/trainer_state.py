@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # annotations only (trainer.py imports this module)
 
 
 def decide_layout(trainer: Trainer, examples: Sequence, per_device_batch_size: int) -> None:
-    """``Trainer._decide_layout``: at the first batch, the deployer fixes the mesh and the final
+    """``Trainer.prepare``: at the first batch, the deployer fixes the mesh and the final
     rules (from the loss's dataflow, traced on one device's batch, unless rules were given);
     then the state is placed, once."""
     if trainer.state is not None:

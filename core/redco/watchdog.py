@@ -9,7 +9,10 @@ A daemon thread watches while ``Trainer.fit`` trains. A step has finished when i
 read (the step ``metrics.jsonl`` logs). The watch starts at the first finished step of each fit
 (the first step compiles, which may take many minutes) and is paused while a checkpoint is written,
 the model evaluated, or a callback works in ``trainer.hang_watch_paused()``; after each it starts
-again with a full timeout.
+again with a full timeout. A pause that names what it waits for (a step checkpoint's save) is a
+hang too once it lasts longer than the timeout: the process exits naming it, and the other
+processes stop counting it as busy (a save every process does not agree on would otherwise
+leave them all waiting for each other, none of them "stuck").
 
 With several processes each one also publishes a heartbeat (wall time, last finished step, paused
 or not) in JAX's coordination key-value store, every second (a fifth of the timeout if shorter)
@@ -94,6 +97,7 @@ class Watchdog:
         self.beat = min(1.0, timeout_s / 5)
         self.step: int | None = None
         self.last: float | None = None  # monotonic time of the last progress; None: not watching
+        self.waiting: tuple[str, float] | None = None  # a bounded pause: (what, since when)
         self.done, self.changed = threading.Event(), threading.Event()
         self.unpublished: str | None = None  # why the last heartbeat did not get through
         self.said_unpublished = False
@@ -109,12 +113,23 @@ class Watchdog:
         self.changed.set()
 
     @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self, waiting_for: str | None = None) -> Iterator[None]:
+        """No step is expected meanwhile; ``waiting_for`` (e.g. "writing step checkpoint
+        step_6"): no longer than the timeout either."""
         armed, self.last = self.last is not None, None
+        outer, self.waiting = self.waiting, (waiting_for, time.monotonic()) if waiting_for \
+            else self.waiting
         try:
             yield
         finally:
-            self.last = time.monotonic() if armed else None
+            self.last, self.waiting = (time.monotonic() if armed else None), outer
+
+    def _overdue(self) -> str | None:
+        """What a bounded pause has waited for longer than the timeout, if it has."""
+        waiting = self.waiting
+        if waiting is not None and time.monotonic() - waiting[1] >= self.timeout:
+            return waiting[0]
+        return None
 
     def stop(self) -> None:
         self.done.set()
@@ -123,7 +138,8 @@ class Watchdog:
     def _publish(self) -> None:
         me = f"{KEY}{jax.process_index()}"
         while not self.done.is_set():
-            record = {"time": time.time(), "step": self.step, "paused": self.last is None}
+            record = {"time": time.time(), "step": self.step,
+                      "paused": self.last is None and self._overdue() is None}
             try:
                 _private.key_value_set(self.client, me, json.dumps(record))
                 self.unpublished = None
@@ -144,22 +160,31 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self.done.wait(self.beat):
+            overdue = self._overdue()
+            if overdue is not None:
+                self._exit(f"Process {jax.process_index()} of {jax.process_count()} has waited "
+                           f"{self.timeout:g} s {overdue} (last finished step {self.step}): "
+                           "treated as a hang.")
             last = self.last
             if last is None or time.monotonic() - last < self.timeout:
                 continue
             stuck = self._stuck() if self.client is not None else "this process"
             if stuck is None or self.done.is_set() or self.last != last:
                 continue  # another process is busy saving or evaluating; or progress came
-            message = (f"No train step finished for {self.timeout:g} s on process "
+            self._exit(f"No train step finished for {self.timeout:g} s on process "
                        f"{jax.process_index()} of {jax.process_count()} (last finished step "
-                       f"{self.step}). Stuck: {stuck}. Exiting with status {EXIT_STATUS}; "
-                       "find out why it hangs, then run the same command again to resume from "
-                       f"the last step checkpoint (Trainer(hang_timeout_s=), Deployer(hang_timeout_s=) "
-                       f"or {ENV} sets the timeout).")
-            if jax.process_index() == 0:
-                logging.getLogger("redco").error(message)  # log.txt
-            print(message, file=sys.stderr, flush=True)
-            os._exit(EXIT_STATUS)
+                       f"{self.step}). Stuck: {stuck}.")
+
+    def _exit(self, what: str) -> None:
+        """Say ``what`` hangs and how to go on, then end the process (its main thread is stuck)."""
+        message = (f"{what} Exiting with status {EXIT_STATUS}; find out why it hangs, then run "
+                   "the same command again to resume from the last step checkpoint "
+                   f"(Trainer(hang_timeout_s=), Deployer(hang_timeout_s=) or {ENV} sets the "
+                   "timeout).")
+        if jax.process_index() == 0:
+            logging.getLogger("redco").error(message)  # log.txt
+        print(message, file=sys.stderr, flush=True)
+        os._exit(EXIT_STATUS)
 
     def _stuck(self) -> str | None:
         """Who is stuck, from every process's heartbeat; None if one is paused, not stuck."""

@@ -29,7 +29,7 @@ def lm_trainer(workdir, n_model_shards=2, fmt="orbax", model=None) -> Trainer:
 def placed(trainer: Trainer) -> Trainer:
     """``trainer`` with its layout decided and its state placed, as at ``fit``'s first batch, so
     that ``trainer.ckpt_tree()`` is the tree a checkpoint of it holds."""
-    trainer._decide_layout(lm_examples(32), 1)
+    trainer.prepare(lm_examples(32), 1)
     return trainer
 
 

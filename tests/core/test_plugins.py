@@ -45,7 +45,7 @@ def test_every_hook_is_exercised_by_a_run(workdir, capsys, monkeypatch):
         main(["zoo", "list"])
         own = Trainer(Deployer(jax_seed=0, workdir=workdir + "3", verbose=False), mlp_collate,
                       mlp_apply, mlp_loss, params, optax.sgd(0.1), callbacks=[Recorder()])
-        own.lower_train_step(mlp_examples(16), 2)
+        own.prepare(mlp_examples(16), 2)
         with own.run() as run:  # a loop that is not fit: on_run_start, on_run_end
             own.train_epoch(mlp_examples(16), 2, epoch=0)
             run.step_done()

@@ -35,7 +35,7 @@ def own_loop(workdir, sigterm_after_round=None, **run_options):
     deployer = Deployer(jax_seed=0, workdir=str(workdir), verbose=False)
     trainer = Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, mlp_init(n_layers=3),
                       optax.adam(1e-2))
-    trainer.lower_train_step(mlp_examples(16), PER_DEVICE)  # the layout, before the run
+    trainer.prepare(mlp_examples(16), PER_DEVICE)  # the layout, before the run
     loop = Rounds()
     with trainer.run(loop=loop, **run_options) as run:
         resumed_at = loop.round
@@ -73,7 +73,7 @@ def test_checkpoints_come_every_n_steps_and_at_the_end(tmp_path):
 def test_a_run_before_the_layout_is_decided_is_refused(tmp_path):
     deployer = Deployer(jax_seed=0, workdir=str(tmp_path), verbose=False)
     trainer = Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, mlp_init(), optax.adam(1e-2))
-    with pytest.raises(RuntimeError, match=r"call trainer.lower_train_step"):
+    with pytest.raises(RuntimeError, match=r"call trainer.prepare"):
         trainer.run(loop=Rounds())
 
 

@@ -95,7 +95,7 @@ def fedavg(trainer: redco.Trainer, clients: list, n_rounds: int, clients_per_rou
     """The server: each round, train ``clients_per_round`` sampled clients from its params and
     average theirs, weighted by their numbers of examples; ``on_round(round, params)`` after each.
     Run in ``trainer.run(**run_options)``: a rerun resumes after the newest step checkpoint."""
-    trainer.lower_train_step(clients[0], per_device_batch_size)  # the layout, before the run
+    trainer.prepare(clients[0], per_device_batch_size)  # the layout, before the run
     loop = ServerRounds(seed)
     with trainer.run(loop=loop, **run_options) as run:
         server = jax.device_get(trainer.params)

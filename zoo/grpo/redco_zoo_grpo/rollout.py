@@ -219,7 +219,7 @@ class GRPO:
         if self.reference is not None:
             placeholder["ref_logps"] = placeholder["old_logps"]
         size = self.trainer.deployer.get_global_batch_size(self.batch_size)
-        self.trainer.lower_train_step([placeholder] * size, self.batch_size)
+        self.trainer.prepare([placeholder] * size, self.batch_size)
         if self.reference == "copy":  # the params before the first update
             self.ref_params = jax.tree.map(jnp.copy, self.trainer.params)
         if self.engine_rows:

@@ -161,7 +161,7 @@ def train(env_id="CartPole-v1", total_steps=300_000, n_envs=16, n_steps=64, seed
     params = init_params(jax.random.PRNGKey(seed), collector.envs.single_observation_space.shape[0],
                          collector.envs.single_action_space.n)
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optimizer, lr_schedule_fn=schedule)
-    trainer.lower_train_step(placeholder(collector.envs, per_device * deployer.dp_size), per_device)
+    trainer.prepare(placeholder(collector.envs, per_device * deployer.dp_size), per_device)
     loop = Iterations(collector)
     with trainer.run(loop=loop, save_every_n_steps=save_every_n_steps) as run:
         while loop.done < n_iters:
