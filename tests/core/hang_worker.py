@@ -10,6 +10,9 @@ evaluating at the epoch's end.
   first step's compile), each step checkpoint (every 3 updates and at the end), the evaluation,
   and a callback's own work after update 5 (under ``trainer.hang_watch_paused()``). The run must
   end normally.
+* ``stuck-save:N`` - the write of step checkpoint ``step_N`` never ends (a filesystem that stopped
+  answering, a save another process never joins); just before, it writes the wall time to
+  ``WORKDIR/hung_at``.
 """
 import os
 import sys
@@ -26,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/core, fo
 from helpers import mlp_apply, mlp_collate, mlp_examples, mlp_init, mlp_loss  # noqa: E402
 
 import redco  # noqa: E402
-from redco import Deployer, Trainer  # noqa: E402
+from redco import Deployer, Trainer, plugins  # noqa: E402
+from redco.protocols import CheckpointFormat  # noqa: E402
 
 workdir, mode = sys.argv[1], sys.argv[2]
 on_trainer = {} if len(sys.argv) < 4 else {"hang_timeout_s": float(sys.argv[3])}
@@ -72,6 +76,29 @@ def loss(rng, state, params, batch, is_training):
     return mlp_loss(rng, state, params, batch, is_training)
 
 
+class StuckSave(CheckpointFormat):
+    """Orbax, except that the save of ``step_<value>`` never returns (registered as "orbax")."""
+
+    def __init__(self):
+        self.real = plugins.lookup("checkpoint_formats", "orbax")
+
+    @redco.hookimpl
+    def register_checkpoint_formats(self, register):
+        register("orbax", self)
+
+    def save(self, path, tree):
+        if f"step_{value}.tmp" in path:
+            with open(os.path.join(workdir, "hung_at"), "w") as f:
+                f.write(repr(time.time()))
+            threading.Event().wait()  # forever
+        return self.real.save(path, tree)
+
+    def load(self, path, target):
+        return self.real.load(path, target)
+
+
+if kind == "stuck-save":
+    plugins.pm.register(StuckSave())
 deployer = Deployer(jax_seed=0, workdir=workdir, verbose=False,
                     **({"hang_timeout_s": 0} if on_trainer else {}))
 trainer = Trainer(deployer, collate, mlp_apply, loss, mlp_init(), optax.adam(1e-3),

@@ -63,6 +63,21 @@ def test_a_deadlocked_data_loader_ends_the_run_naming_the_last_step(tmp_path, on
     print(f"exited {ended - hung_at:.2f} s after the hang (timeout {TIMEOUT_S} s)")
 
 
+def test_a_checkpoint_write_that_never_ends_is_a_hang_named_as_such(tmp_path):
+    """A pause for a save is bounded by the timeout: a write of step_3 that never returns ends the
+    run (124) within twice the timeout, naming what it waited for."""
+    workdir = str(tmp_path / "run")
+    code, out, ended = run_worker(workdir, "stuck-save:3")
+    with open(os.path.join(workdir, "hung_at")) as f:
+        hung_at = float(f.read())
+    assert code == 124, out[-3000:]
+    assert "fit ended" not in out
+    assert re.search(rf"Process 0 of 1 has waited {TIMEOUT_S} s (saving step checkpoint step_6|"
+                     r"waiting for a step checkpoint's background write) \(last finished step "
+                     r"\d\): treated as a hang\. Exiting with status 124", out), out[-3000:]
+    assert ended - hung_at < 2 * TIMEOUT_S + 1, f"exited {ended - hung_at:.1f} s after the hang"
+
+
 def test_a_slow_compile_checkpoint_evaluation_and_paused_callback_are_not_a_hang(tmp_path):
     """Each takes a third longer than the timeout; the watch is paused, or not yet started."""
     workdir = str(tmp_path / "run")

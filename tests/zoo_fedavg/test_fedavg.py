@@ -4,14 +4,17 @@ template's project: tests/templates)."""
 import argparse
 import json
 import os
+import signal
 import sys
 
 import jax
 import numpy as np
 import optax
+import pytest
 
 import redco
 from redco.cli import main as redco_main
+from redco.preemption import Preempted
 from redco_zoo_fedavg import pipeline as fedavg_module
 from redco_zoo_fedavg.pipeline import FedAvgPipeline, fedavg, load_digits, split_clients, train_locally
 
@@ -89,35 +92,49 @@ def test_zoo_list_and_new_list_show_fedavg(capsys):
     assert "fedavg" in capsys.readouterr().out
 
 
-def test_a_fedavg_run_stopped_by_sigterm_resumes_to_the_same_bits(tmp_path, monkeypatch):
-    """4 rounds of 3 sampled clients; SIGTERM during round 2: it ends, its step checkpoint holds
-    the server's params and the sampler's rng, ``Preempted`` (143); the rerun resumes there and
-    ends with the params of a run never stopped."""
-    import signal
+class Updates:
+    """Counts the updates a run makes; SIGTERM to itself right after update ``sigterm_at``."""
 
-    import pytest
+    def __init__(self, sigterm_at=None):
+        self.n, self.sigterm_at = 0, sigterm_at
 
-    from redco.preemption import Preempted
+    @redco.hookimpl
+    def on_step_end(self, trainer, step, metrics):
+        self.n += 1
+        if step == self.sigterm_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_fedavg_run_stopped_by_sigterm_resumes_to_the_same_bits(tmp_path):
+    """4 rounds of 3 sampled clients; SIGTERM between rounds 2 and 3, and inside a client's local
+    epoch in round 2 (4 updates into it). Each stops at the end of round 2, its step checkpoint
+    holding the server's params and the sampler's rng, ``Preempted`` (143); the rerun resumes
+    there, makes the updates left (as many in all as a run never stopped) and ends with its
+    params."""
     clients = split_clients(load_digits(seed=0)[0], n_clients=10, iid=False, seed=0)
 
-    def run(workdir, on_round=lambda r, p: None):
+    def run(workdir, updates, on_round=lambda r, p: None):
         deployer = redco.Deployer(jax_seed=0, workdir=str(workdir), verbose=False)
         trainer = redco.Trainer(deployer, fedavg_module.collate_fn, fedavg_module.apply_fn,
                                 fedavg_module.loss_fn, jax.device_get(fedavg_module.init_params(0)),
-                                optax.sgd(0.1))
+                                optax.sgd(0.1), callbacks=[updates])
         return fedavg(trainer, clients, n_rounds=4, clients_per_round=3, local_epochs=1,
                       per_device_batch_size=2, on_round=on_round)
 
-    whole = run(tmp_path / "whole")
-    def sigterm_in_round_2(r, params):
-        if r == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-    with pytest.raises(Preempted) as stopped:
-        run(tmp_path / "cut", sigterm_in_round_2)
-    assert stopped.value.code == 143
-    cut = run(tmp_path / "cut")
-    assert "Resumed from" in (tmp_path / "cut" / "log.txt").read_text()
-    jax.tree.map(np.testing.assert_array_equal, cut, whole)
+    counted, round_ends = Updates(), []
+    whole = run(tmp_path / "whole", counted, lambda r, p: round_ends.append(counted.n))
+    for where, cut_updates, on_round in [
+            ("between", Updates(), lambda r, p: r == 1 and os.kill(os.getpid(), signal.SIGTERM)),
+            ("inside", Updates(sigterm_at=round_ends[0] + 4), lambda r, p: None)]:
+        with pytest.raises(Preempted) as stopped:
+            run(tmp_path / where, cut_updates, on_round)
+        assert stopped.value.code == 143
+        assert f"Stopped by SIGTERM after step {round_ends[1]}:" in stopped.value.reason, where
+        rest = Updates()
+        cut = run(tmp_path / where, rest)
+        assert "Resumed from" in (tmp_path / where / "log.txt").read_text()
+        assert cut_updates.n + rest.n == counted.n, (where, cut_updates.n, rest.n, counted.n)
+        jax.tree.map(np.testing.assert_array_equal, cut, whole)
 
 
 def test_a_fedavg_run_killed_at_random_moments_reruns_to_the_same_bits(tmp_path):

@@ -1,0 +1,71 @@
+"""A loop of rounds of its own (``trainer.run``) on 2 processes (``loop_worker.py``): decisions
+every process agrees on. Saves by time are decided by process 0 and broadcast, so processes whose
+host work between updates differs (0.1 s against 0.45 s a round) save at the same steps and both
+end (before: each read its own clock, one saved, and both waited for each other until killed). A
+SIGTERM to one process inside a round (between two of its updates) stops both at the end of the
+same round (that round's, or the next where the other process already ended it: the boundary after
+the furthest either reached; a round of 2 updates is one boundary of JAX's preemption service,
+whose sync point is matched exactly), and the rerun ends with the params of the uninterrupted run,
+bit for bit."""
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+from multihost_helpers import free_port, worker_env
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "loop_worker.py")
+DEADLINE_S = 240  # a hang ends here (the workers' own hang timeout is 60 s)
+
+
+def run_both(workdir, *options) -> tuple[list[int], str]:
+    """Both processes to their ends: their exit statuses and logs."""
+    os.makedirs(workdir, exist_ok=True)
+    port, procs, logs = free_port(), [], []
+    for i in range(2):
+        logs.append(os.path.join(workdir, f"..{os.path.basename(workdir)}.{i}.{port}.log"))
+        with open(logs[-1], "w") as out:
+            procs.append(subprocess.Popen([sys.executable, WORKER, str(i), str(port), workdir,
+                                           *options], env=worker_env(), stdout=out,
+                                          stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=DEADLINE_S) for p in procs]
+    except subprocess.TimeoutExpired:
+        codes = ["hung"]
+    finally:
+        for p in procs:
+            p.kill()
+    text = "\n".join(f"--- process {i}:\n" + re.sub(r"(?m)^I\d{4} .*\n", "", open(log).read())[-2500:]
+                     for i, log in enumerate(logs))
+    return codes, text
+
+
+def saved_steps(workdir, process: int) -> list[int]:
+    path = os.path.join(workdir, f"saved_{process}.txt")
+    return [int(line) for line in open(path)] if os.path.exists(path) else []
+
+
+def test_unequal_host_work_saves_by_time_at_the_same_steps_and_a_sigterm_inside_a_round_resumes(
+        tmp_path):
+    whole = str(tmp_path / "whole")
+    codes, logs = run_both(whole, "--host_work", "0.1,0.45", "--save_every_minutes", "0.01")
+    assert codes == [0, 0], logs
+    saves = saved_steps(whole, 0)
+    assert saves == saved_steps(whole, 1), logs
+    assert len(saves) >= 3 and saves[-1] == 12, saves  # by time (0.6 s) before the end's
+    assert all(step % 2 == 0 for step in saves), saves  # at rounds' ends only
+
+    cut = str(tmp_path / "cut")
+    codes, logs = run_both(cut, "--sigterm_at", "7")  # update 7: the first of round 4
+    assert codes == [143, 143], logs
+    stopped = saved_steps(cut, 0)  # a round's end both reached: round 4's, or 5's where process 0
+    assert stopped == saved_steps(cut, 1) and stopped[0] in (8, 10), logs  # was through round 4
+    assert f"Stopped by SIGTERM after step {stopped[0]}:" in open(os.path.join(cut, "log.txt")).read()
+    codes, logs = run_both(cut)
+    assert codes == [0, 0], logs
+    assert saved_steps(cut, 0) == [stopped[0], 12], logs
+    final, expected = np.load(os.path.join(cut, "final.npz")), np.load(os.path.join(whole, "final.npz"))
+    assert sorted(final) == sorted(expected)
+    for name in final:
+        np.testing.assert_array_equal(final[name], expected[name], err_msg=name)
