@@ -68,3 +68,20 @@ def test_a_bad_warmup_or_schedule_is_refused_naming_it(args, named):
     with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
         deployer.get_lr_schedule_fn(**{"train_size": 64, "per_device_batch_size": 2,
                                        "n_epochs": 1, "learning_rate": 1e-3, **args})
+
+
+@pytest.mark.parametrize("args, named", [
+    ({"warmup_steps": 4, "max_steps": 5}, "warmup_steps=4 in a run of 5 updates"),
+    ({"warmup_steps": 9, "max_steps": 5}, "warmup_steps=9 in a run of 5 updates"),
+    ({"warmup_rate": 1.0}, r"warmup_rate=1.0 \(8 updates\) in a run of 8 updates"),
+    ({"warmup_rate": 0.9}, r"warmup_rate=0.9 \(7 updates\) in a run of 8 updates")])
+def test_a_warmup_that_does_not_end_before_the_last_update_is_refused(args, named):
+    """It would end the run below its peak, or at the peak instead of the end value."""
+    deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False)  # 64 // (2 x dp 4): 8
+    with pytest.raises(ValueError, match=named + r": the warmup must end before the run's last "
+                                                 r"update.*Give fewer than \d+ warmup updates"):
+        deployer.get_lr_schedule_fn(**{"train_size": 64, "per_device_batch_size": 2,
+                                       "n_epochs": 1, "learning_rate": 1e-3, **args})
+    ok = {**args, **({"warmup_steps": 3} if "warmup_steps" in args else {"warmup_rate": 0.75})}
+    deployer.get_lr_schedule_fn(**{"train_size": 64, "per_device_batch_size": 2, "n_epochs": 1,
+                                   "learning_rate": 1e-3, **ok})  # 3 (or 6) of 5 (or 8): fine
