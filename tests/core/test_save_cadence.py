@@ -106,13 +106,13 @@ def test_a_tiny_interval_saves_every_round_and_a_huge_one_only_at_the_end(tmp_pa
 
 
 def test_a_save_by_minutes_comes_once_the_interval_has_passed_and_not_before(tmp_path):
-    """With 0.15 s between saves and rounds of a few ms: a round saves iff it ended 0.15 s or
+    """With 0.25 s between saves and rounds of a few ms: a round saves iff it ended 0.25 s or
     more after the last save. Bounds that hold however loaded the machine: a round that saved
-    ended (at the latest when its ``step_done`` returned) at least 0.15 s after the previous
+    ended (at the latest when its ``step_done`` returned) at least 0.25 s after the previous
     save began (or the run was entered); a round that did not ended (at the earliest when its
-    ``step_done`` was called) less than 0.15 s after the previous save's ``step_done``
+    ``step_done`` was called) less than 0.25 s after the previous save's ``step_done``
     returned (or the run's entry did)."""
-    interval = 0.15
+    interval = 0.25
 
     def until(rounds) -> bool:  # 3 saves, and 3 rounds without one after the first save
         saved = [s for *_, s in rounds]
