@@ -1,6 +1,7 @@
 """The learning-rate schedule ``Deployer.get_lr_schedule_fn`` makes: warmup, then linear or
 cosine decay, counted in optimizer updates, at ``end_learning_rate`` exactly from the run's
-last update on.
+last update on. A warmup that would not end before that last update is refused (the run would
+end below its peak, or at the peak instead of the end value), once the run's length is known.
 
 Its length, the run's number of updates, depends on the data-parallel size. Under
 ``n_model_shards="auto"`` that size is known only once the layout planner has picked a layout
@@ -47,6 +48,22 @@ class LrSchedule:
             check_number(name, value, low, high, integer, optional)
         if self.schedule_type not in ("linear", "cosine"):
             raise ValueError(f"schedule_type={self.schedule_type!r}: use 'linear' or 'cosine'.")
+        per_epoch = self.updates_per_epoch()  # None until the layout is picked: checked then
+        if per_epoch is not None:
+            self._warmup(self.n_epochs * per_epoch)
+
+    def _warmup(self, total: int) -> int:
+        """The warmup's updates in a run of ``total``; refused where it would not end before
+        the run's last update (which would then train at no end value, or below the peak)."""
+        warmup = self.warmup_steps if self.warmup_steps is not None else \
+            int(self.warmup_rate * total)
+        if warmup and warmup >= total - 1:
+            given = (f"warmup_steps={warmup}" if self.warmup_steps is not None else
+                     f"warmup_rate={self.warmup_rate} ({warmup} updates)")
+            raise ValueError(f"{given} in a run of {total} updates: the warmup must end before "
+                             "the run's last update, which trains at end_learning_rate. Give "
+                             f"fewer than {total - 1} warmup updates.")
+        return warmup
 
     @property
     def total_steps(self) -> int:
@@ -60,8 +77,7 @@ class LrSchedule:
 
     def _schedule(self, total: int) -> Callable:
         lr, end = self.learning_rate, self.end_learning_rate
-        warmup = self.warmup_steps if self.warmup_steps is not None else \
-            int(self.warmup_rate * total)
+        warmup = self._warmup(total)
         decay_steps = max(total - 1 - warmup, 0)
         decay = optax.linear_schedule(lr, end, decay_steps) if self.schedule_type == "linear" \
             else optax.cosine_decay_schedule(lr, max(decay_steps, 1), end / lr if lr else 0.0)

@@ -5,7 +5,10 @@ Trains helpers' tiny LLaMA-style LM on 8 simulated CPU devices, 4 a process (2 m
 2 epochs of 4 updates, a step checkpoint (orbax, written in the background) every 3 updates
 and at each epoch's end, the last 2 kept; resumes from WORKDIR's checkpoints like any rerun of
 the same command. Process 0 writes the final params to WORKDIR/final.npz. Every start appends
-the step training starts from to WORKDIR/starts_<PROCESS_ID>.txt. With ``--kill POINT`` this
+the step training starts from to WORKDIR/starts_<PROCESS_ID>.txt. Every ``on_checkpoint_saved``
+checks, when it is called, that the checkpoint it announces is in place: ``ckpts/step_<step>``
+(not a ``.tmp``), complete, its meta.json readable and of that step; it appends the step to
+WORKDIR/announced_<PROCESS_ID>.txt, or exits 4 saying what it found. With ``--kill POINT`` this
 process dies by SIGKILL at
 
 * ``step:N`` - the end of update N, once no write is in flight;
@@ -130,6 +133,16 @@ class Killer:
             die(f"at the end of step {step}, the write of step_{self.n} held in flight")
 
     @redco.hookimpl
+    def on_checkpoint_saved(self, trainer, path, step):
+        problem = not_in_place(path, step)
+        if problem:
+            print(f"bg_ckpt_worker: step_{step} announced before it was in place: {problem}",
+                  flush=True)
+            os._exit(4)
+        with open(os.path.join(self.workdir, f"announced_{jax.process_index()}.txt"), "a") as f:
+            f.write(f"{step}\n")
+
+    @redco.hookimpl
     def on_train_batch_start(self, trainer, step):
         if self.point == "term-held" and step == self.n + 1:
             if not self.fmt.holding.wait(timeout=HOLD_S):
@@ -146,6 +159,20 @@ class Killer:
                        f"JAX's preemption service logged '{SYNC_POINT_SET}'", HOLD_S)
             print(f"bg_ckpt_worker: SIGTERM before update {step}, the write of step_{self.n} "
                   "held in flight", flush=True)
+
+
+def not_in_place(path: str, step: int) -> str | None:
+    """What keeps ``path`` from being step ``step``'s complete checkpoint; None if nothing."""
+    if os.path.basename(path) != f"step_{step}":
+        return f"announced as {path}"
+    if path not in checkpointing.step_ckpts(os.path.dirname(path)):
+        return f"{path} is no complete checkpoint; its folder holds " \
+               f"{sorted(os.listdir(os.path.dirname(path)))}"
+    try:
+        saved = checkpointing.read_meta(path)["step"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"its meta.json is unreadable: {type(e).__name__}: {e}"
+    return None if saved == step else f"its meta.json says step {saved}"
 
 
 def has_line(path: str, text: str) -> bool:

@@ -10,6 +10,8 @@ reached the coordination service's barrier of that save, where it waits for the 
 ``step_N`` is not renamed into place. The other process is then killed too (as a job scheduler
 ends the rest of a job). A SIGTERM with a write held in flight (``term-held:N``) stops both
 processes after the same step; the stop waits for the held write before it writes its own.
+Neither process announces a checkpoint (``on_checkpoint_saved``) before process 0 has renamed
+it into place: each announcement checks so when it is made (``bg_ckpt_worker.py``).
 """
 import os
 import re
@@ -93,10 +95,17 @@ def starts(workdir: str, process: int) -> list[int]:
         return [int(line) for line in f]
 
 
+def announced(workdir: str, process: int) -> list[int]:
+    """The steps of the checkpoints ``process`` announced, each found in place when it was."""
+    with open(os.path.join(workdir, f"announced_{process}.txt")) as f:
+        return [int(line) for line in f]
+
+
 def test_two_processes_killed_anywhere_in_background_writes_rerun_to_the_same_bits(tmp_path):
     # 2 epochs of 4 updates; checkpoints at steps 3, 6 and the epochs' ends 4, 8; 2 kept.
     full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
     run(full)
+    assert announced(full, 0) == announced(full, 1) == [3, 4, 6, 8]
 
     # 1. process 0 (the coordinator, which renames) holds its write of step_6 and dies at the
     #    end of step 7: step_3 and step_4 are complete, step_6 is not.

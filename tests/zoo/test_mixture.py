@@ -58,6 +58,61 @@ def test_a_mixture_draws_by_weight_fixed_by_its_seed_each_source_in_its_order(dr
         mix[20_000]
 
 
+@pytest.mark.parametrize("weights, n_rows", [
+    ({"a": 1.0, "b": 1.0}, 1), ({"a": 1.0, "b": 1.0}, 777),
+    ({"a": 3.0, "b": 1.0, "c": 0.5}, 4099), ({"a": 0.01, "b": 1.0, "c": 7.0}, 20_000)])
+def test_a_mixtures_counts_are_its_rows_by_source_and_sum_to_its_length(draws, weights, n_rows):
+    """Each source's count (``shares``) is the number of rows read from it, reading every row
+    (the reference: rows say where they come from), so they sum to the mixture's length exactly;
+    each is its weight's share of the rows within 4 standard deviations of the binomial draw
+    (rows are drawn by weight, not apportioned: no rounding to match)."""
+    sources = {name: (Named(name, 13 * (i + 1)), w) for i, (name, w) in enumerate(weights.items())}
+    mix = Mixture(sources, seed=3, n_rows=n_rows)
+    read = {name: 0 for name in weights}
+    for i in range(len(mix)):
+        read[mix[i][0]] += 1
+    counts = {name: round(share * len(mix)) for name, share in mix.shares().items()}
+    assert counts == read and sum(counts.values()) == len(mix) == n_rows
+    total = sum(weights.values())
+    for name, w in weights.items():
+        p = w / total
+        assert abs(counts[name] - p * n_rows) <= 4 * np.sqrt(n_rows * p * (1 - p)) + 1, counts
+
+
+def test_a_mixture_of_more_sources_than_a_byte_holds_reads_each_row_from_its_source(draws):
+    """300 sources, the last 44 (past 256) given most of the weight: their rows are read from
+    them, as many as they were drawn (a source index kept in a byte read them from sources
+    0-43 instead)."""
+    weights = {f"{k:03d}": 50.0 if k >= 256 else 1.0 for k in range(300)}
+    mix = Mixture({name: ([f"{name}:{j}" for j in range(2)], w) for name, w in weights.items()},
+                  seed=0, n_rows=3000)
+    read = dict.fromkeys(weights, 0)
+    for i in range(len(mix)):
+        read[mix[i].split(":")[0]] += 1
+    assert {name: round(share * len(mix)) for name, share in mix.shares().items()} == read
+    heavy = sum(read[name] for name in weights if int(name) >= 256)
+    p = 44 * 50 / (44 * 50 + 256)
+    assert abs(heavy - p * 3000) <= 4 * np.sqrt(3000 * p * (1 - p)), heavy
+
+
+def test_a_mixture_drawn_by_blocks_above_in_memory_counts_every_row_once():
+    """Above ``IN_MEMORY`` rows (2^20 + 1000: 256 full blocks and one of 1000 rows), the counts
+    sum to the length, the last block's rows are read by source as counted, and each source's
+    share is its weight's within 4 standard deviations."""
+    n_rows = mixture.IN_MEMORY + 1000
+    sources = {"a": (Named("a", 5), 2.0), "b": (Named("b", 3), 1.0), "c": (Named("c", 2), 1.0)}
+    mix = Mixture(sources, seed=0, n_rows=n_rows)
+    assert "drawn by blocks" in mix.fingerprint and len(mix) == n_rows
+    counts = {name: round(share * n_rows) for name, share in mix.shares().items()}
+    assert sum(counts.values()) == n_rows
+    for name, p in (("a", 0.5), ("b", 0.25), ("c", 0.25)):
+        assert abs(counts[name] - p * n_rows) <= 4 * np.sqrt(n_rows * p * (1 - p)), counts
+    last_block = [mix[i] for i in range(n_rows - 1000, n_rows)]
+    assert all(row[0] in "abc" for row in last_block) and mix[-1] == last_block[-1]
+    with pytest.raises(IndexError):
+        mix[n_rows]
+
+
 def test_a_mixture_of_twenty_million_rows_holds_under_a_megabyte():
     """Above ``IN_MEMORY`` rows what is kept does not grow with the rows: 100M rows drawn at
     once would hold 100 MB (and make 320 MB of temporaries)."""

@@ -10,12 +10,12 @@ weights, the seed, the length) goes into every step checkpoint: resuming with ot
 refused.
 
 Memory does not grow with the corpus. Up to ``IN_MEMORY`` rows the draws are made at once and
-kept (5 bytes a row: the source, and the index within it). Above it (a mixture of token files of
-many GB) they are made a block of ``BLOCK`` rows at a time, each block's from the seed and the
-block's number alone, again whenever a row of it is read (a few microseconds); what is kept is
-how many rows each source gave the blocks before each block (8 bytes per block and source), so
-row ``i``'s index within its source is that count plus the draws of its block before it. The
-fingerprint says which way the rows were drawn.
+kept (5 bytes a row: the source, and the index within it; 6 with more than 256 sources). Above
+it (a mixture of token files of many GB) they are made a block of ``BLOCK`` rows at a time,
+each block's from the seed and the block's number alone, again whenever a row of it is read (a
+few microseconds); what is kept is how many rows each source gave the blocks before each block
+(8 bytes per block and source), so row ``i``'s index within its source is that count plus the
+draws of its block before it. The fingerprint says which way the rows were drawn.
 """
 from __future__ import annotations
 
@@ -89,7 +89,8 @@ class Draws:
 
     def __init__(self, n_rows: int, p: np.ndarray, seed: int, lengths: list[int]):
         self.n_rows = n_rows
-        self.source = np.random.default_rng(seed).choice(len(p), size=n_rows, p=p).astype(np.uint8)
+        self.source = np.random.default_rng(seed).choice(len(p), size=n_rows, p=p).astype(
+            np.min_scalar_type(len(p) - 1))  # (a byte holds 256 sources' numbers)
         self.within = np.zeros(n_rows, np.uint32)  # the how-many-th row of its source
         for k, length in enumerate(lengths):
             drawn = np.flatnonzero(self.source == k)
