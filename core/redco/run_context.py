@@ -124,11 +124,14 @@ class RunContext:
         ``epoch_ends``: the epoch's end saves, not the cadence."""
         if self.each_update:
             self.boundary(epoch, flush, may_save=not epoch_ends)
+        else:
+            self.trainer.checkpoints.announce()  # (a write's end, or its error, seen at once)
 
     def boundary(self, epoch: int | None, flush: Callable[[], None] = lambda: None,
                  may_save: bool = True) -> None:
         """Stop on a signal all processes agreed on (saving first); else save when due."""
         step = self.trainer.step
+        self.trainer.checkpoints.announce()  # the writes done since; a failed one raises here
         stop = self.watch.stop_after_boundary()
         due = not stop and may_save and self.cadence.due(step)
         if stop or due:
@@ -137,7 +140,6 @@ class RunContext:
             self._stop(epoch, step)
         if due:
             self.save(epoch, background=True)
-        self.trainer.checkpoints.announce()
 
     def _stop(self, epoch: int | None, step: int) -> None:
         saved = self.save(epoch) if self.writes else None

@@ -50,7 +50,7 @@ def rounds(workdir, fmt: str, n_rounds: int, after_round=lambda trainer, round_:
     deployer = Deployer(jax_seed=0, workdir=str(workdir), verbose=False, checkpoint_format=fmt)
     trainer = Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, mlp_init(n_layers=3),
                       optax.adam(1e-2))
-    trainer.lower_train_step(mlp_examples(16), PER_DEVICE)
+    trainer.prepare(mlp_examples(16), PER_DEVICE)
     with trainer.run(save_every_n_steps=2, keep_last_ckpts=1) as run:
         for round_ in range(trainer.step // 2, n_rounds):
             trainer.train_epoch(mlp_examples(32, seed=round_), PER_DEVICE, epoch=round_)

@@ -59,7 +59,7 @@ def test_a_run_saves_after_the_round_that_crosses_a_multiple_of_n_and_at_the_end
     ending at 4, 6 by 6, 9 by 10, 12 by 12, and the end (14) is saved too."""
     saves = Saves()
     trainer = trainer_of(tmp_path, saves)
-    trainer.lower_train_step(mlp_examples(16), PER_DEVICE)
+    trainer.prepare(mlp_examples(16), PER_DEVICE)
     with trainer.run(save_every_n_steps=3, keep_last_ckpts=20) as run:
         for round_ in range(7):
             trainer.train_epoch(mlp_examples(32, seed=round_), PER_DEVICE, epoch=round_)
@@ -83,7 +83,7 @@ def run_by_minutes(workdir, minutes: float, n_rounds: int | None = None, until=N
     inside the run's entry, and per round ``(before step_done, after it, whether it saved)``."""
     saves, rounds = Saves(), []
     trainer = trainer_of(workdir, saves)
-    trainer.lower_train_step(mlp_examples(16), PER_DEVICE)
+    trainer.prepare(mlp_examples(16), PER_DEVICE)
     deadline = time.monotonic() + 60
     entering = time.monotonic()
     with trainer.run(save_every_minutes=minutes, keep_last_ckpts=1000) as run:
