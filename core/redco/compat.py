@@ -12,6 +12,7 @@ to the checkpoints a script saves by name.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from typing import Any, Callable
@@ -25,8 +26,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from redco import checkpointing
-from redco.plugins import hookimpl
 from redco.data import by_name, cast_floats
+from redco.plugins import hookimpl
 from redco.sharding import opt_state_shardings, shardings_from_specs, specs_from_rules
 from redco.train_step import loss_and_metrics, unwrap_multisteps
 
@@ -161,8 +162,8 @@ class DeployerV04:
         return found
 
 
-def flax_train_step(train_step_fn: Callable, trainer) -> Callable:
-    """``trainer``'s step running a 0.4.x ``train_step_fn(rng, state, batch, loss_fn,
+def flax_train_step(train_step_fn: Callable, settings, loss_of: Callable, mesh) -> Callable:
+    """A step running a 0.4.x ``train_step_fn(rng, state, batch, loss_fn,
     lr_schedule_fn, mesh, compute_dtype) -> (new_state, metrics)``, where 0.4.23 ran it.
 
     ``state`` is a Flax ``TrainState`` (``tx`` is the optimizer); the step runs inside this
@@ -173,23 +174,22 @@ def flax_train_step(train_step_fn: Callable, trainer) -> Callable:
     under ``pjit`` on the whole batch, shaped ``(dp, rows per dp group, ...)`` for the step to
     ``vmap`` over; so does this one.
     """
-    mesh = trainer.deployer.mesh
     per_device = mesh.shape["mp"] == 1
+    loss = loss_of(per_device)
 
     def loss_fn(rng, state, params, batch, is_training):
-        return loss_and_metrics(trainer._loss(params, state, batch, rng, is_training,
-                                              per_device=per_device))[0]
+        return loss_and_metrics(loss(params, state, batch, rng, is_training))[0]
 
     def run(rng, flax_state, batch, step_mesh):
         return train_step_fn(rng=rng, state=flax_state, batch=batch, loss_fn=loss_fn,
-                             lr_schedule_fn=trainer.lr_schedule_fn, mesh=step_mesh,
-                             compute_dtype=trainer.compute_dtype or jnp.float32)
+                             lr_schedule_fn=settings.lr_schedule_fn, mesh=step_mesh,
+                             compute_dtype=settings.compute_dtype or jnp.float32)
 
     def step(state, batch):
         rng = jax.random.fold_in(state.rng, state.step)
         flax_state = flax.training.train_state.TrainState(
             step=state.step, apply_fn=state.apply_fn, params=state.params,
-            tx=trainer.optimizer, opt_state=state.opt_state)
+            tx=settings.optimizer, opt_state=state.opt_state)
         batch = jax.tree.map(lambda x: x[0], batch)  # the one micro-batch: (global rows, ...)
         if per_device:  # pmap's semantics: replicated state, this device's rows, its own rng
             pmapped = jax.shard_map(lambda rngs, s, b: run(rngs[0], s, b, None), mesh=mesh,
@@ -201,6 +201,38 @@ def flax_train_step(train_step_fn: Callable, trainer) -> Callable:
             new, metrics = run(rng, flax_state, batch, mesh)
         return state.replace(step=new.step, params=new.params, opt_state=new.opt_state), metrics
     return step
+
+
+def step_maker(train_step_fn: Callable | None) -> Callable | None:
+    """``StepSettings.make_step`` for a 0.4.x ``train_step_fn`` (None: redco's own step)."""
+    return None if train_step_fn is None else functools.partial(flax_train_step, train_step_fn)
+
+
+def train_state_options(options: dict, optimizer, apply_fn) -> tuple[Any, Any]:
+    """``set_train_state(...)``'s 0.4.x keywords: the new optimizer and model (``apply_fn``)
+    given, each None where absent or unchanged."""
+    refuse_unknown("set_train_state()", options,
+                   {"apply_fn", "optimizer", "params_sharded", "opt_state_sharded"})
+    new_optimizer = options.get("optimizer")
+    new_apply_fn = options.get("apply_fn")
+    return (new_optimizer if new_optimizer is not optimizer else None,
+            new_apply_fn if new_apply_fn is not None and new_apply_fn != apply_fn else None)
+
+
+def ask_planner(planner, deployer, request) -> Any:
+    """``planner.plan(deployer, request)``; a planner written before ``LayoutRequest``
+    (``plan(deployer, params, loss, batch, optimizer, rule_sets, ...)``) gets those arguments,
+    and of ``remat``, ``trainable``, ``accumulate_grad_batches``, ``model_degrees`` and
+    ``context_degrees`` those its ``plan`` names."""
+    takes = inspect.signature(planner.plan).parameters
+    if "request" in takes:
+        return planner.plan(deployer, request)
+    s = request.settings
+    optional = {"remat": s.remat, "trainable": s.trainable,
+                "accumulate_grad_batches": s.accumulate_grad_batches,
+                "model_degrees": request.model_degrees, "context_degrees": request.context_degrees}
+    return planner.plan(deployer, request.params, request.loss, request.batch, s.optimizer,
+                        list(request.rule_sets), **{k: v for k, v in optional.items() if k in takes})
 
 
 def params_for_optimizer(optimizer, params: Any) -> Any:

@@ -1,31 +1,29 @@
-"""The Trainer's compiled functions, made once its layout is decided (``trainer_state.py``) and
-made again when its optimizer or model is replaced.
+"""A trainer's compiled functions, made for its settings (``step_settings.py``) on its placed
+state's layout, and made again when its optimizer or model is replaced (``trainer_state.py``).
 
 - ``train``: the train step ``(state, batch) -> (state, metrics)``, jitted for the state's
-  layout with the state donated; ``epoch_loop.py`` and ``run_context.py`` run it.
+  layout with the state donated; ``epoch_loop.py`` runs it.
 - ``scanned``: many updates in one call (``scanned_updates.py``), made at the first use.
 - ``eval_step``: ``loss_fn`` on a batch, not training (``Trainer.eval_loss``).
-- ``lower(...)`` and ``flops()``: the train step ahead of time, for ``Trainer.lower_train_step``
+- ``lower(...)`` and ``flops(...)``: the train step ahead of time, for ``Trainer.lower_train_step``
   and ``Trainer.step_flops``.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 
-from redco import compat
-from redco.data import n_full_batches
 from redco.step_flops import step_flops as count_step_flops
+from redco.step_settings import StepSettings
 from redco.train_step import TrainState, loss_and_metrics, make_train_step
-
-if TYPE_CHECKING:
-    from redco.trainer import Trainer
 
 
 class CompiledSteps:
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
+    def __init__(self, settings: StepSettings, state_shardings: TrainState, mesh: Any,
+                 context_strategy: str = "all_gather"):
+        self.settings, self.shardings = settings, state_shardings
+        self.mesh, self.context_strategy = mesh, context_strategy
         self.train = self.jit_train()
         self.scanned: Callable | None = None  # made at the first train_scanned
         self.eval_step = jax.jit(self.eval_loss)
@@ -33,37 +31,35 @@ class CompiledSteps:
         self.batch_shapes = None  # of the first batch the train step ran on, for its FLOPs
         self._flops: float | None = None
 
+    def loss(self, per_device: bool = False) -> Callable:
+        """``loss_fn`` under the step's remat policy and FSDP gathers (none ``per_device``:
+        inside a ``shard_map``, where params are a device's own copy)."""
+        if per_device:
+            return self.settings.loss(context_strategy=self.context_strategy)
+        return self.settings.loss(self.shardings.params, self.mesh, self.context_strategy)
+
     def step(self, unroll: bool = False) -> Callable:
         """The train step, not jitted; ``unroll``: the micro-batch loop unrolled, for counting
         FLOPs only."""
-        t = self.trainer
-        return compat.flax_train_step(t.train_step_fn, t) if t.train_step_fn else \
-            make_train_step(t._loss, t.optimizer, t.trainable, t.accumulate_grad_batches,
-                            t.lr_schedule_fn, t.count_tokens, unroll)
+        s = self.settings
+        if s.make_step is not None:
+            return s.make_step(s, self.loss, self.mesh)
+        return make_train_step(self.loss(), s.optimizer, s.trainable, s.accumulate_grad_batches,
+                               s.lr_schedule_fn, s.count_tokens, unroll)
 
     def jit_train(self, unroll: bool = False) -> Callable:
         """The train step, jitted for the state's layout (its state donated)."""
-        t = self.trainer
-        return jax.jit(self.step(unroll), in_shardings=(t.state_shardings, None),
-                       out_shardings=(t.state_shardings, t.deployer.replicated), donate_argnums=0)
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return jax.jit(self.step(unroll), in_shardings=(self.shardings, None),
+                       out_shardings=(self.shardings, replicated), donate_argnums=0)
 
     def eval_loss(self, state: TrainState, batch):
-        return loss_and_metrics(self.trainer._loss(state.params, state, batch, state.rng, False))[0]
+        return loss_and_metrics(self.loss()(state.params, state, batch, state.rng, False))[0]
 
-    def flops(self) -> float | None:
+    def flops(self, state: TrainState) -> float | None:
         """FLOPs of one whole update (``Trainer.step_flops``); None before the first update."""
         if self.batch_shapes is not None and self._flops is None:
-            step = self.train if self.trainer.accumulate_grad_batches == 1 else \
+            step = self.train if self.settings.accumulate_grad_batches == 1 else \
                 self.jit_train(unroll=True)  # (one micro-batch: the trace jit has kept)
-            self._flops = count_step_flops(step.trace(self.trainer.state, self.batch_shapes))
+            self._flops = count_step_flops(step.trace(state, self.batch_shapes))
         return self._flops
-
-    def lower(self, examples: Sequence, per_device_batch_size: int) -> jax.stages.Lowered:
-        """The train step lowered for the first batch of ``examples`` (``Trainer.lower_train_step``)."""
-        t = self.trainer
-        batch_size = t.deployer.get_global_batch_size(per_device_batch_size)
-        batch_size *= t.accumulate_grad_batches
-        n_full_batches(len(examples), batch_size, "examples")
-        batch = t.deployer.make_batch(list(examples[:batch_size]), t.collate_fn,
-                                      n_micro=t.accumulate_grad_batches)
-        return self.train.lower(t.state, batch)

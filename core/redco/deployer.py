@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import atexit
-import inspect
 import json
 import logging
 import os
@@ -15,11 +14,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from redco import _private, checkpointing, compile_cache, plugins, sequence_split, watchdog
-from redco.compat import DeployerV04
+from redco.compat import DeployerV04, ask_planner
 from redco.data import check_collated, check_number
 from redco.lr_schedule import LrSchedule
 from redco.permutation import FeistelOrder, epoch_order
-from redco.protocols import Layout
+from redco.protocols import Layout, LayoutRequest
 from redco.sharding import Rules, RuleSetRules, is_rule_set, make_mesh, shardings_from_specs, specs_from_rules
 
 logger = logging.getLogger("redco")
@@ -288,54 +287,60 @@ class Deployer(DeployerV04):
         return make_rules(abstract, self.mesh, trace_fn)
 
     def decide_layout(self, params: Any, rules: Rules | None, trace_fn: Callable | None = None,
-                      plan: tuple | None = None) -> Rules:
-        """Fix the mesh and the final rules of ``params``, once, at the first batch ``fit`` (or
-        ``predict``) sees. ``n_model_shards="auto"``: the ``auto`` layout planner (plugin
-        ``redco-planner``) compiles ``plan = (loss, batch, optimizer[, remat, trainable,
-        accumulate_grad_batches])`` per
-        candidate layout (and, with ``remat`` None, per remat policy: the pick is ``self.layout``).
-        A plain list of ``rules`` is used as given; ``None`` or ``RuleSetRules`` give the rule
-        set's rules read off ``trace_fn``'s dataflow (a ``redco.dataflow.DataflowError`` if the
-        walker cannot follow it), after the overrides they carry."""
-        picked = None
+                      request: LayoutRequest | None = None) -> Layout:
+        """The layout of ``params``, decided once, at the first batch ``fit`` (or ``predict``)
+        sees, and adopted (``adopt``). ``n_model_shards="auto"``: the ``auto`` layout planner
+        (plugin ``redco-planner``) is asked with ``request`` (the loss, one device's batch and
+        the trainer's step settings) and compiles each candidate layout (and, with no remat
+        policy set, each policy). A plain list of ``rules`` is used as given; ``None`` or
+        ``RuleSetRules`` give the rule set's rules read off ``trace_fn``'s dataflow (a
+        ``redco.dataflow.DataflowError`` if the walker cannot follow it), after the overrides
+        they carry."""
+        planned = None
         if self.mesh is None:
-            if plan is None:
+            if request is None:
                 raise ValueError("n_model_shards='auto' picks the layout by compiling the train "
                                  "step at Trainer.fit's first batch; to predict without training "
                                  "first, set n_model_shards.")
-            picked = self._plan(params, *plan)
+            planned = self.plan_layout(request)
+            self.adopt(planned)
         if not is_rule_set(rules):
-            return rules if isinstance(rules, dict) else list(rules)
+            return self._fixed(rules if isinstance(rules, dict) else list(rules))
         final = list(getattr(rules, "overrides", [])) + (
-            picked if picked is not None else self._rule_set(params, trace_fn))
+            list(planned.rules) if planned is not None else self._rule_set(params, trace_fn))
         self.params_sharding_rules = final
-        return final
+        return self._fixed(final) if self.layout is None else self.layout._replace(rules=final)
 
-    def _plan(self, params: Any, loss: Callable, batch: Any, optimizer,
-              remat: str | None = None, trainable: Any = None,
-              accumulate_grad_batches: int = 1) -> Rules:
-        """Ask the ``auto`` layout planner; keep its pick (``self.layout``) and fix the mesh.
-        ``remat``: the Trainer's policy, or None to let the planner pick one; ``trainable``
-        (the Trainer's mask, LoRA) and ``accumulate_grad_batches`` go to planners that take
-        them."""
-        rule_sets = [self._rules_name] if self._rules_name != "auto" else ["auto", "auto+fsdp"]
+    def _fixed(self, rules: Rules) -> Layout:
+        """The layout this deployer was given (no planner chose): its degrees and ``rules``."""
+        return Layout(self.n_model_shards, self._rules_name if isinstance(self._rules_name, str)
+                      else "custom", rules, n_context_shards=self.mesh.shape.get("cp", 1))
+
+    def plan_layout(self, request: LayoutRequest) -> Layout:
+        """Ask the ``auto`` layout planner, over this deployer's rule sets and degrees (those
+        not "auto"), for the layout to use; logged."""
+        rule_sets = (self._rules_name,) if self._rules_name != "auto" else ("auto", "auto+fsdp")
+        degrees = {name: None if value == "auto" else (value,) for name, value in
+                   (("model_degrees", self.n_model_shards),
+                    ("context_degrees", self.n_context_shards))}
         planner = plugins.lookup("layout_planners", "auto")
-        takes = inspect.signature(planner.plan).parameters
-        degrees = {"model_degrees": self.n_model_shards, "context_degrees": self.n_context_shards}
-        degrees = {name: None if value == "auto" else [value] for name, value in degrees.items()}
-        extra = {name: value for name, value in (("remat", remat), ("trainable", trainable),
-                                                 ("accumulate_grad_batches", accumulate_grad_batches),
-                                                 *degrees.items())
-                 if name in takes}
-        picked = planner.plan(self, params, loss, batch, optimizer, rule_sets, **extra)
-        self.layout = picked
+        picked = ask_planner(planner, self, request.replace(rule_sets=rule_sets, **degrees))
         self.log_info(f"layout planner: picked n_model_shards={picked.n_model_shards}, "
                       f"n_context_shards={picked.n_context_shards}, "
                       f"sharding_rules={picked.sharding_rules!r}, remat={picked.remat!r}")
-        self._rules_name, self.n_model_shards = picked.sharding_rules, picked.n_model_shards
-        self.n_context_shards = picked.n_context_shards
-        self.mesh = make_mesh(self.devices, picked.n_model_shards, picked.n_context_shards)
-        return list(picked.rules)
+        return picked
+
+    def adopt(self, layout: Layout) -> None:
+        """Run on ``layout`` from now on: its mesh, degrees and rule set."""
+        self.layout = layout
+        self._rules_name, self.n_model_shards = layout.sharding_rules, layout.n_model_shards
+        self.n_context_shards = layout.n_context_shards
+        self.mesh = make_mesh(self.devices, layout.n_model_shards, layout.n_context_shards)
+
+    @property
+    def layout_plan(self) -> Any:
+        """The layout planner's report of the layout it picked (None where none picked)."""
+        return None if self.layout is None else self.layout.report
 
     def get_params_shardings(self, params: Any, rules: Rules):
         return shardings_from_specs(specs_from_rules(params, rules, self.mesh), self.mesh)

@@ -57,7 +57,7 @@ class Predictor(PredictorV04):
         if is_rule_set(rules) and self.deployer.params_sharding_rules is not None:
             rules = self.deployer.params_sharding_rules  # decided by a Trainer's first batch
         else:
-            rules = self.deployer.decide_layout(params, rules)
+            rules = self.deployer.decide_layout(params, rules).rules
         return jax.device_put(params, self.deployer.get_params_shardings(params, rules))
 
     def predict(self, examples: Sequence, per_device_batch_size: int, params: Any,

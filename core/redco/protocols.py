@@ -17,6 +17,7 @@ refuses one that misses any, with a warning naming the plugin and the method.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import os
 from typing import Any, Callable, NamedTuple
@@ -156,32 +157,46 @@ class Command:
 
 
 class Layout(NamedTuple):
-    """What a layout planner picks: the model-parallel degree, the rule set's name, its rules,
-    the ``redco.remat`` policy the train step was planned with, and the context-parallel
-    degree (devices splitting each sequence)."""
+    """A decided layout: the model-parallel degree, the rule set's name, its rules, the
+    ``redco.remat`` policy the train step was planned with, the context-parallel degree (devices
+    splitting each sequence), and the planner's report (every layout it tried; None where no
+    planner chose)."""
     n_model_shards: int
     sharding_rules: str
     rules: Rules
     remat: str = "none"
     n_context_shards: int = 1
+    report: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutRequest:
+    """What a layout planner is asked: ``loss(params, batch) -> scalar`` with ``batch`` one
+    device's abstract rows; the trainer's step ``settings`` (``redco.step_settings``: optimizer,
+    remat, trainable mask, micro-batches); and, from the deployer, the ``rule_sets`` to try and
+    the ``n_model_shards`` / ``n_context_shards`` to choose among (None: any)."""
+    params: Any
+    loss: Callable
+    batch: Any
+    settings: Any
+    rule_sets: tuple[str, ...] = ("auto",)
+    model_degrees: tuple[int, ...] | None = None
+    context_degrees: tuple[int, ...] | None = (1,)
+
+    def replace(self, **changes) -> LayoutRequest:
+        return dataclasses.replace(self, **changes)
 
 
 class LayoutPlanner:
     """Picks the layout for ``Deployer(n_model_shards="auto")`` or ``n_context_shards="auto"``
     (registered as ``"auto"``)."""
 
-    def plan(self, deployer: Any, params: Any, loss: Callable, batch: Any, optimizer: Any,
-             rule_sets: list[str], remat: str | None = None, trainable: Any = None,
-             model_degrees: list[int] | None = None,
-             context_degrees: list[int] | None = (1,)) -> Layout:
-        """``loss(params, batch) -> scalar`` with ``batch`` one device's abstract rows; try
-        ``rule_sets`` over the deployer's devices and return the layout to use. ``remat`` is
-        the ``Trainer``'s policy (plan with it); ``None`` lets the planner pick one
-        (``Layout.remat``). ``trainable`` is the ``Trainer``'s mask (LoRA), None when every
-        param trains: frozen leaves take no gradient or optimizer state. ``model_degrees`` and
-        ``context_degrees``: the ``n_model_shards`` and ``n_context_shards`` to choose among
-        (None: any). A planner whose ``plan`` takes none of these is called without them (and
-        then cannot be asked to choose a context degree)."""
+    def plan(self, deployer: Any, request: LayoutRequest) -> Layout:
+        """Try ``request.rule_sets`` over the deployer's devices and return the layout to use.
+        With ``request.settings.remat`` None the planner picks the policy (``Layout.remat``);
+        ``settings.trainable`` (LoRA): frozen leaves take no gradient or optimizer state.
+        (Planners written for ``plan(deployer, params, loss, batch, optimizer, rule_sets,
+        ...)`` are still called so: ``redco.compat.ask_planner``.)"""
         raise NotImplementedError
 
 

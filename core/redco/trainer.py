@@ -8,9 +8,8 @@ import jax
 import numpy as np
 import optax
 
-from redco import compat, epoch_loop, fit_plan, scanned_updates, trainer_state, watchdog
+from redco import compat, epoch_loop, fit_plan, scanned_updates, watchdog
 from redco import remat as redco_remat
-from redco.compiled_steps import CompiledSteps
 from redco.data import by_name, check_array_leaves, check_number, n_full_batches
 from redco.data_order import Stream, as_stream
 from redco.deployer import Deployer
@@ -23,13 +22,14 @@ from redco.run_hooks import RunHooks
 from redco.sharding import Rules
 from redco.step_checkpoints import StepCheckpoints
 from redco.step_reports import timed
+from redco.step_settings import StepSettings
 from redco.train_step import (
     TrainState,
     check_trainable,
     compiler_options,
     input_tokens,
-    step_loss,
 )
+from redco.trainer_state import PlacedState
 
 LOSS_ARGS = ("rng", "state", "params", "batch", "is_training")
 
@@ -45,6 +45,11 @@ def loop_overrides(hang_timeout_s: float | None, async_checkpoints: bool | None)
                             "None: the deployer's).")
         overrides["async_checkpoints"] = bool(async_checkpoints)
     return overrides
+
+
+def _setting(name: str) -> property:
+    return property(lambda self: getattr(self.placed.settings, name),
+                    doc=f"The step's ``{name}`` (``trainer.settings``, fixed when made).")
 
 
 class Trainer(compat.TrainerV04):
@@ -109,31 +114,51 @@ class Trainer(compat.TrainerV04):
         self._overrides = loop_overrides(hang_timeout_s, async_checkpoints)
         self.deployer = deployer
         self.collate_fn = collate_fn
-        self.loss_fn = by_name(loss_fn, LOSS_ARGS)
         self.train_step_fn = v04["train_step_fn"]
         check_array_leaves(params, "params")
-        self.optimizer, params, accumulate_grad_batches = compat.optimizer_and_accumulation(
+        optimizer, params, accumulate_grad_batches = compat.optimizer_and_accumulation(
             optimizer, params, check_number("accumulate_grad_batches",
                                             accumulate_grad_batches or 1, 1),
             self.train_step_fn, deployer.log_info)
-        self.trainable = check_trainable(trainable, params, self.train_step_fn)
-        self.compute_dtype = compute_dtype
-        self.remat = remat if remat is None else redco_remat.check(remat)
-        self.lr_schedule_fn = lr_schedule_fn
-        self.count_tokens = count_tokens
-        self.accumulate_grad_batches = accumulate_grad_batches
+        settings = StepSettings(
+            loss_fn=by_name(loss_fn, LOSS_ARGS), optimizer=optimizer,
+            trainable=check_trainable(trainable, params, self.train_step_fn),
+            accumulate_grad_batches=accumulate_grad_batches, compute_dtype=compute_dtype,
+            remat=remat if remat is None else redco_remat.check(remat),
+            lr_schedule_fn=lr_schedule_fn, count_tokens=count_tokens,
+            make_step=compat.step_maker(self.train_step_fn))
+        self.placed = PlacedState(deployer, settings, params_sharding_rules,  # the state
+                                  {"params": params, "opt_state": opt_state, "apply_fn": apply_fn,
+                                   "step": v04["step"]})
         self.callbacks = list(callbacks)
         self.hooks = RunHooks(self, self.callbacks)  # its observers, then the process's plugins
         self.stop_reason: str | None = None  # set by request_stop; fit stops on it
         self.context: RunContext | None = None  # the run under way (fit's, trainer.run's)
         self.fitted = False  # a fit ran to its end: a later fit trains its epochs again
-        self.checkpoints = StepCheckpoints(self)  # resume and step checkpoints, as fit asks
-        self.params_sharding_rules = params_sharding_rules
-        self.state: TrainState | None = None  # placed once the layout is decided
-        self.state_shardings: TrainState | None = None
-        self.steps: CompiledSteps | None = None  # made with the state (redco/compiled_steps.py)
-        self._start = {"params": params, "opt_state": opt_state, "apply_fn": apply_fn,
-                       "step": v04["step"]}
+        self.checkpoints = StepCheckpoints(self)  # resume and step checkpoints, as runs ask
+
+    # the step's settings (``redco/step_settings.py``), fixed when made
+    settings = property(lambda self: self.placed.settings)
+    loss_fn = _setting("loss_fn")
+    optimizer = _setting("optimizer")
+    trainable = _setting("trainable")
+    accumulate_grad_batches = _setting("accumulate_grad_batches")
+    compute_dtype = _setting("compute_dtype")
+    remat = _setting("remat")
+    lr_schedule_fn = _setting("lr_schedule_fn")
+    count_tokens = _setting("count_tokens")
+    # the placed state (``redco/trainer_state.py``): None until the layout is decided
+    state_shardings = property(lambda self: self.placed.shardings)
+    steps = property(lambda self: self.placed.steps)
+    params_sharding_rules = property(lambda self: self.placed.rules)
+
+    @property
+    def state(self) -> TrainState | None:
+        return self.placed.state
+
+    @state.setter
+    def state(self, state: TrainState) -> None:  # each update's new state
+        self.placed.state = state
 
     # ---- the layout, decided once; the state, placed once -------------------------------------
     def prepare(self, examples: Sequence, per_device_batch_size: int) -> None:
@@ -141,7 +166,7 @@ class Trainer(compat.TrainerV04):
         ``examples`` (one device's rows are collated and traced abstractly; nothing compiles) and
         place the state on it, once: what ``fit`` does at its first batch. Call it before a loop
         of your own (``trainer.run``) (``redco/trainer_state.py``)."""
-        trainer_state.decide_layout(self, examples, per_device_batch_size)
+        self.placed.decide_layout(self.collate_fn, examples, per_device_batch_size)
 
     def set_train_state(self, params: Any = None, opt_state: Any = None,
                         step: int | None = None, **v04_options) -> None:
@@ -149,17 +174,25 @@ class Trainer(compat.TrainerV04):
         from the server's params); new ``params`` without ``opt_state`` get a fresh
         ``optimizer.init``. Before the first batch they become the starting state
         (``redco/trainer_state.py``)."""
-        trainer_state.set_train_state(self, params, opt_state, step, v04_options)
+        optimizer, apply_fn = compat.train_state_options(v04_options, self.optimizer,
+                                                         self.placed.apply_fn)
+        if optimizer is not None or apply_fn is not None:  # (Redco 0.4's)
+            self.placed.replace_optimizer_or_model(optimizer, apply_fn)
+        if optimizer is not None and params is None and opt_state is None:
+            params = self.params  # the new optimizer's state starts fresh
+        if params is not None:
+            params = compat.params_for_optimizer(self.optimizer, params)
+        self.placed.set(params, opt_state, step)
 
     @property
     def params(self):
         """The params: placed on the mesh once the layout is decided (first batch), until then
         as given."""
-        return self._start["params"] if self.state is None else self.state.params
+        return self.placed.start["params"] if self.state is None else self.state.params
 
     @property
     def step(self) -> int:
-        return self._start["step"] if self.state is None else int(self.state.step)
+        return self.placed.start["step"] if self.state is None else int(self.state.step)
 
     @property
     def hang_timeout_s(self) -> float | None:
@@ -172,16 +205,6 @@ class Trainer(compat.TrainerV04):
         """Whether ``fit`` writes step checkpoints in the background: ``Trainer(async_checkpoints=)``,
         else the deployer's."""
         return self._overrides.get("async_checkpoints", self.deployer.async_checkpoints)
-
-    # ---- the jitted functions ---------------------------------------------------------------
-    def _loss(self, params, state, batch, rng, is_training: bool, per_device: bool = False):
-        """``loss_fn`` under the step's remat policy and FSDP gathers (none ``per_device``:
-        inside a ``shard_map``, where params are a device's own copy)."""
-        shardings = None if per_device or self.state_shardings is None else self.state_shardings.params
-        return step_loss(self.loss_fn, shardings, self.compute_dtype, self.remat,
-                         None if per_device else self.deployer.mesh,
-                         self.deployer.context_strategy)(
-            params, state, batch, rng, is_training)
 
     # ---- training ------------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -233,7 +256,7 @@ class Trainer(compat.TrainerV04):
         while loop inside the model counted once), fused attention counted as its unfused dots
         (``redco.step_flops``; within 2% of XLA's count where XLA gives one); None before the
         first update."""
-        return None if self.steps is None else self.steps.flops()
+        return None if self.steps is None else self.steps.flops(self.state)
 
     def lower_train_step(self, examples: Sequence, per_device_batch_size: int) -> jax.stages.Lowered:
         """The train step this Trainer runs on batches of ``per_device_batch_size`` rows per
@@ -242,7 +265,12 @@ class Trainer(compat.TrainerV04):
         ``.cost_analysis()`` counts the micro-batch loop once; ``step_flops()`` gives the whole
         update's FLOPs.) The layout is decided here as at the first batch."""
         self.prepare(examples, per_device_batch_size)
-        return self.steps.lower(examples, per_device_batch_size)
+        batch_size = self.deployer.get_global_batch_size(per_device_batch_size)
+        batch_size *= self.accumulate_grad_batches
+        n_full_batches(len(examples), batch_size, "examples")
+        batch = self.deployer.make_batch(list(examples[:batch_size]), self.collate_fn,
+                                         n_micro=self.accumulate_grad_batches)
+        return self.steps.train.lower(self.state, batch)
 
     def compile_train_step(self, examples: Sequence,
                            per_device_batch_size: int) -> jax.stages.Compiled:

@@ -6,18 +6,26 @@ import argparse
 import functools
 import os
 import re
+import signal
+import sys
 from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.sharding import PartitionSpec as P
 
+import redco
 from redco import Deployer, Trainer
 from redco.cli import main
+from redco.preemption import Preempted
 from redco_zoo_maml import SinusoidTasks, adapt, collate_fn, init_mlp, loss_fn, mlp, mse
-from redco_zoo_maml.pipeline import MAMLPipeline
+from redco_zoo_maml.pipeline import MAMLPipeline, train
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from kill_anywhere import assert_same_arrays, newest_step_arrays  # noqa: E402, I001
 
 SETTINGS = ["--n_meta_iterations", "3000", "--meta_batch_size", "64", "--meta_lr", "5e-3",
             "--inner_lr", "0.01", "--n_eval_tasks", "1000", "--seed", "0"]
@@ -85,3 +93,36 @@ def test_two_model_shards_split_the_mlp_and_train_as_one_device(tmp_path):
 def test_redco_zoo_list_shows_maml(capsys):
     main(["zoo", "list"])
     assert re.search(r"^maml\s+MAML", capsys.readouterr().out, re.M)
+
+
+class SigtermAt:
+    """A process-wide plugin: SIGTERM to this process right after update ``step``."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    @redco.hookimpl
+    def on_step_end(self, trainer, step, metrics):
+        if step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_maml_run_stopped_by_sigterm_resumes_to_the_same_bits(tmp_path):
+    """MAML's meta-updates run in ``fit``'s run context: a SIGTERM after meta-update 7 (of 12; a
+    checkpoint every 5) saves step 7 and exits 143; the rerun resumes there and ends with the
+    step checkpoint (params, Adam's state, step) and held-out MSEs of a run never stopped."""
+    small = dict(n_meta_iterations=12, meta_batch_size=16, n_eval_tasks=16, save_every_n_steps=5)
+    whole = train(workdir=str(tmp_path / "whole"), **small)
+    plugin = SigtermAt(7)
+    redco.plugins.pm.register(plugin)
+    try:
+        with pytest.raises(Preempted) as stopped:
+            train(workdir=str(tmp_path / "cut"), **small)
+    finally:
+        redco.plugins.pm.unregister(plugin)
+    assert stopped.value.code == 143 and "after step 7:" in stopped.value.reason
+    cut = train(workdir=str(tmp_path / "cut"), **small)
+    assert "Resumed from" in (tmp_path / "cut" / "log.txt").read_text()
+    assert cut == whole
+    assert_same_arrays(newest_step_arrays(str(tmp_path / "cut")),
+                       newest_step_arrays(str(tmp_path / "whole")))

@@ -19,10 +19,10 @@ imported when a layout is planned or a command runs. A run with an integer
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import redco
-from redco.protocols import Layout, LayoutPlanner
+from redco.protocols import Layout, LayoutPlanner, LayoutRequest
 from redco_planner.commands import PlanCommand, RulesCommand
 
 __all__ = ["AutoLayoutPlanner", "PlanCommand", "RulesCommand"]
@@ -35,32 +35,33 @@ class AutoLayoutPlanner(LayoutPlanner):
     The memory is ``Deployer(device_memory=...)`` (``"40GB"`` or bytes), else what the device
     reports (GPUs and TPUs do; CPUs do not: then the error says to pass it). Each layout
     measured is logged with ``deployer.log_info``; the whole ``redco_planner.planner.Plan``
-    (every layout tried and its peak) is kept as ``deployer.layout_plan``.
+    (every layout tried and its peak) is the layout's ``report`` (``deployer.layout_plan``).
     """
 
-    def plan(self, deployer: Any, params: Any, loss: Callable, batch: Any, optimizer: Any,
-             rule_sets: list[str], remat: str | None = None, trainable: Any = None,
-             accumulate_grad_batches: int = 1, model_degrees: list[int] | None = None,
-             context_degrees: list[int] | None = (1,)) -> Layout:
-        """``remat`` None (the Trainer's own is None): try ``planner.REMAT_POLICIES``, least
-        recompute first; else plan with that policy alone. ``trainable``: the Trainer's mask
-        (LoRA): the frozen leaves are measured without gradients or optimizer state.
-        ``accumulate_grad_batches``: micro-batches per update, each of ``batch``'s rows.
-        ``model_degrees``, ``context_degrees``: the mp and cp to choose among (None: any),
-        the sequence split the deployer's ``context_strategy`` way."""
+    def plan(self, deployer: Any, request: LayoutRequest) -> Layout:
+        """``request.settings.remat`` None (the Trainer's own is None): try
+        ``planner.REMAT_POLICIES``, least recompute first; else plan with that policy alone.
+        ``settings.trainable``: the Trainer's mask (LoRA): the frozen leaves are measured without
+        gradients or optimizer state. ``settings.accumulate_grad_batches``: micro-batches per
+        update, each of ``request.batch``'s rows. ``request.model_degrees``,
+        ``context_degrees``: the mp and cp to choose among (None: any), the sequence split the
+        deployer's ``context_strategy`` way. The returned layout's ``report`` is the whole
+        ``redco_planner.planner.Plan``."""
         from redco_planner import planner
+        s = request.settings
         memory = planner.device_memory_bytes(deployer)
-        policies = planner.REMAT_POLICIES if remat is None else (remat,)
-        result = planner.plan(params, loss, batch, len(deployer.devices), memory,
-                              optimizer=optimizer, rule_sets=rule_sets, log=deployer.log_info,
-                              remat_policies=policies, trainable=trainable,
-                              accumulate_grad_batches=accumulate_grad_batches,
-                              model_degrees=model_degrees, context_degrees=context_degrees,
+        policies = planner.REMAT_POLICIES if s.remat is None else (s.remat,)
+        result = planner.plan(request.params, request.loss, request.batch, len(deployer.devices),
+                              memory, optimizer=s.optimizer, rule_sets=list(request.rule_sets),
+                              log=deployer.log_info, remat_policies=policies,
+                              trainable=s.trainable,
+                              accumulate_grad_batches=s.accumulate_grad_batches,
+                              model_degrees=request.model_degrees,
+                              context_degrees=request.context_degrees,
                               context_strategy=deployer.context_strategy)
         deployer.log_info(f"why: {result.reason}")
-        deployer.layout_plan = result
         return Layout(result.n_model_shards, result.sharding_rules, result.rules, result.remat,
-                      result.n_context_shards)
+                      result.n_context_shards, report=result)
 
 
 @redco.hookimpl
