@@ -284,7 +284,9 @@ def main(argv=None) -> None:
     if not os.path.isfile(args.easydel_python):
         parser.error(f"--easydel_python {args.easydel_python} does not exist: make a venv with "
                      "easydel==0.3.0 (tox -e bench-easydel does).")
-    print(f"host: {os.cpu_count()} cores, load average {os.getloadavg()}")
+    from provenance import print_provenance  # (bench/, on the path of the driver only)
+    print_provenance()
+    print(f"load average before: {os.getloadavg()}")
     with tempfile.TemporaryDirectory() as tmp, open(os.path.join(tmp, "log"), "w+") as log:
         args.params = os.path.join(tmp, "params.npz")
         for layout in args.layouts:
