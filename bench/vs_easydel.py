@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -243,7 +244,12 @@ def hlo_counts(directory: str) -> dict:
            "all-to-all", "custom-call", "while", "dot", "copy", "transpose")
     counts = {op: len(re.findall(rf" {op}(-start)?\(", text)) for op in ops}
     kinds = {kind: len(re.findall(rf"kind=k{kind}\b", text)) for kind in ("Loop", "Custom")}
-    return {**counts, "fusion kinds": kinds}
+    moved = 0  # bytes out of every collective: each f32/s32 array of its (tuple) result
+    for result in re.findall(r"= (.*?) (?:all-reduce|all-gather|reduce-scatter|all-to-all|"
+                             r"collective-permute)(?:-start)?\(", text):
+        for dims in re.findall(r"[fs]32\[([\d,]*)\]", result):
+            moved += 4 * math.prod(int(d) for d in dims.split(",") if d)
+    return {**counts, "fusion kinds": kinds, "collective MB": round(moved / 2 ** 20, 1)}
 
 
 def report(layout: str, result: dict, hlo: dict | None) -> None:
