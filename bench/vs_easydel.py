@@ -20,7 +20,8 @@ alternates them, ``--rounds`` rounds of ``--steps`` steps each (the first round'
 reversed every other round), one worker idle while the other runs: background load hits both
 alike. Per round each worker reports wall seconds, tokens/s and the CPU seconds its process used
 (``os.times``: user + system over all threads) over the wall seconds: how many cores it kept
-busy.
+busy. On a shared box the cores a worker gets swing with the others' load; the ratio of tokens
+per CPU-second (tokens/s over cores) is the steadier figure.
 
 Same start: the Redco worker writes its initial params (``redco_zoo_models.hf_init``: as
 transformers draws a LLaMA) to an ``.npz`` by path; the EasyDeL worker loads them into its
@@ -260,14 +261,16 @@ def report(layout: str, result: dict, hlo: dict | None) -> None:
         info = {k: v for k, v in ready[side].items() if k != "kind"}
         print(f"  {side}: {info}")
     print(f"  {'round':<7}{'redco tok/s':>12}{'cores':>7}{'easydel tok/s':>15}{'cores':>7}"
-          f"{'redco/easydel':>15}")
-    ratios = []
+          f"{'ratio':>8}{'per CPU-s':>11}")
+    ratios, per_cpu = [], []
     for i, (a, b) in enumerate(zip(rounds["redco"], rounds["easydel"])):
         ratios.append(a["tokens_per_s"] / b["tokens_per_s"])
+        per_cpu.append(ratios[-1] * b["cores"] / a["cores"])  # tokens per CPU-second's ratio
         print(f"  {i:<7}{a['tokens_per_s']:>12.0f}{a['cores']:>7.2f}{b['tokens_per_s']:>15.0f}"
-              f"{b['cores']:>7.2f}{ratios[-1]:>15.3f}")
-    print(f"  ratio redco/easydel: median {statistics.median(ratios):.3f}, "
-          f"min {min(ratios):.3f}, max {max(ratios):.3f}")
+              f"{b['cores']:>7.2f}{ratios[-1]:>8.3f}{per_cpu[-1]:>11.3f}")
+    for name, values in (("tokens/s", ratios), ("tokens per CPU-second", per_cpu)):
+        print(f"  redco/easydel, {name}: median {statistics.median(values):.3f}, "
+              f"min {min(values):.3f}, max {max(values):.3f}")
     if hlo:
         for side, counts in hlo.items():
             print(f"  {side} train step HLO: {counts}")
