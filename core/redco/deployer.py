@@ -312,9 +312,10 @@ class Deployer(DeployerV04):
         return self._fixed(final) if self.layout is None else self.layout._replace(rules=final)
 
     def _fixed(self, rules: Rules) -> Layout:
-        """The layout this deployer was given (no planner chose): its degrees and ``rules``."""
+        """The layout this deployer was given (no planner chose, so no remat policy): its
+        degrees and ``rules``."""
         return Layout(self.n_model_shards, self._rules_name if isinstance(self._rules_name, str)
-                      else "custom", rules, n_context_shards=self.mesh.shape.get("cp", 1))
+                      else "custom", rules, remat=None, n_context_shards=self.mesh.shape.get("cp", 1))
 
     def plan_layout(self, request: LayoutRequest) -> Layout:
         """Ask the ``auto`` layout planner, over this deployer's rule sets and degrees (those

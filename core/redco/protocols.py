@@ -158,13 +158,14 @@ class Command:
 
 class Layout(NamedTuple):
     """A decided layout: the model-parallel degree, the rule set's name, its rules, the
-    ``redco.remat`` policy the train step was planned with, the context-parallel degree (devices
+    ``redco.remat`` policy the train step was planned with (None where no planner chose), the
+    context-parallel degree (devices
     splitting each sequence), and the planner's report (every layout it tried; None where no
     planner chose)."""
     n_model_shards: int
     sharding_rules: str
     rules: Rules
-    remat: str = "none"
+    remat: str | None = "none"
     n_context_shards: int = 1
     report: Any = None
 

@@ -54,7 +54,7 @@ class PlacedState:
             self.start["params"], self.rules, trace_fn=dataflow_trace(loss, batch),
             request=LayoutRequest(self.start["params"], loss, batch, self.settings))
         self.rules = layout.rules
-        if self.settings.remat is None and layout.report is not None:  # planned
+        if self.settings.remat is None and layout.remat is not None:  # the planner's
             self.settings = self.settings.replace(remat=redco_remat.check(layout.remat))
             self.deployer.log_info(f"Trainer: remat={self.settings.remat!r}, as planned")
         self._place()

@@ -108,9 +108,10 @@ class SigtermAt:
 
 
 def test_a_maml_run_stopped_by_sigterm_resumes_to_the_same_bits(tmp_path):
-    """MAML's meta-updates run in ``fit``'s run context: a SIGTERM after meta-update 7 (of 12; a
-    checkpoint every 5) saves step 7 and exits 143; the rerun resumes there and ends with the
-    step checkpoint (params, Adam's state, step) and held-out MSEs of a run never stopped."""
+    """MAML's meta-updates run in ``fit``'s run context: a SIGTERM when meta-update 7's metrics
+    arrive (of 12; a checkpoint every 5), by then update 8 is under way (metrics are read one
+    update behind), saves step 8 and exits 143; the rerun resumes there and ends with the step
+    checkpoint (params, Adam's state, step) and held-out MSEs of a run never stopped."""
     small = dict(n_meta_iterations=12, meta_batch_size=16, n_eval_tasks=16, save_every_n_steps=5)
     whole = train(workdir=str(tmp_path / "whole"), **small)
     plugin = SigtermAt(7)
@@ -120,7 +121,7 @@ def test_a_maml_run_stopped_by_sigterm_resumes_to_the_same_bits(tmp_path):
             train(workdir=str(tmp_path / "cut"), **small)
     finally:
         redco.plugins.pm.unregister(plugin)
-    assert stopped.value.code == 143 and "after step 7:" in stopped.value.reason
+    assert stopped.value.code == 143 and "after step 8:" in stopped.value.reason
     cut = train(workdir=str(tmp_path / "cut"), **small)
     assert "Resumed from" in (tmp_path / "cut" / "log.txt").read_text()
     assert cut == whole
