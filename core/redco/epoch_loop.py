@@ -3,9 +3,10 @@
 One epoch's loop, per update: collate and place the batch (``Deployer.make_batch``), dispatch
 the jitted step, and only then read the previous update's metrics back, so the host prepares
 batch ``i + 1`` while the device runs update ``i``; the metrics go to the observers one update
-behind (``step_reports.report``). After an update, as asked: stop on a signal (save, then
-``Preempted``), evaluate every ``n`` updates (and stop there if an observer asked), write a step
-checkpoint every ``n`` updates (in the background). Every part is timed for the observers
+behind (``step_reports.report``). After an update the trainer's run is told
+(``RunContext.update_done``: in ``fit`` it stops on a signal or saves when due; inside a loop of
+rounds it waits for the round's end), then, as asked, it evaluates every ``n`` updates (and stops
+there if an observer asked). Every part is timed for the observers
 (``data``, ``compile``, ``step``, ``evaluation``, ``checkpoint``).
 
 ``fit``'s loop runs those epochs from where it resumed until ``n_epochs``, ``max_steps`` or a
