@@ -1,9 +1,7 @@
-"""``Deployer``: everything about devices, hosts, randomness, logging and files, in one place."""
+"""``Deployer``: everything about devices, hosts, randomness, logging and files, in one place
+(the log itself: ``redco/run_log.py``)."""
 from __future__ import annotations
 
-import atexit
-import json
-import logging
 import os
 from typing import Any, Callable, Sequence
 
@@ -19,9 +17,8 @@ from redco.data import check_collated, check_number
 from redco.lr_schedule import LrSchedule
 from redco.permutation import FeistelOrder, epoch_order
 from redco.protocols import Layout, LayoutRequest
+from redco.run_log import RunLog
 from redco.sharding import Rules, RuleSetRules, is_rule_set, make_mesh, shardings_from_specs, specs_from_rules
-
-logger = logging.getLogger("redco")
 
 
 class Deployer(DeployerV04):
@@ -160,11 +157,6 @@ class Deployer(DeployerV04):
     @property
     def is_main_process(self) -> bool:
         return jax.process_index() == 0
-
-    @property
-    def show_progress(self) -> bool:
-        """Whether this process draws progress bars: process 0, when verbose."""
-        return self.is_main_process and self._verbose
 
     @property
     def dp_size(self) -> int:
@@ -375,75 +367,40 @@ class Deployer(DeployerV04):
             return self._load_ckpt_v04(**({"ckpt_dir": path} if path else {}), **v04)
         return checkpointing.load(path, target)
 
-    # ---- logging -------------------------------------------------------------------------------
+    # ---- logging (redco/run_log.py) -----------------------------------------------------------
     def _setup_logging(self, verbose: bool, logger_names: list[str]) -> None:
-        self._metric_loggers, self._verbose = [], verbose
-        if not self.is_main_process:
-            logger.setLevel(logging.WARNING)
-            return
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-        if self.workdir is not None:  # None: nothing written
-            try:
-                os.makedirs(self.workdir, exist_ok=True)
-            except OSError as e:
-                raise ValueError(f"workdir={self.workdir!r} cannot be used: {e.strerror}"
-                                 f"{' (it is a file)' if os.path.isfile(self.workdir) else ''}. "
-                                 "Give a directory you can write to.") from e
-            if not any(getattr(h, "_redco_workdir", None) == self.workdir for h in logger.handlers):
-                handler = logging.FileHandler(os.path.join(self.workdir, "log.txt"))
-                handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-                handler._redco_workdir = self.workdir
-                logger.addHandler(handler)
-            makers = {name: plugins.lookup("loggers", name) for name in dict.fromkeys(logger_names)}
-            options = {"wandb": self.wandb_init_kwargs or {}}
-            self._metric_loggers = [make(self.workdir, **options.get(name, {}))
-                                    for name, make in makers.items()]
-            atexit.register(self.close)
+        self.run_log = RunLog(self.workdir, verbose, logger_names,
+                              {"wandb": self.wandb_init_kwargs or {}})
         self.log_info(f"devices: {jax.device_count()} ({jax.devices()[0].platform}), processes: "
                       f"{jax.process_count()}, mesh: "
                       f"{dict(self.mesh.shape) if self.mesh else 'picked by Trainer.fit'}")
 
+    @property
+    def show_progress(self) -> bool:
+        """Whether this process draws progress bars: process 0, when verbose."""
+        return self.run_log.show_progress
+
     def log_info(self, info: Any, title: str | None = None, step: int | None = None) -> None:
         """Write ``info`` to ``workdir/log.txt`` and, if verbose, print (process 0 only); with a
         ``title`` (and ``step``) as a framed block, as Redco 0.4.x did."""
-        message = str(info)
-        if title is not None:
-            head = f"### {title}" + (f" (step {step})" if step is not None else "")
-            rule = "=" * max(len(head), *(len(line) for line in message.splitlines() or [""]))
-            message = "\n".join([rule, head, rule.replace("=", "-"), message, rule])
-        if self.is_main_process:
-            logger.info(message)
-        if self.show_progress:
-            print(message, flush=True)
+        self.run_log.info(info, title, step)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Hand ``metrics`` at ``step`` to every metric logger (process 0); ``log_metrics(step,
         metrics)`` works too."""
         if not isinstance(metrics, dict):
             step, metrics = metrics, step
-        for metric_logger in self._metric_loggers:
-            metric_logger.log(int(step), metrics)
+        self.run_log.metrics(metrics, step)
 
     def save_json(self, name: str, data: Any) -> str | None:
         """Write ``data`` as ``workdir/<name>`` and return its path (process 0; nothing with
         ``workdir=None``)."""
-        if self.workdir is None or not self.is_main_process:
-            return None
-        path = os.path.join(self.workdir, name)
-        with open(path, "w") as f:
-            json.dump(data, f, indent=4)
-        return path
+        return self.run_log.save_json(name, data)
 
     def forget_metrics_after(self, step: int) -> None:
         """Tell the metric loggers that the run resumed at ``step`` (those that can drop what
         they logged after it do)."""
-        for metric_logger in self._metric_loggers:
-            if hasattr(metric_logger, "forget_after"):
-                metric_logger.forget_after(step)
+        self.run_log.forget_after(step)
 
     def close(self) -> None:
-        for metric_logger in self._metric_loggers:
-            metric_logger.close()
-        self._metric_loggers = []
-
+        self.run_log.close()
