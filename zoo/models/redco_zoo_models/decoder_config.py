@@ -93,6 +93,7 @@ class DecoderConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    scan_layers: bool = False  # layers stored stacked, run under lax.scan (layer_scan); no config.json key
 
     def __post_init__(self):
         if not self.head_dim:
