@@ -19,8 +19,14 @@ from redco.protocols import UsageError
 from redco.sharding import make_mesh, specs_from_rules
 from redco.tree_paths import named_leaves
 from redco_zoo_lm import collate_fn, loss_fn
-from redco_zoo_models import (LlamaConfig, LlamaForCausalLM, add_lora, from_pretrained,
-                              save_pretrained, split_model)
+from redco_zoo_models import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    add_lora,
+    from_pretrained,
+    save_pretrained,
+    split_model,
+)
 from redco_zoo_models.layer_scan import Segment, segments
 from redco_zoo_models.toy import TINY_FAMILIES
 
