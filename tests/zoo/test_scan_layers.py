@@ -234,3 +234,16 @@ def test_what_stacked_layers_do_not_support_yet_is_refused_before_compiling():
     with pytest.raises(UsageError, match="context parallelism is not supported yet"), \
             sequence_split.splitting(mesh):
         jax.eval_shape(lambda p, i: nnx.merge(graph, p)(i), params, ids)
+
+
+def test_a_scanned_model_starts_from_the_unrolled_ones_weights():
+    """Built from the same seed, the stacks hold the unrolled model's initial weights, layer
+    by layer (each layer is built as unrolled, then stacked)."""
+    def init(scan: bool):
+        cfg = dataclasses.replace(LLAMA, num_hidden_layers=2, scan_layers=scan)
+        state = jax.jit(lambda: nnx.state(LlamaForCausalLM(cfg, nnx.Rngs(0)), nnx.Param))()
+        return layer_stacks.unstack({p: np.asarray(x) for p, x in named_leaves(state)})
+    got, want = init(True), init(False)
+    assert got.keys() == want.keys()
+    for path in want:
+        np.testing.assert_array_equal(got[path], want[path], err_msg=path)
