@@ -14,6 +14,7 @@ turn so that a drift in the machine's load falls on both).
 
     python bench/scan_compile.py                      # depths 4 8 16 32
     python bench/scan_compile.py --depths 4 8 16 32 80
+    python bench/scan_compile.py --depths 4 32 --remat full   # each layer rematerialised
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def deployer():
                     workdir=tempfile.mkdtemp(prefix="redco-scan-bench-"))
 
 
-def compiled(n_layers: int, scan: bool) -> dict:
+def compiled(n_layers: int, scan: bool, remat: str | None) -> dict:
     """The train step compiled (``step``), its ``state``, ``batches``, ``compile_s`` and
     ``temp_mb``."""
     import numpy as np
@@ -55,7 +56,8 @@ def compiled(n_layers: int, scan: bool) -> dict:
     from redco_zoo_lm import collate_fn, loss_fn
     apply_fn, params = model(n_layers, scan)
     deployer_ = deployer()
-    trainer = Trainer(deployer_, collate_fn, apply_fn, loss_fn, params, optax.adamw(1e-3))
+    trainer = Trainer(deployer_, collate_fn, apply_fn, loss_fn, params, optax.adamw(1e-3),
+                      remat=remat)
     rng = np.random.default_rng(0)
     batch = deployer_.get_global_batch_size(1)
     examples = [{"token_ids": rng.integers(0, VOCAB, SEQ_LEN + 1)} for _ in range(4 * batch)]
@@ -79,7 +81,7 @@ def timed(run: dict, steps: int) -> float:
 
 
 def measure(n_layers: int, args: argparse.Namespace) -> dict:
-    runs = {scan: compiled(n_layers, scan) for scan in (True, False)}
+    runs = {scan: compiled(n_layers, scan, args.remat) for scan in (True, False)}
     for run in runs.values():
         timed(run, 1)  # warm-up
     times = {True: [], False: []}
@@ -99,12 +101,14 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--remat", default=None, help="the Trainer's remat policy (default none)")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from provenance import print_provenance
     print_provenance()
     print(f"zoo LLaMA width {WIDTH}, vocab {VOCAB}, {SEQ_LEN} tokens per device, 8 CPU devices "
-          f"dp4 x mp2, AdamW; step time: median of {args.repeats} x {args.steps} steps")
+          f"dp4 x mp2, AdamW, remat {args.remat or 'none'}; step time: median of {args.repeats} "
+          f"x {args.steps} steps")
     print(f"{'layers':>6} | {'compile scan s':>14} | {'compile unrolled s':>18} | "
           f"{'step scan ms':>12} | {'step unrolled ms':>16} | {'scan / unrolled step':>20} | "
           f"{'temp scan MB':>12} | {'temp unrolled MB':>16}")

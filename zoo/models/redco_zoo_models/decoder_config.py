@@ -27,6 +27,10 @@ attention and a gated MLP. What differs:
   (``swiglu_limit``, ``swiglu_alpha``: ``redco_zoo_models.layers.glu``);
 * ``kv_lora_rank`` (DeepSeek-V3): multi-head latent attention (``redco_zoo_models.mla``) in
   place of grouped-query attention, ``head_dim`` being the size of its rotated part.
+
+``scan_layers`` is not the family's but the run's (no config.json key; ``from_pretrained(...,
+scan_layers=True)``): runs of like layers stored stacked and run under ``jax.lax.scan``
+(``redco_zoo_models.layer_scan``), off by default.
 """
 from __future__ import annotations
 
