@@ -22,6 +22,11 @@ The ``Trainer`` (and the planner, measuring the same step) declares the params o
 
 ``remat.layer`` asks ``targets(leaves)`` which of its inputs are declared params and gathers
 those (``gather``); a model with no ``remat.layer`` is laid out as XLA chooses.
+
+Stacked layers run under ``jax.lax.scan`` (``redco.layer_stacks``) see one layer's slice of each
+declared param in the scan's body, a new array: the body declares the slices
+(``slices_of(stacked, slices)``) split as their stacks are less the layer axis, and its
+``remat.layer`` gathers one layer's weights per scan step.
 """
 from __future__ import annotations
 
@@ -72,6 +77,25 @@ def gathering(params: Any, shardings: Any) -> Iterator[None]:
     own = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
     table = {id(leaf): (target, split) for leaf, target, split in
              zip(jax.tree.leaves(params), gathered, own) if target is not None}
+    _declared.append(table)
+    try:
+        yield
+    finally:
+        _declared.pop()
+
+
+@contextlib.contextmanager
+def slices_of(stacked: Sequence[Any], slices: Sequence[Any]) -> Iterator[None]:
+    """Inside a scan's body: each of ``slices`` (one layer of the matching ``stacked`` param,
+    its leading axis gone) declared as its stack is, less that axis; nothing if none is."""
+    entries = targets(stacked)
+    if not any(entries):
+        yield
+        return
+    drop = lambda s: NamedSharding(s.mesh, P(*s.spec[1:]))  # noqa: E731
+    table = dict(_declared[-1])
+    table.update({id(leaf): (drop(entry[0]), drop(entry[1]))
+                  for leaf, entry in zip(slices, entries) if entry is not None})
     _declared.append(table)
     try:
         yield

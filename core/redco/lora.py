@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from redco.layer_stacks import layers_of
+from redco.protocols import UsageError
 from redco.tree_paths import named_leaves, path_str
 
 # Attention and MLP projections of LLaMA/Mistral/Qwen2 (q_proj ... down_proj), T5 (q, k, v, o,
@@ -100,6 +102,11 @@ def select(params: Any, targets: str, rank: int) -> list[str]:
     except re.error as e:
         raise ValueError(f"LoRA targets {targets!r} is not a regex: {e}.") from None
     leaves = dict(named_leaves(params))
+    stacked = [p for p in leaves if layers_of(p) is not None and re.search(targets, p)]
+    if stacked:
+        raise UsageError(f"LoRA targets {targets!r} select stacked layers' kernels ({stacked[0]}, "
+                         "redco.layer_stacks): scan_layers with LoRA is not supported yet: set "
+                         "scan_layers=False.")
     chosen = kernel_paths(params, targets)
     if not chosen:
         matrices = [p for p, x in leaves.items() if np.ndim(x) == 2][:6]

@@ -2,7 +2,9 @@
 
 A parameter's path is its pytree keys joined by ``/`` (``decoder/layers/0/attn/q/kernel``);
 the first rule whose regex matches anywhere in the path (``re.search``) gives its spec, and a
-parameter no rule matches is replicated.
+parameter no rule matches is replicated. A stacked layers' param (``redco.layer_stacks``:
+``model/layers/0:32/self_attn/q_proj/kernel``, layers on its first axis) takes a spec written
+for one layer on the dims after its layer axis; a spec that would split that axis is refused.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from redco.layer_stacks import layer_spec
 from redco.lora import follow_kernels
 from redco.tree_paths import key_name, named_leaves, path_str  # noqa: F401 - public here too
 
@@ -97,6 +100,7 @@ def specs_from_rules(params, rules: Rules | dict, mesh: Mesh):
         else:
             spec = spec_for(path_str(path), rules)
         name = path_str(path)
+        spec = layer_spec(name, spec, len(leaf.shape))
         if not fits(leaf.shape, spec, mesh):
             replicated.append(f"{name} {tuple(leaf.shape)} by {spec}")
             spec = P()

@@ -158,6 +158,27 @@ def test_export_loads_in_transformers_with_the_same_logits_and_token_ids(pair, t
     assert back.config.bos_token_id == BOS
 
 
+SCANNED = ("llama-3.1", "gemma3", "mixtral")  # a stack of 3; sliding pattern (2 stacked, 2
+#                                            alone); MoE with per-expert tensors
+
+
+def test_scanned_layers_read_and_write_transformers_checkpoints(pair, tmp_path):
+    """The checkpoint read with its layers stacked (``scan_layers``) gives transformers' logits,
+    and written back, transformers reads it whole with the same logits."""
+    theirs, path, _, family = pair
+    if family not in SCANNED:
+        pytest.skip("scanned variants of a few families only")
+    ours = from_pretrained(auto_class(path), path, scan_layers=True)
+    assert any(":" in p for p, _ in named_leaves(nnx.state(ours, nnx.Param)))
+    ids = np.random.RandomState(7).randint(1, EOS, (2, 40))
+    want = torch_logits(theirs, ids)
+    close(jitted(ours)(ids), want)
+    save_pretrained(ours, str(tmp_path))
+    back, info = type(theirs).from_pretrained(str(tmp_path), output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    close(torch_logits(back.eval(), ids), want)
+
+
 def test_deepseek_v3s_logits_are_within_1e4_where_its_routing_limits_matter(pair):
     """DeepSeek-V3's logits equal transformers' within 1e-4 (fp32), and there its routing
     limits take effect: without the group limit (every group kept) or without the loaded

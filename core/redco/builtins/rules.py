@@ -15,7 +15,13 @@ MoE blocks read where their experts lie (``redco.fsdp.declared``; the zoo's,
 it) the experts' tensor-parallel split comes from their names where the dataflow walker leaves
 them whole (it does not follow their batched matmuls): gate and up projections on their
 output, down on their input, as a dense MLP's (``expert_tp_spec``). ``has_experts`` says whether a model has
-any (the layout planner tries the ``+ep`` sets only then)."""
+any (the layout planner tries the ``+ep`` sets only then).
+
+**Stacked layers** (``redco.layer_stacks``: a scanned model's ``.../0:32/...`` params, layers on
+the first axis) are given the specs of one layer's weight, read off its slice: the dataflow's
+split dim less the layer axis, the names' and FSDP's on the dims after it (``layer_leaves``).
+``redco.sharding`` puts the layer axis back in front, unsplit. Expert parallelism over stacked
+experts is refused (not supported yet)."""
 from __future__ import annotations
 
 import math
@@ -28,7 +34,9 @@ from jax.sharding import PartitionSpec as P
 
 from redco.dataflow import dataflow_split_dims
 from redco.fsdp import FSDP_AXES, without_axes
+from redco.layer_stacks import layer_shape, layers_of
 from redco.plugins import hookimpl
+from redco.protocols import UsageError
 from redco.sharding import Rules, named_leaves
 
 QKV = re.compile(r"(^|/)(q|k|v|query|key|value|[qkv]_proj|qkv|wq|wk|wv)/(kernel|weight)$")
@@ -47,6 +55,12 @@ FSDP_MIN_SIZE = 1024  # params with fewer elements stay replicated: not worth a 
 def natural_key(path: str):
     """Sort ``Dense_2`` before ``Dense_10``: compare digit runs as numbers."""
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path)]
+
+
+def layer_leaves(params) -> list[tuple[str, jax.ShapeDtypeStruct]]:
+    """``named_leaves`` with each stacked param (``redco.layer_stacks``) as one layer's slice."""
+    return [(path, jax.ShapeDtypeStruct(layer_shape(path, leaf.shape), leaf.dtype))
+            for path, leaf in named_leaves(params)]
 
 
 def exact(specs: dict[str, P]) -> Rules:
@@ -79,11 +93,10 @@ def auto_specs(params, mesh: Mesh, trace_fn=None) -> dict[str, P]:
                           ". To split them, pick an n_model_shards that divides those dims (and "
                           "the number of heads), or pad them, e.g. a vocabulary to a multiple of "
                           "128.", stacklevel=3)
-        return {path: P() if split_dims.get(i) is None else
-                P(*["mp" if d == split_dims[i] else None for d in range(len(leaf.shape))])
+        return {path: P() if split_dims.get(i) is None else _split_at(path, leaf, split_dims[i])
                 for i, (path, leaf) in enumerate(leaves)}
     specs, n_dense = {}, {}
-    for path, leaf in sorted(named_leaves(params), key=lambda kv: natural_key(kv[0])):
+    for path, leaf in sorted(layer_leaves(params), key=lambda kv: natural_key(kv[0])):
         if len(leaf.shape) != 2:
             specs[path] = P()
         elif QKV.search(path) or FFN_IN.search(path):
@@ -95,6 +108,15 @@ def auto_specs(params, mesh: Mesh, trace_fn=None) -> dict[str, P]:
             specs[path] = COLUMN if n_dense.get(parent, 0) % 2 == 0 else ROW
             n_dense[parent] = n_dense.get(parent, 0) + 1
     return specs
+
+
+def _split_at(path: str, leaf, dim: int) -> P:
+    """``mp`` on ``dim`` of a param, as one layer's spec for a stacked one (``dim`` counted
+    with its layer axis, which a scan's slices never split)."""
+    ndim, first = len(leaf.shape), int(layers_of(path) is not None)
+    if dim < first:
+        raise AssertionError(f"the dataflow split {path}'s layer axis")
+    return P(*["mp" if d == dim else None for d in range(first, ndim)])
 
 
 def fsdp_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -127,7 +149,7 @@ def _auto(params, mesh: Mesh, trace_fn=None) -> dict[str, P]:
     if mp == 1:
         return {}
     specs = auto_specs(params, mesh, trace_fn)
-    for path, leaf in named_leaves(params):
+    for path, leaf in layer_leaves(params):
         whole = "mp" not in jax.tree.leaves(tuple(specs.get(path, P())))
         if _is_expert(path, leaf) and (whole or len(leaf.shape) == 2):
             specs[path] = expert_tp_spec(path, leaf.shape, mp)
@@ -154,7 +176,7 @@ def auto_names_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
 def fsdp_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
     """Every large parameter (and so its optimizer state) split over the data-parallel devices
     and gathered for compute by XLA: ZeRO-3 without any code in the model."""
-    return exact({path: with_fsdp(P(), leaf.shape, mesh) for path, leaf in named_leaves(params)})
+    return exact({path: with_fsdp(P(), leaf.shape, mesh) for path, leaf in layer_leaves(params)})
 
 
 def auto_fsdp_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
@@ -165,12 +187,14 @@ def auto_fsdp_rules(params, mesh: Mesh, trace_fn=None) -> Rules:
 def _auto_fsdp(params, mesh: Mesh, trace_fn=None) -> dict[str, P]:
     specs = _auto(params, mesh, trace_fn)
     return {path: with_fsdp(specs.get(path, P()), leaf.shape, mesh)
-            for path, leaf in named_leaves(params)}
+            for path, leaf in layer_leaves(params)}
 
 
 def has_experts(params) -> bool:
-    """Whether ``params`` hold stacked expert weights (``EXPERTS``, 3 dims; their biases 2)."""
-    return any(_is_expert(path, leaf) for path, leaf in named_leaves(params))
+    """Whether ``params`` hold stacked expert weights (``EXPERTS``, 3 dims; their biases 2)
+    that expert parallelism can split: none of stacked layers (``redco.layer_stacks``)."""
+    return any(_is_expert(path, leaf) and layers_of(path) is None
+               for path, leaf in named_leaves(params))
 
 
 def _is_expert(path: str, leaf) -> bool:
@@ -182,9 +206,13 @@ def with_experts_split(base_specs):
     expert weight split on its experts over ``dp`` (module docstring)."""
     def rules(params, mesh: Mesh, trace_fn=None) -> Rules:
         specs, dp = base_specs(params, mesh, trace_fn), mesh.shape["dp"]
-        for path, leaf in named_leaves(params):
+        for path, leaf in layer_leaves(params):
             if not _is_expert(path, leaf):
                 continue
+            if layers_of(path) is not None:
+                raise UsageError(f"{path} holds stacked layers' experts: scan_layers with "
+                                 "expert parallelism is not supported yet: set "
+                                 "scan_layers=False, or rules without +ep.")
             if leaf.shape[0] % dp:
                 raise ValueError(
                     f"{path} holds {leaf.shape[0]} experts, which do not split over dp={dp} "

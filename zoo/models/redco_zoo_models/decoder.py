@@ -6,7 +6,9 @@ what differs is data, ``DecoderConfig`` (``redco_zoo_models.decoder_config`` say
 
 Module names follow HuggingFace's (``model/layers/0/self_attn/q_proj/kernel``), so checkpoints
 map by name (``redco_zoo_models.hf``); a family's own tensor names and config keys live in
-``redco_zoo_models.families``.
+``redco_zoo_models.families``. With ``scan_layers`` the layers are stored stacked
+(``model/layers/0:32/self_attn/q_proj/kernel``, layers on the first axis) and run under
+``jax.lax.scan``: ``redco_zoo_models.layer_scan``.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from flax import nnx
 
 from redco import remat
 from redco.tree_paths import named_leaves
-from redco_zoo_models import family_tensors
+from redco_zoo_models import expert_parallel, family_tensors, layer_scan
 from redco_zoo_models.attention import init_cache
 from redco_zoo_models.chunked_loss import next_token_loss
 from redco_zoo_models.context_parallel import (
@@ -115,7 +117,11 @@ class DecoderModel(nnx.Module):
 
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.num_hidden_layers)])
+        layers = [DecoderLayer(cfg, i, rngs) for i in range(cfg.num_hidden_layers)]
+        if cfg.scan_layers:  # stacked by runs of like layers (redco_zoo_models.layer_scan)
+            self.layers, self.runs = layer_scan.stacked(layers)
+        else:
+            self.layers, self.runs = nnx.List(layers), None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.cfg = cfg
 
@@ -129,17 +135,32 @@ class DecoderModel(nnx.Module):
         x, new_cache, reports = on_split(x, allowed), [], []
         lengths = self._document_lengths(segment_ids, allowed)
         with as_laid_out(self.moe_weights()):  # experts split over dp: expert parallel
-            for i, layer in enumerate(self.layers):
-                x, layer_cache, report = layer(x, positions, allowed, cache and cache[i],
-                                               cache_index, lengths)
-                new_cache.append(layer_cache)
-                reports.append(report)
+            if self.runs is not None and cache is None:  # stacked: scanned
+                layer_scan.refuse_unsupported(self.layers, isinstance(allowed, SplitSequence),
+                                              expert_parallel.current() is not None)
+
+                def step(layer, h):
+                    h, _, report = layer(h, positions, allowed, None, cache_index, lengths)
+                    return h, report
+                x, reports = layer_scan.run(self.layers, self.runs, step, x)
+            else:
+                for i, layer in enumerate(self._each_layer()):
+                    x, layer_cache, report = layer(x, positions, allowed, cache and cache[i],
+                                                   cache_index, lengths)
+                    new_cache.append(layer_cache)
+                    reports.append(report)
         return (in_order(self.norm(x), allowed), (new_cache if cache is not None else None),
                 experts_report([r for r in reports if r]))
 
+    def _each_layer(self):
+        """Every layer in order (a stacked one's slice: ``layer_scan.each_layer``)."""
+        return self.layers if self.runs is None else layer_scan.each_layer(self.layers, self.runs)
+
     def moe_weights(self) -> list:
-        """``(path, leaf)`` of the MoE blocks' params (none for a dense model)."""
-        return [(f"{i}/{path}", leaf) for i, layer in enumerate(self.layers)
+        """``(path, leaf)`` of the MoE blocks' params (none for a dense model; stacked ones
+        for stacked layers)."""
+        layers = self.layers.items() if self.runs is not None else enumerate(self.layers)
+        return [(f"{i}/{path}", leaf) for i, layer in layers
                 if isinstance(layer.mlp, MoE)
                 for path, leaf in named_leaves(nnx.state(layer.mlp, nnx.Param))]
 
@@ -158,12 +179,14 @@ class DecoderModel(nnx.Module):
 
 
 def experts_report(reports: list[dict]) -> dict:
-    """The MoE blocks' reports (``MoE.report``'s scalars, one per block) as the model's:
+    """The MoE blocks' reports (``MoE.report``'s scalars, one per block or stacked over a
+    scanned run's blocks) as the model's:
     ``moe/aux_loss`` summed over blocks (what the loss adds), the rest averaged over them, and
     the worst block's load imbalance (``moe/load_cv_max``); empty for a dense model."""
     if not reports:
         return {}
-    stacked = {k: jnp.stack([r[k] for r in reports]) for k in reports[0]}
+    stacked = {k: jnp.concatenate([jnp.reshape(r[k], (-1,)) for r in reports])  # (scanned:
+               for k in reports[0]}  # a report's leaves stacked over its layers)
     report = {f"moe/{k}": jnp.mean(v) for k, v in stacked.items() if k != "aux_loss"}
     return {**report, "moe/aux_loss": jnp.sum(stacked["aux_loss"]),
             "moe/load_cv_max": jnp.max(stacked["load_cv"])}

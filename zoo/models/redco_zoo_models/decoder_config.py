@@ -27,6 +27,10 @@ attention and a gated MLP. What differs:
   (``swiglu_limit``, ``swiglu_alpha``: ``redco_zoo_models.layers.glu``);
 * ``kv_lora_rank`` (DeepSeek-V3): multi-head latent attention (``redco_zoo_models.mla``) in
   place of grouped-query attention, ``head_dim`` being the size of its rotated part.
+
+``scan_layers`` is not the family's but the run's (no config.json key; ``from_pretrained(...,
+scan_layers=True)``): runs of like layers stored stacked and run under ``jax.lax.scan``
+(``redco_zoo_models.layer_scan``), off by default.
 """
 from __future__ import annotations
 
@@ -93,6 +97,7 @@ class DecoderConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    scan_layers: bool = False  # layers stored stacked, run under lax.scan (layer_scan); no config.json key
 
     def __post_init__(self):
         if not self.head_dim:

@@ -10,6 +10,7 @@ checkpoint leaves them out.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -20,6 +21,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from redco import layer_stacks
+from redco.layer_stacks import layers_of
 from redco.protocols import UsageError
 from redco.sharding import named_leaves
 from redco_safetensors import torch_name
@@ -75,11 +78,24 @@ def read_safetensors(model_dir: str) -> dict[str, np.ndarray]:
     return tensors
 
 
+def per_layer_shapes(named: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """``{path: shape}`` of a model's params with each stacked one (``redco.layer_stacks``)
+    as its layers, under their per-layer names."""
+    out = {}
+    for path, leaf in named.items():
+        layers = layers_of(path)
+        names = layer_stacks.layer_names(path) if layers else [path]
+        out.update({name: tuple(leaf.shape[1:] if layers else leaf.shape) for name in names})
+    return out
+
+
 def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = None,
-                    seed: int = 0) -> nnx.Module:
+                    seed: int = 0, **config_changes) -> nnx.Module:
     """``model_class`` built from ``model_dir``'s ``config.json`` with its safetensors weights
-    (in ``dtype`` when given). Raises naming the first parameter missing or of another shape,
-    and the checkpoint's tensors the model has no place for."""
+    (in ``dtype`` when given), with ``config_changes`` to its config (``scan_layers=True``:
+    the decoder's layers stacked, ``redco_zoo_models.layer_scan``). Raises naming the first
+    parameter missing or of another shape, and the checkpoint's tensors the model has no place
+    for."""
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     try:
@@ -87,6 +103,7 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
     except ValueError as e:
         raise type(e)(f"{model_dir}/{e}" if str(e).startswith("config.json") else
                       f"{model_dir}/config.json: {e}") from None
+    cfg = dataclasses.replace(cfg, **config_changes) if config_changes else cfg
     model = nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(seed)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tensors = read_safetensors(model_dir)
@@ -94,9 +111,10 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
         tensors = model.hf_tensors_in(tensors)
     tied, used = getattr(model_class, "hf_tied_weights", {}), set()
     base = getattr(model_class, "base_model_prefix", None)  # e.g. GPT-2's "transformer"
-    leaves = []
-    for path, leaf in named_leaves(params):
-        name, perm = torch_name(path, len(leaf.shape))
+    named = dict(named_leaves(params))
+    arrays = {}
+    for path, shape in per_layer_shapes(named).items():  # a stacked param's layers one by one
+        name, perm = torch_name(path, len(shape))
         if name not in tensors and base and name.removeprefix(f"{base}.") in tensors:
             name = name.removeprefix(f"{base}.")  # a checkpoint of the bare base model
         if name not in tensors and tied.get(name) in tensors:
@@ -105,11 +123,11 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
             raise KeyError(f"{model_dir} has no tensor {name} (for {path}); is it a "
                            f"{model_class.__name__} checkpoint of this config.json?")
         array = tensors[name] if perm is None else tensors[name].transpose(np.argsort(perm))
-        if array.shape != leaf.shape:
+        if array.shape != shape:
             raise ValueError(f"{name} in {model_dir} has shape {array.shape}; "
-                             f"{model_class.__name__} expects {leaf.shape} (for {path}).")
+                             f"{model_class.__name__} expects {shape} (for {path}).")
         used.add(name)
-        leaves.append(np.asarray(array, dtype or leaf.dtype))
+        arrays[path] = array
     left = sorted(n for n in set(tensors) - used - set(tied.values())
                   if not HARMLESS_TENSORS.search(n))
     if left:
@@ -117,6 +135,8 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
                          f"{model_class.__name__} as its config.json describes it, e.g. "
                          f"{left[:3]}: a config that does not match the weights, or a variant "
                          "the zoo does not implement.")
+    arrays = layer_stacks.stack(arrays, [p for p in named if layers_of(p)], np.stack)
+    leaves = [np.asarray(arrays[path], dtype or leaf.dtype) for path, leaf in named.items()]
     return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(params), leaves), rest)
 
 
@@ -142,7 +162,9 @@ def save_pretrained(model: nnx.Module, model_dir: str) -> None:
         model = merge_lora(nnx.clone(model))
     os.makedirs(model_dir, exist_ok=True)
     tensors = {}
-    for path, leaf in named_leaves(nnx.state(model, nnx.Param)):
+    named = layer_stacks.unstack({p: np.asarray(x) for p, x in
+                                  named_leaves(nnx.state(model, nnx.Param))})
+    for path, leaf in named.items():  # stacked layers (redco.layer_stacks) one by one
         name, perm = torch_name(path, np.ndim(leaf))
         array = np.asarray(leaf)
         tensors[name] = array if perm is None else array.transpose(perm)

@@ -1,0 +1,249 @@
+"""The zoo decoder's stacked layers (``DecoderConfig.scan_layers``, ``redco_zoo_models.layer_scan``):
+the groups it stacks, training on 8 devices equal to the unrolled model's (the one
+tests/zoo_parity checks against transformers) under the dataflow rules and under FSDP, rules
+written for one layer applied to a stack, checkpoints in and out, and what is refused."""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import redco
+from redco import Deployer, Trainer, fsdp, layer_stacks, remat
+from redco.protocols import UsageError
+from redco.sharding import make_mesh, specs_from_rules
+from redco.tree_paths import named_leaves
+from redco_zoo_lm import collate_fn, loss_fn
+from redco_zoo_models import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    add_lora,
+    from_pretrained,
+    save_pretrained,
+    split_model,
+)
+from redco_zoo_models.layer_scan import Segment, segments
+from redco_zoo_models.toy import TINY_FAMILIES
+
+S, F = "sliding_attention", "full_attention"
+LLAMA = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2)
+MIXTRAL = LlamaConfig.from_hf(TINY_FAMILIES["mixtral"])  # 3 MoE layers of 4 experts
+
+
+@pytest.mark.parametrize("kinds, want", [
+    ("L" * 5, [Segment(0, 1, 5)]),  # LLaMA: one run of single layers
+    ("SSSSSF" * 4 + "SS", [Segment(0, 6, 4), Segment(24, 1, 2)]),  # Gemma 3 at 26 layers
+    ("DDDMMMMM", [Segment(0, 1, 3), Segment(3, 1, 5)]),  # DeepSeek-V3: dense, then MoE
+    ("ABCA", [Segment(0, 1, 1), Segment(1, 1, 1), Segment(2, 1, 1), Segment(3, 1, 1)]),
+])
+def test_segments_cover_the_stack_with_its_repeating_groups(kinds, want):
+    assert segments(list(kinds)) == want
+    assert Segment(0, 6, 4).keys()[1] == "1:24:6" and Segment(24, 1, 1).keys() == ["24"]
+
+
+@functools.cache
+def params_of(cfg: LlamaConfig, scan: bool):
+    """``(apply_fn, params)``: numpy draws (an eager init compiles op by op) for the unrolled
+    model; the scanned one's are the same, stacked by layer (``layer_stacks.stack``)."""
+    apply_fn, shapes = split_model(nnx.eval_shape(
+        lambda: LlamaForCausalLM(dataclasses.replace(cfg, scan_layers=scan), nnx.Rngs(0))))
+    if not scan:
+        rng = np.random.default_rng(0)
+        return apply_fn, jax.tree.map(lambda s: (0.2 * rng.normal(size=s.shape)).astype(s.dtype),
+                                      shapes)
+    named = dict(named_leaves(params_of(cfg, False)[1]))
+    paths = [p for p, _ in named_leaves(shapes)]
+    stacked = layer_stacks.stack(named, [p for p in paths if layer_stacks.layers_of(p)], np.stack)
+    return apply_fn, jax.tree.unflatten(jax.tree.structure(shapes), [stacked[p] for p in paths])
+
+
+class Rows:
+    def __init__(self):
+        self.rows = []
+
+    @redco.hookimpl
+    def on_step_end(self, trainer, step, metrics):
+        self.rows.append((metrics["loss"], metrics["grad_norm"]))
+
+
+def fit(cfg, scan: bool, rules: str = "auto", policy: str | None = None):
+    """4 SGD updates on dp4 x mp2: ``(loss and grad norm rows, final params per layer, specs
+    per param path)``."""
+    deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False, compile_cache_dir=False,
+                        sharding_rules=rules)
+    apply_fn, params = params_of(cfg, scan)
+    rows = Rows()
+    t = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.sgd(0.1), remat=policy,
+                callbacks=[rows])
+    rng = np.random.default_rng(0)
+    examples = [{"token_ids": (np.arange(17) * rng.integers(1, 4) + rng.integers(64)) % 64}
+                for _ in range(32)]
+    t.fit(examples, per_device_batch_size=2, n_epochs=1, eval_sanity_check=False)
+    final = layer_stacks.unstack({p: np.asarray(x) for p, x in named_leaves(t.params)})
+    specs = {p: s.spec for p, s in named_leaves(t.state_shardings.params)}
+    return np.array(rows.rows), final, specs
+
+
+def padded(spec: P, ndim: int) -> tuple:
+    return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def check_equal_training(cfg, rules="auto", policy=None):
+    """The scanned model's 4 updates equal the unrolled one's (losses, gradient norms, every
+    layer's final params); each stacked param's spec is its layers' unrolled spec behind an
+    unsplit layer axis. Returns the scanned specs."""
+    rows, final, specs = fit(cfg, True, rules, policy)
+    want_rows, want_final, want_specs = fit(cfg, False, rules, policy)
+    assert len(rows) == 4 and rows[-1, 0] < rows[0, 0]
+    np.testing.assert_allclose(rows, want_rows, rtol=1e-5, atol=1e-6)
+    assert final.keys() == want_final.keys()
+    for path in final:
+        np.testing.assert_allclose(final[path], want_final[path], rtol=1e-5, atol=1e-6,
+                                   err_msg=path)
+    stacked = [p for p in specs if layer_stacks.layers_of(p)]
+    assert stacked, "nothing stacked"
+    for path in stacked:
+        for layer in layer_stacks.layer_names(path):
+            ndim = np.ndim(want_final[layer])
+            assert padded(specs[path], ndim + 1) == (None, *padded(want_specs[layer], ndim)), path
+    return specs
+
+
+def test_a_scanned_llama_trains_as_the_unrolled_one_on_dp4_mp2():
+    """Dataflow rules (``auto``): the stacked projections are split on ``mp`` as the unrolled
+    layers' are, never on the layer axis."""
+    specs = check_equal_training(LLAMA)
+    assert specs["model/layers/0:3/self_attn/q_proj/kernel"] == P(None, None, "mp")
+    assert specs["model/layers/0:3/self_attn/o_proj/kernel"] == P(None, "mp", None)
+
+
+def test_a_scanned_moe_model_trains_as_the_unrolled_one_on_dp4_mp2():
+    """Mixtral's 3 MoE layers, balancing loss included: the stacked experts (layers, experts,
+    in, out) are split as one layer's, gate and up on their output."""
+    specs = check_equal_training(MIXTRAL)
+    assert specs["model/layers/0:3/mlp/experts/gate_proj"] == P(None, None, None, "mp")
+
+
+def body_constraints(jaxpr, in_scan=False) -> int:
+    """``sharding_constraint`` equations inside ``lax.scan`` bodies of ``jaxpr``, sub-jaxprs
+    (remat's checkpoint, custom VJPs) included."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += in_scan and eqn.primitive.name == "sharding_constraint"
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            count += body_constraints(sub, in_scan or eqn.primitive.name == "scan")
+    return count
+
+
+def test_fsdp_gathers_each_layer_inside_the_scan_and_trains_as_unrolled():
+    """``auto+fsdp`` and ``full`` remat: the scanned step equals the unrolled one, its stacks
+    are split over ``dp`` behind the layer axis, and the scan's body gathers its layer's slice
+    of each of them: a split and a gathered constraint per weight (``fsdp.gather``)."""
+    specs = check_equal_training(LLAMA, "auto+fsdp", "full")
+    split = [p for p, s in specs.items() if layer_stacks.layers_of(p) and "dp" in str(s)]
+    assert len(split) == 5  # q, o, gate, up, down (k, v of 512 and norms: too small to split)
+    apply_fn, params = params_of(LLAMA, True)
+    mesh = make_mesh(jax.devices(), 2)
+    shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s),
+                             jax.tree.unflatten(jax.tree.structure(params),
+                                                [specs[p] for p, _ in named_leaves(params)]),
+                             is_leaf=lambda x: isinstance(x, P))
+    ids = jnp.zeros((8, 16), jnp.int32)
+
+    def loss(params):  # declared as the Trainer declares them
+        with fsdp.gathering(params, shardings):
+            return apply_fn(params, ids, labels=ids)
+    with remat.policy("full"):
+        jaxpr = jax.make_jaxpr(loss)(params).jaxpr
+    assert body_constraints(jaxpr) == 2 * len(split)
+
+
+def test_rules_written_for_one_layer_apply_behind_the_layer_axis():
+    """A ``(regex, spec)`` rule written for a layer's (in, out) kernel splits a stack's (in,
+    out) dims; one of the stack's rank with None first is taken as given; one splitting the
+    layer axis is refused, naming the param."""
+    _, params = params_of(LLAMA, True)
+    mesh = make_mesh(jax.devices(), 2)
+    rules = [("q_proj/kernel", P(None, "mp")), ("down_proj/kernel", P("mp")),
+             ("up_proj/kernel", P(None, None, "mp"))]
+    specs = dict(named_leaves(specs_from_rules(params, rules, mesh)))
+    assert specs["model/layers/0:3/self_attn/q_proj/kernel"] == P(None, None, "mp")
+    assert specs["model/layers/0:3/mlp/down_proj/kernel"] == P(None, "mp")
+    assert specs["model/layers/0:3/mlp/up_proj/kernel"] == P(None, None, "mp")
+    with pytest.raises(UsageError, match="model/layers/0:3/self_attn/k_proj/kernel.*layer axis"):
+        specs_from_rules(params, [("k_proj/kernel", P("mp", None, None))], mesh)
+
+
+def gemma3_like(**changes) -> LlamaConfig:
+    """Gemma 3's sliding pattern, 7 layers: groups (S, S, F) twice, stacked, then one alone."""
+    return LlamaConfig.from_hf(dict(TINY_FAMILIES["gemma3"], num_hidden_layers=7,
+                                    layer_types=[S, S, F, S, S, F, S], **changes))
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, gemma3_like()], ids=["llama", "gemma3"])
+def test_checkpoints_round_trip_and_the_cache_path_equals_the_scan(cfg, tmp_path):
+    """An unrolled model's checkpoint read stacked, with the unrolled logits; written back
+    tensor for tensor as the unrolled model wrote it; and its KV-cache forward (layers
+    unrolled, sliced from the stacks) gives the scan's logits."""
+    apply_fn, params = params_of(cfg, False)
+    graph = nnx.graphdef(nnx.eval_shape(lambda: LlamaForCausalLM(cfg, nnx.Rngs(0))))
+    save_pretrained(nnx.merge(graph, params), str(tmp_path / "unrolled"))
+    scanned = from_pretrained(LlamaForCausalLM, str(tmp_path / "unrolled"), scan_layers=True)
+    assert any(layer_stacks.layers_of(p) for p, _ in named_leaves(nnx.state(scanned)))
+    save_pretrained(scanned, str(tmp_path / "scanned"))
+    from safetensors.numpy import load_file
+    want = load_file(str(tmp_path / "unrolled" / "model.safetensors"))
+    got = load_file(str(tmp_path / "scanned" / "model.safetensors"))
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    ids = jnp.asarray(np.random.default_rng(1).integers(1, 63, (2, 12)))
+    s_graph, s_params = nnx.split(scanned, nnx.Param)
+
+    @jax.jit
+    def logits(p, s_p):
+        model = nnx.merge(s_graph, s_p)
+        cached, _ = model(ids, cache=model.init_cache(2, 12))
+        return apply_fn(p, ids), model(ids), cached
+    ref, scan, cached = logits(params, s_params)
+    np.testing.assert_allclose(scan, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cached, scan, rtol=1e-5, atol=1e-5)
+
+
+def test_what_stacked_layers_do_not_support_yet_is_refused_before_compiling():
+    """LoRA on stacked kernels, expert-parallel rules over stacked experts, context
+    parallelism: each refused with a UsageError naming scan_layers=False."""
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(dataclasses.replace(
+        MIXTRAL, scan_layers=True), nnx.Rngs(0)))
+    with pytest.raises(UsageError, match="LoRA is not supported yet: set scan_layers=False"):
+        add_lora(model, rank=2)
+    deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False, compile_cache_dir=False,
+                        sharding_rules="auto+ep")
+    with pytest.raises(UsageError, match="expert parallelism is not supported yet"):
+        deployer.get_sharding_rules(nnx.state(model, nnx.Param))
+    from redco import sequence_split
+    graph, params = nnx.split(model)
+    ids = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    mesh = make_mesh(jax.devices(), 1, n_context_shards=2)
+    with pytest.raises(UsageError, match="context parallelism is not supported yet"), \
+            sequence_split.splitting(mesh):
+        jax.eval_shape(lambda p, i: nnx.merge(graph, p)(i), params, ids)
+
+
+def test_a_scanned_model_starts_from_the_unrolled_ones_weights():
+    """Built from the same seed, the stacks hold the unrolled model's initial weights, layer
+    by layer (each layer is built as unrolled, then stacked)."""
+    def init(scan: bool):
+        cfg = dataclasses.replace(LLAMA, num_hidden_layers=2, scan_layers=scan)
+        state = jax.jit(lambda: nnx.state(LlamaForCausalLM(cfg, nnx.Rngs(0)), nnx.Param))()
+        return layer_stacks.unstack({p: np.asarray(x) for p, x in named_leaves(state)})
+    got, want = init(True), init(False)
+    assert got.keys() == want.keys()
+    for path in want:
+        np.testing.assert_array_equal(got[path], want[path], err_msg=path)

@@ -1,0 +1,152 @@
+"""The decoder's layers stored stacked and run under ``jax.lax.scan`` (``DecoderConfig.scan_layers``):
+one layer traced and compiled per group of like layers, not one per layer, so a training
+step's compile time stops growing with depth (``bench/scan_compile.py``).
+
+**Groups of a repeating pattern.** Layers of one *kind* (``kind_of``: the same modules, static
+attributes and param shapes: a sliding window, a MoE block change it) can share one traced
+body. ``segments`` covers the stack, from its first layer, with runs of a repeating group: at
+each place it takes the group of at most ``MAX_PERIOD`` layers whose repeats cover the most
+layers (ties: the shorter group), or one layer alone when nothing repeats. So LLaMA is one run
+of single layers; Gemma 3's five sliding + one global layers are groups of six (its last
+layers, fewer than a group, runs of their own); DeepSeek-V3 a run of its first dense layers
+then one of its MoE layers.
+
+**Stored stacked.** Each run's ``p``-th layers of every group are one module whose params carry
+the layers on a leading axis, named by the layers they hold in Python's slice notation
+(``redco.layer_stacks``): LLaMA's 32 layers are ``model/layers/0:32/self_attn/q_proj/kernel``
+of shape (32, in, out); Gemma 3's (26 layers) ``model/layers/0:24:6/...`` (layers 0, 6, 12,
+18), ..., ``model/layers/5:24:6/...``, then ``model/layers/24/...`` and ``model/layers/25/...``
+as unrolled. The layers are built one by one (the unrolled model's initial values, from the
+same seed) and stacked once, at construction. HuggingFace import and export cut the stacks
+into per-layer tensors and back (``redco.layer_stacks.unstack``/``stack``, ``hf``).
+
+**Run.** A training or scoring forward (no cache) scans each run: ``jax.lax.scan`` over the
+stacked params, one group per step, each layer of the group merged from its slice; no copy of
+the params is made. ``remat.layer`` policies apply inside the body as to an unrolled layer,
+and under FSDP each slice is declared as its stack is, less the layer axis
+(``redco.fsdp.slices_of``), so each step gathers one layer's weights. The KV-cache path
+(generation) runs the layers unrolled in a Python loop, each taking its slice of the stacks.
+
+**Not supported yet** (refused before compiling, ``refuse_unsupported`` and the rule sets):
+LoRA adapters on stacked kernels, expert parallelism over stacked experts, and context
+parallelism (a split sequence).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Hashable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from redco import fsdp
+from redco.layer_stacks import stack_key
+from redco.protocols import UsageError
+
+MAX_PERIOD = 8  # the longest group of layers a segment repeats
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Layers ``start .. start + period * repeats - 1``: a group of ``period`` layers repeated."""
+    start: int
+    period: int
+    repeats: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.period * self.repeats
+
+    def keys(self) -> list[str]:
+        """The ``layers`` keys of its modules: one per position in the group (stacked), or the
+        layer's index for a layer alone."""
+        if self.repeats == 1:
+            return [str(self.start)]
+        return [stack_key(range(self.start + p, self.stop, self.period))
+                for p in range(self.period)]
+
+
+def kind_of(layer: nnx.Module) -> Hashable:
+    """What must match for layers to share a traced body: their graph (modules and static
+    attributes such as a window) and their state's shapes and dtypes."""
+    graph, state = nnx.split(layer)
+    return graph, tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
+
+
+def segments(kinds: Sequence[Hashable], max_period: int = MAX_PERIOD) -> list[Segment]:
+    """Cover ``kinds`` (one per layer) with segments, greedily from the first layer (module
+    docstring)."""
+    out, start, n = [], 0, len(kinds)
+    while start < n:
+        best = Segment(start, 1, 1)
+        for period in range(1, min(max_period, (n - start) // 2) + 1):
+            group, repeats = kinds[start:start + period], 1
+            while start + (repeats + 1) * period <= n and \
+                    kinds[start + repeats * period:start + (repeats + 1) * period] == group:
+                repeats += 1
+            if repeats > 1 and period * repeats > best.period * best.repeats:
+                best = Segment(start, period, repeats)
+        out.append(best)
+        start = best.stop
+    return out
+
+
+def stacked(layers: list[nnx.Module]) -> tuple[nnx.Dict, tuple[Segment, ...]]:
+    """``layers`` as ``(modules by key, segments)``: each segment's modules (``Segment.keys``)
+    with their layers' state stacked on a leading axis, or a layer alone as it is."""
+    runs = tuple(segments([kind_of(layer) for layer in layers]))
+    modules = {}
+    for seg in runs:
+        for p, key in enumerate(seg.keys()):
+            group = layers[seg.start + p:seg.stop:seg.period]
+            if len(group) == 1:
+                modules[key] = group[0]
+                continue
+            split = [nnx.split(layer) for layer in group]
+            modules[key] = nnx.merge(split[0][0], jax.tree.map(lambda *xs: jnp.stack(xs),
+                                                              *[state for _, state in split]))
+    return nnx.Dict(modules), runs
+
+
+def each_layer(modules: nnx.Dict, runs: Sequence[Segment]) -> Iterator[nnx.Module]:
+    """Every layer in order, a stacked one merged from its slice (the unrolled cache path)."""
+    for seg in runs:
+        split = [nnx.split(modules[key]) for key in seg.keys()]
+        for r in range(seg.repeats):
+            for graph, state in split:
+                yield nnx.merge(graph, state if seg.repeats == 1 else
+                                jax.tree.map(lambda a: a[r], state))
+
+
+def run(modules: nnx.Dict, runs: Sequence[Segment], step: Callable, x: Any) -> tuple[Any, list]:
+    """``x`` through every layer by ``step(layer, x) -> (x, report)``: each stacked segment
+    under ``jax.lax.scan``, one group a step; a layer alone called once. Returns ``(x,
+    reports)``, a scanned layer's report's leaves stacked over its repeats."""
+    reports = []
+    for seg in runs:
+        if seg.repeats == 1:
+            x, report = step(modules[seg.keys()[0]], x)
+            reports.append(report)
+            continue
+        graphs, states = zip(*[nnx.split(modules[key]) for key in seg.keys()])
+        stacks = [jax.tree.leaves(state) for state in states]
+
+        def body(h, group, graphs=graphs, stacks=stacks):
+            out = []
+            for graph, state, leaves in zip(graphs, group, stacks):
+                with fsdp.slices_of(leaves, jax.tree.leaves(state)):
+                    h, report = step(nnx.merge(graph, state), h)
+                out.append(report)
+            return h, out
+        x, scanned = jax.lax.scan(body, x, list(states))
+        reports.extend(scanned)
+    return x, reports
+
+
+def refuse_unsupported(modules: nnx.Dict, split_sequence: bool, expert_parallel: bool) -> None:
+    """Refuse, before compiling, what stacked layers do not support yet (module docstring)."""
+    what = "context parallelism" if split_sequence else \
+        "expert parallelism" if expert_parallel else None
+    if what and any(":" in key for key in modules):
+        raise UsageError(f"scan_layers with {what} is not supported yet: set scan_layers=False.")
