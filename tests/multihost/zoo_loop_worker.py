@@ -1,8 +1,9 @@
 """One of 2 processes running a zoo loop on 127.0.0.1, for ``test_zoo_loops_processes.py``:
-``zoo_loop_worker.py LOOP PROCESS_ID PORT WORKDIR [--sigterm N] [--sigkill N]``.
+``zoo_loop_worker.py LOOP PROCESS_ID PORT WORKDIR [--sigterm N] [--sigkill N] [--held N]``.
 
-LOOP is ``fedavg``, ``maml`` or ``ppo``, each the zoo's own code (``fedavg()``, ``train()``) on a
-tiny task, on 8 simulated CPU devices, 4 a process, joined through the ``ip`` launcher's
+LOOP is ``fedavg``, ``maml``, ``ppo`` or ``grpo``, each the zoo's own code (``fedavg()``,
+``train()``, ``redco zoo run grpo`` on the task ``test_grpo_processes.write_task`` wrote next to
+WORKDIR) on a tiny task, on 8 simulated CPU devices, 4 a process, joined through the ``ip`` launcher's
 variables (as ``redco launch --launcher ip`` sets them); it resumes from WORKDIR's checkpoints
 like any rerun of the same command. Step checkpoints: FedAvg every round (5 rounds of 2 of 4
 clients), MAML every 5 of its 12 meta-updates (each a boundary of ``fit``), PPO every iteration
@@ -17,6 +18,8 @@ clients), MAML every 5 of its 12 meta-updates (each a boundary of ``fit``), PPO 
 * ``--sigkill N``: process 0 (the coordinator) dies by SIGKILL at the N-th point of this run
   (the same kinds of points; the test picks the first after a boundary that saved, whose write
   then runs in the background).
+* ``--held N`` (GRPO): process 0 holds its background write of ``step_N`` and dies by SIGKILL
+  at the end of update N + 1 (``bg_ckpt_worker.py``'s ``held:N``).
 
 Each process appends the step of every checkpoint announced to it (``on_checkpoint_saved``) to
 ``WORKDIR/saved_<i>.txt`` (FedAvg: of every round's end to ``WORKDIR/rounds_<i>.txt``) and, at
@@ -26,6 +29,7 @@ params; MAML: the held-out MSEs; PPO: the last episodes' returns).
 import argparse
 import json
 import os
+import pathlib
 import signal
 import threading
 
@@ -51,8 +55,10 @@ class Points:
     ``sigkill``'s (process 0) dies. ``reached()`` is called at each point, maybe off the main
     thread (a host callback); ``settle()`` on the main thread waits for the agreed stop."""
 
-    def __init__(self, workdir: str, process: int, sigterm: int | None, sigkill: int | None):
+    def __init__(self, workdir: str, process: int, sigterm: int | None, sigkill: int | None,
+                 held: int | None):
         self.saved = os.path.join(workdir, f"saved_{process}.txt")
+        self.process, self.held = process, held
         self.n, self.signalled, self.lock = 0, False, threading.RLock()
         self.sigterm = sigterm if process == 1 else None
         self.sigkill = sigkill if process == 0 else None
@@ -159,7 +165,27 @@ def ppo(workdir: str, points: Points):
     return returns
 
 
-LOOPS = {"fedavg": fedavg, "maml": maml, "ppo": ppo}
+def grpo(workdir: str, points: Points):
+    """``redco zoo run grpo`` of ``test_grpo_processes.py`` (3 rounds of 8 updates, 2 model
+    shards), a step checkpoint every round, written in the background by ``bg_ckpt_worker.py``'s
+    format, which holds process 0's write of ``step_<points.held>`` (its part written) until
+    process 0 is SIGKILLed at the end of the next update (the next round's first), once process
+    1's writer waits at a barrier of that save; ``bg_ckpt_worker.py``'s checks come along (no
+    checkpoint announced before it is in place)."""
+    from bg_ckpt_worker import HeldWrite, Killer, say_barriers
+    from test_grpo_processes import grpo as grpo_command
+
+    from redco.cli import main as redco_main
+    held = points.held if points.process == 0 else None
+    fmt = HeldWrite("orbax", held)
+    say_barriers(workdir)
+    for plugin in fmt, Killer(workdir, "held" if held else None, held, fmt):
+        redco.plugins.pm.register(plugin)
+    redco_main(grpo_command(pathlib.Path(workdir).parent, workdir, 8)[3:]
+               + ["--save_every_n_steps", "4"])
+
+
+LOOPS = {"fedavg": fedavg, "grpo": grpo, "maml": maml, "ppo": ppo}
 
 
 def main() -> None:
@@ -170,10 +196,11 @@ def main() -> None:
     parser.add_argument("workdir")
     parser.add_argument("--sigterm", type=int)
     parser.add_argument("--sigkill", type=int)
+    parser.add_argument("--held", type=int)
     args = parser.parse_args()
     os.environ.update(REDCO_N_PROCESSES="2", REDCO_HOST0_ADDRESS="127.0.0.1",
                       REDCO_HOST0_PORT=str(args.port), REDCO_PROCESS_ID=str(args.process_id))
-    points = Points(args.workdir, args.process_id, args.sigterm, args.sigkill)
+    points = Points(args.workdir, args.process_id, args.sigterm, args.sigkill, args.held)
     redco.plugins.pm.register(points)
     result = LOOPS[args.loop](args.workdir, points)
     with open(os.path.join(args.workdir, f"result_{jax.process_index()}.json"), "w") as f:
