@@ -1,5 +1,6 @@
 """One of 2 processes running a zoo loop on 127.0.0.1, for ``test_zoo_loops_processes.py``:
-``zoo_loop_worker.py LOOP PROCESS_ID PORT WORKDIR [--sigterm N] [--sigkill N] [--held N]``.
+``zoo_loop_worker.py LOOP[,LOOP...] PROCESS_ID PORT WORKDIR [--sigterm N] [--sigkill N] [--held N]``
+(several loops: one after the other in the same processes, each in ``WORKDIR/LOOP``).
 
 LOOP is ``fedavg``, ``maml``, ``ppo`` or ``grpo``, each the zoo's own code (``fedavg()``,
 ``train()``, ``redco zoo run grpo`` on the task ``test_grpo_processes.write_task`` wrote next to
@@ -58,7 +59,7 @@ class Points:
     def __init__(self, workdir: str, process: int, sigterm: int | None, sigkill: int | None,
                  held: int | None):
         self.saved = os.path.join(workdir, f"saved_{process}.txt")
-        self.process, self.held = process, held
+        self.process, self.held, self.plugins = process, held, [self]
         self.n, self.signalled, self.lock = 0, False, threading.RLock()
         self.sigterm = sigterm if process == 1 else None
         self.sigkill = sigkill if process == 0 else None
@@ -73,6 +74,12 @@ class Points:
                 print(f"zoo_loop_worker: SIGTERM at point {self.n}", flush=True)
                 self.signalled = True
                 os.kill(os.getpid(), signal.SIGTERM)
+
+    def plug(self, *plugins) -> None:
+        """Register ``plugins`` (process-wide) for this loop's run."""
+        for plugin in plugins:
+            redco.plugins.pm.register(plugin)
+            self.plugins.append(plugin)
 
     def settle(self) -> None:
         if self.signalled:
@@ -99,7 +106,7 @@ def fedavg(workdir: str, points: Points):
         def on_step_end(self, trainer, step, metrics):
             points.reached()
             points.settle()
-    redco.plugins.pm.register(Inside())
+    points.plug(Inside())
     rng = np.random.default_rng(0)
     digits = [{"x": x, "y": int(y)} for x, y in zip(rng.integers(0, 17, (400, 64)),
                                                      rng.integers(0, 10, 400))]
@@ -145,7 +152,7 @@ def maml(workdir: str, points: Points):
         def on_step_end(self, trainer, step, metrics):
             points.settle()
     pipeline.adapt, pipeline.loss_fn = adapt_with_callback, loss_at_step
-    redco.plugins.pm.register(After())
+    points.plug(After())
     return pipeline.train(n_meta_iterations=12, meta_batch_size=16, n_eval_tasks=16,
                           workdir=workdir, save_every_n_steps=5)
 
@@ -179,8 +186,7 @@ def grpo(workdir: str, points: Points):
     held = points.held if points.process == 0 else None
     fmt = HeldWrite("orbax", held)
     say_barriers(workdir)
-    for plugin in fmt, Killer(workdir, "held" if held else None, held, fmt):
-        redco.plugins.pm.register(plugin)
+    points.plug(fmt, Killer(workdir, "held" if held else None, held, fmt))
     redco_main(grpo_command(pathlib.Path(workdir).parent, workdir, 8)[3:]
                + ["--save_every_n_steps", "4"])
 
@@ -188,9 +194,24 @@ def grpo(workdir: str, points: Points):
 LOOPS = {"fedavg": fedavg, "grpo": grpo, "maml": maml, "ppo": ppo}
 
 
+def run(loop: str, workdir: str, args: argparse.Namespace) -> None:
+    """``loop`` in ``workdir``, its result written there; its plugins gone after."""
+    os.makedirs(workdir, exist_ok=True)
+    points = Points(workdir, args.process_id, args.sigterm, args.sigkill, args.held)
+    redco.plugins.pm.register(points)
+    try:
+        result = LOOPS[loop](workdir, points)
+    finally:
+        for plugin in points.plugins:
+            redco.plugins.pm.unregister(plugin)
+    with open(os.path.join(workdir, f"result_{jax.process_index()}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("loop", choices=sorted(LOOPS))
+    parser.add_argument("loops", help="LOOP, or LOOP,LOOP,... run one after the other, each in "
+                        "WORKDIR/LOOP (one uninterrupted reference run of several)")
     parser.add_argument("process_id", type=int)
     parser.add_argument("port", type=int)
     parser.add_argument("workdir")
@@ -200,11 +221,10 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.update(REDCO_N_PROCESSES="2", REDCO_HOST0_ADDRESS="127.0.0.1",
                       REDCO_HOST0_PORT=str(args.port), REDCO_PROCESS_ID=str(args.process_id))
-    points = Points(args.workdir, args.process_id, args.sigterm, args.sigkill, args.held)
-    redco.plugins.pm.register(points)
-    result = LOOPS[args.loop](args.workdir, points)
-    with open(os.path.join(args.workdir, f"result_{jax.process_index()}.json"), "w") as f:
-        json.dump(result, f)
+    loops = args.loops.split(",")
+    assert set(loops) <= set(LOOPS), f"loops are {sorted(LOOPS)}"
+    for loop in loops:
+        run(loop, args.workdir if len(loops) == 1 else os.path.join(args.workdir, loop), args)
 
 
 if __name__ == "__main__":
