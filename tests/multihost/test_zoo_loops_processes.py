@@ -12,6 +12,10 @@ checkpoint: params, optimizer state, step; and what the loop returned), after as
    SIGKILLed inside the unit after the next boundary that saves, the write of that checkpoint
    started in the background, and process 1 is killed as a job scheduler would.
 3. The next rerun resumes from the newest complete checkpoint and ends.
+
+The uninterrupted runs of the three are made once, one after the other in the same 2 processes.
+GRPO (``redco zoo run grpo``) is killed during a background checkpoint write instead: process 0
+holds its write (``bg_ckpt_worker.py``'s held write) and dies in the next round.
 """
 import json
 import os
