@@ -23,7 +23,6 @@ import sys
 
 import pytest
 from multihost_helpers import run_processes
-from test_grpo_processes import write_task
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from kill_anywhere import assert_same_arrays, newest_step_arrays  # noqa: E402, I001
@@ -121,18 +120,15 @@ def rollouts(workdir: str) -> list[tuple]:
                 for row in map(json.loads, f) if "rollout/reward" in row]
 
 
-def test_grpo_on_two_processes_killed_during_a_background_write_reruns_to_the_same_bits(tmp_path):
+def test_grpo_on_two_processes_killed_during_a_background_write_reruns_to_the_same_bits(
+        grpo_two_processes):
     """GRPO (3 rounds of 8 updates, a checkpoint each round, written in the background): process
     0 holds its write of step_16 (its part written) and is SIGKILLed at the end of update 17
     (round 3's first), process 1's writer waiting at that save's barrier; step_16 is never put in
-    place, the rerun resumes from step_8 and ends with the uninterrupted run's bits."""
+    place, the rerun resumes from step_8 and ends with the bits of the same run uninterrupted
+    (``test_grpo_processes``', under ``redco launch``)."""
     from safetensors.numpy import load_file
-    write_task(tmp_path)
-    whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
-    codes, logs = run("grpo", whole)
-    assert codes == [0, 0], logs
-    assert saved(whole, 0) == saved(whole, 1) == [8, 16, 24], logs
-
+    whole, cut = str(grpo_two_processes / "two"), str(grpo_two_processes / "cut")
     codes, logs = run("grpo", cut, "--held", "16", victim=0)
     assert codes[0] == -9, logs
     assert "SIGKILL at the end of step 17, the write of step_16 held in flight" in logs, logs
@@ -143,5 +139,6 @@ def test_grpo_on_two_processes_killed_during_a_background_write_reruns_to_the_sa
     assert log(cut).count("Resumed from") == 1 and "step_8 (step 8)" in log(cut), log(cut)
     assert_same_arrays(newest_step_arrays(cut), newest_step_arrays(whole))
     assert rollouts(cut) == rollouts(whole) and len(rollouts(whole)) == 3
+    assert saved(cut, 0) == saved(cut, 1) == [8, 16, 24]  # (killed run: step_8 only)
     want, got = (load_file(os.path.join(w, "model", "model.safetensors")) for w in (whole, cut))
     assert_same_arrays(got, want)

@@ -187,8 +187,7 @@ def grpo(workdir: str, points: Points):
     fmt = HeldWrite("orbax", held)
     say_barriers(workdir)
     points.plug(fmt, Killer(workdir, "held" if held else None, held, fmt))
-    redco_main(grpo_command(pathlib.Path(workdir).parent, workdir, 8)[3:]
-               + ["--save_every_n_steps", "4"])
+    redco_main(grpo_command(pathlib.Path(workdir).parent, workdir, 8)[3:])
 
 
 LOOPS = {"fedavg": fedavg, "grpo": grpo, "maml": maml, "ppo": ppo}
