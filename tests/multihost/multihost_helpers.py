@@ -12,6 +12,7 @@ made once per pytest process, whichever folder asks first.
 import functools
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -38,6 +39,43 @@ def wait_until(condition, what: str, timeout_s: float, every_s: float = 0.05) ->
     while not condition():
         assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting until {what}"
         time.sleep(every_s)
+
+
+def start_processes(argv, workdir: str, n: int = 2) -> tuple[list[subprocess.Popen], list[str]]:
+    """``n`` processes ``argv(i, port)`` of one run (``port``: process 0's, free), each logging
+    to a file next to ``workdir`` (made if missing); the processes and their log files."""
+    os.makedirs(workdir, exist_ok=True)
+    port, procs, logs = free_port(), [], []
+    for i in range(n):
+        logs.append(os.path.join(os.path.dirname(workdir),
+                                 f"{os.path.basename(workdir)}.{port}.{i}.log"))
+        with open(logs[-1], "w") as out:
+            procs.append(subprocess.Popen(argv(i, port), env=worker_env(), stdout=out,
+                                          stderr=subprocess.STDOUT))
+    return procs, logs
+
+
+def run_processes(argv, workdir: str, n: int = 2, victim: int | None = None,
+                  timeout_s: float = 240) -> tuple[list, str]:
+    """Run ``start_processes(argv, workdir, n)`` to their ends: their exit statuses ("hung" past
+    ``timeout_s``) and the ends of their logs, less XLA's INFO lines. With ``victim``: once that
+    process ended (killed), the others are SIGKILLed, as a job scheduler ends the rest of a job."""
+    procs, logs = start_processes(argv, workdir, n)
+    try:
+        if victim is not None:
+            procs[victim].wait(timeout=timeout_s)
+            for p in procs:
+                p.kill()
+        codes = [p.wait(timeout=timeout_s) for p in procs]
+    except subprocess.TimeoutExpired:
+        codes = ["hung"]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    text = "\n".join(f"--- process {i}:\n" + re.sub(r"(?m)^I\d{4} .*\n", "", open(log).read())[-2500:]
+                     for i, log in enumerate(logs))
+    return codes, text
 
 
 def free_port() -> int:

@@ -29,7 +29,8 @@ def grpo(root, workdir, n_devices: int) -> list[str]:
             str(workdir), "--reward", "regex_match", "--n_rounds", "3", "--n_model_shards", "2",
             "--per_device_batch_size", str(64 // n_devices), "--prompts_per_round", "16",
             "--n_samples", "8", "--max_new_tokens", "4", "--max_prompt_len", "16",
-            "--learning_rate", "1e-3", "--beta", "0.1", "--n_updates", "2"]
+            "--learning_rate", "1e-3", "--beta", "0.1", "--n_updates", "2",
+            "--save_every_n_steps", "8"]  # every round (a checkpoint kill test's reference)
 
 
 def rollouts_and_params(workdir):
@@ -40,19 +41,24 @@ def rollouts_and_params(workdir):
     return rollouts, load_file(workdir / "model" / "model.safetensors")
 
 
-def test_grpo_on_two_processes_samples_and_trains_like_one(tmp_path):
-    write_task(tmp_path)
+def launched_on_two_processes(root) -> None:
+    """``grpo`` under ``redco launch --launcher ip --run`` on 2 processes (4 devices each), in
+    ``root/two`` (``conftest.py``'s ``grpo_two_processes``: run once, shared)."""
+    two = subprocess.run(
+        [sys.executable, "-m", "redco.cli", "launch", "--launcher", "ip", "--hosts",
+         "127.0.0.1,127.0.0.1", "--port", str(free_port()), "--run", "--",
+         *grpo(root, root / "two", 8)], capture_output=True, text=True,
+        env=worker_env(XLA_FLAGS=simulated_devices(4)), timeout=600)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    assert "processes: 2" in (root / "two" / "log.txt").read_text()
+
+
+def test_grpo_on_two_processes_samples_and_trains_like_one(grpo_two_processes):
+    tmp_path = grpo_two_processes
     one = subprocess.run(grpo(tmp_path, tmp_path / "one", 8), capture_output=True, text=True,
                          env=worker_env(XLA_FLAGS=simulated_devices(8)),
                          timeout=600)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
-    two = subprocess.run(
-        [sys.executable, "-m", "redco.cli", "launch", "--launcher", "ip", "--hosts",
-         "127.0.0.1,127.0.0.1", "--port", str(free_port()), "--run", "--",
-         *grpo(tmp_path, tmp_path / "two", 8)], capture_output=True, text=True,
-        env=worker_env(XLA_FLAGS=simulated_devices(4)), timeout=600)
-    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
-    assert "processes: 2" in (tmp_path / "two" / "log.txt").read_text()
     (one_rollouts, one_params), (two_rollouts, two_params) = (
         rollouts_and_params(tmp_path / name) for name in ("one", "two"))
     assert len(one_rollouts) == 3 and 0 < one_rollouts[0]["rollout/reward"] < 1

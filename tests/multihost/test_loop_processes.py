@@ -8,12 +8,10 @@ the furthest either reached; a round of 2 updates is one boundary of JAX's preem
 whose sync point is matched exactly), and the rerun ends with the params of the uninterrupted run,
 bit for bit."""
 import os
-import re
-import subprocess
 import sys
 
 import numpy as np
-from multihost_helpers import free_port, worker_env
+from multihost_helpers import run_processes
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "loop_worker.py")
 DEADLINE_S = 240  # a hang ends here (the workers' own hang timeout is 60 s)
@@ -21,24 +19,8 @@ DEADLINE_S = 240  # a hang ends here (the workers' own hang timeout is 60 s)
 
 def run_both(workdir, *options) -> tuple[list[int], str]:
     """Both processes to their ends: their exit statuses and logs."""
-    os.makedirs(workdir, exist_ok=True)
-    port, procs, logs = free_port(), [], []
-    for i in range(2):
-        logs.append(os.path.join(workdir, f"..{os.path.basename(workdir)}.{i}.{port}.log"))
-        with open(logs[-1], "w") as out:
-            procs.append(subprocess.Popen([sys.executable, WORKER, str(i), str(port), workdir,
-                                           *options], env=worker_env(), stdout=out,
-                                          stderr=subprocess.STDOUT))
-    try:
-        codes = [p.wait(timeout=DEADLINE_S) for p in procs]
-    except subprocess.TimeoutExpired:
-        codes = ["hung"]
-    finally:
-        for p in procs:
-            p.kill()
-    text = "\n".join(f"--- process {i}:\n" + re.sub(r"(?m)^I\d{4} .*\n", "", open(log).read())[-2500:]
-                     for i, log in enumerate(logs))
-    return codes, text
+    return run_processes(lambda i, port: [sys.executable, WORKER, str(i), str(port), workdir,
+                                          *options], workdir, timeout_s=DEADLINE_S)
 
 
 def saved_steps(workdir, process: int) -> list[int]:

@@ -56,6 +56,16 @@ def check_port_free(port: int) -> None:
                 "run still going? Stop it, or give every process another host0_port.") from e
 
 
+def check_joined(n_processes: int, process_id: int) -> None:
+    """This process joined a run already (an earlier ``Deployer``): it must be the same one."""
+    if (jax.process_count(), jax.process_index()) != (n_processes, process_id):
+        raise RuntimeError(
+            f"This process already joined a run as process {jax.process_index()} of "
+            f"{jax.process_count()} (an earlier Deployer); n_processes={n_processes}, "
+            f"process_id={process_id} asks for another. A process joins one run: give every "
+            "Deployer of it the same settings.")
+
+
 # ---- hosts -----------------------------------------------------------------------------------
 def _addresses(host: str) -> list[str]:
     try:
@@ -156,6 +166,9 @@ class IPLauncher(Launcher):
             raise ValueError(f"host0_port={s['host0_port']} is not a TCP port (1-65535).")
         hosts = [h.strip() for h in os.environ.get(HOSTS_ENV, "").split(",") if h.strip()]
         check_hosts(s["host0_address"], s["n_processes"], hosts)
+        if jax.distributed.is_initialized():  # a Deployer before this one joined the run
+            check_joined(s["n_processes"], s["process_id"])
+            return
         if s["process_id"] == 0:
             check_port_free(s["host0_port"])
         local = config.get("n_local_devices")

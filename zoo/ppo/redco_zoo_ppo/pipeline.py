@@ -167,7 +167,7 @@ def train(env_id="CartPole-v1", total_steps=300_000, n_envs=16, n_steps=64, seed
         while loop.done < n_iters:
             it, where, start = loop.done, f"iteration {loop.done + 1}/{n_iters}", time.perf_counter()
             with run.timed("rollout"):
-                params = jax.device_put(jax.device_get(trainer.params), jax.devices()[0])
+                params = jax.device_put(jax.device_get(trainer.params), jax.local_devices()[0])
                 examples = collector.rollout(params, jax.random.PRNGKey(seed + 1 + it), n_steps, gamma, lam)
             rollout_s, start = time.perf_counter() - start, time.perf_counter()
             trainer.train_scanned(examples, per_device,  # all epochs' updates: one compiled call

@@ -1,0 +1,144 @@
+"""The zoo's own loops (FedAvg's rounds, MAML's meta-updates in ``fit``, PPO's iterations) on 2
+processes on 127.0.0.1 (``zoo_loop_worker.py``), each stopped and killed inside a unit of its
+loop and rerun: the rerun ends with the bits of an uninterrupted 2-process run (the step
+checkpoint: params, optimizer state, step; and what the loop returned), after as many updates.
+
+1. A SIGTERM to process 1 only, inside a unit: FedAvg inside a client's local epoch, MAML inside
+   the inner adaptation of a meta-update (a host callback of the compiled step), PPO during an
+   iteration's rollout. JAX's preemption service passes it on to process 0 and both stop at the
+   same boundary (the next one either reaches: FedAvg's round end, PPO's iteration end, MAML's
+   update), both save there (each is told of the same checkpoint) and exit 143.
+2. The rerun resumes there; process 0 (the coordinator, which renames checkpoints into place) is
+   SIGKILLed inside the unit after the next boundary that saves, the write of that checkpoint
+   started in the background, and process 1 is killed as a job scheduler would.
+3. The next rerun resumes from the newest complete checkpoint and ends.
+
+The uninterrupted runs of the three are made once, one after the other in the same 2 processes.
+GRPO (``redco zoo run grpo``) is killed during a background checkpoint write instead: process 0
+holds its write (``bg_ckpt_worker.py``'s held write) and dies in the next round.
+"""
+import json
+import os
+import sys
+
+import pytest
+from multihost_helpers import run_processes
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from kill_anywhere import assert_same_arrays, newest_step_arrays  # noqa: E402, I001
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo_loop_worker.py")
+
+
+def run(loop: str, workdir: str, *options: str, victim: int | None = None) -> tuple[list, str]:
+    return run_processes(lambda i, port: [sys.executable, WORKER, loop, str(i), str(port),
+                                          workdir, *options], workdir, victim=victim, timeout_s=150)
+
+
+def saved(workdir: str, process: int) -> list[int]:
+    """The steps of the checkpoints announced to ``process``, over all runs in ``workdir``."""
+    path = os.path.join(workdir, f"saved_{process}.txt")
+    return [int(line) for line in open(path)] if os.path.exists(path) else []
+
+
+def result(workdir: str) -> list:
+    """What the loop returned, the same on both processes."""
+    results = [json.load(open(os.path.join(workdir, f"result_{i}.json"))) for i in range(2)]
+    assert results[0] == results[1], results
+    return results[0]
+
+
+def log(workdir: str) -> str:
+    return open(os.path.join(workdir, "log.txt")).read()
+
+
+# The SIGTERM's point: FedAvg's 3rd update (in round 1's first client's epoch), MAML's 3rd
+# meta-update's inner adaptation, PPO's 2nd iteration's rollout; the updates a point stands for.
+SIGTERM_AT = {"fedavg": 3, "maml": 3, "ppo": 2}
+PER_POINT = {"fedavg": 1, "maml": 1, "ppo": 16}
+
+
+def stops(loop: str, whole: str) -> set[int]:
+    """The steps a run stops after, SIGTERM'd at ``SIGTERM_AT[loop]``: the next boundary either
+    process reaches. FedAvg: the end of the round it fell in (the updates of a round run in step
+    on both processes); PPO: its iteration's end; MAML: a meta-update is a boundary, and each
+    process has dispatched update N before (N - 1) or after (N) its boundary N - 1 or N, or
+    has read back N and dispatched N + 1: the one after the furthest, N to N + 2."""
+    n = SIGTERM_AT[loop]
+    if loop == "fedavg":
+        return {min(step for step in rounds(whole) if step >= n)}
+    return {16 * n} if loop == "ppo" else {n, n + 1, n + 2}
+
+
+def rounds(workdir: str) -> list[int]:
+    return [int(line) for line in open(os.path.join(workdir, "rounds_0.txt"))]
+
+
+@pytest.fixture(scope="module")
+def wholes(tmp_path_factory) -> str:
+    """The uninterrupted runs of FedAvg, MAML and PPO, one after the other in the same 2
+    processes (the boundaries counted on across them), each in ``<returned>/<loop>``."""
+    workdir = str(tmp_path_factory.mktemp("wholes"))
+    codes, logs = run(",".join(sorted(SIGTERM_AT)), workdir)
+    assert codes == [0, 0], logs
+    return workdir
+
+
+@pytest.mark.parametrize("loop", sorted(SIGTERM_AT))
+def test_a_zoo_loop_on_two_processes_stopped_and_killed_inside_a_unit_reruns_to_the_same_bits(
+        loop, wholes, tmp_path):
+    whole, cut = os.path.join(wholes, loop), str(tmp_path / "cut")
+    saves = saved(whole, 0)
+    assert saves == saved(whole, 1) and len(saves) >= 3, (saves, saved(whole, 1))
+
+    codes, logs = run(loop, cut, "--sigterm", str(SIGTERM_AT[loop]))
+    assert codes == [143, 143], logs  # process 0 too, told by JAX's preemption service
+    assert saved(cut, 0) == saved(cut, 1), logs  # the same checkpoints, the stop's last
+    stop = saved(cut, 0)[-1]
+    assert stop in stops(loop, whole) and f"Stopped by SIGTERM after step {stop}:" in log(cut), \
+        (stop, stops(loop, whole), logs)
+
+    # The first point after the next boundary that saves: its write runs meanwhile.
+    kill = (min(step for step in saves if step > stop) - stop) // PER_POINT[loop] + 1
+    codes, logs = run(loop, cut, "--sigkill", str(kill), victim=0)
+    assert codes[0] == -9 and f"SIGKILL at point {kill}" in logs, logs
+
+    codes, logs = run(loop, cut)
+    assert codes == [0, 0], logs
+    assert log(cut).count("Resumed from") == 2, log(cut)
+    assert_same_arrays(newest_step_arrays(cut), newest_step_arrays(whole))  # step included
+    assert result(cut) == result(whole)
+    if loop == "fedavg":
+        assert rounds(cut)[-1] == rounds(whole)[-1]
+
+
+def rollouts(workdir: str) -> list[tuple]:
+    """Each round's rollout metrics in ``metrics.jsonl`` at their steps (a killed run's rows
+    past the checkpoint resumed from are forgotten)."""
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [(row["step"], row["rollout/reward"], row["rollout/kl"])
+                for row in map(json.loads, f) if "rollout/reward" in row]
+
+
+def test_grpo_on_two_processes_killed_during_a_background_write_reruns_to_the_same_bits(
+        grpo_two_processes):
+    """GRPO (3 rounds of 8 updates, a checkpoint each round, written in the background): process
+    0 holds its write of step_16 (its part written) and is SIGKILLed at the end of update 17
+    (round 3's first), process 1's writer waiting at that save's barrier; step_16 is never put in
+    place, the rerun resumes from step_8 and ends with the bits of the same run uninterrupted
+    (``test_grpo_processes``', under ``redco launch``)."""
+    from safetensors.numpy import load_file
+    whole, cut = str(grpo_two_processes / "two"), str(grpo_two_processes / "cut")
+    codes, logs = run("grpo", cut, "--held", "16", victim=0)
+    assert codes[0] == -9, logs
+    assert "SIGKILL at the end of step 17, the write of step_16 held in flight" in logs, logs
+    assert sorted(os.listdir(os.path.join(cut, "ckpts"))) in (["step_8"], ["step_16.tmp", "step_8"])
+
+    codes, logs = run("grpo", cut)
+    assert codes == [0, 0], logs
+    assert log(cut).count("Resumed from") == 1 and "step_8 (step 8)" in log(cut), log(cut)
+    assert_same_arrays(newest_step_arrays(cut), newest_step_arrays(whole))
+    assert rollouts(cut) == rollouts(whole) and len(rollouts(whole)) == 3
+    assert saved(cut, 0) == saved(cut, 1) == [8, 16, 24]  # (killed run: step_8 only)
+    want, got = (load_file(os.path.join(w, "model", "model.safetensors")) for w in (whole, cut))
+    assert_same_arrays(got, want)
