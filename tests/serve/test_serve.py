@@ -1,6 +1,7 @@
 """``redco serve`` as a user runs it: a real server process on 127.0.0.1 (the model split over 2
 of 8 simulated devices), asked by the real ``openai`` client. Greedy answers are compared with
-``generate`` run in this process on the same model directory."""
+``generate`` run in this process on the same model directory, and with the story the model was
+trained to tell."""
 import os
 import queue
 import signal
@@ -10,17 +11,26 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import openai
+import optax
 import pytest
 from flax import nnx
 from transformers import AutoTokenizer
 
+from redco_zoo_models import split_model
 from redco_zoo_models.generation import generate
+from redco_zoo_models.hf import save_pretrained
 from redco_zoo_models.runner import load_model
 from redco_zoo_models.toy import save_tiny_chat_model
 
 WORDS = "the cat sat on a mat and then it ran off system user assistant".split()
+# What the served model is trained to tell, over and over. A word's successor depends on up to
+# three words before it ("the" -> "cat" or "mat", "mat and" -> "then" or "the"), so answers
+# need the attention over the cache; and none ends early.
+STORY = "the cat sat on a mat and then it ran off the mat and".split()
 MAX_LEN = 48
 STARTUP_S = 300
 
@@ -63,9 +73,36 @@ class Server:
         self.process.wait(timeout=60)
 
 
+def story_after(prompt: str, n_words: int) -> str:
+    """The ``n_words`` words that follow ``prompt`` (a part of the story) in the story."""
+    told = " ".join(STORY * (3 + n_words // len(STORY)))
+    at = told.index(prompt, len(" ".join(STORY)))  # a place with the story before it
+    return " ".join(told[at + len(prompt):].split()[:n_words])
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return save_tiny_chat_model(str(tmp_path_factory.mktemp("serve") / "tiny-chat"), WORDS)
+    """A tiny chat model trained (Adam, 40 full-batch steps) on the story at each of its
+    offsets, in windows of ``MAX_LEN`` tokens."""
+    path = save_tiny_chat_model(str(tmp_path_factory.mktemp("serve") / "tiny-chat"), WORDS)
+    model, _ = load_model(path)
+    told = AutoTokenizer.from_pretrained(path, local_files_only=True)(" ".join(STORY * 5))
+    windows = np.array([told["input_ids"][i:i + MAX_LEN] for i in range(len(STORY))], np.int32)
+    apply_fn, params = split_model(model)
+    optimizer = optax.adam(1e-2)
+
+    @jax.jit
+    def step(params, state):
+        grads = jax.grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(
+            apply_fn(p, windows[:, :-1]), windows[:, 1:]).mean())(params)
+        updates, state = optimizer.update(grads, state)
+        return optax.apply_updates(params, updates), state
+    state = optimizer.init(params)
+    for _ in range(40):
+        params, state = step(params, state)
+    nnx.update(model, params)
+    save_pretrained(model, path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +189,7 @@ def test_samples_stop_strings_and_logprobs(server, reference):
     assert [c.text for c in again.choices] == [c.text for c in answer.choices]  # seeded
     greedy = dict(model="tiny-chat", prompt=PROMPTS[2], max_tokens=20, temperature=0)
     full = server.client.completions.create(**greedy).choices[0].text
-    assert full.split()[6] == "it"  # this tiny model's greedy answer: cut it at "it"
+    assert full.split() == story_after(PROMPTS[2], 20).split()  # "on a mat and then it ran ..."
     cut = server.client.completions.create(stop=["xyz", "it"], **greedy).choices[0]
     assert cut.finish_reason == "stop" and cut.text == full[:full.index("it")]
     streamed = "".join(c.choices[0].text for c in server.client.completions.create(

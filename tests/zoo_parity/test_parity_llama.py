@@ -104,7 +104,9 @@ def test_a_model_trained_here_loads_in_transformers_with_the_same_logits(tmp_pat
     rng = np.random.default_rng(0)
     examples = [{"token_ids": (np.arange(17) * rng.integers(1, 4) + rng.integers(64)) % 64}
                 for _ in range(64)]
-    trainer.fit(examples, 8, n_epochs=3)
+    # 64 updates (2.37 to 2.44 over four draws): 24 (3 epochs) left the loss at 3.46 from
+    # transformers' draw (std 0.02), above the bar, and cleared it by 0.05 only from flax's
+    trainer.fit(examples, 8, n_epochs=8)
     nnx.update(model, trainer.params)
     save_pretrained(model, str(tmp_path / "model"))
     theirs = load_hf(transformers.LlamaForCausalLM, str(tmp_path / "model"))

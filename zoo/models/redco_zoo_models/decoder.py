@@ -30,6 +30,7 @@ from redco_zoo_models.context_parallel import (
 )
 from redco_zoo_models.decoder_config import DecoderConfig
 from redco_zoo_models.expert_parallel import as_laid_out
+from redco_zoo_models.hf_init import init_like_hf
 from redco_zoo_models.layers import GatedMLP, RMSNorm, embed
 from redco_zoo_models.mla import LatentAttention, latent_width
 from redco_zoo_models.moe import MoE
@@ -205,6 +206,7 @@ class DecoderLM(nnx.Module):
         self.model = DecoderModel(cfg, rngs)
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, rngs=rngs)
+        init_like_hf(self, cfg, rngs)  # as transformers draws the family from scratch
 
     def head(self):
         """The output head's (hidden, vocab) matrix."""

@@ -51,6 +51,7 @@ class DecoderConfig:
     num_key_value_heads: int = 2
     head_dim: int = 0  # 0: hidden_size // num_attention_heads
     rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02  # from-scratch params' std (redco_zoo_models.hf_init)
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: biases on q, k, v

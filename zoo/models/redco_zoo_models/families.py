@@ -24,7 +24,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 HARMLESS = {  # config.json keys that change nothing a forward pass computes
     "model_type", "architectures", "transformers_version", "torch_dtype", "dtype",
-    "_name_or_path", "use_cache", "initializer_range", "attention_dropout", "resid_pdrop",
+    "_name_or_path", "use_cache", "attention_dropout", "resid_pdrop",
     "embd_pdrop", "pretraining_tp", "output_attentions", "output_hidden_states", "return_dict",
     "id2label", "label2id", "problem_type", "tokenizer_class", "_attn_implementation",
     "cache_implementation", "use_bfloat16", "torchscript", "chunk_size_feed_forward",
@@ -40,6 +40,7 @@ COMMON = {  # read for every family: DecoderConfig field -> config.json key
     "intermediate_size": "intermediate_size", "num_hidden_layers": "num_hidden_layers",
     "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
     "head_dim": "head_dim", "rms_norm_eps": "rms_norm_eps",
+    "initializer_range": "initializer_range",
     "tie_word_embeddings": "tie_word_embeddings",
     "max_position_embeddings": "max_position_embeddings", "bos_token_id": "bos_token_id",
     "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id",

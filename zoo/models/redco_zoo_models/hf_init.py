@@ -1,0 +1,64 @@
+"""From-scratch parameters drawn as transformers draws them for the checkpoint's family.
+
+transformers' ``_init_weights`` (5.x) of every decoder family here draws linear weights,
+embeddings, MoE experts and routers from ``N(0, initializer_range)``, zeroes biases and the
+embedding's ``pad_token_id`` row, and sets norm scales to 1 (Gemma's, which scale by
+``1 + weight``, to 0). Two families add their own: gpt-oss draws its attention sinks and its
+router's bias from the same normal; DeepSeek-V3 zeroes the router's correction bias. Flax's
+defaults (LeCun-normal kernels, unit-variance embeddings) instead start a LLaMA's loss at about
+``ln V + 1/2``, not ``ln V``.
+
+The rules key on each parameter's path (``model/layers/0/self_attn/q_proj/kernel``) and act on
+any shape, so a stack of layers whose params carry a leading layer axis draws the same. A path
+no rule names is an error: a new parameter must say how it starts.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+NORMAL, ZEROS, NORM_SCALE = "normal", "zeros", "norm_scale"
+RULES = (  # (pattern on the param's path, how it starts); the first that matches decides
+    (r"(^|/)gate/bias$", NORMAL),  # gpt-oss's router bias
+    (r"(^|/)(kernel|embedding|sinks)$", NORMAL),
+    (r"(^|/)experts/(gate|up|down)_proj$", NORMAL),  # stacked (experts, in, out)
+    (r"(^|/)(bias|(gate|up|down)_proj_bias|balance_bias)$", ZEROS),
+    (r"norm/weight$", NORM_SCALE),
+)
+
+
+def rule(path: str) -> str:
+    """How the param at ``path`` starts (``RULES``); raises for a path no rule names."""
+    for pattern, how in RULES:
+        if re.search(pattern, path):
+            return how
+    raise ValueError(f"No from-scratch rule for parameter {path!r}: add one to "
+                     "redco_zoo_models.hf_init.RULES (as the family's transformers "
+                     "_init_weights draws it).")
+
+
+def draw(how: str, key, shape: tuple, dtype, std: float, norm_scale: float):
+    """One parameter's starting value."""
+    if how == NORMAL:
+        return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return jnp.full(shape, norm_scale if how == NORM_SCALE else 0.0, dtype)
+
+
+def init_like_hf(model: nnx.Module, cfg, rngs: nnx.Rngs) -> None:
+    """Redraw every ``nnx.Param`` of ``model`` (a zoo decoder, ``cfg`` its ``DecoderConfig``)
+    in place, as transformers initialises the family from scratch: std
+    ``cfg.initializer_range``, norm scales ``1 - cfg.norm_offset``, the embedding's
+    ``cfg.pad_token_id`` row zero. One param at a time, so the old value is freed as it goes."""
+    params = [(path, var) for path, var in nnx.iter_graph(model)
+              if isinstance(var, nnx.Param)]
+    keys = jax.random.split(rngs.params(), max(len(params), 1))
+    for key, (path, var) in zip(keys, params):
+        name = "/".join(str(p) for p in path)
+        value = draw(rule(name), key, var.shape, var.dtype, cfg.initializer_range,
+                     1.0 - cfg.norm_offset)
+        if name.endswith("embed_tokens/embedding") and cfg.pad_token_id is not None:
+            value = value.at[cfg.pad_token_id].set(0)
+        var.value = value
