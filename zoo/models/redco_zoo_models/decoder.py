@@ -118,13 +118,16 @@ class DecoderModel(nnx.Module):
 
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs)
-        layers = [DecoderLayer(cfg, i, rngs) for i in range(cfg.num_hidden_layers)]
-        if cfg.scan_layers:  # stacked by runs of like layers (redco_zoo_models.layer_scan)
-            self.layers, self.runs = layer_scan.stacked(layers)
-        else:
-            self.layers, self.runs = nnx.List(layers), None
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.num_hidden_layers)])
+        self.runs = None  # stacked by ``stack_layers`` (cfg.scan_layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.cfg = cfg
+
+    def stack_layers(self) -> None:
+        """Store runs of like layers stacked, to run under a scan (``layer_scan``). Called
+        once the layers hold their starting weights, so a scanned model starts where the
+        unrolled one does."""
+        self.layers, self.runs = layer_scan.stacked(list(self.layers))
 
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
                  segment_ids=None):
@@ -207,6 +210,8 @@ class DecoderLM(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, rngs=rngs)
         init_like_hf(self, cfg, rngs)  # as transformers draws the family from scratch
+        if cfg.scan_layers:
+            self.model.stack_layers()
 
     def head(self):
         """The output head's (hidden, vocab) matrix."""

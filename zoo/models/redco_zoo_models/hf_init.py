@@ -8,9 +8,10 @@ router's bias from the same normal; DeepSeek-V3 zeroes the router's correction b
 defaults (LeCun-normal kernels, unit-variance embeddings) instead start a LLaMA's loss at about
 ``ln V + 1/2``, not ``ln V``.
 
-The rules key on each parameter's path (``model/layers/0/self_attn/q_proj/kernel``) and act on
-any shape, so a stack of layers whose params carry a leading layer axis draws the same. A path
-no rule names is an error: a new parameter must say how it starts.
+The rules key on each parameter's path (``model/layers/0/self_attn/q_proj/kernel``); a path no
+rule names is an error: a new parameter must say how it starts. A scanned decoder's layers are
+drawn before they are stacked (``DecoderModel.stack_layers``), so it starts from the unrolled
+model's weights, draw for draw.
 """
 from __future__ import annotations
 
