@@ -155,6 +155,7 @@ def saved_family(tmp_path, family="qwen3", **config):
     ("qwen3", {"num_experts": 8, "num_experts_per_tok": 2}, "num_experts"),
     ("gpt-oss", {"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config"),
     ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("llama-3.1", {"mlp_bias": True, "unsloth_version": "2026.11.1"}, "\\['mlp_bias'\\]"),
     ("phi-4-mini", {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0],
                                         "long_factor": [1.0, 2.0, 3.0]}}, "short_factor has 1"),
 ])
@@ -164,6 +165,24 @@ def test_a_config_the_family_cannot_honour_is_refused_naming_the_field(tmp_path,
     with pytest.raises(ValueError, match=named) as e:
         from_pretrained(auto_class(path), path)
     assert path in str(e.value)
+
+
+UNSLOTH = {"unsloth_version": "2026.11.1", "unsloth_fixed": True, "notes": "merged 16-bit",
+           "_name_or_path": "/home/me/outputs", "torch_dtype": "bfloat16",
+           "architectures": ["LlamaForCausalLM"]}
+
+
+def test_an_unsloth_save_loads_with_one_warning_naming_its_metadata(tmp_path):
+    """Keys no transformers class reads are metadata: one warning names them all, and the
+    model is the one without them; computation keys at their no-op value pass silently."""
+    plain = from_pretrained(auto_class(path := saved_family(tmp_path, "llama-3.1")), path)
+    path = saved_family(tmp_path, "llama-3.1", mlp_bias=False, sliding_window=None, **UNSLOTH)
+    with pytest.warns(UserWarning) as caught:
+        model = from_pretrained(auto_class(path), path)
+    named = [str(w.message) for w in caught if "config.json" in str(w.message)]
+    assert len(named) == 1, named
+    assert "['notes', 'unsloth_fixed', 'unsloth_version']" in named[0]
+    assert model.cfg == plain.cfg
 
 
 def test_tensors_missing_or_left_over_are_refused_naming_them(tmp_path):

@@ -10,31 +10,20 @@ experts) are mapped to the zoo's in ``redco_zoo_models.family_tensors``. DeepSee
 ``experts_per_token`` and ``initial_context_length`` (its hub config's copies of
 ``num_experts_per_tok`` and of YaRN's original length) transformers ignores too.
 
-A key the family does not read is refused, naming it, unless it is bookkeeping (``HARMLESS``) or
-off (``None``, ``False``, 0): a softcap, a window or MoE fields are never silently dropped.
+A key the family does not read is refused, naming it, unless it is off or metadata
+(``redco_zoo_models.config_keys`` says which is which): a softcap, a window or MoE fields are
+never silently dropped; an Unsloth save's ``unsloth_version`` is read with a warning.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+from redco_zoo_models import config_keys
 from redco_zoo_models.rope import read_rope
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
-HARMLESS = {  # config.json keys that change nothing a forward pass computes
-    "model_type", "architectures", "transformers_version", "torch_dtype", "dtype",
-    "_name_or_path", "use_cache", "attention_dropout", "resid_pdrop",
-    "embd_pdrop", "pretraining_tp", "output_attentions", "output_hidden_states", "return_dict",
-    "id2label", "label2id", "problem_type", "tokenizer_class", "_attn_implementation",
-    "cache_implementation", "use_bfloat16", "torchscript", "chunk_size_feed_forward",
-    "max_length", "min_length", "do_sample", "temperature", "top_k", "top_p", "num_beams",
-    "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "num_return_sequences",
-    "early_stopping", "bad_words_ids", "prefix", "task_specific_params", "finetuning_task",
-    "sep_token_id", "decoder_start_token_id", "forced_bos_token_id", "forced_eos_token_id",
-    "max_window_layers", "_sliding_window_pattern", "sliding_window_pattern",
-    "keys_to_ignore_at_inference", "tf_legacy_loss", "pruned_heads", "tie_encoder_decoder",
-}
 COMMON = {  # read for every family: DecoderConfig field -> config.json key
     "vocab_size": "vocab_size", "hidden_size": "hidden_size",
     "intermediate_size": "intermediate_size", "num_hidden_layers": "num_hidden_layers",
@@ -69,6 +58,7 @@ GEMMA_READS = {"hidden_activation": ("hidden_act", "gelu_pytorch_tanh"),
 MOE_READS = {"num_experts_per_tok": ("experts_per_token", 2),
              "router_aux_loss_coef": ("router_aux_loss_coef", 0.001)}
 MOE_IGNORES = frozenset({"output_router_logits", "router_jitter_noise"})  # training-time only
+MTP = frozenset({"num_nextn_predict_layers", "num_mtp_layers"})  # (not the LM)
 FAMILIES = {
     "llama": Family("LlamaForCausalLM", reads={"attention_bias": ("attention_bias", False),
                                                "hidden_act": ("hidden_act", "silu")}),
@@ -114,7 +104,7 @@ FAMILIES = {
                "qk_nope_head_dim": ("qk_nope_head_dim", 128),
                "qk_rope_head_dim": ("head_dim", 64), "v_head_dim": ("v_head_dim", 128),
                "rope_interleave": ("rope_interleave", True)},
-        experts="deepseek", ignores=MOE_IGNORES | {"qk_head_dim", "num_nextn_predict_layers"}),
+        experts="deepseek", ignores=MOE_IGNORES | MTP | {"qk_head_dim"}),
     "gpt_oss": Family(  # every layer sparse; attention sinks; biased router and experts
         "GptOssForCausalLM", switches={"attention_sinks": True, "router_bias": True,
                                        "expert_bias": True, "norm_topk_prob": True},
@@ -131,6 +121,9 @@ FAMILIES = {
                            "hidden_act": ("hidden_act", "silu")},
                     defaults={"rms_norm_eps": 1e-5}),
 }
+
+
+COMPUTING = config_keys.computing(FAMILIES, COMMON, ROPE_KEYS)
 
 
 def _layer_types(family: Family, config: dict, n: int) -> tuple | None:
@@ -178,20 +171,11 @@ def read_config(cls, config: dict, where: str = "config.json") -> Any:
     if family is None:
         raise ValueError(f"{where}: model_type {model_type!r} is not a decoder family the zoo "
                          f"reads ({', '.join(FAMILIES)}).")
-    read = set(COMMON.values()) | set(family.reads) | ROPE_KEYS | family.ignores | {
-        "layer_types", "sliding_window", "use_sliding_window", "rope_local_base_freq",
-        "original_max_position_embeddings", "use_bidirectional_attention"}
-    if family.windows == "none":
-        read -= {"layer_types", "sliding_window", "use_sliding_window"}
     if config.get("use_bidirectional_attention"):
         raise ValueError(f"{where}: use_bidirectional_attention is set (an encoder such as "
                          "EmbeddingGemma); the zoo's decoders are causal.")
-    if extra := sorted(k for k, v in config.items()
-                       if k not in read | HARMLESS and v not in (None, False, 0, [], {})):
-        raise ValueError(f"{where}: a {model_type!r} config with {extra}, which the zoo's "
-                         f"{model_type} does not read and which may change what the model "
-                         "computes: remove them if they are off, or use a model family that "
-                         "has them.")
+    config_keys.check(config, config_keys.read_keys(family, COMMON, ROPE_KEYS), COMPUTING,
+                      model_type, where)
     config = {**family.defaults, **config}
     fields = {f: config[k] for f, k in COMMON.items() if config.get(k) is not None}
     fields.setdefault("num_key_value_heads", config["num_attention_heads"])

@@ -1,0 +1,76 @@
+"""Which keys of a decoder family's ``config.json`` the zoo reads, ignores with a warning, or
+refuses.
+
+A key the family reads (``read_keys``) or that changes nothing a forward pass computes
+(``HARMLESS``: bookkeeping every transformers config carries) is taken silently. Every other key
+is either
+
+* **a computation key** (``COMPUTING``): one that the transformers class of *some* family here
+  reads, the keys the zoo's families read for their own and the few no family here honours
+  (``UNHONOURED``: ``mlp_bias``, ``quantization_config``, ...). Set to anything but off
+  (``None``, ``False``, 0, empty) it is refused, naming it: a window, a softcap, a bias or MoE
+  fields in a config whose family does not have them are never silently dropped, even where
+  the family's own transformers class would drop them (a mislabelled ``model_type``);
+* or **metadata**: a key no family's transformers class reads (an Unsloth save's
+  ``unsloth_version``, a tool's notes, a hub config's legacy copies). It is taken with one
+  warning naming every such key, as transformers takes it (stored, never read).
+
+Why this split and not "refuse what the family's own transformers class does not define": an
+Unsloth (or any tool's) save adds keys nobody can list in advance, and the user wants the model
+loaded; what must never happen is a switch that changes the computation being dropped, and those
+are the keys some decoder's transformers class defines: a finite list, checked against
+transformers' config classes by ``tests/zoo_parity/test_parity_config_keys.py`` (every key a
+family's class defines is read, harmless, or refused).
+"""
+from __future__ import annotations
+
+import warnings
+
+HARMLESS = frozenset({  # config.json keys that change nothing a forward pass computes
+    "model_type", "architectures", "transformers_version", "torch_dtype", "dtype",
+    "_name_or_path", "use_cache", "attention_dropout", "resid_pdrop", "residual_dropout",
+    "embd_pdrop", "pretraining_tp", "output_attentions", "output_hidden_states", "return_dict",
+    "id2label", "label2id", "problem_type", "tokenizer_class", "_attn_implementation",
+    "cache_implementation", "use_bfloat16", "torchscript", "chunk_size_feed_forward",
+    "max_length", "min_length", "do_sample", "temperature", "top_k", "top_p", "num_beams",
+    "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "num_return_sequences",
+    "early_stopping", "bad_words_ids", "prefix", "task_specific_params", "finetuning_task",
+    "sep_token_id", "decoder_start_token_id", "forced_bos_token_id", "forced_eos_token_id",
+    "max_window_layers", "_sliding_window_pattern", "sliding_window_pattern",
+    "keys_to_ignore_at_inference", "tf_legacy_loss", "pruned_heads", "tie_encoder_decoder",
+    "is_encoder_decoder",
+})
+UNHONOURED = frozenset({  # keys a decoder's transformers class reads that no family here honours
+    "mlp_bias", "quantization_config", "attention_chunk_size", "attn_temperature_tuning",
+})
+WINDOW_KEYS = frozenset({"layer_types", "sliding_window", "use_sliding_window"})
+OFF = (None, False, 0, [], {})
+
+
+def read_keys(family, common: dict, rope_keys: set) -> set:
+    """Every key ``family`` (a ``families.Family``) reads or knows its transformers class
+    ignores."""
+    read = set(common.values()) | set(family.reads) | rope_keys | family.ignores | WINDOW_KEYS | {
+        "rope_local_base_freq", "original_max_position_embeddings",
+        "use_bidirectional_attention"}
+    return read - WINDOW_KEYS if family.windows == "none" else read
+
+
+def computing(families: dict, common: dict, rope_keys: set) -> frozenset:
+    """``COMPUTING``: the keys that change what some family computes (module docstring)."""
+    return frozenset().union(UNHONOURED, *(read_keys(f, common, rope_keys) - f.ignores
+                                           for f in families.values()))
+
+
+def check(config: dict, read: set, known: frozenset, model_type: str, where: str) -> None:
+    """Refuse ``config``'s computation keys the family does not ``read`` (unless off); warn
+    once naming its metadata keys (module docstring)."""
+    unread = {k: v for k, v in config.items() if k not in read | HARMLESS}
+    if refused := sorted(k for k, v in unread.items() if k in known and v not in OFF):
+        raise ValueError(f"{where}: a {model_type!r} config with {refused}, which the zoo's "
+                         f"{model_type} does not read and which change what a model computes: "
+                         "remove them if they are off, or use a model family that has them.")
+    if ignored := sorted(k for k in unread if k not in known):
+        warnings.warn(f"{where}: ignoring {ignored}: no decoder family's transformers class "
+                      "reads them (metadata, such as a tool's version); the model is read "
+                      "without them.", stacklevel=3)
