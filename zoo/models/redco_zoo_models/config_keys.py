@@ -50,7 +50,7 @@ OFF = (None, False, 0, [], {})
 def read_keys(family, common: dict, rope_keys: set) -> set:
     """Every key ``family`` (a ``families.Family``) reads or knows its transformers class
     ignores."""
-    read = set(common.values()) | set(family.reads) | rope_keys | family.ignores | WINDOW_KEYS | {
+    read = set(common.values()) | family.own_keys() | rope_keys | WINDOW_KEYS | {
         "rope_local_base_freq", "original_max_position_embeddings",
         "use_bidirectional_attention"}
     return read - WINDOW_KEYS if family.windows == "none" else read

@@ -51,7 +51,8 @@ class Attention(nnx.Module):
             self.q_norm, self.k_norm = norm(h), norm(kv)
         self.cfg = cfg
         self.window = cfg.sliding_window if cfg.sliding(layer) else None
-        self.rope = cfg.local_rope if self.window and cfg.local_rope else cfg.rope
+        self.rope = None if layer in cfg.nope_layers else \
+            cfg.local_rope if self.window and cfg.local_rope else cfg.rope
 
     def _qk(self, x):
         cfg, (b, t, _) = self.cfg, x.shape
@@ -68,7 +69,8 @@ class Attention(nnx.Module):
         cfg, (b, t, _) = self.cfg, x.shape
         q, k = self._qk(x)
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        q, k = (apply_rope(y, positions, self.rope, lengths) for y in (q, k))
+        if self.rope is not None:  # (None: a NoPE layer)
+            q, k = (apply_rope(y, positions, self.rope, lengths) for y in (q, k))
         k, v, layer_cache = cached_keys(layer_cache, k, v, cache_index, allowed)
         scale = cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar ** -0.5
         sinks = self.sinks[...] if cfg.attention_sinks else None

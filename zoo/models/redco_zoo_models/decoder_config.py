@@ -14,7 +14,8 @@ attention and a gated MLP. What differs:
   ``final_softcap`` (Gemma 2: ``cap * tanh(x / cap)`` on attention scores and on logits);
 * ``layer_types`` with ``sliding_window``: which layers attend to the last ``window`` slots only
   (Mistral, Gemma 2's every other layer, Gemma 3's five of six), each type with its own RoPE
-  (``rope``; Gemma 3's local layers ``local_rope``; ``redco_zoo_models.rope``);
+  (``rope``; Gemma 3's and OLMo 3's local layers ``local_rope``; ``redco_zoo_models.rope``);
+* ``nope_layers``: layers whose queries and keys turn no RoPE at all (SmolLM3's NoPE layers);
 * ``n_experts`` (Mixtral, Qwen3-MoE): the MLP of each sparse layer is a Mixture-of-Experts block
   (``redco_zoo_models.moe``) of that many experts, ``experts_per_token`` of them per token. The
   blocks' load-balancing losses, weighted by ``router_aux_loss_coef``, are added to the loss
@@ -71,6 +72,7 @@ class DecoderConfig:
     final_softcap: float | None = None
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None  # None: every layer sliding if a window is set
+    nope_layers: tuple[int, ...] = ()  # layers whose attention turns no RoPE (SmolLM3's NoPE)
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None

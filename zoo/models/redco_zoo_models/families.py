@@ -17,7 +17,7 @@ never silently dropped; an Unsloth save's ``unsloth_version`` is read with a war
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from redco_zoo_models import config_keys
 from redco_zoo_models.rope import read_rope
@@ -42,12 +42,49 @@ class Family:
     architecture: str
     switches: dict = dataclasses.field(default_factory=dict)  # DecoderConfig fields it fixes
     reads: dict = dataclasses.field(default_factory=dict)  # config key -> (field, default)
-    windows: str = "none"  # none | all | qwen (use_sliding_window) | gemma2 | gemma3 | alternate
+    windows: str = "none"  # none | all | qwen, smollm3 (use_sliding_window) | gemma2 | gemma3 |
+    #                        alternate | olmo3 (_layer_types)
     fused: bool = False  # Phi-3: qkv_proj and gate_up_proj in the checkpoint (family_tensors)
     tied_default: bool = False
     ignores: frozenset = frozenset()  # keys transformers' class of this family ignores too
     defaults: dict = dataclasses.field(default_factory=dict)  # config.json keys it may omit
     experts: str | None = None  # an MoE checkpoint's layout: qwen | mixtral | deepseek | gpt_oss
+    #                             | minimax (family_tensors)
+    derived: tuple = ()  # keys read through DERIVED's functions
+    rotary_dim: bool = False  # MiniMax-M2: the rotated features as a count, ``rotary_dim``
+
+    def own_keys(self) -> set:
+        """The config keys this family reads beyond ``COMMON`` and RoPE's."""
+        return set(self.reads) | self.ignores | {k for d in self.derived for k in DERIVED[d].keys} \
+            | ({"rotary_dim"} if self.rotary_dim else set())
+
+
+@dataclasses.dataclass(frozen=True)
+class Derived:
+    """Config keys that set ``DecoderConfig`` fields through a function, not as they are."""
+    keys: tuple  # the config keys it reads
+    read: Callable  # (config, n_layers) -> {field: value}
+    write: Callable  # (DecoderConfig) -> {config key: value}
+
+
+def _nope_layers(config: dict, n: int) -> dict:
+    """SmolLM3: ``no_rope_layers[i]`` is 1 where layer ``i`` turns RoPE, 0 where it does not
+    (NoPE); absent, every ``no_rope_layer_interval``-th layer is NoPE."""
+    every = config.get("no_rope_layer_interval") or 4
+    flags = config.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n)]
+    return {"nope_layers": tuple(i for i, turns in enumerate(flags) if not turns)}
+
+
+DERIVED = {
+    "no_rope_layers": Derived(
+        ("no_rope_layers", "no_rope_layer_interval"), _nope_layers,
+        lambda cfg: {"no_rope_layers": [int(i not in cfg.nope_layers)
+                                        for i in range(cfg.num_hidden_layers)]}),
+    "use_qk_norm": Derived(  # GLM-4.5: per-head q/k norms, or none
+        ("use_qk_norm",), lambda config, n: {"qk_norm": "head" if config.get("use_qk_norm")
+                                             else None},
+        lambda cfg: {"use_qk_norm": cfg.qk_norm == "head"}),
+}
 
 
 GEMMA = dict(norm_layout="sandwich", norm_offset=1.0, embed_scale=True)
@@ -73,6 +110,7 @@ FAMILIES = {
                      tied_default=True, ignores=frozenset({"hidden_act"})),
     "gemma3_text": Family("Gemma3ForCausalLM", switches={**GEMMA, "qk_norm": "head"},
                           reads=GEMMA_READS, windows="gemma3", tied_default=True,
+                          defaults={"rope_theta": 1_000_000.0},
                           ignores=frozenset({"hidden_act"})),
     "phi3": Family("Phi3ForCausalLM", reads={"hidden_act": ("hidden_act", "silu")},
                    windows="all", fused=True, defaults={"rms_norm_eps": 1e-5}),
@@ -120,10 +158,44 @@ FAMILIES = {
                     reads={"attention_bias": ("attention_bias", False),
                            "hidden_act": ("hidden_act", "silu")},
                     defaults={"rms_norm_eps": 1e-5}),
+    "olmo3": Family("Olmo3ForCausalLM", switches={"norm_layout": "post", "qk_norm": "all"},
+                    reads={"attention_bias": ("attention_bias", False),
+                           "hidden_act": ("hidden_act", "silu")}, windows="olmo3",
+                    defaults={"rms_norm_eps": 1e-5, "sliding_window": 4096,
+                              "rope_theta": 500_000.0}),
+    "smollm3": Family("SmolLM3ForCausalLM", reads={"attention_bias": ("attention_bias", False),
+                                                   "hidden_act": ("hidden_act", "silu")},
+                      windows="smollm3", tied_default=True, derived=("no_rope_layers",)),
+    "seed_oss": Family("SeedOssForCausalLM", reads={
+        "attention_bias": ("attention_bias", True), "attention_out_bias": ("o_proj_bias", False),
+        "hidden_act": ("hidden_act", "silu")}, defaults={"head_dim": 128}),
+    "glm4_moe": Family(  # DeepSeek-V3's MoE (sigmoid routing, shared experts) on GQA
+        "Glm4MoeForCausalLM", switches={"router": "sigmoid"},
+        reads={"attention_bias": ("attention_bias", False), "hidden_act": ("hidden_act", "silu"),
+               "num_experts_per_tok": ("experts_per_token", 8),
+               "n_routed_experts": ("n_experts", 128),
+               "moe_intermediate_size": ("moe_intermediate_size", 1408),
+               "norm_topk_prob": ("norm_topk_prob", True), "n_group": ("n_group", 1),
+               "topk_group": ("topk_group", 1), "routed_scaling_factor": (
+                   "routed_scaling_factor", 1.0), "n_shared_experts": ("n_shared_experts", 1),
+               "first_k_dense_replace": ("first_k_dense_replace", 1)},
+        experts="deepseek", derived=("use_qk_norm",), ignores=MOE_IGNORES | MTP,
+        defaults={"rms_norm_eps": 1e-5, "partial_rotary_factor": 0.5}),
+    "minimax_m2": Family(  # every layer sparse, sigmoid routing; q/k norms over all heads
+        "MiniMaxM2ForCausalLM", switches={"router": "sigmoid", "qk_norm": "all",
+                                          "norm_topk_prob": True},
+        reads={"hidden_act": ("hidden_act", "silu"),
+               "num_experts_per_tok": ("experts_per_token", 8),
+               "router_aux_loss_coef": ("router_aux_loss_coef", 0.001),
+               "num_local_experts": ("n_experts", 256)},
+        experts="minimax", rotary_dim=True, defaults={"head_dim": 128},
+        ignores=MOE_IGNORES | {"use_qk_norm"}),  # (always on in transformers' class)
 }
 
 
 COMPUTING = config_keys.computing(FAMILIES, COMMON, ROPE_KEYS)
+GATED = ("qwen", "smollm3")  # windows only where use_sliding_window
+PER_TYPE_ROPE = ("gemma3", "olmo3")  # a RoPE for each layer type (rope_parameters by type)
 
 
 def _layer_types(family: Family, config: dict, n: int) -> tuple | None:
@@ -132,9 +204,13 @@ def _layer_types(family: Family, config: dict, n: int) -> tuple | None:
     if family.windows == "qwen":
         first = config.get("max_window_layers", n)
         return tuple(SLIDING if i >= first else FULL for i in range(n))
-    if family.windows in ("gemma2", "gemma3", "alternate"):  # (alternate: gpt-oss)
-        every = 2 if family.windows != "gemma3" else config.get(
-            "sliding_window_pattern", config.get("_sliding_window_pattern", 6))
+    if family.windows == "smollm3":  # its NoPE layers slide
+        nope = _nope_layers(config, n)["nope_layers"]
+        return tuple(SLIDING if i in nope else FULL for i in range(n))
+    if family.windows in ("gemma2", "gemma3", "alternate", "olmo3"):  # (alternate: gpt-oss)
+        every = {"gemma3": config.get("sliding_window_pattern",
+                                      config.get("_sliding_window_pattern", 6)),
+                 "olmo3": 4}.get(family.windows, 2)
         return tuple(SLIDING if (i + 1) % every else FULL for i in range(n))
     return None
 
@@ -142,7 +218,7 @@ def _layer_types(family: Family, config: dict, n: int) -> tuple | None:
 def _window(family: Family, config: dict) -> int | None:
     if family.windows == "none":
         return None
-    if family.windows == "qwen" and not config.get("use_sliding_window"):
+    if family.windows in GATED and not config.get("use_sliding_window"):
         return None
     return config.get("sliding_window", 4096 if family.windows.startswith("gemma") else None)
 
@@ -151,12 +227,14 @@ def _ropes(family: Family, config: dict, head_dim: int, where: str) -> dict:
     """``{"rope": Rope, "local_rope": Rope or None}`` from either layout of the config."""
     longest = config.get("max_position_embeddings", 4096)
     top = {k: config[k] for k in ("rope_theta", "partial_rotary_factor") if k in config}
+    if family.rotary_dim and config.get("rotary_dim"):
+        top.setdefault("partial_rotary_factor", config["rotary_dim"] / head_dim)
     params = config.get("rope_parameters") or {}
     original = config.get("original_max_position_embeddings")  # Phi-3 keeps it at the top
-    if family.windows == "gemma3":
-        full = {"rope_theta": 1_000_000.0, **top, **(config.get("rope_scaling") or {}),
-                **(params.get(FULL) or {})}
-        local = {"rope_theta": config.get("rope_local_base_freq", 10_000.0),
+    if family.windows in PER_TYPE_ROPE:  # (Gemma 3's local theta is its own key)
+        full = {**top, **(config.get("rope_scaling") or {}), **(params.get(FULL) or {})}
+        local = {"rope_theta": config.get("rope_local_base_freq", 10_000.0)
+                 if family.windows == "gemma3" else top.get("rope_theta"),
                  **(params.get(SLIDING) or {})}
         return {"rope": read_rope(full, head_dim, longest, f"{where} ({FULL})"),
                 "local_rope": read_rope(local, head_dim, longest, f"{where} ({SLIDING})")}
@@ -186,6 +264,8 @@ def read_config(cls, config: dict, where: str = "config.json") -> Any:
                 fields[field] = config[key]
             else:
                 fields.setdefault(field, default)
+    for name in family.derived:
+        fields.update(DERIVED[name].read(config, fields["num_hidden_layers"]))
     for field in ("eos_token_id", "mlp_only_layers"):  # (a config is hashed: no lists)
         if isinstance(fields.get(field), list):
             fields[field] = tuple(fields[field])
@@ -205,6 +285,8 @@ def write_config(cfg) -> dict:
         out["eos_token_id"] = list(out["eos_token_id"])
     for key, (names, _) in family.reads.items():
         out[key] = getattr(cfg, names[0] if isinstance(names, tuple) else names)
+    for name in family.derived:
+        out.update(DERIVED[name].write(cfg))
     rope = cfg.rope.to_hf()
     if cfg.local_rope is not None:
         out["rope_parameters"] = {FULL: rope, SLIDING: cfg.local_rope.to_hf()}
@@ -220,6 +302,6 @@ def write_config(cfg) -> dict:
         out["use_sliding_window"] = cfg.sliding_window is not None
         if cfg.layer_types is not None:
             out["layer_types"] = list(cfg.layer_types)
-        if family.windows != "qwen":
+        if family.windows not in GATED:
             out.pop("use_sliding_window")
     return out

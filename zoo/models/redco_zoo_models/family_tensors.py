@@ -10,7 +10,9 @@ checkpoints do, so ``redco_safetensors.torch_name`` maps them; what differs, per
 * Mixture-of-Experts families store one tensor per expert (Qwen3-MoE
   ``mlp.experts.<e>.gate_proj``, Mixtral ``block_sparse_moe.experts.<e>.w1``); they are
   stacked into the zoo's ``mlp.experts.gate_proj`` (experts, in, out) and unstacked on export.
-  DeepSeek-V3's ``mlp.gate.e_score_correction_bias`` is the block's ``balance_bias``.
+  DeepSeek-V3's (and GLM-4.5's) ``mlp.gate.e_score_correction_bias`` is the block's
+  ``balance_bias``; MiniMax-M2 keeps Mixtral's names, its bias as
+  ``block_sparse_moe.e_score_correction_bias``.
 * gpt-oss stores its experts stacked already, as (experts, in, out), but its gate and up
   projections fused in one ``mlp.experts.gate_up_proj`` whose columns alternate (gate, up,
   gate, ...), and their biases so in ``gate_up_proj_bias``; its router is ``mlp.router``.
@@ -35,11 +37,13 @@ EXPERTS = {  # layout -> (the block's checkpoint name, {the zoo's projection: th
     "deepseek": ("mlp", QWEN_EXPERTS),
     "mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
     "gpt_oss": ("mlp", {}),  # stacked already (INTERLEAVED)
+    "minimax": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
 }
 RENAMED = {  # layout -> {the zoo's name in a block: the checkpoint's}
     "qwen": {"gate.weight": "gate.weight"}, "mixtral": {"gate.weight": "gate.weight"},
     "deepseek": {"gate.weight": "gate.weight", "balance_bias": "gate.e_score_correction_bias"},
     "gpt_oss": {"gate.weight": "router.weight", "gate.bias": "router.bias"},
+    "minimax": {"gate.weight": "gate.weight", "balance_bias": "e_score_correction_bias"},
 }
 
 

@@ -126,6 +126,28 @@ TINY_FAMILIES = {  # config.json contents of a tiny model of each family, as tra
         first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=4, v_head_dim=12, rope_interleave=False,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+    "olmo3": dict(  # OLMo 2's post-norms and q/k norms; windows and a RoPE for each type
+        _TINY, model_type="olmo3", sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": dict(
+            rope_type="yarn", factor=4.0, rope_theta=5e5, attention_factor=1.2,
+            beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=ORIGINAL_CONTEXT),
+            "sliding_attention": dict(rope_type="default", rope_theta=5e5)}),
+    "smollm3": dict(  # a layer without RoPE (NoPE), sliding; tied head
+        _TINY, model_type="smollm3", no_rope_layers=[1, 0, 1], use_sliding_window=True,
+        sliding_window=WINDOW, rope_parameters=dict(rope_type="default", rope_theta=5e6)),
+    "seed-oss": dict(_TINY, model_type="seed_oss", head_dim=16, attention_bias=True,
+                     attention_out_bias=True, rope_parameters=dict(rope_type="default",
+                                                                   rope_theta=1e7)),
+    "glm4-moe": dict(  # DeepSeek-V3's routing and shared expert on GQA with half-rotary heads
+        _TINY, model_type="glm4_moe", head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, moe_intermediate_size=16, first_k_dense_replace=1,
+        n_shared_experts=1, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6, partial_rotary_factor=0.5)),
+    "minimax-m2": dict(  # sigmoid routing with a balancing bias, q/k norms over all heads
+        _TINY, model_type="minimax_m2", head_dim=16, rotary_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, intermediate_size=16,
+        rope_parameters=dict(rope_type="default", rope_theta=5e6)),
     "qwen3-yarn": dict(_TINY, model_type="qwen3", head_dim=8, rope_parameters=dict(
         rope_type="yarn", factor=4.0, rope_theta=10000.0,
         original_max_position_embeddings=ORIGINAL_CONTEXT)),
