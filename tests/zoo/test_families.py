@@ -1,5 +1,5 @@
 """Every dense family (``redco_zoo_models.toy.TINY_FAMILIES``: Llama 3.1/3.2, Qwen3, Gemma 2/3,
-Phi-4-mini, OLMo 2, Mistral) gets what the zoo's LLaMA has: packed rows, the chunked loss,
+Phi-4-mini, OLMo 2/3, Mistral; SmolLM3's packed rows) gets what the zoo's LLaMA has: packed rows, the chunked loss,
 context parallelism with its window and softcap, training through ``redco zoo run lm`` with
 tensor parallelism (and LoRA); and bad configs and checkpoints are refused before compiling,
 naming what is wrong. Parity with transformers: tests/zoo_parity/test_parity_families.py."""
@@ -20,7 +20,7 @@ from redco_zoo_models.hf import auto_class
 from redco_zoo_models.toy import TINY_FAMILIES, WINDOW, tiny_family, word_tokenizer
 
 TRAINED = ["llama-3.1", "llama-3.2", "qwen3", "gemma2", "gemma3", "phi-4-mini", "olmo2",
-           "mistral"]
+           "mistral", "olmo3"]
 
 
 def forward(model):
@@ -29,10 +29,10 @@ def forward(model):
     return lambda ids, segments=None: np.asarray(run(params, ids, segments))
 
 
-@pytest.mark.parametrize("family", TRAINED)
+@pytest.mark.parametrize("family", TRAINED + ["smollm3"])
 def test_packed_documents_see_only_themselves(family):
     """Two documents in one row (12 and 20 tokens, both past the window): each one's logits are
-    its own forward pass's."""
+    its own forward pass's (SmolLM3: a NoPE layer, sliding, among RoPE layers)."""
     run = forward(tiny_family(family))
     ids = np.random.RandomState(0).randint(1, 63, (1, 32))
     segments = np.array([[1] * 12 + [2] * 20])

@@ -9,7 +9,12 @@ interleaved RoPE, dense first layer, sigmoid routing limited to 2 of 4 groups wi
 balancing bias, shared experts; and a variant without the query latent, RoPE in halves),
 gpt-oss (attention sinks, biases on attention, router and experts, interleaved gate/up experts
 with a clamped SwiGLU whose limit the tiny model reaches, every other layer sliding, YaRN
-without truncation), and YaRN and dynamic-NTK RoPE on Qwen3 and LLaMA shapes.
+without truncation), OLMo 3 (OLMo 2's norms, a window and a RoPE per layer type, YaRN with an
+``attention_factor``), SmolLM3 (a NoPE layer, sliding), Seed-OSS (biases on all four attention
+projections), GLM-4.5 (DeepSeek-V3's routing and shared expert on GQA with per-head q/k norms
+and half-rotary heads), MiniMax-M2 (sigmoid routing with a balancing bias on every layer, q/k
+norms over all heads, ``rotary_dim``), and YaRN and dynamic-NTK RoPE on Qwen3 and LLaMA
+shapes.
 
 Each tiny checkpoint is written by transformers itself (``from_config`` + ``save_pretrained``,
 weights perturbed so a misplaced one shows, sharded so the index is read). The lengths cross
@@ -34,7 +39,7 @@ from redco_zoo_models.toy import TINY_FAMILIES
 
 VOCAB, EOS, PAD, BOS = 64, 63, 0, 1
 FAMILIES = TINY_FAMILIES  # the lengths below cross WINDOW (8) and ORIGINAL_CONTEXT (16)
-ROPE_ONLY = {"qwen3-yarn", "deepseek-v3-plain-q"}  # logits and export checked only
+LOGITS_ONLY = {"qwen3-yarn", "deepseek-v3-plain-q", "seed-oss"}  # logits and export only
 
 
 def jitted(model):
@@ -45,8 +50,8 @@ def jitted(model):
 
 
 def generating(family):
-    if family in ROPE_ONLY:
-        pytest.skip("a variant: logits and export only (its family generates elsewhere)")
+    if family in LOGITS_ONLY:
+        pytest.skip("logits and export only (what it generates with, others test)")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -237,14 +242,23 @@ OLDER = {  # config.json in the layout before transformers 5: rope_scaling, rope
     "gemma3": dict(FAMILIES["gemma3"], rope_parameters=None, layer_types=None, rope_theta=1e6,
                    rope_local_base_freq=1e4, sliding_window_pattern=2,
                    rope_scaling=dict(rope_type="linear", factor=8.0)),
+    "olmo3": dict(FAMILIES["olmo3"], rope_parameters=None, layer_types=None, num_hidden_layers=4,
+                  rope_scaling=dict(rope_type="yarn", factor=4.0, attention_factor=1.2,
+                                    original_max_position_embeddings=16)),  # (theta: 5e5)
+    "smollm3": dict(FAMILIES["smollm3"], rope_parameters=None, rope_theta=5e6, layer_types=None,
+                    no_rope_layers=None, no_rope_layer_interval=2),
+    "glm4-moe": dict(FAMILIES["glm4-moe"], rope_parameters=None, rope_theta=1e6),  # (half)
+    "minimax-m2": dict(FAMILIES["minimax-m2"], rope_parameters=None, rope_theta=5e6),
 }
 
 
 @pytest.mark.parametrize("name", OLDER)
 def test_the_older_rope_scaling_layout_reads_as_transformers_reads_it(name, tmp_path):
     """A hand-written config.json in the older layout (``rope_scaling``; Phi's top-level
-    ``partial_rotary_factor``, Gemma 3's ``rope_local_base_freq`` and window pattern; Phi-3's
-    rms_norm_eps left to the family's default): the logits of transformers reading it."""
+    ``partial_rotary_factor``, Gemma 3's ``rope_local_base_freq`` and window pattern, OLMo 3's
+    and SmolLM3's default layer types, SmolLM3's NoPE interval, GLM-4.5's default half-rotary
+    heads, MiniMax-M2's ``rotary_dim``; rms_norm_eps left to the family's default): the logits
+    of transformers reading it."""
     config = {k: v for k, v in OLDER[name].items() if v is not None and k != "rms_norm_eps"}
     torch.manual_seed(0)
     made = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
