@@ -1,8 +1,9 @@
 """Every dense family (``redco_zoo_models.toy.TINY_FAMILIES``: Llama 3.1/3.2, Qwen3, Gemma 2/3,
-Phi-4-mini, OLMo 2/3, Mistral; SmolLM3's packed rows) gets what the zoo's LLaMA has: packed rows, the chunked loss,
-context parallelism with its window and softcap, training through ``redco zoo run lm`` with
-tensor parallelism (and LoRA); and bad configs and checkpoints are refused before compiling,
-naming what is wrong. Parity with transformers: tests/zoo_parity/test_parity_families.py."""
+Phi-4-mini, OLMo 2/3, Mistral; SmolLM3's packed rows) gets what the zoo's LLaMA has: packed
+rows, the chunked loss, context parallelism with its window and softcap, training through
+``redco zoo run lm`` with tensor parallelism (and LoRA); and bad configs and checkpoints are
+refused before compiling, naming what is wrong. Parity with transformers:
+tests/zoo_parity/test_parity_families.py."""
 import json
 import os
 
