@@ -202,6 +202,26 @@ def test_tensors_missing_or_left_over_are_refused_naming_them(tmp_path):
     from_pretrained(auto_class(path), path)  # a rotary buffer is harmless
 
 
+@pytest.mark.parametrize("family, dropped", [("glm4-moe", True), ("qwen3-moe", False)])
+def test_multi_token_prediction_layers_are_dropped_where_the_family_has_them(tmp_path, family,
+                                                                             dropped):
+    """GLM-4.5's and DeepSeek-V3's checkpoints carry their MTP layer after the model's (GLM-4.5's
+    ``model.layers.92``): read without it, as transformers reads them; elsewhere a layer past
+    the model's is refused."""
+    path = saved_family(tmp_path, family)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    n = TINY_FAMILIES[family]["num_hidden_layers"]
+    mtp = {f"model.layers.{n}.{k.split('.', 3)[3]}": v for k, v in tensors.items()
+           if k.startswith("model.layers.1.")}
+    save_file({**tensors, **mtp}, os.path.join(path, "model.safetensors"))
+    if dropped:
+        loaded = from_pretrained(auto_class(path), path)
+        assert loaded.cfg == tiny_family(family).cfg
+    else:
+        with pytest.raises(ValueError, match=f"model.layers.{n}."):
+            from_pretrained(auto_class(path), path)
+
+
 def test_a_window_the_decoder_honours_changes_what_it_computes():
     """Mistral's window is read, not dropped: past it the logits differ from no window."""
     from redco_zoo_models import LlamaConfig, LlamaForCausalLM

@@ -18,12 +18,17 @@ checkpoints do, so ``redco_safetensors.torch_name`` maps them; what differs, per
   gate, ...), and their biases so in ``gate_up_proj_bias``; its router is ``mlp.router``.
 
 A tied head's stored copy is dropped on import when it equals the embedding (refused when not).
+DeepSeek-V3's and GLM-4.5's checkpoints hold their multi-token-prediction layers after the
+model's (``model.layers.<num_hidden_layers>...``): not part of the causal LM, they are dropped
+on import, as transformers drops them.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
-from redco_zoo_models.families import FAMILIES
+from redco_zoo_models.families import FAMILIES, MTP
 
 FUSED = {"self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"),
          "mlp.gate_up_proj.weight": ("gate_proj", "up_proj")}
@@ -57,7 +62,7 @@ def _sizes(cfg, fused: str) -> list[int]:
 def tensors_in(cfg, tensors: dict) -> dict:
     """A checkpoint's tensors (PyTorch names) under the zoo model's names (``cfg``: its
     ``DecoderConfig``)."""
-    tensors = _stacked_experts(cfg, dict(tensors))
+    tensors = _stacked_experts(cfg, _without_mtp_layers(cfg, dict(tensors)))
     if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
         embedding = tensors.get("model.embed_tokens.weight")
         if embedding is None or not np.array_equal(tensors["lm_head.weight"], embedding):
@@ -86,6 +91,15 @@ def tensors_out(cfg, tensors: dict) -> dict:
             tensors[f"model.layers.{i}.{suffix}"] = np.concatenate(
                 [tensors.pop(f"{module}.{p}.weight") for p in parts], axis=0)
     return tensors
+
+
+def _without_mtp_layers(cfg, tensors: dict) -> dict:
+    """``tensors`` less a multi-token-prediction family's layers past the model's (docstring)."""
+    if not FAMILIES[cfg.family].ignores >= MTP:
+        return tensors
+    layer = re.compile(r"^model\.layers\.(\d+)\.")
+    return {k: v for k, v in tensors.items()
+            if not (m := layer.match(k)) or int(m.group(1)) < cfg.num_hidden_layers}
 
 
 def _expert_names(cfg):
