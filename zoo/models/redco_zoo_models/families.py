@@ -8,7 +8,12 @@ experts) are mapped to the zoo's in ``redco_zoo_models.family_tensors``. DeepSee
 ``qk_rope_head_dim`` is the decoder's ``head_dim`` (the size RoPE turns), and its
 ``num_nextn_predict_layers`` (multi-token prediction) is not part of the causal LM. gpt-oss's
 ``experts_per_token`` and ``initial_context_length`` (its hub config's copies of
-``num_experts_per_tok`` and of YaRN's original length) transformers ignores too.
+``num_experts_per_tok`` and of YaRN's original length) transformers ignores too. A few keys
+are read through a function (``DERIVED``): SmolLM3's ``no_rope_layers`` (1 where a layer turns
+RoPE) become ``nope_layers``, GLM-4.5's ``use_qk_norm`` per-head q/k norms; MiniMax-M2's legacy
+``rotary_dim`` is its ``partial_rotary_factor`` times ``head_dim``. OLMo 3, as Gemma 3, keeps a
+RoPE for each layer type (``rope_parameters`` keyed by type; its sliding layers take
+``rope_theta`` where Gemma 3's take ``rope_local_base_freq``).
 
 A key the family does not read is refused, naming it, unless it is off or metadata
 (``redco_zoo_models.config_keys`` says which is which): a softcap, a window or MoE fields are
