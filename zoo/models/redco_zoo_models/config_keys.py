@@ -1,5 +1,5 @@
 """Which keys of a decoder family's ``config.json`` the zoo reads, ignores with a warning, or
-refuses.
+refuses; and the keys read through a function (``DERIVED``).
 
 A key the family reads (``read_keys``) or that changes nothing a forward pass computes
 (``HARMLESS``: bookkeeping every transformers config carries) is taken silently. Every other key
@@ -24,7 +24,9 @@ family's class defines is read, harmless, or refused).
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from typing import Callable
 
 HARMLESS = frozenset({  # config.json keys that change nothing a forward pass computes
     "model_type", "architectures", "transformers_version", "torch_dtype", "dtype",
@@ -74,3 +76,31 @@ def check(config: dict, read: set, known: frozenset, model_type: str, where: str
         warnings.warn(f"{where}: ignoring {ignored}: no decoder family's transformers class "
                       "reads them (metadata, such as a tool's version); the model is read "
                       "without them.", stacklevel=3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Derived:
+    """Config keys that set ``DecoderConfig`` fields through a function, not as they are."""
+    keys: tuple  # the config keys it reads
+    read: Callable  # (config, n_layers) -> {field: value}
+    write: Callable  # (DecoderConfig) -> {config key: value}
+
+
+def nope_layers(config: dict, n: int) -> dict:
+    """SmolLM3: ``no_rope_layers[i]`` is 1 where layer ``i`` turns RoPE, 0 where it does not
+    (NoPE); absent, every ``no_rope_layer_interval``-th layer is NoPE."""
+    every = config.get("no_rope_layer_interval") or 4
+    flags = config.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n)]
+    return {"nope_layers": tuple(i for i, turns in enumerate(flags) if not turns)}
+
+
+DERIVED = {
+    "no_rope_layers": Derived(
+        ("no_rope_layers", "no_rope_layer_interval"), nope_layers,
+        lambda cfg: {"no_rope_layers": [int(i not in cfg.nope_layers)
+                                        for i in range(cfg.num_hidden_layers)]}),
+    "use_qk_norm": Derived(  # GLM-4.5: per-head q/k norms, or none
+        ("use_qk_norm",), lambda config, n: {"qk_norm": "head" if config.get("use_qk_norm")
+                                             else None},
+        lambda cfg: {"use_qk_norm": cfg.qk_norm == "head"}),
+}

@@ -9,11 +9,11 @@ experts) are mapped to the zoo's in ``redco_zoo_models.family_tensors``. DeepSee
 ``num_nextn_predict_layers`` (multi-token prediction) is not part of the causal LM. gpt-oss's
 ``experts_per_token`` and ``initial_context_length`` (its hub config's copies of
 ``num_experts_per_tok`` and of YaRN's original length) transformers ignores too. A few keys
-are read through a function (``DERIVED``): SmolLM3's ``no_rope_layers`` (1 where a layer turns
-RoPE) become ``nope_layers``, GLM-4.5's ``use_qk_norm`` per-head q/k norms; MiniMax-M2's legacy
-``rotary_dim`` is its ``partial_rotary_factor`` times ``head_dim``. OLMo 3, as Gemma 3, keeps a
-RoPE for each layer type (``rope_parameters`` keyed by type; its sliding layers take
-``rope_theta`` where Gemma 3's take ``rope_local_base_freq``).
+are read through a function (``config_keys.DERIVED``): SmolLM3's ``no_rope_layers`` (1 where
+a layer turns RoPE) become ``nope_layers``, GLM-4.5's ``use_qk_norm`` per-head q/k norms;
+MiniMax-M2's legacy ``rotary_dim`` is its ``partial_rotary_factor`` times ``head_dim``.
+OLMo 3, as Gemma 3, keeps a RoPE for each layer type (``rope_parameters`` keyed by type; its
+sliding layers take ``rope_theta`` where Gemma 3's take ``rope_local_base_freq``).
 
 A key the family does not read is refused, naming it, unless it is off or metadata
 (``redco_zoo_models.config_keys`` says which is which): a softcap, a window or MoE fields are
@@ -22,7 +22,7 @@ never silently dropped; an Unsloth save's ``unsloth_version`` is read with a war
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 from redco_zoo_models import config_keys
 from redco_zoo_models.rope import read_rope
@@ -55,41 +55,16 @@ class Family:
     defaults: dict = dataclasses.field(default_factory=dict)  # config.json keys it may omit
     experts: str | None = None  # an MoE checkpoint's layout: qwen | mixtral | deepseek | gpt_oss
     #                             | minimax (family_tensors)
-    derived: tuple = ()  # keys read through DERIVED's functions
+    derived: tuple = ()  # keys read through functions (config_keys.DERIVED)
     rotary_dim: bool = False  # MiniMax-M2: the rotated features as a count, ``rotary_dim``
 
     def own_keys(self) -> set:
         """The config keys this family reads beyond ``COMMON`` and RoPE's."""
-        return set(self.reads) | self.ignores | {k for d in self.derived for k in DERIVED[d].keys} \
-            | ({"rotary_dim"} if self.rotary_dim else set())
+        derived = {k for d in self.derived for k in config_keys.DERIVED[d].keys}
+        return set(self.reads) | self.ignores | derived | ({"rotary_dim"} if self.rotary_dim
+                                                           else set())
 
 
-@dataclasses.dataclass(frozen=True)
-class Derived:
-    """Config keys that set ``DecoderConfig`` fields through a function, not as they are."""
-    keys: tuple  # the config keys it reads
-    read: Callable  # (config, n_layers) -> {field: value}
-    write: Callable  # (DecoderConfig) -> {config key: value}
-
-
-def _nope_layers(config: dict, n: int) -> dict:
-    """SmolLM3: ``no_rope_layers[i]`` is 1 where layer ``i`` turns RoPE, 0 where it does not
-    (NoPE); absent, every ``no_rope_layer_interval``-th layer is NoPE."""
-    every = config.get("no_rope_layer_interval") or 4
-    flags = config.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n)]
-    return {"nope_layers": tuple(i for i, turns in enumerate(flags) if not turns)}
-
-
-DERIVED = {
-    "no_rope_layers": Derived(
-        ("no_rope_layers", "no_rope_layer_interval"), _nope_layers,
-        lambda cfg: {"no_rope_layers": [int(i not in cfg.nope_layers)
-                                        for i in range(cfg.num_hidden_layers)]}),
-    "use_qk_norm": Derived(  # GLM-4.5: per-head q/k norms, or none
-        ("use_qk_norm",), lambda config, n: {"qk_norm": "head" if config.get("use_qk_norm")
-                                             else None},
-        lambda cfg: {"use_qk_norm": cfg.qk_norm == "head"}),
-}
 
 
 GEMMA = dict(norm_layout="sandwich", norm_offset=1.0, embed_scale=True)
@@ -210,7 +185,7 @@ def _layer_types(family: Family, config: dict, n: int) -> tuple | None:
         first = config.get("max_window_layers", n)
         return tuple(SLIDING if i >= first else FULL for i in range(n))
     if family.windows == "smollm3":  # its NoPE layers slide
-        nope = _nope_layers(config, n)["nope_layers"]
+        nope = config_keys.nope_layers(config, n)["nope_layers"]
         return tuple(SLIDING if i in nope else FULL for i in range(n))
     if family.windows in ("gemma2", "gemma3", "alternate", "olmo3"):  # (alternate: gpt-oss)
         every = {"gemma3": config.get("sliding_window_pattern",
@@ -270,7 +245,7 @@ def read_config(cls, config: dict, where: str = "config.json") -> Any:
             else:
                 fields.setdefault(field, default)
     for name in family.derived:
-        fields.update(DERIVED[name].read(config, fields["num_hidden_layers"]))
+        fields.update(config_keys.DERIVED[name].read(config, fields["num_hidden_layers"]))
     for field in ("eos_token_id", "mlp_only_layers"):  # (a config is hashed: no lists)
         if isinstance(fields.get(field), list):
             fields[field] = tuple(fields[field])
@@ -291,7 +266,7 @@ def write_config(cfg) -> dict:
     for key, (names, _) in family.reads.items():
         out[key] = getattr(cfg, names[0] if isinstance(names, tuple) else names)
     for name in family.derived:
-        out.update(DERIVED[name].write(cfg))
+        out.update(config_keys.DERIVED[name].write(cfg))
     rope = cfg.rope.to_hf()
     if cfg.local_rope is not None:
         out["rope_parameters"] = {FULL: rope, SLIDING: cfg.local_rope.to_hf()}
