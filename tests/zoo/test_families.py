@@ -156,6 +156,8 @@ def saved_family(tmp_path, family="qwen3", **config):
     ("qwen3", {"num_experts": 8, "num_experts_per_tok": 2}, "num_experts"),
     ("gpt-oss", {"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config"),
     ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("llama-3.1", {"model_type": "llama4_text"}, "attention_chunk_size"),
+    ("gemma3", {"model_type": "gemma4_text"}, "num_kv_shared_layers"),
     ("llama-3.1", {"mlp_bias": True, "unsloth_version": "2026.11.1"}, "\\['mlp_bias'\\]"),
     ("phi-4-mini", {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0],
                                         "long_factor": [1.0, 2.0, 3.0]}}, "short_factor has 1"),

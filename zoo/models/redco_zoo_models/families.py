@@ -174,6 +174,13 @@ FAMILIES = {
 
 
 COMPUTING = config_keys.computing(FAMILIES, COMMON, ROPE_KEYS)
+_LLAMA4 = ("Llama 4's chunked local attention (attention_chunk_size), its NoPE layers' "
+           "attention temperature tuning, experts fed router-scaled inputs and complex-pair RoPE")
+_GEMMA4 = ("Gemma 4's per-layer input embeddings (hidden_size_per_layer_input), layers reusing "
+           "another's keys and values (num_kv_shared_layers) and keys as values "
+           "(attention_k_eq_v)")
+NOT_YET = {"llama4_text": _LLAMA4, "llama4": _LLAMA4, "gemma4_text": _GEMMA4,  # (what each
+           "gemma4": _GEMMA4}  # decoder transformers has needs that the zoo's decoder lacks)
 GATED = ("qwen", "smollm3")  # windows only where use_sliding_window
 PER_TYPE_ROPE = ("gemma3", "olmo3")  # a RoPE for each layer type (rope_parameters by type)
 
@@ -227,8 +234,9 @@ def read_config(cls, config: dict, where: str = "config.json") -> Any:
     model_type = config.get("model_type", "llama")
     family = FAMILIES.get(model_type)
     if family is None:
+        lacks = f"; it needs {NOT_YET[model_type]}" if model_type in NOT_YET else ""
         raise ValueError(f"{where}: model_type {model_type!r} is not a decoder family the zoo "
-                         f"reads ({', '.join(FAMILIES)}).")
+                         f"reads ({', '.join(FAMILIES)}){lacks}.")
     if config.get("use_bidirectional_attention"):
         raise ValueError(f"{where}: use_bidirectional_attention is set (an encoder such as "
                          "EmbeddingGemma); the zoo's decoders are causal.")

@@ -26,7 +26,7 @@ from redco.layer_stacks import layers_of
 from redco.protocols import UsageError
 from redco.sharding import named_leaves
 from redco_safetensors import torch_name
-from redco_zoo_models.families import FAMILIES
+from redco_zoo_models.families import FAMILIES, NOT_YET
 
 # buffers transformers once saved: RoPE's frequencies, GPT-2's causal mask (not c_attn.bias)
 HARMLESS_TENSORS = re.compile(r"(rotary_emb\.inv_freq|(^|\.)attn\.(masked_)?bias)$")
@@ -50,6 +50,9 @@ def class_of(config: dict, where: str) -> type[nnx.Module]:
     """The zoo class for a ``config.json``'s contents (by its ``model_type``), found in
     ``where`` (named in the error)."""
     model_type = config.get("model_type")
+    if model_type in NOT_YET:
+        raise UsageError(f"{where} holds a {model_type!r} model, which the zoo does not read "
+                         f"yet: it needs {NOT_YET[model_type]}.")
     if model_type not in MODEL_CLASSES:
         raise UsageError(f"{where} holds a {model_type!r} model; the zoo reads "
                          f"{sorted(MODEL_CLASSES)}. Convert it to one of those, or add the "

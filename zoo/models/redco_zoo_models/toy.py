@@ -141,7 +141,7 @@ TINY_FAMILIES = {  # config.json contents of a tiny model of each family, as tra
                                                                    rope_theta=1e7)),
     "glm4-moe": dict(  # DeepSeek-V3's routing and shared expert on GQA with half-rotary heads
         _TINY, model_type="glm4_moe", head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
-        n_group=2, topk_group=1, moe_intermediate_size=16, first_k_dense_replace=1,
+        n_group=1, topk_group=1, moe_intermediate_size=16, first_k_dense_replace=1,
         n_shared_experts=1, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
         rope_parameters=dict(rope_type="default", rope_theta=1e6, partial_rotary_factor=0.5)),
     "minimax-m2": dict(  # sigmoid routing with a balancing bias, q/k norms over all heads
