@@ -1,7 +1,8 @@
 """One decoder for the LLaMA-like families: switches for what differs, not a copy per family.
 
 Every family here is a stack of layers ``attention -> MLP`` with RMSNorm, RoPE, grouped-query
-attention (or DeepSeek-V3's latent attention) and a gated MLP (or a Mixture-of-Experts block);
+attention (or DeepSeek-V3's latent attention, or in a hybrid's Mamba2 layers a state-space
+mixer: ``redco_zoo_models.mamba2``) and a gated MLP (or a Mixture-of-Experts block);
 what differs is data, ``DecoderConfig`` (``redco_zoo_models.decoder_config`` says each switch).
 
 Module names follow HuggingFace's (``model/layers/0/self_attn/q_proj/kernel``), so checkpoints
@@ -28,10 +29,11 @@ from redco_zoo_models.context_parallel import (
     in_order,
     on_split,
 )
-from redco_zoo_models.decoder_config import DecoderConfig
+from redco_zoo_models.decoder_config import DecoderConfig, Mixer
 from redco_zoo_models.expert_parallel import as_laid_out
 from redco_zoo_models.hf_init import init_like_hf
 from redco_zoo_models.layers import GatedMLP, RMSNorm, embed
+from redco_zoo_models.mamba2 import Mamba2, token_mask
 from redco_zoo_models.mla import LatentAttention, latent_width
 from redco_zoo_models.moe import MoE
 from redco_zoo_models.rope import apply_rope, depends_on_length, segment_lengths
@@ -68,9 +70,11 @@ class Attention(nnx.Module):
         cfg, (b, t, _) = self.cfg, x.shape
         q, k = self._qk(x)
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        q, k = (apply_rope(y, positions, self.rope, lengths) for y in (q, k))
+        if cfg.position_embedding == "rope":
+            q, k = (apply_rope(y, positions, self.rope, lengths) for y in (q, k))
         k, v, layer_cache = cached_keys(layer_cache, k, v, cache_index, allowed)
-        scale = cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar ** -0.5
+        scale = cfg.attention_multiplier or \
+            (cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar ** -0.5)
         sinks = self.sinks[...] if cfg.attention_sinks else None
         out = attend_laid_out(q, k, v, allowed, self.window, cache_index, scale=scale,
                               softcap=cfg.attn_softcap, sinks=sinks)
@@ -89,11 +93,14 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: DecoderConfig, layer: int, rngs: nnx.Rngs):
         for name in NORMS[cfg.norm_layout]:
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset))
-        self.self_attn = LatentAttention(cfg, rngs) if cfg.kv_lora_rank else \
-            Attention(cfg, layer, rngs)
+        if cfg.mixer(layer) == Mixer.MAMBA2:
+            self.mamba = Mamba2(cfg.mamba, rngs)
+        else:
+            self.self_attn = LatentAttention(cfg, rngs) if cfg.kv_lora_rank else \
+                Attention(cfg, layer, rngs)
         self.mlp = MoE(cfg.moe(), rngs) if cfg.sparse(layer) else \
             GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, rngs)
-        self.layout = cfg.norm_layout
+        self.layout, self.residual_multiplier = cfg.norm_layout, cfg.residual_multiplier
 
     @remat.layer
     def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0, lengths=None):
@@ -104,13 +111,22 @@ class DecoderLayer(nnx.Module):
         before_mlp = norm("post_attention_layernorm" if self.layout == "pre"
                           else "pre_feedforward_layernorm")
         after_mlp = norm("post_feedforward_layernorm")
-        h, layer_cache = self.self_attn(before_attn(x), positions, allowed, layer_cache,
-                                        cache_index, lengths)
-        x = x + after_attn(h)
+        if hasattr(self, "mamba"):  # (uncached: DecoderModel refuses a cache)
+            h = self.mamba(before_attn(x), token_mask(allowed))
+        else:
+            h, layer_cache = self.self_attn(before_attn(x), positions, allowed, layer_cache,
+                                            cache_index, lengths)
+        x = x + self._scaled(after_attn(h))
         h, report = self.mlp(before_mlp(x)), {}
         if isinstance(self.mlp, MoE):
             h, report = h
-        return x + after_mlp(h), layer_cache, {k: v for k, v in report.items() if v.ndim == 0}
+        return (x + self._scaled(after_mlp(h)), layer_cache,
+                {k: v for k, v in report.items() if v.ndim == 0})
+
+    def _scaled(self, h):
+        """A block's output as the residual adds it (Granite's ``residual_multiplier``)."""
+        m = self.residual_multiplier
+        return h if m == 1.0 else h * jnp.asarray(m, h.dtype)
 
 
 class DecoderModel(nnx.Module):
@@ -136,6 +152,9 @@ class DecoderModel(nnx.Module):
         x = embed(self.embed_tokens, input_ids)
         if self.cfg.embed_scale:
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
+        if self.cfg.embedding_multiplier != 1.0:
+            x = x * jnp.asarray(self.cfg.embedding_multiplier, x.dtype)
+        refuse_for_mamba(self.cfg, cache, segment_ids, allowed)
         x, new_cache, reports = on_split(x, allowed), [], []
         lengths = self._document_lengths(segment_ids, allowed)
         with as_laid_out(self.moe_weights()):  # experts split over dp: expert parallel
@@ -180,6 +199,22 @@ class DecoderModel(nnx.Module):
                              "supported: pack without context parallelism, or split unpacked "
                              "rows.")
         return segment_lengths(segment_ids)
+
+
+def refuse_for_mamba(cfg: DecoderConfig, cache, segment_ids, allowed) -> None:
+    """What a model with Mamba2 layers does not run yet, refused while tracing (before
+    compiling), naming it."""
+    if cfg.mixers is None or Mixer.MAMBA2 not in cfg.mixers:
+        return
+    missing = ("a cache (generation, serving: the Mamba2 layers keep no recurrent state yet)"
+               if cache is not None else
+               "packed rows (segment_ids: the Mamba2 scan does not restart at a document)"
+               if segment_ids is not None else
+               "context parallelism (the Mamba2 scan does not carry its state across devices)"
+               if isinstance(allowed, SplitSequence) else None)
+    if missing:
+        raise NotImplementedError(f"{cfg.family}: a model with Mamba2 layers does not support "
+                                  f"{missing}; run it without.")
 
 
 def experts_report(reports: list[dict]) -> dict:
@@ -231,6 +266,8 @@ class DecoderLM(nnx.Module):
         balancing loss: add ``metrics["moe/aux_loss"]`` to yours), ``{}`` for a dense one."""
         x, cache, metrics = self.model(input_ids, attention_mask, cache, cache_index,
                                        segment_ids)
+        if self.cfg.logits_scaling != 1.0:  # (Granite: logits / logits_scaling)
+            x = x / jnp.asarray(self.cfg.logits_scaling, x.dtype)
         if labels is not None:
             out = next_token_loss(x, self.head(), labels, label_mask,
                                   softcap=self.cfg.final_softcap)
@@ -260,6 +297,7 @@ class DecoderLM(nnx.Module):
         """An empty cache (``redco_zoo_models.attention``). Latent attention's holds one
         shared key a slot, its latent, and no values (``redco_zoo_models.mla``)."""
         cfg = self.cfg
+        refuse_for_mamba(cfg, [], None, None)
         if cfg.kv_lora_rank:
             return init_cache(cfg.num_hidden_layers, batch, n_slots, 1, latent_width(cfg), dtype,
                               values=False)
