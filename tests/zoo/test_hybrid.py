@@ -1,0 +1,84 @@
+"""Granite 4 hybrid (Mamba2 and attention layers, ``redco_zoo_models.mamba2``) with the zoo's
+levers: stacked layers (``scan_layers``), bf16, LoRA on the Mamba2 output projections under
+tensor parallelism, and what it does not run yet (packed rows, context parallelism) refused
+before compiling. FSDP x TP with full remat: test_families.py; parity with transformers and the
+refused generation: tests/zoo_parity/test_parity_hybrid.py."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from redco import Deployer, sequence_split
+from redco.tree_paths import named_leaves
+from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
+from redco_zoo_models.toy import TINY_FAMILIES
+
+DENSE = LlamaConfig.from_hf(TINY_FAMILIES["granite-4-h-dense"])  # mamba, mamba, attention
+IDS = jnp.asarray(np.random.RandomState(0).randint(1, 63, (2, 24)))  # 3 chunks of 8
+
+
+def logits(cfg, params=None):
+    apply_fn, own = split_model(LlamaForCausalLM(cfg, nnx.Rngs(0)))
+    return np.asarray(jax.jit(apply_fn)(own if params is None else params(own), IDS))
+
+
+def test_stacked_mamba2_layers_run_under_a_scan_as_unrolled():
+    """``scan_layers``: the two Mamba2 layers are one stack (its conv and A_log stacked too)
+    and the logits are the unrolled model's."""
+    model = LlamaForCausalLM(dataclasses.replace(DENSE, scan_layers=True), nnx.Rngs(0))
+    paths = [p for p, _ in named_leaves(nnx.state(model, nnx.Param))]
+    assert "model/layers/0:2/mamba/conv1d/weight" in paths
+    assert "model/layers/0:2/mamba/A_log" in paths
+    apply_fn, params = split_model(model)
+    np.testing.assert_allclose(np.asarray(jax.jit(apply_fn)(params, IDS)), logits(DENSE),
+                               atol=1e-5)
+
+
+def test_bf16_compute_stays_near_fp32():
+    full = logits(DENSE)
+    half = logits(DENSE, lambda p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p))
+    assert np.abs(half.astype(np.float32) - full).max() < 0.05 * np.abs(full).max()
+    assert (half.argmax(-1) == full.argmax(-1)).mean() > 0.8
+
+
+def test_lora_adapts_the_mamba2_output_projection_and_trains_as_on_one_device():
+    """Adapters on each Mamba2 layer's ``out_proj`` (and the attention and MLP projections);
+    two LoRA updates at mp 2 x dp 4 give one device's adapters (1e-5)."""
+    import optax
+
+    from redco import Trainer
+    from redco.lora import trainable_mask
+    from redco_zoo_lm import collate_fn, loss_fn
+    from redco_zoo_models.lora import add_lora, lora_layers
+    rows = [{"token_ids": r} for r in np.random.RandomState(1).randint(1, 63, (8, 17))]
+
+    def trained(**deployer):
+        model = add_lora(LlamaForCausalLM(DENSE, nnx.Rngs(0)), rank=4)
+        assert {"model/layers/0/mamba/out_proj", "model/layers/1/mamba/out_proj"} <= \
+            {path for path, _ in lora_layers(model)}
+        apply_fn, params = split_model(model)
+        trainer = Trainer(Deployer(jax_seed=0, workdir=None, verbose=False, **deployer),
+                          collate_fn, apply_fn, loss_fn, params, optax.sgd(0.5),
+                          trainable=trainable_mask(params))
+        trainer.train_epoch(rows, 4 // trainer.deployer.dp_size, 0)
+        return dict(named_leaves(jax.device_get(trainer.params)))
+
+    one, many = trained(n_local_devices=1), trained(n_model_shards=2)
+    adapted = [p for p in one if "mamba/out_proj/lora" in p]
+    assert adapted and any(np.abs(one[p]).max() > 0 for p in adapted if p.endswith("lora_b"))
+    for path in one:
+        np.testing.assert_allclose(many[path], one[path], rtol=1e-5, atol=1e-5, err_msg=path)
+
+
+def test_packed_rows_and_context_parallelism_are_refused_naming_them():
+    apply_fn, params = split_model(LlamaForCausalLM(DENSE, nnx.Rngs(0)))
+    segments = jnp.asarray([[1] * 10 + [2] * 14] * 2)
+    with pytest.raises(NotImplementedError, match="packed rows"):
+        apply_fn(params, IDS, segment_ids=segments)
+    mesh = Deployer(jax_seed=0, n_context_shards=4, workdir=None, verbose=False).mesh
+    with sequence_split.splitting(mesh, "all_gather"):
+        with pytest.raises(NotImplementedError, match="context parallelism"):
+            jax.jit(apply_fn)(params, IDS)
