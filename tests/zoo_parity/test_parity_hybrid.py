@@ -13,7 +13,7 @@ from parity import jiggle_torch, transformers
 
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM, generate
 from redco_zoo_models.engine import Engine
-from redco_zoo_models.mamba2 import Mamba2, recurrent_scan, read_config
+from redco_zoo_models.mamba2 import Mamba2, read_config, recurrent_scan
 from redco_zoo_models.toy import TINY_FAMILIES
 
 CONFIG = dict(TINY_FAMILIES["granite-4-h-dense"])  # 4 heads of 16 in 2 groups, state 8, conv 4
