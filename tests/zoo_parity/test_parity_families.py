@@ -35,7 +35,6 @@ from redco_zoo_models.toy import TINY_FAMILIES
 VOCAB, EOS, PAD, BOS = 64, 63, 0, 1
 FAMILIES = TINY_FAMILIES  # the lengths below cross WINDOW (8) and ORIGINAL_CONTEXT (16)
 ROPE_ONLY = {"qwen3-yarn", "deepseek-v3-plain-q"}  # logits and export checked only
-RECURRENT = {f for f, c in FAMILIES.items() if c["model_type"] == "granitemoehybrid"}
 
 
 def jitted(model):
@@ -48,9 +47,6 @@ def jitted(model):
 def generating(family):
     if family in ROPE_ONLY:
         pytest.skip("a variant: logits and export only (its family generates elsewhere)")
-    if family in RECURRENT:
-        pytest.skip("Mamba2 layers keep no recurrent state in a cache yet: generation is "
-                    "refused (test_parity_hybrid.py)")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -108,8 +104,7 @@ def test_logits_equal_transformers_at_two_lengths(pair):
 def test_left_padded_logits_equal_transformers(pair):
     """Prompts behind 0-3 pads (a hybrid's Mamba2 layers zero the padding as transformers')."""
     theirs, _, ours, family = pair
-    if family in ROPE_ONLY:
-        generating(family)
+    generating(family)
     ids, mask = left_padded(3, 20, EOS, PAD, seed=3)
     positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
     got = jitted(ours)(ids, attention_mask=jnp.asarray(mask))

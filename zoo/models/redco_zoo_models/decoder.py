@@ -16,9 +16,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from redco import remat
+from redco import remat, sequence_split
 from redco.tree_paths import named_leaves
-from redco_zoo_models import expert_parallel, family_tensors, layer_scan
+from redco_zoo_models import expert_parallel, family_tensors, layer_scan, mamba2
 from redco_zoo_models.attention import init_cache
 from redco_zoo_models.chunked_loss import next_token_loss
 from redco_zoo_models.context_parallel import (
@@ -111,8 +111,9 @@ class DecoderLayer(nnx.Module):
         before_mlp = norm("post_attention_layernorm" if self.layout == "pre"
                           else "pre_feedforward_layernorm")
         after_mlp = norm("post_feedforward_layernorm")
-        if hasattr(self, "mamba"):  # (uncached: DecoderModel refuses a cache)
-            h = self.mamba(before_attn(x), token_mask(allowed))
+        if hasattr(self, "mamba"):  # (its cache: a fixed-size state, mamba2.init_cache)
+            h, layer_cache = self.mamba(before_attn(x), token_mask(allowed, cache_index),
+                                        layer_cache)
         else:
             h, layer_cache = self.self_attn(before_attn(x), positions, allowed, layer_cache,
                                             cache_index, lengths)
@@ -154,7 +155,7 @@ class DecoderModel(nnx.Module):
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
         if self.cfg.embedding_multiplier != 1.0:
             x = x * jnp.asarray(self.cfg.embedding_multiplier, x.dtype)
-        refuse_for_mamba(self.cfg, cache, segment_ids, allowed)
+        refuse_for_mamba(self.cfg, segment_ids)
         x, new_cache, reports = on_split(x, allowed), [], []
         lengths = self._document_lengths(segment_ids, allowed)
         with as_laid_out(self.moe_weights()):  # experts split over dp: expert parallel
@@ -201,17 +202,15 @@ class DecoderModel(nnx.Module):
         return segment_lengths(segment_ids)
 
 
-def refuse_for_mamba(cfg: DecoderConfig, cache, segment_ids, allowed) -> None:
+def refuse_for_mamba(cfg: DecoderConfig, segment_ids=None) -> None:
     """What a model with Mamba2 layers does not run yet, refused while tracing (before
     compiling), naming it."""
     if cfg.mixers is None or Mixer.MAMBA2 not in cfg.mixers:
         return
-    missing = ("a cache (generation, serving: the Mamba2 layers keep no recurrent state yet)"
-               if cache is not None else
-               "packed rows (segment_ids: the Mamba2 scan does not restart at a document)"
+    missing = ("packed rows (segment_ids: the Mamba2 scan does not restart at a document)"
                if segment_ids is not None else
                "context parallelism (the Mamba2 scan does not carry its state across devices)"
-               if isinstance(allowed, SplitSequence) else None)
+               if sequence_split.current() is not None else None)
     if missing:
         raise NotImplementedError(f"{cfg.family}: a model with Mamba2 layers does not support "
                                   f"{missing}; run it without.")
@@ -295,14 +294,24 @@ class DecoderLM(nnx.Module):
 
     def init_cache(self, batch: int, n_slots: int, dtype=jnp.float32) -> list[dict]:
         """An empty cache (``redco_zoo_models.attention``). Latent attention's holds one
-        shared key a slot, its latent, and no values (``redco_zoo_models.mla``)."""
+        shared key a slot, its latent, and no values (``redco_zoo_models.mla``); a Mamba2
+        layer's, its fixed-size state (``redco_zoo_models.mamba2.init_cache``)."""
         cfg = self.cfg
-        refuse_for_mamba(cfg, [], None, None)
         if cfg.kv_lora_rank:
             return init_cache(cfg.num_hidden_layers, batch, n_slots, 1, latent_width(cfg), dtype,
                               values=False)
-        return init_cache(cfg.num_hidden_layers, batch, n_slots, cfg.num_key_value_heads,
-                          cfg.head_dim, dtype)
+        cache = init_cache(cfg.num_hidden_layers, batch, n_slots, cfg.num_key_value_heads,
+                           cfg.head_dim, dtype)
+        return [mamba2.init_cache(batch, cfg.mamba, dtype) if cfg.mixer(i) == Mixer.MAMBA2
+                else layer_cache for i, layer_cache in enumerate(cache)]
+
+    def unserved(self) -> str | None:
+        """Why the serving engine (``redco_zoo_models.engine``) cannot run this model, or
+        ``None``: it reads prompts right-padded, which a Mamba2 layer's state would take in."""
+        if self.cfg.mixers is not None and Mixer.MAMBA2 in self.cfg.mixers:
+            return (f"{self.cfg.family}: the serving engine pads prompts on the right, which "
+                    "the Mamba2 layers' recurrent state would read; generate() them instead.")
+        return None
 
     def hf_tensors_in(self, tensors: dict) -> dict:
         """A checkpoint's tensors under this model's names (fused ones split)."""

@@ -30,11 +30,19 @@ Left padding (an ``attention_mask``), as transformers: the layer's input is zero
 padding, and so is the convolution's output before the scan, so a padded prompt's real tokens
 see zeros where the padding was (with no ``in_proj``/conv bias, what an unpadded prompt gives).
 The scan runs in float32 (``dt``, the decays, the state), the projections in the params' dtype.
+
+**Decoding** keeps a fixed-size state per sequence and layer (``init_cache``): the last K - 1
+inputs of the convolution and the scan's state S. A prompt is read from the empty state (zeros:
+what the uncached forward assumes) by the chunked scan, leaving both; each generated token then
+takes one step of the recurrence from them. A left-padded prompt ends on a real token, so its
+state is the unpadded prompt's (transformers' too); right padding would decay it further, and
+is not supported (the serving engine pads prompts on the right: it refuses these models).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -78,11 +86,13 @@ class Mamba2Config:
         return self.inner + 2 * self.n_groups * self.state_size
 
 
-def causal_conv(x, weight, bias=None):
+def causal_conv(x, weight, bias=None, history=None):
     """Depthwise causal convolution of ``x`` (B, T, C) with ``weight`` (C, K): output ``t`` is
-    ``sum_k weight[:, k] * x[t - K + 1 + k]`` (zeros before the start), plus ``bias``."""
+    ``sum_k weight[:, k] * x[t - K + 1 + k]``, plus ``bias``; before the start, ``history``
+    (B, K - 1, C): the inputs before these (None: zeros)."""
     k = weight.shape[1]
-    padded = jnp.pad(x, ((0, 0), (k - 1, 0), (0, 0)))
+    padded = jnp.pad(x, ((0, 0), (k - 1, 0), (0, 0))) if history is None else \
+        jnp.concatenate([history, x], 1)
     out = sum(padded[:, i:i + x.shape[1]] * weight[:, i] for i in range(k))
     return out if bias is None else out + bias
 
@@ -111,7 +121,7 @@ def recurrent_scan(x, dt, a, b, c, state=None):
     return jnp.moveaxis(y, 0, 1), state
 
 
-def chunked_scan(x, dt, a, b, c, chunk: int, state=None):
+def chunked_scan(x, dt, a, b, c, state=None, chunk: int = 256):
     """``recurrent_scan``'s outputs and final state, in chunks of ``chunk`` tokens (module
     docstring): quadratic within a chunk, the state carried across chunks by a scan."""
     bsz, t, h, p = x.shape
@@ -172,14 +182,19 @@ class Mamba2(nnx.Module):
         self.out_proj = nnx.Linear(cfg.inner, d, use_bias=cfg.proj_bias, rngs=rngs)
         self.cfg = cfg
 
-    def __call__(self, x, valid=None, scan=None):
-        """``x`` (B, T, hidden) -> (B, T, hidden); ``valid`` (B, T): the real tokens (None:
-        all); ``scan``: ``chunked_scan`` by default, or ``recurrent_scan``."""
+    def __call__(self, x, valid=None, cache: dict | None = None, scan=None):
+        """``(y, cache)``: ``x`` (B, T, hidden) -> ``y`` (B, T, hidden); ``valid`` (B, T): the
+        real tokens (None: all); ``cache`` (``init_cache``): the state after the tokens before
+        these, returned updated (None: none kept). ``scan``: ``chunked_scan`` (the default for
+        more than one token) or ``recurrent_scan`` (the default for one)."""
         cfg, (bsz, t, _) = self.cfg, x.shape
         keep = (lambda v: v) if valid is None else \
             (lambda v: v * valid[..., None].astype(v.dtype))  # noqa: E731
         z, xbc, dt = jnp.split(self.in_proj(keep(x)), [cfg.inner, cfg.inner + cfg.conv_dim], -1)
-        xbc = keep(ACTIVATIONS[cfg.activation](self.conv1d(xbc)))
+        history = None if cache is None else cache["conv"].astype(xbc.dtype)
+        conv_out = self.conv1d(xbc, history)
+        xbc, new_conv = keep(ACTIVATIONS[cfg.activation](conv_out)), last_inputs(
+            xbc, history, cfg.conv_kernel - 1)
         xs, b, c = jnp.split(xbc, [cfg.inner, cfg.inner + cfg.n_groups * cfg.state_size], -1)
         xs = xs.reshape(bsz, t, cfg.n_heads, cfg.head_dim)
         b, c = (v.reshape(bsz, t, cfg.n_groups, cfg.state_size) for v in (b, c))
@@ -187,12 +202,29 @@ class Mamba2(nnx.Module):
                       *cfg.time_step_limit)
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))
         if scan is None:
-            y, _ = chunked_scan(xs, dt, a, b, c, cfg.chunk_size)
-        else:
-            y, _ = scan(xs, dt, a, b, c)
+            scan = recurrent_scan if t == 1 else partial(chunked_scan, chunk=cfg.chunk_size)
+        y, state = scan(xs, dt, a, b, c, None if cache is None else cache["ssm"])
         y = y + self.D[...].astype(jnp.float32)[:, None] * xs.astype(jnp.float32)
         y = self.norm(y.reshape(bsz, t, cfg.inner).astype(x.dtype), z)
-        return self.out_proj(y)
+        new = None if cache is None else {"conv": new_conv.astype(cache["conv"].dtype),
+                                          "ssm": state.astype(cache["ssm"].dtype)}
+        return self.out_proj(y), new
+
+
+def last_inputs(x, history, n: int):
+    """The last ``n`` inputs (B, n, C) of the convolution: what the next token's window reads
+    before its own."""
+    if history is None:
+        history = jnp.zeros((x.shape[0], n, x.shape[2]), x.dtype)
+    return jnp.concatenate([history, x], 1)[:, -n:]
+
+
+def init_cache(batch: int, cfg: Mamba2Config, dtype=jnp.float32) -> dict:
+    """One Mamba2 layer's empty decoding state: the convolution's last K - 1 inputs
+    (``conv``, B x (K - 1) x channels, in ``dtype``) and the scan's state (``ssm``,
+    B x H x P x N, float32), a fixed size whatever the length."""
+    return {"conv": jnp.zeros((batch, cfg.conv_kernel - 1, cfg.conv_dim), dtype),
+            "ssm": jnp.zeros((batch, cfg.n_heads, cfg.head_dim, cfg.state_size), jnp.float32)}
 
 
 class Conv(nnx.Module):
@@ -203,9 +235,9 @@ class Conv(nnx.Module):
         if bias:
             self.bias = nnx.Param(jnp.zeros((channels,), jnp.float32))
 
-    def __call__(self, x):
+    def __call__(self, x, history=None):
         bias = self.bias[...].astype(x.dtype) if hasattr(self, "bias") else None
-        return causal_conv(x, self.weight[...].astype(x.dtype), bias)
+        return causal_conv(x, self.weight[...].astype(x.dtype), bias, history)
 
 
 KEYS = {  # config.json key -> Mamba2Config field (Granite 4 hybrid's names)
@@ -237,10 +269,12 @@ def write_config(cfg: Mamba2Config) -> dict:
     return out
 
 
-def token_mask(allowed):
-    """The real tokens (B, T) of a decoder layer's uncached input, read off its mask
-    (``attention.decoder_inputs``: a token sees itself exactly when it is real); ``None``
-    where the mask is plain causal (no padding)."""
+def token_mask(allowed, cache_index=0):
+    """The real tokens (B, T) of a decoder layer's input, read off its mask
+    (``attention.decoder_inputs``: a token, in slot ``cache_index + i``, sees its own slot
+    exactly when it is real); ``None`` where the mask is plain causal (no padding)."""
     if allowed is None:
         return None
-    return jnp.diagonal(allowed[:, 0], axis1=-2, axis2=-1)
+    b, _, t, _ = allowed.shape
+    slots = jnp.broadcast_to(jnp.reshape(cache_index, (-1, 1)) + jnp.arange(t), (b, t))
+    return jnp.take_along_axis(allowed[:, 0], slots[..., None], -1)[..., 0]
