@@ -9,7 +9,10 @@ interleaved RoPE, dense first layer, sigmoid routing limited to 2 of 4 groups wi
 balancing bias, shared experts; and a variant without the query latent, RoPE in halves),
 gpt-oss (attention sinks, biases on attention, router and experts, interleaved gate/up experts
 with a clamped SwiGLU whose limit the tiny model reaches, every other layer sliding, YaRN
-without truncation), and YaRN and dynamic-NTK RoPE on Qwen3 and LLaMA shapes.
+without truncation), Granite 4 hybrid (Mamba2 layers beside attention, chunks of 8 and a conv of
+4 that the prompts cross, its four multipliers, MoE with a shared MLP and NoPE; a dense variant
+with RoPE and biased Mamba2 projections), and YaRN and dynamic-NTK RoPE on Qwen3 and LLaMA
+shapes.
 
 Each tiny checkpoint is written by transformers itself (``from_config`` + ``save_pretrained``,
 weights perturbed so a misplaced one shows, sharded so the index is read). The lengths cross
