@@ -1,8 +1,8 @@
 """Granite 4 hybrid (Mamba2 and attention layers, ``redco_zoo_models.mamba2``) with the zoo's
 levers: stacked layers (``scan_layers``), bf16, LoRA on the Mamba2 output projections under
-tensor parallelism, and what it does not run yet (packed rows, context parallelism) refused
-before compiling. FSDP x TP with full remat: test_families.py; parity with transformers and the
-refused generation: tests/zoo_parity/test_parity_hybrid.py."""
+tensor parallelism, expert parallelism; and what it does not run yet (packed rows, context
+parallelism) refused before compiling. FSDP x TP with full remat: test_families.py; parity with
+transformers, generation and the refused serving engine: tests/zoo_parity/."""
 import dataclasses
 
 import jax
@@ -46,14 +46,14 @@ def test_bf16_compute_stays_near_fp32():
 
 def test_lora_adapts_the_mamba2_output_projection_and_trains_as_on_one_device():
     """Adapters on each Mamba2 layer's ``out_proj`` (and the attention and MLP projections);
-    two LoRA updates at mp 2 x dp 4 give one device's adapters (1e-5)."""
+    a LoRA update at mp 2 x dp 4 gives one device's adapters (1e-5)."""
     import optax
 
     from redco import Trainer
     from redco.lora import trainable_mask
     from redco_zoo_lm import collate_fn, loss_fn
     from redco_zoo_models.lora import add_lora, lora_layers
-    rows = [{"token_ids": r} for r in np.random.RandomState(1).randint(1, 63, (8, 17))]
+    rows = [{"token_ids": r} for r in np.random.RandomState(1).randint(1, 63, (4, 17))]
 
     def trained(**deployer):
         model = add_lora(LlamaForCausalLM(DENSE, nnx.Rngs(0)), rank=4)
@@ -71,6 +71,35 @@ def test_lora_adapts_the_mamba2_output_projection_and_trains_as_on_one_device():
     assert adapted and any(np.abs(one[p]).max() > 0 for p in adapted if p.endswith("lora_b"))
     for path in one:
         np.testing.assert_allclose(many[path], one[path], rtol=1e-5, atol=1e-5, err_msg=path)
+
+
+def test_its_experts_split_over_dp_train_as_on_one_device():
+    """Granite's MoE (beside Mamba2 layers, a shared MLP in each block) with its experts split
+    over dp as ``--expert_parallel`` splits them (``for_trainer``), dp 4 x mp 2 ``auto+fsdp``:
+    an update gives one device's params (1e-5)."""
+    import optax
+
+    from redco import Trainer
+    from redco_zoo_lm import collate_fn, loss_fn
+    from redco_zoo_models.expert_parallel import for_trainer
+    from redco_zoo_models.toy import tiny_family
+    rows = [{"token_ids": r} for r in np.random.RandomState(6).randint(1, 63, (4, 17))]
+
+    def trained(split: bool, **deployer):
+        deployer = Deployer(jax_seed=0, workdir=None, verbose=False, **deployer)
+        apply_fn, params = split_model(tiny_family("granite-4-h"))
+        rules = for_trainer(params, deployer) if split else None
+        trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.sgd(0.5),
+                          params_sharding_rules=rules)
+        trainer.train_epoch(rows, 4 // deployer.dp_size, 0)
+        return trainer.params
+
+    one = trained(False, n_local_devices=1)
+    many = trained(True, n_model_shards=2, sharding_rules="auto+fsdp")
+    assert many["model"]["layers"][0]["mlp"]["experts"]["gate_proj"].sharding.spec[0] == "dp"
+    want = dict(named_leaves(jax.device_get(one)))
+    for path, got in named_leaves(jax.device_get(many)):
+        np.testing.assert_allclose(got, want[path], rtol=1e-5, atol=1e-5, err_msg=path)
 
 
 def test_packed_rows_and_context_parallelism_are_refused_naming_them():
