@@ -1,6 +1,6 @@
 """Granite 4 hybrid (Mamba2 and attention layers, ``redco_zoo_models.mamba2``) with the zoo's
 levers: stacked layers (``scan_layers``), bf16, LoRA on the Mamba2 output projections under
-tensor parallelism, expert parallelism; and what it does not run yet (packed rows, context
+tensor parallelism, expert parallelism, packed rows; and what it does not run yet (context
 parallelism) refused before compiling. FSDP x TP with full remat: test_families.py; parity with
 transformers, generation and the refused serving engine: tests/zoo_parity/."""
 import dataclasses
@@ -102,11 +102,22 @@ def test_its_experts_split_over_dp_train_as_on_one_device():
         np.testing.assert_allclose(got, want[path], rtol=1e-5, atol=1e-5, err_msg=path)
 
 
-def test_packed_rows_and_context_parallelism_are_refused_naming_them():
+@pytest.mark.parametrize("family", ["granite-4-h-dense", "granite-4-h"])
+def test_packed_documents_see_only_themselves(family):
+    """Three documents in a row of 32 (12, 4 and 16 tokens: one ends inside a chunk of 8, one at
+    a chunk's end, one spans two chunks): each one's logits are its own forward pass's."""
+    cfg = LlamaConfig.from_hf(TINY_FAMILIES[family])
+    apply_fn, params = split_model(LlamaForCausalLM(cfg, nnx.Rngs(0)))
+    run = jax.jit(lambda ids, segments=None: apply_fn(params, ids, segment_ids=segments))
+    ids = jnp.asarray(np.random.RandomState(2).randint(1, 63, (1, 32)))
+    packed = np.asarray(run(ids, jnp.asarray([[1] * 12 + [2] * 4 + [3] * 16])))
+    for start, stop in ((0, 12), (12, 16), (16, 32)):
+        np.testing.assert_allclose(packed[:, start:stop], np.asarray(run(ids[:, start:stop])),
+                                   atol=2e-5, err_msg=f"document {start}:{stop}")
+
+
+def test_context_parallelism_is_refused_naming_it():
     apply_fn, params = split_model(LlamaForCausalLM(DENSE, nnx.Rngs(0)))
-    segments = jnp.asarray([[1] * 10 + [2] * 14] * 2)
-    with pytest.raises(NotImplementedError, match="packed rows"):
-        apply_fn(params, IDS, segment_ids=segments)
     mesh = Deployer(jax_seed=0, n_context_shards=4, workdir=None, verbose=False).mesh
     with sequence_split.splitting(mesh, "all_gather"):
         with pytest.raises(NotImplementedError, match="context parallelism"):

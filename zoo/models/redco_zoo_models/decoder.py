@@ -33,7 +33,7 @@ from redco_zoo_models.decoder_config import DecoderConfig, Mixer
 from redco_zoo_models.expert_parallel import as_laid_out
 from redco_zoo_models.hf_init import init_like_hf
 from redco_zoo_models.layers import GatedMLP, RMSNorm, embed
-from redco_zoo_models.mamba2 import Mamba2, token_mask
+from redco_zoo_models.mamba2 import Mamba2, document_runs, token_mask
 from redco_zoo_models.mla import LatentAttention, latent_width
 from redco_zoo_models.moe import MoE
 from redco_zoo_models.rope import apply_rope, depends_on_length, segment_lengths
@@ -103,7 +103,8 @@ class DecoderLayer(nnx.Module):
         self.layout, self.residual_multiplier = cfg.norm_layout, cfg.residual_multiplier
 
     @remat.layer
-    def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0, lengths=None):
+    def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0, lengths=None,
+                 segment_ids=None):
         keep = lambda h: h  # noqa: E731
         norm = lambda name: getattr(self, name, keep)  # noqa: E731
         before_attn = norm("input_layernorm")
@@ -112,8 +113,9 @@ class DecoderLayer(nnx.Module):
                           else "pre_feedforward_layernorm")
         after_mlp = norm("post_feedforward_layernorm")
         if hasattr(self, "mamba"):  # (its cache: a fixed-size state, mamba2.init_cache)
+            runs = None if segment_ids is None else document_runs(segment_ids)
             h, layer_cache = self.mamba(before_attn(x), token_mask(allowed, cache_index),
-                                        layer_cache)
+                                        layer_cache, runs=runs)
         else:
             h, layer_cache = self.self_attn(before_attn(x), positions, allowed, layer_cache,
                                             cache_index, lengths)
@@ -155,7 +157,7 @@ class DecoderModel(nnx.Module):
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
         if self.cfg.embedding_multiplier != 1.0:
             x = x * jnp.asarray(self.cfg.embedding_multiplier, x.dtype)
-        refuse_for_mamba(self.cfg, segment_ids)
+        refuse_for_mamba(self.cfg)
         x, new_cache, reports = on_split(x, allowed), [], []
         lengths = self._document_lengths(segment_ids, allowed)
         with as_laid_out(self.moe_weights()):  # experts split over dp: expert parallel
@@ -164,13 +166,14 @@ class DecoderModel(nnx.Module):
                                               expert_parallel.current() is not None)
 
                 def step(layer, h):
-                    h, _, report = layer(h, positions, allowed, None, cache_index, lengths)
+                    h, _, report = layer(h, positions, allowed, None, cache_index, lengths,
+                                         segment_ids)
                     return h, report
                 x, reports = layer_scan.run(self.layers, self.runs, step, x)
             else:
                 for i, layer in enumerate(self._each_layer()):
                     x, layer_cache, report = layer(x, positions, allowed, cache and cache[i],
-                                                   cache_index, lengths)
+                                                   cache_index, lengths, segment_ids)
                     new_cache.append(layer_cache)
                     reports.append(report)
         return (in_order(self.norm(x), allowed), (new_cache if cache is not None else None),
@@ -202,18 +205,14 @@ class DecoderModel(nnx.Module):
         return segment_lengths(segment_ids)
 
 
-def refuse_for_mamba(cfg: DecoderConfig, segment_ids=None) -> None:
+def refuse_for_mamba(cfg: DecoderConfig) -> None:
     """What a model with Mamba2 layers does not run yet, refused while tracing (before
-    compiling), naming it."""
-    if cfg.mixers is None or Mixer.MAMBA2 not in cfg.mixers:
-        return
-    missing = ("packed rows (segment_ids: the Mamba2 scan does not restart at a document)"
-               if segment_ids is not None else
-               "context parallelism (the Mamba2 scan does not carry its state across devices)"
-               if sequence_split.current() is not None else None)
-    if missing:
+    compiling), naming it: context parallelism."""
+    if cfg.mixers is not None and Mixer.MAMBA2 in cfg.mixers and \
+            sequence_split.current() is not None:
         raise NotImplementedError(f"{cfg.family}: a model with Mamba2 layers does not support "
-                                  f"{missing}; run it without.")
+                                  "context parallelism (the Mamba2 scan does not carry its "
+                                  "state across devices); run it without.")
 
 
 def experts_report(reports: list[dict]) -> dict:

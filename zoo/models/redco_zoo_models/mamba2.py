@@ -37,6 +37,12 @@ what the uncached forward assumes) by the chunked scan, leaving both; each gener
 takes one step of the recurrence from them. A left-padded prompt ends on a real token, so its
 state is the unpadded prompt's (transformers' too); right padding would decay it further, and
 is not supported (the serving engine pads prompts on the right: it refuses these models).
+
+**Packed rows** (several documents in a row, ``segment_ids``): the convolution reads no other
+document's inputs, and within a chunk the decay between two tokens of different documents is
+zero (masked, as the causal mask masks later tokens); the state carried into a chunk reaches
+only the tokens of the document it came from, and a chunk that ends in a new document passes on
+that document's state alone. Each document computes what it computes alone.
 """
 from __future__ import annotations
 
@@ -86,15 +92,30 @@ class Mamba2Config:
         return self.inner + 2 * self.n_groups * self.state_size
 
 
-def causal_conv(x, weight, bias=None, history=None):
+def causal_conv(x, weight, bias=None, history=None, runs=None):
     """Depthwise causal convolution of ``x`` (B, T, C) with ``weight`` (C, K): output ``t`` is
     ``sum_k weight[:, k] * x[t - K + 1 + k]``, plus ``bias``; before the start, ``history``
-    (B, K - 1, C): the inputs before these (None: zeros)."""
-    k = weight.shape[1]
+    (B, K - 1, C): the inputs before these (None: zeros). ``runs`` (B, T): packed documents
+    (``document_runs``), a token reading no other document's inputs."""
+    k, t = weight.shape[1], x.shape[1]
     padded = jnp.pad(x, ((0, 0), (k - 1, 0), (0, 0))) if history is None else \
         jnp.concatenate([history, x], 1)
-    out = sum(padded[:, i:i + x.shape[1]] * weight[:, i] for i in range(k))
+    taps = [padded[:, i:i + t] for i in range(k)]
+    if runs is not None:
+        earlier = jnp.pad(runs, ((0, 0), (k - 1, 0)), constant_values=-1)
+        taps = [tap * (earlier[:, i:i + t] == runs)[..., None].astype(x.dtype)
+                for i, tap in enumerate(taps)]
+    out = sum(tap * weight[:, i] for i, tap in enumerate(taps))
     return out if bias is None else out + bias
+
+
+def document_runs(segment_ids):
+    """Packed rows' documents (B, T) as run numbers: equal exactly for neighbouring tokens of
+    one document (a segment id met again later starts a new run)."""
+    starts = jnp.concatenate([jnp.zeros_like(segment_ids[:, :1]),
+                              (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(
+                                  segment_ids.dtype)], 1)
+    return jnp.cumsum(starts, 1)
 
 
 def _heads(t, n_heads: int):
@@ -121,33 +142,42 @@ def recurrent_scan(x, dt, a, b, c, state=None):
     return jnp.moveaxis(y, 0, 1), state
 
 
-def chunked_scan(x, dt, a, b, c, state=None, chunk: int = 256):
+def chunked_scan(x, dt, a, b, c, state=None, chunk: int = 256, runs=None):
     """``recurrent_scan``'s outputs and final state, in chunks of ``chunk`` tokens (module
-    docstring): quadratic within a chunk, the state carried across chunks by a scan."""
+    docstring): quadratic within a chunk, the state carried across chunks by a scan. ``runs``
+    (B, T): packed documents (``document_runs``), each starting from a zero state: a token
+    takes in only its own document's tokens and carried state."""
     bsz, t, h, p = x.shape
     pad = -t % chunk
     split = lambda v: jnp.moveaxis(jnp.pad(  # noqa: E731 (B, T, ...) -> (n, B, L, ...)
         v.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (v.ndim - 2)).reshape(
         bsz, -1, chunk, *v.shape[2:]), 1, 0)
     xs, dts, bs, cs = split(x), split(dt), split(_heads(b, h)), split(_heads(c, h))
+    runs = jnp.zeros((bsz, t), jnp.int32) if runs is None else runs
+    rs = jnp.moveaxis(jnp.pad(runs, ((0, 0), (0, pad)), mode="edge").reshape(bsz, -1, chunk),
+                      1, 0)
     if state is None:
         state = jnp.zeros((bsz, h, p, bs.shape[-1]), jnp.float32)
     causal = jnp.tril(jnp.ones((chunk, chunk), bool))
 
-    def one_chunk(s, inputs):
-        xc, dtc, bc, cc = inputs  # (B, L, H, P), (B, L, H), (B, L, H, N) x 2
+    def one_chunk(carry, inputs):
+        s, run = carry  # the carried state, and the document it belongs to
+        xc, dtc, bc, cc, rc = inputs  # (B, L, H, P), (B, L, H), (B, L, H, N) x 2, (B, L)
         cum = jnp.cumsum(dtc * a, axis=1)  # (B, L, H): log-decay from the chunk's start
         gap = cum[:, :, None, :] - cum[:, None, :, :]  # (B, l, s, H): a_l - a_s
-        decay = jnp.exp(jnp.where(causal[None, :, :, None], gap, -jnp.inf))
+        seen = causal[None] & (rc[:, :, None] == rc[:, None, :])
+        decay = jnp.exp(jnp.where(seen[..., None], gap, -jnp.inf))
         scores = jnp.einsum("blhn,bshn->blsh", cc, bc) * decay
         dx = xc * dtc[..., None]
         y = jnp.einsum("blsh,bshp->blhp", scores, dx)
-        y = y + jnp.einsum("blhn,bhpn->blhp", cc, s) * jnp.exp(cum)[..., None]
-        to_end = jnp.exp(cum[:, -1:, :] - cum)  # (B, L, H): a_L - a_s
-        s = jnp.exp(cum[:, -1, :])[..., None, None] * s + jnp.einsum(
-            "blhp,blhn->bhpn", dx * to_end[..., None], bc)
-        return s, y
-    state, y = jax.lax.scan(one_chunk, state, (xs, dts, bs, cs))
+        carried = jnp.exp(cum) * (rc == run[:, None])[..., None]  # 0 in a new document
+        y = y + jnp.einsum("blhn,bhpn->blhp", cc, s) * carried[..., None]
+        last = rc[:, -1]
+        to_end = jnp.exp(cum[:, -1:, :] - cum) * (rc == last[:, None])[..., None]
+        kept = jnp.exp(cum[:, -1, :]) * (last == run)[:, None]
+        s = kept[..., None, None] * s + jnp.einsum("blhp,blhn->bhpn", dx * to_end[..., None], bc)
+        return (s, last), y
+    (state, _), y = jax.lax.scan(one_chunk, (state, runs[:, 0]), (xs, dts, bs, cs, rs))
     return jnp.moveaxis(y, 0, 1).reshape(bsz, -1, h, p)[:, :t], state
 
 
@@ -182,17 +212,18 @@ class Mamba2(nnx.Module):
         self.out_proj = nnx.Linear(cfg.inner, d, use_bias=cfg.proj_bias, rngs=rngs)
         self.cfg = cfg
 
-    def __call__(self, x, valid=None, cache: dict | None = None, scan=None):
+    def __call__(self, x, valid=None, cache: dict | None = None, scan=None, runs=None):
         """``(y, cache)``: ``x`` (B, T, hidden) -> ``y`` (B, T, hidden); ``valid`` (B, T): the
         real tokens (None: all); ``cache`` (``init_cache``): the state after the tokens before
         these, returned updated (None: none kept). ``scan``: ``chunked_scan`` (the default for
-        more than one token) or ``recurrent_scan`` (the default for one)."""
+        more than one token) or ``recurrent_scan`` (the default for one). ``runs`` (B, T):
+        packed documents (``document_runs``), each read as if alone."""
         cfg, (bsz, t, _) = self.cfg, x.shape
         keep = (lambda v: v) if valid is None else \
             (lambda v: v * valid[..., None].astype(v.dtype))  # noqa: E731
         z, xbc, dt = jnp.split(self.in_proj(keep(x)), [cfg.inner, cfg.inner + cfg.conv_dim], -1)
         history = None if cache is None else cache["conv"].astype(xbc.dtype)
-        conv_out = self.conv1d(xbc, history)
+        conv_out = self.conv1d(xbc, history, runs)
         xbc, new_conv = keep(ACTIVATIONS[cfg.activation](conv_out)), last_inputs(
             xbc, history, cfg.conv_kernel - 1)
         xs, b, c = jnp.split(xbc, [cfg.inner, cfg.inner + cfg.n_groups * cfg.state_size], -1)
@@ -202,7 +233,8 @@ class Mamba2(nnx.Module):
                       *cfg.time_step_limit)
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))
         if scan is None:
-            scan = recurrent_scan if t == 1 else partial(chunked_scan, chunk=cfg.chunk_size)
+            scan = recurrent_scan if t == 1 else partial(chunked_scan, chunk=cfg.chunk_size,
+                                                         runs=runs)
         y, state = scan(xs, dt, a, b, c, None if cache is None else cache["ssm"])
         y = y + self.D[...].astype(jnp.float32)[:, None] * xs.astype(jnp.float32)
         y = self.norm(y.reshape(bsz, t, cfg.inner).astype(x.dtype), z)
@@ -235,9 +267,9 @@ class Conv(nnx.Module):
         if bias:
             self.bias = nnx.Param(jnp.zeros((channels,), jnp.float32))
 
-    def __call__(self, x, history=None):
+    def __call__(self, x, history=None, runs=None):
         bias = self.bias[...].astype(x.dtype) if hasattr(self, "bias") else None
-        return causal_conv(x, self.weight[...].astype(x.dtype), bias, history)
+        return causal_conv(x, self.weight[...].astype(x.dtype), bias, history, runs)
 
 
 KEYS = {  # config.json key -> Mamba2Config field (Granite 4 hybrid's names)
