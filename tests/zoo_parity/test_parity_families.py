@@ -13,8 +13,10 @@ without truncation), OLMo 3 (OLMo 2's norms, a window and a RoPE per layer type,
 ``attention_factor``), SmolLM3 (a NoPE layer, sliding), Seed-OSS (biases on all four attention
 projections), GLM-4.5 (DeepSeek-V3's routing and shared expert on GQA with per-head q/k norms
 and half-rotary heads), MiniMax-M2 (sigmoid routing with a balancing bias on every layer, q/k
-norms over all heads, ``rotary_dim``), and YaRN and dynamic-NTK RoPE on Qwen3 and LLaMA
-shapes.
+norms over all heads, ``rotary_dim``), Granite 4 hybrid (Mamba2 layers beside attention, chunks
+of 8 and a conv of 4 that the prompts cross, its four multipliers, MoE with a shared MLP and
+NoPE; a dense variant with RoPE and biased Mamba2 projections), and YaRN and dynamic-NTK RoPE
+on Qwen3 and LLaMA shapes.
 
 Each tiny checkpoint is written by transformers itself (``from_config`` + ``save_pretrained``,
 weights perturbed so a misplaced one shows, sharded so the index is read). The lengths cross
@@ -83,7 +85,7 @@ def fresh_rope(model):
     """transformers' dynamic-NTK RoPE keeps the longest length it has seen across calls; start
     each comparison from none seen (ours computes each call's frequencies from the call)."""
     rotary = model.model.rotary_emb
-    if "dynamic" in rotary.rope_type:
+    if rotary is not None and "dynamic" in rotary.rope_type:  # (None: NoPE, Granite 4)
         rotary.inv_freq.copy_(rotary.original_inv_freq)
         rotary.max_seq_len_cached = rotary.original_max_seq_len
     return model
@@ -107,6 +109,7 @@ def test_logits_equal_transformers_at_two_lengths(pair):
 
 
 def test_left_padded_logits_equal_transformers(pair):
+    """Prompts behind 0-3 pads (a hybrid's Mamba2 layers zero the padding as transformers')."""
     theirs, _, ours, family = pair
     generating(family)
     ids, mask = left_padded(3, 20, EOS, PAD, seed=3)

@@ -55,7 +55,7 @@ def read_keys(family, common: dict, rope_keys: set) -> set:
     read = set(common.values()) | family.own_keys() | rope_keys | WINDOW_KEYS | {
         "rope_local_base_freq", "original_max_position_embeddings",
         "use_bidirectional_attention"}
-    return read - WINDOW_KEYS if family.windows == "none" else read
+    return read - (WINDOW_KEYS - family.own_keys()) if family.windows == "none" else read
 
 
 def computing(families: dict, common: dict, rope_keys: set) -> frozenset:

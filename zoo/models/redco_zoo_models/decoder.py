@@ -1,7 +1,8 @@
 """One decoder for the LLaMA-like families: switches for what differs, not a copy per family.
 
 Every family here is a stack of layers ``attention -> MLP`` with RMSNorm, RoPE, grouped-query
-attention (or DeepSeek-V3's latent attention) and a gated MLP (or a Mixture-of-Experts block);
+attention (or DeepSeek-V3's latent attention, or in a hybrid's Mamba2 layers a state-space
+mixer: ``redco_zoo_models.mamba2``) and a gated MLP (or a Mixture-of-Experts block);
 what differs is data, ``DecoderConfig`` (``redco_zoo_models.decoder_config`` says each switch).
 
 Module names follow HuggingFace's (``model/layers/0/self_attn/q_proj/kernel``), so checkpoints
@@ -15,9 +16,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from redco import remat
+from redco import remat, sequence_split
 from redco.tree_paths import named_leaves
-from redco_zoo_models import expert_parallel, family_tensors, layer_scan
+from redco_zoo_models import expert_parallel, family_tensors, layer_scan, mamba2
 from redco_zoo_models.attention import init_cache
 from redco_zoo_models.chunked_loss import next_token_loss
 from redco_zoo_models.context_parallel import (
@@ -28,10 +29,11 @@ from redco_zoo_models.context_parallel import (
     in_order,
     on_split,
 )
-from redco_zoo_models.decoder_config import DecoderConfig
+from redco_zoo_models.decoder_config import DecoderConfig, Mixer
 from redco_zoo_models.expert_parallel import as_laid_out
 from redco_zoo_models.hf_init import init_like_hf
 from redco_zoo_models.layers import GatedMLP, RMSNorm, embed
+from redco_zoo_models.mamba2 import Mamba2, document_runs, token_mask
 from redco_zoo_models.mla import LatentAttention, latent_width
 from redco_zoo_models.moe import MoE
 from redco_zoo_models.rope import apply_rope, depends_on_length, segment_lengths
@@ -51,7 +53,8 @@ class Attention(nnx.Module):
             self.q_norm, self.k_norm = norm(h), norm(kv)
         self.cfg = cfg
         self.window = cfg.sliding_window if cfg.sliding(layer) else None
-        self.rope = None if layer in cfg.nope_layers else \
+        nope = layer in cfg.nope_layers or cfg.position_embedding != "rope"
+        self.rope = None if nope else \
             cfg.local_rope if self.window and cfg.local_rope else cfg.rope
 
     def _qk(self, x):
@@ -72,7 +75,8 @@ class Attention(nnx.Module):
         if self.rope is not None:  # (None: a NoPE layer)
             q, k = (apply_rope(y, positions, self.rope, lengths) for y in (q, k))
         k, v, layer_cache = cached_keys(layer_cache, k, v, cache_index, allowed)
-        scale = cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar ** -0.5
+        scale = cfg.attention_multiplier or \
+            (cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar ** -0.5)
         sinks = self.sinks[...] if cfg.attention_sinks else None
         out = attend_laid_out(q, k, v, allowed, self.window, cache_index, scale=scale,
                               softcap=cfg.attn_softcap, sinks=sinks)
@@ -91,14 +95,18 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: DecoderConfig, layer: int, rngs: nnx.Rngs):
         for name in NORMS[cfg.norm_layout]:
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset))
-        self.self_attn = LatentAttention(cfg, rngs) if cfg.kv_lora_rank else \
-            Attention(cfg, layer, rngs)
+        if cfg.mixer(layer) == Mixer.MAMBA2:
+            self.mamba = Mamba2(cfg.mamba, rngs)
+        else:
+            self.self_attn = LatentAttention(cfg, rngs) if cfg.kv_lora_rank else \
+                Attention(cfg, layer, rngs)
         self.mlp = MoE(cfg.moe(), rngs) if cfg.sparse(layer) else \
             GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, rngs)
-        self.layout = cfg.norm_layout
+        self.layout, self.residual_multiplier = cfg.norm_layout, cfg.residual_multiplier
 
     @remat.layer
-    def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0, lengths=None):
+    def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0, lengths=None,
+                 segment_ids=None):
         keep = lambda h: h  # noqa: E731
         norm = lambda name: getattr(self, name, keep)  # noqa: E731
         before_attn = norm("input_layernorm")
@@ -106,13 +114,24 @@ class DecoderLayer(nnx.Module):
         before_mlp = norm("post_attention_layernorm" if self.layout == "pre"
                           else "pre_feedforward_layernorm")
         after_mlp = norm("post_feedforward_layernorm")
-        h, layer_cache = self.self_attn(before_attn(x), positions, allowed, layer_cache,
-                                        cache_index, lengths)
-        x = x + after_attn(h)
+        if hasattr(self, "mamba"):  # (its cache: a fixed-size state, mamba2.init_cache)
+            runs = None if segment_ids is None else document_runs(segment_ids)
+            h, layer_cache = self.mamba(before_attn(x), token_mask(allowed, cache_index),
+                                        layer_cache, runs=runs)
+        else:
+            h, layer_cache = self.self_attn(before_attn(x), positions, allowed, layer_cache,
+                                            cache_index, lengths)
+        x = x + self._scaled(after_attn(h))
         h, report = self.mlp(before_mlp(x)), {}
         if isinstance(self.mlp, MoE):
             h, report = h
-        return x + after_mlp(h), layer_cache, {k: v for k, v in report.items() if v.ndim == 0}
+        return (x + self._scaled(after_mlp(h)), layer_cache,
+                {k: v for k, v in report.items() if v.ndim == 0})
+
+    def _scaled(self, h):
+        """A block's output as the residual adds it (Granite's ``residual_multiplier``)."""
+        m = self.residual_multiplier
+        return h if m == 1.0 else h * jnp.asarray(m, h.dtype)
 
 
 class DecoderModel(nnx.Module):
@@ -138,6 +157,9 @@ class DecoderModel(nnx.Module):
         x = embed(self.embed_tokens, input_ids)
         if self.cfg.embed_scale:
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
+        if self.cfg.embedding_multiplier != 1.0:
+            x = x * jnp.asarray(self.cfg.embedding_multiplier, x.dtype)
+        refuse_for_mamba(self.cfg)
         x, new_cache, reports = on_split(x, allowed), [], []
         lengths = self._document_lengths(segment_ids, allowed)
         with as_laid_out(self.moe_weights()):  # experts split over dp: expert parallel
@@ -146,13 +168,14 @@ class DecoderModel(nnx.Module):
                                               expert_parallel.current() is not None)
 
                 def step(layer, h):
-                    h, _, report = layer(h, positions, allowed, None, cache_index, lengths)
+                    h, _, report = layer(h, positions, allowed, None, cache_index, lengths,
+                                         segment_ids)
                     return h, report
                 x, reports = layer_scan.run(self.layers, self.runs, step, x)
             else:
                 for i, layer in enumerate(self._each_layer()):
                     x, layer_cache, report = layer(x, positions, allowed, cache and cache[i],
-                                                   cache_index, lengths)
+                                                   cache_index, lengths, segment_ids)
                     new_cache.append(layer_cache)
                     reports.append(report)
         return (in_order(self.norm(x), allowed), (new_cache if cache is not None else None),
@@ -182,6 +205,16 @@ class DecoderModel(nnx.Module):
                              "supported: pack without context parallelism, or split unpacked "
                              "rows.")
         return segment_lengths(segment_ids)
+
+
+def refuse_for_mamba(cfg: DecoderConfig) -> None:
+    """What a model with Mamba2 layers does not run yet, refused while tracing (before
+    compiling), naming it: context parallelism."""
+    if cfg.mixers is not None and Mixer.MAMBA2 in cfg.mixers and \
+            sequence_split.current() is not None:
+        raise NotImplementedError(f"{cfg.family}: a model with Mamba2 layers does not support "
+                                  "context parallelism (the Mamba2 scan does not carry its "
+                                  "state across devices); run it without.")
 
 
 def experts_report(reports: list[dict]) -> dict:
@@ -233,6 +266,8 @@ class DecoderLM(nnx.Module):
         balancing loss: add ``metrics["moe/aux_loss"]`` to yours), ``{}`` for a dense one."""
         x, cache, metrics = self.model(input_ids, attention_mask, cache, cache_index,
                                        segment_ids)
+        if self.cfg.logits_scaling != 1.0:  # (Granite: logits / logits_scaling)
+            x = x / jnp.asarray(self.cfg.logits_scaling, x.dtype)
         if labels is not None:
             out = next_token_loss(x, self.head(), labels, label_mask,
                                   softcap=self.cfg.final_softcap)
@@ -260,13 +295,24 @@ class DecoderLM(nnx.Module):
 
     def init_cache(self, batch: int, n_slots: int, dtype=jnp.float32) -> list[dict]:
         """An empty cache (``redco_zoo_models.attention``). Latent attention's holds one
-        shared key a slot, its latent, and no values (``redco_zoo_models.mla``)."""
+        shared key a slot, its latent, and no values (``redco_zoo_models.mla``); a Mamba2
+        layer's, its fixed-size state (``redco_zoo_models.mamba2.init_cache``)."""
         cfg = self.cfg
         if cfg.kv_lora_rank:
             return init_cache(cfg.num_hidden_layers, batch, n_slots, 1, latent_width(cfg), dtype,
                               values=False)
-        return init_cache(cfg.num_hidden_layers, batch, n_slots, cfg.num_key_value_heads,
-                          cfg.head_dim, dtype)
+        cache = init_cache(cfg.num_hidden_layers, batch, n_slots, cfg.num_key_value_heads,
+                           cfg.head_dim, dtype)
+        return [mamba2.init_cache(batch, cfg.mamba, dtype) if cfg.mixer(i) == Mixer.MAMBA2
+                else layer_cache for i, layer_cache in enumerate(cache)]
+
+    def unserved(self) -> str | None:
+        """Why the serving engine (``redco_zoo_models.engine``) cannot run this model, or
+        ``None``: it reads prompts right-padded, which a Mamba2 layer's state would take in."""
+        if self.cfg.mixers is not None and Mixer.MAMBA2 in self.cfg.mixers:
+            return (f"{self.cfg.family}: the serving engine pads prompts on the right, which "
+                    "the Mamba2 layers' recurrent state would read; generate() them instead.")
+        return None
 
     def hf_tensors_in(self, tensors: dict) -> dict:
         """A checkpoint's tensors under this model's names (fused ones split)."""

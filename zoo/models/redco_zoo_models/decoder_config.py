@@ -27,7 +27,12 @@ attention and a gated MLP. What differs:
   ``o_proj_bias``); its MoE blocks' ``router_bias``, ``expert_bias`` and clamped SwiGLU
   (``swiglu_limit``, ``swiglu_alpha``: ``redco_zoo_models.layers.glu``);
 * ``kv_lora_rank`` (DeepSeek-V3): multi-head latent attention (``redco_zoo_models.mla``) in
-  place of grouped-query attention, ``head_dim`` being the size of its rotated part.
+  place of grouped-query attention, ``head_dim`` being the size of its rotated part;
+* ``mixers`` (hybrids: Granite 4): each layer's token mixer, attention or a Mamba2 layer
+  (``redco_zoo_models.mamba2``, shaped by ``mamba``); Granite's ``embedding_multiplier``,
+  ``attention_multiplier`` (the scores' scale), ``residual_multiplier`` (each block's output
+  before the residual add) and ``logits_scaling`` (logits divided by it), and
+  ``position_embedding`` ``None`` (no RoPE: NoPE).
 
 ``scan_layers`` is not the family's but the run's (no config.json key; ``from_pretrained(...,
 scan_layers=True)``): runs of like layers stored stacked and run under ``jax.lax.scan``
@@ -36,10 +41,18 @@ scan_layers=True)``): runs of like layers stored stacked and run under ``jax.lax
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 from redco_zoo_models import families
+from redco_zoo_models.mamba2 import Mamba2Config
 from redco_zoo_models.moe import MoEConfig
 from redco_zoo_models.rope import Rope
+
+
+class Mixer(str, enum.Enum):
+    """A layer's token mixer (``DecoderConfig.mixers``)."""
+    ATTENTION = "attention"
+    MAMBA2 = "mamba2"  # redco_zoo_models.mamba2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +113,14 @@ class DecoderConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    mixers: tuple[Mixer, ...] | None = None  # each layer's mixer (hybrids); None: attention
+    mamba: Mamba2Config | None = None  # the Mamba2 layers' shape
+    embedding_multiplier: float = 1.0  # Granite's multipliers (see the module docstring)
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    position_embedding: str | None = "rope"  # rope | None (NoPE: Granite 4 hybrid)
+    shared_expert_size: int = 0  # an MoE block's shared MLP (0: n_shared_experts * expert size)
     scan_layers: bool = False  # layers stored stacked, run under lax.scan (layer_scan); no config.json key
 
     def __post_init__(self):
@@ -111,6 +132,9 @@ class DecoderConfig:
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
                              f"{self.num_hidden_layers} layers.")
+
+    def mixer(self, layer: int) -> Mixer:
+        return Mixer.ATTENTION if self.mixers is None else self.mixers[layer]
 
     def sliding(self, layer: int) -> bool:
         if self.sliding_window is None:
@@ -130,6 +154,7 @@ class DecoderConfig:
                          n_group=self.n_group, topk_group=self.topk_group,
                          routed_scaling_factor=self.routed_scaling_factor,
                          n_shared_experts=self.n_shared_experts,
+                         shared_size=self.shared_expert_size,
                          bias_update_rate=self.bias_update_rate,
                          capacity_factor=self.capacity_factor, router_bias=self.router_bias,
                          expert_bias=self.expert_bias, swiglu_limit=self.swiglu_limit,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from redco_zoo_models import config_keys
+from redco_zoo_models import config_keys, mamba2
 from redco_zoo_models.rope import read_rope
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -55,14 +55,16 @@ class Family:
     defaults: dict = dataclasses.field(default_factory=dict)  # config.json keys it may omit
     experts: str | None = None  # an MoE checkpoint's layout: qwen | mixtral | deepseek | gpt_oss
     #                             | minimax (family_tensors)
+    hybrid: bool = False  # layer_types name each layer's mixer: attention or Mamba2 (mamba_*)
     derived: tuple = ()  # keys read through functions (config_keys.DERIVED)
     rotary_dim: bool = False  # MiniMax-M2: the rotated features as a count, ``rotary_dim``
 
     def own_keys(self) -> set:
         """The config keys this family reads beyond ``COMMON`` and RoPE's."""
         derived = {k for d in self.derived for k in config_keys.DERIVED[d].keys}
-        return set(self.reads) | self.ignores | derived | ({"rotary_dim"} if self.rotary_dim
-                                                           else set())
+        hybrid = set(mamba2.KEYS) | {"layer_types", "layers_block_type"} if self.hybrid else set()
+        return set(self.reads) | self.ignores | derived | hybrid | (
+            {"rotary_dim"} if self.rotary_dim else set())
 
 
 
@@ -134,6 +136,19 @@ FAMILIES = {
         windows="alternate", experts="gpt_oss", defaults={"rms_norm_eps": 1e-5,
                                                           "sliding_window": 128},
         ignores=MOE_IGNORES | {"hidden_act", "experts_per_token", "initial_context_length"}),
+    "granitemoehybrid": Family(  # Granite 4 hybrid: Mamba2 and attention layers, multipliers
+        "GraniteMoeHybridForCausalLM", switches={"norm_topk_prob": True, "n_shared_experts": 1},
+        reads={"attention_bias": ("attention_bias", False), "hidden_act": ("hidden_act", "silu"),
+               "embedding_multiplier": ("embedding_multiplier", 1.0),
+               "attention_multiplier": ("attention_multiplier", 1.0),
+               "residual_multiplier": ("residual_multiplier", 1.0),
+               "logits_scaling": ("logits_scaling", 1.0),
+               "position_embedding_type": ("position_embedding", None),
+               "intermediate_size": ("moe_intermediate_size", 11008),  # (the experts')
+               "shared_intermediate_size": (("intermediate_size", "shared_expert_size"), 1024),
+               "num_local_experts": ("n_experts", 8), "num_experts_per_tok": (
+                   "experts_per_token", 2), "router_aux_loss_coef": ("router_aux_loss_coef", 0.001)},
+        hybrid=True, ignores=MOE_IGNORES),
     "olmo2": Family("Olmo2ForCausalLM", switches={"norm_layout": "post", "qk_norm": "all"},
                     reads={"attention_bias": ("attention_bias", False),
                            "hidden_act": ("hidden_act", "silu")},
@@ -259,9 +274,27 @@ def read_config(cls, config: dict, where: str = "config.json") -> Any:
             fields[field] = tuple(fields[field])
     head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
     window = _window(family, config)
+    if family.hybrid:
+        fields.update(mixers=_mixers(config, fields["num_hidden_layers"], where),
+                      mamba=mamba2.read_config(config))
     return cls(**fields, **family.switches, family=model_type, sliding_window=window,
                layer_types=_layer_types(family, config, fields["num_hidden_layers"])
                if window else None, **_ropes(family, config, head_dim, where))
+
+
+MIXER_NAMES = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "attention",
+               "full_attention": "attention"}  # a hybrid's layer_types (older, newer names)
+
+
+def _mixers(config: dict, n: int, where: str) -> tuple:
+    """A hybrid's mixer per layer (``decoder_config.Mixer`` values): Mamba2 where
+    ``layer_types`` is absent, as transformers."""
+    from redco_zoo_models.decoder_config import Mixer  # (it imports this module)
+    names = config.get("layer_types") or config.get("layers_block_type") or ["mamba"] * n
+    if unknown := sorted({t for t in names if t not in MIXER_NAMES}):
+        raise ValueError(f"{where}: layer_types {unknown} are not layers the zoo's "
+                         f"{config['model_type']} has ({', '.join(MIXER_NAMES)}).")
+    return tuple(Mixer(MIXER_NAMES[t]) for t in names)
 
 
 def write_config(cfg) -> dict:
@@ -285,6 +318,10 @@ def write_config(cfg) -> dict:
             out["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
         out["rope_parameters"] = rope
         out["rope_theta"] = rope["rope_theta"]  # (transformers 4 reads it here)
+    if family.hybrid:  # (transformers 5's layer type names)
+        out["layer_types"] = ["linear_attention" if m.value == "mamba2" else "full_attention"
+                              for m in cfg.mixers]
+        out.update(mamba2.write_config(cfg.mamba))
     if family.windows != "none":
         out["sliding_window"] = cfg.sliding_window
         out["use_sliding_window"] = cfg.sliding_window is not None

@@ -20,7 +20,8 @@ checkpoints do, so ``redco_safetensors.torch_name`` maps them; what differs, per
 A tied head's stored copy is dropped on import when it equals the embedding (refused when not).
 DeepSeek-V3's and GLM-4.5's checkpoints hold their multi-token-prediction layers after the
 model's (``model.layers.<num_hidden_layers>...``): not part of the causal LM, they are dropped
-on import, as transformers drops them.
+on import, as transformers drops them. Granite 4 hybrid's fused shared MLP, stacked experts and conv
+weights: ``redco_zoo_models.hybrid_tensors``.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import re
 
 import numpy as np
 
+from redco_zoo_models import hybrid_tensors
 from redco_zoo_models.families import FAMILIES, MTP
 
 FUSED = {"self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"),
@@ -62,7 +64,9 @@ def _sizes(cfg, fused: str) -> list[int]:
 def tensors_in(cfg, tensors: dict) -> dict:
     """A checkpoint's tensors (PyTorch names) under the zoo model's names (``cfg``: its
     ``DecoderConfig``)."""
-    tensors = _stacked_experts(cfg, _without_mtp_layers(cfg, dict(tensors)))
+    tensors = _without_mtp_layers(cfg, dict(tensors))
+    tensors = hybrid_tensors.tensors_in(cfg, tensors) if FAMILIES[cfg.family].hybrid else \
+        _stacked_experts(cfg, tensors)
     if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
         embedding = tensors.get("model.embed_tokens.weight")
         if embedding is None or not np.array_equal(tensors["lm_head.weight"], embedding):
@@ -82,7 +86,8 @@ def tensors_in(cfg, tensors: dict) -> dict:
 
 def tensors_out(cfg, tensors: dict) -> dict:
     """The zoo model's tensors under its family's checkpoint names (``tensors_in`` undone)."""
-    tensors = _unstacked_experts(cfg, dict(tensors))
+    tensors = hybrid_tensors.tensors_out(cfg, tensors) if FAMILIES[cfg.family].hybrid else \
+        _unstacked_experts(cfg, dict(tensors))
     if not FAMILIES[cfg.family].fused:
         return tensors
     for i in range(cfg.num_hidden_layers):

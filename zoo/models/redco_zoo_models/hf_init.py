@@ -4,7 +4,9 @@ transformers' ``_init_weights`` (5.x) of every decoder family here draws linear 
 embeddings, MoE experts and routers from ``N(0, initializer_range)``, zeroes biases and the
 embedding's ``pad_token_id`` row, and sets norm scales to 1 (Gemma's, which scale by
 ``1 + weight``, to 0). Two families add their own: gpt-oss draws its attention sinks and its
-router's bias from the same normal; DeepSeek-V3 zeroes the router's correction bias. Flax's
+router's bias from the same normal; DeepSeek-V3 zeroes the router's correction bias. A Mamba2
+layer's convolution is drawn as a linear weight; its ``dt_bias``, ``A_log`` and ``D`` keep the
+values the layer is built with (``redco_zoo_models.mamba2``: transformers' 1, log(1..H), 1). Flax's
 defaults (LeCun-normal kernels, unit-variance embeddings) instead start a LLaMA's loss at about
 ``ln V + 1/2``, not ``ln V``.
 
@@ -21,10 +23,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-NORMAL, ZEROS, NORM_SCALE = "normal", "zeros", "norm_scale"
+NORMAL, ZEROS, NORM_SCALE, KEEP = "normal", "zeros", "norm_scale", "keep"
 RULES = (  # (pattern on the param's path, how it starts); the first that matches decides
     (r"(^|/)gate/bias$", NORMAL),  # gpt-oss's router bias
     (r"(^|/)(kernel|embedding|sinks)$", NORMAL),
+    (r"(^|/)conv1d/weight$", NORMAL),
+    (r"(^|/)(dt_bias|A_log|D)$", KEEP),  # (Mamba2: as built)
     (r"(^|/)experts/(gate|up|down)_proj$", NORMAL),  # stacked (experts, in, out)
     (r"(^|/)(bias|(gate|up|down)_proj_bias|balance_bias)$", ZEROS),
     (r"norm/weight$", NORM_SCALE),
@@ -58,6 +62,8 @@ def init_like_hf(model: nnx.Module, cfg, rngs: nnx.Rngs) -> None:
     keys = jax.random.split(rngs.params(), max(len(params), 1))
     for key, (path, var) in zip(keys, params):
         name = "/".join(str(p) for p in path)
+        if rule(name) == KEEP:
+            continue
         value = draw(rule(name), key, var.shape, var.dtype, cfg.initializer_range,
                      1.0 - cfg.norm_offset)
         if name.endswith("embed_tokens/embedding") and cfg.pad_token_id is not None:

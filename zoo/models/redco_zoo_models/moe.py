@@ -56,6 +56,7 @@ class MoEConfig:
     normalize_top_k: bool = True
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0  # an MLP of n_shared_experts * expert_size every token goes through
+    shared_size: int = 0  # that MLP's size where it is not (Granite 4: shared_intermediate_size)
     n_group: int = 1  # sigmoid routing: experts in n_group groups, ...
     topk_group: int = 1  # ... a token choosing within its best topk_group of them
     capacity_factor: float | None = None  # None: dropless
@@ -149,8 +150,9 @@ class MoE(nnx.Module):
         if cfg.router == "sigmoid":
             self.balance_bias = BalanceBias(jnp.zeros(cfg.n_experts, jnp.float32))
         if cfg.n_shared_experts:
-            self.shared_experts = GatedMLP(cfg.hidden_size, cfg.n_shared_experts * cfg.expert_size,
-                                           cfg.hidden_act, rngs)
+            self.shared_experts = GatedMLP(
+                cfg.hidden_size, cfg.shared_size or cfg.n_shared_experts * cfg.expert_size,
+                cfg.hidden_act, rngs)
 
     def route(self, tokens):
         """``(chosen (N, k) expert ids, weights (N, k), probs (N, E), logits (N, E))``."""

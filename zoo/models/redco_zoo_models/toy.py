@@ -77,6 +77,8 @@ _TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_lay
              eos_token_id=63, pad_token_id=0, bos_token_id=1)
 _LLAMA3 = dict(rope_type="llama3", rope_theta=500000.0, low_freq_factor=1.0,
                high_freq_factor=4.0, original_max_position_embeddings=ORIGINAL_CONTEXT)
+_MAMBA = dict(mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+              mamba_expand=2, mamba_chunk_size=8)
 TINY_FAMILIES = {  # config.json contents of a tiny model of each family, as transformers writes
     "llama-3.1": dict(_TINY, model_type="llama", rope_parameters=dict(_LLAMA3, factor=8.0)),
     "llama-3.2": dict(_TINY, model_type="llama", tie_word_embeddings=True, head_dim=16,
@@ -151,6 +153,16 @@ TINY_FAMILIES = {  # config.json contents of a tiny model of each family, as tra
     "qwen3-yarn": dict(_TINY, model_type="qwen3", head_dim=8, rope_parameters=dict(
         rope_type="yarn", factor=4.0, rope_theta=10000.0,
         original_max_position_embeddings=ORIGINAL_CONTEXT)),
+    "granite-4-h": dict(  # Mamba2 (chunks of 8, conv width 4), attention, MoE + shared MLP, NoPE
+        _TINY, model_type="granitemoehybrid", layer_types=["mamba", "attention", "mamba"],
+        **_MAMBA, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=40,
+        intermediate_size=24, embedding_multiplier=3.0, attention_multiplier=0.3,
+        residual_multiplier=0.7, logits_scaling=2.5, position_embedding_type="nope"),
+    "granite-4-h-dense": dict(  # no experts, RoPE, biased Mamba2 projections, all layers Mamba2
+        _TINY, model_type="granitemoehybrid", layer_types=["mamba", "mamba", "attention"],
+        **_MAMBA, num_local_experts=0, shared_intermediate_size=48, mamba_proj_bias=True,
+        position_embedding_type="rope", rope_parameters=dict(rope_type="default",
+                                                             rope_theta=1e4)),
     "llama-dynamic": dict(_TINY, model_type="llama", max_position_embeddings=ORIGINAL_CONTEXT,
                           rope_parameters=dict(rope_type="dynamic", factor=2.0,
                                                rope_theta=10000.0)),

@@ -1,0 +1,124 @@
+"""Granite 4 hybrid (Mamba2 and attention layers, ``redco_zoo_models.mamba2``) with the zoo's
+levers: stacked layers (``scan_layers``), bf16, LoRA on the Mamba2 output projections under
+tensor parallelism, expert parallelism, packed rows; and what it does not run yet (context
+parallelism) refused before compiling. FSDP x TP with full remat: test_families.py; parity with
+transformers, generation and the refused serving engine: tests/zoo_parity/."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from redco import Deployer, sequence_split
+from redco.tree_paths import named_leaves
+from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
+from redco_zoo_models.toy import TINY_FAMILIES
+
+DENSE = LlamaConfig.from_hf(TINY_FAMILIES["granite-4-h-dense"])  # mamba, mamba, attention
+IDS = jnp.asarray(np.random.RandomState(0).randint(1, 63, (2, 24)))  # 3 chunks of 8
+
+
+def logits(cfg, params=None):
+    apply_fn, own = split_model(LlamaForCausalLM(cfg, nnx.Rngs(0)))
+    return np.asarray(jax.jit(apply_fn)(own if params is None else params(own), IDS))
+
+
+def test_stacked_mamba2_layers_run_under_a_scan_as_unrolled():
+    """``scan_layers``: the two Mamba2 layers are one stack (its conv and A_log stacked too)
+    and the logits are the unrolled model's."""
+    model = LlamaForCausalLM(dataclasses.replace(DENSE, scan_layers=True), nnx.Rngs(0))
+    paths = [p for p, _ in named_leaves(nnx.state(model, nnx.Param))]
+    assert "model/layers/0:2/mamba/conv1d/weight" in paths
+    assert "model/layers/0:2/mamba/A_log" in paths
+    apply_fn, params = split_model(model)
+    np.testing.assert_allclose(np.asarray(jax.jit(apply_fn)(params, IDS)), logits(DENSE),
+                               atol=1e-5)
+
+
+def test_bf16_compute_stays_near_fp32():
+    full = logits(DENSE)
+    half = logits(DENSE, lambda p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p))
+    assert np.abs(half.astype(np.float32) - full).max() < 0.05 * np.abs(full).max()
+    assert (half.argmax(-1) == full.argmax(-1)).mean() > 0.8
+
+
+def test_lora_adapts_the_mamba2_output_projection_and_trains_as_on_one_device():
+    """Adapters on each Mamba2 layer's ``out_proj`` (and the attention and MLP projections);
+    a LoRA update at mp 2 x dp 4 gives one device's adapters (1e-5)."""
+    import optax
+
+    from redco import Trainer
+    from redco.lora import trainable_mask
+    from redco_zoo_lm import collate_fn, loss_fn
+    from redco_zoo_models.lora import add_lora, lora_layers
+    rows = [{"token_ids": r} for r in np.random.RandomState(1).randint(1, 63, (4, 17))]
+
+    def trained(**deployer):
+        model = add_lora(LlamaForCausalLM(DENSE, nnx.Rngs(0)), rank=4)
+        assert {"model/layers/0/mamba/out_proj", "model/layers/1/mamba/out_proj"} <= \
+            {path for path, _ in lora_layers(model)}
+        apply_fn, params = split_model(model)
+        trainer = Trainer(Deployer(jax_seed=0, workdir=None, verbose=False, **deployer),
+                          collate_fn, apply_fn, loss_fn, params, optax.sgd(0.5),
+                          trainable=trainable_mask(params))
+        trainer.train_epoch(rows, 4 // trainer.deployer.dp_size, 0)
+        return dict(named_leaves(jax.device_get(trainer.params)))
+
+    one, many = trained(n_local_devices=1), trained(n_model_shards=2)
+    adapted = [p for p in one if "mamba/out_proj/lora" in p]
+    assert adapted and any(np.abs(one[p]).max() > 0 for p in adapted if p.endswith("lora_b"))
+    for path in one:
+        np.testing.assert_allclose(many[path], one[path], rtol=1e-5, atol=1e-5, err_msg=path)
+
+
+def test_its_experts_split_over_dp_train_as_on_one_device():
+    """Granite's MoE (beside Mamba2 layers, a shared MLP in each block) with its experts split
+    over dp as ``--expert_parallel`` splits them (``for_trainer``), dp 4 x mp 2 ``auto+fsdp``:
+    an update gives one device's params (1e-5)."""
+    import optax
+
+    from redco import Trainer
+    from redco_zoo_lm import collate_fn, loss_fn
+    from redco_zoo_models.expert_parallel import for_trainer
+    from redco_zoo_models.toy import tiny_family
+    rows = [{"token_ids": r} for r in np.random.RandomState(6).randint(1, 63, (4, 17))]
+
+    def trained(split: bool, **deployer):
+        deployer = Deployer(jax_seed=0, workdir=None, verbose=False, **deployer)
+        apply_fn, params = split_model(tiny_family("granite-4-h"))
+        rules = for_trainer(params, deployer) if split else None
+        trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.sgd(0.5),
+                          params_sharding_rules=rules)
+        trainer.train_epoch(rows, 4 // deployer.dp_size, 0)
+        return trainer.params
+
+    one = trained(False, n_local_devices=1)
+    many = trained(True, n_model_shards=2, sharding_rules="auto+fsdp")
+    assert many["model"]["layers"][0]["mlp"]["experts"]["gate_proj"].sharding.spec[0] == "dp"
+    want = dict(named_leaves(jax.device_get(one)))
+    for path, got in named_leaves(jax.device_get(many)):
+        np.testing.assert_allclose(got, want[path], rtol=1e-5, atol=1e-5, err_msg=path)
+
+
+@pytest.mark.parametrize("family", ["granite-4-h-dense", "granite-4-h"])
+def test_packed_documents_see_only_themselves(family):
+    """Three documents in a row of 32 (12, 4 and 16 tokens: one ends inside a chunk of 8, one at
+    a chunk's end, one spans two chunks): each one's logits are its own forward pass's."""
+    cfg = LlamaConfig.from_hf(TINY_FAMILIES[family])
+    apply_fn, params = split_model(LlamaForCausalLM(cfg, nnx.Rngs(0)))
+    run = jax.jit(lambda ids, segments=None: apply_fn(params, ids, segment_ids=segments))
+    ids = jnp.asarray(np.random.RandomState(2).randint(1, 63, (1, 32)))
+    packed = np.asarray(run(ids, jnp.asarray([[1] * 12 + [2] * 4 + [3] * 16])))
+    for start, stop in ((0, 12), (12, 16), (16, 32)):
+        np.testing.assert_allclose(packed[:, start:stop], np.asarray(run(ids[:, start:stop])),
+                                   atol=2e-5, err_msg=f"document {start}:{stop}")
+
+
+def test_context_parallelism_is_refused_naming_it():
+    apply_fn, params = split_model(LlamaForCausalLM(DENSE, nnx.Rngs(0)))
+    mesh = Deployer(jax_seed=0, n_context_shards=4, workdir=None, verbose=False).mesh
+    with sequence_split.splitting(mesh, "all_gather"):
+        with pytest.raises(NotImplementedError, match="context parallelism"):
+            jax.jit(apply_fn)(params, IDS)
