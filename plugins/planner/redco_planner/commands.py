@@ -165,7 +165,8 @@ class PlanCommand(Command):
                   "for the loss; --seq_len and --per_device_batch_size are not used)")
             loss, batch = model.trace_fn, None
         dtypes = "fp32" if compute is None else f"fp32 params, {args.compute_dtype} compute"
-        print(f"{args.model}: {args.devices} devices x {args.device_memory}, per-device batch "
+        scanned = " (layers stacked and scanned)" if args.scan_layers else ""
+        print(f"{args.model}{scanned}: {args.devices} devices x {args.device_memory}, per-device batch "
               f"{args.per_device_batch_size} x seq {args.seq_len}, AdamW, {dtypes}; per-device peak of the "
               "compiled train step (and its FLOPs per device):")
         try:
