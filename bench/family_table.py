@@ -28,6 +28,14 @@ to full depth by ``depth_rule`` (its error against full-depth compiles:
 ``bench/depth_rule_check.py``); the state checks stay exact, and a cell whose walk went
 through such a layout is marked with a dagger. ``--levers`` and ``--servers`` pick the cells.
 
+``--scan_layers`` plans each model with its layers stored stacked and scanned
+(``redco_zoo_models.layer_scan``): every layout compiled at full depth, in a compile time that
+no longer grows with depth (BENCHMARKS.md section 33), so the cuts and the depth rule are not
+needed; its cells are the scanned step's own peaks (more temp memory than unrolled, section
+33), kept in the cache under ``<model> scanned``. Not with ``--extrapolate`` (the rule carries
+an unrolled step's peak, which ``bench/depth_rule_check.py`` keeps checking) nor with LoRA
+(not supported on stacked layers yet).
+
 Each model runs in its own process (XLA:CPU's compile memory is freed between models), the
 smallest model first, until ``--budget_minutes`` is spent; the table marks what did not run.
 
@@ -36,7 +44,8 @@ its own (BENCHMARKS.md section 4 and "The paper's Table 1"), so peaks are on the
 
 Run:  python bench/family_table.py [--models qwen3-0.6b,...] [--seq_len 2048]
           [--budget_minutes 60] [--cache family_table.json] [--table_only | --states_only]
-          [--extrapolate] [--levers full,LoRA] [--servers "8 x 80 GB,8 x 16 GB"]
+          [--extrapolate | --scan_layers --levers full] [--levers full,LoRA]
+          [--servers "8 x 80 GB,8 x 16 GB"]
 """
 from __future__ import annotations
 
@@ -114,11 +123,11 @@ class Worker:
     """Walks one model's cells, measuring what the cache lacks, saving after every compile."""
 
     def __init__(self, name: str, seq_len: int, rank: int, cache_path: str,
-                 extrapolate: bool = False):
+                 extrapolate: bool = False, scan_layers: bool = False):
         from redco_planner.inspection import load_model
-        self.name, self.rank, self.cache_path = name, rank, cache_path
+        self.name, self.rank, self.cache_path = label(name, scan_layers), rank, cache_path
         self.seq_len, self.extrapolate = seq_len, extrapolate
-        self.model = load_model(name, seq_len=seq_len)
+        self.model = load_model(name, seq_len=seq_len, scan_layers=scan_layers)
         self.batch = self.model.batch(1)
 
     def load(self) -> dict:
@@ -203,6 +212,12 @@ class Worker:
         return {"cuts": cuts, "error": errors[0] if errors else None}
 
 
+def label(model: str, scan_layers: bool) -> str:
+    """The name a model's cells are kept and shown under: ``<model> scanned`` with
+    ``--scan_layers``."""
+    return f"{model} scanned" if scan_layers else model
+
+
 def with_extrapolation(model: str, found: dict) -> dict:
     """A cache entry with its ``peak``: compiled, or carried from its cuts' compiles by
     ``depth_rule`` (None where a cut was over the memory or failed)."""
@@ -264,7 +279,7 @@ def cell(cache: dict, model: str, lever: str, hardware: str) -> str:
 
 def n_params(model: str) -> str:
     from redco_zoo_models.presets import PUBLISHED_PARAMS
-    return f"{PUBLISHED_PARAMS[model] / 1e9:.2f}B"
+    return f"{PUBLISHED_PARAMS[model.split()[0]] / 1e9:.2f}B"
 
 
 def table(cache: dict, models: list[str], seq_len: int, rank: int) -> str:
@@ -296,6 +311,7 @@ def run_models(models: list[str], args: argparse.Namespace) -> None:
                "--lora_rank", str(args.lora_rank), "--cache", args.cache]
         cmd += ["--levers", args.levers, "--servers", args.servers]
         cmd += ["--states_only"] * args.states_only + ["--extrapolate"] * args.extrapolate
+        cmd += ["--scan_layers"] * args.scan_layers
         log(f"== {model} ({left / 60:.0f} min left)")
         proc = subprocess.Popen(cmd)
         try:
@@ -323,6 +339,8 @@ def main() -> None:
     parser.add_argument("--extrapolate", action="store_true", help="compile each layout at the "
                         "model's first 1-2 layers (bench/cut_decoders.py) and carry the peak to "
                         "full depth (bench/depth_rule.py); such cells are marked with a dagger")
+    parser.add_argument("--scan_layers", action="store_true", help="the layers stacked and "
+                        "scanned, every layout compiled at full depth (needs --levers full)")
     parser.add_argument("--levers", default=",".join(LEVERS), help="the trainings to walk")
     parser.add_argument("--servers", default=",".join(HARDWARE), help="the hardware to walk")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -332,11 +350,15 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown --levers/--servers {sorted(unknown)}: use {LEVERS}, "
                      f"{list(HARDWARE)}")
+    if args.scan_layers and (args.extrapolate or args.levers != "full"):
+        parser.error("--scan_layers compiles every layout at full depth, with no LoRA on "
+                     "stacked layers yet: give --levers full and no --extrapolate")
     from redco_planner.commands import simulate_devices
     simulate_devices(8)  # (the workers compile on them; here only the provenance names them)
     if args.worker:
-        Worker(args.worker, args.seq_len, args.lora_rank, args.cache, args.extrapolate).run(
-            args.states_only, args.levers.split(","), args.servers.split(","))
+        Worker(args.worker, args.seq_len, args.lora_rank, args.cache, args.extrapolate,
+               args.scan_layers).run(args.states_only, args.levers.split(","),
+                                     args.servers.split(","))
         return
     models = args.models.split(",")
     if not args.table_only:
@@ -345,9 +367,10 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from provenance import print_provenance
     print_provenance()
-    print(table(cache, models, args.seq_len, args.lora_rank))
+    labels = [label(m, args.scan_layers) for m in models]
+    print(table(cache, labels, args.seq_len, args.lora_rank))
     print("\ncompile time per model (min): " + ", ".join(
-        f"{m} {compile_minutes(cache, m):.0f}" for m in models if compile_minutes(cache, m)))
+        f"{m} {compile_minutes(cache, m):.0f}" for m in labels if compile_minutes(cache, m)))
 
 
 if __name__ == "__main__":

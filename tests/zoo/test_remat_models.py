@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from step_rows import StepRows
 
-import redco
 from redco import Deployer, Trainer, lora, remat
 from redco_zoo_lm import collate_fn, loss_fn
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM, add_lora, split_model
@@ -68,17 +68,8 @@ def test_each_policy_keeps_less_and_recomputes_more():
     assert none_flops < dots_flops < full_flops, stats
 
 
-class Metrics:
-    def __init__(self):
-        self.rows = []
-
-    @redco.hookimpl
-    def on_step_end(self, trainer, step, metrics):
-        self.rows.append((metrics["loss"], metrics["grad_norm"]))
-
-
 def fit(policy, workdir, sharding_rules="auto", lora_rank=0):
-    metrics = Metrics()
+    metrics = StepRows()
     t = trainer(policy, workdir, [metrics], sharding_rules, lora_rank)
     t.fit(token_examples(32, 16), per_device_batch_size=2, n_epochs=1, eval_sanity_check=False)
     return np.array(metrics.rows), jax.device_get(t.params), t

@@ -12,8 +12,8 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from step_rows import StepRows
 
-import redco
 from redco import Deployer, Trainer, fsdp, layer_stacks, remat
 from redco.protocols import UsageError
 from redco.sharding import make_mesh, specs_from_rules
@@ -63,22 +63,13 @@ def params_of(cfg: LlamaConfig, scan: bool):
     return apply_fn, jax.tree.unflatten(jax.tree.structure(shapes), [stacked[p] for p in paths])
 
 
-class Rows:
-    def __init__(self):
-        self.rows = []
-
-    @redco.hookimpl
-    def on_step_end(self, trainer, step, metrics):
-        self.rows.append((metrics["loss"], metrics["grad_norm"]))
-
-
 def fit(cfg, scan: bool, rules: str = "auto", policy: str | None = None):
     """4 SGD updates on dp4 x mp2: ``(loss and grad norm rows, final params per layer, specs
     per param path)``."""
     deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False, compile_cache_dir=False,
                         sharding_rules=rules)
     apply_fn, params = params_of(cfg, scan)
-    rows = Rows()
+    rows = StepRows()
     t = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.sgd(0.1), remat=policy,
                 callbacks=[rows])
     rng = np.random.default_rng(0)

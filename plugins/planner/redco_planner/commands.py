@@ -26,6 +26,8 @@ MODEL_HELP = ("llama-tiny, llama-1b, llama-7b, llama-13b, llama-30b, llama-65b; 
               "qwen3-30b-a3b, deepseek-v3, gpt-oss-20b; or module:function "
               "returning params, (params, trace_fn) or (params, trace_fn, loss_fn)")
 COMPUTE_DTYPES = ("float32", "bfloat16")
+SCAN_HELP = ("the zoo decoder's layers stored stacked and run under jax.lax.scan "
+             "(DecoderConfig.scan_layers): each layout compiles one layer's body, at full depth")
 DEVICES_HELP = ("the devices the plan is for, every process's together (the mesh's size), "
                 "simulated on CPU; not Deployer's n_local_devices, which caps the devices one "
                 "process of a run uses")
@@ -57,6 +59,7 @@ class RulesCommand(Command):
         parser.add_argument("--n_model_shards", type=int, default=2)
         parser.add_argument("--devices", type=int, default=8, help=DEVICES_HELP)
         parser.add_argument("--rules", default="auto", help="rule set: auto, fsdp, auto+fsdp, ...")
+        parser.add_argument("--scan_layers", "--scan-layers", action="store_true", help=SCAN_HELP)
         parser.add_argument("--png", help="also draw the plan to this PNG (needs matplotlib)")
         parser.add_argument("--json", action="store_true", help="print JSON")
 
@@ -65,7 +68,7 @@ class RulesCommand(Command):
         import jax
 
         from redco_planner.inspection import format_table, load_model
-        model = load_model(args.model)
+        model = load_model(args.model, scan_layers=args.scan_layers)
         rows, mesh_shape = self.plan_rows(model, args)
         if args.json:
             print(json.dumps([dict(r, spec=str(r["spec"])) for r in rows], indent=2))
@@ -141,6 +144,8 @@ class PlanCommand(Command):
                             choices=COMPUTE_DTYPES,
                             help="the step computes in this dtype, the params cast to it as "
                             "Trainer(compute_dtype=...) does; params and AdamW state stay fp32")
+        parser.add_argument("--scan_layers", "--scan-layers", action="store_true",
+                            help=SCAN_HELP + "; no LoRA, context or expert parallelism yet")
 
     def run(self, args: argparse.Namespace) -> None:
         simulate_devices(args.devices)
@@ -149,7 +154,8 @@ class PlanCommand(Command):
         from redco_planner.inspection import load_model, parse_bytes
         from redco_planner.layouts import expert_shards
         from redco_planner.planner import REMAT_POLICIES, PlanError, plan
-        model = load_model(args.model, seq_len=args.seq_len)
+        context = scanned_context_degrees(args)
+        model = load_model(args.model, seq_len=args.seq_len, scan_layers=args.scan_layers)
         compute = None if args.compute_dtype == "float32" else jnp.dtype(args.compute_dtype)
         memory = parse_bytes(args.device_memory)
         if model.loss_fn is not None:
@@ -159,7 +165,8 @@ class PlanCommand(Command):
                   "for the loss; --seq_len and --per_device_batch_size are not used)")
             loss, batch = model.trace_fn, None
         dtypes = "fp32" if compute is None else f"fp32 params, {args.compute_dtype} compute"
-        print(f"{args.model}: {args.devices} devices x {args.device_memory}, per-device batch "
+        scanned = " (layers stacked and scanned)" if args.scan_layers else ""
+        print(f"{args.model}{scanned}: {args.devices} devices x {args.device_memory}, per-device batch "
               f"{args.per_device_batch_size} x seq {args.seq_len}, AdamW, {dtypes}; per-device peak of the "
               "compiled train step (and its FLOPs per device):")
         try:
@@ -168,8 +175,8 @@ class PlanCommand(Command):
                           try_all=args.all, log=lambda line: print("  " + line, flush=True),
                           remat_policies=REMAT_POLICIES if args.remat else ("none",),
                           lora_rank=args.lora_rank, lora=model.lora,
-                          context_degrees=args.n_context_shards,
-                          context_strategy=args.context_strategy, compute_dtype=compute)
+                          context_degrees=context, context_strategy=args.context_strategy,
+                          compute_dtype=compute, expert_parallel=not args.scan_layers)
         except PlanError as e:
             sys.exit(f"redco: {e}")
         remat = f", remat={result.remat!r}" if args.remat else ""
@@ -178,3 +185,19 @@ class PlanCommand(Command):
               f"{result.n_context_shards}, {expert_shards(result)}sharding_rules="
               f"{result.sharding_rules!r}{remat} (peak {result.peak_bytes / memory:.0%} of device "
               f"memory)\nwhy: {result.reason}")
+
+
+def scanned_context_degrees(args: argparse.Namespace) -> list[int] | None:
+    """``--n_context_shards`` as ``plan`` takes it; with ``--scan_layers`` only 1 (a split
+    sequence is not run scanned yet), and what stacked layers do not support refused."""
+    from redco.protocols import UsageError
+    if not args.scan_layers:
+        return args.n_context_shards
+    if args.lora_rank is not None:
+        raise UsageError("--scan_layers with --lora_rank: LoRA on stacked layers is not "
+                         "supported yet; drop one of them.")
+    if args.n_context_shards not in (None, [1]):
+        raise UsageError(f"--scan_layers with --n_context_shards {args.n_context_shards}: "
+                         "context parallelism over stacked layers is not supported yet; give "
+                         "--n_context_shards 1, or drop --scan_layers.")
+    return [1]

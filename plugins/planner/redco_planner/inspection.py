@@ -206,13 +206,17 @@ def preset_names() -> list[str]:
     return ["llama-tiny", *zoo.LLAMA_PRESETS, *zoo.presets.PRESETS]
 
 
-def zoo_decoder(cfg, seq_len: int = 128) -> Model:
+def zoo_decoder(cfg, seq_len: int = 128, scan_layers: bool = False) -> Model:
     """The zoo's decoder (``redco_zoo_models.decoder.DecoderLM``) of config ``cfg``, built
     abstractly with ``nnx.eval_shape``: no weight is allocated. Its loss is the next-token
     cross-entropy over whole logits (``lm_loss``), as the zoo's LM and SFT pipelines compute it;
-    ``lora(rank)`` gives it the zoo's native LoRA layers."""
+    ``lora(rank)`` gives it the zoo's native LoRA layers. ``scan_layers``: its layers stored
+    stacked and run under ``jax.lax.scan`` (``redco_zoo_models.layer_scan``)."""
+    import dataclasses
+
     from flax import nnx
     zoo = zoo_models()
+    cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
     build = lambda: zoo.decoder.DecoderLM(cfg, rngs=nnx.Rngs(0))  # noqa: E731
     apply_fn, params = zoo.split_model(nnx.eval_shape(build))
 
@@ -229,38 +233,43 @@ def zoo_decoder(cfg, seq_len: int = 128) -> Model:
                  lora=with_lora)
 
 
-def zoo_llama(seq_len: int = 128, **config) -> Model:
+def zoo_llama(seq_len: int = 128, scan_layers: bool = False, **config) -> Model:
     """The zoo LLaMA with ``config`` overriding ``LlamaConfig``'s defaults (``zoo_decoder``)."""
-    return zoo_decoder(zoo_models().LlamaConfig(**config), seq_len)
+    return zoo_decoder(zoo_models().LlamaConfig(**config), seq_len, scan_layers)
 
 
-def zoo_preset(name: str, seq_len: int = 128, **overrides) -> Model:
+def zoo_preset(name: str, seq_len: int = 128, scan_layers: bool = False, **overrides) -> Model:
     """A published decoder of ``redco_zoo_models.presets.PRESETS`` (``qwen3-8b``, ...), its
     ``config.json`` read by ``DecoderConfig.from_hf``; ``overrides`` replace config.json keys
     (e.g. ``vocab_size``)."""
     zoo = zoo_models()
     config = {**zoo.presets.preset(name), **overrides}
-    return zoo_decoder(zoo.decoder.DecoderConfig.from_hf(config), seq_len)
+    return zoo_decoder(zoo.decoder.DecoderConfig.from_hf(config), seq_len, scan_layers)
 
 
-def load_model(name: str, seq_len: int = 128) -> Model:
+def load_model(name: str, seq_len: int = 128, scan_layers: bool = False) -> Model:
     """A model by name, built abstractly: ``llama-tiny`` (``LlamaConfig`` defaults), a LLaMA
     shape from ``redco_zoo_models.LLAMA_PRESETS`` (``llama-1b``, ``llama-7b``, ...
     ``llama-65b``), a published decoder from ``redco_zoo_models.presets.PRESETS``
     (``llama-3.1-8b``, ``qwen3-8b``, ``gemma-3-27b``, ``phi-4-mini``, ...), or
     ``module:function``. The function returns params (real or abstract), ``(params,
     trace_fn)``, or ``(params, trace_fn, loss_fn)`` with ``loss_fn(params, batch)`` on
-    ``{"input_ids": int32 (rows, seq_len + 1)}``. Real arrays are turned into shapes."""
+    ``{"input_ids": int32 (rows, seq_len + 1)}``. Real arrays are turned into shapes.
+    ``scan_layers``: a zoo model's layers stacked and scanned (``zoo_decoder``)."""
     if ":" not in name:
         zoo = zoo_models()
         if name == "llama-tiny":
-            return zoo_llama(seq_len)
+            return zoo_llama(seq_len, scan_layers)
         if name in zoo.LLAMA_PRESETS:
-            return zoo_llama(seq_len, **zoo.LLAMA_PRESETS[name])
+            return zoo_llama(seq_len, scan_layers, **zoo.LLAMA_PRESETS[name])
         if name in zoo.presets.PRESETS:
-            return zoo_preset(name, seq_len)
+            return zoo_preset(name, seq_len, scan_layers)
         raise UnknownModel(f"Unknown model {name!r}: use one of {', '.join(preset_names())}, "
                            "or module:function (a function returning the params).")
+    if scan_layers:
+        raise UsageError(f"--scan_layers with --model {name}: only the zoo's decoders (the "
+                         "models named by preset) stack their layers; drop --scan_layers, or "
+                         "build the model scanned in your function.")
     module, _, attr = name.partition(":")
     out = getattr(importlib.import_module(module), attr)()
     parts = list(out) if isinstance(out, tuple) and len(out) in (2, 3) and callable(out[1]) \

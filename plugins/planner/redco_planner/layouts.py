@@ -46,7 +46,7 @@ class TriedLayout:
     out_of_memory: str | None = None  # does not fit: XLA's RESOURCE_EXHAUSTED while compiling
     rules: Rules = field(default_factory=list, repr=False)
     remat: str = "none"  # the redco.remat policy the step was compiled under
-    flops: float | None = None  # per device: XLA's cost_analysis of the compiled step
+    flops: float | None = None  # per device, one update: XLA's count + its loops' repeats (measure)
     lora_rank: int | None = None  # LoRA adapters' rank (base frozen); None: full fine-tuning
     n_context_shards: int = 1  # cp: devices that split each sequence
     collectives: dict = field(default_factory=dict)  # redco.hlo_collectives of the step

@@ -1,7 +1,12 @@
 """Measure one layout: compile ``Trainer``'s own train step ahead of time on abstract shapes,
 sharded as that layout shards it, and read the per-device memory (arguments + outputs - donated
-aliases + temporaries, from XLA's ``memory_analysis()``) and FLOPs (``cost_analysis()``) off
-the compiled executable. Nothing is allocated.
+aliases + temporaries, from XLA's ``memory_analysis()``) and FLOPs off the compiled executable.
+Nothing is allocated.
+
+The FLOPs are XLA's ``cost_analysis()`` of the compiled step, which counts a loop's body once,
+plus what that leaves out of the step's scans (``redco.step_flops.loop_repeats_flops``: a
+scanned layer stack's other layers, gradient accumulation's other micro-batches), counted from
+the traced step and split evenly over the devices: the FLOPs of one whole update.
 
 A layout whose state alone (params and optimizer state, per device, from the shardings) is over
 ``skip_above`` bytes is not compiled: the peak counts the arguments, so it cannot be lower. The
@@ -25,6 +30,7 @@ from redco import plugins, sharding
 from redco import remat as redco_remat
 from redco.hlo_collectives import collectives
 from redco.sharding import Rules, opt_state_shardings, shardings_from_specs, specs_from_rules
+from redco.step_flops import loop_repeats_flops
 from redco.train_step import TrainState, compiler_options, make_train_step, split, step_loss
 from redco_planner.inspection import n_positional
 from redco_planner.layouts import TriedLayout
@@ -132,9 +138,12 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
                            optimizer, trainable, accumulate_grad_batches)
     start = time.perf_counter()
     with redco_remat.policy(remat):
-        compiled = compile_step(step, state, state_shardings, batch, mesh)
+        traced = trace_step(step, state, state_shardings, batch, mesh)
+        compiled = traced.lower().compile()
     layout.compile_s = time.perf_counter() - start
     read_memory(layout, compiled)
+    if layout.flops is not None:
+        layout.flops += loop_repeats_flops(traced) / n_devices
     layout.collectives = collectives(compiled.as_text())
     if layout.n_expert_shards > 1 and "all-to-all" not in layout.collectives:
         raise ValueError(f"{sharding_rules} splits the experts over dp={mesh.shape['dp']}, but "
@@ -162,19 +171,20 @@ def per_device_bytes(tree, shardings) -> int:
                for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
 
 
-def compile_step(step: Callable, state, state_shardings, batch, mesh):
-    """``step`` compiled on abstract shapes as ``Trainer`` runs it: the state sharded by
-    ``state_shardings`` and donated, the micro-batches split over ``dp``."""
+def trace_step(step: Callable, state, state_shardings, batch, mesh) -> jax.stages.Traced:
+    """``step`` traced on abstract shapes as ``Trainer`` runs it (``.lower().compile()``
+    compiles it): the state sharded by ``state_shardings`` and donated, the micro-batches
+    split over ``dp``."""
     replicated = NamedSharding(mesh, P())
     batch_shardings = jax.tree.map(lambda x: NamedSharding(mesh, P(None, "dp")), batch)
     return jax.jit(step, in_shardings=(state_shardings, batch_shardings),
                    out_shardings=(state_shardings, replicated), donate_argnums=0,
-                   compiler_options=compiler_options()).lower(state, batch).compile()
+                   compiler_options=compiler_options()).trace(state, batch)
 
 
 def read_memory(layout: TriedLayout, compiled) -> None:
-    """The compiled step's per-device bytes and FLOPs, into ``layout``: its peak is arguments
-    + outputs - donated aliases + temporaries."""
+    """The compiled step's per-device bytes and XLA's FLOPs, into ``layout``: its peak is
+    arguments + outputs - donated aliases + temporaries."""
     layout.flops = step_flops(compiled)
     stats = compiled.memory_analysis()
     layout.argument_bytes = stats.argument_size_in_bytes

@@ -80,7 +80,7 @@ def train_captioning(config: RunConfig[Captions]):
     """The whole captioning run of ``config``; returns the trainer."""
     captions, source = config.task, config.source
     tokenizer = runner.load_tokenizer(source.model)
-    model, hf = runner.load_model(source.model, source.from_scratch, config.jax_seed)
+    model, hf = runner.load_source(source, config.jax_seed)
     ids = dict(bos_id=hf["decoder"]["bos_token_id"], eos_id=hf["decoder"]["eos_token_id"],
                pad_id=hf.get("pad_token_id") or hf["decoder"]["eos_token_id"])
     column = captions.caption_column

@@ -159,7 +159,7 @@ def train_dpo(config: RunConfig[DPOSettings]):
     """The whole DPO run of ``config``; returns the trainer."""
     dpo, source, batch_size = config.task, config.source, config.loop.per_device_batch_size
     tokenizer = load_chat_tokenizer(source.model)
-    model, _ = runner.load_model(source.model, source.from_scratch, config.jax_seed)
+    model, _ = runner.load_source(source, config.jax_seed)
     train, evaluate = ([render_pair(tokenizer, row, dpo.max_len, f"{what} row {i}",
                                     dpo.chat_template_kwargs)
                         for i, row in enumerate(part)]

@@ -198,7 +198,7 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
     check_decode_degree(run.decode_model_shards)
     tokenizer = load_chat_tokenizer(source.model)
     algorithm, reward_fn = run.algorithm, load_reward_fn(run.reward)
-    model, _ = runner.load_model(source.model, source.from_scratch, seed)
+    model, _ = runner.load_source(source, seed)
     prompts, held_out = prompt_examples(tokenizer, runner.split_eval(
         config.data, {"--prompt_column": run.prompt_column}), run.prompt_column,
         run.max_prompt_len, run.chat_template_kwargs)

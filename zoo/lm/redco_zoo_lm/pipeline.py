@@ -114,8 +114,8 @@ def load_lm(config: RunConfig[LMData]) -> tuple[nnx.Module, dict]:
     """``(model, its config.json)``: ``--model`` trained, or untrained with ``from_scratch``
     (of its config.json, or a preset sized to the data's vocabulary)."""
     source = config.source
-    return runner.load_model(source.model, source.from_scratch, config.jax_seed,
-                             **scratch_fields(source, config.task, config.data))
+    return runner.load_source(source, config.jax_seed,
+                              **scratch_fields(source, config.task, config.data))
 
 
 def lm_examples(config: RunConfig[LMData], model_config: dict) -> tuple[Sequence, Sequence]:

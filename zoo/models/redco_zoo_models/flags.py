@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser, planner: bool = True) -> None
                         + ", ".join(LLAMA_PRESETS) + ")")
     parser.add_argument("--from_scratch", action="store_true", help="start from random weights "
                         "(of --model's config.json or preset) instead of trained ones")
+    parser.add_argument("--scan_layers", action="store_true", help="a decoder's layers stored "
+                        "stacked and run under jax.lax.scan: compile time flat in depth, more "
+                        "temp memory (no LoRA, context or expert parallelism yet)")
     parser.add_argument("--train", required=True, help="training data: a .json, .jsonl, .csv or "
                         ".txt file, or a folder of images with metadata.jsonl")
     parser.add_argument("--eval", help="evaluation data (default: 5%% of --train)")

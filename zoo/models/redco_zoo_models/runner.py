@@ -4,6 +4,7 @@ HuggingFace directory). It takes the typed settings (``settings.RunConfig``, or 
 function needs), never argparse's namespace: the flags are ``flags.py``'s."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,12 +21,21 @@ from redco.lora import n_params, trainable_mask
 from redco.protocols import UsageError
 from redco_zoo_models import expert_parallel
 from redco_zoo_models.balancing import moe_optimizer
+from redco_zoo_models.decoder_config import DecoderConfig
 from redco_zoo_models.hf import auto_class, class_of, from_pretrained, save_pretrained
 from redco_zoo_models.llama import LLAMA_PRESETS, LlamaConfig
 from redco_zoo_models.lora import add_lora, has_lora, save_peft_adapters
 from redco_zoo_models.nnx_utils import split_model
 from redco_zoo_models.presets import PRESETS, preset
-from redco_zoo_models.settings import Data, Loop, LoRA, Optimizer, RunConfig, check_config
+from redco_zoo_models.settings import (
+    Data,
+    Loop,
+    LoRA,
+    ModelSource,
+    Optimizer,
+    RunConfig,
+    check_config,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
@@ -82,14 +92,20 @@ def detokenize(preds, tokenizer, eos_id: int) -> list[str]:
     return [tokenizer.decode(row[:row.index(eos_id)] if eos_id in row else row) for row in rows]
 
 
+def load_source(source: ModelSource, seed: int, **fields) -> tuple[nnx.Module, dict]:
+    """``load_model`` of a run's ``ModelSource`` (what every pipeline loads its model by)."""
+    return load_model(source.model, source.from_scratch, seed, source.scan_layers, **fields)
+
+
 def load_model(model: str, from_scratch: bool = False, seed: int = 0,
-               **fields) -> tuple[nnx.Module, dict]:
+               scan_layers: bool = False, **fields) -> tuple[nnx.Module, dict]:
     """The zoo model saved in the directory ``model`` and its ``config.json`` (token ids live
     there). ``from_scratch``: untrained, its weights drawn from ``seed``, of ``model``'s
     ``config.json`` or of the preset named ``model``: a published decoder's ``config.json``
     (``redco_zoo_models.presets.PRESETS``: ``qwen3-8b``, ``llama-3.1-8b``, ...) or a LLaMA shape
     (``LLAMA_PRESETS``: ``llama-1b``, ...); ``fields`` replace the preset's values (e.g.
-    ``vocab_size``)."""
+    ``vocab_size``). ``scan_layers``: a decoder's layers stored stacked and scanned
+    (``redco_zoo_models.layer_scan``); another model is refused."""
     if not from_scratch:
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise UsageError(
@@ -100,7 +116,9 @@ def load_model(model: str, from_scratch: bool = False, seed: int = 0,
                 f"from a preset ({', '.join([*PRESETS, *LLAMA_PRESETS][:4])}, ...).")
         with open(os.path.join(model, "config.json")) as f:
             config = json.load(f)
-        return from_pretrained(auto_class(model), model), config
+        model_class = scannable(auto_class(model), scan_layers, model)
+        changes = {"scan_layers": True} if scan_layers else {}
+        return from_pretrained(model_class, model, **changes), config
     if os.path.isfile(os.path.join(model, "config.json")):
         with open(os.path.join(model, "config.json")) as f:
             config = json.load(f)
@@ -111,8 +129,20 @@ def load_model(model: str, from_scratch: bool = False, seed: int = 0,
     else:
         raise UsageError(f"--model {model}: neither a directory with config.json nor a preset "
                          f"({', '.join([*PRESETS, *LLAMA_PRESETS])}).")
-    model_class = class_of(config, model)
-    return model_class(model_class.config_class.from_hf(config), rngs=nnx.Rngs(seed)), config
+    model_class = scannable(class_of(config, model), scan_layers, model)
+    cfg = model_class.config_class.from_hf(config)
+    cfg = dataclasses.replace(cfg, scan_layers=True) if scan_layers else cfg
+    return model_class(cfg, rngs=nnx.Rngs(seed)), config
+
+
+def scannable(model_class: type, scan_layers: bool, model: str) -> type:
+    """``model_class``, refused with ``scan_layers`` unless it is a decoder (the one model whose
+    layers stack)."""
+    if scan_layers and not issubclass(model_class.config_class, DecoderConfig):
+        raise UsageError(f"--scan_layers with --model {model}: a {model_class.__name__} does not "
+                         "stack its layers (only the decoders do: LLaMA, Qwen3, Gemma 3, ...); "
+                         "drop --scan_layers.")
+    return model_class
 
 
 def n_epochs_and_schedule(loop: Loop, optimizer: Optimizer, deployer: Deployer,

@@ -43,9 +43,11 @@ def check_choice(group: object, name: str, choices) -> None:
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
     """The model: a local HuggingFace directory, or (``from_scratch``) untrained, of a
-    directory's ``config.json`` or a preset's name."""
+    directory's ``config.json`` or a preset's name; ``scan_layers``: a decoder's layers stored
+    stacked and run under ``jax.lax.scan`` (``redco_zoo_models.layer_scan``)."""
     model: str
     from_scratch: bool = False
+    scan_layers: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +135,22 @@ class RunConfig(Generic[T]):
                             f"{getattr(task, '__name__', task)} takes: "
                             f"{sorted(set(flags) - taken)}; add each to its group.")
         return config
+
+    def __post_init__(self):
+        if self.source.scan_layers:
+            refuse_with_scan(self)
+
+
+def refuse_with_scan(config: RunConfig) -> None:
+    """Refuse, before anything is built, the levers stacked layers do not support yet
+    (``redco_zoo_models.layer_scan``), naming the flag and the fix."""
+    levers = (("--lora_rank", config.lora.rank, "LoRA adapters"),
+              ("--n_context_shards", config.layout.n_context_shards > 1, "context parallelism"),
+              ("--expert_parallel", config.layout.expert_parallel, "expert parallelism"))
+    for flag, asked, lever in levers:
+        if asked:
+            raise UsageError(f"--scan_layers with {flag}: stacked layers do not support "
+                             f"{lever} yet; drop {flag} or --scan_layers.")
 
 
 def check_config(config: Any, where: str) -> None:

@@ -83,7 +83,7 @@ def train_seq2seq(config: RunConfig[TextPairs]):
     """The whole seq2seq run of ``config``; returns the trainer."""
     pairs, source = config.task, config.source
     tokenizer = runner.load_tokenizer(source.model)
-    model, hf = runner.load_model(source.model, source.from_scratch, config.jax_seed)
+    model, hf = runner.load_source(source, config.jax_seed)
     ids = dict(pad_id=hf["pad_token_id"], eos_id=hf["eos_token_id"])
     train, evaluate = ([{"src": r[pairs.src_column], "tgt": r[pairs.tgt_column]} for r in part]
                        for part in runner.split_eval(config.data, {

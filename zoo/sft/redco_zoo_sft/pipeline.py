@@ -93,7 +93,7 @@ def train_sft(config: RunConfig[SFTData]) -> float:
     """The whole SFT run of ``config``; returns the held-out loss on the assistant's tokens."""
     source = config.source
     tokenizer = load_chat_tokenizer(source.model)
-    model, _ = runner.load_model(source.model, source.from_scratch, config.jax_seed)
+    model, _ = runner.load_source(source, config.jax_seed)
     parts = runner.split_eval(config.data, {"--messages_column": config.task.messages_column})
     train, evaluate = (chat_rows(part, tokenizer, config.task, config.jax_seed, what)
                        for part, what in zip(parts, ("--train",

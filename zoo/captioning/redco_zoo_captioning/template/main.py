@@ -23,7 +23,7 @@ from redco_zoo_models.settings import RunConfig
 def main(config: RunConfig[Captions]):
     captions, loop, source = config.task, config.loop, config.source
     tokenizer = runner.load_tokenizer(source.model)
-    model, hf = runner.load_model(source.model, source.from_scratch, config.jax_seed)
+    model, hf = runner.load_source(source, config.jax_seed)
     decoder = hf["decoder"]
     ids = {"bos_id": decoder["bos_token_id"], "eos_id": decoder["eos_token_id"],
            "pad_id": hf.get("pad_token_id") or decoder["eos_token_id"]}

@@ -34,7 +34,7 @@ from redco_zoo_sft.pipeline import load_chat_tokenizer
 def main(config: RunConfig[DPOSettings]):
     dpo, loop, source, seed = config.task, config.loop, config.source, config.jax_seed
     tokenizer = load_chat_tokenizer(source.model)  # with its chat template
-    model, _ = runner.load_model(source.model, source.from_scratch, seed)
+    model, _ = runner.load_source(source, seed)
     train, evaluate = ([render_pair(tokenizer, row, dpo.max_len, f"{what} row {i}")
                         for i, row in enumerate(rows)]  # only the replies' tokens counted
                        for rows, what in zip(runner.split_eval(config.data), ("--train", "--eval")))

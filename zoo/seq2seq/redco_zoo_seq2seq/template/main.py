@@ -22,7 +22,7 @@ from redco_zoo_seq2seq.pipeline import TextPairs, collate_fn, loss_fn, metric_fn
 def main(config: RunConfig[TextPairs]):
     pairs, loop, source = config.task, config.loop, config.source
     tokenizer = runner.load_tokenizer(source.model)
-    model, hf = runner.load_model(source.model, source.from_scratch, config.jax_seed)
+    model, hf = runner.load_source(source, config.jax_seed)
     ids = {"pad_id": hf["pad_token_id"], "eos_id": hf["eos_token_id"]}
     train, evaluate = runner.split_eval(config.data)  # --eval, or the last 5% of --train
 

@@ -27,7 +27,7 @@ def main(args):
     config = RunConfig.of_flags(args, SFTData, strict=False)  # typed; --prompt ... are ours
     loop, source, seed = config.loop, config.source, config.jax_seed
     tokenizer = load_chat_tokenizer(source.model)  # with its chat template
-    model, _ = runner.load_model(source.model, source.from_scratch, seed)
+    model, _ = runner.load_source(source, seed)
     train, evaluate = (chat_rows(rows, tokenizer, config.task, seed, what) for rows, what in zip(
         runner.split_eval(config.data, {"--messages_column": config.task.messages_column}),
         ("--train", "--eval (or the last 5% of --train)")))  # rendered, masked, packed
