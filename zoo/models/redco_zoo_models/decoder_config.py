@@ -26,7 +26,13 @@ attention and a gated MLP. What differs:
   ``o_proj_bias``); its MoE blocks' ``router_bias``, ``expert_bias`` and clamped SwiGLU
   (``swiglu_limit``, ``swiglu_alpha``: ``redco_zoo_models.layers.glu``);
 * ``kv_lora_rank`` (DeepSeek-V3): multi-head latent attention (``redco_zoo_models.mla``) in
-  place of grouped-query attention, ``head_dim`` being the size of its rotated part.
+  place of grouped-query attention, ``head_dim`` being the size of its rotated part;
+* ``mixers`` (Qwen3-Next, Qwen3.5: config.json's ``layer_types``): each layer's token mixer, a
+  ``Mixer``: attention, or a Gated DeltaNet (``redco_zoo_models.gated_deltanet``, sized by the
+  ``linear_*`` fields; ``delta_chunk_size`` is the run's); ``attn_output_gate``: ``q_proj``
+  gives each head's query and an output gate (``o_proj(out * sigmoid(gate))``);
+  ``shared_expert_intermediate_size`` with ``shared_expert_gate``: the MoE blocks' shared
+  expert, scaled per token by ``sigmoid(shared_expert_gate(x))``.
 
 ``scan_layers`` is not the family's but the run's (no config.json key; ``from_pretrained(...,
 scan_layers=True)``): runs of like layers stored stacked and run under ``jax.lax.scan``
@@ -35,10 +41,18 @@ scan_layers=True)``): runs of like layers stored stacked and run under ``jax.lax
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 from redco_zoo_models import families
+from redco_zoo_models.gated_deltanet import DeltaNetConfig
 from redco_zoo_models.moe import MoEConfig
 from redco_zoo_models.rope import Rope
+
+
+class Mixer(str, enum.Enum):
+    """A layer's token mixer, by config.json's ``layer_types`` name."""
+    ATTENTION = "full_attention"
+    GATED_DELTANET = "linear_attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +112,16 @@ class DecoderConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    mixers: tuple[Mixer, ...] | None = None  # each layer's token mixer; None: attention
+    attn_output_gate: bool = False  # Qwen3-Next: q_proj also gives a sigmoid gate on the output
+    linear_num_key_heads: int = 0  # the Gated DeltaNet layers' sizes (gated_deltanet)
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    delta_chunk_size: int = 64  # the chunked delta rule's chunk (a run's choice, no config.json key)
+    shared_expert_intermediate_size: int = 0  # Qwen3-Next: one shared expert of this size ...
+    shared_expert_gate: bool = False  # ... gated per token by a sigmoid
     scan_layers: bool = False  # layers stored stacked, run under lax.scan (layer_scan); no config.json key
 
     def __post_init__(self):
@@ -106,9 +130,26 @@ class DecoderConfig:
         if self.rope is None:
             object.__setattr__(self, "rope", Rope(self.head_dim, self.rope_theta,
                                                   max_position_embeddings=self.max_position_embeddings))
+        if self.mixers is not None:
+            object.__setattr__(self, "mixers", tuple(Mixer(m) for m in self.mixers))
+            if len(self.mixers) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(self.mixers)} entries for "
+                                 f"{self.num_hidden_layers} layers.")
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
                              f"{self.num_hidden_layers} layers.")
+
+    def mixer(self, layer: int) -> Mixer:
+        return Mixer.ATTENTION if self.mixers is None else self.mixers[layer]
+
+    def has_delta_net(self) -> bool:
+        return self.mixers is not None and Mixer.GATED_DELTANET in self.mixers
+
+    def delta_net(self) -> DeltaNetConfig:
+        return DeltaNetConfig(self.hidden_size, self.linear_num_key_heads,
+                              self.linear_num_value_heads, self.linear_key_head_dim,
+                              self.linear_value_head_dim, self.linear_conv_kernel_dim,
+                              self.rms_norm_eps, self.delta_chunk_size)
 
     def sliding(self, layer: int) -> bool:
         if self.sliding_window is None:
@@ -131,7 +172,9 @@ class DecoderConfig:
                          bias_update_rate=self.bias_update_rate,
                          capacity_factor=self.capacity_factor, router_bias=self.router_bias,
                          expert_bias=self.expert_bias, swiglu_limit=self.swiglu_limit,
-                         swiglu_alpha=self.swiglu_alpha)
+                         swiglu_alpha=self.swiglu_alpha,
+                         shared_expert_size=self.shared_expert_intermediate_size,
+                         shared_expert_gate=self.shared_expert_gate)
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":

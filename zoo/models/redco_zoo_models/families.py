@@ -59,6 +59,8 @@ class Family:
     ignores: frozenset = frozenset()  # keys transformers' class of this family ignores too
     defaults: dict = dataclasses.field(default_factory=dict)  # config.json keys it may omit
     experts: str | None = None  # an MoE checkpoint's layout: qwen | mixtral | deepseek | gpt_oss
+    fused_delta_net: bool = False  # Qwen3-Next: in_proj_qkvz, in_proj_ba (family_tensors)
+    mixers: bool = False  # layer_types names each layer's token mixer (Qwen3-Next, Qwen3.5)
 
 
 GEMMA = dict(norm_layout="sandwich", norm_offset=1.0, embed_scale=True)
@@ -69,6 +71,19 @@ GEMMA_READS = {"hidden_activation": ("hidden_act", "gelu_pytorch_tanh"),
 MOE_READS = {"num_experts_per_tok": ("experts_per_token", 2),
              "router_aux_loss_coef": ("router_aux_loss_coef", 0.001)}
 MOE_IGNORES = frozenset({"output_router_logits", "router_jitter_noise"})  # training-time only
+GATED_DELTANET = dict(norm_offset=1.0, qk_norm="head", attn_output_gate=True)
+GATED_DELTANET_READS = {"attention_bias": ("attention_bias", False),
+                        "hidden_act": ("hidden_act", "silu"),
+                        "linear_num_key_heads": ("linear_num_key_heads", 16),
+                        "linear_num_value_heads": ("linear_num_value_heads", 32),
+                        "linear_key_head_dim": ("linear_key_head_dim", 128),
+                        "linear_value_head_dim": ("linear_value_head_dim", 128),
+                        "linear_conv_kernel_dim": ("linear_conv_kernel_dim", 4)}
+SHARED_EXPERT_READS = {**MOE_READS, "num_experts": ("n_experts", 512),
+                       "moe_intermediate_size": ("moe_intermediate_size", 512),
+                       "shared_expert_intermediate_size": ("shared_expert_intermediate_size", 512)}
+QWEN3_5_IGNORES = frozenset({"mtp_num_hidden_layers", "mtp_use_dedicated_embeddings",
+                             "attn_output_gate", "mamba_ssm_dtype"})
 FAMILIES = {
     "llama": Family("LlamaForCausalLM", reads={"attention_bias": ("attention_bias", False),
                                                "hidden_act": ("hidden_act", "silu")}),
@@ -126,6 +141,23 @@ FAMILIES = {
         windows="alternate", experts="gpt_oss", defaults={"rms_norm_eps": 1e-5,
                                                           "sliding_window": 128},
         ignores=MOE_IGNORES | {"hidden_act", "experts_per_token", "initial_context_length"}),
+    "qwen3_next": Family(  # Gated DeltaNet and gated attention layers; shared expert
+        "Qwen3NextForCausalLM", switches={**GATED_DELTANET, "shared_expert_gate": True},
+        reads={**GATED_DELTANET_READS, **SHARED_EXPERT_READS,
+               "norm_topk_prob": ("norm_topk_prob", True),
+               "decoder_sparse_step": ("decoder_sparse_step", 1),
+               "mlp_only_layers": ("mlp_only_layers", ())},
+        experts="qwen_next", mixers=True, fused_delta_net=True, ignores=MOE_IGNORES,
+        defaults={"partial_rotary_factor": 0.25}),
+    "qwen3_5_text": Family("Qwen3_5ForCausalLM", switches=GATED_DELTANET,
+                           reads=GATED_DELTANET_READS, mixers=True, ignores=QWEN3_5_IGNORES,
+                           defaults={"partial_rotary_factor": 0.25}),
+    "qwen3_5_moe_text": Family(  # every layer sparse, top-k weights renormalised
+        "Qwen3_5MoeForCausalLM", switches={**GATED_DELTANET, "shared_expert_gate": True,
+                                           "norm_topk_prob": True},
+        reads={**GATED_DELTANET_READS, **SHARED_EXPERT_READS}, experts="qwen_next",
+        mixers=True, ignores=MOE_IGNORES | QWEN3_5_IGNORES,
+        defaults={"partial_rotary_factor": 0.25}),
     "olmo2": Family("Olmo2ForCausalLM", switches={"norm_layout": "post", "qk_norm": "all"},
                     reads={"attention_bias": ("attention_bias", False),
                            "hidden_act": ("hidden_act", "silu")},
@@ -144,6 +176,15 @@ def _layer_types(family: Family, config: dict, n: int) -> tuple | None:
             "sliding_window_pattern", config.get("_sliding_window_pattern", 6))
         return tuple(SLIDING if (i + 1) % every else FULL for i in range(n))
     return None
+
+
+def _mixers(config: dict, n: int) -> tuple[str, ...]:
+    """Each layer's token mixer (``layer_types``; without it every ``full_attention_interval``-th
+    layer attends, the rest are linear, as transformers reads it)."""
+    if config.get("layer_types"):
+        return tuple(config["layer_types"])
+    every = config.get("full_attention_interval", 4)
+    return tuple(FULL if (i + 1) % every == 0 else "linear_attention" for i in range(n))
 
 
 def _window(family: Family, config: dict) -> int | None:
@@ -167,6 +208,8 @@ def _ropes(family: Family, config: dict, head_dim: int, where: str) -> dict:
                  **(params.get(SLIDING) or {})}
         return {"rope": read_rope(full, head_dim, longest, f"{where} ({FULL})"),
                 "local_rope": read_rope(local, head_dim, longest, f"{where} ({SLIDING})")}
+    if family.mixers:  # Qwen3.5's multimodal RoPE: one position for every section in text
+        params = {k: v for k, v in params.items() if k not in ("mrope_section", "mrope_interleaved")}
     merged = {**top, **(config.get("rope_scaling") or {}), **params}
     return {"rope": read_rope(merged, head_dim, longest, where, original), "local_rope": None}
 
@@ -183,6 +226,8 @@ def read_config(cls, config: dict, where: str = "config.json") -> Any:
         "original_max_position_embeddings", "use_bidirectional_attention"}
     if family.windows == "none":
         read -= {"layer_types", "sliding_window", "use_sliding_window"}
+    if family.mixers:
+        read |= {"layer_types", "full_attention_interval"}
     if config.get("use_bidirectional_attention"):
         raise ValueError(f"{where}: use_bidirectional_attention is set (an encoder such as "
                          "EmbeddingGemma); the zoo's decoders are causal.")
@@ -207,6 +252,8 @@ def read_config(cls, config: dict, where: str = "config.json") -> Any:
             fields[field] = tuple(fields[field])
     head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
     window = _window(family, config)
+    if family.mixers:
+        fields["mixers"] = _mixers(config, fields["num_hidden_layers"])
     return cls(**fields, **family.switches, family=model_type, sliding_window=window,
                layer_types=_layer_types(family, config, fields["num_hidden_layers"])
                if window else None, **_ropes(family, config, head_dim, where))
@@ -231,6 +278,8 @@ def write_config(cfg) -> dict:
             out["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
         out["rope_parameters"] = rope
         out["rope_theta"] = rope["rope_theta"]  # (transformers 4 reads it here)
+    if family.mixers:
+        out["layer_types"] = [m.value for m in cfg.mixers]
     if family.windows != "none":
         out["sliding_window"] = cfg.sliding_window
         out["use_sliding_window"] = cfg.sliding_window is not None

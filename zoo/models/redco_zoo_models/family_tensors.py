@@ -15,12 +15,18 @@ checkpoints do, so ``redco_safetensors.torch_name`` maps them; what differs, per
   projections fused in one ``mlp.experts.gate_up_proj`` whose columns alternate (gate, up,
   gate, ...), and their biases so in ``gate_up_proj_bias``; its router is ``mlp.router``.
 
+* Qwen3-Next fuses its Gated DeltaNet's input projections per key head (``in_proj_qkvz``,
+  ``in_proj_ba``): split into Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+  ``in_proj_a`` on import, fused back on export (``redco_zoo_models.gated_deltanet``); its MoE
+  blocks' ``shared_expert`` is the zoo's ``shared_experts``.
+
 A tied head's stored copy is dropped on import when it equals the embedding (refused when not).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from redco_zoo_models import gated_deltanet
 from redco_zoo_models.families import FAMILIES
 
 FUSED = {"self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"),
@@ -29,17 +35,23 @@ INTERLEAVED = {  # gpt-oss: a fused tensor -> the zoo's (even columns, odd colum
     "experts.gate_up_proj": ("experts.gate_proj", "experts.up_proj"),
     "experts.gate_up_proj_bias": ("experts.gate_proj_bias", "experts.up_proj_bias"),
 }
+FUSED_DELTA_NET = ("in_proj_qkvz", "in_proj_ba")  # Qwen3-Next's, split into:
+SPLIT_DELTA_NET = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 QWEN_EXPERTS = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 EXPERTS = {  # layout -> (the block's checkpoint name, {the zoo's projection: the checkpoint's})
     "qwen": ("mlp", QWEN_EXPERTS),
     "deepseek": ("mlp", QWEN_EXPERTS),
     "mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
     "gpt_oss": ("mlp", {}),  # stacked already (INTERLEAVED)
+    "qwen_next": ("mlp", QWEN_EXPERTS),
 }
 RENAMED = {  # layout -> {the zoo's name in a block: the checkpoint's}
     "qwen": {"gate.weight": "gate.weight"}, "mixtral": {"gate.weight": "gate.weight"},
     "deepseek": {"gate.weight": "gate.weight", "balance_bias": "gate.e_score_correction_bias"},
     "gpt_oss": {"gate.weight": "router.weight", "gate.bias": "router.bias"},
+    "qwen_next": {"gate.weight": "gate.weight", "shared_expert_gate.weight": "shared_expert_gate.weight",
+                  **{f"shared_experts.{p}.weight": f"shared_expert.{p}.weight"
+                     for p in QWEN_EXPERTS}},
 }
 
 
@@ -53,7 +65,8 @@ def _sizes(cfg, fused: str) -> list[int]:
 def tensors_in(cfg, tensors: dict) -> dict:
     """A checkpoint's tensors (PyTorch names) under the zoo model's names (``cfg``: its
     ``DecoderConfig``)."""
-    tensors = _stacked_experts(cfg, dict(tensors))
+    tensors = _delta_nets(cfg, _stacked_experts(cfg, dict(tensors)), FUSED_DELTA_NET,
+                          gated_deltanet.split_fused)
     if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
         embedding = tensors.get("model.embed_tokens.weight")
         if embedding is None or not np.array_equal(tensors["lm_head.weight"], embedding):
@@ -73,7 +86,8 @@ def tensors_in(cfg, tensors: dict) -> dict:
 
 def tensors_out(cfg, tensors: dict) -> dict:
     """The zoo model's tensors under its family's checkpoint names (``tensors_in`` undone)."""
-    tensors = _unstacked_experts(cfg, dict(tensors))
+    tensors = _delta_nets(cfg, _unstacked_experts(cfg, dict(tensors)), SPLIT_DELTA_NET,
+                          gated_deltanet.fused)
     if not FAMILIES[cfg.family].fused:
         return tensors
     for i in range(cfg.num_hidden_layers):
@@ -81,6 +95,20 @@ def tensors_out(cfg, tensors: dict) -> dict:
             module = f"model.layers.{i}.{suffix.split('.')[0]}"
             tensors[f"model.layers.{i}.{suffix}"] = np.concatenate(
                 [tensors.pop(f"{module}.{p}.weight") for p in parts], axis=0)
+    return tensors
+
+
+def _delta_nets(cfg, tensors: dict, names: tuple[str, ...], convert) -> dict:
+    """Each Gated DeltaNet layer's projections ``names`` through ``convert``
+    (``gated_deltanet.split_fused`` or ``fused``), for a family that fuses them."""
+    if not FAMILIES[cfg.family].fused_delta_net:
+        return tensors
+    for i in range(cfg.num_hidden_layers):
+        if cfg.mixer(i).value == "linear_attention":
+            prefix = f"model.layers.{i}.linear_attn"
+            given = [_take(tensors, f"{prefix}.{n}.weight", cfg) for n in names]
+            tensors.update({f"{prefix}.{n}.weight": t
+                            for n, t in convert(cfg.delta_net(), *given).items()})
     return tensors
 
 

@@ -48,6 +48,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
@@ -179,6 +180,38 @@ class GatedRMSNorm(nnx.Module):
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 ** 2, axis=-1, keepdims=True) + self.eps)
         normed = self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
         return (normed * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+
+
+def split_fused(cfg: DeltaNetConfig, qkvz, ba) -> dict:
+    """Qwen3-Next's fused ``in_proj_qkvz`` and ``in_proj_ba`` weights (PyTorch's (out, in); per
+    key head its q, k, then its group's v, z, and its group's b, a) as the split projections'."""
+    nk, dk, r = cfg.n_key_heads, cfg.key_head_dim, cfg.n_value_heads // cfg.n_key_heads
+    q, k, v, z = np.split(qkvz.reshape(nk, -1, qkvz.shape[-1]),
+                          np.cumsum([dk, dk, r * cfg.value_head_dim]), axis=1)
+    b, a = np.split(ba.reshape(nk, 2 * r, ba.shape[-1]), 2, axis=1)
+    flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
+    return {"in_proj_qkv": np.concatenate([flat(q), flat(k), flat(v)]), "in_proj_z": flat(z),
+            "in_proj_b": flat(b), "in_proj_a": flat(a)}
+
+
+def fused(cfg: DeltaNetConfig, qkv, z, b, a) -> dict:
+    """``split_fused`` undone: ``{"in_proj_qkvz": ..., "in_proj_ba": ...}``."""
+    nk, width = cfg.n_key_heads, qkv.shape[-1]
+    q, k, v = np.split(qkv, [cfg.key_dim, 2 * cfg.key_dim])
+    per_head = lambda *xs: np.concatenate(  # noqa: E731
+        [x.reshape(nk, -1, width) for x in xs], axis=1).reshape(-1, width)
+    return {"in_proj_qkvz": per_head(q, k, v, z), "in_proj_ba": per_head(b, a)}
+
+
+def token_valid(allowed, first_slot=0):
+    """(B, T) bools: which of a call's ``T`` tokens are real, read off the decoder's mask
+    ``allowed`` (B, 1, T, S) (``redco_zoo_models.attention.decoder_inputs``: a token sees its own
+    slot iff it is real); ``None`` (no mask: all real) stays ``None``."""
+    if allowed is None:
+        return None
+    b, _, t, _ = allowed.shape
+    slots = jnp.broadcast_to(jnp.reshape(first_slot, (-1, 1)) + jnp.arange(t), (b, t))
+    return jnp.take_along_axis(allowed[:, 0], slots[..., None], axis=-1)[..., 0]
 
 
 def init_state(cfg: DeltaNetConfig, batch: int, dtype=jnp.float32) -> dict:
