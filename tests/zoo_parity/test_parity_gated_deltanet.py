@@ -53,14 +53,16 @@ def jitted(model):
 
 
 def test_logits_past_a_chunk_equal_transformers_within_1e4(pair):
-    """150 tokens: three of transformers' 64-token chunks; ours at chunks of 64 and of 16."""
+    """150 tokens: three of transformers' 64-token chunks; ours at chunks of 64 (and, for
+    Qwen3.5, of 16)."""
     theirs, ours = pair
     ids = np.random.RandomState(0).randint(1, EOS, (2, 150))
     want = torch_logits(theirs, ids)
-    small = type(ours)(dataclasses.replace(ours.cfg, delta_chunk_size=16), nnx.Rngs(0))
-    nnx.update(small, nnx.state(ours, nnx.Param))
-    for model in (ours, small):
-        np.testing.assert_allclose(jitted(model)(ids), want, atol=ATOL)
+    np.testing.assert_allclose(jitted(ours)(ids), want, atol=ATOL)
+    if ours.cfg.family == "qwen3_5_text":
+        small = type(ours)(dataclasses.replace(ours.cfg, delta_chunk_size=16), nnx.Rngs(0))
+        nnx.update(small, nnx.state(ours, nnx.Param))
+        np.testing.assert_allclose(jitted(small)(ids), want, atol=ATOL)
 
 
 def test_left_padded_logits_equal_transformers(pair):
@@ -82,8 +84,11 @@ def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):
 
 
 def test_greedy_generation_equals_transformers(pair):
-    """Prompts behind 0-3 pads, 16 new tokens: the conv and delta-rule states carried per row."""
+    """Prompts behind 0-3 pads, 16 new tokens: the conv and delta-rule states carried per row
+    (Qwen3-Next: its MoE blocks decode as the other families' do)."""
     theirs, ours = pair
+    if ours.cfg.family == "qwen3_5_moe_text":
+        pytest.skip("Qwen3.5 and Qwen3-Next cover its layers")
     prompts, mask = left_padded(4, 6, EOS, PAD, seed=4)
     got = jax.jit(lambda params, prompts, mask: generate(
         ours, params, prompts, 16, prompt_mask=mask, eos_token_id=EOS, pad_token_id=PAD))(

@@ -30,8 +30,8 @@ from redco_zoo_models.context_parallel import (
     on_split,
 )
 from redco_zoo_models.decoder_config import DecoderConfig, Mixer
-from redco_zoo_models.gated_deltanet import GatedDeltaNet, init_state, token_valid
 from redco_zoo_models.expert_parallel import as_laid_out
+from redco_zoo_models.gated_deltanet import GatedDeltaNet, init_state, token_valid
 from redco_zoo_models.hf_init import init_like_hf
 from redco_zoo_models.layers import GatedMLP, RMSNorm, embed
 from redco_zoo_models.mla import LatentAttention, latent_width
