@@ -108,3 +108,22 @@ def test_the_chunked_rule_equals_the_recurrence():
     state = r.randn(2, 4, 8, 6).astype(np.float32)
     for got, want in zip(chunked(q, k, v, g, beta, 8, state), recurrent(q, k, v, g, beta, state)):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_the_language_model_of_a_multimodal_checkpoint_reads_alone(tmp_path):
+    """A tiny Qwen3.5 vision-language checkpoint (``qwen3_5``: the text config nested, the
+    language model under ``model.language_model``, a vision tower beside it) read as its causal
+    LM: the logits of transformers' multimodal model given text alone."""
+    text = {k: v for k, v in TINY_FAMILIES["qwen3.5"].items() if k != "model_type"}
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                  patch_size=4, spatial_merge_size=2, num_position_embeddings=16)
+    torch.manual_seed(0)
+    theirs = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(
+        text_config=text, vision_config=vision))
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    theirs.eval().save_pretrained(str(tmp_path))
+    ours = from_pretrained(auto_class(str(tmp_path)), str(tmp_path))
+    ids = np.random.RandomState(7).randint(1, EOS, (2, 30))
+    np.testing.assert_allclose(jitted(ours)(ids), torch_logits(theirs, ids), atol=ATOL)

@@ -165,6 +165,24 @@ FAMILIES = {
 }
 
 
+TEXT_PARTS = {  # a multimodal checkpoint -> the family of its language model, read alone
+    "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+def text_part(config: dict) -> dict:
+    """A multimodal config.json (``TEXT_PARTS``: Qwen3.5's, its ``text_config`` nested) as its
+    language model's (the head's tying read from either level); any other as it is. Its vision
+    tower and multimodal token ids are not the language model's (``family_tensors`` drops the
+    tower's tensors); text alone gives every section of Qwen3.5's multimodal RoPE the same
+    position, which is plain RoPE."""
+    model_type = config.get("model_type")
+    if model_type not in TEXT_PARTS or "text_config" not in config:
+        return config
+    text = {"tie_word_embeddings": config.get("tie_word_embeddings", False),
+            **config["text_config"]}
+    return {**text, "model_type": TEXT_PARTS[model_type]}
+
+
 def _layer_types(family: Family, config: dict, n: int) -> tuple | None:
     if config.get("layer_types"):
         return tuple(config["layer_types"])
@@ -216,6 +234,7 @@ def _ropes(family: Family, config: dict, head_dim: int, where: str) -> dict:
 
 def read_config(cls, config: dict, where: str = "config.json") -> Any:
     """``cls`` (``DecoderConfig``) from a HuggingFace ``config.json``'s contents."""
+    config = text_part(config)
     model_type = config.get("model_type", "llama")
     family = FAMILIES.get(model_type)
     if family is None:

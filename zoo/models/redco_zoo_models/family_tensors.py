@@ -18,7 +18,9 @@ checkpoints do, so ``redco_safetensors.torch_name`` maps them; what differs, per
 * Qwen3-Next fuses its Gated DeltaNet's input projections per key head (``in_proj_qkvz``,
   ``in_proj_ba``): split into Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
   ``in_proj_a`` on import, fused back on export (``redco_zoo_models.gated_deltanet``); its MoE
-  blocks' ``shared_expert`` is the zoo's ``shared_experts``.
+  blocks' ``shared_expert`` is the zoo's ``shared_experts``. A Qwen3.5 multimodal checkpoint's
+  language model is read alone (``_language_model``); Qwen3-Next's and Qwen3.5's ``mtp.*``
+  (multi-token prediction) tensors are not part of the causal LM.
 
 A tied head's stored copy is dropped on import when it equals the embedding (refused when not).
 """
@@ -65,6 +67,8 @@ def _sizes(cfg, fused: str) -> list[int]:
 def tensors_in(cfg, tensors: dict) -> dict:
     """A checkpoint's tensors (PyTorch names) under the zoo model's names (``cfg``: its
     ``DecoderConfig``)."""
+    if FAMILIES[cfg.family].mixers:
+        tensors = _language_model(tensors)
     tensors = _delta_nets(cfg, _stacked_experts(cfg, dict(tensors)), FUSED_DELTA_NET,
                           gated_deltanet.split_fused)
     if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
@@ -96,6 +100,14 @@ def tensors_out(cfg, tensors: dict) -> dict:
             tensors[f"model.layers.{i}.{suffix}"] = np.concatenate(
                 [tensors.pop(f"{module}.{p}.weight") for p in parts], axis=0)
     return tensors
+
+
+def _language_model(tensors: dict) -> dict:
+    """A Qwen3.5 checkpoint's language model: ``model.language_model.*`` as ``model.*``; its
+    vision tower (``model.visual.*``) and multi-token-prediction head (``mtp.*``, which
+    transformers' causal LM skips too) dropped."""
+    return {name.replace("model.language_model.", "model.", 1): t for name, t in tensors.items()
+            if not name.startswith(("model.visual.", "mtp."))}
 
 
 def _delta_nets(cfg, tensors: dict, names: tuple[str, ...], convert) -> dict:
