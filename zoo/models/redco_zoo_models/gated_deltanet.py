@@ -26,7 +26,7 @@ the delta rule (the value ``S`` predicts for ``k_t`` moved toward ``v_t``) with 
 chunk, with ``G_i`` the cumulative log-decay from the chunk's start and ``L = I + A`` where
 ``A_ij = beta_i k_i.k_j exp(G_i - G_j)`` for ``j < i``, the chunk's writes are
 ``U = L^-1 (beta v)`` less what the incoming state already gives, ``W = L^-1 (beta k exp(G))``
-(a unit lower-triangular solve: the WY form of the delta rule's products of
+(``unit_lower_inverse``: the WY form of the delta rule's products of
 ``I - beta k k^T``). Then with the incoming state ``S``::
 
     V' = U - W S;   O = (q exp(G)) S + (q k^T * exp(G_i - G_j), j <= i) V'
@@ -122,8 +122,26 @@ def recurrent(q, k, v, g, beta, state=None):
     return jnp.moveaxis(out, 0, 1), state
 
 
+def unit_lower_inverse(m):
+    """The inverse of unit lower-triangular matrices ``m`` (..., n, n), n a power of two, by
+    halves: ``[[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1, D^-1]]``, both halves inverted
+    together: ``log2 n`` rounds of batched matmuls. (XLA's CPU triangular solve took 1.5 s for
+    64 systems of 64: a thousand times a matmul of the same shapes.)"""
+    n = m.shape[-1]
+    if n == 1:
+        return jnp.ones_like(m)
+    h = n // 2
+    a_inv, d_inv = unit_lower_inverse(jnp.stack([m[..., :h, :h], m[..., h:, h:]]))
+    corner = -(d_inv @ m[..., h:, :h]) @ a_inv
+    return jnp.concatenate([jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], -1),
+                            jnp.concatenate([corner, d_inv], -1)], -2)
+
+
 def chunked(q, k, v, g, beta, chunk_size: int = 64, state=None):
-    """``recurrent``'s result, a chunk at a time (module docstring)."""
+    """``recurrent``'s result, a chunk at a time (module docstring); ``chunk_size`` a power of
+    two."""
+    if chunk_size & (chunk_size - 1):
+        raise ValueError(f"delta_chunk_size={chunk_size}: use a power of two (64 by default).")
     q, k, v, g, beta = _prepared(q, k, v, g, beta)
     b, t, h, dv = v.shape
     c = chunk_size
@@ -138,10 +156,8 @@ def chunked(q, k, v, g, beta, chunk_size: int = 64, state=None):
     decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
     k_beta = k * beta[..., None]
     strict = jnp.where(jnp.eye(c, dtype=bool), 0.0, (k_beta @ jnp.swapaxes(k, -1, -2)) * decay)
-    system = strict + jnp.eye(c)
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(  # noqa: E731
-        system, rhs, left_side=True, lower=True, unit_diagonal=True)
-    u, w = solve(v * beta[..., None]), solve(k_beta * jnp.exp(cum)[..., None])
+    inverse = unit_lower_inverse(strict + jnp.eye(c))
+    u, w = inverse @ (v * beta[..., None]), inverse @ (k_beta * jnp.exp(cum)[..., None])
     attn = (q @ jnp.swapaxes(k, -1, -2)) * decay
     q_decayed = q * jnp.exp(cum)[..., None]
     k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
