@@ -1,8 +1,8 @@
 """Expert parallelism (``redco_zoo_models.expert_parallel``) against one device: the MoE block's
 loss and gradients with its experts split over dp = 2, 4, 8 devices (and dp 4 x mp 2), dropless
 and with a capacity (against the per-source-device drop rule written out here), gpt-oss's
-expert biases split with their experts, the FSDP gathers it turns off, and the bad inputs it
-refuses before compiling."""
+expert biases split with their experts, Qwen3-Next's gated shared expert beside them, the FSDP
+gathers it turns off, and the bad inputs it refuses before compiling."""
 import re
 
 import jax
@@ -19,6 +19,7 @@ from redco.sharding import make_mesh, specs_from_rules
 from redco_zoo_models.expert_parallel import expert_parallel, sharding_rules
 from redco_zoo_models.moe import MoE, MoEConfig
 
+QWEN_NEXT = dict(shared_expert_size=12, shared_expert_gate=True)  # a gated shared expert
 X = jax.random.normal(jax.random.PRNGKey(1), (8, 4, 16))  # 32 tokens
 
 
@@ -51,9 +52,10 @@ def loss_and_grads(moe: MoE, mesh=None):
 
 
 @pytest.mark.parametrize("dp, mp, overrides", [(1, 1, {}), (2, 1, {}), (4, 1, {}), (8, 1, {}),
-                                               (4, 2, {}), (4, 2, GPT_OSS)])
+                                               (4, 2, {}), (4, 2, GPT_OSS), (4, 1, QWEN_NEXT)])
 def test_dropless_equals_one_device(dp, mp, overrides):
-    moe = with_random_biases(block(**overrides)) if overrides else block()
+    moe = with_random_biases(block(**overrides)) if overrides.get("expert_bias") else \
+        block(**overrides)
     want, want_grads, _, _ = loss_and_grads(moe)
     got, grads, aux, jaxpr = loss_and_grads(moe, mesh_of(dp, mp))
     assert ("all_to_all" in jaxpr) == (dp > 1)

@@ -71,11 +71,13 @@ def test_a_split_sequence_gives_the_unsplit_logits(family, strategy):
     np.testing.assert_allclose(split, whole, atol=2e-5)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "phi-4-mini", "qwen3-moe", "granite-4-h"])
+@pytest.mark.parametrize("family", ["gemma3", "phi-4-mini", "qwen3-moe", "granite-4-h",
+                                    "qwen3-next"])
 def test_fsdp_with_tensor_parallelism_and_full_remat_trains_as_one_device(family):
     """Two updates at dp 4 x mp 2, FSDP, every layer rematerialised (Gemma 3's q/k norms, Phi's
     split fused projections, Qwen3-MoE's stacked experts and router, Granite 4's Mamba2 layers
-    beside attention and its MoE with a shared MLP): the params one device gets, to 1e-5."""
+    beside attention and its MoE with a shared MLP, Qwen3-Next's Gated DeltaNet tensors and gated
+    shared expert): the params one device gets, to 1e-5."""
     import optax
 
     from redco import Trainer

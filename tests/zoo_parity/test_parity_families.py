@@ -37,10 +37,11 @@ from redco.tree_paths import named_leaves
 from redco_zoo_models import from_pretrained, generate, save_pretrained
 from redco_zoo_models.balancing import BalanceBias
 from redco_zoo_models.hf import auto_class
-from redco_zoo_models.toy import TINY_FAMILIES
+from redco_zoo_models.toy import DELTA_NET_FAMILIES, TINY_FAMILIES
 
 VOCAB, EOS, PAD, BOS = 64, 63, 0, 1
-FAMILIES = TINY_FAMILIES  # the lengths below cross WINDOW (8) and ORIGINAL_CONTEXT (16)
+FAMILIES = {k: v for k, v in TINY_FAMILIES.items()  # the lengths below cross WINDOW (8) and
+            if k not in DELTA_NET_FAMILIES}  # ORIGINAL_CONTEXT (16); Gated DeltaNet: its own file
 LOGITS_ONLY = {"qwen3-yarn", "deepseek-v3-plain-q", "seed-oss"}  # logits and export only
 
 

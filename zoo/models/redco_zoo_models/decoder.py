@@ -13,6 +13,7 @@ map by name (``redco_zoo_models.hf``); a family's own tensor names and config ke
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -31,6 +32,7 @@ from redco_zoo_models.context_parallel import (
 )
 from redco_zoo_models.decoder_config import DecoderConfig, Mixer
 from redco_zoo_models.expert_parallel import as_laid_out
+from redco_zoo_models.gated_deltanet import GatedDeltaNet, init_state, token_valid
 from redco_zoo_models.hf_init import init_like_hf
 from redco_zoo_models.layers import GatedMLP, RMSNorm, embed
 from redco_zoo_models.mamba2 import Mamba2, document_runs, token_mask
@@ -43,7 +45,8 @@ class Attention(nnx.Module):
     def __init__(self, cfg: DecoderConfig, layer: int, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         linear = lambda i, o, bias=cfg.attention_bias: nnx.Linear(i, o, use_bias=bias, rngs=rngs)
-        self.q_proj, self.k_proj = linear(d, h * hd), linear(d, kv * hd)
+        gated = 2 if cfg.attn_output_gate else 1  # (each head's query, then its output gate)
+        self.q_proj, self.k_proj = linear(d, gated * h * hd), linear(d, kv * hd)
         self.v_proj, self.o_proj = linear(d, kv * hd), linear(h * hd, d, bias=cfg.o_proj_bias)
         if cfg.attention_sinks:
             self.sinks = nnx.Param(jnp.zeros((h,), jnp.float32))
@@ -58,19 +61,23 @@ class Attention(nnx.Module):
             cfg.local_rope if self.window and cfg.local_rope else cfg.rope
 
     def _qk(self, x):
+        """``(queries, keys, output gate or None)``."""
         cfg, (b, t, _) = self.cfg, x.shape
-        q, k = self.q_proj(x), self.k_proj(x)
+        q, k, gate = self.q_proj(x), self.k_proj(x), None
+        if cfg.attn_output_gate:
+            q, gate = jnp.split(q.reshape(b, t, cfg.num_attention_heads, 2 * cfg.head_dim), 2, -1)
+            q, gate = q.reshape(b, t, -1), gate.reshape(b, t, -1)
         if cfg.qk_norm == "all":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
         k = k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         if cfg.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        return q, k
+        return q, k, gate
 
     def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0, lengths=None):
         cfg, (b, t, _) = self.cfg, x.shape
-        q, k = self._qk(x)
+        q, k, gate = self._qk(x)
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         if self.rope is not None:  # (None: a NoPE layer)
             q, k = (apply_rope(y, positions, self.rope, lengths) for y in (q, k))
@@ -80,7 +87,10 @@ class Attention(nnx.Module):
         sinks = self.sinks[...] if cfg.attention_sinks else None
         out = attend_laid_out(q, k, v, allowed, self.window, cache_index, scale=scale,
                               softcap=cfg.attn_softcap, sinks=sinks)
-        return self.o_proj(out.reshape(b, t, -1)), layer_cache
+        out = out.reshape(b, t, -1)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
+        return self.o_proj(out), layer_cache
 
 
 NORMS = {  # norm_layout -> the layer's norms, by HuggingFace's names
@@ -95,8 +105,10 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: DecoderConfig, layer: int, rngs: nnx.Rngs):
         for name in NORMS[cfg.norm_layout]:
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset))
-        if cfg.mixer(layer) == Mixer.MAMBA2:
+        if cfg.mixer(layer) is Mixer.MAMBA2:
             self.mamba = Mamba2(cfg.mamba, rngs)
+        elif cfg.mixer(layer) is Mixer.GATED_DELTANET:  # (its token mixer: linear_attn)
+            self.linear_attn = GatedDeltaNet(cfg.delta_net(), rngs)
         else:
             self.self_attn = LatentAttention(cfg, rngs) if cfg.kv_lora_rank else \
                 Attention(cfg, layer, rngs)
@@ -118,6 +130,9 @@ class DecoderLayer(nnx.Module):
             runs = None if segment_ids is None else document_runs(segment_ids)
             h, layer_cache = self.mamba(before_attn(x), token_mask(allowed, cache_index),
                                         layer_cache, runs=runs)
+        elif hasattr(self, "linear_attn"):
+            h, layer_cache = self.linear_attn(before_attn(x), token_valid(allowed, cache_index),
+                                              layer_cache)
         else:
             h, layer_cache = self.self_attn(before_attn(x), positions, allowed, layer_cache,
                                             cache_index, lengths)
@@ -152,6 +167,8 @@ class DecoderModel(nnx.Module):
 
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
                  segment_ids=None):
+        if self.cfg.has_delta_net():
+            refuse_for_delta_net(segment_ids, cache_index)
         input_ids, positions, allowed = decoder_layout(  # (a split sequence: context parallel)
             input_ids, attention_mask, cache is not None, cache_index, segment_ids)
         x = embed(self.embed_tokens, input_ids)
@@ -215,6 +232,22 @@ def refuse_for_mamba(cfg: DecoderConfig) -> None:
         raise NotImplementedError(f"{cfg.family}: a model with Mamba2 layers does not support "
                                   "context parallelism (the Mamba2 scan does not carry its "
                                   "state across devices); run it without.")
+
+
+def refuse_for_delta_net(segment_ids, cache_index) -> None:
+    """What Gated DeltaNet layers do not support yet, refused before compiling."""
+    if segment_ids is not None:
+        raise ValueError("Packed rows (segment_ids) with Gated DeltaNet layers are not supported "
+                         "yet: their state would carry from one document into the next. Train "
+                         "on unpacked (padded) rows.")
+    if jnp.ndim(cache_index) > 0:
+        raise ValueError("Each row decoding at its own slot (the serving engine) with Gated "
+                         "DeltaNet layers is not supported yet: it right-pads prompts, which "
+                         "would decay their recurrent state. Use generate().")
+    if sequence_split.current() is not None:
+        raise ValueError("Context parallelism (a split sequence) with Gated DeltaNet layers is "
+                         "not supported yet: their state runs through the whole sequence. Run "
+                         "with n_context_shards=1.")
 
 
 def experts_report(reports: list[dict]) -> dict:
@@ -301,10 +334,12 @@ class DecoderLM(nnx.Module):
         if cfg.kv_lora_rank:
             return init_cache(cfg.num_hidden_layers, batch, n_slots, 1, latent_width(cfg), dtype,
                               values=False)
-        cache = init_cache(cfg.num_hidden_layers, batch, n_slots, cfg.num_key_value_heads,
-                           cfg.head_dim, dtype)
-        return [mamba2.init_cache(batch, cfg.mamba, dtype) if cfg.mixer(i) == Mixer.MAMBA2
-                else layer_cache for i, layer_cache in enumerate(cache)]
+        attention = lambda: init_cache(1, batch, n_slots, cfg.num_key_value_heads,  # noqa: E731
+                                       cfg.head_dim, dtype)[0]
+        states = {Mixer.MAMBA2: lambda: mamba2.init_cache(batch, cfg.mamba, dtype),
+                  Mixer.GATED_DELTANET: lambda: init_state(cfg.delta_net(), batch, dtype),
+                  Mixer.ATTENTION: attention}  # (a linear layer's: a fixed-size state, no slots)
+        return [states[cfg.mixer(i)]() for i in range(cfg.num_hidden_layers)]
 
     def unserved(self) -> str | None:
         """Why the serving engine (``redco_zoo_models.engine``) cannot run this model, or

@@ -32,7 +32,13 @@ attention and a gated MLP. What differs:
   (``redco_zoo_models.mamba2``, shaped by ``mamba``); Granite's ``embedding_multiplier``,
   ``attention_multiplier`` (the scores' scale), ``residual_multiplier`` (each block's output
   before the residual add) and ``logits_scaling`` (logits divided by it), and
-  ``position_embedding`` ``None`` (no RoPE: NoPE).
+  ``position_embedding`` ``None`` (no RoPE: NoPE);
+* Qwen3-Next, Qwen3.5: ``mixers`` from config.json's ``layer_types``, their linear layers a Gated
+  DeltaNet (``redco_zoo_models.gated_deltanet``, sized by the
+  ``linear_*`` fields; ``delta_chunk_size`` is the run's); ``attn_output_gate``: ``q_proj``
+  gives each head's query and an output gate (``o_proj(out * sigmoid(gate))``);
+  ``shared_expert_size`` with ``shared_expert_gate``: the MoE blocks' shared
+  expert, scaled per token by ``sigmoid(shared_expert_gate(x))``.
 
 ``scan_layers`` is not the family's but the run's (no config.json key; ``from_pretrained(...,
 scan_layers=True)``): runs of like layers stored stacked and run under ``jax.lax.scan``
@@ -44,6 +50,7 @@ import dataclasses
 import enum
 
 from redco_zoo_models import families
+from redco_zoo_models.gated_deltanet import DeltaNetConfig
 from redco_zoo_models.mamba2 import Mamba2Config
 from redco_zoo_models.moe import MoEConfig
 from redco_zoo_models.rope import Rope
@@ -53,6 +60,7 @@ class Mixer(str, enum.Enum):
     """A layer's token mixer (``DecoderConfig.mixers``)."""
     ATTENTION = "attention"
     MAMBA2 = "mamba2"  # redco_zoo_models.mamba2
+    GATED_DELTANET = "gated_deltanet"  # redco_zoo_models.gated_deltanet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +129,14 @@ class DecoderConfig:
     logits_scaling: float = 1.0
     position_embedding: str | None = "rope"  # rope | None (NoPE: Granite 4 hybrid)
     shared_expert_size: int = 0  # an MoE block's shared MLP (0: n_shared_experts * expert size)
+    attn_output_gate: bool = False  # Qwen3-Next: q_proj also gives a sigmoid gate on the output
+    linear_num_key_heads: int = 0  # the Gated DeltaNet layers' sizes (gated_deltanet)
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    delta_chunk_size: int = 64  # the chunked delta rule's chunk (a run's choice, no config.json key)
+    shared_expert_gate: bool = False  # Qwen3-Next: the shared MLP gated per token by a sigmoid
     scan_layers: bool = False  # layers stored stacked, run under lax.scan (layer_scan); no config.json key
 
     def __post_init__(self):
@@ -129,12 +145,26 @@ class DecoderConfig:
         if self.rope is None:
             object.__setattr__(self, "rope", Rope(self.head_dim, self.rope_theta,
                                                   max_position_embeddings=self.max_position_embeddings))
+        if self.mixers is not None:
+            object.__setattr__(self, "mixers", tuple(Mixer(m) for m in self.mixers))
+            if len(self.mixers) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(self.mixers)} entries for "
+                                 f"{self.num_hidden_layers} layers.")
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
                              f"{self.num_hidden_layers} layers.")
 
     def mixer(self, layer: int) -> Mixer:
         return Mixer.ATTENTION if self.mixers is None else self.mixers[layer]
+
+    def has_delta_net(self) -> bool:
+        return self.mixers is not None and Mixer.GATED_DELTANET in self.mixers
+
+    def delta_net(self) -> DeltaNetConfig:
+        return DeltaNetConfig(self.hidden_size, self.linear_num_key_heads,
+                              self.linear_num_value_heads, self.linear_key_head_dim,
+                              self.linear_value_head_dim, self.linear_conv_kernel_dim,
+                              self.rms_norm_eps, self.delta_chunk_size)
 
     def sliding(self, layer: int) -> bool:
         if self.sliding_window is None:
@@ -154,11 +184,12 @@ class DecoderConfig:
                          n_group=self.n_group, topk_group=self.topk_group,
                          routed_scaling_factor=self.routed_scaling_factor,
                          n_shared_experts=self.n_shared_experts,
-                         shared_size=self.shared_expert_size,
                          bias_update_rate=self.bias_update_rate,
                          capacity_factor=self.capacity_factor, router_bias=self.router_bias,
                          expert_bias=self.expert_bias, swiglu_limit=self.swiglu_limit,
-                         swiglu_alpha=self.swiglu_alpha)
+                         swiglu_alpha=self.swiglu_alpha,
+                         shared_expert_size=self.shared_expert_size,
+                         shared_expert_gate=self.shared_expert_gate)
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":

@@ -55,16 +55,21 @@ class Family:
     defaults: dict = dataclasses.field(default_factory=dict)  # config.json keys it may omit
     experts: str | None = None  # an MoE checkpoint's layout: qwen | mixtral | deepseek | gpt_oss
     #                             | minimax (family_tensors)
-    hybrid: bool = False  # layer_types name each layer's mixer: attention or Mamba2 (mamba_*)
+    linear: str | None = None  # the mixer of layer_types' linear layers: mamba2 | gated_deltanet
+    fused_delta_net: bool = False  # Qwen3-Next: in_proj_qkvz, in_proj_ba (family_tensors)
     derived: tuple = ()  # keys read through functions (config_keys.DERIVED)
     rotary_dim: bool = False  # MiniMax-M2: the rotated features as a count, ``rotary_dim``
 
     def own_keys(self) -> set:
         """The config keys this family reads beyond ``COMMON`` and RoPE's."""
         derived = {k for d in self.derived for k in config_keys.DERIVED[d].keys}
-        hybrid = set(mamba2.KEYS) | {"layer_types", "layers_block_type"} if self.hybrid else set()
-        return set(self.reads) | self.ignores | derived | hybrid | (
+        return set(self.reads) | self.ignores | derived | self._mixer_keys() | (
             {"rotary_dim"} if self.rotary_dim else set())
+
+    def _mixer_keys(self) -> set:
+        if self.linear == "mamba2":
+            return set(mamba2.KEYS) | {"layer_types", "layers_block_type"}
+        return {"layer_types", "full_attention_interval"} if self.linear else set()
 
 
 
@@ -78,6 +83,19 @@ MOE_READS = {"num_experts_per_tok": ("experts_per_token", 2),
              "router_aux_loss_coef": ("router_aux_loss_coef", 0.001)}
 MOE_IGNORES = frozenset({"output_router_logits", "router_jitter_noise"})  # training-time only
 MTP = frozenset({"num_nextn_predict_layers", "num_mtp_layers"})  # (not the LM)
+GATED_DELTANET = dict(norm_offset=1.0, qk_norm="head", attn_output_gate=True)
+GATED_DELTANET_READS = {"attention_bias": ("attention_bias", False),
+                        "hidden_act": ("hidden_act", "silu"),
+                        "linear_num_key_heads": ("linear_num_key_heads", 16),
+                        "linear_num_value_heads": ("linear_num_value_heads", 32),
+                        "linear_key_head_dim": ("linear_key_head_dim", 128),
+                        "linear_value_head_dim": ("linear_value_head_dim", 128),
+                        "linear_conv_kernel_dim": ("linear_conv_kernel_dim", 4)}
+SHARED_EXPERT_READS = {**MOE_READS, "num_experts": ("n_experts", 512),
+                       "moe_intermediate_size": ("moe_intermediate_size", 512),
+                       "shared_expert_intermediate_size": ("shared_expert_size", 512)}
+QWEN3_5_IGNORES = frozenset({"mtp_num_hidden_layers", "mtp_use_dedicated_embeddings",
+                             "attn_output_gate", "mamba_ssm_dtype"})
 FAMILIES = {
     "llama": Family("LlamaForCausalLM", reads={"attention_bias": ("attention_bias", False),
                                                "hidden_act": ("hidden_act", "silu")}),
@@ -148,7 +166,24 @@ FAMILIES = {
                "shared_intermediate_size": (("intermediate_size", "shared_expert_size"), 1024),
                "num_local_experts": ("n_experts", 8), "num_experts_per_tok": (
                    "experts_per_token", 2), "router_aux_loss_coef": ("router_aux_loss_coef", 0.001)},
-        hybrid=True, ignores=MOE_IGNORES),
+        linear="mamba2", ignores=MOE_IGNORES),
+    "qwen3_next": Family(  # Gated DeltaNet and gated attention layers; shared expert
+        "Qwen3NextForCausalLM", switches={**GATED_DELTANET, "shared_expert_gate": True},
+        reads={**GATED_DELTANET_READS, **SHARED_EXPERT_READS,
+               "norm_topk_prob": ("norm_topk_prob", True),
+               "decoder_sparse_step": ("decoder_sparse_step", 1),
+               "mlp_only_layers": ("mlp_only_layers", ())},
+        experts="qwen_next", linear="gated_deltanet", fused_delta_net=True, ignores=MOE_IGNORES,
+        defaults={"partial_rotary_factor": 0.25}),
+    "qwen3_5_text": Family("Qwen3_5ForCausalLM", switches=GATED_DELTANET,
+                           reads=GATED_DELTANET_READS, linear="gated_deltanet", ignores=QWEN3_5_IGNORES,
+                           defaults={"partial_rotary_factor": 0.25}),
+    "qwen3_5_moe_text": Family(  # every layer sparse, top-k weights renormalised
+        "Qwen3_5MoeForCausalLM", switches={**GATED_DELTANET, "shared_expert_gate": True,
+                                           "norm_topk_prob": True},
+        reads={**GATED_DELTANET_READS, **SHARED_EXPERT_READS}, experts="qwen_next",
+        linear="gated_deltanet", ignores=MOE_IGNORES | QWEN3_5_IGNORES,
+        defaults={"partial_rotary_factor": 0.25}),
     "olmo2": Family("Olmo2ForCausalLM", switches={"norm_layout": "post", "qk_norm": "all"},
                     reads={"attention_bias": ("attention_bias", False),
                            "hidden_act": ("hidden_act", "silu")},
@@ -200,6 +235,24 @@ GATED = ("qwen", "smollm3")  # windows only where use_sliding_window
 PER_TYPE_ROPE = ("gemma3", "olmo3")  # a RoPE for each layer type (rope_parameters by type)
 
 
+TEXT_PARTS = {  # a multimodal checkpoint -> the family of its language model, read alone
+    "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+def text_part(config: dict) -> dict:
+    """A multimodal config.json (``TEXT_PARTS``: Qwen3.5's, its ``text_config`` nested) as its
+    language model's (the head's tying read from either level); any other as it is. Its vision
+    tower and multimodal token ids are not the language model's (``family_tensors`` drops the
+    tower's tensors); text alone gives every section of Qwen3.5's multimodal RoPE the same
+    position, which is plain RoPE."""
+    model_type = config.get("model_type")
+    if model_type not in TEXT_PARTS or "text_config" not in config:
+        return config
+    text = {"tie_word_embeddings": config.get("tie_word_embeddings", False),
+            **config["text_config"]}
+    return {**text, "model_type": TEXT_PARTS[model_type]}
+
+
 def _layer_types(family: Family, config: dict, n: int) -> tuple | None:
     if config.get("layer_types"):
         return tuple(config["layer_types"])
@@ -240,12 +293,15 @@ def _ropes(family: Family, config: dict, head_dim: int, where: str) -> dict:
                  **(params.get(SLIDING) or {})}
         return {"rope": read_rope(full, head_dim, longest, f"{where} ({FULL})"),
                 "local_rope": read_rope(local, head_dim, longest, f"{where} ({SLIDING})")}
+    if family.linear == "gated_deltanet":  # (Qwen3.5's multimodal RoPE: in text, plain RoPE)
+        params = {k: v for k, v in params.items() if k not in ("mrope_section", "mrope_interleaved")}
     merged = {**top, **(config.get("rope_scaling") or {}), **params}
     return {"rope": read_rope(merged, head_dim, longest, where, original), "local_rope": None}
 
 
 def read_config(cls, config: dict, where: str = "config.json") -> Any:
     """``cls`` (``DecoderConfig``) from a HuggingFace ``config.json``'s contents."""
+    config = text_part(config)
     model_type = config.get("model_type", "llama")
     family = FAMILIES.get(model_type)
     if family is None:
@@ -274,27 +330,33 @@ def read_config(cls, config: dict, where: str = "config.json") -> Any:
             fields[field] = tuple(fields[field])
     head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
     window = _window(family, config)
-    if family.hybrid:
-        fields.update(mixers=_mixers(config, fields["num_hidden_layers"], where),
-                      mamba=mamba2.read_config(config))
+    if family.linear:
+        fields["mixers"] = _mixers(family, config, fields["num_hidden_layers"], where)
+    if family.linear == "mamba2":
+        fields["mamba"] = mamba2.read_config(config)
     return cls(**fields, **family.switches, family=model_type, sliding_window=window,
                layer_types=_layer_types(family, config, fields["num_hidden_layers"])
                if window else None, **_ropes(family, config, head_dim, where))
 
 
-MIXER_NAMES = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "attention",
-               "full_attention": "attention"}  # a hybrid's layer_types (older, newer names)
+LAYER_TYPES = {"attention": "attention", "full_attention": "attention", "mamba": "linear",
+               "linear_attention": "linear"}  # layer_types' names (older, newer) -> kind
 
 
-def _mixers(config: dict, n: int, where: str) -> tuple:
-    """A hybrid's mixer per layer (``decoder_config.Mixer`` values): Mamba2 where
-    ``layer_types`` is absent, as transformers."""
-    from redco_zoo_models.decoder_config import Mixer  # (it imports this module)
-    names = config.get("layer_types") or config.get("layers_block_type") or ["mamba"] * n
-    if unknown := sorted({t for t in names if t not in MIXER_NAMES}):
+def _mixers(family: Family, config: dict, n: int, where: str) -> tuple[str, ...]:
+    """Each layer's token mixer (``decoder_config.Mixer`` values) from ``layer_types`` (Granite's
+    older ``layers_block_type``), its linear layers the family's ``linear`` mixer. Without it,
+    as transformers reads it: Granite's layers are all Mamba2; Qwen3-Next's and Qwen3.5's every
+    ``full_attention_interval``-th layer attends, the rest are linear."""
+    names = config.get("layer_types") or config.get("layers_block_type")
+    if not names:
+        every = config.get("full_attention_interval", 4) if family.linear != "mamba2" else 0
+        names = [FULL if every and (i + 1) % every == 0 else "linear_attention"
+                 for i in range(n)]
+    if unknown := sorted({t for t in names if t not in LAYER_TYPES}):
         raise ValueError(f"{where}: layer_types {unknown} are not layers the zoo's "
-                         f"{config['model_type']} has ({', '.join(MIXER_NAMES)}).")
-    return tuple(Mixer(MIXER_NAMES[t]) for t in names)
+                         f"{config['model_type']} has ({', '.join(LAYER_TYPES)}).")
+    return tuple("attention" if LAYER_TYPES[t] == "attention" else family.linear for t in names)
 
 
 def write_config(cfg) -> dict:
@@ -318,9 +380,10 @@ def write_config(cfg) -> dict:
             out["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
         out["rope_parameters"] = rope
         out["rope_theta"] = rope["rope_theta"]  # (transformers 4 reads it here)
-    if family.hybrid:  # (transformers 5's layer type names)
-        out["layer_types"] = ["linear_attention" if m.value == "mamba2" else "full_attention"
+    if family.linear:  # (transformers 5's layer type names)
+        out["layer_types"] = [FULL if m.value == "attention" else "linear_attention"
                               for m in cfg.mixers]
+    if family.linear == "mamba2":
         out.update(mamba2.write_config(cfg.mamba))
     if family.windows != "none":
         out["sliding_window"] = cfg.sliding_window

@@ -17,6 +17,13 @@ checkpoints do, so ``redco_safetensors.torch_name`` maps them; what differs, per
   projections fused in one ``mlp.experts.gate_up_proj`` whose columns alternate (gate, up,
   gate, ...), and their biases so in ``gate_up_proj_bias``; its router is ``mlp.router``.
 
+* Qwen3-Next fuses its Gated DeltaNet's input projections per key head (``in_proj_qkvz``,
+  ``in_proj_ba``): split into Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+  ``in_proj_a`` on import, fused back on export (``redco_zoo_models.gated_deltanet``); its MoE
+  blocks' ``shared_expert`` is the zoo's ``shared_experts``. A Qwen3.5 multimodal checkpoint's
+  language model is read alone (``_language_model``); Qwen3-Next's and Qwen3.5's ``mtp.*``
+  (multi-token prediction) tensors are not part of the causal LM.
+
 A tied head's stored copy is dropped on import when it equals the embedding (refused when not).
 DeepSeek-V3's and GLM-4.5's checkpoints hold their multi-token-prediction layers after the
 model's (``model.layers.<num_hidden_layers>...``): not part of the causal LM, they are dropped
@@ -29,7 +36,7 @@ import re
 
 import numpy as np
 
-from redco_zoo_models import hybrid_tensors
+from redco_zoo_models import gated_deltanet, hybrid_tensors
 from redco_zoo_models.families import FAMILIES, MTP
 
 FUSED = {"self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"),
@@ -38,6 +45,8 @@ INTERLEAVED = {  # gpt-oss: a fused tensor -> the zoo's (even columns, odd colum
     "experts.gate_up_proj": ("experts.gate_proj", "experts.up_proj"),
     "experts.gate_up_proj_bias": ("experts.gate_proj_bias", "experts.up_proj_bias"),
 }
+FUSED_DELTA_NET = ("in_proj_qkvz", "in_proj_ba")  # Qwen3-Next's, split into:
+SPLIT_DELTA_NET = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 QWEN_EXPERTS = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 EXPERTS = {  # layout -> (the block's checkpoint name, {the zoo's projection: the checkpoint's})
     "qwen": ("mlp", QWEN_EXPERTS),
@@ -45,12 +54,16 @@ EXPERTS = {  # layout -> (the block's checkpoint name, {the zoo's projection: th
     "mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
     "gpt_oss": ("mlp", {}),  # stacked already (INTERLEAVED)
     "minimax": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
+    "qwen_next": ("mlp", QWEN_EXPERTS),
 }
 RENAMED = {  # layout -> {the zoo's name in a block: the checkpoint's}
     "qwen": {"gate.weight": "gate.weight"}, "mixtral": {"gate.weight": "gate.weight"},
     "deepseek": {"gate.weight": "gate.weight", "balance_bias": "gate.e_score_correction_bias"},
     "gpt_oss": {"gate.weight": "router.weight", "gate.bias": "router.bias"},
     "minimax": {"gate.weight": "gate.weight", "balance_bias": "e_score_correction_bias"},
+    "qwen_next": {"gate.weight": "gate.weight", "shared_expert_gate.weight": "shared_expert_gate.weight",
+                  **{f"shared_experts.{p}.weight": f"shared_expert.{p}.weight"
+                     for p in QWEN_EXPERTS}},
 }
 
 
@@ -64,9 +77,12 @@ def _sizes(cfg, fused: str) -> list[int]:
 def tensors_in(cfg, tensors: dict) -> dict:
     """A checkpoint's tensors (PyTorch names) under the zoo model's names (``cfg``: its
     ``DecoderConfig``)."""
+    if FAMILIES[cfg.family].linear == "gated_deltanet":
+        tensors = _language_model(tensors)
     tensors = _without_mtp_layers(cfg, dict(tensors))
-    tensors = hybrid_tensors.tensors_in(cfg, tensors) if FAMILIES[cfg.family].hybrid else \
-        _stacked_experts(cfg, tensors)
+    tensors = hybrid_tensors.tensors_in(cfg, tensors) if FAMILIES[cfg.family].linear == "mamba2" \
+        else _stacked_experts(cfg, tensors)
+    tensors = _delta_nets(cfg, tensors, FUSED_DELTA_NET, gated_deltanet.split_fused)
     if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
         embedding = tensors.get("model.embed_tokens.weight")
         if embedding is None or not np.array_equal(tensors["lm_head.weight"], embedding):
@@ -86,8 +102,9 @@ def tensors_in(cfg, tensors: dict) -> dict:
 
 def tensors_out(cfg, tensors: dict) -> dict:
     """The zoo model's tensors under its family's checkpoint names (``tensors_in`` undone)."""
-    tensors = hybrid_tensors.tensors_out(cfg, tensors) if FAMILIES[cfg.family].hybrid else \
-        _unstacked_experts(cfg, dict(tensors))
+    tensors = hybrid_tensors.tensors_out(cfg, tensors) if FAMILIES[cfg.family].linear == "mamba2" \
+        else _unstacked_experts(cfg, dict(tensors))
+    tensors = _delta_nets(cfg, tensors, SPLIT_DELTA_NET, gated_deltanet.fused)
     if not FAMILIES[cfg.family].fused:
         return tensors
     for i in range(cfg.num_hidden_layers):
@@ -105,6 +122,28 @@ def _without_mtp_layers(cfg, tensors: dict) -> dict:
     layer = re.compile(r"^model\.layers\.(\d+)\.")
     return {k: v for k, v in tensors.items()
             if not (m := layer.match(k)) or int(m.group(1)) < cfg.num_hidden_layers}
+
+
+def _language_model(tensors: dict) -> dict:
+    """A Qwen3.5 checkpoint's language model: ``model.language_model.*`` as ``model.*``; its
+    vision tower (``model.visual.*``) and multi-token-prediction head (``mtp.*``, which
+    transformers' causal LM skips too) dropped."""
+    return {name.replace("model.language_model.", "model.", 1): t for name, t in tensors.items()
+            if not name.startswith(("model.visual.", "mtp."))}
+
+
+def _delta_nets(cfg, tensors: dict, names: tuple[str, ...], convert) -> dict:
+    """Each Gated DeltaNet layer's projections ``names`` through ``convert``
+    (``gated_deltanet.split_fused`` or ``fused``), for a family that fuses them."""
+    if not FAMILIES[cfg.family].fused_delta_net:
+        return tensors
+    for i in range(cfg.num_hidden_layers):
+        if cfg.mixer(i) == "gated_deltanet":
+            prefix = f"model.layers.{i}.linear_attn"
+            given = [_take(tensors, f"{prefix}.{n}.weight", cfg) for n in names]
+            tensors.update({f"{prefix}.{n}.weight": t
+                            for n, t in convert(cfg.delta_net(), *given).items()})
+    return tensors
 
 
 def _expert_names(cfg):

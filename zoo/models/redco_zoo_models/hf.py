@@ -26,14 +26,14 @@ from redco.layer_stacks import layers_of
 from redco.protocols import UsageError
 from redco.sharding import named_leaves
 from redco_safetensors import torch_name
-from redco_zoo_models.families import FAMILIES, NOT_YET
+from redco_zoo_models.families import FAMILIES, NOT_YET, TEXT_PARTS
 
 # buffers transformers once saved: RoPE's frequencies, GPT-2's causal mask (not c_attn.bias)
 HARMLESS_TENSORS = re.compile(r"(rotary_emb\.inv_freq|(^|\.)attn\.(masked_)?bias)$")
 
 DECODER = "redco_zoo_models.decoder:DecoderLM"
 MODEL_CLASSES = {  # config.json's model_type -> the zoo class that reads it
-    **{family: DECODER for family in FAMILIES},
+    **{family: DECODER for family in (*FAMILIES, *TEXT_PARTS)},
     "gpt2": "redco_zoo_models.gpt2:GPT2LMHeadModel",
     "t5": "redco_zoo_models.t5:T5ForConditionalGeneration",
     "vision-encoder-decoder": "redco_zoo_models.vision_encoder_decoder:VisionEncoderDecoderModel",

@@ -4,9 +4,11 @@ transformers' ``_init_weights`` (5.x) of every decoder family here draws linear 
 embeddings, MoE experts and routers from ``N(0, initializer_range)``, zeroes biases and the
 embedding's ``pad_token_id`` row, and sets norm scales to 1 (Gemma's, which scale by
 ``1 + weight``, to 0). Two families add their own: gpt-oss draws its attention sinks and its
-router's bias from the same normal; DeepSeek-V3 zeroes the router's correction bias. A Mamba2
-layer's convolution is drawn as a linear weight; its ``dt_bias``, ``A_log`` and ``D`` keep the
-values the layer is built with (``redco_zoo_models.mamba2``: transformers' 1, log(1..H), 1). Flax's
+router's bias from the same normal; DeepSeek-V3 zeroes the router's correction bias; the Gated
+DeltaNet layers (Qwen3-Next, Qwen3.5) set their gated norm and ``dt_bias`` to 1 and ``A_log`` to
+the log of ``U(0.01, 16)``. A Mamba2 layer's convolution is drawn as a linear weight; its
+``dt_bias``, ``A_log`` and ``D`` keep the values the layer is built with
+(``redco_zoo_models.mamba2``: transformers' 1, log(1..H), 1). Flax's
 defaults (LeCun-normal kernels, unit-variance embeddings) instead start a LLaMA's loss at about
 ``ln V + 1/2``, not ``ln V``.
 
@@ -24,7 +26,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 NORMAL, ZEROS, NORM_SCALE, KEEP = "normal", "zeros", "norm_scale", "keep"
+ONES, LOG_UNIFORM = "ones", "log_uniform"
 RULES = (  # (pattern on the param's path, how it starts); the first that matches decides
+    (r"linear_attn/(norm/weight|dt_bias)$", ONES),  # Gated DeltaNet: its gated norm (1 * w)
+    (r"linear_attn/A_log$", LOG_UNIFORM),  # log of U(0.01, 16): the heads' decay rates
+    (r"linear_attn/conv1d/weight$", NORMAL),
     (r"(^|/)gate/bias$", NORMAL),  # gpt-oss's router bias
     (r"(^|/)(kernel|embedding|sinks)$", NORMAL),
     (r"(^|/)conv1d/weight$", NORMAL),
@@ -49,6 +55,10 @@ def draw(how: str, key, shape: tuple, dtype, std: float, norm_scale: float):
     """One parameter's starting value."""
     if how == NORMAL:
         return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    if how == LOG_UNIFORM:
+        return jnp.log(jax.random.uniform(key, shape, jnp.float32, 0.01, 16.0)).astype(dtype)
+    if how == ONES:
+        return jnp.ones(shape, dtype)
     return jnp.full(shape, norm_scale if how == NORM_SCALE else 0.0, dtype)
 
 

@@ -10,7 +10,9 @@ best ``topk_group`` of ``n_group`` groups of experts, the weights are the scores
 renormalised and multiplied by ``routed_scaling_factor``. The bias is moved in training against
 each step's load (an overloaded expert's bias goes down by ``bias_update_rate``, an underloaded
 one's up), DeepSeek-V3's auxiliary-loss-free balancing: ``redco_zoo_models.balancing`` says how.
-``n_shared_experts`` (DeepSeek-V3, Qwen2-MoE) adds an MLP every token goes through. gpt-oss
+``n_shared_experts`` (DeepSeek-V3, Qwen2-MoE) adds an MLP every token goes through
+(``shared_expert_size`` sizes it directly; with ``shared_expert_gate`` (Qwen3-Next, Qwen3.5-MoE)
+its output is scaled per token by ``sigmoid`` of a learned linear of the token). gpt-oss
 switches on biases (``router_bias`` on the router's linear, ``expert_bias`` on every expert
 projection) and its experts' clamped SwiGLU (``swiglu_limit``, ``layers.glu``).
 
@@ -56,7 +58,6 @@ class MoEConfig:
     normalize_top_k: bool = True
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0  # an MLP of n_shared_experts * expert_size every token goes through
-    shared_size: int = 0  # that MLP's size where it is not (Granite 4: shared_intermediate_size)
     n_group: int = 1  # sigmoid routing: experts in n_group groups, ...
     topk_group: int = 1  # ... a token choosing within its best topk_group of them
     capacity_factor: float | None = None  # None: dropless
@@ -68,6 +69,8 @@ class MoEConfig:
     expert_bias: bool = False  # gpt-oss: biases on each expert's projections
     swiglu_limit: float | None = None  # gpt-oss: the experts' clamped SwiGLU (layers.glu)
     swiglu_alpha: float = 1.702
+    shared_expert_size: int = 0  # Qwen3-Next: a shared expert of this size (over n_shared_experts)
+    shared_expert_gate: bool = False  # ... its output scaled by sigmoid(shared_expert_gate(x))
 
     def __post_init__(self):
         if self.router not in ("softmax", "sigmoid"):
@@ -149,10 +152,10 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, rngs)
         if cfg.router == "sigmoid":
             self.balance_bias = BalanceBias(jnp.zeros(cfg.n_experts, jnp.float32))
-        if cfg.n_shared_experts:
-            self.shared_experts = GatedMLP(
-                cfg.hidden_size, cfg.shared_size or cfg.n_shared_experts * cfg.expert_size,
-                cfg.hidden_act, rngs)
+        if shared := cfg.shared_expert_size or cfg.n_shared_experts * cfg.expert_size:
+            self.shared_experts = GatedMLP(cfg.hidden_size, shared, cfg.hidden_act, rngs)
+        if cfg.shared_expert_gate:
+            self.shared_expert_gate = nnx.Linear(cfg.hidden_size, 1, use_bias=False, rngs=rngs)
 
     def route(self, tokens):
         """``(chosen (N, k) expert ids, weights (N, k), probs (N, E), logits (N, E))``."""
@@ -180,8 +183,11 @@ class MoE(nnx.Module):
             y, dropped = self.dropless(tokens, chosen, weights), jnp.zeros((), jnp.float32)
         else:
             y, dropped = self.with_capacity(tokens, chosen, weights)
-        if cfg.n_shared_experts:
-            y = y + self.shared_experts(tokens)
+        if cfg.n_shared_experts or cfg.shared_expert_size:
+            shared = self.shared_experts(tokens)
+            if cfg.shared_expert_gate:
+                shared = jax.nn.sigmoid(self.shared_expert_gate(tokens)) * shared
+            y = y + shared
         return y.reshape(shape), self.report(chosen, probs, logits, dropped)
 
     def dropless(self, tokens, chosen, weights):

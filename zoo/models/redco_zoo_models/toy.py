@@ -79,6 +79,10 @@ _LLAMA3 = dict(rope_type="llama3", rope_theta=500000.0, low_freq_factor=1.0,
                high_freq_factor=4.0, original_max_position_embeddings=ORIGINAL_CONTEXT)
 _MAMBA = dict(mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
               mamba_expand=2, mamba_chunk_size=8)
+_DELTA_NET = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                  linear_value_head_dim=6, linear_conv_kernel_dim=3,
+                  layer_types=["linear_attention", "full_attention", "linear_attention"])
+DELTA_NET_FAMILIES = ("qwen3.5", "qwen3-next", "qwen3.5-moe")  # parity: test_parity_gated_deltanet
 TINY_FAMILIES = {  # config.json contents of a tiny model of each family, as transformers writes
     "llama-3.1": dict(_TINY, model_type="llama", rope_parameters=dict(_LLAMA3, factor=8.0)),
     "llama-3.2": dict(_TINY, model_type="llama", tie_word_embeddings=True, head_dim=16,
@@ -122,6 +126,18 @@ TINY_FAMILIES = {  # config.json contents of a tiny model of each family, as tra
         q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
         rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0, mscale=1.0,
                              mscale_all_dim=0.8, original_max_position_embeddings=ORIGINAL_CONTEXT)),
+    "qwen3.5": dict(  # Gated DeltaNet (linear) layers around a gated full-attention one
+        _TINY, model_type="qwen3_5_text", head_dim=8, **_DELTA_NET,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6, partial_rotary_factor=0.5)),
+    "qwen3-next": dict(  # and MoE blocks with a gated shared expert, a dense one between
+        _TINY, model_type="qwen3_next", head_dim=8, **_DELTA_NET, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        mlp_only_layers=[1], rope_parameters=dict(rope_type="default", rope_theta=1e6,
+                                                  partial_rotary_factor=0.25)),
+    "qwen3.5-moe": dict(
+        _TINY, model_type="qwen3_5_moe_text", head_dim=8, **_DELTA_NET, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6, partial_rotary_factor=0.5)),
     "deepseek-v3-plain-q": dict(  # no query latent, RoPE in halves, one group
         _TINY, model_type="deepseek_v3", num_key_value_heads=4, n_routed_experts=4,
         num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=16,

@@ -1,0 +1,59 @@
+"""What the Gated DeltaNet families (Qwen3.5, Qwen3-Next: ``toy.DELTA_NET_FAMILIES``) do not
+support yet is refused before compiling, naming it: packed rows, context parallelism, the
+serving engine's per-row slots. Parity: tests/zoo_parity/test_parity_gated_deltanet.py; FSDP
+and tensor parallelism: test_families."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from redco import Deployer, sequence_split
+from redco_zoo_models.toy import tiny_family
+
+IDS = jnp.asarray(np.random.RandomState(0).randint(1, 63, (2, 8)))
+
+
+def test_packed_rows_are_refused_naming_the_state():
+    with pytest.raises(ValueError, match="Packed rows .* Gated DeltaNet"):
+        tiny_family("qwen3.5")(IDS, segment_ids=jnp.ones_like(IDS))
+
+
+def test_context_parallelism_is_refused():
+    model = tiny_family("qwen3.5")
+    mesh = Deployer(jax_seed=0, n_context_shards=2, workdir=None, verbose=False).mesh
+    with sequence_split.splitting(mesh), pytest.raises(ValueError, match="Context parallel"):
+        jax.eval_shape(lambda ids: model(ids), IDS)
+
+
+def test_per_row_slots_of_the_serving_engine_are_refused():
+    model = tiny_family("qwen3-next")
+    cache = model.init_cache(2, 16)
+    with pytest.raises(ValueError, match=r"serving engine.*generate\(\)"):
+        model.decode(IDS[:, :1], jnp.ones((2, 16), bool), cache, jnp.array([3, 5]))
+
+
+def test_the_decoding_state_has_a_fixed_size():
+    """A linear layer's cache is its conv inputs and its delta-rule state, whatever the slots;
+    an attention layer's grows with them."""
+    model = tiny_family("qwen3.5")
+    small, large = model.init_cache(2, 16), model.init_cache(2, 64)
+    assert jax.tree.map(jnp.shape, small[0]) == jax.tree.map(jnp.shape, large[0]) == {
+        "conv": (2, 2, 56), "state": (2, 4, 8, 6)}
+    assert small[1]["k"].shape[1] == 16 and large[1]["k"].shape[1] == 64
+
+
+def test_scanned_layers_compute_as_unrolled_ones():
+    """Six layers alternating linear and full attention, stored stacked (groups of two): the
+    unrolled model's logits."""
+    from redco_zoo_models.llama import LlamaConfig, LlamaForCausalLM
+    from redco_zoo_models.toy import TINY_FAMILIES
+    cfg = LlamaConfig.from_hf(dict(TINY_FAMILIES["qwen3.5"], num_hidden_layers=6,
+                                   layer_types=["linear_attention", "full_attention"] * 3))
+    unrolled = LlamaForCausalLM(cfg, nnx.Rngs(0))
+    scanned = LlamaForCausalLM(dataclasses.replace(cfg, scan_layers=True), nnx.Rngs(0))
+    assert "'0:6:2'" in str(jax.tree.leaves_with_path(nnx.state(scanned, nnx.Param)))
+    np.testing.assert_allclose(jax.jit(lambda ids: scanned(ids))(IDS),
+                               jax.jit(lambda ids: unrolled(ids))(IDS), atol=1e-6)
