@@ -1,5 +1,5 @@
 """``DecoderConfig``: what differs between the LLaMA-like families, as data
-(``redco_zoo_models.decoder`` reads it; ``families`` maps each family's config.json to it).
+(``redco_zoo_models.decoder`` reads it; ``family_config`` reads each family's config.json into it).
 
 Every family is a stack of layers ``attention -> MLP`` with RMSNorm, RoPE, grouped-query
 attention and a gated MLP. What differs:
@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from redco_zoo_models import families
+from redco_zoo_models import families, family_config
 from redco_zoo_models.gated_deltanet import DeltaNetConfig
 from redco_zoo_models.mamba2 import Mamba2Config
 from redco_zoo_models.moe import MoEConfig
@@ -194,7 +194,7 @@ class DecoderConfig:
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":
         """From a HuggingFace ``config.json`` of any family in ``families.FAMILIES``."""
-        return families.read_config(cls, config)
+        return family_config.read_config(cls, config)
 
     def to_hf(self) -> dict:
-        return families.write_config(self)
+        return family_config.write_config(self)

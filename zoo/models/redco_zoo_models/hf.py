@@ -26,7 +26,8 @@ from redco.layer_stacks import layers_of
 from redco.protocols import UsageError
 from redco.sharding import named_leaves
 from redco_safetensors import torch_name
-from redco_zoo_models.families import FAMILIES, NOT_YET, TEXT_PARTS
+from redco_zoo_models.families import FAMILIES, NOT_YET
+from redco_zoo_models.family_config import TEXT_PARTS
 
 # buffers transformers once saved: RoPE's frequencies, GPT-2's causal mask (not c_attn.bias)
 HARMLESS_TENSORS = re.compile(r"(rotary_emb\.inv_freq|(^|\.)attn\.(masked_)?bias)$")
