@@ -38,6 +38,7 @@ import numpy as np
 
 from redco_zoo_models import gated_deltanet, hybrid_tensors
 from redco_zoo_models.families import FAMILIES, MTP
+from redco_zoo_models.hybrid_tensors import take
 
 FUSED = {"self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"),
          "mlp.gate_up_proj.weight": ("gate_proj", "up_proj")}
@@ -140,7 +141,7 @@ def _delta_nets(cfg, tensors: dict, names: tuple[str, ...], convert) -> dict:
     for i in range(cfg.num_hidden_layers):
         if cfg.mixer(i) == "gated_deltanet":
             prefix = f"model.layers.{i}.linear_attn"
-            given = [_take(tensors, f"{prefix}.{n}.weight", cfg) for n in names]
+            given = [take(tensors, f"{prefix}.{n}.weight", cfg) for n in names]
             tensors.update({f"{prefix}.{n}.weight": t
                             for n, t in convert(cfg.delta_net(), *given).items()})
     return tensors
@@ -151,13 +152,6 @@ def _expert_names(cfg):
     block, projections = EXPERTS[FAMILIES[cfg.family].experts]
     return [(f"model.layers.{i}.mlp", f"model.layers.{i}.{block}", projections)
             for i in range(cfg.num_hidden_layers) if cfg.sparse(i)]
-
-
-def _take(tensors: dict, name: str, cfg) -> np.ndarray:
-    if name not in tensors:
-        raise KeyError(f"the checkpoint has no tensor {name}; is it a {cfg.family} checkpoint "
-                       "of this config.json?")
-    return tensors.pop(name)
 
 
 def _stacked_experts(cfg, tensors: dict) -> dict:
@@ -175,10 +169,10 @@ def _stacked_experts(cfg, tensors: dict) -> dict:
             tensors[f"{ours}.experts.{projection}"] = np.stack([tensors.pop(n).T for n in names])
         if layout == "gpt_oss":
             for fused, (even, odd) in INTERLEAVED.items():
-                both = _take(tensors, f"{theirs}.{fused}", cfg)
+                both = take(tensors, f"{theirs}.{fused}", cfg)
                 tensors[f"{ours}.{even}"], tensors[f"{ours}.{odd}"] = both[..., ::2], both[..., 1::2]
         for name, stored in RENAMED[layout].items():
-            tensors[f"{ours}.{name}"] = _take(tensors, f"{theirs}.{stored}", cfg)
+            tensors[f"{ours}.{name}"] = take(tensors, f"{theirs}.{stored}", cfg)
     return tensors
 
 

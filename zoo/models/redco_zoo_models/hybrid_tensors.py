@@ -38,7 +38,8 @@ def _names(cfg, i: int) -> dict:
     return names
 
 
-def _take(tensors: dict, name: str, cfg) -> np.ndarray:
+def take(tensors: dict, name: str, cfg) -> np.ndarray:
+    """Pop checkpoint tensor ``name``, or say it is missing (``family_tensors`` takes it too)."""
     if name not in tensors:
         raise KeyError(f"the checkpoint has no tensor {name}; is it a {cfg.family} checkpoint "
                        "of this config.json?")
@@ -51,9 +52,9 @@ def tensors_in(cfg, tensors: dict) -> dict:
     for i in range(cfg.num_hidden_layers):
         if cfg.mixer(i) == Mixer.MAMBA2:
             name = f"model.layers.{i}.{CONV}"
-            tensors[name] = _take(tensors, name, cfg)[:, 0, :]
+            tensors[name] = take(tensors, name, cfg)[:, 0, :]
         for stored, ours in _names(cfg, i).items():
-            parts = np.split(_take(tensors, stored, cfg), len(ours), axis=-2)
+            parts = np.split(take(tensors, stored, cfg), len(ours), axis=-2)
             if ".block_sparse_moe.i" in stored or ".block_sparse_moe.o" in stored:
                 parts = [p.transpose(0, 2, 1) for p in parts]
             tensors.update(zip(ours, parts))
