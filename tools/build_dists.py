@@ -40,8 +40,9 @@ def build(dest: str = os.path.join(ROOT, "dist")) -> list[str]:
     start = time.time()
     with tempfile.TemporaryDirectory() as backend:
         pip(["install", "-q", "--target", backend, BACKEND], os.environ)
+        path = os.pathsep.join(filter(None, [backend, os.environ.get("PYTHONPATH")]))
         pip(["wheel", "-q", "--no-deps", "--no-build-isolation", "-w", dest, *distributions()],
-            {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [backend, os.environ.get("PYTHONPATH")]))})
+            {**os.environ, "PYTHONPATH": path})
     wheels = sorted(glob.glob(os.path.join(dest, "*.whl")))
     return [path for path in wheels if os.path.getmtime(path) >= start - 1]
 
