@@ -196,10 +196,10 @@ def warmed_up(tmp_path_factory):
 
 
 def run_grpo(root, workdir, n_devices: int, n_model_shards: int, per_device: int):
-    """Four GRPO rounds of the warmed-up model (a KL penalty to a reference copy included) in a
+    """Two GRPO rounds of the warmed-up model (a KL penalty to a reference copy included) in a
     fresh process with ``n_devices`` simulated devices; returns its rollout metrics and trained
     params. The learning rate peaks at 2e-3 (not ``GRPO_FLAGS``' 5e-4: the last flag given
-    wins): the linear schedule decays to 0 over the run, so round 4's updates run from 5e-4 down
+    wins): the linear schedule decays to 0 over the run, so round 2's updates run from 1e-3 down
     to 0, which still moves some tokens' ratios past the clip range."""
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
                                       + f" --xla_force_host_platform_device_count={n_devices}"),
@@ -209,7 +209,7 @@ def run_grpo(root, workdir, n_devices: int, n_model_shards: int, per_device: int
     subprocess.run([sys.executable, "-c", code, "zoo", "run", "grpo", "--model",
                     str(root / "sft" / "model"), "--train", str(root / "prompts.jsonl"),
                     "--eval", str(root / "prompts_held_out.jsonl"), "--workdir", str(workdir),
-                    "--n_rounds", "4",
+                    "--n_rounds", "2",
                     "--n_model_shards", str(n_model_shards), "--per_device_batch_size",
                     str(per_device), "--beta", "0.1", "--n_updates", "2", *GRPO_FLAGS,
                     "--learning_rate", "2e-3"],
@@ -330,7 +330,7 @@ def test_grpo_sharded_dp_x_mp_samples_and_trains_as_one_device(warmed_up, tmp_pa
     # every round's 16 updates leave some tokens' ratios past the clip range, so no round's clip
     # fractions compared above are 0 against 0 (at a peak of 5e-4 the last round's updates, at
     # 1.25e-4 down to 0, left every ratio inside for some draws of the model)
-    assert all(0 < r["rollout/clip_fraction"] <= 1 for r in one), one  # 0.18 to 0.50 seen
+    assert all(0 < r["rollout/clip_fraction"] <= 1 for r in one), one  # 0.44, 0.33 seen
     for name, value in one_params.items():
         np.testing.assert_allclose(sharded_params[name], value, rtol=1e-4, atol=1e-5,
                                    err_msg=name)

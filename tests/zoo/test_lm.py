@@ -38,7 +38,9 @@ def sample_chains(transitions, stationary, n, length, seed):
 
 def test_lm_learns_a_markov_chain_to_its_entropy_rate(workdir):
     transitions, stationary, entropy_rate = markov_chain()
-    train = sample_chains(transitions, stationary, 4096, 33, seed=1)
+    # 1024 chains, 4 epochs (128 steps of 32): 1.017 to 1.019x the rate over three draws of the
+    # data and model (4096 chains gave 1.007x at 4x the steps)
+    train = sample_chains(transitions, stationary, 1024, 33, seed=1)
     test = sample_chains(transitions, stationary, 512, 33, seed=2)
     apply_fn, params = split_model(tiny_llama(16))
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
