@@ -1,11 +1,16 @@
 """FSDP's per-device memory shrinks as devices are added, and its compute per device stays put:
 each layer gathers its own weights (``redco.fsdp``), the embedding table included
 (``redco_zoo_models.layers.embed``), so XLA never lays activations out over the global batch
-instead, which made the peak rise with the device count (measured on this model before the
-per-layer gather: peak 138, then 159 MB from 4 to 8 devices without remat; 120, then 150 MB
+instead, which made the peak rise with the device count (measured on the 4-layer model before
+the per-layer gather: peak 138, then 159 MB from 4 to 8 devices without remat; 120, then 150 MB
 with ``dots_saveable``) and, before the embedding's gather, every device run the forward pass
 over the whole global batch under remat (``full``: 32.6, 42.8, 63.3 GFLOPs per device and
-peaks 138, 106, 111 MB on 2, 4, 8 devices)."""
+peaks 138, 106, 111 MB on 2, 4, 8 devices).
+
+The model has 2 layers (the compile cost grows with them; the partitioner's choice shows from
+the first), and each layout is compiled once for the module: the 2-layer ``full`` step on 8
+devices serves both tests."""
+import functools
 import math
 
 import jax
@@ -13,23 +18,31 @@ import numpy as np
 import pytest
 
 from redco_planner.inspection import zoo_llama
+from redco_planner.layouts import TriedLayout
 from redco_planner.measure import measure
 
 
-@pytest.fixture(scope="module")
-def llama():
-    """The zoo LLaMA, width 512, 4 layers, one 256-token row per device: weights big enough
-    next to the activations that the partitioner's choice shows."""
-    return zoo_llama(256, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+@functools.cache
+def llama(layers: int):
+    """The zoo LLaMA, width 512, one 256-token row per device: weights big enough next to the
+    activations that the partitioner's choice shows."""
+    return zoo_llama(256, hidden_size=512, intermediate_size=1408, num_hidden_layers=layers,
                      num_attention_heads=8, num_key_value_heads=8)
 
 
+@functools.cache
+def fsdp_step(layers: int, n_devices: int, remat: str, n_context_shards: int) -> TriedLayout:
+    """The ``auto+fsdp`` train step of ``llama(layers)`` on ``n_devices``, measured once."""
+    model = llama(layers)
+    return measure(model.params, model.loss_fn, model.batch(1), n_devices, 1,
+                   sharding_rules="auto+fsdp", remat=remat, n_context_shards=n_context_shards)
+
+
 @pytest.mark.parametrize("remat", ["none", "dots_saveable", "full"])
-def test_an_fsdp_steps_peak_per_device_does_not_rise_with_devices(llama, remat):
+def test_an_fsdp_steps_peak_per_device_does_not_rise_with_devices(remat):
     """One 256-token row per device: the peak falls from 2 to 4 to 8 devices, and the FLOPs
     per device stay within 2% (each device computes its own rows)."""
-    layouts = {n: measure(llama.params, llama.loss_fn, llama.batch(1), n, 1,
-                          sharding_rules="auto+fsdp", remat=remat) for n in (2, 4, 8)}
+    layouts = {n: fsdp_step(2, n, remat, 1) for n in (2, 4, 8)}
     peaks = {n: layout.peak_bytes for n, layout in layouts.items()}
     assert peaks[2] >= peaks[4] >= peaks[8], {n: f"{p / 1e6:.1f} MB" for n, p in peaks.items()}
     flops = {n: layout.flops for n, layout in layouts.items()}
@@ -42,16 +55,10 @@ def test_an_fsdp_step_under_remat_holds_one_layers_gathered_weights_at_a_time(n_
     gathered weights: a layer's gathers wait for its activations (``redco.fsdp.gather``), so XLA
     cannot issue every layer's gathers at the start of the step (as it did: 13.5 MB more per
     layer on 8 devices, one layer's fp32 weights being 12.8 MB; 0.5 MB tied)."""
-    temp = {}
-    for layers in (2, 6):
-        model = zoo_llama(256, hidden_size=512, intermediate_size=1408, num_hidden_layers=layers,
-                          num_attention_heads=8, num_key_value_heads=8)
-        temp[layers] = measure(model.params, model.loss_fn, model.batch(1), 8, 1,
-                               sharding_rules="auto+fsdp", remat="full",
-                               n_context_shards=n_context_shards).temp_bytes
+    temp = {layers: fsdp_step(layers, 8, "full", n_context_shards).temp_bytes for layers in (2, 4)}
     one_layer = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
-                    for x in jax.tree.leaves(model.params["model"]["layers"][0]))
-    per_layer = (temp[6] - temp[2]) / 4
+                    for x in jax.tree.leaves(llama(4).params["model"]["layers"][0]))
+    per_layer = (temp[4] - temp[2]) / 2
     assert per_layer < 0.1 * one_layer, (
         f"each layer adds {per_layer / 1e6:.1f} MB of temporaries; its gathered weights are "
         f"{one_layer / 1e6:.1f} MB")
