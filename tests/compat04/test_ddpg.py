@@ -124,7 +124,6 @@ class DDPGAgent:
         self._warmup_steps = warmup_steps
         self._sigma = sigma
         self._gamma = gamma
-        self._tau = tau
         _, self._global_batch_size = self._deployer.process_batch_size(
             per_device_batch_size=per_device_batch_size)
         self._per_device_batch_size = per_device_batch_size
@@ -140,6 +139,11 @@ class DDPGAgent:
             return jnp.mean(q(actor.apply({'params': new_actor}, states))
                             - q(actor.apply({'params': old_actor}, states)))
         self._update_gain = update_gain
+
+        @jax.jit
+        def soft(target, online):
+            return jax.tree_util.tree_map(lambda x, y: (1. - tau) * x + tau * y, target, online)
+        self._soft = soft
 
     def predict_action(self, state):
         action = self._actor_predictor.predict(
@@ -166,11 +170,11 @@ class DDPGAgent:
             self.train(random.sample(self._replay_buffer, self._global_batch_size))
 
     def update_target(self):
-        def soft(target, online):
-            return jax.tree_util.tree_map(
-                lambda x, y: (1. - self._tau) * x + self._tau * y, target, online)
-        self._target_actor_params = soft(self._target_actor_params, self._trainer.params['actor'])
-        self._target_critic_params = soft(
+        # One compiled program per network (the original maps the lambda eagerly: 3 dispatches
+        # per array, 30 per update, the same arithmetic).
+        self._target_actor_params = self._soft(self._target_actor_params,
+                                               self._trainer.params['actor'])
+        self._target_critic_params = self._soft(
             self._target_critic_params, self._trainer.params['critic'])
 
     def train(self, transitions):

@@ -28,8 +28,11 @@ def model_of(name: str, seed: int = 0):
 
 
 def one_at_a_time(model, params, prompt, n_new=NEW):
-    tokens, logprobs = generate(model, params, jnp.asarray([prompt], jnp.int32), n_new,
-                                return_logprobs=True)
+    """``generate`` on the prompt alone, jitted: one program per prompt length (run eagerly,
+    each of its ops is compiled for every new length, and its decode loop on every call)."""
+    tokens, logprobs = jax.jit(lambda params, ids: generate(model, params, ids, n_new,
+                                                            return_logprobs=True))(
+        params, jnp.asarray([prompt], jnp.int32))
     return [int(t) for t in tokens[0]], np.asarray(logprobs[0])
 
 

@@ -119,9 +119,12 @@ def reference(model_dir):
     params = nnx.state(model, nnx.Param)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
+    # jitted: one program per prompt length (eagerly, each op compiles for every new length)
+    run = jax.jit(lambda params, ids, max_new: generate(model, params, ids, max_new),
+                  static_argnums=2)
+
     def greedy(ids: list[int], max_new: int) -> tuple[str, str]:
-        tokens = [int(t) for t in generate(model, params, jnp.asarray([ids], jnp.int32),
-                                           max_new)[0]]
+        tokens = [int(t) for t in run(params, jnp.asarray([ids], jnp.int32), max_new)[0]]
         eos = tokenizer.eos_token_id
         reason = "stop" if eos in tokens else "length"
         return tokenizer.decode(tokens[:tokens.index(eos)] if eos in tokens else tokens,

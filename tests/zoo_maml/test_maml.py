@@ -27,8 +27,12 @@ from redco_zoo_maml.pipeline import MAMLPipeline, train
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from kill_anywhere import assert_same_arrays, newest_step_arrays  # noqa: E402, I001
 
-SETTINGS = ["--n_meta_iterations", "3000", "--meta_batch_size", "64", "--meta_lr", "5e-3",
-            "--inner_lr", "0.01", "--n_eval_tasks", "1000", "--seed", "0"]
+SETTINGS = ["--meta_batch_size", "64", "--meta_lr", "5e-3", "--inner_lr", "0.01",
+            "--n_eval_tasks", "1000", "--seed", "0"]
+# Meta-updates each order needs to pass ``check_bar`` with a margin, measured at seeds 0, 1, 2:
+# second order post-adaptation MSE 0.471, 0.468, 0.424 at 2000 (0.694, 0.540, 0.594 at 1000);
+# first order 0.835, 0.547, 0.716 at 2000, so it keeps 3000.
+SECOND_ORDER, FIRST_ORDER = ["--n_meta_iterations", "2000"], ["--n_meta_iterations", "3000"]
 
 
 def check_bar(pre: float, post: float, what: str) -> None:
@@ -41,12 +45,12 @@ def test_maml_learns_sinusoids_second_order_on_two_model_shards(workdir):
     parser = argparse.ArgumentParser()
     MAMLPipeline().add_arguments(parser)
     results = MAMLPipeline().run(parser.parse_args(
-        SETTINGS + ["--n_model_shards", "2", "--workdir", workdir]))
+        SETTINGS + SECOND_ORDER + ["--n_model_shards", "2", "--workdir", workdir]))
     check_bar(results["pre_adaptation_mse"], results["post_adaptation_mse"], "second-order, mp=2")
 
 
 def test_redco_zoo_run_maml_first_order(workdir):
-    main(["zoo", "run", "maml", "--first_order", "--workdir", workdir] + SETTINGS)
+    main(["zoo", "run", "maml", "--first_order", "--workdir", workdir] + SETTINGS + FIRST_ORDER)
     log = open(os.path.join(workdir, "log.txt")).read()
     pre, post = map(float, re.search(r"pre-adaptation MSE (\S+), post-adaptation MSE (\S+)",
                                      log).groups())
