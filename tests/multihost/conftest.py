@@ -2,7 +2,12 @@
 (imported by the launcher plugins' tests as well); and GRPO's 2-process run, made once for the
 tests that compare with it."""
 import pytest
-from multihost_helpers import clean_env, no_jax_distributed, reference  # noqa: F401 (fixtures)
+from multihost_helpers import (  # noqa: F401 (fixtures)
+    clean_env,
+    no_jax_distributed,
+    reference,
+    two_processes,
+)
 
 
 @pytest.fixture(scope="session")

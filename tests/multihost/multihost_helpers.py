@@ -1,14 +1,16 @@
 """What every launcher test shares: the worker (``worker.py``), the single-process reference run
 of it, the check that a multi-process run trained exactly like it, ``redco`` run in-process, and
-fixtures for the reference run, an environment without launcher variables and a
-``jax.distributed`` that must not be reached (each conftest imports them to offer them).
+fixtures for the reference run, an uninterrupted 2-process run of the worker, an environment
+without launcher variables and a ``jax.distributed`` that must not be reached (each conftest
+imports them to offer them).
 
 A module of its own (not ``conftest.py``) because the launcher plugins' tests (``plugins/ip/tests``,
 ``plugins/slurm/tests``, ``plugins/xmanager/tests``) import it too, and pytest gives every
 ``conftest.py`` outside a package the same module name, so ``from conftest import ...`` would get
 whichever conftest was loaded last when several test folders run together. The reference run is
-made once per pytest process, whichever folder asks first.
+made once per pytest process, whichever folder asks first, and so is the 2-process run.
 """
+import atexit
 import functools
 import json
 import os
@@ -157,6 +159,35 @@ def reference_run() -> tuple[dict, dict]:
 def reference():
     """One process with all 8 devices: what every multi-process run must reproduce."""
     return reference_run()
+
+
+def launch(n_processes: int, workdir: str, **env) -> None:
+    """``n_processes`` workers with explicit ip arguments, 8 devices in all, to their ends."""
+    port, per_process = free_port(), TOTAL_DEVICES // n_processes
+    procs = [subprocess.Popen([sys.executable, WORKER, str(i), str(n_processes), str(port),
+                               str(per_process), workdir], env=worker_env(**env),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(n_processes)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    for i, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
+
+
+@functools.cache
+def two_process_run() -> str:
+    """The folder of an uninterrupted run of the worker on 2 processes (4 devices each), kept
+    until pytest exits: compared with one process, and what every stopped and resumed 2-process
+    run of it must end like, bit for bit. Made once per pytest process, like the reference."""
+    workdir = tempfile.mkdtemp(prefix="redco-two-processes-")
+    atexit.register(shutil.rmtree, workdir, ignore_errors=True)
+    launch(2, workdir)
+    return workdir
+
+
+@pytest.fixture(scope="session")
+def two_processes() -> str:
+    """The folder of an uninterrupted 2-process run (``two_process_run``)."""
+    return two_process_run()
 
 
 def assert_trains_like_reference(workdir: str, n_processes: int, launcher: str, reference,

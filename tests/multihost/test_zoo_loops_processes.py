@@ -13,7 +13,8 @@ checkpoint: params, optimizer state, step; and what the loop returned), after as
    started in the background, and process 1 is killed as a job scheduler would.
 3. The next rerun resumes from the newest complete checkpoint and ends.
 
-The uninterrupted runs of the three are made once, one after the other in the same 2 processes.
+The uninterrupted runs of the three are made once, one after the other in the same 2 processes,
+and so are their last reruns (3.), once each was stopped (1.) and killed (2.).
 GRPO (``redco zoo run grpo``) is killed during a background checkpoint write instead: process 0
 holds its write (``bg_ckpt_worker.py``'s held write) and dies in the next round.
 """
@@ -84,28 +85,48 @@ def wholes(tmp_path_factory) -> str:
     return workdir
 
 
+@pytest.fixture(scope="module")
+def cuts(wholes, tmp_path_factory) -> tuple[str, dict]:
+    """Each loop stopped by SIGTERM (1.) and killed (2.) in ``<returned>/<loop>``, then the
+    reruns of the three (3.), one after the other in the same 2 processes. Returns that folder
+    and, a loop, its runs: 1.'s exit statuses, logs and the checkpoints announced to each
+    process; 2.'s point, exit statuses and logs; and the reruns' (``"reruns"``)."""
+    root, runs = str(tmp_path_factory.mktemp("cuts")), {}
+    for loop in sorted(SIGTERM_AT):
+        cut = os.path.join(root, loop)
+        codes, logs = run(loop, cut, "--sigterm", str(SIGTERM_AT[loop]))
+        runs[loop] = {"stopped": (codes, logs, saved(cut, 0), saved(cut, 1))}
+        stop = (saved(cut, 0) or [0])[-1]
+        # The first point after the next boundary that saves: its write runs meanwhile.
+        later = [step for step in saved(os.path.join(wholes, loop), 0) if step > stop] or [stop]
+        kill = (min(later) - stop) // PER_POINT[loop] + 1
+        runs[loop]["killed"] = (kill, *run(loop, cut, "--sigkill", str(kill), victim=0))
+    runs["reruns"] = run(",".join(sorted(SIGTERM_AT)), root)
+    return root, runs
+
+
 @pytest.mark.parametrize("loop", sorted(SIGTERM_AT))
 def test_a_zoo_loop_on_two_processes_stopped_and_killed_inside_a_unit_reruns_to_the_same_bits(
-        loop, wholes, tmp_path):
-    whole, cut = os.path.join(wholes, loop), str(tmp_path / "cut")
+        loop, wholes, cuts):
+    whole, cut = os.path.join(wholes, loop), os.path.join(cuts[0], loop)
     saves = saved(whole, 0)
     assert saves == saved(whole, 1) and len(saves) >= 3, (saves, saved(whole, 1))
 
-    codes, logs = run(loop, cut, "--sigterm", str(SIGTERM_AT[loop]))
+    codes, logs, saved_0, saved_1 = cuts[1][loop]["stopped"]
     assert codes == [143, 143], logs  # process 0 too, told by JAX's preemption service
-    assert saved(cut, 0) == saved(cut, 1), logs  # the same checkpoints, the stop's last
-    stop = saved(cut, 0)[-1]
+    assert saved_0 == saved_1, logs  # the same checkpoints, the stop's last
+    stop = saved_0[-1]
     assert stop in stops(loop, whole) and f"Stopped by SIGTERM after step {stop}:" in log(cut), \
         (stop, stops(loop, whole), logs)
 
-    # The first point after the next boundary that saves: its write runs meanwhile.
-    kill = (min(step for step in saves if step > stop) - stop) // PER_POINT[loop] + 1
-    codes, logs = run(loop, cut, "--sigkill", str(kill), victim=0)
+    kill, codes, logs = cuts[1][loop]["killed"]
+    assert kill == (min(step for step in saves if step > stop) - stop) // PER_POINT[loop] + 1
     assert codes[0] == -9 and f"SIGKILL at point {kill}" in logs, logs
 
-    codes, logs = run(loop, cut)
+    codes, logs = cuts[1]["reruns"]
     assert codes == [0, 0], logs
-    assert log(cut).count("Resumed from") == 2, log(cut)
+    # (its own resumes: a log.txt also gets the lines of the loops run after it in a process)
+    assert log(cut).count(f"Resumed from {cut}/") == 2, log(cut)
     assert_same_arrays(newest_step_arrays(cut), newest_step_arrays(whole))  # step included
     assert result(cut) == result(whole)
     if loop == "fedavg":

@@ -40,9 +40,6 @@ os.environ["REDCO_HANG_TIMEOUT"] = "60"  # a process left waiting for a dead one
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"  # XLA's INFO lines: the preemption sync point set
 
 import jax  # noqa: E402
-
-jax.config.update("jax_default_matmul_precision", "highest")
-
 import numpy as np  # noqa: E402
 from multihost_helpers import wait_until  # noqa: E402
 
@@ -196,6 +193,9 @@ LOOPS = {"fedavg": fedavg, "grpo": grpo, "maml": maml, "ppo": ppo}
 def run(loop: str, workdir: str, args: argparse.Namespace) -> None:
     """``loop`` in ``workdir``, its result written there; its plugins gone after."""
     os.makedirs(workdir, exist_ok=True)
+    # GRPO as ``redco zoo run grpo`` runs, at JAX's default precision like its uninterrupted run
+    # (under ``redco launch``): the same programs, so the rerun loads them from the compile cache
+    jax.config.update("jax_default_matmul_precision", None if loop == "grpo" else "highest")
     points = Points(workdir, args.process_id, args.sigterm, args.sigkill, args.held)
     redco.plugins.pm.register(points)
     try:

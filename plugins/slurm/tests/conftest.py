@@ -1,7 +1,8 @@
 """8 simulated CPU devices (set before jax is imported), offline hubs; the launcher tests' shared
 helpers and fixtures from ``tests/multihost/multihost_helpers.py`` (the worker, the one-process
-reference run, an environment without launcher variables); and ``slurm``, a real one-node SLURM
-cluster on this machine (``slurm.sh``) for the tests that submit jobs.
+reference run, an uninterrupted 2-process run, an environment without launcher variables); and
+``slurm``, a real one-node SLURM cluster on this machine (``slurm.sh``) for the tests that submit
+jobs.
 
 These tests run in the repository: the worker (``tests/multihost/worker.py``) trains the tiny LM of
 ``tests/core/helpers.py``.
@@ -18,7 +19,13 @@ import pytest  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "tests", "multihost"))
 
-from multihost_helpers import clean_env, no_jax_distributed, reference, worker_env  # noqa: E402, F401
+from multihost_helpers import (  # noqa: E402, F401 (fixtures)
+    clean_env,
+    no_jax_distributed,
+    reference,
+    two_processes,
+    worker_env,
+)
 
 SLURM_SH = os.path.join(HERE, "slurm.sh")
 SLURM_DIR = os.environ.get("REDCO_SLURM_DIR", "/tmp/redco-slurm")
