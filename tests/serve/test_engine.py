@@ -123,6 +123,24 @@ def test_stop_tokens_end_a_sample_and_free_its_row_for_the_next():
         assert request.samples[0].finish_reason == "stop"
     ended = engine.generate([PROMPTS[0]], Sampling(max_tokens=NEW, stop_token_ids=(expected[1],)))
     assert ended[0].samples[0].tokens == expected[:2]
+    past = engine.generate([PROMPTS[0]], Sampling(max_tokens=NEW, ignore_eos=True))[0].samples[0]
+    assert past.tokens == expected and past.finish_reason == "length"  # ran past the EOS
+
+
+def test_warm_up_compiles_every_shape_a_request_can_meet():
+    """After ``warm_up``, requests of every prompt length, sample count and arrival order
+    (decode steps over every span of slots: the longest runs to ``max_len``) compile nothing."""
+    model = model_of("llama-3.1")
+    engine = Engine(model, nnx.state(model, nnx.Param), max_seqs=3, max_len=32)
+    shapes = engine.warm_up()
+    compiled = lambda: engine._decode._cache_size() + engine._prefill._cache_size()  # noqa: E731
+    assert compiled() == shapes
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(1, 64, n)) for n in (1, 2, 5, 9, 16, 17, 30)]
+    for n in (1, 2, 3):
+        run_staggered(engine, prompts, Sampling(max_tokens=2, n=n, temperature=1.0))
+    engine.generate(prompts[:3] * 3, Sampling(max_tokens=32 - 5))  # all at once, to the end
+    assert compiled() == shapes
 
 
 def test_requests_that_cannot_fit_are_refused_before_running():
@@ -164,8 +182,8 @@ def test_a_step_that_raises_ends_its_requests_and_the_engine_serves_on():
     engine = Engine(model, nnx.state(model, nnx.Param), max_seqs=2, max_len=32).start()
     try:
         decode, failures = engine._decode, [RuntimeError("device lost")]
-        engine._decode = lambda *a: (_ for _ in ()).throw(failures.pop()) if failures else \
-            decode(*a)
+        engine._decode = lambda *a, **k: (_ for _ in ()).throw(failures.pop()) if failures \
+            else decode(*a, **k)
         broken = engine.submit(PROMPTS[0], Sampling(max_tokens=4))
         assert broken.done.wait(60), "a request of a failed step never ended"
         assert broken.samples[0].finish_reason == "error" and "device lost" in repr(broken.error)

@@ -187,6 +187,8 @@ def test_samples_stop_strings_and_logprobs(server, reference):
     for choice in answer.choices:
         assert len(choice.logprobs.token_logprobs) >= 1
         assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    returned = sum(len(c.logprobs.token_logprobs) for c in answer.choices)
+    assert answer.usage.completion_tokens == returned  # the tokens returned, not max_tokens
     again = server.client.completions.create(model="tiny-chat", prompt="the cat", n=3,
                                              max_tokens=8, temperature=1.0, seed=7, logprobs=0)
     assert [c.text for c in again.choices] == [c.text for c in answer.choices]  # seeded
@@ -206,6 +208,7 @@ def test_samples_stop_strings_and_logprobs(server, reference):
     (dict(prompt="the cat", temperature=-1), 400, "temperature=-1"),
     (dict(prompt="the cat", n=9), 400, "n=9"),
     (dict(prompt="the cat", echo=True), 400, "echo"),
+    (dict(prompt="the cat", extra_body={"ignore_eos": "yes"}), 400, "ignore_eos"),
     (dict(prompt=""), 400, "prompt"),
     (dict(prompt="the cat", model="gpt-4"), 404, "'gpt-4' does not exist"),
 ])
@@ -270,3 +273,23 @@ def test_streamed_text_holds_back_what_may_become_a_stop_string(reference):
     sent.append(stream.finish())
     assert stream.stopped and stream.text == "the ca"
     assert "".join(sent) == "the ca" and sent[1] == " ca"  # "t" held back after "cat"
+
+
+def test_streamed_text_of_a_byte_level_bpe_equals_the_whole_decode():
+    """Incremental decoding with a real byte-level BPE (trained here): characters of 2 to 4
+    bytes split over tokens are held back until whole, and the pieces join to the whole text."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from redco_serve.text import TextStream
+    corpus = ["the cat sat on the mat", "naïve café, 日本語のテキスト", "emoji 🐈‍⬛ and ü"] * 5
+    trained = ByteLevelBPETokenizer()
+    trained.train_from_iterator(corpus, vocab_size=300, min_frequency=1, show_progress=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=trained._tokenizer)
+    text = "the naïve cat 日本語 sat 🐈‍⬛ on the mat ü"
+    ids = tokenizer(text)["input_ids"]
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids)  # some tokens split a character
+    stream = TextStream(tokenizer, [])
+    pieces = [stream.push(t) for t in ids] + [stream.finish()]
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert not any("\ufffd" in p for p in pieces)

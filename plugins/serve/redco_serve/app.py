@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -18,19 +19,23 @@ from redco_zoo_models.engine import Engine
 
 
 class Job:
-    """One HTTP request's samples, seen from the event loop: the engine's thread puts
-    ``(choice, kind, payload)`` on ``queue`` (kind ``"text"``: new text; ``"end"``: the finish
-    reason)."""
+    """One HTTP request's samples, seen from the event loop: the engine's thread hands over
+    ``(choice, kind, payload)`` events (kind ``"text"``: new text; ``"end"``: the finish
+    reason), all that one engine step made at once (one wake-up of the loop a step, not one a
+    token). Text is decoded as tokens arrive only when it is needed then (``per_token``: a
+    stream, or stop strings to watch for); otherwise once, when a sample ends."""
 
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], per_token: bool):
         self.loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
-        self.tokenizer, self.stop = tokenizer, stop
+        self.tokenizer, self.stop, self.per_token = tokenizer, stop, per_token
         self.streams: dict[int, TextStream] = {}
         self.requests, self.first_choice = [], {}
         self.samples = {}  # choice -> (request, index of the sample in it)
+        self._pending, self._lock, self._woken = [], threading.Lock(), False
 
     def submit(self, engine: Engine, prompt: list[int], sampling) -> None:
-        request = engine.submit(prompt, sampling, self._on_token, self._on_end)
+        on_token = self._on_token if self.per_token else None
+        request = engine.submit(prompt, sampling, on_token, self._on_end)
         first = self.first_choice[id(request)] = len(self.streams)
         for index in range(sampling.n):
             self.streams[first + index] = TextStream(self.tokenizer, self.stop)
@@ -48,10 +53,24 @@ class Job:
         return stream.stopped
 
     def _on_end(self, request, index) -> None:
-        self._put(self.choice(request, index), "end", request.samples[index].finish_reason)
+        choice = self.choice(request, index)
+        if not self.per_token:
+            self.streams[choice].extend(request.samples[index].tokens)
+        self._put(choice, "end", request.samples[index].finish_reason)
 
     def _put(self, *event) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        """Queue ``event`` for the loop; wake it once for all that arrive before it runs."""
+        with self._lock:
+            self._pending.append(event)
+            wake, self._woken = not self._woken, True
+        if wake:
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            events, self._pending, self._woken = self._pending, [], False
+        for event in events:
+            self.queue.put_nowait(event)
 
     async def events(self):
         """``(choice, kind, payload)`` until every sample has ended; cancels what is left when
@@ -102,7 +121,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, eos_ids: tuple[int, ..
                                  "larger --max_len.", "messages" if chat else "prompt")
         key = "max_completion_tokens" if chat else "max_tokens"
         sampling, stop = api.sampling_of(body, key, room, engine.max_seqs, eos_ids)
-        job = Job(tokenizer, stop)
+        job = Job(tokenizer, stop, per_token=bool(body.get("stream") or stop))
         for prompt in prompts:
             try:
                 job.submit(engine, prompt, sampling)
@@ -168,6 +187,8 @@ class Reply:
         if failed is not None:
             raise api.BadRequest(f"The engine failed while running this request: {failed!r}",
                                  status=500)
+        for stream in self.job.streams.values():
+            stream.finish()
         choices = [self._whole_choice(c, s.text, reasons[c])
                    for c, s in sorted(self.job.streams.items())]
         return api.envelope(self.kind, self.id, self.model, choices, usage=self._usage())

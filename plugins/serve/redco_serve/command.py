@@ -79,7 +79,6 @@ def start_engine(args: argparse.Namespace):
     from redco_planner.layouts import usable_bytes
     from redco_zoo_models.engine import Engine
     from redco_zoo_models.engine_memory import rows_that_fit
-    from redco_zoo_models.requests import Sampling
     from redco_zoo_models.runner import load_model
     model, config = load_model(args.model)
     try:
@@ -101,7 +100,8 @@ def start_engine(args: argparse.Namespace):
     engine = Engine(model, params, max_seqs=max_seqs, max_len=args.max_len,
                     eos_token_ids=eos, cache_dtype=cache_dtype,
                     mesh=deployer.mesh)
-    engine.generate([[eos[0] if eos else 0]], Sampling(max_tokens=1))  # compile before serving
+    shapes = engine.warm_up()  # every shape compiled before serving: no request waits on one
+    print(f"redco serve: compiled {shapes} step shapes", flush=True)
     return engine.start(), tokenizer, eos
 
 

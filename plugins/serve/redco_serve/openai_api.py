@@ -1,5 +1,6 @@
 """The OpenAI API's request fields, read and checked before anything runs, and its response
-bodies. Unknown fields are ignored, as OpenAI's own server ignores them; fields this server
+bodies. ``ignore_eos`` (vLLM's extension, for benchmarks) runs past the end token. Unknown
+fields are ignored, as OpenAI's own server ignores them; fields this server
 cannot honour (``echo``, ``best_of``, penalties, ``logit_bias``, top alternatives of each
 token's log-probability) are refused with a 400 that names them, never silently dropped."""
 from __future__ import annotations
@@ -71,13 +72,17 @@ def sampling_of(body: dict, max_tokens_key: str, room: int, max_seqs: int,
                          "prompt leaves of this server's --max_len: lower it, shorten the prompt, "
                          "or restart the server with a larger --max_len.", max_tokens_key)
     seed = number(body, "seed", None, 0, 2 ** 31 - 1, integer=True)
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest("ignore_eos: give true (run past the end token to max_tokens, as "
+                         "vLLM's benchmarks do) or false.", "ignore_eos")
     return Sampling(
         max_tokens=max(1, max_tokens),  # (a chat's default, room, may be 0)
         temperature=float(number(body, "temperature", 1.0, 0, 2)),
         top_p=float(number(body, "top_p", 1.0, 1e-9, 1)),
         top_k=max(0, number(body, "top_k", 0, -1, 10 ** 9, integer=True)),
         n=number(body, "n", 1, 1, max_seqs, integer=True), seed=seed,
-        stop_token_ids=stop_token_ids), stop
+        stop_token_ids=() if ignore_eos else stop_token_ids, ignore_eos=ignore_eos), stop
 
 
 def wants_logprobs(body: dict, chat: bool) -> bool:

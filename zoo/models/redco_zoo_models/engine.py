@@ -45,11 +45,12 @@ import numpy as np
 from flax import nnx
 
 from redco_zoo_models.engine_memory import cache_sharding, rows_sharding, vocab_size
-from redco_zoo_models.engine_steps import decode_rows, prefill_rows
+from redco_zoo_models.engine_steps import decode_rows, prefill_rows, slotted_leaves
 from redco_zoo_models.requests import Request, Sampling
 
 MIN_BUCKET = 16  # the shortest prefill shape
 MAX_PREFILL = 8  # prompts read per step at most: the rest wait a step, decoding goes on
+MIN_SPAN = 16  # the fewest slots a decode step reads; then x4 (few shapes) up to max_len
 
 
 class Engine:
@@ -83,8 +84,9 @@ class Engine:
         self._lock, self._wake = threading.Lock(), threading.Condition()
         self._thread, self._closing = None, False
         self._seeds = itertools.count(int(np.random.SeedSequence().entropy % 2 ** 31))
-        self._decode = jax.jit(partial(decode_rows, self.graphdef, steps_per_sync, mesh),
-                               donate_argnums=(1, 2, 3))
+        self._decode = jax.jit(partial(decode_rows, self.graphdef, steps_per_sync, mesh,
+                                       slotted=slotted_leaves(model, max_len, cache_dtype)),
+                               donate_argnums=(1, 2, 3), static_argnames=("span",))
         self._prefill = jax.jit(partial(prefill_rows, self.graphdef, max_len, cache_dtype),
                                 donate_argnums=(1, 2, 3))
         self._keys = jax.jit(jax.vmap(lambda seed, sample: jax.random.fold_in(
@@ -127,6 +129,30 @@ class Engine:
             if not self.step():
                 raise RuntimeError("The engine has nothing to run but requests have not ended: "
                                    "is it also stepping in a background thread (start)?")
+
+    def warm_up(self) -> int:
+        """Compile every prefill and decode shape this engine can meet (prompts read at once x
+        padded width; leading rows decoded), by running each on empty rows, so that no request
+        waits on a compile. Before the first request only. Returns how many shapes ran."""
+        if any(self.rows) or self.waiting:
+            raise RuntimeError("warm_up runs on an idle engine, before the first request.")
+        counts = sorted({1 << (n - 1).bit_length() for n in range(1, MAX_PREFILL + 1)})
+        widths = sorted({self._width(n) for n in range(1, self.max_len + 1)})
+        none = np.zeros(self.max_seqs, np.int32)
+        for count, width in itertools.product(counts, widths):
+            self.cache, self.key_valid, self.logits = self._prefill(
+                self.params, self.cache, self.key_valid, self.logits,
+                np.zeros((count, width), np.int32), np.ones(count, np.int32), none, none, 0)
+        buckets = sorted({self._bucket(row) for row in range(self.max_seqs)})
+        spans = sorted({self._span(end) for end in range(self.max_len + 1)})
+        for bucket, span in itertools.product(buckets, spans):
+            *_, self.logits, self.cache, self.key_valid = self._decode(
+                self.params, self.cache, self.key_valid, self.logits,
+                np.zeros(bucket, np.int32), np.zeros(bucket, bool),
+                np.zeros((3, bucket), np.float32), self.row_keys[:bucket].copy(),
+                np.zeros(bucket, np.int32), span=span)
+        jax.block_until_ready(self.cache)
+        return len(counts) * len(widths) + len(buckets) * len(spans)
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> bool:
@@ -202,8 +228,7 @@ class Engine:
     def _prefill_into(self, admitted: list[tuple[Request, list[int]]]) -> None:
         """The prompts of ``admitted`` (a request and its rows each) read in one prefill, right-
         padded to powers of two (their number and the longest), each copied to its rows."""
-        longest = max(len(request.prompt) for request, _ in admitted)
-        width = min(max(MIN_BUCKET, 1 << (longest - 1).bit_length()), self.max_len)
+        width = self._width(max(len(request.prompt) for request, _ in admitted))
         ids = np.zeros((1 << (len(admitted) - 1).bit_length(), width), np.int32)
         lengths = np.ones(len(ids), np.int32)
         sources, targets, seeds, samples = np.zeros((4, self.max_seqs), np.int32)
@@ -225,7 +250,7 @@ class Engine:
     def _decode_running(self, running: list[int]):
         """``(tokens, logprobs)``, (steps_per_sync, rows) each, over the fewest leading rows (a
         power of two) that hold every running one: few rows running, little computed."""
-        bucket = min(self.max_seqs, 1 << max(running).bit_length())
+        bucket = self._bucket(max(running))
         active = np.zeros(bucket, bool)
         active[running] = True
         settings = np.zeros((3, bucket), np.float32)
@@ -235,10 +260,26 @@ class Engine:
             s = request.sampling
             settings[:, i] = s.temperature, s.top_k, s.top_p
             counts[i] = len(request.samples[sample].tokens)
+        span = self._span(int(self.slot[running].max()) + self.steps_per_sync)
         tokens, logprobs, self.logits, self.cache, self.key_valid = self._decode(
             self.params, self.cache, self.key_valid, self.logits, self.slot[:bucket].copy(),
-            active, settings, self.row_keys[:bucket].copy(), counts)
+            active, settings, self.row_keys[:bucket].copy(), counts, span=span)
         return np.asarray(tokens), np.asarray(logprobs)
+
+    def _width(self, longest: int) -> int:
+        """The padded width of a prefill whose longest prompt is ``longest`` tokens."""
+        return min(max(MIN_BUCKET, 1 << (longest - 1).bit_length()), self.max_len)
+
+    def _bucket(self, last_row: int) -> int:
+        """The leading rows decoded when ``last_row`` is the last one running."""
+        return min(self.max_seqs, 1 << last_row.bit_length())
+
+    def _span(self, end: int) -> int:
+        """The slots a decode step reads when the running rows' tokens end before ``end``."""
+        span = MIN_SPAN
+        while span < end:
+            span *= 4
+        return min(span, self.max_len)
 
     def _take(self, row: int, token: int, logprob: float) -> None:
         request, index = self.rows[row]
@@ -250,7 +291,8 @@ class Engine:
                                                                     logprob)
         if request.cancelled:
             sample.finish_reason = "cancelled"
-        elif stopped or token in self.eos or token in request.sampling.stop_token_ids:
+        elif stopped or token in request.sampling.stop_token_ids or \
+                token in self.eos and not request.sampling.ignore_eos:
             sample.finish_reason = "stop"
         elif len(sample.tokens) == request.sampling.max_tokens:
             sample.finish_reason = "length"

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from redco_zoo_models.engine_memory import traced
 from redco_zoo_models.generation import pick_rows
 
 
@@ -43,11 +44,13 @@ def everywhere(mesh, x):
 
 
 def decode_rows(graphdef, steps_per_sync: int, mesh, params, cache, key_valid, logits, slot,
-                active, settings, row_keys, counts):
+                active, settings, row_keys, counts, slotted=None, span: int | None = None):
     """The engine's decode step: ``steps_per_sync`` next tokens of the first ``len(slot)``
     rows of the model ``graphdef`` with ``params``, each sampled its own way: ``(tokens,
     logprobs, logits, cache, key_valid)``, the first two (steps_per_sync, rows) and on every
-    device of ``mesh``."""
+    device of ``mesh``. With ``span``, attention reads only the first ``span`` slots (every
+    running row's tokens lie there): the cache leaves that ``slotted`` (a tree of bools like the
+    cache) marks are cut to them, so a step costs what the rows hold, not ``max_len``."""
     m, rows = nnx.merge(graphdef, params), len(slot)
     temperature, top_k, top_p = settings[0], settings[1].astype(jnp.int32), settings[2]
     scale = jnp.where(temperature > 0, temperature, 1.0)[:, None]
@@ -62,9 +65,20 @@ def decode_rows(graphdef, steps_per_sync: int, mesh, params, cache, key_valid, l
         out, cache = m.decode(tokens[:, None], key_valid, cache, slot + j)
         return (cache, key_valid, out[:, -1].astype(jnp.float32)), (tokens, logprobs)
 
-    lead = lambda x: x[:rows]  # noqa: E731
-    carry = jax.tree.map(lead, (cache, key_valid, logits))
+    def lead(x, has_slots=False):  # the running rows (and with a span, their slots)
+        return x[:rows, :span] if has_slots and span else x[:rows]
+    slotted = jax.tree.map(lambda _: False, cache) if slotted is None else slotted
+    carry = (jax.tree.map(lead, cache, slotted), lead(key_valid, True), lead(logits))
     carry, (tokens, logprobs) = jax.lax.scan(one_token, carry, jnp.arange(steps_per_sync))
-    back = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, 0)  # noqa: E731
+    back = lambda full, part: jax.lax.dynamic_update_slice(  # noqa: E731
+        full, part, (0,) * full.ndim)
     cache, key_valid, logits = jax.tree.map(back, (cache, key_valid, logits), carry)
     return everywhere(mesh, tokens), everywhere(mesh, logprobs), logits, cache, key_valid
+
+
+def slotted_leaves(model, max_len: int, cache_dtype) -> list:
+    """Which leaves of ``model.init_cache`` have a slot axis (axis 1, growing with ``max_len``),
+    as a tree of bools like the cache: a linear layer's fixed-size state has none."""
+    a, b = (traced(model, lambda m, n=n: m.init_cache(1, n, cache_dtype))
+            for n in (max_len, max_len + 1))
+    return jax.tree.map(lambda x, y: x.shape != y.shape, a, b)

@@ -12,7 +12,8 @@ from typing import Callable
 class Sampling:
     """How one request samples: ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1.0 cut
     nothing; ``n`` samples of the prompt; ``stop_token_ids`` end a sample as the model's EOS
-    does; ``seed`` None draws one."""
+    does; ``ignore_eos`` runs past the model's EOS to ``max_tokens`` (benchmarks; vLLM's
+    field); ``seed`` None draws one."""
     max_tokens: int = 16
     temperature: float = 0.0
     top_k: int = 0
@@ -20,6 +21,7 @@ class Sampling:
     n: int = 1
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self):
         checks = {"max_tokens": self.max_tokens >= 1, "temperature": self.temperature >= 0,

@@ -1,0 +1,148 @@
+"""``redco serve`` through HTTP, as a user meets it: a server process on a tiny chat model, asked
+by the real ``openai`` client from threads, warm (a burst at every concurrency runs first, so
+nothing compiles while timed). Output tokens/s at 1, 8, 32 and 64 requests at once against the
+same requests one at a time, and, beside each, the engine stepping alone (in this process, no
+HTTP) over the same number of requests: the server's share of the engine's rate. The client and
+the server share this machine's cores, so the CPU each spends a request is printed too.
+
+Each request asks greedily for ``--new`` tokens after a short prompt, past the end token
+(``ignore_eos``, as vLLM's serving benchmark asks); tokens are counted from
+``usage.completion_tokens`` (the engine's from its samples), not assumed.
+
+    python bench/serve_http.py [--new 32 --max_seqs 64 --max_len 256 --rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from provenance import print_provenance  # noqa: E402
+
+WORDS = "the cat sat on a mat and then it ran off".split()
+CONCURRENCY = (1, 8, 32, 64)
+
+
+def start_server(model_dir: str, args) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "redco.cli", "serve", "--model", model_dir, "--port", "0",
+         "--max_seqs", str(args.max_seqs), "--max_len", str(args.max_len)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in process.stdout] + [lines.put(None)],
+                     daemon=True).start()
+    deadline = time.monotonic() + 600
+    while (line := lines.get(timeout=max(0.0, deadline - time.monotonic()))) is not None:
+        if " on http" in line:
+            return process, line.split(" on ")[1].strip()
+    raise RuntimeError("the server exited before serving")
+
+
+CLIENTS = ThreadPoolExecutor(max(CONCURRENCY))  # the load generator's threads, made once
+
+
+def burst(client, n: int, new: int) -> tuple[float, int]:
+    """``n`` completions at once from ``n`` client threads: (seconds, completion tokens)."""
+    def one(i: int) -> int:
+        reply = client.completions.create(model="tiny", prompt=" ".join(WORDS[i % 5:][:4]),
+                                          max_tokens=new, temperature=0.0,
+                                          extra_body={"ignore_eos": True})
+        return reply.usage.completion_tokens
+    start = time.perf_counter()
+    tokens = sum(CLIENTS.map(one, range(n)))
+    return time.perf_counter() - start, tokens
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (all its threads)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_alone(model_dir: str, n: int, new: int, args) -> float:
+    """Output tok/s of the engine stepping in this process over ``n`` requests at once."""
+    from flax import nnx
+    from transformers import AutoTokenizer
+
+    from redco_zoo_models.engine import Engine
+    from redco_zoo_models.requests import Sampling
+    from redco_zoo_models.runner import load_model
+    if model_dir not in ENGINES:
+        model, _ = load_model(model_dir)
+        ENGINES[model_dir] = Engine(model, nnx.state(model, nnx.Param), max_seqs=args.max_seqs,
+                                    max_len=args.max_len)
+    engine = ENGINES[model_dir]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    prompts = [tokenizer(" ".join(WORDS[i % 5:][:4]))["input_ids"] for i in range(n)]
+    sampling = Sampling(max_tokens=new, ignore_eos=True)
+    engine.generate(prompts, sampling)  # compile this shape
+    start = time.perf_counter()
+    requests = engine.generate(prompts, sampling)
+    tokens = sum(len(s.tokens) for r in requests for s in r.samples)
+    return tokens / (time.perf_counter() - start)
+
+
+ENGINES: dict = {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--max_seqs", type=int, default=64)
+    parser.add_argument("--max_len", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    print_provenance()
+    import openai
+
+    from redco_zoo_models.toy import save_tiny_chat_model
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = save_tiny_chat_model(os.path.join(tmp, "tiny"), WORDS)
+        process, url = start_server(model_dir, args)
+        try:
+            client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+            for n in CONCURRENCY:  # warm: every batch shape compiles here
+                burst(client, n, args.new)
+            rates = {n: [] for n in CONCURRENCY}
+            cpu = {n: [0.0, 0.0, 0] for n in CONCURRENCY}  # client s, server s, requests
+            serial = []
+            for _ in range(args.rounds):
+                seconds, tokens = 0.0, 0
+                for _ in range(32):
+                    s, t = burst(client, 1, args.new)
+                    seconds, tokens = seconds + s, tokens + t
+                serial.append(tokens / seconds)
+                for n in CONCURRENCY:
+                    mine, theirs = time.process_time(), cpu_seconds(process.pid)
+                    s, t = burst(client, n, args.new)
+                    rates[n].append(t / s)
+                    cpu[n][0] += time.process_time() - mine
+                    cpu[n][1] += cpu_seconds(process.pid) - theirs
+                    cpu[n][2] += n
+        finally:
+            process.terminate()
+            process.wait(timeout=120)
+        one = statistics.median(serial)
+        print(f"tiny_llama (width 64, 2 layers), {args.new} new tokens a request, --max_seqs "
+              f"{args.max_seqs} --max_len {args.max_len}; medians of {args.rounds} rounds")
+        print(f"{'at once':>8} {'HTTP tok/s':>11} {'vs 1 at a time':>15} {'engine alone tok/s':>19}"
+              f" {'HTTP / engine':>14} {'CPU ms a request: client':>25} {'server':>7}")
+        print(f"{'serial':>8} {one:>11.0f} {1.0:>14.2f}x")
+        for n in CONCURRENCY:
+            http = statistics.median(rates[n])
+            alone = engine_alone(model_dir, n, args.new, args)
+            client_ms, server_ms = (1000 * x / cpu[n][2] for x in cpu[n][:2])
+            print(f"{n:>8} {http:>11.0f} {http / one:>14.2f}x {alone:>19.0f} {http / alone:>13.2f}x"
+                  f" {client_ms:>25.2f} {server_ms:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()
