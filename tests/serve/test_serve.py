@@ -278,10 +278,9 @@ def test_streamed_text_holds_back_what_may_become_a_stop_string(reference):
 def test_streamed_text_of_a_byte_level_bpe_equals_the_whole_decode():
     """Incremental decoding with a real byte-level BPE (trained here): characters of 2 to 4
     bytes split over tokens are held back until whole, and the pieces join to the whole text."""
+    from redco_serve.text import TextStream
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
-
-    from redco_serve.text import TextStream
     corpus = ["the cat sat on the mat", "naïve café, 日本語のテキスト", "emoji 🐈‍⬛ and ü"] * 5
     trained = ByteLevelBPETokenizer()
     trained.train_from_iterator(corpus, vocab_size=300, min_frequency=1, show_progress=False)
