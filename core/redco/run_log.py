@@ -32,6 +32,7 @@ class RunLog:
             return
         logger.setLevel(logging.INFO)
         logger.propagate = False
+        own_the_log_file(workdir)
         if workdir is None:  # nothing written
             return
         try:
@@ -91,3 +92,13 @@ class RunLog:
         for metric_logger in self.metric_loggers:
             metric_logger.close()
         self.metric_loggers = []
+
+
+def own_the_log_file(workdir: str | None) -> None:
+    """The newest run in a process writes its own ``log.txt`` only: the file handlers that
+    earlier runs (other workdirs) left on the ``redco`` logger are closed and removed, so a
+    second ``Deployer`` in one process (a sweep, a notebook) does not write into the first's."""
+    for handler in list(logger.handlers):
+        if getattr(handler, "_redco_workdir", workdir) != workdir:
+            logger.removeHandler(handler)
+            handler.close()
