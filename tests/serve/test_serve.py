@@ -202,12 +202,40 @@ def test_samples_stop_strings_and_logprobs(server, reference):
     assert streamed == cut.text
 
 
+def test_echo_gives_the_prompts_log_probabilities_as_a_forward_pass_does(server, model_dir):
+    """What lm-eval asks to score a multiple-choice answer: the prompt's tokens' log-probabilities
+    (``echo``), each with its likeliest alternatives, against the model's own forward pass."""
+    model, _ = load_model(model_dir)
+    ids = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)(
+        "the cat sat on a mat and it")["input_ids"]
+    expected = np.asarray(jax.nn.log_softmax(model(jnp.asarray([ids]))[0].astype(jnp.float32)))
+    answer = server.client.completions.create(model="tiny-chat", prompt=ids, echo=True,
+                                              logprobs=2, max_tokens=1, temperature=0)
+    got = answer.choices[0].logprobs
+    assert len(got.tokens) == len(ids) + 1 and got.token_logprobs[0] is None
+    mine = [expected[i, t] for i, t in enumerate(ids[1:])]
+    np.testing.assert_allclose(got.token_logprobs[1:len(ids)], mine, atol=1e-4)
+    for place, alternatives in enumerate(got.top_logprobs[1:], start=0):
+        assert len(alternatives) == 2
+        assert max(alternatives.values()) == pytest.approx(expected[place].max(), abs=1e-4)
+    greedy = int(expected[-1].argmax())  # the completion: the greedy token, its own logprob
+    assert got.token_logprobs[-1] == pytest.approx(expected[-1, greedy], abs=1e-4)
+    assert answer.choices[0].text.startswith("the cat sat on a mat and it")
+    chat = server.client.chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": "the cat"}], max_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=3).choices[0].logprobs.content
+    assert len(chat) == 3 and all(len(c.top_logprobs) == 3 for c in chat)
+    for c in chat:  # greedy: each token is its place's likeliest
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-4)
+
+
 @pytest.mark.parametrize("kwargs, status, says", [
     (dict(prompt="the cat " * 40), 400, "--max_len"),
     (dict(prompt="the cat", max_tokens=1000), 400, "max_tokens=1000"),
     (dict(prompt="the cat", temperature=-1), 400, "temperature=-1"),
     (dict(prompt="the cat", n=9), 400, "n=9"),
-    (dict(prompt="the cat", echo=True), 400, "echo"),
+    (dict(prompt="the cat", echo=True, stream=True), 400, "whole replies only"),
+    (dict(prompt="the cat", logprobs=21), 400, "logprobs=21"),
     (dict(prompt="the cat", extra_body={"ignore_eos": "yes"}), 400, "ignore_eos"),
     (dict(prompt=""), 400, "prompt"),
     (dict(prompt="the cat", model="gpt-4"), 404, "'gpt-4' does not exist"),

@@ -14,8 +14,10 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from redco_serve import openai_api as api
+from redco_serve.logprobs import token_logprobs
 from redco_serve.text import TextStream
 from redco_zoo_models.engine import Engine
+from redco_zoo_models.scoring import Scorer
 
 
 class Job:
@@ -90,8 +92,10 @@ class Job:
         return request.samples[index]
 
 
-def build_app(engine: Engine, tokenizer, model_name: str, eos_ids: tuple[int, ...]) -> Starlette:
-    """The OpenAI-compatible application over a started ``engine``."""
+def build_app(engine: Engine, tokenizer, model_name: str, eos_ids: tuple[int, ...],
+              scorer: Scorer) -> Starlette:
+    """The OpenAI-compatible application over a started ``engine``; ``scorer`` gives the
+    prompts' log-probabilities and each place's alternatives (``echo``, ``logprobs`` > 0)."""
 
     async def health(request: Request):
         return JSONResponse({"status": "ok"})
@@ -104,15 +108,16 @@ def build_app(engine: Engine, tokenizer, model_name: str, eos_ids: tuple[int, ..
         body = await json_body(request)
         api.check_model(body, model_name)
         prompts = prompt_ids(body.get("prompt"), tokenizer)
-        return await answer(body, prompts, chat=False)
+        return await answer(body, prompts, chat=False, texts=prompt_texts(body, prompts))
 
     async def chat_completions(request: Request):
         body = await json_body(request)
         api.check_model(body, model_name)
         return await answer(body, [chat_ids(body.get("messages"), tokenizer)], chat=True)
 
-    async def answer(body: dict, prompts: list[list[int]], chat: bool):
+    async def answer(body: dict, prompts: list[list[int]], chat: bool, texts=()):
         logprobs = api.wants_logprobs(body, chat)
+        echo = api.wants_echo(body, chat, logprobs)
         room = engine.max_len - max(len(p) for p in prompts)
         if room < 1:
             raise api.BadRequest(f"The prompt is {max(len(p) for p in prompts)} tokens; this "
@@ -127,7 +132,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, eos_ids: tuple[int, ..
                 job.submit(engine, prompt, sampling)
             except ValueError as e:
                 raise api.BadRequest(str(e)) from e
-        reply = Reply(job, model_name, chat, logprobs, sum(map(len, prompts)))
+        reply = Reply(job, model_name, chat, sum(map(len, prompts)))
+        reply.logprobs, reply.echo, reply.texts, reply.scorer = logprobs, echo, texts, scorer
         if body.get("stream"):
             return StreamingResponse(reply.stream(), media_type="text/event-stream")
         return JSONResponse(await reply.whole())
@@ -143,29 +149,41 @@ def build_app(engine: Engine, tokenizer, model_name: str, eos_ids: tuple[int, ..
 
 
 class Reply:
-    """A job's answer, whole or as server-sent events, in the completions or the chat shape."""
+    """A job's answer, whole or as server-sent events, in the completions or the chat shape;
+    with ``logprobs`` (alternatives a place, None: none) and ``echo`` (the prompt ``texts``
+    first) set by the route."""
 
-    def __init__(self, job: Job, model: str, chat: bool, logprobs: bool, prompt_tokens: int):
-        self.job, self.model, self.chat, self.logprobs = job, model, chat, logprobs
+    def __init__(self, job: Job, model: str, chat: bool, prompt_tokens: int):
+        self.job, self.model, self.chat = job, model, chat
         self.kind = "chat.completion" if chat else "text_completion"
         self.id, self.prompt_tokens = api.new_id("chatcmpl" if chat else "cmpl"), prompt_tokens
+        self.logprobs, self.echo, self.texts, self.scorer = None, False, (), None
 
-    def _logprobs(self, choice: int):
-        if not self.logprobs:
+    def _logprobs(self, choice: int) -> dict | None:
+        """A choice's log-probabilities body (a forward pass when alternatives or the prompt's
+        are asked for: called off the event loop then)."""
+        if self.logprobs is None:
             return None
-        sample = self.job.sample(choice)
-        pieces = [self.job.tokenizer.decode([t]) for t in sample.tokens]
+        request, index = self.job.samples[choice]
+        found = token_logprobs(self.job.tokenizer, self.scorer, request.prompt,
+                               request.samples[index], self.logprobs, self.echo,
+                               request.sampling.temperature)
         shape = api.chat_logprobs if self.chat else api.completion_logprobs
-        return shape(pieces, sample.logprobs)
+        return shape(found.pieces, found.logprobs, found.alternatives)
 
-    def _choice(self, choice: int, reason: str | None) -> dict:
-        return {"index": choice, "finish_reason": reason,
-                "logprobs": self._logprobs(choice) if reason else None}
+    def _choice(self, choice: int, reason: str | None, logprobs: dict | None = None) -> dict:
+        return {"index": choice, "finish_reason": reason, "logprobs": logprobs}
 
-    def _whole_choice(self, choice: int, text: str, reason: str) -> dict:
-        """A sample's whole answer: its text, or the chat's assistant message."""
+    def _whole_choice(self, choice: int, text: str, reason: str, logprobs) -> dict:
+        """A sample's whole answer: its text (after the prompt's, with ``echo``), or the chat's
+        assistant message."""
+        if self.echo:
+            request = self.job.samples[choice][0]
+            given = self.texts[self.job.requests.index(request)]
+            text = (given if given is not None else self.job.tokenizer.decode(request.prompt)) \
+                + text
         content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        return {**self._choice(choice, reason), **content}
+        return {**self._choice(choice, reason, logprobs), **content}
 
     def _chunk_choice(self, choice: int, text: str, reason: str | None, first: bool) -> dict:
         """A piece of a sample's answer, streamed; in a chat, its first delta names the role."""
@@ -189,7 +207,8 @@ class Reply:
                                  status=500)
         for stream in self.job.streams.values():
             stream.finish()
-        choices = [self._whole_choice(c, s.text, reasons[c])
+        logprobs = await asyncio.to_thread(lambda: {c: self._logprobs(c) for c in reasons})
+        choices = [self._whole_choice(c, s.text, reasons[c], logprobs[c])
                    for c, s in sorted(self.job.streams.items())]
         return api.envelope(self.kind, self.id, self.model, choices, usage=self._usage())
 
@@ -200,6 +219,7 @@ class Reply:
             text = payload if what == "text" else self.job.streams[choice].finish()
             reason = payload if what == "end" else None
             body = self._chunk_choice(choice, text, reason, first=choice not in started)
+            body["logprobs"] = self._logprobs(choice) if reason else None  # (no forward pass)
             started.add(choice)
             yield f"data: {json.dumps(api.envelope(kind, self.id, self.model, [body]))}\n\n"
         yield "data: [DONE]\n\n"
@@ -229,6 +249,14 @@ def prompt_ids(prompt, tokenizer) -> list[list[int]]:
                              "ids, or a list of such lists.", "prompt")
     return [tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else p
             for p in prompt]
+
+
+def prompt_texts(body: dict, prompts: list[list[int]]) -> list[str]:
+    """Each prompt as text, as ``echo`` returns it: as given, or its token ids decoded."""
+    given = body.get("prompt")
+    given = [given] if isinstance(given, str) else given
+    return [g if isinstance(g, str) else None for g in given] if isinstance(given, list) and \
+        len(given) == len(prompts) else [None] * len(prompts)
 
 
 def chat_ids(messages, tokenizer) -> list[int]:

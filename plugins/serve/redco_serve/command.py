@@ -44,7 +44,7 @@ class ServeCommand(Command):
                 or args.max_len < 2:
             raise UsageError(f"--max_seqs {args.max_seqs} --max_len {args.max_len}: give "
                              "--max_seqs auto or a number >= 1, and --max_len >= 2.")
-        engine, tokenizer, eos = start_engine(args)
+        engine, scorer, tokenizer, eos = start_engine(args)
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -54,7 +54,8 @@ class ServeCommand(Command):
             raise UsageError(f"--host {args.host} --port {args.port}: cannot listen there ({e}); "
                              "pick another port, or --port 0 for any free one.") from e
         host, port = sock.getsockname()[:2]
-        config = uvicorn.Config(build_app(engine, tokenizer, name, eos), log_level="warning",
+        config = uvicorn.Config(build_app(engine, tokenizer, name, eos, scorer),
+                                log_level="warning",
                                 timeout_graceful_shutdown=None)
         print(f"redco serve: serving {name} on http://{host}:{port}/v1", flush=True)
         signals = []  # uvicorn drains on SIGTERM/SIGINT, then raises the signal again: to here
@@ -69,7 +70,8 @@ class ServeCommand(Command):
 
 
 def start_engine(args: argparse.Namespace):
-    """``(engine, tokenizer, eos ids)`` for ``args.model``, compiled and warmed up."""
+    """``(engine, scorer, tokenizer, eos ids)`` for ``args.model``, the engine compiled and
+    warmed up (the scorer compiles a shape when first asked for it)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -80,6 +82,7 @@ def start_engine(args: argparse.Namespace):
     from redco_zoo_models.engine import Engine
     from redco_zoo_models.engine_memory import rows_that_fit
     from redco_zoo_models.runner import load_model
+    from redco_zoo_models.scoring import Scorer
     model, config = load_model(args.model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
@@ -102,7 +105,7 @@ def start_engine(args: argparse.Namespace):
                     mesh=deployer.mesh)
     shapes = engine.warm_up()  # every shape compiled before serving: no request waits on one
     print(f"redco serve: compiled {shapes} step shapes", flush=True)
-    return engine.start(), tokenizer, eos
+    return engine.start(), Scorer(model, params, args.max_len), tokenizer, eos
 
 
 def memory_of(deployer) -> int:

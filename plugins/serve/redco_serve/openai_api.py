@@ -1,8 +1,7 @@
 """The OpenAI API's request fields, read and checked before anything runs, and its response
 bodies. ``ignore_eos`` (vLLM's extension, for benchmarks) runs past the end token. Unknown
 fields are ignored, as OpenAI's own server ignores them; fields this server
-cannot honour (``echo``, ``best_of``, penalties, ``logit_bias``, top alternatives of each
-token's log-probability) are refused with a 400 that names them, never silently dropped."""
+cannot honour (``best_of``, penalties, ``logit_bias``, ``suffix``) are refused with a 400 that names them, never silently dropped."""
 from __future__ import annotations
 
 import time
@@ -11,9 +10,11 @@ from typing import Any
 
 from redco_zoo_models.requests import Sampling
 
+from redco_zoo_models.scoring import MAX_ALTERNATIVES
+
 UNSUPPORTED = {  # field -> the value that asks for nothing
-    "echo": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0,
-    "logit_bias": None, "suffix": None, "top_logprobs": 0,
+    "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
+    "suffix": None,
 }
 
 
@@ -85,16 +86,32 @@ def sampling_of(body: dict, max_tokens_key: str, room: int, max_seqs: int,
         stop_token_ids=() if ignore_eos else stop_token_ids, ignore_eos=ignore_eos), stop
 
 
-def wants_logprobs(body: dict, chat: bool) -> bool:
+def wants_logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives a place each returned token's log-probability comes with (0: its
+    own only), or None: no log-probabilities. Completions: ``logprobs`` (an integer); chat:
+    ``logprobs`` (true or false) and ``top_logprobs``."""
     value = body.get("logprobs")
     if chat:
         if value not in (None, True, False):
             raise BadRequest("logprobs: give true or false.", "logprobs")
-        return bool(value)
-    if value not in (None, 0):
-        raise BadRequest(f"logprobs={value!r}: this server returns each token's own "
-                         "log-probability only: give logprobs=0, or leave it out.", "logprobs")
-    return value == 0
+        top = number(body, "top_logprobs", 0, 0, MAX_ALTERNATIVES, integer=True)
+        if top and not value:
+            raise BadRequest("top_logprobs needs logprobs=true.", "top_logprobs")
+        return top if value else None
+    return number(body, "logprobs", None, 0, MAX_ALTERNATIVES, integer=True)
+
+
+def wants_echo(body: dict, chat: bool, logprobs: int | None) -> bool:
+    """Completions' ``echo``: the prompt comes back before the completion (with its tokens'
+    log-probabilities when ``logprobs`` asks). Neither it nor alternatives in a stream."""
+    echo = False if chat else body.get("echo", False)
+    if echo not in (True, False, None):
+        raise BadRequest("echo: give true or false.", "echo")
+    if body.get("stream") and (echo or logprobs):
+        raise BadRequest("echo and alternatives (logprobs above 0, top_logprobs) come with "
+                         "whole replies only: leave out stream, or ask for a token's own "
+                         "log-probability only.", "stream")
+    return bool(echo)
 
 
 def new_id(prefix: str) -> str:
@@ -111,15 +128,18 @@ def envelope(kind: str, id_: str, model: str, choices: list[dict], **extra: Any)
             "choices": choices, **extra}
 
 
-def completion_logprobs(pieces: list[str], logprobs: list[float]) -> dict:
+def completion_logprobs(pieces: list[str], logprobs: list, alternatives) -> dict:
     offsets, at = [], 0
     for piece in pieces:
         offsets.append(at)
         at += len(piece)
-    return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": None,
+    return {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": alternatives,
             "text_offset": offsets}
 
 
-def chat_logprobs(pieces: list[str], logprobs: list[float]) -> dict:
+def chat_logprobs(pieces: list[str], logprobs: list, alternatives) -> dict:
+    def top(place):
+        return [{"token": p, "logprob": lp, "bytes": list(p.encode())}
+                for p, lp in (alternatives[place] if alternatives else {}).items()]
     return {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()),
-                         "top_logprobs": []} for p, lp in zip(pieces, logprobs)]}
+                         "top_logprobs": top(i)} for i, (p, lp) in enumerate(zip(pieces, logprobs))]}
