@@ -1,7 +1,8 @@
 """The OpenAI API's request fields, read and checked before anything runs, and its response
 bodies. ``ignore_eos`` (vLLM's extension, for benchmarks) runs past the end token. Unknown
-fields are ignored, as OpenAI's own server ignores them; fields this server
-cannot honour (``best_of``, penalties, ``logit_bias``, ``suffix``) are refused with a 400 that names them, never silently dropped."""
+fields are ignored, as OpenAI's own server ignores them; fields this server cannot honour
+(``best_of``, penalties, ``logit_bias``, ``suffix``) are refused with a 400 that names them,
+never silently dropped."""
 from __future__ import annotations
 
 import time
@@ -9,7 +10,6 @@ import uuid
 from typing import Any
 
 from redco_zoo_models.requests import Sampling
-
 from redco_zoo_models.scoring import MAX_ALTERNATIVES
 
 UNSUPPORTED = {  # field -> the value that asks for nothing
