@@ -320,3 +320,71 @@ def test_streamed_text_of_a_byte_level_bpe_equals_the_whole_decode():
     pieces = [stream.push(t) for t in ids] + [stream.finish()]
     assert "".join(pieces) == tokenizer.decode(ids) == text
     assert not any("\ufffd" in p for p in pieces)
+
+
+CHOICE_TASK = """task: story_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{answer}}}}"
+doc_to_choice: "{{{{choices}}}}"
+metric_list:
+  - metric: acc
+"""
+CONTINUE_TASK = """task: story_continue
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["xyz"]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
+def test_lm_eval_scores_as_its_hf_backend_does(server, model_dir, tmp_path):
+    """``lm_eval --model local-completions`` against the server and lm-eval's own ``hf`` backend
+    (transformers on PyTorch) on the same model directory, on tasks written here: the same
+    log-likelihood for every choice (to 1e-3) and the same generations."""
+    import json
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    docs = {"choice": [{"context": c, "choices": [story_after(c, 2), "the ran"], "answer": 0}
+                       for c in PROMPTS],
+            "continue": [{"context": c, "answer": story_after(c, 6)} for c in PROMPTS]}
+    for name, task in (("choice", CHOICE_TASK), ("continue", CONTINUE_TASK)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(d) + "\n" for d in docs[name]))
+        (tmp_path / f"{name}.yaml").write_text(task.format(path=path))
+
+    def evaluate(model: str, model_args: dict) -> dict:
+        return lm_eval.simple_evaluate(
+            model=model, model_args=model_args, tasks=["story_choice", "story_continue"],
+            task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True)["samples"]
+    served = evaluate("local-completions", {
+        "model": "tiny-chat", "base_url": server.url + "/completions",
+        "tokenizer_backend": "huggingface", "tokenizer": model_dir, "max_retries": 1})
+    hf = evaluate("hf", {"pretrained": model_dir, "dtype": "float32", "device": "cpu"})
+    scored = [(s["filtered_resps"], h["filtered_resps"]) for s, h in
+              zip(served["story_choice"], hf["story_choice"])]
+    assert len(scored) == len(PROMPTS) and all(len(s) == 2 for s, _ in scored)
+    for mine, theirs in scored:
+        for (loglikelihood, greedy), (expected, expected_greedy) in zip(mine, theirs):
+            assert loglikelihood == pytest.approx(expected, abs=1e-3)
+            assert greedy == expected_greedy
+    assert all(m[0][0] > m[1][0] for m, _ in scored)  # the story's words are likelier
+    generations = [(s["filtered_resps"][0], h["filtered_resps"][0])
+                   for s, h in zip(served["story_continue"], hf["story_continue"])]
+    assert all(mine == theirs and mine.split() for mine, theirs in generations), generations
