@@ -92,6 +92,30 @@ def test_a_seeded_request_samples_the_same_whatever_runs_beside_it():
     assert other_seed.samples[0].tokens != alone.tokens
 
 
+def test_sampling_cuts_and_tempered_logprobs_against_the_forward_pass():
+    """``top_k=1`` and a vanishing ``top_p`` leave only the greedy token (``generate``'s); a
+    token sampled at temperature T comes with the forward pass's ``log_softmax(logits / T)``;
+    a seeded request's tokens do not depend on ``steps_per_sync``."""
+    model = model_of("llama-3.1")
+    params = nnx.state(model, nnx.Param)
+    greedy = one_at_a_time(model, params, PROMPTS[1])[0]
+    engine = Engine(model, params, max_seqs=4, max_len=32)
+    for cut in (dict(top_k=1), dict(top_p=1e-6)):
+        hot = Sampling(max_tokens=NEW, temperature=1.5, seed=4, **cut)
+        assert engine.generate([PROMPTS[1]], hot)[0].samples[0].tokens == greedy, cut
+    sample = engine.generate([PROMPTS[1]], Sampling(max_tokens=NEW, temperature=0.7,
+                                                   seed=1))[0].samples[0]
+    assert sample.tokens != greedy
+    logits = model(jnp.asarray([PROMPTS[1] + sample.tokens]))[0]
+    places = np.arange(NEW) + len(PROMPTS[1]) - 1
+    expected = jax.nn.log_softmax(logits[places] / 0.7)[np.arange(NEW), sample.tokens]
+    np.testing.assert_allclose(sample.logprobs, expected, atol=1e-4)
+    seeded = Sampling(max_tokens=NEW, temperature=1.0, seed=9)
+    every_token = Engine(model, params, max_seqs=4, max_len=32, steps_per_sync=1)
+    assert every_token.generate([PROMPTS[1]], seeded)[0].samples[0].tokens == \
+        engine.generate([PROMPTS[1]], seeded)[0].samples[0].tokens
+
+
 def test_samples_of_a_prompt_share_one_prefill():
     model = model_of("llama-3.1")
     params = nnx.state(model, nnx.Param)

@@ -229,6 +229,15 @@ def test_echo_gives_the_prompts_log_probabilities_as_a_forward_pass_does(server,
         assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-4)
 
 
+def test_top_k_1_and_a_vanishing_top_p_answer_greedily(server, reference):
+    ids = reference.tokenizer(PROMPTS[0])["input_ids"]
+    expected = reference(ids, 8)[0]
+    for cut in ({"top_p": 1e-9}, {"extra_body": {"top_k": 1}}):
+        answer = server.client.completions.create(model="tiny-chat", prompt=PROMPTS[0],
+                                                  max_tokens=8, temperature=1.5, seed=3, **cut)
+        assert answer.choices[0].text == expected, cut
+
+
 @pytest.mark.parametrize("kwargs, status, says", [
     (dict(prompt="the cat " * 40), 400, "--max_len"),
     (dict(prompt="the cat", max_tokens=1000), 400, "max_tokens=1000"),
