@@ -9,6 +9,7 @@ from redco import plugins
 from redco.sharding import make_mesh, shardings_from_specs, specs_from_rules
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM
 from redco_zoo_models.decode_layout import (
+    HEADROOM,
     choose_decode_layout,
     collective_bytes,
     compile_decode_step,
@@ -54,6 +55,12 @@ def test_the_smallest_tensor_parallel_degree_whose_decode_step_fits_is_picked(mo
         choose(model, 1 << 16)
     with pytest.raises(ValueError, match=r"degrees \[3\] do not divide the 8 devices"):
         choose(model, None, degrees=(3,))
+    params = nnx.state(model, nnx.Param)
+    kept = lambda memory: choose_decode_layout(  # noqa: E731  (the default headroom)
+        model, params, jax.devices(), ROWS, SLOTS, memory).n_model_shards
+    assert two <= one * (1 - HEADROOM)  # (so that degree 2 is the one left when 1 is over)
+    assert kept(one) == 2  # degree 1's peak fills the memory: over the 10% kept free
+    assert kept(int(one / (1 - HEADROOM)) + 1) == 1
 
 
 def test_a_decode_step_gathers_fsdp_weights_and_on_the_decode_layout_moves_none(model):
