@@ -2,9 +2,11 @@
 publisher's parameter count, ``redco plan --model <name>`` plans it, and a name the planner does
 not know is refused with the names it does.
 
-The parameter counts are read off abstract builds at 1 and 2 layers, the full count being
-``c1 + (L - 1) * (c2 - c1)``: every layer of these models holds the same parameters (Gemma 3's
-local and global layers differ only in RoPE and window). A full-depth ``nnx.eval_shape`` costs
+The parameter counts are read off abstract builds of the first few layers: the full count is
+``c(1)`` plus, for each later layer, what a layer of its kind adds (``c(i + 1) - c(i)`` at the
+first layer of that kind): Gemma 3's local and global layers hold the same parameters, a
+hybrid's linear and full-attention layers do not, nor DeepSeek-V3's dense and MoE layers.
+A full-depth ``nnx.eval_shape`` costs
 2 to 30 s a model on 2 cores (tracing grows with the square of the layers: each RNG-count
 update asks a tracer for its sharding and jax walks the whole trace to word the answer), so
 only the CLI test builds one whole, the smallest."""
@@ -25,7 +27,10 @@ from redco_zoo_models.runner import load_model as zoo_load_model
 # 596,049,920 ... 32B 32,762,123,264 (cards round: 0.6B, 1.7B, 4.0B, 8.2B, 14.8B, 32.8B); Gemma 3
 # 1B 999,885,952, 4B 3,880,263,168, 12B 11,766,034,176, 27B 27,009,346,304 (the report's text
 # model: 1,000M, 3,884M, 11,771M, 27,016M); Phi-4-mini 3,836,021,760 (3.84B); MoE: see below;
-# gpt-oss-20b 20,914,757,184 (the card's 20.91B).
+# gpt-oss-20b 20,914,757,184 (the card's 20.91B); Qwen3.5-27B 26,895,998,464 and 35B-A3B
+# 34,660,610,688 (language models; the cards' 27B and 35B add the vision tower), Qwen3-Next
+# 79,674,391,296 (80B), OLMo 3 7,298,011,136 and 32,233,522,176, GLM-4.5-Air 106,852,251,264
+# (106B).
 
 
 def count(config: dict) -> int:
@@ -42,13 +47,26 @@ def with_layers(config: dict, n: int) -> dict:
     return out
 
 
+def layer_kinds(config: dict, n: int) -> list[tuple]:
+    """Each layer's kind: its type (attention, sliding, linear) and whether its MLP is dense
+    (DeepSeek-V3 and GLM-4.5: the first ``first_k_dense_replace``); layers of one kind hold the
+    same parameters."""
+    types = config.get("layer_types") or [None] * n
+    dense = config.get("first_k_dense_replace", 0)
+    return [(types[i], i < dense) for i in range(n)]
+
+
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_each_preset_has_its_published_parameter_count(name):
     config = preset(name)
     full = DecoderConfig.from_hf(config)  # the whole config reads (layer types, RoPE, window)
-    dense = config.get("first_k_dense_replace", 0)  # (DeepSeek-V3: 3 dense, then MoE layers)
-    one, two = count(with_layers(config, dense + 1)), count(with_layers(config, dense + 2))
-    total = one + (full.num_hidden_layers - dense - 1) * (two - one)
+    kinds = layer_kinds(config, full.num_hidden_layers)
+    first = {}  # each kind's first layer after the first: its parameters are c(i + 1) - c(i)
+    for i, kind in enumerate(kinds[1:], 1):
+        first.setdefault(kind, i)
+    counts = {n: count(with_layers(config, n)) for n in range(1, max(first.values()) + 2)}
+    per_layer = {kind: counts[i + 1] - counts[i] for kind, i in first.items()}
+    total = counts[1] + sum(per_layer[kind] for kind in kinds[1:])
     assert abs(total / PUBLISHED_PARAMS[name] - 1) < 0.02, (name, total)
     assert name in MODEL_HELP  # redco plan --help names it
 
@@ -71,6 +89,15 @@ def test_the_presets_carry_their_families_switches():
     assert (oss.attention_sinks, oss.router_bias, oss.expert_bias, oss.o_proj_bias) == (True,) * 4
     assert [oss.sliding(i) for i in range(4)] == [True, False] * 2 and oss.sliding_window == 128
     assert (oss.rope.kind, oss.rope.get("truncate"), oss.swiglu_limit) == ("yarn", False, 7.0)
+    qwen = DecoderConfig.from_hf(PRESETS["qwen3-next-80b-a3b"])
+    assert [qwen.mixer(i).value for i in range(4)] == ["gated_deltanet"] * 3 + ["attention"]
+    assert (qwen.rope.rotary_dim, qwen.n_experts, qwen.shared_expert_gate) == (64, 512, True)
+    assert DecoderConfig.from_hf(PRESETS["qwen3.5-27b"]).linear_num_value_heads == 48
+    olmo = DecoderConfig.from_hf(PRESETS["olmo-3-32b"])
+    assert [olmo.sliding(i) for i in range(4)] == [True] * 3 + [False]
+    assert (olmo.rope.kind, olmo.local_rope.kind, olmo.norm_layout) == ("yarn", "default", "post")
+    glm = DecoderConfig.from_hf(PRESETS["glm-4.5-air"])
+    assert (glm.rope.rotary_dim, glm.attention_bias, glm.first_k_dense_replace) == (64, True, 1)
 
 
 def test_redco_plan_plans_a_preset(capsys):
@@ -85,7 +112,8 @@ def test_redco_plan_plans_a_preset(capsys):
 
 def test_an_unknown_name_is_refused_with_the_names(capsys):
     with pytest.raises(ValueError, match=r"Unknown model 'qwen3-9b': use one of .*qwen3-8b, "
-                                         r"qwen3-14b.*phi-4-mini, mixtral-8x7b.*deepseek-v3, gpt-oss-20b, or "
+                                         r"qwen3-14b.*phi-4-mini, mixtral-8x7b.*deepseek-v3, gpt-oss-20b.*"
+                                         r"qwen3-next-80b-a3b, olmo-3-7b.*glm-4.5-air, or "
                                          r"module:function"):
         load_model("qwen3-9b")
     with pytest.raises(SystemExit):

@@ -12,12 +12,15 @@ report), for checking a preset against it. For Gemma 3 4B/12B/27B it is the text
 presets are the ``gemma3_text`` decoders.
 
 The older ``llama-1b`` ... ``llama-65b`` shapes (``LlamaConfig`` fields, not ``config.json``
-contents) stay in ``redco_zoo_models.llama.LLAMA_PRESETS``.
+contents) stay in ``redco_zoo_models.llama.LLAMA_PRESETS``; the families of late 2026 (Qwen3.5,
+Qwen3-Next, OLMo 3, GLM-4.5-Air) are written in ``presets_2026``.
 """
 from __future__ import annotations
 
 import copy
 from typing import Any
+
+from redco_zoo_models import presets_2026
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -182,6 +185,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": _qwen3_30b_a3b(),
     "deepseek-v3": _deepseek_v3(),
     "gpt-oss-20b": _gpt_oss_20b(),
+    "qwen3.5-27b": presets_2026.qwen3_5_27b(),
+    "qwen3.5-35b-a3b": presets_2026.qwen3_5_35b_a3b(),
+    "qwen3-next-80b-a3b": presets_2026.qwen3_next_80b_a3b(),
+    "olmo-3-7b": presets_2026.olmo3(4096, 11008, 32, 32, 32),
+    "olmo-3-32b": presets_2026.olmo3(5120, 27648, 64, 40, 8),
+    "glm-4.5-air": presets_2026.glm_4_5_air(),
 }
 
 PUBLISHED_PARAMS: dict[str, float] = {  # name -> parameters, as the publisher counts them
@@ -194,6 +203,11 @@ PUBLISHED_PARAMS: dict[str, float] = {  # name -> parameters, as the publisher c
     "phi-4-mini": 3.84e9,
     "mixtral-8x7b": 46.7e9, "qwen3-30b-a3b": 30.5e9, "deepseek-v3": 671e9,
     "gpt-oss-20b": 20.91e9,  # (the model card's, bf16 count)
+    # Qwen3.5's cards count the vision tower too (about 0.4B; these presets are the language
+    # models); OLMo 3's are the hub's safetensors counts (the names round: 7B, 32B);
+    # GLM-4.5-Air's card: 106B total.
+    "qwen3.5-27b": 27e9, "qwen3.5-35b-a3b": 35e9, "qwen3-next-80b-a3b": 80e9,
+    "olmo-3-7b": 7.30e9, "olmo-3-32b": 32.2e9, "glm-4.5-air": 106e9,
 }
 
 
