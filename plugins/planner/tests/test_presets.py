@@ -6,10 +6,9 @@ The parameter counts are read off abstract builds of the first few layers: the f
 ``c(1)`` plus, for each later layer, what a layer of its kind adds (``c(i + 1) - c(i)`` at the
 first layer of that kind): Gemma 3's local and global layers hold the same parameters, a
 hybrid's linear and full-attention layers do not, nor DeepSeek-V3's dense and MoE layers.
-A full-depth ``nnx.eval_shape`` costs
-2 to 30 s a model on 2 cores (tracing grows with the square of the layers: each RNG-count
-update asks a tracer for its sharding and jax walks the whole trace to word the answer), so
-only the CLI test builds one whole, the smallest."""
+A full-depth ``nnx.eval_shape`` costs 2 to 30 s a model on 2 cores (tracing grows with the
+square of the layers: each RNG-count update asks a tracer for its sharding and jax walks the
+whole trace to word the answer), so only the CLI test builds one whole, the smallest."""
 import jax
 import pytest
 from flax import nnx
