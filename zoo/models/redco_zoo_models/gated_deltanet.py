@@ -38,9 +38,11 @@ the chunks carrying ``S``. Both run in float32.
 **Output.** Each value head's output is RMS-normalised, scaled by ``norm/weight`` and multiplied
 by ``silu(z)`` (the gated RMSNorm), then ``out_proj``.
 
-**Padding.** Padded inputs are zeroed before the projections (as transformers does): a left pad
-then writes nothing (``k = 0``) and decays a zero state, and the convolution sees zeros, as
-before the start.
+**Padding.** Padded inputs are zeroed before the projections (as transformers does), and a
+padded token neither decays nor writes the state (``g = 0``, ``beta = 0``): a left pad leaves
+the zero state and the convolution sees zeros, as before the start; right padding (the serving
+engine's prefill) leaves the state where the row's last real token left it, and the conv state
+keeps the last real inputs (``layers.last_real_inputs``).
 """
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from redco_zoo_models.layers import last_real_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +87,8 @@ def l2norm(x, eps: float = 1e-6):
 
 
 def causal_conv(x, weight, state=None):
-    """``(silu(conv(x)), new state)``: ``x`` (B, T, C), ``weight`` (C, 1, K), ``state`` (B, K-1, C)
-    the inputs before ``x`` (``None``: zeros, the sequence's start)."""
+    """``silu(conv(x))``: ``x`` (B, T, C), ``weight`` (C, 1, K), ``state`` (B, K-1, C) the inputs
+    before ``x`` (``None``: zeros, the sequence's start)."""
     k = weight.shape[-1]
     if state is None:
         state = jnp.zeros((x.shape[0], k - 1, x.shape[2]), x.dtype)
@@ -92,7 +96,7 @@ def causal_conv(x, weight, state=None):
     w = weight[:, 0, :].astype(x.dtype)
     t = x.shape[1]
     out = sum(full[:, j:j + t] * w[:, j] for j in range(k))
-    return jax.nn.silu(out), full[:, t:]
+    return jax.nn.silu(out)
 
 
 def _prepared(q, k, v, g, beta):
@@ -259,14 +263,17 @@ class GatedDeltaNet(nnx.Module):
         cfg, (b, t, _) = self.cfg, x.shape
         if valid is not None:
             x = x * valid[..., None].astype(x.dtype)
-        mixed, conv = causal_conv(self.in_proj_qkv(x), self.conv1d.weight[...],
-                                  None if cache is None else cache["conv"])
+        history = None if cache is None else cache["conv"]
+        projected = self.in_proj_qkv(x)
+        mixed = causal_conv(projected, self.conv1d.weight[...], history)
         q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
         q, k = (y.reshape(b, t, cfg.n_key_heads, cfg.key_head_dim) for y in (q, k))
         v = v.reshape(b, t, cfg.n_value_heads, cfg.value_head_dim)
         beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        if valid is not None:  # padding keeps the state: no decay (g = 0), no write (beta = 0)
+            g, beta = (jnp.where(valid[..., None], y, 0.0) for y in (g, beta))
         state = None if cache is None else cache["state"]
         if t == 1 and cache is not None:
             out, state = recurrent(q, k, v, g, beta, state)
@@ -274,6 +281,8 @@ class GatedDeltaNet(nnx.Module):
             out, state = chunked(q, k, v, g, beta, cfg.chunk_size, state)
         z = self.in_proj_z(x).reshape(b, t, cfg.n_value_heads, cfg.value_head_dim)
         out = self.norm(out.astype(x.dtype), z).reshape(b, t, cfg.value_dim)
-        new_cache = None if cache is None else {"conv": conv.astype(cache["conv"].dtype),
-                                                 "state": state}
+        if cache is None:
+            return self.out_proj(out), None
+        conv = last_real_inputs(projected, history, cfg.conv_kernel - 1, valid)
+        new_cache = {"conv": conv.astype(cache["conv"].dtype), "state": state}
         return self.out_proj(out), new_cache
