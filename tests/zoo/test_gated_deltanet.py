@@ -1,6 +1,6 @@
 """What the Gated DeltaNet families (Qwen3.5, Qwen3-Next: ``toy.DELTA_NET_FAMILIES``) do not
-support yet is refused before compiling, naming it: packed rows, context parallelism. Parity:
-tests/zoo_parity/test_parity_gated_deltanet.py; the serving engine:
+support yet is refused before compiling, naming it: context parallelism. Parity (packed rows
+included): tests/zoo_parity/test_parity_gated_deltanet.py; the serving engine:
 tests/zoo_parity/test_parity_recurrent_engine.py; FSDP and tensor parallelism: test_families."""
 import dataclasses
 
@@ -14,11 +14,6 @@ from redco import Deployer, sequence_split
 from redco_zoo_models.toy import tiny_family
 
 IDS = jnp.asarray(np.random.RandomState(0).randint(1, 63, (2, 8)))
-
-
-def test_packed_rows_are_refused_naming_the_state():
-    with pytest.raises(ValueError, match="Packed rows .* Gated DeltaNet"):
-        tiny_family("qwen3.5")(IDS, segment_ids=jnp.ones_like(IDS))
 
 
 def test_context_parallelism_is_refused():

@@ -126,13 +126,13 @@ class DecoderLayer(nnx.Module):
         before_mlp = norm("post_attention_layernorm" if self.layout == "pre"
                           else "pre_feedforward_layernorm")
         after_mlp = norm("post_feedforward_layernorm")
+        runs = None if segment_ids is None else document_runs(segment_ids)
         if hasattr(self, "mamba"):  # (its cache: a fixed-size state, mamba2.init_cache)
-            runs = None if segment_ids is None else document_runs(segment_ids)
             h, layer_cache = self.mamba(before_attn(x), token_mask(allowed, cache_index),
                                         layer_cache, runs=runs)
         elif hasattr(self, "linear_attn"):
             h, layer_cache = self.linear_attn(before_attn(x), token_valid(allowed, cache_index),
-                                              layer_cache)
+                                              layer_cache, runs)
         else:
             h, layer_cache = self.self_attn(before_attn(x), positions, allowed, layer_cache,
                                             cache_index, lengths)
@@ -168,7 +168,7 @@ class DecoderModel(nnx.Module):
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
                  segment_ids=None):
         if self.cfg.has_delta_net():
-            refuse_for_delta_net(segment_ids)
+            refuse_for_delta_net()
         input_ids, positions, allowed = decoder_layout(  # (a split sequence: context parallel)
             input_ids, attention_mask, cache is not None, cache_index, segment_ids)
         x = embed(self.embed_tokens, input_ids)
@@ -234,12 +234,8 @@ def refuse_for_mamba(cfg: DecoderConfig) -> None:
                                   "state across devices); run it without.")
 
 
-def refuse_for_delta_net(segment_ids) -> None:
+def refuse_for_delta_net() -> None:
     """What Gated DeltaNet layers do not support yet, refused before compiling."""
-    if segment_ids is not None:
-        raise ValueError("Packed rows (segment_ids) with Gated DeltaNet layers are not supported "
-                         "yet: their state would carry from one document into the next. Train "
-                         "on unpacked (padded) rows.")
     if sequence_split.current() is not None:
         raise ValueError("Context parallelism (a split sequence) with Gated DeltaNet layers is "
                          "not supported yet: their state runs through the whole sequence. Run "
