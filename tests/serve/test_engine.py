@@ -201,6 +201,22 @@ def test_rows_that_fit_fill_the_memory_left_beside_the_params():
     assert on_mesh > 4 * 10 and on_mesh % 4 == 0  # dp 4 splits the rows, mp 2 the heads
 
 
+def test_rows_that_fit_a_recurrent_model_split_only_attention_heads():
+    """Tiny Qwen3.5 over dp 4 x mp 2: a row holds, per device, each linear layer's whole conv
+    inputs (2 x 56) and delta-rule state (4 x 8 x 6), the attention layer's keys and values over
+    1 of its 2 key/value heads (32 slots x 8 each), its logits (64) in float32 and its key
+    mask (32 bytes)."""
+    model = model_of("qwen3.5")
+    params = nnx.state(model, nnx.Param)
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=None, verbose=False)
+    sharded = jax.device_put(params, deployer.get_params_shardings(
+        params, list(deployer.get_sharding_rules(params))))
+    held = sum(np.prod(x.sharding.shard_shape(x.shape)) * 4 for x in jax.tree.leaves(sharded))
+    row = 2 * (2 * 56 + 4 * 8 * 6) * 4 + 2 * 32 * 1 * 8 * 4 + 64 * 4 + 32
+    assert rows_that_fit(model, sharded, 32, held + 10 * row, mesh=deployer.mesh) == 40
+    assert rows_that_fit(model, sharded, 32, held + 10 * row - 1, mesh=deployer.mesh) == 36
+
+
 def test_a_step_that_raises_ends_its_requests_and_the_engine_serves_on():
     model = model_of("llama-3.1")
     engine = Engine(model, nnx.state(model, nnx.Param), max_seqs=2, max_len=32).start()

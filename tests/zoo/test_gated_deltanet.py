@@ -1,7 +1,7 @@
 """What the Gated DeltaNet families (Qwen3.5, Qwen3-Next: ``toy.DELTA_NET_FAMILIES``) do not
-support yet is refused before compiling, naming it: packed rows, context parallelism, the
-serving engine's per-row slots. Parity: tests/zoo_parity/test_parity_gated_deltanet.py; FSDP
-and tensor parallelism: test_families."""
+support yet is refused before compiling, naming it: context parallelism. Parity (packed rows
+included): tests/zoo_parity/test_parity_gated_deltanet.py; the serving engine:
+tests/zoo_parity/test_parity_recurrent_engine.py; FSDP and tensor parallelism: test_families."""
 import dataclasses
 
 import jax
@@ -16,23 +16,11 @@ from redco_zoo_models.toy import tiny_family
 IDS = jnp.asarray(np.random.RandomState(0).randint(1, 63, (2, 8)))
 
 
-def test_packed_rows_are_refused_naming_the_state():
-    with pytest.raises(ValueError, match="Packed rows .* Gated DeltaNet"):
-        tiny_family("qwen3.5")(IDS, segment_ids=jnp.ones_like(IDS))
-
-
 def test_context_parallelism_is_refused():
     model = tiny_family("qwen3.5")
     mesh = Deployer(jax_seed=0, n_context_shards=2, workdir=None, verbose=False).mesh
     with sequence_split.splitting(mesh), pytest.raises(ValueError, match="Context parallel"):
         jax.eval_shape(lambda ids: model(ids), IDS)
-
-
-def test_per_row_slots_of_the_serving_engine_are_refused():
-    model = tiny_family("qwen3-next")
-    cache = model.init_cache(2, 16)
-    with pytest.raises(ValueError, match=r"serving engine.*generate\(\)"):
-        model.decode(IDS[:, :1], jnp.ones((2, 16), bool), cache, jnp.array([3, 5]))
 
 
 def test_the_decoding_state_has_a_fixed_size():

@@ -2,7 +2,7 @@
 levers: stacked layers (``scan_layers``), bf16, LoRA on the Mamba2 output projections under
 tensor parallelism, expert parallelism, packed rows; and what it does not run yet (context
 parallelism) refused before compiling. FSDP x TP with full remat: test_families.py; parity with
-transformers, generation and the refused serving engine: tests/zoo_parity/."""
+transformers, generation and the serving engine: tests/zoo_parity/."""
 import dataclasses
 
 import jax

@@ -25,18 +25,25 @@ from redco_zoo_models.toy import DELTA_NET_FAMILIES, TINY_FAMILIES
 EOS, PAD, ATOL = 63, 0, 1e-4
 
 
-@pytest.fixture(scope="module", params=DELTA_NET_FAMILIES)
-def pair(request, tmp_path_factory):
-    config = dict(TINY_FAMILIES[request.param])
+def make_pair(family: str, path: str, decay: float | None = None):
+    """transformers' tiny ``family`` (weights perturbed by 0.1; with ``decay``, every
+    ``A_log`` set to ``log(decay)``) and ours read from the checkpoint it saves at ``path``."""
+    config = dict(TINY_FAMILIES[family])
     config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
     torch.manual_seed(0)
     theirs = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
-        for p in theirs.parameters():
+        for name, p in theirs.named_parameters():
             p.add_(0.1 * torch.randn_like(p))
-    path = str(tmp_path_factory.mktemp(request.param))
+            if decay is not None and name.endswith("A_log"):
+                p.fill_(np.log(decay))
     theirs.eval().save_pretrained(path)
     return theirs, from_pretrained(auto_class(path), path)
+
+
+@pytest.fixture(scope="module", params=DELTA_NET_FAMILIES)
+def pair(request, tmp_path_factory):
+    return make_pair(request.param, str(tmp_path_factory.mktemp(request.param)))
 
 
 def torch_logits(model, ids, **inputs):
@@ -71,6 +78,29 @@ def test_left_padded_logits_equal_transformers(pair):
     got = jitted(ours)(ids, attention_mask=jnp.asarray(mask))
     want = torch_logits(theirs, ids, attention_mask=mask)
     np.testing.assert_allclose(got * mask[..., None], want * mask[..., None], atol=ATOL)
+
+
+def test_packed_documents_each_give_transformers_logits_alone(tmp_path):
+    """Qwen3.5 with a slow decay (``A = 0.05``: a state remembers tens of tokens, so one that
+    leaks over a boundary shows). Documents of 12, 20 and 41 tokens and 7 pads in a row of 80,
+    read in chunks of 64 and of 16 (boundaries inside chunks, a document over three): each
+    document's logits are transformers' for it alone."""
+    theirs, ours = make_pair("qwen3.5", str(tmp_path), decay=0.05)
+    bounds = ((0, 12), (12, 32), (32, 73))
+    ids = np.random.RandomState(5).randint(1, EOS, (1, 80))
+    segments = np.zeros((1, 80), np.int32)
+    for i, (start, stop) in enumerate(bounds):
+        segments[:, start:stop] = i + 1
+    small = type(ours)(dataclasses.replace(ours.cfg, delta_chunk_size=16), nnx.Rngs(0))
+    nnx.update(small, nnx.state(ours, nnx.Param))
+    for model in (ours, small):
+        graphdef, state = nnx.split(model)
+        packed = np.asarray(jax.jit(lambda state, ids, segments: nnx.merge(graphdef, state)(
+            ids, segment_ids=segments))(state, jnp.asarray(ids), jnp.asarray(segments)))
+        for start, stop in bounds:
+            np.testing.assert_allclose(packed[:, start:stop],
+                                       torch_logits(theirs, ids[:, start:stop]), atol=ATOL,
+                                       err_msg=f"document {start}:{stop}")
 
 
 def test_export_loads_in_transformers_with_the_same_logits(pair, tmp_path):

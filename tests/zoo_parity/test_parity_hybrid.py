@@ -4,7 +4,7 @@ the chunked one at chunk sizes that split the sequence unevenly, into single tok
 all, and the plain recurrence, over a left-padded batch longer than the convolution; a prompt
 read into the decoding state and then token by token gives the same outputs. The whole hybrid
 models (greedy generation included): tests/zoo_parity/test_parity_families.py
-(``granite-4-h*``); the serving engine refuses them, checked here."""
+(``granite-4-h*``); the serving engine: test_parity_recurrent_engine.py."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,8 +12,6 @@ import torch
 from flax import nnx
 from parity import jiggle_torch, transformers
 
-from redco_zoo_models import LlamaConfig, LlamaForCausalLM
-from redco_zoo_models.engine import Engine
 from redco_zoo_models.mamba2 import Mamba2, init_cache, read_config, recurrent_scan
 from redco_zoo_models.toy import TINY_FAMILIES
 
@@ -69,11 +67,3 @@ def test_a_prompt_then_token_by_token_through_the_state_equals_transformers():
         out, cache = ours(jnp.asarray(x[:, i:i + 1]), cache=cache)
         outs.append(out)
     np.testing.assert_allclose(np.concatenate(outs, 1), want, atol=1e-4)
-
-
-def test_the_serving_engine_refuses_a_hybrid_before_compiling():
-    """The engine pads prompts on the right, which a Mamba2 state would read: refused, saying
-    so."""
-    model = LlamaForCausalLM(LlamaConfig.from_hf(TINY_FAMILIES["granite-4-h"]), nnx.Rngs(0))
-    with pytest.raises(NotImplementedError, match="pads prompts on the right"):
-        Engine(model, nnx.state(model, nnx.Param), max_seqs=2, max_len=16)

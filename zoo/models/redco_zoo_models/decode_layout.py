@@ -100,7 +100,7 @@ def compile_decode_step(model: nnx.Module, params: Any, mesh: Mesh, shardings: A
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
     params = jax.tree.map(shaped, params, shardings)
     cache = traced(model, lambda m: m.init_cache(max_seqs, max_len, cache_dtype))
-    cache = jax.tree.map(partial(shaped, sharding=cache_sharding(mesh, cache)), cache)
+    cache = jax.tree.map(shaped, cache, cache_sharding(mesh, cache))
     rows, everywhere = rows_sharding(mesh, max_seqs), NamedSharding(mesh, P())
     vocab = vocab_size(model, max_len, cache_dtype)
     per_row = [((max_seqs,), jnp.int32), ((max_seqs,), bool), ((3, max_seqs), jnp.float32),

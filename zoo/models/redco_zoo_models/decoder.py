@@ -126,13 +126,13 @@ class DecoderLayer(nnx.Module):
         before_mlp = norm("post_attention_layernorm" if self.layout == "pre"
                           else "pre_feedforward_layernorm")
         after_mlp = norm("post_feedforward_layernorm")
+        runs = None if segment_ids is None else document_runs(segment_ids)
         if hasattr(self, "mamba"):  # (its cache: a fixed-size state, mamba2.init_cache)
-            runs = None if segment_ids is None else document_runs(segment_ids)
             h, layer_cache = self.mamba(before_attn(x), token_mask(allowed, cache_index),
                                         layer_cache, runs=runs)
         elif hasattr(self, "linear_attn"):
             h, layer_cache = self.linear_attn(before_attn(x), token_valid(allowed, cache_index),
-                                              layer_cache)
+                                              layer_cache, runs)
         else:
             h, layer_cache = self.self_attn(before_attn(x), positions, allowed, layer_cache,
                                             cache_index, lengths)
@@ -168,7 +168,7 @@ class DecoderModel(nnx.Module):
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
                  segment_ids=None):
         if self.cfg.has_delta_net():
-            refuse_for_delta_net(segment_ids, cache_index)
+            refuse_for_delta_net()
         input_ids, positions, allowed = decoder_layout(  # (a split sequence: context parallel)
             input_ids, attention_mask, cache is not None, cache_index, segment_ids)
         x = embed(self.embed_tokens, input_ids)
@@ -234,16 +234,8 @@ def refuse_for_mamba(cfg: DecoderConfig) -> None:
                                   "state across devices); run it without.")
 
 
-def refuse_for_delta_net(segment_ids, cache_index) -> None:
+def refuse_for_delta_net() -> None:
     """What Gated DeltaNet layers do not support yet, refused before compiling."""
-    if segment_ids is not None:
-        raise ValueError("Packed rows (segment_ids) with Gated DeltaNet layers are not supported "
-                         "yet: their state would carry from one document into the next. Train "
-                         "on unpacked (padded) rows.")
-    if jnp.ndim(cache_index) > 0:
-        raise ValueError("Each row decoding at its own slot (the serving engine) with Gated "
-                         "DeltaNet layers is not supported yet: it right-pads prompts, which "
-                         "would decay their recurrent state. Use generate().")
     if sequence_split.current() is not None:
         raise ValueError("Context parallelism (a split sequence) with Gated DeltaNet layers is "
                          "not supported yet: their state runs through the whole sequence. Run "
@@ -340,14 +332,6 @@ class DecoderLM(nnx.Module):
                   Mixer.GATED_DELTANET: lambda: init_state(cfg.delta_net(), batch, dtype),
                   Mixer.ATTENTION: attention}  # (a linear layer's: a fixed-size state, no slots)
         return [states[cfg.mixer(i)]() for i in range(cfg.num_hidden_layers)]
-
-    def unserved(self) -> str | None:
-        """Why the serving engine (``redco_zoo_models.engine``) cannot run this model, or
-        ``None``: it reads prompts right-padded, which a Mamba2 layer's state would take in."""
-        if self.cfg.mixers is not None and Mixer.MAMBA2 in self.cfg.mixers:
-            return (f"{self.cfg.family}: the serving engine pads prompts on the right, which "
-                    "the Mamba2 layers' recurrent state would read; generate() them instead.")
-        return None
 
     def hf_tensors_in(self, tensors: dict) -> dict:
         """A checkpoint's tensors under this model's names (fused ones split)."""

@@ -22,6 +22,11 @@ sequence owns a row. A ``step``:
    ``on_token`` callback says so (a stop string), or when its request is cancelled; its row is
    free for the next admit.
 
+A recurrent layer (Gated DeltaNet, Mamba2) holds a fixed-size state per row in place of slots:
+a padded token leaves it as it was (so the right-padded prefill leaves each row's state after
+its last real token, and an idle row's is kept while others decode), and the prefill's copy
+into a row replaces the row's old state with the new prompt's.
+
 Each token comes with its log-probability under ``softmax(logits / temperature)`` before any
 top-k or top-p cut (untempered when greedy), as ``generate(return_logprobs=True)`` and a training
 step compute it. Greedy requests give ``generate``'s tokens.
@@ -61,8 +66,6 @@ class Engine:
     def __init__(self, model: nnx.Module, params: Any, *, max_seqs: int = 8,
                  max_len: int = 256, eos_token_ids: tuple[int, ...] = (),
                  cache_dtype=jnp.float32, mesh=None, steps_per_sync: int = 4):
-        if unserved := getattr(model, "unserved", lambda: None)():
-            raise NotImplementedError(unserved)
         at = getattr(model, "rereads_at", lambda: None)()
         if at is not None and at < max_len:
             raise ValueError(f"max_len={max_len} passes slot {at}, where this model's RoPE "

@@ -1,5 +1,6 @@
-"""How many sequences an engine (``redco_zoo_models.engine``) can hold, and where its key/value
-cache lives on a mesh: rows over ``dp``, key/value heads over ``mp``, where they divide."""
+"""How many sequences an engine (``redco_zoo_models.engine``) can hold, and where its cache
+lives on a mesh: rows over ``dp``, key/value heads over ``mp``, where they divide (a recurrent
+layer's fixed-size state: rows only)."""
 from __future__ import annotations
 
 from typing import Any
@@ -35,10 +36,9 @@ def rows_that_fit(model: nnx.Module, params: Any, max_len: int, usable_bytes: in
     ``dp``. What a decode step computes on the way is not counted: leave headroom for it (the
     planner's ``usable_bytes`` keeps 10%)."""
     cache = jax.eval_shape(lambda: model.init_cache(1, max_len, cache_dtype))
-    heads = cache[0]["k"].shape[2]
-    dp, mp = (1, 1) if mesh is None else (mesh.shape.get("dp", 1), mesh.shape.get("mp", 1))
-    split = mp if heads % mp == 0 else 1
-    row = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)) / split \
+    dp = 1 if mesh is None else mesh.shape.get("dp", 1)
+    row = sum(x.size * x.dtype.itemsize / _heads_split(mesh, path, x)
+              for path, x in jax.tree_util.tree_leaves_with_path(cache)) \
         + vocab_size(model, max_len, cache_dtype) * 4 + max_len
     held = sum(np.prod(x.sharding.shard_shape(x.shape) if hasattr(x, "sharding") else x.shape)
                * x.dtype.itemsize for x in jax.tree.leaves(params))
@@ -52,12 +52,32 @@ def rows_that_fit(model: nnx.Module, params: Any, max_len: int, usable_bytes: in
 
 
 def cache_sharding(mesh, cache):
-    """Rows over ``dp`` and key/value heads over ``mp``, where they divide; None without a mesh."""
+    """A sharding for each leaf of ``cache``: rows over ``dp`` and an attention layer's
+    key/value heads over ``mp``, where they divide (a recurrent layer's state: rows only);
+    None without a mesh."""
     if mesh is None:
         return None
-    rows, _, heads, _ = cache[0]["k"].shape
-    divides = lambda axis, n: axis if axis in mesh.shape and n % mesh.shape[axis] == 0 else None  # noqa: E731
-    return NamedSharding(mesh, P(divides("dp", rows), None, divides("mp", heads), None))
+
+    def leaf(path, x):
+        spec = [_divides(mesh, "dp", x.shape[0])] + [None] * (x.ndim - 1)
+        if _heads_split(mesh, path, x) > 1:
+            spec[2] = "mp"
+        return NamedSharding(mesh, P(*spec))
+    return jax.tree_util.tree_map_with_path(leaf, cache)
+
+
+def _divides(mesh, axis: str, n: int) -> str | None:
+    return axis if axis in mesh.shape and n % mesh.shape[axis] == 0 else None
+
+
+def _heads_split(mesh, path, x) -> int:
+    """Over how many devices a cache leaf's heads are split: ``mp``'s size for an attention
+    layer's keys or values (rows, slots, heads, dim) whose heads it divides, else 1."""
+    name = getattr(path[-1], "key", None)
+    if mesh is None or name not in ("k", "v") or x.ndim != 4 or \
+            not _divides(mesh, "mp", x.shape[2]):
+        return 1
+    return mesh.shape["mp"]
 
 
 def rows_sharding(mesh, n_rows: int) -> NamedSharding:

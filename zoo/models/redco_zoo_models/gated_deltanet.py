@@ -35,12 +35,20 @@ chunk, with ``G_i`` the cumulative log-decay from the chunk's start and ``L = I 
 Everything but the last two lines runs for all chunks at once; those are a ``jax.lax.scan`` over
 the chunks carrying ``S``. Both run in float32.
 
+**Packed rows** (several documents in a row, ``segment_ids``), as ``mamba2`` does: the
+convolution reads no other document's inputs; within a chunk ``A`` and the decays between two
+documents' tokens are zero; the state entering a chunk reaches (through ``q exp(G)`` and
+``W``) only the tokens of its own document, and a chunk that ends in a new document passes on
+that document's state alone. Each document computes what it computes alone.
+
 **Output.** Each value head's output is RMS-normalised, scaled by ``norm/weight`` and multiplied
 by ``silu(z)`` (the gated RMSNorm), then ``out_proj``.
 
-**Padding.** Padded inputs are zeroed before the projections (as transformers does): a left pad
-then writes nothing (``k = 0``) and decays a zero state, and the convolution sees zeros, as
-before the start.
+**Padding.** Padded inputs are zeroed before the projections (as transformers does), and a
+padded token neither decays nor writes the state (``g = 0``, ``beta = 0``): a left pad leaves
+the zero state and the convolution sees zeros, as before the start; right padding (the serving
+engine's prefill) leaves the state where the row's last real token left it, and the conv state
+keeps the last real inputs (``layers.last_real_inputs``).
 """
 from __future__ import annotations
 
@@ -50,6 +58,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from redco_zoo_models import mamba2
+from redco_zoo_models.layers import last_real_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,17 +93,13 @@ def l2norm(x, eps: float = 1e-6):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def causal_conv(x, weight, state=None):
-    """``(silu(conv(x)), new state)``: ``x`` (B, T, C), ``weight`` (C, 1, K), ``state`` (B, K-1, C)
-    the inputs before ``x`` (``None``: zeros, the sequence's start)."""
-    k = weight.shape[-1]
-    if state is None:
-        state = jnp.zeros((x.shape[0], k - 1, x.shape[2]), x.dtype)
-    full = jnp.concatenate([state.astype(x.dtype), x], axis=1)
-    w = weight[:, 0, :].astype(x.dtype)
-    t = x.shape[1]
-    out = sum(full[:, j:j + t] * w[:, j] for j in range(k))
-    return jax.nn.silu(out), full[:, t:]
+def causal_conv(x, weight, state=None, runs=None):
+    """``silu(conv(x))``: ``x`` (B, T, C), ``weight`` (C, 1, K), ``state`` (B, K-1, C) the inputs
+    before ``x`` (``None``: zeros, the sequence's start); ``runs`` (B, T): packed documents
+    (``mamba2.document_runs``), a token reading no other document's inputs."""
+    history = None if state is None else state.astype(x.dtype)
+    return jax.nn.silu(mamba2.causal_conv(x, weight[:, 0, :].astype(x.dtype), None, history,
+                                          runs))
 
 
 def _prepared(q, k, v, g, beta):
@@ -137,9 +144,22 @@ def unit_lower_inverse(m):
                             jnp.concatenate([corner, d_inv], -1)], -2)
 
 
-def chunked(q, k, v, g, beta, chunk_size: int = 64, state=None):
+def _documents(runs, pad: int, n: int, c: int):
+    """Packed documents in chunks (``runs`` (B, T), ``mamba2.document_runs``; ``None``: one
+    document): ``same`` (B, 1, N, C, C), two tokens of one document; ``carried`` (B, 1, N, C), a
+    token of the document whose state enters the chunk; ``to_end``, one of the chunk's last
+    document; ``kept`` (B, 1, N), whether the entering document reaches the chunk's end."""
+    if runs is None:
+        return True, True, True, True
+    r = jnp.pad(runs, ((0, 0), (0, pad)), mode="edge").reshape(runs.shape[0], 1, n, c)
+    entering = jnp.concatenate([r[..., :1, :1], r[..., :-1, -1:]], axis=2)  # (B, 1, N, 1)
+    return (r[..., :, None] == r[..., None, :], r == entering, r == r[..., -1:],
+            r[..., -1] == entering[..., 0])
+
+
+def chunked(q, k, v, g, beta, chunk_size: int = 64, state=None, runs=None):
     """``recurrent``'s result, a chunk at a time (module docstring); ``chunk_size`` a power of
-    two."""
+    two. ``runs`` (B, T): packed documents, each from a zero state (module docstring)."""
     if chunk_size & (chunk_size - 1):
         raise ValueError(f"delta_chunk_size={chunk_size}: use a power of two (64 by default).")
     q, k, v, g, beta = _prepared(q, k, v, g, beta)
@@ -152,16 +172,18 @@ def chunked(q, k, v, g, beta, chunk_size: int = 64, state=None):
             b, n, c, h, *x.shape[3:]), 3, 1)
     q, k, v, g, beta = (to_chunks(x) for x in (q, k, v, g, beta))
     cum = jnp.cumsum(g, axis=-1)  # G (B, H, N, C)
-    lower = jnp.tril(jnp.ones((c, c), bool))
+    same, carried, to_end, kept = _documents(runs, pad, n, c)
+    lower = jnp.tril(jnp.ones((c, c), bool)) & same
     decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
     k_beta = k * beta[..., None]
     strict = jnp.where(jnp.eye(c, dtype=bool), 0.0, (k_beta @ jnp.swapaxes(k, -1, -2)) * decay)
     inverse = unit_lower_inverse(strict + jnp.eye(c))
-    u, w = inverse @ (v * beta[..., None]), inverse @ (k_beta * jnp.exp(cum)[..., None])
+    from_state = jnp.exp(cum) * carried  # (0 in a document that starts in the chunk)
+    u, w = inverse @ (v * beta[..., None]), inverse @ (k_beta * from_state[..., None])
     attn = (q @ jnp.swapaxes(k, -1, -2)) * decay
-    q_decayed = q * jnp.exp(cum)[..., None]
-    k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-    last = jnp.exp(cum[..., -1])[..., None, None]
+    q_decayed = q * from_state[..., None]
+    k_decayed = k * (jnp.exp(cum[..., -1:] - cum) * to_end)[..., None]
+    last = (jnp.exp(cum[..., -1]) * kept)[..., None, None]
     if state is None:
         state = jnp.zeros((b, h, q.shape[-1], dv), jnp.float32)
 
@@ -253,27 +275,33 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = linear(cfg.value_dim, d)
         self.cfg = cfg
 
-    def __call__(self, x, valid=None, cache: dict | None = None):
+    def __call__(self, x, valid=None, cache: dict | None = None, runs=None):
         """``(out, new cache)`` for ``x`` (B, T, hidden); ``valid`` (B, T) marks real tokens
-        (``None``: all); ``cache`` (``init_state``'s) continues a sequence, else it starts."""
+        (``None``: all); ``cache`` (``init_state``'s) continues a sequence, else it starts;
+        ``runs`` (B, T): packed documents (``mamba2.document_runs``), each read as if alone."""
         cfg, (b, t, _) = self.cfg, x.shape
         if valid is not None:
             x = x * valid[..., None].astype(x.dtype)
-        mixed, conv = causal_conv(self.in_proj_qkv(x), self.conv1d.weight[...],
-                                  None if cache is None else cache["conv"])
+        history = None if cache is None else cache["conv"]
+        projected = self.in_proj_qkv(x)
+        mixed = causal_conv(projected, self.conv1d.weight[...], history, runs)
         q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
         q, k = (y.reshape(b, t, cfg.n_key_heads, cfg.key_head_dim) for y in (q, k))
         v = v.reshape(b, t, cfg.n_value_heads, cfg.value_head_dim)
         beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        if valid is not None:  # padding keeps the state: no decay (g = 0), no write (beta = 0)
+            g, beta = (jnp.where(valid[..., None], y, 0.0) for y in (g, beta))
         state = None if cache is None else cache["state"]
         if t == 1 and cache is not None:
             out, state = recurrent(q, k, v, g, beta, state)
         else:
-            out, state = chunked(q, k, v, g, beta, cfg.chunk_size, state)
+            out, state = chunked(q, k, v, g, beta, cfg.chunk_size, state, runs)
         z = self.in_proj_z(x).reshape(b, t, cfg.n_value_heads, cfg.value_head_dim)
         out = self.norm(out.astype(x.dtype), z).reshape(b, t, cfg.value_dim)
-        new_cache = None if cache is None else {"conv": conv.astype(cache["conv"].dtype),
-                                                 "state": state}
+        if cache is None:
+            return self.out_proj(out), None
+        conv = last_real_inputs(projected, history, cfg.conv_kernel - 1, valid)
+        new_cache = {"conv": conv.astype(cache["conv"].dtype), "state": state}
         return self.out_proj(out), new_cache

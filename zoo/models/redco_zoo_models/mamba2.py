@@ -34,9 +34,10 @@ The scan runs in float32 (``dt``, the decays, the state), the projections in the
 **Decoding** keeps a fixed-size state per sequence and layer (``init_cache``): the last K - 1
 inputs of the convolution and the scan's state S. A prompt is read from the empty state (zeros:
 what the uncached forward assumes) by the chunked scan, leaving both; each generated token then
-takes one step of the recurrence from them. A left-padded prompt ends on a real token, so its
-state is the unpadded prompt's (transformers' too); right padding would decay it further, and
-is not supported (the serving engine pads prompts on the right: it refuses these models).
+takes one step of the recurrence from them. A padded token takes ``dt = 0``: it neither decays
+nor writes the state, so a left-padded prompt's state is the unpadded prompt's (transformers'
+too), and so is a right-padded one's (the serving engine's prefill), whose conv state keeps the
+last real inputs (``layers.last_real_inputs``).
 
 **Packed rows** (several documents in a row, ``segment_ids``): the convolution reads no other
 document's inputs, and within a chunk the decay between two tokens of different documents is
@@ -54,7 +55,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from redco_zoo_models.layers import ACTIVATIONS
+from redco_zoo_models.layers import ACTIVATIONS, last_real_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,13 +225,14 @@ class Mamba2(nnx.Module):
         z, xbc, dt = jnp.split(self.in_proj(keep(x)), [cfg.inner, cfg.inner + cfg.conv_dim], -1)
         history = None if cache is None else cache["conv"].astype(xbc.dtype)
         conv_out = self.conv1d(xbc, history, runs)
-        xbc, new_conv = keep(ACTIVATIONS[cfg.activation](conv_out)), last_inputs(
-            xbc, history, cfg.conv_kernel - 1)
+        xbc, new_conv = keep(ACTIVATIONS[cfg.activation](conv_out)), last_real_inputs(
+            xbc, history, cfg.conv_kernel - 1, valid)
         xs, b, c = jnp.split(xbc, [cfg.inner, cfg.inner + cfg.n_groups * cfg.state_size], -1)
         xs = xs.reshape(bsz, t, cfg.n_heads, cfg.head_dim)
         b, c = (v.reshape(bsz, t, cfg.n_groups, cfg.state_size) for v in (b, c))
         dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...]),
                       *cfg.time_step_limit)
+        dt = keep(dt)  # a padded token: no decay, no write
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))
         if scan is None:
             scan = recurrent_scan if t == 1 else partial(chunked_scan, chunk=cfg.chunk_size,
@@ -241,14 +243,6 @@ class Mamba2(nnx.Module):
         new = None if cache is None else {"conv": new_conv.astype(cache["conv"].dtype),
                                           "ssm": state.astype(cache["ssm"].dtype)}
         return self.out_proj(y), new
-
-
-def last_inputs(x, history, n: int):
-    """The last ``n`` inputs (B, n, C) of the convolution: what the next token's window reads
-    before its own."""
-    if history is None:
-        history = jnp.zeros((x.shape[0], n, x.shape[2]), x.dtype)
-    return jnp.concatenate([history, x], 1)[:, -n:]
 
 
 def init_cache(batch: int, cfg: Mamba2Config, dtype=jnp.float32) -> dict:
