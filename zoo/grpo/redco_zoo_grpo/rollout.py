@@ -6,8 +6,11 @@
    once), or with ``engine_rows=0`` by ``pred_fn`` (the
    zoo's fixed-batch sampler, G samples per prompt in one call, run by a ``Predictor`` on the
    training layout);
-2. scores them with the reward function (``rewards.py``; checked: one finite number each);
-3. turns each group's rewards into advantages (``loss.group_advantages``);
+2. scores them with the reward function (``rewards.py``; checked: one finite number each),
+   DAPO's soft overlong punishment added where asked; under DAPO's dynamic sampling, draws the
+   next prompts while too few groups have signal, and keeps a round's worth (``dapo.py``);
+3. turns each group's rewards into advantages (``loss.group_advantages``), DAPO's overlong
+   filtering masking the cut completions out of the loss;
 4. runs the trainer's forward pass over them once (``score_fn``): the ``old_logps`` the ratio
    divides by, and the reference's ``ref_logps`` for the KL term. So the first update's ratio is
    exactly 1 whatever the sampler's numerics; the largest gap between the two log-probabilities
