@@ -334,7 +334,9 @@ class GRPO:
 def summary(metrics: dict) -> str:
     """A round's metrics in one line for the terminal."""
     kl = f", KL {metrics['kl']:.4f}" if "kl" in metrics else ""
-    return (f"reward {metrics['reward']:.3f} (group std {metrics['reward_std']:.3f}, "
+    drawn = (f" over {metrics['prompts_drawn']} prompts drawn ({metrics['groups_dropped']} "
+             "groups dropped)") if "prompts_drawn" in metrics else ""
+    return (f"reward {metrics['reward']:.3f}{drawn} (group std {metrics['reward_std']:.3f}, "
             f"{metrics['reward_min']:.3f} to {metrics['reward_max']:.3f}), "
             f"{metrics['completion_tokens']:.1f} tokens a completion "
             f"({metrics['cut_at_max_new_tokens']:.0%} cut at max_new_tokens){kl}, clip "
