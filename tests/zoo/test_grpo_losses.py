@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from test_sft import SPECIALS, WORDS
 
+from redco.cli import main
 from redco.protocols import UsageError
 from redco_zoo_grpo import loss_fn
 from redco_zoo_grpo.config import GRPOConfig
@@ -164,6 +165,15 @@ def test_the_prompt_stream_resumes_where_it_stood():
 def test_bad_settings_are_refused_naming_the_fix(settings, message):
     with pytest.raises(UsageError, match=message):
         GRPOConfig(**settings)
+
+
+def test_a_bad_clip_range_on_the_command_line_is_refused_before_anything_loads(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["zoo", "run", "grpo", "--model", str(tmp_path / "missing"), "--train",
+              str(tmp_path / "missing.jsonl"), "--workdir", str(tmp_path / "w"), "--loss", "gspo",
+              "--clip_low", "0"])
+    assert "--clip_low 0.0 --clip_high 0.0004: the ratio is clipped to [1 - clip_low, " \
+        "1 + clip_high]; give 0 < clip_low < 1" in capsys.readouterr().err
 
 
 def test_dapo_turns_on_its_recipe_and_each_piece_switches_off():
