@@ -2,6 +2,7 @@
 fraction counts the tokens it should, the KL penalty's gradient is the one GRPO means, bad
 rewards and prompts are refused before any update, and sharded over 8 devices (dp x mp) it
 samples and trains as on one device. (That it learns, after SFT, is ``test_post_training.py``.)"""
+import dataclasses
 import json
 import os
 import random
@@ -260,6 +261,139 @@ def test_a_rollouts_samples_count_their_completion_up_to_its_first_eos(warmed_up
     assert grpo.rescorer is grpo.scorer
     assert grpo.clip_fraction(samples) == 0.0  # no update yet: every ratio exactly 1
     assert grpo.scorer._pred_step._cache_size() == 1
+
+
+def a_dapo_grpo(warmed_up, tmp_path):
+    """A GRPO loop over the warmed-up model (no updates) and the first 8 prompts, every other
+    marked "dead": its reward 1 for every completion (no signal), the others' alternate 0, 1
+    within each group (signal)."""
+    import optax
+
+    from redco import Deployer, Trainer
+    from redco_zoo_grpo.pipeline import collate_fn, pred_fn, prompt_examples
+    from redco_zoo_grpo.rollout import GRPO, GRPOConfig
+    from redco_zoo_models import runner, split_model
+    from redco_zoo_sft.pipeline import load_chat_tokenizer
+    model_dir = str(warmed_up / "sft" / "model")
+    tokenizer, (model, _) = load_chat_tokenizer(model_dir), runner.load_model(model_dir, False, 0)
+    with open(warmed_up / "prompts.jsonl") as f:
+        rows = [dict(json.loads(line), dead=dead) for line, dead in
+                zip(f, [True, False, True, True, False, False, True, False])]
+    (prompts, rows), _ = prompt_examples(tokenizer, (rows, rows[:1]), "prompt", 16)
+    def reward(prompts, completions, dead, **_):
+        return [1.0 if d else float(i % 2) for i, d in enumerate(dead)]
+    deployer = Deployer(jax_seed=0, workdir=str(tmp_path), verbose=False)
+    apply_fn, params = split_model(model)
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.sgd(0.0))
+    grpo = GRPO(trainer, model, tokenizer, pred_fn, reward,
+                GRPOConfig(loss_type="dapo", n_samples=4, max_new_tokens=2),
+                per_device_batch_size=2)
+    grpo.decide_layout(prompts, 0)
+    return grpo, prompts, rows
+
+
+def test_dapos_dynamic_sampling_drops_the_groups_without_signal_and_draws_more(warmed_up,
+                                                                                tmp_path):
+    """Rounds of 4 prompts, 4 samples each: the first draw has 1 group with signal, so the next
+    4 prompts are drawn (3 with signal) and the round trains exactly the 4 groups with signal, in
+    the order drawn; capped at one draw, the round fills up with the first dropped groups
+    (advantages 0). Overlong filtering masks out exactly the completions without an EOS."""
+    grpo, prompts, rows = a_dapo_grpo(warmed_up, tmp_path)
+    more = iter([(prompts[4:], rows[4:])])
+    samples, metrics = grpo.rollout(prompts[:4], rows[:4], "prompt", 1, lambda: next(more))
+    trained = [int(np.flatnonzero([(s["prompt_ids"] == p["prompt_ids"]).all()
+                                   for p in prompts])[0]) for s in samples[::4]]
+    assert trained == [1, 4, 5, 7]  # the groups with signal, dead 0, 2, 3 and 6 dropped
+    assert all(s["advantage"] != 0 for s in samples)
+    assert (metrics["prompts_drawn"], metrics["groups_dropped"],
+            metrics["groups_kept_without_signal"]) == (8, 4, 0)
+    cut = 0
+    for s in samples:  # DAPO's overlong filter: a completion without an EOS counts for nothing
+        ended = EOS in s["tokens"]
+        expected = completion_mask(s["tokens"][None], EOS)[0] & ended
+        assert s["completion_mask"].tolist() == expected.tolist(), s
+        cut += not ended
+    assert 0 < cut < len(samples), cut  # both kinds were there to tell apart
+    assert metrics["masked_overlong"] == cut / len(samples)
+    grpo.config = dataclasses.replace(grpo.config, max_sampling_draws=1)  # capped: 1 draw
+    samples, metrics = grpo.rollout(prompts[:4], rows[:4], "prompt", 2,
+                                    lambda: pytest.fail("drew past the cap"))
+    assert [bool(s["advantage"]) for s in samples[::4]] == [False, True, False, False]
+    assert (metrics["prompts_drawn"], metrics["groups_dropped"],
+            metrics["groups_kept_without_signal"]) == (4, 0, 3)
+
+
+LOSS_REWARDS = """
+import os, signal
+from redco_zoo_grpo.rewards import exact_match
+calls = 0
+
+def reward(prompts, completions, answer, **_):
+    global calls
+    calls += 1  # 1: the greedy evaluation before round 1; 2: round 1's first draw
+    if calls == int(os.environ.get("SIGTERM_AT_CALL", 0)):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return exact_match(prompts, completions, answer)
+
+def tens(prompts, completions, **_):  # the answers' first digit: right more often than not
+    return [float(c.strip().startswith("y1")) for c in completions]
+"""
+
+
+def run_loss(root, workdir, loss: str, reward: str, *flags) -> list[dict]:
+    """Two rounds of ``redco zoo run grpo --loss loss`` (8 prompts x 8 samples, one minibatch)
+    of the warmed-up model, a checkpoint after each; returns its metrics' rows."""
+    main(["zoo", "run", "grpo", "--model", str(root / "sft" / "model"), "--train",
+          str(root / "prompts.jsonl"), "--eval", str(root / "prompts_held_out.jsonl"),
+          "--workdir", str(workdir), "--loss", loss, "--reward", reward,
+          "--n_rounds", "2", "--per_device_batch_size", "8", "--save_every_n_steps", "1",
+          *GRPO_FLAGS, "--prompts_per_round", "8", "--n_samples", "8", *flags])
+    with open(workdir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_dapo_runs_its_recipe_and_resumes_to_the_same_bits(warmed_up, tmp_path, monkeypatch):
+    """``--loss dapo`` with the soft overlong punishment: rounds draw more prompts while their
+    groups lack signal, logging how many were drawn and dropped. A run stopped by SIGTERM in
+    round 1 resumes at round 2 with the prompts the uninterrupted run drew (the prompt stream's
+    position is checkpointed) and ends with its params and metrics, bit for bit."""
+    from safetensors.numpy import load_file
+    (tmp_path / "dapo_reward.py").write_text(LOSS_REWARDS)
+    reward = f"{tmp_path / 'dapo_reward.py'}:reward"
+    monkeypatch.setenv("REDCO_DEBUG", "1")
+    whole = run_loss(warmed_up, tmp_path / "whole", "dapo", reward, "--overlong_buffer", "2")
+    rounds = [r for r in whole if "rollout/prompts_drawn" in r]
+    assert len(rounds) == 2 and rounds[0]["rollout/prompts_drawn"] > 8, rounds  # drew more
+    for r in rounds:
+        assert r["rollout/groups_dropped"] == r["rollout/prompts_drawn"] - 8
+        assert r["rollout/overlong_penalty"] <= 0 and 0 <= r["rollout/masked_overlong"] <= 1
+    monkeypatch.setenv("SIGTERM_AT_CALL", "2")
+    with pytest.raises(SystemExit) as stopped:
+        run_loss(warmed_up, tmp_path / "cut", "dapo", reward, "--overlong_buffer", "2")
+    assert stopped.value.code == 143
+    monkeypatch.delenv("SIGTERM_AT_CALL")
+    cut = run_loss(warmed_up, tmp_path / "cut", "dapo", reward, "--overlong_buffer", "2")
+    assert "Resumed from" in (tmp_path / "cut" / "log.txt").read_text()
+    pick = lambda rows, key: [(r["step"], r[key]) for r in rows if key in r]  # noqa: E731
+    for key in ("rollout/reward", "rollout/prompts_drawn", "train/loss", "eval/reward"):
+        assert pick(cut, key) == pick(whole, key), key
+    params = [load_file(tmp_path / name / "model" / "model.safetensors")
+              for name in ("whole", "cut")]
+    for name, value in params[0].items():
+        np.testing.assert_array_equal(params[1][name], value, err_msg=name)
+
+
+def test_gspo_runs_and_clips_its_sequence_ratio(warmed_up, tmp_path, monkeypatch):
+    """``--loss gspo`` trains (two updates a round, so the second one's sequence ratios are
+    off 1): its clip fraction counts completions against GSPO's tiny range."""
+    monkeypatch.setenv("REDCO_DEBUG", "1")
+    (tmp_path / "rewards.py").write_text(LOSS_REWARDS)
+    rows = run_loss(warmed_up, tmp_path / "gspo", "gspo", f"{tmp_path / 'rewards.py'}:tens",
+                    "--n_updates", "2")
+    rounds = [r for r in rows if "rollout/clip_fraction" in r]
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert len(rounds) == 2 and len(losses) == 4 and np.isfinite(losses).all(), rows
+    assert all(0 < r["rollout/clip_fraction"] <= 1 for r in rounds), rounds
 
 
 def test_rollouts_decode_tensor_parallel_on_the_fsdp_trainers_own_params(warmed_up, tmp_path):

@@ -218,6 +218,8 @@ def test_every_flag_of_a_pipeline_is_a_field_of_its_typed_config(pipeline, task)
                       for path in (pipeline, task))
     flags = other_values(zoo_parser("x", pipeline()))
     flags["scan_layers"] = False  # (refused with LoRA, cp and ep: tests/zoo/test_scan_runs.py)
+    if "clip_low" in flags:  # GRPO's clip range is checked (tests/zoo/test_grpo_losses.py)
+        flags.update(clip_low=0.1, clip_high=0.3)
     config = RunConfig.of_flags(flags, task)
 
     def leaves(group, prefix=""):

@@ -19,7 +19,17 @@ the variant (``loss_type``):
   ``max_new_tokens``), and advantages not divided by the standard deviation: neither long
   wrong answers nor easy groups are favoured;
 * ``dapo`` (DAPO's token-level loss): the sum over all tokens divided by their number, so every
-  token weighs the same whatever its completion's length.
+  token weighs the same whatever its completion's length;
+* ``gspo`` (Qwen's GSPO, arXiv 2507.18071): one ratio per completion, the geometric mean of its
+  tokens' ratios ``s_i = exp(mean_t (logp_t - old_logp_t))``, clipped as a whole, every token of
+  the completion sharing it; then averaged as ``grpo`` does, so the loss is
+  ``-(1/G) sum_i min(s_i A_i, clip(s_i) A_i)``. No stop-gradient inside ``s_i``: its gradient is
+  ``s_i A_i`` times the mean of the tokens' ``grad logp_t`` (zero where the clip binds). Its clip
+  range is two orders of magnitude tighter than a token ratio's (the paper: 3e-4 and 4e-4), as
+  a length-normalised ratio moves that much less.
+
+A completion with no counted token (DAPO's overlong filtering: ``dapo.py``) adds 0 to the
+per-completion means of ``grpo`` and ``gspo`` and nothing to ``dapo``'s count.
 
 The KL penalty is ``k2 = (logp - ref_logp)^2 / 2`` weighted by the (constant) ratio. Why not
 DeepSeek's ``k3 = exp(ref - logp) - (ref - logp) - 1``: as a loss, k3's gradient in expectation
@@ -36,7 +46,7 @@ import numpy as np
 
 from redco_zoo_models.metrics import logits_and_experts
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo")
 
 
 def token_logps_and_experts(apply_fn, params, batch: dict,
@@ -59,14 +69,23 @@ def token_logps(apply_fn, params, batch: dict, temperature: float) -> jax.Array:
     return token_logps_and_experts(apply_fn, params, batch, temperature)[0]
 
 
+def sequence_log_ratios(log_ratios, mask):
+    """(B,) each completion's mean log-ratio over its counted tokens (0 where none counts):
+    the log of GSPO's sequence ratio ``s_i``. Works on jax and numpy arrays alike."""
+    return (log_ratios * mask).sum(1) / mask.sum(1).clip(1)
+
+
 def token_losses(logps: jax.Array, batch: dict, clip_low: float, clip_high: float,
-                 beta: float) -> jax.Array:
+                 beta: float, sequence: bool = False) -> jax.Array:
     """(B, N): each token's clipped policy-ratio loss, plus ``beta`` x its k2 KL penalty
-    weighted by the (constant) ratio (module docstring)."""
+    weighted by the (constant) token ratio (module docstring). ``sequence``: GSPO's ratio, one
+    per completion (``sequence_log_ratios`` of ``batch["completion_mask"]``), for every token."""
     ratio = jnp.exp(logps - batch["old_logps"])
+    surrogate_ratio = ratio if not sequence else jnp.broadcast_to(jnp.exp(sequence_log_ratios(
+        logps - batch["old_logps"], batch["completion_mask"]))[:, None], ratio.shape)
     advantage = batch["advantage"][:, None]
-    per_token = -jnp.minimum(ratio * advantage,
-                             jnp.clip(ratio, 1 - clip_low, 1 + clip_high) * advantage)
+    per_token = -jnp.minimum(surrogate_ratio * advantage,
+                             jnp.clip(surrogate_ratio, 1 - clip_low, 1 + clip_high) * advantage)
     if beta:
         k2 = 0.5 * (logps - batch["ref_logps"]) ** 2
         per_token = per_token + beta * jax.lax.stop_gradient(ratio) * k2
@@ -76,7 +95,7 @@ def token_losses(logps: jax.Array, batch: dict, clip_low: float, clip_high: floa
 def average(per_token: jax.Array, mask: jax.Array, loss_type: str) -> jax.Array:
     """The tokens' losses (B, N) averaged the way ``loss_type`` defines (module docstring)."""
     counted = per_token * mask
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "gspo"):
         return jnp.mean(counted.sum(1) / jnp.maximum(mask.sum(1), 1))
     if loss_type == "dr_grpo":
         return counted.sum() / mask.size
@@ -90,18 +109,25 @@ def k3(logps, ref_logps, mask) -> float:
     return float(((np.exp(d) - d - 1) * mask).sum() / max(mask.sum(), 1))
 
 
-def clip_fraction(logps, old_logps, mask, clip_low: float, clip_high: float) -> float:
+def clip_fraction(logps, old_logps, mask, clip_low: float, clip_high: float,
+                  sequence: bool = False) -> float:
     """The share of counted tokens (``mask``) whose ratio ``exp(logp - old_logp)`` lies outside
     ``[1 - clip_low, 1 + clip_high]``, whatever their advantage's sign (as PPO's ``clipfrac``):
-    the surrogate's gradient is zero for those of them the advantage pushes further out."""
-    ratio = np.exp(np.asarray(logps, np.float64) - np.asarray(old_logps, np.float64))
+    the surrogate's gradient is zero for those of them the advantage pushes further out.
+    ``sequence`` (GSPO): the share of completions with a counted token whose sequence ratio
+    lies outside."""
+    log_ratio = np.asarray(logps, np.float64) - np.asarray(old_logps, np.float64)
+    if sequence:
+        log_ratio, mask = sequence_log_ratios(log_ratio, mask), mask.any(1)
+    ratio = np.exp(log_ratio)
     outside = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
     return float((outside * mask).sum() / max(mask.sum(), 1))
 
 
 def group_advantages(rewards: np.ndarray, loss_type: str) -> np.ndarray:
     """(P, G) rewards of G completions per prompt -> their advantages: reward less the group's
-    mean, divided by the group's standard deviation except under ``dr_grpo``. A group whose
+    mean, divided by the group's standard deviation except under ``dr_grpo`` (``gspo`` and
+    ``dapo`` divide, as ``grpo``). A group whose
     completions all score the same has advantages 0: it teaches nothing."""
     centred = rewards - rewards.mean(1, keepdims=True)
     if loss_type == "dr_grpo":

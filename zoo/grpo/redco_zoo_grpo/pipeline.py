@@ -53,7 +53,8 @@ def loss_fn(rng, state, params, batch, is_training, loss_type: str = "grpo",
     averaged as ``loss_type`` defines (``loss.py``); an MoE model's balancing losses added
     and its experts' metrics logged (``with_experts``)."""
     logps, experts = token_logps_and_experts(state.apply_fn, params, batch, temperature)
-    per_token = token_losses(logps, batch, clip_low, clip_high, beta)
+    per_token = token_losses(logps, batch, clip_low, clip_high, beta,
+                             sequence=loss_type == "gspo")
     return with_experts(average(per_token, batch["completion_mask"], loss_type), experts)
 
 
@@ -117,9 +118,20 @@ def add_grpo_arguments(parser) -> None:
     add("--temperature", type=float, default=algo.temperature)
     add("--top_k", type=int, default=algo.top_k)
     add("--top_p", type=float, default=algo.top_p)
-    add("--loss_type", choices=LOSS_TYPES, default=algo.loss_type)
-    add("--clip_low", type=float, default=algo.clip_low)
-    add("--clip_high", type=float, default=algo.clip_high, help="DAPO's clip-higher: e.g. 0.28")
+    add("--loss_type", "--loss", choices=LOSS_TYPES, default=algo.loss_type, help="the loss "
+        "(loss.py; one flag, two names): dapo also turns on dynamic sampling and overlong "
+        "filtering, gspo clips its sequence ratio to 1 +- 3e-4/4e-4 (config.py's table)")
+    add("--clip_low", type=float, default=algo.clip_low, help="default: the --loss's")
+    add("--clip_high", type=float, default=algo.clip_high, help="default: the --loss's (DAPO's "
+        "clip-higher 0.28)")
+    add("--dynamic_sampling", action=argparse.BooleanOptionalAction, default=None, help="DAPO's: "
+        "drop groups whose rewards are all equal, draw more prompts (default: on under dapo)")
+    add("--max_sampling_draws", type=int, default=algo.max_sampling_draws, help="dynamic "
+        "sampling's draws of --prompts_per_round prompts a round, at most")
+    add("--overlong_filter", action=argparse.BooleanOptionalAction, default=None, help="DAPO's: "
+        "completions cut at --max_new_tokens count for nothing (default: on under dapo)")
+    add("--overlong_buffer", type=int, default=algo.overlong_buffer, help="DAPO's soft overlong "
+        "punishment over the last this many tokens: down to -1 at --max_new_tokens (0: off)")
     add("--beta", type=float, default=algo.beta, help="weight of the KL penalty to the "
         "reference")
     add("--n_updates", type=int, default=algo.n_updates, help="epochs over each round's "
@@ -223,7 +235,7 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
 
 class GRPOPipeline:
     description = ("GRPO: G samples per prompt, rewards from a Python function, group-normalised "
-                   "advantages, the clipped loss (GRPO, Dr. GRPO or DAPO); greedy reward")
+                   "advantages, the clipped loss (GRPO, Dr. GRPO, DAPO or GSPO); greedy reward")
 
     def add_arguments(self, parser) -> None:
         flags.add_arguments(parser, planner=False)

@@ -6,8 +6,11 @@
    once), or with ``engine_rows=0`` by ``pred_fn`` (the
    zoo's fixed-batch sampler, G samples per prompt in one call, run by a ``Predictor`` on the
    training layout);
-2. scores them with the reward function (``rewards.py``; checked: one finite number each);
-3. turns each group's rewards into advantages (``loss.group_advantages``);
+2. scores them with the reward function (``rewards.py``; checked: one finite number each),
+   DAPO's soft overlong punishment added where asked; under DAPO's dynamic sampling, draws the
+   next prompts while too few groups have signal, and keeps a round's worth (``dapo.py``);
+3. turns each group's rewards into advantages (``loss.group_advantages``), DAPO's overlong
+   filtering masking the cut completions out of the loss;
 4. runs the trainer's forward pass over them once (``score_fn``): the ``old_logps`` the ratio
    divides by, and the reference's ``ref_logps`` for the KL term. So the first update's ratio is
    exactly 1 whatever the sampler's numerics; the largest gap between the two log-probabilities
@@ -29,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
@@ -39,42 +41,19 @@ import numpy as np
 
 from redco import Trainer
 from redco.lora import trainable_mask, without_adapters
-from redco.protocols import UsageError
+from redco_zoo_grpo.config import GRPOConfig
+from redco_zoo_grpo.dapo import (
+    PromptStream,
+    filter_overlong,
+    select_groups,
+    signal_groups,
+    soft_overlong_penalty,
+)
 from redco_zoo_grpo.engine_rollouts import EngineRollouts
-from redco_zoo_grpo.loss import LOSS_TYPES, clip_fraction, group_advantages, k3, token_logps
+from redco_zoo_grpo.loss import clip_fraction, group_advantages, k3, token_logps
 from redco_zoo_grpo.rewards import score
 from redco_zoo_models import split_model
 from redco_zoo_sft.chat import stop_token_id
-
-
-@dataclass(frozen=True)
-class GRPOConfig:
-    """What a GRPO run samples and how its loss weighs it (``loss.py``)."""
-    n_samples: int = 8  # G, completions per prompt
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    loss_type: str = "grpo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    beta: float = 0.0  # the KL penalty's weight (0: no reference needed)
-    n_updates: int = 1  # mu, epochs over each round's samples
-
-    def __post_init__(self):
-        if self.loss_type not in LOSS_TYPES:
-            raise UsageError(f"loss_type {self.loss_type!r}: choose one of {LOSS_TYPES}.")
-        if self.n_samples < 2 or self.temperature <= 0:
-            raise UsageError("GRPO compares samples within a group: give n_samples >= 2 and a "
-                             f"temperature > 0 (got {self.n_samples} and {self.temperature}).")
-
-    def sampling(self) -> dict:
-        return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                    top_k=self.top_k, top_p=self.top_p)
-
-    def loss_kwargs(self) -> dict:
-        return dict(loss_type=self.loss_type, temperature=self.temperature,
-                    clip_low=self.clip_low, clip_high=self.clip_high, beta=self.beta)
 
 
 def score_fn(rng, params, batch, apply_fn, temperature: float, reference: str | None):
@@ -89,6 +68,7 @@ def score_fn(rng, params, batch, apply_fn, temperature: float, reference: str | 
 
 
 SCORED = ("old_logps", "ref_logps")  # what score_fn adds to a sample
+DRAW_STRIDE = 1 << 20  # a round's draw d samples on the rng stream of "round" round + d x this
 
 
 def completion_mask(tokens: np.ndarray, eos_id: int) -> np.ndarray:
@@ -139,6 +119,7 @@ class GRPO:
             trainer.get_default_predictor(partial(score, reference=None))
         self.ref_params = None
         self.round, self.eval_rewards = 0, []  # rounds done; greedy rewards so far
+        self.prompts: PromptStream | None = None  # the training prompts' order (train)
         self.shown: list[dict] = []  # the last round's first completions (write_samples)
 
     def completions(self, predictor, prompts: list[dict], round_: int):
@@ -165,28 +146,74 @@ class GRPO:
         columns = {key: [row[key] for row in rows for _ in range(per_row)] for key in rows[0]}
         return score(self.reward_fn, columns.pop(prompt_column), texts, columns, where)
 
+    def draw(self, prompts: list[dict], rows: list[dict], prompt_column: str, round_: int,
+             draw: int = 0) -> dict:
+        """G completions of each of ``prompts`` (the round's ``draw``-th draw, on an rng stream
+        of its own: ``DRAW_STRIDE``), their rewards, and those with DAPO's length penalty
+        (``shaped``: the rewards themselves without an ``overlong_buffer``)."""
+        c = self.config
+        tokens, logps, texts = self.completions(self.sampler, prompts, round_ + draw * DRAW_STRIDE)
+        rewards = shaped = self.rewards(rows, texts, prompt_column, f"round {round_}'s rollouts")
+        if c.overlong_buffer:
+            lengths = completion_mask(tokens, self.eos_id).sum(1)
+            shaped = rewards + soft_overlong_penalty(lengths, c.max_new_tokens, c.overlong_buffer)
+        return dict(prompts=prompts, rows=rows, tokens=tokens, logps=logps, texts=texts,
+                    rewards=rewards, shaped=shaped)
+
+    def round_groups(self, prompts: list[dict], rows: list[dict], prompt_column: str,
+                     round_: int, more: Callable | None = None) -> tuple[dict, dict]:
+        """The round's groups (``draw``'s keys) and what to log of its rewards: the draw of
+        ``prompts``; under dynamic sampling, draws of ``more()``'s prompts after it while fewer
+        than ``len(prompts)`` groups have signal, and that many of them kept (``dapo.py``)."""
+        g, c = self.config.n_samples, self.config
+        draws = [self.draw(prompts, rows, prompt_column, round_)]
+        def n_signal() -> int:
+            return sum(signal_groups(d["shaped"].reshape(-1, g)).sum() for d in draws)
+        while (c.dynamic_sampling and more is not None and len(draws) < c.max_sampling_draws
+               and n_signal() < len(prompts)):
+            draws.append(self.draw(*more(), prompt_column, round_, len(draws)))
+        drawn = {k: sum((d[k] for d in draws), []) if isinstance(draws[0][k], list)
+                 else np.concatenate([d[k] for d in draws]) for k in draws[0]}
+        rewards = drawn["rewards"]
+        metrics = {"reward": rewards.mean(), "reward_std": rewards.reshape(-1, g).std(1).mean(),
+                   "reward_min": rewards.min(), "reward_max": rewards.max(),
+                   "groups_without_signal": np.mean(rewards.reshape(-1, g).std(1) == 0)}
+        if not c.dynamic_sampling:
+            return drawn, metrics
+        signal = signal_groups(drawn["shaped"].reshape(-1, g))
+        keep = select_groups(signal, len(prompts))
+        metrics.update(prompts_drawn=len(signal), groups_dropped=len(signal) - len(keep),
+                       groups_kept_without_signal=np.sum(~signal[keep]))
+        samples = (keep[:, None] * g + np.arange(g)).ravel()
+        pick = lambda v, at: [v[i] for i in at] if isinstance(v, list) else v[at]  # noqa: E731
+        return {k: pick(v, keep if k in ("prompts", "rows") else samples)
+                for k, v in drawn.items()}, metrics
+
     def rollout(self, prompts: list[dict], rows: list[dict], prompt_column: str,
-                round_: int) -> tuple[list[dict], dict]:
-        """One round's training samples (``loss.py``'s examples) and what to log of them."""
-        g = self.config.n_samples
-        tokens, sampler_logps, texts = self.completions(self.sampler, prompts, round_)
-        rewards = self.rewards(rows, texts, prompt_column, f"round {round_}'s rollouts")
-        advantages = group_advantages(rewards.reshape(-1, g), self.config.loss_type).ravel()
+                round_: int, more: Callable | None = None) -> tuple[list[dict], dict]:
+        """One round's training samples (``loss.py``'s examples) and what to log of them;
+        ``more()``: the next prompts and their rows, for dynamic sampling (``round_groups``)."""
+        g, c = self.config.n_samples, self.config
+        drawn, metrics = self.round_groups(prompts, rows, prompt_column, round_, more)
+        tokens, texts, rewards = drawn["tokens"], drawn["texts"], drawn["rewards"]
+        advantages = group_advantages(drawn["shaped"].reshape(-1, g), c.loss_type).ravel()
         mask = completion_mask(tokens, self.eos_id)
-        samples = [dict(prompts[i // g], tokens=tokens[i], completion_mask=mask[i],
+        counted = filter_overlong(mask, tokens, self.eos_id) if c.overlong_filter else mask
+        samples = [dict(drawn["prompts"][i // g], tokens=tokens[i], completion_mask=counted[i],
                         advantage=np.float32(advantages[i])) for i in range(len(tokens))]
         params = {"policy": self.trainer.params, "reference": self.ref_params}
         for sample, logps in zip(samples, self.scorer.predict(samples, self.batch_size, params,
                                                               desc="score")):
             sample.update(logps)
         old = np.stack([s["old_logps"] for s in samples])
-        metrics = {"reward": rewards.mean(), "reward_std": rewards.reshape(-1, g).std(1).mean(),
-                   "reward_min": rewards.min(), "reward_max": rewards.max(),
-                   "groups_without_signal": np.mean(rewards.reshape(-1, g).std(1) == 0),
-                   "completion_tokens": mask.sum(1).mean(),
-                   "cut_at_max_new_tokens": np.mean(~(tokens == self.eos_id).any(1)),
-                   "logprob_gap": np.abs(np.where(mask, old - sampler_logps, 0)).max()}
-        self.shown = [{"round": round_, "prompt": rows[i // g][prompt_column],
+        metrics.update(completion_tokens=mask.sum(1).mean(),
+                       cut_at_max_new_tokens=np.mean(~(tokens == self.eos_id).any(1)),
+                       logprob_gap=np.abs(np.where(mask, old - drawn["logps"], 0)).max())
+        if c.overlong_filter:
+            metrics["masked_overlong"] = np.mean(~counted.any(1))
+        if c.overlong_buffer:
+            metrics["overlong_penalty"] = np.mean(drawn["shaped"] - rewards)
+        self.shown = [{"round": round_, "prompt": drawn["rows"][i // g][prompt_column],
                        "completion": texts[i], "reward": float(rewards[i])}
                       for i in range(min(len(texts), 2 * g))]  # the first two prompts' groups
         if self.reference is not None:
@@ -201,7 +228,8 @@ class GRPO:
         new = np.stack([out["old_logps"] for out in  # score_fn's name: the params' as they are
                         self.rescorer.predict(scored, self.batch_size, params, desc="rescore")])
         old, mask = (np.stack([s[key] for s in samples]) for key in ("old_logps", "completion_mask"))
-        return clip_fraction(new, old, mask, self.config.clip_low, self.config.clip_high)
+        return clip_fraction(new, old, mask, self.config.clip_low, self.config.clip_high,
+                             sequence=self.config.loss_type == "gspo")
 
     def greedy_reward(self, prompts: list[dict], rows: list[dict], prompt_column: str) -> float:
         """The mean reward of the greedy completion of each prompt."""
@@ -229,12 +257,15 @@ class GRPO:
                 len(prompts[0]["prompt_ids"]), seed, self.decode_model_shards)
 
     def state_dict(self) -> dict:
-        """What a step checkpoint keeps of the loop (``trainer.run``): the rounds done and the
-        greedy rewards logged so far."""
-        return {"round": self.round, "eval_rewards": self.eval_rewards}
+        """What a step checkpoint keeps of the loop (``trainer.run``): the rounds done, the
+        greedy rewards logged so far and the prompts taken (dynamic sampling takes extra)."""
+        return {"round": self.round, "eval_rewards": self.eval_rewards,
+                "prompts_taken": self.prompts.position}
 
     def load_state_dict(self, state: dict) -> None:
         self.round, self.eval_rewards = state["round"], state["eval_rewards"]
+        self.prompts.position = state.get("prompts_taken",  # (a checkpoint from before it)
+                                          self.round * self.prompts.per_take)
 
     def evaluate(self, evaluate: tuple[list[dict], list[dict]], prompt_column: str) -> None:
         """The greedy reward on ``evaluate``, logged (``eval/reward``) and kept."""
@@ -253,16 +284,15 @@ class GRPO:
         from the newest step checkpoint at the round after it, a SIGTERM saves one and stops."""
         self.decide_layout(train[0], seed)
         self.round, self.eval_rewards = 0, []
-        order = np.concatenate([np.random.default_rng([seed, epoch]).permutation(len(train[0]))
-                                for epoch in range(-(-n_rounds * prompts_per_round
-                                                     // len(train[0])))])
+        self.prompts = PromptStream(len(train[0]), seed, prompts_per_round)
+        def take() -> tuple[list[dict], list[dict]]:  # the next round's (or draw's) prompts
+            picked = self.prompts.take()
+            return [train[0][i] for i in picked], [train[1][i] for i in picked]
         with self.trainer.run(loop=self, **run_options) as run:
             if run.resumed_from is None:
                 self.evaluate(evaluate, prompt_column)  # also checks the reward function
             while self.round < n_rounds:
-                picked = order[self.round * prompts_per_round:(self.round + 1) * prompts_per_round]
-                self.train_round(run, [train[0][i] for i in picked], [train[1][i] for i in picked],
-                                 prompt_column, n_rounds)
+                self.train_round(run, *take(), prompt_column, n_rounds, more=take)
                 if self.round % eval_every == 0 or self.round == n_rounds:
                     self.evaluate(evaluate, prompt_column)
                     self.write_samples()
@@ -270,14 +300,14 @@ class GRPO:
         return self.eval_rewards
 
     def train_round(self, run, prompts: list[dict], rows: list[dict], prompt_column: str,
-                    n_rounds: int) -> None:
+                    n_rounds: int, more: Callable | None = None) -> None:
         """The next round: its rollouts (timed as ``rollout`` in ``goodput.json``), then
         ``n_updates`` epochs over them in one call, then their clip fraction (also ``rollout``
         time); its metrics logged and shown."""
         round_, mu = self.round + 1, self.config.n_updates
         start = time.perf_counter()
         with run.timed("rollout"):
-            samples, metrics = self.rollout(prompts, rows, prompt_column, round_)
+            samples, metrics = self.rollout(prompts, rows, prompt_column, round_, more)
         rollout_s, start = time.perf_counter() - start, time.perf_counter()
         self.trainer.train_scanned(samples, self.batch_size, range((round_ - 1) * mu, round_ * mu),
                                    desc=f"round {round_}/{n_rounds}")
@@ -304,7 +334,9 @@ class GRPO:
 def summary(metrics: dict) -> str:
     """A round's metrics in one line for the terminal."""
     kl = f", KL {metrics['kl']:.4f}" if "kl" in metrics else ""
-    return (f"reward {metrics['reward']:.3f} (group std {metrics['reward_std']:.3f}, "
+    drawn = (f" over {metrics['prompts_drawn']} prompts drawn ({metrics['groups_dropped']} "
+             "groups dropped)") if "prompts_drawn" in metrics else ""
+    return (f"reward {metrics['reward']:.3f}{drawn} (group std {metrics['reward_std']:.3f}, "
             f"{metrics['reward_min']:.3f} to {metrics['reward_max']:.3f}), "
             f"{metrics['completion_tokens']:.1f} tokens a completion "
             f"({metrics['cut_at_max_new_tokens']:.0%} cut at max_new_tokens){kl}, clip "
