@@ -9,6 +9,12 @@ for int8 and fp8). They never train: a quantised base is only trained through Lo
 the model was loaded in), which the layer adds as ``LoRALinear`` does. ``merged()`` is a plain
 ``nnx.Linear`` of the dequantised kernel plus the adapters: what an export writes.
 
+Sharding: the step's dataflow (``redco.dataflow``) does not see through the dequantisation, so
+``sharding_rules`` gives each part its kernel's spec from the deployer's rules by name (``W``
+[in, out] split ``(a, b)``: the codes and the absmax codes and scales ``(a, b)``, a per-channel
+scale ``(b,)``, the offset whole), as rules checked before the rule set's: the codes and their
+scales split together along the same mesh axis.
+
 ``quantize_linears(model, fmt)`` swaps a model's attention and MLP projections for these (on a
 real model or on ``nnx.eval_shape``'s abstract one, whose parts ``hf.from_pretrained`` then
 fills tensor by tensor as it reads them). Embeddings, norms and the output head stay as they
@@ -16,14 +22,17 @@ are.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn.dtypes import promote_dtype
+from jax.sharding import PartitionSpec as P
 
 from redco import lora as core_lora
+from redco.sharding import spec_for
 from redco_zoo_models import quantize as q
 from redco_zoo_models.lora_matmul import adapted_matmul
 from redco_zoo_models.nnx_utils import modules_of_type, replace_module
@@ -99,3 +108,32 @@ def quantize_linears(model: nnx.Module, fmt: str, targets: str = TARGETS) -> dic
             replace_module(model, path, QuantizedLinear(linear, fmt))
             swapped[name] = (linear.in_features, linear.out_features)
     return swapped
+
+
+def quantized_layers(model: nnx.Module) -> list[tuple[str, QuantizedLinear]]:
+    """``[(module path, layer)]`` of the model's ``QuantizedLinear`` layers."""
+    return [("/".join(map(str, path)), m) for path, m in nnx.iter_modules(model)
+            if path and isinstance(m, QuantizedLinear)]
+
+
+def part_spec(kernel_spec: P, ndim: int) -> P:
+    """A part's spec from its kernel's: 2-D parts as the kernel, a per-channel scale as its
+    output dim, a scalar whole."""
+    entries = (tuple(kernel_spec) + (None, None))[:2]
+    return P(*entries) if ndim == 2 else P(entries[1]) if ndim == 1 else P()
+
+
+def sharding_rules(model: nnx.Module, deployer) -> list[tuple[str, P]]:
+    """Rules putting every quantised kernel's parts where the deployer's rules by name put its
+    kernel (module docstring); none without a mesh yet (``n_model_shards="auto"``)."""
+    layers = quantized_layers(model)
+    if not layers or deployer.mesh is None:
+        return []
+    by_name = list(deployer.get_sharding_rules(nnx.state(model, nnx.Param)))
+    rules = []
+    for path, layer in layers:
+        spec = spec_for(f"{path}/kernel", by_name)
+        for name, value in layer.parts().items():
+            rules.append((f"^{re.escape(path)}/{layer.param_name(name)}$",
+                          part_spec(spec, value.ndim)))
+    return rules
