@@ -6,7 +6,7 @@ largest half-gap plus the absmax's own 8-bit error; int8: absmax / 254; fp8 e4m3
 ml_dtypes makes, relative error <= 2^-4 on normal values); LoRA over an NF4 base learns a Markov
 chain to within 2% of the loss the same run reaches over the full-precision base; dp 4 x mp 2
 gives one device's adapters and loss, the codes and their scales split on the same mesh axis;
-``redco zoo run lm --quantize_base`` refuses to run without LoRA and saves a plain merged model."""
+``redco zoo run sft --quantize_base`` refuses to run without LoRA and saves a plain merged model."""
 import math
 
 import jax
@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 from test_lm import markov_chain, sample_chains
+from test_sft import SPECIALS, WORDS, chat_tokenizer, write_chats
 
 from redco import Deployer, Trainer, lora
 from redco.cli import main
@@ -26,7 +27,7 @@ from redco_zoo_models import LlamaConfig, LlamaForCausalLM, add_lora, from_pretr
 from redco_zoo_models import quantize as q
 from redco_zoo_models.hf import save_pretrained
 from redco_zoo_models.quantized_linear import sharding_rules
-from redco_zoo_models.toy import save_model_dir, tiny_llama, word_tokenizer
+from redco_zoo_models.toy import save_model_dir, tiny_llama
 
 PUBLISHED_NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
                  -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
@@ -169,26 +170,26 @@ def test_dp_by_mp_trains_as_one_device_with_codes_and_scales_split_together(base
     assert q_proj["lora_b"] == jax.P(None, "mp") and o_proj["lora_a"] == jax.P("mp", None)
 
 
-def test_redco_zoo_run_with_quantize_base(tmp_path, capsys):
-    """Without ``--lora_rank`` the run is refused, naming the fix; with it, an int8 base trains
-    and ``workdir/model`` is a plain model (no codes, scales or adapters), its projections the
-    int8 base dequantised (the formula written out here) plus (alpha / r) B A of the saved
-    PEFT adapters."""
-    numbers = "zero one two three four five six seven eight nine".split()
-    tokenizer = word_tokenizer(numbers)
-    save_model_dir(tiny_llama(tokenizer.get_vocab_size()), tokenizer, str(tmp_path / "llama"))
-    (tmp_path / "train.txt").write_text("".join(
-        " ".join(numbers[(s + i) % 10] for i in range(20)) + "\n" for s in range(32)))
-    args = ["zoo", "run", "lm", "--model", str(tmp_path / "llama"), "--train",
-            str(tmp_path / "train.txt"), "--n_model_shards", "2", "--per_device_batch_size",
-            "2", "--block_size", "8", "--quantize_base", "int8"]
+def test_redco_zoo_run_sft_with_quantize_base(tmp_path, capsys):
+    """Without ``--lora_rank`` the run is refused, naming the fix; with it, SFT over an int8 base
+    trains and ``workdir/model`` is a plain model (no codes, scales or adapters), its
+    projections the int8 base dequantised (the formula written out here) plus (alpha / r) B A
+    of the saved PEFT adapters."""
+    tokenizer = chat_tokenizer()
+    model_dir = str(tmp_path / "llama")
+    save_model_dir(tiny_llama(len(SPECIALS) + len(WORDS)), tokenizer._tokenizer, model_dir)
+    tokenizer.save_pretrained(model_dir)  # (the chat template)
+    write_chats(tmp_path / "train.jsonl", 64, seed=0)
+    args = ["zoo", "run", "sft", "--model", model_dir, "--train", str(tmp_path / "train.jsonl"),
+            "--max_len", "64", "--per_device_batch_size", "2", "--n_model_shards", "2",
+            "--learning_rate", "3e-3", "--quantize_base", "int8"]
     with pytest.raises(SystemExit) as stop:
         main(args + ["--workdir", str(tmp_path / "refused")])
     assert stop.value.code == 2 and "--quantize_base int8 without --lora_rank: a quantised base " \
         "is frozen and cannot be trained; add --lora_rank" in capsys.readouterr().err
     main(args + ["--workdir", str(tmp_path / "w"), "--lora_rank", "4"])
     log = (tmp_path / "w" / "log.txt").read_text()
-    assert "LoRA rank 4, alpha 16.0: training" in log, log
+    assert "LoRA rank 4, alpha 16.0: training" in log and "eval loss" in log, log
     tensors = load_file(str(tmp_path / "w" / "model" / "model.safetensors"))
     base = load_file(str(tmp_path / "llama" / "model.safetensors"))
     assert sorted(tensors) == sorted(base)

@@ -117,8 +117,8 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
             arrays[path] = array
     _check_all_used(model_class, model_dir, tensors, used)
     arrays = layer_stacks.stack(arrays, [p for p in named if layers_of(p)], np.stack)
-    leaves = [np.asarray(arrays[path], leaf.dtype if path.rpartition("/")[0] in quantized
-                         else dtype or leaf.dtype) for path, leaf in named.items()]
+    leaves = [np.array(arrays[path], leaf.dtype if path.rpartition("/")[0] in quantized
+                       else dtype or leaf.dtype) for path, leaf in named.items()]  # (copies)
     return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(params), leaves), rest)
 
 
