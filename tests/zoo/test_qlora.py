@@ -200,3 +200,10 @@ def test_redco_zoo_run_sft_with_quantize_base(tmp_path, capsys):
     dequantised = np.round(base[name] / scale) * scale
     assert np.abs(b).max() > 1e-4  # (the adapters trained)
     np.testing.assert_allclose(tensors[name], dequantised + 16.0 / 4 * b @ a, rtol=1e-5, atol=1e-6)
+
+
+def test_a_kernel_nf4_cannot_block_is_refused_naming_the_formats_that_can():
+    with pytest.raises(ValueError, match=r"divide by 64.*\(96, 32\).*int8 or fp8"):
+        q.quantize(np.zeros((96, 32), np.float32), "nf4")
+    with pytest.raises(ValueError, match=r"'nf5'.*\['nf4', 'int8', 'fp8'\]"):
+        q.quantize(np.zeros((64, 32), np.float32), "nf5")

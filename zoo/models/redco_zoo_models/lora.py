@@ -1,11 +1,13 @@
 """LoRA inside the zoo's models: each selected ``nnx.Linear`` becomes a ``LoRALinear`` that
-computes ``x @ W + ((x @ A) @ B) * alpha / r`` with a backward pass of its own: it keeps only
+computes ``x @ W + ((x @ A) @ B) * alpha / r`` with a backward pass of its own
+(``redco_zoo_models.lora_matmul``): it keeps only
 ``x`` of the activations, makes no gradient for the frozen kernel, and where a step has more
 tokens than the kernel has rows it multiplies by ``W + A @ B``, made afresh in the forward and
 the backward pass, rather than summing two full-size products (XLA fuses such a sum into its
 users and keeps both products instead). Its params keep the names of ``redco.lora``
 (``q_proj/kernel``, ``q_proj/lora_a``, ``q_proj/lora_b``): ``redco.lora.trainable_mask``, the
-sharding rules and checkpoints treat both the same.
+sharding rules and checkpoints treat both the same. A frozen quantised projection
+(``redco_zoo_models.quantized_linear``, QLoRA) gets its adapters in place instead.
 
     add_lora(model, rank=8)                  # in place; split_model(model) then has adapters
     save_pretrained(model, "out")            # merged: a plain HuggingFace model directory

@@ -67,7 +67,7 @@ class QuantizedLinear(nnx.Module):
     def add_adapters(self, rank: int, alpha: float, key: jax.Array) -> None:
         """LoRA's ``A`` [in, r] and ``B`` [r, out] (zeros), in the param dtype."""
         shape = (self.in_features, self.out_features)
-        core_lora._check_rank(f"{self.fmt} kernel", shape, rank)
+        core_lora.check_rank(f"{self.fmt} kernel", shape, rank)
         a, b = core_lora.init_adapters(key, shape, rank, self.param_dtype)
         self.lora_a, self.lora_b = nnx.Param(a), nnx.Param(b)
         self.scale = alpha / rank
