@@ -171,7 +171,8 @@ def test_dp_by_mp_trains_as_one_device_with_codes_and_scales_split_together(base
 
 
 def test_redco_zoo_run_sft_with_quantize_base(tmp_path, capsys):
-    """Without ``--lora_rank`` the run is refused, naming the fix; with it, SFT over an int8 base
+    """Without ``--lora_rank`` (or with ``--n_model_shards auto``) the run is refused, naming
+    the fix; with it, SFT over an int8 base
     trains and ``workdir/model`` is a plain model (no codes, scales or adapters), its
     projections the int8 base dequantised (the formula written out here) plus (alpha / r) B A
     of the saved PEFT adapters."""
@@ -187,6 +188,11 @@ def test_redco_zoo_run_sft_with_quantize_base(tmp_path, capsys):
         main(args + ["--workdir", str(tmp_path / "refused")])
     assert stop.value.code == 2 and "--quantize_base int8 without --lora_rank: a quantised base " \
         "is frozen and cannot be trained; add --lora_rank" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(args + ["--workdir", str(tmp_path / "auto"), "--lora_rank", "4",
+                     "--n_model_shards", "auto"])
+    assert "--n_model_shards auto: the layout planner does not weigh a quantised base yet; " \
+        "give --n_model_shards a number" in capsys.readouterr().err
     main(args + ["--workdir", str(tmp_path / "w"), "--lora_rank", "4"])
     log = (tmp_path / "w" / "log.txt").read_text()
     assert "LoRA rank 4, alpha 16.0: training" in log and "eval loss" in log, log

@@ -147,10 +147,8 @@ class RunConfig(Generic[T]):
     def __post_init__(self):
         if self.source.scan_layers:
             refuse_with_scan(self)
-        if self.source.quantize_base and not self.lora.rank:
-            raise UsageError(f"--quantize_base {self.source.quantize_base} without --lora_rank: a "
-                             "quantised base is frozen and cannot be trained; add --lora_rank "
-                             "(e.g. 8) to train LoRA adapters over it, or drop --quantize_base.")
+        if self.source.quantize_base:
+            refuse_with_quantized(self)
 
 
 def refuse_with_scan(config: RunConfig) -> None:
@@ -163,6 +161,20 @@ def refuse_with_scan(config: RunConfig) -> None:
         if asked:
             raise UsageError(f"--scan_layers with {flag}: stacked layers do not support "
                              f"{lever} yet; drop {flag} or --scan_layers.")
+
+
+def refuse_with_quantized(config: RunConfig) -> None:
+    """Refuse, before anything is built, what a quantised base cannot do (yet), naming the fix:
+    train without LoRA, or leave its layout to the planner."""
+    fmt = config.source.quantize_base
+    if not config.lora.rank:
+        raise UsageError(f"--quantize_base {fmt} without --lora_rank: a quantised base is frozen "
+                         "and cannot be trained; add --lora_rank (e.g. 8) to train LoRA adapters "
+                         "over it, or drop --quantize_base.")
+    if config.layout.n_model_shards == "auto":
+        raise UsageError(f"--quantize_base {fmt} with --n_model_shards auto: the layout planner "
+                         "does not weigh a quantised base yet; give --n_model_shards a number "
+                         "(e.g. 1), or drop --quantize_base.")
 
 
 def check_config(config: Any, where: str) -> None:
