@@ -88,7 +88,8 @@ def n_params(params: Any, mask: Any = None) -> int:
     return sum(jax.tree.leaves(sizes))
 
 
-def _check_rank(path: str, shape, rank: int) -> None:
+def check_rank(path: str, shape, rank: int) -> None:
+    """Refuse a ``rank`` that does not fit the kernel ``shape`` at ``path``, naming the range."""
     if not isinstance(rank, int) or rank < 1 or rank > min(shape):
         raise ValueError(f"LoRA rank {rank!r} does not fit {path} {tuple(shape)}: use an integer "
                          f"from 1 to {min(shape)} (the kernel's smaller dim).")
@@ -113,7 +114,7 @@ def select(params: Any, targets: str, rank: int) -> list[str]:
         raise ValueError(f"LoRA targets {targets!r} select no 2-D kernel. Kernel paths look "
                          f"like: {matrices}; give a regex that matches some of them.")
     for path in chosen:
-        _check_rank(path, np.shape(leaves[path]), rank)
+        check_rank(path, np.shape(leaves[path]), rank)
     return chosen
 
 

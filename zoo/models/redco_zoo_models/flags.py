@@ -10,7 +10,16 @@ from redco.remat import POLICIES
 from redco.sequence_split import STRATEGIES
 from redco_zoo_models.llama import LLAMA_PRESETS
 from redco_zoo_models.presets import PRESETS
-from redco_zoo_models.settings import COMPUTE_DTYPES, SCHEDULES, Layout, Loop, LoRA, Optimizer, RunConfig
+from redco_zoo_models.settings import (
+    COMPUTE_DTYPES,
+    QUANTIZE_FORMATS,
+    SCHEDULES,
+    Layout,
+    Loop,
+    LoRA,
+    Optimizer,
+    RunConfig,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser, planner: bool = True) -> None:
@@ -26,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser, planner: bool = True) -> None
     parser.add_argument("--scan_layers", action="store_true", help="a decoder's layers stored "
                         "stacked and run under jax.lax.scan: compile time flat in depth, more "
                         "temp memory (no LoRA, context or expert parallelism yet)")
+    parser.add_argument("--quantize_base", choices=QUANTIZE_FORMATS, help="hold the attention "
+                        "and MLP projections quantised and frozen, quantised as they are read "
+                        "(QLoRA; needs --lora_rank): nf4 (4-bit NormalFloat, blocks of 64), "
+                        "int8 or fp8 (e4m3), per output channel")
     parser.add_argument("--train", required=True, help="training data: a .json, .jsonl, .csv or "
                         ".txt file, or a folder of images with metadata.jsonl")
     parser.add_argument("--eval", help="evaluation data (default: 5%% of --train)")

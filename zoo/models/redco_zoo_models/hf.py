@@ -26,8 +26,11 @@ from redco.layer_stacks import layers_of
 from redco.protocols import UsageError
 from redco.sharding import named_leaves
 from redco_safetensors import torch_name
+from redco_zoo_models import quantize as q
+from redco_zoo_models.checkpoint_files import read_safetensors  # noqa: F401 - public here too
 from redco_zoo_models.families import FAMILIES, NOT_YET
 from redco_zoo_models.family_config import TEXT_PARTS
+from redco_zoo_models.quantized_linear import QuantizedLinear, quantize_linears
 
 # buffers transformers once saved: RoPE's frequencies, GPT-2's causal mask (not c_attn.bias)
 HARMLESS_TENSORS = re.compile(r"(rotary_emb\.inv_freq|(^|\.)attn\.(masked_)?bias)$")
@@ -62,26 +65,6 @@ def class_of(config: dict, where: str) -> type[nnx.Module]:
     return getattr(importlib.import_module(module), name)
 
 
-def read_safetensors(model_dir: str) -> dict[str, np.ndarray]:
-    """Every tensor of ``model.safetensors`` (or of the shards its index lists), by name."""
-    from safetensors.numpy import load_file
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    tensors: dict[str, np.ndarray] = {}
-    for file in files:
-        path = os.path.join(model_dir, file)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} not found: from_pretrained reads a local directory "
-                                    "with config.json and model.safetensors (safetensors only, "
-                                    "no pytorch_model.bin).")
-        tensors.update(load_file(path))
-    return tensors
-
-
 def per_layer_shapes(named: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """``{path: shape}`` of a model's params with each stacked one (``redco.layer_stacks``)
     as its layers, under their per-layer names."""
@@ -94,12 +77,15 @@ def per_layer_shapes(named: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = None,
-                    seed: int = 0, **config_changes) -> nnx.Module:
+                    seed: int = 0, quantize: str | None = None,
+                    **config_changes) -> nnx.Module:
     """``model_class`` built from ``model_dir``'s ``config.json`` with its safetensors weights
     (in ``dtype`` when given), with ``config_changes`` to its config (``scan_layers=True``:
-    the decoder's layers stacked, ``redco_zoo_models.layer_scan``). Raises naming the first
-    parameter missing or of another shape, and the checkpoint's tensors the model has no place
-    for."""
+    the decoder's layers stacked, ``redco_zoo_models.layer_scan``). ``quantize`` (``nf4``,
+    ``int8``, ``fp8``): the attention and MLP projections held quantised and frozen
+    (``redco_zoo_models.quantized_linear``), each quantised as it is read from the file. Raises
+    naming the first parameter missing or of another shape, and the checkpoint's tensors the
+    model has no place for."""
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     try:
@@ -109,29 +95,58 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
                       f"{model_dir}/config.json: {e}") from None
     cfg = dataclasses.replace(cfg, **config_changes) if config_changes else cfg
     model = nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(seed)))
+    quantized = quantize_linears(model, quantize) if quantize else {}
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tensors = read_safetensors(model_dir)
+    tensors = read_safetensors(model_dir)  # (lazy: each tensor read where it is used)
     if hasattr(model, "hf_tensors_in"):
         tensors = model.hf_tensors_in(tensors)
-    tied, used = getattr(model_class, "hf_tied_weights", {}), set()
-    base = getattr(model_class, "base_model_prefix", None)  # e.g. GPT-2's "transformer"
     named = dict(named_leaves(params))
-    arrays = {}
+    arrays, used = {}, set()
     for path, shape in per_layer_shapes(named).items():  # a stacked param's layers one by one
-        name, perm = torch_name(path, len(shape))
-        if name not in tensors and base and name.removeprefix(f"{base}.") in tensors:
-            name = name.removeprefix(f"{base}.")  # a checkpoint of the bare base model
-        if name not in tensors and tied.get(name) in tensors:
-            name = tied[name]  # a tied copy transformers left out
-        if name not in tensors:
-            raise KeyError(f"{model_dir} has no tensor {name} (for {path}); is it a "
-                           f"{model_class.__name__} checkpoint of this config.json?")
-        array = tensors[name] if perm is None else tensors[name].transpose(np.argsort(perm))
-        if array.shape != shape:
-            raise ValueError(f"{name} in {model_dir} has shape {array.shape}; "
-                             f"{model_class.__name__} expects {shape} (for {path}).")
+        module, _, leaf = path.rpartition("/")
+        if module in quantized and leaf != "kernel":
+            continue  # (a quantised kernel's scales: made with its codes below)
+        name, array = _checkpoint_tensor(model_class, model_dir, tensors, path,
+                                         quantized.get(module, shape))
         used.add(name)
-        arrays[path] = array
+        if module in quantized:
+            parts = q.quantize(np.asarray(array, dtype or np.float32), quantize)
+            arrays.update({f"{module}/{QuantizedLinear.param_name(k)}": np.asarray(v)
+                           for k, v in parts.items()})
+        else:
+            arrays[path] = array
+    _check_all_used(model_class, model_dir, tensors, used)
+    arrays = layer_stacks.stack(arrays, [p for p in named if layers_of(p)], np.stack)
+    leaves = [np.array(arrays[path], leaf.dtype if path.rpartition("/")[0] in quantized
+                       else dtype or leaf.dtype) for path, leaf in named.items()]  # (copies)
+    return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(params), leaves), rest)
+
+
+def _checkpoint_tensor(model_class: type, model_dir: str, tensors: dict, path: str,
+                       shape: tuple) -> tuple[str, np.ndarray]:
+    """``(name, tensor)``: the checkpoint's tensor for the param at ``path``, in the zoo's
+    layout (a lazy view), or an error naming what is missing or of another shape."""
+    tied = getattr(model_class, "hf_tied_weights", {})
+    base = getattr(model_class, "base_model_prefix", None)  # e.g. GPT-2's "transformer"
+    name, perm = torch_name(path, len(shape))
+    if name not in tensors and base and name.removeprefix(f"{base}.") in tensors:
+        name = name.removeprefix(f"{base}.")  # a checkpoint of the bare base model
+    if name not in tensors and tied.get(name) in tensors:
+        name = tied[name]  # a tied copy transformers left out
+    if name not in tensors:
+        raise KeyError(f"{model_dir} has no tensor {name} (for {path}); is it a "
+                       f"{model_class.__name__} checkpoint of this config.json?")
+    array = tensors[name] if perm is None else tensors[name].transpose(np.argsort(perm))
+    if array.shape != tuple(shape):
+        raise ValueError(f"{name} in {model_dir} has shape {array.shape}; "
+                         f"{model_class.__name__} expects {tuple(shape)} (for {path}).")
+    return name, array
+
+
+def _check_all_used(model_class: type, model_dir: str, tensors: dict, used: set) -> None:
+    """Refuse a checkpoint with tensors the model has no place for (a config that does not
+    match the weights)."""
+    tied = getattr(model_class, "hf_tied_weights", {})
     left = sorted(n for n in set(tensors) - used - set(tied.values())
                   if not HARMLESS_TENSORS.search(n))
     if left:
@@ -139,9 +154,6 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
                          f"{model_class.__name__} as its config.json describes it, e.g. "
                          f"{left[:3]}: a config that does not match the weights, or a variant "
                          "the zoo does not implement.")
-    arrays = layer_stacks.stack(arrays, [p for p in named if layers_of(p)], np.stack)
-    leaves = [np.asarray(arrays[path], dtype or leaf.dtype) for path, leaf in named.items()]
-    return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(params), leaves), rest)
 
 
 GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
@@ -158,11 +170,12 @@ def save_generation_config(config: dict, model_dir: str) -> None:
 
 def save_pretrained(model: nnx.Module, model_dir: str) -> None:
     """Write ``config.json`` and ``model.safetensors`` (PyTorch names) for ``model``; a model
-    with LoRA adapters (``redco_zoo_models.lora``) is saved merged (the model is left as is)."""
+    with LoRA adapters (``redco_zoo_models.lora``) or a quantised base is saved merged (the
+    model is left as is)."""
     from safetensors.numpy import save_file
 
-    from redco_zoo_models.lora import has_lora, merge_lora
-    if has_lora(model):
+    from redco_zoo_models.lora import merge_lora, mergeable_layers
+    if mergeable_layers(model):
         model = merge_lora(nnx.clone(model))
     os.makedirs(model_dir, exist_ok=True)
     tensors = {}

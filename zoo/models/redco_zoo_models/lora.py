@@ -1,11 +1,13 @@
 """LoRA inside the zoo's models: each selected ``nnx.Linear`` becomes a ``LoRALinear`` that
-computes ``x @ W + ((x @ A) @ B) * alpha / r`` with a backward pass of its own: it keeps only
+computes ``x @ W + ((x @ A) @ B) * alpha / r`` with a backward pass of its own
+(``redco_zoo_models.lora_matmul``): it keeps only
 ``x`` of the activations, makes no gradient for the frozen kernel, and where a step has more
 tokens than the kernel has rows it multiplies by ``W + A @ B``, made afresh in the forward and
 the backward pass, rather than summing two full-size products (XLA fuses such a sum into its
 users and keeps both products instead). Its params keep the names of ``redco.lora``
 (``q_proj/kernel``, ``q_proj/lora_a``, ``q_proj/lora_b``): ``redco.lora.trainable_mask``, the
-sharding rules and checkpoints treat both the same.
+sharding rules and checkpoints treat both the same. A frozen quantised projection
+(``redco_zoo_models.quantized_linear``, QLoRA) gets its adapters in place instead.
 
     add_lora(model, rank=8)                  # in place; split_model(model) then has adapters
     save_pretrained(model, "out")            # merged: a plain HuggingFace model directory
@@ -13,71 +15,21 @@ sharding rules and checkpoints treat both the same.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from redco import lora as core_lora
-from redco import remat
 from redco_safetensors import torch_name
+from redco_zoo_models.lora_matmul import adapted_matmul
+from redco_zoo_models.nnx_utils import replace_module
+from redco_zoo_models.quantized_linear import QuantizedLinear
 
 DEFAULT_TARGETS = core_lora.DEFAULT_TARGETS
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _adapted(x, kernel, a, b, precision):
-    """``x @ W + (x @ A) @ B`` (``B`` already scaled). Differentiated, its backward pass keeps
-    only ``x`` (and the params) and forms ``W``'s gradient only if it is used; where there are
-    more tokens than the kernel has rows, it multiplies by ``W + A @ B`` (one full-size
-    product, not two whose sum XLA may never store, keeping both instead)."""
-    dot = functools.partial(jnp.dot, precision=precision)
-    return dot(x, kernel) + dot(dot(x, a), b).astype(x.dtype)
-
-
-def _merge_pays(tokens: jax.Array, kernel: jax.Array) -> bool:
-    """Whether ``W + A @ B`` [in, out] is smaller than a product [tokens, out] it saves."""
-    return tokens.size // tokens.shape[-1] >= kernel.shape[0]
-
-
-def _merged(kernel, a, b, tie, precision):
-    """``W + A @ B``; given a ``tie``, made from its first element too (times zero), so that XLA
-    cannot share one merged kernel between two passes (the forward pass and the backward pass,
-    or its recomputation), keeping a second copy of the adapted kernels alive all step long.
-    Where ``tie`` is sharded, that element costs a scalar all-reduce."""
-    if tie is not None:
-        b = b + (tie[(0,) * tie.ndim] * 0).astype(b.dtype)
-    return kernel + jnp.dot(a, b, precision=precision).astype(kernel.dtype)
-
-
-def _adapted_fwd(x, kernel, a, b, precision):
-    if not _merge_pays(x, kernel):
-        return _adapted(x, kernel, a, b, precision), (x, kernel, a, b)
-    tie = x if remat.current() == "full" else None  # "full" runs this again in the backward
-    y = jnp.dot(x, _merged(kernel, a, b, tie, precision), precision=precision)
-    return y, (x, kernel, a, b)
-
-
-def _adapted_bwd(precision, saved, dy):
-    x, kernel, a, b = saved
-    rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731 - [..., n] -> [tokens, n]
-    dot = functools.partial(jnp.dot, precision=precision)
-    d_x_a = dot(dy, b.T)
-    d_x = (dot(dy, _merged(kernel, a, b, dy, precision).T) if _merge_pays(dy, kernel.T)
-           else dot(dy, kernel.T) + dot(d_x_a, a.T))
-    d_a = dot(rows(x).T, rows(d_x_a))
-    d_b = dot(rows(dot(x, a)).T, rows(dy))
-    d_kernel = dot(rows(x).T, rows(dy))  # dead code (dropped by XLA) when the base is frozen
-    return (d_x.astype(x.dtype), d_kernel.astype(kernel.dtype), d_a.astype(a.dtype),
-            d_b.astype(b.dtype))
-
-
-_adapted.defvjp(_adapted_fwd, _adapted_bwd)
 
 
 class LoRALinear(nnx.Linear):
@@ -101,7 +53,7 @@ class LoRALinear(nnx.Linear):
         products, and no gradient for a frozen ``W``."""
         x, kernel, a, b = self.promote_dtype(
             (x, self.kernel[...], self.lora_a[...], self.lora_b[...]), dtype=self.dtype)
-        y = remat.matmul_output(_adapted(x, kernel, a, b * self.scale, self.precision))
+        y = adapted_matmul(x, kernel, a, b * self.scale, self.precision)
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y
@@ -117,29 +69,16 @@ class LoRALinear(nnx.Linear):
                           rngs=nnx.Rngs(0))
 
 
-def _linears(model: nnx.Module, kind: type) -> list[tuple[tuple, nnx.Module]]:
-    return [(path, m) for path, m in nnx.iter_modules(model) if type(m) is kind and path]
-
-
-def _replace(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
-    parent = model
-    for key in path[:-1]:
-        parent = parent[key] if isinstance(key, int) else getattr(parent, key)
-    if isinstance(path[-1], int):
-        parent[path[-1]] = new
-    else:
-        setattr(parent, path[-1], new)
-
-
 def add_lora(model: nnx.Module, rank: int = 8, alpha: float = 16.0,
              targets: str = DEFAULT_TARGETS, seed: int = 0) -> nnx.Module:
-    """Give ``model`` (in place; also returned) adapters on every ``nnx.Linear`` whose kernel
-    path ``targets`` selects (default: attention and MLP projections). Train with
-    ``Trainer(..., trainable=redco.lora.trainable_mask(params))``."""
+    """Give ``model`` (in place; also returned) adapters on every ``nnx.Linear`` (or frozen
+    ``QuantizedLinear``, QLoRA) whose kernel path ``targets`` selects (default: attention and
+    MLP projections). Train with ``Trainer(..., trainable=redco.lora.trainable_mask(params))``."""
     params = nnx.state(model, nnx.Param)
     chosen = set(core_lora.select(params, targets, rank))
-    found = [(path, m) for path, m in _linears(model, nnx.Linear)
-             if "/".join(map(str, path)) + "/kernel" in chosen]
+    found = [(path, m) for path, m in nnx.iter_modules(model)
+             if type(m) in (nnx.Linear, QuantizedLinear) and path
+             and "/".join(map(str, path)) + "/kernel" in chosen]
     missed = chosen - {"/".join(map(str, p)) + "/kernel" for p, _ in found}
     if missed:
         raise ValueError(f"LoRA targets {targets!r} select kernels that are not nnx.Linear "
@@ -147,20 +86,31 @@ def add_lora(model: nnx.Module, rank: int = 8, alpha: float = 16.0,
                          "redco.lora.add_lora on the params for any kernel.")
     keys = jax.random.split(jax.random.PRNGKey(seed), max(len(found), 1))
     for (path, linear), key in zip(found, keys):
-        _replace(model, path, LoRALinear(linear, rank, alpha, key))
+        if isinstance(linear, QuantizedLinear):
+            linear.add_adapters(rank, alpha, key)
+        else:
+            replace_module(model, path, LoRALinear(linear, rank, alpha, key))
     return model
 
 
-def lora_layers(model: nnx.Module) -> list[tuple[str, LoRALinear]]:
-    """``[(module path, layer), ...]`` of the model's ``LoRALinear`` layers."""
-    return [("/".join(map(str, path)), m) for path, m in _linears(model, LoRALinear)]
+def mergeable_layers(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
+    """``[(path, layer)]`` of the layers an export merges: ``LoRALinear`` and
+    ``QuantizedLinear`` (dequantised, with or without adapters)."""
+    return [(path, m) for path, m in nnx.iter_modules(model)
+            if path and type(m) in (LoRALinear, QuantizedLinear)]
+
+
+def lora_layers(model: nnx.Module) -> list[tuple[str, nnx.Module]]:
+    """``[(module path, layer), ...]`` of the model's layers with adapters."""
+    return [("/".join(map(str, path)), m) for path, m in mergeable_layers(model)
+            if m.lora_a is not None]
 
 
 def merge_lora(model: nnx.Module) -> nnx.Module:
-    """``model`` (in place; also returned) with every ``LoRALinear`` merged into a plain
-    ``nnx.Linear``: the base model's structure, for export."""
-    for path, layer in [(p, m) for p, m in _linears(model, LoRALinear)]:
-        _replace(model, path, layer.merged())
+    """``model`` (in place; also returned) with every ``LoRALinear`` and ``QuantizedLinear``
+    merged into a plain ``nnx.Linear``: the base model's structure, for export."""
+    for path, layer in mergeable_layers(model):
+        replace_module(model, path, layer.merged())
     return model
 
 

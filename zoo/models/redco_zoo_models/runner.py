@@ -19,7 +19,7 @@ from redco import Deployer, Trainer
 from redco.checkpointing import host_tree
 from redco.lora import n_params, trainable_mask
 from redco.protocols import UsageError
-from redco_zoo_models import expert_parallel
+from redco_zoo_models import expert_parallel, quantized_linear
 from redco_zoo_models.balancing import moe_optimizer
 from redco_zoo_models.decoder_config import DecoderConfig
 from redco_zoo_models.hf import auto_class, class_of, from_pretrained, save_pretrained
@@ -94,18 +94,21 @@ def detokenize(preds, tokenizer, eos_id: int) -> list[str]:
 
 def load_source(source: ModelSource, seed: int, **fields) -> tuple[nnx.Module, dict]:
     """``load_model`` of a run's ``ModelSource`` (what every pipeline loads its model by)."""
-    return load_model(source.model, source.from_scratch, seed, source.scan_layers, **fields)
+    return load_model(source.model, source.from_scratch, seed, source.scan_layers,
+                      source.quantize_base, **fields)
 
 
 def load_model(model: str, from_scratch: bool = False, seed: int = 0,
-               scan_layers: bool = False, **fields) -> tuple[nnx.Module, dict]:
+               scan_layers: bool = False, quantize: str | None = None,
+               **fields) -> tuple[nnx.Module, dict]:
     """The zoo model saved in the directory ``model`` and its ``config.json`` (token ids live
     there). ``from_scratch``: untrained, its weights drawn from ``seed``, of ``model``'s
     ``config.json`` or of the preset named ``model``: a published decoder's ``config.json``
     (``redco_zoo_models.presets.PRESETS``: ``qwen3-8b``, ``llama-3.1-8b``, ...) or a LLaMA shape
     (``LLAMA_PRESETS``: ``llama-1b``, ...); ``fields`` replace the preset's values (e.g.
     ``vocab_size``). ``scan_layers``: a decoder's layers stored stacked and scanned
-    (``redco_zoo_models.layer_scan``); another model is refused."""
+    (``redco_zoo_models.layer_scan``); another model is refused. ``quantize``: the attention
+    and MLP projections quantised (``nf4``, ``int8``, ``fp8``; ``from_pretrained``), frozen."""
     if not from_scratch:
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise UsageError(
@@ -118,7 +121,7 @@ def load_model(model: str, from_scratch: bool = False, seed: int = 0,
             config = json.load(f)
         model_class = scannable(auto_class(model), scan_layers, model)
         changes = {"scan_layers": True} if scan_layers else {}
-        return from_pretrained(model_class, model, **changes), config
+        return from_pretrained(model_class, model, quantize=quantize, **changes), config
     if os.path.isfile(os.path.join(model, "config.json")):
         with open(os.path.join(model, "config.json")) as f:
             config = json.load(f)
@@ -132,7 +135,10 @@ def load_model(model: str, from_scratch: bool = False, seed: int = 0,
     model_class = scannable(class_of(config, model), scan_layers, model)
     cfg = model_class.config_class.from_hf(config)
     cfg = dataclasses.replace(cfg, scan_layers=True) if scan_layers else cfg
-    return model_class(cfg, rngs=nnx.Rngs(seed)), config
+    built = model_class(cfg, rngs=nnx.Rngs(seed))
+    if quantize:
+        quantized_linear.quantize_linears(built, quantize)
+    return built, config
 
 
 def scannable(model_class: type, scan_layers: bool, model: str) -> type:
@@ -183,9 +189,10 @@ def train_and_eval(config: RunConfig, model: nnx.Module, examples: tuple[list, l
     apply_fn, params, trainable = split_for_training(model, config.lora, config.jax_seed,
                                                      deployer)
     n_epochs, lr = n_epochs_and_schedule(loop, config.optimizer, deployer, len(train))
-    rules = None
+    overrides = quantized_linear.sharding_rules(model, deployer)  # (QLoRA's parts)
     if layout.expert_parallel:
-        rules = expert_parallel.for_trainer(params, deployer)
+        overrides += expert_parallel.sharding_rules()
+    rules = deployer.get_sharding_rules(params, rules=overrides) if overrides else None
     optimizer = moe_optimizer(optimizer_of(config.optimizer, lr), model)  # (a router's bias)
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optimizer,
                       params_sharding_rules=rules,

@@ -30,6 +30,7 @@ from redco.sequence_split import STRATEGIES
 T = TypeVar("T")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine")
+QUANTIZE_FORMATS = ("nf4", "int8", "fp8")  # (redco_zoo_models.quantize.FORMATS)
 
 
 def check_choice(group: object, name: str, choices) -> None:
@@ -44,10 +45,17 @@ def check_choice(group: object, name: str, choices) -> None:
 class ModelSource:
     """The model: a local HuggingFace directory, or (``from_scratch``) untrained, of a
     directory's ``config.json`` or a preset's name; ``scan_layers``: a decoder's layers stored
-    stacked and run under ``jax.lax.scan`` (``redco_zoo_models.layer_scan``)."""
+    stacked and run under ``jax.lax.scan`` (``redco_zoo_models.layer_scan``); ``quantize_base``
+    (``nf4``, ``int8``, ``fp8``): the attention and MLP projections held quantised and frozen,
+    for LoRA to train over (QLoRA, ``redco_zoo_models.quantized_linear``)."""
     model: str
     from_scratch: bool = False
     scan_layers: bool = False
+    quantize_base: str | None = None
+
+    def __post_init__(self):
+        if self.quantize_base is not None:
+            check_choice(self, "quantize_base", QUANTIZE_FORMATS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +147,8 @@ class RunConfig(Generic[T]):
     def __post_init__(self):
         if self.source.scan_layers:
             refuse_with_scan(self)
+        if self.source.quantize_base:
+            refuse_with_quantized(self)
 
 
 def refuse_with_scan(config: RunConfig) -> None:
@@ -151,6 +161,20 @@ def refuse_with_scan(config: RunConfig) -> None:
         if asked:
             raise UsageError(f"--scan_layers with {flag}: stacked layers do not support "
                              f"{lever} yet; drop {flag} or --scan_layers.")
+
+
+def refuse_with_quantized(config: RunConfig) -> None:
+    """Refuse, before anything is built, what a quantised base cannot do (yet), naming the fix:
+    train without LoRA, or leave its layout to the planner."""
+    fmt = config.source.quantize_base
+    if not config.lora.rank:
+        raise UsageError(f"--quantize_base {fmt} without --lora_rank: a quantised base is frozen "
+                         "and cannot be trained; add --lora_rank (e.g. 8) to train LoRA adapters "
+                         "over it, or drop --quantize_base.")
+    if config.layout.n_model_shards == "auto":
+        raise UsageError(f"--quantize_base {fmt} with --n_model_shards auto: the layout planner "
+                         "does not weigh a quantised base yet; give --n_model_shards a number "
+                         "(e.g. 1), or drop --quantize_base.")
 
 
 def check_config(config: Any, where: str) -> None:

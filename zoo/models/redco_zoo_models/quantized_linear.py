@@ -1,0 +1,139 @@
+"""A frozen, quantised ``nnx.Linear`` (QLoRA's base): its kernel held as ``redco_zoo_models.
+quantize``'s parts and dequantised inside the step, in the matmul's dtype, for each call.
+
+The parts are params named after the kernel: the codes are ``kernel`` itself (so LoRA targets,
+sharding rules and checkpoint names read the path as before), the scales ``kernel_<part>``
+(``kernel_absmax``, ``kernel_absmax_scale``, ``kernel_absmax_offset`` for NF4; ``kernel_scale``
+for int8 and fp8). They never train: a quantised base is only trained through LoRA adapters
+(``redco_zoo_models.lora.add_lora`` gives this layer ``lora_a`` and ``lora_b``, in the dtype
+the model was loaded in), which the layer adds as ``LoRALinear`` does. ``merged()`` is a plain
+``nnx.Linear`` of the dequantised kernel plus the adapters: what an export writes.
+
+Sharding: the step's dataflow (``redco.dataflow``) does not see through the dequantisation, so
+``sharding_rules`` gives each part its kernel's spec from the deployer's rules by name (``W``
+[in, out] split ``(a, b)``: the codes and the absmax codes and scales ``(a, b)``, a per-channel
+scale ``(b,)``, the offset whole), as rules checked before the rule set's: the codes and their
+scales split together along the same mesh axis.
+
+``quantize_linears(model, fmt)`` swaps a model's attention and MLP projections for these (on a
+real model or on ``nnx.eval_shape``'s abstract one, whose parts ``hf.from_pretrained`` then
+fills tensor by tensor as it reads them). Embeddings, norms and the output head stay as they
+are.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn.dtypes import promote_dtype
+from jax.sharding import PartitionSpec as P
+
+from redco import lora as core_lora
+from redco.sharding import spec_for
+from redco_zoo_models import quantize as q
+from redco_zoo_models.lora_matmul import adapted_matmul
+from redco_zoo_models.nnx_utils import modules_of_type, replace_module
+
+TARGETS = core_lora.DEFAULT_TARGETS  # attention and MLP projections
+
+
+class QuantizedLinear(nnx.Module):
+    """``nnx.Linear`` with a frozen ``fmt`` kernel (module docstring)."""
+
+    def __init__(self, linear: nnx.Linear, fmt: str):
+        kernel = linear.kernel.get_value()
+        self.fmt, self.in_features, self.out_features = fmt, linear.in_features, linear.out_features
+        self.dtype, self.param_dtype, self.precision = (linear.dtype, linear.param_dtype,
+                                                        linear.precision)
+        parts = q.quantize(kernel, fmt)
+        self.part_names = tuple(parts)
+        for name, value in parts.items():
+            setattr(self, self.param_name(name), nnx.Param(value))
+        self.bias = nnx.Param(linear.bias.get_value()) if linear.bias is not None else None
+        self.lora_a, self.lora_b = nnx.data(None), nnx.data(None)  # (add_adapters sets them)
+        self.scale = 0.0
+
+    @staticmethod
+    def param_name(part: str) -> str:
+        """The param holding a part: ``kernel`` for the codes, else ``kernel_<part>``."""
+        return "kernel" if part == "codes" else f"kernel_{part}"
+
+    def parts(self) -> q.Parts:
+        return {name: getattr(self, self.param_name(name))[...] for name in self.part_names}
+
+    def add_adapters(self, rank: int, alpha: float, key: jax.Array) -> None:
+        """LoRA's ``A`` [in, r] and ``B`` [r, out] (zeros), in the param dtype."""
+        shape = (self.in_features, self.out_features)
+        core_lora.check_rank(f"{self.fmt} kernel", shape, rank)
+        a, b = core_lora.init_adapters(key, shape, rank, self.param_dtype)
+        self.lora_a, self.lora_b = nnx.Param(a), nnx.Param(b)
+        self.scale = alpha / rank
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.lora_a is None:
+            (x,) = promote_dtype((x,), dtype=self.dtype)
+            y = jnp.dot(x, q.dequantize(self.parts(), self.fmt, x.dtype),
+                        precision=self.precision)
+        else:
+            x, a, b = promote_dtype((x, self.lora_a[...], self.lora_b[...]), dtype=self.dtype)
+            kernel = q.dequantize(self.parts(), self.fmt, x.dtype)
+            y = adapted_matmul(x, kernel, a, b * self.scale, self.precision)
+        return y if self.bias is None else y + self.bias[...].astype(y.dtype)
+
+    def merged(self) -> nnx.Linear:
+        """A plain ``nnx.Linear``: the dequantised kernel (param dtype) plus ``scale * A @ B``."""
+        kernel = q.dequantize(self.parts(), self.fmt, self.param_dtype)
+        if self.lora_a is not None:
+            kernel = kernel + (self.scale * (self.lora_a[...] @ self.lora_b[...])).astype(
+                kernel.dtype)
+        bias = self.bias[...] if self.bias is not None else None
+        return nnx.Linear(self.in_features, self.out_features, use_bias=bias is not None,
+                          dtype=self.dtype, param_dtype=self.param_dtype,
+                          precision=self.precision, kernel_init=lambda *_: kernel,
+                          bias_init=lambda *_: bias, rngs=nnx.Rngs(0))
+
+
+def quantize_linears(model: nnx.Module, fmt: str, targets: str = TARGETS) -> dict[str, Any]:
+    """Swap (in place) every ``nnx.Linear`` whose kernel path ``targets`` selects for a
+    ``QuantizedLinear`` of ``fmt``; returns ``{module path: (in, out)}`` of those swapped."""
+    q.check_format(fmt)
+    chosen = set(core_lora.kernel_paths(nnx.state(model, nnx.Param), targets))
+    swapped = {}
+    for path, linear in modules_of_type(model, nnx.Linear):
+        name = "/".join(map(str, path))
+        if f"{name}/kernel" in chosen:
+            replace_module(model, path, QuantizedLinear(linear, fmt))
+            swapped[name] = (linear.in_features, linear.out_features)
+    return swapped
+
+
+def quantized_layers(model: nnx.Module) -> list[tuple[str, QuantizedLinear]]:
+    """``[(module path, layer)]`` of the model's ``QuantizedLinear`` layers."""
+    return [("/".join(map(str, path)), m) for path, m in nnx.iter_modules(model)
+            if path and isinstance(m, QuantizedLinear)]
+
+
+def part_spec(kernel_spec: P, ndim: int) -> P:
+    """A part's spec from its kernel's: 2-D parts as the kernel, a per-channel scale as its
+    output dim, a scalar whole."""
+    entries = (tuple(kernel_spec) + (None, None))[:2]
+    return P(*entries) if ndim == 2 else P(entries[1]) if ndim == 1 else P()
+
+
+def sharding_rules(model: nnx.Module, deployer) -> list[tuple[str, P]]:
+    """Rules putting every quantised kernel's parts where the deployer's rules by name put its
+    kernel (module docstring); none without a mesh yet (``n_model_shards="auto"``)."""
+    layers = quantized_layers(model)
+    if not layers or deployer.mesh is None:
+        return []
+    by_name = list(deployer.get_sharding_rules(nnx.state(model, nnx.Param)))
+    rules = []
+    for path, layer in layers:
+        spec = spec_for(f"{path}/kernel", by_name)
+        for name, value in layer.parts().items():
+            rules.append((f"^{re.escape(path)}/{layer.param_name(name)}$",
+                          part_spec(spec, value.ndim)))
+    return rules
