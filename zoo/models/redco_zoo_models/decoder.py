@@ -165,17 +165,26 @@ class DecoderModel(nnx.Module):
         unrolled one does."""
         self.layers, self.runs = layer_scan.stacked(list(self.layers))
 
-    def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
-                 segment_ids=None):
-        if self.cfg.has_delta_net():
-            refuse_for_delta_net(segment_ids, cache_index)
-        input_ids, positions, allowed = decoder_layout(  # (a split sequence: context parallel)
-            input_ids, attention_mask, cache is not None, cache_index, segment_ids)
+    def embed(self, input_ids):
+        """The input embeddings of ``input_ids``, scaled as the family scales them."""
         x = embed(self.embed_tokens, input_ids)
         if self.cfg.embed_scale:
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
         if self.cfg.embedding_multiplier != 1.0:
             x = x * jnp.asarray(self.cfg.embedding_multiplier, x.dtype)
+        return x
+
+    def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
+                 segment_ids=None, inputs_embeds=None):
+        if self.cfg.has_delta_net():
+            refuse_for_delta_net(segment_ids, cache_index)
+        if inputs_embeds is not None and sequence_split.current() is not None:
+            raise ValueError("Input embeddings (a vision-language model's image features) "
+                             "under context parallelism are not supported yet: run with "
+                             "n_context_shards=1.")
+        input_ids, positions, allowed = decoder_layout(  # (a split sequence: context parallel)
+            input_ids, attention_mask, cache is not None, cache_index, segment_ids)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         refuse_for_mamba(self.cfg)
         x, new_cache, reports = on_split(x, allowed), [], []
         lengths = self._document_lengths(segment_ids, allowed)
@@ -287,7 +296,8 @@ class DecoderLM(nnx.Module):
             else self.lm_head.kernel[...]
 
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
-                 segment_ids=None, labels=None, label_mask=None, return_metrics=False):
+                 segment_ids=None, labels=None, label_mask=None, return_metrics=False,
+                 inputs_embeds=None):
         """Logits ``(B, T, vocab)`` for token ids ``(B, T)``; with a ``cache`` (``init_cache``),
         ``(logits, cache)``. ``attention_mask`` marks real tokens (1) and padding (0) over the
         input, or with a cache over all of its slots; ``segment_ids`` (B, T) pack documents into
@@ -296,9 +306,11 @@ class DecoderLM(nnx.Module):
         tokens at a time: the logits never exist whole (``redco_zoo_models.chunked_loss``);
         an MoE model adds its blocks' weighted load-balancing losses. With ``return_metrics``,
         ``(that, metrics)``: an MoE model's ``experts_report`` (the logits alone carry no
-        balancing loss: add ``metrics["moe/aux_loss"]`` to yours), ``{}`` for a dense one."""
+        balancing loss: add ``metrics["moe/aux_loss"]`` to yours), ``{}`` for a dense one.
+        ``inputs_embeds`` (B, T, hidden): the inputs' embeddings, read instead of looking
+        ``input_ids`` up (a vision-language model's, with image features in them)."""
         x, cache, metrics = self.model(input_ids, attention_mask, cache, cache_index,
-                                       segment_ids)
+                                       segment_ids, inputs_embeds)
         if self.cfg.logits_scaling != 1.0:  # (Granite: logits / logits_scaling)
             x = x / jnp.asarray(self.cfg.logits_scaling, x.dtype)
         if labels is not None:

@@ -1,0 +1,122 @@
+"""LLaVA (CLIP tower + projector + a zoo decoder) against transformers' PyTorch
+``LlavaForConditionalGeneration``: inputs made by a real ``LlavaProcessor`` (CLIP's image
+processor on PIL images drawn here, a word-level tokenizer built here) give the same float32
+logits on image + text, the same greedy tokens, and an exported checkpoint transformers loads
+back; a prompt whose image tokens do not match the images is refused, text alone still runs."""
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from parity import close, hf_greedy, jiggle_ours, jiggle_torch, load_hf, saved, torch_logits, transformers
+from PIL import Image
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from redco_zoo_models.generation import generate
+from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
+from redco_zoo_models.llava import LlavaConfig, LlavaForConditionalGeneration
+
+WORDS = ["<unk>", "<s>", "USER:", "ASSISTANT:", "what", "is", "in", "this", "picture", "?"]
+IMAGE, PAD, EOS = 60, 62, 63
+VISION = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48,
+              num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8)
+TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, eos_token_id=EOS, pad_token_id=PAD)
+DEFAULTS = dict(text_config={**TEXT, "model_type": "llama"})  # layer -2, no CLS, GELU, biases
+VARIANT = dict(text_config={**TEXT, "model_type": "qwen2", "tie_word_embeddings": True},
+               vision_config={**VISION, "hidden_act": "gelu"}, vision_feature_layer=[-1, 0],
+               vision_feature_select_strategy="full", projector_hidden_act="gelu_pytorch_tanh",
+               multimodal_projector_bias=False)
+PROMPTS = ["USER: <image> what is in this picture ? ASSISTANT:", "<image> picture ?"]
+
+
+def llava_config(**changes):
+    kwargs = {"vision_config": VISION, "image_token_index": IMAGE, **changes}
+    return transformers.LlavaConfig(**kwargs)
+
+
+def processor(strategy: str = "default"):
+    """A real LlavaProcessor: CLIP's image processor (resize, crop to 32, normalise) and a
+    word-level tokenizer whose ``<image>`` is id ``IMAGE``."""
+    vocab = {**{w: i for i, w in enumerate(WORDS)}, "<image>": IMAGE, "<pad>": PAD, "</s>": EOS}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="<unk>", pad_token="<pad>", eos_token="</s>",
+        padding_side="left", extra_special_tokens={"image_token": "<image>"})
+    images = transformers.CLIPImageProcessorPil(size={"shortest_edge": 32},
+                                                crop_size={"height": 32, "width": 32})
+    return transformers.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8,
+                                       vision_feature_select_strategy=strategy,
+                                       num_additional_image_tokens=1)
+
+
+def inputs(strategy: str = "default") -> dict:
+    """The processor's arrays for two prompts (left-padded) with one PIL image each."""
+    rng = np.random.RandomState(0)
+    images = [Image.fromarray((rng.rand(40, 48, 3) * 255).astype(np.uint8)) for _ in PROMPTS]
+    out = processor(strategy)(images=images, text=PROMPTS, padding=True, return_tensors="np")
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
+def ours_call(model, batch, **changes):
+    args = {k: jnp.asarray(v) for k, v in {**batch, **changes}.items()}
+    return np.asarray(model(args.pop("input_ids"), **args))
+
+
+@pytest.mark.parametrize("changes", [DEFAULTS, VARIANT], ids=["defaults", "variant"])
+def test_llava_logits_match_transformers(tmp_path, changes):
+    """fp32 logits within 1e-4 (``close``) on the processor's image + text inputs, padding
+    left out; the variant: another feature layer list with the CLS token kept, exact GELU in
+    the tower, tanh GELU in a bias-free projector, a tied Qwen2 decoder."""
+    theirs = jiggle_torch(transformers.LlavaForConditionalGeneration(llava_config(**changes)))
+    path = saved(theirs, tmp_path)
+    ours = from_pretrained(auto_class(path), path)
+    batch = inputs(changes.get("vision_feature_select_strategy", "default"))
+    assert (batch["input_ids"] == IMAGE).sum() == 2 * ours.cfg.features_per_image()
+    valid = batch["attention_mask"] > 0
+    close(ours_call(ours, batch)[valid], torch_logits(theirs, **batch)[valid])
+
+
+def test_llava_export_loads_back_in_transformers(tmp_path):
+    cfg = LlavaConfig.from_hf(json.loads(llava_config(**VARIANT).to_json_string()))
+    ours = jiggle_ours(LlavaForConditionalGeneration(cfg, nnx.Rngs(0)))
+    save_pretrained(ours, str(tmp_path))
+    back = load_hf(transformers.LlavaForConditionalGeneration, tmp_path)
+    assert back.config.vision_feature_layer == [-1, 0] and back.config.image_token_index == IMAGE
+    batch = inputs("full")
+    valid = batch["attention_mask"] > 0
+    close(ours_call(ours, batch)[valid], torch_logits(back, **batch)[valid])
+
+
+def test_llava_greedy_generation_matches_transformers(tmp_path):
+    """The prefill places the images, the decode steps continue in text: transformers' greedy
+    tokens for two left-padded prompts."""
+    theirs = jiggle_torch(transformers.LlavaForConditionalGeneration(llava_config(**DEFAULTS)))
+    ours = from_pretrained(LlavaForConditionalGeneration, saved(theirs, tmp_path))
+    batch = inputs()
+    ids, mask, pixels = batch["input_ids"], batch["attention_mask"], batch["pixel_values"]
+    got = generate(ours, nnx.state(ours, nnx.Param), jnp.asarray(ids), 8,
+                   prompt_mask=jnp.asarray(mask),
+                   encoder_inputs={"pixel_values": jnp.asarray(pixels)},
+                   eos_token_id=EOS, pad_token_id=PAD)
+    want = hf_greedy(theirs, ids, ids.shape[1], 8, EOS, PAD, attention_mask=mask,
+                     pixel_values=pixels)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_llava_refuses_image_tokens_that_miss_the_images_and_reads_text_alone(tmp_path):
+    theirs = jiggle_torch(transformers.LlavaForConditionalGeneration(llava_config(**DEFAULTS)))
+    ours = from_pretrained(LlavaForConditionalGeneration, saved(theirs, tmp_path))
+    batch = inputs()
+    two_images = np.concatenate([batch["pixel_values"]] * 2)  # 4 images, 2 prompts' tokens
+    with pytest.raises(ValueError, match=r"32 image tokens \(id 60\) but pixel_values give "
+                                         r"4 images x 16 features = 64"):
+        ours_call(ours, batch, pixel_values=two_images)
+    text = {"input_ids": np.array([[1, 4, 5, 6, 7, 8, 9]])}
+    with pytest.raises(ValueError, match="give 0 images"):  # image tokens without images
+        ours_call(ours, {"input_ids": batch["input_ids"]})
+    close(ours_call(ours, text), torch_logits(theirs, **text))
+    with pytest.raises(ValueError, match=r"\(images, channels, 32, 32\)"):
+        ours_call(ours, batch, pixel_values=batch["pixel_values"][:, :, :24, :24])
