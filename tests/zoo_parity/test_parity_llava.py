@@ -9,7 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from parity import close, hf_greedy, jiggle_ours, jiggle_torch, load_hf, saved, torch_logits, transformers
+from parity import (
+    close,
+    hf_greedy,
+    jiggle_ours,
+    jiggle_torch,
+    load_hf,
+    saved,
+    torch,
+    torch_logits,
+    transformers,
+)
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -77,6 +87,13 @@ def test_llava_logits_match_transformers(tmp_path, changes):
     assert (batch["input_ids"] == IMAGE).sum() == 2 * ours.cfg.features_per_image()
     valid = batch["attention_mask"] > 0
     close(ours_call(ours, batch)[valid], torch_logits(theirs, **batch)[valid])
+    # the projected image features alone, to 1e-5 of their scale (~30): the two GELUs differ by
+    # up to ~5e-4, which the logits' tolerance could hide (seen: 1.7e-5 right, 1.0e-3 swapped)
+    with torch.no_grad():
+        want = theirs.get_image_features(torch.tensor(batch["pixel_values"])).pooler_output
+    want = torch.stack(list(want)).numpy()
+    got = np.asarray(ours.encode(jnp.asarray(batch["pixel_values"])))
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
 def test_llava_export_loads_back_in_transformers(tmp_path):
