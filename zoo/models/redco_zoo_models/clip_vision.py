@@ -38,13 +38,15 @@ class CLIPVisionConfig:
     hidden_act: str = "quick_gelu"
     layer_norm_eps: float = 1e-5
 
+    MODEL_TYPE = "clip_vision_model"
+
     @classmethod
     def from_hf(cls, config: dict) -> "CLIPVisionConfig":
-        """From a ``clip_vision_model`` config (transformers' defaults where a key is missing);
-        a key that would change the tower and that it does not read is refused."""
-        if config.get("model_type", "clip_vision_model") != "clip_vision_model":
+        """From a ``MODEL_TYPE`` config (transformers' defaults where a key is missing); a key
+        that would change the tower and that it does not read is refused."""
+        if config.get("model_type", cls.MODEL_TYPE) != cls.MODEL_TYPE:
             raise ValueError(f"vision_config is a {config['model_type']!r} tower; the zoo reads "
-                             "CLIP's (clip_vision_model) only.")
+                             f"{cls.MODEL_TYPE} here.")
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(config) - fields - METADATA)
         if unknown:
@@ -56,7 +58,7 @@ class CLIPVisionConfig:
         return cls(**{k: v for k, v in config.items() if k in fields})
 
     def to_hf(self) -> dict:
-        return {"model_type": "clip_vision_model", **dataclasses.asdict(self)}
+        return {"model_type": self.MODEL_TYPE, **dataclasses.asdict(self)}
 
 
 class Embeddings(nnx.Module):
@@ -70,12 +72,17 @@ class Embeddings(nnx.Module):
         self.image_size = cfg.image_size
 
     def __call__(self, pixel_values):
-        if pixel_values.ndim != 4 or pixel_values.shape[2:] != (self.image_size,) * 2:
-            raise ValueError(f"pixel_values of shape {pixel_values.shape}: the CLIP tower reads "
-                             f"(images, channels, {self.image_size}, {self.image_size}); "
-                             "preprocess images with the model's own image processor.")
+        check_pixels(pixel_values, self.image_size)
         return patch_sequence(self.patch_embedding, self.class_embedding[...],
                               self.position_embedding.embedding[...], pixel_values)
+
+
+def check_pixels(pixel_values, image_size: int) -> None:
+    """Refuse images of another shape than the tower's, before anything runs."""
+    if pixel_values.ndim != 4 or pixel_values.shape[2:] != (image_size, image_size):
+        raise ValueError(f"pixel_values of shape {pixel_values.shape}: the vision tower reads "
+                         f"(images, channels, {image_size}, {image_size}); preprocess images "
+                         "with the model's own image processor.")
 
 
 class Attention(nnx.Module):

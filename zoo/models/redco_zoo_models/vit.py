@@ -118,11 +118,13 @@ class Embeddings(nnx.Module):
 
 def patch_sequence(projection: nnx.Conv, cls, positions, pixel_values):
     """``(B, 1 + patches, hidden)``: ``pixel_values`` (B, C, H, W) cut into patches by the
-    strided conv ``projection``, in row-major order behind the class token ``cls`` (hidden,),
-    plus the learned ``positions`` (1 + patches, hidden); ViT's and CLIP's embeddings."""
-    x = projection(pixel_values.transpose(0, 2, 3, 1).astype(cls.dtype))
+    strided conv ``projection``, in row-major order behind the class token ``cls`` (hidden,;
+    ``None``: none, as SigLIP), plus the learned ``positions`` (1 + patches, hidden); ViT's,
+    CLIP's and SigLIP's embeddings."""
+    x = projection(pixel_values.transpose(0, 2, 3, 1).astype(positions.dtype))
     x = x.reshape(x.shape[0], -1, x.shape[-1])  # (B, patches in row-major order, hidden)
-    x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, x.shape[-1])), x], 1)
+    if cls is not None:
+        x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, x.shape[-1])), x], 1)
     return x + positions
 
 
