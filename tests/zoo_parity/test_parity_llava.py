@@ -19,9 +19,9 @@ from parity import (
     torch,
     torch_logits,
     transformers,
+    word_tokenizer,
 )
 from PIL import Image
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from redco_zoo_models.generation import generate
 from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
@@ -50,11 +50,8 @@ def processor(strategy: str = "default"):
     """A real LlavaProcessor: CLIP's image processor (resize, crop to 32, normalise) and a
     word-level tokenizer whose ``<image>`` is id ``IMAGE``."""
     vocab = {**{w: i for i, w in enumerate(WORDS)}, "<image>": IMAGE, "<pad>": PAD, "</s>": EOS}
-    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=words, unk_token="<unk>", pad_token="<pad>", eos_token="</s>",
-        padding_side="left", extra_special_tokens={"image_token": "<image>"})
+    tokenizer = word_tokenizer(vocab, pad_token="<pad>", eos_token="</s>",
+                               extra_special_tokens={"image_token": "<image>"})
     images = transformers.CLIPImageProcessorPil(size={"shortest_edge": 32},
                                                 crop_size={"height": 32, "width": 32})
     return transformers.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8,
