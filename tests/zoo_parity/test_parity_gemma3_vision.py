@@ -45,9 +45,9 @@ def gemma3_config():
                                      eoi_token_index=EOI, image_token_index=IMAGE)
 
 
-def inputs() -> dict:
-    """A real Gemma3Processor's arrays (``token_type_ids`` too) for two left-padded prompts with
-    one PIL image each, pooled to 4 soft tokens."""
+def gemma3_processor():
+    """A real Gemma3Processor: its image processor (resize to 32, normalise) and a word-level
+    tokenizer with Gemma 3's image tokens; each image pooled to 4 soft tokens."""
     vocab = {**{w: i for i, w in enumerate(WORDS)}, "<start_of_image>": BOI,
              "<end_of_image>": EOI, "<image_soft_token>": IMAGE, "<eos>": EOS}
     tokenizer = word_tokenizer(vocab, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
@@ -55,11 +55,16 @@ def inputs() -> dict:
                                                      "boi_token": "<start_of_image>",
                                                      "eoi_token": "<end_of_image>"})
     images = transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
-    processor = transformers.Gemma3Processor(image_processor=images, tokenizer=tokenizer,
-                                             image_seq_length=4)
+    return transformers.Gemma3Processor(image_processor=images, tokenizer=tokenizer,
+                                        image_seq_length=4)
+
+
+def inputs() -> dict:
+    """The processor's arrays (``token_type_ids`` too) for two left-padded prompts with one PIL
+    image each."""
     rng = np.random.RandomState(0)
     pil = [[Image.fromarray((rng.rand(40, 48, 3) * 255).astype(np.uint8))] for _ in PROMPTS]
-    out = processor(images=pil, text=PROMPTS, padding=True, return_tensors="np")
+    out = gemma3_processor()(images=pil, text=PROMPTS, padding=True, return_tensors="np")
     return {k: np.asarray(v) for k, v in out.items()}
 
 
