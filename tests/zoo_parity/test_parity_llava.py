@@ -100,6 +100,10 @@ def test_llava_export_loads_back_in_transformers(tmp_path):
     save_pretrained(ours, str(tmp_path))
     back = load_hf(transformers.LlavaForConditionalGeneration, tmp_path)
     assert back.config.vision_feature_layer == [-1, 0] and back.config.image_token_index == IMAGE
+    with pytest.raises(ValueError, match=r"vision_feature_layer \(-1, 3\) is outside the "
+                                         "tower's 3 hidden states"):
+        LlavaConfig.from_hf({**json.loads(back.config.to_json_string()),
+                             "vision_feature_layer": [-1, 3]})
     batch = inputs("full")
     valid = batch["attention_mask"] > 0
     close(ours_call(ours, batch)[valid], torch_logits(back, **batch)[valid])

@@ -29,6 +29,7 @@ METADATA = {"model_type", "architectures", "dtype", "torch_dtype", "transformers
             "text_config", "vision_config", "tie_word_embeddings", "ignore_index", "vocab_size",
             "pad_token_id", "use_cache", "image_token_id"}
 
+
 @dataclasses.dataclass(frozen=True)
 class LlavaConfig:
     vision: CLIPVisionConfig = CLIPVisionConfig()
@@ -47,8 +48,8 @@ class LlavaConfig:
         if self.projector_hidden_act not in ACTIVATIONS:
             raise ValueError(f"projector_hidden_act {self.projector_hidden_act!r} is not one of "
                              f"{sorted(ACTIVATIONS)}.")
-        n = self.vision.num_hidden_layers + 1
-        if any(not -n <= i < n for i in self.feature_layers()):
+        n, layers = self.vision.num_hidden_layers + 1, self.vision_feature_layer
+        if any(not -n <= i < n for i in ((layers,) if isinstance(layers, int) else layers)):
             raise ValueError(f"vision_feature_layer {self.vision_feature_layer} is outside the "
                              f"tower's {n} hidden states.")
 
