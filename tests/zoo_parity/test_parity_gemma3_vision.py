@@ -120,6 +120,8 @@ def test_gemma3_vision_export_loads_back_and_bad_configs_are_refused(tmp_path):
     back = load_hf(transformers.Gemma3ForConditionalGeneration, tmp_path)
     assert back.config.mm_tokens_per_image == 4 and back.config.image_token_index == IMAGE
     check_logits(ours, back, inputs())
+    text = {"input_ids": np.array([[2, 3, 4, 5, 6, 7, 8]])}  # text alone: causal, no images
+    close(np.asarray(ours(jnp.asarray(text["input_ids"]))), torch_logits(back, **text))
     with pytest.raises(ValueError, match="mm_tokens_per_image 3: it must be a square"):
         Gemma3VisionConfig.from_hf({**config, "mm_tokens_per_image": 3})
     with pytest.raises(ValueError, match="'clip_vision_model' tower"):

@@ -174,3 +174,28 @@ def test_llava_trained_at_dp4_mp2_exports_what_transformers_reads(tmp_path):
     back = load_hf(transformers.LlavaForConditionalGeneration, tmp_path / "ours")
     valid = batch["attention_mask"] > 0
     close(ours_call(model, batch)[valid], torch_logits(back, **batch)[valid])
+
+
+@pytest.mark.parametrize("layout", ["hub", "in_memory"])
+def test_llava_reads_the_hub_and_in_memory_tensor_names(tmp_path, layout):
+    """llava-hf's checkpoints name the tower ``vision_tower.vision_model.*``; transformers 5's
+    modules are ``model.language_model.*``, ``model.vision_tower.*``, ``lm_head``: the same
+    tensors renamed so load with transformers' logits."""
+    from safetensors.numpy import load_file, save_file
+    theirs = jiggle_torch(transformers.LlavaForConditionalGeneration(llava_config(**DEFAULTS)))
+    path = saved(theirs, tmp_path)
+    renames = {"hub": [("vision_tower.", "vision_tower.vision_model.")],
+               "in_memory": [("language_model.model.", "model.language_model."),
+                             ("language_model.lm_head.", "lm_head."),
+                             ("vision_tower.", "model.vision_tower."),
+                             ("multi_modal_projector.", "model.multi_modal_projector.")]}[layout]
+
+    def renamed(name):
+        old, new = next(((o, n) for o, n in renames if name.startswith(o)), ("", ""))
+        return new + name[len(old):]
+    tensors = load_file(f"{path}/model.safetensors")
+    save_file({renamed(k): v for k, v in tensors.items()}, f"{path}/model.safetensors")
+    ours = from_pretrained(LlavaForConditionalGeneration, path)
+    batch = inputs()
+    valid = batch["attention_mask"] > 0
+    close(ours_call(ours, batch)[valid], torch_logits(theirs, **batch)[valid])
