@@ -96,6 +96,12 @@ class ImageTextModel(nnx.Module):
             return None
         return image_blocks(input_ids == self.cfg.image_token_index)
 
+    def unserved(self) -> str:
+        """Why the serving engine (``redco_zoo_models.engine``) cannot run this model yet."""
+        return (f"{type(self).__name__}: the serving engine does not take images yet (its "
+                "prompts carry no pixel_values); generate() with encoder_inputs="
+                "{'pixel_values': ...} instead.")
+
     def init_cache(self, batch: int, n_slots: int, dtype=jnp.float32) -> list[dict]:
         return self.language_model.init_cache(batch, n_slots, dtype)
 
