@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 from parity import (
+    check_beams,
     close,
+    hf_beams,
     hf_greedy,
     jiggle_ours,
     jiggle_torch,
@@ -21,6 +23,7 @@ from parity import (
     torch_logits,
     transformers,
     word_tokenizer,
+    zoo_beams,
 )
 from PIL import Image
 
@@ -202,3 +205,16 @@ def test_llava_reads_the_hub_and_in_memory_tensor_names(tmp_path, layout):
     batch = inputs()
     valid = batch["attention_mask"] > 0
     close(ours_call(ours, batch)[valid], torch_logits(theirs, **batch)[valid])
+
+
+def test_llava_beam_search_matches_transformers(tmp_path):
+    """Beam search (3 beams) with the images copied to each beam: transformers' tokens, with the
+    config's EOS and with EOS ids that end rows early (``check_beams``)."""
+    theirs = jiggle_torch(transformers.LlavaForConditionalGeneration(llava_config(**DEFAULTS)))
+    ours = from_pretrained(LlavaForConditionalGeneration, saved(theirs, tmp_path))
+    batch = inputs()
+    ids, mask, pixels = batch["input_ids"], batch["attention_mask"], batch["pixel_values"]
+    check_beams(zoo_beams(ours, ids, 8, 3, PAD, prompt_mask=jnp.asarray(mask),
+                          encoder_inputs={"pixel_values": jnp.asarray(pixels)}),
+                lambda eos: hf_beams(theirs, ids, ids.shape[1], 8, 3, eos, PAD,
+                                     attention_mask=mask, pixel_values=pixels), EOS)
