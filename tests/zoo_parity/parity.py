@@ -6,6 +6,7 @@ import numpy as np
 import torch  # installed by tox -e zoo-parity: missing is an error, not a skip
 import transformers  # noqa: F401 - the test modules import it from here
 from flax import nnx
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from redco_zoo_models.generation import generate
 
@@ -39,6 +40,15 @@ def load_hf(cls, path):
     model, info = cls.from_pretrained(path, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     return model.eval()
+
+
+def word_tokenizer(vocab: dict, **special):
+    """A real fast tokenizer built offline: whitespace-split words of ``vocab`` (``<unk>`` for the
+    rest), left padding; ``special``: its special tokens (``pad_token="<pad>"``, ...)."""
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>",
+                                                padding_side="left", **special)
 
 
 def torch_logits(model, **inputs):

@@ -57,6 +57,19 @@ def within_window(allowed, window: int | None, first_slot=0):
     return allowed & (jnp.arange(s) > queries - window)
 
 
+def with_blocks(allowed, blocks, n_slots: int):
+    """``allowed`` (B, 1, T, S) or ``None`` (plain causal) with each query also seeing every key
+    of its own block, both ways: ``blocks`` (B, T) of tokens read into slots ``0..T-1`` (a
+    prompt, or training), a block id (>= 0) per token or -1 for none (Gemma 3's bidirectional
+    attention within an image). A window (``within_window``) then applies on top."""
+    b, t = blocks.shape
+    if allowed is None:
+        allowed = mask(jnp.ones((b, t), bool), t)
+    keys = jnp.pad(blocks, ((0, 0), (0, n_slots - t)), constant_values=-1)
+    same = (blocks[:, None, :, None] == keys[:, None, None, :]) & (blocks[:, None, :, None] >= 0)
+    return allowed | same
+
+
 def positions_from(key_valid):
     """Each slot's position in its own sequence: left padding does not count."""
     return jnp.maximum(jnp.cumsum(key_valid, axis=-1) - 1, 0)

@@ -20,7 +20,7 @@ from flax import nnx
 from redco import remat, sequence_split
 from redco.tree_paths import named_leaves
 from redco_zoo_models import expert_parallel, family_tensors, layer_scan, mamba2
-from redco_zoo_models.attention import init_cache
+from redco_zoo_models.attention import init_cache, with_blocks
 from redco_zoo_models.chunked_loss import next_token_loss
 from redco_zoo_models.context_parallel import (
     SplitSequence,
@@ -165,17 +165,26 @@ class DecoderModel(nnx.Module):
         unrolled one does."""
         self.layers, self.runs = layer_scan.stacked(list(self.layers))
 
-    def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
-                 segment_ids=None):
-        if self.cfg.has_delta_net():
-            refuse_for_delta_net()
-        input_ids, positions, allowed = decoder_layout(  # (a split sequence: context parallel)
-            input_ids, attention_mask, cache is not None, cache_index, segment_ids)
+    def embed(self, input_ids):
+        """The input embeddings of ``input_ids``, scaled as the family scales them."""
         x = embed(self.embed_tokens, input_ids)
         if self.cfg.embed_scale:
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, x.dtype)
         if self.cfg.embedding_multiplier != 1.0:
             x = x * jnp.asarray(self.cfg.embedding_multiplier, x.dtype)
+        return x
+
+    def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
+                 segment_ids=None, inputs_embeds=None, blocks=None):
+        if self.cfg.has_delta_net():
+            refuse_for_delta_net()
+        refuse_for_images(inputs_embeds, blocks, segment_ids, cache_index)
+        input_ids, positions, allowed = decoder_layout(  # (a split sequence: context parallel)
+            input_ids, attention_mask, cache is not None, cache_index, segment_ids)
+        if blocks is not None:
+            slots = input_ids.shape[1] if cache is None else attention_mask.shape[1]
+            allowed = with_blocks(allowed, blocks, slots)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         refuse_for_mamba(self.cfg)
         x, new_cache, reports = on_split(x, allowed), [], []
         lengths = self._document_lengths(segment_ids, allowed)
@@ -234,6 +243,21 @@ def refuse_for_mamba(cfg: DecoderConfig) -> None:
                                   "state across devices); run it without.")
 
 
+def refuse_for_images(inputs_embeds, blocks, segment_ids, cache_index) -> None:
+    """What a vision-language model's inputs (``inputs_embeds``; ``blocks`` of tokens that see
+    each other both ways) do not support yet, refused before compiling."""
+    if (inputs_embeds is not None or blocks is not None) and \
+            sequence_split.current() is not None:
+        raise ValueError("Input embeddings (a vision-language model's image features) under "
+                         "context parallelism are not supported yet: run with "
+                         "n_context_shards=1.")
+    if blocks is not None and (segment_ids is not None or not isinstance(cache_index, int)
+                               or cache_index != 0):
+        raise ValueError("Bidirectional image blocks apply to a whole unpacked prompt read from "
+                         "slot 0 (or a training row): not with packed rows (segment_ids) or a "
+                         "cache past slot 0.")
+
+
 def refuse_for_delta_net() -> None:
     """What Gated DeltaNet layers do not support yet, refused before compiling."""
     if sequence_split.current() is not None:
@@ -279,7 +303,8 @@ class DecoderLM(nnx.Module):
             else self.lm_head.kernel[...]
 
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
-                 segment_ids=None, labels=None, label_mask=None, return_metrics=False):
+                 segment_ids=None, labels=None, label_mask=None, return_metrics=False,
+                 inputs_embeds=None, blocks=None):
         """Logits ``(B, T, vocab)`` for token ids ``(B, T)``; with a ``cache`` (``init_cache``),
         ``(logits, cache)``. ``attention_mask`` marks real tokens (1) and padding (0) over the
         input, or with a cache over all of its slots; ``segment_ids`` (B, T) pack documents into
@@ -288,9 +313,13 @@ class DecoderLM(nnx.Module):
         tokens at a time: the logits never exist whole (``redco_zoo_models.chunked_loss``);
         an MoE model adds its blocks' weighted load-balancing losses. With ``return_metrics``,
         ``(that, metrics)``: an MoE model's ``experts_report`` (the logits alone carry no
-        balancing loss: add ``metrics["moe/aux_loss"]`` to yours), ``{}`` for a dense one."""
+        balancing loss: add ``metrics["moe/aux_loss"]`` to yours), ``{}`` for a dense one.
+        ``inputs_embeds`` (B, T, hidden): the inputs' embeddings, read instead of looking
+        ``input_ids`` up (a vision-language model's, with image features in them); ``blocks``
+        (B, T): tokens of one block (id >= 0; -1: none) also see each other both ways
+        (``attention.with_blocks``: Gemma 3's images)."""
         x, cache, metrics = self.model(input_ids, attention_mask, cache, cache_index,
-                                       segment_ids)
+                                       segment_ids, inputs_embeds, blocks)
         if self.cfg.logits_scaling != 1.0:  # (Granite: logits / logits_scaling)
             x = x / jnp.asarray(self.cfg.logits_scaling, x.dtype)
         if labels is not None:

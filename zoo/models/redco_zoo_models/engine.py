@@ -66,6 +66,8 @@ class Engine:
     def __init__(self, model: nnx.Module, params: Any, *, max_seqs: int = 8,
                  max_len: int = 256, eos_token_ids: tuple[int, ...] = (),
                  cache_dtype=jnp.float32, mesh=None, steps_per_sync: int = 4):
+        if unserved := getattr(model, "unserved", lambda: None)():  # (an image + text model)
+            raise NotImplementedError(unserved)
         at = getattr(model, "rereads_at", lambda: None)()
         if at is not None and at < max_len:
             raise ValueError(f"max_len={max_len} passes slot {at}, where this model's RoPE "

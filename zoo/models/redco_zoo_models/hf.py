@@ -39,6 +39,8 @@ DECODER = "redco_zoo_models.decoder:DecoderLM"
 MODEL_CLASSES = {  # config.json's model_type -> the zoo class that reads it
     **{family: DECODER for family in (*FAMILIES, *TEXT_PARTS)},
     "gpt2": "redco_zoo_models.gpt2:GPT2LMHeadModel",
+    "llava": "redco_zoo_models.llava:LlavaForConditionalGeneration",
+    "gemma3": "redco_zoo_models.gemma3_vision:Gemma3ForConditionalGeneration",
     "t5": "redco_zoo_models.t5:T5ForConditionalGeneration",
     "vision-encoder-decoder": "redco_zoo_models.vision_encoder_decoder:VisionEncoderDecoderModel",
 }

@@ -12,6 +12,7 @@ ACTIVATIONS = {
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),  # (CLIP's)
     "relu": jax.nn.relu, "silu": jax.nn.silu, "swish": jax.nn.silu, "tanh": jnp.tanh,
 }
 

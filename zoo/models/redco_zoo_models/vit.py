@@ -112,11 +112,20 @@ class Embeddings(nnx.Module):
         self.patch_embeddings = PatchEmbeddings(cfg, rngs)
 
     def __call__(self, pixel_values):
-        cls = self.cls_token[...]
-        x = self.patch_embeddings.projection(pixel_values.transpose(0, 2, 3, 1).astype(cls.dtype))
-        x = x.reshape(x.shape[0], -1, x.shape[-1])  # (B, patches in row-major order, hidden)
+        return patch_sequence(self.patch_embeddings.projection, self.cls_token[...],
+                              self.position_embeddings[...], pixel_values)
+
+
+def patch_sequence(projection: nnx.Conv, cls, positions, pixel_values):
+    """``(B, 1 + patches, hidden)``: ``pixel_values`` (B, C, H, W) cut into patches by the
+    strided conv ``projection``, in row-major order behind the class token ``cls`` (hidden,;
+    ``None``: none, as SigLIP), plus the learned ``positions`` (1 + patches, hidden); ViT's,
+    CLIP's and SigLIP's embeddings."""
+    x = projection(pixel_values.transpose(0, 2, 3, 1).astype(positions.dtype))
+    x = x.reshape(x.shape[0], -1, x.shape[-1])  # (B, patches in row-major order, hidden)
+    if cls is not None:
         x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, x.shape[-1])), x], 1)
-        return x + self.position_embeddings[...]
+    return x + positions
 
 
 class ViTModel(nnx.Module):
