@@ -23,9 +23,9 @@ checkpoints do, so ``redco_safetensors.torch_name`` maps them; what differs, per
 * Qwen3-Next fuses its Gated DeltaNet's input projections per key head (``in_proj_qkvz``,
   ``in_proj_ba``): split into Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
   ``in_proj_a`` on import, fused back on export (``redco_zoo_models.gated_deltanet``); its MoE
-  blocks' ``shared_expert`` is the zoo's ``shared_experts``. A Qwen3.5 multimodal checkpoint's
-  language model is read alone (``_language_model``); Qwen3-Next's and Qwen3.5's ``mtp.*``
-  (multi-token prediction) tensors are not part of the causal LM.
+  blocks' ``shared_expert`` is the zoo's ``shared_experts``. A Qwen3.5 (or Llama 4)
+  multimodal checkpoint's language model is read alone (``_language_model``); Qwen3-Next's
+  and Qwen3.5's ``mtp.*`` (multi-token prediction) tensors are not part of the causal LM.
 
 A tied head's stored copy is dropped on import when it equals the embedding (refused when not).
 DeepSeek-V3's and GLM-4.5's checkpoints hold their multi-token-prediction layers after the
@@ -85,8 +85,8 @@ def _sizes(cfg, fused: str) -> list[int]:
 def tensors_in(cfg, tensors: dict) -> dict:
     """A checkpoint's tensors (PyTorch names) under the zoo model's names (``cfg``: its
     ``DecoderConfig``)."""
-    if FAMILIES[cfg.family].linear == "gated_deltanet":
-        tensors = _language_model(tensors)
+    if cfg.family in LANGUAGE_MODELS:
+        tensors = _language_model(tensors, *LANGUAGE_MODELS[cfg.family])
     tensors = _without_mtp_layers(cfg, dict(tensors))
     tensors = _renamed(cfg, tensors, ".feed_forward.", ".mlp.")
     tensors = hybrid_tensors.tensors_in(cfg, tensors) if FAMILIES[cfg.family].linear == "mamba2" \
@@ -141,12 +141,22 @@ def _renamed(cfg, tensors: dict, ours: str, theirs: str) -> dict:
     return {name.replace(ours, theirs, 1): t for name, t in tensors.items()}
 
 
-def _language_model(tensors: dict) -> dict:
-    """A Qwen3.5 checkpoint's language model: ``model.language_model.*`` as ``model.*``; its
-    vision tower (``model.visual.*``) and multi-token-prediction head (``mtp.*``, which
-    transformers' causal LM skips too) dropped."""
-    return {name.replace("model.language_model.", "model.", 1): t for name, t in tensors.items()
-            if not name.startswith(("model.visual.", "mtp."))}
+_QWEN3_5 = ("model.language_model.", "model.", ("model.visual.", "mtp."))
+LANGUAGE_MODELS = {  # family -> its multimodal checkpoint's (language model's prefix, the
+    "qwen3_5_text": _QWEN3_5, "qwen3_5_moe_text": _QWEN3_5,  # causal LM's, prefixes dropped)
+    "qwen3_next": _QWEN3_5,
+    "llama4_text": ("language_model.", "", ("vision_model.", "multi_modal_projector.")),
+}
+
+
+def _language_model(tensors: dict, prefix: str, ours: str, dropped: tuple) -> dict:
+    """A multimodal checkpoint's language model, its ``prefix`` read as ``ours``: Qwen3.5's
+    ``model.language_model.*`` as ``model.*``, its vision tower (``model.visual.*``) and
+    multi-token-prediction head (``mtp.*``, which transformers' causal LM skips too) dropped;
+    Llama 4's ``language_model.*``, its vision tower and projector dropped. A text-only
+    checkpoint's names stay as they are."""
+    return {ours + name[len(prefix):] if name.startswith(prefix) else name: t
+            for name, t in tensors.items() if not name.startswith(dropped)}
 
 
 def _delta_nets(cfg, tensors: dict, names: tuple[str, ...], convert) -> dict:
