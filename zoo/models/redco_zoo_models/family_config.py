@@ -116,7 +116,10 @@ def read_config(cls, config: dict, where: str = "config.json") -> Any:
             else:
                 fields.setdefault(field, default)
     for name in family.derived:
-        fields.update(config_keys.DERIVED[name].read(config, fields["num_hidden_layers"]))
+        try:
+            fields.update(config_keys.DERIVED[name].read(config, fields["num_hidden_layers"]))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
     for field in ("eos_token_id", "mlp_only_layers"):  # (a config is hashed: no lists)
         if isinstance(fields.get(field), list):
             fields[field] = tuple(fields[field])
