@@ -12,6 +12,10 @@ experts) are mapped to the zoo's in ``redco_zoo_models.family_tensors``. DeepSee
 are read through a function (``config_keys.DERIVED``): SmolLM3's ``no_rope_layers`` (1 where
 a layer turns RoPE) become ``nope_layers``, GLM-4.5's ``use_qk_norm`` per-head q/k norms;
 MiniMax-M2's legacy ``rotary_dim`` is its ``partial_rotary_factor`` times ``head_dim``.
+Llama 4's ``use_qk_norm`` is its weightless L2 norm (``qk_norm="l2"``), its ``moe_layers`` (or
+``interleave_moe_layer_step``) the sparse layers and its ``layer_types`` the chunked ones; its
+``intermediate_size`` sizes the experts (and shared expert), ``intermediate_size_mlp`` the dense
+layers' MLPs (``redco_zoo_models.llama4_attention``).
 OLMo 3, as Gemma 3, keeps a RoPE for each layer type (``rope_parameters`` keyed by type; its
 sliding layers take ``rope_theta`` where Gemma 3's take ``rope_local_base_freq``).
 

@@ -13,11 +13,14 @@
 * **Temperature tuning** (``attn_temperature_tuning``, the NoPE layers): each query is scaled
   by ``log(floor((s + 1) / floor_scale) + 1) * attn_scale + 1``, ``s`` its slot in the row
   (transformers counts the cache's slots, left padding included), sharpening attention far
-  into a long context (arXiv 2501.19399).
+  into a long context (arXiv 2501.19399). In packed rows too a query's slot is its place in
+  the row, as transformers counts it with restarting ``position_ids``.
 * **L2 q/k norm** (``qk_norm="l2"``, RoPE layers only): queries and keys divided by their
   root mean square over each head, without weights, after RoPE.
 
-Not supported yet, refused before compiling: context parallelism (a split sequence).
+A chunked layer attends through a materialised (B, 1, T, S) mask, not the tiled path of a plain
+causal one (``redco_zoo_models.tiled_attention``), and its cache keeps every slot. Not
+supported yet, refused before compiling: context parallelism (a split sequence).
 """
 from __future__ import annotations
 
