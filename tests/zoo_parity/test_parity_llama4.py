@@ -2,8 +2,8 @@
 checkpoint, ``toy.TINY_FAMILIES``, through logits, left padding, greedy decoding with the KV
 cache, cached log-probs and export): its logits within 1e-4 of transformers' over 40 tokens
 (five chunks of 8; the NoPE layer's temperature 2.2 at the last slot), where each of its
-pieces changes them; a multimodal ``llama4`` checkpoint read as its language model; context
-parallelism refused before compiling."""
+pieces changes them, and over 520 (the tiled path); a multimodal ``llama4`` checkpoint read
+as its language model; context parallelism refused before compiling."""
 import dataclasses
 
 import jax
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import jiggle_torch, torch_logits, transformers
+from parity import close, jiggle_torch, torch_logits, transformers
 
 from redco import Deployer, sequence_split
 from redco_zoo_models import from_pretrained
@@ -27,10 +27,10 @@ VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_att
               projector_output_dim=16)
 
 
-def forward(model):
-    """``model``'s logits of ``IDS``, compiled."""
+def forward(model, ids=IDS):
+    """``model``'s logits of ``ids``, compiled."""
     graphdef, state = nnx.split(model)
-    return np.asarray(jax.jit(lambda state: nnx.merge(graphdef, state)(jnp.asarray(IDS)))(state))
+    return np.asarray(jax.jit(lambda state: nnx.merge(graphdef, state)(jnp.asarray(ids)))(state))
 
 
 def written(model, path) -> str:
@@ -62,6 +62,17 @@ def test_logits_are_within_1e4_where_each_of_its_pieces_matters(pair):
         other = type(ours)(dataclasses.replace(ours.cfg, **change), nnx.Rngs(0))
         nnx.update(other, params)
         assert np.abs(forward(other) - want).max() > 1e-2, change
+
+
+def test_past_one_tile_of_keys_the_tiled_chunks_give_transformers_logits(pair):
+    """520 tokens, past the 512 keys of a tile: the chunked layers' plain causal attention runs
+    tiled (``attention.attend``, a chunk a segment), with transformers' logits up to
+    ``parity.close``: the two sides' ``llama3`` inverse frequencies differ by an ulp (1e-7),
+    which turns RoPE's angles at position ~500 by ~3e-5 (logits 2e-4 apart, each side's masked
+    and tiled paths 2e-5)."""
+    theirs, ours = pair
+    ids = np.random.RandomState(520).randint(1, EOS, (1, 520))
+    close(forward(ours, ids), torch_logits(theirs, input_ids=ids))
 
 
 def test_a_multimodal_checkpoint_reads_as_its_language_model(tmp_path):

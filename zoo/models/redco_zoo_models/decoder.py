@@ -20,7 +20,7 @@ from flax import nnx
 from redco import remat, sequence_split
 from redco.tree_paths import named_leaves
 from redco_zoo_models import expert_parallel, family_tensors, layer_scan, llama4_attention, mamba2
-from redco_zoo_models.attention import init_cache
+from redco_zoo_models.attention import init_cache, within_chunk
 from redco_zoo_models.chunked_loss import next_token_loss
 from redco_zoo_models.context_parallel import (
     SplitSequence,
@@ -82,13 +82,15 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         q, k = self._positioned(q, k, positions, cache_index, lengths)
         k, v, layer_cache = cached_keys(layer_cache, k, v, cache_index, allowed)
-        if self.chunk:
-            allowed = llama4_attention.within_chunk(allowed, self.chunk, positions, cache_index)
+        if self.chunk and allowed is not None:  # (None: attend's plain causal mask, chunked)
+            allowed = within_chunk(allowed, self.chunk, positions, cache_index)
         scale = cfg.attention_multiplier or \
             (cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar ** -0.5)
-        sinks = self.sinks[...] if cfg.attention_sinks else None
-        out = attend_laid_out(q, k, v, allowed, self.window, cache_index, scale=scale,
-                              softcap=cfg.attn_softcap, sinks=sinks)
+        options = dict(scale=scale, softcap=cfg.attn_softcap,
+                       sinks=self.sinks[...] if cfg.attention_sinks else None)
+        if self.chunk:  # (a split sequence has none: llama4_attention.refuse_split)
+            options["chunk"] = self.chunk
+        out = attend_laid_out(q, k, v, allowed, self.window, cache_index, **options)
         out = out.reshape(b, t, -1)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)

@@ -9,7 +9,8 @@
   consecutive slots, so for the query in slot ``i`` at position ``p`` the key in slot ``j``
   is at ``p - (i - j)``: the query keeps slots ``j >= i - p mod C``, a window that grows
   through a chunk and starts again at the next. That holds alike in training, in a prompt and
-  in a cached decode step, so one rule (``within_chunk``) covers all three.
+  in a cached decode step, so one rule (``attention.within_chunk``) covers all three; without
+  a mask (training) a chunk is a segment of the tiled causal attention (``attention.attend``).
 * **Temperature tuning** (``attn_temperature_tuning``, the NoPE layers): each query is scaled
   by ``log(floor((s + 1) / floor_scale) + 1) * attn_scale + 1``, ``s`` its slot in the row
   (transformers counts the cache's slots, left padding included), sharpening attention far
@@ -18,27 +19,16 @@
 * **L2 q/k norm** (``qk_norm="l2"``, RoPE layers only): queries and keys divided by their
   root mean square over each head, without weights, after RoPE.
 
-A chunked layer attends through a materialised (B, 1, T, S) mask, not the tiled path of a plain
-causal one (``redco_zoo_models.tiled_attention``), and its cache keeps every slot. Not
-supported yet, refused before compiling: context parallelism (a split sequence).
+A chunked layer's cache keeps every slot (a ring of ``C`` would do). Not supported yet,
+refused before compiling: context parallelism (a split sequence).
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 from redco import sequence_split
-from redco_zoo_models.attention import mask, query_slots
+from redco_zoo_models.attention import query_slots
 from redco_zoo_models.layers import rms_normalized
-
-
-def within_chunk(allowed, chunk: int, positions, first_slot=0):
-    """``allowed`` (B, 1, T, S; ``None``: plain causal) restricted to each query's chunk of
-    ``chunk`` positions; ``positions`` (B, T) the queries', in slots ``first_slot ...``."""
-    b, t = positions.shape
-    if allowed is None:
-        allowed = mask(jnp.ones((b, t), bool), t)
-    start = query_slots(first_slot, t) - positions % chunk  # (B, T): the chunk's first slot
-    return allowed & (jnp.arange(allowed.shape[-1]) >= start[:, None, :, None])
 
 
 def temperature_scaled(q, first_slot, floor_scale: float, attn_scale: float):
