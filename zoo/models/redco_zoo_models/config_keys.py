@@ -94,6 +94,9 @@ def nope_layers(config: dict, n: int) -> dict:
     return {"nope_layers": tuple(i for i, turns in enumerate(flags) if not turns)}
 
 
+CHUNKED = "chunked_attention"  # a Llama 4 layer_types entry
+
+
 def llama4_layers(config: dict, n: int) -> dict:
     """Llama 4: ``moe_layers`` (absent: every ``interleave_moe_layer_step``-th layer) are the
     sparse ones, the rest dense; ``layer_types``' ``chunked_attention`` layers (absent: those
@@ -111,7 +114,6 @@ def llama4_layers(config: dict, n: int) -> dict:
             "chunked_layers": tuple(i for i, t in enumerate(types) if t == CHUNKED)}
 
 
-CHUNKED = "chunked_attention"
 DERIVED = {
     "no_rope_layers": Derived(
         ("no_rope_layers", "no_rope_layer_interval"), nope_layers,
