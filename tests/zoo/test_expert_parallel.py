@@ -136,6 +136,13 @@ def test_experts_that_do_not_split_are_refused_before_compiling():
         jax.eval_shape(moe, X)
 
 
+def test_experts_fed_router_scaled_inputs_are_refused_before_compiling():
+    moe = block(router="top_k_sigmoid", expert_input_scaled=True)  # (Llama 4's)
+    with pytest.raises(ValueError, match="expert_input_scaled \\(Llama 4\\) does not run "
+                       "under expert parallelism"), expert_parallel(mesh_of(4)):
+        jax.eval_shape(moe, X)
+
+
 def test_tokens_that_do_not_split_are_padded_with_tokens_that_pick_no_expert():
     moe, x = block(), X.reshape(-1, 16)[:30]
     want, want_aux = moe(x)

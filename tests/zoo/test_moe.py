@@ -211,7 +211,9 @@ def test_the_balancing_bias_moves_against_the_load_until_it_evens_out():
 
 @pytest.mark.parametrize("bad, match", [
     ({"router": "relu"}, "router='relu'"), ({"top_k": 7}, "top_k=7 with n_experts=6"),
-    ({"capacity_factor": 0.0}, "capacity_factor=0.0")])
+    ({"capacity_factor": 0.0}, "capacity_factor=0.0"),
+    ({"router": "top_k_sigmoid", "expert_input_scaled": True, "capacity_factor": 1.0},
+     "expert_input_scaled \\(Llama 4\\) runs dropless only")])
 def test_a_bad_config_is_refused_naming_the_field(bad, match):
     with pytest.raises(ValueError, match=match):
         block(**bad)

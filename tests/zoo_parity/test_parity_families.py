@@ -15,8 +15,9 @@ projections), GLM-4.5 (DeepSeek-V3's routing and shared expert on GQA with per-h
 and half-rotary heads), MiniMax-M2 (sigmoid routing with a balancing bias on every layer, q/k
 norms over all heads, ``rotary_dim``), Granite 4 hybrid (Mamba2 layers beside attention, chunks
 of 8 and a conv of 4 that the prompts cross, its four multipliers, MoE with a shared MLP and
-NoPE; a dense variant with RoPE and biased Mamba2 projections), and YaRN and dynamic-NTK RoPE
-on Qwen3 and LLaMA shapes.
+NoPE; a dense variant with RoPE and biased Mamba2 projections), Llama 4 (chunks of 8 on its
+RoPE layers, a temperature-tuned NoPE layer, top-2 input-scaled experts beside a shared one:
+more in test_parity_llama4), and YaRN and dynamic-NTK RoPE on Qwen3 and LLaMA shapes.
 
 Each tiny checkpoint is written by transformers itself (``from_config`` + ``save_pretrained``,
 weights perturbed so a misplaced one shows, sharded so the index is read). The lengths cross

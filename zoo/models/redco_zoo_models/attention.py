@@ -70,6 +70,15 @@ def with_blocks(allowed, blocks, n_slots: int):
     return allowed | same
 
 
+def within_chunk(allowed, chunk: int, positions, first_slot=0):
+    """``allowed`` (B, 1, T, S) restricted to each query's chunk of ``chunk`` positions
+    (Llama 4's chunked attention): the query in slot ``i`` at position ``p`` keeps the key
+    slots ``j >= i - p mod chunk``. A row holds its tokens in consecutive slots (after its left
+    padding), so those are the keys at positions ``p - p mod chunk .. p``, its chunk's."""
+    start = query_slots(first_slot, positions.shape[1]) - positions % chunk
+    return allowed & (jnp.arange(allowed.shape[-1]) >= start[:, None, :, None])
+
+
 def positions_from(key_valid):
     """Each slot's position in its own sequence: left padding does not count."""
     return jnp.maximum(jnp.cumsum(key_valid, axis=-1) - 1, 0)
@@ -136,30 +145,35 @@ def _write(cache, new, cache_index):
 
 
 def attend(q, k, v, allowed=None, bias=None, scale: float | None = None, is_causal=False,
-           window: int | None = None, softcap: float | None = None, sinks=None):
+           window: int | None = None, softcap: float | None = None, sinks=None,
+           chunk: int | None = None):
     """``softmax(q k^T * scale + bias)`` over the ``allowed`` keys, times ``v``. ``q`` is
     (B, T, H, D); ``k``, ``v`` (B, S, KV, D) with ``H`` a multiple of ``KV`` (grouped-query
     attention). ``softcap``: the scores capped (``softcap * tanh(s / softcap)``) before the mask.
     ``window``: a sliding window on the plain causal mask (``is_causal``, no ``allowed``): query
     ``i`` sees keys ``i - window < j <= i``; a given ``allowed`` is taken as it is, the window
-    already in it (``within_window``). ``sinks`` (H,): each head's sink logit (module
+    already in it (``within_window``); ``chunk`` so cuts the plain causal mask into chunks of
+    ``chunk`` rows (``within_chunk``). ``sinks`` (H,): each head's sink logit (module
     docstring). On a GPU in 16-bit with a plain causal mask (no window, cap or sinks), cuDNN's
     flash attention; else a plain causal mask over more than one tile of keys
     runs in tiles (``redco_zoo_models.tiled_attention``: memory linear in the sequence), the
     rest by XLA."""
     half = q.dtype in (jnp.bfloat16, jnp.float16)
     fused = half and allowed is None and bias is None and window is None and softcap is None \
-        and sinks is None and jax.default_backend() == "gpu"
+        and sinks is None and chunk is None and jax.default_backend() == "gpu"
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if is_causal and not fused and allowed is None and bias is None and \
             q.shape[1] == k.shape[1] > BLOCK:
         rows = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
-        segments = jnp.zeros(q.shape[:2], jnp.int32)
+        segments = rows // chunk if chunk else jnp.zeros(q.shape[:2], jnp.int32)  # (a chunk is
         return with_sinks(*tiled_attention(q, k, v, rows, rows, segments, segments, scale,
-                                           window=window, softcap=softcap), sinks)
-    if is_causal and allowed is None and window is not None:
+                                           window=window, softcap=softcap), sinks)  # a segment)
+    if is_causal and allowed is None and (window is not None or chunk):
         causal = mask(jnp.ones((q.shape[0], k.shape[1]), bool), q.shape[1])
         allowed, is_causal = within_window(causal, window), False
+        if chunk:
+            allowed = within_chunk(allowed, chunk, jnp.broadcast_to(jnp.arange(q.shape[1]),
+                                                                    q.shape[:2]))
     if softcap is not None or sinks is not None:
         return _written_out(q, k, v, allowed, bias, scale, is_causal, softcap, sinks)
     return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), bias=bias,

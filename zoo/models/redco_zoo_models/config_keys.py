@@ -43,7 +43,7 @@ HARMLESS = frozenset({  # config.json keys that change nothing a forward pass co
     "is_encoder_decoder",
 })
 UNHONOURED = frozenset({  # keys a decoder's transformers class reads that no family here honours
-    "mlp_bias", "quantization_config", "attention_chunk_size", "attn_temperature_tuning",
+    "mlp_bias", "quantization_config",
 })
 WINDOW_KEYS = frozenset({"layer_types", "sliding_window", "use_sliding_window"})
 OFF = (None, False, 0, [], {})
@@ -94,6 +94,26 @@ def nope_layers(config: dict, n: int) -> dict:
     return {"nope_layers": tuple(i for i, turns in enumerate(flags) if not turns)}
 
 
+CHUNKED = "chunked_attention"  # a Llama 4 layer_types entry
+
+
+def llama4_layers(config: dict, n: int) -> dict:
+    """Llama 4: ``moe_layers`` (absent: every ``interleave_moe_layer_step``-th layer) are the
+    sparse ones, the rest dense; ``layer_types``' ``chunked_attention`` layers (absent: those
+    that turn RoPE) attend within chunks of ``attention_chunk_size``."""
+    step = config.get("interleave_moe_layer_step") or 1
+    moe = config.get("moe_layers")
+    moe = range(step - 1, n, step) if moe is None else moe
+    types = config.get("layer_types") or [
+        CHUNKED if i not in nope_layers(config, n)["nope_layers"] else "full_attention"
+        for i in range(n)]
+    if unknown := sorted(set(types) - {CHUNKED, "full_attention"}):
+        raise ValueError(f"layer_types {unknown}: a Llama 4 layer is 'chunked_attention' or "
+                         "'full_attention'.")
+    return {"mlp_only_layers": tuple(i for i in range(n) if i not in moe),
+            "chunked_layers": tuple(i for i, t in enumerate(types) if t == CHUNKED)}
+
+
 DERIVED = {
     "no_rope_layers": Derived(
         ("no_rope_layers", "no_rope_layer_interval"), nope_layers,
@@ -103,4 +123,13 @@ DERIVED = {
         ("use_qk_norm",), lambda config, n: {"qk_norm": "head" if config.get("use_qk_norm")
                                              else None},
         lambda cfg: {"use_qk_norm": cfg.qk_norm == "head"}),
+    "use_l2_qk_norm": Derived(  # Llama 4: an L2 norm (no weights) of q and k on RoPE layers
+        ("use_qk_norm",), lambda config, n: {"qk_norm": "l2" if config.get("use_qk_norm")
+                                             else None},
+        lambda cfg: {"use_qk_norm": cfg.qk_norm == "l2"}),
+    "llama4_layers": Derived(
+        ("moe_layers", "interleave_moe_layer_step", "layer_types"), llama4_layers,
+        lambda cfg: {"moe_layers": [i for i in range(cfg.num_hidden_layers) if cfg.sparse(i)],
+                     "layer_types": [CHUNKED if i in cfg.chunked_layers else "full_attention"
+                                     for i in range(cfg.num_hidden_layers)]}),
 }

@@ -225,7 +225,7 @@ def cached_keys(layer_cache, k, v, cache_index, allowed):
 def attend_laid_out(q, k, v, allowed, window: int | None, cache_index=0, **options):
     """A decoder layer's attention as ``decoder_layout`` laid its tokens out: over a split
     sequence, plain causal (``allowed`` None), or by the mask ``allowed`` (its ``window``
-    applied); ``options``: ``attend``'s ``scale``, ``softcap`` and ``sinks``."""
+    applied); ``options``: ``attend``'s ``scale``, ``softcap``, ``sinks`` and ``chunk``."""
     if isinstance(allowed, SplitSequence):
         return allowed.attend(q, k, v, window=window, **options)
     if allowed is None:

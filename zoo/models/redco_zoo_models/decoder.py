@@ -19,8 +19,8 @@ from flax import nnx
 
 from redco import remat, sequence_split
 from redco.tree_paths import named_leaves
-from redco_zoo_models import expert_parallel, family_tensors, layer_scan, mamba2
-from redco_zoo_models.attention import init_cache, with_blocks
+from redco_zoo_models import expert_parallel, family_tensors, layer_scan, llama4_attention, mamba2
+from redco_zoo_models.attention import init_cache, with_blocks, within_chunk
 from redco_zoo_models.chunked_loss import next_token_loss
 from redco_zoo_models.context_parallel import (
     SplitSequence,
@@ -38,7 +38,7 @@ from redco_zoo_models.layers import GatedMLP, RMSNorm, embed
 from redco_zoo_models.mamba2 import Mamba2, document_runs, token_mask
 from redco_zoo_models.mla import LatentAttention, latent_width
 from redco_zoo_models.moe import MoE
-from redco_zoo_models.rope import apply_rope, depends_on_length, segment_lengths
+from redco_zoo_models.rope import apply_rope, depends_on_length, pairs_as_halves, segment_lengths
 
 
 class Attention(nnx.Module):
@@ -50,7 +50,7 @@ class Attention(nnx.Module):
         self.v_proj, self.o_proj = linear(d, kv * hd), linear(h * hd, d, bias=cfg.o_proj_bias)
         if cfg.attention_sinks:
             self.sinks = nnx.Param(jnp.zeros((h,), jnp.float32))
-        if cfg.qk_norm:
+        if cfg.qk_norm in ("head", "all"):  # (l2: Llama 4's, without weights)
             per_head = cfg.qk_norm == "head"
             norm = lambda n: RMSNorm(hd if per_head else n * hd, cfg.rms_norm_eps, cfg.norm_offset)
             self.q_norm, self.k_norm = norm(h), norm(kv)
@@ -59,6 +59,7 @@ class Attention(nnx.Module):
         nope = layer in cfg.nope_layers or cfg.position_embedding != "rope"
         self.rope = None if nope else \
             cfg.local_rope if self.window and cfg.local_rope else cfg.rope
+        self.chunk = cfg.attention_chunk_size if layer in cfg.chunked_layers else None
 
     def _qk(self, x):
         """``(queries, keys, output gate or None)``."""
@@ -79,18 +80,37 @@ class Attention(nnx.Module):
         cfg, (b, t, _) = self.cfg, x.shape
         q, k, gate = self._qk(x)
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        if self.rope is not None:  # (None: a NoPE layer)
-            q, k = (apply_rope(y, positions, self.rope, lengths) for y in (q, k))
+        q, k = self._positioned(q, k, positions, cache_index, lengths)
         k, v, layer_cache = cached_keys(layer_cache, k, v, cache_index, allowed)
+        if self.chunk and allowed is not None:  # (None: attend's plain causal mask, chunked)
+            allowed = within_chunk(allowed, self.chunk, positions, cache_index)
         scale = cfg.attention_multiplier or \
             (cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar ** -0.5)
-        sinks = self.sinks[...] if cfg.attention_sinks else None
-        out = attend_laid_out(q, k, v, allowed, self.window, cache_index, scale=scale,
-                              softcap=cfg.attn_softcap, sinks=sinks)
+        options = dict(scale=scale, softcap=cfg.attn_softcap,
+                       sinks=self.sinks[...] if cfg.attention_sinks else None)
+        if self.chunk:  # (a split sequence has none: llama4_attention.refuse_split)
+            options["chunk"] = self.chunk
+        out = attend_laid_out(q, k, v, allowed, self.window, cache_index, **options)
         out = out.reshape(b, t, -1)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
         return self.o_proj(out), layer_cache
+
+    def _positioned(self, q, k, positions, cache_index, lengths):
+        """``(q, k)`` turned by RoPE (pairs, Llama 4: ``rope_interleave``; then its L2 norm),
+        or, in a NoPE layer, as they are (Llama 4: queries temperature-tuned)."""
+        cfg = self.cfg
+        if self.rope is None:
+            if cfg.attn_temperature_tuning:
+                q = llama4_attention.temperature_scaled(q, cache_index, cfg.floor_scale,
+                                                        cfg.attn_scale)
+            return q, k
+        if cfg.rope_interleave:
+            q, k = pairs_as_halves(q), pairs_as_halves(k)
+        q, k = (apply_rope(y, positions, self.rope, lengths) for y in (q, k))
+        if cfg.qk_norm == "l2":
+            q, k = (llama4_attention.l2_normed(y, cfg.rms_norm_eps) for y in (q, k))
+        return q, k
 
 
 NORMS = {  # norm_layout -> the layer's norms, by HuggingFace's names
@@ -186,6 +206,7 @@ class DecoderModel(nnx.Module):
             allowed = with_blocks(allowed, blocks, slots)
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         refuse_for_mamba(self.cfg)
+        llama4_attention.refuse_split(self.cfg)
         x, new_cache, reports = on_split(x, allowed), [], []
         lengths = self._document_lengths(segment_ids, allowed)
         with as_laid_out(self.moe_weights()):  # experts split over dp: expert parallel

@@ -39,6 +39,12 @@ attention and a gated MLP. What differs:
   gives each head's query and an output gate (``o_proj(out * sigmoid(gate))``);
   ``shared_expert_size`` with ``shared_expert_gate``: the MoE blocks' shared
   expert, scaled per token by ``sigmoid(shared_expert_gate(x))``.
+* Llama 4 (``redco_zoo_models.llama4_attention``): ``chunked_layers`` attend within blocks of
+  ``attention_chunk_size`` positions; NoPE layers' queries scaled by position
+  (``attn_temperature_tuning``, ``floor_scale``, ``attn_scale``); ``qk_norm`` ``l2``: queries
+  and keys of RoPE layers L2-normalised (no weights) after RoPE; ``rope_interleave``: RoPE
+  turns features in pairs (0, 1), (2, 3)...; ``router`` ``top_k_sigmoid`` with
+  ``expert_input_scaled``: each expert's input scaled by ``sigmoid`` of its logit.
 
 ``scan_layers`` is not the family's but the run's (no config.json key; ``from_pretrained(...,
 scan_layers=True)``): runs of like layers stored stacked and run under ``jax.lax.scan``
@@ -84,7 +90,7 @@ class DecoderConfig:
     rope: Rope | None = None  # None: default RoPE with rope_theta over the whole head
     local_rope: Rope | None = None  # the sliding layers' RoPE, where it differs (Gemma 3)
     norm_layout: str = "pre"  # pre | sandwich | post
-    qk_norm: str | None = None  # None | head | all
+    qk_norm: str | None = None  # None | head | all | l2 (Llama 4)
     norm_offset: float = 0.0
     embed_scale: bool = False
     hidden_act: str = "silu"
@@ -104,7 +110,7 @@ class DecoderConfig:
     decoder_sparse_step: int = 1  # every step-th layer is sparse (Qwen3-MoE) ...
     mlp_only_layers: tuple[int, ...] = ()  # ... but these
     router_aux_loss_coef: float = 0.0
-    router: str = "softmax"  # softmax | sigmoid (DeepSeek-V3: redco_zoo_models.balancing)
+    router: str = "softmax"  # softmax | sigmoid (DeepSeek-V3) | top_k_sigmoid (Llama 4)
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
@@ -137,6 +143,12 @@ class DecoderConfig:
     linear_conv_kernel_dim: int = 4
     delta_chunk_size: int = 64  # the chunked delta rule's chunk (a run's choice, no config.json key)
     shared_expert_gate: bool = False  # Qwen3-Next: the shared MLP gated per token by a sigmoid
+    chunked_layers: tuple[int, ...] = ()  # Llama 4: layers attending within chunks ...
+    attention_chunk_size: int | None = None  # ... of this many positions
+    attn_temperature_tuning: bool = False  # Llama 4: NoPE layers' queries scaled by position
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    expert_input_scaled: bool = False  # Llama 4: the router's weight scales an expert's input
     scan_layers: bool = False  # layers stored stacked, run under lax.scan (layer_scan); no config.json key
 
     def __post_init__(self):
@@ -150,6 +162,9 @@ class DecoderConfig:
             if len(self.mixers) != self.num_hidden_layers:
                 raise ValueError(f"layer_types has {len(self.mixers)} entries for "
                                  f"{self.num_hidden_layers} layers.")
+        if self.chunked_layers and not self.attention_chunk_size:
+            raise ValueError(f"chunked_layers {self.chunked_layers} need an "
+                             "attention_chunk_size (a positive number of positions).")
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
                              f"{self.num_hidden_layers} layers.")
@@ -189,7 +204,8 @@ class DecoderConfig:
                          expert_bias=self.expert_bias, swiglu_limit=self.swiglu_limit,
                          swiglu_alpha=self.swiglu_alpha,
                          shared_expert_size=self.shared_expert_size,
-                         shared_expert_gate=self.shared_expert_gate)
+                         shared_expert_gate=self.shared_expert_gate,
+                         expert_input_scaled=self.expert_input_scaled)
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":

@@ -12,6 +12,10 @@ experts) are mapped to the zoo's in ``redco_zoo_models.family_tensors``. DeepSee
 are read through a function (``config_keys.DERIVED``): SmolLM3's ``no_rope_layers`` (1 where
 a layer turns RoPE) become ``nope_layers``, GLM-4.5's ``use_qk_norm`` per-head q/k norms;
 MiniMax-M2's legacy ``rotary_dim`` is its ``partial_rotary_factor`` times ``head_dim``.
+Llama 4's ``use_qk_norm`` is its weightless L2 norm (``qk_norm="l2"``), its ``moe_layers`` (or
+``interleave_moe_layer_step``) the sparse layers and its ``layer_types`` the chunked ones; its
+``intermediate_size`` sizes the experts (and shared expert), ``intermediate_size_mlp`` the dense
+layers' MLPs (``redco_zoo_models.llama4_attention``).
 OLMo 3, as Gemma 3, keeps a RoPE for each layer type (``rope_parameters`` keyed by type; its
 sliding layers take ``rope_theta`` where Gemma 3's take ``rope_local_base_freq``).
 
@@ -218,14 +222,27 @@ FAMILIES = {
                "num_local_experts": ("n_experts", 256)},
         experts="minimax", rotary_dim=True, defaults={"head_dim": 128},
         ignores=MOE_IGNORES | {"use_qk_norm"}),  # (always on in transformers' class)
+    "llama4_text": Family(  # MoE every n-th layer, experts fed router-scaled inputs; NoPE
+        "Llama4ForCausalLM", switches={"router": "top_k_sigmoid", "norm_topk_prob": False,
+                                       "expert_input_scaled": True, "rope_interleave": True},
+        reads={"attention_bias": (("attention_bias", "o_proj_bias"), False),
+               "hidden_act": ("hidden_act", "silu"), **MOE_READS,
+               "num_experts_per_tok": ("experts_per_token", 1),
+               "num_local_experts": ("n_experts", 16),
+               "intermediate_size": (("moe_intermediate_size", "shared_expert_size"), 8192),
+               "intermediate_size_mlp": ("intermediate_size", 16384),  # (the dense layers')
+               "attention_chunk_size": ("attention_chunk_size", 8192),
+               "attn_temperature_tuning": ("attn_temperature_tuning", True),
+               "floor_scale": ("floor_scale", 8192), "attn_scale": ("attn_scale", 0.1)},
+        experts="llama4", derived=("no_rope_layers", "use_l2_qk_norm", "llama4_layers"),
+        ignores=MOE_IGNORES, defaults={"intermediate_size_mlp": 16384, "use_qk_norm": True,
+                                       "rope_theta": 500_000.0}),
 }
 
 
 COMPUTING = config_keys.computing(FAMILIES, COMMON, ROPE_KEYS)
-_LLAMA4 = ("Llama 4's chunked local attention (attention_chunk_size), its NoPE layers' "
-           "attention temperature tuning, experts fed router-scaled inputs and complex-pair RoPE")
 _GEMMA4 = ("Gemma 4's per-layer input embeddings (hidden_size_per_layer_input), layers reusing "
            "another's keys and values (num_kv_shared_layers) and keys as values "
            "(attention_k_eq_v)")
-NOT_YET = {"llama4_text": _LLAMA4, "llama4": _LLAMA4, "gemma4_text": _GEMMA4,  # (what each
-           "gemma4": _GEMMA4}  # decoder transformers has needs that the zoo's decoder lacks)
+NOT_YET = {"gemma4_text": _GEMMA4,  # (what each decoder transformers has needs that the
+           "gemma4": _GEMMA4}  # zoo's decoder lacks)

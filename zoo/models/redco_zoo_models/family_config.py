@@ -2,7 +2,7 @@
 ``write_config``), by its data in ``redco_zoo_models.families``: the keys it reads, its windows
 (which layers slide), its RoPE (one, or one per layer type as Gemma 3 and OLMo 3), its layers'
 token mixers (``layer_types``: attention, or the family's linear mixer, Mamba2 or Gated
-DeltaNet). A multimodal checkpoint's config (Qwen3.5's) is read as its language model's
+DeltaNet). A multimodal checkpoint's config (Qwen3.5's, Llama 4's) is read as its language model's
 (``text_part``). Keys are checked first (``redco_zoo_models.config_keys``): one the family does
 not read is refused unless it is off or metadata.
 """
@@ -28,12 +28,12 @@ PER_TYPE_ROPE = ("gemma3", "olmo3")  # a RoPE for each layer type (rope_paramete
 
 
 TEXT_PARTS = {  # a multimodal checkpoint -> the family of its language model, read alone
-    "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+    "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text"}
 
 
 def text_part(config: dict) -> dict:
-    """A multimodal config.json (``TEXT_PARTS``: Qwen3.5's, its ``text_config`` nested) as its
-    language model's (the head's tying read from either level); any other as it is. Its vision
+    """A multimodal config.json (``TEXT_PARTS``: Qwen3.5's, Llama 4's; its ``text_config``
+    nested) as its language model's (the head's tying read from either level); any other as it is. Its vision
     tower and multimodal token ids are not the language model's (``family_tensors`` drops the
     tower's tensors); text alone gives every section of Qwen3.5's multimodal RoPE the same
     position, which is plain RoPE."""
@@ -116,7 +116,10 @@ def read_config(cls, config: dict, where: str = "config.json") -> Any:
             else:
                 fields.setdefault(field, default)
     for name in family.derived:
-        fields.update(config_keys.DERIVED[name].read(config, fields["num_hidden_layers"]))
+        try:
+            fields.update(config_keys.DERIVED[name].read(config, fields["num_hidden_layers"]))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
     for field in ("eos_token_id", "mlp_only_layers"):  # (a config is hashed: no lists)
         if isinstance(fields.get(field), list):
             fields[field] = tuple(fields[field])

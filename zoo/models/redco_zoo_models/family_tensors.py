@@ -13,6 +13,9 @@ checkpoints do, so ``redco_safetensors.torch_name`` maps them; what differs, per
   DeepSeek-V3's (and GLM-4.5's) ``mlp.gate.e_score_correction_bias`` is the block's
   ``balance_bias``; MiniMax-M2 keeps Mixtral's names, its bias as
   ``block_sparse_moe.e_score_correction_bias``.
+* Llama 4 names its layers' MLP ``feed_forward`` (the zoo's ``mlp``), its router ``router`` and
+  its shared MLP ``shared_expert``; its experts are stacked already, gate and up fused in one
+  ``experts.gate_up_proj`` (experts, in, 2 x out), gate the first half.
 * gpt-oss stores its experts stacked already, as (experts, in, out), but its gate and up
   projections fused in one ``mlp.experts.gate_up_proj`` whose columns alternate (gate, up,
   gate, ...), and their biases so in ``gate_up_proj_bias``; its router is ``mlp.router``.
@@ -20,9 +23,9 @@ checkpoints do, so ``redco_safetensors.torch_name`` maps them; what differs, per
 * Qwen3-Next fuses its Gated DeltaNet's input projections per key head (``in_proj_qkvz``,
   ``in_proj_ba``): split into Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
   ``in_proj_a`` on import, fused back on export (``redco_zoo_models.gated_deltanet``); its MoE
-  blocks' ``shared_expert`` is the zoo's ``shared_experts``. A Qwen3.5 multimodal checkpoint's
-  language model is read alone (``_language_model``); Qwen3-Next's and Qwen3.5's ``mtp.*``
-  (multi-token prediction) tensors are not part of the causal LM.
+  blocks' ``shared_expert`` is the zoo's ``shared_experts``. A Qwen3.5 (or Llama 4)
+  multimodal checkpoint's language model is read alone (``_language_model``); Qwen3-Next's
+  and Qwen3.5's ``mtp.*`` (multi-token prediction) tensors are not part of the causal LM.
 
 A tied head's stored copy is dropped on import when it equals the embedding (refused when not).
 DeepSeek-V3's and GLM-4.5's checkpoints hold their multi-token-prediction layers after the
@@ -46,6 +49,7 @@ INTERLEAVED = {  # gpt-oss: a fused tensor -> the zoo's (even columns, odd colum
     "experts.gate_up_proj": ("experts.gate_proj", "experts.up_proj"),
     "experts.gate_up_proj_bias": ("experts.gate_proj_bias", "experts.up_proj_bias"),
 }
+HALVES = {"experts.gate_up_proj": ("experts.gate_proj", "experts.up_proj")}  # Llama 4's
 FUSED_DELTA_NET = ("in_proj_qkvz", "in_proj_ba")  # Qwen3-Next's, split into:
 SPLIT_DELTA_NET = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 QWEN_EXPERTS = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
@@ -56,6 +60,7 @@ EXPERTS = {  # layout -> (the block's checkpoint name, {the zoo's projection: th
     "gpt_oss": ("mlp", {}),  # stacked already (INTERLEAVED)
     "minimax": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
     "qwen_next": ("mlp", QWEN_EXPERTS),
+    "llama4": ("mlp", {}),  # stacked already (HALVES); its feed_forward is the zoo's mlp
 }
 RENAMED = {  # layout -> {the zoo's name in a block: the checkpoint's}
     "qwen": {"gate.weight": "gate.weight"}, "mixtral": {"gate.weight": "gate.weight"},
@@ -65,6 +70,8 @@ RENAMED = {  # layout -> {the zoo's name in a block: the checkpoint's}
     "qwen_next": {"gate.weight": "gate.weight", "shared_expert_gate.weight": "shared_expert_gate.weight",
                   **{f"shared_experts.{p}.weight": f"shared_expert.{p}.weight"
                      for p in QWEN_EXPERTS}},
+    "llama4": {"gate.weight": "router.weight", **{f"shared_experts.{p}.weight":
+                                                  f"shared_expert.{p}.weight" for p in QWEN_EXPERTS}},
 }
 
 
@@ -78,9 +85,10 @@ def _sizes(cfg, fused: str) -> list[int]:
 def tensors_in(cfg, tensors: dict) -> dict:
     """A checkpoint's tensors (PyTorch names) under the zoo model's names (``cfg``: its
     ``DecoderConfig``)."""
-    if FAMILIES[cfg.family].linear == "gated_deltanet":
-        tensors = _language_model(tensors)
+    if cfg.family in LANGUAGE_MODELS:
+        tensors = _language_model(tensors, *LANGUAGE_MODELS[cfg.family])
     tensors = _without_mtp_layers(cfg, dict(tensors))
+    tensors = _renamed(cfg, tensors, ".feed_forward.", ".mlp.")
     tensors = hybrid_tensors.tensors_in(cfg, tensors) if FAMILIES[cfg.family].linear == "mamba2" \
         else _stacked_experts(cfg, tensors)
     tensors = _delta_nets(cfg, tensors, FUSED_DELTA_NET, gated_deltanet.split_fused)
@@ -106,6 +114,7 @@ def tensors_out(cfg, tensors: dict) -> dict:
     tensors = hybrid_tensors.tensors_out(cfg, tensors) if FAMILIES[cfg.family].linear == "mamba2" \
         else _unstacked_experts(cfg, dict(tensors))
     tensors = _delta_nets(cfg, tensors, SPLIT_DELTA_NET, gated_deltanet.fused)
+    tensors = _renamed(cfg, tensors, ".mlp.", ".feed_forward.")
     if not FAMILIES[cfg.family].fused:
         return tensors
     for i in range(cfg.num_hidden_layers):
@@ -125,12 +134,29 @@ def _without_mtp_layers(cfg, tensors: dict) -> dict:
             if not (m := layer.match(k)) or int(m.group(1)) < cfg.num_hidden_layers}
 
 
-def _language_model(tensors: dict) -> dict:
-    """A Qwen3.5 checkpoint's language model: ``model.language_model.*`` as ``model.*``; its
-    vision tower (``model.visual.*``) and multi-token-prediction head (``mtp.*``, which
-    transformers' causal LM skips too) dropped."""
-    return {name.replace("model.language_model.", "model.", 1): t for name, t in tensors.items()
-            if not name.startswith(("model.visual.", "mtp."))}
+def _renamed(cfg, tensors: dict, ours: str, theirs: str) -> dict:
+    """Llama 4's layers' MLP (``feed_forward``) under the zoo's name (``mlp``), or back."""
+    if FAMILIES[cfg.family].experts != "llama4":
+        return tensors
+    return {name.replace(ours, theirs, 1): t for name, t in tensors.items()}
+
+
+_QWEN3_5 = ("model.language_model.", "model.", ("model.visual.", "mtp."))
+LANGUAGE_MODELS = {  # family -> its multimodal checkpoint's (language model's prefix, the
+    "qwen3_5_text": _QWEN3_5, "qwen3_5_moe_text": _QWEN3_5,  # causal LM's, prefixes dropped)
+    "qwen3_next": _QWEN3_5,
+    "llama4_text": ("language_model.", "", ("vision_model.", "multi_modal_projector.")),
+}
+
+
+def _language_model(tensors: dict, prefix: str, ours: str, dropped: tuple) -> dict:
+    """A multimodal checkpoint's language model, its ``prefix`` read as ``ours``: Qwen3.5's
+    ``model.language_model.*`` as ``model.*``, its vision tower (``model.visual.*``) and
+    multi-token-prediction head (``mtp.*``, which transformers' causal LM skips too) dropped;
+    Llama 4's ``language_model.*``, its vision tower and projector dropped. A text-only
+    checkpoint's names stay as they are."""
+    return {ours + name[len(prefix):] if name.startswith(prefix) else name: t
+            for name, t in tensors.items() if not name.startswith(dropped)}
 
 
 def _delta_nets(cfg, tensors: dict, names: tuple[str, ...], convert) -> dict:
@@ -171,6 +197,10 @@ def _stacked_experts(cfg, tensors: dict) -> dict:
             for fused, (even, odd) in INTERLEAVED.items():
                 both = take(tensors, f"{theirs}.{fused}", cfg)
                 tensors[f"{ours}.{even}"], tensors[f"{ours}.{odd}"] = both[..., ::2], both[..., 1::2]
+        if layout == "llama4":
+            for fused, halves in HALVES.items():
+                tensors.update(zip((f"{ours}.{h}" for h in halves),
+                                   np.split(take(tensors, f"{theirs}.{fused}", cfg), 2, -1)))
         for name, stored in RENAMED[layout].items():
             tensors[f"{ours}.{name}"] = take(tensors, f"{theirs}.{stored}", cfg)
     return tensors
@@ -190,6 +220,10 @@ def _unstacked_experts(cfg, tensors: dict) -> dict:
             for fused, (even, odd) in INTERLEAVED.items():
                 pair = (tensors.pop(f"{ours}.{even}"), tensors.pop(f"{ours}.{odd}"))
                 tensors[f"{theirs}.{fused}"] = np.stack(pair, -1).reshape(*pair[0].shape[:-1], -1)
+        if layout == "llama4":
+            for fused, halves in HALVES.items():
+                tensors[f"{theirs}.{fused}"] = np.concatenate(
+                    [tensors.pop(f"{ours}.{h}") for h in halves], -1)
         for name, stored in RENAMED[layout].items():
             tensors[f"{theirs}.{stored}"] = tensors.pop(f"{ours}.{name}")
     return tensors

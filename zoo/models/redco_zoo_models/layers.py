@@ -36,9 +36,14 @@ class RMSNorm(nnx.Module):
         self.eps, self.offset = eps, offset
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 ** 2, axis=-1, keepdims=True) + self.eps)
+        x32 = rms_normalized(x.astype(jnp.float32), self.eps)
         return (x32 * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def rms_normalized(x, eps: float):
+    """``x / sqrt(mean(x ** 2) + eps)`` over the last axis, without weights (Llama 4's q/k
+    L2 norm; ``RMSNorm`` scales it)."""
+    return x * jax.lax.rsqrt(jnp.mean(x ** 2, axis=-1, keepdims=True) + eps)
 
 
 class GatedMLP(nnx.Module):

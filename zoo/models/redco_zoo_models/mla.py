@@ -36,7 +36,7 @@ from flax import nnx
 
 from redco_zoo_models.context_parallel import attend_laid_out, cached_keys
 from redco_zoo_models.layers import RMSNorm
-from redco_zoo_models.rope import apply_rope, yarn_mscale
+from redco_zoo_models.rope import apply_rope, pairs_as_halves, yarn_mscale
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm (not the config's rms_norm_eps)
 
@@ -83,7 +83,7 @@ class LatentAttention(nnx.Module):
     def _rotated(self, x, positions, lengths):
         """``x``'s RoPE part (its last ``head_dim`` features) turned, in the halves layout."""
         if self.cfg.rope_interleave:
-            x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], -1)
+            x = pairs_as_halves(x)
         return apply_rope(x, positions, self.cfg.rope, lengths)
 
     def _queries(self, x, positions, lengths):

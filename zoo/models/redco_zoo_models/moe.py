@@ -15,6 +15,9 @@ one's up), DeepSeek-V3's auxiliary-loss-free balancing: ``redco_zoo_models.balan
 its output is scaled per token by ``sigmoid`` of a learned linear of the token). gpt-oss
 switches on biases (``router_bias`` on the router's linear, ``expert_bias`` on every expert
 projection) and its experts' clamped SwiGLU (``swiglu_limit``, ``layers.glu``).
+``top_k_sigmoid`` (Llama 4): the ``top_k`` largest logits, each weighted by its ``sigmoid``;
+with ``expert_input_scaled`` the weight scales the expert's *input*, ``E(w x)``, not its
+output (the experts are not linear: the two differ); a shared expert every token goes through.
 
 **Computing the experts.** Dropless (``capacity_factor=None``): the ``N * top_k`` (token, expert)
 pairs are sorted by expert and each expert's rows multiplied by its weights in one grouped
@@ -54,7 +57,8 @@ class MoEConfig:
     n_experts: int
     top_k: int
     expert_size: int  # each expert's intermediate size
-    router: str = "softmax"  # softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3)
+    router: str = "softmax"  # softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3) |
+    #                          top_k_sigmoid (Llama 4)
     normalize_top_k: bool = True
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0  # an MLP of n_shared_experts * expert_size every token goes through
@@ -71,11 +75,15 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     shared_expert_size: int = 0  # Qwen3-Next: a shared expert of this size (over n_shared_experts)
     shared_expert_gate: bool = False  # ... its output scaled by sigmoid(shared_expert_gate(x))
+    expert_input_scaled: bool = False  # Llama 4: the weight scales the expert's input
 
     def __post_init__(self):
-        if self.router not in ("softmax", "sigmoid"):
-            raise ValueError(f"router={self.router!r}: use 'softmax' (Mixtral, Qwen3-MoE) or "
-                             "'sigmoid' (DeepSeek-V3).")
+        if self.router not in ("softmax", "sigmoid", "top_k_sigmoid"):
+            raise ValueError(f"router={self.router!r}: use 'softmax' (Mixtral, Qwen3-MoE), "
+                             "'sigmoid' (DeepSeek-V3) or 'top_k_sigmoid' (Llama 4).")
+        if self.expert_input_scaled and self.capacity_factor is not None:
+            raise ValueError("expert_input_scaled (Llama 4) runs dropless only: set "
+                             "capacity_factor=None.")
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} with n_experts={self.n_experts}: each token "
                              "picks between 1 and n_experts experts.")
@@ -164,6 +172,10 @@ class MoE(nnx.Module):
         if cfg.router == "softmax":
             probs = jax.nn.softmax(logits, axis=-1)
             weights, chosen = jax.lax.top_k(probs, cfg.top_k)
+        elif cfg.router == "top_k_sigmoid":
+            probs = jax.nn.sigmoid(logits)
+            top, chosen = jax.lax.top_k(logits, cfg.top_k)
+            weights = jax.nn.sigmoid(top)
         else:
             probs = jax.nn.sigmoid(logits)
             weights, chosen = sigmoid_choice(probs, self.balance_bias[...], cfg.top_k,
@@ -178,6 +190,9 @@ class MoE(nnx.Module):
         tokens = x.reshape(-1, shape[-1])
         chosen, weights, probs, logits = self.route(tokens)
         if (mesh := expert_parallel.current()) is not None:  # experts split over dp
+            if cfg.expert_input_scaled:
+                raise ValueError("expert_input_scaled (Llama 4) does not run under expert "
+                                 "parallelism yet: run without it.")
             y, dropped = expert_parallel.dispatched(self, tokens, chosen, weights, mesh)
         elif cfg.capacity_factor is None:
             y, dropped = self.dropless(tokens, chosen, weights), jnp.zeros((), jnp.float32)
@@ -196,8 +211,11 @@ class MoE(nnx.Module):
         order = jnp.argsort(pairs, stable=True)
         token_of = order // self.cfg.top_k
         group_sizes = jnp.bincount(pairs, length=self.cfg.n_experts).astype(jnp.int32)
-        out = self.experts.grouped(tokens[token_of], group_sizes)
-        out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+        scale = weights.reshape(-1)[order][:, None].astype(tokens.dtype)
+        into = self.cfg.expert_input_scaled  # (Llama 4: the weight scales the input)
+        out = self.experts.grouped(tokens[token_of] * scale if into else tokens[token_of],
+                                   group_sizes)
+        out = out if into else out * scale
         return jnp.zeros_like(tokens).at[token_of].add(out)
 
     def with_capacity(self, tokens, chosen, weights):

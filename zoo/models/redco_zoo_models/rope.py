@@ -194,6 +194,13 @@ def apply_rope(x, positions, rope: Rope, seq_len=None):
     return rotated if dim == x.shape[-1] else jnp.concatenate([rotated, x[..., dim:]], -1)
 
 
+def pairs_as_halves(x):
+    """``x`` (..., D) with features paired (0, 1), (2, 3), ... (DeepSeek's and Llama 4's
+    complex-pair RoPE) laid out as halves (evens, then odds), which ``apply_rope`` turns alike.
+    Queries and keys permuted alike keep every score ``q . k``."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], -1)
+
+
 def segment_lengths(segment_ids):
     """(B, T): the length of each token's document in packed rows (a run of equal ids)."""
     b, n = segment_ids.shape

@@ -179,6 +179,12 @@ TINY_FAMILIES = {  # config.json contents of a tiny model of each family, as tra
         **_MAMBA, num_local_experts=0, shared_intermediate_size=48, mamba_proj_bias=True,
         position_embedding_type="rope", rope_parameters=dict(rope_type="default",
                                                              rope_theta=1e4)),
+    "llama4": dict(  # chunks of 8 on RoPE layers, a NoPE layer with temperature tuning (a
+        _TINY, model_type="llama4_text", head_dim=8, attention_bias=True,  # floor_scale the
+        attention_chunk_size=WINDOW, no_rope_layers=[1, 0, 1], floor_scale=4,  # prompts cross)
+        attn_scale=0.5, interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=16, intermediate_size_mlp=48,
+        rope_parameters=dict(_LLAMA3, factor=8.0)),
     "llama-dynamic": dict(_TINY, model_type="llama", max_position_embeddings=ORIGINAL_CONTEXT,
                           rope_parameters=dict(rope_type="dynamic", factor=2.0,
                                                rope_theta=10000.0)),
