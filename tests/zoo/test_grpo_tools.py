@@ -1,0 +1,145 @@
+"""Multi-turn tool rollouts: the calculator parses calls and rewards final answers; environments
+are a plugin kind (an unknown name refused naming the known); a trajectory keeps the exact
+sampled ids plus the environment's tokens tokenised once (where re-tokenising the text would
+give other ids); the loss is blind to the environment's tokens; real rollouts of a tiny model
+over 8 devices call the tool and train."""
+import jax
+import numpy as np
+import pytest
+from test_grpo import LogitsAreParams
+
+from redco import plugins
+from redco.cli import main
+from redco.protocols import NotRegistered, UsageError
+from redco_zoo_grpo import loss_fn
+from redco_zoo_grpo.environments import Calculator, evaluate, load_environment
+from redco_zoo_grpo.loss import token_logps
+from redco_zoo_grpo.multiturn import Episode, turn_length
+
+TAGS = ["<calc>", "</calc>", "<result>", "</result>"]
+
+
+def bpe_tokenizer():
+    """A BPE tokenizer whose merges make ``3+4`` one token: text the model sampled as ``3``,
+    ``+``, ``4`` re-tokenises to other ids. Ids: pad 0, EOS 1, the tags 2-5, then characters."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+    vocab = {t: i for i, t in enumerate(["<pad>", "<|im_end|>", *TAGS, *"0123456789+-*",
+                                         "3+", "3+4"])}
+    tokenizer = Tokenizer(models.BPE(vocab, [("3", "+"), ("3+", "4")]))
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
+    tokenizer.add_special_tokens([AddedToken("<|im_end|>", special=True)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>",
+                                   pad_token="<pad>"), vocab
+
+
+def test_the_calculator_evaluates_calls_and_rewards_only_the_right_final_answer():
+    assert [evaluate(e) for e in ("3+4", " 2*(3-5) ", "-6*7", "2**10", "1/2", "__import__('os')",
+                                  "3+", "4.5")] == [7, -4, -42, None, None, None, None, None]
+    env = Calculator()
+    env.reset({"prompt": "3+4?", "answer": 7})
+    assert env.step("I will add <calc>3+4</calc>") == ("<result>7</result>", 0.0, False)
+    assert env.step("<calc>3/4</calc>") == ("<result>error</result>", 0.0, False)
+    assert env.step("<calc>3+4</calc> so 7") == (None, 0.0, True)  # not a call: an answer
+    assert env.step(" 7 ") == (None, 1.0, True)
+    assert env.step("8") == (None, 0.0, True)
+    with pytest.raises(UsageError, match=r"column 'answer'; the data's rows have only "
+                                         r"\['prompt'\]"):
+        env.reset({"prompt": "3+4?"})
+
+
+def test_environments_are_a_plugin_kind_and_an_unknown_one_is_refused_naming_the_known():
+    assert load_environment("calculator") is Calculator
+
+    class Echo:
+        stop = ""
+        def reset(self, row): ...
+        def step(self, text): return None, 0.0, True
+
+    class Plugin:
+        @staticmethod
+        @plugins.hookimpl
+        def register_environments(register):
+            register("echo", Echo)
+            register("broken", object)  # no stop, reset, step: refused
+
+    plugins.pm.register(Plugin, name="test-environments")
+    try:
+        with pytest.warns(UserWarning, match="registers environments 'broken' without stop, "
+                                             "reset, step"):
+            assert load_environment("echo") is Echo
+        with pytest.raises(NotRegistered, match=r"No environments named 'calculater'. "
+                                                r"Available: \['calculator', 'echo'\]"):
+            load_environment("calculater")
+    finally:
+        plugins.pm.unregister(name="test-environments")
+
+
+def test_refused_before_anything_loads(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["zoo", "run", "grpo", "--model", str(tmp_path / "missing"), "--train",
+              str(tmp_path / "missing.jsonl"), "--workdir", str(tmp_path / "w"),
+              "--environment", "calculater"])
+    assert "No environments named 'calculater'. Available: ['calculator']" in \
+        capsys.readouterr().err
+
+
+def an_episode():
+    """A calculator episode of two model turns, sampled as ids: ``<calc>3 + 4</calc>`` (3, +, 4
+    apart: not how the tokenizer writes ``3+4``) and what the sampler drew after it (dropped),
+    then ``7`` and the EOS."""
+    tokenizer, v = bpe_tokenizer()
+    env = Calculator()
+    env.reset({"answer": "7"})
+    episode = Episode(env, budget=12)
+    turn1 = np.array([v["<calc>"], v["3"], v["+"], v["4"], v["</calc>"], v["9"], v["9"]])
+    turn2 = np.array([v["7"], 1, v["5"], v["5"], 0, 0, 0])
+    logps = -np.arange(1, 8, dtype=np.float32) / 10
+    for turn in (turn1, turn2):
+        episode.turn(tokenizer, turn, logps, eos_id=1, max_turns=3)
+    return tokenizer, episode, turn1[:5], turn2[:2]
+
+
+def test_a_trajectory_is_the_sampled_ids_and_the_environments_tokens_never_retokenised():
+    tokenizer, episode, said, answered = an_episode()
+    result = tokenizer.encode("<result>7</result>", add_special_tokens=False)
+    assert episode.tokens == [*said, *result, *answered]
+    assert episode.mask == [True] * 5 + [False] * len(result) + [True] * 2
+    assert episode.logps[:5] == pytest.approx([-0.1, -0.2, -0.3, -0.4, -0.5])
+    assert episode.logps[5:] == pytest.approx([0.0] * len(result) + [-0.1, -0.2])
+    assert (episode.done, episode.reward, episode.turns) == (True, 1.0, 2)
+    text = tokenizer.decode(episode.tokens)
+    retokenised = tokenizer.encode(text, add_special_tokens=False)
+    assert retokenised != episode.tokens and len(retokenised) == len(episode.tokens) - 2  # 3+4
+    tokens, logps, mask = episode.arrays(pad_id=0)
+    assert tokens.tolist() == episode.tokens + [0] * 2 and mask.sum() == 7 and len(logps) == 12
+
+
+def test_a_turn_stops_at_the_token_completing_the_tool_calls_end_tag_or_at_its_eos():
+    tokenizer, v = bpe_tokenizer()
+    ids = np.array([v["3"], v["</calc>"], 1, v["4"]])
+    assert turn_length(tokenizer, ids, 1, "</calc>") == 2
+    assert turn_length(tokenizer, ids, 1, "") == 3
+    assert turn_length(tokenizer, np.array([v["3"], v["4"]]), 1, "</calc>") == 2
+
+
+def test_the_loss_is_blind_to_the_environments_tokens():
+    """With logits that are parameters, the loss's gradient is zero on every logit predicting an
+    environment token and non-zero on every model token's; perturbing those logits leaves the
+    loss as it was."""
+    _, episode, _, _ = an_episode()
+    tokens, _, mask = episode.arrays(pad_id=0)
+    batch = {"prompt_ids": np.full((1, 3), 7, np.int32), "prompt_mask": np.ones((1, 3), bool),
+             "tokens": tokens[None], "completion_mask": mask[None],
+             "advantage": np.ones(1, np.float32)}
+    logits = jax.random.normal(jax.random.PRNGKey(0), (1, 3 + 11, 24))
+    batch["old_logps"] = np.asarray(token_logps(LogitsAreParams.apply_fn, logits, batch, 1.0))
+    def value_and_grad(logits):
+        return jax.value_and_grad(lambda p: loss_fn(None, LogitsAreParams, p, batch, True))(logits)
+    loss, grad = value_and_grad(logits)
+    touched = np.abs(np.asarray(grad)).sum(-1)[0, 2:] > 0  # the logits predicting each token
+    assert touched.tolist() == mask.tolist()
+    environment = np.flatnonzero(~mask[:len(episode.tokens)]) + 2
+    moved = logits.at[0, environment].add(5.0 * jax.random.normal(jax.random.PRNGKey(1), (3, 24)))
+    assert float(value_and_grad(moved)[0]) == pytest.approx(float(loss), abs=1e-6)
