@@ -41,6 +41,7 @@ def test_the_calculator_evaluates_calls_and_rewards_only_the_right_final_answer(
     env.reset({"prompt": "3+4?", "answer": 7})
     assert env.step("I will add <calc>3+4</calc>") == ("<result>7</result>", 0.0, False)
     assert env.step("<calc>3/4</calc>") == ("<result>error</result>", 0.0, False)
+    assert env.step("<calc>1 <calc>2*3</calc> ") == ("<result>6</result>", 0.0, False)
     assert env.step("<calc>3+4</calc> so 7") == (None, 0.0, True)  # not a call: an answer
     assert env.step(" 7 ") == (None, 1.0, True)
     assert env.step("8") == (None, 0.0, True)
@@ -83,6 +84,14 @@ def test_refused_before_anything_loads(tmp_path, capsys):
               "--environment", "calculater"])
     assert "No environments named 'calculater'. Available: ['calculator']" in \
         capsys.readouterr().err
+
+
+def python_eval(expression: str) -> str:
+    """Python's value of a sampled call's ``expression`` (digits, ``+``, tags), or error."""
+    try:
+        return str(eval(expression, {"__builtins__": {}}))
+    except Exception:
+        return "error"
 
 
 def an_episode():
@@ -143,3 +152,50 @@ def test_the_loss_is_blind_to_the_environments_tokens():
     environment = np.flatnonzero(~mask[:len(episode.tokens)]) + 2
     moved = logits.at[0, environment].add(5.0 * jax.random.normal(jax.random.PRNGKey(1), (3, 24)))
     assert float(value_and_grad(moved)[0]) == pytest.approx(float(loss), abs=1e-6)
+
+
+def test_real_multi_turn_rollouts_call_the_tool_keep_their_ids_and_train(tmp_path):
+    """A tiny random Llama over 8 devices, 8 prompts x 8 samples (temperature 2) of up to 3
+    turns in 16 tokens: some turns call the calculator; every environment span is exactly its tokenised
+    ``<result>...</result>``, every other id the model's; the sampler's log-probabilities of the
+    model's ids (their contexts holding the environment's ids) are the trainer's forward pass's;
+    an update trains on them."""
+    import optax
+
+    from redco import Deployer, Trainer
+    from redco_zoo_grpo.multiturn import MultiTurnGRPO
+    from redco_zoo_grpo.pipeline import collate_fn, pred_fn, prompt_examples
+    from redco_zoo_grpo.rollout import GRPOConfig
+    from redco_zoo_models import split_model
+    from redco_zoo_models.toy import chat_word_tokenizer, tiny_llama
+    words = ["system", "user", "assistant", "error", *TAGS, *"0123456789", "+"]
+    tokenizer = chat_word_tokenizer(words)
+    tokenizer.add_tokens(TAGS)  # split out of "<result>7</result>" (their ids unchanged)
+    model = tiny_llama(len(tokenizer))
+    rows = [{"prompt": f"{a} + {b}", "answer": str(a + b)} for a, b in zip(range(8), [3, 1] * 4)]
+    (prompts, rows), _ = prompt_examples(tokenizer, (rows, rows[:1]), "prompt", 16)
+    deployer = Deployer(jax_seed=0, workdir=str(tmp_path), verbose=False)
+    apply_fn, params = split_model(model)
+    trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adam(1e-3))
+    grpo = MultiTurnGRPO(trainer, model, tokenizer, pred_fn, None,
+                         GRPOConfig(n_samples=8, max_new_tokens=16, temperature=2.0), per_device_batch_size=4,
+                         make_env=Calculator, max_turns=3)
+    grpo.decide_layout(prompts, 0)
+    samples, metrics = grpo.rollout(prompts, rows, "prompt", 1)
+    calls = 0
+    for s in samples:
+        ids, mask = s["tokens"].tolist(), s["completion_mask"]
+        spans = np.split(np.arange(len(ids)), np.flatnonzero(np.diff(mask.astype(int))) + 1)
+        for span in spans:
+            if not mask[span[0]] and ids[span[0]] != 0:  # the environment's (not padding)
+                said = tokenizer.decode(ids[:span[0]], skip_special_tokens=True)  # as stepped
+                assert said.endswith("</calc>"), said
+                call = said[said.rindex("<calc>") + len("<calc>"):-len("</calc>")]
+                answer = tokenizer.encode(f"<result>{python_eval(call)}</result>",
+                                          add_special_tokens=False)
+                assert [ids[i] for i in span] == answer[:len(span)], (said, span)  # (a cut one)
+                calls += 1
+    assert calls >= 3, calls
+    assert metrics["logprob_gap"] < 1e-4, metrics["logprob_gap"]
+    loss = trainer.train_scanned(samples, 4, range(1))
+    assert np.isfinite(metrics["reward"]), (loss, metrics)

@@ -1,8 +1,8 @@
 """Multi-turn environments (``redco.protocols.Environment``), a plugin kind: a plugin registers
 one with ``register_environments``; ``--environment NAME`` picks it (``load_environment``).
 
-The built-in ``calculator``: the model may call ``<calc>EXPR</calc>`` (integers with ``+ - *``
-and parentheses); its turn stops at ``</calc>`` and the environment answers
+The built-in ``calculator``: the model may end a turn with a call ``<calc>EXPR</calc>``
+(integers with ``+ - *`` and parentheses); its turn stops at ``</calc>`` and the environment answers
 ``<result>VALUE</result>`` (``<result>error</result>`` for what it cannot evaluate), after which
 the model goes on. A turn without a call is the final answer: reward 1 when its text, stripped,
 is the row's ``answer`` column, else 0. The rollout (``multiturn.py``) ends an episode after
@@ -19,19 +19,19 @@ from redco import plugins
 from redco.protocols import Environment, UsageError
 
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
-CALL = re.compile(r"<calc>(.*?)</calc>\s*$", re.DOTALL)
+CALL = re.compile(r"<calc>((?:(?!<calc>).)*)</calc>\s*$", re.DOTALL)  # the last call, ending it
 
 
 def evaluate(expression: str) -> int | None:
-    """The integer value of ``expression`` (integers, ``+ - *``, unary minus, parentheses), or
+    """The integer value of ``expression`` (integers, ``+ - *``, unary signs, parentheses), or
     None for anything else: nothing is executed."""
     def value(node: ast.AST) -> int:
         if isinstance(node, ast.Constant) and type(node.value) is int:
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
             return OPERATORS[type(node.op)](value(node.left), value(node.right))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -value(node.operand)
+        if isinstance(node, ast.UnaryOp) and type(node.op) in (ast.USub, ast.UAdd):
+            return value(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
         raise ValueError(ast.dump(node))
     try:
         return value(ast.parse(expression.strip(), mode="eval").body)
@@ -53,7 +53,7 @@ class Calculator(Environment):
         call = CALL.search(text)
         if call is None:  # the final answer
             return None, float(text.strip() == self.answer), True
-        result = evaluate(call.group(1))
+        result = evaluate(call.group(1))  # after the last <calc>
         return f"<result>{'error' if result is None else result}</result>", 0.0, False
 
 
