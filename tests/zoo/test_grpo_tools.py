@@ -148,9 +148,9 @@ def test_the_loss_is_blind_to_the_environments_tokens():
         return jax.value_and_grad(lambda p: loss_fn(None, LogitsAreParams, p, batch, True))(logits)
     loss, grad = value_and_grad(logits)
     touched = np.abs(np.asarray(grad)).sum(-1)[0, 2:] > 0  # the logits predicting each token
-    assert touched.tolist() == mask.tolist()
-    environment = np.flatnonzero(~mask[:len(episode.tokens)]) + 2
-    moved = logits.at[0, environment].add(5.0 * jax.random.normal(jax.random.PRNGKey(1), (3, 24)))
+    # <calc> 3 + 4 </calc>, then <result> 7 </result> (the environment's), 7 EOS, padding
+    assert touched.tolist() == [True] * 5 + [False] * 3 + [True] * 2 + [False] * 2
+    moved = logits.at[0, 2 + 5:2 + 8].add(5.0 * jax.random.normal(jax.random.PRNGKey(1), (3, 24)))
     assert float(value_and_grad(moved)[0]) == pytest.approx(float(loss), abs=1e-6)
 
 
