@@ -3,6 +3,8 @@ are a plugin kind (an unknown name refused naming the known); a trajectory keeps
 sampled ids plus the environment's tokens tokenised once (where re-tokenising the text would
 give other ids); the loss is blind to the environment's tokens; real rollouts of a tiny model
 over 8 devices call the tool and train."""
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -227,3 +229,30 @@ def test_grpo_learns_to_call_the_tool(tmp_path):
         grpo.trainer.train_scanned(samples, 4, range(round_ - 1, round_))
         rewards.append(metrics["reward"])
     assert np.mean(rewards[:3]) < 0.2 and np.mean(rewards[-3:]) > 1.0, rewards
+
+
+def test_redco_zoo_run_grpo_with_the_calculator_environment(tmp_path, monkeypatch):
+    """``redco zoo run grpo --environment calculator --max_turns 3``: two rounds of multi-turn
+    rollouts and updates from a saved tiny model, their metrics logged, the model saved."""
+    from redco_zoo_models.toy import CHAT_SPECIALS, chat_word_tokenizer, save_model_dir, tiny_llama
+    words = ["system", "user", "assistant", "error", *TAGS, *"0123456789", "+"]
+    tokenizer = chat_word_tokenizer(words)
+    tokenizer.add_tokens(TAGS)
+    save_model_dir(tiny_llama(len(CHAT_SPECIALS) + len(words)), tokenizer._tokenizer,
+                   str(tmp_path / "tiny"))
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    with open(tmp_path / "sums.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": f"{a} + {b}", "answer": str(a + b)}) + "\n"
+                     for a in range(5) for b in range(4))
+    monkeypatch.setenv("REDCO_DEBUG", "1")
+    main(["zoo", "run", "grpo", "--model", str(tmp_path / "tiny"), "--train",
+          str(tmp_path / "sums.jsonl"), "--workdir", str(tmp_path / "run"), "--environment",
+          "calculator", "--max_turns", "3", "--n_rounds", "2", "--prompts_per_round", "4",
+          "--n_samples", "8", "--per_device_batch_size", "4", "--max_new_tokens", "12",
+          "--max_prompt_len", "16", "--temperature", "2.0"])
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    rounds = [r for r in rows if "rollout/reward" in r]
+    assert len(rounds) == 2 and all(r["rollout/logprob_gap"] < 1e-4 for r in rounds), rounds
+    assert sum("train/loss" in r for r in rows) == 2  # 32 samples in minibatches of 32
+    assert (tmp_path / "run" / "model").is_dir()
+    assert all(r["rollout/turns"] > 1 and r["rollout/environment_tokens"] > 0 for r in rounds)

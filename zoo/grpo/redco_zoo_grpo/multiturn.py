@@ -90,8 +90,15 @@ class MultiTurnGRPO(GRPO):
         if not 1 <= max_turns <= MAX_TURNS:
             raise UsageError(f"--max_turns {max_turns}: give 1 to {MAX_TURNS}.")
         self.make_env, self.max_turns = make_env, max_turns
+        self.episodes: dict = {}  # the last completions' episode metrics (rollout)
         self.turn_sampler = self.trainer.get_default_predictor(partial(
             self.pred_fn, model=self.model, n_samples=1, **self.sampling))
+
+    def rollout(self, *args, **kwargs) -> tuple[list[dict], dict]:
+        """``GRPO.rollout``'s, its metrics with the last draw's mean ``turns`` an episode and
+        ``environment_tokens`` a trajectory."""
+        samples, metrics = super().rollout(*args, **kwargs)
+        return samples, dict(metrics, **self.episodes)
 
     def sample_turn(self, predictor, contexts: list[np.ndarray], width: int, seed: int):
         """(M, max_new_tokens) ids and log-probabilities continuing each of ``contexts``
@@ -128,5 +135,8 @@ class MultiTurnGRPO(GRPO):
         tokens, logps, mask = (np.stack(a) for a in zip(*(e.arrays(self.tokenizer.pad_token_id
                                                                     or 0) for e in episodes)))
         texts = [self.tokenizer.decode(e.tokens, skip_special_tokens=True) for e in episodes]
+        self.episodes = {"turns": np.mean([e.turns for e in episodes]),
+                         "environment_tokens": np.mean([len(e.mask) - sum(e.mask)
+                                                        for e in episodes])}
         return dict(tokens=tokens, logps=logps, mask=mask, texts=texts,
                     rewards=np.array([e.reward for e in episodes]))
