@@ -79,13 +79,18 @@ def test_environments_are_a_plugin_kind_and_an_unknown_one_is_refused_naming_the
         plugins.pm.unregister(name="test-environments")
 
 
-def test_refused_before_anything_loads(tmp_path, capsys):
+def test_an_unknown_environment_or_turn_count_is_refused_before_anything_loads(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["zoo", "run", "grpo", "--model", str(tmp_path / "missing"), "--train",
               str(tmp_path / "missing.jsonl"), "--workdir", str(tmp_path / "w"),
               "--environment", "calculater"])
     assert "No environments named 'calculater'. Available: ['calculator']" in \
         capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["zoo", "run", "grpo", "--model", str(tmp_path / "missing"), "--train",
+              str(tmp_path / "missing.jsonl"), "--workdir", str(tmp_path / "w"),
+              "--environment", "calculator", "--max_turns", "0"])
+    assert "--max_turns 0: give 1 to 16." in capsys.readouterr().err
 
 
 def python_eval(expression: str) -> str:

@@ -68,7 +68,8 @@ class Episode:
         observation, reward, done = self.env.step(tokenizer.decode(ids[:n],
                                                                    skip_special_tokens=True))
         self.reward += float(reward)
-        self.done = done or self.turns >= max_turns or len(self.tokens) >= self.budget
+        self.done = (done or observation is None or self.turns >= max_turns
+                     or len(self.tokens) >= self.budget)
         if not self.done:
             self.add(tokenizer.encode(observation, add_special_tokens=False), None, False)
             self.done = len(self.tokens) >= self.budget
@@ -81,14 +82,19 @@ class Episode:
                 np.asarray(self.mask + [False] * pad, bool))
 
 
+def check_max_turns(max_turns: int) -> None:
+    """Refuse a number of turns the rollout's rng scheme (``MAX_TURNS``) does not take."""
+    if not 1 <= max_turns <= MAX_TURNS:
+        raise UsageError(f"--max_turns {max_turns}: give 1 to {MAX_TURNS}.")
+
+
 class MultiTurnGRPO(GRPO):
     """``GRPO`` whose completions are multi-turn episodes with environments ``make_env()``
     (module docstring); samples on ``pred_fn``'s sampler (not the engine)."""
 
     def __init__(self, *args, make_env: Callable[[], Environment], max_turns: int, **kwargs):
         super().__init__(*args, **kwargs)
-        if not 1 <= max_turns <= MAX_TURNS:
-            raise UsageError(f"--max_turns {max_turns}: give 1 to {MAX_TURNS}.")
+        check_max_turns(max_turns)
         self.make_env, self.max_turns = make_env, max_turns
         self.episodes: dict = {}  # the last completions' episode metrics (rollout)
         self.turn_sampler = self.trainer.get_default_predictor(partial(
@@ -138,5 +144,8 @@ class MultiTurnGRPO(GRPO):
         self.episodes = {"turns": np.mean([e.turns for e in episodes]),
                          "environment_tokens": np.mean([len(e.mask) - sum(e.mask)
                                                         for e in episodes])}
-        return dict(tokens=tokens, logps=logps, mask=mask, texts=texts,
-                    rewards=np.array([e.reward for e in episodes]))
+        rewards = np.array([e.reward for e in episodes])
+        if not np.isfinite(rewards).all():
+            raise UsageError(f"The environment {self.make_env!r} gave a reward "
+                             f"{rewards[~np.isfinite(rewards)][0]} in {where}: give finite ones.")
+        return dict(tokens=tokens, logps=logps, mask=mask, texts=texts, rewards=rewards)

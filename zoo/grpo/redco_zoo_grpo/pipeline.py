@@ -31,7 +31,7 @@ from redco import Deployer, Trainer
 from redco.protocols import UsageError
 from redco_zoo_grpo.environments import Calculator, load_environment
 from redco_zoo_grpo.loss import LOSS_TYPES, average, token_logps_and_experts, token_losses
-from redco_zoo_grpo.multiturn import MultiTurnGRPO
+from redco_zoo_grpo.multiturn import MultiTurnGRPO, check_max_turns
 from redco_zoo_grpo.rewards import BUILT_IN, load_reward_fn
 from redco_zoo_grpo.rollout import GRPO, GRPOConfig, left_pad
 from redco_zoo_models import flags, generate, moe_optimizer, runner
@@ -218,6 +218,7 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
                          "give a number of devices.")
     check_decode_degree(run.decode_model_shards)
     make_env = run.environment and load_environment(run.environment)
+    check_max_turns(run.max_turns)
     tokenizer = load_chat_tokenizer(source.model)
     algorithm, reward_fn = run.algorithm, load_reward_fn(run.reward)
     model, _ = runner.load_source(source, seed)

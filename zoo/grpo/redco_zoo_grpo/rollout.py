@@ -125,9 +125,8 @@ class GRPO:
 
     def completions(self, predictor, prompts: list[dict], rows: list[dict], prompt_column: str,
                     round_: int, where: str) -> dict:
-        """The sampler's completions of ``prompts`` (of ``rows``), flat: their ``tokens``,
-        ``logps``, ``mask`` (what the loss counts: ``completion_mask``), ``texts`` and
-        ``rewards`` (``where`` names them in errors)."""
+        """The completions of ``prompts`` (of ``rows``), flat: ``tokens``, ``logps``, ``mask``
+        (what the loss counts), ``texts`` and ``rewards`` (``where`` names them in errors)."""
         if self.engine is not None:
             tokens, logps = self.engine.sample(prompts, round_, greedy=predictor is self.greedy)
         else:
@@ -200,9 +199,8 @@ class GRPO:
         ``more()``: the next prompts and their rows, for dynamic sampling (``round_groups``)."""
         g, c = self.config.n_samples, self.config
         drawn, metrics = self.round_groups(prompts, rows, prompt_column, round_, more)
-        tokens, texts, rewards = drawn["tokens"], drawn["texts"], drawn["rewards"]
+        tokens, texts, rewards, mask = (drawn[k] for k in ("tokens", "texts", "rewards", "mask"))
         advantages = group_advantages(drawn["shaped"].reshape(-1, g), c.loss_type).ravel()
-        mask = drawn["mask"]
         counted = filter_overlong(mask, tokens, self.eos_id) if c.overlong_filter else mask
         samples = [dict(drawn["prompts"][i // g], tokens=tokens[i], completion_mask=counted[i],
                         advantage=np.float32(advantages[i])) for i in range(len(tokens))]
