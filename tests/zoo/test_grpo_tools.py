@@ -191,7 +191,7 @@ def test_real_multi_turn_rollouts_call_the_tool_and_keep_their_ids(tmp_path):
     """8 prompts x 8 samples (temperature 2) of up to 3 turns in 16 tokens: some turns call the
     calculator; every environment span is exactly the tokenised ``<result>`` of Python's value of
     the call; the sampler's log-probabilities of the model's ids (their contexts holding the
-    environment's ids) are the trainer's forward pass's."""
+    environment's ids) are the trainer's forward pass's. An environment's NaN reward is refused."""
     grpo, tokenizer, prompts, rows = calculator_grpo(tmp_path, Calculator, 1e-3, n_samples=8,
                                                      max_new_tokens=16, temperature=2.0)
     samples, metrics = grpo.rollout(prompts, rows, "prompt", 1)
@@ -210,6 +210,13 @@ def test_real_multi_turn_rollouts_call_the_tool_and_keep_their_ids(tmp_path):
                 calls += 1
     assert calls >= 3, calls
     assert metrics["logprob_gap"] < 1e-4, metrics["logprob_gap"]
+
+    class Broken(Calculator):
+        def step(self, text):
+            return None, float("nan"), True
+    grpo.make_env = Broken
+    with pytest.raises(UsageError, match=r"gave a reward nan in round 2's rollouts: give finite"):
+        grpo.rollout(prompts, rows, "prompt", 2)
 
 
 class RewardsCalls(Calculator):
