@@ -15,7 +15,9 @@ environment's, padding after them); ``completion_mask``: 1 exactly on the model'
 loss (``loss.py``, unchanged) counts those alone while the environment's ids are context; its
 reward: the environment's rewards, summed. Every turn samples all rows (those whose episode
 ended are sampled and ignored), so the sampler compiles once: contexts are left-padded to the
-prompt's width plus ``max_new_tokens``.
+prompt's width plus ``max_new_tokens``. The sampler stops a row at its EOS only, so a turn's ids
+after the stop string are drawn and dropped (the log-probabilities of those kept do not depend
+on them); stopping the sampler there, and turns on the engine, are not done yet.
 """
 from __future__ import annotations
 

@@ -13,7 +13,9 @@ the greedy reward on ``--eval`` (or the last 5% of ``--train``) is logged before
 every ``--eval_every_n_rounds`` and after the last. A step checkpoint is written every
 ``--save_every_n_steps`` updates (at the end of the round that reaches it), on SIGTERM (which
 then exits 143) and at the end; a rerun of the same command resumes at the round after the newest.
-``--max_steps`` caps the rounds (a multiple of a round's updates).
+``--max_steps`` caps the rounds (a multiple of a round's updates). ``--environment NAME``
+makes each completion a multi-turn episode with that environment, which rewards it
+(``multiturn.py``, ``environments.py``), of ``--max_turns`` model turns at most.
 """
 from __future__ import annotations
 
