@@ -73,6 +73,13 @@ def register_layout_planners(register):
 
 
 @hookspec
+def register_environments(register):
+    """Called once, when a multi-turn rollout (``redco zoo run grpo --environment NAME``) looks
+    up its environment. Register each ``protocols.Environment`` class (or factory): one is made
+    per trajectory. Returns nothing."""
+
+
+@hookspec
 def register_observers(register):
     """Called once per ``Trainer``, when it is made. Register each observer class: the Trainer
     makes one instance, ``cls(trainer)``, and calls the ``on_*`` hooks it implements on it

@@ -11,6 +11,7 @@ refuses one that misses any, with a warning naming the plugin and the method.
   ``add_arguments``, ``run``);
 * ``register_templates``: the path of an existing directory;
 * ``register_layout_planners``: a ``LayoutPlanner`` (``plan``);
+* ``register_environments``: an ``Environment`` class or factory (``stop``, ``reset``, ``step``);
 * ``register_observers``: a class (or factory) called as ``cls(trainer)`` once per ``Trainer``,
   whose instance implements lifecycle hooks (``redco/hookspecs.py``; ``redco/observers/``).
 """
@@ -201,6 +202,24 @@ class LayoutPlanner:
         raise NotImplementedError
 
 
+class Environment:
+    """A multi-turn environment: the model's turns end at ``stop`` (a tool call's end tag) or at
+    its end of turn; one instance per trajectory, made without arguments.
+
+    * ``reset(row)``: a new episode for the data row ``row`` (a dict: its prompt and columns).
+    * ``step(text) -> (observation, reward, done)``: ``text`` is the model's last turn, decoded;
+      ``observation`` the environment's text appended after it (tokenised once, never counted
+      by the loss), None when ``done``; ``reward`` a number, summed over the episode.
+    """
+    stop: str = ""
+
+    def reset(self, row: dict) -> None:
+        raise NotImplementedError
+
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        raise NotImplementedError
+
+
 # kind (the hook's name without register_) -> the methods a registered thing must have
 REQUIRED = {
     "sharding_rules": ("__call__",),
@@ -210,6 +229,7 @@ REQUIRED = {
     "zoo_pipelines": ("description", "add_arguments", "run"),
     "commands": ("description", "add_arguments", "run"),
     "layout_planners": ("plan",),
+    "environments": ("stop", "reset", "step"),
 }
 
 

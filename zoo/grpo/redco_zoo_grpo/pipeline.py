@@ -13,7 +13,9 @@ the greedy reward on ``--eval`` (or the last 5% of ``--train``) is logged before
 every ``--eval_every_n_rounds`` and after the last. A step checkpoint is written every
 ``--save_every_n_steps`` updates (at the end of the round that reaches it), on SIGTERM (which
 then exits 143) and at the end; a rerun of the same command resumes at the round after the newest.
-``--max_steps`` caps the rounds (a multiple of a round's updates).
+``--max_steps`` caps the rounds (a multiple of a round's updates). ``--environment NAME``
+makes each completion a multi-turn episode with that environment, which rewards it
+(``multiturn.py``, ``environments.py``), of ``--max_turns`` model turns at most.
 """
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ import optax
 import redco
 from redco import Deployer, Trainer
 from redco.protocols import UsageError
+from redco_zoo_grpo.environments import Calculator, load_environment
 from redco_zoo_grpo.loss import LOSS_TYPES, average, token_logps_and_experts, token_losses
+from redco_zoo_grpo.multiturn import MultiTurnGRPO, check_max_turns
 from redco_zoo_grpo.rewards import BUILT_IN, load_reward_fn
 from redco_zoo_grpo.rollout import GRPO, GRPOConfig, left_pad
 from redco_zoo_models import flags, generate, moe_optimizer, runner
@@ -101,6 +105,8 @@ class GRPORun:
     decode_model_shards: int | str | None = "auto"
     n_rounds: int | None = None
     eval_every_n_rounds: int = 10
+    environment: str | None = None
+    max_turns: int = 3
 
 
 def add_grpo_arguments(parser) -> None:
@@ -147,6 +153,11 @@ def add_grpo_arguments(parser) -> None:
         "gathers the weights again)")
     add("--n_rounds", type=int, help="default: --n_epochs passes over the prompts")
     add("--eval_every_n_rounds", type=int, default=run.eval_every_n_rounds)
+    add("--environment", default=None, help="multi-turn rollouts with this environment (a "
+        "registered plugin; built-in: calculator), rewarded by it (--reward unused): "
+        "multiturn.py; sampled by pred_fn's sampler, not the engine")
+    add("--max_turns", type=int, default=run.max_turns, help="--environment: the model's turns "
+        "in an episode, at most (--max_new_tokens bounds all its tokens, the environment's too)")
 
 
 def decode_degree(text: str) -> int | str | None:
@@ -208,13 +219,17 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
                          "size before anything trains, so the layout planner cannot pick it yet; "
                          "give a number of devices.")
     check_decode_degree(run.decode_model_shards)
+    make_env = run.environment and load_environment(run.environment)
+    check_max_turns(run.max_turns)
     tokenizer = load_chat_tokenizer(source.model)
     algorithm, reward_fn = run.algorithm, load_reward_fn(run.reward)
     model, _ = runner.load_source(source, seed)
     prompts, held_out = prompt_examples(tokenizer, runner.split_eval(
         config.data, {"--prompt_column": run.prompt_column}), run.prompt_column,
         run.max_prompt_len, run.chat_template_kwargs)
-    check_context(model, len(prompts[0][0]["prompt_ids"]), algorithm.max_new_tokens)
+    turns_context = algorithm.max_new_tokens if make_env else 0  # a turn's context: the trajectory
+    check_context(model, len(prompts[0][0]["prompt_ids"]) + turns_context,
+                  algorithm.max_new_tokens)
     deployer = runner.deployer_of(config)
     n_rounds = rounds_of(run, loop, deployer, len(prompts[0]))
     apply_fn, params, trainable = runner.split_for_training(model, config.lora, seed, deployer)
@@ -226,7 +241,10 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
     trainer = Trainer(deployer, collate_fn, apply_fn, partial(loss_fn, **algorithm.loss_kwargs()),
                       params, optimizer, lr_schedule_fn=lr, trainable=trainable)
     grpo = GRPO(trainer, model, tokenizer, pred_fn, reward_fn, algorithm,
-                loop.per_device_batch_size, run.engine_rows, run.decode_model_shards)
+                loop.per_device_batch_size, run.engine_rows, run.decode_model_shards) \
+        if not make_env else MultiTurnGRPO(
+            trainer, model, tokenizer, pred_fn, reward_fn, algorithm, loop.per_device_batch_size,
+            make_env=make_env, max_turns=run.max_turns)
     rewards = grpo.train(prompts, held_out, run.prompt_column, n_rounds, run.prompts_per_round,
                          run.eval_every_n_rounds, seed, save_every_n_steps=loop.save_every_n_steps)
     runner.save_trained(trainer, model, source.model)
@@ -248,6 +266,11 @@ class GRPOPipeline:
 @redco.hookimpl
 def register_zoo_pipelines(register):
     register("grpo", GRPOPipeline())
+
+
+@redco.hookimpl(trylast=True)
+def register_environments(register):
+    register("calculator", Calculator)
 
 
 @redco.hookimpl

@@ -105,6 +105,7 @@ class GRPO:
         self.eos_id = stop_token_id(tokenizer)  # the end of the assistant's turn
         sampling = dict(config.sampling(), eos_token_id=self.eos_id,
                         pad_token_id=tokenizer.pad_token_id or 0)
+        self.pred_fn, self.sampling = pred_fn, sampling
         self.sampler = trainer.get_default_predictor(partial(
             pred_fn, model=model, n_samples=config.n_samples, **sampling))
         self.greedy = trainer.get_default_predictor(partial(
@@ -122,8 +123,10 @@ class GRPO:
         self.prompts: PromptStream | None = None  # the training prompts' order (train)
         self.shown: list[dict] = []  # the last round's first completions (write_samples)
 
-    def completions(self, predictor, prompts: list[dict], round_: int):
-        """``(tokens, logps, texts)``: the sampler's completions of ``prompts``, flat."""
+    def completions(self, predictor, prompts: list[dict], rows: list[dict], prompt_column: str,
+                    round_: int, where: str) -> dict:
+        """The completions of ``prompts`` (of ``rows``), flat: ``tokens``, ``logps``, ``mask``
+        (what the loss counts), ``texts`` and ``rewards`` (``where`` names them in errors)."""
         if self.engine is not None:
             tokens, logps = self.engine.sample(prompts, round_, greedy=predictor is self.greedy)
         else:
@@ -136,7 +139,8 @@ class GRPO:
         mask = completion_mask(tokens, self.eos_id)
         texts = self.tokenizer.batch_decode(np.where(mask, tokens, self.eos_id),
                                             skip_special_tokens=True)
-        return tokens, logps, texts
+        return dict(tokens=tokens, logps=logps, mask=mask, texts=texts,
+                    rewards=self.rewards(rows, texts, prompt_column, where))
 
     def rewards(self, rows: list[dict], texts: list[str], prompt_column: str,
                 where: str) -> np.ndarray:
@@ -152,13 +156,13 @@ class GRPO:
         of its own: ``DRAW_STRIDE``), their rewards, and those with DAPO's length penalty
         (``shaped``: the rewards themselves without an ``overlong_buffer``)."""
         c = self.config
-        tokens, logps, texts = self.completions(self.sampler, prompts, round_ + draw * DRAW_STRIDE)
-        rewards = shaped = self.rewards(rows, texts, prompt_column, f"round {round_}'s rollouts")
+        out = self.completions(self.sampler, prompts, rows, prompt_column,
+                               round_ + draw * DRAW_STRIDE, f"round {round_}'s rollouts")
+        shaped = out["rewards"]
         if c.overlong_buffer:
-            lengths = completion_mask(tokens, self.eos_id).sum(1)
-            shaped = rewards + soft_overlong_penalty(lengths, c.max_new_tokens, c.overlong_buffer)
-        return dict(prompts=prompts, rows=rows, tokens=tokens, logps=logps, texts=texts,
-                    rewards=rewards, shaped=shaped)
+            shaped = shaped + soft_overlong_penalty(out["mask"].sum(1), c.max_new_tokens,
+                                                    c.overlong_buffer)
+        return dict(prompts=prompts, rows=rows, shaped=shaped, **out)
 
     def round_groups(self, prompts: list[dict], rows: list[dict], prompt_column: str,
                      round_: int, more: Callable | None = None) -> tuple[dict, dict]:
@@ -195,9 +199,8 @@ class GRPO:
         ``more()``: the next prompts and their rows, for dynamic sampling (``round_groups``)."""
         g, c = self.config.n_samples, self.config
         drawn, metrics = self.round_groups(prompts, rows, prompt_column, round_, more)
-        tokens, texts, rewards = drawn["tokens"], drawn["texts"], drawn["rewards"]
+        tokens, texts, rewards, mask = (drawn[k] for k in ("tokens", "texts", "rewards", "mask"))
         advantages = group_advantages(drawn["shaped"].reshape(-1, g), c.loss_type).ravel()
-        mask = completion_mask(tokens, self.eos_id)
         counted = filter_overlong(mask, tokens, self.eos_id) if c.overlong_filter else mask
         samples = [dict(drawn["prompts"][i // g], tokens=tokens[i], completion_mask=counted[i],
                         advantage=np.float32(advantages[i])) for i in range(len(tokens))]
@@ -233,8 +236,8 @@ class GRPO:
 
     def greedy_reward(self, prompts: list[dict], rows: list[dict], prompt_column: str) -> float:
         """The mean reward of the greedy completion of each prompt."""
-        _, _, texts = self.completions(self.greedy, prompts, 0)
-        return float(self.rewards(rows, texts, prompt_column, "the greedy completions").mean())
+        return float(self.completions(self.greedy, prompts, rows, prompt_column, 0,
+                                      "the greedy completions")["rewards"].mean())
 
     def decide_layout(self, prompts: list[dict], seed: int) -> None:
         """Fix the trainer's layout (and place its params) before the first rollout samples on
