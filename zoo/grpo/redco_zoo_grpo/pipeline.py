@@ -109,6 +109,13 @@ class GRPORun:
     max_turns: int = 3
 
 
+def add_switch(add, name: str, help: str) -> None:
+    """``--name`` and ``--no_name`` setting ``name`` to True or False (None when neither is
+    given: the loss's default)."""
+    add(f"--{name}", dest=name, action="store_const", const=True, default=None, help=help)
+    add(f"--no_{name}", dest=name, action="store_const", const=False, help=f"turn --{name} off")
+
+
 def add_grpo_arguments(parser) -> None:
     """GRPO's own flags (``GRPORun``'s, its ``GRPOConfig``'s among them)."""
     add, run, algo = parser.add_argument, GRPORun, GRPOConfig
@@ -130,12 +137,12 @@ def add_grpo_arguments(parser) -> None:
     add("--clip_low", type=float, default=algo.clip_low, help="default: the --loss's")
     add("--clip_high", type=float, default=algo.clip_high, help="default: the --loss's (DAPO's "
         "clip-higher 0.28)")
-    add("--dynamic_sampling", action=argparse.BooleanOptionalAction, default=None, help="DAPO's: "
-        "drop groups whose rewards are all equal, draw more prompts (default: on under dapo)")
+    add_switch(add, "dynamic_sampling", "DAPO's: drop groups whose rewards are all equal, draw "
+               "more prompts (default: on under dapo)")
     add("--max_sampling_draws", type=int, default=algo.max_sampling_draws, help="dynamic "
         "sampling's draws of --prompts_per_round prompts a round, at most")
-    add("--overlong_filter", action=argparse.BooleanOptionalAction, default=None, help="DAPO's: "
-        "completions cut at --max_new_tokens count for nothing (default: on under dapo)")
+    add_switch(add, "overlong_filter", "DAPO's: completions cut at --max_new_tokens count for "
+               "nothing (default: on under dapo)")
     add("--overlong_buffer", type=int, default=algo.overlong_buffer, help="DAPO's soft overlong "
         "punishment over the last this many tokens: down to -1 at --max_new_tokens (0: off)")
     add("--beta", type=float, default=algo.beta, help="weight of the KL penalty to the "
