@@ -151,20 +151,24 @@ def test_stop_tokens_end_a_sample_and_free_its_row_for_the_next():
     assert past.tokens == expected and past.finish_reason == "length"  # ran past the EOS
 
 
-def test_warm_up_compiles_every_shape_a_request_can_meet():
+@pytest.mark.parametrize("reading", [{}, dict(prefill_chunk=16, prefix_caching=True)])
+def test_warm_up_compiles_every_shape_a_request_can_meet(reading):
     """After ``warm_up``, requests of every prompt length, sample count and arrival order
-    (decode steps over every span of slots: the longest runs to ``max_len``) compile nothing."""
+    (decode steps over every span of slots: the longest runs to ``max_len``) compile nothing;
+    nor do chunks read from any slot, after a cached prefix or not."""
     model = model_of("llama-3.1")
-    engine = Engine(model, nnx.state(model, nnx.Param), max_seqs=3, max_len=32)
+    engine = Engine(model, nnx.state(model, nnx.Param), max_seqs=3, max_len=32, **reading)
     shapes = engine.warm_up()
     compiled = lambda: engine._decode._cache_size() + engine._prefill._cache_size()  # noqa: E731
     assert compiled() == shapes
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(1, 64, n)) for n in (1, 2, 5, 9, 16, 17, 30)]
+    prompts += [prompts[-1][:16] + [1, 2], prompts[-1][:29]]  # (prefixes of 16 tokens)
     for n in (1, 2, 3):
         run_staggered(engine, prompts, Sampling(max_tokens=2, n=n, temperature=1.0))
     engine.generate(prompts[:3] * 3, Sampling(max_tokens=32 - 5))  # all at once, to the end
     assert compiled() == shapes
+    assert engine.prefix_stats.get("hits", 1) > 0
 
 
 def test_requests_that_cannot_fit_are_refused_before_running():
