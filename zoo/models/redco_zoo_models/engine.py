@@ -5,11 +5,14 @@ every decode step, on any zoo decoder (``model.init_cache`` and ``model.decode``
 The engine holds one key/value cache of ``max_seqs`` rows of ``max_len`` slots; each running
 sequence owns a row. A ``step``:
 
-1. **admit**: waiting requests take free rows, first come first served. Their prompts (up to
-   ``MAX_PREFILL`` a step; the rest wait a step while the running rows decode) are read
-   together, once each (one prefill, right-padded to powers of two so that few shapes
-   compile), and each prompt's cache row is copied to each of its ``n`` samples' rows: G
-   samples of one prompt share its prefill.
+1. **admit**: waiting requests take free rows, first come first served, and their prompts
+   are read (up to ``MAX_PREFILL`` at a time; the rest wait while the running rows decode):
+   together, in one prefill right-padded to powers of two (so that few shapes compile), each
+   into its first row from the slot its row already holds (``engine_reading``): a prompt
+   longer than ``prefill_chunk`` is read a chunk a step, and with ``prefix_caching`` a prompt
+   starts after a cached prefix (``prefix_cache``) copied from another row. A prompt read
+   whole is copied to each of its ``n`` samples' rows: G samples of one prompt share its
+   prefill.
 2. **decode**: every row's next token at once, each at its own slot (the model's ``decode``
    given a (B,) ``cache_index``: ``redco_zoo_models.attention``) and sampled with its own
    request's temperature, top-k, top-p and key (``fold_in(PRNGKey(seed), sample)``, then the
@@ -38,7 +41,6 @@ request is: ``requests.py``; how many rows fit a device and where the cache live
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 from collections import deque
@@ -51,37 +53,13 @@ import numpy as np
 from flax import nnx
 
 from redco_zoo_models.engine_memory import cache_sharding, rows_sharding, vocab_size
+from redco_zoo_models.engine_reading import MIN_BUCKET, Reading, check_reading, chunk_batch
 from redco_zoo_models.engine_steps import decode_rows, prefill_rows, slotted_leaves
 from redco_zoo_models.prefix_cache import PrefixCache
 from redco_zoo_models.requests import Request, Sampling
 
-MIN_BUCKET = 16  # the shortest prefill shape
 MAX_PREFILL = 8  # prompts read per step at most: the rest wait a step, decoding goes on
 MIN_SPAN = 16  # the fewest slots a decode step reads; then x4 (few shapes) up to max_len
-
-
-@dataclasses.dataclass(eq=False)
-class Reading:
-    """A prompt being read into its rows, a chunk a step: ``read`` of its tokens are in its
-    first row (after ``donor``'s copy, if one is due, of a cached prefix)."""
-    request: Request
-    rows: list[int]
-    read: int = 0
-    donor: int | None = None
-
-
-def check_reading(slotted, prefill_chunk: int | None, prefix_caching: bool) -> None:
-    """Refuse a ``prefill_chunk`` that is no power of two >= ``MIN_BUCKET``, and prefix caching
-    on a model with recurrent layers."""
-    if prefill_chunk is not None and (prefill_chunk < MIN_BUCKET or
-                                      prefill_chunk & (prefill_chunk - 1)):
-        raise ValueError(f"prefill_chunk={prefill_chunk}: give a power of two >= {MIN_BUCKET} "
-                         "(chunks are padded to powers of two), or None to read prompts whole.")
-    if prefix_caching and not all(jax.tree.leaves(slotted)):
-        raise ValueError("prefix_caching needs a key and value per slot in every layer's cache; "
-                         "this model's recurrent layers (Gated DeltaNet, Mamba2) hold one state "
-                         "a row, which a prefix's slots cannot restart: leave prefix_caching off "
-                         "(chunked prefill works on them).")
 
 
 class Engine:
@@ -317,31 +295,13 @@ class Engine:
         self.row_keys[targets[:n_rows]] = np.asarray(self._keys(seeds, samples))[:n_rows]
 
     def _read_prompts(self) -> None:
-        """The next chunk (``self.chunk`` tokens at most) of every prompt being read, in one
-        prefill, right-padded to powers of two (their number and the longest chunk), after its
-        cached prefix's copy; a prompt read whole is copied to its other samples' rows."""
+        """The next chunk of every prompt being read, in one prefill (``chunk_batch``); a
+        prompt read whole starts decoding, and with prefix caching its rows are held."""
         chunks = [r.request.prompt[r.read:r.read + self.chunk] for r in self.reading]
-        ids = np.zeros((1 << (len(chunks) - 1).bit_length(), self._width(max(map(len, chunks)))),
-                       np.int32)
-        lengths, starts = np.ones(len(ids), np.int32), np.zeros(len(ids), np.int32)
-        rows, copies = np.full(len(ids), self.max_seqs, np.int32), np.zeros((4, self.max_seqs),
-                                                                            np.int32)
-        n_copies, done = np.zeros(2, np.int32), []
-        for i, (r, chunk) in enumerate(zip(self.reading, chunks)):
-            ids[i, :len(chunk)], lengths[i], starts[i], rows[i] = chunk, len(chunk), r.read, \
-                r.rows[0]
-            if r.donor is not None:
-                copies[:2, n_copies[0]], r.donor = (r.donor, r.rows[0]), None
-                n_copies[0] += 1
-            r.read += len(chunk)
-            if r.read == len(r.request.prompt):
-                done.append(r)
-                for row in r.rows[1:]:
-                    copies[2:, n_copies[1]] = r.rows[0], row
-                    n_copies[1] += 1
+        *arrays, done = chunk_batch(self.reading, chunks, self._width(max(map(len, chunks))),
+                                    self.max_seqs)
         self.cache, self.key_valid, self.logits = self._prefill(
-            self.params, self.cache, self.key_valid, self.logits, ids, lengths, starts, rows,
-            copies, n_copies)
+            self.params, self.cache, self.key_valid, self.logits, *arrays)
         self.reading = [r for r in self.reading if r not in done]
         for r in done:
             for row in r.rows if self.prefix is not None else ():
