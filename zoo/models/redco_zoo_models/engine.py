@@ -65,7 +65,9 @@ MIN_SPAN = 16  # the fewest slots a decode step reads; then x4 (few shapes) up t
 class Engine:
     """Continuous batching over ``model`` with weights ``params`` (``nnx.split``'s params, placed
     as they are: on one device or sharded over ``mesh``, whose ``dp`` axis then splits the
-    cache's rows and ``mp`` its key/value heads where they divide)."""
+    cache's rows and ``mp`` its key/value heads where they divide). ``prefill_chunk`` (a power
+    of two >= 16): prompt tokens read a step at most (None: a prompt at once);
+    ``prefix_caching``: prompts start after the longest cached prefix (``prefix_stats``)."""
 
     def __init__(self, model: nnx.Module, params: Any, *, max_seqs: int = 8,
                  max_len: int = 256, eos_token_ids: tuple[int, ...] = (),
