@@ -70,6 +70,11 @@ def test_prefix_hits_equal_generate_and_the_uncached_engine():
     assert short.samples[0].tokens == one_at_a_time(model, params, SHORT, 20)[0]
     assert engine.prefix_stats == {"hits": 3, "misses": 2, "tokens_reused": 3 * 32,
                                    "tokens_read": 43 + 3 + (43 - 32) + (45 - 32) + (38 - 32)}
+    together = [LONG[:40] + [1, 2], LONG[:40] + [3, 4]]  # the second waits for the first
+    for prompt, request in zip(together, engine.generate(together, Sampling(NEW))):
+        expected, logprobs = one_at_a_time(model, params, prompt, NEW)
+        same(request, expected, logprobs)
+    assert engine.prefix_stats["hits"] == 4 and engine.prefix_stats["misses"] == 3
 
 
 def test_new_weights_forget_the_cached_prefixes():

@@ -254,16 +254,21 @@ class Engine:
     def _admit(self) -> None:
         """Waiting requests take free rows (first come first served, ``MAX_PREFILL`` prompts
         read at a time): with prefix caching, a cached prefix's row is taken if free (else its
-        slots are copied), other rows least recently freed first."""
+        slots are copied), other rows least recently freed first; a request that shares more
+        with a prompt still being read than with any held waits until that one is held."""
         free, admitted = self._free_rows(), []
         while self.waiting and len(free) >= self.waiting[0].sampling.n and \
                 len(self.reading) < MAX_PREFILL:
+            request = self.waiting[0]
+            donor, read = self.prefix.match(request.prompt) if self.prefix else (None, 0)
+            if self.prefix is not None and not request.cancelled and self.prefix.shared(
+                    request.prompt, [r.request.prompt for r in self.reading]) > read:
+                break
             with self._wake:
-                request = self.waiting.popleft()
+                self.waiting.popleft()
             if request.cancelled:
                 self._end(request, "cancelled")
                 continue
-            donor, read = self.prefix.match(request.prompt) if self.prefix else (None, 0)
             rows = ([donor] if donor in free else []) + [r for r in free if r != donor]
             rows = rows[:request.sampling.n]
             free = [r for r in free if r not in rows]

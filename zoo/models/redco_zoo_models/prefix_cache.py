@@ -68,6 +68,15 @@ class PrefixCache:
                     return row, n
         return None, 0
 
+    def shared(self, prompt: list[int], others: list[list[int]]) -> int:
+        """The most tokens, in whole blocks leaving one of ``prompt`` to read, that ``prompt``
+        shares with the start of any of ``others`` (prompts being read, not yet held)."""
+        keys, best = self.keys(prompt[:len(prompt) - 1]), 0
+        for other in others:
+            same = [a == b for a, b in zip(keys, self.keys(other))] + [False]
+            best = max(best, same.index(False))
+        return best * self.block
+
     def count(self, reused: int, read: int) -> None:
         """One request admitted: ``reused`` tokens copied, ``read`` left to read."""
         self.stats["hits" if reused else "misses"] += 1
