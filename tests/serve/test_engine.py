@@ -60,7 +60,10 @@ def test_greedy_equals_generate_as_requests_come_and_go(family):
     assert engine.rows == [None] * 3  # every row freed
 
 
-def test_sharded_engine_answers_as_one_device():
+@pytest.mark.parametrize("reading", [{}, dict(prefill_chunk=16, prefix_caching=True)])
+def test_sharded_engine_answers_as_one_device(reading):
+    """Also with prompts read 16 tokens a step and prefixes copied between rows split over dp
+    (the longest prompt asked first and last: a hit)."""
     model = model_of("qwen3-moe")
     params = nnx.state(model, nnx.Param)
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=None, verbose=False)
@@ -68,11 +71,13 @@ def test_sharded_engine_answers_as_one_device():
     sharded = jax.device_put(params, deployer.get_params_shardings(params, rules))
     assert any(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
                for x in jax.tree.leaves(sharded))
-    engine = Engine(model, sharded, max_seqs=4, max_len=32, mesh=deployer.mesh)
+    engine = Engine(model, sharded, max_seqs=4, max_len=32, mesh=deployer.mesh, **reading)
     assert engine.cache[0]["k"].sharding.spec[0] == "dp"
-    requests = run_staggered(engine, PROMPTS, Sampling(max_tokens=NEW))
-    for prompt, request in zip(PROMPTS, requests):
+    prompts = PROMPTS[-1:] + PROMPTS  # (the first one read before its repeat comes)
+    requests = run_staggered(engine, prompts, Sampling(max_tokens=NEW))
+    for prompt, request in zip(prompts, requests):
         assert request.samples[0].tokens == one_at_a_time(model, params, prompt)[0]
+    assert engine.prefix_stats.get("hits", 1) == 1
 
 
 def test_a_seeded_request_samples_the_same_whatever_runs_beside_it():
@@ -151,20 +156,24 @@ def test_stop_tokens_end_a_sample_and_free_its_row_for_the_next():
     assert past.tokens == expected and past.finish_reason == "length"  # ran past the EOS
 
 
-def test_warm_up_compiles_every_shape_a_request_can_meet():
+@pytest.mark.parametrize("reading", [{}, dict(prefill_chunk=16, prefix_caching=True)])
+def test_warm_up_compiles_every_shape_a_request_can_meet(reading):
     """After ``warm_up``, requests of every prompt length, sample count and arrival order
-    (decode steps over every span of slots: the longest runs to ``max_len``) compile nothing."""
+    (decode steps over every span of slots: the longest runs to ``max_len``) compile nothing;
+    nor do chunks read from any slot, after a cached prefix or not."""
     model = model_of("llama-3.1")
-    engine = Engine(model, nnx.state(model, nnx.Param), max_seqs=3, max_len=32)
+    engine = Engine(model, nnx.state(model, nnx.Param), max_seqs=3, max_len=32, **reading)
     shapes = engine.warm_up()
     compiled = lambda: engine._decode._cache_size() + engine._prefill._cache_size()  # noqa: E731
     assert compiled() == shapes
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(1, 64, n)) for n in (1, 2, 5, 9, 16, 17, 30)]
+    prompts += [prompts[-1][:16] + [1, 2], prompts[-1][:29]]  # (prefixes of 16 tokens)
     for n in (1, 2, 3):
         run_staggered(engine, prompts, Sampling(max_tokens=2, n=n, temperature=1.0))
     engine.generate(prompts[:3] * 3, Sampling(max_tokens=32 - 5))  # all at once, to the end
     assert compiled() == shapes
+    assert engine.prefix_stats.get("hits", 1) > 0
 
 
 def test_requests_that_cannot_fit_are_refused_before_running():

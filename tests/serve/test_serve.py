@@ -107,7 +107,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    server = Server(model_dir)
+    """Prompts read 16 tokens a step, cached prefixes reused (what a plain server does: the
+    SIGTERM test's)."""
+    server = Server(model_dir, "--prefill_chunk", "16", "--prefix_caching")
     yield server
     server.close()
 
@@ -139,7 +141,26 @@ PROMPTS = ["the cat sat on", "a mat and then it", "it ran off the mat and the ca
 def test_models_and_health_list_what_is_served(server):
     assert [m.id for m in server.client.models.list().data] == ["tiny-chat"]
     import httpx
-    assert httpx.get(server.url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
+    health = httpx.get(server.url.removesuffix("/v1") + "/health").json()
+    assert health["status"] == "ok" and set(health["prefix_cache"]) == {
+        "hits", "misses", "tokens_reused", "tokens_read"}
+
+
+def test_a_prompt_sharing_a_cached_prefix_answers_as_generate(server, reference):
+    """A 24-word prompt, then one sharing its first 20 words: the second copies a block of 16
+    tokens from the first's row (a hit in /health) and answers as ``generate`` does."""
+    import httpx
+    health = lambda: httpx.get(server.url.removesuffix("/v1") + "/health").json()  # noqa: E731
+    words = (STORY * 2)[:24]
+    before = health()["prefix_cache"]
+    for prompt in (" ".join(words), " ".join(words[:20] + ["the", "cat"])):
+        expected, _ = reference(reference.tokenizer(prompt)["input_ids"], 12)
+        answer = server.client.completions.create(model="tiny-chat", prompt=prompt,
+                                                  max_tokens=12, temperature=0)
+        assert answer.choices[0].text == expected
+    after = health()["prefix_cache"]
+    assert after["hits"] == before["hits"] + 1
+    assert after["tokens_reused"] - before["tokens_reused"] == 16
 
 
 @pytest.mark.parametrize("stream", [False, True])

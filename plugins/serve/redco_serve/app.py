@@ -98,7 +98,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, eos_ids: tuple[int, ..
     prompts' log-probabilities and each place's alternatives (``echo``, ``logprobs`` > 0)."""
 
     async def health(request: Request):
-        return JSONResponse({"status": "ok"})
+        stats = {"prefix_cache": engine.prefix_stats} if engine.prefix is not None else {}
+        return JSONResponse({"status": "ok", **stats})
 
     async def models(request: Request):
         return JSONResponse({"object": "list", "data": [

@@ -35,6 +35,13 @@ class ServeCommand(Command):
         parser.add_argument("--n_model_shards", type=int, default=1,
                             help="devices each replica's weights are split over (tensor parallel)")
         parser.add_argument("--cache_dtype", choices=["float32", "bfloat16"], default="float32")
+        parser.add_argument("--prefill_chunk", type=int, help="read a longer prompt this many "
+                            "tokens a step (a power of two >= 16), the running sequences "
+                            "decoding between chunks (default: a prompt at once)")
+        parser.add_argument("--prefix_caching", action="store_true", help="a prompt that starts "
+                            "with a cached prompt's blocks of 16 tokens copies their keys and "
+                            "values instead of reading them (counters: /health); not on "
+                            "recurrent models")
 
     def run(self, args: argparse.Namespace) -> None:
         import uvicorn
@@ -65,6 +72,8 @@ class ServeCommand(Command):
             uvicorn.Server(config).run(sockets=[sock])
         finally:
             engine.stop()
+        if engine.prefix is not None:
+            print(f"redco serve: prefix cache {engine.prefix_stats}", flush=True)
         how = f" on {signal.Signals(signals[0]).name}" if signals else ""
         print(f"redco serve: stopped{how} after finishing the requests in flight", flush=True)
 
@@ -100,9 +109,12 @@ def start_engine(args: argparse.Namespace):
         model, params, args.max_len, usable_bytes(memory_of(deployer)), cache_dtype,
         deployer.mesh)
     print(f"redco serve: {max_seqs} sequences of {args.max_len} tokens at once", flush=True)
-    engine = Engine(model, params, max_seqs=max_seqs, max_len=args.max_len,
-                    eos_token_ids=eos, cache_dtype=cache_dtype,
-                    mesh=deployer.mesh)
+    try:
+        engine = Engine(model, params, max_seqs=max_seqs, max_len=args.max_len,
+                        eos_token_ids=eos, cache_dtype=cache_dtype, mesh=deployer.mesh,
+                        prefill_chunk=args.prefill_chunk, prefix_caching=args.prefix_caching)
+    except ValueError as e:  # (a chunk that is no power of two; prefixes on a recurrent model)
+        raise UsageError(f"--prefill_chunk / --prefix_caching: {e}") from e
     shapes = engine.warm_up()  # every shape compiled before serving: no request waits on one
     print(f"redco serve: compiled {shapes} step shapes", flush=True)
     return engine.start(), Scorer(model, params, args.max_len), tokenizer, eos

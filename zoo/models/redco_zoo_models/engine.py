@@ -5,11 +5,14 @@ every decode step, on any zoo decoder (``model.init_cache`` and ``model.decode``
 The engine holds one key/value cache of ``max_seqs`` rows of ``max_len`` slots; each running
 sequence owns a row. A ``step``:
 
-1. **admit**: waiting requests take free rows, first come first served. Their prompts (up to
-   ``MAX_PREFILL`` a step; the rest wait a step while the running rows decode) are read
-   together, once each (one prefill, right-padded to powers of two so that few shapes
-   compile), and each prompt's cache row is copied to each of its ``n`` samples' rows: G
-   samples of one prompt share its prefill.
+1. **admit**: waiting requests take free rows, first come first served, and their prompts
+   are read (up to ``MAX_PREFILL`` at a time; the rest wait while the running rows decode):
+   together, in one prefill right-padded to powers of two (so that few shapes compile), each
+   into its first row from the slot its row already holds (``engine_reading``): a prompt
+   longer than ``prefill_chunk`` is read a chunk a step, and with ``prefix_caching`` a prompt
+   starts after a cached prefix (``prefix_cache``) copied from another row. A prompt read
+   whole is copied to each of its ``n`` samples' rows: G samples of one prompt share its
+   prefill.
 2. **decode**: every row's next token at once, each at its own slot (the model's ``decode``
    given a (B,) ``cache_index``: ``redco_zoo_models.attention``) and sampled with its own
    request's temperature, top-k, top-p and key (``fold_in(PRNGKey(seed), sample)``, then the
@@ -50,10 +53,11 @@ import numpy as np
 from flax import nnx
 
 from redco_zoo_models.engine_memory import cache_sharding, rows_sharding, vocab_size
+from redco_zoo_models.engine_reading import MIN_BUCKET, Reading, check_reading, chunk_batch
 from redco_zoo_models.engine_steps import decode_rows, prefill_rows, slotted_leaves
+from redco_zoo_models.prefix_cache import PrefixCache
 from redco_zoo_models.requests import Request, Sampling
 
-MIN_BUCKET = 16  # the shortest prefill shape
 MAX_PREFILL = 8  # prompts read per step at most: the rest wait a step, decoding goes on
 MIN_SPAN = 16  # the fewest slots a decode step reads; then x4 (few shapes) up to max_len
 
@@ -61,11 +65,14 @@ MIN_SPAN = 16  # the fewest slots a decode step reads; then x4 (few shapes) up t
 class Engine:
     """Continuous batching over ``model`` with weights ``params`` (``nnx.split``'s params, placed
     as they are: on one device or sharded over ``mesh``, whose ``dp`` axis then splits the
-    cache's rows and ``mp`` its key/value heads where they divide)."""
+    cache's rows and ``mp`` its key/value heads where they divide). ``prefill_chunk`` (a power
+    of two >= 16): prompt tokens read a step at most (None: a prompt at once);
+    ``prefix_caching``: prompts start after the longest cached prefix (``prefix_stats``)."""
 
     def __init__(self, model: nnx.Module, params: Any, *, max_seqs: int = 8,
                  max_len: int = 256, eos_token_ids: tuple[int, ...] = (),
-                 cache_dtype=jnp.float32, mesh=None, steps_per_sync: int = 4):
+                 cache_dtype=jnp.float32, mesh=None, steps_per_sync: int = 4,
+                 prefill_chunk: int | None = None, prefix_caching: bool = False):
         if unserved := getattr(model, "unserved", lambda: None)():  # (an image + text model)
             raise NotImplementedError(unserved)
         at = getattr(model, "rereads_at", lambda: None)()
@@ -73,7 +80,11 @@ class Engine:
             raise ValueError(f"max_len={max_len} passes slot {at}, where this model's RoPE "
                              "factors switch and generation reads the sequence again; the engine "
                              f"does not: use max_len <= {at}, or generate().")
+        slotted = slotted_leaves(model, max_len, cache_dtype)
+        check_reading(slotted, prefill_chunk, prefix_caching)
+        self.prefix = PrefixCache() if prefix_caching else None
         self.graphdef, self.params = nnx.graphdef(model), params
+        self.chunk = min(prefill_chunk or max_len, max_len)  # prompt tokens read a step at most
         self.max_seqs, self.max_len, self.eos = max_seqs, max_len, set(eos_token_ids)
         self.cache_dtype, self.steps_per_sync = cache_dtype, steps_per_sync
         cache = model.init_cache(max_seqs, max_len, cache_dtype)
@@ -86,16 +97,37 @@ class Engine:
         self.slot = np.zeros(max_seqs, np.int32)  # where each row's next token goes
         self.row_keys = np.zeros((max_seqs, 2), np.uint32)
         self.waiting: deque[Request] = deque()
+        self.reading: list[Reading] = []  # prompts admitted, not yet read whole
+        self.freed = np.zeros(max_seqs, np.int64)  # when each row was freed (prefix caching: LRU)
+        self._ticks = itertools.count(1)
         self._lock, self._wake = threading.Lock(), threading.Condition()
         self._thread, self._closing = None, False
         self._seeds = itertools.count(int(np.random.SeedSequence().entropy % 2 ** 31))
         self._decode = jax.jit(partial(decode_rows, self.graphdef, steps_per_sync, mesh,
-                                       slotted=slotted_leaves(model, max_len, cache_dtype)),
+                                       slotted=slotted),
                                donate_argnums=(1, 2, 3), static_argnames=("span",))
-        self._prefill = jax.jit(partial(prefill_rows, self.graphdef, max_len, cache_dtype),
+        self._prefill = jax.jit(partial(prefill_rows, self.graphdef, slotted),
                                 donate_argnums=(1, 2, 3))
         self._keys = jax.jit(jax.vmap(lambda seed, sample: jax.random.fold_in(
             jax.random.PRNGKey(seed), sample)))  # each sample's key, for all rows at once
+
+    @property
+    def params(self) -> Any:
+        """The weights the engine runs."""
+        return self._params
+
+    @params.setter
+    def params(self, params: Any) -> None:
+        """New weights (GRPO lends each round's): the prefixes cached so far hold keys and values
+        of the old ones, so they are forgotten."""
+        self._params = params
+        if self.prefix is not None:
+            self.prefix.clear()
+
+    @property
+    def prefix_stats(self) -> dict[str, int]:
+        """Prefix caching's counters (``PrefixCache.stats``); empty when it is off."""
+        return {} if self.prefix is None else dict(self.prefix.stats)
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt: list[int], sampling: Sampling = Sampling(),
@@ -142,12 +174,13 @@ class Engine:
         if any(self.rows) or self.waiting:
             raise RuntimeError("warm_up runs on an idle engine, before the first request.")
         counts = sorted({1 << (n - 1).bit_length() for n in range(1, MAX_PREFILL + 1)})
-        widths = sorted({self._width(n) for n in range(1, self.max_len + 1)})
-        none = np.zeros(self.max_seqs, np.int32)
-        for count, width in itertools.product(counts, widths):
+        widths = sorted({self._width(n) for n in range(1, self.chunk + 1)})
+        for count, width in itertools.product(counts, widths):  # (rows past the last: no writes)
             self.cache, self.key_valid, self.logits = self._prefill(
                 self.params, self.cache, self.key_valid, self.logits,
-                np.zeros((count, width), np.int32), np.ones(count, np.int32), none, none, 0)
+                np.zeros((count, width), np.int32), np.ones(count, np.int32),
+                np.zeros(count, np.int32), np.full(count, self.max_seqs, np.int32),
+                np.zeros((4, self.max_seqs), np.int32), np.zeros(2, np.int32))
         buckets = sorted({self._bucket(row) for row in range(self.max_seqs)})
         spans = sorted({self._span(end) for end in range(self.max_len + 1)})
         for bucket, span in itertools.product(buckets, spans):
@@ -165,9 +198,12 @@ class Engine:
         ends on the way keeps what it took until then). False: nothing ran."""
         with self._lock:
             self._admit()
-            running = [i for i, row in enumerate(self.rows) if row is not None]
+            if self.reading:
+                self._read_prompts()
+            reading = {row for r in self.reading for row in r.rows}
+            running = [i for i, row in enumerate(self.rows) if row is not None and i not in reading]
             if not running:
-                return False
+                return bool(reading)
             tokens, logprobs = self._decode_running(running)
             for j in range(self.steps_per_sync):
                 for i in running:
@@ -206,7 +242,9 @@ class Engine:
         with self._wake:
             waiting, self.waiting = list(self.waiting), deque()
         running = {id(row[0]): row[0] for row in self.rows if row is not None}
-        self.rows = [None] * self.max_seqs
+        self.rows, self.reading = [None] * self.max_seqs, []
+        if self.prefix is not None:
+            self.prefix.clear()  # (a failed step may have left any row half written)
         for request in [*running.values(), *waiting]:
             request.error = error
             for index, sample in enumerate(request.samples):
@@ -216,41 +254,67 @@ class Engine:
 
     # ---- rows -----------------------------------------------------------------------------------
     def _admit(self) -> None:
-        free = [i for i, row in enumerate(self.rows) if row is None]
-        admitted = []
+        """Waiting requests take free rows (first come first served, ``MAX_PREFILL`` prompts
+        read at a time): with prefix caching, a cached prefix's row is taken if free (else its
+        slots are copied), other rows least recently freed first; a request that shares more
+        with a prompt still being read than with any held waits until that one is held."""
+        free, admitted = self._free_rows(), []
         while self.waiting and len(free) >= self.waiting[0].sampling.n and \
-                len(admitted) < MAX_PREFILL:
+                len(self.reading) < MAX_PREFILL:
+            request = self.waiting[0]
+            donor, read = self.prefix.match(request.prompt) if self.prefix else (None, 0)
+            if self.prefix is not None and not request.cancelled and self.prefix.shared(
+                    request.prompt, [r.request.prompt for r in self.reading]) > read:
+                break
             with self._wake:
-                request = self.waiting.popleft()
+                self.waiting.popleft()
             if request.cancelled:
                 self._end(request, "cancelled")
                 continue
-            admitted.append((request, free[:request.sampling.n]))
-            free = free[request.sampling.n:]
+            rows = ([donor] if donor in free else []) + [r for r in free if r != donor]
+            rows = rows[:request.sampling.n]
+            free = [r for r in free if r not in rows]
+            if self.prefix is not None:
+                self.prefix.count(read, len(request.prompt) - read)
+                for row in rows:  # (a donor is never a target: it is the request's own row,
+                    self.prefix.drop(row)  # or running; a row taken is at once no donor)
+            self.reading.append(Reading(request, rows, read, None if donor in rows else donor))
+            admitted.append((request, rows))
         if admitted:
-            self._prefill_into(admitted)
+            self._seed_rows(admitted)
 
-    def _prefill_into(self, admitted: list[tuple[Request, list[int]]]) -> None:
-        """The prompts of ``admitted`` (a request and its rows each) read in one prefill, right-
-        padded to powers of two (their number and the longest), each copied to its rows."""
-        width = self._width(max(len(request.prompt) for request, _ in admitted))
-        ids = np.zeros((1 << (len(admitted) - 1).bit_length(), width), np.int32)
-        lengths = np.ones(len(ids), np.int32)
-        sources, targets, seeds, samples = np.zeros((4, self.max_seqs), np.int32)
+    def _free_rows(self) -> list[int]:
+        """Free rows, lowest first; with prefix caching, least recently freed first (what a row
+        freed lately holds is likelier asked for again)."""
+        free = [i for i, row in enumerate(self.rows) if row is None]
+        return sorted(free, key=lambda i: self.freed[i]) if self.prefix is not None else free
+
+    def _seed_rows(self, admitted: list[tuple[Request, list[int]]]) -> None:
+        """Each admitted sample's row: its request, its slot after the prompt, its key."""
+        targets, seeds, samples = np.zeros((3, self.max_seqs), np.int32)
         n_rows = 0
-        for i, (request, rows) in enumerate(admitted):
-            ids[i, :len(request.prompt)], lengths[i] = request.prompt, len(request.prompt)
+        for request, rows in admitted:
             written = slice(n_rows, n_rows + len(rows))
-            sources[written], targets[written], samples[written] = i, rows, range(len(rows))
+            targets[written], samples[written] = rows, range(len(rows))
             seeds[written] = request.sampling.seed if request.sampling.seed is not None \
                 else next(self._seeds) % 2 ** 31
             n_rows += len(rows)
             for sample, row in enumerate(rows):
                 self.rows[row], self.slot[row] = (request, sample), len(request.prompt)
         self.row_keys[targets[:n_rows]] = np.asarray(self._keys(seeds, samples))[:n_rows]
+
+    def _read_prompts(self) -> None:
+        """The next chunk of every prompt being read, in one prefill (``chunk_batch``); a
+        prompt read whole starts decoding, and with prefix caching its rows are held."""
+        chunks = [r.request.prompt[r.read:r.read + self.chunk] for r in self.reading]
+        *arrays, done = chunk_batch(self.reading, chunks, self._width(max(map(len, chunks))),
+                                    self.max_seqs)
         self.cache, self.key_valid, self.logits = self._prefill(
-            self.params, self.cache, self.key_valid, self.logits, ids, lengths, sources, targets,
-            n_rows)
+            self.params, self.cache, self.key_valid, self.logits, *arrays)
+        self.reading = [r for r in self.reading if r not in done]
+        for r in done:
+            for row in r.rows if self.prefix is not None else ():
+                self.prefix.add(row, r.request.prompt)
 
     def _decode_running(self, running: list[int]):
         """``(tokens, logprobs)``, (steps_per_sync, rows) each, over the fewest leading rows (a
@@ -302,7 +366,7 @@ class Engine:
         elif len(sample.tokens) == request.sampling.max_tokens:
             sample.finish_reason = "length"
         if sample.finish_reason is not None:
-            self.rows[row] = None
+            self.rows[row], self.freed[row] = None, next(self._ticks)
             self._ended(request, index)
 
     def _end(self, request: Request, reason: str) -> None:

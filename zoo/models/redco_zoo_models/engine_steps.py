@@ -17,23 +17,49 @@ from redco_zoo_models.engine_memory import traced
 from redco_zoo_models.generation import pick_rows
 
 
-def prefill_rows(graphdef, max_len: int, cache_dtype, params, cache, key_valid, logits, ids,
-                 lengths, sources, targets, n_rows):
-    """The engine's prefill: the prompts ``ids`` (P, width; row ``p``'s first ``lengths[p]``
-    real) read into a P-row cache of ``max_len`` slots; for ``j < n_rows``, prompt
-    ``sources[j]``'s cache, key mask and last logits copied into row ``targets[j]``."""
-    m = nnx.merge(graphdef, params)
-    valid = jnp.arange(max_len)[None] < lengths[:, None]
-    out, read = m.decode(ids, valid, m.init_cache(len(ids), max_len, cache_dtype), 0)
+def prefill_rows(graphdef, slotted, params, cache, key_valid, logits, ids, lengths, starts,
+                 rows, copies, n_copies):
+    """The engine's prefill, each prompt read from an offset into its own row: first, for
+    ``j < n_copies[0]``, row ``copies[0, j]`` copied into row ``copies[1, j]`` (a cached
+    prefix); then prompt ``p``'s tokens ``ids[p, :lengths[p]]`` read into row ``rows[p]`` at
+    slots ``starts[p]`` on, after the keys (or recurrent state) its slots ``[0, starts[p])``
+    already hold (a row starting at 0 starts from an empty state; ``rows[p]`` past the last row:
+    a padding prompt, written nowhere); last, for ``j < n_copies[1]``, row ``copies[2, j]``
+    copied into row ``copies[3, j]`` (a prompt's other samples). The rows are cut out of the
+    cache and their slotted leaves padded by ``width`` slots, so that a chunk's padding never
+    runs past ``max_len`` (where the model's write would be clamped onto real slots)."""
+    m, width = nnx.merge(graphdef, params), ids.shape[1]
+    max_len = key_valid.shape[1]
+    state = copy_rows((cache, key_valid, logits), copies[0], copies[1], n_copies[0])
+    cache, key_valid, logits = state
+    valid = jnp.arange(max_len + width) < (starts + lengths)[:, None]
+    fresh = starts == 0
+
+    def take(x, has_slots):
+        x = jnp.take(x, rows, axis=0, mode="clip")
+        if has_slots:
+            return jnp.pad(x, [(0, 0), (0, width)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.where(fresh.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
+    out, read = m.decode(ids, valid, jax.tree.map(take, cache, slotted), starts)
     last = jnp.take_along_axis(out, (lengths - 1)[:, None, None], 1)[:, 0]
 
-    def put(new, old):
+    def put(full, new, has_slots=True):
+        new = new[:, :max_len] if has_slots else new
+        return full.at[rows].set(new.astype(full.dtype), mode="drop")
+    state = (jax.tree.map(put, cache, read, slotted), put(key_valid, valid),
+             put(logits, last, False))
+    return copy_rows(state, copies[2], copies[3], n_copies[1])
+
+
+def copy_rows(tree, sources, targets, n):
+    """``tree``'s leaves (rows first) with row ``sources[j]`` copied into row ``targets[j]``
+    for ``j < n``, in that order."""
+    def put(old):
         def write(j, x):
-            row = jax.lax.dynamic_index_in_dim(new, sources[j]).astype(x.dtype)
+            row = jax.lax.dynamic_index_in_dim(x, sources[j])
             return jax.lax.dynamic_update_slice_in_dim(x, row, targets[j], 0)
-        return jax.lax.fori_loop(0, n_rows, write, old)
-    return (jax.tree.map(put, read, cache), put(valid, key_valid),
-            put(last.astype(jnp.float32), logits))
+        return jax.lax.fori_loop(0, n, write, old)
+    return jax.tree.map(put, tree)
 
 
 def everywhere(mesh, x):
@@ -70,6 +96,12 @@ def decode_rows(graphdef, steps_per_sync: int, mesh, params, cache, key_valid, l
     slotted = jax.tree.map(lambda _: False, cache) if slotted is None else slotted
     carry = (jax.tree.map(lead, cache, slotted), lead(key_valid, True), lead(logits))
     carry, (tokens, logprobs) = jax.lax.scan(one_token, carry, jnp.arange(steps_per_sync))
+
+    def kept(old, new, has_slots):  # an idle row's slots as they were (a cached prefix, a
+        if not has_slots:           # prompt half read), not where its write was clamped to
+            return new
+        return jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, lead(old, True))
+    carry = (jax.tree.map(kept, cache, carry[0], slotted), *carry[1:])
     back = lambda full, part: jax.lax.dynamic_update_slice(  # noqa: E731
         full, part, (0,) * full.ndim)
     cache, key_valid, logits = jax.tree.map(back, (cache, key_valid, logits), carry)
