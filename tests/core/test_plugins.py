@@ -1,5 +1,6 @@
 """The plugin system: documented hooks, all exercised, entry-point plugins, broken ones."""
 import csv
+import importlib.util
 import inspect
 import json
 import os
@@ -51,12 +52,15 @@ def test_every_hook_is_exercised_by_a_run(workdir, capsys, monkeypatch):
             run.step_done()
         main(["new", "--list"])
         plugins.registry("environments")  # as `redco zoo run grpo --environment` looks one up
-        auto = Deployer(jax_seed=0, n_model_shards="auto", device_memory="1GB",
-                        workdir=workdir + "2", verbose=False)
-        with pytest.raises(ValueError, match=r"No layout planners named 'auto'.*pip install "
-                                             r"redco-planner"):  # not installed here
-            Trainer(auto, mlp_collate, mlp_apply, mlp_loss, params, optax.sgd(0.1)).fit(
-                mlp_examples(32), 2, n_epochs=1)
+        if importlib.util.find_spec("redco_planner") is None:  # the core env: not installed
+            auto = Deployer(jax_seed=0, n_model_shards="auto", device_memory="1GB",
+                            workdir=workdir + "2", verbose=False)
+            with pytest.raises(ValueError, match=r"No layout planners named 'auto'.*pip install "
+                                                 r"redco-planner"):
+                Trainer(auto, mlp_collate, mlp_apply, mlp_loss, params, optax.sgd(0.1)).fit(
+                    mlp_examples(32), 2, n_epochs=1)
+        else:  # a dev venv with every package: look the planner up as n_model_shards="auto" does
+            assert plugins.lookup("layout_planners", "auto") is not None
     finally:
         undo()
     # state_to_save is gathered plugin by plugin (to name two that clash), not by a hook call
