@@ -106,15 +106,17 @@ def test_a_devices_attention_memory_falls_with_the_degree_and_never_holds_its_sc
 
 
 def tiny_model(kind="llama"):
-    """A tiny LLaMA (4 query, 2 key/value heads) or GPT-2."""
+    """A tiny LLaMA (4 query, 2 key/value heads; ``llama-scan``: its layers stacked and
+    scanned) or GPT-2."""
     from flax import nnx
 
     from redco_zoo_models import LlamaConfig, LlamaForCausalLM
     from redco_zoo_models.gpt2 import GPT2Config, GPT2LMHeadModel
-    if kind == "llama":
+    if kind.startswith("llama"):
         return LlamaForCausalLM(LlamaConfig(
             vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2), rngs=nnx.Rngs(0))
+            num_attention_heads=4, num_key_value_heads=2, scan_layers=kind == "llama-scan"),
+            rngs=nnx.Rngs(0))
     return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=64, n_embd=32, n_layer=2,
                                       n_head=4), nnx.Rngs(0))
 
@@ -204,6 +206,26 @@ def test_a_model_trained_with_its_sequence_split_matches_one_device(
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     assert split.eval_loss(rows, global_batch // split.deployer.dp_size) == pytest.approx(
         one.eval_loss(rows, global_batch), rel=1e-5)
+
+
+def test_a_scanned_model_trains_with_its_sequence_split_as_unrolled_on_one_device():
+    """Layers stacked and run under ``jax.lax.scan`` (dp 2 x cp 2 x mp 2, ring, FSDP): each
+    scanned layer's attention runs in the split sequence's ``shard_map``, and two updates of a
+    packed batch give every layer the params one device gives the unrolled model (1e-5)."""
+    from redco import layer_stacks
+    from redco.tree_paths import named_leaves
+    rows = packed_rows()
+    one = lm_trainer(one_device=True)
+    split = lm_trainer(2, 2, "ring", kind="llama-scan", rules="auto+fsdp")
+    one.train_epoch(rows, 4, 0)
+    split.train_epoch(rows, 2, 0)
+    scanned = layer_stacks.unstack({p: np.asarray(x) for p, x in named_leaves(split.params)})
+    unrolled = {p: np.asarray(x) for p, x in named_leaves(one.params)}
+    assert any(":" in p for p, _ in named_leaves(split.params)), "nothing stacked"
+    assert scanned.keys() == unrolled.keys()
+    for path, want in unrolled.items():
+        np.testing.assert_allclose(scanned[path], want, rtol=1e-5, atol=1e-5, err_msg=path)
+    assert split.eval_loss(rows, 2) == pytest.approx(one.eval_loss(rows, 4), rel=1e-5)
 
 
 def test_padded_rows_train_with_their_sequence_split_as_on_one_device():

@@ -208,8 +208,8 @@ def test_checkpoints_round_trip_and_the_cache_path_equals_the_scan(cfg, tmp_path
 
 
 def test_what_stacked_layers_do_not_support_yet_is_refused_before_compiling():
-    """LoRA on stacked kernels, expert-parallel rules over stacked experts, context
-    parallelism: each refused with a UsageError naming scan_layers=False."""
+    """LoRA on stacked kernels and expert-parallel rules over stacked experts: each refused with
+    a UsageError naming scan_layers=False."""
     model = nnx.eval_shape(lambda: LlamaForCausalLM(dataclasses.replace(
         MIXTRAL, scan_layers=True), nnx.Rngs(0)))
     with pytest.raises(UsageError, match="LoRA is not supported yet: set scan_layers=False"):
@@ -218,13 +218,6 @@ def test_what_stacked_layers_do_not_support_yet_is_refused_before_compiling():
                         sharding_rules="auto+ep")
     with pytest.raises(UsageError, match="expert parallelism is not supported yet"):
         deployer.get_sharding_rules(nnx.state(model, nnx.Param))
-    from redco import sequence_split
-    graph, params = nnx.split(model)
-    ids = jax.ShapeDtypeStruct((2, 16), jnp.int32)
-    mesh = make_mesh(jax.devices(), 1, n_context_shards=2)
-    with pytest.raises(UsageError, match="context parallelism is not supported yet"), \
-            sequence_split.splitting(mesh):
-        jax.eval_shape(lambda p, i: nnx.merge(graph, p)(i), params, ids)
 
 
 def test_a_scanned_model_starts_from_the_unrolled_ones_weights():

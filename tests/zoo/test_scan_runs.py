@@ -52,7 +52,6 @@ def test_a_scanned_lm_run_trains_as_the_unrolled_run(tmp_path):
 
 @pytest.mark.parametrize("changes, flag", [
     (dict(lora=LoRA(rank=4)), "--lora_rank"),
-    (dict(layout=Layout(n_context_shards=2)), "--n_context_shards"),
     (dict(layout=Layout(expert_parallel=True)), "--expert_parallel"),
 ])
 def test_the_typed_config_refuses_what_stacked_layers_do_not_support(changes, flag):

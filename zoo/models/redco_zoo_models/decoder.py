@@ -211,8 +211,7 @@ class DecoderModel(nnx.Module):
         lengths = self._document_lengths(segment_ids, allowed)
         with as_laid_out(self.moe_weights()):  # experts split over dp: expert parallel
             if self.runs is not None and cache is None:  # stacked: scanned
-                layer_scan.refuse_unsupported(self.layers, isinstance(allowed, SplitSequence),
-                                              expert_parallel.current() is not None)
+                layer_scan.refuse_unsupported(self.layers, expert_parallel.current() is not None)
 
                 def step(layer, h):
                     h, _, report = layer(h, positions, allowed, None, cache_index, lengths,

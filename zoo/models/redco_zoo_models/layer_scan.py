@@ -27,9 +27,12 @@ and under FSDP each slice is declared as its stack is, less the layer axis
 (``redco.fsdp.slices_of``), so each step gathers one layer's weights. The KV-cache path
 (generation) runs the layers unrolled in a Python loop, each taking its slice of the stacks.
 
+**Context parallelism** runs inside the body as in an unrolled layer: the split sequence
+(``context_parallel.SplitSequence``) is closed over by the body, so each scanned layer's attention
+runs in its ``shard_map`` over the sequence axis and the norms and MLPs on each device's tokens.
+
 **Not supported yet** (refused before compiling, ``refuse_unsupported`` and the rule sets):
-LoRA adapters on stacked kernels, expert parallelism over stacked experts, and context
-parallelism (a split sequence).
+LoRA adapters on stacked kernels and expert parallelism over stacked experts.
 """
 from __future__ import annotations
 
@@ -144,9 +147,8 @@ def run(modules: nnx.Dict, runs: Sequence[Segment], step: Callable, x: Any) -> t
     return x, reports
 
 
-def refuse_unsupported(modules: nnx.Dict, split_sequence: bool, expert_parallel: bool) -> None:
+def refuse_unsupported(modules: nnx.Dict, expert_parallel: bool) -> None:
     """Refuse, before compiling, what stacked layers do not support yet (module docstring)."""
-    what = "context parallelism" if split_sequence else \
-        "expert parallelism" if expert_parallel else None
-    if what and any(":" in key for key in modules):
-        raise UsageError(f"scan_layers with {what} is not supported yet: set scan_layers=False.")
+    if expert_parallel and any(":" in key for key in modules):
+        raise UsageError("scan_layers with expert parallelism is not supported yet: set "
+                         "scan_layers=False.")

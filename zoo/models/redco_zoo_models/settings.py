@@ -155,7 +155,6 @@ def refuse_with_scan(config: RunConfig) -> None:
     """Refuse, before anything is built, the levers stacked layers do not support yet
     (``redco_zoo_models.layer_scan``), naming the flag and the fix."""
     levers = (("--lora_rank", config.lora.rank, "LoRA adapters"),
-              ("--n_context_shards", config.layout.n_context_shards > 1, "context parallelism"),
               ("--expert_parallel", config.layout.expert_parallel, "expert parallelism"))
     for flag, asked, lever in levers:
         if asked:
