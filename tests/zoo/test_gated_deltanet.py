@@ -1,26 +1,18 @@
-"""What the Gated DeltaNet families (Qwen3.5, Qwen3-Next: ``toy.DELTA_NET_FAMILIES``) do not
-support yet is refused before compiling, naming it: context parallelism. Parity (packed rows
-included): tests/zoo_parity/test_parity_gated_deltanet.py; the serving engine:
-tests/zoo_parity/test_parity_recurrent_engine.py; FSDP and tensor parallelism: test_families."""
+"""The Gated DeltaNet families (Qwen3.5, Qwen3-Next: ``toy.DELTA_NET_FAMILIES``): a fixed-size
+decoding state, scanned layers. Parity (packed rows included):
+tests/zoo_parity/test_parity_gated_deltanet.py; the serving engine:
+tests/zoo_parity/test_parity_recurrent_engine.py; FSDP and tensor parallelism: test_families;
+context parallelism: test_recurrent_split."""
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
-from redco import Deployer, sequence_split
 from redco_zoo_models.toy import tiny_family
 
 IDS = jnp.asarray(np.random.RandomState(0).randint(1, 63, (2, 8)))
-
-
-def test_context_parallelism_is_refused():
-    model = tiny_family("qwen3.5")
-    mesh = Deployer(jax_seed=0, n_context_shards=2, workdir=None, verbose=False).mesh
-    with sequence_split.splitting(mesh), pytest.raises(ValueError, match="Context parallel"):
-        jax.eval_shape(lambda ids: model(ids), IDS)
 
 
 def test_the_decoding_state_has_a_fixed_size():

@@ -1,8 +1,8 @@
 """Granite 4 hybrid (Mamba2 and attention layers, ``redco_zoo_models.mamba2``) with the zoo's
 levers: stacked layers (``scan_layers``), bf16, LoRA on the Mamba2 output projections under
-tensor parallelism, expert parallelism, packed rows; and what it does not run yet (context
-parallelism) refused before compiling. FSDP x TP with full remat: test_families.py; parity with
-transformers, generation and the serving engine: tests/zoo_parity/."""
+tensor parallelism, expert parallelism, packed rows. FSDP x TP with full remat:
+test_families.py; context parallelism: test_recurrent_split.py; parity with transformers,
+generation and the serving engine: tests/zoo_parity/."""
 import dataclasses
 
 import jax
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from redco import Deployer, sequence_split
+from redco import Deployer
 from redco.tree_paths import named_leaves
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
 from redco_zoo_models.toy import TINY_FAMILIES
@@ -115,10 +115,3 @@ def test_packed_documents_see_only_themselves(family):
         np.testing.assert_allclose(packed[:, start:stop], np.asarray(run(ids[:, start:stop])),
                                    atol=2e-5, err_msg=f"document {start}:{stop}")
 
-
-def test_context_parallelism_is_refused_naming_it():
-    apply_fn, params = split_model(LlamaForCausalLM(DENSE, nnx.Rngs(0)))
-    mesh = Deployer(jax_seed=0, n_context_shards=4, workdir=None, verbose=False).mesh
-    with sequence_split.splitting(mesh, "all_gather"):
-        with pytest.raises(NotImplementedError, match="context parallelism"):
-            jax.jit(apply_fn)(params, IDS)

@@ -147,6 +147,7 @@ class SplitSequence:
     mesh: Any = flax.struct.field(pytree_node=False)
     axis: str = flax.struct.field(pytree_node=False)
     strategy: str = flax.struct.field(pytree_node=False)
+    padding: bool = flax.struct.field(pytree_node=False, default=False)  # segments: 1 real, 0 pad
 
     def attend(self, q, k, v, scale: float | None = None, window: int | None = None,
                softcap: float | None = None, sinks=None):
@@ -192,7 +193,8 @@ def decoder_layout(input_ids, attention_mask=None, cached: bool = False, cache_i
         return split_inputs(input_ids, segment_ids, split)
     valid = jnp.ones(input_ids.shape, bool) if attention_mask is None else \
         attention_mask[:, :n] > 0
-    return split_inputs(input_ids, valid.astype(jnp.int32), split, positions_from(valid))
+    return split_inputs(input_ids, valid.astype(jnp.int32), split, positions_from(valid),
+                        padding=True)
 
 
 def cache_slots(n: int) -> int:
@@ -243,10 +245,12 @@ def in_order(x, allowed):
     return allowed.in_order(x) if isinstance(allowed, SplitSequence) else x
 
 
-def split_inputs(input_ids, segment_ids, split: tuple, positions=None) -> tuple:
+def split_inputs(input_ids, segment_ids, split: tuple, positions=None,
+                 padding: bool = False) -> tuple:
     """``(ids, positions, SplitSequence)``: a decoder's token ids and positions (restarting at
     each segment, unless given) in the balanced order, for the split ``(mesh, axis,
-    strategy)`` that ``redco.sequence_split.current()`` gave."""
+    strategy)`` that ``redco.sequence_split.current()`` gave; ``padding``: the segment ids
+    mark real tokens (1) and padding (0)."""
     mesh, axis, strategy = split
     k, (b, n) = mesh.shape[axis], input_ids.shape
     check_length(n, k)
@@ -256,7 +260,7 @@ def split_inputs(input_ids, segment_ids, split: tuple, positions=None) -> tuple:
         positions = rows if segment_ids is None else segment_positions(segment_ids)
     ids, positions, rows, segments = (balance(x, k) for x in (input_ids, positions, rows,
                                                                segments))
-    return ids, positions, SplitSequence(rows, segments, mesh, axis, strategy)
+    return ids, positions, SplitSequence(rows, segments, mesh, axis, strategy, padding)
 
 
 def sequence_parallel_attention(q, k, v, segment_ids, mesh, axis: str = "cp",

@@ -32,12 +32,13 @@ from redco_zoo_models.context_parallel import (
 )
 from redco_zoo_models.decoder_config import DecoderConfig, Mixer
 from redco_zoo_models.expert_parallel import as_laid_out
-from redco_zoo_models.gated_deltanet import GatedDeltaNet, init_state, token_valid
+from redco_zoo_models.gated_deltanet import GatedDeltaNet, init_state
 from redco_zoo_models.hf_init import init_like_hf
-from redco_zoo_models.layers import GatedMLP, RMSNorm, embed
-from redco_zoo_models.mamba2 import Mamba2, document_runs, token_mask
+from redco_zoo_models.layers import GatedMLP, RMSNorm, document_runs, embed
+from redco_zoo_models.mamba2 import Mamba2, token_mask
 from redco_zoo_models.mla import LatentAttention, latent_width
 from redco_zoo_models.moe import MoE
+from redco_zoo_models.recurrent_split import mixer_inputs
 from redco_zoo_models.rope import apply_rope, depends_on_length, pairs_as_halves, segment_lengths
 
 
@@ -146,13 +147,9 @@ class DecoderLayer(nnx.Module):
         before_mlp = norm("post_attention_layernorm" if self.layout == "pre"
                           else "pre_feedforward_layernorm")
         after_mlp = norm("post_feedforward_layernorm")
-        runs = None if segment_ids is None else document_runs(segment_ids)
-        if hasattr(self, "mamba"):  # (its cache: a fixed-size state, mamba2.init_cache)
-            h, layer_cache = self.mamba(before_attn(x), token_mask(allowed, cache_index),
-                                        layer_cache, runs=runs)
-        elif hasattr(self, "linear_attn"):
-            h, layer_cache = self.linear_attn(before_attn(x), token_valid(allowed, cache_index),
-                                              layer_cache, runs)
+        if hasattr(self, "mamba") or hasattr(self, "linear_attn"):
+            h, layer_cache = self._recurrent(before_attn(x), allowed, layer_cache, cache_index,
+                                             segment_ids)
         else:
             h, layer_cache = self.self_attn(before_attn(x), positions, allowed, layer_cache,
                                             cache_index, lengths)
@@ -162,6 +159,18 @@ class DecoderLayer(nnx.Module):
             h, report = h
         return (x + self._scaled(after_mlp(h)), layer_cache,
                 {k: v for k, v in report.items() if v.ndim == 0})
+
+    def _recurrent(self, x, allowed, layer_cache, cache_index, segment_ids):
+        """A recurrent mixer's ``(out, cache)`` (its cache: a fixed-size state); under a split
+        sequence, with the state passed between devices (``recurrent_split``)."""
+        split = allowed if isinstance(allowed, SplitSequence) else None
+        if split is not None:
+            (valid, _), runs = mixer_inputs(split), None
+        else:
+            valid = token_mask(allowed, cache_index)
+            runs = None if segment_ids is None else document_runs(segment_ids)
+        mixer = getattr(self, "mamba", None) or self.linear_attn
+        return mixer(x, valid, layer_cache, runs=runs, split=split)
 
     def _scaled(self, h):
         """A block's output as the residual adds it (Granite's ``residual_multiplier``)."""
@@ -196,8 +205,6 @@ class DecoderModel(nnx.Module):
 
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
                  segment_ids=None, inputs_embeds=None, blocks=None):
-        if self.cfg.has_delta_net():
-            refuse_for_delta_net()
         refuse_for_images(inputs_embeds, blocks, segment_ids, cache_index)
         input_ids, positions, allowed = decoder_layout(  # (a split sequence: context parallel)
             input_ids, attention_mask, cache is not None, cache_index, segment_ids)
@@ -205,7 +212,6 @@ class DecoderModel(nnx.Module):
             slots = input_ids.shape[1] if cache is None else attention_mask.shape[1]
             allowed = with_blocks(allowed, blocks, slots)
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        refuse_for_mamba(self.cfg)
         llama4_attention.refuse_split(self.cfg)
         x, new_cache, reports = on_split(x, allowed), [], []
         lengths = self._document_lengths(segment_ids, allowed)
@@ -253,16 +259,6 @@ class DecoderModel(nnx.Module):
         return segment_lengths(segment_ids)
 
 
-def refuse_for_mamba(cfg: DecoderConfig) -> None:
-    """What a model with Mamba2 layers does not run yet, refused while tracing (before
-    compiling), naming it: context parallelism."""
-    if cfg.mixers is not None and Mixer.MAMBA2 in cfg.mixers and \
-            sequence_split.current() is not None:
-        raise NotImplementedError(f"{cfg.family}: a model with Mamba2 layers does not support "
-                                  "context parallelism (the Mamba2 scan does not carry its "
-                                  "state across devices); run it without.")
-
-
 def refuse_for_images(inputs_embeds, blocks, segment_ids, cache_index) -> None:
     """What a vision-language model's inputs (``inputs_embeds``; ``blocks`` of tokens that see
     each other both ways) do not support yet, refused before compiling."""
@@ -276,14 +272,6 @@ def refuse_for_images(inputs_embeds, blocks, segment_ids, cache_index) -> None:
         raise ValueError("Bidirectional image blocks apply to a whole unpacked prompt read from "
                          "slot 0 (or a training row): not with packed rows (segment_ids) or a "
                          "cache past slot 0.")
-
-
-def refuse_for_delta_net() -> None:
-    """What Gated DeltaNet layers do not support yet, refused before compiling."""
-    if sequence_split.current() is not None:
-        raise ValueError("Context parallelism (a split sequence) with Gated DeltaNet layers is "
-                         "not supported yet: their state runs through the whole sequence. Run "
-                         "with n_context_shards=1.")
 
 
 def experts_report(reports: list[dict]) -> dict:

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from redco_zoo_models import mamba2
+from redco_zoo_models import mamba2, recurrent_split
 from redco_zoo_models.layers import last_real_inputs
 
 
@@ -96,7 +96,7 @@ def l2norm(x, eps: float = 1e-6):
 def causal_conv(x, weight, state=None, runs=None):
     """``silu(conv(x))``: ``x`` (B, T, C), ``weight`` (C, 1, K), ``state`` (B, K-1, C) the inputs
     before ``x`` (``None``: zeros, the sequence's start); ``runs`` (B, T): packed documents
-    (``mamba2.document_runs``), a token reading no other document's inputs."""
+    (``layers.document_runs``), a token reading no other document's inputs."""
     history = None if state is None else state.astype(x.dtype)
     return jax.nn.silu(mamba2.causal_conv(x, weight[:, 0, :].astype(x.dtype), None, history,
                                           runs))
@@ -145,7 +145,7 @@ def unit_lower_inverse(m):
 
 
 def _documents(runs, pad: int, n: int, c: int):
-    """Packed documents in chunks (``runs`` (B, T), ``mamba2.document_runs``; ``None``: one
+    """Packed documents in chunks (``runs`` (B, T), ``layers.document_runs``; ``None``: one
     document): ``same`` (B, 1, N, C, C), two tokens of one document; ``carried`` (B, 1, N, C), a
     token of the document whose state enters the chunk; ``to_end``, one of the chunk's last
     document; ``kept`` (B, 1, N), whether the entering document reaches the chunk's end."""
@@ -241,17 +241,6 @@ def fused(cfg: DeltaNetConfig, qkv, z, b, a) -> dict:
     return {"in_proj_qkvz": per_head(q, k, v, z), "in_proj_ba": per_head(b, a)}
 
 
-def token_valid(allowed, first_slot=0):
-    """(B, T) bools: which of a call's ``T`` tokens are real, read off the decoder's mask
-    ``allowed`` (B, 1, T, S) (``redco_zoo_models.attention.decoder_inputs``: a token sees its own
-    slot iff it is real); ``None`` (no mask: all real) stays ``None``."""
-    if allowed is None:
-        return None
-    b, _, t, _ = allowed.shape
-    slots = jnp.broadcast_to(jnp.reshape(first_slot, (-1, 1)) + jnp.arange(t), (b, t))
-    return jnp.take_along_axis(allowed[:, 0], slots[..., None], axis=-1)[..., 0]
-
-
 def init_state(cfg: DeltaNetConfig, batch: int, dtype=jnp.float32) -> dict:
     """An empty decoding state: the conv's last ``K - 1`` inputs and the delta rule's ``S``."""
     return {"conv": jnp.zeros((batch, cfg.conv_kernel - 1, 2 * cfg.key_dim + cfg.value_dim),
@@ -275,29 +264,32 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = linear(cfg.value_dim, d)
         self.cfg = cfg
 
-    def __call__(self, x, valid=None, cache: dict | None = None, runs=None):
+    def __call__(self, x, valid=None, cache: dict | None = None, runs=None, split=None):
         """``(out, new cache)`` for ``x`` (B, T, hidden); ``valid`` (B, T) marks real tokens
         (``None``: all); ``cache`` (``init_state``'s) continues a sequence, else it starts;
-        ``runs`` (B, T): packed documents (``mamba2.document_runs``), each read as if alone."""
+        ``runs`` (B, T): packed documents (``layers.document_runs``), each read as if alone;
+        ``split``: the sequence split over devices (``recurrent_split``)."""
         cfg, (b, t, _) = self.cfg, x.shape
         if valid is not None:
             x = x * valid[..., None].astype(x.dtype)
         history = None if cache is None else cache["conv"]
         projected = self.in_proj_qkv(x)
-        mixed = causal_conv(projected, self.conv1d.weight[...], history, runs)
-        q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
-        q, k = (y.reshape(b, t, cfg.n_key_heads, cfg.key_head_dim) for y in (q, k))
-        v = v.reshape(b, t, cfg.n_value_heads, cfg.value_head_dim)
         beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         if valid is not None:  # padding keeps the state: no decay (g = 0), no write (beta = 0)
             g, beta = (jnp.where(valid[..., None], y, 0.0) for y in (g, beta))
         state = None if cache is None else cache["state"]
-        if t == 1 and cache is not None:
-            out, state = recurrent(q, k, v, g, beta, state)
+        if split is not None:
+            mamba2.refuse_split_cache(cache)
+            out = recurrent_split.run(split, projected, (g, beta), cfg.conv_kernel,
+                                      self._conv, self._rule, self._transition, jnp.matmul)
         else:
-            out, state = chunked(q, k, v, g, beta, cfg.chunk_size, state, runs)
+            q, k, v = self._heads(causal_conv(projected, self.conv1d.weight[...], history, runs))
+            if t == 1 and cache is not None:
+                out, state = recurrent(q, k, v, g, beta, state)
+            else:
+                out, state = chunked(q, k, v, g, beta, cfg.chunk_size, state, runs)
         z = self.in_proj_z(x).reshape(b, t, cfg.n_value_heads, cfg.value_head_dim)
         out = self.norm(out.astype(x.dtype), z).reshape(b, t, cfg.value_dim)
         if cache is None:
@@ -305,3 +297,26 @@ class GatedDeltaNet(nnx.Module):
         conv = last_real_inputs(projected, history, cfg.conv_kernel - 1, valid)
         new_cache = {"conv": conv.astype(cache["conv"].dtype), "state": state}
         return self.out_proj(out), new_cache
+
+    def _heads(self, mixed):
+        """The convolution's output (B, T, C) as queries, keys and values per head."""
+        cfg, (b, t, _) = self.cfg, mixed.shape
+        q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+        q, k = (y.reshape(b, t, cfg.n_key_heads, cfg.key_head_dim) for y in (q, k))
+        return q, k, v.reshape(b, t, cfg.n_value_heads, cfg.value_head_dim)
+
+    # the mixer's parts for ``recurrent_split.run`` (context parallelism)
+    def _conv(self, x, runs):
+        return causal_conv(x, self.conv1d.weight[...], None, runs)
+
+    def _rule(self, mixed, gates, state, runs):
+        return chunked(*self._heads(mixed), *gates, self.cfg.chunk_size, state, runs)
+
+    def _transition(self, mixed, gates, runs):
+        """The chunk's ``T``: what it does to an entering state (``Dk x Dk`` a head), the rule
+        run on zero values from the identity."""
+        q, k, v = self._heads(mixed)
+        dk = k.shape[-1]
+        eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (*v.shape[:1], v.shape[2], dk, dk))
+        return chunked(q, k, jnp.zeros((*v.shape[:3], dk), v.dtype), *gates,
+                       self.cfg.chunk_size, eye, runs)[1]

@@ -74,6 +74,15 @@ def embed(table: nnx.Embed, ids):
     return jnp.take(table.embedding[...], ids, axis=0)
 
 
+def document_runs(segment_ids):
+    """Packed rows' documents (B, T) as run numbers: equal exactly for neighbouring tokens of
+    one document (a segment id met again later starts a new run)."""
+    starts = jnp.concatenate([jnp.zeros_like(segment_ids[:, :1]),
+                              (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(
+                                  segment_ids.dtype)], 1)
+    return jnp.cumsum(starts, 1)
+
+
 def last_real_inputs(x, history, n: int, valid=None):
     """The last ``n`` inputs (B, n, C) of a causal convolution over ``x`` (B, T, C) after
     ``history`` (B, n, C; ``None``: zeros): what the next token's window reads before its own.

@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from redco_zoo_models import recurrent_split
 from redco_zoo_models.layers import ACTIVATIONS, last_real_inputs
 
 
@@ -97,7 +98,7 @@ def causal_conv(x, weight, bias=None, history=None, runs=None):
     """Depthwise causal convolution of ``x`` (B, T, C) with ``weight`` (C, K): output ``t`` is
     ``sum_k weight[:, k] * x[t - K + 1 + k]``, plus ``bias``; before the start, ``history``
     (B, K - 1, C): the inputs before these (None: zeros). ``runs`` (B, T): packed documents
-    (``document_runs``), a token reading no other document's inputs."""
+    (``layers.document_runs``), a token reading no other document's inputs."""
     k, t = weight.shape[1], x.shape[1]
     padded = jnp.pad(x, ((0, 0), (k - 1, 0), (0, 0))) if history is None else \
         jnp.concatenate([history, x], 1)
@@ -108,15 +109,6 @@ def causal_conv(x, weight, bias=None, history=None, runs=None):
                 for i, tap in enumerate(taps)]
     out = sum(tap * weight[:, i] for i, tap in enumerate(taps))
     return out if bias is None else out + bias
-
-
-def document_runs(segment_ids):
-    """Packed rows' documents (B, T) as run numbers: equal exactly for neighbouring tokens of
-    one document (a segment id met again later starts a new run)."""
-    starts = jnp.concatenate([jnp.zeros_like(segment_ids[:, :1]),
-                              (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(
-                                  segment_ids.dtype)], 1)
-    return jnp.cumsum(starts, 1)
 
 
 def _heads(t, n_heads: int):
@@ -146,7 +138,7 @@ def recurrent_scan(x, dt, a, b, c, state=None):
 def chunked_scan(x, dt, a, b, c, state=None, chunk: int = 256, runs=None):
     """``recurrent_scan``'s outputs and final state, in chunks of ``chunk`` tokens (module
     docstring): quadratic within a chunk, the state carried across chunks by a scan. ``runs``
-    (B, T): packed documents (``document_runs``), each starting from a zero state: a token
+    (B, T): packed documents (``layers.document_runs``), each starting from a zero state: a token
     takes in only its own document's tokens and carried state."""
     bsz, t, h, p = x.shape
     pad = -t % chunk
@@ -213,36 +205,82 @@ class Mamba2(nnx.Module):
         self.out_proj = nnx.Linear(cfg.inner, d, use_bias=cfg.proj_bias, rngs=rngs)
         self.cfg = cfg
 
-    def __call__(self, x, valid=None, cache: dict | None = None, scan=None, runs=None):
+    def __call__(self, x, valid=None, cache: dict | None = None, scan=None, runs=None,
+                 split=None):
         """``(y, cache)``: ``x`` (B, T, hidden) -> ``y`` (B, T, hidden); ``valid`` (B, T): the
         real tokens (None: all); ``cache`` (``init_cache``): the state after the tokens before
         these, returned updated (None: none kept). ``scan``: ``chunked_scan`` (the default for
         more than one token) or ``recurrent_scan`` (the default for one). ``runs`` (B, T):
-        packed documents (``document_runs``), each read as if alone."""
+        packed documents (``layers.document_runs``), each read as if alone; ``split``: the
+        sequence split over devices (``recurrent_split``)."""
         cfg, (bsz, t, _) = self.cfg, x.shape
-        keep = (lambda v: v) if valid is None else \
-            (lambda v: v * valid[..., None].astype(v.dtype))  # noqa: E731
-        z, xbc, dt = jnp.split(self.in_proj(keep(x)), [cfg.inner, cfg.inner + cfg.conv_dim], -1)
-        history = None if cache is None else cache["conv"].astype(xbc.dtype)
-        conv_out = self.conv1d(xbc, history, runs)
-        xbc, new_conv = keep(ACTIVATIONS[cfg.activation](conv_out)), last_real_inputs(
-            xbc, history, cfg.conv_kernel - 1, valid)
-        xs, b, c = jnp.split(xbc, [cfg.inner, cfg.inner + cfg.n_groups * cfg.state_size], -1)
-        xs = xs.reshape(bsz, t, cfg.n_heads, cfg.head_dim)
-        b, c = (v.reshape(bsz, t, cfg.n_groups, cfg.state_size) for v in (b, c))
+        valid = jnp.ones((bsz, t), bool) if valid is None else valid
+        z, xbc, dt = jnp.split(self.in_proj(_kept(x, valid)),
+                               [cfg.inner, cfg.inner + cfg.conv_dim], -1)
         dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...]),
                       *cfg.time_step_limit)
-        dt = keep(dt)  # a padded token: no decay, no write
-        a = -jnp.exp(self.A_log[...].astype(jnp.float32))
+        dt = _kept(dt, valid)  # a padded token: no decay, no write
+        if split is not None:
+            refuse_split_cache(cache)
+            y = recurrent_split.run(split, xbc, (dt, valid), cfg.conv_kernel, self._conv,
+                                    self._rule, self._transition, jnp.multiply)
+            return self.out_proj(self.norm(y.astype(x.dtype), z)), None
+        history = None if cache is None else cache["conv"].astype(xbc.dtype)
+        new_conv = last_real_inputs(xbc, history, cfg.conv_kernel - 1, valid)
+        xs, b, c = self._parts(_kept(self._conv(xbc, runs, history), valid))
         if scan is None:
             scan = recurrent_scan if t == 1 else partial(chunked_scan, chunk=cfg.chunk_size,
                                                          runs=runs)
-        y, state = scan(xs, dt, a, b, c, None if cache is None else cache["ssm"])
+        y, state = scan(xs, dt, self._a(), b, c, None if cache is None else cache["ssm"])
         y = y + self.D[...].astype(jnp.float32)[:, None] * xs.astype(jnp.float32)
         y = self.norm(y.reshape(bsz, t, cfg.inner).astype(x.dtype), z)
         new = None if cache is None else {"conv": new_conv.astype(cache["conv"].dtype),
                                           "ssm": state.astype(cache["ssm"].dtype)}
         return self.out_proj(y), new
+
+    def _a(self):
+        return -jnp.exp(self.A_log[...].astype(jnp.float32))
+
+    def _conv(self, xbc, runs, history=None):
+        return ACTIVATIONS[self.cfg.activation](self.conv1d(xbc, history, runs))
+
+    def _parts(self, xbc):
+        """The convolution's output (B, T, C) as ``x`` per head and ``B``, ``C`` per group."""
+        cfg, (bsz, t, _) = self.cfg, xbc.shape
+        xs, b, c = jnp.split(xbc, [cfg.inner, cfg.inner + cfg.n_groups * cfg.state_size], -1)
+        return (xs.reshape(bsz, t, cfg.n_heads, cfg.head_dim),
+                *(v.reshape(bsz, t, cfg.n_groups, cfg.state_size) for v in (b, c)))
+
+    # the mixer's parts for ``recurrent_split.run`` (context parallelism)
+    def _rule(self, xbc, dt_valid, state, runs):
+        """``(y (B, L, d_inner) with the D skip, final state)`` of a chunk from ``state``."""
+        dt, valid = dt_valid
+        xs, b, c = self._parts(_kept(xbc, valid))
+        y, state = chunked_scan(xs, dt, self._a(), b, c, state, self.cfg.chunk_size, runs)
+        y = y + self.D[...].astype(jnp.float32)[:, None] * xs.astype(jnp.float32)
+        return y.reshape(*xbc.shape[:2], self.cfg.inner), state
+
+    def _transition(self, xbc, dt_valid, runs):
+        """The chunk's ``T``: its decay of an entering state (per head, broadcast), the scan
+        run on zero inputs from a state of ones."""
+        dt, valid = dt_valid
+        xs, b, c = self._parts(_kept(xbc, valid))
+        ones = jnp.ones((xs.shape[0], *xs.shape[2:], b.shape[-1]), jnp.float32)
+        return chunked_scan(jnp.zeros_like(xs), dt, self._a(), b, c, ones,
+                            self.cfg.chunk_size, runs)[1]
+
+
+def _kept(v, valid):
+    """``v`` (B, T, ...) zeroed at the padded tokens."""
+    return v * valid.reshape(valid.shape + (1,) * (v.ndim - 2)).astype(v.dtype)
+
+
+def refuse_split_cache(cache) -> None:
+    """A prompt read into a cache with its sequence split: not for a recurrent layer yet."""
+    if cache is not None:
+        raise ValueError("Reading a prompt into a cache with its sequence split (context "
+                         "parallelism) is not supported for a model with recurrent layers "
+                         "(Gated DeltaNet, Mamba2): generate with n_context_shards=1.")
 
 
 def init_cache(batch: int, cfg: Mamba2Config, dtype=jnp.float32) -> dict:
