@@ -194,9 +194,6 @@ def scanned_context_degrees(args: argparse.Namespace) -> list[int] | None:
     from redco.protocols import UsageError
     if not args.scan_layers:
         return args.n_context_shards
-    if args.lora_rank is not None:
-        raise UsageError("--scan_layers with --lora_rank: LoRA on stacked layers is not "
-                         "supported yet; drop one of them.")
     if args.n_context_shards not in (None, [1]):
         raise UsageError(f"--scan_layers with --n_context_shards {args.n_context_shards}: "
                          "context parallelism over stacked layers is not supported yet; give "

@@ -27,9 +27,12 @@ and under FSDP each slice is declared as its stack is, less the layer axis
 (``redco.fsdp.slices_of``), so each step gathers one layer's weights. The KV-cache path
 (generation) runs the layers unrolled in a Python loop, each taking its slice of the stacks.
 
+**LoRA** (``redco_zoo_models.lora``): a stacked projection's adapters are stacked with its
+kernel, ``A`` (L, in, r) and ``B`` (L, r, out), and sliced with it in the body; each layer's
+drawn as its unrolled copy's, so a scanned LoRA run is the unrolled one.
+
 **Not supported yet** (refused before compiling, ``refuse_unsupported`` and the rule sets):
-LoRA adapters on stacked kernels, expert parallelism over stacked experts, and context
-parallelism (a split sequence).
+expert parallelism over stacked experts, and context parallelism (a split sequence).
 """
 from __future__ import annotations
 
