@@ -36,22 +36,26 @@ def params_of(cfg: LlamaConfig, scan: bool, lora_rank: int = 0):
     return apply_fn, jax.tree.unflatten(jax.tree.structure(shapes), [stacked[p] for p in paths])
 
 
+def examples() -> list[dict]:
+    """32 rows of 17 tokens: 4 updates of 8 rows on dp4 x mp2."""
+    rng = np.random.default_rng(0)
+    return [{"token_ids": (np.arange(17) * rng.integers(1, 4) + rng.integers(64)) % 64}
+            for _ in range(32)]
+
+
 def fit(cfg, scan: bool, rules: str = "auto", policy: str | None = None, lora_rank: int = 0):
     """4 SGD updates on dp4 x mp2 (of the adapters alone with ``lora_rank``): ``(loss and grad
-    norm rows, final params per layer, specs per param path)``."""
+    norm rows, final params per layer, specs per param path, the trainer)``."""
     deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False, compile_cache_dir=False,
                         sharding_rules=rules)
     apply_fn, params = params_of(cfg, scan, lora_rank)
     rows = StepRows()
     t = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.sgd(0.1), remat=policy,
                 callbacks=[rows], trainable=lora.trainable_mask(params) if lora_rank else None)
-    rng = np.random.default_rng(0)
-    examples = [{"token_ids": (np.arange(17) * rng.integers(1, 4) + rng.integers(64)) % 64}
-                for _ in range(32)]
-    t.fit(examples, per_device_batch_size=2, n_epochs=1, eval_sanity_check=False)
+    t.fit(examples(), per_device_batch_size=2, n_epochs=1, eval_sanity_check=False)
     final = layer_stacks.unstack({p: np.asarray(x) for p, x in named_leaves(t.params)})
     specs = {p: s.spec for p, s in named_leaves(t.state_shardings.params)}
-    return np.array(rows.rows), final, specs
+    return np.array(rows.rows), final, specs, t
 
 
 def padded(spec: P, ndim: int) -> tuple:
@@ -61,9 +65,9 @@ def padded(spec: P, ndim: int) -> tuple:
 def check_equal_training(cfg, rules="auto", policy=None, lora_rank=0):
     """The scanned model's 4 updates equal the unrolled one's (losses, gradient norms, every
     layer's final params); each stacked param's spec is its layers' unrolled spec behind an
-    unsplit layer axis. Returns ``(scanned specs, final params per layer)``."""
-    rows, final, specs = fit(cfg, True, rules, policy, lora_rank)
-    want_rows, want_final, want_specs = fit(cfg, False, rules, policy, lora_rank)
+    unsplit layer axis. Returns ``(scanned specs, final params per layer, scanned trainer)``."""
+    rows, final, specs, trainer = fit(cfg, True, rules, policy, lora_rank)
+    want_rows, want_final, want_specs, _ = fit(cfg, False, rules, policy, lora_rank)
     assert len(rows) == 4 and rows[-1, 0] < rows[0, 0]
     np.testing.assert_allclose(rows, want_rows, rtol=1e-5, atol=1e-6)
     assert final.keys() == want_final.keys()
@@ -76,4 +80,4 @@ def check_equal_training(cfg, rules="auto", policy=None, lora_rank=0):
         for layer in layer_stacks.layer_names(path):
             ndim = np.ndim(want_final[layer])
             assert padded(specs[path], ndim + 1) == (None, *padded(want_specs[layer], ndim)), path
-    return specs, final
+    return specs, final, trainer

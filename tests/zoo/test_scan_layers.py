@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from scanned import check_equal_training, params_of
+from scanned import check_equal_training, examples, params_of
 
-from redco import Deployer, fsdp, layer_stacks, remat
+from redco import fsdp, layer_stacks, remat
+from redco.builtins.rules import has_experts
 from redco.protocols import UsageError
 from redco.sharding import make_mesh, specs_from_rules
 from redco.tree_paths import named_leaves
@@ -45,16 +46,24 @@ def test_segments_cover_the_stack_with_its_repeating_groups(kinds, want):
 def test_a_scanned_llama_trains_as_the_unrolled_one_on_dp4_mp2():
     """Dataflow rules (``auto``): the stacked projections are split on ``mp`` as the unrolled
     layers' are, never on the layer axis."""
-    specs, _ = check_equal_training(LLAMA)
+    specs, *_ = check_equal_training(LLAMA)
     assert specs["model/layers/0:3/self_attn/q_proj/kernel"] == P(None, None, "mp")
     assert specs["model/layers/0:3/self_attn/o_proj/kernel"] == P(None, "mp", None)
 
 
-def test_a_scanned_moe_model_trains_as_the_unrolled_one_on_dp4_mp2():
+@pytest.mark.parametrize("rules", ["auto", "auto+fsdp+ep"])
+def test_a_scanned_moe_model_trains_as_the_unrolled_one_on_dp4_mp2(rules):
     """Mixtral's 3 MoE layers, balancing loss included: the stacked experts (layers, experts,
-    in, out) are split as one layer's, gate and up on their output."""
-    specs, _ = check_equal_training(MIXTRAL)
-    assert specs["model/layers/0:3/mlp/experts/gate_proj"] == P(None, None, None, "mp")
+    in, out) are split as one layer's, gate and up on their output; with expert parallelism
+    (``auto+fsdp+ep``) on their 4 experts over dp too, the layer axis whole, and the scanned
+    step sends tokens to them (``all_to_all``, in the scan's body) as the unrolled step does;
+    the planner then tries the ``+ep`` rule sets on the stacks (``has_experts``)."""
+    specs, _, trainer = check_equal_training(MIXTRAL, rules)
+    ep = "dp" if rules.endswith("+ep") else None
+    assert specs["model/layers/0:3/mlp/experts/gate_proj"] == P(None, ep, None, "mp")
+    assert specs["model/layers/0:3/mlp/experts/down_proj"] == P(None, ep, "mp", None)
+    assert ("all_to_all" in trainer.lower_train_step(examples()[:8], 2).as_text()) == bool(ep)
+    assert has_experts(params_of(MIXTRAL, True)[1])
 
 
 def body_constraints(jaxpr, in_scan=False) -> int:
@@ -72,7 +81,7 @@ def test_fsdp_gathers_each_layer_inside_the_scan_and_trains_as_unrolled():
     """``auto+fsdp`` and ``full`` remat: the scanned step equals the unrolled one, its stacks
     are split over ``dp`` behind the layer axis, and the scan's body gathers its layer's slice
     of each of them: a split and a gathered constraint per weight (``fsdp.gather``)."""
-    specs, _ = check_equal_training(LLAMA, "auto+fsdp", "full")
+    specs, *_ = check_equal_training(LLAMA, "auto+fsdp", "full")
     split = [p for p, s in specs.items() if layer_stacks.layers_of(p) and "dp" in str(s)]
     assert len(split) == 5  # q, o, gate, up, down (k, v of 512 and norms: too small to split)
     apply_fn, params = params_of(LLAMA, True)
@@ -144,17 +153,13 @@ def test_checkpoints_round_trip_and_the_cache_path_equals_the_scan(cfg, tmp_path
 
 
 def test_what_stacked_layers_do_not_support_yet_is_refused_before_compiling():
-    """Expert-parallel rules over stacked experts, context parallelism, quantising stacked
-    kernels (QLoRA): each refused with a UsageError naming scan_layers=False."""
+    """Context parallelism, quantising stacked kernels (QLoRA): each refused with a
+    UsageError naming scan_layers=False."""
     model = nnx.eval_shape(lambda: LlamaForCausalLM(dataclasses.replace(
         MIXTRAL, scan_layers=True), nnx.Rngs(0)))
     from redco_zoo_models.quantized_linear import quantize_linears
     with pytest.raises(UsageError, match="Quantising stacked .* scan_layers=False"):
         quantize_linears(model, "nf4")
-    deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False, compile_cache_dir=False,
-                        sharding_rules="auto+ep")
-    with pytest.raises(UsageError, match="expert parallelism is not supported yet"):
-        deployer.get_sharding_rules(nnx.state(model, nnx.Param))
     from redco import sequence_split
     graph, params = nnx.split(model)
     ids = jax.ShapeDtypeStruct((2, 16), jnp.int32)

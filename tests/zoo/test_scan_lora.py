@@ -56,7 +56,7 @@ def test_scanned_lora_trains_as_the_unrolled_lora_on_dp4_mp2():
     """4 SGD updates of the adapters alone: equal losses, gradient norms and final params per
     layer; the base stays as drawn; each adapter is split as its kernel's (column-parallel
     q_proj: B on its output; row-parallel o_proj: A on its input), the layer axis whole."""
-    specs, final = check_equal_training(LLAMA, lora_rank=2)
+    specs, final, _ = check_equal_training(LLAMA, lora_rank=2)
     start = layer_stacks.unstack({p: np.asarray(x) for p, x in
                                   named_leaves(params_of(LLAMA, True, 2)[1])})
     moved = [p for p in final if not np.array_equal(final[p], start[p])]

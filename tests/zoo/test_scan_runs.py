@@ -54,7 +54,6 @@ def test_a_scanned_lm_run_trains_as_the_unrolled_run(lora, tmp_path):
 @pytest.mark.parametrize("quantize, changes, flag", [
     ("nf4", dict(lora=LoRA(rank=4), layout=Layout(n_model_shards=1)), "--quantize_base"),
     (None, dict(layout=Layout(n_context_shards=2)), "--n_context_shards"),
-    (None, dict(layout=Layout(expert_parallel=True)), "--expert_parallel"),
 ])
 def test_the_typed_config_refuses_what_stacked_layers_do_not_support(quantize, changes, flag):
     with pytest.raises(UsageError, match=f"--scan_layers with {flag}: .* drop {flag} or "

@@ -31,8 +31,13 @@ and under FSDP each slice is declared as its stack is, less the layer axis
 kernel, ``A`` (L, in, r) and ``B`` (L, r, out), and sliced with it in the body; each layer's
 drawn as its unrolled copy's, so a scanned LoRA run is the unrolled one.
 
-**Not supported yet** (refused before compiling, ``refuse_unsupported`` and the rule sets):
-expert parallelism over stacked experts, and context parallelism (a split sequence).
+**Expert parallelism** (``redco_zoo_models.expert_parallel``): the ``+ep`` rule sets split a
+stack of experts (layers, experts, in, out) on its experts over ``dp``, the layer axis whole;
+the decoder enters EP around the scan as around unrolled layers, each step's MoE block then
+sends its tokens to its layer's experts (``all_to_all``) where they lie, ungathered.
+
+**Not supported yet** (refused before compiling, ``refuse_unsupported``): context
+parallelism (a split sequence).
 """
 from __future__ import annotations
 
@@ -147,9 +152,8 @@ def run(modules: nnx.Dict, runs: Sequence[Segment], step: Callable, x: Any) -> t
     return x, reports
 
 
-def refuse_unsupported(modules: nnx.Dict, split_sequence: bool, expert_parallel: bool) -> None:
+def refuse_unsupported(modules: nnx.Dict, split_sequence: bool) -> None:
     """Refuse, before compiling, what stacked layers do not support yet (module docstring)."""
-    what = "context parallelism" if split_sequence else \
-        "expert parallelism" if expert_parallel else None
-    if what and any(":" in key for key in modules):
-        raise UsageError(f"scan_layers with {what} is not supported yet: set scan_layers=False.")
+    if split_sequence and any(":" in key for key in modules):
+        raise UsageError("scan_layers with context parallelism is not supported yet: set "
+                         "scan_layers=False.")

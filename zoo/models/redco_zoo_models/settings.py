@@ -155,8 +155,7 @@ def refuse_with_scan(config: RunConfig) -> None:
     """Refuse, before anything is built, the levers stacked layers do not support yet
     (``redco_zoo_models.layer_scan``), naming the flag and the fix."""
     levers = (("--quantize_base", config.source.quantize_base, "a quantised base"),
-              ("--n_context_shards", config.layout.n_context_shards > 1, "context parallelism"),
-              ("--expert_parallel", config.layout.expert_parallel, "expert parallelism"))
+              ("--n_context_shards", config.layout.n_context_shards > 1, "context parallelism"))
     for flag, asked, lever in levers:
         if asked:
             raise UsageError(f"--scan_layers with {flag}: stacked layers do not support "
