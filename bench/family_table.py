@@ -32,9 +32,9 @@ through such a layout is marked with a dagger. ``--levers`` and ``--servers`` pi
 (``redco_zoo_models.layer_scan``): every layout compiled at full depth, in a compile time that
 no longer grows with depth (BENCHMARKS.md section 33), so the cuts and the depth rule are not
 needed; its cells are the scanned step's own peaks (more temp memory than unrolled, section
-33), kept in the cache under ``<model> scanned``. Not with ``--extrapolate`` (the rule carries
-an unrolled step's peak, which ``bench/depth_rule_check.py`` keeps checking) nor with LoRA
-(not supported on stacked layers yet).
+33), kept in the cache under ``<model> scanned``, LoRA's too (adapters stacked with their
+kernels). Not with ``--extrapolate`` (the rule carries an unrolled step's peak, which
+``bench/depth_rule_check.py`` keeps checking).
 
 Each model runs in its own process (XLA:CPU's compile memory is freed between models), the
 smallest model first, until ``--budget_minutes`` is spent; the table marks what did not run.
@@ -44,7 +44,7 @@ its own (BENCHMARKS.md section 4 and "The paper's Table 1"), so peaks are on the
 
 Run:  python bench/family_table.py [--models qwen3-0.6b,...] [--seq_len 2048]
           [--budget_minutes 60] [--cache family_table.json] [--table_only | --states_only]
-          [--extrapolate | --scan_layers --levers full] [--levers full,LoRA]
+          [--extrapolate | --scan_layers] [--levers full,LoRA]
           [--servers "8 x 80 GB,8 x 16 GB"]
 """
 from __future__ import annotations
@@ -350,9 +350,8 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown --levers/--servers {sorted(unknown)}: use {LEVERS}, "
                      f"{list(HARDWARE)}")
-    if args.scan_layers and (args.extrapolate or args.levers != "full"):
-        parser.error("--scan_layers compiles every layout at full depth, with no LoRA on "
-                     "stacked layers yet: give --levers full and no --extrapolate")
+    if args.scan_layers and args.extrapolate:
+        parser.error("--scan_layers compiles every layout at full depth: drop --extrapolate")
     from redco_planner.commands import simulate_devices
     simulate_devices(8)  # (the workers compile on them; here only the provenance names them)
     if args.worker:

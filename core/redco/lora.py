@@ -13,6 +13,12 @@ them, the sharding rules lay them out by their kernel's spec (for ``W`` split ``
 gets ``(a, None)`` and ``B`` ``(None, b)``: the column- or row-parallel matmul stays local),
 and ``merge`` folds them back into plain kernels for export.
 
+A stacked kernel (``redco.layer_stacks``: a scanned model's ``.../0:32/q_proj/kernel``, layers
+on a leading axis) gets stacked adapters, ``A`` [L, in, r] and ``B`` [L, r, out], which the
+scan slices with their kernel. Each layer's adapters are drawn from the key its unrolled copy
+would get (``adapter_keys``: keys go to the per-layer names in the unrolled model's order), so
+a scanned model starts, and trains, as the unrolled one does.
+
 ``add_lora(params, apply_fn)`` works for any model whose params are nested mappings (dicts,
 Flax NNX ``State``): its ``apply_fn`` merges on the fly, which costs a full-size merged kernel,
 and its full-size gradient, per adapted layer. Models that compute ``x @ W + (x @ A) @ B *
@@ -29,8 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from redco.layer_stacks import layers_of
-from redco.protocols import UsageError
+from redco.layer_stacks import layer_names, layer_shape, layers_of
 from redco.tree_paths import named_leaves, path_str
 
 # Attention and MLP projections of LLaMA/Mistral/Qwen2 (q_proj ... down_proj), T5 (q, k, v, o,
@@ -57,9 +62,11 @@ def kernel_name_of(name: str) -> tuple[str, int] | None:
 
 
 def kernel_paths(params: Any, targets: str = DEFAULT_TARGETS) -> list[str]:
-    """The ``/``-joined paths of the 2-D leaves ``targets`` (a regex, ``re.search``) selects."""
+    """The ``/``-joined paths of the 2-D leaves (per layer: a stacked one's slice) ``targets``
+    (a regex, ``re.search``) selects."""
     pattern = re.compile(targets)
-    return [p for p, leaf in named_leaves(params) if np.ndim(leaf) == 2 and pattern.search(p)
+    return [p for p, leaf in named_leaves(params)
+            if len(layer_shape(p, np.shape(leaf))) == 2 and pattern.search(p)
             and kernel_name_of(p.rsplit("/", 1)[-1]) is None]
 
 
@@ -103,23 +110,39 @@ def select(params: Any, targets: str, rank: int) -> list[str]:
     except re.error as e:
         raise ValueError(f"LoRA targets {targets!r} is not a regex: {e}.") from None
     leaves = dict(named_leaves(params))
-    stacked = [p for p in leaves if layers_of(p) is not None and re.search(targets, p)]
-    if stacked:
-        raise UsageError(f"LoRA targets {targets!r} select stacked layers' kernels ({stacked[0]}, "
-                         "redco.layer_stacks): scan_layers with LoRA is not supported yet: set "
-                         "scan_layers=False.")
     chosen = kernel_paths(params, targets)
     if not chosen:
         matrices = [p for p, x in leaves.items() if np.ndim(x) == 2][:6]
         raise ValueError(f"LoRA targets {targets!r} select no 2-D kernel. Kernel paths look "
                          f"like: {matrices}; give a regex that matches some of them.")
     for path in chosen:
-        check_rank(path, np.shape(leaves[path]), rank)
+        check_rank(path, layer_shape(path, np.shape(leaves[path])), rank)
     return chosen
 
 
+def unrolled_order(name: str) -> tuple:
+    """Sort key of a per-layer path as a model's modules are walked: by component, layer
+    indices as numbers (``.../2/...`` before ``.../10/...``)."""
+    return tuple((0, int(c), "") if c.isdigit() else (1, 0, c) for c in name.split("/"))
+
+
+def adapter_keys(kernels: list[str], seed: int) -> dict[str, jax.Array]:
+    """A PRNG key per kernel path, a stacked kernel's (L, 2): one per layer. ``seed``'s keys go
+    to the per-layer names in the unrolled model's order (``unrolled_order``), so a layer's
+    adapters start the same stacked or not."""
+    per_layer = {k: layer_names(k) if layers_of(k) is not None else [k] for k in kernels}
+    names = sorted((n for ns in per_layer.values() for n in ns), key=unrolled_order)
+    keys = dict(zip(names, jax.random.split(jax.random.PRNGKey(seed), max(len(names), 1))))
+    return {k: keys[ns[0]] if layers_of(k) is None else jnp.stack([keys[n] for n in ns])
+            for k, ns in per_layer.items()}
+
+
 def init_adapters(key: jax.Array, kernel_shape, rank: int, dtype) -> tuple[jax.Array, jax.Array]:
-    """``A`` [in, r] uniform in +-1/sqrt(in) (PEFT's Kaiming init) and ``B`` [r, out] zeros."""
+    """``A`` [in, r] uniform in +-1/sqrt(in) (PEFT's Kaiming init) and ``B`` [r, out] zeros; for
+    a stacked kernel [L, in, out], ``key`` holds one key per layer (``adapter_keys``) and each
+    layer's pair is drawn as its unrolled copy's: ``A`` [L, in, r], ``B`` [L, r, out]."""
+    if len(kernel_shape) == 3:
+        return jax.vmap(lambda k: init_adapters(k, kernel_shape[1:], rank, dtype))(key)
     fan_in, fan_out = kernel_shape
     bound = 1.0 / np.sqrt(fan_in)
     a = jax.random.uniform(key, (fan_in, rank), jnp.float32, -bound, bound).astype(dtype)
@@ -171,10 +194,10 @@ def add_adapters(params: Any, rank: int = 8, targets: str = DEFAULT_TARGETS, see
     out = _copy(params)
     found = [(p, leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
              if path_str(p) in chosen]
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(found))
-    for (path, leaf), key in zip(found, keys):
+    keys = adapter_keys([path_str(p) for p, _ in found], seed)
+    for path, leaf in found:
         parent, name = _parent(out, path)
-        a, b = init_adapters(key, np.shape(leaf), rank, leaf.dtype)
+        a, b = init_adapters(keys[path_str(path)], np.shape(leaf), rank, leaf.dtype)
         for adapter, value in zip(adapter_names(str(name)), (a, b)):
             if adapter in parent:
                 raise ValueError(f"{path_str(path)} already has an adapter {adapter}.")
@@ -250,7 +273,8 @@ def add_lora(params: Any, apply_fn: Callable, optimizer: Any = None, *, rank: in
 
 def follow_kernels(specs: dict[str, Any], shapes: dict[str, tuple]) -> dict[str, Any]:
     """Adapter specs from their kernels' (``{path: PartitionSpec}``): for ``W`` [in, out]
-    ``(a, b)``, ``A`` [in, r] gets ``(a, None)`` and ``B`` [r, out] ``(None, b)``."""
+    ``(a, b)``, ``A`` [in, r] gets ``(a, None)`` and ``B`` [r, out] ``(None, b)``; a stacked
+    kernel's ``(None, a, b)`` gives ``(None, a, None)`` and ``(None, None, b)``."""
     from jax.sharding import PartitionSpec as P
     out = dict(specs)
     for path in specs:
@@ -259,11 +283,11 @@ def follow_kernels(specs: dict[str, Any], shapes: dict[str, tuple]) -> dict[str,
         if found is None:
             continue
         kernel = f"{parent}/{found[0]}" if parent else found[0]
-        if kernel not in specs or len(shapes.get(kernel, ())) != 2:
+        if kernel not in specs or len(layer_shape(kernel, shapes.get(kernel, ()))) != 2:
             continue
-        entries = list(specs[kernel]) + [None, None]
+        lead = (None,) if layers_of(kernel) is not None else ()
+        entries = list(specs[kernel])[len(lead):] + [None, None]
         a, b = entries[0], entries[1]
-        out[path] = P(a, None) if found[1] == 0 else P(None, b)
-        if out[path] == P(None, None):
-            out[path] = P()
+        spec = (*lead, a, None) if found[1] == 0 else (*lead, None, b)
+        out[path] = P(*spec) if any(e is not None for e in spec) else P()
     return out

@@ -3,29 +3,25 @@ the groups it stacks, training on 8 devices equal to the unrolled model's (the o
 tests/zoo_parity checks against transformers) under the dataflow rules and under FSDP, rules
 written for one layer applied to a stack, checkpoints in and out, and what is refused."""
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from step_rows import StepRows
+from scanned import check_equal_training, examples, params_of
 
-from redco import Deployer, Trainer, fsdp, layer_stacks, remat
+from redco import fsdp, layer_stacks, remat
+from redco.builtins.rules import has_experts
 from redco.protocols import UsageError
 from redco.sharding import make_mesh, specs_from_rules
 from redco.tree_paths import named_leaves
-from redco_zoo_lm import collate_fn, loss_fn
 from redco_zoo_models import (
     LlamaConfig,
     LlamaForCausalLM,
-    add_lora,
     from_pretrained,
     save_pretrained,
-    split_model,
 )
 from redco_zoo_models.layer_scan import Segment, segments
 from redco_zoo_models.toy import TINY_FAMILIES
@@ -47,78 +43,27 @@ def test_segments_cover_the_stack_with_its_repeating_groups(kinds, want):
     assert Segment(0, 6, 4).keys()[1] == "1:24:6" and Segment(24, 1, 1).keys() == ["24"]
 
 
-@functools.cache
-def params_of(cfg: LlamaConfig, scan: bool):
-    """``(apply_fn, params)``: numpy draws (an eager init compiles op by op) for the unrolled
-    model; the scanned one's are the same, stacked by layer (``layer_stacks.stack``)."""
-    apply_fn, shapes = split_model(nnx.eval_shape(
-        lambda: LlamaForCausalLM(dataclasses.replace(cfg, scan_layers=scan), nnx.Rngs(0))))
-    if not scan:
-        rng = np.random.default_rng(0)
-        return apply_fn, jax.tree.map(lambda s: (0.2 * rng.normal(size=s.shape)).astype(s.dtype),
-                                      shapes)
-    named = dict(named_leaves(params_of(cfg, False)[1]))
-    paths = [p for p, _ in named_leaves(shapes)]
-    stacked = layer_stacks.stack(named, [p for p in paths if layer_stacks.layers_of(p)], np.stack)
-    return apply_fn, jax.tree.unflatten(jax.tree.structure(shapes), [stacked[p] for p in paths])
-
-
-def fit(cfg, scan: bool, rules: str = "auto", policy: str | None = None):
-    """4 SGD updates on dp4 x mp2: ``(loss and grad norm rows, final params per layer, specs
-    per param path)``."""
-    deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False, compile_cache_dir=False,
-                        sharding_rules=rules)
-    apply_fn, params = params_of(cfg, scan)
-    rows = StepRows()
-    t = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.sgd(0.1), remat=policy,
-                callbacks=[rows])
-    rng = np.random.default_rng(0)
-    examples = [{"token_ids": (np.arange(17) * rng.integers(1, 4) + rng.integers(64)) % 64}
-                for _ in range(32)]
-    t.fit(examples, per_device_batch_size=2, n_epochs=1, eval_sanity_check=False)
-    final = layer_stacks.unstack({p: np.asarray(x) for p, x in named_leaves(t.params)})
-    specs = {p: s.spec for p, s in named_leaves(t.state_shardings.params)}
-    return np.array(rows.rows), final, specs
-
-
-def padded(spec: P, ndim: int) -> tuple:
-    return tuple(spec) + (None,) * (ndim - len(spec))
-
-
-def check_equal_training(cfg, rules="auto", policy=None):
-    """The scanned model's 4 updates equal the unrolled one's (losses, gradient norms, every
-    layer's final params); each stacked param's spec is its layers' unrolled spec behind an
-    unsplit layer axis. Returns the scanned specs."""
-    rows, final, specs = fit(cfg, True, rules, policy)
-    want_rows, want_final, want_specs = fit(cfg, False, rules, policy)
-    assert len(rows) == 4 and rows[-1, 0] < rows[0, 0]
-    np.testing.assert_allclose(rows, want_rows, rtol=1e-5, atol=1e-6)
-    assert final.keys() == want_final.keys()
-    for path in final:
-        np.testing.assert_allclose(final[path], want_final[path], rtol=1e-5, atol=1e-6,
-                                   err_msg=path)
-    stacked = [p for p in specs if layer_stacks.layers_of(p)]
-    assert stacked, "nothing stacked"
-    for path in stacked:
-        for layer in layer_stacks.layer_names(path):
-            ndim = np.ndim(want_final[layer])
-            assert padded(specs[path], ndim + 1) == (None, *padded(want_specs[layer], ndim)), path
-    return specs
-
-
 def test_a_scanned_llama_trains_as_the_unrolled_one_on_dp4_mp2():
     """Dataflow rules (``auto``): the stacked projections are split on ``mp`` as the unrolled
     layers' are, never on the layer axis."""
-    specs = check_equal_training(LLAMA)
+    specs, *_ = check_equal_training(LLAMA)
     assert specs["model/layers/0:3/self_attn/q_proj/kernel"] == P(None, None, "mp")
     assert specs["model/layers/0:3/self_attn/o_proj/kernel"] == P(None, "mp", None)
 
 
-def test_a_scanned_moe_model_trains_as_the_unrolled_one_on_dp4_mp2():
+@pytest.mark.parametrize("rules", ["auto", "auto+fsdp+ep"])
+def test_a_scanned_moe_model_trains_as_the_unrolled_one_on_dp4_mp2(rules):
     """Mixtral's 3 MoE layers, balancing loss included: the stacked experts (layers, experts,
-    in, out) are split as one layer's, gate and up on their output."""
-    specs = check_equal_training(MIXTRAL)
-    assert specs["model/layers/0:3/mlp/experts/gate_proj"] == P(None, None, None, "mp")
+    in, out) are split as one layer's, gate and up on their output; with expert parallelism
+    (``auto+fsdp+ep``) on their 4 experts over dp too, the layer axis whole, and the scanned
+    step sends tokens to them (``all_to_all``, in the scan's body) as the unrolled step does;
+    the planner then tries the ``+ep`` rule sets on the stacks (``has_experts``)."""
+    specs, _, trainer = check_equal_training(MIXTRAL, rules)
+    ep = "dp" if rules.endswith("+ep") else None
+    assert specs["model/layers/0:3/mlp/experts/gate_proj"] == P(None, ep, None, "mp")
+    assert specs["model/layers/0:3/mlp/experts/down_proj"] == P(None, ep, "mp", None)
+    assert ("all_to_all" in trainer.lower_train_step(examples()[:8], 2).as_text()) == bool(ep)
+    assert has_experts(params_of(MIXTRAL, True)[1])
 
 
 def body_constraints(jaxpr, in_scan=False) -> int:
@@ -136,7 +81,7 @@ def test_fsdp_gathers_each_layer_inside_the_scan_and_trains_as_unrolled():
     """``auto+fsdp`` and ``full`` remat: the scanned step equals the unrolled one, its stacks
     are split over ``dp`` behind the layer axis, and the scan's body gathers its layer's slice
     of each of them: a split and a gathered constraint per weight (``fsdp.gather``)."""
-    specs = check_equal_training(LLAMA, "auto+fsdp", "full")
+    specs, *_ = check_equal_training(LLAMA, "auto+fsdp", "full")
     split = [p for p, s in specs.items() if layer_stacks.layers_of(p) and "dp" in str(s)]
     assert len(split) == 5  # q, o, gate, up, down (k, v of 512 and norms: too small to split)
     apply_fn, params = params_of(LLAMA, True)
@@ -208,16 +153,13 @@ def test_checkpoints_round_trip_and_the_cache_path_equals_the_scan(cfg, tmp_path
 
 
 def test_what_stacked_layers_do_not_support_yet_is_refused_before_compiling():
-    """LoRA on stacked kernels and expert-parallel rules over stacked experts: each refused with
-    a UsageError naming scan_layers=False."""
+    """Quantising stacked kernels (QLoRA): refused with a UsageError naming
+    scan_layers=False."""
     model = nnx.eval_shape(lambda: LlamaForCausalLM(dataclasses.replace(
         MIXTRAL, scan_layers=True), nnx.Rngs(0)))
-    with pytest.raises(UsageError, match="LoRA is not supported yet: set scan_layers=False"):
-        add_lora(model, rank=2)
-    deployer = Deployer(jax_seed=0, n_model_shards=2, verbose=False, compile_cache_dir=False,
-                        sharding_rules="auto+ep")
-    with pytest.raises(UsageError, match="expert parallelism is not supported yet"):
-        deployer.get_sharding_rules(nnx.state(model, nnx.Param))
+    from redco_zoo_models.quantized_linear import quantize_linears
+    with pytest.raises(UsageError, match="Quantising stacked .* scan_layers=False"):
+        quantize_linears(model, "nf4")
 
 
 def test_a_scanned_model_starts_from_the_unrolled_ones_weights():

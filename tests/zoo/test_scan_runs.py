@@ -22,10 +22,11 @@ def losses(workdir) -> list[float]:
         return [row["train/loss"] for row in map(json.loads, f) if "train/loss" in row]
 
 
-def test_a_scanned_lm_run_trains_as_the_unrolled_run(tmp_path):
-    """The same 3 updates (same seed, same draws: the stacks start from the unrolled
-    weights), the same losses; the trained model saved per layer, as the unrolled run saves
-    it; the model the run loaded was stacked."""
+@pytest.mark.parametrize("lora", [[], ["--lora_rank", "2"]], ids=["full", "lora"])
+def test_a_scanned_lm_run_trains_as_the_unrolled_run(lora, tmp_path):
+    """The same 3 updates (same seed, same draws: the stacks, and LoRA's stacked adapters,
+    start from the unrolled weights), the same losses; the trained model saved per layer (with
+    LoRA: merged), as the unrolled run saves it; the model the run loaded was stacked."""
     tokenizer = word_tokenizer(WORDS, ("<pad>", "</s>", "<unk>", "<s>"))
     save_model_dir(tiny_llama(tokenizer.get_vocab_size()), tokenizer, str(tmp_path / "model"))
     starts = np.random.default_rng(0).integers(0, 10, 40)
@@ -33,7 +34,7 @@ def test_a_scanned_lm_run_trains_as_the_unrolled_run(tmp_path):
         " ".join(WORDS[(s + i) % 10] for i in range(40)) + "\n" for s in starts))
     flags = ["--model", str(tmp_path / "model"), "--train", str(tmp_path / "train.txt"),
              "--max_steps", "3", "--block_size", "16", "--per_device_batch_size", "1",
-             "--learning_rate", "0.003", "--eval_steps", "1"]
+             "--learning_rate", "0.003", "--eval_steps", "1", *lora]
     for side in ("unrolled", "scanned"):
         main(["zoo", "run", "lm", *flags, "--workdir", str(tmp_path / side),
               *(["--scan_layers"] if side == "scanned" else [])])
@@ -50,16 +51,16 @@ def test_a_scanned_lm_run_trains_as_the_unrolled_run(tmp_path):
             if p.startswith("model/layers/0:2/")], "nothing stacked"
 
 
-@pytest.mark.parametrize("changes, flag", [
-    (dict(lora=LoRA(rank=4)), "--lora_rank"),
-    (dict(layout=Layout(expert_parallel=True)), "--expert_parallel"),
+@pytest.mark.parametrize("quantize, changes, flag", [
+    ("nf4", dict(lora=LoRA(rank=4), layout=Layout(n_model_shards=1)), "--quantize_base"),
 ])
-def test_the_typed_config_refuses_what_stacked_layers_do_not_support(changes, flag):
+def test_the_typed_config_refuses_what_stacked_layers_do_not_support(quantize, changes, flag):
     with pytest.raises(UsageError, match=f"--scan_layers with {flag}: .* drop {flag} or "
                                          "--scan_layers"):
-        RunConfig(source=ModelSource("llama-1b", True, scan_layers=True), data=Data("x.txt"),
-                  **changes)
-    RunConfig(source=ModelSource("llama-1b", True), data=Data("x.txt"), **changes)
+        RunConfig(source=ModelSource("llama-1b", True, scan_layers=True, quantize_base=quantize),
+                  data=Data("x.txt"), **changes)
+    RunConfig(source=ModelSource("llama-1b", True, quantize_base=quantize), data=Data("x.txt"),
+              **changes)
 
 
 def test_a_model_that_is_not_a_decoder_is_refused_scanned(tmp_path):

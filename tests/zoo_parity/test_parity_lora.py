@@ -1,7 +1,8 @@
 """LoRA exports against transformers 5 and peft (PyTorch): a LoRA model saved merged
 (``save_pretrained``) loads in transformers with the LoRA JAX model's logits, and its unmerged
 adapters (``save_peft_adapters``) load with ``peft.PeftModel.from_pretrained`` onto the base
-model with the same logits, for LLaMA (1e-4) and T5 (v1.0 and flan; ``parity.close``, 5e-4:
+model with the same logits, for LLaMA (1e-4; its layers unrolled and scanned, stacked with
+their adapters) and T5 (v1.0 and flan; ``parity.close``, 5e-4:
 the adapters here move T5's logits by about 5, and on CI's CPUs torch's own merged and PEFT
 models of flan then differ from each other by up to 3.9e-4)."""
 import jax
@@ -56,9 +57,11 @@ def with_peft(base, adapter_dir):
     return model, n_adapted
 
 
-def test_llama_lora_merged_and_peft_exports_give_the_lora_models_logits(tmp_path):
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_llama_lora_merged_and_peft_exports_give_the_lora_models_logits(scan, tmp_path):
+    """Scanned: layers and adapters stacked (``layer_scan``), exported per layer."""
     ours, base, merged, adapter = exports(jiggle_ours(LlamaForCausalLM(
-        LlamaConfig(**LLAMA), nnx.Rngs(0))), tmp_path)
+        LlamaConfig(**LLAMA, scan_layers=scan), nnx.Rngs(0))), tmp_path)
     want = np.asarray(ours(jnp.asarray(IDS)))
     base_logits = torch_logits(load_hf(transformers.LlamaForCausalLM, str(base)), input_ids=IDS)
     assert np.abs(want - base_logits).max() > 1e-2  # the adapters change the model

@@ -20,8 +20,8 @@ any (the layout planner tries the ``+ep`` sets only then).
 **Stacked layers** (``redco.layer_stacks``: a scanned model's ``.../0:32/...`` params, layers on
 the first axis) are given the specs of one layer's weight, read off its slice: the dataflow's
 split dim less the layer axis, the names' and FSDP's on the dims after it (``layer_leaves``).
-``redco.sharding`` puts the layer axis back in front, unsplit. Expert parallelism over stacked
-experts is refused (not supported yet)."""
+``redco.sharding`` puts the layer axis back in front, unsplit. So expert parallelism splits a
+stack of experts (layers, experts, in, out) on its experts, the layer axis whole."""
 from __future__ import annotations
 
 import math
@@ -36,7 +36,6 @@ from redco.dataflow import dataflow_split_dims
 from redco.fsdp import FSDP_AXES, without_axes
 from redco.layer_stacks import layer_shape, layers_of
 from redco.plugins import hookimpl
-from redco.protocols import UsageError
 from redco.sharding import Rules, named_leaves
 
 QKV = re.compile(r"(^|/)(q|k|v|query|key|value|[qkv]_proj|qkv|wq|wk|wv)/(kernel|weight)$")
@@ -191,10 +190,9 @@ def _auto_fsdp(params, mesh: Mesh, trace_fn=None) -> dict[str, P]:
 
 
 def has_experts(params) -> bool:
-    """Whether ``params`` hold stacked expert weights (``EXPERTS``, 3 dims; their biases 2)
-    that expert parallelism can split: none of stacked layers (``redco.layer_stacks``)."""
-    return any(_is_expert(path, leaf) and layers_of(path) is None
-               for path, leaf in named_leaves(params))
+    """Whether ``params`` hold stacked expert weights (``EXPERTS``, 3 dims; their biases 2;
+    one more for stacked layers, ``redco.layer_stacks``) that expert parallelism can split."""
+    return any(_is_expert(path, leaf) for path, leaf in layer_leaves(params))
 
 
 def _is_expert(path: str, leaf) -> bool:
@@ -209,10 +207,6 @@ def with_experts_split(base_specs):
         for path, leaf in layer_leaves(params):
             if not _is_expert(path, leaf):
                 continue
-            if layers_of(path) is not None:
-                raise UsageError(f"{path} holds stacked layers' experts: scan_layers with "
-                                 "expert parallelism is not supported yet: set "
-                                 "scan_layers=False, or rules without +ep.")
             if leaf.shape[0] % dp:
                 raise ValueError(
                     f"{path} holds {leaf.shape[0]} experts, which do not split over dp={dp} "

@@ -146,7 +146,7 @@ class PlanCommand(Command):
                             help="the step computes in this dtype, the params cast to it as "
                             "Trainer(compute_dtype=...) does; params and AdamW state stay fp32")
         parser.add_argument("--scan_layers", "--scan-layers", action="store_true",
-                            help=SCAN_HELP + "; no LoRA, context or expert parallelism yet")
+                            help=SCAN_HELP + "; no context parallelism yet")
 
     def run(self, args: argparse.Namespace) -> None:
         simulate_devices(args.devices)
@@ -177,7 +177,7 @@ class PlanCommand(Command):
                           remat_policies=REMAT_POLICIES if args.remat else ("none",),
                           lora_rank=args.lora_rank, lora=model.lora,
                           context_degrees=context, context_strategy=args.context_strategy,
-                          compute_dtype=compute, expert_parallel=not args.scan_layers)
+                          compute_dtype=compute)
         except PlanError as e:
             sys.exit(f"redco: {e}")
         remat = f", remat={result.remat!r}" if args.remat else ""
@@ -194,9 +194,6 @@ def scanned_context_degrees(args: argparse.Namespace) -> list[int] | None:
     from redco.protocols import UsageError
     if not args.scan_layers:
         return args.n_context_shards
-    if args.lora_rank is not None:
-        raise UsageError("--scan_layers with --lora_rank: LoRA on stacked layers is not "
-                         "supported yet; drop one of them.")
     if args.n_context_shards not in (None, [1]):
         raise UsageError(f"--scan_layers with --n_context_shards {args.n_context_shards}: "
                          "context parallelism over stacked layers is not supported yet; give "

@@ -19,7 +19,7 @@ from flax import nnx
 
 from redco import remat, sequence_split
 from redco.tree_paths import named_leaves
-from redco_zoo_models import expert_parallel, family_tensors, layer_scan, llama4_attention, mamba2
+from redco_zoo_models import family_tensors, layer_scan, llama4_attention, mamba2
 from redco_zoo_models.attention import init_cache, with_blocks, within_chunk
 from redco_zoo_models.chunked_loss import next_token_loss
 from redco_zoo_models.context_parallel import (
@@ -217,7 +217,6 @@ class DecoderModel(nnx.Module):
         lengths = self._document_lengths(segment_ids, allowed)
         with as_laid_out(self.moe_weights()):  # experts split over dp: expert parallel
             if self.runs is not None and cache is None:  # stacked: scanned
-                layer_scan.refuse_unsupported(self.layers, expert_parallel.current() is not None)
 
                 def step(layer, h):
                     h, _, report = layer(h, positions, allowed, None, cache_index, lengths,

@@ -68,6 +68,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from redco import fsdp
+from redco.layer_stacks import layers_of
 from redco.tree_paths import named_leaves
 from redco_zoo_models.slots import combine, dispatch, slots
 
@@ -113,14 +114,16 @@ def for_trainer(params: Any, deployer) -> list:
 def as_laid_out(weights: list[tuple[str, Any]]) -> Iterator[None]:
     """``expert_parallel`` over the mesh the step split the expert weights of ``weights``
     (``(path, leaf)`` pairs) on, when it declared every one split on its experts over ``dp``
-    (``redco.fsdp.declared``); else nothing."""
-    experts = [leaf for path, leaf in weights if EXPERT_WEIGHTS.search(path)]
-    shardings = [fsdp.declared(leaf) for leaf in experts]
-    if not experts or not all(s is not None and s.spec and s.spec[0] == AXIS for s in shardings):
+    (``redco.fsdp.declared``; a stacked layers' one, ``redco.layer_stacks``, on the axis after
+    its layers'); else nothing."""
+    experts = [(path, leaf) for path, leaf in weights if EXPERT_WEIGHTS.search(path)]
+    shardings = [(int(layers_of(path) is not None), fsdp.declared(leaf)) for path, leaf in experts]
+    if not experts or not all(s is not None and len(s.spec) > axis and s.spec[axis] == AXIS
+                              for axis, s in shardings):
         yield
         return
-    fsdp.keep_split(experts)
-    with expert_parallel(shardings[0].mesh):
+    fsdp.keep_split([leaf for _, leaf in experts])
+    with expert_parallel(shardings[0][1].mesh):
         yield
 
 

@@ -31,8 +31,17 @@ and under FSDP each slice is declared as its stack is, less the layer axis
 (``context_parallel.SplitSequence``) is closed over by the body, so each scanned layer's attention
 runs in its ``shard_map`` over the sequence axis and the norms and MLPs on each device's tokens.
 
-**Not supported yet** (refused before compiling, ``refuse_unsupported`` and the rule sets):
-LoRA adapters on stacked kernels and expert parallelism over stacked experts.
+**LoRA** (``redco_zoo_models.lora``): a stacked projection's adapters are stacked with its
+kernel, ``A`` (L, in, r) and ``B`` (L, r, out), and sliced with it in the body; each layer's
+drawn as its unrolled copy's, so a scanned LoRA run is the unrolled one.
+
+**Expert parallelism** (``redco_zoo_models.expert_parallel``): the ``+ep`` rule sets split a
+stack of experts (layers, experts, in, out) on its experts over ``dp``, the layer axis whole;
+the decoder enters EP around the scan as around unrolled layers, each step's MoE block then
+sends its tokens to its layer's experts (``all_to_all``) where they lie, ungathered.
+
+**Not supported yet:** quantised stacked kernels (QLoRA), refused by
+``quantized_linear.quantize_linears``.
 """
 from __future__ import annotations
 
@@ -45,7 +54,6 @@ from flax import nnx
 
 from redco import fsdp
 from redco.layer_stacks import stack_key
-from redco.protocols import UsageError
 
 MAX_PERIOD = 8  # the longest group of layers a segment repeats
 
@@ -145,10 +153,3 @@ def run(modules: nnx.Dict, runs: Sequence[Segment], step: Callable, x: Any) -> t
         x, scanned = jax.lax.scan(body, x, list(states))
         reports.extend(scanned)
     return x, reports
-
-
-def refuse_unsupported(modules: nnx.Dict, expert_parallel: bool) -> None:
-    """Refuse, before compiling, what stacked layers do not support yet (module docstring)."""
-    if expert_parallel and any(":" in key for key in modules):
-        raise UsageError("scan_layers with expert parallelism is not supported yet: set "
-                         "scan_layers=False.")

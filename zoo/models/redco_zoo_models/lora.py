@@ -9,6 +9,12 @@ users and keeps both products instead). Its params keep the names of ``redco.lor
 sharding rules and checkpoints treat both the same. A frozen quantised projection
 (``redco_zoo_models.quantized_linear``, QLoRA) gets its adapters in place instead.
 
+A scanned decoder's stacked projection (``redco_zoo_models.layer_scan``: one ``nnx.Linear``
+holding L layers' kernels) becomes one ``LoRALinear`` with stacked adapters, ``A`` [L, in, r]
+and ``B`` [L, r, out], drawn per layer as the unrolled model's (``redco.lora.adapter_keys``):
+the scan slices them with the kernel, a merged export merges each layer, and PEFT's adapters
+are written per layer.
+
     add_lora(model, rank=8)                  # in place; split_model(model) then has adapters
     save_pretrained(model, "out")            # merged: a plain HuggingFace model directory
     save_peft_adapters(model, "adapter")     # unmerged: PEFT's adapter_model.safetensors
@@ -24,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from redco import lora as core_lora
+from redco.layer_stacks import unstack
 from redco_safetensors import torch_name
 from redco_zoo_models.lora_matmul import adapted_matmul
 from redco_zoo_models.nnx_utils import replace_module
@@ -33,7 +40,8 @@ DEFAULT_TARGETS = core_lora.DEFAULT_TARGETS
 
 
 class LoRALinear(nnx.Linear):
-    """``nnx.Linear`` plus adapters ``lora_a`` [in, r] and ``lora_b`` [r, out] (zeros)."""
+    """``nnx.Linear`` plus adapters ``lora_a`` [in, r] and ``lora_b`` [r, out] (zeros); of a
+    stacked ``linear`` (kernel [L, in, out], ``key`` one per layer), [L, in, r] and [L, r, out]."""
 
     def __init__(self, linear: nnx.Linear, rank: int, alpha: float, key: jax.Array):
         kernel = linear.kernel[...]
@@ -84,8 +92,9 @@ def add_lora(model: nnx.Module, rank: int = 8, alpha: float = 16.0,
         raise ValueError(f"LoRA targets {targets!r} select kernels that are not nnx.Linear "
                          f"layers: {sorted(missed)[:4]}; narrow the regex, or use "
                          "redco.lora.add_lora on the params for any kernel.")
-    keys = jax.random.split(jax.random.PRNGKey(seed), max(len(found), 1))
-    for (path, linear), key in zip(found, keys):
+    keys = core_lora.adapter_keys(["/".join(map(str, p)) + "/kernel" for p, _ in found], seed)
+    for path, linear in found:
+        key = keys["/".join(map(str, path)) + "/kernel"]
         if isinstance(linear, QuantizedLinear):
             linear.add_adapters(rank, alpha, key)
         else:
@@ -124,14 +133,15 @@ TASK_TYPES = {"DecoderLM": "CAUSAL_LM", "GPT2LMHeadModel": "CAUSAL_LM",
 
 def peft_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     """The adapters under PEFT's names: ``base_model.model.<module>.lora_A.weight`` [r, in]
-    and ``lora_B.weight`` [out, r] (PyTorch's layout: transposed)."""
+    and ``lora_B.weight`` [out, r] (PyTorch's layout: transposed), a stacked layer's per layer."""
+    named = {f"{path}/{name}": np.asarray(getattr(layer, name)[...])
+             for path, layer in lora_layers(model) for name in core_lora.SUFFIXES}
     tensors = {}
-    for path, layer in lora_layers(model):
+    for name, adapter in unstack(named).items():
+        path, which = name.rsplit("/", 1)
         module = torch_name(f"{path}/kernel", 2)[0].removesuffix(".weight")
-        tensors[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(
-            np.asarray(layer.lora_a[...]).T)
-        tensors[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(
-            np.asarray(layer.lora_b[...]).T)
+        peft = "lora_A" if which == "lora_a" else "lora_B"
+        tensors[f"base_model.model.{module}.{peft}.weight"] = np.ascontiguousarray(adapter.T)
     return tensors
 
 
@@ -145,8 +155,8 @@ def save_peft_adapters(model: nnx.Module, adapter_dir: str,
     if not layers:
         raise ValueError("The model has no LoRA adapters to save: call add_lora(model) first "
                          "(or save_pretrained for the whole model).")
-    ranks = {int(layer.lora_a.shape[1]) for _, layer in layers}
-    scales = {layer.scale * layer.lora_a.shape[1] for _, layer in layers}
+    ranks = {int(layer.lora_a.shape[-1]) for _, layer in layers}
+    scales = {layer.scale * layer.lora_a.shape[-1] for _, layer in layers}
     if len(ranks) != 1 or len(scales) != 1:
         raise ValueError(f"PEFT's layout has one rank and alpha; the adapters have ranks "
                          f"{sorted(ranks)} and alphas {sorted(scales)}.")

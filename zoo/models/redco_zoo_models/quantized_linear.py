@@ -32,6 +32,8 @@ from flax.nnx.nn.dtypes import promote_dtype
 from jax.sharding import PartitionSpec as P
 
 from redco import lora as core_lora
+from redco.layer_stacks import layers_of
+from redco.protocols import UsageError
 from redco.sharding import spec_for
 from redco_zoo_models import quantize as q
 from redco_zoo_models.lora_matmul import adapted_matmul
@@ -101,6 +103,10 @@ def quantize_linears(model: nnx.Module, fmt: str, targets: str = TARGETS) -> dic
     ``QuantizedLinear`` of ``fmt``; returns ``{module path: (in, out)}`` of those swapped."""
     q.check_format(fmt)
     chosen = set(core_lora.kernel_paths(nnx.state(model, nnx.Param), targets))
+    if stacked := sorted(p for p in chosen if layers_of(p) is not None):
+        raise UsageError(f"Quantising stacked layers' kernels ({stacked[0]}, scan_layers) is not "
+                         "supported yet: load the model with scan_layers=False (drop "
+                         "--scan_layers) to quantise it.")
     swapped = {}
     for path, linear in modules_of_type(model, nnx.Linear):
         name = "/".join(map(str, path))

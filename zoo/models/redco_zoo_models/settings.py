@@ -154,8 +154,7 @@ class RunConfig(Generic[T]):
 def refuse_with_scan(config: RunConfig) -> None:
     """Refuse, before anything is built, the levers stacked layers do not support yet
     (``redco_zoo_models.layer_scan``), naming the flag and the fix."""
-    levers = (("--lora_rank", config.lora.rank, "LoRA adapters"),
-              ("--expert_parallel", config.layout.expert_parallel, "expert parallelism"))
+    levers = (("--quantize_base", config.source.quantize_base, "a quantised base"),)
     for flag, asked, lever in levers:
         if asked:
             raise UsageError(f"--scan_layers with {flag}: stacked layers do not support "
