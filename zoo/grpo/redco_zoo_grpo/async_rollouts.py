@@ -8,8 +8,9 @@ mesh holds its own copy of the params: after each round's update ``publish`` cop
 the decode shardings with ``jax.device_put`` (device to device, no host round trip) and
 numbers them with the rounds of updates they hold, their *version*.
 
-**Running ahead.** Round ``t``'s samples are dispatched during round ``max(1, t - K)``,
-before that round's update, on the params published then: version ``max(0, t - 1 - K)``. So
+**Running ahead.** Round ``t``'s samples are dispatched in round ``t - K``, just before its
+update (round 1's, and ``K = 0``'s, as their round starts), on the params published then:
+version ``max(0, t - 1 - K)``. So
 from round ``K + 1`` on, a round trains on samples ``K`` versions behind the policy it
 updates; ``K = 0`` samples each round on the params it starts from, as synchronous GRPO does.
 The engine runs on one worker thread, its calls in the order dispatched (the greedy
@@ -128,19 +129,24 @@ class AsyncRollouts(EngineRollouts):
             if times is not None:
                 times["rollout_ready"] = time.perf_counter() - self.start
 
-    def ahead(self, round_: int, n_rounds: int, take: Callable[[], list[int]],
-              prompts_of: Callable[[list[int]], list[dict]]) -> list[int]:
-        """Dispatch the rollouts of rounds ``round_ .. round_ + K`` (at most ``n_rounds``)
-        not yet in flight, each on ``take()``'s prompt indices (``prompts_of`` gives their
-        prompts), on the params published last; returns round ``round_``'s indices."""
-        for r in range(round_, min(round_ + self.k, n_rounds) + 1):
+    def feed(self, take: Callable[[], list[int]], prompts_of: Callable[[list[int]], list[dict]],
+             n_rounds: int) -> None:
+        """Where rounds' prompts come from: ``take()`` the next indices, ``prompts_of`` their
+        prompts; ``n_rounds`` rounds in all."""
+        self.take, self.prompts_of, self.n_rounds = take, prompts_of, n_rounds
+
+    def ahead(self, round_: int, n_more: int = 0) -> list[int]:
+        """Dispatch the rollouts of rounds ``round_ .. round_ + n_more`` (at most the last)
+        not yet in flight, each on the next prompts, on the params published last; returns
+        round ``round_``'s prompt indices."""
+        for r in range(round_, min(round_ + n_more, self.n_rounds) + 1):
             if r not in self.pending:
-                indices, self.times[r] = take(), dict(
+                indices, self.times[r] = self.take(), dict(
                     rollout_dispatch=time.perf_counter() - self.start)
                 self.pending[r] = dict(indices=indices, version=self.version, future=(
-                    self.worker.submit(self._on_worker, self.params, prompts_of(indices), r,
-                                       False, self.times[r])))
-        return self.pending[round_]["indices"]
+                    self.worker.submit(self._on_worker, self.params, self.prompts_of(indices),
+                                       r, False, self.times[r])))
+        return self.pending.get(round_, {}).get("indices")
 
     def sample(self, prompts: list[dict], round_: int, greedy: bool):
         """Round ``round_``'s rollouts, dispatched ahead (waited for); greedy ones (the

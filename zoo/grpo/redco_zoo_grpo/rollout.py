@@ -328,12 +328,12 @@ class GRPO:
         with self.trainer.run(loop=self, **run_options) as run:
             if self.asynchronous:  # the params (resumed or not) onto the rollout mesh
                 self.engine.publish(self.trainer.state.params, self.round)
+                self.engine.feed(self.prompts.take, lambda i: lookup(i)[0], n_rounds)
             if run.resumed_from is None:
                 self.evaluate(evaluate, prompt_column)  # also checks the reward function
             while self.round < n_rounds:
-                picked = lookup(self.engine.ahead(
-                    self.round + 1, n_rounds, self.prompts.take, lambda i: lookup(i)[0])) \
-                    if self.asynchronous else take()
+                picked = lookup(self.engine.ahead(self.round + 1)) if self.asynchronous \
+                    else take()
                 self.train_round(run, *picked, prompt_column, n_rounds, more=take)
                 if self.round % eval_every == 0 or self.round == n_rounds:
                     self.evaluate(evaluate, prompt_column)
@@ -350,6 +350,8 @@ class GRPO:
         start = time.perf_counter()
         with run.timed("rollout"):
             samples, metrics = self.rollout(prompts, rows, prompt_column, round_, more)
+        if self.asynchronous:  # the next K rounds' rollouts, to run during the update
+            self.engine.ahead(round_ + 1, self.asynchronous.max_off_policy_steps - 1)
         rollout_s, start = time.perf_counter() - start, time.perf_counter()
         self.trainer.train_scanned(samples, self.batch_size, range((round_ - 1) * mu, round_ * mu),
                                    desc=f"round {round_}/{n_rounds}")
