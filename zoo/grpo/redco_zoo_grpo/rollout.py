@@ -5,7 +5,9 @@
    back, no second copy; each prompt's samples sharing its prefill, finished rows refilled at
    once), or with ``engine_rows=0`` by ``pred_fn`` (the
    zoo's fixed-batch sampler, G samples per prompt in one call, run by a ``Predictor`` on the
-   training layout);
+   training layout); or, with ``rollout_devices``, on devices of their own, dispatched up to
+   ``max_off_policy_steps`` rounds ahead of the updates (``async_rollouts.py``: each sample then
+   carries its policy version, its rollout log-probs and its TIS weight);
 2. scores them with the reward function (``rewards.py``; checked: one finite number each),
    DAPO's soft overlong punishment added where asked; under DAPO's dynamic sampling, draws the
    next prompts while too few groups have signal, and keeps a round's worth (``dapo.py``);
