@@ -74,9 +74,10 @@ def is_weights(old_logps: np.ndarray, rollout_logps: np.ndarray, mask: np.ndarra
     return np.where(mask, np.minimum(ratio, cap), 1.0).astype(np.float32), metrics
 
 
-def rollout_devices(n: int) -> tuple[list, list]:
+def rollout_devices(n: int, training: list | None = None) -> tuple[list, list]:
     """``(training devices, rollout devices)``: the first ``D - n`` and the last ``n``;
-    refused before anything loads where no device would be left to train on."""
+    refused before anything loads where no device would be left to train on, or where the
+    ``training`` devices (a trainer's, given) reach into the rollout ones."""
     devices = jax.devices()
     if not 0 < n < len(devices):
         raise UsageError(f"--rollout_devices {n}: of the {len(devices)} devices, give 1 to "
@@ -85,6 +86,10 @@ def rollout_devices(n: int) -> tuple[list, list]:
     if jax.process_count() > 1:
         raise UsageError("--rollout_devices: a rollout mesh of its own runs in one process "
                          "for now; leave it 0 with several processes.")
+    if training is not None and set(training) & set(devices[-n:]):
+        raise UsageError(f"--rollout_devices {n}: the trainer's Deployer holds the last {n} "
+                         "devices too; make it with n_local_devices="
+                         f"{len(devices) - n} (runner.deployer_of does).")
     return devices[:-n], devices[-n:]
 
 
@@ -159,6 +164,17 @@ class AsyncRollouts(EngineRollouts):
             p["tokens"], p["logps"] = p.pop("future").result()
         self.current_version = p["version"]
         return p["tokens"], p["logps"]
+
+    def correct(self, samples: list[dict], old: np.ndarray, rollout_logps: np.ndarray,
+                counted: np.ndarray, round_: int, cap: float) -> dict:
+        """Round ``round_``'s samples (the last ``sample`` handed out) get their policy version,
+        rollout log-probs and TIS weights; returns the weights' metrics and the policy lag."""
+        version = self.current_version
+        weights, metrics = is_weights(old, rollout_logps, counted, cap)
+        for sample, logps, weight in zip(samples, rollout_logps, weights):
+            sample.update(rollout_logps=logps, is_weight=weight,
+                          policy_version=np.int32(version))
+        return dict(metrics, policy_version=version, policy_lag=round_ - 1 - version)
 
     def updated(self, round_: int, dispatched: float, params) -> None:
         """After round ``round_``'s update (dispatched at ``dispatched``, perf_counter): its

@@ -46,7 +46,6 @@ from redco.lora import trainable_mask, without_adapters
 from redco_zoo_grpo.async_rollouts import (
     AsyncConfig,
     AsyncRollouts,
-    is_weights,
     rollout_devices,
     timeline_path,
 )
@@ -236,19 +235,9 @@ class GRPO:
         if self.reference is not None:
             metrics["kl"] = k3(old, np.stack([s["ref_logps"] for s in samples]), mask)
         if self.asynchronous:
-            metrics.update(self.correct(samples, old, drawn["logps"], counted, round_))
+            metrics.update(self.engine.correct(samples, old, drawn["logps"], counted, round_,
+                                               self.asynchronous.is_cap))
         return samples, metrics
-
-    def correct(self, samples: list[dict], old: np.ndarray, rollout_logps: np.ndarray,
-                counted: np.ndarray, round_: int) -> dict:
-        """Asynchronous rollouts' samples get their policy version, rollout log-probs and TIS
-        weights (``async_rollouts.py``); returns the weights' metrics and the policy lag."""
-        version = self.engine.current_version
-        weights, metrics = is_weights(old, rollout_logps, counted, self.asynchronous.is_cap)
-        for sample, logps, weight in zip(samples, rollout_logps, weights):
-            sample.update(rollout_logps=logps, is_weight=weight,
-                          policy_version=np.int32(version))
-        return dict(metrics, policy_version=version, policy_lag=round_ - 1 - version)
 
     def clip_fraction(self, samples: list[dict]) -> float:
         """The share of ``samples``' counted tokens whose ratio under the params as they are now
@@ -282,7 +271,8 @@ class GRPO:
             self.ref_params = jax.tree.map(jnp.copy, self.trainer.params)
         if self.engine_rows:
             engine = (EngineRollouts, {}) if not self.asynchronous else (AsyncRollouts, dict(
-                devices=rollout_devices(self.asynchronous.rollout_devices)[1],
+                devices=rollout_devices(self.asynchronous.rollout_devices,
+                                        self.trainer.deployer.devices)[1],
                 max_off_policy_steps=self.asynchronous.max_off_policy_steps,
                 timeline=timeline_path(self.trainer.deployer.workdir)))
             self.engine = engine[0](
