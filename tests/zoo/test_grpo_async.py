@@ -57,29 +57,34 @@ def test_tis_weights_and_the_weighted_loss_are_the_formula():
 ASYNC_FLAGS = ["--rollout_devices", "4", "--max_off_policy_steps", "1"]
 
 
-def test_rollouts_run_one_update_ahead_on_devices_of_their_own(warmed_up, tmp_path):  # noqa: F811
-    """4 rounds with K = 1 on 4 + 4 devices: rounds 2-4 train on samples of the params one
-    update old (their version logged), round 1 on the starting params; the TIS ratio moves off
-    1 once the params the samples came from are behind; each round's rollout after the first
-    is dispatched before the previous round's update returns and starts while it runs."""
-    workdir = tmp_path / "k1"
+@pytest.mark.parametrize("k", [0, 1])
+def test_rollouts_run_k_updates_ahead_on_devices_of_their_own(warmed_up, tmp_path, k):  # noqa: F811
+    """4 rounds on 4 + 4 devices. K = 1: rounds 2-4 train on samples of the params one update
+    old (their version logged), round 1 on the starting params; the TIS ratio moves off 1 once
+    the samples' params are behind; each round's rollout after the first is dispatched before
+    the previous round's update and starts while it runs. K = 0: every round on-policy, the
+    ratio 1 (to the engine's numerics), each rollout after the update before it."""
+    workdir = tmp_path / f"k{k}"
     main(["zoo", "run", "grpo", "--model", str(warmed_up / "sft" / "model"), "--train",
           str(warmed_up / "prompts.jsonl"), "--workdir", str(workdir), "--n_rounds", "4",
           "--per_device_batch_size", "8", "--eval_every_n_rounds", "4", *GRPO_FLAGS,
-          *ASYNC_FLAGS])
+          *ASYNC_FLAGS, "--max_off_policy_steps", str(k)])
     log = (workdir / "log.txt").read_text()
     assert "mesh: {'dp': 4, 'mp': 1}" in log and "1, 4 replicas" in log, log[:3000]
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     rounds = [r for r in rows if "rollout/policy_lag" in r]
-    assert [r["rollout/policy_version"] for r in rounds] == [0, 0, 1, 2], rounds
-    assert [r["rollout/policy_lag"] for r in rounds] == [0, 1, 1, 1], rounds
-    assert rounds[0]["rollout/is_ratio_max"] < 1 + 1e-5  # on-policy: the engine's numerics
-    assert max(abs(r["rollout/is_ratio_max"] - 1) for r in rounds[1:]) > 1e-3, rounds
+    assert [r["rollout/policy_version"] for r in rounds] == [max(0, t - 1 - k) for t in (1, 2, 3, 4)]
+    assert [r["rollout/policy_lag"] for r in rounds] == [0] + [k] * 3, rounds
+    off = [abs(r["rollout/is_ratio_max"] - 1) for r in rounds]
+    assert off[0] < 1e-5 and (max(off[1:]) > 1e-3 if k else max(off) < 1e-5), off
     timeline = [json.loads(line) for line in open(workdir / "timeline.jsonl")]
     assert [t["round"] for t in timeline] == [1, 2, 3, 4]
     for before, after in zip(timeline, timeline[1:]):
-        assert after["rollout_dispatch"] <= before["update_dispatch"], (before, after)
-        assert after["rollout_start"] < before["update_ready"], (before, after)
+        if k:
+            assert after["rollout_dispatch"] <= before["update_dispatch"], (before, after)
+            assert after["rollout_start"] < before["update_ready"], (before, after)
+        else:
+            assert after["rollout_dispatch"] >= before["update_ready"], (before, after)
 
 
 def test_async_grpo_stopped_by_sigterm_or_killed_resumes_to_the_same_bits(warmed_up,  # noqa: F811
