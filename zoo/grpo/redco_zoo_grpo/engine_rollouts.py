@@ -28,11 +28,13 @@ from redco_zoo_models.requests import Sampling
 
 
 def decode_layout_of(trainer, model, rows: int, max_len: int,
-                     decode_model_shards: int | str | None) -> DecodeLayout | None:
-    """The layout rollouts decode on (module docstring); None: the training layout."""
+                     decode_model_shards: int | str | None,
+                     devices: list | None = None) -> DecodeLayout | None:
+    """The layout rollouts decode on over ``devices`` (default: the trainer's; module
+    docstring); None: the training layout."""
     if decode_model_shards is None:
         return None
-    devices = trainer.deployer.devices
+    devices = devices or trainer.deployer.devices
     stats = jax.local_devices()[0].memory_stats() or {}  # (another process's: not readable)
     layout = choose_decode_layout(
         model, trainer.params, devices, rows, max_len, stats.get("bytes_limit"),
@@ -43,10 +45,12 @@ def decode_layout_of(trainer, model, rows: int, max_len: int,
 
 class EngineRollouts:
     def __init__(self, trainer, model, config, eos_id: int, pad_id: int, rows: int,
-                 prompt_width: int, seed: int, decode_model_shards: int | str | None = "auto"):
+                 prompt_width: int, seed: int, decode_model_shards: int | str | None = "auto",
+                 devices: list | None = None):
         self.trainer, self.config, self.pad_id, self.seed = trainer, config, pad_id, seed
         max_len = prompt_width + config.max_new_tokens
-        self.layout = decode_layout_of(trainer, model, rows, max_len, decode_model_shards)
+        self.layout = decode_layout_of(trainer, model, rows, max_len, decode_model_shards,
+                                       devices)
         mesh = trainer.deployer.mesh if self.layout is None else self.layout.mesh
         self.engine = Engine(model, None, max_seqs=rows, max_len=max_len,
                              eos_token_ids=(eos_id,), mesh=mesh)
@@ -55,18 +59,22 @@ class EngineRollouts:
         """``(tokens, logps)``, (len(prompts) * G, max_new_tokens) each (G = 1 when
         ``greedy``), rows ``i * G ... i * G + G - 1`` prompt ``i``'s; after a completion's EOS,
         pad tokens and log-probability 0, as ``generate`` returns them."""
+        self._lend_params()
+        try:
+            return self.generate(prompts, round_, greedy)
+        finally:
+            self._take_params_back()
+
+    def generate(self, prompts: list[dict], round_: int, greedy: bool):
+        """``sample``'s arrays, on the params the engine holds now."""
         c, n_new = self.config, self.config.max_new_tokens
         sampling = dict(max_tokens=n_new, temperature=0.0) if greedy else dict(
             max_tokens=n_new, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
             n=c.n_samples)
-        self._lend_params()
-        try:
-            requests = [self.engine.submit(
-                [int(t) for t in p["prompt_ids"][p["prompt_mask"]]],
-                Sampling(seed=self._seed(round_, i), **sampling)) for i, p in enumerate(prompts)]
-            self.engine.run_until_done(requests)
-        finally:
-            self._take_params_back()
+        requests = [self.engine.submit(
+            [int(t) for t in p["prompt_ids"][p["prompt_mask"]]],
+            Sampling(seed=self._seed(round_, i), **sampling)) for i, p in enumerate(prompts)]
+        self.engine.run_until_done(requests)
         samples = [s for r in requests for s in r.samples]
         tokens = np.full((len(samples), n_new), self.pad_id, np.int32)
         logps = np.zeros((len(samples), n_new), np.float32)

@@ -78,7 +78,8 @@ def sequence_log_ratios(log_ratios, mask):
 def token_losses(logps: jax.Array, batch: dict, clip_low: float, clip_high: float,
                  beta: float, sequence: bool = False) -> jax.Array:
     """(B, N): each token's clipped policy-ratio loss, plus ``beta`` x its k2 KL penalty
-    weighted by the (constant) token ratio (module docstring). ``sequence``: GSPO's ratio, one
+    weighted by the (constant) token ratio (module docstring), times the batch's
+    ``is_weight`` where it has one (off-policy samples' TIS weights). ``sequence``: GSPO's ratio, one
     per completion (``sequence_log_ratios`` of ``batch["completion_mask"]``), for every token."""
     ratio = jnp.exp(logps - batch["old_logps"])
     surrogate_ratio = ratio if not sequence else jnp.broadcast_to(jnp.exp(sequence_log_ratios(
@@ -89,6 +90,8 @@ def token_losses(logps: jax.Array, batch: dict, clip_low: float, clip_high: floa
     if beta:
         k2 = 0.5 * (logps - batch["ref_logps"]) ** 2
         per_token = per_token + beta * jax.lax.stop_gradient(ratio) * k2
+    if "is_weight" in batch:  # asynchronous rollouts' TIS weights (async_rollouts.py)
+        per_token = per_token * batch["is_weight"]
     return per_token
 
 

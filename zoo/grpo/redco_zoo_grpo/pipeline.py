@@ -31,6 +31,7 @@ import optax
 import redco
 from redco import Deployer, Trainer
 from redco.protocols import UsageError
+from redco_zoo_grpo.async_rollouts import AsyncConfig, check_async, rollout_devices
 from redco_zoo_grpo.environments import Calculator, load_environment
 from redco_zoo_grpo.loss import LOSS_TYPES, average, token_logps_and_experts, token_losses
 from redco_zoo_grpo.multiturn import MultiTurnGRPO, check_max_turns
@@ -94,7 +95,8 @@ class GRPORun:
     passes over the prompts), an evaluation every ``eval_every_n_rounds``; rollouts on the
     engine with ``engine_rows`` sequences at once (0: ``pred_fn``'s fixed-batch sampler), decoding
     on ``decode_model_shards``' layout (a tensor-parallel degree, ``"auto"``, or None: the
-    training layout; ``redco_zoo_models.decode_layout``)."""
+    training layout; ``redco_zoo_models.decode_layout``); with ``asynchronous.rollout_devices``
+    on devices of their own, ahead of the updates (``async_rollouts.py``)."""
     prompt_column: str = "prompt"
     reward: str = "exact_match"
     max_prompt_len: int = 256
@@ -107,6 +109,7 @@ class GRPORun:
     eval_every_n_rounds: int = 10
     environment: str | None = None
     max_turns: int = 3
+    asynchronous: AsyncConfig = AsyncConfig()
 
 
 def add_switch(add, name: str, help: str) -> None:
@@ -165,6 +168,15 @@ def add_grpo_arguments(parser) -> None:
         "multiturn.py; sampled by pred_fn's sampler, not the engine")
     add("--max_turns", type=int, default=run.max_turns, help="--environment: the model's turns "
         "in an episode, at most (--max_new_tokens bounds all its tokens, the environment's too)")
+    add("--rollout_devices", type=int, default=0, help="the last N devices sample the "
+        "rollouts (the engine, on a decode layout of their own) while the others train; the "
+        "params reach them device to device after each update (0: rollouts on the training "
+        "devices): async_rollouts.py")
+    add("--max_off_policy_steps", type=int, default=0, help="with --rollout_devices: rollouts "
+        "run this many rounds ahead of the updates, on params this many updates old (0: "
+        "on-policy)")
+    add("--is_cap", type=float, default=AsyncConfig.is_cap, help="with --rollout_devices: "
+        "the truncated importance-sampling weights' cap (TIS, Yao et al. 2025)")
 
 
 def decode_degree(text: str) -> int | str | None:
@@ -226,10 +238,15 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
                          "size before anything trains, so the layout planner cannot pick it yet; "
                          "give a number of devices.")
     check_decode_degree(run.decode_model_shards)
+    algorithm = run.algorithm
+    check_async(run.asynchronous, run.engine_rows, algorithm.dynamic_sampling, run.environment,
+                run.decode_model_shards)
+    n_training = len(rollout_devices(run.asynchronous.rollout_devices)[0]) \
+        if run.asynchronous.rollout_devices else None
     make_env = run.environment and load_environment(run.environment)
     check_max_turns(run.max_turns)
     tokenizer = load_chat_tokenizer(source.model)
-    algorithm, reward_fn = run.algorithm, load_reward_fn(run.reward)
+    reward_fn = load_reward_fn(run.reward)
     model, _ = runner.load_source(source, seed)
     prompts, held_out = prompt_examples(tokenizer, runner.split_eval(
         config.data, {"--prompt_column": run.prompt_column}), run.prompt_column,
@@ -237,7 +254,7 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
     turns_context = algorithm.max_new_tokens if make_env else 0  # a turn's context: the trajectory
     check_context(model, len(prompts[0][0]["prompt_ids"]) + turns_context,
                   algorithm.max_new_tokens)
-    deployer = runner.deployer_of(config)
+    deployer = runner.deployer_of(config, n_local_devices=n_training)
     n_rounds = rounds_of(run, loop, deployer, len(prompts[0]))
     apply_fn, params, trainable = runner.split_for_training(model, config.lora, seed, deployer)
     lr = deployer.get_lr_schedule_fn(n_rounds * run.prompts_per_round * algorithm.n_samples,
@@ -248,7 +265,8 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
     trainer = Trainer(deployer, collate_fn, apply_fn, partial(loss_fn, **algorithm.loss_kwargs()),
                       params, optimizer, lr_schedule_fn=lr, trainable=trainable)
     grpo = GRPO(trainer, model, tokenizer, pred_fn, reward_fn, algorithm,
-                loop.per_device_batch_size, run.engine_rows, run.decode_model_shards) \
+                loop.per_device_batch_size, run.engine_rows, run.decode_model_shards,
+                run.asynchronous) \
         if not make_env else MultiTurnGRPO(
             trainer, model, tokenizer, pred_fn, reward_fn, algorithm, loop.per_device_batch_size,
             make_env=make_env, max_turns=run.max_turns)

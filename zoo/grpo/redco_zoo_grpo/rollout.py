@@ -5,7 +5,9 @@
    back, no second copy; each prompt's samples sharing its prefill, finished rows refilled at
    once), or with ``engine_rows=0`` by ``pred_fn`` (the
    zoo's fixed-batch sampler, G samples per prompt in one call, run by a ``Predictor`` on the
-   training layout);
+   training layout); or, with ``rollout_devices``, on devices of their own, dispatched up to
+   ``max_off_policy_steps`` rounds ahead of the updates (``async_rollouts.py``: each sample then
+   carries its policy version, its rollout log-probs and its TIS weight);
 2. scores them with the reward function (``rewards.py``; checked: one finite number each),
    DAPO's soft overlong punishment added where asked; under DAPO's dynamic sampling, draws the
    next prompts while too few groups have signal, and keeps a round's worth (``dapo.py``);
@@ -41,6 +43,12 @@ import numpy as np
 
 from redco import Trainer
 from redco.lora import trainable_mask, without_adapters
+from redco_zoo_grpo.async_rollouts import (
+    AsyncConfig,
+    AsyncRollouts,
+    rollout_devices,
+    timeline_path,
+)
 from redco_zoo_grpo.config import GRPOConfig
 from redco_zoo_grpo.dapo import (
     PromptStream,
@@ -67,7 +75,8 @@ def score_fn(rng, params, batch, apply_fn, temperature: float, reference: str | 
     return out
 
 
-SCORED = ("old_logps", "ref_logps")  # what score_fn adds to a sample
+# what is added to a sample once scored (score_fn's, then asynchronous rollouts')
+SCORED = ("old_logps", "ref_logps", "rollout_logps", "is_weight", "policy_version")
 DRAW_STRIDE = 1 << 20  # a round's draw d samples on the rng stream of "round" round + d x this
 
 
@@ -92,11 +101,15 @@ class GRPO:
     model, n_samples, **sampling)`` samples (``pipeline.pred_fn``) when ``engine_rows`` is 0,
     else the engine with that many rows does, on the decode layout ``decode_model_shards``
     (``"auto"``, a tensor-parallel degree, or None: the training layout;
-    ``engine_rollouts.py``); ``tokenizer`` decodes and ``reward_fn`` scores."""
+    ``engine_rollouts.py``), on devices of their own and ahead of the updates where
+    ``asynchronous`` says (``async_rollouts.py``); ``tokenizer`` decodes and ``reward_fn``
+    scores."""
 
     def __init__(self, trainer: Trainer, model, tokenizer, pred_fn: Callable, reward_fn: Callable,
                  config: GRPOConfig, per_device_batch_size: int, engine_rows: int = 0,
-                 decode_model_shards: int | str | None = "auto"):
+                 decode_model_shards: int | str | None = "auto",
+                 asynchronous: AsyncConfig = AsyncConfig()):
+        self.asynchronous = asynchronous if asynchronous.rollout_devices else None
         self.trainer, self.tokenizer, self.reward_fn, self.config = \
             trainer, tokenizer, reward_fn, config
         self.model, self.engine_rows, self.engine = model, engine_rows, None
@@ -221,6 +234,9 @@ class GRPO:
                       for i in range(min(len(texts), 2 * g))]  # the first two prompts' groups
         if self.reference is not None:
             metrics["kl"] = k3(old, np.stack([s["ref_logps"] for s in samples]), mask)
+        if self.asynchronous:
+            metrics.update(self.engine.correct(samples, old, drawn["logps"], counted, round_,
+                                               self.asynchronous.is_cap))
         return samples, metrics
 
     def clip_fraction(self, samples: list[dict]) -> float:
@@ -254,21 +270,30 @@ class GRPO:
         if self.reference == "copy":  # the params before the first update
             self.ref_params = jax.tree.map(jnp.copy, self.trainer.params)
         if self.engine_rows:
-            self.engine = EngineRollouts(
+            engine = (EngineRollouts, {}) if not self.asynchronous else (AsyncRollouts, dict(
+                devices=rollout_devices(self.asynchronous.rollout_devices,
+                                        self.trainer.deployer.devices)[1],
+                max_off_policy_steps=self.asynchronous.max_off_policy_steps,
+                timeline=timeline_path(self.trainer.deployer.workdir)))
+            self.engine = engine[0](
                 self.trainer, self.model, self.config, self.eos_id,
                 self.tokenizer.pad_token_id or 0, self.engine_rows,
-                len(prompts[0]["prompt_ids"]), seed, self.decode_model_shards)
+                len(prompts[0]["prompt_ids"]), seed, self.decode_model_shards, **engine[1])
 
     def state_dict(self) -> dict:
         """What a step checkpoint keeps of the loop (``trainer.run``): the rounds done, the
-        greedy rewards logged so far and the prompts taken (dynamic sampling takes extra)."""
+        greedy rewards logged so far, the prompts taken (dynamic sampling takes extra) and the
+        asynchronous rollouts in flight (``async_rollouts.py``)."""
+        in_flight = {"in_flight": self.engine.state_dict()} if self.asynchronous else {}
         return {"round": self.round, "eval_rewards": self.eval_rewards,
-                "prompts_taken": self.prompts.position}
+                "prompts_taken": self.prompts.position, **in_flight}
 
     def load_state_dict(self, state: dict) -> None:
         self.round, self.eval_rewards = state["round"], state["eval_rewards"]
         self.prompts.position = state.get("prompts_taken",  # (a checkpoint from before it)
                                           self.round * self.prompts.per_take)
+        if self.asynchronous:
+            self.engine.load_state_dict(state.get("in_flight", {}))
 
     def evaluate(self, evaluate: tuple[list[dict], list[dict]], prompt_column: str) -> None:
         """The greedy reward on ``evaluate``, logged (``eval/reward``) and kept."""
@@ -288,14 +313,20 @@ class GRPO:
         self.decide_layout(train[0], seed)
         self.round, self.eval_rewards = 0, []
         self.prompts = PromptStream(len(train[0]), seed, prompts_per_round)
-        def take() -> tuple[list[dict], list[dict]]:  # the next round's (or draw's) prompts
-            picked = self.prompts.take()
+        def lookup(picked: list[int]) -> tuple[list[dict], list[dict]]:
             return [train[0][i] for i in picked], [train[1][i] for i in picked]
+        def take() -> tuple[list[dict], list[dict]]:  # the next round's (or draw's) prompts
+            return lookup(self.prompts.take())
         with self.trainer.run(loop=self, **run_options) as run:
+            if self.asynchronous:  # the params (resumed or not) onto the rollout mesh
+                self.engine.publish(self.trainer.state.params, self.round)
+                self.engine.feed(self.prompts.take, lambda i: lookup(i)[0], n_rounds)
             if run.resumed_from is None:
                 self.evaluate(evaluate, prompt_column)  # also checks the reward function
             while self.round < n_rounds:
-                self.train_round(run, *take(), prompt_column, n_rounds, more=take)
+                picked = lookup(self.engine.ahead(self.round + 1)) if self.asynchronous \
+                    else take()
+                self.train_round(run, *picked, prompt_column, n_rounds, more=take)
                 if self.round % eval_every == 0 or self.round == n_rounds:
                     self.evaluate(evaluate, prompt_column)
                     self.write_samples()
@@ -311,10 +342,14 @@ class GRPO:
         start = time.perf_counter()
         with run.timed("rollout"):
             samples, metrics = self.rollout(prompts, rows, prompt_column, round_, more)
+        if self.asynchronous:  # the next K rounds' rollouts, to run during the update
+            self.engine.ahead(round_ + 1, self.asynchronous.max_off_policy_steps - 1)
         rollout_s, start = time.perf_counter() - start, time.perf_counter()
         self.trainer.train_scanned(samples, self.batch_size, range((round_ - 1) * mu, round_ * mu),
                                    desc=f"round {round_}/{n_rounds}")
         update_s = time.perf_counter() - start
+        if self.asynchronous:  # the new params onto the rollout mesh, the timeline's row
+            self.engine.updated(round_, start, self.trainer.state.params)
         with run.timed("rollout"):
             metrics["clip_fraction"] = self.clip_fraction(samples)
         metrics.update(seconds=rollout_s, update_seconds=update_s,

@@ -162,13 +162,14 @@ def n_epochs_and_schedule(loop: Loop, optimizer: Optimizer, deployer: Deployer,
     return (None if loop.max_steps else loop.n_epochs), schedule
 
 
-def deployer_of(config: RunConfig) -> Deployer:
-    """The run's ``Deployer``: its seed, workdir and layout."""
+def deployer_of(config: RunConfig, n_local_devices: int | None = None) -> Deployer:
+    """The run's ``Deployer``: its seed, workdir and layout, on the first ``n_local_devices``
+    devices (None: all)."""
     layout = config.layout
     return Deployer(jax_seed=config.jax_seed, n_model_shards=layout.n_model_shards,
                     workdir=config.workdir, n_context_shards=layout.n_context_shards,
                     context_strategy=layout.context_strategy,
-                    device_memory=layout.device_memory)
+                    device_memory=layout.device_memory, n_local_devices=n_local_devices)
 
 
 def train_and_eval(config: RunConfig, model: nnx.Module, examples: tuple[list, list],

@@ -1,0 +1,231 @@
+"""Asynchronous GRPO rollouts on devices of their own (``--rollout_devices N``,
+``--max_off_policy_steps K``).
+
+**Two meshes, one program.** The first ``D - N`` of the ``D`` devices train (the trainer's
+``Deployer`` is made with ``n_local_devices=D - N``); the last ``N`` form the rollout mesh, on
+which the engine decodes with a decode layout of its own (``decode_layout.py``). The rollout
+mesh holds its own copy of the params: after each round's update ``publish`` copies them onto
+the decode shardings with ``jax.device_put`` (device to device, no host round trip) and
+numbers them with the rounds of updates they hold, their *version*.
+
+**Running ahead.** Round ``t``'s samples are dispatched in round ``t - K``, just before its
+update (round 1's, and ``K = 0``'s, as their round starts), on the params published then:
+version ``max(0, t - 1 - K)``. So
+from round ``K + 1`` on, a round trains on samples ``K`` versions behind the policy it
+updates; ``K = 0`` samples each round on the params it starts from, as synchronous GRPO does.
+The engine runs on one worker thread, its calls in the order dispatched (the greedy
+evaluations among them); JAX releases the GIL while its programs run, so the rollout program
+on the rollout devices and the update on the training devices run at once.
+
+**Off-policy correction** (truncated importance sampling, TIS: Yao et al. 2025, "Your
+efficient RL framework secretly brings you off-policy RL training"). The loss's ratio divides
+by ``old_logps``, the trainer's own log-probabilities of the sampled tokens under the params
+before the update (``rollout.py``, step 4); the tokens were drawn by the rollout policy
+instead (older params, other numerics). Each counted token's loss is therefore weighted by
+``w = min(exp(old_logp - rollout_logp), is_cap)`` (a constant: no gradient flows through it),
+the truncation bounding the variance a stale or mismatched sample can add. Its mean and max
+before truncation, and the share truncated, are logged each round (``rollout/is_ratio_*``).
+Each sample carries its ``policy_version`` and ``rollout_logps``.
+
+**Resume.** The in-flight rollouts cannot be regenerated from a step checkpoint: they were
+drawn by params older than the checkpointed ones. So ``state_dict`` waits for them and keeps
+their tokens, log-probabilities, versions and prompt indices in the checkpoint's loop state;
+a resumed run consumes them as the uninterrupted one did, bit for bit.
+
+**Timeline.** ``timeline.jsonl`` in the workdir gets, per round, when (seconds since the
+rollouts started) its rollout was dispatched, started and finished on the worker, and when
+its update was dispatched and returned: where the CPU cannot show the overlap in round times,
+the intervals show it (``bench/async_grpo.py``).
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import jax
+import numpy as np
+
+from redco.protocols import UsageError
+from redco_zoo_grpo.engine_rollouts import EngineRollouts
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncConfig:
+    """Rollouts on the last ``rollout_devices`` devices, ``max_off_policy_steps`` rounds ahead,
+    their tokens' TIS weights truncated at ``is_cap`` (module docstring)."""
+    rollout_devices: int = 0
+    max_off_policy_steps: int = 0
+    is_cap: float = 2.0
+
+
+def is_weights(old_logps: np.ndarray, rollout_logps: np.ndarray, mask: np.ndarray,
+               cap: float) -> tuple[np.ndarray, dict]:
+    """(M, N) TIS weights ``min(exp(old - rollout), cap)`` (1 where ``mask`` is False) and the
+    untruncated ratio's mean, max and truncated share over the counted tokens."""
+    ratio = np.exp(np.asarray(old_logps, np.float64) - np.asarray(rollout_logps, np.float64))
+    counted = ratio[mask] if mask.any() else np.ones(1)
+    metrics = {"is_ratio_mean": counted.mean(), "is_ratio_max": counted.max(),
+               "is_truncated": np.mean(counted > cap)}
+    return np.where(mask, np.minimum(ratio, cap), 1.0).astype(np.float32), metrics
+
+
+def rollout_devices(n: int, training: list | None = None) -> tuple[list, list]:
+    """``(training devices, rollout devices)``: the first ``D - n`` and the last ``n``;
+    refused before anything loads where no device would be left to train on, or where the
+    ``training`` devices (a trainer's, given) reach into the rollout ones."""
+    devices = jax.devices()
+    if not 0 < n < len(devices):
+        raise UsageError(f"--rollout_devices {n}: of the {len(devices)} devices, give 1 to "
+                         f"{len(devices) - 1} to the rollouts (the rest train), or 0 to "
+                         "sample on the training devices.")
+    if jax.process_count() > 1:
+        raise UsageError("--rollout_devices: a rollout mesh of its own runs in one process "
+                         "for now; leave it 0 with several processes.")
+    if training is not None and set(training) & set(devices[-n:]):
+        raise UsageError(f"--rollout_devices {n}: the trainer's Deployer holds the last {n} "
+                         "devices too; make it with n_local_devices="
+                         f"{len(devices) - n} (runner.deployer_of does).")
+    return devices[:-n], devices[-n:]
+
+
+def encode(a: np.ndarray) -> dict:
+    return {"dtype": str(a.dtype), "shape": list(a.shape),
+            "data": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()}
+
+
+def decode(d: dict) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(d["data"]), d["dtype"]).reshape(d["shape"]).copy()
+
+
+class AsyncRollouts(EngineRollouts):
+    """``EngineRollouts`` on ``devices`` (the rollout mesh), on params ``publish`` copies
+    there, run ahead ``max_off_policy_steps`` rounds (module docstring)."""
+
+    def __init__(self, *args, devices: list, max_off_policy_steps: int,
+                 timeline: str | None = None, **kwargs):
+        super().__init__(*args, devices=devices, **kwargs)
+        self.k, self.timeline_path = max_off_policy_steps, timeline
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="rollouts")
+        self.params, self.version = None, 0
+        self.pending: dict[int, dict] = {}  # round -> indices, version, future or arrays
+        self.times: dict[int, dict] = {}
+        self.start = time.perf_counter()
+
+    def publish(self, params, version: int) -> None:
+        """The trainer's params after ``version`` rounds of updates, copied onto the rollout
+        mesh (device to device); the copy before is dropped once its rollouts let it go."""
+        self.params = jax.device_put(params, self.layout.shardings)
+        self.version = version
+
+    def _on_worker(self, params, prompts: list[dict], round_: int, greedy: bool,
+                   times: dict | None = None):
+        if times is not None:
+            times["rollout_start"] = time.perf_counter() - self.start
+        self.engine.params = params
+        try:
+            return self.generate(prompts, round_, greedy)
+        finally:
+            self.engine.params = None
+            if times is not None:
+                times["rollout_ready"] = time.perf_counter() - self.start
+
+    def feed(self, take: Callable[[], list[int]], prompts_of: Callable[[list[int]], list[dict]],
+             n_rounds: int) -> None:
+        """Where rounds' prompts come from: ``take()`` the next indices, ``prompts_of`` their
+        prompts; ``n_rounds`` rounds in all."""
+        self.take, self.prompts_of, self.n_rounds = take, prompts_of, n_rounds
+
+    def ahead(self, round_: int, n_more: int = 0) -> list[int]:
+        """Dispatch the rollouts of rounds ``round_ .. round_ + n_more`` (at most the last)
+        not yet in flight, each on the next prompts, on the params published last; returns
+        round ``round_``'s prompt indices."""
+        for r in range(round_, min(round_ + n_more, self.n_rounds) + 1):
+            if r not in self.pending:
+                indices, self.times[r] = self.take(), dict(
+                    rollout_dispatch=time.perf_counter() - self.start)
+                self.pending[r] = dict(indices=indices, version=self.version, future=(
+                    self.worker.submit(self._on_worker, self.params, self.prompts_of(indices),
+                                       r, False, self.times[r])))
+        return self.pending.get(round_, {}).get("indices")
+
+    def sample(self, prompts: list[dict], round_: int, greedy: bool):
+        """Round ``round_``'s rollouts, dispatched ahead (waited for); greedy ones (the
+        evaluations) on the params published last, after the rollouts in flight."""
+        if greedy:
+            return self.worker.submit(self._on_worker, self.params, prompts, round_,
+                                      True).result()
+        p = self.pending.pop(round_)
+        if "future" in p:
+            p["tokens"], p["logps"] = p.pop("future").result()
+        self.current_version = p["version"]
+        return p["tokens"], p["logps"]
+
+    def correct(self, samples: list[dict], old: np.ndarray, rollout_logps: np.ndarray,
+                counted: np.ndarray, round_: int, cap: float) -> dict:
+        """Round ``round_``'s samples (the last ``sample`` handed out) get their policy version,
+        rollout log-probs and TIS weights; returns the weights' metrics and the policy lag."""
+        version = self.current_version
+        weights, metrics = is_weights(old, rollout_logps, counted, cap)
+        for sample, logps, weight in zip(samples, rollout_logps, weights):
+            sample.update(rollout_logps=logps, is_weight=weight,
+                          policy_version=np.int32(version))
+        return dict(metrics, policy_version=version, policy_lag=round_ - 1 - version)
+
+    def updated(self, round_: int, dispatched: float, params) -> None:
+        """After round ``round_``'s update (dispatched at ``dispatched``, perf_counter): its
+        params published, its timeline row written."""
+        row = dict(self.times.pop(round_, {}), round=round_,
+                   update_dispatch=dispatched - self.start,
+                   update_ready=time.perf_counter() - self.start)
+        self.publish(params, round_)
+        if self.timeline_path:
+            with open(self.timeline_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def state_dict(self) -> dict:
+        """The rollouts in flight, waited for: their prompts, versions and arrays."""
+        out = {}
+        for r, p in self.pending.items():
+            if "future" in p:
+                p["tokens"], p["logps"] = p.pop("future").result()
+            out[str(r)] = dict(indices=p["indices"], version=p["version"],
+                               tokens=encode(p["tokens"]), logps=encode(p["logps"]))
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pending = {int(r): dict(indices=p["indices"], version=p["version"],
+                                     tokens=decode(p["tokens"]), logps=decode(p["logps"]))
+                        for r, p in state.items()}
+
+
+def check_async(config: AsyncConfig, engine_rows: int, dynamic_sampling: bool,
+                environment: str | None, decode_model_shards) -> None:
+    """Refuse what asynchronous rollouts cannot run with, naming the flag to change."""
+    rollout_devices_, k = config.rollout_devices, config.max_off_policy_steps
+    if config.is_cap < 1:
+        raise UsageError(f"--is_cap {config.is_cap}: the TIS weights are truncated at it; give "
+                         "1 or more (default 2).")
+    if k < 0:
+        raise UsageError(f"--max_off_policy_steps {k}: give 0 (on-policy) or more.")
+    if not rollout_devices_:
+        if k:
+            raise UsageError(f"--max_off_policy_steps {k} runs rollouts ahead on devices of "
+                             "their own: give --rollout_devices N too.")
+        return
+    for bad, why in ((not engine_rows, "--engine_rows 0 (the rollout mesh runs the engine)"),
+                     (dynamic_sampling, "dynamic sampling (its extra draws depend on the "
+                      "round's rewards; give --no_dynamic_sampling)"),
+                     (environment, "--environment (multi-turn rollouts sample on the "
+                      "training devices)"),
+                     (decode_model_shards is None, "--decode_model_shards train")):
+        if bad:
+            raise UsageError(f"--rollout_devices {rollout_devices_} does not run with {why}.")
+
+
+def timeline_path(workdir: str | None) -> str | None:
+    return None if workdir is None else os.path.join(workdir, "timeline.jsonl")
