@@ -141,8 +141,8 @@ def test_llava_refuses_image_tokens_that_miss_the_images_and_reads_text_alone(tm
     with pytest.raises(ValueError, match="give 0 images"):  # image tokens without images
         ours_call(ours, {"input_ids": batch["input_ids"]})
     close(ours_call(ours, text), torch_logits(theirs, **text))
-    with pytest.raises(NotImplementedError, match="serving engine does not take images"):
-        Engine(ours, nnx.state(ours, nnx.Param), max_len=64)
+    with pytest.raises(ValueError, match="a prompt is read whole .* drop --prefill_chunk"):
+        Engine(ours, nnx.state(ours, nnx.Param), max_len=64, prefill_chunk=16)
     with pytest.raises(ValueError, match=r"\(images, channels, 32, 32\)"):
         ours_call(ours, batch, pixel_values=batch["pixel_values"][:, :, :24, :24])
 

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from redco_serve import images
 from redco_serve import openai_api as api
 from redco_serve.logprobs import token_logprobs
 from redco_serve.text import TextStream
@@ -35,9 +36,9 @@ class Job:
         self.samples = {}  # choice -> (request, index of the sample in it)
         self._pending, self._lock, self._woken = [], threading.Lock(), False
 
-    def submit(self, engine: Engine, prompt: list[int], sampling) -> None:
+    def submit(self, engine: Engine, prompt: list[int], sampling, images=None) -> None:
         on_token = self._on_token if self.per_token else None
-        request = engine.submit(prompt, sampling, on_token, self._on_end)
+        request = engine.submit(prompt, sampling, on_token, self._on_end, images)
         first = self.first_choice[id(request)] = len(self.streams)
         for index in range(sampling.n):
             self.streams[first + index] = TextStream(self.tokenizer, self.stop)
@@ -93,9 +94,10 @@ class Job:
 
 
 def build_app(engine: Engine, tokenizer, model_name: str, eos_ids: tuple[int, ...],
-              scorer: Scorer) -> Starlette:
+              scorer: Scorer, processor=None) -> Starlette:
     """The OpenAI-compatible application over a started ``engine``; ``scorer`` gives the
-    prompts' log-probabilities and each place's alternatives (``echo``, ``logprobs`` > 0)."""
+    prompts' log-probabilities and each place's alternatives (``echo``, ``logprobs`` > 0);
+    ``processor``: an image + text model's, which makes chats with image parts (``images``)."""
 
     async def health(request: Request):
         stats = {"prefix_cache": engine.prefix_stats} if engine.prefix is not None else {}
@@ -114,9 +116,15 @@ def build_app(engine: Engine, tokenizer, model_name: str, eos_ids: tuple[int, ..
     async def chat_completions(request: Request):
         body = await json_body(request)
         api.check_model(body, model_name)
-        return await answer(body, [chat_ids(body.get("messages"), tokenizer)], chat=True)
+        messages = body.get("messages")
+        if processor is None:
+            images.refuse_images(messages)
+            return await answer(body, [chat_ids(messages, tokenizer)], chat=True)
+        prompt, pixels = await asyncio.to_thread(images.chat_with_images, messages, processor,
+                                                 chat_text)
+        return await answer(body, [prompt], chat=True, pixels=pixels)
 
-    async def answer(body: dict, prompts: list[list[int]], chat: bool, texts=()):
+    async def answer(body: dict, prompts: list[list[int]], chat: bool, texts=(), pixels=None):
         logprobs = api.wants_logprobs(body, chat)
         echo = api.wants_echo(body, chat, logprobs)
         room = engine.max_len - max(len(p) for p in prompts)
@@ -130,7 +138,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, eos_ids: tuple[int, ..
         job = Job(tokenizer, stop, per_token=bool(body.get("stream") or stop))
         for prompt in prompts:
             try:
-                job.submit(engine, prompt, sampling)
+                job.submit(engine, prompt, sampling, pixels)
             except ValueError as e:
                 raise api.BadRequest(str(e)) from e
         reply = Reply(job, model_name, chat, sum(map(len, prompts)))
@@ -261,6 +269,12 @@ def prompt_texts(body: dict, prompts: list[list[int]]) -> list[str]:
 
 
 def chat_ids(messages, tokenizer) -> list[int]:
+    """``messages`` rendered with the tokenizer's chat template and the generation prompt, as
+    token ids."""
+    return tokenizer(chat_text(messages, tokenizer), add_special_tokens=False)["input_ids"]
+
+
+def chat_text(messages, tokenizer) -> str:
     """``messages`` rendered with the tokenizer's chat template and the generation prompt."""
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
@@ -277,4 +291,4 @@ def chat_ids(messages, tokenizer) -> list[int]:
     except TemplateError as e:
         raise api.BadRequest(f"The chat template refuses these messages: {e}",
                              "messages") from e
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text

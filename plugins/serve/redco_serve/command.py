@@ -42,6 +42,9 @@ class ServeCommand(Command):
                             "with a cached prompt's blocks of 16 tokens copies their keys and "
                             "values instead of reading them (counters: /health); not on "
                             "recurrent models")
+        parser.add_argument("--max_images", type=int, default=1, help="images a chat request "
+                            "may hold, for an image + text model (LLaVA): each prefill "
+                            "carries this many image slots a prompt")
 
     def run(self, args: argparse.Namespace) -> None:
         import uvicorn
@@ -51,7 +54,7 @@ class ServeCommand(Command):
                 or args.max_len < 2:
             raise UsageError(f"--max_seqs {args.max_seqs} --max_len {args.max_len}: give "
                              "--max_seqs auto or a number >= 1, and --max_len >= 2.")
-        engine, scorer, tokenizer, eos = start_engine(args)
+        engine, scorer, tokenizer, eos, processor = start_engine(args)
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -61,7 +64,7 @@ class ServeCommand(Command):
             raise UsageError(f"--host {args.host} --port {args.port}: cannot listen there ({e}); "
                              "pick another port, or --port 0 for any free one.") from e
         host, port = sock.getsockname()[:2]
-        config = uvicorn.Config(build_app(engine, tokenizer, name, eos, scorer),
+        config = uvicorn.Config(build_app(engine, tokenizer, name, eos, scorer, processor),
                                 log_level="warning",
                                 timeout_graceful_shutdown=None)
         print(f"redco serve: serving {name} on http://{host}:{port}/v1", flush=True)
@@ -79,8 +82,9 @@ class ServeCommand(Command):
 
 
 def start_engine(args: argparse.Namespace):
-    """``(engine, scorer, tokenizer, eos ids)`` for ``args.model``, the engine compiled and
-    warmed up (the scorer compiles a shape when first asked for it)."""
+    """``(engine, scorer, tokenizer, eos ids, processor)`` for ``args.model`` (the processor:
+    an image + text model's, else None), the engine compiled and warmed up (the scorer
+    compiles a shape when first asked for it)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -112,12 +116,25 @@ def start_engine(args: argparse.Namespace):
     try:
         engine = Engine(model, params, max_seqs=max_seqs, max_len=args.max_len,
                         eos_token_ids=eos, cache_dtype=cache_dtype, mesh=deployer.mesh,
-                        prefill_chunk=args.prefill_chunk, prefix_caching=args.prefix_caching)
+                        prefill_chunk=args.prefill_chunk, prefix_caching=args.prefix_caching,
+                        max_images=args.max_images)
     except ValueError as e:  # (a chunk that is no power of two; prefixes on a recurrent model)
-        raise UsageError(f"--prefill_chunk / --prefix_caching: {e}") from e
+        raise UsageError(f"--prefill_chunk / --prefix_caching / --max_images: {e}") from e
     shapes = engine.warm_up()  # every shape compiled before serving: no request waits on one
     print(f"redco serve: compiled {shapes} step shapes", flush=True)
-    return engine.start(), Scorer(model, params, args.max_len), tokenizer, eos
+    processor = None if engine.images is None else image_processor(args.model)
+    return engine.start(), Scorer(model, params, args.max_len), tokenizer, eos, processor
+
+
+def image_processor(model_dir: str):
+    """An image + text model's transformers processor (its image processor and placeholder)."""
+    from transformers import AutoProcessor
+    try:
+        return AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--model {model_dir}: an image + text model without a processor "
+                         f"that transformers reads ({e}): save its processor there "
+                         "(processor.save_pretrained(dir)).") from e
 
 
 def memory_of(deployer) -> int:

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from redco_zoo_models.engine_images import check_images, image_slots, pixel_slots
 from redco_zoo_models.engine_memory import cache_sharding, rows_sharding, vocab_size
 from redco_zoo_models.engine_reading import MIN_BUCKET, Reading, check_reading, chunk_batch
 from redco_zoo_models.engine_steps import decode_rows, prefill_rows, slotted_leaves
@@ -67,14 +68,17 @@ class Engine:
     as they are: on one device or sharded over ``mesh``, whose ``dp`` axis then splits the
     cache's rows and ``mp`` its key/value heads where they divide). ``prefill_chunk`` (a power
     of two >= 16): prompt tokens read a step at most (None: a prompt at once);
-    ``prefix_caching``: prompts start after the longest cached prefix (``prefix_stats``)."""
+    ``prefix_caching``: prompts start after the longest cached prefix (``prefix_stats``). An
+    image + text model's prompts carry up to ``max_images`` images each (``engine_images``)."""
 
     def __init__(self, model: nnx.Module, params: Any, *, max_seqs: int = 8,
                  max_len: int = 256, eos_token_ids: tuple[int, ...] = (),
                  cache_dtype=jnp.float32, mesh=None, steps_per_sync: int = 4,
-                 prefill_chunk: int | None = None, prefix_caching: bool = False):
-        if unserved := getattr(model, "unserved", lambda: None)():  # (an image + text model)
+                 prefill_chunk: int | None = None, prefix_caching: bool = False,
+                 max_images: int = 1):
+        if unserved := getattr(model, "unserved", lambda: None)():  # (Gemma 3's images)
             raise NotImplementedError(unserved)
+        self.images = image_slots(model, max_images, prefill_chunk, prefix_caching)
         at = getattr(model, "rereads_at", lambda: None)()
         if at is not None and at < max_len:
             raise ValueError(f"max_len={max_len} passes slot {at}, where this model's RoPE "
@@ -132,8 +136,9 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt: list[int], sampling: Sampling = Sampling(),
                on_token: Callable[..., bool | None] | None = None,
-               on_end: Callable[..., None] | None = None) -> Request:
-        """Queue ``prompt`` (token ids); refused at once when it cannot fit."""
+               on_end: Callable[..., None] | None = None, images=None) -> Request:
+        """Queue ``prompt`` (token ids; an image model's: with its ``images``' pixels (n, 3, H,
+        W) from the model's processor); refused at once when it cannot fit."""
         if not prompt:
             raise ValueError("The prompt is empty: give at least one token.")
         vocab = self.logits.shape[-1]
@@ -148,7 +153,8 @@ class Engine:
         if sampling.n > self.max_seqs:
             raise ValueError(f"n={sampling.n} samples need as many rows; this engine runs "
                              f"{self.max_seqs}: lower n, or raise max_seqs.")
-        request = Request(prompt, sampling, on_token, on_end)
+        check_images(self.images, prompt, images)
+        request = Request(prompt, sampling, on_token, on_end, images)
         with self._wake:
             self.waiting.append(request)
             self._wake.notify()
@@ -180,7 +186,8 @@ class Engine:
                 self.params, self.cache, self.key_valid, self.logits,
                 np.zeros((count, width), np.int32), np.ones(count, np.int32),
                 np.zeros(count, np.int32), np.full(count, self.max_seqs, np.int32),
-                np.zeros((4, self.max_seqs), np.int32), np.zeros(2, np.int32))
+                np.zeros((4, self.max_seqs), np.int32), np.zeros(2, np.int32),
+                *self._pixels([], count))
         buckets = sorted({self._bucket(row) for row in range(self.max_seqs)})
         spans = sorted({self._span(end) for end in range(self.max_len + 1)})
         for bucket, span in itertools.product(buckets, spans):
@@ -310,7 +317,8 @@ class Engine:
         *arrays, done = chunk_batch(self.reading, chunks, self._width(max(map(len, chunks))),
                                     self.max_seqs)
         self.cache, self.key_valid, self.logits = self._prefill(
-            self.params, self.cache, self.key_valid, self.logits, *arrays)
+            self.params, self.cache, self.key_valid, self.logits, *arrays,
+            *self._pixels([r.request for r in self.reading], len(arrays[0])))
         self.reading = [r for r in self.reading if r not in done]
         for r in done:
             for row in r.rows if self.prefix is not None else ():
@@ -334,6 +342,10 @@ class Engine:
             self.params, self.cache, self.key_valid, self.logits, self.slot[:bucket].copy(),
             active, settings, self.row_keys[:bucket].copy(), counts, span=span)
         return np.asarray(tokens), np.asarray(logprobs)
+
+    def _pixels(self, requests: list[Request], count: int) -> tuple:
+        """The prefill's last argument for an image model: its prompts' pixels; () else."""
+        return () if self.images is None else (pixel_slots(requests, count, self.images),)
 
     def _width(self, longest: int) -> int:
         """The padded width of a prefill whose longest prompt is ``longest`` tokens."""

@@ -18,7 +18,7 @@ from redco_zoo_models.generation import pick_rows
 
 
 def prefill_rows(graphdef, slotted, params, cache, key_valid, logits, ids, lengths, starts,
-                 rows, copies, n_copies):
+                 rows, copies, n_copies, context=None):
     """The engine's prefill, each prompt read from an offset into its own row: first, for
     ``j < n_copies[0]``, row ``copies[0, j]`` copied into row ``copies[1, j]`` (a cached
     prefix); then prompt ``p``'s tokens ``ids[p, :lengths[p]]`` read into row ``rows[p]`` at
@@ -27,7 +27,8 @@ def prefill_rows(graphdef, slotted, params, cache, key_valid, logits, ids, lengt
     a padding prompt, written nowhere); last, for ``j < n_copies[1]``, row ``copies[2, j]``
     copied into row ``copies[3, j]`` (a prompt's other samples). The rows are cut out of the
     cache and their slotted leaves padded by ``width`` slots, so that a chunk's padding never
-    runs past ``max_len`` (where the model's write would be clamped onto real slots)."""
+    runs past ``max_len`` (where the model's write would be clamped onto real slots).
+    ``context``: an image model's pixels of each prompt's images (``engine_images``)."""
     m, width = nnx.merge(graphdef, params), ids.shape[1]
     max_len = key_valid.shape[1]
     state = copy_rows((cache, key_valid, logits), copies[0], copies[1], n_copies[0])
@@ -40,7 +41,7 @@ def prefill_rows(graphdef, slotted, params, cache, key_valid, logits, ids, lengt
         if has_slots:
             return jnp.pad(x, [(0, 0), (0, width)] + [(0, 0)] * (x.ndim - 2))
         return jnp.where(fresh.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
-    out, read = m.decode(ids, valid, jax.tree.map(take, cache, slotted), starts)
+    out, read = m.decode(ids, valid, jax.tree.map(take, cache, slotted), starts, context)
     last = jnp.take_along_axis(out, (lengths - 1)[:, None, None], 1)[:, 0]
 
     def put(full, new, has_slots=True):

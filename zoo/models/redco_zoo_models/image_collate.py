@@ -14,12 +14,83 @@ the tokenizer's padding side; the arrays are ``input_ids``, ``attention_mask``,
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 
 
-def _image(source: Any, where: str):
+def chat_text_and_images(messages: list[dict], placeholder: str,
+                         where: str) -> tuple[list[dict], list]:
+    """``messages`` with each list content made text, an image part as ``placeholder`` where
+    it stands and the parts joined by newlines, and the images in order (paths or PIL images,
+    ``image_of_part``); an image in an assistant message is refused (the model writes text)."""
+    out, images = [], []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                parts.append(part.get("text", ""))
+                continue
+            if message.get("role") == "assistant":
+                raise ValueError(f"{where}: message {i} (the assistant's) holds an image; the "
+                                 "model writes text only: move the image to a user message.")
+            images.append(image_of_part(part, f"{where} message {i}"))
+            parts.append(placeholder)
+        out.append({**message, "content": "\n".join(parts)})
+    return out, images
+
+
+def image_of_part(part: dict, where: str) -> Any:
+    """The image a chat message's content part names, as a path or a PIL image: HuggingFace's
+    ``{"type": "image", "path" | "image" | "url": ...}`` or OpenAI's ``{"type": "image_url",
+    "image_url": {"url": ...}}``; a ``file://`` URL is its path, a ``data:`` URL (base64) is
+    decoded here; an http(s) URL is refused (nothing is downloaded)."""
+    if not isinstance(part, dict) or part.get("type") not in ("image", "image_url"):
+        raise ValueError(f"{where}: a content part {str(part)[:60]} is neither text nor an "
+                         "image: give {'type': 'text', 'text': ...}, {'type': 'image', "
+                         "'path': ...} or {'type': 'image_url', 'image_url': {'url': ...}}.")
+    if part.get("type") == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+    else:
+        url = next((part[k] for k in ("path", "image", "url") if part.get(k) is not None), None)
+    if url is None or not isinstance(url, (str, os.PathLike)) and not hasattr(url, "convert"):
+        raise ValueError(f"{where}: the image part {str(part)[:80]} names no image: give "
+                         "{'type': 'image', 'path': ...} or {'type': 'image_url', 'image_url': "
+                         "{'url': 'file://...' or 'data:image/png;base64,...'}}.")
+    if not isinstance(url, str):
+        return url
+    if url.startswith("data:"):
+        return _data_url_image(url, where)
+    if url.startswith(("http://", "https://")):
+        raise ValueError(f"{where}: image {url[:60]!r} is on the web; nothing is downloaded "
+                         "here: save it and give its path, or send it as a data: URL.")
+    return url.removeprefix("file://")
+
+
+def _data_url_image(url: str, where: str):
+    """A ``data:[type];base64,...`` URL's image, decoded (PIL)."""
+    import base64
+    import binascii
+    import io
+    head, _, body = url.partition(",")
+    if not head.endswith(";base64"):
+        raise ValueError(f"{where}: the data: URL is not base64 ({head[:40]!r}): send "
+                         "'data:image/png;base64,<the PNG's bytes in base64>'.")
+    try:
+        data = base64.b64decode(body, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"{where}: the data: URL's base64 does not decode ({e}): send "
+                         "'data:image/png;base64,<the PNG's bytes in base64>'.") from None
+    return read_image(io.BytesIO(data), where)
+
+
+def read_image(source: Any, where: str):
     """``source`` (a path or a PIL image) as an RGB PIL image."""
     from PIL import Image
     if isinstance(source, Image.Image):
@@ -28,7 +99,8 @@ def _image(source: Any, where: str):
         with Image.open(source) as image:
             return image.convert("RGB")
     except (OSError, ValueError) as e:  # (PIL's UnidentifiedImageError is an OSError)
-        raise ValueError(f"{where}: image {source!r} cannot be read ({type(e).__name__}: {e}); "
+        name = "the data: URL's image" if hasattr(source, "read") else f"image {source!r}"
+        raise ValueError(f"{where}: {name} cannot be read ({type(e).__name__}: {e}); "
                          "give a PNG or JPEG file or a PIL image.") from None
 
 
@@ -54,7 +126,7 @@ def collate_images(processor, examples: list[dict], max_len: int) -> dict[str, n
             raise ValueError(f"{where} has {len(pictures)} images and {n_marks} {mark!r} "
                              "placeholders in its text: write one placeholder where each "
                              "image goes.")
-        pictures = [_image(p, where) for p in pictures]
+        pictures = [read_image(p, where) for p in pictures]
         last = _last_image_position(processor, example["text"], pictures)
         if last >= max_len:
             raise ValueError(f"{where}'s image tokens reach position {last}, past max_len "

@@ -5,7 +5,9 @@ checkpoint names.
 A model encodes its images (``encode``: (images, features, hidden) in the language model's
 width); the prompt holds ``image_token_index`` once per feature (the processor repeats the
 image placeholder); the features replace those tokens' embeddings in order, over the whole
-batch (transformers' ``masked_scatter``), and the zoo's decoder (``redco_zoo_models.decoder``)
+batch (transformers' ``masked_scatter``); or, given ``pixel_values`` of rows (B, K, 3, H, W),
+each row's image tokens take its own K images' features in order, the images past them (blank
+padding, so that every batch has one shape) unused. The zoo's decoder (``redco_zoo_models.decoder``)
 reads the embeddings; with ``bidirectional_images`` (Gemma 3) each run of image tokens also
 sees itself both ways (``attention.with_blocks``), in a prompt or training row, not in the
 decode steps (as transformers). In generation (``redco_zoo_models.generation``) the images are
@@ -58,13 +60,37 @@ class ImageTextModel(nnx.Module):
                 f"prompt with the model's processor (one <image> placeholder per image, each "
                 f"expanded to {per_image} image tokens), or pass one image per placeholder.")
 
-    def embed(self, input_ids, features=None):
+    def check_rows(self, input_ids, per_row: int) -> None:
+        """Refuse rows whose image tokens are not whole images' features, or more than
+        ``per_row`` images' (skipped for traced ``input_ids``)."""
+        if isinstance(input_ids, jax.core.Tracer):
+            return
+        per_image, token = self.cfg.features_per_image(), self.cfg.image_token_index
+        counts = np.sum(np.asarray(input_ids) == token, axis=1)
+        if (counts % per_image).any() or (counts > per_row * per_image).any():
+            raise ValueError(
+                f"rows hold {counts.tolist()} image tokens (id {token}); each must be a whole "
+                f"number of images x {per_image} features, at most the row's {per_row} images: "
+                "build each row with the model's processor, its images in pixel_values[row].")
+
+    def encode_rows(self, pixel_values):
+        """The features of each row's images (B, K, 3, H, W): (B, K * features, hidden)."""
+        b, k = pixel_values.shape[:2]
+        features = self.encode(pixel_values.reshape(b * k, *pixel_values.shape[2:]))
+        return features.reshape(b, -1, features.shape[-1])
+
+    def embed(self, input_ids, features=None, per_row: bool = False):
         """The decoder's input embeddings, ``features`` (images, n, hidden) placed at the
-        image tokens in order (row-major over the batch)."""
+        image tokens in order (row-major over the batch); ``per_row``: ``features`` (B, n,
+        hidden), each row's placed at its own image tokens."""
         x = self.language_model.model.embed(input_ids)
         if features is None:
             return x
         is_image = input_ids == self.cfg.image_token_index
+        if per_row:
+            index = jnp.clip(jnp.cumsum(is_image, 1) - 1, 0, features.shape[1] - 1)
+            placed = jnp.take_along_axis(features.astype(x.dtype), index[..., None], 1)
+            return jnp.where(is_image[..., None], placed, x)
         flat = features.reshape(-1, features.shape[-1]).astype(x.dtype)
         index = jnp.clip(jnp.cumsum(is_image.reshape(-1)) - 1, 0, len(flat) - 1)
         return jnp.where(is_image[..., None], flat[index].reshape(x.shape), x)
@@ -72,17 +98,27 @@ class ImageTextModel(nnx.Module):
     def __call__(self, input_ids, attention_mask=None, pixel_values=None, cache=None,
                  cache_index=0, labels=None, label_mask=None):
         """As ``DecoderLM.__call__`` (logits, or with ``labels`` the mean loss), the images of
-        ``pixel_values`` (images, 3, H, W) in place of the image tokens; text alone without."""
-        self.check_inputs(input_ids, 0 if pixel_values is None else len(pixel_values))
-        features = None if pixel_values is None else self.encode(pixel_values)
+        ``pixel_values`` (images, 3, H, W), or each row's (B, K, 3, H, W), in place of the image
+        tokens; text alone without."""
+        per_row = pixel_values is not None and pixel_values.ndim == 5
+        if per_row:
+            self.check_rows(input_ids, pixel_values.shape[1])
+            features = self.encode_rows(pixel_values)
+        else:
+            self.check_inputs(input_ids, 0 if pixel_values is None else len(pixel_values))
+            features = None if pixel_values is None else self.encode(pixel_values)
         return self.language_model(input_ids, attention_mask, cache, cache_index, labels=labels,
                                    label_mask=label_mask,
-                                   inputs_embeds=self.embed(input_ids, features),
+                                   inputs_embeds=self.embed(input_ids, features, per_row),
                                    blocks=self._blocks(input_ids, features))
 
     def decode(self, ids, key_valid, cache, cache_index, context=None):
         """One generation step (``redco_zoo_models.generation``); ``context``: ``encode``'s
-        features, placed when the prompt is read (``cache_index`` 0)."""
+        features, placed when the prompt is read (``cache_index`` 0), or the serving engine's
+        prefill's pixels of each prompt's images (P, K, 3, H, W), placed in its row."""
+        if context is not None and context.ndim == 5:
+            embeds = self.embed(ids, self.encode_rows(context), per_row=True)
+            return self.language_model(ids, key_valid, cache, cache_index, inputs_embeds=embeds)
         prefill = isinstance(cache_index, int) and cache_index == 0
         if prefill:
             self.check_inputs(ids, 0 if context is None else len(context))
@@ -96,10 +132,13 @@ class ImageTextModel(nnx.Module):
             return None
         return image_blocks(input_ids == self.cfg.image_token_index)
 
-    def unserved(self) -> str:
-        """Why the serving engine (``redco_zoo_models.engine``) cannot run this model yet."""
-        return (f"{type(self).__name__}: the serving engine does not take images yet (its "
-                "prompts carry no pixel_values); generate() with encoder_inputs="
+    def unserved(self) -> str | None:
+        """Why the serving engine (``redco_zoo_models.engine``) cannot run this model yet: its
+        prefill places each prompt's images (``engine_images``), not bidirectional ones."""
+        if not self.bidirectional_images:
+            return None
+        return (f"{type(self).__name__}: its image tokens see each other both ways, which the "
+                "serving engine's prefill does not build yet; generate() with encoder_inputs="
                 "{'pixel_values': ...} instead.")
 
     def init_cache(self, batch: int, n_slots: int, dtype=jnp.float32) -> list[dict]:

@@ -44,15 +44,16 @@ class Sample:
 
 
 class Request:
-    """A submitted prompt: its ``samples`` fill in as the engine steps; ``done`` is set when all
-    have ended. In the engine's thread, ``on_token(request, index, token, logprob)`` is called
-    for each new token of sample ``index`` (returning True ends that sample: a stop string), and
-    ``on_end(request, index)`` once the sample has ended."""
+    """A submitted prompt (``images``: an image model's pixels for it): its ``samples`` fill in
+    as the engine steps; ``done`` is set when all have ended. In the engine's thread,
+    ``on_token(request, index, token, logprob)`` is called for each new token of sample
+    ``index`` (returning True ends that sample: a stop string), and ``on_end(request, index)``
+    once the sample has ended."""
 
     def __init__(self, prompt: list[int], sampling: Sampling,
                  on_token: Callable[..., bool | None] | None = None,
-                 on_end: Callable[..., None] | None = None):
-        self.prompt, self.sampling = list(prompt), sampling
+                 on_end: Callable[..., None] | None = None, images=None):
+        self.prompt, self.sampling, self.images = list(prompt), sampling, images
         self.on_token, self.on_end = on_token, on_end
         self.samples = [Sample() for _ in range(sampling.n)]
         self.done, self.cancelled = threading.Event(), False

@@ -7,9 +7,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -19,6 +21,7 @@ from redco import Deployer, Trainer
 from redco.checkpointing import host_tree
 from redco.lora import n_params, trainable_mask
 from redco.protocols import UsageError
+from redco.tree_paths import path_str
 from redco_zoo_models import expert_parallel, quantized_linear
 from redco_zoo_models.balancing import moe_optimizer
 from redco_zoo_models.decoder_config import DecoderConfig
@@ -39,6 +42,7 @@ from redco_zoo_models.settings import (
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+                   "processor_config.json",
                    "generation_config.json")  # (the source's sampling defaults and stop ids)
 DATA_KINDS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
 
@@ -177,18 +181,20 @@ def train_and_eval(config: RunConfig, model: nnx.Module, examples: tuple[list, l
                    loss_fn: Callable, pred_fn: Callable | None = None,
                    output_fn: Callable | None = None, metric_fn: Callable | None = None,
                    best_metric: str | None = None, tokenizer: str | None = None,
-                   before_fit: Callable[[Trainer], Any] | None = None) -> Any:
+                   before_fit: Callable[[Trainer], Any] | None = None,
+                   frozen: str | None = None) -> Any:
     """Train ``model`` on ``examples = (train, eval)`` with the three functions and the levers
     of ``config`` (its layout, optimizer, loop and LoRA); evaluate after each epoch; save the
     trained model as ``workdir/model`` (HuggingFace format, with the tokenizer files of the
     model's directory, or the ``tokenizer.json`` file ``tokenizer``). ``before_fit(trainer)``
     runs once the trainer is made (e.g. a pass over the examples with the untrained params).
-    Returns the trainer."""
+    ``frozen``: a prefix of param paths kept as they are (``split_for_training``). Returns the
+    trainer."""
     check_config(config, "train_and_eval")
     train, evaluate = examples
     deployer, layout, loop = deployer_of(config), config.layout, config.loop
     apply_fn, params, trainable = split_for_training(model, config.lora, config.jax_seed,
-                                                     deployer)
+                                                     deployer, frozen)
     n_epochs, lr = n_epochs_and_schedule(loop, config.optimizer, deployer, len(train))
     overrides = quantized_linear.sharding_rules(model, deployer)  # (QLoRA's parts)
     if layout.expert_parallel:
@@ -221,14 +227,23 @@ def eval_batches(loop: Loop) -> int | None:
     return loop.eval_steps or None
 
 
-def split_for_training(model: nnx.Module, lora: LoRA, seed: int,
-                       deployer: Deployer) -> tuple[Callable, Any, Any]:
+def split_for_training(model: nnx.Module, lora: LoRA, seed: int, deployer: Deployer,
+                       frozen: str | None = None) -> tuple[Callable, Any, Any]:
     """``(apply_fn, params, trainable)`` for ``Trainer``: with ``lora.rank`` the model gets
     LoRA adapters drawn from ``seed`` (in place, so a ``pred_fn`` holding it sees them) and
-    only they train."""
+    only they train. ``frozen``: a prefix of param paths (an image model's ``vision_tower/``)
+    that never train: no adapters there, and without LoRA only the rest trains."""
     if not lora.rank:
-        return (*split_model(model), None)
-    add_lora(model, lora.rank, lora.alpha, lora.targets, seed=seed)
+        apply_fn, params = split_model(model)
+        if frozen is None:
+            return apply_fn, params, None
+        trainable = jax.tree_util.tree_map_with_path(
+            lambda p, _: not path_str(p).startswith(frozen), params)
+        deployer.log_info(f"{frozen} frozen: training {n_params(params, trainable):,} of "
+                          f"{n_params(params):,} params.")
+        return apply_fn, params, trainable
+    targets = lora.targets if frozen is None else f"^(?!{re.escape(frozen)}).*?(?:{lora.targets})"
+    add_lora(model, lora.rank, lora.alpha, targets, seed=seed)
     apply_fn, params = split_model(model)
     trainable = trainable_mask(params)
     deployer.log_info(f"LoRA rank {lora.rank}, alpha {lora.alpha}: training "

@@ -30,17 +30,18 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 CHAT_SPECIALS = ("<pad>", "<|im_end|>", "<unk>", "<|im_start|>")
 
 
-def chat_word_tokenizer(words: list[str], template: str | None = CHATML):
+def chat_word_tokenizer(words: list[str], template: str | None = CHATML, **special):
     """A word-level tokenizer with ChatML's special tokens and chat template, as transformers
     loads one (``PreTrainedTokenizerFast``). Ids: pad 0, ``<|im_end|>`` 1 (the EOS), unk 2,
     ``<|im_start|>`` 3, then ``words``; the roles ``system``, ``user`` and ``assistant`` must be
-    among ``words``."""
+    among ``words``; ``special``: more of its special tokens (``extra_special_tokens``)."""
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
     tokenizer = word_tokenizer(words, CHAT_SPECIALS)
     tokenizer.add_special_tokens([AddedToken(s, special=True) for s in CHAT_SPECIALS])
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=template,
-                                   pad_token="<pad>", eos_token="<|im_end|>", unk_token="<unk>")
+                                   pad_token="<pad>", eos_token="<|im_end|>", unk_token="<unk>",
+                                   **special)
 
 
 def save_tiny_chat_model(path: str, words: list[str], seed: int = 0,

@@ -4,21 +4,32 @@ Each example is a row of chats packed together (``chat.py``): ``token_ids``, ``s
 (one id per chat, 0 for padding) and ``loss_mask`` (the assistant's tokens). The loss is the
 next-token cross-entropy of the assistant's tokens only, averaged over them: the system's and
 the user's tokens are context, never targets, and a chat attends only to itself. ``pred_fn``
-samples the assistant's reply after a prompt rendered with the generation prompt.
+samples the assistant's reply after a prompt rendered with the generation prompt. An image +
+text model's chats (messages with image parts) go through ``image_chat.py``.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+from functools import partial
+from typing import Any
 
 import numpy as np
 
 import redco
 from redco.protocols import UsageError
 from redco_zoo_models import flags, generate, runner
+from redco_zoo_models.image_text import ImageTextModel
 from redco_zoo_models.metrics import logits_and_experts, token_cross_entropy, with_experts
 from redco_zoo_models.settings import RunConfig
 from redco_zoo_sft.chat import pack_chats, render_chat
+from redco_zoo_sft.image_chat import (
+    TOWER,
+    collate_image_chats,
+    image_chat_rows,
+    image_loss_fn,
+    load_processor,
+)
 
 __all__ = ["collate_fn", "loss_fn", "pred_fn"]
 
@@ -60,9 +71,11 @@ def load_chat_tokenizer(path: str):
 @dataclasses.dataclass(frozen=True)
 class SFTData:
     """An SFT run's own settings (``RunConfig.task``): each row's chat is its
-    ``messages_column``, packed with others into rows of ``max_len`` tokens."""
+    ``messages_column``, packed with others into rows of ``max_len`` tokens (an image + text
+    model's: one a row, ``image_chat``), its tower trained with ``train_vision_tower``."""
     messages_column: str = "messages"
     max_len: int = 512
+    train_vision_tower: bool = False
 
 
 def chat_rows(rows: list[dict], tokenizer, data: SFTData, seed: int, what: str) -> list[dict]:
@@ -84,6 +97,9 @@ class SFTPipeline:
                             "list of {role, content} messages")
         parser.add_argument("--max_len", type=int, default=SFTData.max_len,
                             help="tokens per packed row")
+        parser.add_argument("--train_vision_tower", action="store_true", help="an image + "
+                            "text model's vision tower trains too (LoRA: adapters there too); "
+                            "default: frozen, the projector and language model train")
 
     def run(self, args) -> float:
         return train_sft(RunConfig.of_flags(args, SFTData))
@@ -92,17 +108,39 @@ class SFTPipeline:
 def train_sft(config: RunConfig[SFTData]) -> float:
     """The whole SFT run of ``config``; returns the held-out loss on the assistant's tokens."""
     source = config.source
-    tokenizer = load_chat_tokenizer(source.model)
     model, _ = runner.load_source(source, config.jax_seed)
     parts = runner.split_eval(config.data, {"--messages_column": config.task.messages_column})
-    train, evaluate = (chat_rows(part, tokenizer, config.task, config.jax_seed, what)
-                       for part, what in zip(parts, ("--train",
-                                                     "--eval (or the last 5% of --train)")))
-    trainer = runner.train_and_eval(config, model, (train, evaluate), collate_fn, loss_fn)
+    names = ("--train", "--eval (or the last 5% of --train)")
+    if isinstance(model, ImageTextModel):
+        trainer, evaluate = train_images(config, model, parts, names)
+    elif config.task.train_vision_tower:
+        raise UsageError(f"--train_vision_tower: --model {source.model} is a text model "
+                         f"({type(model).__name__}), it has no vision tower; drop the flag.")
+    else:
+        tokenizer = load_chat_tokenizer(source.model)
+        train, evaluate = (chat_rows(part, tokenizer, config.task, config.jax_seed, what)
+                           for part, what in zip(parts, names))
+        trainer = runner.train_and_eval(config, model, (train, evaluate), collate_fn, loss_fn)
     loss = trainer.eval_loss(evaluate, config.loop.per_device_batch_size,
                              max_batches=runner.eval_batches(config.loop))
     trainer.deployer.log_info(f"eval loss on the assistant's tokens {loss:.4f}")
     return loss
+
+
+def train_images(config: RunConfig[SFTData], model, parts: tuple[list, list],
+                 names: tuple[str, str]) -> tuple[Any, list]:
+    """An image + text model trained on ``parts`` (``image_chat``): ``(trainer, eval rows)``."""
+    data = config.task
+    processor = load_processor(config.source.model)
+    train, evaluate = (image_chat_rows(processor, part, data.messages_column, data.max_len, what)
+                       for part, what in zip(parts, names))
+    per_row = max([1, *(len(c["images"]) for c in train + evaluate)])
+    collate = partial(collate_image_chats, image_processor=processor.image_processor,
+                      max_len=data.max_len, per_row=per_row,
+                      pad_id=processor.tokenizer.pad_token_id or 0)
+    frozen = None if data.train_vision_tower else TOWER
+    return runner.train_and_eval(config, model, (train, evaluate), collate, image_loss_fn,
+                                 frozen=frozen), evaluate
 
 
 @redco.hookimpl

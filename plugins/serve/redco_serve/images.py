@@ -1,0 +1,56 @@
+"""Chat messages with image parts, for ``redco serve`` over an image + text model (LLaVA).
+
+An image part is OpenAI's ``{"type": "image_url", "image_url": {"url": "data:image/png;
+base64,..."}}`` (or HuggingFace's ``{"type": "image", ...}``); it is decoded on the host
+(``redco_zoo_models.image_collate.chat_text_and_images``: the part becomes the processor's
+placeholder, ``<image>``, where it stands) and the chat, rendered by the chat template, goes
+through the model's own transformers processor, which resizes each image to the tower's size
+and expands its placeholder into the image tokens. The engine's prefill places the images'
+features there (``redco_zoo_models.engine_images``). An image that cannot be read, a web URL,
+and an image sent to a text model are a 400 that names the fix.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from redco_serve import openai_api as api
+from redco_zoo_models.image_collate import chat_text_and_images, read_image
+
+IMAGE_PARTS = ("image", "image_url")
+
+
+def refuse_images(messages) -> None:
+    """A 400 when ``messages`` hold an image part: this model reads text only."""
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in
+                                             IMAGE_PARTS for p in content):
+            raise api.BadRequest("This model reads text only, and the messages hold an image "
+                                 "part: send text content, or serve an image + text model "
+                                 "(LLaVA) with redco serve.", "messages")
+
+
+def chat_with_images(messages, processor,
+                     chat_text: Callable[[list, object], str]) -> tuple[list[int], np.ndarray]:
+    """``(prompt ids, pixels (n, 3, H, W))`` of a chat whose messages may hold image parts;
+    ``chat_text(messages, tokenizer)`` renders the chat (with the generation prompt)."""
+    if not isinstance(messages, list):
+        raise api.BadRequest("messages: give a non-empty list of {\"role\", \"content\"} "
+                             "objects.", "messages")
+    try:
+        flat, sources = chat_text_and_images(messages, processor.image_token, "messages")
+        pictures = [read_image(s, "messages") for s in sources]
+    except ValueError as e:
+        raise api.BadRequest(str(e), "messages") from None
+    text = chat_text(flat, processor.tokenizer)
+    if text.count(processor.image_token) != len(pictures):
+        raise api.BadRequest(f"The messages hold {len(pictures)} images, and the chat renders "
+                             f"{text.count(processor.image_token)} {processor.image_token!r} "
+                             "placeholders: send one image part per image, and no placeholder "
+                             "in the text.", "messages")
+    out = processor(text=[text], images=pictures or None, add_special_tokens=False,
+                    return_tensors="np")
+    pixels = np.asarray(out["pixel_values"], np.float32) if pictures else None
+    return np.asarray(out["input_ids"][0]).tolist(), pixels

@@ -1,0 +1,127 @@
+"""``redco serve`` over a tiny LLaVA (``toy_vision``: its real ``LlavaProcessor``), asked by the
+real ``openai`` client with a PNG sent as a ``data:`` URL: its greedy answer is transformers'
+``LlavaForConditionalGeneration.generate`` on the same image and prompt (the processor's own
+arrays). An unreadable image and an image sent to a text-only model are a 400 naming the fix."""
+import base64
+import io
+
+import jax
+import numpy as np
+import openai
+import pytest
+import torch
+import transformers
+from flax import nnx
+from PIL import Image
+from redco_serve.app import build_app
+from starlette.testclient import TestClient
+from test_serve import WORDS as TEXT_WORDS
+from test_serve import Server
+from transformers import AutoTokenizer
+
+from redco_zoo_models.engine import Engine
+from redco_zoo_models.engine_images import check_images, image_slots
+from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
+from redco_zoo_models.toy import save_tiny_chat_model
+from redco_zoo_models.toy_vision import save_tiny_llava
+
+WORDS = ["system", "user", "assistant", "what", "is", "this", "?", "red", "green", "blue",
+         "circle", "square", "a", "the"]
+N_NEW = 6
+
+
+def png_url(seed: int, size=(40, 56)) -> tuple[str, Image.Image]:
+    """A random RGB PNG as a data: URL, and the image."""
+    pixels = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
+    image = Image.fromarray(pixels)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode(), image
+
+
+def ask(url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "what is this ?"}]}]
+
+
+def jiggled_llava(path: str) -> str:
+    """A tiny LLaVA with noise (std 0.3) on every weight: answers that differ with the image,
+    not one token over and over as at its small initial scale."""
+    model_dir = save_tiny_llava(path, WORDS, seed=3)
+    model = from_pretrained(auto_class(model_dir), model_dir)
+    leaves, tree = jax.tree.flatten(nnx.state(model, nnx.Param))
+    keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
+    nnx.update(model, jax.tree.unflatten(
+        tree, [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+    save_pretrained(model, model_dir)
+    return model_dir
+
+
+def transformers_answer(model_dir: str, image: Image.Image) -> str:
+    """transformers' greedy reply (``N_NEW`` tokens, past any EOS) to ``ask``."""
+    processor = transformers.AutoProcessor.from_pretrained(model_dir)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
+    text = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "<image>\nwhat is this ?"}], tokenize=False,
+        add_generation_prompt=True)
+    inputs = processor(text=[text], images=[image], add_special_tokens=False,
+                       return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=N_NEW, do_sample=False, eos_token_id=None,
+                             pad_token_id=processor.tokenizer.pad_token_id)
+    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:],
+                                      skip_special_tokens=True)
+
+
+def test_redco_serve_answers_an_image_as_transformers_does(tmp_path):
+    model_dir = jiggled_llava(str(tmp_path / "llava"))
+    server = Server(model_dir, "--max_images", "1", "--max_len", "96")
+    try:
+        answers = []
+        for seed in (0, 2):  # two images of other sizes (40 x 56, 56 x 56)
+            url, image = png_url(seed, size=(40 + 8 * seed, 56))
+            reply = server.client.chat.completions.create(
+                model="llava", messages=ask(url), max_completion_tokens=N_NEW, temperature=0,
+                extra_body={"ignore_eos": True})
+            answers.append(reply.choices[0].message.content)
+            assert answers[-1] == transformers_answer(model_dir, image)
+        assert answers[0] != answers[1] and all(answers)  # (seen: "user what the", "this
+        # blue a a": the image is read)
+        with pytest.raises(openai.BadRequestError, match=r"the data: URL's image cannot be "
+                                                         r"read .* give a PNG or JPEG"):
+            server.client.chat.completions.create(model="llava", messages=ask(
+                "data:image/png;base64," + base64.b64encode(b"not a png").decode()))
+    finally:
+        server.close()
+
+
+def test_an_image_to_a_text_model_is_refused_naming_the_fix(tmp_path):
+    """The app over a text model's engine (in this process, through starlette's test client,
+    which the openai client takes as its HTTP client): the 400 comes before the engine."""
+    model_dir = save_tiny_chat_model(str(tmp_path / "chat"), TEXT_WORDS)
+    model = from_pretrained(auto_class(model_dir), model_dir)
+    engine = Engine(model, nnx.state(model, nnx.Param), max_len=48)
+    app = build_app(engine, AutoTokenizer.from_pretrained(model_dir), "chat", (1,), None)
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0,
+                           http_client=TestClient(app))
+    with pytest.raises(openai.BadRequestError, match=r"This model reads text only.*serve "
+                                                     r"an image \+ text model"):
+        client.chat.completions.create(model="chat", messages=ask(png_url(0)[0]))
+
+
+def test_the_engine_refuses_what_it_cannot_read_of_an_image_model(tmp_path):
+    model_dir = save_tiny_llava(str(tmp_path / "llava"), WORDS)
+    model = from_pretrained(auto_class(model_dir), model_dir)
+    with pytest.raises(ValueError, match="drop --prefill_chunk and --prefix_caching"):
+        Engine(model, nnx.state(model, nnx.Param), max_len=96, prefix_caching=True)
+    slots = image_slots(model, 1, None, False)
+    prompt = [3, 4, *[slots.token] * 64, 7]
+    with pytest.raises(ValueError, match=r"pixels are \(3, 16, 16\), not the tower's "
+                                         r"\(3, 32, 32\)"):
+        check_images(slots, prompt, np.zeros((1, 3, 16, 16)))
+    with pytest.raises(ValueError, match=r"holds 64 image tokens \(id \d+\) for 0 images"):
+        check_images(slots, prompt, None)
+    with pytest.raises(ValueError, match=r"has 2 images; this engine takes at most 1 a prompt"):
+        check_images(slots, prompt + prompt, np.zeros((2, 3, 32, 32)))
+    with pytest.raises(ValueError, match=r"reads text only"):
+        check_images(None, [3, 4], np.zeros((1, 3, 32, 32)))
