@@ -64,7 +64,7 @@ def pair(request, tmp_path_factory):
     config = dict(FAMILIES[request.param])
     config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
     torch.manual_seed(0)
-    theirs = random_balancing_bias(jiggle_torch(transformers.AutoModelForCausalLM.from_config(
+    theirs = random_buffers(jiggle_torch(transformers.AutoModelForCausalLM.from_config(
         config)))
     path = str(tmp_path_factory.mktemp(request.param))
     theirs.save_pretrained(path, max_shard_size="40KB")  # several files and an index
@@ -72,14 +72,17 @@ def pair(request, tmp_path_factory):
     return theirs, path, from_pretrained(auto_class(path), path), request.param
 
 
-def random_balancing_bias(model):
-    """DeepSeek-V3's routers' ``e_score_correction_bias`` (a buffer: ``jiggle_torch`` leaves it
-    at 0) drawn at the scale of the sigmoid scores, so that it changes the choice."""
+def random_buffers(model):
+    """The stored buffers ``jiggle_torch`` leaves as they start: DeepSeek-V3's routers'
+    ``e_score_correction_bias`` (0) drawn at the scale of the sigmoid scores, so that it changes
+    the choice; Gemma 4's ``layer_scalar`` (1) drawn around 1."""
     with torch.no_grad():
         for module in model.modules():
             if hasattr(module, "e_score_correction_bias"):
                 module.e_score_correction_bias.copy_(
                     0.3 * torch.randn_like(module.e_score_correction_bias))
+            if hasattr(module, "layer_scalar"):
+                module.layer_scalar.copy_(1 + 0.3 * torch.randn_like(module.layer_scalar))
     return model
 
 

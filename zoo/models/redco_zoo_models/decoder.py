@@ -19,7 +19,14 @@ from flax import nnx
 
 from redco import remat, sequence_split
 from redco.tree_paths import named_leaves
-from redco_zoo_models import expert_parallel, family_tensors, layer_scan, llama4_attention, mamba2
+from redco_zoo_models import (
+    expert_parallel,
+    family_tensors,
+    gemma4,
+    layer_scan,
+    llama4_attention,
+    mamba2,
+)
 from redco_zoo_models.attention import init_cache, with_blocks, within_chunk
 from redco_zoo_models.chunked_loss import next_token_loss
 from redco_zoo_models.context_parallel import (
@@ -34,7 +41,7 @@ from redco_zoo_models.decoder_config import DecoderConfig, Mixer
 from redco_zoo_models.expert_parallel import as_laid_out
 from redco_zoo_models.gated_deltanet import GatedDeltaNet, init_state, token_valid
 from redco_zoo_models.hf_init import init_like_hf
-from redco_zoo_models.layers import GatedMLP, RMSNorm, embed
+from redco_zoo_models.layers import GatedMLP, RMSNorm, embed, rms_normalized
 from redco_zoo_models.mamba2 import Mamba2, document_runs, token_mask
 from redco_zoo_models.mla import LatentAttention, latent_width
 from redco_zoo_models.moe import MoE
@@ -43,17 +50,26 @@ from redco_zoo_models.rope import apply_rope, depends_on_length, pairs_as_halves
 
 class Attention(nnx.Module):
     def __init__(self, cfg: DecoderConfig, layer: int, rngs: nnx.Rngs):
-        d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        hd, kv = self.head_dim, self.kv_heads = cfg.attention_shape(layer)
         linear = lambda i, o, bias=cfg.attention_bias: nnx.Linear(i, o, use_bias=bias, rngs=rngs)
         gated = 2 if cfg.attn_output_gate else 1  # (each head's query, then its output gate)
-        self.q_proj, self.k_proj = linear(d, gated * h * hd), linear(d, kv * hd)
-        self.v_proj, self.o_proj = linear(d, kv * hd), linear(h * hd, d, bias=cfg.o_proj_bias)
+        self.shares = cfg.kv_source(layer) is not None  # Gemma 4: another layer's keys, values
+        self.stores = any(cfg.kv_source(j) == layer for j in range(cfg.num_hidden_layers))
+        self.k_eq_v = cfg.k_eq_v and not cfg.sliding(layer)  # Gemma 4: values = keys' proj
+        self.q_proj, self.o_proj = linear(d, gated * h * hd), linear(h * hd, d, bias=cfg.o_proj_bias)
+        if not self.shares:
+            self.k_proj = linear(d, kv * hd)
+        if not (self.shares or self.k_eq_v):
+            self.v_proj = linear(d, kv * hd)
         if cfg.attention_sinks:
             self.sinks = nnx.Param(jnp.zeros((h,), jnp.float32))
         if cfg.qk_norm in ("head", "all"):  # (l2: Llama 4's, without weights)
             per_head = cfg.qk_norm == "head"
             norm = lambda n: RMSNorm(hd if per_head else n * hd, cfg.rms_norm_eps, cfg.norm_offset)
-            self.q_norm, self.k_norm = norm(h), norm(kv)
+            self.q_norm = norm(h)
+            if not self.shares:
+                self.k_norm = norm(kv)
         self.cfg = cfg
         self.window = cfg.sliding_window if cfg.sliding(layer) else None
         nope = layer in cfg.nope_layers or cfg.position_embedding != "rope"
@@ -62,26 +78,45 @@ class Attention(nnx.Module):
         self.chunk = cfg.attention_chunk_size if layer in cfg.chunked_layers else None
 
     def _qk(self, x):
-        """``(queries, keys, output gate or None)``."""
+        """``(queries, keys, the keys' projection, output gate or None)``; no keys in a layer
+        that shares another's."""
         cfg, (b, t, _) = self.cfg, x.shape
-        q, k, gate = self.q_proj(x), self.k_proj(x), None
+        q, gate = self.q_proj(x), None
+        k = raw = None if self.shares else self.k_proj(x)
         if cfg.attn_output_gate:
-            q, gate = jnp.split(q.reshape(b, t, cfg.num_attention_heads, 2 * cfg.head_dim), 2, -1)
+            q, gate = jnp.split(q.reshape(b, t, cfg.num_attention_heads, 2 * self.head_dim), 2, -1)
             q, gate = q.reshape(b, t, -1), gate.reshape(b, t, -1)
         if cfg.qk_norm == "all":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
-        k = k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+            q, k = self.q_norm(q), k if k is None else self.k_norm(k)
+        q = q.reshape(b, t, cfg.num_attention_heads, self.head_dim)
+        k = k if k is None else k.reshape(b, t, self.kv_heads, self.head_dim)
         if cfg.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        return q, k, gate
+            q, k = self.q_norm(q), k if k is None else self.k_norm(k)
+        return q, k, raw, gate
+
+    def _values(self, x, raw):
+        """The values: ``v_proj``'s, or (``k_eq_v``) the keys' projection; Gemma 4's
+        ``v_norm``: RMS-normalised per head, without weights."""
+        (b, t, _), cfg = x.shape, self.cfg
+        v = (raw if self.k_eq_v else self.v_proj(x)).reshape(b, t, self.kv_heads, self.head_dim)
+        if cfg.v_norm:
+            v = rms_normalized(v.astype(jnp.float32), cfg.rms_norm_eps).astype(v.dtype)
+        return v
 
     def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0, lengths=None):
+        """``(output, layer cache)``. A layer that shares keys and values reads them from
+        ``layer_cache`` (its source's) and returns an empty cache; a layer without a cache
+        returns its keys and values as one, for those that share them."""
         cfg, (b, t, _) = self.cfg, x.shape
-        q, k, gate = self._qk(x)
-        v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        q, k, raw, gate = self._qk(x)
         q, k = self._positioned(q, k, positions, cache_index, lengths)
-        k, v, layer_cache = cached_keys(layer_cache, k, v, cache_index, allowed)
+        if self.shares:
+            k, v, layer_cache = layer_cache["k"], layer_cache["v"], {}
+        else:
+            k, v, layer_cache = cached_keys(layer_cache, k, self._values(x, raw), cache_index,
+                                            allowed)
+            if layer_cache is None and self.stores:
+                layer_cache = {"k": k, "v": v}
         if self.chunk and allowed is not None:  # (None: attend's plain causal mask, chunked)
             allowed = within_chunk(allowed, self.chunk, positions, cache_index)
         scale = cfg.attention_multiplier or \
@@ -105,12 +140,15 @@ class Attention(nnx.Module):
                 q = llama4_attention.temperature_scaled(q, cache_index, cfg.floor_scale,
                                                         cfg.attn_scale)
             return q, k
-        if cfg.rope_interleave:
-            q, k = pairs_as_halves(q), pairs_as_halves(k)
-        q, k = (apply_rope(y, positions, self.rope, lengths) for y in (q, k))
-        if cfg.qk_norm == "l2":
-            q, k = (llama4_attention.l2_normed(y, cfg.rms_norm_eps) for y in (q, k))
-        return q, k
+        turned = []
+        for y in (q, k):  # (k None: a layer that shares another's keys)
+            if y is not None and cfg.rope_interleave:
+                y = pairs_as_halves(y)
+            y = y if y is None else apply_rope(y, positions, self.rope, lengths)
+            if y is not None and cfg.qk_norm == "l2":
+                y = llama4_attention.l2_normed(y, cfg.rms_norm_eps)
+            turned.append(y)
+        return tuple(turned)
 
 
 NORMS = {  # norm_layout -> the layer's norms, by HuggingFace's names
@@ -132,13 +170,15 @@ class DecoderLayer(nnx.Module):
         else:
             self.self_attn = LatentAttention(cfg, rngs) if cfg.kv_lora_rank else \
                 Attention(cfg, layer, rngs)
+        wide = 2 if cfg.double_wide_mlp and cfg.kv_source(layer) is not None else 1
         self.mlp = MoE(cfg.moe(), rngs) if cfg.sparse(layer) else \
-            GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, rngs)
-        self.layout, self.residual_multiplier = cfg.norm_layout, cfg.residual_multiplier
+            GatedMLP(cfg.hidden_size, wide * cfg.intermediate_size, cfg.hidden_act, rngs)
+        gemma4.add_layer_parts(self, cfg, rngs)
+        self.layout, self.residual_multiplier, self.cfg = cfg.norm_layout, cfg.residual_multiplier, cfg
 
     @remat.layer
     def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0, lengths=None,
-                 segment_ids=None):
+                 segment_ids=None, per_layer_input=None):
         keep = lambda h: h  # noqa: E731
         norm = lambda name: getattr(self, name, keep)  # noqa: E731
         before_attn = norm("input_layernorm")
@@ -160,7 +200,8 @@ class DecoderLayer(nnx.Module):
         h, report = self.mlp(before_mlp(x)), {}
         if isinstance(self.mlp, MoE):
             h, report = h
-        return (x + self._scaled(after_mlp(h)), layer_cache,
+        x = gemma4.layer_output(self, self.cfg, x + self._scaled(after_mlp(h)), per_layer_input)
+        return (x, layer_cache,
                 {k: v for k, v in report.items() if v.ndim == 0})
 
     def _scaled(self, h):
@@ -178,6 +219,8 @@ class DecoderModel(nnx.Module):
         self.runs = None  # stacked by ``stack_layers`` (cfg.scan_layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.cfg = cfg
+        if cfg.per_layer_input_size:
+            gemma4.add_model_parts(self, cfg, rngs)
 
     def stack_layers(self) -> None:
         """Store runs of like layers stacked, to run under a scan (``layer_scan``). Called
@@ -207,6 +250,9 @@ class DecoderModel(nnx.Module):
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         refuse_for_mamba(self.cfg)
         llama4_attention.refuse_split(self.cfg)
+        gemma4.refuse_split(self.cfg)
+        per_layer = gemma4.per_layer_inputs(self, input_ids, x) \
+            if self.cfg.per_layer_input_size else None
         x, new_cache, reports = on_split(x, allowed), [], []
         lengths = self._document_lengths(segment_ids, allowed)
         with as_laid_out(self.moe_weights()):  # experts split over dp: expert parallel
@@ -221,11 +267,14 @@ class DecoderModel(nnx.Module):
                 x, reports = layer_scan.run(self.layers, self.runs, step, x)
             else:
                 for i, layer in enumerate(self._each_layer()):
-                    x, layer_cache, report = layer(x, positions, allowed, cache and cache[i],
-                                                   cache_index, lengths, segment_ids)
+                    source = self.cfg.kv_source(i)  # (Gemma 4: its cache, or keys, shared)
+                    x, layer_cache, report = layer(
+                        x, positions, allowed, cache and cache[i] if source is None
+                        else new_cache[source], cache_index, lengths, segment_ids,
+                        None if per_layer is None else per_layer[:, :, i])
                     new_cache.append(layer_cache)
                     reports.append(report)
-        return (in_order(self.norm(x), allowed), (new_cache if cache is not None else None),
+        return (in_order(self.norm(x), allowed), new_cache if cache is not None else None,
                 experts_report([r for r in reports if r]))
 
     def _each_layer(self):
@@ -376,12 +425,12 @@ class DecoderLM(nnx.Module):
         if cfg.kv_lora_rank:
             return init_cache(cfg.num_hidden_layers, batch, n_slots, 1, latent_width(cfg), dtype,
                               values=False)
-        attention = lambda: init_cache(1, batch, n_slots, cfg.num_key_value_heads,  # noqa: E731
-                                       cfg.head_dim, dtype)[0]
-        states = {Mixer.MAMBA2: lambda: mamba2.init_cache(batch, cfg.mamba, dtype),
-                  Mixer.GATED_DELTANET: lambda: init_state(cfg.delta_net(), batch, dtype),
+        attention = lambda i: {} if cfg.kv_source(i) is not None else init_cache(  # noqa: E731
+            1, batch, n_slots, *reversed(cfg.attention_shape(i)), dtype)[0]  # (Gemma 4: shared)
+        states = {Mixer.MAMBA2: lambda i: mamba2.init_cache(batch, cfg.mamba, dtype),
+                  Mixer.GATED_DELTANET: lambda i: init_state(cfg.delta_net(), batch, dtype),
                   Mixer.ATTENTION: attention}  # (a linear layer's: a fixed-size state, no slots)
-        return [states[cfg.mixer(i)]() for i in range(cfg.num_hidden_layers)]
+        return [states[cfg.mixer(i)](i) for i in range(cfg.num_hidden_layers)]
 
     def hf_tensors_in(self, tensors: dict) -> dict:
         """A checkpoint's tensors under this model's names (fused ones split)."""
