@@ -185,12 +185,11 @@ TINY_FAMILIES = {  # config.json contents of a tiny model of each family, as tra
         attn_scale=0.5, interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=2,
         intermediate_size=16, intermediate_size_mlp=48,
         rope_parameters=dict(_LLAMA3, factor=8.0)),
-    "gemma4": dict(  # per-layer inputs; full layers with their own heads, keys as values and
-        _TINY, model_type="gemma4_text", head_dim=8, num_hidden_layers=5,  # proportional RoPE;
-        sliding_window=WINDOW, global_head_dim=16, num_global_key_value_heads=1,  # the last
-        attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True,  # 2 layers
-        hidden_size_per_layer_input=4, vocab_size_per_layer_input=64,  # share keys, values
-        final_logit_softcapping=3.0,
+    "gemma4": dict(  # per-layer inputs; full layers with their own head size, proportional
+        _TINY, model_type="gemma4_text", head_dim=8, num_hidden_layers=5,  # RoPE; the last 2
+        sliding_window=WINDOW, global_head_dim=16, num_kv_shared_layers=2,  # layers share
+        use_double_wide_mlp=True, hidden_size_per_layer_input=4,  # keys and values (keys as
+        vocab_size_per_layer_input=64, final_logit_softcapping=3.0,  # values: its own file)
         layer_types=["sliding_attention", "full_attention", "sliding_attention",
                      "sliding_attention", "full_attention"],
         rope_parameters={"full_attention": dict(rope_type="proportional", rope_theta=1e6,

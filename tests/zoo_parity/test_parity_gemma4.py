@@ -1,0 +1,47 @@
+"""Gemma 4 beyond the shared suite (test_parity_families' ``gemma4``: per-layer inputs, KV
+sharing, proportional RoPE, full layers of their own head size): full layers whose values are
+their keys' projection (``attention_k_eq_v``) with their own key/value heads, against
+transformers' ``Gemma4ForCausalLM``; and what is refused before compiling."""
+import numpy as np
+import pytest
+import torch
+from parity import close, jiggle_torch, transformers
+from test_parity_families import jitted, random_buffers, torch_logits
+
+from redco_zoo_models import from_pretrained
+from redco_zoo_models.decoder_config import DecoderConfig
+from redco_zoo_models.hf import auto_class
+from redco_zoo_models.toy import TINY_FAMILIES
+
+K_EQ_V = dict(TINY_FAMILIES["gemma4"], attention_k_eq_v=True, num_global_key_value_heads=1)
+
+
+def test_keys_as_values_logits_equal_transformers(tmp_path):
+    """40 tokens (past the window of 8), full layers with one key/value head whose values are
+    the keys' projection (no ``v_proj``): transformers' logits."""
+    config = dict(K_EQ_V)
+    config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+    torch.manual_seed(1)
+    theirs = random_buffers(jiggle_torch(transformers.AutoModelForCausalLM.from_config(config)))
+    assert theirs.model.layers[1].self_attn.v_proj is None  # (keys as values there)
+    theirs.save_pretrained(str(tmp_path))
+    ours = from_pretrained(auto_class(str(tmp_path)), str(tmp_path))
+    ids = np.random.RandomState(40).randint(1, 63, (2, 40))
+    close(jitted(ours)(ids), torch_logits(theirs, ids), 1e-3)  # (ATOL in test_parity_families)
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=8),
+     "enable_moe_block"),
+    (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
+    (dict(num_kv_shared_layers=5), "num_kv_shared_layers"),
+])
+def test_what_gemma4_does_not_run_is_refused_naming_it(change, named):
+    with pytest.raises(ValueError, match=named):
+        DecoderConfig.from_hf(dict(TINY_FAMILIES["gemma4"], **change))
+
+
+def test_stacked_layers_with_kv_sharing_are_refused_before_building():
+    cfg = DecoderConfig.from_hf(TINY_FAMILIES["gemma4"])
+    with pytest.raises(ValueError, match="scan_layers"):
+        DecoderConfig(**{**cfg.__dict__, "scan_layers": True})
