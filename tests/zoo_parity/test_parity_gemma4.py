@@ -45,3 +45,21 @@ def test_stacked_layers_with_kv_sharing_are_refused_before_building():
     cfg = DecoderConfig.from_hf(TINY_FAMILIES["gemma4"])
     with pytest.raises(ValueError, match="scan_layers"):
         DecoderConfig(**{**cfg.__dict__, "scan_layers": True})
+
+
+def test_the_multimodal_checkpoints_text_part_gives_transformers_logits(tmp_path):
+    """A ``gemma4`` checkpoint (``Gemma4ForConditionalGeneration``: a tiny vision tower beside
+    the language model, ``model.language_model.*``) read as its language model: the logits of
+    transformers' whole model on text alone."""
+    text = {k: v for k, v in TINY_FAMILIES["gemma4"].items() if k != "model_type"}
+    config = transformers.Gemma4Config(text_config=text, audio_config=None, vision_config=dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64))
+    torch.manual_seed(2)
+    theirs = random_buffers(jiggle_torch(transformers.Gemma4ForConditionalGeneration(config)))
+    theirs.save_pretrained(str(tmp_path))
+    ours = from_pretrained(auto_class(str(tmp_path)), str(tmp_path))
+    ids = np.random.RandomState(41).randint(1, 63, (2, 40))
+    with torch.no_grad():
+        want = theirs(input_ids=torch.tensor(ids)).logits.numpy()
+    close(jitted(ours)(ids), want, 1e-3)
