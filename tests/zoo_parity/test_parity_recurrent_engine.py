@@ -1,6 +1,7 @@
 """The serving engine on the recurrent families (Gated DeltaNet: Qwen3.5 dense and MoE; Mamba2:
 Granite 4 hybrid), on Llama 4 (whose chunk mask and NoPE temperature count each row's
-slots) and on Gemma 4 (whose last layers attend to another layer's cache, of its own head size), against transformers' PyTorch models, from checkpoints transformers wrote.
+slots) and on Gemma 4 (whose last layers attend to another layer's cache), against
+transformers' PyTorch models, from checkpoints transformers wrote.
 
 Prompts of 3 to 37 tokens are read in one right-padded prefill (to 64 slots: past the
 convolutions' widths of 3 and 4 and over several chunks, of 16 for the delta rule and 8 for
