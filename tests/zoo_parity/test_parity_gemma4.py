@@ -5,29 +5,58 @@ transformers' ``Gemma4ForCausalLM``; and what is refused before compiling."""
 import numpy as np
 import pytest
 import torch
-from parity import close, jiggle_torch, transformers
+from flax import nnx
+from parity import close, jiggle_torch, load_hf, transformers
 from test_parity_families import jitted, random_buffers, torch_logits
 
-from redco_zoo_models import from_pretrained
+from redco.tree_paths import named_leaves
+from redco_zoo_models import from_pretrained, save_pretrained
 from redco_zoo_models.decoder_config import DecoderConfig
 from redco_zoo_models.hf import auto_class
 from redco_zoo_models.toy import TINY_FAMILIES
 
 K_EQ_V = dict(TINY_FAMILIES["gemma4"], attention_k_eq_v=True, num_global_key_value_heads=1)
+PLAIN = dict(TINY_FAMILIES["gemma4"], hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+             use_double_wide_mlp=False, layer_types=[
+                 "sliding_attention", "sliding_attention", "full_attention",
+                 "sliding_attention", "full_attention"])  # (no per-layer inputs, no sharing)
+
+
+def saved(config: dict, path, seed: int):
+    """transformers' model of ``config`` (weights and layer scalars perturbed), saved in
+    ``path``."""
+    config = dict(config)
+    config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+    torch.manual_seed(seed)
+    theirs = random_buffers(jiggle_torch(transformers.AutoModelForCausalLM.from_config(config)))
+    theirs.save_pretrained(str(path))
+    return theirs
 
 
 def test_keys_as_values_logits_equal_transformers(tmp_path):
     """40 tokens (past the window of 8), full layers with one key/value head whose values are
     the keys' projection (no ``v_proj``): transformers' logits."""
-    config = dict(K_EQ_V)
-    config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
-    torch.manual_seed(1)
-    theirs = random_buffers(jiggle_torch(transformers.AutoModelForCausalLM.from_config(config)))
+    theirs = saved(K_EQ_V, tmp_path, seed=1)
     assert theirs.model.layers[1].self_attn.v_proj is None  # (keys as values there)
-    theirs.save_pretrained(str(tmp_path))
     ours = from_pretrained(auto_class(str(tmp_path)), str(tmp_path))
     ids = np.random.RandomState(40).randint(1, 63, (2, 40))
     close(jitted(ours)(ids), torch_logits(theirs, ids), 1e-3)  # (ATOL in test_parity_families)
+
+
+def test_scanned_layers_without_sharing_read_and_write_transformers_checkpoints(tmp_path):
+    """Without per-layer inputs or KV sharing (the dense 31B's layout), the layers stacked in
+    runs of like layers (sliding ones of one head size, full ones of another) give
+    transformers' logits, and written back, transformers reads them whole."""
+    theirs = saved(PLAIN, tmp_path / "in", seed=3)
+    ours = from_pretrained(auto_class(str(tmp_path / "in")), str(tmp_path / "in"),
+                           scan_layers=True)
+    assert any(":" in p for p, _ in named_leaves(nnx.state(ours, nnx.Param)))
+    ids = np.random.RandomState(42).randint(1, 63, (2, 40))
+    want = torch_logits(theirs, ids)
+    close(jitted(ours)(ids), want, 1e-3)
+    save_pretrained(ours, str(tmp_path / "out"))
+    back = load_hf(type(theirs), str(tmp_path / "out"))
+    close(torch_logits(back, ids), want, 1e-3)
 
 
 @pytest.mark.parametrize("change, named", [
