@@ -30,7 +30,7 @@ def forward(model):
     return lambda ids, segments=None: np.asarray(run(params, ids, segments))
 
 
-@pytest.mark.parametrize("family", TRAINED + ["smollm3"])
+@pytest.mark.parametrize("family", TRAINED + ["smollm3", "gemma4"])
 def test_packed_documents_see_only_themselves(family):
     """Two documents in one row (12 and 20 tokens, both past the window): each one's logits are
     its own forward pass's (SmolLM3: a NoPE layer, sliding, among RoPE layers)."""
@@ -241,7 +241,7 @@ def test_a_window_the_decoder_honours_changes_what_it_computes():
     assert np.abs(windowed[:, WINDOW:] - unwindowed[:, WINDOW:]).max() > 1e-3
 
 
-@pytest.mark.parametrize("family", TRAINED)
+@pytest.mark.parametrize("family", TRAINED + ["gemma4"])
 def test_no_param_is_weakly_typed(family):
     """A weakly typed param (``jnp.full(shape, 1.0)``) becomes strong after the first update,
     and the train step compiles again at step 2 (seen: a multihost watchdog firing)."""
