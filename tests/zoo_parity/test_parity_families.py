@@ -44,8 +44,9 @@ VOCAB, EOS, PAD, BOS = 64, 63, 0, 1
 FAMILIES = {k: v for k, v in TINY_FAMILIES.items()  # the lengths below cross WINDOW (8) and
             if k not in DELTA_NET_FAMILIES}  # ORIGINAL_CONTEXT (16); Gated DeltaNet: its own file
 LOGITS_ONLY = {"qwen3-yarn", "deepseek-v3-plain-q", "seed-oss"}  # logits and export only
-ATOL = {"gemma4": 1e-3}  # 40 tokens under CI's XLA flags (-O0): 7.1e-4 from transformers in
-#   float64 (float32 transformers: 3.1e-5); 5e-5 with XLA's default flags (an open question)
+ATOL = {"gemma4": 2e-3}  # unit-scale attention over normed q/k: an ill-conditioned tiny model.
+#   From transformers in float64, 40 tokens: float32 transformers 3e-5..1.4e-4, ours 9e-5..2.7e-4
+#   with XLA's default flags, 7e-4..1.1e-3 under CI's (-O0): its float32 kernels round worse
 
 
 def jitted(model):
@@ -259,6 +260,8 @@ OLDER = {  # config.json in the layout before transformers 5: rope_scaling, rope
                     no_rope_layers=None, no_rope_layer_interval=2),
     "glm4-moe": dict(FAMILIES["glm4-moe"], rope_parameters=None, rope_theta=1e6),  # (half)
     "minimax-m2": dict(FAMILIES["minimax-m2"], rope_parameters=None, rope_theta=5e6),
+    "gemma4": dict(FAMILIES["gemma4"], layer_types=None, rope_parameters=None,  # (5 sliding : 1
+                   num_kv_shared_layers=None, use_double_wide_mlp=None),  # full, the last full)
 }
 
 
@@ -267,8 +270,9 @@ def test_the_older_rope_scaling_layout_reads_as_transformers_reads_it(name, tmp_
     """A hand-written config.json in the older layout (``rope_scaling``; Phi's top-level
     ``partial_rotary_factor``, Gemma 3's ``rope_local_base_freq`` and window pattern, OLMo 3's
     and SmolLM3's default layer types, SmolLM3's NoPE interval, GLM-4.5's default half-rotary
-    heads, MiniMax-M2's ``rotary_dim``; rms_norm_eps left to the family's default): the logits
-    of transformers reading it."""
+    heads, MiniMax-M2's ``rotary_dim``; Gemma 4's hub layout, ``global_head_dim`` without
+    ``per_layer_config``, default layer types and RoPEs; rms_norm_eps left to the family's
+    default): the logits of transformers reading it."""
     config = {k: v for k, v in OLDER[name].items() if v is not None and k != "rms_norm_eps"}
     torch.manual_seed(0)
     made = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
@@ -280,4 +284,4 @@ def test_the_older_rope_scaling_layout_reads_as_transformers_reads_it(name, tmp_
     ours = jitted(from_pretrained(auto_class(str(tmp_path)), str(tmp_path)))
     for n in (10, 40):
         ids = np.random.RandomState(n).randint(1, EOS, (2, n))
-        close(ours(ids), torch_logits(theirs, ids))
+        close(ours(ids), torch_logits(theirs, ids), ATOL.get(name, 5e-4))
