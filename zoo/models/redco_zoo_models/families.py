@@ -16,6 +16,8 @@ Llama 4's ``use_qk_norm`` is its weightless L2 norm (``qk_norm="l2"``), its ``mo
 ``interleave_moe_layer_step``) the sparse layers and its ``layer_types`` the chunked ones; its
 ``intermediate_size`` sizes the experts (and shared expert), ``intermediate_size_mlp`` the dense
 layers' MLPs (``redco_zoo_models.llama4_attention``).
+Gemma 4 (``gemma4_text``; ``redco_zoo_models.gemma4``): Gemma 3's layout with its own switches and
+``per_layer_config`` or ``global_head_dim`` for the full-attention layers (``config_keys``).
 OLMo 3, as Gemma 3, keeps a RoPE for each layer type (``rope_parameters`` keyed by type; its
 sliding layers take ``rope_theta`` where Gemma 3's take ``rope_local_base_freq``).
 
@@ -258,4 +260,8 @@ FAMILIES = {
 
 
 COMPUTING = config_keys.computing(FAMILIES, COMMON, ROPE_KEYS)
-NOT_YET: dict = {}  # model_type -> what the zoo's decoder lacks to read it
+NOT_YET = {  # model_type -> what the zoo's decoder lacks to read it
+    "falcon_h1": "Falcon-H1's attention and Mamba2 side by side in every layer, with its "
+                 "per-block multipliers (attention_in/out, ssm_in/out, mlp, ssm_multipliers)",
+    "nemotron_h": "Nemotron-H's hybrid_override_pattern of Mamba2, attention and MLP-only "
+                  "layers"}
