@@ -30,7 +30,7 @@ def forward(model):
     return lambda ids, segments=None: np.asarray(run(params, ids, segments))
 
 
-@pytest.mark.parametrize("family", TRAINED + ["smollm3"])
+@pytest.mark.parametrize("family", TRAINED + ["smollm3", "gemma4"])
 def test_packed_documents_see_only_themselves(family):
     """Two documents in one row (12 and 20 tokens, both past the window): each one's logits are
     its own forward pass's (SmolLM3: a NoPE layer, sliding, among RoPE layers)."""
@@ -161,7 +161,8 @@ def saved_family(tmp_path, family="qwen3", **config):
     ("llama-3.1", {"attention_chunk_size": 8192}, "attention_chunk_size"),
     ("llama4", {"layer_types": ["chunked_attention", "sliding_attention", "full_attention"]},
      "layer_types \\['sliding_attention'\\]"),
-    ("gemma3", {"model_type": "gemma4_text"}, "num_kv_shared_layers"),
+    ("gemma3", {"model_type": "gemma4_text"}, "query_pre_attn_scalar"),  # (Gemma 3's scale)
+    ("gemma3", {"model_type": "falcon_h1"}, "attention and Mamba2 side by side"),
     ("llama-3.1", {"mlp_bias": True, "unsloth_version": "2026.11.1"}, "\\['mlp_bias'\\]"),
     ("phi-4-mini", {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0],
                                         "long_factor": [1.0, 2.0, 3.0]}}, "short_factor has 1"),
@@ -241,7 +242,7 @@ def test_a_window_the_decoder_honours_changes_what_it_computes():
     assert np.abs(windowed[:, WINDOW:] - unwindowed[:, WINDOW:]).max() > 1e-3
 
 
-@pytest.mark.parametrize("family", TRAINED)
+@pytest.mark.parametrize("family", TRAINED + ["gemma4"])
 def test_no_param_is_weakly_typed(family):
     """A weakly typed param (``jnp.full(shape, 1.0)``) becomes strong after the first update,
     and the train step compiles again at step 2 (seen: a multihost watchdog firing)."""

@@ -44,6 +44,9 @@ VOCAB, EOS, PAD, BOS = 64, 63, 0, 1
 FAMILIES = {k: v for k, v in TINY_FAMILIES.items()  # the lengths below cross WINDOW (8) and
             if k not in DELTA_NET_FAMILIES}  # ORIGINAL_CONTEXT (16); Gated DeltaNet: its own file
 LOGITS_ONLY = {"qwen3-yarn", "deepseek-v3-plain-q", "seed-oss"}  # logits and export only
+ATOL = {"gemma4": 2e-3}  # unit-scale attention over normed q/k: an ill-conditioned tiny model.
+#   From transformers in float64, 40 tokens: float32 transformers 3e-5..1.4e-4, ours 9e-5..2.7e-4
+#   with XLA's default flags, 7e-4..1.1e-3 under CI's (-O0): its float32 kernels round worse
 
 
 def jitted(model):
@@ -64,7 +67,7 @@ def pair(request, tmp_path_factory):
     config = dict(FAMILIES[request.param])
     config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
     torch.manual_seed(0)
-    theirs = random_balancing_bias(jiggle_torch(transformers.AutoModelForCausalLM.from_config(
+    theirs = random_buffers(jiggle_torch(transformers.AutoModelForCausalLM.from_config(
         config)))
     path = str(tmp_path_factory.mktemp(request.param))
     theirs.save_pretrained(path, max_shard_size="40KB")  # several files and an index
@@ -72,14 +75,17 @@ def pair(request, tmp_path_factory):
     return theirs, path, from_pretrained(auto_class(path), path), request.param
 
 
-def random_balancing_bias(model):
-    """DeepSeek-V3's routers' ``e_score_correction_bias`` (a buffer: ``jiggle_torch`` leaves it
-    at 0) drawn at the scale of the sigmoid scores, so that it changes the choice."""
+def random_buffers(model):
+    """The stored buffers ``jiggle_torch`` leaves as they start: DeepSeek-V3's routers'
+    ``e_score_correction_bias`` (0) drawn at the scale of the sigmoid scores, so that it changes
+    the choice; Gemma 4's ``layer_scalar`` (1) drawn around 1."""
     with torch.no_grad():
         for module in model.modules():
             if hasattr(module, "e_score_correction_bias"):
                 module.e_score_correction_bias.copy_(
                     0.3 * torch.randn_like(module.e_score_correction_bias))
+            if hasattr(module, "layer_scalar"):
+                module.layer_scalar.copy_(1 + 0.3 * torch.randn_like(module.layer_scalar))
     return model
 
 
@@ -103,11 +109,11 @@ def torch_logits(model, ids, **inputs):
 
 def test_logits_equal_transformers_at_two_lengths(pair):
     """12 tokens: within the window and the original context; 40: past both."""
-    theirs, _, ours, _ = pair
+    theirs, _, ours, family = pair
     forward = jitted(ours)
     for n in (12, 40):
         ids = np.random.RandomState(n).randint(1, EOS, (2, n))
-        close(forward(ids), torch_logits(theirs, ids))
+        close(forward(ids), torch_logits(theirs, ids), ATOL.get(family, 5e-4))
 
 
 def test_left_padded_logits_equal_transformers(pair):
@@ -254,6 +260,8 @@ OLDER = {  # config.json in the layout before transformers 5: rope_scaling, rope
                     no_rope_layers=None, no_rope_layer_interval=2),
     "glm4-moe": dict(FAMILIES["glm4-moe"], rope_parameters=None, rope_theta=1e6),  # (half)
     "minimax-m2": dict(FAMILIES["minimax-m2"], rope_parameters=None, rope_theta=5e6),
+    "gemma4": dict(FAMILIES["gemma4"], layer_types=None, rope_parameters=None,  # (5 sliding : 1
+                   num_kv_shared_layers=None, use_double_wide_mlp=None),  # full, the last full)
 }
 
 
@@ -262,8 +270,9 @@ def test_the_older_rope_scaling_layout_reads_as_transformers_reads_it(name, tmp_
     """A hand-written config.json in the older layout (``rope_scaling``; Phi's top-level
     ``partial_rotary_factor``, Gemma 3's ``rope_local_base_freq`` and window pattern, OLMo 3's
     and SmolLM3's default layer types, SmolLM3's NoPE interval, GLM-4.5's default half-rotary
-    heads, MiniMax-M2's ``rotary_dim``; rms_norm_eps left to the family's default): the logits
-    of transformers reading it."""
+    heads, MiniMax-M2's ``rotary_dim``; Gemma 4's hub layout, ``global_head_dim`` without
+    ``per_layer_config``, default layer types and RoPEs; rms_norm_eps left to the family's
+    default): the logits of transformers reading it."""
     config = {k: v for k, v in OLDER[name].items() if v is not None and k != "rms_norm_eps"}
     torch.manual_seed(0)
     made = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
@@ -275,4 +284,4 @@ def test_the_older_rope_scaling_layout_reads_as_transformers_reads_it(name, tmp_
     ours = jitted(from_pretrained(auto_class(str(tmp_path)), str(tmp_path)))
     for n in (10, 40):
         ids = np.random.RandomState(n).randint(1, EOS, (2, n))
-        close(ours(ids), torch_logits(theirs, ids))
+        close(ours(ids), torch_logits(theirs, ids), ATOL.get(name, 5e-4))

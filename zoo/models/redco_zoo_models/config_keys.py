@@ -44,6 +44,7 @@ HARMLESS = frozenset({  # config.json keys that change nothing a forward pass co
 })
 UNHONOURED = frozenset({  # keys a decoder's transformers class reads that no family here honours
     "mlp_bias", "quantization_config",
+    "enable_moe_block", "top_k_experts",  # (Gemma 4's MoE block beside the MLP)
 })
 WINDOW_KEYS = frozenset({"layer_types", "sliding_window", "use_sliding_window"})
 OFF = (None, False, 0, [], {})
@@ -114,6 +115,39 @@ def llama4_layers(config: dict, n: int) -> dict:
             "chunked_layers": tuple(i for i, t in enumerate(types) if t == CHUNKED)}
 
 
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def gemma4_layer_types(config: dict, n: int) -> list[str]:
+    """Gemma 4's ``layer_types`` (absent: five sliding layers to one full), the last layer full
+    whatever they say, as transformers forces it."""
+    types = list(config.get("layer_types") or [SLIDING if (i + 1) % 6 else FULL
+                                                for i in range(n)])
+    return types[:-1] + [FULL]
+
+
+def gemma4_layers(config: dict, n: int) -> dict:
+    """Gemma 4's full-attention layers' head size and key/value heads: ``per_layer_config``
+    (transformers 5's layout: ``{layer: {head_dim, num_key_value_heads}}`` for each full
+    layer), or ``global_head_dim`` (512 when absent) and, with ``attention_k_eq_v``,
+    ``num_global_key_value_heads``."""
+    per_layer = config.get("per_layer_config")
+    if not per_layer:
+        kv = config.get("num_global_key_value_heads") if config.get("attention_k_eq_v") else None
+        return {"global_head_dim": config.get("global_head_dim") or 512,
+                "global_kv_heads": kv or 0}
+    full = {str(i) for i, t in enumerate(gemma4_layer_types(config, n)) if t == FULL}
+    kinds = {tuple(sorted(v.items())) for v in per_layer.values()}
+    if {str(k) for k in per_layer} != full or len(kinds) != 1 or \
+            not set(per_layer[next(iter(per_layer))]) <= {"head_dim", "num_key_value_heads"}:
+        raise ValueError(f"per_layer_config {per_layer}: the zoo reads one override of "
+                         "head_dim and num_key_value_heads for every full-attention layer "
+                         f"({sorted(full, key=int)}) and none other.")
+    one = dict(kinds.pop())
+    return {"global_head_dim": one.get("head_dim", 0),
+            "global_kv_heads": one.get("num_key_value_heads", 0)}
+
+
 DERIVED = {
     "no_rope_layers": Derived(
         ("no_rope_layers", "no_rope_layer_interval"), nope_layers,
@@ -132,4 +166,9 @@ DERIVED = {
         lambda cfg: {"moe_layers": [i for i in range(cfg.num_hidden_layers) if cfg.sparse(i)],
                      "layer_types": [CHUNKED if i in cfg.chunked_layers else "full_attention"
                                      for i in range(cfg.num_hidden_layers)]}),
+    "gemma4_layers": Derived(
+        ("per_layer_config", "global_head_dim", "num_global_key_value_heads"), gemma4_layers,
+        lambda cfg: {"per_layer_config": {
+            str(i): dict(zip(("head_dim", "num_key_value_heads"), cfg.attention_shape(i)))
+            for i in range(cfg.num_hidden_layers) if not cfg.sliding(i)}}),
 }

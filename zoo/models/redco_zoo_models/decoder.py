@@ -13,23 +13,27 @@ map by name (``redco_zoo_models.hf``); a family's own tensor names and config ke
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from redco import remat, sequence_split
 from redco.tree_paths import named_leaves
-from redco_zoo_models import family_tensors, layer_scan, llama4_attention, mamba2
-from redco_zoo_models.attention import init_cache, with_blocks, within_chunk
+from redco_zoo_models import (
+    family_tensors,
+    gemma4,
+    layer_scan,
+    llama4_attention,
+    mamba2,
+)
+from redco_zoo_models.attention import init_cache, with_blocks
 from redco_zoo_models.chunked_loss import next_token_loss
 from redco_zoo_models.context_parallel import (
     SplitSequence,
-    attend_laid_out,
-    cached_keys,
     decoder_layout,
     in_order,
     on_split,
 )
+from redco_zoo_models.decoder_attention import Attention
 from redco_zoo_models.decoder_config import DecoderConfig, Mixer
 from redco_zoo_models.expert_parallel import as_laid_out
 from redco_zoo_models.gated_deltanet import GatedDeltaNet, init_state
@@ -39,80 +43,7 @@ from redco_zoo_models.mamba2 import Mamba2, token_mask
 from redco_zoo_models.mla import LatentAttention, latent_width
 from redco_zoo_models.moe import MoE
 from redco_zoo_models.recurrent_split import mixer_inputs
-from redco_zoo_models.rope import apply_rope, depends_on_length, pairs_as_halves, segment_lengths
-
-
-class Attention(nnx.Module):
-    def __init__(self, cfg: DecoderConfig, layer: int, rngs: nnx.Rngs):
-        d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        linear = lambda i, o, bias=cfg.attention_bias: nnx.Linear(i, o, use_bias=bias, rngs=rngs)
-        gated = 2 if cfg.attn_output_gate else 1  # (each head's query, then its output gate)
-        self.q_proj, self.k_proj = linear(d, gated * h * hd), linear(d, kv * hd)
-        self.v_proj, self.o_proj = linear(d, kv * hd), linear(h * hd, d, bias=cfg.o_proj_bias)
-        if cfg.attention_sinks:
-            self.sinks = nnx.Param(jnp.zeros((h,), jnp.float32))
-        if cfg.qk_norm in ("head", "all"):  # (l2: Llama 4's, without weights)
-            per_head = cfg.qk_norm == "head"
-            norm = lambda n: RMSNorm(hd if per_head else n * hd, cfg.rms_norm_eps, cfg.norm_offset)
-            self.q_norm, self.k_norm = norm(h), norm(kv)
-        self.cfg = cfg
-        self.window = cfg.sliding_window if cfg.sliding(layer) else None
-        nope = layer in cfg.nope_layers or cfg.position_embedding != "rope"
-        self.rope = None if nope else \
-            cfg.local_rope if self.window and cfg.local_rope else cfg.rope
-        self.chunk = cfg.attention_chunk_size if layer in cfg.chunked_layers else None
-
-    def _qk(self, x):
-        """``(queries, keys, output gate or None)``."""
-        cfg, (b, t, _) = self.cfg, x.shape
-        q, k, gate = self.q_proj(x), self.k_proj(x), None
-        if cfg.attn_output_gate:
-            q, gate = jnp.split(q.reshape(b, t, cfg.num_attention_heads, 2 * cfg.head_dim), 2, -1)
-            q, gate = q.reshape(b, t, -1), gate.reshape(b, t, -1)
-        if cfg.qk_norm == "all":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
-        k = k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        if cfg.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        return q, k, gate
-
-    def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0, lengths=None):
-        cfg, (b, t, _) = self.cfg, x.shape
-        q, k, gate = self._qk(x)
-        v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        q, k = self._positioned(q, k, positions, cache_index, lengths)
-        k, v, layer_cache = cached_keys(layer_cache, k, v, cache_index, allowed)
-        if self.chunk and allowed is not None:  # (None: attend's plain causal mask, chunked)
-            allowed = within_chunk(allowed, self.chunk, positions, cache_index)
-        scale = cfg.attention_multiplier or \
-            (cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar ** -0.5)
-        options = dict(scale=scale, softcap=cfg.attn_softcap,
-                       sinks=self.sinks[...] if cfg.attention_sinks else None)
-        if self.chunk:  # (a split sequence has none: llama4_attention.refuse_split)
-            options["chunk"] = self.chunk
-        out = attend_laid_out(q, k, v, allowed, self.window, cache_index, **options)
-        out = out.reshape(b, t, -1)
-        if gate is not None:
-            out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
-        return self.o_proj(out), layer_cache
-
-    def _positioned(self, q, k, positions, cache_index, lengths):
-        """``(q, k)`` turned by RoPE (pairs, Llama 4: ``rope_interleave``; then its L2 norm),
-        or, in a NoPE layer, as they are (Llama 4: queries temperature-tuned)."""
-        cfg = self.cfg
-        if self.rope is None:
-            if cfg.attn_temperature_tuning:
-                q = llama4_attention.temperature_scaled(q, cache_index, cfg.floor_scale,
-                                                        cfg.attn_scale)
-            return q, k
-        if cfg.rope_interleave:
-            q, k = pairs_as_halves(q), pairs_as_halves(k)
-        q, k = (apply_rope(y, positions, self.rope, lengths) for y in (q, k))
-        if cfg.qk_norm == "l2":
-            q, k = (llama4_attention.l2_normed(y, cfg.rms_norm_eps) for y in (q, k))
-        return q, k
-
+from redco_zoo_models.rope import depends_on_length, segment_lengths
 
 NORMS = {  # norm_layout -> the layer's norms, by HuggingFace's names
     "pre": ("input_layernorm", "post_attention_layernorm"),
@@ -133,13 +64,15 @@ class DecoderLayer(nnx.Module):
         else:
             self.self_attn = LatentAttention(cfg, rngs) if cfg.kv_lora_rank else \
                 Attention(cfg, layer, rngs)
+        wide = 2 if cfg.double_wide_mlp and cfg.kv_source(layer) is not None else 1
         self.mlp = MoE(cfg.moe(), rngs) if cfg.sparse(layer) else \
-            GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, rngs)
-        self.layout, self.residual_multiplier = cfg.norm_layout, cfg.residual_multiplier
+            GatedMLP(cfg.hidden_size, wide * cfg.intermediate_size, cfg.hidden_act, rngs)
+        gemma4.add_layer_parts(self, cfg, rngs)
+        self.layout, self.residual_multiplier, self.cfg = cfg.norm_layout, cfg.residual_multiplier, cfg
 
     @remat.layer
     def __call__(self, x, positions, allowed, layer_cache=None, cache_index=0, lengths=None,
-                 segment_ids=None):
+                 segment_ids=None, per_layer_input=None):
         keep = lambda h: h  # noqa: E731
         norm = lambda name: getattr(self, name, keep)  # noqa: E731
         before_attn = norm("input_layernorm")
@@ -157,7 +90,8 @@ class DecoderLayer(nnx.Module):
         h, report = self.mlp(before_mlp(x)), {}
         if isinstance(self.mlp, MoE):
             h, report = h
-        return (x + self._scaled(after_mlp(h)), layer_cache,
+        x = gemma4.layer_output(self, self.cfg, x + self._scaled(after_mlp(h)), per_layer_input)
+        return (x, layer_cache,
                 {k: v for k, v in report.items() if v.ndim == 0})
 
     def _recurrent(self, x, allowed, layer_cache, cache_index, segment_ids):
@@ -187,6 +121,8 @@ class DecoderModel(nnx.Module):
         self.runs = None  # stacked by ``stack_layers`` (cfg.scan_layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.cfg = cfg
+        if cfg.per_layer_input_size:
+            gemma4.add_model_parts(self, cfg, rngs)
 
     def stack_layers(self) -> None:
         """Store runs of like layers stacked, to run under a scan (``layer_scan``). Called
@@ -213,6 +149,9 @@ class DecoderModel(nnx.Module):
             allowed = with_blocks(allowed, blocks, slots)
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         llama4_attention.refuse_split(self.cfg)
+        gemma4.refuse_split(self.cfg)
+        per_layer = gemma4.per_layer_inputs(self, input_ids, x) \
+            if self.cfg.per_layer_input_size else None
         x, new_cache, reports = on_split(x, allowed), [], []
         lengths = self._document_lengths(segment_ids, allowed)
         with as_laid_out(self.moe_weights()):  # experts split over dp: expert parallel
@@ -225,11 +164,14 @@ class DecoderModel(nnx.Module):
                 x, reports = layer_scan.run(self.layers, self.runs, step, x)
             else:
                 for i, layer in enumerate(self._each_layer()):
-                    x, layer_cache, report = layer(x, positions, allowed, cache and cache[i],
-                                                   cache_index, lengths, segment_ids)
+                    source = self.cfg.kv_source(i)  # (Gemma 4: its cache, or keys, shared)
+                    x, layer_cache, report = layer(
+                        x, positions, allowed, cache and cache[i] if source is None
+                        else new_cache[source], cache_index, lengths, segment_ids,
+                        None if per_layer is None else per_layer[:, :, i])
                     new_cache.append(layer_cache)
                     reports.append(report)
-        return (in_order(self.norm(x), allowed), (new_cache if cache is not None else None),
+        return (in_order(self.norm(x), allowed), new_cache if cache is not None else None,
                 experts_report([r for r in reports if r]))
 
     def _each_layer(self):
@@ -362,12 +304,12 @@ class DecoderLM(nnx.Module):
         if cfg.kv_lora_rank:
             return init_cache(cfg.num_hidden_layers, batch, n_slots, 1, latent_width(cfg), dtype,
                               values=False)
-        attention = lambda: init_cache(1, batch, n_slots, cfg.num_key_value_heads,  # noqa: E731
-                                       cfg.head_dim, dtype)[0]
-        states = {Mixer.MAMBA2: lambda: mamba2.init_cache(batch, cfg.mamba, dtype),
-                  Mixer.GATED_DELTANET: lambda: init_state(cfg.delta_net(), batch, dtype),
+        attention = lambda i: {} if cfg.kv_source(i) is not None else init_cache(  # noqa: E731
+            1, batch, n_slots, *reversed(cfg.attention_shape(i)), dtype)[0]  # (Gemma 4: shared)
+        states = {Mixer.MAMBA2: lambda i: mamba2.init_cache(batch, cfg.mamba, dtype),
+                  Mixer.GATED_DELTANET: lambda i: init_state(cfg.delta_net(), batch, dtype),
                   Mixer.ATTENTION: attention}  # (a linear layer's: a fixed-size state, no slots)
-        return [states[cfg.mixer(i)]() for i in range(cfg.num_hidden_layers)]
+        return [states[cfg.mixer(i)](i) for i in range(cfg.num_hidden_layers)]
 
     def hf_tensors_in(self, tensors: dict) -> dict:
         """A checkpoint's tensors under this model's names (fused ones split)."""

@@ -45,6 +45,13 @@ attention and a gated MLP. What differs:
   and keys of RoPE layers L2-normalised (no weights) after RoPE; ``rope_interleave``: RoPE
   turns features in pairs (0, 1), (2, 3)...; ``router`` ``top_k_sigmoid`` with
   ``expert_input_scaled``: each expert's input scaled by ``sigmoid`` of its logit.
+* Gemma 4 (``redco_zoo_models.gemma4``): ``v_norm`` (values RMS-normalised per head, no
+  weights); full-attention layers of their own head size and key/value heads
+  (``global_head_dim``, ``global_kv_heads``), their values the keys' projection (``k_eq_v``);
+  the last ``kv_shared_layers`` layers reuse the keys and values of the last earlier layer of
+  their type (``kv_source``), their MLPs twice as wide with ``double_wide_mlp``; per-layer
+  input embeddings (``per_layer_input_size``, ``per_layer_vocab_size``) and a stored scalar on
+  each layer's output (``layer_scalar``).
 
 ``scan_layers`` is not the family's but the run's (no config.json key; ``from_pretrained(...,
 scan_layers=True)``): runs of like layers stored stacked and run under ``jax.lax.scan``
@@ -55,7 +62,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from redco_zoo_models import families, family_config
+from redco_zoo_models import families, family_config, gemma4
 from redco_zoo_models.gated_deltanet import DeltaNetConfig
 from redco_zoo_models.mamba2 import Mamba2Config
 from redco_zoo_models.moe import MoEConfig
@@ -149,6 +156,15 @@ class DecoderConfig:
     floor_scale: float = 8192.0
     attn_scale: float = 0.1
     expert_input_scaled: bool = False  # Llama 4: the router's weight scales an expert's input
+    v_norm: bool = False  # Gemma 4 (module docstring)
+    global_head_dim: int = 0  # 0: head_dim
+    global_kv_heads: int = 0  # 0: num_key_value_heads
+    k_eq_v: bool = False
+    kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    layer_scalar: bool = False
     scan_layers: bool = False  # layers stored stacked, run under lax.scan (layer_scan); no config.json key
 
     def __post_init__(self):
@@ -168,6 +184,18 @@ class DecoderConfig:
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
                              f"{self.num_hidden_layers} layers.")
+        gemma4.check(self)
+
+    def attention_shape(self, layer: int) -> tuple[int, int]:
+        """``(head_dim, key/value heads)`` of ``layer``'s attention (Gemma 4's full-attention
+        layers: their own)."""
+        wide = not self.sliding(layer)
+        return ((wide and self.global_head_dim) or self.head_dim,
+                (wide and self.global_kv_heads) or self.num_key_value_heads)
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose keys and values ``layer`` reuses (Gemma 4), or ``None``."""
+        return gemma4.kv_source(self, layer)
 
     def mixer(self, layer: int) -> Mixer:
         return Mixer.ATTENTION if self.mixers is None else self.mixers[layer]

@@ -16,6 +16,8 @@ Llama 4's ``use_qk_norm`` is its weightless L2 norm (``qk_norm="l2"``), its ``mo
 ``interleave_moe_layer_step``) the sparse layers and its ``layer_types`` the chunked ones; its
 ``intermediate_size`` sizes the experts (and shared expert), ``intermediate_size_mlp`` the dense
 layers' MLPs (``redco_zoo_models.llama4_attention``).
+Gemma 4 (``gemma4_text``; ``redco_zoo_models.gemma4``): Gemma 3's layout with its own switches and
+``per_layer_config`` or ``global_head_dim`` for the full-attention layers (``config_keys``).
 OLMo 3, as Gemma 3, keeps a RoPE for each layer type (``rope_parameters`` keyed by type; its
 sliding layers take ``rope_theta`` where Gemma 3's take ``rope_local_base_freq``).
 
@@ -50,7 +52,7 @@ class Family:
     switches: dict = dataclasses.field(default_factory=dict)  # DecoderConfig fields it fixes
     reads: dict = dataclasses.field(default_factory=dict)  # config key -> (field, default)
     windows: str = "none"  # none | all | qwen, smollm3 (use_sliding_window) | gemma2 | gemma3 |
-    #                        alternate | olmo3 (_layer_types)
+    #                        gemma4 | alternate | olmo3 (_layer_types)
     fused: bool = False  # Phi-3: qkv_proj and gate_up_proj in the checkpoint (family_tensors)
     tied_default: bool = False
     ignores: frozenset = frozenset()  # keys transformers' class of this family ignores too
@@ -237,12 +239,29 @@ FAMILIES = {
         experts="llama4", derived=("no_rope_layers", "use_l2_qk_norm", "llama4_layers"),
         ignores=MOE_IGNORES, defaults={"intermediate_size_mlp": 16384, "use_qk_norm": True,
                                        "rope_theta": 500_000.0}),
+    "gemma4_text": Family(  # Gemma 3's norms without the offset, more (redco_zoo_models.gemma4)
+        "Gemma4ForCausalLM", switches={**GEMMA, "norm_offset": 0.0, "qk_norm": "head",
+                                       "v_norm": True, "attention_multiplier": 1.0,
+                                       "layer_scalar": True},
+        reads={"hidden_activation": ("hidden_act", "gelu_pytorch_tanh"),
+               "final_logit_softcapping": ("final_softcap", None),
+               "attention_bias": (("attention_bias", "o_proj_bias"), False),
+               "hidden_size_per_layer_input": ("per_layer_input_size", 256),
+               "vocab_size_per_layer_input": ("per_layer_vocab_size", 262_144),
+               "attention_k_eq_v": ("k_eq_v", False),
+               "num_kv_shared_layers": ("kv_shared_layers", 0),
+               "use_double_wide_mlp": ("double_wide_mlp", False)},
+        windows="gemma4", tied_default=True, derived=("gemma4_layers",),
+        defaults={"head_dim": 256, "sliding_window": 512, "rope_parameters": {
+            SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                   "rope_theta": 1_000_000.0}}}),
 }
 
 
 COMPUTING = config_keys.computing(FAMILIES, COMMON, ROPE_KEYS)
-_GEMMA4 = ("Gemma 4's per-layer input embeddings (hidden_size_per_layer_input), layers reusing "
-           "another's keys and values (num_kv_shared_layers) and keys as values "
-           "(attention_k_eq_v)")
-NOT_YET = {"gemma4_text": _GEMMA4,  # (what each decoder transformers has needs that the
-           "gemma4": _GEMMA4}  # zoo's decoder lacks)
+NOT_YET = {  # model_type -> what the zoo's decoder lacks to read it
+    "falcon_h1": "Falcon-H1's attention and Mamba2 side by side in every layer, with its "
+                 "per-block multipliers (attention_in/out, ssm_in/out, mlp, ssm_multipliers)",
+    "nemotron_h": "Nemotron-H's hybrid_override_pattern of Mamba2, attention and MLP-only "
+                  "layers"}

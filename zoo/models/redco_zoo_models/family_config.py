@@ -24,11 +24,12 @@ from redco_zoo_models.families import (
 from redco_zoo_models.rope import read_rope
 
 GATED = ("qwen", "smollm3")  # windows only where use_sliding_window
-PER_TYPE_ROPE = ("gemma3", "olmo3")  # a RoPE for each layer type (rope_parameters by type)
+PER_TYPE_ROPE = ("gemma3", "gemma4", "olmo3")  # a RoPE for each layer type (rope_parameters by type)
 
 
 TEXT_PARTS = {  # a multimodal checkpoint -> the family of its language model, read alone
-    "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text"}
+    "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text",
+    "gemma4": "gemma4_text"}
 
 
 def text_part(config: dict) -> dict:
@@ -46,6 +47,8 @@ def text_part(config: dict) -> dict:
 
 
 def _layer_types(family: Family, config: dict, n: int) -> tuple | None:
+    if family.windows == "gemma4":
+        return tuple(config_keys.gemma4_layer_types(config, n))
     if config.get("layer_types"):
         return tuple(config["layer_types"])
     if family.windows == "qwen":
@@ -70,8 +73,10 @@ def _window(family: Family, config: dict) -> int | None:
     return config.get("sliding_window", 4096 if family.windows.startswith("gemma") else None)
 
 
-def _ropes(family: Family, config: dict, head_dim: int, where: str) -> dict:
-    """``{"rope": Rope, "local_rope": Rope or None}`` from either layout of the config."""
+def _ropes(family: Family, config: dict, head_dim: int, where: str,
+           full_head_dim: int) -> dict:
+    """``{"rope": Rope, "local_rope": Rope or None}`` from either layout of the config
+    (Gemma 4's full layers: of their own head size, ``full_head_dim``)."""
     longest = config.get("max_position_embeddings", 4096)
     top = {k: config[k] for k in ("rope_theta", "partial_rotary_factor") if k in config}
     if family.rotary_dim and config.get("rotary_dim"):
@@ -83,7 +88,7 @@ def _ropes(family: Family, config: dict, head_dim: int, where: str) -> dict:
         local = {"rope_theta": config.get("rope_local_base_freq", 10_000.0)
                  if family.windows == "gemma3" else top.get("rope_theta"),
                  **(params.get(SLIDING) or {})}
-        return {"rope": read_rope(full, head_dim, longest, f"{where} ({FULL})"),
+        return {"rope": read_rope(full, full_head_dim, longest, f"{where} ({FULL})"),
                 "local_rope": read_rope(local, head_dim, longest, f"{where} ({SLIDING})")}
     if family.linear == "gated_deltanet":  # (Qwen3.5's multimodal RoPE: in text, plain RoPE)
         params = {k: v for k, v in params.items() if k not in ("mrope_section", "mrope_interleaved")}
@@ -100,9 +105,10 @@ def read_config(cls, config: dict, where: str = "config.json") -> Any:
         lacks = f"; it needs {NOT_YET[model_type]}" if model_type in NOT_YET else ""
         raise ValueError(f"{where}: model_type {model_type!r} is not a decoder family the zoo "
                          f"reads ({', '.join(FAMILIES)}){lacks}.")
-    if config.get("use_bidirectional_attention"):
+    if config.get("use_bidirectional_attention") not in (None, False, "vision"):
         raise ValueError(f"{where}: use_bidirectional_attention is set (an encoder such as "
-                         "EmbeddingGemma); the zoo's decoders are causal.")
+                         "EmbeddingGemma); the zoo's decoders are causal (\"vision\", where "
+                         "only an image's tokens see each other both ways, reads as text).")
     config_keys.check(config, config_keys.read_keys(family, COMMON, ROPE_KEYS), COMPUTING,
                       model_type, where)
     config = {**family.defaults, **config}
@@ -131,7 +137,8 @@ def read_config(cls, config: dict, where: str = "config.json") -> Any:
         fields["mamba"] = mamba2.read_config(config)
     return cls(**fields, **family.switches, family=model_type, sliding_window=window,
                layer_types=_layer_types(family, config, fields["num_hidden_layers"])
-               if window else None, **_ropes(family, config, head_dim, where))
+               if window else None,
+               **_ropes(family, config, head_dim, where, fields.get("global_head_dim") or head_dim))
 
 
 LAYER_TYPES = {"attention": "attention", "full_attention": "attention", "mamba": "linear",

@@ -28,6 +28,8 @@ checkpoints do, so ``redco_safetensors.torch_name`` maps them; what differs, per
   and Qwen3.5's ``mtp.*`` (multi-token prediction) tensors are not part of the causal LM.
 
 A tied head's stored copy is dropped on import when it equals the embedding (refused when not).
+Gemma 4's multimodal checkpoint is read as Qwen3.5's (``model.language_model.*``; its vision
+and audio towers dropped), and its KV-sharing layers' key/value tensors, if stored, dropped.
 DeepSeek-V3's and GLM-4.5's checkpoints hold their multi-token-prediction layers after the
 model's (``model.layers.<num_hidden_layers>...``): not part of the causal LM, they are dropped
 on import, as transformers drops them. Granite 4 hybrid's fused shared MLP, stacked experts and conv
@@ -88,6 +90,7 @@ def tensors_in(cfg, tensors: dict) -> dict:
     if cfg.family in LANGUAGE_MODELS:
         tensors = _language_model(tensors, *LANGUAGE_MODELS[cfg.family])
     tensors = _without_mtp_layers(cfg, dict(tensors))
+    tensors = _without_shared_kv(cfg, tensors)
     tensors = _renamed(cfg, tensors, ".feed_forward.", ".mlp.")
     tensors = hybrid_tensors.tensors_in(cfg, tensors) if FAMILIES[cfg.family].linear == "mamba2" \
         else _stacked_experts(cfg, tensors)
@@ -134,6 +137,16 @@ def _without_mtp_layers(cfg, tensors: dict) -> dict:
             if not (m := layer.match(k)) or int(m.group(1)) < cfg.num_hidden_layers}
 
 
+def _without_shared_kv(cfg, tensors: dict) -> dict:
+    """``tensors`` less the key/value projections and norms of Gemma 4's layers that share
+    another's (``DecoderConfig.kv_source``): a checkpoint may hold them; transformers skips
+    them too."""
+    shared = [f"model.layers.{i}.self_attn.{p}." for i in range(cfg.num_hidden_layers)
+              if cfg.kv_source(i) is not None for p in ("k_proj", "v_proj", "k_norm", "v_norm")]
+    return {k: v for k, v in tensors.items() if not k.startswith(tuple(shared))} \
+        if shared else tensors
+
+
 def _renamed(cfg, tensors: dict, ours: str, theirs: str) -> dict:
     """Llama 4's layers' MLP (``feed_forward``) under the zoo's name (``mlp``), or back."""
     if FAMILIES[cfg.family].experts != "llama4":
@@ -146,6 +159,9 @@ LANGUAGE_MODELS = {  # family -> its multimodal checkpoint's (language model's p
     "qwen3_5_text": _QWEN3_5, "qwen3_5_moe_text": _QWEN3_5,  # causal LM's, prefixes dropped)
     "qwen3_next": _QWEN3_5,
     "llama4_text": ("language_model.", "", ("vision_model.", "multi_modal_projector.")),
+    "gemma4_text": ("model.language_model.", "model.", tuple(
+        f"model.{part}." for part in ("vision_tower", "embed_vision", "audio_tower",
+                                      "embed_audio"))),
 }
 
 

@@ -35,6 +35,7 @@ RULES = (  # (pattern on the param's path, how it starts); the first that matche
     (r"(^|/)(kernel|embedding|sinks)$", NORMAL),
     (r"(^|/)conv1d/weight$", NORMAL),
     (r"(^|/)(dt_bias|A_log|D)$", KEEP),  # (Mamba2: as built)
+    (r"(^|/)layer_scalar$", ONES),  # (Gemma 4's)
     (r"(^|/)experts/(gate|up|down)_proj$", NORMAL),  # stacked (experts, in, out)
     (r"(^|/)(bias|(gate|up|down)_proj_bias|balance_bias)$", ZEROS),
     (r"norm/weight$", NORM_SCALE),
@@ -76,6 +77,7 @@ def init_like_hf(model: nnx.Module, cfg, rngs: nnx.Rngs) -> None:
             continue
         value = draw(rule(name), key, var.shape, var.dtype, cfg.initializer_range,
                      1.0 - cfg.norm_offset)
-        if name.endswith("embed_tokens/embedding") and cfg.pad_token_id is not None:
+        if re.search(r"embed_tokens(_per_layer)?/embedding$", name) and \
+                cfg.pad_token_id is not None:  # (Gemma 4's per-layer table too)
             value = value.at[cfg.pad_token_id].set(0)
         var.value = value

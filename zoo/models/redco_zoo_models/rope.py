@@ -12,7 +12,10 @@ Phi-4-mini) are paired, half with half, and each pair is turned by ``position * 
 * ``yarn``: interpolated and extrapolated frequencies blended by a ramp over the dimensions
   (``beta_fast``, ``beta_slow``), ``cos``/``sin`` scaled by ``attention_factor`` (or ``mscale``);
 * ``longrope`` (Phi-3.5, Phi-4): per-dimension ``short_factor`` while the call's length is within
-  ``original_max_position_embeddings``, ``long_factor`` past it, ``cos``/``sin`` scaled.
+  ``original_max_position_embeddings``, ``long_factor`` past it, ``cos``/``sin`` scaled;
+* ``proportional`` (Gemma 4's global layers): the whole head is paired half with half, but only
+  the first ``partial_rotary_factor * head_dim / 2`` pairs turn, at ``theta ** (-2i / head_dim)``
+  (divided by ``factor``); the other pairs' frequency is 0 (they stay as they are).
 
 ``dynamic`` and ``longrope`` depend on the length, taken as a call's largest position + 1, as
 transformers does per forward pass. Every value comes from the config: nothing is assumed per
@@ -36,6 +39,7 @@ KEYS = {  # each type's keys beyond rope_type, rope_theta and partial_rotary_fac
              "beta_slow", "mscale", "mscale_all_dim", "truncate"},
     "longrope": {"short_factor", "long_factor", "factor", "original_max_position_embeddings",
                  "attention_factor"},
+    "proportional": {"factor", "partial_rotary_factor"},
 }
 
 
@@ -80,7 +84,8 @@ def read_rope(params: dict, head_dim: int, max_position_embeddings: int,
               "longrope": {"short_factor", "long_factor"}, "yarn": {"factor"}}.get(kind, set())
     if missing := sorted(needed - set(own)):
         raise ValueError(f"{where}: RoPE type {kind!r} needs {missing}.")
-    rotary_dim = int(head_dim * (params.get("partial_rotary_factor") or 1.0))
+    rotary_dim = head_dim if kind == "proportional" else \
+        int(head_dim * (params.get("partial_rotary_factor") or 1.0))
     for key in ("short_factor", "long_factor"):
         if key in own and len(own[key]) != rotary_dim // 2:
             raise ValueError(f"{where}: longrope's {key} has {len(own[key])} values; a rotary "
@@ -169,7 +174,18 @@ def frequencies(rope: Rope, seq_len=None):
         return _longrope(rope, seq_len)
     if rope.kind == "dynamic":
         return _dynamic(rope, seq_len)
+    if rope.kind == "proportional":
+        return _proportional(rope), 1.0
     return _base_inv_freq(rope), 1.0
+
+
+def _proportional(rope: Rope):
+    """Gemma 4's: the first ``partial_rotary_factor`` of the head's pairs turn (module
+    docstring), the rest at frequency 0."""
+    half = rope.rotary_dim // 2
+    turning = int((rope.get("partial_rotary_factor") or 1.0) * rope.rotary_dim // 2)
+    inv_freq = jnp.where(jnp.arange(half) < turning, _base_inv_freq(rope), 0.0)
+    return inv_freq / (rope.get("factor") or 1.0)
 
 
 def depends_on_length(rope: Rope) -> bool:

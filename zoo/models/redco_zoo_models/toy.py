@@ -186,6 +186,16 @@ TINY_FAMILIES = {  # config.json contents of a tiny model of each family, as tra
         attn_scale=0.5, interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=2,
         intermediate_size=16, intermediate_size_mlp=48,
         rope_parameters=dict(_LLAMA3, factor=8.0)),
+    "gemma4": dict(  # per-layer inputs; full layers with their own head size, proportional
+        _TINY, model_type="gemma4_text", head_dim=8, num_hidden_layers=5,  # RoPE; the last 2
+        sliding_window=WINDOW, global_head_dim=16, num_kv_shared_layers=2,  # layers share
+        use_double_wide_mlp=True, hidden_size_per_layer_input=4,  # keys and values (keys as
+        vocab_size_per_layer_input=64, final_logit_softcapping=3.0,  # values: its own file)
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": dict(rope_type="proportional", rope_theta=1e6,
+                                                partial_rotary_factor=0.5),
+                         "sliding_attention": dict(rope_type="default", rope_theta=1e4)}),
     "llama-dynamic": dict(_TINY, model_type="llama", max_position_embeddings=ORIGINAL_CONTEXT,
                           rope_parameters=dict(rope_type="dynamic", factor=2.0,
                                                rope_theta=10000.0)),

@@ -1,0 +1,114 @@
+"""Gemma 4's additions to the shared decoder (``redco_zoo_models.decoder``), as transformers'
+``Gemma4ForCausalLM`` computes them; the rest of Gemma 4 is Gemma 3's sandwich of norms with
+switches (``DecoderConfig``: norms scale by ``weight``, not ``1 + weight``; scores unscaled,
+``attention_multiplier`` 1, as the per-head q/k norms fix their size; ``v_norm``).
+
+* Per-layer inputs (``per_layer_input_size`` P, "PLE"): each token gets one P-vector per layer,
+  ``(E_pl[id] * sqrt(P) + norm(W x * hidden_size ** -0.5)) / sqrt(2)``, ``E_pl`` a table of
+  ``per_layer_vocab_size`` rows of ``layers * P`` (``embed_tokens_per_layer``), ``x`` the
+  scaled input embedding, ``W`` ``per_layer_model_projection`` and ``norm`` an RMSNorm over
+  each layer's P features. After its MLP, layer ``i`` adds
+  ``norm(proj(act(gate(h)) * p_i))`` to its residual stream ``h``.
+* ``layer_scalar``: every layer's output is multiplied by its stored scalar (a checkpoint
+  buffer; 1 from scratch).
+* Full-attention layers have their own head size and key/value heads (``global_head_dim``,
+  ``global_kv_heads``) and, with ``k_eq_v``, no ``v_proj``: the values are the keys'
+  projection before ``k_norm`` and RoPE. Their RoPE is ``proportional``
+  (``redco_zoo_models.rope``).
+* KV sharing (``kv_shared_layers`` n): the last n layers compute no keys or values; each
+  attends to those of the last earlier layer of its type (``kv_source``), whole: with a cache,
+  that layer's cache. Their cache entries are empty; ``double_wide_mlp`` doubles their MLPs.
+
+Not read yet, refused naming them (``config_keys``): the mixture-of-experts block beside the
+MLP (``enable_moe_block``) and bidirectional attention. Stacked layers (``scan_layers``) and
+context parallelism are refused with per-layer inputs or KV sharing (a layer reads another's
+keys, or its own slice of the per-layer inputs).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from redco import sequence_split
+from redco_zoo_models.layers import ACTIVATIONS, RMSNorm, embed
+
+
+def kv_source(cfg, layer: int) -> int | None:
+    """The layer whose keys and values ``layer`` reuses (module docstring), or ``None``: the
+    last of the unshared layers whose type (sliding or not) is ``layer``'s."""
+    first = cfg.num_hidden_layers - cfg.kv_shared_layers
+    if not cfg.kv_shared_layers or layer < first:
+        return None
+    same = [j for j in range(first) if cfg.sliding(j) == cfg.sliding(layer)]
+    return same[-1] if same else None
+
+
+def check(cfg) -> None:
+    """Refuse, before building, a Gemma 4 configuration that cannot run (module docstring)."""
+    n, shared = cfg.num_hidden_layers, cfg.kv_shared_layers
+    if not 0 <= shared < n:
+        raise ValueError(f"num_kv_shared_layers {shared}: it must be at least 0 and below "
+                         f"num_hidden_layers ({n}).")
+    if orphans := [i for i in range(n - shared, n) if kv_source(cfg, i) is None]:
+        raise ValueError(f"layers {orphans} share keys and values (num_kv_shared_layers "
+                         f"{shared}), but no earlier layer of their type computes any: "
+                         "share fewer layers.")
+    if cfg.per_layer_input_size and not cfg.per_layer_vocab_size:
+        raise ValueError("hidden_size_per_layer_input needs vocab_size_per_layer_input.")
+    if cfg.scan_layers and (shared or cfg.per_layer_input_size):
+        raise ValueError("scan_layers with Gemma 4's KV sharing or per-layer inputs is not "
+                         "supported yet (a layer reads another's keys, or its own input): "
+                         "set scan_layers=False.")
+
+
+def refuse_split(cfg) -> None:
+    """Context parallelism with per-layer inputs or KV sharing, refused while tracing."""
+    if (cfg.kv_shared_layers or cfg.per_layer_input_size) and \
+            sequence_split.current() is not None:
+        raise ValueError(f"{cfg.family}: context parallelism with per-layer inputs or KV "
+                         "sharing is not supported yet: run with n_context_shards=1.")
+
+
+def add_model_parts(model: nnx.Module, cfg, rngs: nnx.Rngs) -> None:
+    """The per-layer inputs' table, projection and norm on ``model`` (``DecoderModel``),
+    under transformers' names."""
+    width = cfg.num_hidden_layers * cfg.per_layer_input_size
+    model.embed_tokens_per_layer = nnx.Embed(cfg.per_layer_vocab_size, width, rngs=rngs)
+    model.per_layer_model_projection = nnx.Linear(cfg.hidden_size, width, use_bias=False,
+                                                  rngs=rngs)
+    model.per_layer_projection_norm = RMSNorm(cfg.per_layer_input_size, cfg.rms_norm_eps,
+                                              cfg.norm_offset)
+
+
+def per_layer_inputs(model: nnx.Module, input_ids, x):
+    """``(B, T, layers, P)``: each token's input to each layer (module docstring); ``x`` the
+    scaled input embeddings of ``input_ids``."""
+    cfg = model.cfg
+    shape = (*input_ids.shape, cfg.num_hidden_layers, cfg.per_layer_input_size)
+    table = embed(model.embed_tokens_per_layer, input_ids).reshape(shape)
+    table = table * jnp.asarray(cfg.per_layer_input_size ** 0.5, table.dtype)
+    projected = model.per_layer_model_projection(x) * jnp.asarray(cfg.hidden_size ** -0.5,
+                                                                  x.dtype)
+    projected = model.per_layer_projection_norm(projected.reshape(shape))
+    return (projected + table.astype(x.dtype)) * jnp.asarray(2 ** -0.5, x.dtype)
+
+
+def add_layer_parts(layer: nnx.Module, cfg, rngs: nnx.Rngs) -> None:
+    """A decoder layer's per-layer input gate, projection and norm, and its scalar."""
+    if cfg.per_layer_input_size:
+        d, p = cfg.hidden_size, cfg.per_layer_input_size
+        layer.per_layer_input_gate = nnx.Linear(d, p, use_bias=False, rngs=rngs)
+        layer.per_layer_projection = nnx.Linear(p, d, use_bias=False, rngs=rngs)
+        layer.post_per_layer_input_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_offset)
+    if cfg.layer_scalar:
+        layer.layer_scalar = nnx.Param(jnp.ones((1,), jnp.float32))
+
+
+def layer_output(layer: nnx.Module, cfg, h, per_layer_input):
+    """A layer's output ``h`` with its per-layer input added and times its scalar."""
+    if cfg.per_layer_input_size:
+        gated = ACTIVATIONS[cfg.hidden_act](layer.per_layer_input_gate(h)) * per_layer_input
+        h = h + layer.post_per_layer_input_norm(layer.per_layer_projection(gated))
+    if cfg.layer_scalar:
+        h = h * layer.layer_scalar[...].astype(h.dtype)
+    return h
