@@ -212,8 +212,11 @@ def nothing_before(pick: TriedLayout, tried: list[TriedLayout]) -> str:
     fits, nor LoRA rank 8 over the unquantised base, nor LoRA rank 8 over an INT8 base``."""
     kinds = list(dict.fromkeys(training(t, " over the unquantised base") for t in tried))
     before = kinds[:kinds.index(training(pick, " over the unquantised base"))]
-    return "" if not before else \
-        f"no {before[0]} layout fits" + "".join(f", nor {kind}" for kind in before[1:])
+    if not before:
+        return ""
+    first = "no full fine-tuning layout fits" if before[0] == "full fine-tuning" else \
+        f"no layout fits {before[0]}"
+    return first + "".join(f", nor {kind}" for kind in before[1:])
 
 
 def expert_shards(layout) -> str:

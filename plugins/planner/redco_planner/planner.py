@@ -87,9 +87,13 @@ EXPERT_PARALLEL = {"auto": ("auto", "auto+ep"), "auto+fsdp": ("auto+fsdp+ep", "a
 def device_memory_bytes(deployer) -> int:
     """``Deployer(device_memory=...)`` in bytes (``"40GB"`` or an int), else the first device's
     ``bytes_limit``; CPUs do not report one, so there it must be given."""
-    if deployer.device_memory is not None:
-        return parse_bytes(deployer.device_memory)
-    device = deployer.devices[0]
+    return memory_bytes(deployer.device_memory, deployer.devices[0])
+
+
+def memory_bytes(device_memory: str | int | None, device) -> int:
+    """``device_memory`` in bytes (``"40GB"`` or an int), else ``device``'s ``bytes_limit``."""
+    if device_memory is not None:
+        return parse_bytes(device_memory)
     stats = device.memory_stats() or {}
     if "bytes_limit" not in stats:
         raise ValueError(

@@ -15,7 +15,7 @@ import numpy as np
 
 import redco
 from redco.protocols import UsageError
-from redco_zoo_models import flags, generate, runner
+from redco_zoo_models import base_plan, flags, generate, runner
 from redco_zoo_models.metrics import logits_and_experts, token_cross_entropy, with_experts
 from redco_zoo_models.settings import RunConfig
 from redco_zoo_sft.chat import pack_chats, render_chat
@@ -90,7 +90,9 @@ class SFTPipeline:
 
 
 def train_sft(config: RunConfig[SFTData]) -> float:
-    """The whole SFT run of ``config``; returns the held-out loss on the assistant's tokens."""
+    """The whole SFT run of ``config``; returns the held-out loss on the assistant's tokens. A
+    quantised base left to the planner is planned first (``redco_zoo_models.base_plan``)."""
+    config = base_plan.planned(config, config.task.max_len)
     source = config.source
     tokenizer = load_chat_tokenizer(source.model)
     model, _ = runner.load_source(source, config.jax_seed)
