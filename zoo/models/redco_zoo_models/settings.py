@@ -31,7 +31,7 @@ T = TypeVar("T")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine")
 QUANTIZE_FORMATS = ("nf4", "int8", "fp8")  # (redco_zoo_models.quantize.FORMATS)
-QUANTIZE_CHOICES = ("auto", *QUANTIZE_FORMATS)  # auto: the planner picks (base_plan)
+QUANTIZE_CHOICES = (*QUANTIZE_FORMATS, "auto")  # auto: the planner picks (base_plan)
 
 
 def check_choice(group: object, name: str, choices) -> None:
