@@ -105,7 +105,8 @@ def table(cache: dict) -> str:
             cells, pick = [], "nothing fits"
             for stage in STAGES:
                 if pick != "nothing fits":
-                    cells.append("not tried (an earlier stage fits)")
+                    cells.append("not run" if pick == "not run" else
+                                 "not tried (an earlier stage fits)")
                     continue
                 result = stage_result(cache, model, stage, server)
                 cells.append(describe(result))
