@@ -69,12 +69,12 @@ def compile_cuts(name: str, seq_len: int, parts: Callable, n: int, cand: tuple, 
     out = {}
     for kinds in cut_kinds(name):
         model = cut(name, kinds, seq_len)
-        params, loss, trainable = parts(model)
+        params, loss, trainable, overrides = parts(model)
         mp, rules, policy = cand
         batch = model.batch(1)  # (the rules traced on the loss trained, as the full model's)
         layout = try_layout(params, loss, batch, n, mp, rules, optax.adamw,
                             dataflow_trace(loss, batch), policy, trainable, limit,
-                            compute_dtype=compute_dtype)
+                            compute_dtype=compute_dtype, overrides=overrides)
         failed = layout.error or layout.out_of_memory
         out[",".join(kinds)] = {"error": failed} if failed else {
             "peak": layout.peak_bytes, "state": layout.state_bytes,

@@ -51,7 +51,7 @@ def full_depth(case: tuple, seq_len: int, parts) -> dict:
     name, lever, mp, rules, remat = case
     start = time.perf_counter()
     model = load_model(name, seq_len=seq_len)
-    params, loss, trainable = parts(model)
+    params, loss, trainable, _ = parts(model)  # (full and LoRA: no overrides)
     batch = model.batch(1)
     layout = try_layout(params, loss, batch, 8, mp, rules, optax.adamw,
                         dataflow_trace(loss, batch), remat, trainable, 2 ** 62,

@@ -61,6 +61,7 @@ from typing import Any, Callable
 GiB = 1024 ** 3
 HARDWARE = {"1 x 80 GB": (1, 80 * GiB), "8 x 80 GB": (8, 80 * GiB), "8 x 16 GB": (8, 16 * GiB)}
 LEVERS = ("full", "LoRA")
+QUANTIZED = {"QLoRA int8": "int8", "QLoRA nf4": "nf4"}  # (bench/qlora_plans.py)
 HERE = Path(__file__).resolve().parent
 
 
@@ -100,13 +101,16 @@ def key(model: str, lever: str, n_devices: int, cand: tuple) -> str:
 
 
 # ---- the worker: one model, every cell ---------------------------------------------------------
-def lever_parts(model, lever: str, rank: int) -> tuple[Any, Callable, Any]:
-    """``(params, loss, trainable mask or None)`` of the model for full fine-tuning or LoRA."""
+def lever_parts(model, lever: str, rank: int) -> tuple[Any, Callable, Any, Any]:
+    """``(params, loss, trainable mask or None, rule overrides or None)`` of the model for full
+    fine-tuning, LoRA, or LoRA over a quantised base (``QUANTIZED``: its parts' rules)."""
     from redco import lora
     if lever == "full":
-        return model.params, model.loss_fn, None
-    adapters = model.lora(rank)
-    return adapters.params, adapters.loss, lora.trainable_mask(adapters.params)
+        return model.params, model.loss_fn, None, None
+    adapters = model.quantized(rank, QUANTIZED[lever]) if lever in QUANTIZED else \
+        model.lora(rank)
+    return adapters.params, adapters.loss, lora.trainable_mask(adapters.params), \
+        adapters.overrides
 
 
 def total_state_bytes(params, trainable) -> int:
@@ -149,7 +153,7 @@ class Worker:
         from redco.sharding import dataflow_trace
         from redco_planner.planner import REMAT_POLICIES, effective_policies
         for lever in levers:
-            params, loss, trainable = lever_parts(self.model, lever, self.rank)
+            params, loss, trainable, overrides = lever_parts(self.model, lever, self.rank)
             total = total_state_bytes(params, trainable)
             self.save(f"{self.name}|{lever}|state", {"bytes": total})
             if states_only:
@@ -160,7 +164,7 @@ class Worker:
                 n, memory = HARDWARE[hardware]
                 ctx = dict(lever=lever, params=params, loss=loss, trainable=trainable,
                            trace_fn=trace_fn, n=n, compute_dtype=jnp.bfloat16,
-                           optimizer=optax.adamw)
+                           optimizer=optax.adamw, overrides=overrides)
                 if total / n > usable(memory):
                     log(f"{self.name} {lever} {hardware}: the state alone does not fit")
                     continue
@@ -178,7 +182,7 @@ class Worker:
             found = {"floor": measure(  # skip_above=0: the state's bytes, nothing compiled
                 ctx["params"], ctx["loss"], self.batch, ctx["n"], cand[0], cand[1],
                 ctx["optimizer"], ctx["trace_fn"], trainable=ctx["trainable"],
-                skip_above=0).state_bytes}
+                skip_above=0, overrides=ctx["overrides"]).state_bytes}
             self.save(k, found)
         if "peak" in found or "cuts" in found or found["floor"] > limit:
             return with_extrapolation(self.name, found)
@@ -197,7 +201,7 @@ class Worker:
         mp, name, policy = cand
         layout = try_layout(ctx["params"], ctx["loss"], self.batch, ctx["n"], mp, name,
                             ctx["optimizer"], ctx["trace_fn"], policy, ctx["trainable"], limit,
-                            compute_dtype=ctx["compute_dtype"])
+                            compute_dtype=ctx["compute_dtype"], overrides=ctx["overrides"])
         return dict(peak=layout.peak_bytes, temp=layout.temp_bytes, params=layout.params_bytes,
                     error=layout.error or layout.out_of_memory)
 

@@ -8,6 +8,7 @@ chain to within 2% of the loss the same run reaches over the full-precision base
 gives one device's adapters and loss, the codes and their scales split on the same mesh axis;
 ``redco zoo run sft --quantize_base`` refuses to run without LoRA and saves a plain merged model."""
 import math
+import re
 
 import jax
 import ml_dtypes
@@ -171,8 +172,8 @@ def test_dp_by_mp_trains_as_one_device_with_codes_and_scales_split_together(base
 
 
 def test_redco_zoo_run_sft_with_quantize_base(tmp_path, capsys):
-    """Without ``--lora_rank`` (or with ``--n_model_shards auto``) the run is refused, naming
-    the fix; with it, SFT over an int8 base
+    """Without ``--lora_rank`` (or ``auto`` without ``--n_model_shards auto``) the run is
+    refused, naming the fix; with it, SFT over an int8 base
     trains and ``workdir/model`` is a plain model (no codes, scales or adapters), its
     projections the int8 base dequantised (the formula written out here) plus (alpha / r) B A
     of the saved PEFT adapters."""
@@ -189,10 +190,9 @@ def test_redco_zoo_run_sft_with_quantize_base(tmp_path, capsys):
     assert stop.value.code == 2 and "--quantize_base int8 without --lora_rank: a quantised base " \
         "is frozen and cannot be trained; add --lora_rank" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(args + ["--workdir", str(tmp_path / "auto"), "--lora_rank", "4",
-                     "--n_model_shards", "auto"])
-    assert "--n_model_shards auto: the layout planner does not weigh a quantised base yet; " \
-        "give --n_model_shards a number" in capsys.readouterr().err
+        main(args[:-1] + ["auto", "--workdir", str(tmp_path / "auto"), "--lora_rank", "4"])
+    assert "--quantize_base auto lets the layout planner choose the base's format with the " \
+        "layout: add --n_model_shards auto" in capsys.readouterr().err
     main(args + ["--workdir", str(tmp_path / "w"), "--lora_rank", "4"])
     log = (tmp_path / "w" / "log.txt").read_text()
     assert "LoRA rank 4, alpha 16.0: training" in log and "eval loss" in log, log
@@ -213,3 +213,41 @@ def test_a_kernel_nf4_cannot_block_is_refused_naming_the_formats_that_can():
         q.quantize(np.zeros((96, 32), np.float32), "nf4")
     with pytest.raises(ValueError, match=r"'nf5'.*\['nf4', 'int8', 'fp8'\]"):
         q.quantize(np.zeros((64, 32), np.float32), "nf5")
+
+
+def test_redco_zoo_run_sft_quantize_base_auto_trains_on_what_the_planner_chose(tmp_path, capsys):
+    """``--n_model_shards auto --quantize_base auto``: planned once before the model is loaded,
+    and the run uses the pick. A 2-layer LLaMA of width 256 (projections 1.5M weights), 8
+    devices, one row of 32 tokens: LoRA over the fp32 base peaks at 1.82 MiB at best (mp=8),
+    over an int8 base at 1.38 MiB at mp=4 (measured); 1.8 MB (1.62 MiB usable) fits only the
+    int8 base, so the plan is int8 at mp=4 and the saved model is the int8 base dequantised
+    (the formula written out here) plus the adapters."""
+    tokenizer = chat_tokenizer()
+    model_dir = str(tmp_path / "llama")
+    config = LlamaConfig(vocab_size=len(SPECIALS) + len(WORDS), hidden_size=256,
+                         intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2)
+    save_model_dir(LlamaForCausalLM(config, rngs=nnx.Rngs(0)), tokenizer._tokenizer, model_dir)
+    tokenizer.save_pretrained(model_dir)
+    write_chats(tmp_path / "train.jsonl", 16, seed=0)
+    main(["zoo", "run", "sft", "--model", model_dir, "--train", str(tmp_path / "train.jsonl"),
+          "--max_len", "32", "--per_device_batch_size", "1", "--max_steps", "2",
+          "--learning_rate", "3e-3", "--lora_rank", "4", "--n_model_shards", "auto",
+          "--device_memory", "1.8MB", "--quantize_base", "auto",
+          "--workdir", str(tmp_path / "w")])
+    out = capsys.readouterr().out
+    assert "planned before loading: LoRA rank 4 over an INT8 base, n_model_shards=4, " \
+        "sharding_rules='auto'" in out, out
+    assert "why: no layout fits LoRA rank 4 over the unquantised base; with LoRA rank 4 over " \
+        "an INT8 base" in out
+    assert re.search(r"mp=8 .* lora r=4 peak .*  does not fit", out)  # (plain LoRA's best)
+    log = (tmp_path / "w" / "log.txt").read_text()
+    assert "'mp': 4" in log or "mp=4" in log, log
+    name = "model.layers.0.mlp.down_proj.weight"
+    base = load_file(str(tmp_path / "llama" / "model.safetensors"))[name]
+    tensors = load_file(str(tmp_path / "w" / "model" / "model.safetensors"))
+    adapter = load_file(str(tmp_path / "w" / "adapter" / "adapter_model.safetensors"))
+    a, b = (adapter[f"base_model.model.{name[:-7]}.lora_{x}.weight"] for x in "AB")
+    scale = np.abs(base).max(1, keepdims=True) / 127  # int8, per output channel (torch: rows)
+    np.testing.assert_allclose(tensors[name], np.round(base / scale) * scale + 16.0 / 4 * b @ a,
+                               rtol=1e-5, atol=1e-6)

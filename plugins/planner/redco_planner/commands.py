@@ -136,6 +136,10 @@ class PlanCommand(Command):
                             "(none, dots_saveable, full: least recompute first) at each layout")
         parser.add_argument("--lora_rank", "--lora-rank", type=int, help="if no full fine-tuning "
                             "layout fits, try LoRA adapters of this rank (base frozen) the same way")
+        parser.add_argument("--quantize_base", "--quantize-base",
+                            choices=("auto", "nf4", "int8", "fp8"), help="if LoRA fits nowhere "
+                            "either, try LoRA over the base's projections quantised (QLoRA; "
+                            "needs --lora_rank): auto tries int8, then nf4")
         parser.add_argument("--n_context_shards", "--context-shards", type=context_degrees,
                             help="context-parallel degrees to consider (devices splitting each "
                             "sequence): auto (every degree, the default) or e.g. 1 or 1,2,4")
@@ -153,9 +157,10 @@ class PlanCommand(Command):
         import jax.numpy as jnp
 
         from redco_planner.inspection import load_model, parse_bytes
-        from redco_planner.layouts import expert_shards
+        from redco_planner.layouts import expert_shards, training
         from redco_planner.planner import REMAT_POLICIES, PlanError, plan
         context = scanned_context_degrees(args)
+        check_quantize_base(args)
         model = load_model(args.model, seq_len=args.seq_len, scan_layers=args.scan_layers)
         compute = None if args.compute_dtype == "float32" else jnp.dtype(args.compute_dtype)
         memory = parse_bytes(args.device_memory)
@@ -177,15 +182,26 @@ class PlanCommand(Command):
                           remat_policies=REMAT_POLICIES if args.remat else ("none",),
                           lora_rank=args.lora_rank, lora=model.lora,
                           context_degrees=context, context_strategy=args.context_strategy,
-                          compute_dtype=compute)
+                          compute_dtype=compute, quantize_base=args.quantize_base,
+                          quantized=model.quantized)
         except PlanError as e:
             sys.exit(f"redco: {e}")
         remat = f", remat={result.remat!r}" if args.remat else ""
-        remat += "" if result.lora_rank is None else f", LoRA rank {result.lora_rank}"
+        remat += "" if result.lora_rank is None else f", {training(result)}"
         print(f"pick: n_model_shards={result.n_model_shards}, n_context_shards="
               f"{result.n_context_shards}, {expert_shards(result)}sharding_rules="
               f"{result.sharding_rules!r}{remat} (peak {result.peak_bytes / memory:.0%} of device "
               f"memory)\nwhy: {result.reason}")
+
+
+def check_quantize_base(args: argparse.Namespace) -> None:
+    """Refuse ``--quantize_base`` without ``--lora_rank`` (a quantised base trains only
+    through adapters) before any model is built."""
+    from redco.protocols import UsageError
+    if args.quantize_base and args.lora_rank is None:
+        raise UsageError(f"--quantize_base {args.quantize_base} without --lora_rank: a "
+                         "quantised base is frozen and trains only through LoRA adapters; add "
+                         "--lora_rank (e.g. 16), or drop --quantize_base.")
 
 
 def scanned_context_degrees(args: argparse.Namespace) -> list[int] | None:

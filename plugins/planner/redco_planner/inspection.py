@@ -159,14 +159,18 @@ class Model:
     loss_fn: Callable | None = None
     batch: Callable[[int], Any] | None = None
     lora: Callable[[int], LoraModel] | None = None  # rank -> the model with LoRA adapters
+    quantized: Callable[[int, str], LoraModel] | None = None  # (rank, format) -> QLoRA's
 
 
 class LoraModel(NamedTuple):
     """A model with LoRA adapters, for planning: ``params`` (abstract, adapters named as in
-    ``redco.lora``), ``loss(params, batch)``, and ``via``: how the adapters were made."""
+    ``redco.lora``), ``loss(params, batch)``, ``via``: how the adapters were made, and
+    ``overrides(rules by name) -> rules`` checked before the rule set's (a quantised base's
+    parts, which the dataflow does not see through), or None."""
     params: Any
     loss: Callable
     via: str
+    overrides: Callable[[list], list] | None = None
 
 
 def lm_loss(apply_fn: Callable) -> Callable:
@@ -192,6 +196,7 @@ def zoo_models():
         import redco_zoo_models
         import redco_zoo_models.decoder  # noqa: F401 - DecoderConfig, DecoderLM
         import redco_zoo_models.presets  # noqa: F401 - the published decoders, by name
+        import redco_zoo_models.quantized_linear  # noqa: F401 - QLoRA's frozen base
     except ImportError as e:
         raise ImportError("The preset models (llama-*, qwen3-*, gemma-3-*, phi-4-mini) come "
                           "from the zoo: pip install redco-zoo-models (./zoo/models in the redco "
@@ -210,8 +215,10 @@ def zoo_decoder(cfg, seq_len: int = 128, scan_layers: bool = False) -> Model:
     """The zoo's decoder (``redco_zoo_models.decoder.DecoderLM``) of config ``cfg``, built
     abstractly with ``nnx.eval_shape``: no weight is allocated. Its loss is the next-token
     cross-entropy over whole logits (``lm_loss``), as the zoo's LM and SFT pipelines compute it;
-    ``lora(rank)`` gives it the zoo's native LoRA layers. ``scan_layers``: its layers stored
-    stacked and run under ``jax.lax.scan`` (``redco_zoo_models.layer_scan``)."""
+    ``lora(rank)`` gives it the zoo's native LoRA layers, ``quantized(rank, fmt)`` the same over
+    a base whose projections are ``fmt`` codes and scales (``redco_zoo_models.quantized_linear``,
+    QLoRA). ``scan_layers``: its layers stored stacked and run under ``jax.lax.scan``
+    (``redco_zoo_models.layer_scan``)."""
     import dataclasses
 
     from flax import nnx
@@ -225,12 +232,25 @@ def zoo_decoder(cfg, seq_len: int = 128, scan_layers: bool = False) -> Model:
             lambda: zoo.add_lora(build(), rank)))
         return LoraModel(lora_params, lm_loss(lora_apply),
                          "redco_zoo_models.add_lora: native LoRALinear layers")
+
+    def with_quantized_lora(rank: int, fmt: str) -> LoraModel:
+        quantized = zoo.quantized_linear
+
+        def build_quantized():
+            model = build()
+            quantized.quantize_linears(model, fmt)
+            return zoo.add_lora(model, rank)
+        model = nnx.eval_shape(build_quantized)
+        q_apply, q_params = zoo.split_model(model)
+        return LoraModel(q_params, lm_loss(q_apply), f"redco_zoo_models.add_lora over "
+                         f"{fmt.upper()} QuantizedLinear projections",
+                         lambda by_name: quantized.part_rules(model, by_name))
     return Model(params=params,
                  trace_fn=lambda p: apply_fn(p, jnp.zeros((1, 8), jnp.int32)),
                  loss_fn=lm_loss(apply_fn),
                  batch=lambda rows: {"input_ids": jax.ShapeDtypeStruct((rows, seq_len + 1),
                                                                        jnp.int32)},
-                 lora=with_lora)
+                 lora=with_lora, quantized=with_quantized_lora)
 
 
 def zoo_llama(seq_len: int = 128, scan_layers: bool = False, **config) -> Model:

@@ -48,6 +48,7 @@ class TriedLayout:
     remat: str = "none"  # the redco.remat policy the step was compiled under
     flops: float | None = None  # per device, one update: XLA's count + its loops' repeats (measure)
     lora_rank: int | None = None  # LoRA adapters' rank (base frozen); None: full fine-tuning
+    quantized: str | None = None  # the frozen base's projections in this format (QLoRA), or None
     n_context_shards: int = 1  # cp: devices that split each sequence
     collectives: dict = field(default_factory=dict)  # redco.hlo_collectives of the step
 
@@ -69,7 +70,8 @@ class TriedLayout:
         if self.remat != "none":
             name += f" remat={self.remat}"
         if self.lora_rank is not None:
-            name += f" lora r={self.lora_rank}"
+            name += f" lora r={self.lora_rank}" + (f" over {self.quantized}" if self.quantized
+                                                   else "")
         if self.error:
             return f"{name} could not be measured: {self.error}"
         if self.over_budget is not None:
@@ -101,6 +103,7 @@ class Plan:
     lora_via: str = ""  # how the LoRA model was built
     n_context_shards: int = 1
     n_expert_shards: int = 1  # devices the experts are split over (dp under +ep rules), or 1
+    quantize_base: str | None = None  # the pick's frozen base in this format (QLoRA), or None
 
     def deployer_kwargs(self) -> dict:
         """``Deployer(**plan.deployer_kwargs(), jax_seed=...)``."""
@@ -116,7 +119,7 @@ class Plan:
         lines.append(f"pick: n_model_shards={self.n_model_shards}, "
                      f"n_context_shards={self.n_context_shards}, {expert_shards(self)}"
                      f"sharding_rules={self.sharding_rules!r}, remat={self.remat!r}"
-                     f"{'' if self.lora_rank is None else f', LoRA rank {self.lora_rank}'}, peak "
+                     f"{'' if self.lora_rank is None else ', ' + training(self)}, peak "
                      f"{human_bytes(self.peak_bytes)} per device "
                      f"({100 * self.peak_bytes / self.device_memory_bytes:.0f}% of memory)")
         lines.append(f"why: {self.reason}")
@@ -168,7 +171,8 @@ def why(pick: TriedLayout, tried: list[TriedLayout], lora_via: str = "") -> str:
     """Why ``pick``: the layouts with fewer devices per example (smaller mp, or mp x cp), and
     the lighter policies at its own, that did not fit (and, for LoRA, that no full fine-tuning
     layout did)."""
-    same_kind = [t for t in tried if t.lora_rank == pick.lora_rank]
+    same_kind = [t for t in tried if (t.lora_rank, t.quantized) == (pick.lora_rank,
+                                                                      pick.quantized)]
     at_pick = lambda t: (t.n_model_shards, t.n_context_shards) == (pick.n_model_shards,
                                                                    pick.n_context_shards)
     below = [t for t in same_kind[:same_kind.index(pick)] if not at_pick(t)]
@@ -182,8 +186,8 @@ def why(pick: TriedLayout, tried: list[TriedLayout], lora_via: str = "") -> str:
         reason += (f" (nothing tried at {smaller} fits)" if not unmeasured else
                    f" (nothing measured at {smaller} fits; {unmeasured} could not be measured)")
     if pick.lora_rank is not None:
-        reason = (f"no full fine-tuning layout fits; with LoRA rank {pick.lora_rank} "
-                  f"({lora_via}), {reason}")
+        before = nothing_before(pick, tried)
+        reason = f"{before}; " * bool(before) + f"with {training(pick)} ({lora_via}), {reason}"
     reason += expert_reason(pick, [t for t in same_kind[:same_kind.index(pick)] if at_pick(t)])
     if pick.remat == "none":
         return f"{reason}; at {split_name(pick)} it fits without remat"
@@ -191,6 +195,28 @@ def why(pick: TriedLayout, tried: list[TriedLayout], lora_via: str = "") -> str:
                if at_pick(t) and t.sharding_rules == pick.sharding_rules and t.remat != pick.remat]
     return (f"{reason}; at {split_name(pick)} {pick.sharding_rules} fits only with "
             f"remat={pick.remat} (not with {', '.join(lighter)})")
+
+
+def training(layout, unquantised: str = "") -> str:
+    """What ``layout`` (a ``TriedLayout`` or ``Plan``) trains: ``full fine-tuning``, ``LoRA rank
+    8`` (``unquantised`` appended), or ``LoRA rank 8 over an NF4 base`` (QLoRA)."""
+    fmt = getattr(layout, "quantized", None) or getattr(layout, "quantize_base", None)
+    if layout.lora_rank is None:
+        return "full fine-tuning"
+    return f"LoRA rank {layout.lora_rank}" + (f" over an {fmt.upper()} base" if fmt
+                                              else unquantised)
+
+
+def nothing_before(pick: TriedLayout, tried: list[TriedLayout]) -> str:
+    """The trainings tried before ``pick``'s, none of which fits: ``no full fine-tuning layout
+    fits, nor LoRA rank 8 over the unquantised base, nor LoRA rank 8 over an INT8 base``."""
+    kinds = list(dict.fromkeys(training(t, " over the unquantised base") for t in tried))
+    before = kinds[:kinds.index(training(pick, " over the unquantised base"))]
+    if not before:
+        return ""
+    first = "no full fine-tuning layout fits" if before[0] == "full fine-tuning" else \
+        f"no layout fits {before[0]}"
+    return first + "".join(f", nor {kind}" for kind in before[1:])
 
 
 def expert_shards(layout) -> str:

@@ -99,7 +99,8 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
             rules: Rules | None = None, remat: str = "none",
             trainable: Any = None, accumulate_grad_batches: int = 1,
             n_context_shards: int = 1, context_strategy: str = "all_gather",
-            compute_dtype: Any = None, skip_above: int | None = None) -> TriedLayout:
+            compute_dtype: Any = None, skip_above: int | None = None,
+            overrides: Callable[[Rules], Rules] | None = None) -> TriedLayout:
     """Compile one train step ahead of time on abstract shapes; read its per-device memory and
     FLOPs.
 
@@ -113,6 +114,8 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
     the params cast to ``compute_dtype`` (e.g. ``jnp.bfloat16``) as ``Trainer`` casts them.
     With ``skip_above``, a layout whose params and optimizer state alone are over that many
     bytes per device is returned uncompiled (``layout.over_budget`` says why).
+    ``overrides(rules by name) -> rules`` (a quantised base's parts, ``LoraModel.overrides``)
+    are checked before the rule set's, given the rule set's rules by name on this mesh.
     """
     optimizer = as_optimizer(optimizer)
     layout = TriedLayout(sharding_rules, n_model_shards, n_devices,
@@ -123,6 +126,9 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
         warnings.simplefilter("ignore")  # indivisible params replicate, as in training
         layout.rules = (list(rules) if rules is not None else
                         layout_rules(params_abstract, mesh, sharding_rules, trace_fn))
+        if overrides is not None:
+            layout.rules = overrides(layout_rules(params_abstract, mesh, sharding_rules, None)) \
+                + layout.rules
         specs = specs_from_rules(params_abstract, layout.rules, mesh)
     params_shardings = shardings_from_specs(specs, mesh)
     layout.params_bytes = per_device_bytes(params_abstract, params_shardings)

@@ -12,7 +12,10 @@ weights and optimizer state do not). A model whose attention cannot run over a s
 (``redco.sequence_split.SplitNotAsked``) is planned without it. With ``lora_rank``, LoRA
 (frozen base, adapters of that rank trained: no gradients or optimizer state for the base) is
 tried the same way, only after every full fine-tuning layout failed; with ``trainable`` (a LoRA
-``Trainer``'s mask), every layout is measured with only those leaves trained.
+``Trainer``'s mask), every layout is measured with only those leaves trained. With
+``quantize_base`` (``auto``, ``int8``, ``nf4``, ``fp8``) and ``lora_rank``, LoRA over a
+quantised base comes last, once neither fits (``redco_planner.qlora``): ``auto`` tries int8,
+then nf4.
 
 **Expert parallelism.** For a Mixture-of-Experts model (stacked ``experts/...`` weights,
 ``redco.builtins.rules.has_experts``) each rule set comes with its expert-parallel variant
@@ -70,6 +73,7 @@ from redco import plugins
 from redco import remat as redco_remat
 from redco.builtins.rules import has_experts
 from redco.sharding import dataflow_trace
+from redco_planner import qlora
 from redco_planner.inspection import LoraModel, n_positional, parse_bytes
 from redco_planner.layouts import HEADROOM, Plan, PlanError, nothing_fits, usable_bytes, why
 from redco_planner.measure import abstract, as_loss
@@ -83,9 +87,13 @@ EXPERT_PARALLEL = {"auto": ("auto", "auto+ep"), "auto+fsdp": ("auto+fsdp+ep", "a
 def device_memory_bytes(deployer) -> int:
     """``Deployer(device_memory=...)`` in bytes (``"40GB"`` or an int), else the first device's
     ``bytes_limit``; CPUs do not report one, so there it must be given."""
-    if deployer.device_memory is not None:
-        return parse_bytes(deployer.device_memory)
-    device = deployer.devices[0]
+    return memory_bytes(deployer.device_memory, deployer.devices[0])
+
+
+def memory_bytes(device_memory: str | int | None, device) -> int:
+    """``device_memory`` in bytes (``"40GB"`` or an int), else ``device``'s ``bytes_limit``."""
+    if device_memory is not None:
+        return parse_bytes(device_memory)
     stats = device.memory_stats() or {}
     if "bytes_limit" not in stats:
         raise ValueError(
@@ -123,7 +131,8 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
          accumulate_grad_batches: int = 1, model_degrees: Sequence[int] | None = None,
          context_degrees: Sequence[int] | None = (1,),
          context_strategy: str = "all_gather", compute_dtype: Any = None,
-         expert_parallel: bool = True) -> Plan:
+         expert_parallel: bool = True, quantize_base: str | None = None,
+         quantized: Callable[[int, str], LoraModel] | None = None) -> Plan:
     """The layout with the fewest devices per example whose train step fits
     ``device_memory_bytes``.
 
@@ -154,7 +163,12 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
         ``redco.lora.add_adapters`` on the params, merged into the kernels in the loss.
       trainable: a mask as ``Trainer(trainable=...)`` takes (e.g. ``redco.lora.trainable_mask``
         of params that already hold adapters): only those leaves get gradients and optimizer
-        state in every layout measured.
+        state in every layout measured. With ``lora_rank`` too, the params are taken to hold
+        adapters of that rank (no LoRA is added; only ``quantize_base`` is tried after them).
+      quantize_base: ``auto``, ``int8``, ``nf4`` or ``fp8`` (needs ``lora_rank``): once no
+        layout fits without it, try LoRA over the base quantised (``redco_planner.qlora``),
+        ``auto`` int8 then nf4, each built by ``quantized(rank, format)`` (a ``LoraModel`` with
+        its parts' ``overrides``; ``Model.quantized`` of the zoo's decoders).
       accumulate_grad_batches: micro-batches per update (``batch_abstract`` rows each), summed
         in one step as ``Trainer`` does.
       model_degrees: the ``n_model_shards`` to try; None: every divisor of ``n_devices``.
@@ -169,10 +183,13 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
     Raises:
       PlanError: nothing fits; the message names the smallest peak found.
     """
+    qlora.check(quantize_base, lora_rank, quantized)
     known = plugins.registry("sharding_rules")
     unknown = [name for name in rule_sets if name not in known]
     if unknown:
         raise ValueError(f"Unknown rule sets {unknown}: known are {sorted(known)}.")
+    bases = qlora.quantized_bases(quantized, lora_rank, quantize_base, log or (lambda _: None)) \
+        if quantize_base else {}
     loss = as_loss(loss_or_trace_fn)
     if trace_fn is None:
         trace_fn = dataflow_trace(loss, batch_abstract) if n_positional(loss_or_trace_fn) >= 2 \
@@ -192,24 +209,39 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
                          accumulate_grad_batches=accumulate_grad_batches,
                          context_strategy=context_strategy, compute_dtype=compute_dtype),
                     try_all, log)
-    pick, adapters = search.run(params_abstract, loss, trace_fn, trainable), None
-    if lora_rank is not None and (pick is None or try_all):
+    pick = search.run(params_abstract, loss, trace_fn, trainable,
+                      lora_rank if trainable is not None else None)
+    vias = {}
+    if lora_rank is not None and trainable is None and (pick is None or try_all):
         adapters = (lora or generic_lora(params_abstract, loss))(lora_rank)
-        lora_pick = search.run(abstract(adapters.params), adapters.loss,
-                               dataflow_trace(adapters.loss, batch_abstract),
-                               redco_lora.trainable_mask(adapters.params), lora_rank)
-        pick = pick or lora_pick
+        vias[None] = adapters.via
+        found = search_lora(search, adapters, batch_abstract, lora_rank)
+        pick = pick or found
+    for fmt, base in bases.items():
+        if pick is None or try_all:
+            vias[fmt] = base.via
+            found = search_lora(search, base, batch_abstract, lora_rank, fmt)
+            pick = pick or found
     if not search.tried and not search.splits_sequence:
         raise PlanError(f"Every layout asked for splits the sequence (n_context_shards in "
                         f"{context_degrees}), but the model's attention cannot run over a split "
                         "sequence: use a zoo LLaMA-family or GPT-2 model, or n_context_shards=1.")
     if pick is None:
         raise nothing_fits(search.tried, n_devices, device_memory_bytes, headroom)
-    lora_via = adapters.via if adapters and pick.lora_rank else ""
+    lora_via = vias.get(pick.quantized, "") if pick.lora_rank else ""
     return Plan(pick.n_model_shards, pick.sharding_rules, pick.rules, pick.peak_bytes,
                 device_memory_bytes, n_devices, search.tried, headroom, pick.remat,
                 why(pick, search.tried, lora_via), pick.lora_rank, lora_via,
-                pick.n_context_shards, pick.n_expert_shards)
+                pick.n_context_shards, pick.n_expert_shards, pick.quantized)
+
+
+def search_lora(search: Search, model: LoraModel, batch_abstract, rank: int,
+                quantized: str | None = None):
+    """``search.run`` over ``model``'s params with only its adapters trained, each layout
+    marked with ``rank`` and the base's format ``quantized``."""
+    return search.run(abstract(model.params), model.loss,
+                      dataflow_trace(model.loss, batch_abstract),
+                      redco_lora.trainable_mask(model.params), rank, model.overrides, quantized)
 
 
 def with_expert_parallel(rule_sets: Sequence[str], params_abstract) -> list[str]:

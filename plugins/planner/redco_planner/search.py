@@ -30,8 +30,10 @@ class Search:
         self.tried: list[TriedLayout] = []
         self.splits_sequence = True
 
-    def run(self, params, loss, trace_fn, trainable=None, rank=None) -> TriedLayout | None:
-        """The first layout that fits (every one measured with ``try_all``), or None."""
+    def run(self, params, loss, trace_fn, trainable=None, rank=None, overrides=None,
+            quantized=None) -> TriedLayout | None:
+        """The first layout that fits (every one measured with ``try_all``), or None; each
+        layout tried is marked with the LoRA ``rank`` and base format ``quantized`` measured."""
         pick = None
         for mp, cp, name, policy in self.candidates:
             if cp > 1 and not self.splits_sequence or \
@@ -40,13 +42,14 @@ class Search:
             try:
                 layout = try_layout(params, loss, mp=mp, cp=cp, name=name, policy=policy,
                                     trace_fn=trace_fn, trainable=trainable,
-                                    compile_all=self.try_all, **self.settings)
+                                    compile_all=self.try_all, overrides=overrides,
+                                    **self.settings)
             except SplitNotAsked:
                 self.splits_sequence = False
                 self.log("n_context_shards > 1 not tried: the model's attention cannot run over "
                          "a split sequence (it never asks redco.sequence_split how)")
                 continue
-            layout.lora_rank = rank
+            layout.lora_rank, layout.quantized = rank, quantized
             self.tried.append(layout)
             self.log(layout.describe())
             if layout.fits and pick is None:
@@ -59,7 +62,7 @@ class Search:
 def try_layout(params, loss, batch, n_devices, mp, name, optimizer, trace_fn, policy,
                trainable, usable, accumulate_grad_batches: int = 1, cp: int = 1,
                context_strategy: str = "all_gather", compute_dtype: Any = None,
-               compile_all: bool = False) -> TriedLayout:
+               compile_all: bool = False, overrides: Callable | None = None) -> TriedLayout:
     """``measure``, with ``fits`` set. A layout whose params and optimizer state alone exceed
     ``usable`` does not fit and is not compiled (unless ``compile_all``); one XLA runs out of
     memory compiling does not fit; one that fails for any other reason could not be measured,
@@ -70,7 +73,7 @@ def try_layout(params, loss, batch, n_devices, mp, name, optimizer, trace_fn, po
                          accumulate_grad_batches=accumulate_grad_batches,
                          n_context_shards=cp, context_strategy=context_strategy,
                          compute_dtype=compute_dtype,
-                         skip_above=None if compile_all else usable)
+                         skip_above=None if compile_all else usable, overrides=overrides)
         layout.fits = layout.over_budget is None and layout.peak_bytes <= usable
     except SplitNotAsked:
         raise  # the model, not this layout: the caller stops trying context parallelism

@@ -17,7 +17,7 @@ from redco_zoo_lm.packing import hold_out
 from redco_zoo_lm.settings import LMData
 from redco_zoo_lm.token_data import is_token_data, manifest_of, parse_sources, token_files, token_rows
 from redco_zoo_lm.tokenizing import TokenizeCommand
-from redco_zoo_models import flags, generate, runner
+from redco_zoo_models import base_plan, flags, generate, runner
 from redco_zoo_models.metrics import logits_and_experts, with_experts
 from redco_zoo_models.settings import Data, ModelSource, RunConfig
 
@@ -83,7 +83,9 @@ class LMPipeline:
 
 
 def train_lm(config: RunConfig[LMData]) -> float:
-    """The whole LM run of ``config``; returns the held-out perplexity."""
+    """The whole LM run of ``config``; returns the held-out perplexity. A quantised base left
+    to the planner is planned first (``redco_zoo_models.base_plan``)."""
+    config = base_plan.planned(config, config.task.block_size)
     model, model_config = load_lm(config)
     examples = lm_examples(config, model_config)
     trainer = runner.train_and_eval(config, model, examples, collate_fn, loss_fn,

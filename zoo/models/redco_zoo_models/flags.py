@@ -12,7 +12,7 @@ from redco_zoo_models.llama import LLAMA_PRESETS
 from redco_zoo_models.presets import PRESETS
 from redco_zoo_models.settings import (
     COMPUTE_DTYPES,
-    QUANTIZE_FORMATS,
+    QUANTIZE_CHOICES,
     SCHEDULES,
     Layout,
     Loop,
@@ -35,10 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser, planner: bool = True) -> None
     parser.add_argument("--scan_layers", action="store_true", help="a decoder's layers stored "
                         "stacked and run under jax.lax.scan: compile time flat in depth, more "
                         "temp memory (no LoRA, context or expert parallelism yet)")
-    parser.add_argument("--quantize_base", choices=QUANTIZE_FORMATS, help="hold the attention "
+    parser.add_argument("--quantize_base", choices=QUANTIZE_CHOICES, help="hold the attention "
                         "and MLP projections quantised and frozen, quantised as they are read "
                         "(QLoRA; needs --lora_rank): nf4 (4-bit NormalFloat, blocks of 64), "
-                        "int8 or fp8 (e4m3), per output channel")
+                        "int8 or fp8 (e4m3), per output channel; with --n_model_shards auto "
+                        "(lm, sft) the planner uses it only where LoRA over the unquantised base "
+                        "fits no layout, auto: int8, else nf4")
     parser.add_argument("--train", required=True, help="training data: a .json, .jsonl, .csv or "
                         ".txt file, or a folder of images with metadata.jsonl")
     parser.add_argument("--eval", help="evaluation data (default: 5%% of --train)")

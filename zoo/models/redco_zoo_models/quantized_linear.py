@@ -22,6 +22,7 @@ are.
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -36,7 +37,7 @@ from redco.layer_stacks import layers_of
 from redco.protocols import UsageError
 from redco.sharding import spec_for
 from redco_zoo_models import quantize as q
-from redco_zoo_models.lora_matmul import adapted_matmul
+from redco_zoo_models.lora_matmul import adapted_quantized_matmul
 from redco_zoo_models.nnx_utils import modules_of_type, replace_module
 
 TARGETS = core_lora.DEFAULT_TARGETS  # attention and MLP projections
@@ -81,8 +82,9 @@ class QuantizedLinear(nnx.Module):
                         precision=self.precision)
         else:
             x, a, b = promote_dtype((x, self.lora_a[...], self.lora_b[...]), dtype=self.dtype)
-            kernel = q.dequantize(self.parts(), self.fmt, x.dtype)
-            y = adapted_matmul(x, kernel, a, b * self.scale, self.precision)
+            dequantize = functools.partial(q.dequantize, fmt=self.fmt, dtype=x.dtype)
+            y = adapted_quantized_matmul(x, self.parts(), dequantize, a, b * self.scale,
+                                         self.precision)
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
     def merged(self) -> nnx.Linear:
@@ -132,14 +134,19 @@ def part_spec(kernel_spec: P, ndim: int) -> P:
 def sharding_rules(model: nnx.Module, deployer) -> list[tuple[str, P]]:
     """Rules putting every quantised kernel's parts where the deployer's rules by name put its
     kernel (module docstring); none without a mesh yet (``n_model_shards="auto"``)."""
-    layers = quantized_layers(model)
-    if not layers or deployer.mesh is None:
+    if not quantized_layers(model) or deployer.mesh is None:
         return []
-    by_name = list(deployer.get_sharding_rules(nnx.state(model, nnx.Param)))
+    return part_rules(model, list(deployer.get_sharding_rules(nnx.state(model, nnx.Param))))
+
+
+def part_rules(model: nnx.Module, by_name: list[tuple[str, P]]) -> list[tuple[str, P]]:
+    """Rules giving each part of every ``QuantizedLinear`` of ``model`` (real or abstract, from
+    ``nnx.eval_shape``) its kernel's spec in the rules by name ``by_name`` (``part_spec``)."""
     rules = []
-    for path, layer in layers:
+    for path, layer in quantized_layers(model):
         spec = spec_for(f"{path}/kernel", by_name)
-        for name, value in layer.parts().items():
+        for name in layer.part_names:
+            value = getattr(layer, layer.param_name(name)).get_value()
             rules.append((f"^{re.escape(path)}/{layer.param_name(name)}$",
                           part_spec(spec, value.ndim)))
     return rules

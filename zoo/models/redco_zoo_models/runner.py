@@ -113,6 +113,10 @@ def load_model(model: str, from_scratch: bool = False, seed: int = 0,
     ``vocab_size``). ``scan_layers``: a decoder's layers stored stacked and scanned
     (``redco_zoo_models.layer_scan``); another model is refused. ``quantize``: the attention
     and MLP projections quantised (``nf4``, ``int8``, ``fp8``; ``from_pretrained``), frozen."""
+    if quantize == "auto":
+        raise UsageError("--quantize_base auto is chosen by the layout planner before the model "
+                         "is loaded, which only the lm and sft pipelines do: name a format (nf4, "
+                         "int8, fp8) and give --n_model_shards a number.")
     if not from_scratch:
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise UsageError(
@@ -173,7 +177,8 @@ def deployer_of(config: RunConfig, n_local_devices: int | None = None) -> Deploy
     return Deployer(jax_seed=config.jax_seed, n_model_shards=layout.n_model_shards,
                     workdir=config.workdir, n_context_shards=layout.n_context_shards,
                     context_strategy=layout.context_strategy,
-                    device_memory=layout.device_memory, n_local_devices=n_local_devices)
+                    device_memory=layout.device_memory, sharding_rules=layout.sharding_rules,
+                    n_local_devices=n_local_devices)
 
 
 def train_and_eval(config: RunConfig, model: nnx.Module, examples: tuple[list, list],
@@ -191,6 +196,10 @@ def train_and_eval(config: RunConfig, model: nnx.Module, examples: tuple[list, l
     ``frozen``: a prefix of param paths kept as they are (``split_for_training``). Returns the
     trainer."""
     check_config(config, "train_and_eval")
+    if config.layout.n_model_shards == "auto" and quantized_linear.quantized_layers(model):
+        raise UsageError("--quantize_base with --n_model_shards auto is planned before the model "
+                         "is loaded, which only the lm and sft pipelines do: give "
+                         "--n_model_shards a number here.")
     train, evaluate = examples
     deployer, layout, loop = deployer_of(config), config.layout, config.loop
     apply_fn, params, trainable = split_for_training(model, config.lora, config.jax_seed,

@@ -31,6 +31,7 @@ T = TypeVar("T")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("linear", "cosine")
 QUANTIZE_FORMATS = ("nf4", "int8", "fp8")  # (redco_zoo_models.quantize.FORMATS)
+QUANTIZE_CHOICES = (*QUANTIZE_FORMATS, "auto")  # auto: the planner picks (base_plan)
 
 
 def check_choice(group: object, name: str, choices) -> None:
@@ -47,7 +48,9 @@ class ModelSource:
     directory's ``config.json`` or a preset's name; ``scan_layers``: a decoder's layers stored
     stacked and run under ``jax.lax.scan`` (``redco_zoo_models.layer_scan``); ``quantize_base``
     (``nf4``, ``int8``, ``fp8``): the attention and MLP projections held quantised and frozen,
-    for LoRA to train over (QLoRA, ``redco_zoo_models.quantized_linear``)."""
+    for LoRA to train over (QLoRA, ``redco_zoo_models.quantized_linear``); with
+    ``n_model_shards="auto"`` (and ``auto`` here) the planner decides whether and how before
+    the model is loaded (``redco_zoo_models.base_plan``)."""
     model: str
     from_scratch: bool = False
     scan_layers: bool = False
@@ -55,7 +58,7 @@ class ModelSource:
 
     def __post_init__(self):
         if self.quantize_base is not None:
-            check_choice(self, "quantize_base", QUANTIZE_FORMATS)
+            check_choice(self, "quantize_base", QUANTIZE_CHOICES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +73,7 @@ class Layout:
     """How the step is laid out on the devices (``Deployer`` and ``Trainer``'s levers)."""
     n_model_shards: int | str = 1  # or "auto": the layout planner picks it
     device_memory: str | None = None  # one device's memory, for "auto"
+    sharding_rules: str = "auto"  # the rule set (no flag: what base_plan planned)
     n_context_shards: int = 1
     context_strategy: str = STRATEGIES[0]
     expert_parallel: bool = False
@@ -162,17 +166,17 @@ def refuse_with_scan(config: RunConfig) -> None:
 
 
 def refuse_with_quantized(config: RunConfig) -> None:
-    """Refuse, before anything is built, what a quantised base cannot do (yet), naming the fix:
-    train without LoRA, or leave its layout to the planner."""
+    """Refuse, before anything is built, what a quantised base cannot do, naming the fix: train
+    without LoRA, or leave ``auto`` to a planner that is not asked."""
     fmt = config.source.quantize_base
     if not config.lora.rank:
         raise UsageError(f"--quantize_base {fmt} without --lora_rank: a quantised base is frozen "
                          "and cannot be trained; add --lora_rank (e.g. 8) to train LoRA adapters "
                          "over it, or drop --quantize_base.")
-    if config.layout.n_model_shards == "auto":
-        raise UsageError(f"--quantize_base {fmt} with --n_model_shards auto: the layout planner "
-                         "does not weigh a quantised base yet; give --n_model_shards a number "
-                         "(e.g. 1), or drop --quantize_base.")
+    if fmt == "auto" and config.layout.n_model_shards != "auto":
+        raise UsageError("--quantize_base auto lets the layout planner choose the base's format "
+                         "with the layout: add --n_model_shards auto, or name a format (nf4, "
+                         "int8, fp8).")
 
 
 def check_config(config: Any, where: str) -> None:

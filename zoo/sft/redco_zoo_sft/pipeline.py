@@ -18,7 +18,7 @@ import numpy as np
 
 import redco
 from redco.protocols import UsageError
-from redco_zoo_models import flags, generate, runner
+from redco_zoo_models import base_plan, flags, generate, runner
 from redco_zoo_models.image_text import ImageTextModel
 from redco_zoo_models.metrics import logits_and_experts, token_cross_entropy, with_experts
 from redco_zoo_models.settings import RunConfig
@@ -106,7 +106,9 @@ class SFTPipeline:
 
 
 def train_sft(config: RunConfig[SFTData]) -> float:
-    """The whole SFT run of ``config``; returns the held-out loss on the assistant's tokens."""
+    """The whole SFT run of ``config``; returns the held-out loss on the assistant's tokens. A
+    quantised base left to the planner is planned first (``redco_zoo_models.base_plan``)."""
+    config = base_plan.planned(config, config.task.max_len)
     source = config.source
     model, _ = runner.load_source(source, config.jax_seed)
     parts = runner.split_eval(config.data, {"--messages_column": config.task.messages_column})
