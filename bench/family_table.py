@@ -316,15 +316,23 @@ def run_models(models: list[str], args: argparse.Namespace) -> None:
         cmd += ["--levers", args.levers, "--servers", args.servers]
         cmd += ["--states_only"] * args.states_only + ["--extrapolate"] * args.extrapolate
         cmd += ["--scan_layers"] * args.scan_layers
-        log(f"== {model} ({left / 60:.0f} min left)")
-        proc = subprocess.Popen(cmd)
-        try:
-            proc.wait(timeout=left)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            log(f"budget spent during {model}: its compiles so far are kept")
+        if not within_budget(cmd, model, left):
             return
+
+
+def within_budget(cmd: list[str], model: str, left: float) -> bool:
+    """Run one model's worker ``cmd`` for at most ``left`` seconds; False if the budget ran out
+    (its compiles so far stay in the cache)."""
+    log(f"== {model} ({left / 60:.0f} min left)")
+    proc = subprocess.Popen(cmd)
+    try:
+        proc.wait(timeout=left)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        log(f"budget spent during {model}: its compiles so far are kept")
+        return False
+    return True
 
 
 def main() -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ from family_table import (
     usable,
     walk,
     with_extrapolation,
+    within_budget,
 )
 
 SERVERS = {"1 x 80 GB": (1, 80 * GiB), "2 x 80 GB": (2, 80 * GiB), "8 x 16 GB": (8, 16 * GiB),
@@ -138,16 +138,9 @@ def main() -> None:
         if left <= 0:
             log(f"budget spent: {model} and the models after it not run")
             break
-        log(f"== {model} ({left / 60:.0f} min left)")
-        proc = subprocess.Popen([sys.executable, __file__, "--worker", model, "--seq_len",
-                                 str(args.seq_len), "--lora_rank", str(args.lora_rank),
-                                 "--cache", args.cache])
-        try:
-            proc.wait(timeout=left)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            log(f"budget spent during {model}: its compiles so far are kept")
+        if not within_budget([sys.executable, __file__, "--worker", model, "--seq_len",
+                              str(args.seq_len), "--lora_rank", str(args.lora_rank), "--cache",
+                              args.cache], model, left):
             break
     cache = json.loads(Path(args.cache).read_text()) if os.path.exists(args.cache) else {}
     from provenance import print_provenance
