@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_post_training import write_task
-from test_sft import SPECIALS, WORDS, chat_tokenizer
+from post_training_task import WORDS, write_task
+from test_sft import SPECIALS, chat_tokenizer
 
 from redco.cli import main
 from redco.protocols import UsageError

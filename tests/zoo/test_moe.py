@@ -293,8 +293,7 @@ def test_sft_then_grpo_train_a_tiny_moe_and_log_its_router(tmp_path):
     collapse would show there."""
     import json
 
-    from test_post_training import write_task
-    from test_sft import WORDS
+    from post_training_task import WORDS, write_task
 
     from redco.cli import main
     from redco_zoo_models.toy import save_tiny_chat_model

@@ -9,39 +9,13 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 from test_dpo import preference_accuracy
-from test_sft import WORDS, chat_tokenizer
+from test_sft import chat_tokenizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from post_training_task import write_task  # noqa: E402
 from readme_blocks import block  # noqa: E402
-
-from redco_zoo_models.toy import save_tiny_chat_model  # noqa: E402
-
-
-def write_task(root, seed: int = 0) -> None:
-    """The README's files: ``tiny-chat``, and the task "x_a x_b" -> "y_b" split into pairs
-    (a, b) to train on and 80 held out. DPO's and GRPO's prompts are those with b >= 10 (SFT's
-    chats give those a random answer), DPO's with three wrong answers each."""
-    save_tiny_chat_model(str(root / "tiny-chat"), WORDS, seed)
-    rng = np.random.default_rng(seed)
-    pairs = rng.permutation([(a, b) for a in range(20) for b in range(20)])
-    held_out, seen = pairs[:80], pairs[80:]
-    def write(name, rows):
-        with open(root / name, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
-    def user(a, b):
-        return [{"role": "user", "content": f"x{a} x{b}"}]
-    write("chats.jsonl", [{"messages": user(a, b) + [{"role": "assistant", "content":
-                                                       f"y{b if b < 10 else rng.integers(20)}"}]}
-                          for a, b in seen])
-    for name, part in (("pairs.jsonl", seen), ("pairs_held_out.jsonl", held_out)):
-        write(name, [{"prompt": user(a, b), "chosen": f"y{b}",
-                      "rejected": f"y{(b + wrong) % 20}"}
-                     for a, b in part if b >= 10 for wrong in rng.choice(19, 3, False) + 1])
-    for name, part in (("prompts.jsonl", seen), ("prompts_held_out.jsonl", held_out)):
-        write(name, [{"prompt": user(a, b), "answer": f"y{b}"} for a, b in part if b >= 10])
 
 
 def metrics(path) -> list[dict]:

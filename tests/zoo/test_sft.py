@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from post_training_task import WORDS
 
 from redco.cli import main
 from redco.protocols import UsageError
@@ -21,9 +22,6 @@ from redco_zoo_sft import collate_fn, loss_fn, pack_chats, render_chat
 from redco_zoo_sft.pipeline import load_chat_tokenizer
 
 SPECIALS = list(CHAT_SPECIALS)
-WORDS = ["system", "user", "assistant", "map", "it"] + [f"x{i}" for i in range(20)] + \
-    [f"y{i}" for i in range(20)]
-
 
 def chat_tokenizer(template=CHATML):
     """A word-level tokenizer of ``WORDS`` with the ChatML template, as transformers loads one."""

@@ -19,9 +19,8 @@ from redco_zoo_models import from_pretrained
 from redco_zoo_models.hf import auto_class
 from redco_zoo_models.toy import save_tiny_chat_model
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "zoo"))
-from test_post_training import write_task  # noqa: E402
-from test_sft import WORDS  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from post_training_task import WORDS, write_task  # noqa: E402
 
 UNTRAINED = np.log(4 + len(WORDS))  # an untrained model's loss: ln of the vocabulary
 
