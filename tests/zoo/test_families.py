@@ -157,6 +157,10 @@ def saved_family(tmp_path, family="qwen3", **config):
     ("olmo2", {"sliding_window": 4096}, "sliding_window"),
     ("qwen3", {"num_experts": 8, "num_experts_per_tok": 2}, "num_experts"),
     ("gpt-oss", {"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config"),
+    ("llama-3.1", {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                           "bnb_4bit_quant_type": "nf4"}},
+     r"bitsandbytes 4-bit checkpoint .*packed layout.*\.dequantize\(\)\.save_pretrained\(out\)"
+     r".*--quantize_base nf4"),
     ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ("llama-3.1", {"attention_chunk_size": 8192}, "attention_chunk_size"),
     ("llama4", {"layer_types": ["chunked_attention", "sliding_attention", "full_attention"]},

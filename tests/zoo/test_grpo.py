@@ -580,3 +580,37 @@ def test_grpo_help_offers_no_planner_flags(capsys):
         text = " ".join(capsys.readouterr().out.split())
         assert ("--device_memory" in text) is offered, name
         assert ("or auto: the layout planner picks it" in text) is offered, name
+
+
+def test_grpo_over_an_nf4_base_samples_with_the_trainers_log_probs_and_exports(warmed_up,
+                                                                               tmp_path):
+    """``--lora_rank 4 --quantize_base nf4 --beta 0.04`` (the reference: the adapters zeroed) at
+    dp 4 x mp 2: two rounds sampled on the engine over the NF4 codes, with the
+    log-probabilities the trainer recomputes (gap < 1e-4 each round), updates that move the
+    adapters, and an export that is the NF4 base dequantised plus (alpha / r) B A of the saved
+    adapters."""
+    from safetensors.numpy import load_file
+
+    from redco_zoo_models import quantize as q
+    workdir = tmp_path / "qlora"
+    main(["zoo", "run", "grpo", "--model", str(warmed_up / "sft" / "model"), "--train",
+          str(warmed_up / "prompts.jsonl"), "--workdir", str(workdir), "--n_rounds", "2",
+          "--n_model_shards", "2", "--per_device_batch_size", "2", "--max_new_tokens", "4",
+          "--max_prompt_len", "16", "--prompts_per_round", "8", "--n_samples", "8",
+          "--engine_rows", "8", "--learning_rate", "5e-3", "--lora_rank", "4",
+          "--quantize_base", "nf4", "--beta", "0.04"])
+    with open(workdir / "metrics.jsonl") as f:
+        rows = list(map(json.loads, f))
+    gaps = [r["rollout/logprob_gap"] for r in rows if "rollout/logprob_gap" in r]
+    print("logprob gaps", gaps)
+    assert len(gaps) == 2 and max(gaps) < 1e-4, gaps
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert losses and np.isfinite(losses).all(), losses
+    name = "model.layers.1.self_attn.q_proj.weight"
+    base = load_file(str(warmed_up / "sft" / "model" / "model.safetensors"))[name]
+    exported = load_file(str(workdir / "model" / "model.safetensors"))[name]
+    adapter = load_file(str(workdir / "adapter" / "adapter_model.safetensors"))
+    a, b = (adapter[f"base_model.model.{name[:-7]}.lora_{x}.weight"] for x in "AB")
+    assert np.abs(b).max() > 1e-4  # (the adapters trained)
+    dequantised = np.asarray(q.dequantize(q.quantize(base.T, "nf4"), "nf4")).T
+    np.testing.assert_allclose(exported, dequantised + 16.0 / 4 * b @ a, rtol=1e-5, atol=1e-6)

@@ -251,3 +251,23 @@ def test_redco_zoo_run_sft_quantize_base_auto_trains_on_what_the_planner_chose(t
     scale = np.abs(base).max(1, keepdims=True) / 127  # int8, per output channel (torch: rows)
     np.testing.assert_allclose(tensors[name], np.round(base / scale) * scale + 16.0 / 4 * b @ a,
                                rtol=1e-5, atol=1e-6)
+
+
+def test_the_plan_measures_lora_on_the_runs_targets():
+    """``--lora_targets`` reaches what the planner measures (``base_plan.lora_models``): over
+    the fp32 and the NF4 base, q_proj and v_proj alone hold 2 layers x r x ((128 + 128) +
+    (128 + 64)) adapter values (width 128, 2 of 4 heads' keys and values), the seven
+    projections 2 x r x (4 x 128 + 2 x 192 + 3 x 384): the shapes written out."""
+    from redco_planner.inspection import zoo_llama
+    from redco_zoo_models.base_plan import lora_models
+    from redco_zoo_models.settings import LoRA
+    model = zoo_llama(seq_len=16, vocab_size=16, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+    def adapter_bytes(lora_model) -> int:
+        return sum(leaf.size * leaf.dtype.itemsize for path, leaf in
+                   named_leaves(lora_model.params) if lora.is_adapter_path(path))
+    for targets, values in (("(q_proj|v_proj)/kernel$", 2 * 4 * (256 + 192)),
+                            (lora.DEFAULT_TARGETS, 2 * 4 * (4 * 128 + 2 * 192 + 3 * 384))):
+        plain, quantized = lora_models(model, LoRA(rank=4, targets=targets))
+        assert adapter_bytes(plain) == adapter_bytes(quantized(4, "nf4")) == 4 * values

@@ -158,8 +158,8 @@ class Model:
     trace_fn: Callable | None = None
     loss_fn: Callable | None = None
     batch: Callable[[int], Any] | None = None
-    lora: Callable[[int], LoraModel] | None = None  # rank -> the model with LoRA adapters
-    quantized: Callable[[int, str], LoraModel] | None = None  # (rank, format) -> QLoRA's
+    lora: Callable[..., LoraModel] | None = None  # (rank, targets=None) -> with LoRA adapters
+    quantized: Callable[..., LoraModel] | None = None  # (rank, format, targets=None) -> QLoRA's
 
 
 class LoraModel(NamedTuple):
@@ -215,10 +215,11 @@ def zoo_decoder(cfg, seq_len: int = 128, scan_layers: bool = False) -> Model:
     """The zoo's decoder (``redco_zoo_models.decoder.DecoderLM``) of config ``cfg``, built
     abstractly with ``nnx.eval_shape``: no weight is allocated. Its loss is the next-token
     cross-entropy over whole logits (``lm_loss``), as the zoo's LM and SFT pipelines compute it;
-    ``lora(rank)`` gives it the zoo's native LoRA layers, ``quantized(rank, fmt)`` the same over
-    a base whose projections are ``fmt`` codes and scales (``redco_zoo_models.quantized_linear``,
-    QLoRA). ``scan_layers``: its layers stored stacked and run under ``jax.lax.scan``
-    (``redco_zoo_models.layer_scan``)."""
+    ``lora(rank, targets)`` gives it the zoo's native LoRA layers on the kernels the regex
+    ``targets`` selects (None: the attention and MLP projections), ``quantized(rank, fmt,
+    targets)`` the same over a base whose projections are ``fmt`` codes and scales
+    (``redco_zoo_models.quantized_linear``, QLoRA). ``scan_layers``: its layers stored stacked
+    and run under ``jax.lax.scan`` (``redco_zoo_models.layer_scan``)."""
     import dataclasses
 
     from flax import nnx
@@ -227,19 +228,19 @@ def zoo_decoder(cfg, seq_len: int = 128, scan_layers: bool = False) -> Model:
     build = lambda: zoo.decoder.DecoderLM(cfg, rngs=nnx.Rngs(0))  # noqa: E731
     apply_fn, params = zoo.split_model(nnx.eval_shape(build))
 
-    def with_lora(rank: int) -> LoraModel:
+    def with_lora(rank: int, targets: str | None = None) -> LoraModel:
         lora_apply, lora_params = zoo.split_model(nnx.eval_shape(
-            lambda: zoo.add_lora(build(), rank)))
+            lambda: zoo.add_lora(build(), rank, targets=targets or zoo.lora.DEFAULT_TARGETS)))
         return LoraModel(lora_params, lm_loss(lora_apply),
                          "redco_zoo_models.add_lora: native LoRALinear layers")
 
-    def with_quantized_lora(rank: int, fmt: str) -> LoraModel:
+    def with_quantized_lora(rank: int, fmt: str, targets: str | None = None) -> LoraModel:
         quantized = zoo.quantized_linear
 
         def build_quantized():
             model = build()
             quantized.quantize_linears(model, fmt)
-            return zoo.add_lora(model, rank)
+            return zoo.add_lora(model, rank, targets=targets or zoo.lora.DEFAULT_TARGETS)
         model = nnx.eval_shape(build_quantized)
         q_apply, q_params = zoo.split_model(model)
         return LoraModel(q_params, lm_loss(q_apply), f"redco_zoo_models.add_lora over "

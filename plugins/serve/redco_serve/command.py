@@ -42,6 +42,13 @@ class ServeCommand(Command):
                             "with a cached prompt's blocks of 16 tokens copies their keys and "
                             "values instead of reading them (counters: /health); not on "
                             "recurrent models")
+        parser.add_argument("--quantize_base", choices=["nf4", "int8", "fp8"], help="hold the "
+                            "attention and MLP projections quantised, as read (NF4, int8 or "
+                            "fp8: QLoRA's base), dequantised inside each prefill and decode step")
+        parser.add_argument("--adapter", help="a PEFT adapter directory (a zoo run's "
+                            "workdir/adapter) whose LoRA adapters are added to --model's "
+                            "projections, unmerged: with --quantize_base, the base a QLoRA run "
+                            "trained over and its adapters")
         parser.add_argument("--max_images", type=int, default=1, help="images a chat request "
                             "may hold, for an image + text model (LLaVA): each prefill "
                             "carries this many image slots a prompt")
@@ -94,9 +101,9 @@ def start_engine(args: argparse.Namespace):
     from redco_planner.layouts import usable_bytes
     from redco_zoo_models.engine import Engine
     from redco_zoo_models.engine_memory import rows_that_fit
-    from redco_zoo_models.runner import load_model
+    from redco_zoo_models.quantized_linear import sharding_rules
     from redco_zoo_models.scoring import Scorer
-    model, config = load_model(args.model)
+    model, config = load_served(args.model, args.quantize_base, args.adapter)
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     except (OSError, ValueError) as e:
@@ -105,7 +112,8 @@ def start_engine(args: argparse.Namespace):
     deployer = Deployer(jax_seed=0, n_model_shards=args.n_model_shards, workdir=None,
                         verbose=False, device_memory=args.device_memory)
     params = nnx.state(model, nnx.Param)
-    rules = list(deployer.get_sharding_rules(params))  # by parameter names: tensor parallel
+    rules = list(deployer.get_sharding_rules(  # by parameter names: tensor parallel (a
+        params, rules=sharding_rules(model, deployer)))  # quantised kernel's scales with it)
     params = jax.device_put(params, deployer.get_params_shardings(params, rules))
     eos = eos_ids(args.model, config, tokenizer)
     cache_dtype = getattr(jnp, args.cache_dtype)
@@ -124,6 +132,20 @@ def start_engine(args: argparse.Namespace):
     print(f"redco serve: compiled {shapes} step shapes", flush=True)
     processor = None if engine.images is None else image_processor(args.model)
     return engine.start(), Scorer(model, params, args.max_len), tokenizer, eos, processor
+
+
+def load_served(model_dir: str, quantize: str | None, adapter: str | None):
+    """``(model, config.json)`` of ``model_dir``, its projections quantised as read
+    (``quantize``) and the PEFT adapters of the directory ``adapter`` added."""
+    from redco_zoo_models.lora import load_peft_adapters
+    from redco_zoo_models.runner import load_model
+    model, config = load_model(model_dir, quantize=quantize)
+    if adapter is not None:
+        try:
+            load_peft_adapters(model, adapter)
+        except ValueError as e:
+            raise UsageError(f"--adapter {adapter}: {e}") from e
+    return model, config
 
 
 def image_processor(model_dir: str):

@@ -263,7 +263,8 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
                                      warmup_rate=config.optimizer.warmup_rate)
     optimizer = moe_optimizer(optax.adamw(lr), model)  # (an MoE bias: balancing.py)
     trainer = Trainer(deployer, collate_fn, apply_fn, partial(loss_fn, **algorithm.loss_kwargs()),
-                      params, optimizer, lr_schedule_fn=lr, trainable=trainable)
+                      params, optimizer, lr_schedule_fn=lr, trainable=trainable,
+                      params_sharding_rules=runner.params_rules(model, params, deployer))
     grpo = GRPO(trainer, model, tokenizer, pred_fn, reward_fn, algorithm,
                 loop.per_device_batch_size, run.engine_rows, run.decode_model_shards,
                 run.asynchronous) \

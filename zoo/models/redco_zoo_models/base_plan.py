@@ -19,8 +19,10 @@ Only decoders are planned this way (the planner builds the zoo's ``DecoderLM``);
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +33,7 @@ from redco_zoo_models.decoder_config import DecoderConfig
 from redco_zoo_models.hf import class_of
 from redco_zoo_models.llama import LLAMA_PRESETS, LlamaConfig
 from redco_zoo_models.presets import PRESETS, preset
-from redco_zoo_models.settings import RunConfig
+from redco_zoo_models.settings import LoRA, RunConfig
 
 
 def needs_plan(config: RunConfig) -> bool:
@@ -58,6 +60,14 @@ def decoder_config(model: str) -> DecoderConfig:
     return config_class.from_hf(config)
 
 
+def lora_models(model, lora: LoRA) -> tuple[Any, Callable]:
+    """The abstract ``model``'s (``zoo_decoder``'s) LoRA of the run's rank on the run's
+    ``--lora_targets`` over the unquantised base, and ``(rank, format) ->`` the same over a
+    quantised one: what the planner measures is what the run trains."""
+    return (model.lora(lora.rank, lora.targets),
+            functools.partial(model.quantized, targets=lora.targets))
+
+
 def planned(config: RunConfig, seq_len: int, log=print) -> RunConfig:
     """``config`` with the planner's choice (module docstring) in place of ``auto``, or as
     given where nothing is left to the planner; ``log`` gets each layout tried and the pick."""
@@ -72,11 +82,11 @@ def planned(config: RunConfig, seq_len: int, log=print) -> RunConfig:
                           "redco-planner (./plugins/planner in the redco repository).") from e
     layout, rank = config.layout, config.lora.rank
     model = zoo_decoder(decoder_config(config.source.model), seq_len)
-    adapters = model.lora(rank)
+    adapters, quantized = lora_models(model, config.lora)
     result = plan(adapters.params, adapters.loss, model.batch(config.loop.per_device_batch_size),
                   jax.device_count(), memory_bytes(layout.device_memory, jax.devices()[0]),
                   trainable=trainable_mask(adapters.params), lora_rank=rank,
-                  quantize_base=config.source.quantize_base, quantized=model.quantized,
+                  quantize_base=config.source.quantize_base, quantized=quantized,
                   remat_policies=(layout.remat,), context_degrees=(layout.n_context_shards,),
                   accumulate_grad_batches=config.loop.accumulate_grad_batches,
                   compute_dtype=None if layout.compute_dtype == "float32" else jnp.bfloat16,

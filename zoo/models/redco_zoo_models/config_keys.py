@@ -65,9 +65,27 @@ def computing(families: dict, common: dict, rope_keys: set) -> frozenset:
                                            for f in families.values()))
 
 
+def refuse_bitsandbytes(quantization: dict | None, where: str) -> None:
+    """Refuse a bitsandbytes checkpoint (``quant_method: bitsandbytes``, 4 or 8 bits) naming the
+    fix: its weights are bitsandbytes' packed codes and quant-state tensors (a flattened layout,
+    absmaxes on bitsandbytes' dynamic 8-bit map), which the zoo does not read; the zoo quantises
+    a full-precision checkpoint itself as it reads it (``redco_zoo_models.quantize``)."""
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "bitsandbytes":
+        return
+    bits = "4-bit" if quantization.get("load_in_4bit") else "8-bit"
+    raise ValueError(
+        f"{where}: a bitsandbytes {bits} checkpoint (quantization_config quant_method "
+        "'bitsandbytes'): its weights are in bitsandbytes' packed layout, which the zoo does not "
+        "read. Dequantise it with transformers and save it (AutoModelForCausalLM.from_pretrained"
+        "(dir).dequantize().save_pretrained(out), where bitsandbytes runs), or take the "
+        "checkpoint it was quantised from; then load that with --quantize_base nf4 (the zoo "
+        "quantises it to NF4 as it reads it).")
+
+
 def check(config: dict, read: set, known: frozenset, model_type: str, where: str) -> None:
     """Refuse ``config``'s computation keys the family does not ``read`` (unless off); warn
     once naming its metadata keys (module docstring)."""
+    refuse_bitsandbytes(config.get("quantization_config"), where)
     unread = {k: v for k, v in config.items() if k not in read | HARMLESS}
     if refused := sorted(k for k, v in unread.items() if k in known and v not in OFF):
         raise ValueError(f"{where}: a {model_type!r} config with {refused}, which the zoo's "

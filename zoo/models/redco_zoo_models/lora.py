@@ -18,6 +18,8 @@ are written per layer.
     add_lora(model, rank=8)                  # in place; split_model(model) then has adapters
     save_pretrained(model, "out")            # merged: a plain HuggingFace model directory
     save_peft_adapters(model, "adapter")     # unmerged: PEFT's adapter_model.safetensors
+    load_peft_adapters(model, "adapter")     # those adapters on a freshly loaded base
+                                             # (quantised or not: redco serve --adapter)
 """
 from __future__ import annotations
 
@@ -172,3 +174,44 @@ def save_peft_adapters(model: nnx.Module, adapter_dir: str,
     with open(os.path.join(adapter_dir, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return adapter_dir
+
+
+PEFT_PREFIX, PEFT_SUFFIXES = "base_model.model.", (".lora_A.weight", ".lora_B.weight")
+
+
+def load_peft_adapters(model: nnx.Module, adapter_dir: str) -> nnx.Module:
+    """Give ``model`` (in place; also returned: its unstacked base, full-precision or quantised)
+    the adapters ``save_peft_adapters`` (or PEFT) wrote in ``adapter_dir``: rank and alpha from
+    ``adapter_config.json``, one adapter pair on each module the file names. Refused, naming
+    them, where the file and the model's projections do not match."""
+    from safetensors.numpy import load_file
+    files = [os.path.join(adapter_dir, n) for n in ("adapter_config.json",
+                                                    "adapter_model.safetensors")]
+    if not all(map(os.path.isfile, files)):
+        raise ValueError(f"{adapter_dir}: not a PEFT adapter directory (adapter_config.json and "
+                         "adapter_model.safetensors): give the adapter directory a zoo run "
+                         "writes (workdir/adapter).")
+    with open(files[0]) as f:
+        config = json.load(f)
+    tensors = load_file(files[1])
+    modules = {name.removeprefix(PEFT_PREFIX).removesuffix(PEFT_SUFFIXES[0])
+               for name in tensors if name.endswith(PEFT_SUFFIXES[0])}
+    paths = {torch_name(f"{'/'.join(map(str, path))}/kernel", 2)[0].removesuffix(".weight"):
+             "/".join(map(str, path)) for path, m in nnx.iter_modules(model)
+             if path and type(m) in (nnx.Linear, QuantizedLinear)}
+    if missing := sorted(modules - set(paths)):
+        raise ValueError(f"{adapter_dir} holds adapters for {missing[:4]}, which the model has "
+                         "no projection of: load the base model the adapters were trained on.")
+    targets = "^(" + "|".join(re.escape(paths[m]) for m in sorted(modules)) + ")/kernel$"
+    add_lora(model, config["r"], config["lora_alpha"], targets)
+    layers = dict(lora_layers(model))
+    for module in sorted(modules):
+        for adapter, suffix in zip(core_lora.SUFFIXES, PEFT_SUFFIXES):
+            param, value = (getattr(layers[paths[module]], adapter),
+                            tensors[PEFT_PREFIX + module + suffix].T)
+            if value.shape != param.get_value().shape:
+                raise ValueError(f"{adapter_dir}: {module}{suffix} is {value.T.shape}, not "
+                                 f"{param.get_value().T.shape} as rank {config['r']} over "
+                                 "the model's projection: a different base or rank.")
+            param.set_value(jax.numpy.asarray(value, param.get_value().dtype))
+    return model

@@ -205,10 +205,7 @@ def train_and_eval(config: RunConfig, model: nnx.Module, examples: tuple[list, l
     apply_fn, params, trainable = split_for_training(model, config.lora, config.jax_seed,
                                                      deployer, frozen)
     n_epochs, lr = n_epochs_and_schedule(loop, config.optimizer, deployer, len(train))
-    overrides = quantized_linear.sharding_rules(model, deployer)  # (QLoRA's parts)
-    if layout.expert_parallel:
-        overrides += expert_parallel.sharding_rules()
-    rules = deployer.get_sharding_rules(params, rules=overrides) if overrides else None
+    rules = params_rules(model, params, deployer, layout.expert_parallel)
     optimizer = moe_optimizer(optimizer_of(config.optimizer, lr), model)  # (a router's bias)
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optimizer,
                       params_sharding_rules=rules,
@@ -226,6 +223,17 @@ def train_and_eval(config: RunConfig, model: nnx.Module, examples: tuple[list, l
                 save_argmax_ckpt_by_metrics=[best_metric] if best_metric else None)
     save_trained(trainer, model, config.source.model, tokenizer)
     return trainer
+
+
+def params_rules(model: nnx.Module, params: Any, deployer: Deployer,
+                 experts_split: bool = False) -> Any:
+    """The ``Trainer``'s ``params_sharding_rules``: the deployer's, after the rules that put a
+    quantised kernel's scales with its codes (QLoRA) and, with ``experts_split``, the experts'
+    (expert parallelism); None (the deployer's, decided at the first batch) where neither."""
+    overrides = quantized_linear.sharding_rules(model, deployer)
+    if experts_split:
+        overrides += expert_parallel.sharding_rules()
+    return deployer.get_sharding_rules(params, rules=overrides) if overrides else None
 
 
 def eval_batches(loop: Loop) -> int | None:
