@@ -25,11 +25,13 @@ from parity import (
 )
 from PIL import Image
 
+from redco_zoo_models.engine import Engine
 from redco_zoo_models.generation import generate
 from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
 from redco_zoo_models.mrope import rope_index
 from redco_zoo_models.qwen_vision import patch_layout
-from redco_zoo_models.qwen_vl import QwenVLConfig, QwenVLForConditionalGeneration
+from redco_zoo_models.qwen_vl import Qwen3VLForConditionalGeneration, QwenVLForConditionalGeneration
+from redco_zoo_models.qwen_vl_config import QwenVLConfig
 
 WORDS = ["<pad>", "<unk>", "<bos>", "what", "is", "in", "this", "picture", "?", "and"]
 START, END, IMAGE, VIDEO, EOS = 58, 59, 60, 61, 63
@@ -54,15 +56,17 @@ def qwen_config():
                                          vision_start_token_id=START, vision_end_token_id=END)
 
 
-class ImageProcessor(transformers.Qwen2_5_VLProcessor):
-    """``Qwen2_5_VLProcessor`` as it is, less its video processor (which needs torchvision)."""
+def images_only(processor_class):
+    """``processor_class`` as it is, less its video processor (which needs torchvision)."""
 
-    def __init__(self, image_processor, tokenizer):
-        super().__init__(image_processor, tokenizer)
+    class ImagesOnly(processor_class):
+        def __init__(self, image_processor, tokenizer):
+            super().__init__(image_processor, tokenizer)
+    return ImagesOnly
 
 
-def qwen_processor():
-    """A real Qwen2_5_VLProcessor: its image processor (resize to multiples of 8 pixels,
+def qwen_processor(processor_class):
+    """A real Qwen2_5_VLProcessor or Qwen3VLProcessor: its image processor (resize to multiples of 8 pixels,
     normalise, flatten 4 x 4 patches of two frames) and a word-level tokenizer."""
     vocab = {**{w: i for i, w in enumerate(WORDS)}, "<|vision_start|>": START,
              "<|vision_end|>": END, "<|image_pad|>": IMAGE, "<|video_pad|>": VIDEO,
@@ -74,17 +78,22 @@ def qwen_processor():
     images = transformers.Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2,
                                                    merge_size=2, min_pixels=PIXELS[0],
                                                    max_pixels=PIXELS[1])
-    return ImageProcessor(images, tokenizer)
+    return processor_class(images, tokenizer)
 
 
-@pytest.fixture(scope="module")
-def batch() -> dict:
+def processed(processor_class) -> dict:
     """The processor's arrays for two left-padded prompts holding 1 and 2 images of 3 sizes."""
     rng = np.random.RandomState(0)
     pil = [[Image.fromarray((rng.rand(h, w, 3) * 255).astype(np.uint8)) for h, w in row]
            for row in SIZES]
-    out = qwen_processor()(images=pil, text=PROMPTS, padding=True, return_tensors="np")
+    out = qwen_processor(processor_class)(images=pil, text=PROMPTS, padding=True,
+                                          return_tensors="np")
     return {k: np.asarray(v) for k, v in out.items()}
+
+
+@pytest.fixture(scope="module")
+def batch() -> dict:
+    return processed(images_only(transformers.Qwen2_5_VLProcessor))
 
 
 @pytest.fixture(scope="module")
@@ -144,14 +153,21 @@ def test_qwen_vl_logits_match_transformers(models, batch):
         want = torch.cat(theirs.get_image_features(
             torch.tensor(batch["pixel_values"]),
             torch.tensor(batch["image_grid_thw"])).pooler_output).numpy()
-    got = np.asarray(ours.image_features(jnp.asarray(batch["pixel_values"]),
-                                         batch["image_grid_thw"]))
-    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    got, deep = ours.image_features(jnp.asarray(batch["pixel_values"]), batch["image_grid_thw"])
+    assert deep == []
+    assert np.abs(np.asarray(got) - want).max() <= 1e-5 * np.abs(want).max()
 
 
 def test_qwen_vl_greedy_generation_matches_transformers(models, batch):
-    """Generated tokens placed by each row's M-RoPE delta: greedy tokens equal."""
+    """Generated tokens placed by each row's M-RoPE delta: greedy tokens equal; the serving
+    engine refuses the model, naming why."""
     theirs, ours = models
+    check_greedy(ours, theirs, batch)
+    with pytest.raises(NotImplementedError, match="M-RoPE positions come from each prompt's"):
+        Engine(ours, nnx.state(ours, nnx.Param), max_len=64)
+
+
+def check_greedy(ours, theirs, batch):
     ids, mask = batch["input_ids"], batch["attention_mask"]
     encoder_inputs = {"pixel_values": jnp.asarray(batch["pixel_values"]),
                       "image_grid_thw": batch["image_grid_thw"], "input_ids": ids,
@@ -187,3 +203,43 @@ def test_qwen_vl_export_loads_back_and_bad_inputs_are_refused(tmp_path, batch):
         QwenVLConfig.from_hf({**config, "text_config": {
             **config["text_config"], "rope_parameters": {"rope_type": "default",
                                                          "mrope_section": [2, 2, 2]}}})
+
+
+VISION3 = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=4,
+               spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32,
+               num_position_embeddings=16, deepstack_visual_indexes=[0, 1])  # (a 4 x 4 table)
+TEXT3 = dict(TEXT, num_hidden_layers=3, head_dim=16, rope_parameters={
+    "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+    "mrope_interleaved": True})
+
+
+def qwen3_config():
+    return transformers.Qwen3VLConfig(vision_config=VISION3, text_config=TEXT3,
+                                      image_token_id=IMAGE, video_token_id=VIDEO,
+                                      vision_start_token_id=START, vision_end_token_id=END)
+
+
+def test_qwen3_vl_logits_greedy_tokens_and_export_match_transformers(tmp_path):
+    """Qwen3-VL (learned positions resampled to each grid, DeepStack after decoder layers 0
+    and 1, interleaved M-RoPE, Qwen3's q/k norms) on a real ``Qwen3VLProcessor``'s inputs:
+    fp32 logits within 1e-4, the features and both DeepStack sets to 1e-5 of their scale, greedy
+    tokens, and an export transformers loads back with the same logits."""
+    batch = processed(images_only(transformers.Qwen3VLProcessor))
+    theirs = jiggle_torch(transformers.Qwen3VLForConditionalGeneration(qwen3_config()))
+    ours = from_pretrained(auto_class(saved(theirs, tmp_path / "theirs")),
+                           str(tmp_path / "theirs"))
+    assert isinstance(ours, Qwen3VLForConditionalGeneration)
+    valid = batch["attention_mask"] > 0
+    close(ours_logits(ours, batch)[valid], theirs_logits(theirs, batch)[valid])
+    with torch.no_grad():
+        out = theirs.get_image_features(torch.tensor(batch["pixel_values"]),
+                                        torch.tensor(batch["image_grid_thw"]))
+    got, deep = ours.image_features(jnp.asarray(batch["pixel_values"]), batch["image_grid_thw"])
+    for a, b in zip([got, *deep], [out.pooler_output, *out.deepstack_features]):
+        b = torch.cat(b).numpy()  # (split by image)
+        assert np.abs(np.asarray(a) - b).max() <= 1e-5 * np.abs(b).max()
+    assert len(deep) == 2
+    check_greedy(ours, theirs, batch)
+    save_pretrained(ours, str(tmp_path / "ours"))
+    back = load_hf(transformers.Qwen3VLForConditionalGeneration, tmp_path / "ours")
+    close(ours_logits(ours, batch)[valid], theirs_logits(back, batch)[valid])

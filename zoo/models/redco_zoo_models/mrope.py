@@ -1,5 +1,5 @@
-"""M-RoPE's positions (Qwen2.5-VL): three per token (temporal, height, width), from the prompt
-and its images' grids, as transformers' ``get_rope_index`` makes them.
+"""M-RoPE's positions (Qwen2.5-VL, Qwen3-VL): three per token (temporal, height, width), from
+the prompt and its images' grids, as transformers' ``get_rope_index`` makes them.
 
 In each row, left padding skipped (its positions 0), a text token's three positions are equal
 and one past the previous token's largest; a run of image tokens (one image: ``frames x rows

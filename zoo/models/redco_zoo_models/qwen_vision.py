@@ -102,11 +102,13 @@ class QwenVisionConfig:
                 "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta}}
 
 
-def patch_layout(grid_thw, cfg: QwenVisionConfig) -> dict[str, np.ndarray]:
+def patch_layout(grid_thw, cfg) -> dict[str, np.ndarray]:
     """Per patch, in the processor's order: ``rows_cols`` (patches, 2), its row and column in
-    its image; ``frame`` and ``window``, ids of the frame and window it attends within."""
+    its image; ``frame`` and ``window``, ids of the frame and window it attends within (a
+    tower without windows, Qwen3-VL's: windows as large as the image)."""
     m, layout, frames, windows = cfg.spatial_merge_size, [], 0, 0
-    per_window = cfg.window_size // cfg.patch_size // m  # (merge blocks a side)
+    per_window = getattr(cfg, "window_size", 0) // cfg.patch_size // m or \
+        int(np.max(grid_thw)) // m  # (merge blocks a side)
     for t, h, w in np.asarray(grid_thw).tolist():
         rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
         blocks = lambda a: a.reshape(h // m, m, w // m, m).transpose(0, 2, 1, 3).ravel()  # noqa: E731
@@ -120,6 +122,14 @@ def patch_layout(grid_thw, cfg: QwenVisionConfig) -> dict[str, np.ndarray]:
         frames, windows = frames + t, windows + t * down * across
     return {k: np.concatenate(v).astype(np.int32)
             for k, v in zip(("rows_cols", "frame", "window"), zip(*layout))}
+
+
+def rotary_angles(rows_cols, cfg):
+    """(patches, head_dim / 2): rows turn the first half of the pairs, columns the rest."""
+    quarter = cfg.hidden_size // cfg.num_heads // 4
+    inv_freq = cfg.rope_theta ** (-jnp.arange(quarter, dtype=jnp.float32) / quarter)
+    turns = jnp.asarray(rows_cols)[..., None].astype(jnp.float32) * inv_freq
+    return turns.reshape(len(rows_cols), -1)  # (patches, 2 x quarter)
 
 
 class VisionAttention(nnx.Module):
@@ -167,7 +177,7 @@ class PatchMerger(nnx.Module):
 
 
 class QwenVisionModel(nnx.Module):
-    """``__call__(pixel_values, layout)``: (patches / merge blocks, out_hidden_size)."""
+    """``__call__(pixel_values, layout)``: ``((patches / merge blocks, out_hidden_size), [])``."""
     config_class = QwenVisionConfig
 
     def __init__(self, cfg: QwenVisionConfig, rngs: nnx.Rngs):
@@ -177,19 +187,13 @@ class QwenVisionModel(nnx.Module):
         self.blocks = nnx.List([VisionBlock(cfg, rngs) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg, rngs)
 
-    def angles(self, rows_cols):
-        """(patches, head_dim / 2): rows turn the first half of the pairs, columns the rest."""
-        quarter = self.cfg.hidden_size // self.cfg.num_heads // 4
-        inv_freq = self.cfg.rope_theta ** (-jnp.arange(quarter, dtype=jnp.float32) / quarter)
-        turns = rows_cols[..., None].astype(jnp.float32) * inv_freq  # (patches, 2, quarter)
-        return turns.reshape(len(rows_cols), -1)
-
     def __call__(self, pixel_values, layout: dict):
+        """``(features, [])``: no DeepStack features (Qwen3-VL's tower has them)."""
         x = self.patch_embed["proj"](pixel_values)
-        angles = self.angles(jnp.asarray(layout["rows_cols"]))
+        angles = rotary_angles(layout["rows_cols"], self.cfg)
         same = {key: jnp.asarray(layout[key])[:, None] == jnp.asarray(layout[key])[None, :]
                 for key in ("frame", "window")}
         for i, block in enumerate(self.blocks):
             x = block(x, angles, same["frame" if i in self.cfg.fullatt_block_indexes
                                      else "window"])
-        return self.merger(x)
+        return self.merger(x), []
