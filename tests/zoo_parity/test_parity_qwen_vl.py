@@ -195,6 +195,9 @@ def test_qwen_vl_export_loads_back_and_bad_inputs_are_refused(tmp_path, batch):
     wrong = {**batch, "image_grid_thw": batch["image_grid_thw"][::-1]}  # (sizes swapped)
     with pytest.raises(ValueError, match="image tokens do not match image_grid_thw"):
         ours_logits(ours, wrong)
+    video = {**batch, "input_ids": np.where(batch["input_ids"] == 3, VIDEO, batch["input_ids"])}
+    with pytest.raises(ValueError, match="read images, not videos yet"):
+        ours_logits(ours, video)
     with pytest.raises(ValueError, match="not interleaved"):
         QwenVLConfig.from_hf({**config, "text_config": {
             **config["text_config"], "rope_parameters": {

@@ -108,10 +108,14 @@ class QwenVLForConditionalGeneration(ImageTextModel):
         return [self.place(input_ids, d, zeros) for d in deep]
 
     def check_tokens(self, input_ids, image_grid_thw) -> None:
-        """Refuse a prompt whose image tokens are not the images' merged patches (skipped for
-        traced ids or grids)."""
+        """Refuse a prompt whose image tokens are not the images' merged patches, or with video
+        tokens (skipped for traced ids or grids)."""
         if any(isinstance(a, jax.core.Tracer) for a in (input_ids, image_grid_thw)):
             return
+        if np.any(np.asarray(input_ids) == self.cfg.video_token_id):
+            raise ValueError(f"input_ids hold video tokens (id {self.cfg.video_token_id}): the "
+                             "zoo's Qwen-VL models read images, not videos yet; pass each frame "
+                             "as an image.")
         merge = self.cfg.vision.spatial_merge_size
         n_features = int(np.prod(np.asarray(image_grid_thw), -1).sum()) // merge ** 2
         n = int(np.sum(np.asarray(input_ids) == self.cfg.image_token_id))
