@@ -145,6 +145,10 @@ class ImageTextModel(nnx.Module):
                 "serving engine's prefill does not build yet; generate() with encoder_inputs="
                 "{'pixel_values': ...} instead.")
 
+    def untrained(self) -> str | None:
+        """Why ``redco zoo run sft`` cannot train this model yet (``None``: it can)."""
+        return None
+
     def init_cache(self, batch: int, n_slots: int, dtype=jnp.float32) -> list[dict]:
         return self.language_model.init_cache(batch, n_slots, dtype)
 

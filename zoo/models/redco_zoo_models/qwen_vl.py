@@ -143,6 +143,12 @@ class QwenVLForConditionalGeneration(ImageTextModel):
                 "grids, which the serving engine's prefill does not build yet; generate() with "
                 "encoder_inputs=model.encode's arguments instead.")
 
+    def untrained(self) -> str | None:
+        return (f"{type(self).__name__}: `redco zoo run sft` does not train it yet (its images "
+                "keep their sizes, so rows differ in patches, and its M-RoPE positions come from "
+                "the grids); fine-tune LLaVA or Gemma 3 there, or this model through your own "
+                "loop with position_ids= and layout= made on the host.")
+
     def hf_tensors_in(self, tensors: dict) -> dict:
         for pattern, name in NAMES_IN:
             tensors = {re.sub(pattern, name, k): v for k, v in tensors.items()}
