@@ -4,7 +4,8 @@
 image processor on two PIL images of different sizes drawn here, a word-level tokenizer built
 here) give the same float32 logits, the same greedy tokens, and an export transformers loads
 back. M-RoPE's positions are checked against transformers' ``get_rope_index``, the tower's
-window ids against transformers' window order."""
+window ids against transformers' window order. Qwen3-VL (learned positions, DeepStack,
+interleaved M-RoPE, a Qwen3 decoder) likewise on a real ``Qwen3VLProcessor``'s inputs."""
 import json
 
 import jax.numpy as jnp
