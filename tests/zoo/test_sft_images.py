@@ -180,3 +180,29 @@ def test_the_tower_is_frozen_unless_asked_and_lora_follows(tiny, train_tower):
             named_leaves(params), named_leaves(trainable)) if on)
         n_tower = sum(np.size(x) for p, x in named_leaves(nnx.state(model.vision_tower, nnx.Param)))
         assert n_trained == sum(np.size(x) for _, x in named_leaves(params)) - n_tower
+
+
+def test_sft_refuses_a_qwen_vl_model_naming_why_before_compiling(tmp_path, capsys):
+    """Qwen2.5-VL's images keep their sizes (rows differ in patches) and its positions come from
+    the grids: ``redco zoo run sft`` refuses it in one line, after loading, before compiling."""
+    from flax import nnx
+
+    from redco_zoo_models.hf import save_pretrained
+    from redco_zoo_models.qwen_vl import QwenVLForConditionalGeneration
+    from redco_zoo_models.qwen_vl_config import QwenVLConfig
+    cfg = QwenVLConfig.from_hf({
+        "vision_config": {"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                          "patch_size": 4, "window_size": 16, "out_hidden_size": 16,
+                          "fullatt_block_indexes": [0]},
+        "text_config": {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 16,
+                        "num_hidden_layers": 1, "num_attention_heads": 2,
+                        "num_key_value_heads": 1, "rope_parameters": {
+                            "rope_type": "default", "mrope_section": [1, 1, 2]}}})
+    save_pretrained(QwenVLForConditionalGeneration(cfg, nnx.Rngs(0)), str(tmp_path / "qwen"))
+    write_chats(tmp_path / "train", 4, seed=0)
+    with pytest.raises(SystemExit) as stop:
+        main(["zoo", "run", "sft", "--model", str(tmp_path / "qwen"), "--train",
+              str(tmp_path / "train" / "chats.jsonl"), "--workdir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and "does not train it yet" in err[-1], err
+    assert not (tmp_path / "run" / "model").exists()

@@ -140,10 +140,12 @@ class DecoderModel(nnx.Module):
         return x
 
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
-                 segment_ids=None, inputs_embeds=None, blocks=None):
+                 segment_ids=None, inputs_embeds=None, blocks=None, positions=None,
+                 deepstack=None):
         refuse_for_images(inputs_embeds, blocks, segment_ids, cache_index)
-        input_ids, positions, allowed = decoder_layout(  # (a split sequence: context parallel)
+        input_ids, own_positions, allowed = decoder_layout(  # (split sequence: context parallel)
             input_ids, attention_mask, cache is not None, cache_index, segment_ids)
+        positions = own_positions if positions is None else positions
         if blocks is not None:
             slots = input_ids.shape[1] if cache is None else attention_mask.shape[1]
             allowed = with_blocks(allowed, blocks, slots)
@@ -155,7 +157,7 @@ class DecoderModel(nnx.Module):
         x, new_cache, reports = on_split(x, allowed), [], []
         lengths = self._document_lengths(segment_ids, allowed)
         with as_laid_out(self.moe_weights()):  # experts split over dp: expert parallel
-            if self.runs is not None and cache is None:  # stacked: scanned
+            if self.runs is not None and cache is None and deepstack is None:  # scanned
 
                 def step(layer, h):
                     h, _, report = layer(h, positions, allowed, None, cache_index, lengths,
@@ -171,6 +173,8 @@ class DecoderModel(nnx.Module):
                         None if per_layer is None else per_layer[:, :, i])
                     new_cache.append(layer_cache)
                     reports.append(report)
+                    if deepstack is not None and i < len(deepstack):  # (Qwen3-VL's images)
+                        x = x + deepstack[i].astype(x.dtype)
         return (in_order(self.norm(x), allowed), new_cache if cache is not None else None,
                 experts_report([r for r in reports if r]))
 
@@ -253,7 +257,7 @@ class DecoderLM(nnx.Module):
 
     def __call__(self, input_ids, attention_mask=None, cache=None, cache_index=0,
                  segment_ids=None, labels=None, label_mask=None, return_metrics=False,
-                 inputs_embeds=None, blocks=None):
+                 inputs_embeds=None, blocks=None, positions=None, deepstack=None):
         """Logits ``(B, T, vocab)`` for token ids ``(B, T)``; with a ``cache`` (``init_cache``),
         ``(logits, cache)``. ``attention_mask`` marks real tokens (1) and padding (0) over the
         input, or with a cache over all of its slots; ``segment_ids`` (B, T) pack documents into
@@ -266,9 +270,12 @@ class DecoderLM(nnx.Module):
         ``inputs_embeds`` (B, T, hidden): the inputs' embeddings, read instead of looking
         ``input_ids`` up (a vision-language model's, with image features in them); ``blocks``
         (B, T): tokens of one block (id >= 0; -1: none) also see each other both ways
-        (``attention.with_blocks``: Gemma 3's images)."""
+        (``attention.with_blocks``: Gemma 3's images); ``positions``: the tokens' RoPE positions
+        instead of their places in the row (M-RoPE's (3, B, T): Qwen2.5-VL's images);
+        ``deepstack``: (B, T, hidden) arrays, the i-th added to the hidden states after layer i
+        (Qwen3-VL's image features at its image tokens, zeros elsewhere)."""
         x, cache, metrics = self.model(input_ids, attention_mask, cache, cache_index,
-                                       segment_ids, inputs_embeds, blocks)
+                                       segment_ids, inputs_embeds, blocks, positions, deepstack)
         if self.cfg.logits_scaling != 1.0:  # (Granite: logits / logits_scaling)
             x = x / jnp.asarray(self.cfg.logits_scaling, x.dtype)
         if labels is not None:

@@ -41,6 +41,8 @@ MODEL_CLASSES = {  # config.json's model_type -> the zoo class that reads it
     "gpt2": "redco_zoo_models.gpt2:GPT2LMHeadModel",
     "llava": "redco_zoo_models.llava:LlavaForConditionalGeneration",
     "gemma3": "redco_zoo_models.gemma3_vision:Gemma3ForConditionalGeneration",
+    "qwen2_5_vl": "redco_zoo_models.qwen_vl:QwenVLForConditionalGeneration",
+    "qwen3_vl": "redco_zoo_models.qwen_vl:Qwen3VLForConditionalGeneration",
     "t5": "redco_zoo_models.t5:T5ForConditionalGeneration",
     "vision-encoder-decoder": "redco_zoo_models.vision_encoder_decoder:VisionEncoderDecoderModel",
 }

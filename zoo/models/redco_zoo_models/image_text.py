@@ -83,7 +83,11 @@ class ImageTextModel(nnx.Module):
         """The decoder's input embeddings, ``features`` (images, n, hidden) placed at the
         image tokens in order (row-major over the batch); ``per_row``: ``features`` (B, n,
         hidden), each row's placed at its own image tokens."""
-        x = self.language_model.model.embed(input_ids)
+        return self.place(input_ids, features, self.language_model.model.embed(input_ids),
+                          per_row)
+
+    def place(self, input_ids, features, x, per_row: bool = False):
+        """``x`` (B, T, hidden) with ``features`` at the image tokens, as ``embed`` places them."""
         if features is None:
             return x
         is_image = input_ids == self.cfg.image_token_index
@@ -140,6 +144,10 @@ class ImageTextModel(nnx.Module):
         return (f"{type(self).__name__}: its image tokens see each other both ways, which the "
                 "serving engine's prefill does not build yet; generate() with encoder_inputs="
                 "{'pixel_values': ...} instead.")
+
+    def untrained(self) -> str | None:
+        """Why ``redco zoo run sft`` cannot train this model yet (``None``: it can)."""
+        return None
 
     def init_cache(self, batch: int, n_slots: int, dtype=jnp.float32) -> list[dict]:
         return self.language_model.init_cache(batch, n_slots, dtype)

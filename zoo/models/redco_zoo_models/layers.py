@@ -47,12 +47,13 @@ def rms_normalized(x, eps: float):
 
 
 class GatedMLP(nnx.Module):
-    """``down(act(gate(x)) * up(x))``, without biases: the MLP of LLaMA-style decoders and an
-    MoE block's shared experts, named as HuggingFace names it (``gate_proj``, ``up_proj``,
-    ``down_proj``)."""
+    """``down(act(gate(x)) * up(x))``, without biases (with them: ``bias``, Qwen2.5-VL's vision
+    tower): the MLP of LLaMA-style decoders and an MoE block's shared experts, named as
+    HuggingFace names it (``gate_proj``, ``up_proj``, ``down_proj``)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str, rngs: nnx.Rngs):
-        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)  # noqa: E731
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, rngs: nnx.Rngs,
+                 bias: bool = False):
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=bias, rngs=rngs)  # noqa: E731
         self.gate_proj = linear(hidden_size, intermediate_size)
         self.up_proj = linear(hidden_size, intermediate_size)
         self.down_proj = linear(intermediate_size, hidden_size)

@@ -17,6 +17,12 @@ Phi-4-mini) are paired, half with half, and each pair is turned by ``position * 
   the first ``partial_rotary_factor * head_dim / 2`` pairs turn, at ``theta ** (-2i / head_dim)``
   (divided by ``factor``); the other pairs' frequency is 0 (they stay as they are).
 
+M-RoPE (Qwen2.5-VL, Qwen3-VL: ``mrope_section``) turns each pair by one of three positions,
+(temporal, height, width), ``positions`` (3, B, T): the pairs in ``mrope_section``'s three
+consecutive runs (Qwen2.5-VL), or, ``mrope_interleaved`` (Qwen3-VL), pair ``i`` by axis
+``i mod 3`` while that axis has pairs left (``3 * section``) and by the temporal axis past
+them. Text alone gives the three axes equal positions: plain RoPE.
+
 ``dynamic`` and ``longrope`` depend on the length, taken as a call's largest position + 1, as
 transformers does per forward pass. Every value comes from the config: nothing is assumed per
 model (Llama 3.2 ships ``factor`` 32, 3.1 ``factor`` 8). A type or key this module does not know
@@ -29,6 +35,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 KEYS = {  # each type's keys beyond rope_type, rope_theta and partial_rotary_factor
     "default": set(),
@@ -51,6 +58,8 @@ class Rope:
     kind: str = "default"
     max_position_embeddings: int = 4096
     params: tuple = ()  # the type's own keys, (key, value) pairs, sorted (hashable)
+    mrope_section: tuple = ()  # M-RoPE: pairs per (temporal, height, width) axis
+    mrope_interleaved: bool = False
 
     def get(self, key: str, default=None):
         return dict(self.params).get(key, default)
@@ -59,6 +68,10 @@ class Rope:
         out = {"rope_type": self.kind, "rope_theta": self.theta}
         for key, value in self.params:
             out[key] = list(value) if isinstance(value, tuple) else value
+        if self.mrope_section:
+            out["mrope_section"] = list(self.mrope_section)
+        if self.mrope_interleaved:
+            out["mrope_interleaved"] = True
         return out
 
 
@@ -195,16 +208,44 @@ def depends_on_length(rope: Rope) -> bool:
 
 def apply_rope(x, positions, rope: Rope, seq_len=None):
     """``x`` (B, T, heads, D) with its first ``rope.rotary_dim`` features rotated, half with
-    half, by ``positions`` (B, T); ``seq_len`` as for ``frequencies`` (default: the largest
-    position + 1, over the batch as transformers takes it; packed rows give each token its
-    document's length, ``segment_lengths``)."""
+    half, by ``positions`` (B, T), or M-RoPE's (3, B, T); ``seq_len`` as for ``frequencies``
+    (default: the largest position + 1, over the batch as transformers takes it; packed rows
+    give each token its document's length, ``segment_lengths``)."""
     if seq_len is None and depends_on_length(rope):
         seq_len = jnp.max(positions) + 1
     inv_freq, attention = frequencies(rope, seq_len)
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # (B, T, rotary_dim / 2)
+    if positions.ndim == 3:
+        angles = mrope_angles(angles, rope)
+    return rotate(x, angles, attention)
+
+
+def mrope_axes(section, interleaved: bool) -> np.ndarray:
+    """Which of M-RoPE's (temporal, height, width) positions turns each pair (module docstring)."""
+    if not interleaved:
+        return np.repeat(np.arange(3), section)
+    i = np.arange(sum(section))
+    return np.where((i % 3 == 1) & (i < 3 * section[1]), 1,
+                    np.where((i % 3 == 2) & (i < 3 * section[2]), 2, 0))
+
+
+def mrope_angles(angles, rope: Rope):
+    """(B, T, pairs) angles from each axis's (3, B, T, pairs), each pair its axis's."""
+    if sum(rope.mrope_section) != rope.rotary_dim // 2:
+        raise ValueError(f"(3, B, T) positions need M-RoPE's mrope_section, summing to the "
+                         f"{rope.rotary_dim // 2} rotary pairs; this RoPE has "
+                         f"{list(rope.mrope_section)}.")
+    axis = mrope_axes(rope.mrope_section, rope.mrope_interleaved)
+    return jnp.take_along_axis(angles, jnp.asarray(axis)[None, None, None, :], 0)[0]
+
+
+def rotate(x, angles, attention=1.0):
+    """``x`` (B, T, heads, D) with its first ``2 * pairs`` features turned, half with half, by
+    ``angles`` (B, T, pairs), ``cos``/``sin`` scaled by ``attention``."""
     cos = (jnp.cos(angles) * attention)[:, :, None, :]
     sin = (jnp.sin(angles) * attention)[:, :, None, :]
-    half, dim = rope.rotary_dim // 2, rope.rotary_dim
+    half = angles.shape[-1]
+    dim = 2 * half
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:dim].astype(jnp.float32)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
     return rotated if dim == x.shape[-1] else jnp.concatenate([rotated, x[..., dim:]], -1)

@@ -132,6 +132,8 @@ def train_sft(config: RunConfig[SFTData]) -> float:
 def train_images(config: RunConfig[SFTData], model, parts: tuple[list, list],
                  names: tuple[str, str]) -> tuple[Any, list]:
     """An image + text model trained on ``parts`` (``image_chat``): ``(trainer, eval rows)``."""
+    if why := model.untrained():
+        raise UsageError(f"--model {config.source.model}: {why}")
     data = config.task
     processor = load_processor(config.source.model)
     train, evaluate = (image_chat_rows(processor, part, data.messages_column, data.max_len, what)
