@@ -63,7 +63,7 @@ class Pages:
             self.table[row, :shared] = self.table[first, :shared]
             self.refs[self.table[first, :shared]] += 1
             if prompt_len % self.size:
-                self._take(row, 1)
+                self._take(row, shared + 1)
                 copies.append((int(self.table[first, shared]), int(self.table[row, shared])))
         return copies
 
