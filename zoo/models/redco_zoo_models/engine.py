@@ -58,6 +58,7 @@ from redco_zoo_models.engine_memory import cache_sharding, rows_sharding, vocab_
 from redco_zoo_models.engine_paged import paged_decode, paged_prefill
 from redco_zoo_models.engine_reading import MIN_BUCKET, Reading, check_reading, chunk_batch
 from redco_zoo_models.engine_steps import decode_rows, prefill_rows, slotted_leaves
+from redco_zoo_models.page_prefix import PagePrefixCache
 from redco_zoo_models.pages import paging
 from redco_zoo_models.prefix_cache import PrefixCache
 from redco_zoo_models.requests import Request, Sampling
@@ -90,9 +91,9 @@ class Engine(Admission):
                              f"does not: use max_len <= {at}, or generate().")
         slotted = slotted_leaves(model, max_len, cache_dtype)
         check_reading(slotted, prefill_chunk, prefix_caching)
-        self.prefix = PrefixCache() if prefix_caching else None
-        self.pages = paging(slotted, page_size, n_pages, max_seqs, max_len, prefix_caching,
-                            self.images)
+        self.pages = paging(slotted, page_size, n_pages, max_seqs, max_len, self.images)
+        self.prefix = None if not prefix_caching else \
+            PrefixCache() if self.pages is None else PagePrefixCache(self.pages)
         self.graphdef, self.params = nnx.graphdef(model), params
         self.chunk = min(prefill_chunk or max_len, max_len)  # prompt tokens read a step at most
         self.max_seqs, self.max_len, self.eos = max_seqs, max_len, set(eos_token_ids)
@@ -280,8 +281,10 @@ class Engine(Admission):
             self.params, self.cache, self.key_valid, self.logits, *arrays, *self._page_copies(done),
             *self._pixels([r.request for r in self.reading], len(arrays[0])))
         self.reading = [r for r in self.reading if r not in done]
-        for r in done:
-            for row in r.rows if self.prefix is not None else ():
+        for r in done if self.prefix is not None else ():
+            if self.pages is not None:
+                self.prefix.add_pages(r.request.prompt, self.pages.table[r.rows[0]])
+            for row in r.rows if self.pages is None else ():
                 self.prefix.add(row, r.request.prompt)
 
     def _decode_running(self, running: list[int]):

@@ -37,6 +37,10 @@ class Admission:
             if request.cancelled:
                 self._end(request, "cancelled")
                 continue
+            if self.pages is not None:  # (a paged donor: the cached pages, listed, not copied)
+                self.pages.admit(free[:request.sampling.n], len(request.prompt), _total(request),
+                                 donor or [])
+                donor = None
             rows = ([donor] if donor in free else []) + [r for r in free if r != donor]
             rows = rows[:request.sampling.n]
             free = [r for r in free if r not in rows]
@@ -44,17 +48,20 @@ class Admission:
                 self.prefix.count(read, len(request.prompt) - read)
                 for row in rows:  # (a donor is never a target: it is the request's own row,
                     self.prefix.drop(row)  # or running; a row taken is at once no donor)
-            if self.pages is not None:
-                self.pages.admit(rows, len(request.prompt), _total(request))
             self.reading.append(Reading(request, rows, read, None if donor in rows else donor))
             admitted.append((request, rows))
         if admitted:
             self._seed_rows(admitted)
 
     def _pages_fit(self, request: Request) -> bool:
-        """Whether the pages ``request`` may ever hold fit now (always, on slots)."""
-        return self.pages is None or self.pages.available() >= self.pages.need(
-            len(request.prompt), _total(request), request.sampling.n)
+        """Whether the pages ``request`` may ever hold fit now (always, on slots), cached
+        prefixes' pages evicted for it if need be (not those it would match)."""
+        if self.pages is None:
+            return True
+        need = self.pages.need(len(request.prompt), _total(request), request.sampling.n)
+        if self.prefix is not None and (short := need - self.pages.available()) > 0:
+            self.prefix.evict(short, keep=self.prefix.match(request.prompt)[0])
+        return self.pages.available() >= need
 
     def _free_rows(self) -> list[int]:
         """Free rows, lowest first; with prefix caching, least recently freed first (what a row

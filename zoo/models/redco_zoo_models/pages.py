@@ -50,22 +50,21 @@ class Pages:
         shared = prompt_len // self.size
         return shared + n * (pages_of(total, self.size) - shared)
 
-    def admit(self, rows: list[int], prompt_len: int, total: int) -> list[tuple[int, int]]:
+    def admit(self, rows: list[int], prompt_len: int, total: int, cached: list[int]) -> None:
         """``rows`` (one per sample) take their prompt's pages and reserve the rest: the first
-        row's prompt pages are its own, the others share its whole ones and each take a page for
-        the prompt's last partial one. Returns the ``(source, target)`` page copies due once the
-        prompt is read (that partial page, into each other sample's)."""
+        row lists the ``cached`` pages (a cached prefix's, shared) and then its own, the others
+        share its whole ones and each take a page of their own for the prompt's last partial
+        one (the engine copies it there once the prompt is read)."""
         first, shared = rows[0], prompt_len // self.size
         self.limit[rows] = pages_of(total, self.size)
+        self.table[first, :len(cached)] = cached
+        self.refs[np.asarray(cached, np.int32)] += 1
         self._take(first, pages_of(prompt_len, self.size))
-        copies = []
         for row in rows[1:]:
             self.table[row, :shared] = self.table[first, :shared]
             self.refs[self.table[first, :shared]] += 1
             if prompt_len % self.size:
                 self._take(row, shared + 1)
-                copies.append((int(self.table[first, shared]), int(self.table[row, shared])))
-        return copies
 
     def grow(self, row: int, n_slots: int) -> None:
         """Row ``row`` holds pages for its first ``n_slots`` slots (up to its reservation)."""
@@ -73,10 +72,13 @@ class Pages:
 
     def release(self, row: int) -> None:
         """Row ``row``'s sequence ended: its pages lose a holder, its reservation is void."""
-        held = self.table[row][self.table[row] < self.n_pages]
-        self.refs[held] -= 1
-        self.free.extend(int(p) for p in held if self.refs[p] == 0)
+        self.unref(self.table[row][self.table[row] < self.n_pages])
         self.table[row], self.limit[row] = self.n_pages, 0
+
+    def unref(self, pages) -> None:
+        """``pages`` lose a holder; those none holds are free."""
+        self.refs[np.asarray(pages, np.int32)] -= 1
+        self.free.extend(int(p) for p in pages if self.refs[p] == 0)
 
     def _take(self, row: int, n_pages: int) -> None:
         """Free pages appended to ``row``'s table until it lists ``n_pages``."""
@@ -87,7 +89,7 @@ class Pages:
 
 
 def paging(slotted, page_size: int | None, n_pages: int | None, max_seqs: int, max_len: int,
-           prefix_caching: bool, images) -> Pages | None:
+           images) -> Pages | None:
     """The engine's ``Pages`` for ``page_size`` (None: slots, no pages), ``n_pages`` by default
     as many slots as ``max_seqs`` rows of ``max_len``; what it cannot page is refused."""
     if page_size is None:
@@ -99,9 +101,9 @@ def paging(slotted, page_size: int | None, n_pages: int | None, max_seqs: int, m
         raise ValueError("page_size: this model's recurrent layers (Gated DeltaNet, Mamba2) hold "
                          "one state a row, not a key and value per slot, and their states are not "
                          "paged: leave page_size unset (slots).")
-    if prefix_caching or images is not None:
-        raise ValueError("page_size with prefix_caching or an image model is not done: leave "
-                         "page_size unset (slots) for them.")
+    if images is not None:
+        raise ValueError("page_size with an image model is not done: leave page_size unset "
+                         "(slots) for it.")
     n_pages = max_seqs * max_len // page_size if n_pages is None else n_pages
     if n_pages < 1:
         raise ValueError(f"n_pages={n_pages}: give at least one page.")
