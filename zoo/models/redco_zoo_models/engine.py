@@ -25,6 +25,12 @@ sequence owns a row. A ``step``:
    ``on_token`` callback says so (a stop string), or when its request is cancelled; its row is
    free for the next admit.
 
+With ``page_size`` the cache is paged instead: one pool of pages in place of the rows' slots,
+a page table per row, pages taken as a sequence grows out of what it reserved at admission
+(admission is by free pages: ``engine_admission``, ``pages``), each step gathering the running
+rows' pages into the slots the same model code reads (``engine_paged``); a cached prefix is
+pages shared by reference (``page_prefix``).
+
 A recurrent layer (Gated DeltaNet, Mamba2) holds a fixed-size state per row in place of slots:
 a padded token leaves it as it was (so the right-padded prefill leaves each row's state after
 its last real token, and an idle row's is kept while others decode), and the prefill's copy
