@@ -107,9 +107,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    """Prompts read 16 tokens a step, cached prefixes reused (what a plain server does: the
-    SIGTERM test's)."""
-    server = Server(model_dir, "--prefill_chunk", "16", "--prefix_caching")
+    """Prompts read 16 tokens a step, cached prefixes reused, on a paged cache of pages of 16
+    tokens (what a plain server does, slots: the SIGTERM test's)."""
+    server = Server(model_dir, "--prefill_chunk", "16", "--prefix_caching", "--page_size", "16")
+    assert "keys and values in 12 pages of 16 tokens" in "".join(server.output)
     yield server
     server.close()
 

@@ -49,6 +49,13 @@ class ServeCommand(Command):
                             "workdir/adapter) whose LoRA adapters are added to --model's "
                             "projections, unmerged: with --quantize_base, the base a QLoRA run "
                             "trained over and its adapters")
+        parser.add_argument("--page_size", type=int, help="a paged key/value cache: one pool "
+                            "of pages of this many tokens (e.g. 16), taken as sequences grow "
+                            "and admitted by free pages, a cached prefix's pages shared "
+                            "(default: --max_seqs rows of --max_len slots); not on recurrent "
+                            "or image models")
+        parser.add_argument("--n_pages", type=int, help="the pool's pages, with --page_size "
+                            "(default: the memory of --max_seqs x --max_len slots)")
         parser.add_argument("--max_images", type=int, default=1, help="images a chat request "
                             "may hold, for an image + text model (LLaVA): each prefill "
                             "carries this many image slots a prompt")
@@ -125,9 +132,14 @@ def start_engine(args: argparse.Namespace):
         engine = Engine(model, params, max_seqs=max_seqs, max_len=args.max_len,
                         eos_token_ids=eos, cache_dtype=cache_dtype, mesh=deployer.mesh,
                         prefill_chunk=args.prefill_chunk, prefix_caching=args.prefix_caching,
-                        max_images=args.max_images)
+                        max_images=args.max_images, page_size=args.page_size,
+                        n_pages=args.n_pages)
     except ValueError as e:  # (a chunk that is no power of two; prefixes on a recurrent model)
-        raise UsageError(f"--prefill_chunk / --prefix_caching / --max_images: {e}") from e
+        raise UsageError("--prefill_chunk / --prefix_caching / --max_images / --page_size: "
+                         f"{e}") from e
+    if engine.pages is not None:
+        print(f"redco serve: keys and values in {engine.pages.n_pages} pages of "
+              f"{engine.pages.size} tokens", flush=True)
     shapes = engine.warm_up()  # every shape compiled before serving: no request waits on one
     print(f"redco serve: compiled {shapes} step shapes", flush=True)
     processor = None if engine.images is None else image_processor(args.model)

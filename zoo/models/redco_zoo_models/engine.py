@@ -25,6 +25,12 @@ sequence owns a row. A ``step``:
    ``on_token`` callback says so (a stop string), or when its request is cancelled; its row is
    free for the next admit.
 
+With ``page_size`` the cache is paged instead: one pool of pages in place of the rows' slots,
+a page table per row, pages taken as a sequence grows out of what it reserved at admission
+(admission is by free pages: ``engine_admission``, ``pages``), each step gathering the running
+rows' pages into the slots the same model code reads (``engine_paged``); a cached prefix is
+pages shared by reference (``page_prefix``).
+
 A recurrent layer (Gated DeltaNet, Mamba2) holds a fixed-size state per row in place of slots:
 a padded token leaves it as it was (so the right-padded prefill leaves each row's state after
 its last real token, and an idle row's is kept while others decode), and the prefill's copy
@@ -52,30 +58,35 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from redco_zoo_models.engine_admission import MAX_PREFILL, Admission
 from redco_zoo_models.engine_images import check_images, image_slots, pixel_slots
 from redco_zoo_models.engine_memory import cache_sharding, rows_sharding, vocab_size
+from redco_zoo_models.engine_paged import paged_decode, paged_prefill
 from redco_zoo_models.engine_reading import MIN_BUCKET, Reading, check_reading, chunk_batch
 from redco_zoo_models.engine_steps import decode_rows, prefill_rows, slotted_leaves
+from redco_zoo_models.page_prefix import PagePrefixCache
+from redco_zoo_models.pages import paging
 from redco_zoo_models.prefix_cache import PrefixCache
 from redco_zoo_models.requests import Request, Sampling
 
-MAX_PREFILL = 8  # prompts read per step at most: the rest wait a step, decoding goes on
 MIN_SPAN = 16  # the fewest slots a decode step reads; then x4 (few shapes) up to max_len
 
 
-class Engine:
+class Engine(Admission):
     """Continuous batching over ``model`` with weights ``params`` (``nnx.split``'s params, placed
     as they are: on one device or sharded over ``mesh``, whose ``dp`` axis then splits the
     cache's rows and ``mp`` its key/value heads where they divide). ``prefill_chunk`` (a power
     of two >= 16): prompt tokens read a step at most (None: a prompt at once);
     ``prefix_caching``: prompts start after the longest cached prefix (``prefix_stats``). An
-    image + text model's prompts carry up to ``max_images`` images each (``engine_images``)."""
+    image + text model's prompts carry up to ``max_images`` images each (``engine_images``).
+    ``page_size``: the cache is a pool of ``n_pages`` pages of that many slots (default: as many
+    slots as ``max_seqs x max_len``), taken as sequences grow (``pages``, ``engine_paged``)."""
 
     def __init__(self, model: nnx.Module, params: Any, *, max_seqs: int = 8,
                  max_len: int = 256, eos_token_ids: tuple[int, ...] = (),
                  cache_dtype=jnp.float32, mesh=None, steps_per_sync: int = 4,
                  prefill_chunk: int | None = None, prefix_caching: bool = False,
-                 max_images: int = 1):
+                 max_images: int = 1, page_size: int | None = None, n_pages: int | None = None):
         if unserved := getattr(model, "unserved", lambda: None)():  # (Gemma 3's images)
             raise NotImplementedError(unserved)
         self.images = image_slots(model, max_images, prefill_chunk, prefix_caching)
@@ -86,12 +97,15 @@ class Engine:
                              f"does not: use max_len <= {at}, or generate().")
         slotted = slotted_leaves(model, max_len, cache_dtype)
         check_reading(slotted, prefill_chunk, prefix_caching)
-        self.prefix = PrefixCache() if prefix_caching else None
+        self.pages = paging(slotted, page_size, n_pages, max_seqs, max_len, self.images)
+        self.prefix = None if not prefix_caching else \
+            PrefixCache() if self.pages is None else PagePrefixCache(self.pages)
         self.graphdef, self.params = nnx.graphdef(model), params
         self.chunk = min(prefill_chunk or max_len, max_len)  # prompt tokens read a step at most
         self.max_seqs, self.max_len, self.eos = max_seqs, max_len, set(eos_token_ids)
         self.cache_dtype, self.steps_per_sync = cache_dtype, steps_per_sync
-        cache = model.init_cache(max_seqs, max_len, cache_dtype)
+        cache = model.init_cache(max_seqs, max_len, cache_dtype) if self.pages is None else \
+            model.init_cache(self.pages.n_pages, self.pages.size, cache_dtype)
         self.mesh = mesh
         self.cache = jax.device_put(cache, cache_sharding(mesh, cache))
         self.key_valid = self._on_rows(jnp.zeros((max_seqs, max_len), bool))
@@ -107,11 +121,11 @@ class Engine:
         self._lock, self._wake = threading.Lock(), threading.Condition()
         self._thread, self._closing = None, False
         self._seeds = itertools.count(int(np.random.SeedSequence().entropy % 2 ** 31))
-        self._decode = jax.jit(partial(decode_rows, self.graphdef, steps_per_sync, mesh,
-                                       slotted=slotted),
+        decode = partial(decode_rows, slotted=slotted) if self.pages is None else paged_decode
+        self._decode = jax.jit(partial(decode, self.graphdef, steps_per_sync, mesh),
                                donate_argnums=(1, 2, 3), static_argnames=("span",))
-        self._prefill = jax.jit(partial(prefill_rows, self.graphdef, slotted),
-                                donate_argnums=(1, 2, 3))
+        self._prefill = jax.jit(partial(prefill_rows, self.graphdef, slotted) if self.pages is None
+                                else partial(paged_prefill, self.graphdef), donate_argnums=(1, 2, 3))
         self._keys = jax.jit(jax.vmap(lambda seed, sample: jax.random.fold_in(
             jax.random.PRNGKey(seed), sample)))  # each sample's key, for all rows at once
 
@@ -154,6 +168,7 @@ class Engine:
             raise ValueError(f"n={sampling.n} samples need as many rows; this engine runs "
                              f"{self.max_seqs}: lower n, or raise max_seqs.")
         check_images(self.images, prompt, images)
+        self._check_pages(len(prompt), sampling.max_tokens, sampling.n)
         request = Request(prompt, sampling, on_token, on_end, images)
         with self._wake:
             self.waiting.append(request)
@@ -187,7 +202,7 @@ class Engine:
                 np.zeros((count, width), np.int32), np.ones(count, np.int32),
                 np.zeros(count, np.int32), np.full(count, self.max_seqs, np.int32),
                 np.zeros((4, self.max_seqs), np.int32), np.zeros(2, np.int32),
-                *self._pixels([], count))
+                *self._page_copies([]), *self._pixels([], count))
         buckets = sorted({self._bucket(row) for row in range(self.max_seqs)})
         spans = sorted({self._span(end) for end in range(self.max_len + 1)})
         for bucket, span in itertools.product(buckets, spans):
@@ -195,7 +210,7 @@ class Engine:
                 self.params, self.cache, self.key_valid, self.logits,
                 np.zeros(bucket, np.int32), np.zeros(bucket, bool),
                 np.zeros((3, bucket), np.float32), self.row_keys[:bucket].copy(),
-                np.zeros(bucket, np.int32), span=span)
+                np.zeros(bucket, np.int32), *self._tables(bucket), span=span)
         jax.block_until_ready(self.cache)
         return len(counts) * len(widths) + len(buckets) * len(spans)
 
@@ -249,7 +264,9 @@ class Engine:
         with self._wake:
             waiting, self.waiting = list(self.waiting), deque()
         running = {id(row[0]): row[0] for row in self.rows if row is not None}
-        self.rows, self.reading = [None] * self.max_seqs, []
+        for row in range(self.max_seqs):
+            self._free_row(row)
+        self.reading = []
         if self.prefix is not None:
             self.prefix.clear()  # (a failed step may have left any row half written)
         for request in [*running.values(), *waiting]:
@@ -260,56 +277,6 @@ class Engine:
                     self._ended(request, index)
 
     # ---- rows -----------------------------------------------------------------------------------
-    def _admit(self) -> None:
-        """Waiting requests take free rows (first come first served, ``MAX_PREFILL`` prompts
-        read at a time): with prefix caching, a cached prefix's row is taken if free (else its
-        slots are copied), other rows least recently freed first; a request that shares more
-        with a prompt still being read than with any held waits until that one is held."""
-        free, admitted = self._free_rows(), []
-        while self.waiting and len(free) >= self.waiting[0].sampling.n and \
-                len(self.reading) < MAX_PREFILL:
-            request = self.waiting[0]
-            donor, read = self.prefix.match(request.prompt) if self.prefix else (None, 0)
-            if self.prefix is not None and not request.cancelled and self.prefix.shared(
-                    request.prompt, [r.request.prompt for r in self.reading]) > read:
-                break
-            with self._wake:
-                self.waiting.popleft()
-            if request.cancelled:
-                self._end(request, "cancelled")
-                continue
-            rows = ([donor] if donor in free else []) + [r for r in free if r != donor]
-            rows = rows[:request.sampling.n]
-            free = [r for r in free if r not in rows]
-            if self.prefix is not None:
-                self.prefix.count(read, len(request.prompt) - read)
-                for row in rows:  # (a donor is never a target: it is the request's own row,
-                    self.prefix.drop(row)  # or running; a row taken is at once no donor)
-            self.reading.append(Reading(request, rows, read, None if donor in rows else donor))
-            admitted.append((request, rows))
-        if admitted:
-            self._seed_rows(admitted)
-
-    def _free_rows(self) -> list[int]:
-        """Free rows, lowest first; with prefix caching, least recently freed first (what a row
-        freed lately holds is likelier asked for again)."""
-        free = [i for i, row in enumerate(self.rows) if row is None]
-        return sorted(free, key=lambda i: self.freed[i]) if self.prefix is not None else free
-
-    def _seed_rows(self, admitted: list[tuple[Request, list[int]]]) -> None:
-        """Each admitted sample's row: its request, its slot after the prompt, its key."""
-        targets, seeds, samples = np.zeros((3, self.max_seqs), np.int32)
-        n_rows = 0
-        for request, rows in admitted:
-            written = slice(n_rows, n_rows + len(rows))
-            targets[written], samples[written] = rows, range(len(rows))
-            seeds[written] = request.sampling.seed if request.sampling.seed is not None \
-                else next(self._seeds) % 2 ** 31
-            n_rows += len(rows)
-            for sample, row in enumerate(rows):
-                self.rows[row], self.slot[row] = (request, sample), len(request.prompt)
-        self.row_keys[targets[:n_rows]] = np.asarray(self._keys(seeds, samples))[:n_rows]
-
     def _read_prompts(self) -> None:
         """The next chunk of every prompt being read, in one prefill (``chunk_batch``); a
         prompt read whole starts decoding, and with prefix caching its rows are held."""
@@ -317,11 +284,13 @@ class Engine:
         *arrays, done = chunk_batch(self.reading, chunks, self._width(max(map(len, chunks))),
                                     self.max_seqs)
         self.cache, self.key_valid, self.logits = self._prefill(
-            self.params, self.cache, self.key_valid, self.logits, *arrays,
+            self.params, self.cache, self.key_valid, self.logits, *arrays, *self._page_copies(done),
             *self._pixels([r.request for r in self.reading], len(arrays[0])))
         self.reading = [r for r in self.reading if r not in done]
-        for r in done:
-            for row in r.rows if self.prefix is not None else ():
+        for r in done if self.prefix is not None else ():
+            if self.pages is not None:
+                self.prefix.add_pages(r.request.prompt, self.pages.table[r.rows[0]])
+            for row in r.rows if self.pages is None else ():
                 self.prefix.add(row, r.request.prompt)
 
     def _decode_running(self, running: list[int]):
@@ -340,7 +309,8 @@ class Engine:
         span = self._span(int(self.slot[running].max()) + self.steps_per_sync)
         tokens, logprobs, self.logits, self.cache, self.key_valid = self._decode(
             self.params, self.cache, self.key_valid, self.logits, self.slot[:bucket].copy(),
-            active, settings, self.row_keys[:bucket].copy(), counts, span=span)
+            active, settings, self.row_keys[:bucket].copy(), counts, *self._grow(running, bucket),
+            span=span)
         return np.asarray(tokens), np.asarray(logprobs)
 
     def _pixels(self, requests: list[Request], count: int) -> tuple:
@@ -378,7 +348,7 @@ class Engine:
         elif len(sample.tokens) == request.sampling.max_tokens:
             sample.finish_reason = "length"
         if sample.finish_reason is not None:
-            self.rows[row], self.freed[row] = None, next(self._ticks)
+            self._free_row(row)
             self._ended(request, index)
 
     def _end(self, request: Request, reason: str) -> None:

@@ -29,20 +29,18 @@ def prefill_rows(graphdef, slotted, params, cache, key_valid, logits, ids, lengt
     cache and their slotted leaves padded by ``width`` slots, so that a chunk's padding never
     runs past ``max_len`` (where the model's write would be clamped onto real slots).
     ``context``: an image model's pixels of each prompt's images (``engine_images``)."""
-    m, width = nnx.merge(graphdef, params), ids.shape[1]
-    max_len = key_valid.shape[1]
+    width, max_len = ids.shape[1], key_valid.shape[1]
     state = copy_rows((cache, key_valid, logits), copies[0], copies[1], n_copies[0])
     cache, key_valid, logits = state
-    valid = jnp.arange(max_len + width) < (starts + lengths)[:, None]
     fresh = starts == 0
 
     def take(x, has_slots):
         x = jnp.take(x, rows, axis=0, mode="clip")
         if has_slots:
-            return jnp.pad(x, [(0, 0), (0, width)] + [(0, 0)] * (x.ndim - 2))
+            return padded(x, width)
         return jnp.where(fresh.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
-    out, read = m.decode(ids, valid, jax.tree.map(take, cache, slotted), starts, context)
-    last = jnp.take_along_axis(out, (lengths - 1)[:, None, None], 1)[:, 0]
+    read, valid, last = read_prompts(graphdef, params, jax.tree.map(take, cache, slotted), ids,
+                                     lengths, starts, max_len, context)
 
     def put(full, new, has_slots=True):
         new = new[:, :max_len] if has_slots else new
@@ -50,6 +48,21 @@ def prefill_rows(graphdef, slotted, params, cache, key_valid, logits, ids, lengt
     state = (jax.tree.map(put, cache, read, slotted), put(key_valid, valid),
              put(logits, last, False))
     return copy_rows(state, copies[2], copies[3], n_copies[1])
+
+
+def padded(x, width: int):
+    """``x`` (rows, slots, ...) with ``width`` more slots (zeros) at the end."""
+    return jnp.pad(x, [(0, 0), (0, width)] + [(0, 0)] * (x.ndim - 2))
+
+
+def read_prompts(graphdef, params, taken, ids, lengths, starts, max_len: int, context=None):
+    """``(cache, key_valid, last logits)`` of the prefill's rows: prompt ``p``'s
+    ``ids[p, :lengths[p]]`` read into ``taken`` (the rows' caches, ``max_len + width`` slots)
+    from slot ``starts[p]`` on."""
+    m = nnx.merge(graphdef, params)
+    valid = jnp.arange(max_len + ids.shape[1]) < (starts + lengths)[:, None]
+    out, read = m.decode(ids, valid, taken, starts, context)
+    return read, valid, jnp.take_along_axis(out, (lengths - 1)[:, None, None], 1)[:, 0]
 
 
 def copy_rows(tree, sources, targets, n):
