@@ -211,7 +211,7 @@ def backward_bytes(cfg, kind: str, policy: str) -> int:
     return sum(x.size * x.dtype.itemsize for x in kept.values())
 
 
-@pytest.mark.parametrize("hidden", [64, 128])
+@pytest.mark.parametrize("hidden", [64, pytest.param(128, marks=pytest.mark.slow)])
 def test_a_lora_projection_keeps_what_the_base_projection_keeps_plus_x_a(hidden):
     """Under every remat policy, LoRA's backward pass keeps no more than full fine-tuning's
     plus the rank-8 ``x @ A`` of each adapted projection: never ``x @ W`` and ``(x @ A) @ B``
