@@ -56,9 +56,10 @@ from redco_zoo_grpo.engine_rollouts import EngineRollouts
 
 @dataclasses.dataclass(frozen=True)
 class AsyncConfig:
-    """Rollouts on the last ``rollout_devices`` devices, ``max_off_policy_steps`` rounds ahead,
-    their tokens' TIS weights truncated at ``is_cap`` (module docstring)."""
-    rollout_devices: int = 0
+    """Rollouts on the last ``rollout_devices`` devices (``"auto"``: as many as
+    ``rollout_split.py`` picks), ``max_off_policy_steps`` rounds ahead, their tokens' TIS
+    weights truncated at ``is_cap`` (module docstring)."""
+    rollout_devices: int | str = 0
     max_off_policy_steps: int = 0
     is_cap: float = 2.0
 
