@@ -16,6 +16,9 @@ then exits 143) and at the end; a rerun of the same command resumes at the round
 ``--max_steps`` caps the rounds (a multiple of a round's updates). ``--environment NAME``
 makes each completion a multi-turn episode with that environment, which rewards it
 (``multiturn.py``, ``environments.py``), of ``--max_turns`` model turns at most.
+``--rollout_devices N`` samples on the last N devices, ahead of the updates
+(``async_rollouts.py``); ``auto`` plans N from the compiled rollout and update before the model
+is loaded (``auto_split.py``, ``rollout_split.py``).
 """
 from __future__ import annotations
 
