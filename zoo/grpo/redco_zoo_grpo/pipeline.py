@@ -259,6 +259,8 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
     algorithm = run.algorithm
     check_async(run.asynchronous, run.engine_rows, algorithm.dynamic_sampling, run.environment,
                 run.decode_model_shards)
+    if run.asynchronous.rollout_devices not in (0, "auto"):
+        rollout_devices(run.asynchronous.rollout_devices)  # (refused before anything loads)
     make_env = run.environment and load_environment(run.environment)
     check_max_turns(run.max_turns)
     tokenizer = load_chat_tokenizer(source.model)
