@@ -2,8 +2,8 @@
 on 8 devices, a round that is mostly sampling (long completions, few engine rows) gets more
 rollout devices than one that is mostly updating (4 epochs over short completions); a trainer
 that fits only on enough devices bounds N; no split fitting is refused before loading, naming
-the fix; ``redco zoo run grpo --rollout_devices auto`` trains on the split it logs, and
-``redco plan --rollout_devices auto`` prints the table.
+the fix; ``redco plan --rollout_devices auto`` prints the table (``redco zoo run grpo
+--rollout_devices auto`` end to end: ``test_grpo_async.py``, beside its warmed-up model).
 
 The expectations are written here from the round-time model (module docstring of
 ``rollout_split``): with K = 1 the round is ``max(rollout(N), update(8 - N))``; a rollout's
@@ -14,7 +14,6 @@ import json
 
 import jax
 import pytest
-from test_grpo import GRPO_FLAGS, warmed_up  # noqa: F401 (warmed_up: the SFT'd model, a fixture)
 
 from redco.cli import main
 from redco.protocols import UsageError
@@ -100,39 +99,6 @@ def test_no_split_that_fits_is_refused_naming_the_fix(tiny):
                        r"adapters \(--lora_rank\), .*\(--rollout_devices 0\)"):
         split_of(tiny, SAMPLING, memory=2 ** 20, lines=lines)
     assert "over" in lines[-1]
-
-
-def test_auto_refuses_before_loading_and_runs_grpo_on_the_split_it_picked(
-        warmed_up, tmp_path, capsys):  # noqa: F811
-    """A model directory without its weights and 1 MB a device: refused (exit 2) naming the
-    fix, so nothing was loaded. Then 2 rounds on the warmed-up model with ``auto`` and
-    K = 1: the log holds the candidates' table and the pick, the trainer's mesh is the other
-    8 - N devices and the rounds train one version behind."""
-    model = warmed_up / "sft" / "model"
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    for f in model.iterdir():
-        if f.suffix != ".safetensors":
-            (bare / f.name).write_bytes(f.read_bytes())
-    flags = ["--train", str(warmed_up / "prompts.jsonl"), "--n_rounds", "2",
-             "--per_device_batch_size", "8", "--eval_every_n_rounds", "2", *GRPO_FLAGS,
-             "--rollout_devices", "auto", "--max_off_policy_steps", "1",
-             "--decode_model_shards", "1"]
-    with pytest.raises(SystemExit) as stop:
-        main(["zoo", "run", "grpo", "--model", str(bare), "--workdir", str(tmp_path / "no"),
-              "--device_memory", "1MB", *flags])
-    assert stop.value.code == 2
-    assert "no split of the 8 devices fits" in capsys.readouterr().err
-    workdir = tmp_path / "auto"
-    main(["zoo", "run", "grpo", "--model", str(model), "--workdir", str(workdir),
-          "--device_memory", "1GB", *flags])
-    out = capsys.readouterr().out
-    n = int(out.split("planned before loading: --rollout_devices ")[1].split(",")[0])
-    assert 0 < n < 8 and "<- pick" in out and "why: N=" in out, out[-3000:]
-    log = (workdir / "log.txt").read_text()
-    assert f"mesh: {{'dp': {8 - n}, 'mp': 1}}" in log and f"1, {n} replicas" in log, log[:3000]
-    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-    assert [r["rollout/policy_lag"] for r in rows if "rollout/policy_lag" in r] == [0, 1]
 
 
 def test_redco_plan_prints_the_split_for_a_grpo_shape(tiny, capsys):
