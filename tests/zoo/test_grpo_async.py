@@ -3,7 +3,9 @@ are Yao et al.'s formula written out in numpy; with ``--rollout_devices 4
 --max_off_policy_steps 1`` the trainer gets 4 devices and the engine the other 4, each round's
 samples were drawn by params exactly one update old (after the first), the next round's rollout
 is dispatched before the update and runs while it does; a run stopped by SIGTERM, then SIGKILLed,
-resumes to the bits of one never stopped; bad flags are refused before anything loads."""
+resumes to the bits of one never stopped; bad flags are refused before anything loads;
+``--rollout_devices auto`` (``rollout_split.py``; its picks: ``test_grpo_split.py``) is refused
+before loading where no split fits and otherwise trains on the split it logged."""
 import json
 import os
 import random
@@ -140,6 +142,39 @@ def test_one_update_behind_grpo_learns_the_tutorial_task_as_on_policy_grpo_does(
     greedy = [r["eval/reward"] for r in rows if "eval/reward" in r]
     assert greedy[0] <= 0.1 and greedy[-1] >= 0.5, greedy
     assert max(r.get("rollout/is_truncated", 0) for r in rows) > 0
+
+
+def test_auto_refuses_before_loading_and_runs_grpo_on_the_split_it_picked(
+        warmed_up, tmp_path, capsys):  # noqa: F811
+    """A model directory without its weights and 1 MB a device: refused (exit 2) naming the
+    fix, so nothing was loaded. Then 2 rounds on the warmed-up model with ``auto`` and
+    K = 1: the log holds the candidates' table and the pick, the trainer's mesh is the other
+    8 - N devices and the rounds train one version behind."""
+    model = warmed_up / "sft" / "model"
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in model.iterdir():
+        if f.suffix != ".safetensors":
+            (bare / f.name).write_bytes(f.read_bytes())
+    flags = ["--train", str(warmed_up / "prompts.jsonl"), "--n_rounds", "2",
+             "--per_device_batch_size", "8", "--eval_every_n_rounds", "2", *GRPO_FLAGS,
+             "--rollout_devices", "auto", "--max_off_policy_steps", "1",
+             "--decode_model_shards", "1"]
+    with pytest.raises(SystemExit) as stop:
+        main(["zoo", "run", "grpo", "--model", str(bare), "--workdir", str(tmp_path / "no"),
+              "--device_memory", "1MB", *flags])
+    assert stop.value.code == 2
+    assert "no split of the 8 devices fits" in capsys.readouterr().err
+    workdir = tmp_path / "auto"
+    main(["zoo", "run", "grpo", "--model", str(model), "--workdir", str(workdir),
+          "--device_memory", "1GB", *flags])
+    out = capsys.readouterr().out
+    n = int(out.split("planned before loading: --rollout_devices ")[1].split(",")[0])
+    assert 0 < n < 8 and "<- pick" in out and "why: N=" in out, out[-3000:]
+    log = (workdir / "log.txt").read_text()
+    assert f"mesh: {{'dp': {8 - n}, 'mp': 1}}" in log and f"1, {n} replicas" in log, log[:3000]
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    assert [r["rollout/policy_lag"] for r in rows if "rollout/policy_lag" in r] == [0, 1]
 
 
 @pytest.mark.parametrize("flags, says", [

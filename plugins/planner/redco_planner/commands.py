@@ -151,9 +151,14 @@ class PlanCommand(Command):
                             "Trainer(compute_dtype=...) does; params and AdamW state stay fp32")
         parser.add_argument("--scan_layers", "--scan-layers", action="store_true",
                             help=SCAN_HELP + "; no context parallelism yet")
+        from redco_planner import rollout_plan
+        rollout_plan.add_arguments(parser)
 
     def run(self, args: argparse.Namespace) -> None:
         simulate_devices(args.devices)
+        if args.rollout_devices:
+            from redco_planner import rollout_plan
+            return rollout_plan.run(args)
         import jax.numpy as jnp
 
         from redco_planner.inspection import load_model, parse_bytes

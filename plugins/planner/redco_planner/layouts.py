@@ -47,6 +47,7 @@ class TriedLayout:
     rules: Rules = field(default_factory=list, repr=False)
     remat: str = "none"  # the redco.remat policy the step was compiled under
     flops: float | None = None  # per device, one update: XLA's count + its loops' repeats (measure)
+    bytes_accessed: float | None = None  # per device: XLA's cost_analysis (a loop's body once)
     lora_rank: int | None = None  # LoRA adapters' rank (base frozen); None: full fine-tuning
     quantized: str | None = None  # the frozen base's projections in this format (QLoRA), or None
     n_context_shards: int = 1  # cp: devices that split each sequence

@@ -189,9 +189,10 @@ def trace_step(step: Callable, state, state_shardings, batch, mesh) -> jax.stage
 
 
 def read_memory(layout: TriedLayout, compiled) -> None:
-    """The compiled step's per-device bytes and XLA's FLOPs, into ``layout``: its peak is
-    arguments + outputs - donated aliases + temporaries."""
+    """The compiled step's per-device bytes, XLA's FLOPs and bytes accessed, into ``layout``:
+    its peak is arguments + outputs - donated aliases + temporaries."""
     layout.flops = step_flops(compiled)
+    layout.bytes_accessed = (compiled.cost_analysis() or {}).get("bytes accessed")
     stats = compiled.memory_analysis()
     layout.argument_bytes = stats.argument_size_in_bytes
     layout.output_bytes = stats.output_size_in_bytes

@@ -6,7 +6,8 @@
 which the engine decodes with a decode layout of its own (``decode_layout.py``). The rollout
 mesh holds its own copy of the params: after each round's update ``publish`` copies them onto
 the decode shardings with ``jax.device_put`` (device to device, no host round trip) and
-numbers them with the rounds of updates they hold, their *version*.
+numbers them with the rounds of updates they hold, their *version*. ``--rollout_devices auto``
+leaves N, and the rollout mesh's decode layout, to the planner (``rollout_split.py``).
 
 **Running ahead.** Round ``t``'s samples are dispatched in round ``t - K``, just before its
 update (round 1's, and ``K = 0``'s, as their round starts), on the params published then:
@@ -56,9 +57,10 @@ from redco_zoo_grpo.engine_rollouts import EngineRollouts
 
 @dataclasses.dataclass(frozen=True)
 class AsyncConfig:
-    """Rollouts on the last ``rollout_devices`` devices, ``max_off_policy_steps`` rounds ahead,
-    their tokens' TIS weights truncated at ``is_cap`` (module docstring)."""
-    rollout_devices: int = 0
+    """Rollouts on the last ``rollout_devices`` devices (``"auto"``: as many as
+    ``rollout_split.py`` picks), ``max_off_policy_steps`` rounds ahead, their tokens' TIS
+    weights truncated at ``is_cap`` (module docstring)."""
+    rollout_devices: int | str = 0
     max_off_policy_steps: int = 0
     is_cap: float = 2.0
 

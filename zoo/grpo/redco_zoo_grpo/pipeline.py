@@ -16,6 +16,9 @@ then exits 143) and at the end; a rerun of the same command resumes at the round
 ``--max_steps`` caps the rounds (a multiple of a round's updates). ``--environment NAME``
 makes each completion a multi-turn episode with that environment, which rewards it
 (``multiturn.py``, ``environments.py``), of ``--max_turns`` model turns at most.
+``--rollout_devices N`` samples on the last N devices, ahead of the updates
+(``async_rollouts.py``); ``auto`` plans N from the compiled rollout and update before the model
+is loaded (``auto_split.py``, ``rollout_split.py``).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import optax
 import redco
 from redco import Deployer, Trainer
 from redco.protocols import UsageError
+from redco_zoo_grpo import auto_split
 from redco_zoo_grpo.async_rollouts import AsyncConfig, check_async, rollout_devices
 from redco_zoo_grpo.environments import Calculator, load_environment
 from redco_zoo_grpo.loss import LOSS_TYPES, average, token_logps_and_experts, token_losses
@@ -168,15 +172,29 @@ def add_grpo_arguments(parser) -> None:
         "multiturn.py; sampled by pred_fn's sampler, not the engine")
     add("--max_turns", type=int, default=run.max_turns, help="--environment: the model's turns "
         "in an episode, at most (--max_new_tokens bounds all its tokens, the environment's too)")
-    add("--rollout_devices", type=int, default=0, help="the last N devices sample the "
-        "rollouts (the engine, on a decode layout of their own) while the others train; the "
+    add("--rollout_devices", type=rollout_count, default=0, help="the last N devices sample "
+        "the rollouts (the engine, on a decode layout of their own) while the others train; the "
         "params reach them device to device after each update (0: rollouts on the training "
-        "devices): async_rollouts.py")
+        "devices): async_rollouts.py. auto: N and the decode layout with the least estimated "
+        "round time whose compiled rollout and update fit (rollout_split.py; needs "
+        "redco-planner, and --device_memory where devices report none)")
+    add("--device_memory", help="one device's memory for --rollout_devices auto, e.g. 80GB "
+        "(read from the device on GPUs and TPUs)")
     add("--max_off_policy_steps", type=int, default=0, help="with --rollout_devices: rollouts "
         "run this many rounds ahead of the updates, on params this many updates old (0: "
         "on-policy)")
     add("--is_cap", type=float, default=AsyncConfig.is_cap, help="with --rollout_devices: "
         "the truncated importance-sampling weights' cap (TIS, Yao et al. 2025)")
+
+
+def rollout_count(text: str) -> int | str:
+    """``--rollout_devices``: ``auto`` or a number of devices (0 or more)."""
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give auto or a number of devices (0: "
+                                         "rollouts on the training devices)")
+    return int(text)
 
 
 def decode_degree(text: str) -> int | str | None:
@@ -241,16 +259,20 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
     algorithm = run.algorithm
     check_async(run.asynchronous, run.engine_rows, algorithm.dynamic_sampling, run.environment,
                 run.decode_model_shards)
-    n_training = len(rollout_devices(run.asynchronous.rollout_devices)[0]) \
-        if run.asynchronous.rollout_devices else None
+    if run.asynchronous.rollout_devices not in (0, "auto"):
+        rollout_devices(run.asynchronous.rollout_devices)  # (refused before anything loads)
     make_env = run.environment and load_environment(run.environment)
     check_max_turns(run.max_turns)
     tokenizer = load_chat_tokenizer(source.model)
     reward_fn = load_reward_fn(run.reward)
-    model, _ = runner.load_source(source, seed)
     prompts, held_out = prompt_examples(tokenizer, runner.split_eval(
         config.data, {"--prompt_column": run.prompt_column}), run.prompt_column,
         run.max_prompt_len, run.chat_template_kwargs)
+    config = auto_split.planned(config, len(prompts[0][0]["prompt_ids"]), loss_fn)
+    run = config.task
+    n_training = len(rollout_devices(run.asynchronous.rollout_devices)[0]) \
+        if run.asynchronous.rollout_devices else None
+    model, _ = runner.load_source(source, seed)
     turns_context = algorithm.max_new_tokens if make_env else 0  # a turn's context: the trajectory
     check_context(model, len(prompts[0][0]["prompt_ids"]) + turns_context,
                   algorithm.max_new_tokens)

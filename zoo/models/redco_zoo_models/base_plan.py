@@ -41,8 +41,10 @@ def needs_plan(config: RunConfig) -> bool:
     return config.layout.n_model_shards == "auto" and bool(config.source.quantize_base)
 
 
-def decoder_config(model: str) -> DecoderConfig:
-    """The decoder config of ``model``: a directory's ``config.json`` or a preset's."""
+def decoder_config(model: str, planned: str = "--quantize_base with --n_model_shards auto",
+                   fix: str = "give --n_model_shards a number") -> DecoderConfig:
+    """The decoder config of ``model``: a directory's ``config.json`` or a preset's; another
+    family is refused, saying what is ``planned`` (decoders only) and the ``fix``."""
     path = os.path.join(model, "config.json")
     if os.path.isfile(path):
         with open(path) as f:
@@ -55,8 +57,8 @@ def decoder_config(model: str) -> DecoderConfig:
         raise UsageError(f"--model {model}: neither a directory with config.json nor a preset.")
     config_class = class_of(config, model).config_class
     if not issubclass(config_class, DecoderConfig):
-        raise UsageError(f"--quantize_base with --n_model_shards auto plans decoders only; "
-                         f"{model} is a {config_class.__name__}: give --n_model_shards a number.")
+        raise UsageError(f"{planned} plans decoders only; {model} is a "
+                         f"{config_class.__name__}: {fix}.")
     return config_class.from_hf(config)
 
 

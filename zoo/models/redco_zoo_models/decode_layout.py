@@ -15,7 +15,9 @@ grow with the degree and the replicas, which run in parallel for free, shrink. "
 measured, not estimated, as the layout planner measures a train step: the engine's own decode
 step (``engine_steps.decode_rows``) compiled ahead of time on abstract shapes, its params, key/value
 cache and logits sharded as the engine places them, read off XLA's ``memory_analysis()``
-(arguments + outputs - donated aliases + temporaries). Without a memory budget (CPU devices
+(arguments + outputs - donated aliases + temporaries); ``compile_prefill`` compiles the
+engine's prefill the same way (GRPO's rollout split, ``redco_zoo_grpo.rollout_split``, reads
+both programs' costs). Without a memory budget (CPU devices
 report none) the first degree is taken, uncompiled. The weights split over ``mp`` as the
 ``auto`` rule set splits them from parameter names (``redco.builtins.rules``); the cache's
 key/value heads too, where they divide (``engine_memory.cache_sharding``).
@@ -44,7 +46,7 @@ from redco import plugins
 from redco.hlo_collectives import collectives
 from redco.sharding import make_mesh, shardings_from_specs, specs_from_rules
 from redco_zoo_models.engine_memory import cache_sharding, rows_sharding, traced, vocab_size
-from redco_zoo_models.engine_steps import decode_rows
+from redco_zoo_models.engine_steps import decode_rows, prefill_rows, slotted_leaves
 
 HEADROOM = 0.1  # of a device's memory kept free, as the layout planner keeps it
 
@@ -68,6 +70,10 @@ class DecodeLayout:
                 f"{self.mesh.shape['dp']} replicas ({peak})")
 
 
+def _shaped(x, sharding):
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+
 def model_shard_degrees(n_devices: int) -> list[int]:
     """The degrees tried, in order: 1, 2, 4, ... then any other divisor of ``n_devices``."""
     divisors = [d for d in range(1, n_devices + 1) if n_devices % d == 0]
@@ -89,6 +95,27 @@ def held_bytes(params: Any, shardings: Any) -> int:
                for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings)))
 
 
+def compile_prefill(model: nnx.Module, params, mesh, shardings, rows: int, prompts: int,
+                    width: int, max_len: int, cache_dtype=jnp.float32):
+    """The engine's prefill of ``prompts`` prompts ``width`` wide into an engine of ``rows``
+    rows of ``max_len``, compiled ahead of time on abstract shapes placed as ``Engine``
+    places them."""
+    everywhere = NamedSharding(mesh, P())
+    cache = traced(model, lambda m: m.init_cache(rows, max_len, cache_dtype))
+    vocab = vocab_size(model, max_len, cache_dtype)
+    on_rows = rows_sharding(mesh, rows)
+    args = (jax.tree.map(_shaped, params, shardings),
+            jax.tree.map(_shaped, cache, cache_sharding(mesh, cache)),
+            jax.ShapeDtypeStruct((rows, max_len), bool, sharding=on_rows),
+            jax.ShapeDtypeStruct((rows, vocab), jnp.float32, sharding=on_rows),
+            *[jax.ShapeDtypeStruct(s, jnp.int32, sharding=everywhere) for s in (
+                (prompts, width), (prompts,), (prompts,), (prompts,), (4, rows), (2,))])
+    slotted = slotted_leaves(model, max_len, cache_dtype)
+    step = jax.jit(lambda *a: prefill_rows(nnx.graphdef(model), slotted, *a),
+                   donate_argnums=(1, 2, 3))
+    return step.lower(*args).compile()
+
+
 def compile_decode_step(model: nnx.Module, params: Any, mesh: Mesh, shardings: Any,
                         max_seqs: int, max_len: int, cache_dtype=jnp.float32,
                         steps_per_sync: int = 1):
@@ -96,11 +123,9 @@ def compile_decode_step(model: nnx.Module, params: Any, mesh: Mesh, shardings: A
     shapes: ``params`` (real or abstract) placed by ``shardings``, the cache, key mask and
     logits as ``Engine`` places them on ``mesh`` (and donated, as it donates them). Nothing is
     allocated."""
-    def shaped(x, sharding):
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
-    params = jax.tree.map(shaped, params, shardings)
+    params = jax.tree.map(_shaped, params, shardings)
     cache = traced(model, lambda m: m.init_cache(max_seqs, max_len, cache_dtype))
-    cache = jax.tree.map(shaped, cache, cache_sharding(mesh, cache))
+    cache = jax.tree.map(_shaped, cache, cache_sharding(mesh, cache))
     rows, everywhere = rows_sharding(mesh, max_seqs), NamedSharding(mesh, P())
     vocab = vocab_size(model, max_len, cache_dtype)
     per_row = [((max_seqs,), jnp.int32), ((max_seqs,), bool), ((3, max_seqs), jnp.float32),
