@@ -31,9 +31,10 @@ def test_left_padded_prompts_generate_as_alone():
     short = jnp.array([[5, 9, 2]])
     padded = jnp.array([[0, 0, 5, 9, 2], [7, 1, 3, 3, 8]])
     mask = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    together = generate(model, params, padded, 6, prompt_mask=mask)
-    np.testing.assert_array_equal(together[0], generate(model, params, short, 6)[0])
-    np.testing.assert_array_equal(together[1], generate(model, params, padded[1:], 6)[0])
+    run = jax.jit(lambda p, ids, mask: generate(model, p, ids, 6, prompt_mask=mask))
+    together = run(params, padded, mask)
+    np.testing.assert_array_equal(together[0], run(params, short, jnp.ones_like(short))[0])
+    np.testing.assert_array_equal(together[1], run(params, padded[1:], mask[1:])[0])
 
 
 def test_sampled_tokens_logprobs_equal_the_training_forwards_in_fp32():
@@ -85,20 +86,22 @@ def sequence_logprob(model, prompt, continuation):
 def test_beam_search_finds_a_sequence_at_least_as_likely_as_greedy():
     model, params = model_and_params(3)
     prompt = jax.random.randint(jax.random.PRNGKey(2), (4, 4), 0, CFG.vocab_size)
-    greedy = generate(model, params, prompt, 6)
-    beams = generate(model, params, prompt, 6, num_beams=4)
+    def run(num_beams):
+        return jax.jit(lambda p, ids: generate(model, p, ids, 6, num_beams=num_beams))(params, prompt)
+    greedy, beams = run(1), run(4)
     assert (sequence_logprob(model, prompt, beams) >= sequence_logprob(model, prompt, greedy)
             - 1e-5).all()
-    np.testing.assert_array_equal(generate(model, params, prompt, 6, num_beams=1), greedy)
+    np.testing.assert_array_equal(greedy_without_cache(model, prompt, 6), greedy)
     assert not (beams == greedy).all()  # with random weights the search does find better
 
 
 def test_beam_search_stops_at_eos_and_pads():
     model, params = model_and_params(3)
     prompt = jax.random.randint(jax.random.PRNGKey(2), (4, 4), 0, CFG.vocab_size)
-    free = generate(model, params, prompt, 6, num_beams=3)
+    free = jax.jit(lambda p, ids: generate(model, p, ids, 6, num_beams=3))(params, prompt)
     eos = int(free[0, 2])  # a token beam search wants to emit third for row 0
-    out = generate(model, params, prompt, 6, num_beams=3, eos_token_id=eos, pad_token_id=47)
+    out = jax.jit(lambda p, ids: generate(model, p, ids, 6, num_beams=3, eos_token_id=eos,
+                                          pad_token_id=47))(params, prompt)
     for row in np.asarray(out):
         if eos in row:
             end = list(row).index(eos)
