@@ -277,5 +277,8 @@ FAMILIES = {
 
 COMPUTING = config_keys.computing(FAMILIES, COMMON, ROPE_KEYS)
 NOT_YET = {  # model_type -> what the zoo's decoder lacks to read it
-    "nemotron_h": "Nemotron-H's hybrid_override_pattern of Mamba2, attention and MLP-only "
-                  "layers"}
+    "nemotron_h": "Nemotron-H's hybrid_override_pattern: one block per layer (Mamba2 'M', "
+                  "attention '*', an MLP-only '-' or MoE 'E' layer, each a norm and a residual, "
+                  "no MLP after a mixer), its ungated relu2 MLPs and experts (up_proj, "
+                  "down_proj) and the MoE's latent projection; the zoo's layers are a mixer and "
+                  "a gated MLP"}
