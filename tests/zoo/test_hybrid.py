@@ -102,8 +102,8 @@ def test_its_experts_split_over_dp_train_as_on_one_device():
         np.testing.assert_allclose(got, want[path], rtol=1e-5, atol=1e-5, err_msg=path)
 
 
-@pytest.mark.parametrize("family", ["granite-4-h-dense", "granite-4-h"])
-def test_packed_documents_see_only_themselves(family):
+@pytest.mark.parametrize("family", ["granite-4-h-dense", "granite-4-h", "falcon-h1"])
+def test_packed_documents_see_only_themselves(family):  # (Falcon-H1: attention and Mamba2 both)
     """Three documents in a row of 32 (12, 4 and 16 tokens: one ends inside a chunk of 8, one at
     a chunk's end, one spans two chunks): each one's logits are its own forward pass's."""
     cfg = LlamaConfig.from_hf(TINY_FAMILIES[family])

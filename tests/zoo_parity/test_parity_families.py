@@ -17,7 +17,10 @@ norms over all heads, ``rotary_dim``), Granite 4 hybrid (Mamba2 layers beside at
 of 8 and a conv of 4 that the prompts cross, its four multipliers, MoE with a shared MLP and
 NoPE; a dense variant with RoPE and biased Mamba2 projections), Llama 4 (chunks of 8 on its
 RoPE layers, a temperature-tuned NoPE layer, top-2 input-scaled experts beside a shared one:
-more in test_parity_llama4), and YaRN and dynamic-NTK RoPE on Qwen3 and LLaMA shapes.
+more in test_parity_llama4), Falcon-H1 (attention and Mamba2 side by side in every layer,
+chunks of 8 and a conv of 4 that the prompts cross, mamba_d_ssm apart from expand * hidden,
+every muP multiplier off 1, at 1e-4; a variant with the plain gate and biased projectors),
+and YaRN and dynamic-NTK RoPE on Qwen3 and LLaMA shapes.
 
 Each tiny checkpoint is written by transformers itself (``from_config`` + ``save_pretrained``,
 weights perturbed so a misplaced one shows, sharded so the index is read). The lengths cross
@@ -44,7 +47,8 @@ VOCAB, EOS, PAD, BOS = 64, 63, 0, 1
 FAMILIES = {k: v for k, v in TINY_FAMILIES.items()  # the lengths below cross WINDOW (8) and
             if k not in DELTA_NET_FAMILIES}  # ORIGINAL_CONTEXT (16); Gated DeltaNet: its own file
 LOGITS_ONLY = {"qwen3-yarn", "deepseek-v3-plain-q", "seed-oss"}  # logits and export only
-ATOL = {"gemma4": 2e-3}  # unit-scale attention over normed q/k: an ill-conditioned tiny model.
+FALCON = {"falcon-h1": 1e-4, "falcon-h1-plain-gate": 1e-4}  # (the bound)
+ATOL = {**FALCON, "gemma4": 2e-3}  # unit-scale attention over normed q/k: an ill-conditioned tiny model.
 #   From transformers in float64, 40 tokens: float32 transformers 3e-5..1.4e-4, ours 9e-5..2.7e-4
 #   with XLA's default flags, 7e-4..1.1e-3 under CI's (-O0): its float32 kernels round worse
 

@@ -1,5 +1,6 @@
 """The serving engine on the recurrent families (Gated DeltaNet: Qwen3.5 dense and MoE; Mamba2:
-Granite 4 hybrid), on Llama 4 (whose chunk mask and NoPE temperature count each row's
+Granite 4 hybrid; both in every layer: Falcon-H1, its cache the keys and values and the
+Mamba2 state), on Llama 4 (whose chunk mask and NoPE temperature count each row's
 slots) and on Gemma 4 (whose last layers attend to another layer's cache), against
 transformers' PyTorch models, from checkpoints transformers wrote.
 
@@ -28,7 +29,7 @@ LENGTHS = (3, 37, 11, 20, 6)  # the first three read in one prefill; the last tw
 
 
 @pytest.fixture(scope="module", params=["qwen3.5", "qwen3.5-moe", "granite-4-h", "llama4",
-                                        "gemma4"])
+                                        "gemma4", "falcon-h1"])
 def pair(request, tmp_path_factory):
     """transformers' model (weights perturbed by 0.1, as test_parity_gated_deltanet's) and ours
     read from the checkpoint it saved; our delta rule in chunks of 16."""

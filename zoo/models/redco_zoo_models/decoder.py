@@ -19,6 +19,7 @@ from flax import nnx
 from redco import remat, sequence_split
 from redco.tree_paths import named_leaves
 from redco_zoo_models import (
+    falcon_h1,
     family_tensors,
     gemma4,
     layer_scan,
@@ -57,16 +58,17 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: DecoderConfig, layer: int, rngs: nnx.Rngs):
         for name in NORMS[cfg.norm_layout]:
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset))
-        if cfg.mixer(layer) is Mixer.MAMBA2:
+        if cfg.mixer(layer) in (Mixer.MAMBA2, Mixer.PARALLEL):
             self.mamba = Mamba2(cfg.mamba, rngs)
-        elif cfg.mixer(layer) is Mixer.GATED_DELTANET:  # (its token mixer: linear_attn)
+        if cfg.mixer(layer) is Mixer.GATED_DELTANET:  # (its token mixer: linear_attn)
             self.linear_attn = GatedDeltaNet(cfg.delta_net(), rngs)
-        else:
+        elif cfg.mixer(layer) is not Mixer.MAMBA2:
             self.self_attn = LatentAttention(cfg, rngs) if cfg.kv_lora_rank else \
                 Attention(cfg, layer, rngs)
         wide = 2 if cfg.double_wide_mlp and cfg.kv_source(layer) is not None else 1
         self.mlp = MoE(cfg.moe(), rngs) if cfg.sparse(layer) else \
-            GatedMLP(cfg.hidden_size, wide * cfg.intermediate_size, cfg.hidden_act, rngs)
+            GatedMLP(cfg.hidden_size, wide * cfg.intermediate_size, cfg.hidden_act, rngs,
+                     multipliers=cfg.mlp_multipliers)
         gemma4.add_layer_parts(self, cfg, rngs)
         self.layout, self.residual_multiplier, self.cfg = cfg.norm_layout, cfg.residual_multiplier, cfg
 
@@ -80,7 +82,10 @@ class DecoderLayer(nnx.Module):
         before_mlp = norm("post_attention_layernorm" if self.layout == "pre"
                           else "pre_feedforward_layernorm")
         after_mlp = norm("post_feedforward_layernorm")
-        if hasattr(self, "mamba") or hasattr(self, "linear_attn"):
+        if hasattr(self, "mamba") and hasattr(self, "self_attn"):  # (Falcon-H1: both)
+            h, layer_cache = falcon_h1.mixed(self, before_attn(x), positions, allowed,
+                                             layer_cache, cache_index, lengths, segment_ids)
+        elif hasattr(self, "mamba") or hasattr(self, "linear_attn"):
             h, layer_cache = self._recurrent(before_attn(x), allowed, layer_cache, cache_index,
                                              segment_ids)
         else:
@@ -278,6 +283,8 @@ class DecoderLM(nnx.Module):
                                        segment_ids, inputs_embeds, blocks, positions, deepstack)
         if self.cfg.logits_scaling != 1.0:  # (Granite: logits / logits_scaling)
             x = x / jnp.asarray(self.cfg.logits_scaling, x.dtype)
+        if self.cfg.lm_head_multiplier != 1.0:  # (Falcon-H1: logits times it)
+            x = x * jnp.asarray(self.cfg.lm_head_multiplier, x.dtype)
         if labels is not None:
             out = next_token_loss(x, self.head(), labels, label_mask,
                                   softcap=self.cfg.final_softcap)
@@ -313,9 +320,11 @@ class DecoderLM(nnx.Module):
                               values=False)
         attention = lambda i: {} if cfg.kv_source(i) is not None else init_cache(  # noqa: E731
             1, batch, n_slots, *reversed(cfg.attention_shape(i)), dtype)[0]  # (Gemma 4: shared)
-        states = {Mixer.MAMBA2: lambda i: mamba2.init_cache(batch, cfg.mamba, dtype),
+        ssm = lambda i: mamba2.init_cache(batch, cfg.mamba, dtype)  # noqa: E731
+        states = {Mixer.MAMBA2: ssm,  # (a linear layer's: a fixed-size state, no slots)
                   Mixer.GATED_DELTANET: lambda i: init_state(cfg.delta_net(), batch, dtype),
-                  Mixer.ATTENTION: attention}  # (a linear layer's: a fixed-size state, no slots)
+                  Mixer.ATTENTION: attention,
+                  Mixer.PARALLEL: lambda i: {"attention": attention(i), "mamba": ssm(i)}}
         return [states[cfg.mixer(i)](i) for i in range(cfg.num_hidden_layers)]
 
     def hf_tensors_in(self, tensors: dict) -> dict:

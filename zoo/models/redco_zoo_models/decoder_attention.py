@@ -54,6 +54,8 @@ class Attention(nnx.Module):
         cfg, (b, t, _) = self.cfg, x.shape
         q, gate = self.q_proj(x), None
         k = raw = None if self.shares else self.k_proj(x)
+        if k is not None and cfg.key_multiplier != 1.0:  # (Falcon-H1)
+            k = k * jnp.asarray(cfg.key_multiplier, k.dtype)
         if cfg.attn_output_gate:
             q, gate = jnp.split(q.reshape(b, t, cfg.num_attention_heads, 2 * self.head_dim), 2, -1)
             q, gate = q.reshape(b, t, -1), gate.reshape(b, t, -1)

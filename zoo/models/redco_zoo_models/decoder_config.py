@@ -33,6 +33,12 @@ attention and a gated MLP. What differs:
   ``attention_multiplier`` (the scores' scale), ``residual_multiplier`` (each block's output
   before the residual add) and ``logits_scaling`` (logits divided by it), and
   ``position_embedding`` ``None`` (no RoPE: NoPE);
+* Falcon-H1 (``redco_zoo_models.falcon_h1``): every layer's mixer ``attention_mamba2``,
+  attention and Mamba2 side by side on the same normed input, their outputs summed; muP-style
+  multipliers as data: ``embedding_multiplier``, ``lm_head_multiplier`` (logits times it),
+  ``key_multiplier`` (the keys), ``attention_in_multiplier``/``attention_out_multiplier`` and
+  ``ssm_out_multiplier`` (the mixers' inputs and outputs; the Mamba2 layer's own in
+  ``mamba``), ``mlp_multipliers`` (the MLP's gate projection and its output);
 * Qwen3-Next, Qwen3.5: ``mixers`` from config.json's ``layer_types``, their linear layers a Gated
   DeltaNet (``redco_zoo_models.gated_deltanet``, sized by the
   ``linear_*`` fields; ``delta_chunk_size`` is the run's); ``attn_output_gate``: ``q_proj``
@@ -74,6 +80,7 @@ class Mixer(str, enum.Enum):
     ATTENTION = "attention"
     MAMBA2 = "mamba2"  # redco_zoo_models.mamba2
     GATED_DELTANET = "gated_deltanet"  # redco_zoo_models.gated_deltanet
+    PARALLEL = "attention_mamba2"  # both, side by side (Falcon-H1: redco_zoo_models.falcon_h1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +148,12 @@ class DecoderConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     position_embedding: str | None = "rope"  # rope | None (NoPE: Granite 4 hybrid)
+    lm_head_multiplier: float = 1.0  # Falcon-H1's multipliers (see the module docstring)
+    key_multiplier: float = 1.0
+    attention_in_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    ssm_out_multiplier: float = 1.0
+    mlp_multipliers: tuple[float, float] = (1.0, 1.0)  # the MLP's gate and down projections
     shared_expert_size: int = 0  # an MoE block's shared MLP (0: n_shared_experts * expert size)
     attn_output_gate: bool = False  # Qwen3-Next: q_proj also gives a sigmoid gate on the output
     linear_num_key_heads: int = 0  # the Gated DeltaNet layers' sizes (gated_deltanet)

@@ -63,6 +63,7 @@ class Family:
     fused_delta_net: bool = False  # Qwen3-Next: in_proj_qkvz, in_proj_ba (family_tensors)
     derived: tuple = ()  # keys read through functions (config_keys.DERIVED)
     rotary_dim: bool = False  # MiniMax-M2: the rotated features as a count, ``rotary_dim``
+    parallel: bool = False  # Falcon-H1: attention and Mamba2 side by side in every layer
 
     def own_keys(self) -> set:
         """The config keys this family reads beyond ``COMMON`` and RoPE's."""
@@ -71,6 +72,8 @@ class Family:
             {"rotary_dim"} if self.rotary_dim else set())
 
     def _mixer_keys(self) -> set:
+        if self.parallel:
+            return set(mamba2.KEYS) | set(mamba2.PARALLEL_KEYS) | {"layers_block_type"}
         if self.linear == "mamba2":
             return set(mamba2.KEYS) | {"layer_types", "layers_block_type"}
         return {"layer_types", "full_attention_interval"} if self.linear else set()
@@ -171,6 +174,19 @@ FAMILIES = {
                "num_local_experts": ("n_experts", 8), "num_experts_per_tok": (
                    "experts_per_token", 2), "router_aux_loss_coef": ("router_aux_loss_coef", 0.001)},
         linear="mamba2", ignores=MOE_IGNORES),
+    "falcon_h1": Family(  # attention and Mamba2 in parallel in every layer; muP multipliers
+        "FalconH1ForCausalLM", reads={
+            "attention_bias": (("attention_bias", "o_proj_bias"), False),
+            "hidden_act": ("hidden_act", "silu"),
+            "embedding_multiplier": ("embedding_multiplier", 1.0),
+            "lm_head_multiplier": ("lm_head_multiplier", 1.0),
+            "key_multiplier": ("key_multiplier", 1.0),
+            "attention_in_multiplier": ("attention_in_multiplier", 1.0),
+            "attention_out_multiplier": ("attention_out_multiplier", 1.0),
+            "ssm_out_multiplier": ("ssm_out_multiplier", 1.0),
+            "mlp_multipliers": ("mlp_multipliers", (1.0, 1.0))},
+        linear="mamba2", parallel=True, ignores=frozenset({"num_logits_to_keep"}),
+        defaults={"rms_norm_eps": 1e-5}),
     "qwen3_next": Family(  # Gated DeltaNet and gated attention layers; shared expert
         "Qwen3NextForCausalLM", switches={**GATED_DELTANET, "shared_expert_gate": True},
         reads={**GATED_DELTANET_READS, **SHARED_EXPERT_READS,
@@ -261,7 +277,8 @@ FAMILIES = {
 
 COMPUTING = config_keys.computing(FAMILIES, COMMON, ROPE_KEYS)
 NOT_YET = {  # model_type -> what the zoo's decoder lacks to read it
-    "falcon_h1": "Falcon-H1's attention and Mamba2 side by side in every layer, with its "
-                 "per-block multipliers (attention_in/out, ssm_in/out, mlp, ssm_multipliers)",
-    "nemotron_h": "Nemotron-H's hybrid_override_pattern of Mamba2, attention and MLP-only "
-                  "layers"}
+    "nemotron_h": "Nemotron-H's hybrid_override_pattern: one block per layer (Mamba2 'M', "
+                  "attention '*', an MLP-only '-' or MoE 'E' layer, each a norm and a residual, "
+                  "no MLP after a mixer), its ungated relu2 MLPs and experts (up_proj, "
+                  "down_proj) and the MoE's latent projection; the zoo's layers are a mixer and "
+                  "a gated MLP"}

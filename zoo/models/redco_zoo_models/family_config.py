@@ -126,7 +126,7 @@ def read_config(cls, config: dict, where: str = "config.json") -> Any:
             fields.update(config_keys.DERIVED[name].read(config, fields["num_hidden_layers"]))
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from e
-    for field in ("eos_token_id", "mlp_only_layers"):  # (a config is hashed: no lists)
+    for field in ("eos_token_id", "mlp_only_layers", "mlp_multipliers"):  # (hashed: no lists)
         if isinstance(fields.get(field), list):
             fields[field] = tuple(fields[field])
     head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
@@ -134,7 +134,7 @@ def read_config(cls, config: dict, where: str = "config.json") -> Any:
     if family.linear:
         fields["mixers"] = _mixers(family, config, fields["num_hidden_layers"], where)
     if family.linear == "mamba2":
-        fields["mamba"] = mamba2.read_config(config)
+        fields["mamba"] = mamba2.read_config(config, family.parallel)
     return cls(**fields, **family.switches, family=model_type, sliding_window=window,
                layer_types=_layer_types(family, config, fields["num_hidden_layers"])
                if window else None,
@@ -150,6 +150,8 @@ def _mixers(family: Family, config: dict, n: int, where: str) -> tuple[str, ...]
     older ``layers_block_type``), its linear layers the family's ``linear`` mixer. Without it,
     as transformers reads it: Granite's layers are all Mamba2; Qwen3-Next's and Qwen3.5's every
     ``full_attention_interval``-th layer attends, the rest are linear."""
+    if family.parallel:  # (Falcon-H1: every layer both)
+        return ("attention_mamba2",) * n
     names = config.get("layer_types") or config.get("layers_block_type")
     if not names:
         every = config.get("full_attention_interval", 4) if family.linear != "mamba2" else 0
@@ -182,11 +184,11 @@ def write_config(cfg) -> dict:
             out["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
         out["rope_parameters"] = rope
         out["rope_theta"] = rope["rope_theta"]  # (transformers 4 reads it here)
-    if family.linear:  # (transformers 5's layer type names)
+    if family.linear and not family.parallel:  # (transformers 5's layer type names)
         out["layer_types"] = [FULL if m.value == "attention" else "linear_attention"
                               for m in cfg.mixers]
     if family.linear == "mamba2":
-        out.update(mamba2.write_config(cfg.mamba))
+        out.update(mamba2.write_config(cfg.mamba, family.parallel))
     if family.windows != "none":
         out["sliding_window"] = cfg.sliding_window
         out["use_sliding_window"] = cfg.sliding_window is not None

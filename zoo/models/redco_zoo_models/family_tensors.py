@@ -33,7 +33,7 @@ and audio towers dropped), and its KV-sharing layers' key/value tensors, if stor
 DeepSeek-V3's and GLM-4.5's checkpoints hold their multi-token-prediction layers after the
 model's (``model.layers.<num_hidden_layers>...``): not part of the causal LM, they are dropped
 on import, as transformers drops them. Granite 4 hybrid's fused shared MLP, stacked experts and conv
-weights: ``redco_zoo_models.hybrid_tensors``.
+weights: ``redco_zoo_models.hybrid_tensors``; Falcon-H1's names: ``redco_zoo_models.falcon_h1``.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ import re
 
 import numpy as np
 
-from redco_zoo_models import gated_deltanet, hybrid_tensors
+from redco_zoo_models import falcon_h1, gated_deltanet, hybrid_tensors
 from redco_zoo_models.families import FAMILIES, MTP
 from redco_zoo_models.hybrid_tensors import take
 
@@ -92,8 +92,12 @@ def tensors_in(cfg, tensors: dict) -> dict:
     tensors = _without_mtp_layers(cfg, dict(tensors))
     tensors = _without_shared_kv(cfg, tensors)
     tensors = _renamed(cfg, tensors, ".feed_forward.", ".mlp.")
-    tensors = hybrid_tensors.tensors_in(cfg, tensors) if FAMILIES[cfg.family].linear == "mamba2" \
-        else _stacked_experts(cfg, tensors)
+    if FAMILIES[cfg.family].parallel:
+        tensors = falcon_h1.tensors_in(cfg, tensors)
+    elif FAMILIES[cfg.family].linear == "mamba2":
+        tensors = hybrid_tensors.tensors_in(cfg, tensors)
+    else:
+        tensors = _stacked_experts(cfg, tensors)
     tensors = _delta_nets(cfg, tensors, FUSED_DELTA_NET, gated_deltanet.split_fused)
     if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
         embedding = tensors.get("model.embed_tokens.weight")
@@ -114,8 +118,12 @@ def tensors_in(cfg, tensors: dict) -> dict:
 
 def tensors_out(cfg, tensors: dict) -> dict:
     """The zoo model's tensors under its family's checkpoint names (``tensors_in`` undone)."""
-    tensors = hybrid_tensors.tensors_out(cfg, tensors) if FAMILIES[cfg.family].linear == "mamba2" \
-        else _unstacked_experts(cfg, dict(tensors))
+    if FAMILIES[cfg.family].parallel:
+        tensors = falcon_h1.tensors_out(cfg, tensors)
+    elif FAMILIES[cfg.family].linear == "mamba2":
+        tensors = hybrid_tensors.tensors_out(cfg, tensors)
+    else:
+        tensors = _unstacked_experts(cfg, dict(tensors))
     tensors = _delta_nets(cfg, tensors, SPLIT_DELTA_NET, gated_deltanet.fused)
     tensors = _renamed(cfg, tensors, ".mlp.", ".feed_forward.")
     if not FAMILIES[cfg.family].fused:

@@ -49,18 +49,23 @@ def rms_normalized(x, eps: float):
 class GatedMLP(nnx.Module):
     """``down(act(gate(x)) * up(x))``, without biases (with them: ``bias``, Qwen2.5-VL's vision
     tower): the MLP of LLaMA-style decoders and an MoE block's shared experts, named as
-    HuggingFace names it (``gate_proj``, ``up_proj``, ``down_proj``)."""
+    HuggingFace names it (``gate_proj``, ``up_proj``, ``down_proj``). ``multipliers``
+    (Falcon-H1's ``mlp_multipliers``): the gate projection's and the output's scales."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, rngs: nnx.Rngs,
-                 bias: bool = False):
+                 bias: bool = False, multipliers: tuple[float, float] = (1.0, 1.0)):
         linear = lambda i, o: nnx.Linear(i, o, use_bias=bias, rngs=rngs)  # noqa: E731
         self.gate_proj = linear(hidden_size, intermediate_size)
         self.up_proj = linear(hidden_size, intermediate_size)
         self.down_proj = linear(intermediate_size, hidden_size)
-        self.act = act
+        self.act, self.multipliers = act, tuple(multipliers)
 
     def __call__(self, x):
-        return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
+        if self.multipliers == (1.0, 1.0):
+            return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
+        gate, down = (jnp.asarray(m, x.dtype) for m in self.multipliers)
+        return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x) * gate)
+                              * self.up_proj(x)) * down
 
 
 @remat.layer

@@ -75,15 +75,22 @@ class Mamba2Config:
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
     activation: str = "silu"
     eps: float = 1e-6
+    d_ssm: int = 0  # Falcon-H1: d_inner given (0: expand * hidden_size)
+    out_proj_bias: bool | None = None  # Falcon-H1's projectors_bias (None: proj_bias)
+    rms_norm: bool = True  # Falcon-H1: False for a plain gate, y * silu(z)
+    norm_before_gate: bool = False  # Falcon-H1: rmsnorm(y) * silu(z)
+    in_multiplier: float = 1.0  # Falcon-H1's ssm_in_multiplier: the input scaled
+    multipliers: tuple[float, ...] = (1.0,) * 5  # ... ssm_multipliers: z, x, B, C, dt scaled
 
     def __post_init__(self):
-        inner = self.expand * self.hidden_size
+        inner = self.d_ssm or self.expand * self.hidden_size
         if not self.head_dim:
             object.__setattr__(self, "head_dim", inner // self.n_heads)
         if self.head_dim * self.n_heads != inner or self.n_heads % self.n_groups:
             raise ValueError(f"Mamba2: {self.n_heads} heads of {self.head_dim} channels in "
-                             f"{self.n_groups} groups do not make expand * hidden_size = "
-                             f"{inner}: fix mamba_n_heads, mamba_d_head or mamba_n_groups.")
+                             f"{self.n_groups} groups do not make d_inner (mamba_d_ssm or expand * "
+                             f"hidden_size) = {inner}: fix mamba_n_heads, mamba_d_head or "
+                             "mamba_n_groups.")
 
     @property
     def inner(self) -> int:
@@ -176,17 +183,20 @@ def chunked_scan(x, dt, a, b, c, state=None, chunk: int = 256, runs=None):
 
 class GatedRMSNorm(nnx.Module):
     """``rmsnorm(y * silu(z))`` over each of ``groups`` equal groups of channels, times a
-    learned scale, in float32."""
+    learned scale, in float32; ``before_gate`` (Falcon-H1's ``mamba_norm_before_gate``):
+    ``rmsnorm(y) * silu(z)``."""
 
-    def __init__(self, dim: int, groups: int, eps: float):
+    def __init__(self, dim: int, groups: int, eps: float, before_gate: bool = False):
         self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
-        self.groups, self.eps = groups, eps
+        self.groups, self.eps, self.before_gate = groups, eps, before_gate
 
     def __call__(self, y, z):
-        h = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        gate = jax.nn.silu(z.astype(jnp.float32))
+        h = y.astype(jnp.float32) * (1.0 if self.before_gate else gate)
         g = h.reshape(*h.shape[:-1], self.groups, -1)
         g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + self.eps)
-        return (g.reshape(h.shape) * self.weight[...].astype(jnp.float32)).astype(y.dtype)
+        h = g.reshape(h.shape) * self.weight[...].astype(jnp.float32)
+        return (h * (gate if self.before_gate else 1.0)).astype(y.dtype)
 
 
 class Mamba2(nnx.Module):
@@ -201,8 +211,10 @@ class Mamba2(nnx.Module):
         self.dt_bias = nnx.Param(jnp.ones((h,), jnp.float32))
         self.A_log = nnx.Param(jnp.log(jnp.arange(1, h + 1, dtype=jnp.float32)))
         self.D = nnx.Param(jnp.ones((h,), jnp.float32))
-        self.norm = GatedRMSNorm(cfg.inner, cfg.n_groups, cfg.eps)
-        self.out_proj = nnx.Linear(cfg.inner, d, use_bias=cfg.proj_bias, rngs=rngs)
+        if cfg.rms_norm:
+            self.norm = GatedRMSNorm(cfg.inner, cfg.n_groups, cfg.eps, cfg.norm_before_gate)
+        out_bias = cfg.proj_bias if cfg.out_proj_bias is None else cfg.out_proj_bias
+        self.out_proj = nnx.Linear(cfg.inner, d, use_bias=out_bias, rngs=rngs)
         self.cfg = cfg
 
     def __call__(self, x, valid=None, cache: dict | None = None, scan=None, runs=None,
@@ -215,7 +227,7 @@ class Mamba2(nnx.Module):
         sequence split over devices (``recurrent_split``)."""
         cfg, (bsz, t, _) = self.cfg, x.shape
         valid = jnp.ones((bsz, t), bool) if valid is None else valid
-        z, xbc, dt = jnp.split(self.in_proj(_kept(x, valid)),
+        z, xbc, dt = jnp.split(self._projected(_kept(x, valid)),
                                [cfg.inner, cfg.inner + cfg.conv_dim], -1)
         dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...]),
                       *cfg.time_step_limit)
@@ -224,7 +236,7 @@ class Mamba2(nnx.Module):
             refuse_split_cache(cache)
             y = recurrent_split.run(split, xbc, (dt, valid), cfg.conv_kernel, self._conv,
                                     self._rule, self._transition, jnp.multiply)
-            return self.out_proj(self.norm(y.astype(x.dtype), z)), None
+            return self.out_proj(self._gated(y.astype(x.dtype), z)), None
         history = None if cache is None else cache["conv"].astype(xbc.dtype)
         new_conv = last_real_inputs(xbc, history, cfg.conv_kernel - 1, valid)
         xs, b, c = self._parts(_kept(self._conv(xbc, runs, history), valid))
@@ -233,10 +245,32 @@ class Mamba2(nnx.Module):
                                                          runs=runs)
         y, state = scan(xs, dt, self._a(), b, c, None if cache is None else cache["ssm"])
         y = y + self.D[...].astype(jnp.float32)[:, None] * xs.astype(jnp.float32)
-        y = self.norm(y.reshape(bsz, t, cfg.inner).astype(x.dtype), z)
+        y = self._gated(y.reshape(bsz, t, cfg.inner).astype(x.dtype), z)
         new = None if cache is None else {"conv": new_conv.astype(cache["conv"].dtype),
                                           "ssm": state.astype(cache["ssm"].dtype)}
         return self.out_proj(y), new
+
+    def _projected(self, x):
+        """``in_proj`` of ``x``; Falcon-H1's multipliers: its input scaled, then each part of
+        the projection (z, x, B, C, dt; transformers' ``mup_vector``)."""
+        cfg = self.cfg
+        if cfg.in_multiplier != 1.0:
+            x = x * jnp.asarray(cfg.in_multiplier, x.dtype)
+        out = self.in_proj(x)
+        if cfg.multipliers == (1.0,) * 5:
+            return out
+        gs = cfg.n_groups * cfg.state_size
+        sizes = (cfg.inner, cfg.inner, gs, gs, cfg.n_heads)
+        scale = jnp.concatenate([jnp.full((n,), m, jnp.float32)
+                                 for n, m in zip(sizes, cfg.multipliers)])
+        return out * scale.astype(out.dtype)
+
+    def _gated(self, y, z):
+        """The scan's output gated by ``z``: the gated RMSNorm, or (Falcon-H1 without
+        ``mamba_rms_norm``) ``y * silu(z)``."""
+        if self.cfg.rms_norm:
+            return self.norm(y, z)
+        return (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(y.dtype)
 
     def _a(self):
         return -jnp.exp(self.A_log[...].astype(jnp.float32))
@@ -312,24 +346,41 @@ KEYS = {  # config.json key -> Mamba2Config field (Granite 4 hybrid's names)
 }
 
 
-def read_config(config: dict) -> Mamba2Config:
+PARALLEL_KEYS = {  # Falcon-H1's own: config.json key -> (Mamba2Config field, its default)
+    "mamba_d_ssm": ("d_ssm", None), "mamba_rms_norm": ("rms_norm", False),
+    "mamba_norm_before_gate": ("norm_before_gate", True),
+    "projectors_bias": ("out_proj_bias", False), "ssm_in_multiplier": ("in_multiplier", 1.0),
+    "ssm_multipliers": ("multipliers", (1.0,) * 5),
+}
+
+
+def read_config(config: dict, parallel: bool = False) -> Mamba2Config:
     """The Mamba2 layers' shape from a hybrid's ``config.json`` (transformers' defaults for
-    keys it omits; ``mamba_d_head`` ``"auto"``: what the heads leave)."""
+    keys it omits; ``mamba_d_head`` ``"auto"``: what the heads leave); ``parallel``: Falcon-H1's
+    (``PARALLEL_KEYS`` too)."""
     given = {field: config[key] for key, field in KEYS.items() if config.get(key) is not None}
     if given.get("head_dim") == "auto":
         del given["head_dim"]
     if "time_step_limit" in given:  # (transformers 5 writes infinity as {"__float__": ...})
         given["time_step_limit"] = tuple(float(v["__float__"] if isinstance(v, dict) else v)
                                          for v in given["time_step_limit"])
+    if parallel:
+        given.update({field: config[key] if config.get(key) is not None else default
+                      for key, (field, default) in PARALLEL_KEYS.items()})
+        given["d_ssm"] = given["d_ssm"] or 0
+        given["multipliers"] = tuple(float(m) for m in given["multipliers"])
     return Mamba2Config(config["hidden_size"], activation=config.get("hidden_act", "silu"),
                         eps=config.get("rms_norm_eps", 1e-6), **given)
 
 
-def write_config(cfg: Mamba2Config) -> dict:
-    """``read_config`` undone: the ``mamba_*`` keys."""
+def write_config(cfg: Mamba2Config, parallel: bool = False) -> dict:
+    """``read_config`` undone: the ``mamba_*`` keys (and ``PARALLEL_KEYS``)."""
     out = {key: getattr(cfg, field) for key, field in KEYS.items()}
     out["time_step_limit"] = [v if math.isfinite(v) else {"__float__": "Infinity" if v > 0 else "-Infinity"}
                               for v in cfg.time_step_limit]  # (as transformers 5 writes them)
+    if parallel:
+        out.update({key: getattr(cfg, field) for key, (field, _) in PARALLEL_KEYS.items()})
+        out["mamba_d_ssm"], out["ssm_multipliers"] = cfg.inner, list(cfg.multipliers)
     return out
 
 

@@ -180,6 +180,18 @@ TINY_FAMILIES = {  # config.json contents of a tiny model of each family, as tra
         **_MAMBA, num_local_experts=0, shared_intermediate_size=48, mamba_proj_bias=True,
         position_embedding_type="rope", rope_parameters=dict(rope_type="default",
                                                              rope_theta=1e4)),
+    "falcon-h1": dict(  # attention beside Mamba2 (chunks of 8, conv 4, d_ssm apart from
+        _TINY, model_type="falcon_h1", **_MAMBA, mamba_d_ssm=48,  # expand * hidden), every
+        mamba_rms_norm=True, mamba_norm_before_gate=True,  # multiplier off 1
+        embedding_multiplier=2.0, lm_head_multiplier=0.6, key_multiplier=1.3,
+        attention_in_multiplier=0.8, attention_out_multiplier=1.2, ssm_in_multiplier=0.9,
+        ssm_out_multiplier=1.1, mlp_multipliers=[1.4, 0.7],
+        ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9], rope_parameters=dict(
+            rope_type="default", rope_theta=1e4)),
+    "falcon-h1-plain-gate": dict(  # no gated norm (y * silu(z)): the hub's Falcon-H1 default;
+        _TINY, model_type="falcon_h1", **_MAMBA, mamba_rms_norm=False,  # biased projectors
+        projectors_bias=True, attention_bias=True, rope_parameters=dict(
+            rope_type="default", rope_theta=1e4)),
     "llama4": dict(  # chunks of 8 on RoPE layers, a NoPE layer with temperature tuning (a
         _TINY, model_type="llama4_text", head_dim=8, attention_bias=True,  # floor_scale the
         attention_chunk_size=WINDOW, no_rope_layers=[1, 0, 1], floor_scale=4,  # prompts cross)
