@@ -572,13 +572,15 @@ def test_a_decode_degree_that_does_not_divide_the_devices_is_refused_before_anyt
 
 
 def test_grpo_help_offers_no_planner_flags(capsys):
-    """What GRPO refuses its ``--help`` does not offer: no ``--device_memory``, no ``auto``;
-    the pipelines the planner serves offer both."""
+    """What GRPO refuses its ``--help`` does not offer: no ``--n_model_shards auto`` (the
+    pipelines the planner serves offer it); its ``--device_memory`` is the rollout split's
+    (``--rollout_devices auto``), said so."""
     for name, offered in (("grpo", False), ("lm", True)):
         with pytest.raises(SystemExit):
             main(["zoo", "run", name, "--help"])
         text = " ".join(capsys.readouterr().out.split())
-        assert ("--device_memory" in text) is offered, name
+        assert "--device_memory" in text, name
+        assert ("one device's memory for --rollout_devices auto" in text) is not offered, name
         assert ("or auto: the layout planner picks it" in text) is offered, name
 
 
