@@ -54,11 +54,12 @@ def test_packed_documents_see_only_themselves(family):
 def test_the_chunked_loss_equals_the_loss_of_whole_logits(family):
     """``labels=`` (chunks, never the whole logits) gives the cross-entropy of the model's own
     logits: Gemma 2's final softcap and Llama 3.2's tied head included."""
-    model = tiny_family(family)
+    apply_fn, params = split_model(tiny_family(family))
     ids = jnp.asarray(np.random.RandomState(1).randint(1, 63, (2, 24)))
-    logits = model(ids[:, :-1]).astype(jnp.float32)
+    logits = jax.jit(apply_fn)(params, ids[:, :-1]).astype(jnp.float32)  # (eager: op by op)
     want = -jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], -1).mean()
-    np.testing.assert_allclose(model(ids[:, :-1], labels=ids[:, 1:]), want, rtol=1e-5)
+    loss = jax.jit(lambda p: apply_fn(p, ids[:, :-1], labels=ids[:, 1:]))(params)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family, strategy", [("gemma2", "ring"), ("gemma3", "all_gather"),
@@ -259,9 +260,13 @@ def test_a_window_the_decoder_honours_changes_what_it_computes():
     cfg = LlamaConfig.from_hf(TINY_FAMILIES["mistral"])
     assert cfg.sliding_window == WINDOW
     ids = jnp.asarray(np.random.RandomState(5).randint(1, 63, (1, 20)))
-    windowed = LlamaForCausalLM(cfg, nnx.Rngs(0))(ids)
     import dataclasses
-    unwindowed = LlamaForCausalLM(dataclasses.replace(cfg, sliding_window=None), nnx.Rngs(0))(ids)
+
+    def logits(cfg):  # (jitted: eager, each op compiles)
+        apply_fn, params = split_model(LlamaForCausalLM(cfg, nnx.Rngs(0)))
+        return jax.jit(apply_fn)(params, ids)
+    windowed = logits(cfg)
+    unwindowed = logits(dataclasses.replace(cfg, sliding_window=None))
     np.testing.assert_allclose(windowed[:, :WINDOW], unwindowed[:, :WINDOW], atol=1e-5)
     assert np.abs(windowed[:, WINDOW:] - unwindowed[:, WINDOW:]).max() > 1e-3
 
