@@ -31,9 +31,8 @@ def jiggled(model, seed=0):
     """``model`` with every weight moved at random: the tokens it picks depend on its inputs."""
     leaves, tree = jax.tree.flatten(params(model))
     keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    moved = jax.jit(lambda leaves, keys: [x + 0.2 * jax.random.normal(k, x.shape)
-                                          for x, k in zip(leaves, keys)])  # (one compile)
-    nnx.update(model, jax.tree.unflatten(tree, moved(leaves, list(keys))))
+    nnx.update(model, jax.tree.unflatten(
+        tree, [x + 0.2 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
     return model
 
 
