@@ -48,19 +48,6 @@ def test_missing_data_file(lm_dir):
                    str(lm_dir / "missing.jsonl")), "missing.jsonl: no such file or folder")
 
 
-def test_unknown_column_lists_the_columns(lm_dir):
-    one_line(redco("zoo", "run", "lm", "--model", str(lm_dir / "model"), "--train",
-                   str(lm_dir / "data.jsonl"), "--text_column", "content"),
-             "--text_column 'content'", "Its columns: ['text']")
-
-
-def test_data_too_small_for_the_block_size(lm_dir):
-    # the 2 held-out rows (the last 5%) are about 20 tokens: too few for 128 + 1
-    one_line(redco("zoo", "run", "lm", "--model", str(lm_dir / "model"), "--train",
-                   str(lm_dir / "data.jsonl"), "--workdir", str(lm_dir / "w")),
-             "--eval (or the last 5% of --train) is ", "too few for one example of --block_size 128")
-
-
 def test_debug_shows_the_traceback():
     result = redco("new", "--template", "nope", "proj", debug=True)
     assert result.returncode == 1 and "Traceback" in result.stderr
@@ -68,13 +55,24 @@ def test_debug_shows_the_traceback():
 
 
 # ---- in-process (``redco.cli.main``): the same one line and exit 2, without a new Python ------
-def main_says(capsys, *args) -> str:
+def main_err(capsys, *args) -> list[str]:
+    """The lines ``redco.cli.main(args)`` writes to stderr, exiting with status 2."""
     from redco.cli import main
     with pytest.raises(SystemExit) as stop:
         main(list(args))
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and err, err
-    return err[-1]
+    return err
+
+
+def main_says(capsys, *args) -> str:
+    return main_err(capsys, *args)[-1]
+
+
+def main_says_one_line(capsys, *args) -> str:
+    err = main_err(capsys, *args)
+    assert len(err) == 1, err
+    return err[0]
 
 
 def test_a_model_folder_that_is_not_there_or_not_a_model_names_the_fix(lm_dir, capsys,
@@ -92,6 +90,21 @@ def test_a_model_folder_that_is_not_there_or_not_a_model_names_the_fix(lm_dir, c
     line = main_says(capsys, "zoo", "run", "lm", "--model", str(tmp_path / "bert"), "--train",
                      str(lm_dir / "data.jsonl"))
     assert "holds a 'bert' model; the zoo reads [" in line and "families.py" in line
+
+
+# (in-process: the same exit path as test_missing_data_file's subprocess, without its start-up)
+def test_unknown_column_lists_the_columns(lm_dir, capsys):
+    line = main_says_one_line(capsys, "zoo", "run", "lm", "--model", str(lm_dir / "model"),
+                              "--train", str(lm_dir / "data.jsonl"), "--text_column", "content")
+    assert "--text_column 'content'" in line and "Its columns: ['text']" in line, line
+
+
+def test_data_too_small_for_the_block_size(lm_dir, capsys):
+    # the 2 held-out rows (the last 5%) are about 20 tokens: too few for 128 + 1
+    line = main_says_one_line(capsys, "zoo", "run", "lm", "--model", str(lm_dir / "model"),
+                              "--train", str(lm_dir / "data.jsonl"), "--workdir", str(lm_dir / "w"))
+    assert "--eval (or the last 5% of --train) is " in line, line
+    assert "too few for one example of --block_size 128" in line, line
 
 
 def test_a_mistyped_flag_names_the_one_meant(lm_dir, capsys):

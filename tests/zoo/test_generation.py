@@ -44,14 +44,17 @@ def test_sampled_tokens_logprobs_equal_the_training_forwards_in_fp32():
     model, params = model_and_params()
     prompt = jnp.array([[0, 0, 5, 9, 2], [7, 1, 3, 3, 8]])
     mask = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    def sample(eos):
-        return generate(model, params, prompt, 12, prompt_mask=mask, rng=jax.random.PRNGKey(3),
-                        temperature=0.7, eos_token_id=eos, return_logprobs=True)
+    def sample(eos):  # (jitted: eager, each op compiles)
+        return jax.jit(lambda p: generate(model, p, prompt, 12, prompt_mask=mask,
+                                          rng=jax.random.PRNGKey(3), temperature=0.7,
+                                          eos_token_id=eos, return_logprobs=True))(params)
     eos = int(sample(None)[0][0, 4])  # the 5th token row 0 draws: it ends there
     tokens, logprobs = sample(eos)
     ids = jnp.concatenate([prompt, tokens], 1)
     segments = jnp.concatenate([mask, jnp.ones_like(tokens)], 1)  # padding: its own segment 0
-    logits = model(ids, segment_ids=segments)[:, prompt.shape[1] - 1:-1]
+    apply_fn, _ = split_model(model)
+    logits = jax.jit(lambda p: apply_fn(p, ids, segment_ids=segments))(params)
+    logits = logits[:, prompt.shape[1] - 1:-1]
     forward = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32) / 0.7),
                                   tokens[..., None], -1)[..., 0]
     after_eos = jnp.cumsum(tokens == eos, 1) - (tokens == eos) > 0
@@ -67,10 +70,10 @@ def test_g_samples_per_prompt_are_the_prompts_repeated_in_one_call():
     prompt = jnp.array([[0, 0, 5, 9, 2], [7, 1, 3, 3, 8]])
     mask = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     kwargs = dict(rng=jax.random.PRNGKey(4), temperature=1.0, return_logprobs=True)
-    tokens, logprobs = generate(model, params, prompt, 6, prompt_mask=mask, num_samples=4,
-                                **kwargs)
-    copies = generate(model, params, jnp.repeat(prompt, 4, 0), 6,
-                      prompt_mask=jnp.repeat(mask, 4, 0), **kwargs)
+    tokens, logprobs = jax.jit(lambda p: generate(model, p, prompt, 6, prompt_mask=mask,
+                                                  num_samples=4, **kwargs))(params)
+    copies = jax.jit(lambda p: generate(model, p, jnp.repeat(prompt, 4, 0), 6,
+                                        prompt_mask=jnp.repeat(mask, 4, 0), **kwargs))(params)
     assert tokens.shape == (8, 6)
     np.testing.assert_array_equal(tokens, copies[0])
     np.testing.assert_allclose(logprobs, copies[1], atol=1e-6)
@@ -111,10 +114,12 @@ def test_beam_search_stops_at_eos_and_pads():
 def test_top_k_and_top_p_sample_only_from_the_allowed_tokens():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     rngs = jax.random.split(jax.random.PRNGKey(0), 400)
-    top2 = {int(pick_tokens(logits, r, 1.0, top_k=2)[0]) for r in rngs}
-    nucleus = {int(pick_tokens(logits, r, 1.0, top_p=0.7)[0]) for r in rngs}
-    assert top2 == {0, 1} and nucleus == {0, 1}
-    assert {int(pick_tokens(logits, r, 1.0, top_p=0.9)[0]) for r in rngs} == {0, 1, 2}
+
+    def picked(**kwargs):  # 400 draws in one compiled call, not 400 eager ones
+        draws = jax.jit(jax.vmap(lambda r: pick_tokens(logits, r, 1.0, **kwargs)[0]))(rngs)
+        return set(np.asarray(draws).tolist())
+    assert picked(top_k=2) == {0, 1} and picked(top_p=0.7) == {0, 1}
+    assert picked(top_p=0.9) == {0, 1, 2}
 
 
 @pytest.mark.parametrize("num_beams", [1, 3])

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from step_rows import StepRows
 
@@ -75,10 +76,16 @@ def fit(policy, workdir, sharding_rules="auto", lora_rank=0):
     return np.array(metrics.rows), jax.device_get(t.params), t
 
 
-def test_training_with_remat_equals_training_without(workdir):
+@pytest.fixture(scope="module")
+def without_remat(tmp_path_factory):
+    """The reference both full-model tests compare with: ``auto``, no remat (one run)."""
+    return fit("none", str(tmp_path_factory.mktemp("remat") / "none"))
+
+
+def test_training_with_remat_equals_training_without(workdir, without_remat):
     """8 devices, dp4 x mp2, 4 updates of Trainer(remat="full"): losses, gradient norms and
     params equal Trainer(remat="none")'s to 1e-5, on the same layout."""
-    ref_rows, ref_params, ref = fit("none", workdir + "none")
+    ref_rows, ref_params, ref = without_remat
     traced = remat.layers_traced()
     rows, params, t = fit("full", workdir + "full")
     assert remat.layers_traced() - traced >= N_LAYERS  # the Trainer's policy was in force
@@ -89,12 +96,12 @@ def test_training_with_remat_equals_training_without(workdir):
     assert t.state_shardings.params == ref.state_shardings.params
 
 
-def test_fsdp_layers_gather_their_weights_and_train_as_without(workdir):
+def test_fsdp_layers_gather_their_weights_and_train_as_without(workdir, without_remat):
     """dp4 x mp2 with ``auto+fsdp`` and ``full`` remat: each layer gathers its weights inside
     its checkpoint (``redco.fsdp``) and again in the backward pass; losses, gradient norms and
     params equal ``auto``'s without remat to 1e-5 (``tests/core/test_rules.py`` checks FSDP
     without remat)."""
-    ref_rows, ref_params, _ = fit("none", workdir + "ref")
+    ref_rows, ref_params, _ = without_remat
     rows, params, t = fit("full", workdir + "fsdp", sharding_rules="auto+fsdp")
     assert any("dp" in str(s.spec) for s in jax.tree.leaves(t.state_shardings.params))
     np.testing.assert_allclose(rows, ref_rows, rtol=1e-5, atol=1e-5)

@@ -77,9 +77,10 @@ def test_the_runs_optimizer_is_adamw_with_the_decay_after_clipping(run):
     assert norms[0] > CLIP > norms[1]  # the first is clipped, the second is not
     treedef = jax.tree.structure(params)
     g1, g2 = (jax.tree.unflatten(treedef, gs) for gs in (big, small))
-    state = run.optimizer.init(params)
-    u1, state = run.optimizer.update(g1, state, params)
-    u2, _ = run.optimizer.update(g2, state, optax.apply_updates(params, u1))
+    update = jax.jit(run.optimizer.update)  # (one compile, not one per op and leaf)
+    state = jax.jit(run.optimizer.init)(params)
+    u1, state = update(g1, state, params)
+    u2, _ = update(g2, state, optax.apply_updates(params, u1))
     for p, a, b, got1, got2 in zip(leaves, big, small, jax.tree.leaves(u1), jax.tree.leaves(u2)):
         want1, want2 = adamw_two_updates(np.asarray(p), [a, b], [CLIP / norms[0], 1.0])
         np.testing.assert_allclose(np.asarray(got1), want1, rtol=1e-4, atol=LR * 1e-5)

@@ -43,13 +43,14 @@ def test_cached_greedy_equals_rerunning_the_decoder(kind):
 
 
 def test_padding_changes_nothing():
-    model, _ = model_and_params("flan")
+    apply_fn, params = split_model(model_and_params("flan")[0])
+    run = jax.jit(apply_fn)  # (compiled: an eager forward compiles each op)
     ids, _ = source()
     dec = jnp.array([[0, 5, 9, 3]])
-    alone = model(ids[:1, :4], None, dec)
+    alone = run(params, ids[:1, :4], None, dec)
     padded_source = jnp.concatenate([jnp.array([[7, 7]]), ids[:1, :4], jnp.array([[7]])], 1)
-    got = model(padded_source, jnp.array([[0, 0, 1, 1, 1, 1, 0]]), dec,
-                jnp.array([[1, 1, 1, 0]]))  # and the decoder's right padding
+    got = run(params, padded_source, jnp.array([[0, 0, 1, 1, 1, 1, 0]]), dec,
+              jnp.array([[1, 1, 1, 0]]))  # and the decoder's right padding
     # (left padding shifts the real tokens' slots alike: their relative positions stay)
     np.testing.assert_allclose(got[0, :3], alone[0, :3], atol=1e-5)
 
