@@ -177,10 +177,20 @@ def launch(n_processes: int, workdir: str, **env) -> None:
 def two_process_run() -> str:
     """The folder of an uninterrupted run of the worker on 2 processes (4 devices each), kept
     until pytest exits: compared with one process, and what every stopped and resumed 2-process
-    run of it must end like, bit for bit. Made once per pytest process, like the reference."""
+    run of it (``launch``: explicit ip arguments) must end like, bit for bit. Started by
+    ``redco launch --launcher ip --run`` (the ``ip`` plugin; the second host named by this
+    machine's hostname), the worker detecting its launcher; the launcher's stdout is in
+    ``<folder>/launch_stdout.txt``. Made once per pytest process, like the reference."""
     workdir = tempfile.mkdtemp(prefix="redco-two-processes-")
     atexit.register(shutil.rmtree, workdir, ignore_errors=True)
-    launch(2, workdir)
+    out = subprocess.run(
+        [sys.executable, "-m", "redco.cli", "launch", "--launcher", "ip", "--hosts",
+         f"127.0.0.1,{socket.gethostname()}", "--port", str(free_port()), "--run", "--",
+         sys.executable, WORKER, "detect", "4", workdir],
+        env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    with open(os.path.join(workdir, "launch_stdout.txt"), "w") as f:
+        f.write(out.stdout)
     return workdir
 
 

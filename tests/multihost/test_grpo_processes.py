@@ -27,10 +27,10 @@ def grpo(root, workdir, n_devices: int) -> list[str]:
     return [sys.executable, "-m", "redco.cli", "zoo", "run", "grpo", "--model",
             str(root / "model"), "--train", str(root / "prompts.jsonl"), "--workdir",
             str(workdir), "--reward", "regex_match", "--n_rounds", "3", "--n_model_shards", "2",
-            "--per_device_batch_size", str(64 // n_devices), "--prompts_per_round", "16",
+            "--per_device_batch_size", str(64 // n_devices), "--prompts_per_round", "8",
             "--n_samples", "8", "--max_new_tokens", "4", "--max_prompt_len", "16",
             "--learning_rate", "1e-3", "--beta", "0.1", "--n_updates", "2",
-            "--save_every_n_steps", "8"]  # every round (a checkpoint kill test's reference)
+            "--save_every_n_steps", "4"]  # every round (a checkpoint kill test's reference)
 
 
 def rollouts_and_params(workdir):

@@ -14,7 +14,10 @@ checkpoint: params, optimizer state, step; and what the loop returned), after as
 3. The next rerun resumes from the newest complete checkpoint and ends.
 
 The uninterrupted runs of the three are made once, one after the other in the same 2 processes,
-and so are their last reruns (3.), once each was stopped (1.) and killed (2.).
+and so are their last reruns (3.), once each was stopped (1.) and killed (2.). In CI only FedAvg
+is killed (2.) (its kill is the same kind of point as MAML's and PPO's, and GRPO's kill below is
+another); MAML and PPO rerun (3.) straight from their stop (1.); with ``REDCO_SLOW_TESTS=1``
+(``conftest.py``) all three are killed.
 GRPO (``redco zoo run grpo``) is killed during a background checkpoint write instead: process 0
 holds its write (``bg_ckpt_worker.py``'s held write) and dies in the next round.
 """
@@ -33,7 +36,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo_loop_work
 
 def run(loop: str, workdir: str, *options: str, victim: int | None = None) -> tuple[list, str]:
     return run_processes(lambda i, port: [sys.executable, WORKER, loop, str(i), str(port),
-                                          workdir, *options], workdir, victim=victim, timeout_s=150)
+                                          workdir, *options], workdir, victim=victim, timeout_s=400)
 
 
 def saved(workdir: str, process: int) -> list[int]:
@@ -57,6 +60,8 @@ def log(workdir: str) -> str:
 # meta-update's inner adaptation, PPO's 2nd iteration's rollout; the updates a point stands for.
 SIGTERM_AT = {"fedavg": 3, "maml": 3, "ppo": 2}
 PER_POINT = {"fedavg": 1, "maml": 1, "ppo": 16}
+# The loops killed (2.) between their stop and their last rerun (the rest: slow tier only).
+KILLED = sorted(SIGTERM_AT) if os.environ.get("REDCO_SLOW_TESTS") == "1" else ["fedavg"]
 
 
 def stops(loop: str, whole: str) -> set[int]:
@@ -87,15 +92,18 @@ def wholes(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def cuts(wholes, tmp_path_factory) -> tuple[str, dict]:
-    """Each loop stopped by SIGTERM (1.) and killed (2.) in ``<returned>/<loop>``, then the
-    reruns of the three (3.), one after the other in the same 2 processes. Returns that folder
-    and, a loop, its runs: 1.'s exit statuses, logs and the checkpoints announced to each
-    process; 2.'s point, exit statuses and logs; and the reruns' (``"reruns"``)."""
+    """Each loop stopped by SIGTERM (1.) and, those in ``KILLED``, killed (2.) in
+    ``<returned>/<loop>``, then the reruns of the three (3.), one after the other in the same 2
+    processes. Returns that folder and, a loop, its runs: 1.'s exit statuses, logs and the
+    checkpoints announced to each process; 2.'s point, exit statuses and logs; and the reruns'
+    (``"reruns"``)."""
     root, runs = str(tmp_path_factory.mktemp("cuts")), {}
     for loop in sorted(SIGTERM_AT):
         cut = os.path.join(root, loop)
         codes, logs = run(loop, cut, "--sigterm", str(SIGTERM_AT[loop]))
         runs[loop] = {"stopped": (codes, logs, saved(cut, 0), saved(cut, 1))}
+        if loop not in KILLED:
+            continue
         stop = (saved(cut, 0) or [0])[-1]
         # The first point after the next boundary that saves: its write runs meanwhile.
         later = [step for step in saved(os.path.join(wholes, loop), 0) if step > stop] or [stop]
@@ -119,14 +127,15 @@ def test_a_zoo_loop_on_two_processes_stopped_and_killed_inside_a_unit_reruns_to_
     assert stop in stops(loop, whole) and f"Stopped by SIGTERM after step {stop}:" in log(cut), \
         (stop, stops(loop, whole), logs)
 
-    kill, codes, logs = cuts[1][loop]["killed"]
-    assert kill == (min(step for step in saves if step > stop) - stop) // PER_POINT[loop] + 1
-    assert codes[0] == -9 and f"SIGKILL at point {kill}" in logs, logs
+    if loop in KILLED:
+        kill, codes, logs = cuts[1][loop]["killed"]
+        assert kill == (min(step for step in saves if step > stop) - stop) // PER_POINT[loop] + 1
+        assert codes[0] == -9 and f"SIGKILL at point {kill}" in logs, logs
 
     codes, logs = cuts[1]["reruns"]
     assert codes == [0, 0], logs
     # (its own resumes: a log.txt also gets the lines of the loops run after it in a process)
-    assert log(cut).count(f"Resumed from {cut}/") == 2, log(cut)
+    assert log(cut).count(f"Resumed from {cut}/") == 1 + (loop in KILLED), log(cut)
     assert_same_arrays(newest_step_arrays(cut), newest_step_arrays(whole))  # step included
     assert result(cut) == result(whole)
     if loop == "fedavg":
@@ -143,23 +152,23 @@ def rollouts(workdir: str) -> list[tuple]:
 
 def test_grpo_on_two_processes_killed_during_a_background_write_reruns_to_the_same_bits(
         grpo_two_processes):
-    """GRPO (3 rounds of 8 updates, a checkpoint each round, written in the background): process
-    0 holds its write of step_16 (its part written) and is SIGKILLed at the end of update 17
-    (round 3's first), process 1's writer waiting at that save's barrier; step_16 is never put in
-    place, the rerun resumes from step_8 and ends with the bits of the same run uninterrupted
+    """GRPO (3 rounds of 4 updates, a checkpoint each round, written in the background): process
+    0 holds its write of step_8 (its part written) and is SIGKILLed at the end of update 9
+    (round 3's first), process 1's writer waiting at that save's barrier; step_8 is never put in
+    place, the rerun resumes from step_4 and ends with the bits of the same run uninterrupted
     (``test_grpo_processes``', under ``redco launch``)."""
     from safetensors.numpy import load_file
     whole, cut = str(grpo_two_processes / "two"), str(grpo_two_processes / "cut")
-    codes, logs = run("grpo", cut, "--held", "16", victim=0)
+    codes, logs = run("grpo", cut, "--held", "8", victim=0)
     assert codes[0] == -9, logs
-    assert "SIGKILL at the end of step 17, the write of step_16 held in flight" in logs, logs
-    assert sorted(os.listdir(os.path.join(cut, "ckpts"))) in (["step_8"], ["step_16.tmp", "step_8"])
+    assert "SIGKILL at the end of step 9, the write of step_8 held in flight" in logs, logs
+    assert sorted(os.listdir(os.path.join(cut, "ckpts"))) in (["step_4"], ["step_4", "step_8.tmp"])
 
     codes, logs = run("grpo", cut)
     assert codes == [0, 0], logs
-    assert log(cut).count("Resumed from") == 1 and "step_8 (step 8)" in log(cut), log(cut)
+    assert log(cut).count("Resumed from") == 1 and "step_4 (step 4)" in log(cut), log(cut)
     assert_same_arrays(newest_step_arrays(cut), newest_step_arrays(whole))
     assert rollouts(cut) == rollouts(whole) and len(rollouts(whole)) == 3
-    assert saved(cut, 0) == saved(cut, 1) == [8, 16, 24]  # (killed run: step_8 only)
+    assert saved(cut, 0) == saved(cut, 1) == [4, 8, 12]  # (killed run: step_4 only)
     want, got = (load_file(os.path.join(w, "model", "model.safetensors")) for w in (whole, cut))
     assert_same_arrays(got, want)

@@ -170,7 +170,7 @@ def ppo(workdir: str, points: Points):
 
 
 def grpo(workdir: str, points: Points):
-    """``redco zoo run grpo`` of ``test_grpo_processes.py`` (3 rounds of 8 updates, 2 model
+    """``redco zoo run grpo`` of ``test_grpo_processes.py`` (3 rounds of 4 updates, 2 model
     shards), a step checkpoint every round, written in the background by ``bg_ckpt_worker.py``'s
     format, which holds process 0's write of ``step_<points.held>`` (its part written) until
     process 0 is SIGKILLed at the end of the next update (the next round's first), once process

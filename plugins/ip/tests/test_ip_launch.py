@@ -3,16 +3,14 @@ local processes that really train), ``redco doctor``, launcher detection, and th
 classic mistakes. Several processes joined through the ip launcher training like one, and
 checkpoints moving between process counts, are core's tests (``tests/multihost``); the SLURM and
 XManager launchers' tests are in their plugins (``plugins/*/tests``)."""
-import socket
+import os
 import subprocess
 import sys
 
 import pytest
 from multihost_helpers import (
-    WORKER,
     assert_trains_like_reference,
     deployer_error,
-    free_port,
     run_cli,
     simulated_devices,
     worker_env,
@@ -53,18 +51,14 @@ def test_ip_run_refuses_hosts_that_are_not_this_machine(capsys):
            "this machine" in err
 
 
-def test_ip_run_two_local_processes_train_like_one(reference, tmp_path):
+def test_ip_run_two_local_processes_train_like_one(two_processes, reference):
     """`redco launch --launcher ip --run` starts the unchanged worker twice; its Deployer() finds
-    the REDCO_* variables and the two processes train exactly like one."""
-    workdir = str(tmp_path / "run")
-    out = subprocess.run(
-        [sys.executable, "-m", "redco.cli", "launch", "--launcher", "ip", "--hosts",
-         f"127.0.0.1,{socket.gethostname()}", "--port", str(free_port()), "--run", "--",
-         sys.executable, WORKER, "detect", "4", workdir],
-        env=worker_env(), capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "[0] " in out.stdout and "[1] " in out.stdout  # each line names its process
-    assert_trains_like_reference(workdir, 2, "ip", reference)
+    the REDCO_* variables and the two processes train exactly like one (the run is
+    ``multihost_helpers.two_process_run``, shared with the core tests that resume like it)."""
+    with open(os.path.join(two_processes, "launch_stdout.txt")) as f:
+        out = f.read()
+    assert "[0] " in out and "[1] " in out  # each line names its process
+    assert_trains_like_reference(two_processes, 2, "ip", reference)
 
 
 def test_ip_run_returns_the_failing_exit_code_and_stops_the_others(tmp_path):
