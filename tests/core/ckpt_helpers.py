@@ -150,6 +150,21 @@ def run(workdir, kill=None, fmt="orbax", data="list") -> str:
     return finish(start(workdir, kill, fmt, data), expected_rc(kill))
 
 
+class Uninterrupted:
+    """kill_worker.py's orbax run on its list data, never interrupted: started once (conftest.py's
+    session fixture ``uninterrupted``), beside the first kill test's runs, and read by every
+    kill test that compares with it; ``workdir()`` waits for it to end."""
+
+    def __init__(self, workdir: str):
+        self.path, self.proc = workdir, start(workdir)
+
+    def workdir(self) -> str:
+        if self.proc is not None:
+            finish(self.proc, 0)
+            self.proc = None
+        return self.path
+
+
 def files_under(path) -> dict[str, int]:
     """``{relative path: bytes}`` of every file under ``path``."""
     return {os.path.relpath(os.path.join(d, f), path): os.path.getsize(os.path.join(d, f))

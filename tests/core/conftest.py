@@ -13,3 +13,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 @pytest.fixture
 def workdir(tmp_path):
     return str(tmp_path / "workdir")
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """The kill tests' uninterrupted orbax run, one for the session (ckpt_helpers.Uninterrupted)."""
+    from ckpt_helpers import Uninterrupted
+    return Uninterrupted(str(tmp_path_factory.mktemp("uninterrupted") / "full"))

@@ -22,11 +22,11 @@ from ckpt_helpers import (
 )
 
 
-def test_killed_training_rerun_until_done_matches_an_uninterrupted_run(tmp_path):
+def test_killed_training_rerun_until_done_matches_an_uninterrupted_run(tmp_path, uninterrupted):
     # 4 updates an epoch, 3 epochs; checkpoints at steps 3, 4 (epoch end), 6, 8 (epoch end),
-    # 9 and 12 (epoch end), the last two kept.
-    full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
-    uninterrupted = start(full)  # runs beside the killed runs (they are all independent)
+    # 9 and 12 (epoch end), the last two kept. The uninterrupted run (conftest.py) runs beside
+    # the killed runs (they are all independent).
+    killed = str(tmp_path / "killed")
 
     # 1. mid-epoch, between checkpoints: step_3 and step_4 are on disk, step 6 is not reached.
     run(killed, "step:5")
@@ -53,7 +53,7 @@ def test_killed_training_rerun_until_done_matches_an_uninterrupted_run(tmp_path)
 
     # 5. the same command once more, without a kill, finishes the run.
     run(killed)
-    finish(uninterrupted, 0)
+    full = uninterrupted.workdir()
 
     assert starts(killed) == [0, 4, 4, 8, 9]  # where each of the 5 runs started
     assert starts(full) == [0]
@@ -71,14 +71,14 @@ def test_killed_training_rerun_until_done_matches_an_uninterrupted_run(tmp_path)
 
 
 def test_a_packed_corpus_run_killed_anywhere_reruns_to_the_same_bits(tmp_path):
-    """The same, training on a token file's packed rows read from disk: killed mid-epoch twice
-    and right after an epoch's checkpoint, each rerun continues at the example it stood at."""
+    """The same, training on a token file's packed rows read from disk: killed mid-epoch (the
+    rerun resumes from the mid-epoch step_6) and right after an epoch's checkpoint, each rerun
+    continues at the example it stood at."""
     full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
     uninterrupted = start(full, data="packed")
-    run(killed, "step:5", data="packed")
+    run(killed, "step:7", data="packed")
     run(killed, "saved:8", data="packed")
-    run(killed, "step:10", data="packed")
     run(killed, data="packed")
     finish(uninterrupted, 0)
-    assert starts(killed) == [0, 4, 8, 9]
+    assert starts(killed) == [0, 6, 8]
     assert_same_run(killed, full)

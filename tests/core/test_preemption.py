@@ -6,7 +6,7 @@ bitwise equal to an uninterrupted run's, and no half-written checkpoint is ever 
 import os
 import re
 
-from ckpt_helpers import assert_same_run, ckpt_names, finish, latest, run, start, starts
+from ckpt_helpers import assert_same_run, ckpt_names, latest, run, starts
 
 
 def stopped_after(out: str, workdir: str, signal_name: str = "SIGTERM") -> int:
@@ -20,10 +20,10 @@ def stopped_after(out: str, workdir: str, signal_name: str = "SIGTERM") -> int:
     return step
 
 
-def test_sigterm_mid_epoch_and_during_a_save_stop_cleanly_and_resume_to_the_same_bits(tmp_path):
+def test_sigterm_mid_epoch_and_during_a_save_stop_cleanly_and_resume_to_the_same_bits(
+        tmp_path, uninterrupted):
     # 4 updates an epoch, 3 epochs, a checkpoint every 3 updates and at each epoch's end.
-    full, preempted = str(tmp_path / "full"), str(tmp_path / "preempted")
-    uninterrupted = start(full)
+    preempted = str(tmp_path / "preempted")
 
     # 1. in the middle of the second epoch: the notice lands while update 5 is reported, so
     #    training stops once the update under way (6) is done, and checkpoints it.
@@ -40,9 +40,8 @@ def test_sigterm_mid_epoch_and_during_a_save_stop_cleanly_and_resume_to_the_same
 
     # 3. the same command once more finishes the run.
     run(preempted)
-    finish(uninterrupted, 0)
     assert starts(preempted) == [0, first, second]
-    assert_same_run(preempted, full, killed_ckpts=("step_10", "step_12"))  # the newest 2
+    assert_same_run(preempted, uninterrupted.workdir(), killed_ckpts=("step_10", "step_12"))  # the newest 2
 
 
 def test_ctrl_c_once_saves_and_stops_twice_stops_at_once(tmp_path):
@@ -53,16 +52,14 @@ def test_ctrl_c_once_saves_and_stops_twice_stops_at_once(tmp_path):
     assert starts(workdir) == [0, 3]
 
 
-def test_a_kill_or_a_sigterm_while_a_background_write_is_in_flight(tmp_path):
+def test_a_kill_or_a_sigterm_while_a_background_write_is_in_flight(tmp_path, uninterrupted):
     """Step checkpoints are written in the background: training goes on while ``step_6`` is
     written (the worker holds that write until it is killed at update 7); the kill leaves a
     ``.tmp`` without meta.json, which resume ignores. A SIGTERM with a write in flight waits
     for it (held until the trainer waits: a stop that did not wait would start ``step_8``'s
     write with ``step_6`` unfinished), then saves the step it stopped after. Rerun until done,
     the run ends as one never interrupted."""
-    full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
-    uninterrupted = start(full)
-
+    killed = str(tmp_path / "killed")
     out = run(killed, "held:6")
     assert "holding the write of" in out, out[-2000:]
     assert "SIGKILL at the end of step 7, the write of step_6 in flight" in out, out[-2000:]
@@ -78,6 +75,5 @@ def test_a_kill_or_a_sigterm_while_a_background_write_is_in_flight(tmp_path):
     assert ckpt_names(killed) == ["step_6", "step_8"]
 
     run(killed)
-    finish(uninterrupted, 0)
     assert starts(killed) == [0, 4, 8]
-    assert_same_run(killed, full)
+    assert_same_run(killed, uninterrupted.workdir())
