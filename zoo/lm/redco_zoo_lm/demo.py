@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     parser.add_argument("--n_model_shards", type=int, help="default: 2 where the device count "
                         "is even (8 simulated CPU devices, 8 GPUs), else 1 (one GPU)")
     parser.add_argument("--per_device_batch_size", type=int, default=8)
-    parser.add_argument("--n_epochs", type=int, default=3)
+    parser.add_argument("--n_epochs", type=int, default=1)
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--learning_rate", type=float, default=3e-3)
     parser.add_argument("--n_layers", type=int, default=2)

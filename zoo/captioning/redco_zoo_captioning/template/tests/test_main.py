@@ -44,7 +44,7 @@ def test_main_learns_to_name_colours(tmp_path):
     main.main(main.parse_args([
         "--model", model_dir, "--train", str(tmp_path / "train"), "--eval", str(tmp_path / "dev"),
         "--workdir", str(workdir), "--n_model_shards", "2", "--per_device_batch_size", "8",
-        "--n_epochs", "3", "--learning_rate", "3e-3", "--max_len", "4", "--num_beams", "2"]))
+        "--n_epochs", "2", "--learning_rate", "3e-3", "--max_len", "4", "--num_beams", "2"]))
 
     assert "mesh: {'dp': 4, 'mp': 2}" in (workdir / "log.txt").read_text()
     with open(workdir / "metrics.jsonl") as f:

@@ -53,7 +53,7 @@ def test_main_learns_the_preferences(tmp_path):
     metrics = main.main(main.parse_args([
         "--model", model_dir(tmp_path), "--train", str(tmp_path / "train.jsonl"), "--eval",
         str(tmp_path / "dev.jsonl"), "--workdir", str(workdir), "--n_model_shards", "2",
-        "--per_device_batch_size", "2", "--n_epochs", "2", "--learning_rate", "3e-3",
+        "--per_device_batch_size", "2", "--n_epochs", "1", "--learning_rate", "3e-3",
         "--max_len", "16", "--beta", "0.5", "--lora_rank", "8"]))
 
     assert "mesh: {'dp': 4, 'mp': 2}" in (workdir / "log.txt").read_text()
