@@ -302,15 +302,16 @@ def test_64_concurrent_clients_all_get_their_answers(server, reference):
 
 
 def test_sigterm_finishes_the_requests_in_flight(model_dir, reference):
-    server = Server(model_dir)
+    """A plain server (a slot cache), of one row of 32 slots: its warm-up compiles few shapes."""
+    server = Server(model_dir, "--max_seqs", "1", "--max_len", "32")
     try:
         stream = server.client.completions.create(model="tiny-chat", prompt=PROMPTS[2],
-                                                  max_tokens=30, temperature=0, stream=True)
+                                                  max_tokens=20, temperature=0, stream=True)
         chunks = iter(stream)
         first = next(chunks)  # the request is running
         server.process.send_signal(signal.SIGTERM)
         rest = list(chunks)
-        expected = reference(reference.tokenizer(PROMPTS[2])["input_ids"], 30)
+        expected = reference(reference.tokenizer(PROMPTS[2])["input_ids"], 20)
         assert "".join(c.choices[0].text for c in [first, *rest]) == expected[0]
         assert rest[-1].choices[0].finish_reason == expected[1]
         assert server.process.wait(timeout=120) == 0
@@ -400,10 +401,13 @@ def test_lm_eval_scores_as_its_hf_backend_does(server, model_dir, tmp_path):
         path.write_text("".join(json.dumps(d) + "\n" for d in docs[name]))
         (tmp_path / f"{name}.yaml").write_text(task.format(path=path))
 
+    # only the tasks written here: indexing lm-eval's thousands of own tasks costs ~9 s a time
+    tasks = TaskManager(include_path=str(tmp_path), include_defaults=False)
+
     def evaluate(model: str, model_args: dict) -> dict:
         return lm_eval.simple_evaluate(
             model=model, model_args=model_args, tasks=["story_choice", "story_continue"],
-            task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True)["samples"]
+            task_manager=tasks, log_samples=True)["samples"]
     served = evaluate("local-completions", {
         "model": "tiny-chat", "base_url": server.url + "/completions",
         "tokenizer_backend": "huggingface", "tokenizer": model_dir, "max_retries": 1})

@@ -9,7 +9,11 @@ convolutions' widths of 3 and 4 and over several chunks, of 16 for the delta rul
 Mamba2), so padding must leave each row's recurrent state and conv inputs as its last real token
 left them; a later request then takes a row another one left, and must start from a zero state.
 Each request's greedy tokens are transformers' own ``generate`` tokens for its prompt alone, and
-each token's log-probability is transformers' ``log_softmax`` of the logits there."""
+each token's log-probability is transformers' ``log_softmax`` of the logits there.
+
+Qwen3.5-MoE is a slow-tier repeat of Qwen3.5's recurrent rows (its experts change the MLP, not the
+cache): in CI the qwen3.5 case guards the rows, and tests/serve/test_engine.py's qwen3-moe case
+the engine over experts."""
 import dataclasses
 
 import numpy as np
@@ -28,8 +32,8 @@ EOS, PAD, NEW = 63, 0, 8
 LENGTHS = (3, 37, 11, 20, 6)  # the first three read in one prefill; the last two reuse rows
 
 
-@pytest.fixture(scope="module", params=["qwen3.5", "qwen3.5-moe", "granite-4-h", "llama4",
-                                        "gemma4", "falcon-h1"])
+@pytest.fixture(scope="module", params=["qwen3.5", pytest.param("qwen3.5-moe", marks=pytest.mark.slow),
+                                        "granite-4-h", "llama4", "gemma4", "falcon-h1"])
 def pair(request, tmp_path_factory):
     """transformers' model (weights perturbed by 0.1, as test_parity_gated_deltanet's) and ours
     read from the checkpoint it saved; our delta rule in chunks of 16."""

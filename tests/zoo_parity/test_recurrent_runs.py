@@ -4,7 +4,14 @@ mp 2. ``redco zoo run sft`` packs chats into rows (each document's recurrent sta
 zero at its boundary) and learns the README's task; its export is read by transformers'
 PyTorch model with our logits; ``redco zoo run grpo`` samples on the engine (a fixed-size
 recurrent state a row) with the log-probabilities its trainer recomputes, and exports what
-transformers loads."""
+transformers loads.
+
+Granite 4 hybrid's runs are slow-tier repeats of the same pipelines on Mamba2: in CI its packed
+rows are guarded by tests/zoo/test_hybrid.py::test_packed_documents_see_only_themselves, its
+engine decoding against transformers by
+test_parity_recurrent_engine.py::test_greedy_tokens_and_logprobs_equal_transformers_as_rows_are_reused
+and its export by test_parity_families.py's
+test_export_loads_in_transformers_with_the_same_logits_and_token_ids."""
 import json
 import os
 import sys
@@ -30,7 +37,8 @@ def metrics(path) -> list[dict]:
         return list(map(json.loads, f))
 
 
-@pytest.fixture(scope="module", params=["qwen3.5", "granite-4-h"])
+@pytest.fixture(scope="module", params=["qwen3.5", pytest.param("granite-4-h",
+                                                                 marks=pytest.mark.slow)])
 def sft_run(request, tmp_path_factory):
     """The README's task and a tiny ``family`` model SFT-trained on it: the run's root."""
     root = tmp_path_factory.mktemp(request.param)

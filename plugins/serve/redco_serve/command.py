@@ -1,7 +1,7 @@
 """``redco serve --model DIR``: load a zoo model directory (``config.json``, safetensors, a
 transformers tokenizer), place it on the devices (``--n_model_shards``: tensor parallel over
 that many, replicas over the rest, so decoding never gathers weights), start the engine and
-serve it with uvicorn. The socket is bound before the line ``serving NAME on URL`` is printed
+serve it with uvicorn. The socket listens before the line ``serving NAME on URL`` is printed
 (``--port 0`` picks a free port and the line names it). SIGTERM or Ctrl-C stops taking
 connections and finishes the requests in flight before the process exits."""
 from __future__ import annotations
@@ -77,7 +77,8 @@ class ServeCommand(Command):
         except OSError as e:
             raise UsageError(f"--host {args.host} --port {args.port}: cannot listen there ({e}); "
                              "pick another port, or --port 0 for any free one.") from e
-        host, port = sock.getsockname()[:2]
+        sock.listen(2048)  # (uvicorn's backlog) connections wait from the printed line on,
+        host, port = sock.getsockname()[:2]  # not refused until uvicorn starts accepting
         config = uvicorn.Config(build_app(engine, tokenizer, name, eos, scorer, processor),
                                 log_level="warning",
                                 timeout_graceful_shutdown=None)
