@@ -3,6 +3,7 @@ fraction counts the tokens it should, the KL penalty's gradient is the one GRPO 
 rewards and prompts are refused before any update, and sharded over 8 devices (dp x mp) it
 samples and trains as on one device. (That it learns, after SFT, is ``test_post_training.py``.)"""
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -186,8 +187,15 @@ GRPO_FLAGS = ["--max_new_tokens", "4", "--max_prompt_len", "16", "--prompts_per_
 @pytest.fixture(scope="module")
 def warmed_up(tmp_path_factory):
     """The README's task (``test_post_training.write_task``) and its model after the SFT
-    warm-up, in ``root/sft/model``."""
-    root = tmp_path_factory.mktemp("grpo")
+    warm-up, in ``root/sft/model``: warmed up once a session for the modules that import this
+    fixture (``test_grpo_async.py`` too), which only read it."""
+    return warm_up(tmp_path_factory.getbasetemp())
+
+
+@functools.cache
+def warm_up(basetemp):
+    root = basetemp / "grpo-warmed-up"
+    root.mkdir()
     write_task(root, seed=0)
     main(["zoo", "run", "sft", "--model", str(root / "tiny-chat"), "--train",
           str(root / "chats.jsonl"),
