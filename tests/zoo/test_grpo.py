@@ -1,8 +1,10 @@
 """GRPO: tokens after EOS count for nothing, the three loss averages are what they say, the clip
 fraction counts the tokens it should, the KL penalty's gradient is the one GRPO means, bad
 rewards and prompts are refused before any update, and sharded over 8 devices (dp x mp) it
-samples and trains as on one device. (That it learns, after SFT, is ``test_post_training.py``.)"""
+samples and trains as on 2 (the run the stopped and killed runs resume to, shared). (That it
+learns, after SFT, is ``test_post_training.py``.)"""
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -186,40 +188,21 @@ GRPO_FLAGS = ["--max_new_tokens", "4", "--max_prompt_len", "16", "--prompts_per_
 @pytest.fixture(scope="module")
 def warmed_up(tmp_path_factory):
     """The README's task (``test_post_training.write_task``) and its model after the SFT
-    warm-up, in ``root/sft/model``."""
-    root = tmp_path_factory.mktemp("grpo")
+    warm-up, in ``root/sft/model``: warmed up once a session for the modules that import this
+    fixture (``test_grpo_async.py`` too), which only read it."""
+    return warm_up(tmp_path_factory.getbasetemp())
+
+
+@functools.cache
+def warm_up(basetemp):
+    root = basetemp / "grpo-warmed-up"
+    root.mkdir()
     write_task(root, seed=0)
     main(["zoo", "run", "sft", "--model", str(root / "tiny-chat"), "--train",
           str(root / "chats.jsonl"),
           "--workdir", str(root / "sft"), "--max_len", "16", "--per_device_batch_size", "2",
           "--n_epochs", "4", "--learning_rate", "3e-3"])
     return root
-
-
-def run_grpo(root, workdir, n_devices: int, n_model_shards: int, per_device: int):
-    """Two GRPO rounds of the warmed-up model (a KL penalty to a reference copy included) in a
-    fresh process with ``n_devices`` simulated devices; returns its rollout metrics and trained
-    params. The learning rate peaks at 2e-3 (not ``GRPO_FLAGS``' 5e-4: the last flag given
-    wins): the linear schedule decays to 0 over the run, so round 2's updates run from 1e-3 down
-    to 0, which still moves some tokens' ratios past the clip range."""
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
-                                      + f" --xla_force_host_platform_device_count={n_devices}"),
-               REDCO_DEBUG="1")
-    code = ("import jax; jax.config.update('jax_default_matmul_precision', 'highest'); "
-            "from redco.cli import main; import sys; main(sys.argv[1:])")
-    subprocess.run([sys.executable, "-c", code, "zoo", "run", "grpo", "--model",
-                    str(root / "sft" / "model"), "--train", str(root / "prompts.jsonl"),
-                    "--eval", str(root / "prompts_held_out.jsonl"), "--workdir", str(workdir),
-                    "--n_rounds", "2",
-                    "--n_model_shards", str(n_model_shards), "--per_device_batch_size",
-                    str(per_device), "--beta", "0.1", "--n_updates", "2", *GRPO_FLAGS,
-                    "--learning_rate", "2e-3"],
-                   check=True, env=env, timeout=600)
-    from safetensors.numpy import load_file
-    with open(workdir / "metrics.jsonl") as f:
-        rollouts = [{k: v for k, v in row.items() if k.startswith("rollout/")}
-                    for row in map(json.loads, f) if "rollout/reward" in row]
-    return rollouts, load_file(workdir / "model" / "model.safetensors")
 
 
 @pytest.mark.parametrize("engine_rows", [0, 8])
@@ -452,24 +435,6 @@ def test_rollouts_decode_tensor_parallel_on_the_fsdp_trainers_own_params(warmed_
     trainer.train_scanned(samples, 4, range(1, 2))  # the compiled step takes them back
 
 
-def test_grpo_sharded_dp_x_mp_samples_and_trains_as_one_device(warmed_up, tmp_path):
-    one, one_params = run_grpo(warmed_up, tmp_path / "one", 1, 1, 32)
-    sharded, sharded_params = run_grpo(warmed_up, tmp_path / "sharded", 8, 2, 8)  # dp 4 x mp 2
-    assert "mesh: {'dp': 4, 'mp': 2}" in (tmp_path / "sharded" / "log.txt").read_text()
-    assert [r["rollout/reward"] for r in one] == [r["rollout/reward"] for r in sharded]
-    for a, b in zip(one, sharded):
-        assert a["rollout/kl"] == pytest.approx(b["rollout/kl"], rel=1e-3, abs=1e-7)
-        assert a["rollout/clip_fraction"] == pytest.approx(b["rollout/clip_fraction"], abs=0.01)
-    assert one[-1]["rollout/kl"] > 0  # the policy did move away from the reference
-    # every round's 16 updates leave some tokens' ratios past the clip range, so no round's clip
-    # fractions compared above are 0 against 0 (at a peak of 5e-4 the last round's updates, at
-    # 1.25e-4 down to 0, left every ratio inside for some draws of the model)
-    assert all(0 < r["rollout/clip_fraction"] <= 1 for r in one), one  # 0.44, 0.33 seen
-    for name, value in one_params.items():
-        np.testing.assert_allclose(sharded_params[name], value, rtol=1e-4, atol=1e-5,
-                                   err_msg=name)
-
-
 STOPPING_REWARD = """
 import os, signal
 from redco_zoo_grpo.rewards import exact_match
@@ -492,33 +457,76 @@ def grpo_cmd(root, workdir, reward) -> list[str]:
             str(root / "prompts_held_out.jsonl"), "--workdir", str(workdir), "--n_rounds", "3",
             "--reward", f"{reward}:reward", "--per_device_batch_size", "32", "--n_updates", "2",
             "--beta", "0.1", "--save_every_n_steps", "8", "--eval_every_n_rounds", "2",
-            *GRPO_FLAGS, "--prompts_per_round", "8"]
+            *GRPO_FLAGS, "--prompts_per_round", "8", "--learning_rate", "2e-3"]
 
 
-def grpo_env(stop: bool) -> dict:
-    """2 devices; with ``stop``, SIGTERM in round 2."""
+def grpo_env(stop: bool, n_devices: int = 2) -> dict:
+    """``n_devices`` devices, matmuls at full fp32 precision; with ``stop``, SIGTERM in round
+    2."""
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
-                                      + " --xla_force_host_platform_device_count=2"))
+                                      + f" --xla_force_host_platform_device_count={n_devices}"),
+               JAX_DEFAULT_MATMUL_PRECISION="highest")
     env.pop("SIGTERM_IN_ROUND_2", None)
     return {**env, "SIGTERM_IN_ROUND_2": "1"} if stop else env
 
 
-def test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_same_bits(warmed_up, tmp_path):
+@pytest.fixture(scope="module")
+def whole(warmed_up, tmp_path_factory):
+    """``grpo_cmd``'s run on 2 devices, never stopped: the reference of the runs stopped and
+    killed, and of the same run sharded dp 4 x mp 2. Its workdir, reward file and a round's
+    seconds."""
+    root = tmp_path_factory.mktemp("grpo_whole")
+    reward = root / "stopping_reward.py"
+    reward.write_text(STOPPING_REWARD)
+    _, round_s = run_to_end(grpo_cmd(warmed_up, root / "whole", reward), str(root / "whole"),
+                            grpo_env(stop=False))
+    return root / "whole", reward, round_s
+
+
+def test_grpo_sharded_dp_x_mp_samples_and_trains_as_on_two_devices(warmed_up, whole, tmp_path):
+    """``grpo_cmd``'s run (a KL penalty to a reference copy included) at dp 4 x mp 2 over 8
+    devices, minibatches of 16 rows a device: the rewards, KL, clip fractions and held-out
+    rewards of the run at dp 2 (32 rows a device), and its params. The learning rate peaks at
+    2e-3, so every round's 4 updates leave some tokens' ratios past the clip range and no
+    round's clip fractions compared are 0 against 0 (at 5e-4 the last round's, decayed
+    towards 0, left every ratio inside for some draws of the model)."""
+    from safetensors.numpy import load_file
+    workdir, reward, _ = whole
+    sharded = tmp_path / "sharded"
+    run_to_end(grpo_cmd(warmed_up, sharded, reward) + ["--n_model_shards", "2",
+                                                       "--per_device_batch_size", "16"],
+               str(sharded), grpo_env(stop=False, n_devices=8))
+    assert "mesh: {'dp': 4, 'mp': 2}" in (sharded / "log.txt").read_text()
+    rows = [[json.loads(line) for line in open(w / "metrics.jsonl")] for w in (workdir, sharded)]
+    pick = lambda rows, key: [r[key] for r in rows if key in r]  # noqa: E731
+    for key in ("rollout/reward", "eval/reward"):
+        assert pick(rows[1], key) == pick(rows[0], key), key
+    np.testing.assert_allclose(pick(rows[1], "rollout/kl"), pick(rows[0], "rollout/kl"),
+                               rtol=1e-3, atol=1e-7)
+    np.testing.assert_allclose(pick(rows[1], "rollout/clip_fraction"),
+                               pick(rows[0], "rollout/clip_fraction"), atol=0.01)
+    assert pick(rows[0], "rollout/kl")[-1] > 0  # the policy did move away from the reference
+    clipped = pick(rows[0], "rollout/clip_fraction")
+    assert len(clipped) == 3 and all(0 < c <= 1 for c in clipped), clipped
+    params = [load_file(w / "model" / "model.safetensors") for w in (workdir, sharded)]
+    for name, value in params[0].items():
+        np.testing.assert_allclose(params[1][name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_same_bits(warmed_up, whole,
+                                                                           tmp_path):
     """SIGTERM in round 2 (of 3): the round and its evaluation end, step 8 is saved, exit 143;
     the rerun says it resumed there and is SIGKILLed at a random moment of round 3 (sampling,
     updating, evaluating or saving); the next ends with the params, rollout metrics, losses and
     held-out rewards of a run never stopped."""
     from safetensors.numpy import load_file
-    reward = tmp_path / "stopping_reward.py"
-    reward.write_text(STOPPING_REWARD)
-    _, round_s = run_to_end(grpo_cmd(warmed_up, tmp_path / "whole", reward),
-                            str(tmp_path / "whole"), grpo_env(stop=False))
-    shown = (tmp_path / "whole" / "log.txt").read_text()  # what a round shows, goodput, samples
+    whole, reward, round_s = whole
+    shown = (whole / "log.txt").read_text()  # what a round shows, goodput, samples
     assert "round 1/3: reward " in shown and "cut at max_new_tokens" in shown and \
         "clip fraction " in shown and "tokens/s), updates " in shown, shown[-2000:]
-    goodput = json.loads((tmp_path / "whole" / "goodput.json").read_text())["total"]
+    goodput = json.loads((whole / "goodput.json").read_text())["total"]
     assert goodput["rollout"] > 0 and goodput["steps"] > 0, goodput
-    samples = [json.loads(line) for line in open(tmp_path / "whole" / "samples.jsonl")]
+    samples = [json.loads(line) for line in open(whole / "samples.jsonl")]
     assert [s["round"] for s in samples] == [2] * 32 + [3] * 32  # 2 prompts x 16, evaluated rounds
     assert {"prompt", "completion", "reward"} <= set(samples[0])
     cut = tmp_path / "cut"
@@ -534,15 +542,15 @@ def test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_same_bits(warmed
     log = (cut / "log.txt").read_text()
     assert killed and log.count("Resumed from") == 2, (seed, killed, log[-2000:])
     assert "step_8 (step 8)" in log, log[-2000:]
-    for name in ("whole", "cut"):
-        assert (tmp_path / name / "ckpts" / "step_12").exists()
-    rows = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
-            for name in ("whole", "cut")}
+    for workdir in (whole, cut):
+        assert (workdir / "ckpts" / "step_12").exists()
+    rows = {name: [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+            for name, workdir in (("whole", whole), ("cut", cut))}
     pick = lambda rows, key: [(r["step"], r[key]) for r in rows if key in r]  # noqa: E731
     for key in ("rollout/reward", "rollout/kl", "rollout/clip_fraction", "eval/reward",
                 "train/loss"):
         assert pick(rows["cut"], key) == pick(rows["whole"], key), (key, seed, killed)
-    whole_params = load_file(tmp_path / "whole" / "model" / "model.safetensors")
+    whole_params = load_file(whole / "model" / "model.safetensors")
     cut_params = load_file(cut / "model" / "model.safetensors")
     for name, value in whole_params.items():
         np.testing.assert_array_equal(cut_params[name], value, err_msg=name)

@@ -85,11 +85,11 @@ def test_redco_zoo_run_sft_teaches_a_tiny_llava_to_name_shapes(tmp_path):
     main(["zoo", "run", "sft", "--model", model_dir, "--train",
           str(tmp_path / "train" / "chats.jsonl"), "--eval", str(tmp_path / "held" / "chats.jsonl"),
           "--workdir", str(workdir), "--max_len", "80", "--per_device_batch_size", "2",
-          "--n_epochs", "8", "--learning_rate", "3e-3"])
+          "--n_epochs", "5", "--learning_rate", "5e-3"])
     answers = greedy_answers(str(workdir / "model"), held)
     accuracy = np.mean([a == want for a, (_, want) in zip(answers, held)])
-    # chance: 1 in 12 (4 colours x 3 shapes); the colour alone right: 1 in 3. Measured 0.67
-    # (held-out loss 0.34 -> 0.22 over the 8 epochs; 0.69 after 12, 0.46 with smaller shapes)
+    # chance: 1 in 12 (4 colours x 3 shapes); the colour alone right: 1 in 3. Measured 0.625
+    # (0.67 after 8 epochs at 3e-3, 0.69 after 12; 0.46 with smaller shapes)
     assert accuracy >= 0.5, (accuracy, answers[:8])
     before, after = (read_safetensors(d) for d in (model_dir, str(workdir / "model")))
     towers = [k for k in before if k.startswith("vision_tower.")]
