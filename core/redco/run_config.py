@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 from typing import Any
 
 from redco.cli_parser import shown_options
@@ -80,6 +81,9 @@ def record(args: argparse.Namespace, workdir: str, log) -> None:
         if changed:
             log(f"Settings changed since the run before in {workdir}: {'; '.join(changed)}.")
     os.makedirs(workdir, exist_ok=True)
-    with open(path + ".tmp", "w") as f:
+    # a temporary name of this writer's own: every process of a run records the same settings
+    # in the same workdir, and a shared ``.tmp`` let one's rename take the other's file away
+    fd, tmp = tempfile.mkstemp(prefix=RESOLVED + ".", suffix=".tmp", dir=workdir)
+    with os.fdopen(fd, "w") as f:
         json.dump(resolved, f, indent=1, default=str)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
