@@ -27,13 +27,29 @@ def model_of(name: str, seed: int = 0):
     return tiny_family(name, seed)
 
 
+_GENERATE = {}  # (id(model), n_new) -> the model's jitted ``generate`` (the model kept alive)
+
+
+def generated(model, params, prompts, n_new=NEW):
+    """``generate`` on the prompts left-padded into one batch, jitted once per model and
+    ``n_new`` (run eagerly, each of its ops would compile for every new length): each prompt's
+    ``(tokens, logprobs)``, as ``generate`` gives it alone (its padding is masked)."""
+    key = (id(model), n_new)
+    if key not in _GENERATE:
+        _GENERATE[key] = model, jax.jit(lambda params, ids, mask: generate(
+            model, params, ids, n_new, prompt_mask=mask, return_logprobs=True))
+    width = max(map(len, prompts))
+    ids, mask = np.zeros((len(prompts), width), np.int32), np.zeros((len(prompts), width), bool)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, True
+    tokens, logprobs = _GENERATE[key][1](params, ids, mask)
+    return [([int(t) for t in row_tokens], np.asarray(row_logprobs))
+            for row_tokens, row_logprobs in zip(tokens, logprobs)]
+
+
 def one_at_a_time(model, params, prompt, n_new=NEW):
-    """``generate`` on the prompt alone, jitted: one program per prompt length (run eagerly,
-    each of its ops is compiled for every new length, and its decode loop on every call)."""
-    tokens, logprobs = jax.jit(lambda params, ids: generate(model, params, ids, n_new,
-                                                            return_logprobs=True))(
-        params, jnp.asarray([prompt], jnp.int32))
-    return [int(t) for t in tokens[0]], np.asarray(logprobs[0])
+    """``generate``'s ``(tokens, logprobs)`` for one prompt."""
+    return generated(model, params, [prompt], n_new)[0]
 
 
 def run_staggered(engine, prompts, sampling):
@@ -55,8 +71,8 @@ def test_greedy_equals_generate_as_requests_come_and_go(family):
     params = nnx.state(model, nnx.Param)
     engine = Engine(model, params, max_seqs=3, max_len=32)
     requests = run_staggered(engine, PROMPTS, Sampling(max_tokens=NEW))
-    for prompt, request in zip(PROMPTS, requests):
-        tokens, logprobs = one_at_a_time(model, params, prompt)
+    for prompt, request, (tokens, logprobs) in zip(PROMPTS, requests,
+                                                   generated(model, params, PROMPTS)):
         assert request.samples[0].tokens == tokens, prompt
         np.testing.assert_allclose(request.samples[0].logprobs, logprobs, atol=2e-5)
         assert request.samples[0].finish_reason == "length"
@@ -78,8 +94,8 @@ def test_sharded_engine_answers_as_one_device(reading):
     assert engine.cache[0]["k"].sharding.spec[0] == "dp"
     prompts = PROMPTS[-1:] + PROMPTS  # (the first one read before its repeat comes)
     requests = run_staggered(engine, prompts, Sampling(max_tokens=NEW))
-    for prompt, request in zip(prompts, requests):
-        assert request.samples[0].tokens == one_at_a_time(model, params, prompt)[0]
+    for request, (tokens, _) in zip(requests, generated(model, params, prompts)):
+        assert request.samples[0].tokens == tokens
     assert engine.prefix_stats.get("hits", 1) == 1
 
 

@@ -5,7 +5,7 @@ prefixes; a row taken for another prompt is never read as a prefix."""
 import numpy as np
 import pytest
 from flax import nnx
-from test_engine import model_of, one_at_a_time
+from test_engine import generated, model_of, one_at_a_time
 
 from redco_zoo_models.engine import Engine
 from redco_zoo_models.requests import Sampling
@@ -64,15 +64,15 @@ def test_prefix_hits_equal_generate_and_the_uncached_engine():
     engine.step()
     later += [engine.submit(p, Sampling(NEW)) for p in prompts[2:]]  # copied from a running
     engine.run_until_done(later)                                      # row; in a freed one
-    for prompt, request, reference in zip(prompts, [first] + later, plain):
-        same(request, one_at_a_time(model, params, prompt, NEW)[0],
-             reference.samples[0].logprobs)
+    for request, reference, (tokens, _) in zip([first] + later, plain,
+                                               generated(model, params, prompts, NEW)):
+        same(request, tokens, reference.samples[0].logprobs)
     assert short.samples[0].tokens == one_at_a_time(model, params, SHORT, 20)[0]
     assert engine.prefix_stats == {"hits": 3, "misses": 2, "tokens_reused": 3 * 32,
                                    "tokens_read": 43 + 3 + (43 - 32) + (45 - 32) + (38 - 32)}
     together = [LONG[:40] + [1, 2], LONG[:40] + [3, 4]]  # the second waits for the first
-    for prompt, request in zip(together, engine.generate(together, Sampling(NEW))):
-        expected, logprobs = one_at_a_time(model, params, prompt, NEW)
+    for request, (expected, logprobs) in zip(engine.generate(together, Sampling(NEW)),
+                                             generated(model, params, together, NEW)):
         same(request, expected, logprobs)
     assert engine.prefix_stats["hits"] == 4 and engine.prefix_stats["misses"] == 3
 
