@@ -55,10 +55,10 @@ def test_main_learns_to_answer(tmp_path):
     loss, replies = main.main(main.parse_args([
         "--model", model_dir(tmp_path), "--train", str(tmp_path / "train.jsonl"), "--eval",
         str(tmp_path / "dev.jsonl"), "--workdir", str(workdir), "--n_model_shards", "2",
-        "--per_device_batch_size", "2", "--n_epochs", "6", "--learning_rate", "3e-3",
+        "--per_device_batch_size", "2", "--n_epochs", "4", "--learning_rate", "3e-3",
         "--max_len", "64", "--prompt", "x7", "--max_new_tokens", "2"]))
 
     assert "mesh: {'dp': 4, 'mp': 2}" in (workdir / "log.txt").read_text()
-    assert loss < 0.3, loss  # untrained: about 3.9, ln of the vocabulary (measured 0.018)
+    assert loss < 0.3, loss  # untrained: about 3.9, ln of the vocabulary (4 epochs: 0.052)
     assert replies["x7"] == "y1", replies  # 3 * 7 mod 20; the end of turn is not shown
     assert os.path.isfile(workdir / "model" / "tokenizer_config.json")
