@@ -13,13 +13,17 @@ checkpoint: params, optimizer state, step; and what the loop returned), after as
    started in the background, and process 1 is killed as a job scheduler would.
 3. The next rerun resumes from the newest complete checkpoint and ends.
 
-The uninterrupted runs of the three are made once, one after the other in the same 2 processes,
+The uninterrupted runs of the loops are made once, one after the other in the same 2 processes,
 and so are their last reruns (3.), once each was stopped (1.) and killed (2.). In CI only FedAvg
-is killed (2.) (its kill is the same kind of point as MAML's and PPO's, and GRPO's kill below is
-another); MAML and PPO rerun (3.) straight from their stop (1.); with ``REDCO_SLOW_TESTS=1``
-(``conftest.py``) all three are killed.
+runs (``trainer.run``'s rounds, the loop PPO's iterations use too); MAML and PPO join it with
+``REDCO_SLOW_TESTS=1`` (``conftest.py``): their stops on one process are guarded by
+``tests/zoo_maml`` and ``tests/zoo_ppo``, the stop of ``trainer.fit`` (MAML's loop) on 2 processes
+by ``test_multiprocess``' SIGTERM test, and FedAvg's case is the same kinds of points on 2 processes.
 GRPO (``redco zoo run grpo``) is killed during a background checkpoint write instead: process 0
-holds its write (``bg_ckpt_worker.py``'s held write) and dies in the next round.
+holds its write (``bg_ckpt_worker.py``'s held write) and dies in the next round (slow tier too:
+the same kill of a held write, on 2 processes, is ``test_background_checkpoints``'; GRPO's
+rerun after a kill on one process is ``tests/zoo/test_grpo.py``'s, and GRPO on 2 processes is
+``test_grpo_processes``').
 """
 import json
 import os
@@ -37,6 +41,11 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo_loop_work
 def run(loop: str, workdir: str, *options: str, victim: int | None = None) -> tuple[list, str]:
     return run_processes(lambda i, port: [sys.executable, WORKER, loop, str(i), str(port),
                                           workdir, *options], workdir, victim=victim, timeout_s=400)
+
+
+def run_loops(root: str) -> tuple[list, str]:
+    """``LOOPS`` one after the other in the same 2 processes, each in ``root/<loop>``."""
+    return run(",".join(LOOPS), root if len(LOOPS) > 1 else os.path.join(root, LOOPS[0]))
 
 
 def saved(workdir: str, process: int) -> list[int]:
@@ -60,8 +69,8 @@ def log(workdir: str) -> str:
 # meta-update's inner adaptation, PPO's 2nd iteration's rollout; the updates a point stands for.
 SIGTERM_AT = {"fedavg": 3, "maml": 3, "ppo": 2}
 PER_POINT = {"fedavg": 1, "maml": 1, "ppo": 16}
-# The loops killed (2.) between their stop and their last rerun (the rest: slow tier only).
-KILLED = sorted(SIGTERM_AT) if os.environ.get("REDCO_SLOW_TESTS") == "1" else ["fedavg"]
+# The loops run (the rest: slow tier only; see the module's docstring).
+LOOPS = sorted(SIGTERM_AT) if os.environ.get("REDCO_SLOW_TESTS") == "1" else ["fedavg"]
 
 
 def stops(loop: str, whole: str) -> set[int]:
@@ -82,38 +91,36 @@ def rounds(workdir: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def wholes(tmp_path_factory) -> str:
-    """The uninterrupted runs of FedAvg, MAML and PPO, one after the other in the same 2
-    processes (the boundaries counted on across them), each in ``<returned>/<loop>``."""
+    """The uninterrupted runs of ``LOOPS``, one after the other in the same 2 processes (the
+    boundaries counted on across them), each in ``<returned>/<loop>``."""
     workdir = str(tmp_path_factory.mktemp("wholes"))
-    codes, logs = run(",".join(sorted(SIGTERM_AT)), workdir)
+    codes, logs = run_loops(workdir)
     assert codes == [0, 0], logs
     return workdir
 
 
 @pytest.fixture(scope="module")
 def cuts(wholes, tmp_path_factory) -> tuple[str, dict]:
-    """Each loop stopped by SIGTERM (1.) and, those in ``KILLED``, killed (2.) in
-    ``<returned>/<loop>``, then the reruns of the three (3.), one after the other in the same 2
-    processes. Returns that folder and, a loop, its runs: 1.'s exit statuses, logs and the
-    checkpoints announced to each process; 2.'s point, exit statuses and logs; and the reruns'
-    (``"reruns"``)."""
+    """Each of ``LOOPS`` stopped by SIGTERM (1.) and killed (2.) in ``<returned>/<loop>``, then
+    their reruns (3.), one after the other in the same 2 processes. Returns that folder and, a
+    loop, its runs: 1.'s exit statuses, logs and the checkpoints announced to each process; 2.'s
+    point, exit statuses and logs; and the reruns' (``"reruns"``)."""
     root, runs = str(tmp_path_factory.mktemp("cuts")), {}
-    for loop in sorted(SIGTERM_AT):
+    for loop in LOOPS:
         cut = os.path.join(root, loop)
         codes, logs = run(loop, cut, "--sigterm", str(SIGTERM_AT[loop]))
         runs[loop] = {"stopped": (codes, logs, saved(cut, 0), saved(cut, 1))}
-        if loop not in KILLED:
-            continue
         stop = (saved(cut, 0) or [0])[-1]
         # The first point after the next boundary that saves: its write runs meanwhile.
         later = [step for step in saved(os.path.join(wholes, loop), 0) if step > stop] or [stop]
         kill = (min(later) - stop) // PER_POINT[loop] + 1
         runs[loop]["killed"] = (kill, *run(loop, cut, "--sigkill", str(kill), victim=0))
-    runs["reruns"] = run(",".join(sorted(SIGTERM_AT)), root)
+    runs["reruns"] = run_loops(root)
     return root, runs
 
 
-@pytest.mark.parametrize("loop", sorted(SIGTERM_AT))
+@pytest.mark.parametrize("loop", [pytest.param(loop, marks=[pytest.mark.slow] * (loop not in LOOPS))
+                                  for loop in sorted(SIGTERM_AT)])
 def test_a_zoo_loop_on_two_processes_stopped_and_killed_inside_a_unit_reruns_to_the_same_bits(
         loop, wholes, cuts):
     whole, cut = os.path.join(wholes, loop), os.path.join(cuts[0], loop)
@@ -127,15 +134,14 @@ def test_a_zoo_loop_on_two_processes_stopped_and_killed_inside_a_unit_reruns_to_
     assert stop in stops(loop, whole) and f"Stopped by SIGTERM after step {stop}:" in log(cut), \
         (stop, stops(loop, whole), logs)
 
-    if loop in KILLED:
-        kill, codes, logs = cuts[1][loop]["killed"]
-        assert kill == (min(step for step in saves if step > stop) - stop) // PER_POINT[loop] + 1
-        assert codes[0] == -9 and f"SIGKILL at point {kill}" in logs, logs
+    kill, codes, logs = cuts[1][loop]["killed"]
+    assert kill == (min(step for step in saves if step > stop) - stop) // PER_POINT[loop] + 1
+    assert codes[0] == -9 and f"SIGKILL at point {kill}" in logs, logs
 
     codes, logs = cuts[1]["reruns"]
     assert codes == [0, 0], logs
     # (its own resumes: a log.txt also gets the lines of the loops run after it in a process)
-    assert log(cut).count(f"Resumed from {cut}/") == 1 + (loop in KILLED), log(cut)
+    assert log(cut).count(f"Resumed from {cut}/") == 2, log(cut)
     assert_same_arrays(newest_step_arrays(cut), newest_step_arrays(whole))  # step included
     assert result(cut) == result(whole)
     if loop == "fedavg":
@@ -150,6 +156,7 @@ def rollouts(workdir: str) -> list[tuple]:
                 for row in map(json.loads, f) if "rollout/reward" in row]
 
 
+@pytest.mark.slow  # REDCO_SLOW_TESTS=1: in CI, test_background_checkpoints (see the module's docstring)
 def test_grpo_on_two_processes_killed_during_a_background_write_reruns_to_the_same_bits(
         grpo_two_processes):
     """GRPO (3 rounds of 4 updates, a checkpoint each round, written in the background): process
