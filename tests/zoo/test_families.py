@@ -81,16 +81,17 @@ def test_a_split_sequence_gives_the_unsplit_logits(family, strategy):
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) for f in
-                                    ("gemma3", "phi-4-mini", "qwen3-moe")] +
-                         ["granite-4-h", "qwen3-next"])
+                                    ("gemma3", "phi-4-mini", "qwen3-moe", "granite-4-h")] +
+                         ["qwen3-next"])
 def test_fsdp_with_tensor_parallelism_and_full_remat_trains_as_one_device(family):
     """Two updates at dp 4 x mp 2, FSDP, every layer rematerialised (Gemma 3's q/k norms, Phi's
     split fused projections, Qwen3-MoE's stacked experts and router, Granite 4's Mamba2 layers
     beside attention and its MoE with a shared MLP, Qwen3-Next's Gated DeltaNet tensors and gated
-    shared expert): the params one device gets, to 1e-5. In CI the two recurrent stacks, whose
-    attention layers carry q/k norms and whose MoEs stacked experts, a router and shared MLPs;
-    Gemma 3, Phi and Qwen3-MoE (the same FSDP gather and remat over attention and experts) run
-    with REDCO_SLOW_TESTS=1."""
+    shared expert): the params one device gets, to 1e-5. In CI Qwen3-Next, whose attention
+    layers carry q/k norms and whose MoE stacked experts, a router and a gated shared MLP;
+    Gemma 3, Phi and Qwen3-MoE (the same FSDP gather and remat over attention and experts) and
+    Granite 4 (in CI: test_hybrid's test_its_experts_split_over_dp_train_as_on_one_device, at
+    dp 4 x mp 2 FSDP with full remat) run with REDCO_SLOW_TESTS=1."""
     import optax
 
     from redco import Trainer

@@ -460,11 +460,10 @@ def grpo_cmd(root, workdir, reward) -> list[str]:
             *GRPO_FLAGS, "--prompts_per_round", "8", "--learning_rate", "2e-3"]
 
 
-def grpo_env(stop: bool, n_devices: int = 2) -> dict:
-    """``n_devices`` devices, matmuls at full fp32 precision; with ``stop``, SIGTERM in round
-    2."""
+def grpo_env(stop: bool) -> dict:
+    """2 devices, matmuls at full fp32 precision; with ``stop``, SIGTERM in round 2."""
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
-                                      + f" --xla_force_host_platform_device_count={n_devices}"),
+                                      + " --xla_force_host_platform_device_count=2"),
                JAX_DEFAULT_MATMUL_PRECISION="highest")
     env.pop("SIGTERM_IN_ROUND_2", None)
     return {**env, "SIGTERM_IN_ROUND_2": "1"} if stop else env
@@ -485,17 +484,18 @@ def whole(warmed_up, tmp_path_factory):
 
 def test_grpo_sharded_dp_x_mp_samples_and_trains_as_on_two_devices(warmed_up, whole, tmp_path):
     """``grpo_cmd``'s run (a KL penalty to a reference copy included) at dp 4 x mp 2 over 8
-    devices, minibatches of 16 rows a device: the rewards, KL, clip fractions and held-out
-    rewards of the run at dp 2 (32 rows a device), and its params. The learning rate peaks at
-    2e-3, so every round's 4 updates leave some tokens' ratios past the clip range and no
-    round's clip fractions compared are 0 against 0 (at 5e-4 the last round's, decayed
-    towards 0, left every ratio inside for some draws of the model)."""
+    devices (``redco.cli.main`` in this process), minibatches of 16 rows a device: the
+    rewards, KL, clip fractions and held-out rewards of the run at dp 2 (32 rows a device), and
+    its params. The learning rate peaks at 2e-3, so every round's 4 updates leave some tokens'
+    ratios past the clip range and no round's clip fractions compared are 0 against 0 (at 5e-4
+    the last round's, decayed towards 0, left every ratio inside for some draws of the
+    model)."""
     from safetensors.numpy import load_file
     workdir, reward, _ = whole
     sharded = tmp_path / "sharded"
-    run_to_end(grpo_cmd(warmed_up, sharded, reward) + ["--n_model_shards", "2",
-                                                       "--per_device_batch_size", "16"],
-               str(sharded), grpo_env(stop=False, n_devices=8))
+    # in this process (its 8 devices, matmuls at "highest": conftest.py), as grpo_env's would be
+    main(grpo_cmd(warmed_up, sharded, reward)[3:] + ["--n_model_shards", "2",
+                                                     "--per_device_batch_size", "16"])
     assert "mesh: {'dp': 4, 'mp': 2}" in (sharded / "log.txt").read_text()
     rows = [[json.loads(line) for line in open(w / "metrics.jsonl")] for w in (workdir, sharded)]
     pick = lambda rows, key: [r[key] for r in rows if key in r]  # noqa: E731

@@ -89,11 +89,18 @@ def test_rollouts_run_k_updates_ahead_on_devices_of_their_own(warmed_up, tmp_pat
             assert after["rollout_dispatch"] >= before["update_ready"], (before, after)
 
 
+# The SIGKILL phase runs with REDCO_SLOW_TESTS=1: a kill at a random moment of the last round
+# and the resume from the checkpoint before it are the synchronous loop's, killed in CI by
+# test_grpo.py's test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_same_bits.
+KILLED = os.environ.get("REDCO_SLOW_TESTS") == "1"
+
+
 def test_async_grpo_stopped_by_sigterm_or_killed_resumes_to_the_same_bits(warmed_up,  # noqa: F811
                                                                         tmp_path):
     """K = 1 on 1 + 1 devices: SIGTERM in round 2 (of 3) saves step 8 with round 3's rollout
-    in flight, exit 143; the rerun is SIGKILLed at a random moment of round 3; the next ends
-    with the params, rollout metrics, losses and held-out rewards of a run never stopped."""
+    in flight, exit 143; (with ``KILLED``) the rerun is SIGKILLed at a random moment of round
+    3; the next ends with the params, rollout metrics, losses and held-out rewards of a run
+    never stopped."""
     from safetensors.numpy import load_file
     reward = tmp_path / "stopping_reward.py"
     reward.write_text(STOPPING_REWARD)
@@ -109,11 +116,12 @@ def test_async_grpo_stopped_by_sigterm_or_killed_resumes_to_the_same_bits(warmed
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert "Stopped by SIGTERM after step 8" in stopped.stdout + stopped.stderr
     seed = int.from_bytes(os.urandom(4), "little")
-    killed = kill_at_random(cmd(cut), said_resumed(str(cut)), round_s, random.Random(seed),
-                            grpo_env(stop=False))
+    killed = KILLED and kill_at_random(cmd(cut), said_resumed(str(cut)), round_s,
+                                       random.Random(seed), grpo_env(stop=False))
     run_to_end(cmd(cut), str(cut), grpo_env(stop=False))
     log = (cut / "log.txt").read_text()
-    assert killed and log.count("Resumed from") == 2, (seed, killed, log[-2000:])
+    assert killed == KILLED and log.count("Resumed from") == 1 + KILLED, (seed, killed,
+                                                                          log[-2000:])
     rows = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
             for name in ("whole", "cut")}
     pick = lambda rows, key: [(r["step"], r[key]) for r in rows if key in r]  # noqa: E731
