@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 from redco import Deployer, sequence_split
 from redco.cli import main
-from redco_zoo_models import from_pretrained, save_pretrained, split_model
+from redco_zoo_models import LlamaConfig, LlamaForCausalLM, from_pretrained, save_pretrained, split_model
 from redco_zoo_models.hf import auto_class
 from redco_zoo_models.toy import TINY_FAMILIES, WINDOW, tiny_family, word_tokenizer
 
@@ -80,6 +80,13 @@ def test_a_split_sequence_gives_the_unsplit_logits(family, strategy):
     np.testing.assert_allclose(split, whole, atol=2e-5)
 
 
+# Qwen3-Next in two layers, every kind of its layers once: Gated DeltaNet with the MoE (stacked
+# experts, router, gated shared expert), then gated attention with the dense MLP (its third layer
+# repeats the first)
+SHORTER = {"qwen3-next": dict(num_hidden_layers=2,
+                              layer_types=["linear_attention", "full_attention"])}
+
+
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) for f in
                                     ("gemma3", "phi-4-mini", "qwen3-moe", "granite-4-h")] +
                          ["qwen3-next"])
@@ -99,7 +106,8 @@ def test_fsdp_with_tensor_parallelism_and_full_remat_trains_as_one_device(family
     rows = [{"token_ids": r} for r in np.random.RandomState(6).randint(1, 63, (8, 25))]
 
     def trained(**deployer):
-        apply_fn, params = split_model(tiny_family(family))
+        config = LlamaConfig.from_hf({**TINY_FAMILIES[family], **SHORTER.get(family, {})})
+        apply_fn, params = split_model(LlamaForCausalLM(config, nnx.Rngs(0)))
         trainer = Trainer(Deployer(jax_seed=0, workdir=None, verbose=False, **deployer),
                           collate_fn, apply_fn, loss_fn, params, optax.sgd(0.5), remat="full")
         trainer.train_epoch(rows, 4 // trainer.deployer.dp_size, 0)
