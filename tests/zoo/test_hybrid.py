@@ -18,6 +18,8 @@ from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
 from redco_zoo_models.toy import TINY_FAMILIES
 
 DENSE = LlamaConfig.from_hf(TINY_FAMILIES["granite-4-h-dense"])  # mamba, mamba, attention
+TWO_LAYERS = LlamaConfig.from_hf(dict(TINY_FAMILIES["granite-4-h"], num_hidden_layers=2,
+                                     layer_types=["mamba", "attention"]))
 IDS = jnp.asarray(np.random.RandomState(0).randint(1, 63, (2, 24)))  # 3 chunks of 8
 
 
@@ -78,18 +80,18 @@ def test_its_experts_split_over_dp_train_as_on_one_device():
     """Granite's MoE (beside Mamba2 layers, a shared MLP in each block) with its experts split
     over dp as ``--expert_parallel`` splits them (``for_trainer``), dp 4 x mp 2 ``auto+fsdp``,
     every layer rematerialised (``remat="full"``: Mamba2 and attention layers recomputed in the
-    backward pass): an update gives one device's params without remat (1e-5)."""
+    backward pass): an update gives one device's params without remat (1e-5). Two of its
+    layers, a Mamba2 one and an attention one (the tiny family's third repeats the first)."""
     import optax
 
     from redco import Trainer
     from redco_zoo_lm import collate_fn, loss_fn
     from redco_zoo_models.expert_parallel import for_trainer
-    from redco_zoo_models.toy import tiny_family
     rows = [{"token_ids": r} for r in np.random.RandomState(6).randint(1, 63, (4, 17))]
 
     def trained(split: bool, **deployer):
         deployer = Deployer(jax_seed=0, workdir=None, verbose=False, **deployer)
-        apply_fn, params = split_model(tiny_family("granite-4-h"))
+        apply_fn, params = split_model(LlamaForCausalLM(TWO_LAYERS, nnx.Rngs(0)))
         rules = for_trainer(params, deployer) if split else None
         trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.sgd(0.5),
                           params_sharding_rules=rules, remat="full" if split else "none")
