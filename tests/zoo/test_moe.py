@@ -298,7 +298,8 @@ def test_sft_then_grpo_train_a_tiny_moe_and_log_its_router(tmp_path):
     from redco.cli import main
     from redco_zoo_models.toy import save_tiny_chat_model
     write_task(tmp_path)
-    save_tiny_chat_model(str(tmp_path / "moe-chat"), WORDS, family="qwen3-moe")
+    save_tiny_chat_model(str(tmp_path / "moe-chat"), WORDS, family="qwen3-moe",
+                         num_hidden_layers=1)  # (one sparse layer: one MoE block's router)
     main(["zoo", "run", "sft", "--model", str(tmp_path / "moe-chat"), "--train",
           str(tmp_path / "chats.jsonl"), "--workdir", str(tmp_path / "sft"), "--max_len", "16",
           "--per_device_batch_size", "2", "--max_steps", "3", "--learning_rate", "3e-3"])

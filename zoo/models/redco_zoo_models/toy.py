@@ -4,6 +4,7 @@ zoo pipeline and template takes as ``--model``."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from flax import nnx
 
@@ -45,17 +46,18 @@ def chat_word_tokenizer(words: list[str], template: str | None = CHATML, **speci
 
 
 def save_tiny_chat_model(path: str, words: list[str], seed: int = 0,
-                         family: str | None = None) -> str:
-    """A ``tiny_llama`` (or a tiny model of ``TINY_FAMILIES[family]``, e.g. ``"qwen3-moe"``) and
-    its ``chat_word_tokenizer(words)`` saved as a HuggingFace directory whose tokenizer has a
-    chat template: what ``redco zoo run sft`` (and dpo, grpo) take as ``--model``. Returns
-    ``path``."""
+                         family: str | None = None, **config: Any) -> str:
+    """A ``tiny_llama`` (or a tiny model of ``TINY_FAMILIES[family]``, e.g. ``"qwen3-moe"``,
+    its config.json entries ``config`` replaced) and its ``chat_word_tokenizer(words)`` saved
+    as a HuggingFace directory whose tokenizer has a chat template: what ``redco zoo run sft``
+    (and dpo, grpo) take as ``--model``. Returns ``path``."""
     tokenizer = chat_word_tokenizer(words)
     vocab_size = len(CHAT_SPECIALS) + len(words)
     model = tiny_llama(vocab_size, seed) if family is None else LlamaForCausalLM(
         LlamaConfig.from_hf(dict(TINY_FAMILIES[family], vocab_size=vocab_size,
                                  eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id)), nnx.Rngs(seed))
+                                 pad_token_id=tokenizer.pad_token_id, **config)),
+        nnx.Rngs(seed))
     save_model_dir(model, tokenizer._tokenizer, path)
     tokenizer.save_pretrained(path)  # tokenizer_config.json and the chat template
     return path
