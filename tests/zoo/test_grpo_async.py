@@ -157,7 +157,8 @@ def test_auto_refuses_before_loading_and_runs_grpo_on_the_split_it_picked(
     """A model directory without its weights and 1 MB a device: refused (exit 2) naming the
     fix, so nothing was loaded. Then 2 rounds on the warmed-up model with ``auto`` and
     K = 1: the log holds the candidates' table and the pick, the trainer's mesh is the other
-    8 - N devices and the rounds train one version behind."""
+    8 - N devices and the rounds train one version behind. Minibatches of 128 a device: only
+    N = 6 and 7 split a round's 256 samples, so two candidates are compiled, not three."""
     model = warmed_up / "sft" / "model"
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -165,7 +166,7 @@ def test_auto_refuses_before_loading_and_runs_grpo_on_the_split_it_picked(
         if f.suffix != ".safetensors":
             (bare / f.name).write_bytes(f.read_bytes())
     flags = ["--train", str(warmed_up / "prompts.jsonl"), "--n_rounds", "2",
-             "--per_device_batch_size", "8", "--eval_every_n_rounds", "2", *GRPO_FLAGS,
+             "--per_device_batch_size", "128", "--eval_every_n_rounds", "2", *GRPO_FLAGS,
              "--rollout_devices", "auto", "--max_off_policy_steps", "1",
              "--decode_model_shards", "1"]
     with pytest.raises(SystemExit) as stop:
