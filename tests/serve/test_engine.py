@@ -1,6 +1,8 @@
 """The continuous-batching engine gives what ``generate`` gives one request at a time, while
 requests join and leave the batch, on every decoder family and sharded; each request samples
 its own way, and its samples share one prefill."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,11 +22,23 @@ PROMPTS = [[5, 9, 2], [7, 1, 3, 3, 8, 4, 4, 12, 30], [11], [3, 6, 9, 12, 15, 18]
 NEW = 9
 
 
+@functools.cache
 def model_of(name: str, seed: int = 0):
+    """The tiny model of a family, built once a module (the engines read, never write, it):
+    the tests of a family share its ``generate`` compiled."""
     if name == "gpt2":
         return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2,
                                           n_head=4), nnx.Rngs(seed))
     return tiny_family(name, seed)
+
+
+@functools.cache
+def engine_of(name: str, max_seqs: int, max_len: int) -> Engine:
+    """A plain engine (rows of slots, no options) over ``model_of(name)``, built once per
+    shape for the tests of every file that use or compare against one, so that its prefill and
+    decode compile once. Each test leaves it idle (its requests run to the end)."""
+    model = model_of(name)
+    return Engine(model, nnx.state(model, nnx.Param), max_seqs=max_seqs, max_len=max_len)
 
 
 _GENERATE = {}  # (id(model), n_new) -> the model's jitted ``generate`` (the model kept alive)
@@ -52,6 +66,20 @@ def one_at_a_time(model, params, prompt, n_new=NEW):
     return generated(model, params, [prompt], n_new)[0]
 
 
+def greedy_tokens(model, params, index: int) -> list[int]:
+    """``generate``'s greedy tokens for ``PROMPTS[index]`` alone (read from the batch of all
+    ``PROMPTS``, whose padding is masked: one program a model)."""
+    return generated(model, params, PROMPTS)[index][0]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """Tiny Llama 3.1, its params and an engine of 4 rows of 32 slots: shared by the tests
+    that need no other engine shape, so that its prefill and decode compile once."""
+    model = model_of("llama-3.1")
+    return model, nnx.state(model, nnx.Param), engine_of("llama-3.1", 4, 32)
+
+
 def run_staggered(engine, prompts, sampling):
     """Two requests first; the rest join after three steps, while those run."""
     requests = [engine.submit(p, sampling) for p in prompts[:2]]
@@ -63,13 +91,16 @@ def run_staggered(engine, prompts, sampling):
 
 
 @pytest.mark.parametrize("family", ["llama-3.1", pytest.param("gemma2", marks=pytest.mark.slow),
-                                    "gemma3", "qwen3-moe", "gpt2"])
+                                    "gemma3", pytest.param("qwen3-moe", marks=pytest.mark.slow),
+                                    "gpt2"])
 def test_greedy_equals_generate_as_requests_come_and_go(family):
     """Gemma 2 is a slow-tier repeat: its sliding layers in the engine's cache are guarded in CI
-    by the gemma3 case, its softcaps by test_parity_families' gemma2 cases."""
+    by the gemma3 case, its softcaps by test_parity_families' gemma2 cases. Qwen3-MoE is one
+    too: the engine over experts is guarded in CI by test_sharded_engine_answers_as_one_device
+    (the same model against ``generate``, split over dp x mp)."""
     model = model_of(family)
     params = nnx.state(model, nnx.Param)
-    engine = Engine(model, params, max_seqs=3, max_len=32)
+    engine = engine_of(family, 3, 32)
     requests = run_staggered(engine, PROMPTS, Sampling(max_tokens=NEW))
     for prompt, request, (tokens, logprobs) in zip(PROMPTS, requests,
                                                    generated(model, params, PROMPTS)):
@@ -79,10 +110,14 @@ def test_greedy_equals_generate_as_requests_come_and_go(family):
     assert engine.rows == [None] * 3  # every row freed
 
 
-@pytest.mark.parametrize("reading", [{}, dict(prefill_chunk=16, prefix_caching=True)])
+@pytest.mark.parametrize("reading", [pytest.param({}, marks=pytest.mark.slow),
+                                     dict(prefill_chunk=16, prefix_caching=True)])
 def test_sharded_engine_answers_as_one_device(reading):
     """Also with prompts read 16 tokens a step and prefixes copied between rows split over dp
-    (the longest prompt asked first and last: a hit)."""
+    (the longest prompt asked first and last: a hit). Prompts read whole are a slow-tier
+    repeat: in CI the sharded decoding and experts are guarded by the other case, and a whole
+    prompt's prefill over mp 2 by test_serve.py::test_sigterm_finishes_the_requests_in_flight
+    (a plain server split over 2 devices, against ``generate``)."""
     model = model_of("qwen3-moe")
     params = nnx.state(model, nnx.Param)
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=None, verbose=False)
@@ -94,15 +129,14 @@ def test_sharded_engine_answers_as_one_device(reading):
     assert engine.cache[0]["k"].sharding.spec[0] == "dp"
     prompts = PROMPTS[-1:] + PROMPTS  # (the first one read before its repeat comes)
     requests = run_staggered(engine, prompts, Sampling(max_tokens=NEW))
-    for request, (tokens, _) in zip(requests, generated(model, params, prompts)):
+    alone = generated(model, params, PROMPTS)  # (each prompt's, as in the unsharded test)
+    for request, (tokens, _) in zip(requests, alone[-1:] + alone):
         assert request.samples[0].tokens == tokens
     assert engine.prefix_stats.get("hits", 1) == 1
 
 
-def test_a_seeded_request_samples_the_same_whatever_runs_beside_it():
-    model = model_of("llama-3.1")
-    params = nnx.state(model, nnx.Param)
-    engine = Engine(model, params, max_seqs=4, max_len=32)
+def test_a_seeded_request_samples_the_same_whatever_runs_beside_it(llama):
+    engine = llama[2]
     mine = Sampling(max_tokens=NEW, temperature=0.9, top_k=20, top_p=0.9, seed=5)
     alone = engine.generate([PROMPTS[1]], mine)[0].samples[0]
     others = [engine.submit(p, Sampling(max_tokens=NEW, temperature=1.3, seed=i))
@@ -116,14 +150,12 @@ def test_a_seeded_request_samples_the_same_whatever_runs_beside_it():
     assert other_seed.samples[0].tokens != alone.tokens
 
 
-def test_sampling_cuts_and_tempered_logprobs_against_the_forward_pass():
+def test_sampling_cuts_and_tempered_logprobs_against_the_forward_pass(llama):
     """``top_k=1`` and a vanishing ``top_p`` leave only the greedy token (``generate``'s); a
     token sampled at temperature T comes with the forward pass's ``log_softmax(logits / T)``;
     a seeded request's tokens do not depend on ``steps_per_sync``."""
-    model = model_of("llama-3.1")
-    params = nnx.state(model, nnx.Param)
-    greedy = one_at_a_time(model, params, PROMPTS[1])[0]
-    engine = Engine(model, params, max_seqs=4, max_len=32)
+    model, params, engine = llama
+    greedy = greedy_tokens(model, params, 1)
     for cut in (dict(top_k=1), dict(top_p=1e-6)):
         hot = Sampling(max_tokens=NEW, temperature=1.5, seed=4, **cut)
         assert engine.generate([PROMPTS[1]], hot)[0].samples[0].tokens == greedy, cut
@@ -140,25 +172,26 @@ def test_sampling_cuts_and_tempered_logprobs_against_the_forward_pass():
         engine.generate([PROMPTS[1]], seeded)[0].samples[0].tokens
 
 
-def test_samples_of_a_prompt_share_one_prefill():
-    model = model_of("llama-3.1")
-    params = nnx.state(model, nnx.Param)
-    engine = Engine(model, params, max_seqs=4, max_len=32)
+def test_samples_of_a_prompt_share_one_prefill(llama):
+    model, params, engine = llama
     prefills, prefill = [], engine._prefill
     engine._prefill = lambda *args: prefills.append(args[4].shape) or prefill(*args)
-    sampled = engine.generate([PROMPTS[3]], Sampling(max_tokens=NEW, temperature=1.0, n=4,
-                                                     seed=0))[0]
+    try:
+        sampled = engine.generate([PROMPTS[3]], Sampling(max_tokens=NEW, temperature=1.0, n=4,
+                                                         seed=0))[0]
+    finally:
+        engine._prefill = prefill
     assert [shape[0] for shape in prefills] == [1]  # one call, one prompt row, for 4 samples
     assert len({tuple(s.tokens) for s in sampled.samples}) > 1  # each sample its own key
     greedy = engine.generate([PROMPTS[3]], Sampling(max_tokens=NEW, n=2))[0]
-    expected = one_at_a_time(model, params, PROMPTS[3])[0]
+    expected = greedy_tokens(model, params, 3)
     assert [s.tokens for s in greedy.samples] == [expected, expected]
 
 
 def test_stop_tokens_end_a_sample_and_free_its_row_for_the_next():
     model = model_of("llama-3.1")
     params = nnx.state(model, nnx.Param)
-    expected = one_at_a_time(model, params, PROMPTS[0])[0]
+    expected = greedy_tokens(model, params, 0)
     engine = Engine(model, params, max_seqs=1, max_len=32, eos_token_ids=(expected[3],))
     first, second = [engine.submit(PROMPTS[0], Sampling(max_tokens=NEW)) for _ in range(2)]
     for _ in range(2 * NEW):  # a bound, so that a row never freed fails instead of hanging
@@ -179,9 +212,12 @@ def test_stop_tokens_end_a_sample_and_free_its_row_for_the_next():
 def test_warm_up_compiles_every_shape_a_request_can_meet(reading):
     """After ``warm_up``, requests of every prompt length, sample count and arrival order
     (decode steps over every span of slots: the longest runs to ``max_len``) compile nothing;
-    nor do chunks read from any slot, after a cached prefix or not."""
+    nor do chunks read from any slot, after a cached prefix or not. The plain engine is the
+    one the other tests of its shape ran (idle): what they compiled must be among the shapes
+    ``warm_up`` counts, and its compiles are shared with theirs."""
     model = model_of("llama-3.1")
-    engine = Engine(model, nnx.state(model, nnx.Param), max_seqs=3, max_len=32, **reading)
+    engine = Engine(model, nnx.state(model, nnx.Param), max_seqs=3, max_len=32, **reading) \
+        if reading else engine_of("llama-3.1", 3, 32)
     shapes = engine.warm_up()
     compiled = lambda: engine._decode._cache_size() + engine._prefill._cache_size()  # noqa: E731
     assert compiled() == shapes

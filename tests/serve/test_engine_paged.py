@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from test_engine import NEW, PROMPTS, model_of, run_staggered
+from test_engine import NEW, PROMPTS, engine_of, model_of, run_staggered
 from test_engine_prefix import LONG, SHORT, SYSTEM
 
 from redco_zoo_models.engine import Engine
@@ -40,7 +40,7 @@ def test_paged_decoding_equals_slots_as_requests_come_and_go(family):
     model = model_of(family)
     params = nnx.state(model, nnx.Param)
     sampling = Sampling(max_tokens=NEW)
-    expected = run_staggered(Engine(model, params, max_seqs=3, max_len=32), PROMPTS, sampling)
+    expected = run_staggered(engine_of(family, 3, 32), PROMPTS, sampling)
     paged = Engine(model, params, max_seqs=3, max_len=32, page_size=PAGE, n_pages=20)
     assert {x.shape[:2] for x in jax.tree.leaves(paged.cache)} == {(20, PAGE)}
     got = run_staggered(paged, PROMPTS, sampling)
@@ -154,7 +154,7 @@ def test_a_request_that_needs_the_room_evicts_the_deepest_cached_page_first():
     assert len(cached_pages(paged, prompts[0])) == 1 and len(cached_pages(paged)) == 1 + 3
     requests += paged.generate(prompts[2:], Sampling(NEW))
     assert paged.prefix_stats["tokens_reused"] == 16
-    expected = Engine(model, params, max_seqs=3, max_len=64).generate(prompts, Sampling(NEW))
+    expected = engine_of("llama-3.1", 3, 64).generate(prompts, Sampling(NEW))
     assert_same_samples(requests, expected, "evicted")
 
 

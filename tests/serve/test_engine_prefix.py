@@ -5,7 +5,7 @@ prefixes; a row taken for another prompt is never read as a prefix."""
 import numpy as np
 import pytest
 from flax import nnx
-from test_engine import generated, model_of, one_at_a_time
+from test_engine import engine_of, generated, model_of, one_at_a_time
 
 from redco_zoo_models.engine import Engine
 from redco_zoo_models.requests import Sampling
@@ -31,7 +31,7 @@ def test_a_chunked_prefill_equals_the_one_shot_one_while_other_rows_decode(famil
     the last one left (its Gated DeltaNet layers hold no slots)."""
     model = model_of(family)
     params = nnx.state(model, nnx.Param)
-    whole = Engine(model, params, max_seqs=2, max_len=64).generate([LONG], Sampling(NEW))[0]
+    whole = engine_of(family, 2, 64).generate([LONG], Sampling(NEW))[0]
     chunked = Engine(model, params, max_seqs=2, max_len=64, prefill_chunk=16)
     short = chunked.submit(SHORT, Sampling(max_tokens=40))
     chunked.step()
@@ -55,7 +55,7 @@ def test_prefix_hits_equal_generate_and_the_uncached_engine():
     params = nnx.state(model, nnx.Param)
     prompts = [SYSTEM + [3, 4, 5], SYSTEM + [7, 8, 9], SYSTEM + [3, 4, 5, 6, 1],
                SYSTEM[:32] + [60, 61, 62, 63, 1, 2]]  # (the last parts at the blocks' end)
-    plain = Engine(model, params, max_seqs=3, max_len=64).generate(prompts, Sampling(NEW))
+    plain = engine_of("llama-3.1", 3, 64).generate(prompts, Sampling(NEW))
     engine = Engine(model, params, max_seqs=3, max_len=64, prefix_caching=True)
     first = engine.submit(prompts[0], Sampling(NEW))
     short = engine.submit(SHORT, Sampling(max_tokens=20))  # decodes on after the first ends

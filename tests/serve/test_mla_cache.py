@@ -10,11 +10,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from test_engine import engine_of, model_of
 
 from redco import sequence_split
 from redco.sharding import make_mesh
 from redco_zoo_models import generate
-from redco_zoo_models.engine import Engine
 from redco_zoo_models.engine_memory import cache_sharding
 from redco_zoo_models.lora import add_lora, lora_layers
 from redco_zoo_models.requests import Sampling
@@ -30,11 +30,11 @@ def test_engine_caches_the_latent_and_decodes_as_the_training_forward():
     its log-probabilities that forward's (fp32, 2e-5). The allocated cache holds
     ``kv_lora_rank + qk_rope_head_dim`` numbers per token in every layer; on a mesh its rows
     split over ``dp``, the latent whole on each ``mp`` device."""
-    model, config = tiny_family("deepseek-v3"), TINY_FAMILIES["deepseek-v3"]
-    engine = Engine(model, nnx.state(model, nnx.Param), max_seqs=3, max_len=24)
+    model, config = model_of("deepseek-v3"), TINY_FAMILIES["deepseek-v3"]
+    engine = engine_of("deepseek-v3", 3, 32)  # (test_engine_paged's reference: one compile)
     for layer in engine.cache:
         numbers = sum(x.size for x in jax.tree.leaves(layer))
-        assert numbers == 3 * 24 * (config["kv_lora_rank"] + config["qk_rope_head_dim"])
+        assert numbers == 3 * 32 * (config["kv_lora_rank"] + config["qk_rope_head_dim"])
     placed = cache_sharding(make_mesh(jax.devices(), 2), model.init_cache(4, 8))  # dp 4 x mp 2
     specs = {sharding.spec for sharding in jax.tree.leaves(placed)}  # (a sharding per leaf)
     assert specs == {P("dp", None, None, None)}  # one shared latent: whole on each of mp

@@ -24,7 +24,10 @@ and YaRN and dynamic-NTK RoPE on Qwen3 and LLaMA shapes.
 
 Each tiny checkpoint is written by transformers itself (``from_config`` + ``save_pretrained``,
 weights perturbed so a misplaced one shows, sharded so the index is read). The lengths cross
-every sliding window (8) and every RoPE's ``original_max_position_embeddings`` (16)."""
+every sliding window (8) and every RoPE's ``original_max_position_embeddings`` (16). Each
+family's forward compiles once a shape for all of its checks (``jitted``). Left padding,
+generation and the sampler's log-probs run in CI on the families that take distinct code paths
+there (``SAMPLER_PATHS``, ``GREEDY_PATHS``); the others' cases are slow-tier repeats."""
 import dataclasses
 import json
 import os
@@ -53,11 +56,25 @@ ATOL = {**FALCON, "gemma4": 2e-3}  # unit-scale attention over normed q/k: an il
 #   with XLA's default flags, 7e-4..1.1e-3 under CI's (-O0): its float32 kernels round worse
 
 
+_FORWARDS = {}  # a model's graph -> its forward compiled: one per family (and variant)
+
+
 def jitted(model):
-    """``model(ids, attention_mask=None)`` compiled (eager NNX runs op by op)."""
+    """``model(ids, attention_mask=None)`` compiled (eager NNX runs op by op), once per graph:
+    every check of a family (and a variant differing only in its weights) reuses the programs
+    compiled for its shapes."""
     graphdef, state = nnx.split(model)
-    run = jax.jit(lambda state, ids, mask: nnx.merge(graphdef, state)(ids, attention_mask=mask))
-    return lambda ids, attention_mask=None: run(state, jnp.asarray(ids), attention_mask)
+    if graphdef not in _FORWARDS:
+        _FORWARDS[graphdef] = jax.jit(lambda state, ids, mask: nnx.merge(graphdef, state)(
+            ids, attention_mask=mask))
+    return lambda ids, attention_mask=None: _FORWARDS[graphdef](
+        state, jnp.asarray(ids), attention_mask)
+
+
+def in_ci(paths):
+    """``pair``'s families, those outside ``paths`` (a property's distinct code paths) marked
+    slow: repeats of a path a family in ``paths`` takes."""
+    return [f if f in paths else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
 
 
 def generating(family):
@@ -120,8 +137,22 @@ def test_logits_equal_transformers_at_two_lengths(pair):
         close(forward(ids), torch_logits(theirs, ids), ATOL.get(family, 5e-4))
 
 
+# The families whose padding is read differently (a causal mask, local/global windows, MLA's
+# latent, Mamba2 zeroing the padding beside attention or in every layer, shared KV layers, sinks,
+# a RoPE that changes with the length); the rest repeat one of them and run in the slow tier only.
+SAMPLER_PATHS = ("llama-3.1", "gemma3", "deepseek-v3", "granite-4-h", "falcon-h1", "gemma4",
+                 "gpt-oss", "llama-dynamic")
+# Decoding also switches longrope's factors as the cache grows past the original context
+# (Phi-4-mini) and masks Llama 4's chunks of 8 over the cache.
+GREEDY_PATHS = SAMPLER_PATHS + ("phi-4-mini", "llama4")
+
+
+@pytest.mark.parametrize("pair", in_ci(SAMPLER_PATHS), indirect=True)
 def test_left_padded_logits_equal_transformers(pair):
-    """Prompts behind 0-3 pads (a hybrid's Mamba2 layers zero the padding as transformers')."""
+    """Prompts behind 0-3 pads (a hybrid's Mamba2 layers zero the padding as transformers').
+    The families outside ``SAMPLER_PATHS`` are slow-tier repeats: in CI each one's forward is
+    guarded by test_logits_equal_transformers_at_two_lengths, and its padding by the family of
+    ``SAMPLER_PATHS`` that masks the same way."""
     theirs, _, ours, family = pair
     generating(family)
     ids, mask = left_padded(3, 20, EOS, PAD, seed=3)
@@ -131,9 +162,12 @@ def test_left_padded_logits_equal_transformers(pair):
     close(got * mask[..., None], want * mask[..., None])  # padding rows are don't-cares
 
 
+@pytest.mark.parametrize("pair", in_ci(GREEDY_PATHS), indirect=True)
 def test_greedy_generation_equals_transformers(pair):
     """Prompts behind 0-3 pads, 24 new tokens: the cache crosses the window and the original
-    context while generating."""
+    context while generating. The families outside ``GREEDY_PATHS`` are slow-tier repeats: in
+    CI each one's layers are guarded by test_logits_equal_transformers_at_two_lengths, and its
+    decoding by the family of ``GREEDY_PATHS`` whose cache it shares."""
     theirs, _, ours, family = pair
     generating(family)
     prompts, mask = left_padded(4, 6, EOS, PAD, seed=4)
@@ -144,23 +178,16 @@ def test_greedy_generation_equals_transformers(pair):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
-# The families whose caches decode differently (the KV cache, local/global windows, MLA's latent,
-# Mamba2's state beside attention or in every layer, shared KV layers, sinks, a RoPE that changes
-# with the length); the rest repeat one of them and run in the slow tier only.
-SAMPLER_PATHS = ("llama-3.1", "gemma3", "deepseek-v3", "granite-4-h", "falcon-h1", "gemma4",
-                 "gpt-oss", "llama-dynamic")
-
-
-@pytest.mark.parametrize("pair", [f if f in SAMPLER_PATHS else pytest.param(
-    f, marks=pytest.mark.slow) for f in FAMILIES], indirect=True)
+@pytest.mark.parametrize("pair", in_ci(SAMPLER_PATHS), indirect=True)
 def test_sampler_logprobs_equal_a_training_forward(pair):
     """What ``generate`` reports for each sampled token is what a forward pass over the prompt
     and the completion computes (RL's ratio starts at 1). A RoPE whose frequencies change with
     the length (longrope, dynamic) gives early tokens other frequencies in a forward over a
     longer whole, in transformers too: there the sequence stays within the original context.
-    The families outside ``SAMPLER_PATHS`` are slow-tier repeats; in CI each one's decoding is
-    guarded by test_greedy_generation_equals_transformers, and this property by the family of
-    ``SAMPLER_PATHS`` that decodes the same way."""
+    The families outside ``SAMPLER_PATHS`` (whose caches decode differently: the KV cache,
+    local/global windows, MLA's latent, Mamba2's state beside attention or in every layer, shared
+    KV layers, sinks, a RoPE that changes with the length) are slow-tier repeats; in CI this
+    property is guarded by the family of ``SAMPLER_PATHS`` that decodes the same way."""
     _, _, ours, family = pair
     generating(family)
     n_new = 8 if ours.cfg.rope.kind in ("longrope", "dynamic") else 20
@@ -298,6 +325,8 @@ def test_the_older_rope_scaling_layout_reads_as_transformers_reads_it(name, tmp_
         json.dump(config, f)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     ours = jitted(from_pretrained(auto_class(str(tmp_path)), str(tmp_path)))
-    for n in (10, 40):
+    # 40 tokens: past the original context (16), each position's RoPE as a shorter call's;
+    # longrope's factors switch with the call's length: also a call within it
+    for n in (10, 40) if name == "phi-3.5" else (40,):
         ids = np.random.RandomState(n).randint(1, EOS, (2, n))
         close(ours(ids), torch_logits(theirs, ids), ATOL.get(name, 5e-4))

@@ -12,8 +12,8 @@ Each request's greedy tokens are transformers' own ``generate`` tokens for its p
 each token's log-probability is transformers' ``log_softmax`` of the logits there.
 
 Qwen3.5-MoE is a slow-tier repeat of Qwen3.5's recurrent rows (its experts change the MLP, not the
-cache): in CI the qwen3.5 case guards the rows, and tests/serve/test_engine.py's qwen3-moe case
-the engine over experts."""
+cache): in CI the qwen3.5 case guards the rows, and tests/serve/test_engine.py's
+test_sharded_engine_answers_as_one_device (on Qwen3-MoE) the engine over experts."""
 import dataclasses
 
 import numpy as np

@@ -16,9 +16,12 @@ import json
 import os
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from parity import load_hf, transformers
 
 from redco.cli import main
@@ -64,7 +67,9 @@ def test_sft_learns_on_packed_chats_and_exports_what_transformers_computes(sft_r
     ids = np.random.RandomState(0).randint(4, 4 + len(WORDS), (2, 21))  # past conv and chunk
     with torch.no_grad():
         want = theirs(torch.tensor(ids), use_cache=False).logits.numpy()
-    np.testing.assert_allclose(np.asarray(ours(ids)), want, atol=1e-4, rtol=1e-4)
+    graphdef, state = nnx.split(ours)  # compiled: eagerly each op of the delta rule compiles
+    got = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids))(state, jnp.asarray(ids))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
 
 
 def test_grpo_samples_on_the_engine_with_the_trainers_log_probabilities(sft_run):
