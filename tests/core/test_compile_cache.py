@@ -39,9 +39,19 @@ def test_a_second_start_loads_the_step_from_the_cache_and_trains_the_same(tmp_pa
     assert sorted(a) == sorted(b)
     for name in a:
         np.testing.assert_array_equal(a[name], b[name])
-    off = train(str(tmp_path / "c"), "off")
-    assert off == "compile cache off"
-    assert not os.path.exists(tmp_path / "c" / "compile_cache")
+
+
+def test_redco_compile_cache_off_keeps_nothing_and_says_so(workdir, monkeypatch):
+    """In the test process (a third worker process cost ~4 CPU s for what one fit here shows)."""
+    monkeypatch.setenv("REDCO_COMPILE_CACHE", "off")
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
+    assert deployer.compile_cache_dir is None
+    Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, mlp_init(), optax.sgd(0.1)).fit(
+        mlp_examples(32), 2, n_epochs=1)
+    with open(os.path.join(workdir, "log.txt")) as f:
+        assert re.search(r"First train step traced and compiled in [\d.]+ s \(compile cache "
+                         r"off\)\.", f.read())
+    assert not os.path.exists(os.path.join(workdir, "compile_cache"))
 
 
 def test_by_default_the_cache_is_in_the_workdir(workdir, monkeypatch):

@@ -1,7 +1,7 @@
 """The README's main job (``python -m redco_zoo_lm.demo``) trains past what byte frequencies
 alone reach, samples text from its trained model, and, SIGKILLed mid-epoch and run again,
 resumes from its last step checkpoint and ends with the params of a run never stopped, bit for
-bit."""
+bit (that last comparison, a third demo process, runs in the slow tier)."""
 import inspect
 import json
 import os
@@ -14,6 +14,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 from ckpt_helpers import TIMEOUT, assert_bit_equal, host, latest, without_clock
 
 from redco import checkpointing
@@ -106,7 +107,7 @@ def sample_z_score(apply_fn, params, new: bytes, temperature: float) -> float:
     uniformly (26 to 36), off for greedy decoding (-4.6). (A sampler that loses the context, such
     as a cache bug, is too close to this weak model to tell: test_generation.py checks that.)"""
     ids = np.frombuffer(PROMPT.encode() + new, np.uint8).astype(np.int32)
-    logits = np.asarray(apply_fn(params, ids[None, :-1])[0, -len(new):], np.float64)
+    logits = np.asarray(jax.jit(apply_fn)(params, ids[None, :-1])[0, -len(new):], np.float64)
     log_p = np.asarray(jax.nn.log_softmax(logits))
     q = np.asarray(jax.nn.softmax(logits / temperature))
     nll = -log_p[np.arange(len(new)), ids[-len(new):]]
@@ -115,12 +116,9 @@ def sample_z_score(apply_fn, params, new: bytes, temperature: float) -> float:
     return float((nll.sum() - mean.sum()) / np.sqrt(var.sum()))
 
 
-def test_main_job_trains_samples_and_resumes_a_sigkill_to_the_same_bits(tmp_path):
-    data = np.stack([e["token_ids"] for e in byte_sequences(SEQ_LEN)])
-    steps = (len(data) - len(data) // 20) // GLOBAL_BATCH  # one epoch; the demo holds out 1/20
-    full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
-    uninterrupted = start_demo(full)  # independent of the killed runs: runs beside them
-
+def killed_and_rerun(killed: str, steps: int) -> tuple[int, str]:
+    """The demo SIGKILLed after its first step checkpoint and run again to its end: the step it
+    resumed at and the rerun's stdout, once the rerun is checked to resume there."""
     resume_step = kill_after_first_step_ckpt(start_demo(killed), killed)
     print(f"killed after step_{resume_step} of {steps}")
     assert 0 < resume_step < steps  # mid-epoch
@@ -128,27 +126,49 @@ def test_main_job_trains_samples_and_resumes_a_sigkill_to_the_same_bits(tmp_path
     ckpt = os.path.join(killed, "ckpts", f"step_{resume_step}")
     assert f"Resumed from {ckpt} (step {resume_step})." in out
     assert f"{resume_step}/{steps} [" in err  # the progress bar starts where the kill left it
+    return resume_step, out
+
+
+def metrics_rows(workdir: str) -> list[dict]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [without_clock(json.loads(line)) for line in f]
+
+
+def test_main_job_trains_samples_and_resumes_a_sigkill(tmp_path):
+    """The killed and rerun demo: it resumes from its last step checkpoint, logs each step once,
+    learns, and samples from what it learnt. (That it ends with the bits of a run never stopped
+    is the slow test below; test_kill_resume.py's kills of Trainer.fit, the loop the demo runs,
+    check that property in CI.)"""
+    data = np.stack([e["token_ids"] for e in byte_sequences(SEQ_LEN)])
+    steps = (len(data) - len(data) // 20) // GLOBAL_BATCH  # one epoch; the demo holds out 1/20
+    killed = str(tmp_path / "killed")
+    _, out = killed_and_rerun(killed, steps)
+    # metrics.jsonl as if never killed: one train row per step, one eval row (the resume
+    # dropped the rows logged past the checkpoint, which were logged again)
+    rows = metrics_rows(killed)
+    assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, steps + 1))
+    assert len([r for r in rows if "eval/loss" in r]) == 1
+    assert os.listdir(os.path.join(killed, "ckpts")) == [f"step_{steps}"]
+
+    assert "mesh: {'dp': 4, 'mp': 2}" in out
+    # Learnt more than byte frequencies (3.26 nats on these docs; uniform would be 5.55).
+    assert eval_loss(out) < unigram_entropy(data), (eval_loss(out), unigram_entropy(data))
+    check_sample(continuation(out), *final_params(killed, steps))
+
+
+@pytest.mark.slow  # REDCO_SLOW_TESTS=1 (conftest.py); in CI: the test above, test_kill_resume.py
+def test_main_job_resumed_after_a_sigkill_ends_with_the_bits_of_a_run_never_stopped(tmp_path):
+    data = np.stack([e["token_ids"] for e in byte_sequences(SEQ_LEN)])
+    steps = (len(data) - len(data) // 20) // GLOBAL_BATCH
+    full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
+    uninterrupted = start_demo(full)  # independent of the killed runs: runs beside them
+    _, out = killed_and_rerun(killed, steps)
     full_out, full_err = finish(uninterrupted)
     assert "Resumed" not in full_out and "epoch 1/1" in full_err
-
-    # The same bits as the uninterrupted run: the final params, and so the eval loss.
     assert os.listdir(os.path.join(full, "ckpts")) == [f"step_{steps}"]
-    apply_fn, params = final_params(full, steps)
-    assert_bit_equal(host(final_params(killed, steps)[1]), host(params))
+    assert_bit_equal(host(final_params(killed, steps)[1]), host(final_params(full, steps)[1]))
     assert eval_loss(out) == eval_loss(full_out)
-    # metrics.jsonl as if never killed: one train row per step, one eval row, the same floats
-    # (the resume dropped the rows logged past step_{resume_step}, which were logged again).
-    rows = {run: [without_clock(json.loads(line)) for line in open(os.path.join(run, "metrics.jsonl"))]
-            for run in (full, killed)}
-    train_steps = [r["step"] for r in rows[killed] if "train/loss" in r]
-    assert train_steps == list(range(1, steps + 1))
-    assert len([r for r in rows[killed] if "eval/loss" in r]) == 1
-    assert rows[killed] == rows[full]
-
-    assert "mesh: {'dp': 4, 'mp': 2}" in full_out
-    # Learnt more than byte frequencies (3.26 nats on these docs; uniform would be 5.55).
-    assert eval_loss(full_out) < unigram_entropy(data), (eval_loss(full_out), unigram_entropy(data))
-    check_sample(continuation(full_out), apply_fn, params)
+    assert metrics_rows(killed) == metrics_rows(full)
 
 
 def check_sample(new: bytes, apply_fn, params) -> None:

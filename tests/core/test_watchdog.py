@@ -42,10 +42,12 @@ def last_logged_step(workdir: str) -> int:
         return max(json.loads(line)["step"] for line in f if line.strip())
 
 
-@pytest.mark.parametrize("on_trainer", [False, True], ids=["deployer", "trainer-over-off"])
+@pytest.mark.parametrize("on_trainer", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["deployer", "trainer-over-off"])
 def test_a_deadlocked_data_loader_ends_the_run_naming_the_last_step(tmp_path, on_trainer):
     """The timeout from the environment (as the Deployer reads it), or from
-    ``Trainer(hang_timeout_s=)`` over ``Deployer(hang_timeout_s=0)``: the same end."""
+    ``Trainer(hang_timeout_s=)`` over ``Deployer(hang_timeout_s=0)``: the same end. (The
+    latter is slow: in CI the stuck checkpoint write below runs on the Trainer's timeout.)"""
     workdir = str(tmp_path / "run")
     code, out, ended = run_worker(workdir, "hang:5", on_trainer=on_trainer)  # update 6's collate
     with open(os.path.join(workdir, "hung_at")) as f:
@@ -65,9 +67,10 @@ def test_a_deadlocked_data_loader_ends_the_run_naming_the_last_step(tmp_path, on
 
 def test_a_checkpoint_write_that_never_ends_is_a_hang_named_as_such(tmp_path):
     """A pause for a save is bounded by the timeout: a write of step_3 that never returns ends the
-    run (124) within twice the timeout, naming what it waited for."""
+    run (124) within twice the timeout, naming what it waited for. The timeout is the
+    Trainer's, over a deployer and an environment that say off."""
     workdir = str(tmp_path / "run")
-    code, out, ended = run_worker(workdir, "stuck-save:3")
+    code, out, ended = run_worker(workdir, "stuck-save:3", on_trainer=True)
     with open(os.path.join(workdir, "hung_at")) as f:
         hung_at = float(f.read())
     assert code == 124, out[-3000:]

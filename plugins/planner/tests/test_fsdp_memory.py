@@ -9,9 +9,11 @@ peaks 138, 106, 111 MB on 2, 4, 8 devices).
 
 The model has 2 layers (the compile cost grows with them; the partitioner's choice shows from
 the first), and each layout is compiled once for the module: the 2-layer ``full`` step on 8
-devices serves both tests."""
+devices serves both tests. The peak is compared on 4 and 8 devices in CI, on 2 too in the slow
+tier."""
 import functools
 import math
+import os
 
 import jax
 import numpy as np
@@ -38,13 +40,19 @@ def fsdp_step(layers: int, n_devices: int, remat: str, n_context_shards: int) ->
                    sharding_rules="auto+fsdp", remat=remat, n_context_shards=n_context_shards)
 
 
+# Each device count is a compile per policy. Every regression measured (above) showed from 4 to
+# 8 devices; 2 devices join with REDCO_SLOW_TESTS=1 (conftest.py).
+DEVICE_COUNTS = (2, 4, 8) if os.environ.get("REDCO_SLOW_TESTS") == "1" else (4, 8)
+
+
 @pytest.mark.parametrize("remat", ["none", "dots_saveable", "full"])
 def test_an_fsdp_steps_peak_per_device_does_not_rise_with_devices(remat):
-    """One 256-token row per device: the peak falls from 2 to 4 to 8 devices, and the FLOPs
-    per device stay within 2% (each device computes its own rows)."""
-    layouts = {n: fsdp_step(2, n, remat, 1) for n in (2, 4, 8)}
-    peaks = {n: layout.peak_bytes for n, layout in layouts.items()}
-    assert peaks[2] >= peaks[4] >= peaks[8], {n: f"{p / 1e6:.1f} MB" for n, p in peaks.items()}
+    """One 256-token row per device: the peak falls from 4 to 8 devices (from 2, in the slow
+    tier), and the FLOPs per device stay within 2% (each device computes its own rows)."""
+    layouts = {n: fsdp_step(2, n, remat, 1) for n in DEVICE_COUNTS}
+    peaks = [layouts[n].peak_bytes for n in DEVICE_COUNTS]
+    assert peaks == sorted(peaks, reverse=True), {
+        n: f"{layouts[n].peak_bytes / 1e6:.1f} MB" for n in DEVICE_COUNTS}
     flops = {n: layout.flops for n, layout in layouts.items()}
     assert max(flops.values()) <= 1.02 * min(flops.values()), flops
 
