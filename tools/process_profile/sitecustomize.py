@@ -3,7 +3,7 @@
 workers tests start, pip) appends one JSON line at exit: its argv, its own CPU and wall seconds,
 and, where it imported jax, the seconds jax reported tracing, lowering to MLIR and compiling
 (``jax.monitoring``'s duration events, in total and per function name). A process killed by a
-signal writes nothing. Summarise with ``python tools/process_profile/summary.py FILE``.
+signal writes nothing. Summarise with ``python tools/cpu_profile.py --processes FILE``.
 
 A whole run, on a clone whose tox.ini's ``pass_env`` adds ``PYTHONPATH, PROCESS_PROFILE_OUT``
 (CI passes neither)::

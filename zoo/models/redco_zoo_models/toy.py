@@ -51,6 +51,9 @@ def save_tiny_chat_model(path: str, words: list[str], seed: int = 0,
     its config.json entries ``config`` replaced) and its ``chat_word_tokenizer(words)`` saved
     as a HuggingFace directory whose tokenizer has a chat template: what ``redco zoo run sft``
     (and dpo, grpo) take as ``--model``. Returns ``path``."""
+    if config and family is None:
+        raise ValueError(f"config entries {sorted(config)} replace a family's: pass family= "
+                         "(a name in TINY_FAMILIES) with them")
     tokenizer = chat_word_tokenizer(words)
     vocab_size = len(CHAT_SPECIALS) + len(words)
     model = tiny_llama(vocab_size, seed) if family is None else LlamaForCausalLM(
