@@ -26,12 +26,12 @@ together along the same mesh axis. ``dequantize`` gives ``W`` back, in any dtype
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy.special import ndtri
 
 FORMATS = ("nf4", "int8", "fp8")
 BLOCK = 64  # NF4: inputs per absmax
@@ -43,9 +43,9 @@ Parts = dict[str, jax.Array]
 def nf4_code_book() -> np.ndarray:
     """QLoRA's 16 NF4 values: 8 positive and 7 negative quantiles of N(0, 1) between 1/2 and
     ``offset`` = 0.9677083 (bitsandbytes' ``create_normal_map``), and 0, divided by the largest."""
-    offset = 0.9677083
-    positive = ndtri(np.linspace(offset, 0.5, 9, dtype=np.float32)[:-1].astype(np.float64))
-    negative = -ndtri(np.linspace(offset, 0.5, 8, dtype=np.float32)[:-1].astype(np.float64))
+    offset, quantile = 0.9677083, np.vectorize(NormalDist().inv_cdf)  # (scipy's ndtri: the same bits)
+    positive = quantile(np.linspace(offset, 0.5, 9, dtype=np.float32)[:-1].astype(np.float64))
+    negative = -quantile(np.linspace(offset, 0.5, 8, dtype=np.float32)[:-1].astype(np.float64))
     values = np.sort(np.concatenate([positive, [0.0], negative]))
     return (values / values.max()).astype(np.float32)
 
