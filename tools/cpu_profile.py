@@ -11,7 +11,8 @@ each environment, e.g. copied into its site-packages)::
 
 A test whose own subprocess runs pytest with the plugin (the templates' generated projects) is
 counted twice: once itself, once as the subprocess's tests. ``--processes`` summarises
-``tools/process_profile``'s lines instead (one per Python process, with jax's compile phases)."""
+``tests/every_process/process_profile.py``'s lines instead (one per Python process, with
+jax's compile phases)."""
 from __future__ import annotations
 
 import argparse
@@ -73,9 +74,9 @@ def kind(argv: list[str]) -> str:
 
 
 def process_summary(rows: list[dict], top: int) -> str:
-    """``tools/process_profile``'s lines per tox environment and kind of process (pytest, a
-    script, ``-c``): how many, their CPU seconds and jax's compile, trace and lower seconds;
-    then the ``top`` costliest compiled functions."""
+    """``tests/every_process/process_profile.py``'s lines per tox environment and kind of
+    process (pytest, a script, ``-c``): how many, their CPU seconds and jax's compile, trace
+    and lower seconds; then the ``top`` costliest compiled functions."""
     totals: dict = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
     functions: collections.Counter = collections.Counter()
     for row in rows:
@@ -100,7 +101,8 @@ def main() -> None:
     parser.add_argument("files", nargs="+", help="JSON-lines files the plugin wrote")
     parser.add_argument("--top", type=int, default=25, help="costliest tests to list")
     parser.add_argument("--processes", action="store_true", help="the files are "
-                        "tools/process_profile's, one line per process: summarise those")
+                        "tests/every_process/process_profile.py's, one line per process: "
+                        "summarise those")
     args = parser.parse_args()
     rows = [json.loads(line) for path in args.files for line in open(path) if line.strip()]
     print((process_summary if args.processes else summary)(rows, args.top))
