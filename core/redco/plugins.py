@@ -11,6 +11,7 @@ A third-party plugin that fails to import is skipped with a warning naming it.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 import threading
@@ -117,3 +118,56 @@ def list_plugins() -> list[dict]:
         rows.append({"name": name, "source": plugin_sources.get(name, "registered at run time"),
                      "hooks": hooks})
     return rows
+
+
+class DeferredCommand:
+    """A ``Command`` (``redco.protocols``) registered by where it lives, imported the first time
+    it is asked for its flags or run: ``DeferredCommand("redco_zoo_lm.pipeline:LMPipeline",
+    "causal LM: ...")``. The zoo packages register their pipelines so: every process that loads
+    plugins (each ``redco`` call, each ``Deployer``) then skips importing the pipelines, and their
+    models, that it does not run (~0.2 CPU s a process with the zoo installed)."""
+
+    def __init__(self, target: str, description: str):
+        self.target, self.description = target, description
+        self._command = None
+
+    def load(self):
+        """The command itself: ``target``'s class (``module:Class``), imported and made once."""
+        if self._command is None:
+            module, _, name = self.target.partition(":")
+            self._command = getattr(importlib.import_module(module), name)()
+        return self._command
+
+    def add_arguments(self, parser) -> None:
+        self.load().add_arguments(parser)
+
+    def run(self, args):
+        return self.load().run(args)
+
+
+def zoo_hooks(name: str, target: str, description: str, package_dir: str):
+    """A zoo package's ``register_zoo_pipelines`` and ``register_templates`` hooks: its pipeline
+    ``target`` (``module:Class``, a ``DeferredCommand``) and the ``template`` folder beside it, both
+    registered as ``name``."""
+
+    @hookimpl
+    def register_zoo_pipelines(register):
+        register(name, DeferredCommand(target, description))
+
+    @hookimpl
+    def register_templates(register):
+        register(name, os.path.join(package_dir, "template"))
+    return register_zoo_pipelines, register_templates
+
+
+def deferred_exports(package: str, modules: dict[str, list[str]]):
+    """``(__all__, __getattr__)`` for a package whose names live in its submodules,
+    ``{"pipeline": ["collate_fn", ...]}``: each submodule is imported when one of its names is
+    first used (PEP 562), so that importing the package's plugin module stays cheap."""
+    where = {name: module for module, names in modules.items() for name in names}
+
+    def __getattr__(name: str):
+        if name not in where:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{where[name]}"), name)
+    return sorted(where), __getattr__

@@ -46,6 +46,21 @@ def test_every_zoo_package_registers_its_pipeline_and_template():
                               "plugins that failed to load.")
 
 
+def test_loading_plugins_imports_no_zoo_pipeline():
+    """Each zoo package registers through its small ``plugin.py``: a process that loads redco's
+    plugins (every ``redco`` call, every ``Deployer``) lists every pipeline and template but
+    imports no pipeline, nor the models and flax.nnx behind them, until it runs one."""
+    code = ("import sys; from redco import plugins; print(sorted(plugins.registry('zoo_pipelines')));"
+            " print(sorted(m for m in sys.modules if m.endswith('.pipeline') or m in "
+            "('redco_zoo_models', 'flax.nnx')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    listed, imported = done.stdout.splitlines()[-2:]
+    assert set(IN_REPO) <= set(ast.literal_eval(listed)), listed
+    assert ast.literal_eval(imported) == [], (f"loading plugins imported {imported}: a zoo package's "
+                                              "entry point must name its plugin module, which "
+                                              "registers redco.plugins.DeferredCommand")
+
+
 def test_zoo_templates_import_their_pipelines_functions():
     """A template's main.py imports the three functions from its package's pipeline.py (the code
     `redco zoo run NAME` runs) rather than holding a copy that could drift from it."""

@@ -1,4 +1,7 @@
 """Image captioning through Redco's three functions."""
-from redco_zoo_captioning.pipeline import collate_fn, loss_fn, metric_fn, pred_fn
+from redco.plugins import deferred_exports
 
-__all__ = ["collate_fn", "loss_fn", "metric_fn", "pred_fn"]
+# Imported on first use: redco loads this package's plugin module without its pipeline.
+__all__, __getattr__ = deferred_exports(__name__, {
+    "pipeline": ["collate_fn", "loss_fn", "metric_fn", "pred_fn"],
+})

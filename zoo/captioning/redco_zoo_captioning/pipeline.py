@@ -3,13 +3,12 @@ is a VisionEncoderDecoder: a ViT encoder and a GPT-2 decoder that cross-attends 
 from __future__ import annotations
 
 import dataclasses
-import os
 from functools import partial
 
 import jax.numpy as jnp
 import numpy as np
 
-import redco
+from redco_zoo_captioning.plugin import DESCRIPTION
 from redco_zoo_models import flags, generate, runner
 from redco_zoo_models.metrics import text_scores, token_cross_entropy
 from redco_zoo_models.settings import RunConfig
@@ -63,7 +62,7 @@ class Captions:
 
 
 class CaptioningPipeline:
-    description = "image captioning: train a ViT + GPT-2 VisionEncoderDecoder; ROUGE, exact match"
+    description = DESCRIPTION
 
     def add_arguments(self, parser) -> None:
         flags.add_arguments(parser)
@@ -94,13 +93,3 @@ def train_captioning(config: RunConfig[Captions]):
                         num_beams=captions.num_beams, **ids),
         output_fn=partial(runner.detokenize, tokenizer=tokenizer, eos_id=ids["eos_id"]),
         metric_fn=metric_fn, best_metric="rougeL")
-
-
-@redco.hookimpl
-def register_zoo_pipelines(register):
-    register("captioning", CaptioningPipeline())
-
-
-@redco.hookimpl
-def register_templates(register):
-    register("captioning", os.path.join(os.path.dirname(__file__), "template"))

@@ -18,16 +18,15 @@ chosen reply's reward is the larger), the mean margin and the mean rewards.
 from __future__ import annotations
 
 import dataclasses
-import os
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import redco
 from redco.lora import trainable_mask, without_adapters
 from redco.protocols import UsageError
+from redco_zoo_dpo.plugin import DESCRIPTION
 from redco_zoo_models import flags, runner, split_model
 from redco_zoo_models.settings import RunConfig
 from redco_zoo_sft.chat import render_chat, template_kwargs_arg
@@ -136,8 +135,7 @@ class DPOSettings:
 
 
 class DPOPipeline:
-    description = ("preference optimisation (DPO) on chats: chosen and rejected replies to a "
-                   "prompt; preference accuracy and margins")
+    description = DESCRIPTION
 
     def add_arguments(self, parser) -> None:
         flags.add_arguments(parser)
@@ -170,13 +168,3 @@ def train_dpo(config: RunConfig[DPOSettings]):
         pred_fn=partial(pred_fn, model=model, beta=dpo.beta), metric_fn=metric_fn,
         best_metric="accuracy", before_fit=None if config.lora.rank else lambda t:
         add_reference_logps(t, model, [train, evaluate], batch_size))
-
-
-@redco.hookimpl
-def register_zoo_pipelines(register):
-    register("dpo", DPOPipeline())
-
-
-@redco.hookimpl
-def register_templates(register):
-    register("dpo", os.path.join(os.path.dirname(__file__), "template"))

@@ -1,6 +1,5 @@
 """FedAvg (McMahan et al. 2017) through the three functions, and ``redco zoo run fedavg``: clients
 train an MLP on their own 8x8 digits; the server averages their params, weighted by data size."""
-import os
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +7,7 @@ import numpy as np
 import optax
 
 import redco
+from redco_zoo_fedavg.plugin import DESCRIPTION
 
 
 def init_params(seed: int = 0, sizes: tuple = (64, 128, 10)) -> dict:
@@ -120,7 +120,7 @@ def accuracy(predictor: redco.Predictor, params, examples: list) -> float:
 
 
 class FedAvgPipeline:
-    description = "federated averaging (FedAvg): an MLP on sklearn digits split over clients"
+    description = DESCRIPTION
 
     def add_arguments(self, parser) -> None:
         for name, value, doc in [
@@ -173,13 +173,3 @@ class FedAvgPipeline:
         deployer.log_info("test accuracy: FedAvg {:.4f}, centralised {:.4f}, best client alone {:.4f}".format(
             result["fedavg"], result["centralised"], max(result["alone"])))
         return result
-
-
-@redco.hookimpl
-def register_zoo_pipelines(register):
-    register("fedavg", FedAvgPipeline())
-
-
-@redco.hookimpl
-def register_templates(register):
-    register("fedavg", os.path.join(os.path.dirname(__file__), "template"))

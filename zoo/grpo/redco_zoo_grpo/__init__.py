@@ -1,9 +1,11 @@
 """Group relative policy optimisation through Redco's three functions (``pipeline.py``): the
 loss's pieces (``loss.py``), the rounds of sampling, scoring and updates (``rollout.py``), and
 rewards from a Python function (``rewards.py``)."""
-from redco_zoo_grpo.pipeline import collate_fn, loss_fn, pred_fn
-from redco_zoo_grpo.rewards import exact_match, regex_match
-from redco_zoo_grpo.rollout import GRPO, GRPOConfig
+from redco.plugins import deferred_exports
 
-__all__ = ["GRPO", "GRPOConfig", "collate_fn", "exact_match", "loss_fn", "pred_fn",
-           "regex_match"]
+# Imported on first use: redco loads this package's plugin module without its pipeline.
+__all__, __getattr__ = deferred_exports(__name__, {
+    "pipeline": ["collate_fn", "loss_fn", "pred_fn"],
+    "rewards": ["exact_match", "regex_match"],
+    "rollout": ["GRPO", "GRPOConfig"],
+})

@@ -24,21 +24,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from functools import partial
 
 import jax
 import numpy as np
 import optax
 
-import redco
 from redco import Deployer, Trainer
 from redco.protocols import UsageError
 from redco_zoo_grpo import auto_split
 from redco_zoo_grpo.async_rollouts import AsyncConfig, check_async, rollout_devices
-from redco_zoo_grpo.environments import Calculator, load_environment
+from redco_zoo_grpo.environments import load_environment
 from redco_zoo_grpo.loss import LOSS_TYPES, average, token_logps_and_experts, token_losses
 from redco_zoo_grpo.multiturn import MultiTurnGRPO, check_max_turns
+from redco_zoo_grpo.plugin import DESCRIPTION
 from redco_zoo_grpo.rewards import BUILT_IN, load_reward_fn
 from redco_zoo_grpo.rollout import GRPO, GRPOConfig, left_pad
 from redco_zoo_models import flags, generate, moe_optimizer, runner
@@ -300,8 +299,7 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
 
 
 class GRPOPipeline:
-    description = ("GRPO: G samples per prompt, rewards from a Python function, group-normalised "
-                   "advantages, the clipped loss (GRPO, Dr. GRPO, DAPO or GSPO); greedy reward")
+    description = DESCRIPTION
 
     def add_arguments(self, parser) -> None:
         flags.add_arguments(parser, planner=False)
@@ -309,18 +307,3 @@ class GRPOPipeline:
 
     def run(self, args) -> float:
         return train(RunConfig.of_flags(args, GRPORun))[-1]
-
-
-@redco.hookimpl
-def register_zoo_pipelines(register):
-    register("grpo", GRPOPipeline())
-
-
-@redco.hookimpl(trylast=True)
-def register_environments(register):
-    register("calculator", Calculator)
-
-
-@redco.hookimpl
-def register_templates(register):
-    register("grpo", os.path.join(os.path.dirname(__file__), "template"))

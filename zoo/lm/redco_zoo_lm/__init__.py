@@ -1,4 +1,7 @@
 """Causal language modelling through Redco's three functions."""
-from redco_zoo_lm.pipeline import collate_fn, loss_fn, pred_fn
+from redco.plugins import deferred_exports
 
-__all__ = ["collate_fn", "loss_fn", "pred_fn"]
+# Imported on first use: redco loads this package's plugin module without its pipeline.
+__all__, __getattr__ = deferred_exports(__name__, {
+    "pipeline": ["collate_fn", "loss_fn", "pred_fn"],
+})

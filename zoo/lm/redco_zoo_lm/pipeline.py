@@ -10,13 +10,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-import redco
 from redco.cli_parser import BooleanFlag
 from redco.protocols import UsageError
 from redco_zoo_lm.packing import hold_out
+from redco_zoo_lm.plugin import DESCRIPTION
 from redco_zoo_lm.settings import LMData
 from redco_zoo_lm.token_data import is_token_data, manifest_of, parse_sources, token_files, token_rows
-from redco_zoo_lm.tokenizing import TokenizeCommand
 from redco_zoo_models import base_plan, flags, generate, runner
 from redco_zoo_models.metrics import logits_and_experts, with_experts
 from redco_zoo_models.settings import Data, ModelSource, RunConfig
@@ -69,10 +68,7 @@ def text_blocks(texts: list[str], tokenizer, block_size: int, what: str = "the t
 
 
 class LMPipeline:
-    description = ("causal LM: train a decoder (Llama 1-3, Mistral, Qwen2/3, Gemma 2/3, Phi-3/4, "
-                   "OLMo 2, Qwen3-MoE, Mixtral, GPT-2) on text, or on "
-                   "token files (.bin, a folder of them, or a weighted mixture; documents packed "
-                   "into rows); perplexity")
+    description = DESCRIPTION
 
     def add_arguments(self, parser) -> None:
         add_lm_arguments(parser)
@@ -152,18 +148,3 @@ def scratch_fields(source: ModelSource, lm: LMData, data: Data) -> dict:
                          "--tokenizer tokenizer.json (or train on a token file made by redco "
                          "tokenize, whose manifest names it).")
     return {"vocab_size": manifest["vocab_size"]}
-
-
-@redco.hookimpl
-def register_zoo_pipelines(register):
-    register("lm", LMPipeline())
-
-
-@redco.hookimpl
-def register_commands(register):
-    register("tokenize", TokenizeCommand())
-
-
-@redco.hookimpl
-def register_templates(register):
-    register("lm", os.path.join(os.path.dirname(__file__), "template"))

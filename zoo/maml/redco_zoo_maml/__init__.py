@@ -1,15 +1,8 @@
 """MAML on sinusoid regression through Redco's three functions."""
-from redco_zoo_maml.pipeline import (
-    SinusoidTasks,
-    adapt,
-    collate_fn,
-    init_mlp,
-    loss_fn,
-    mlp,
-    mse,
-    pred_fn,
-    query_mse,
-)
+from redco.plugins import deferred_exports
 
-__all__ = ["SinusoidTasks", "adapt", "collate_fn", "init_mlp", "loss_fn", "mlp", "mse", "pred_fn",
-           "query_mse"]
+# Imported on first use: redco loads this package's plugin module without its pipeline.
+__all__, __getattr__ = deferred_exports(__name__, {
+    "pipeline": ["SinusoidTasks", "adapt", "collate_fn", "init_mlp", "loss_fn", "mlp", "mse",
+                 "pred_fn", "query_mse"],
+})

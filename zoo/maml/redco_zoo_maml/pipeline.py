@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 from collections.abc import Sequence
 
 import jax
@@ -12,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import redco
 from redco import Deployer, Trainer
+from redco_zoo_maml.plugin import DESCRIPTION
 
 
 class SinusoidTasks(Sequence):
@@ -150,20 +149,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class MAMLPipeline:
-    description = "MAML: meta-learn a sinusoid regressor that adapts in one gradient step; MSE"
+    description = DESCRIPTION
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add_arguments(parser)
 
     def run(self, args: argparse.Namespace) -> dict:
         return train(**vars(args))
-
-
-@redco.hookimpl
-def register_zoo_pipelines(register):
-    register("maml", MAMLPipeline())
-
-
-@redco.hookimpl
-def register_templates(register):
-    register("maml", os.path.join(os.path.dirname(os.path.abspath(__file__)), "template"))

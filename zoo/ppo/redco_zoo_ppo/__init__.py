@@ -1,13 +1,8 @@
 """PPO on gymnasium environments through Redco's three functions."""
-from redco_zoo_ppo.pipeline import (
-    Collector,
-    Iterations,
-    collate_fn,
-    loss_fn,
-    placeholder,
-    pred_fn,
-    report,
-    train,
-)
+from redco.plugins import deferred_exports
 
-__all__ = ["Collector", "Iterations", "collate_fn", "loss_fn", "placeholder", "pred_fn", "report", "train"]
+# Imported on first use: redco loads this package's plugin module without its pipeline.
+__all__, __getattr__ = deferred_exports(__name__, {
+    "pipeline": ["Collector", "Iterations", "collate_fn", "loss_fn", "placeholder",
+                 "pred_fn", "report", "train"],
+})

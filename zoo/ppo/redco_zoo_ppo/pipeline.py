@@ -4,7 +4,6 @@ Each iteration logs its mean return of the last 20 episodes and its rollout and 
 (``metrics.jsonl`` and one log line)."""
 import argparse
 import base64
-import os
 import pickle
 import time
 
@@ -14,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import redco
 from redco import Deployer, Trainer
+from redco_zoo_ppo.plugin import DESCRIPTION
 
 
 def init_params(rng, obs_dim: int, n_actions: int, hidden: int = 64) -> dict:
@@ -194,7 +193,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class PPOPipeline:
-    description = "PPO on a gymnasium env (CartPole-v1 by default); mean return of 20 episodes"
+    description = DESCRIPTION
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add_arguments(parser)
@@ -203,13 +202,3 @@ class PPOPipeline:
         _, returns = train(**vars(args))
         print(f"mean return of the last 20 episodes: {np.mean(returns[-20:]):.1f}")
         return float(np.mean(returns[-20:]))
-
-
-@redco.hookimpl
-def register_zoo_pipelines(register):
-    register("ppo", PPOPipeline())
-
-
-@redco.hookimpl
-def register_templates(register):
-    register("ppo", os.path.join(os.path.dirname(__file__), "template"))

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from functools import partial
 
 import jax.numpy as jnp
 import numpy as np
 
-import redco
 from redco_zoo_models import flags, generate, runner
 from redco_zoo_models.metrics import text_scores, token_cross_entropy
 from redco_zoo_models.settings import RunConfig
+from redco_zoo_seq2seq.plugin import DESCRIPTION
 
 
 def collate_fn(examples: list[dict], tokenizer, max_src_len: int, max_tgt_len: int, pad_id: int,
@@ -64,7 +63,7 @@ class TextPairs:
 
 
 class Seq2SeqPipeline:
-    description = "text-to-text: train an encoder-decoder (T5, flan-T5); ROUGE and exact match"
+    description = DESCRIPTION
 
     def add_arguments(self, parser) -> None:
         flags.add_arguments(parser)
@@ -96,13 +95,3 @@ def train_seq2seq(config: RunConfig[TextPairs]):
                         num_beams=pairs.num_beams, **ids),
         output_fn=partial(runner.detokenize, tokenizer=tokenizer, eos_id=ids["eos_id"]),
         metric_fn=metric_fn, best_metric="rougeL")
-
-
-@redco.hookimpl
-def register_zoo_pipelines(register):
-    register("seq2seq", Seq2SeqPipeline())
-
-
-@redco.hookimpl
-def register_templates(register):
-    register("seq2seq", os.path.join(os.path.dirname(__file__), "template"))

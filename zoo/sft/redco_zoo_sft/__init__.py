@@ -1,6 +1,9 @@
 """Supervised fine-tuning on chats through Redco's three functions (``pipeline.py``); chats
 rendered with the tokenizer's own template, the loss on the assistant's tokens (``chat.py``)."""
-from redco_zoo_sft.chat import pack_chats, render_chat
-from redco_zoo_sft.pipeline import collate_fn, loss_fn
+from redco.plugins import deferred_exports
 
-__all__ = ["collate_fn", "loss_fn", "pack_chats", "render_chat"]
+# Imported on first use: redco loads this package's plugin module without its pipeline.
+__all__, __getattr__ = deferred_exports(__name__, {
+    "chat": ["pack_chats", "render_chat"],
+    "pipeline": ["collate_fn", "loss_fn"],
+})

@@ -10,13 +10,11 @@ text model's chats (messages with image parts) go through ``image_chat.py``.
 from __future__ import annotations
 
 import dataclasses
-import os
 from functools import partial
 from typing import Any
 
 import numpy as np
 
-import redco
 from redco.protocols import UsageError
 from redco_zoo_models import base_plan, flags, generate, runner
 from redco_zoo_models.image_text import ImageTextModel
@@ -30,6 +28,7 @@ from redco_zoo_sft.image_chat import (
     image_loss_fn,
     load_processor,
 )
+from redco_zoo_sft.plugin import DESCRIPTION
 
 __all__ = ["collate_fn", "loss_fn", "pred_fn"]
 
@@ -87,8 +86,7 @@ def chat_rows(rows: list[dict], tokenizer, data: SFTData, seed: int, what: str) 
 
 
 class SFTPipeline:
-    description = ("supervised fine-tuning on chats: the tokenizer's chat template, the loss on "
-                   "the assistant's tokens, chats packed into rows")
+    description = DESCRIPTION
 
     def add_arguments(self, parser) -> None:
         flags.add_arguments(parser)
@@ -145,13 +143,3 @@ def train_images(config: RunConfig[SFTData], model, parts: tuple[list, list],
     frozen = None if data.train_vision_tower else TOWER
     return runner.train_and_eval(config, model, (train, evaluate), collate, image_loss_fn,
                                  frozen=frozen), evaluate
-
-
-@redco.hookimpl
-def register_zoo_pipelines(register):
-    register("sft", SFTPipeline())
-
-
-@redco.hookimpl
-def register_templates(register):
-    register("sft", os.path.join(os.path.dirname(__file__), "template"))
