@@ -47,9 +47,12 @@ def mlp_loss(rng, state, params, batch, is_training):
 
 # ---- a tiny LLaMA-style LM on a repeating byte pattern ----------------------------------------
 def lm_model(seed=0):
+    """A 2-layer LLaMA's ``(apply_fn, params)``, its parameters drawn by one compiled program:
+    built eagerly, each parameter shape's initializer compiles on its own (~0.35 CPU s more in
+    every process that builds it; the worker processes of tests/multihost do, in each run)."""
     cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
-    return split_model(LlamaForCausalLM(cfg, rngs=nnx.Rngs(seed)))
+    return split_model(nnx.jit(lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(seed)))())
 
 
 def lm_examples(n=64, seq_len=16, seed=0):
