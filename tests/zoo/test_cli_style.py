@@ -18,6 +18,7 @@ import tomllib
 
 from redco import cli
 from redco.cli_parser import Parser
+from redco.plugins import DeferredCommand
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAG = re.compile(r"--[\w-]+")
@@ -51,7 +52,18 @@ def registered(hook: str) -> dict:
     for module in repo_hooks():
         if hasattr(module, hook):
             getattr(module, hook)(lambda name, obj: found.setdefault(name, obj))
-    return found
+    return {name: thing for name, thing in found.items() if importable(thing)}
+
+
+def importable(thing) -> bool:
+    """False for a zoo pipeline registered by where it lives (``DeferredCommand``) whose module's
+    dependencies this environment lacks, as for a plugin module in ``repo_hooks``."""
+    try:
+        if isinstance(thing, DeferredCommand):
+            thing.load()
+    except ImportError:
+        return False
+    return True
 
 
 def every_parser():
