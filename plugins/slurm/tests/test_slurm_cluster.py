@@ -18,6 +18,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 from multihost_helpers import (
     WORKER,
     assert_trains_like_reference,
@@ -140,6 +141,7 @@ def requeue_and_finish(launch: subprocess.Popen, tmp_path, command: list[str]) -
     return output, job_id
 
 
+@pytest.mark.slow
 def test_a_requeued_job_appends_and_resumes_from_its_checkpoint(slurm, reference, tmp_path,
                                                                 monkeypatch):
     """A preemption, for real: the job's first run trains one epoch (checkpoint step_4) and
@@ -147,7 +149,8 @@ def test_a_requeued_job_appends_and_resumes_from_its_checkpoint(slurm, reference
     on a requeueing partition) and lets it start again at once. The same script runs again:
     ``--open-mode=append`` keeps the first run's output, the worker resumes from step_4 and
     trains steps 5-8 exactly as the uninterrupted reference did, and ``--wait`` follows the job
-    through the requeue to its exit code 0."""
+    through the requeue to its exit code 0. Slow tier (``REDCO_SLOW_TESTS=1``): the requeue
+    below, in CI, asserts the same append, resume and ``--wait`` through a requeue."""
     monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
     workdir = tmp_path / "run"
     worker = shlex.join([sys.executable, WORKER, "detect", "4", str(workdir)])
@@ -193,7 +196,8 @@ def test_requeue_saves_on_sigterm_requeues_and_resumes_to_the_same_bits(slurm, t
     """``redco launch --launcher slurm --requeue``: ``scancel --signal=TERM`` mid-epoch (what
     ``--signal`` sends before a time limit) makes both tasks finish the same step, write its
     checkpoint and exit 143; the script requeues the job, which resumes from it and ends with
-    params bitwise equal to an uninterrupted 2-process run on 127.0.0.1 (4 devices each)."""
+    params bitwise equal to an uninterrupted 2-process run on 127.0.0.1 (4 devices each). The
+    job's output file holds both runs, the stopped one first (``--open-mode=append``)."""
     monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
     workdir = tmp_path / "run"
     worker = shlex.join([sys.executable, WORKER, "detect", "4", str(workdir)])
@@ -202,7 +206,11 @@ def test_requeue_saves_on_sigterm_requeues_and_resumes_to_the_same_bits(slurm, t
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with cancelled_on_error(launch):
         wait_until(lambda: train_rows(workdir) >= 2, "two steps were trained", 300)
-    requeue_and_finish(launch, tmp_path, ["scancel", "--signal=TERM"])
+    output, _ = requeue_and_finish(launch, tmp_path, ["scancel", "--signal=TERM"])
+    text = open(output).read()
+    first_run, stopped, second_run = text.partition("Stopped by SIGTERM after step")
+    assert stopped and "Resumed from" not in first_run and "Resumed from" in second_run, \
+        f"--open-mode=append: the job's output file keeps the first run's output: {text[-3000:]}"
     with open(workdir / "log.txt") as f:
         log = f.read()
     stopped = re.findall(r"Stopped by SIGTERM after step (\d+): saved", log)
