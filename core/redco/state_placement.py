@@ -24,16 +24,9 @@ from redco.train_step import TrainState, loss_and_metrics, split
 def place_copy(tree: Any, shardings: Any) -> Any:
     """``tree`` placed by ``shardings`` in buffers of its own. The train step donates its state,
     and ``device_put`` can reuse a caller's device array as a shard (then deleted), so what came
-    in on a device is copied once placed: a shard's worth per device, not a whole array, all
-    leaves in one compiled program (copied one by one, each leaf shape compiled its own)."""
+    in on a device is copied once placed: a shard's worth per device, not a whole array."""
     placed = jax.device_put(tree, shardings)
-    leaves, treedef = jax.tree.flatten(placed)
-    came_on_device = [isinstance(x, jax.Array) for x in jax.tree.leaves(tree)]
-    to_copy = [y for y, copy in zip(leaves, came_on_device) if copy]
-    copied = iter(jax.jit(lambda ys: [jnp.copy(y) for y in ys],
-                          out_shardings=[y.sharding for y in to_copy])(to_copy))
-    return treedef.unflatten([next(copied) if copy else y
-                              for y, copy in zip(leaves, came_on_device)])
+    return jax.tree.map(lambda x, y: jnp.copy(y) if isinstance(x, jax.Array) else y, tree, placed)
 
 
 def state_shardings(deployer: Deployer, params: Any, rules: Rules, optimizer, trainable: Any,
