@@ -12,6 +12,10 @@ timed runs of ``--steps`` of that step over batches already on the device. Lever
   lora            ``redco_zoo_models.add_lora`` (rank ``--lora_rank``): the base frozen, only
                   adapters get gradients and optimizer state
   lora+POLICY     LoRA with that remat policy
+  lora@FMT        LoRA over a frozen base quantised to ``FMT`` (``nf4``, ``int8``, ``fp8``;
+                  ``redco_zoo_models.quantized_linear``, QLoRA): the attention and MLP kernels
+                  held quantised and dequantised inside the step
+  LEVER/scan      the same with the layers stored stacked and scanned (``scan_layers=True``)
 
 Printed per lever: steps/s (median), tokens/s and its ratio to ``full``; MFU, model FLOPs per
 token = 6N + 12LTd as in ``trainer_vs_jit.py`` (the same for every lever, so a lever that
@@ -37,12 +41,17 @@ import time
 LEVERS = ("full", "full+dots_saveable", "full+full", "lora", "lora+dots_saveable", "lora+full")
 
 
-def parse_lever(lever: str) -> tuple[bool, str]:
-    """``"lora+full"`` -> ``(True, "full")``: LoRA or not, and the remat policy."""
-    kind, _, policy = lever.partition("+")
-    if kind not in ("full", "lora"):
-        raise ValueError(f"Unknown lever {lever!r}: use full, lora, full+POLICY or lora+POLICY.")
-    return kind == "lora", policy or "none"
+def parse_lever(lever: str) -> tuple[bool, str | None, str, bool]:
+    """``"lora@nf4+full/scan"`` -> ``(True, "nf4", "full", True)``: LoRA or not, the base's
+    quantised format (None: as trained), the remat policy, and whether layers are scanned."""
+    body, _, layout = lever.partition("/")
+    body, _, policy = body.partition("+")
+    kind, _, fmt = body.partition("@")
+    if kind not in ("full", "lora") or layout not in ("", "scan") or (fmt and kind != "lora") \
+            or fmt not in ("", "nf4", "int8", "fp8"):
+        raise ValueError(f"Unknown lever {lever!r}: use full or lora, lora@nf4|int8|fp8, each "
+                         "with an optional +POLICY (remat) and /scan.")
+    return kind == "lora", fmt or None, policy or "none", layout == "scan"
 
 
 def worker(lever: str, args: argparse.Namespace) -> dict:
@@ -56,21 +65,27 @@ def worker(lever: str, args: argparse.Namespace) -> dict:
 
     from redco import Deployer, Trainer, lora
     from redco_zoo_models import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, add_lora, split_model
-    use_lora, policy = parse_lever(lever)
-    config = LlamaConfig(**LLAMA_PRESETS[args.preset]) if args.preset else LlamaConfig(
+    from redco_zoo_models.quantized_linear import quantize_linears, sharding_rules
+    use_lora, fmt, policy, scan = parse_lever(lever)
+    shape = LLAMA_PRESETS[args.preset] if args.preset else dict(
         hidden_size=args.hidden_size, num_hidden_layers=args.n_layers,
         intermediate_size=args.hidden_size * 11 // 4)
+    config = LlamaConfig(**shape, scan_layers=scan)
     deployer = Deployer(jax_seed=0, n_model_shards=args.n_model_shards,
                         workdir=tempfile.mkdtemp(prefix="redco-levers-"), verbose=False)
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    if fmt:
+        quantize_linears(model, fmt)
     if use_lora:
         add_lora(model, rank=args.lora_rank)
+    overrides = sharding_rules(model, deployer)
     apply_fn, params = split_model(model)
     del model
     trainable = lora.trainable_mask(params) if use_lora else None
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params,
                       optax.adamw(1e-3, weight_decay=0.01), compute_dtype=jnp.dtype(args.compute_dtype),
-                      remat=policy, trainable=trainable)
+                      remat=policy, trainable=trainable, params_sharding_rules=(
+                          deployer.get_sharding_rules(params, rules=overrides) if overrides else None))
     global_batch = deployer.get_global_batch_size(args.per_device_batch_size)
     examples = byte_sequences(args.seq_len, (args.steps + 1) * global_batch)
     t0 = time.perf_counter()

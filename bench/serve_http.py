@@ -46,6 +46,17 @@ def start_server(model_dir: str, args) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the server exited before serving")
 
 
+def save_chat_model(path: str, preset: str | None) -> str:
+    """A chat model directory of the word tokenizer: the tiny LLaMA, or ``preset``'s shape."""
+    from redco_zoo_models import LLAMA_PRESETS
+    from redco_zoo_models.toy import save_tiny_chat_model
+    if preset is None:
+        return save_tiny_chat_model(path, WORDS)
+    shape = {k: v for k, v in LLAMA_PRESETS[preset].items() if k != "vocab_size"}
+    return save_tiny_chat_model(path, WORDS, family="llama-3.1", max_position_embeddings=4096,
+                                **shape)
+
+
 CLIENTS = ThreadPoolExecutor(max(CONCURRENCY))  # the load generator's threads, made once
 
 
@@ -99,13 +110,14 @@ def main() -> None:
     parser.add_argument("--max_seqs", type=int, default=64)
     parser.add_argument("--max_len", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--preset", help="a LLAMA_PRESETS shape (e.g. llama-1b, random weights, "
+                        "the word tokenizer's vocabulary) instead of the tiny model")
     args = parser.parse_args()
     print_provenance()
     import openai
 
-    from redco_zoo_models.toy import save_tiny_chat_model
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = save_tiny_chat_model(os.path.join(tmp, "tiny"), WORDS)
+        model_dir = save_chat_model(os.path.join(tmp, "model"), args.preset)
         process, url = start_server(model_dir, args)
         try:
             client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
@@ -131,7 +143,7 @@ def main() -> None:
             process.terminate()
             process.wait(timeout=120)
         one = statistics.median(serial)
-        print(f"tiny_llama (width 64, 2 layers), {args.new} new tokens a request, --max_seqs "
+        print(f"{args.preset or 'tiny_llama (width 64, 2 layers)'}, {args.new} new tokens a request, --max_seqs "
               f"{args.max_seqs} --max_len {args.max_len}; medians of {args.rounds} rounds")
         print(f"{'at once':>8} {'HTTP tok/s':>11} {'vs 1 at a time':>15} {'engine alone tok/s':>19}"
               f" {'HTTP / engine':>14} {'CPU ms a request: client':>25} {'server':>7}")
