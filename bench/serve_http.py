@@ -117,12 +117,19 @@ def main() -> None:
     import openai
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = save_chat_model(os.path.join(tmp, "model"), args.preset)
+        start = time.perf_counter()
+        model_dir = save_chat_model(os.path.join(tmp, "tiny"), args.preset)
+
+        def stage(what: str) -> None:
+            print(f"[{time.perf_counter() - start:6.1f} s] {what}", flush=True)
+        stage("model saved")
         process, url = start_server(model_dir, args)
+        stage(f"serving on {url}")
         try:
             client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
             for n in CONCURRENCY:  # warm: every batch shape compiles here
                 burst(client, n, args.new)
+                stage(f"warm at {n} at once")
             rates = {n: [] for n in CONCURRENCY}
             cpu = {n: [0.0, 0.0, 0] for n in CONCURRENCY}  # client s, server s, requests
             serial = []
@@ -143,8 +150,9 @@ def main() -> None:
             process.terminate()
             process.wait(timeout=120)
         one = statistics.median(serial)
-        print(f"{args.preset or 'tiny_llama (width 64, 2 layers)'}, {args.new} new tokens a request, --max_seqs "
-              f"{args.max_seqs} --max_len {args.max_len}; medians of {args.rounds} rounds")
+        print(f"{args.preset or 'tiny_llama (width 64, 2 layers)'}, {args.new} new tokens a "
+              f"request, --max_seqs {args.max_seqs} --max_len {args.max_len}; medians of "
+              f"{args.rounds} rounds")
         print(f"{'at once':>8} {'HTTP tok/s':>11} {'vs 1 at a time':>15} {'engine alone tok/s':>19}"
               f" {'HTTP / engine':>14} {'CPU ms a request: client':>25} {'server':>7}")
         print(f"{'serial':>8} {one:>11.0f} {1.0:>14.2f}x")
