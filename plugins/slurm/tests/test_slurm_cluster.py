@@ -195,11 +195,7 @@ def test_requeue_saves_on_sigterm_requeues_and_resumes_to_the_same_bits(slurm, t
     with cancelled_on_error(launch):
         wait_until(lambda: train_rows(workdir) >= 2, "two steps were trained", 300)
     output, _, stdout, _ = requeue_and_finish(launch, tmp_path, ["scancel", "--signal=TERM"])
-    assert f"redco: wrote {tmp_path}/t.sbatch" in stdout
-    assert "epoch 2/2" in stdout  # the job's output file, printed while waiting
-    script = (tmp_path / "t.sbatch").read_text().splitlines()
-    assert "#SBATCH --open-mode=append" in script and "#SBATCH --requeue" in script
-    assert any(line.startswith("srun --kill-on-bad-exit=1 ") for line in script), script
+    assert_script_written_and_output_followed(tmp_path, stdout)
     text = open(output).read()
     first_run, stopped, second_run = text.partition("Stopped by SIGTERM after step")
     assert stopped and "Resumed from" not in first_run and "Resumed from" in second_run, \
@@ -215,6 +211,16 @@ def test_requeue_saves_on_sigterm_requeues_and_resumes_to_the_same_bits(slurm, t
     assert sorted(a) == sorted(b)
     for name in a:
         np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+
+
+def assert_script_written_and_output_followed(tmp_path, stdout: str) -> None:
+    """``redco launch`` wrote ``t.sbatch`` (appending, requeueing, srun running the command)
+    and, with ``--wait``, printed the job's output file as it grew."""
+    assert f"redco: wrote {tmp_path}/t.sbatch" in stdout
+    assert "epoch 2/2" in stdout  # the job's output file, printed while waiting
+    script = (tmp_path / "t.sbatch").read_text().splitlines()
+    assert "#SBATCH --open-mode=append" in script and "#SBATCH --requeue" in script
+    assert any(line.startswith("srun --kill-on-bad-exit=1 ") for line in script), script
 
 
 def assert_resumed_like_reference(workdir: str, step: int, reference) -> None:
