@@ -37,21 +37,6 @@ def test_four_processes_splitting_each_sequence_train_like_one_process(reference
     assert_trains_like_reference(str(tmp_path), 4, "ip", reference, 2)
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", pytest.param("msgpack", marks=pytest.mark.slow)])
-def test_checkpoints_move_between_process_counts(fmt, reference, tmp_path):
-    """1 process writes epoch 1, 2 processes resume from it and write epoch 2, and this test
-    (1 process, 1 device) reads that back: every array equal to what the writers held. (orbax,
-    the default format: ``test_a_run_stopped_mid_epoch_resumes_on_another_process_count``.)
-    msgpack: slow tier (``REDCO_SLOW_TESTS=1``); it shares safetensors' multi-process path (every
-    process gathers with ``host_arrays``, process 0 writes, ``place`` reads each process's part),
-    guarded in CI by the safetensors case, and its own reading and writing by
-    ``plugins/msgpack/tests``."""
-    launch(1, str(tmp_path), REDCO_TEST_CKPT_FORMAT=fmt, REDCO_TEST_EPOCHS="1")
-    launch(2, str(tmp_path), REDCO_TEST_CKPT_FORMAT=fmt)
-    assert [len(r["losses"]) for r in read_results(str(tmp_path), 2)] == [4, 4]  # resumed
-    assert_ends_like_reference_and_reads_back(str(tmp_path), fmt, reference)
-
-
 def assert_ends_like_reference_and_reads_back(workdir: str, fmt: str, reference) -> None:
     """The resumed run ended where one uninterrupted run ends, and its ``step_8`` (in ``fmt``),
     read back here on 1 device, holds exactly the params it wrote."""
@@ -78,22 +63,29 @@ def assert_ends_like_reference_and_reads_back(workdir: str, fmt: str, reference)
         np.testing.assert_array_equal(np.asarray(value), saved[name])
 
 
-def test_a_run_stopped_mid_epoch_resumes_on_another_process_count(reference, tmp_path):
-    """1 process is stopped by SIGTERM mid-epoch (its checkpoint saves where in the data it
-    stands, in examples); 2 processes resume it: they train only the updates left and end with
-    the params of one uninterrupted run. Their orbax checkpoint (orbax: the default format),
-    read back on 1 device, holds exactly the params they wrote."""
+@pytest.mark.parametrize("fmt", ["safetensors", pytest.param("orbax", marks=pytest.mark.slow),
+                                 pytest.param("msgpack", marks=pytest.mark.slow)])
+def test_a_run_stopped_mid_epoch_resumes_on_another_process_count(fmt, reference, tmp_path):
+    """1 process is stopped by SIGTERM mid-epoch (its checkpoint, in ``fmt``, saves where in
+    the data it stands, in examples); 2 processes resume it: they train only the updates left
+    and end with the params of one uninterrupted run. Their checkpoint, read back on 1 device,
+    holds exactly the params they wrote. safetensors in CI: redco's own multi-process path
+    (every process gathers with ``host_arrays``, process 0 writes, ``place`` reads each
+    process's part), which msgpack shares. orbax and msgpack: slow tier
+    (``REDCO_SLOW_TESTS=1``), the same move at another format; in CI orbax's 2-process
+    checkpoints are written and resumed by every 2-process stop test here, and each format's
+    own reading and writing is guarded by ``tests/formats`` and ``plugins/msgpack/tests``."""
     workdir = str(tmp_path)
     one = subprocess.run([sys.executable, WORKER, "0", "1", "0", str(TOTAL_DEVICES), workdir],
-                         env=worker_env(REDCO_TEST_TERM_AT_STEP="2"), capture_output=True,
-                         text=True, timeout=600)
+                         env=worker_env(REDCO_TEST_TERM_AT_STEP="2", REDCO_TEST_CKPT_FORMAT=fmt),
+                         capture_output=True, text=True, timeout=600)
     assert one.returncode == 143, one.stdout[-3000:] + one.stderr[-3000:]
     with open(os.path.join(workdir, "log.txt")) as f:
         step = int(re.search(r"Stopped by SIGTERM after step (\d+): saved", f.read()).group(1))
     assert step < 4, "stopped mid-epoch 1 (4 updates an epoch)"
-    launch(2, workdir)
+    launch(2, workdir, REDCO_TEST_CKPT_FORMAT=fmt)
     assert [len(r["losses"]) for r in read_results(workdir, 2)] == [8 - step] * 2  # resumed
-    assert_ends_like_reference_and_reads_back(workdir, "orbax", reference)
+    assert_ends_like_reference_and_reads_back(workdir, fmt, reference)
 
 
 def test_a_busy_port_is_refused_with_a_clear_error(tmp_path):

@@ -21,7 +21,9 @@ runs (``trainer.run``'s rounds, the loop PPO's iterations use too); MAML and PPO
 by ``test_multiprocess``' SIGTERM test, and FedAvg's case is the same kinds of points on 2 processes.
 GRPO (``redco zoo run grpo``) is killed during a background checkpoint write instead: process 0
 holds its write (``bg_ckpt_worker.py``'s held write) and dies in the next round (slow tier too:
-the same kill of a held write, on 2 processes, is ``test_background_checkpoints``'; GRPO's
+a kill of a held write on 2 processes is ``test_background_checkpoints``', process 1's in CI,
+the coordinator's, as here, in its slow case; a coordinator killed with a write in flight on 2
+processes is FedAvg's kill here; GRPO's
 rerun after a kill on one process is ``tests/zoo/test_grpo.py``'s, and GRPO on 2 processes is
 ``test_grpo_processes``').
 """

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 from multihost_helpers import (
     WORKER,
-    assert_trains_like_reference,
     read_results,
     simulated_devices,
     wait_until,
@@ -42,21 +41,6 @@ def redco_launch(env: dict, workdir: str, *argv: str, timeout: int = 420):
     except subprocess.TimeoutExpired:
         subprocess.run(["scancel", "--name", "t"], env=env)
         raise
-
-
-def test_slurm_job_trains_like_one_process(slurm, reference, tmp_path):
-    workdir = str(tmp_path / "run")
-    out = redco_launch(slurm, str(tmp_path), sys.executable, WORKER, "detect", "4", workdir)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert f"redco: wrote {tmp_path}/t.sbatch" in out.stdout
-    job_id = out.stdout.split("redco: submitted job ")[1].split(";")[0]
-    assert f"job {job_id} COMPLETED, exit code 0 (output: {tmp_path}/t-{job_id}.out)" in out.stderr
-    assert "epoch 2/2" in out.stdout  # the job's output file, printed while waiting
-    with open(tmp_path / "t.sbatch") as f:
-        script = f.read().splitlines()
-    assert "#SBATCH --open-mode=append" in script
-    assert script[-1].startswith("srun --kill-on-bad-exit=1 ")
-    assert_trains_like_reference(workdir, 2, "slurm", reference)
 
 
 def test_doctor_in_a_slurm_step(slurm, tmp_path):
@@ -126,10 +110,11 @@ def cancelled_on_error(launch: subprocess.Popen):
         raise
 
 
-def requeue_and_finish(launch: subprocess.Popen, tmp_path, command: list[str]) -> tuple[str, str]:
+def requeue_and_finish(launch: subprocess.Popen, tmp_path,
+                       command: list[str]) -> tuple[str, str, str, str]:
     """Send the running job of ``launch`` (``redco launch ... --wait``) ``command`` + its id,
     start it again at once, and require ``--wait`` to follow it to COMPLETED, exit code 0; the
-    job's output file and id."""
+    job's output file and id, and ``redco launch``'s stdout and stderr."""
     with cancelled_on_error(launch):
         [output] = glob.glob(str(tmp_path / "t-*.out"))
         job_id = output.rsplit("-", 1)[1].removesuffix(".out")
@@ -137,8 +122,8 @@ def requeue_and_finish(launch: subprocess.Popen, tmp_path, command: list[str]) -
         start_requeued_job_now(job_id)
         stdout, stderr = launch.communicate(timeout=300)
     assert launch.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    assert f"job {job_id} COMPLETED, exit code 0" in stderr
-    return output, job_id
+    assert f"job {job_id} COMPLETED, exit code 0 (output: {output})" in stderr
+    return output, job_id, stdout, stderr
 
 
 @pytest.mark.slow
@@ -167,7 +152,7 @@ def test_a_requeued_job_appends_and_resumes_from_its_checkpoint(slurm, reference
         first = [workdir / f"result_{i}.json" for i in range(2)]
         for p in first + [workdir / "params.npz"]:
             p.unlink()  # what the test reads afterwards is the second run's
-    output, job_id = requeue_and_finish(launch, tmp_path, ["scontrol", "requeue"])
+    output, job_id, _, _ = requeue_and_finish(launch, tmp_path, ["scontrol", "requeue"])
     text = open(output).read()
     first_run, _, second_run = text.partition("DUE TO JOB REQUEUE")  # SLURM's words, in the file
     assert "epoch 1/1" in first_run and "Resumed from" not in first_run, text[-3000:]
@@ -192,21 +177,25 @@ def train_rows(workdir) -> int:
 
 
 def test_requeue_saves_on_sigterm_requeues_and_resumes_to_the_same_bits(slurm, tmp_path,
-                                                                        monkeypatch, two_processes):
-    """``redco launch --launcher slurm --requeue``: ``scancel --signal=TERM`` mid-epoch (what
-    ``--signal`` sends before a time limit) makes both tasks finish the same step, write its
-    checkpoint and exit 143; the script requeues the job, which resumes from it and ends with
-    params bitwise equal to an uninterrupted 2-process run on 127.0.0.1 (4 devices each). The
-    job's output file holds both runs, the stopped one first (``--open-mode=append``)."""
+                                                                        monkeypatch, reference,
+                                                                        two_processes):
+    """``redco launch --launcher slurm --requeue --wait`` writes the sbatch script and submits
+    a 2-task job of the unchanged worker, whose ``Deployer()`` detects the ``slurm`` launcher.
+    ``scancel --signal=TERM`` mid-epoch (what ``--signal`` sends before a time limit) makes both
+    tasks finish the same step, write its checkpoint and exit 143; the script requeues the job,
+    which resumes from it, trains the rest like one process and ends with params bitwise equal
+    to an uninterrupted 2-process run on 127.0.0.1 (4 devices each). ``--wait`` prints the job's
+    output while it runs and ends with its exit code; the job's output file holds both runs,
+    the stopped one first (``--open-mode=append``)."""
     monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
     workdir = tmp_path / "run"
-    worker = shlex.join([sys.executable, WORKER, "detect", "4", str(workdir)])
-    launch = subprocess.Popen([*LAUNCH[:-1], "--requeue", "--", "bash", "-c",
-                               f"REDCO_TEST_STEP_SECONDS=1 {worker}"], cwd=tmp_path, env=slurm,
+    launch = subprocess.Popen([*LAUNCH[:-1], "--requeue", "--", sys.executable, WORKER, "detect",
+                               "4", str(workdir)], cwd=tmp_path, env=slurm,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with cancelled_on_error(launch):
         wait_until(lambda: train_rows(workdir) >= 2, "two steps were trained", 300)
-    output, _ = requeue_and_finish(launch, tmp_path, ["scancel", "--signal=TERM"])
+    output, _, stdout, _ = requeue_and_finish(launch, tmp_path, ["scancel", "--signal=TERM"])
+    assert_script_written_and_output_followed(tmp_path, stdout)
     text = open(output).read()
     first_run, stopped, second_run = text.partition("Stopped by SIGTERM after step")
     assert stopped and "Resumed from" not in first_run and "Resumed from" in second_run, \
@@ -216,8 +205,34 @@ def test_requeue_saves_on_sigterm_requeues_and_resumes_to_the_same_bits(slurm, t
     stopped = re.findall(r"Stopped by SIGTERM after step (\d+): saved", log)
     assert len(stopped) == 1 and 2 <= int(stopped[0]) < 8, log[-3000:]
     assert f"Resumed from {workdir}/ckpts/step_{stopped[0]} (step {stopped[0]})." in log
+    assert_resumed_like_reference(str(workdir), int(stopped[0]), reference)
     a = np.load(os.path.join(two_processes, "params.npz"))  # (multihost_helpers' run)
     b = np.load(workdir / "params.npz")
     assert sorted(a) == sorted(b)
     for name in a:
         np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+
+
+def assert_script_written_and_output_followed(tmp_path, stdout: str) -> None:
+    """``redco launch`` wrote ``t.sbatch`` (appending, requeueing, srun running the command)
+    and, with ``--wait``, printed the job's output file as it grew."""
+    assert f"redco: wrote {tmp_path}/t.sbatch" in stdout
+    assert "epoch 2/2" in stdout  # the job's output file, printed while waiting
+    script = (tmp_path / "t.sbatch").read_text().splitlines()
+    assert "#SBATCH --open-mode=append" in script and "#SBATCH --requeue" in script
+    assert any(line.startswith("srun --kill-on-bad-exit=1 ") for line in script), script
+
+
+def assert_resumed_like_reference(workdir: str, step: int, reference) -> None:
+    """Both tasks of the resumed run detected SLURM, saw all 8 devices (4 their own), read only
+    their half of the examples left after ``step`` and trained those updates, and predicted,
+    like one process of 8 devices (to 1e-5); the last checkpoint is ``step_8``."""
+    ref, _ = reference
+    results = read_results(workdir, 2)
+    for r in results:
+        assert r["launcher"] == "slurm"
+        assert (r["process_count"], r["devices"], r["local_devices"]) == (2, 8, 4)
+        assert r["examples_read"] == (8 - step) * 8 // 2, r["examples_read"]  # batch 8, 2 tasks
+        np.testing.assert_allclose(r["losses"], ref["losses"][step:], rtol=1e-5, atol=1e-5)
+        assert r["preds"] == ref["preds"]
+    assert results[0]["ckpts"][-1] == "step_8"
