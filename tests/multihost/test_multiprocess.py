@@ -63,18 +63,17 @@ def assert_ends_like_reference_and_reads_back(workdir: str, fmt: str, reference)
         np.testing.assert_array_equal(np.asarray(value), saved[name])
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", pytest.param("orbax", marks=pytest.mark.slow),
+@pytest.mark.parametrize("fmt", ["orbax", "safetensors",
                                  pytest.param("msgpack", marks=pytest.mark.slow)])
 def test_a_run_stopped_mid_epoch_resumes_on_another_process_count(fmt, reference, tmp_path):
     """1 process is stopped by SIGTERM mid-epoch (its checkpoint, in ``fmt``, saves where in
     the data it stands, in examples); 2 processes resume it: they train only the updates left
     and end with the params of one uninterrupted run. Their checkpoint, read back on 1 device,
-    holds exactly the params they wrote. safetensors in CI: redco's own multi-process path
-    (every process gathers with ``host_arrays``, process 0 writes, ``place`` reads each
-    process's part), which msgpack shares. orbax and msgpack: slow tier
-    (``REDCO_SLOW_TESTS=1``), the same move at another format; in CI orbax's 2-process
-    checkpoints are written and resumed by every 2-process stop test here, and each format's
-    own reading and writing is guarded by ``tests/formats`` and ``plugins/msgpack/tests``."""
+    holds exactly the params they wrote. orbax (the default format) moves by its own
+    multi-process code; safetensors by redco's (every process gathers with ``host_arrays``,
+    process 0 writes, ``place`` reads each process's part), which msgpack shares: msgpack in
+    the slow tier (``REDCO_SLOW_TESTS=1``), its own reading and writing guarded by
+    ``tests/formats`` and ``plugins/msgpack/tests``."""
     workdir = str(tmp_path)
     one = subprocess.run([sys.executable, WORKER, "0", "1", "0", str(TOTAL_DEVICES), workdir],
                          env=worker_env(REDCO_TEST_TERM_AT_STEP="2", REDCO_TEST_CKPT_FORMAT=fmt),
