@@ -1,14 +1,13 @@
 """GRPO: tokens after EOS count for nothing, the three loss averages are what they say, the clip
 fraction counts the tokens it should, the KL penalty's gradient is the one GRPO means, bad
-rewards and prompts are refused before any update, and sharded over 8 devices (dp x mp) it
-samples and trains as on 2 (the run the stopped and killed runs resume to, shared). (That it
-learns, after SFT, is ``test_post_training.py``.)"""
+rewards and prompts are refused before any update, and sharded dp 4 x mp 2 it samples and trains
+as at dp 8 (one run in this process, never stopped, shared: what the stopped and killed runs
+resume to). (That it learns, after SFT, is ``test_post_training.py``.)"""
 import dataclasses
 import functools
 import json
 import os
 import random
-import subprocess
 import sys
 
 import jax
@@ -28,7 +27,7 @@ from redco_zoo_grpo.rollout import completion_mask
 from redco_zoo_sft.chat import render_prompt
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kill_anywhere import kill_at_random, run_to_end, said_resumed  # noqa: E402
+from kill_anywhere import kill_at_random, said_resumed  # noqa: E402
 
 EOS = SPECIALS.index("<|im_end|>")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -449,54 +448,80 @@ def reward(prompts, completions, answer, **_):
 """
 
 
+def grpo_args(root, workdir, reward) -> list[str]:
+    """``redco``'s arguments for three GRPO rounds (8 prompts x 16 samples in minibatches of 64
+    over 8 devices, 2 epochs: 4 updates each) of the warmed-up model, a checkpoint every 2
+    rounds."""
+    return ["zoo", "run", "grpo", "--model", str(root / "sft" / "model"), "--train",
+            str(root / "prompts.jsonl"), "--eval", str(root / "prompts_held_out.jsonl"),
+            "--workdir", str(workdir), "--n_rounds", "3", "--reward", f"{reward}:reward",
+            "--per_device_batch_size", "8", "--n_updates", "2", "--beta", "0.1",
+            "--save_every_n_steps", "8", "--eval_every_n_rounds", "2", *GRPO_FLAGS,
+            "--prompts_per_round", "8", "--learning_rate", "2e-3"]
+
+
 def grpo_cmd(root, workdir, reward) -> list[str]:
-    """Three GRPO rounds (8 prompts x 16 samples in minibatches of 64, 2 epochs: 4 updates each)
-    of the warmed-up model on 2 devices, a checkpoint every 2 rounds."""
-    return [sys.executable, "-m", "redco.cli", "zoo", "run", "grpo", "--model",
-            str(root / "sft" / "model"), "--train", str(root / "prompts.jsonl"), "--eval",
-            str(root / "prompts_held_out.jsonl"), "--workdir", str(workdir), "--n_rounds", "3",
-            "--reward", f"{reward}:reward", "--per_device_batch_size", "32", "--n_updates", "2",
-            "--beta", "0.1", "--save_every_n_steps", "8", "--eval_every_n_rounds", "2",
-            *GRPO_FLAGS, "--prompts_per_round", "8", "--learning_rate", "2e-3"]
+    """``grpo_args``' run as a process of its own (the one a test SIGKILLs)."""
+    return [sys.executable, "-m", "redco.cli", *grpo_args(root, workdir, reward)]
 
 
-def grpo_env(stop: bool) -> dict:
-    """2 devices, matmuls at full fp32 precision; with ``stop``, SIGTERM in round 2."""
+def grpo_env() -> dict:
+    """A process as this one: 8 devices, matmuls at full fp32 precision, never stopped."""
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
-                                      + " --xla_force_host_platform_device_count=2"),
+                                      + " --xla_force_host_platform_device_count=8"),
                JAX_DEFAULT_MATMUL_PRECISION="highest")
     env.pop("SIGTERM_IN_ROUND_2", None)
-    return {**env, "SIGTERM_IN_ROUND_2": "1"} if stop else env
+    return env
+
+
+def round_seconds(workdir) -> float:
+    """A finished run's mean seconds a round (between its rounds' rollout rows in
+    metrics.jsonl): the span a kill is spread over (``kill_at_random``)."""
+    with open(workdir / "metrics.jsonl") as f:
+        times = [row["time"] for row in map(json.loads, f) if "rollout/reward" in row]
+    assert len(times) >= 2, times
+    return (times[-1] - times[0]) / (len(times) - 1)
+
+
+def stopped_by_sigterm_in_round_2(args: list[str], workdir, monkeypatch) -> None:
+    """Run ``redco args`` in this process with ``STOPPING_REWARD`` sending SIGTERM in round 2:
+    the round ends, step 8 is saved, it exits 143 and nothing is exported."""
+    monkeypatch.setenv("SIGTERM_IN_ROUND_2", "1")
+    with pytest.raises(SystemExit) as stopped:
+        main(args)
+    monkeypatch.delenv("SIGTERM_IN_ROUND_2")
+    assert stopped.value.code == 143
+    assert "Stopped by SIGTERM after step 8" in (workdir / "log.txt").read_text()
+    assert not (workdir / "model").exists()
 
 
 @pytest.fixture(scope="module")
 def whole(warmed_up, tmp_path_factory):
-    """``grpo_cmd``'s run on 2 devices, never stopped: the reference of the runs stopped and
-    killed, and of the same run sharded dp 4 x mp 2. Its workdir, reward file and a round's
-    seconds."""
+    """``grpo_args``' run over 8 devices (dp 8), never stopped, in this process: the reference
+    of the runs stopped and killed, and of the same run sharded dp 4 x mp 2. Its workdir and
+    reward file."""
     root = tmp_path_factory.mktemp("grpo_whole")
     reward = root / "stopping_reward.py"
     reward.write_text(STOPPING_REWARD)
-    _, round_s = run_to_end(grpo_cmd(warmed_up, root / "whole", reward), str(root / "whole"),
-                            grpo_env(stop=False))
-    return root / "whole", reward, round_s
+    os.environ.pop("SIGTERM_IN_ROUND_2", None)
+    main(grpo_args(warmed_up, root / "whole", reward))
+    return root / "whole", reward
 
 
-def test_grpo_sharded_dp_x_mp_samples_and_trains_as_on_two_devices(warmed_up, whole, tmp_path):
-    """``grpo_cmd``'s run (a KL penalty to a reference copy included) at dp 4 x mp 2 over 8
-    devices (``redco.cli.main`` in this process), minibatches of 16 rows a device: the
-    rewards, KL, clip fractions and held-out rewards of the run at dp 2 (32 rows a device), and
-    its params. The learning rate peaks at 2e-3, so every round's 4 updates leave some tokens'
-    ratios past the clip range and no round's clip fractions compared are 0 against 0 (at 5e-4
-    the last round's, decayed towards 0, left every ratio inside for some draws of the
-    model)."""
+def test_grpo_sharded_dp_x_mp_samples_and_trains_as_dp_alone(warmed_up, whole, tmp_path):
+    """``grpo_args``' run (a KL penalty to a reference copy included) at dp 4 x mp 2,
+    minibatches of 16 rows a device: the rewards, KL, clip fractions and held-out rewards of
+    the run at dp 8 (8 rows a device), and its params. The learning rate peaks at 2e-3, so
+    every round's 4 updates leave some tokens' ratios past the clip range and no round's clip
+    fractions compared are 0 against 0 (at 5e-4 the last round's, decayed towards 0, left every
+    ratio inside for some draws of the model)."""
     from safetensors.numpy import load_file
-    workdir, reward, _ = whole
+    workdir, reward = whole
     sharded = tmp_path / "sharded"
-    # in this process (its 8 devices, matmuls at "highest": conftest.py), as grpo_env's would be
-    main(grpo_cmd(warmed_up, sharded, reward)[3:] + ["--n_model_shards", "2",
-                                                     "--per_device_batch_size", "16"])
+    main(grpo_args(warmed_up, sharded, reward) + ["--n_model_shards", "2",
+                                                  "--per_device_batch_size", "16"])
     assert "mesh: {'dp': 4, 'mp': 2}" in (sharded / "log.txt").read_text()
+    assert "mesh: {'dp': 8, 'mp': 1}" in (workdir / "log.txt").read_text()
     rows = [[json.loads(line) for line in open(w / "metrics.jsonl")] for w in (workdir, sharded)]
     pick = lambda rows, key: [r[key] for r in rows if key in r]  # noqa: E731
     for key in ("rollout/reward", "eval/reward"):
@@ -513,47 +538,58 @@ def test_grpo_sharded_dp_x_mp_samples_and_trains_as_on_two_devices(warmed_up, wh
         np.testing.assert_allclose(params[1][name], value, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_same_bits(warmed_up, whole,
-                                                                           tmp_path):
-    """SIGTERM in round 2 (of 3): the round and its evaluation end, step 8 is saved, exit 143;
-    the rerun says it resumed there and is SIGKILLed at a random moment of round 3 (sampling,
-    updating, evaluating or saving); the next ends with the params, rollout metrics, losses and
-    held-out rewards of a run never stopped."""
-    from safetensors.numpy import load_file
-    whole, reward, round_s = whole
-    shown = (whole / "log.txt").read_text()  # what a round shows, goodput, samples
+def test_a_grpo_run_shows_its_rounds_goodput_and_samples(whole):
+    """The never-stopped run's log shows each round (reward, completions cut at
+    max_new_tokens, clip fraction, tokens/s, updates), its goodput counts rollouts and steps,
+    and its samples file holds the evaluated rounds' greedy completions with their rewards."""
+    workdir, _ = whole
+    shown = (workdir / "log.txt").read_text()
     assert "round 1/3: reward " in shown and "cut at max_new_tokens" in shown and \
         "clip fraction " in shown and "tokens/s), updates " in shown, shown[-2000:]
-    goodput = json.loads((whole / "goodput.json").read_text())["total"]
+    goodput = json.loads((workdir / "goodput.json").read_text())["total"]
     assert goodput["rollout"] > 0 and goodput["steps"] > 0, goodput
-    samples = [json.loads(line) for line in open(whole / "samples.jsonl")]
+    samples = [json.loads(line) for line in open(workdir / "samples.jsonl")]
     assert [s["round"] for s in samples] == [2] * 32 + [3] * 32  # 2 prompts x 16, evaluated rounds
     assert {"prompt", "completion", "reward"} <= set(samples[0])
+
+
+def assert_same_run(whole, cut, keys) -> None:
+    """``cut``'s metrics under ``keys`` (by step) and its exported params are ``whole``'s, bit
+    for bit."""
+    from safetensors.numpy import load_file
+    rows = {w: [json.loads(line) for line in open(w / "metrics.jsonl")] for w in (whole, cut)}
+    pick = lambda rows, key: [(r["step"], r[key]) for r in rows if key in r]  # noqa: E731
+    for key in keys:
+        assert pick(rows[cut], key) == pick(rows[whole], key), key
+    whole_params = load_file(whole / "model" / "model.safetensors")
+    cut_params = load_file(cut / "model" / "model.safetensors")
+    for name, value in whole_params.items():
+        np.testing.assert_array_equal(cut_params[name], value, err_msg=name)
+
+
+def test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_same_bits(warmed_up, whole,
+                                                                           tmp_path, monkeypatch):
+    """SIGTERM in round 2 (of 3): the round and its evaluation end, step 8 is saved, exit 143;
+    the rerun, a process of its own, says it resumed there and is SIGKILLed at a random moment
+    of round 3 (sampling, updating, evaluating or saving); the next ends with the params,
+    rollout metrics, losses and held-out rewards of a run never stopped."""
+    whole, reward = whole
     cut = tmp_path / "cut"
-    stopped = subprocess.run(grpo_cmd(warmed_up, cut, reward), env=grpo_env(stop=True),
-                             capture_output=True, text=True, timeout=600)
-    assert stopped.returncode == 143, stopped.stderr[-3000:]
-    assert "Stopped by SIGTERM after step 8" in stopped.stdout + stopped.stderr
-    assert not (cut / "model").exists()
+    stopped_by_sigterm_in_round_2(grpo_args(warmed_up, cut, reward), cut, monkeypatch)
     seed = int.from_bytes(os.urandom(4), "little")
-    killed = kill_at_random(grpo_cmd(warmed_up, cut, reward), said_resumed(str(cut)), round_s,
-                            random.Random(seed), grpo_env(stop=False))
-    run_to_end(grpo_cmd(warmed_up, cut, reward), str(cut), grpo_env(stop=False))
+    killed = kill_at_random(grpo_cmd(warmed_up, cut, reward), said_resumed(str(cut)),
+                            round_seconds(whole), random.Random(seed), grpo_env())
+    main(grpo_args(warmed_up, cut, reward))
     log = (cut / "log.txt").read_text()
     assert killed and log.count("Resumed from") == 2, (seed, killed, log[-2000:])
     assert "step_8 (step 8)" in log, log[-2000:]
     for workdir in (whole, cut):
         assert (workdir / "ckpts" / "step_12").exists()
-    rows = {name: [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-            for name, workdir in (("whole", whole), ("cut", cut))}
-    pick = lambda rows, key: [(r["step"], r[key]) for r in rows if key in r]  # noqa: E731
-    for key in ("rollout/reward", "rollout/kl", "rollout/clip_fraction", "eval/reward",
-                "train/loss"):
-        assert pick(rows["cut"], key) == pick(rows["whole"], key), (key, seed, killed)
-    whole_params = load_file(whole / "model" / "model.safetensors")
-    cut_params = load_file(cut / "model" / "model.safetensors")
-    for name, value in whole_params.items():
-        np.testing.assert_array_equal(cut_params[name], value, err_msg=name)
+    try:
+        assert_same_run(whole, cut, ("rollout/reward", "rollout/kl", "rollout/clip_fraction",
+                                     "eval/reward", "train/loss"))
+    except AssertionError as e:
+        raise AssertionError(f"seed {seed}, killed {killed}") from e
 
 
 def test_auto_shards_are_refused_before_anything_loads_naming_why(tmp_path, capsys):

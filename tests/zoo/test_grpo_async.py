@@ -9,7 +9,7 @@ before loading where no split fits and otherwise trains on the split it logged."
 import json
 import os
 import random
-import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -17,11 +17,13 @@ import pytest
 from test_grpo import (  # noqa: F401 (warmed_up: the SFT'd model, a fixture)
     GRPO_FLAGS,
     STOPPING_REWARD,
-    grpo_cmd,
+    assert_same_run,
+    grpo_args,
     grpo_env,
     kill_at_random,
-    run_to_end,
+    round_seconds,
     said_resumed,
+    stopped_by_sigterm_in_round_2,
     warmed_up,
 )
 
@@ -59,28 +61,40 @@ def test_tis_weights_and_the_weighted_loss_are_the_formula():
 ASYNC_FLAGS = ["--rollout_devices", "4", "--max_off_policy_steps", "1"]
 
 
-@pytest.mark.parametrize("k", [0, 1])
-def test_rollouts_run_k_updates_ahead_on_devices_of_their_own(warmed_up, tmp_path, k):  # noqa: F811
-    """4 rounds on 4 + 4 devices. K = 1: rounds 2-4 train on samples of the params one update
-    old (their version logged), round 1 on the starting params; the TIS ratio moves off 1 once
-    the samples' params are behind; each round's rollout after the first is dispatched before
-    the previous round's update and starts while it runs. K = 0: every round on-policy, the
-    ratio 1 (to the engine's numerics), each rollout after the update before it."""
-    workdir = tmp_path / f"k{k}"
-    main(["zoo", "run", "grpo", "--model", str(warmed_up / "sft" / "model"), "--train",
-          str(warmed_up / "prompts.jsonl"), "--workdir", str(workdir), "--n_rounds", "4",
-          "--per_device_batch_size", "8", "--eval_every_n_rounds", "4", *GRPO_FLAGS,
-          *ASYNC_FLAGS, "--max_off_policy_steps", str(k)])
+def async_args(root, workdir, reward, k: int = 1) -> list[str]:
+    """``grpo_args``' three rounds (4 updates each, minibatches of 64, a checkpoint every 2
+    rounds) with K = ``k`` on 4 + 4 devices."""
+    return grpo_args(root, workdir, reward) + ["--per_device_batch_size", "16", *ASYNC_FLAGS,
+                                               "--max_off_policy_steps", str(k)]
+
+
+@pytest.fixture(scope="module")
+def one_behind(warmed_up, tmp_path_factory):  # noqa: F811
+    """``async_args``' run with K = 1, never stopped, in this process: the rounds read by the
+    K = 1 test and the run the stopped one resumes to. Its workdir and reward file."""
+    root = tmp_path_factory.mktemp("async_whole")
+    reward = root / "stopping_reward.py"
+    reward.write_text(STOPPING_REWARD)
+    os.environ.pop("SIGTERM_IN_ROUND_2", None)
+    main(async_args(warmed_up, root / "whole", reward))
+    return root / "whole", reward
+
+
+def assert_rounds_run_k_updates_behind(workdir, k: int) -> None:
+    """The 3 rounds of ``workdir``: on 4 + 4 devices; sampled by params ``k`` updates old after
+    round 1 (their version and lag logged); the TIS ratio off 1 once the samples' params are
+    behind, else 1 (to the engine's numerics); each rollout after the first dispatched before
+    the previous round's update and started while it ran (K = 1), or after it (K = 0)."""
     log = (workdir / "log.txt").read_text()
     assert "mesh: {'dp': 4, 'mp': 1}" in log and "1, 4 replicas" in log, log[:3000]
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     rounds = [r for r in rows if "rollout/policy_lag" in r]
-    assert [r["rollout/policy_version"] for r in rounds] == [max(0, t - 1 - k) for t in (1, 2, 3, 4)]
-    assert [r["rollout/policy_lag"] for r in rounds] == [0] + [k] * 3, rounds
+    assert [r["rollout/policy_version"] for r in rounds] == [max(0, t - 1 - k) for t in (1, 2, 3)]
+    assert [r["rollout/policy_lag"] for r in rounds] == [0] + [k] * 2, rounds
     off = [abs(r["rollout/is_ratio_max"] - 1) for r in rounds]
     assert off[0] < 1e-5 and (max(off[1:]) > 1e-3 if k else max(off) < 1e-5), off
     timeline = [json.loads(line) for line in open(workdir / "timeline.jsonl")]
-    assert [t["round"] for t in timeline] == [1, 2, 3, 4]
+    assert [t["round"] for t in timeline] == [1, 2, 3]
     for before, after in zip(timeline, timeline[1:]):
         if k:
             assert after["rollout_dispatch"] <= before["update_dispatch"], (before, after)
@@ -89,50 +103,50 @@ def test_rollouts_run_k_updates_ahead_on_devices_of_their_own(warmed_up, tmp_pat
             assert after["rollout_dispatch"] >= before["update_ready"], (before, after)
 
 
+def test_rollouts_run_one_update_ahead_on_devices_of_their_own(one_behind):
+    """K = 1, 3 rounds on 4 + 4 devices: rounds 2 and 3 train on samples of the params one
+    update old (versions 0, 0, 1), each next rollout dispatched before the update and running
+    while it does (``assert_rounds_run_k_updates_behind``)."""
+    assert_rounds_run_k_updates_behind(one_behind[0], k=1)
+
+
+def test_rollouts_with_k_0_wait_for_each_update(warmed_up, tmp_path):  # noqa: F811
+    """K = 0, the same run otherwise (its compiled programs those of the K = 1 run): every
+    round on-policy (versions 0, 1, 2), the TIS ratio 1, each rollout after the update before
+    it."""
+    (tmp_path / "rewards.py").write_text(STOPPING_REWARD)
+    main(async_args(warmed_up, tmp_path / "k0", tmp_path / "rewards.py", k=0))
+    assert_rounds_run_k_updates_behind(tmp_path / "k0", k=0)
+
+
 # The SIGKILL phase runs with REDCO_SLOW_TESTS=1: a kill at a random moment of the last round
 # and the resume from the checkpoint before it are the synchronous loop's, killed in CI by
 # test_grpo.py's test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_same_bits.
 KILLED = os.environ.get("REDCO_SLOW_TESTS") == "1"
 
 
-def test_async_grpo_stopped_by_sigterm_or_killed_resumes_to_the_same_bits(warmed_up,  # noqa: F811
-                                                                        tmp_path):
-    """K = 1 on 1 + 1 devices: SIGTERM in round 2 (of 3) saves step 8 with round 3's rollout
-    in flight, exit 143; (with ``KILLED``) the rerun is SIGKILLed at a random moment of round
-    3; the next ends with the params, rollout metrics, losses and held-out rewards of a run
-    never stopped."""
-    from safetensors.numpy import load_file
-    reward = tmp_path / "stopping_reward.py"
-    reward.write_text(STOPPING_REWARD)
-    def cmd(workdir):
-        return grpo_cmd(warmed_up, workdir, reward) + [
-            "--per_device_batch_size", "64", "--rollout_devices", "1",
-            "--max_off_policy_steps", "1"]
-    _, round_s = run_to_end(cmd(tmp_path / "whole"), str(tmp_path / "whole"),
-                            grpo_env(stop=False))
+def test_async_grpo_stopped_by_sigterm_or_killed_resumes_to_the_same_bits(
+        warmed_up, one_behind, tmp_path, monkeypatch):  # noqa: F811
+    """K = 1 on 4 + 4 devices: SIGTERM in round 2 (of 3) saves step 8 with round 3's rollout
+    in flight, exit 143; (with ``KILLED``) the rerun, a process of its own, is SIGKILLed at a
+    random moment of round 3; the next ends with the params, rollout metrics, losses and
+    held-out rewards of the run never stopped."""
+    whole, reward = one_behind
     cut = tmp_path / "cut"
-    stopped = subprocess.run(cmd(cut), env=grpo_env(stop=True), capture_output=True, text=True,
-                             timeout=600)
-    assert stopped.returncode == 143, stopped.stderr[-3000:]
-    assert "Stopped by SIGTERM after step 8" in stopped.stdout + stopped.stderr
+    stopped_by_sigterm_in_round_2(async_args(warmed_up, cut, reward), cut, monkeypatch)
     seed = int.from_bytes(os.urandom(4), "little")
-    killed = KILLED and kill_at_random(cmd(cut), said_resumed(str(cut)), round_s,
-                                       random.Random(seed), grpo_env(stop=False))
-    run_to_end(cmd(cut), str(cut), grpo_env(stop=False))
+    killed = KILLED and kill_at_random(
+        [sys.executable, "-m", "redco.cli", *async_args(warmed_up, cut, reward)],
+        said_resumed(str(cut)), round_seconds(whole), random.Random(seed), grpo_env())
+    main(async_args(warmed_up, cut, reward))
     log = (cut / "log.txt").read_text()
     assert killed == KILLED and log.count("Resumed from") == 1 + KILLED, (seed, killed,
                                                                           log[-2000:])
-    rows = {name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
-            for name in ("whole", "cut")}
-    pick = lambda rows, key: [(r["step"], r[key]) for r in rows if key in r]  # noqa: E731
-    assert [v for _, v in pick(rows["whole"], "rollout/policy_lag")] == [0, 1, 1]
-    for key in ("rollout/reward", "rollout/is_ratio_max", "rollout/clip_fraction",
-                "eval/reward", "train/loss"):
-        assert pick(rows["cut"], key) == pick(rows["whole"], key), (key, seed, killed)
-    whole_params = load_file(tmp_path / "whole" / "model" / "model.safetensors")
-    cut_params = load_file(cut / "model" / "model.safetensors")
-    for name, value in whole_params.items():
-        np.testing.assert_array_equal(cut_params[name], value, err_msg=name)
+    try:
+        assert_same_run(whole, cut, ("rollout/reward", "rollout/is_ratio_max",
+                                     "rollout/clip_fraction", "eval/reward", "train/loss"))
+    except AssertionError as e:
+        raise AssertionError(f"seed {seed}, killed {killed}") from e
 
 
 @pytest.mark.slow  # REDCO_SLOW_TESTS=1 (conftest.py)

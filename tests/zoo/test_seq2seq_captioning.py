@@ -1,6 +1,7 @@
 """The seq2seq pipeline learns to reverse strings and the captioning pipeline to name coloured
 shapes, on 8 devices with 2 model shards; beam search gives the same text sharded and on one
-device; ``redco zoo run`` trains both from local files."""
+device; ``redco zoo run`` trains both from local files (seq2seq with ``--lora_rank``: the merged
+model and the PEFT-layout adapters it saves)."""
 import json
 import os
 from functools import partial
@@ -10,12 +11,13 @@ import numpy as np
 import optax
 import pytest
 from PIL import Image
+from safetensors.numpy import load_file
 from tasks import COLOURS, LETTERS, SHAPES, reversal_examples, shape_examples
 
 from redco import Deployer, Trainer
 from redco.cli import main
 from redco_zoo_captioning import pipeline as captioning
-from redco_zoo_models import runner, split_model
+from redco_zoo_models import T5ForConditionalGeneration, from_pretrained, runner, split_model
 from redco_zoo_models.toy import save_model_dir, tiny_t5, tiny_vit_gpt2, word_tokenizer
 from redco_zoo_seq2seq import pipeline as seq2seq
 
@@ -72,21 +74,42 @@ def test_captioning_learns_coloured_shapes(workdir):
     assert scores["exact_match"] >= 0.9, (scores, preds[:4])
 
 
-def test_redco_zoo_run_seq2seq_and_captioning_from_local_files(tmp_path):
+def run_seq2seq_with_lora(tmp_path):
+    """``redco zoo run seq2seq --lora_rank 8`` on a tiny T5 and 160 reversal pairs (columns
+    named by flag): it evaluates, keeps its best checkpoint, exports the merged model (a plain
+    T5 directory) and the adapters in PEFT's layout (A as [r, in], under PEFT's names)."""
     tokenizer = word_tokenizer(LETTERS)
     save_model_dir(tiny_t5(tokenizer.get_vocab_size()), tokenizer, str(tmp_path / "t5"))
     with open(tmp_path / "pairs.jsonl", "w") as f:
         for example in reversal_examples(160, seed=3):
             f.write(json.dumps({"question": example["src"], "answer": example["tgt"]}) + "\n")
+    workdir = tmp_path / "w1"
     main(["zoo", "run", "seq2seq", "--model", str(tmp_path / "t5"), "--train",
           str(tmp_path / "pairs.jsonl"), "--src_column", "question", "--tgt_column", "answer",
-          "--workdir", str(tmp_path / "w1"), "--n_model_shards", "2", "--n_epochs", "1",
-          "--per_device_batch_size", "4", "--max_src_len", "9", "--max_tgt_len", "9"])
-    log = open(tmp_path / "w1" / "log.txt").read()
+          "--workdir", str(workdir), "--n_model_shards", "2", "--n_epochs", "1",
+          "--per_device_batch_size", "4", "--max_src_len", "9", "--max_tgt_len", "9",
+          "--lora_rank", "8"])
+    log = open(workdir / "log.txt").read()
     assert "exact_match" in log and "rougeL" in log
-    assert os.path.isfile(tmp_path / "w1" / "model" / "model.safetensors")
-    assert os.path.isdir(tmp_path / "w1" / "ckpts" / "best_rougeL")
+    assert os.path.isdir(workdir / "ckpts" / "best_rougeL")
+    config = json.loads((workdir / "adapter" / "adapter_config.json").read_text())
+    assert (config["task_type"], config["r"], sorted(config["target_modules"])) == \
+        ("SEQ_2_SEQ_LM", 8, ["k", "o", "q", "v", "wi", "wo"])
+    tensors = load_file(str(workdir / "adapter" / "adapter_model.safetensors"))
+    assert tensors["base_model.model.decoder.block.1.layer.1.EncDecAttention.q.lora_A.weight"] \
+        .shape == (8, 64)
+    assert len(tensors) == 2 * (2 * 6 + 2 * 10)  # encoder: attention 4 + MLP 2; decoder: 4+4+2
+    assert not [name for name in load_file(str(workdir / "model" / "model.safetensors"))
+                if "lora" in name]
+    assert isinstance(from_pretrained(T5ForConditionalGeneration, str(workdir / "model")),
+                      T5ForConditionalGeneration)
 
+
+def test_redco_zoo_run_seq2seq_and_captioning_from_local_files(tmp_path):
+    """Both pipelines train from local files through ``redco zoo run`` (seq2seq with LoRA
+    adapters: ``run_seq2seq_with_lora``; captioning from an image folder's metadata.jsonl) and
+    evaluate."""
+    run_seq2seq_with_lora(tmp_path)
     tokenizer = word_tokenizer(list(COLOURS) + list(SHAPES), ("<pad>", "<bos>", "<eos>", "<unk>"))
     save_model_dir(tiny_vit_gpt2(tokenizer.get_vocab_size()), tokenizer, str(tmp_path / "ved"))
     images = tmp_path / "images"
