@@ -500,11 +500,16 @@ def whole(warmed_up, tmp_path_factory):
     """``grpo_args``' run over 8 devices (dp 8), never stopped, in this process: the reference
     of the runs stopped and killed, and of the same run sharded dp 4 x mp 2. Its workdir and
     reward file."""
-    root = tmp_path_factory.mktemp("grpo_whole")
+    return never_stopped(grpo_args, warmed_up, tmp_path_factory.mktemp("grpo_whole"))
+
+
+def never_stopped(args_of, warmed_up, root):
+    """``main(args_of(warmed_up, root / "whole", reward))`` with the stopping reward, asked not
+    to stop: its workdir and reward file."""
     reward = root / "stopping_reward.py"
     reward.write_text(STOPPING_REWARD)
     os.environ.pop("SIGTERM_IN_ROUND_2", None)
-    main(grpo_args(warmed_up, root / "whole", reward))
+    main(args_of(warmed_up, root / "whole", reward))
     return root / "whole", reward
 
 

@@ -21,6 +21,7 @@ from test_grpo import (  # noqa: F401 (warmed_up: the SFT'd model, a fixture)
     grpo_args,
     grpo_env,
     kill_at_random,
+    never_stopped,
     round_seconds,
     said_resumed,
     stopped_by_sigterm_in_round_2,
@@ -72,12 +73,7 @@ def async_args(root, workdir, reward, k: int = 1) -> list[str]:
 def one_behind(warmed_up, tmp_path_factory):  # noqa: F811
     """``async_args``' run with K = 1, never stopped, in this process: the rounds read by the
     K = 1 test and the run the stopped one resumes to. Its workdir and reward file."""
-    root = tmp_path_factory.mktemp("async_whole")
-    reward = root / "stopping_reward.py"
-    reward.write_text(STOPPING_REWARD)
-    os.environ.pop("SIGTERM_IN_ROUND_2", None)
-    main(async_args(warmed_up, root / "whole", reward))
-    return root / "whole", reward
+    return never_stopped(async_args, warmed_up, tmp_path_factory.mktemp("async_whole"))
 
 
 def assert_rounds_run_k_updates_behind(workdir, k: int) -> None:
