@@ -42,23 +42,28 @@ def engine_of(name: str, max_seqs: int, max_len: int) -> Engine:
 
 
 _GENERATE = {}  # (id(model), n_new) -> the model's jitted ``generate`` (the model kept alive)
+SLOTS, ROWS = 64, 8  # every tiny model's positions; the rows of every batch given ``generate``
 
 
 def generated(model, params, prompts, n_new=NEW):
-    """``generate`` on the prompts left-padded into one batch, jitted once per model and
-    ``n_new`` (run eagerly, each of its ops would compile for every new length): each prompt's
-    ``(tokens, logprobs)``, as ``generate`` gives it alone (its padding is masked)."""
+    """``generate`` on the prompts left-padded into one batch of ``ROWS`` x ``SLOTS - n_new``
+    tokens (rows past the prompts repeat the first), jitted once per model and ``n_new`` (run
+    eagerly, each of its ops would compile for every new length; at the prompts' own shape,
+    each shape would): each prompt's ``(tokens, logprobs)``, as ``generate`` gives it alone
+    (its padding is masked)."""
     key = (id(model), n_new)
     if key not in _GENERATE:
         _GENERATE[key] = model, jax.jit(lambda params, ids, mask: generate(
             model, params, ids, n_new, prompt_mask=mask, return_logprobs=True))
-    width = max(map(len, prompts))
-    ids, mask = np.zeros((len(prompts), width), np.int32), np.zeros((len(prompts), width), bool)
-    for row, prompt in enumerate(prompts):
+    width = SLOTS - n_new
+    assert len(prompts) <= ROWS and max(map(len, prompts)) <= width, "a batch past the shape"
+    ids, mask = np.zeros((ROWS, width), np.int32), np.zeros((ROWS, width), bool)
+    for row in range(ROWS):
+        prompt = prompts[row] if row < len(prompts) else prompts[0]
         ids[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, True
     tokens, logprobs = _GENERATE[key][1](params, ids, mask)
     return [([int(t) for t in row_tokens], np.asarray(row_logprobs))
-            for row_tokens, row_logprobs in zip(tokens, logprobs)]
+            for row_tokens, row_logprobs in zip(tokens[:len(prompts)], logprobs)]
 
 
 def one_at_a_time(model, params, prompt, n_new=NEW):
@@ -116,8 +121,8 @@ def test_sharded_engine_answers_as_one_device(reading):
     """Also with prompts read 16 tokens a step and prefixes copied between rows split over dp
     (the longest prompt asked first and last: a hit). Prompts read whole are a slow-tier
     repeat: in CI the sharded decoding and experts are guarded by the other case, and a whole
-    prompt's prefill over mp 2 by test_serve.py::test_sigterm_finishes_the_requests_in_flight
-    (a plain server split over 2 devices, against ``generate``)."""
+    prompt's prefill over mp 2 by test_serve_recurrent.py (a plain server split over 2 devices,
+    against transformers)."""
     model = model_of("qwen3-moe")
     params = nnx.state(model, nnx.Param)
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=None, verbose=False)

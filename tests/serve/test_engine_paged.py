@@ -65,7 +65,7 @@ def test_requests_are_admitted_by_pages_beyond_the_slots_of_the_same_memory():
     assert sum(row is not None for row in paged.rows) == admitted
     assert paged.pages.available() == n_pages - sum(need[:admitted])
     paged.run_until_done(requests)
-    expected = Engine(model, params, max_seqs=8, max_len=64).generate(prompts, sampling)
+    expected = engine_of("llama-3.1", 3, 64).generate(prompts, sampling)  # (rows: no matter)
     assert_same_samples(requests, expected, "admitted by pages")
     assert_all_pages_free(paged)
 
@@ -87,7 +87,7 @@ def test_samples_share_their_prompts_whole_pages_and_copy_the_partial_one():
     own = paged.pages.table[[0, 1, 2], 2]
     assert len(set(own.tolist())) == 3  # the partial page: one each
     paged.run_until_done(requests)
-    expected = Engine(model, params, max_seqs=6, max_len=32).generate(prompts, sampling)
+    expected = engine_of("llama-3.1", 3, 64).generate(prompts, sampling)  # (one after another)
     assert_same_samples(requests, expected, "samples")
     assert_all_pages_free(paged)
 

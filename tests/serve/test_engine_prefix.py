@@ -31,7 +31,7 @@ def test_a_chunked_prefill_equals_the_one_shot_one_while_other_rows_decode(famil
     the last one left (its Gated DeltaNet layers hold no slots)."""
     model = model_of(family)
     params = nnx.state(model, nnx.Param)
-    whole = engine_of(family, 2, 64).generate([LONG], Sampling(NEW))[0]
+    whole = engine_of(family, 3, 64).generate([LONG], Sampling(NEW))[0]
     chunked = Engine(model, params, max_seqs=2, max_len=64, prefill_chunk=16)
     short = chunked.submit(SHORT, Sampling(max_tokens=40))
     chunked.step()

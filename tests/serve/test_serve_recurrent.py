@@ -1,7 +1,11 @@
 """``redco serve`` on a recurrent family (Qwen3.5: Gated DeltaNet layers around an attention
 one), split over 2 of 8 simulated devices (its fixed-size states' rows over the replicas),
 asked by the real ``openai`` client: a greedy completion's text and log-probs are transformers'
-(CPU torch) for the same model directory."""
+(CPU torch) for the same model directory. The same process then proves SIGTERM's drain: a
+streamed request in flight when the signal comes is finished (transformers' text again) and the
+server exits 0."""
+import signal
+
 import numpy as np
 import pytest
 import torch
@@ -28,7 +32,9 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def test_a_greedy_completion_equals_transformers(model_dir):
+def transformers_greedy(model_dir):
+    """transformers' greedy tokens after ``PROMPT`` (cut at the EOS), their log-probs, why the
+    generation ended, and the tokenizer."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     theirs = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ids = tokenizer(PROMPT)["input_ids"]
@@ -36,17 +42,34 @@ def test_a_greedy_completion_equals_transformers(model_dir):
         out = theirs.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False,
                               eos_token_id=tokenizer.eos_token_id,
                               pad_token_id=tokenizer.pad_token_id)[0, len(ids):].tolist()
-        tokens = out[:out.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in out \
-            else out
+        ended = tokenizer.eos_token_id in out
+        tokens = out[:out.index(tokenizer.eos_token_id)] if ended else out
         logits = theirs(torch.tensor([ids + tokens])).logits[0].double()
     places = np.arange(len(tokens)) + len(ids) - 1
     logprobs = torch.log_softmax(logits, -1).numpy()[places, tokens]
+    return tokens, logprobs, "stop" if ended else "length", tokenizer
+
+
+def test_a_greedy_completion_equals_transformers_and_sigterm_finishes_it(model_dir):
+    """A whole completion, then a streamed one SIGTERMed after its first chunk: both give
+    transformers' text; the server exits 0 saying it finished the requests in flight (the only
+    CI test of the drain: a server that dropped the stream, or died by the signal, fails)."""
+    tokens, logprobs, reason, tokenizer = transformers_greedy(model_dir)
+    expected = tokenizer.decode(tokens, skip_special_tokens=True)
     server = Server(model_dir, "--max_seqs", "2", "--max_len", "16")
     try:
-        answer = server.client.completions.create(
-            model="tiny-qwen", prompt=PROMPT, max_tokens=NEW, temperature=0, logprobs=0)
+        ask = dict(model="tiny-qwen", prompt=PROMPT, max_tokens=NEW, temperature=0)
+        answer = server.client.completions.create(logprobs=0, **ask)
+        chunks = iter(server.client.completions.create(stream=True, **ask))
+        first = next(chunks)  # the request is running
+        server.process.send_signal(signal.SIGTERM)
+        rest = list(chunks)
+        assert server.process.wait(timeout=120) == 0
+        assert "finishing the requests in flight" in server.rest_of_output(30)
     finally:
         server.close()
-    assert answer.choices[0].text == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert answer.choices[0].text == expected
     np.testing.assert_allclose(answer.choices[0].logprobs.token_logprobs[:len(tokens)],
                                logprobs, atol=1e-5)
+    assert "".join(c.choices[0].text for c in [first, *rest]) == expected
+    assert rest and rest[-1].choices[0].finish_reason == reason

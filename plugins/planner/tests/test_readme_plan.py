@@ -1,6 +1,8 @@
 """The "See a plan before you run it" block of docs/guides/layouts.md, run as written from the
 repository root: install the planner with its presets, print LLaMA-7B's rules on 8 devices and plan it on 4
-devices of 40 GB (AOT compiles on abstract shapes: nothing allocated)."""
+devices of 80 GB (AOT compiles on abstract shapes: nothing allocated). At 80 GB the first layout
+compiled (mp=1 auto+fsdp; mp=1 auto's params and AdamW state alone are over the budget, so it is
+not compiled) fits: one compile of LLaMA-7B's step, where 40 GB took three."""
 import os
 import re
 import subprocess
