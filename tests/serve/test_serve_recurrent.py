@@ -51,16 +51,20 @@ def transformers_greedy(model_dir):
 
 
 def test_a_greedy_completion_equals_transformers_and_sigterm_finishes_it(model_dir):
-    """A whole completion, then a streamed one SIGTERMed after its first chunk: both give
-    transformers' text; the server exits 0 saying it finished the requests in flight (the only
-    CI test of the drain: a server that dropped the stream, or died by the signal, fails)."""
+    """A whole completion gives transformers' text and log-probs. Then a 48-token completion
+    (past the end token), streamed and SIGTERMed after its first chunk, still running: the
+    stream ends with the whole text the same request gave unstreamed, and the server exits 0
+    saying it finished the requests in flight (the only CI test of the drain: a server that
+    dropped the stream, or died by the signal, fails)."""
     tokens, logprobs, reason, tokenizer = transformers_greedy(model_dir)
     expected = tokenizer.decode(tokens, skip_special_tokens=True)
-    server = Server(model_dir, "--max_seqs", "2", "--max_len", "16")
+    server = Server(model_dir, "--max_seqs", "2", "--max_len", "64")
     try:
         ask = dict(model="tiny-qwen", prompt=PROMPT, max_tokens=NEW, temperature=0)
         answer = server.client.completions.create(logprobs=0, **ask)
-        chunks = iter(server.client.completions.create(stream=True, **ask))
+        long = dict(ask, max_tokens=48, extra_body={"ignore_eos": True})
+        whole = server.client.completions.create(**long)
+        chunks = iter(server.client.completions.create(stream=True, **long))
         first = next(chunks)  # the request is running
         server.process.send_signal(signal.SIGTERM)
         rest = list(chunks)
@@ -68,8 +72,9 @@ def test_a_greedy_completion_equals_transformers_and_sigterm_finishes_it(model_d
         assert "finishing the requests in flight" in server.rest_of_output(30)
     finally:
         server.close()
-    assert answer.choices[0].text == expected
+    assert answer.choices[0].text == expected and answer.choices[0].finish_reason == reason
     np.testing.assert_allclose(answer.choices[0].logprobs.token_logprobs[:len(tokens)],
                                logprobs, atol=1e-5)
-    assert "".join(c.choices[0].text for c in [first, *rest]) == expected
-    assert rest and rest[-1].choices[0].finish_reason == reason
+    assert whole.usage.completion_tokens == 48
+    assert "".join(c.choices[0].text for c in [first, *rest]) == whole.choices[0].text
+    assert rest and rest[-1].choices[0].finish_reason == "length"
