@@ -65,7 +65,8 @@ def worker(lever: str, args: argparse.Namespace) -> dict:
 
     from redco import Deployer, Trainer, lora
     from redco_zoo_models import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, add_lora, split_model
-    from redco_zoo_models.quantized_linear import quantize_linears, sharding_rules
+    from redco_zoo_models.quantized_linear import quantize_linears
+    from redco_zoo_models.runner import params_rules
     use_lora, fmt, policy, scan = parse_lever(lever)
     shape = LLAMA_PRESETS[args.preset] if args.preset else dict(
         hidden_size=args.hidden_size, num_hidden_layers=args.n_layers,
@@ -78,14 +79,13 @@ def worker(lever: str, args: argparse.Namespace) -> dict:
         quantize_linears(model, fmt)
     if use_lora:
         add_lora(model, rank=args.lora_rank)
-    overrides = sharding_rules(model, deployer)
     apply_fn, params = split_model(model)
+    rules = params_rules(model, params, deployer)  # a quantised kernel's scales with its codes
     del model
     trainable = lora.trainable_mask(params) if use_lora else None
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params,
                       optax.adamw(1e-3, weight_decay=0.01), compute_dtype=jnp.dtype(args.compute_dtype),
-                      remat=policy, trainable=trainable, params_sharding_rules=(
-                          deployer.get_sharding_rules(params, rules=overrides) if overrides else None))
+                      remat=policy, trainable=trainable, params_sharding_rules=rules)
     global_batch = deployer.get_global_batch_size(args.per_device_batch_size)
     examples = byte_sequences(args.seq_len, (args.steps + 1) * global_batch)
     t0 = time.perf_counter()
