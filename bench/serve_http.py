@@ -40,8 +40,10 @@ def start_server(model_dir: str, args) -> tuple[subprocess.Popen, str]:
     threading.Thread(target=lambda: [lines.put(x) for x in process.stdout] + [lines.put(None)],
                      daemon=True).start()
     deadline = time.monotonic() + 600
+    start = time.monotonic()
     while (line := lines.get(timeout=max(0.0, deadline - time.monotonic()))) is not None:
-        if " on http" in line:
+        print(f"  [server, {time.monotonic() - start:6.1f} s] {line.rstrip()}", flush=True)
+        if " on http" in line:  # (its start-up echoed: a slow start shows where it waits)
             return process, line.split(" on ")[1].strip()
     raise RuntimeError("the server exited before serving")
 
