@@ -9,15 +9,18 @@ Each layout is measured as ``bench/family_table.py`` measures it (its ``Worker``
 ``--lora_rank`` on the attention and MLP projections; a layout whose params and optimizer
 state alone exceed the memory is not compiled), the quantised stages with the projections as
 ``QuantizedLinear`` codes and scales (``redco_planner.inspection.zoo_decoder``'s
-``quantized``). LoRA on stacked layers is refused, so every step is unrolled and compiled at
-the model's first 3 and 4 layers (Gemma 3: and a global layer), its peak carried to full depth
-by ``bench/depth_rule.py`` (``--extrapolate`` there; cells marked with a dagger).
+``quantized``). Each step is unrolled and compiled at the model's first 3 and 4 layers
+(Gemma 3: and a global layer), its peak carried to full depth by ``bench/depth_rule.py``
+(``--extrapolate`` there; cells marked with a dagger); with ``--scan_layers`` each is compiled at
+full depth with its layers stacked and scanned (QLoRA's codes and scales stacked too), in a
+compile time that does not grow with depth, its cells the scanned step's own peaks (kept in the
+cache under ``<model> scanned``, ``family_table.label``).
 
 Each model runs in its own process, smallest first, until ``--budget_minutes`` is spent; a
 stage whose walk did not finish is "not run". ``--cache`` keeps every compile.
 
 Run:  nice -n 10 python bench/qlora_plans.py [--budget_minutes 35] [--cache qlora_plans.json]
-          [--table_only]
+          [--scan_layers] [--table_only]
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from family_table import (
     candidates,
     describe,
     key,
+    label,
     lever_parts,
     log,
     total_state_bytes,
@@ -77,30 +81,32 @@ def run_worker(model: str, args: argparse.Namespace) -> None:
     import optax
 
     from redco.sharding import dataflow_trace
-    worker = Worker(model, args.seq_len, args.lora_rank, args.cache, extrapolate=True)
-    left = list(ROWS[model])
+    worker = Worker(model, args.seq_len, args.lora_rank, args.cache,
+                    extrapolate=not args.scan_layers, scan_layers=args.scan_layers)
+    name, left = worker.name, list(ROWS[model])
     for stage in STAGES:
         if not left:
             return
         params, loss, trainable, overrides = lever_parts(worker.model, stage, args.lora_rank)
-        worker.save(f"{model}|{stage}|state", {"bytes": total_state_bytes(params, trainable)})
+        worker.save(f"{name}|{stage}|state", {"bytes": total_state_bytes(params, trainable)})
         trace_fn = dataflow_trace(loss, worker.batch)
         for server in list(left):
             n, memory = SERVERS[server]
             ctx = dict(lever=stage, params=params, loss=loss, trainable=trainable,
                        trace_fn=trace_fn, n=n, compute_dtype=jnp.bfloat16,
                        optimizer=optax.adamw, overrides=overrides)
-            result = stage_result(worker.load(), model, stage, server,
+            result = stage_result(worker.load(), name, stage, server,
                                   lambda cand, limit: worker.entry(cand, limit, ctx))
-            log(f"{model} {stage} {server}: {describe(result)}")
+            log(f"{name} {stage} {server}: {describe(result)}")
             if result.get("pick"):
                 left.remove(server)
 
 
-def table(cache: dict) -> str:
+def table(cache: dict, scan_layers: bool) -> str:
     lines = ["| model | server | " + " | ".join(STAGES) + " | the planner's pick |",
              "|---|---|" + "---|" * (len(STAGES) + 1)]
     for model, servers in ROWS.items():
+        model = label(model, scan_layers)
         for server in servers:
             cells, pick = [], "nothing fits"
             for stage in STAGES:
@@ -126,6 +132,8 @@ def main() -> None:
     parser.add_argument("--budget_minutes", type=float, default=35)
     parser.add_argument("--cache", default="qlora_plans.json")
     parser.add_argument("--table_only", action="store_true")
+    parser.add_argument("--scan_layers", action="store_true", help="every layout compiled at "
+                        "full depth, the layers stacked and scanned (no cuts, no depth rule)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     from redco_planner.commands import simulate_devices
@@ -140,15 +148,16 @@ def main() -> None:
             break
         if not within_budget([sys.executable, __file__, "--worker", model, "--seq_len",
                               str(args.seq_len), "--lora_rank", str(args.lora_rank), "--cache",
-                              args.cache], model, left):
+                              args.cache, *["--scan_layers"] * args.scan_layers], model, left):
             break
     cache = json.loads(Path(args.cache).read_text()) if os.path.exists(args.cache) else {}
     from provenance import print_provenance
     print_provenance()
+    how = ("the layers stacked and scanned, every layout compiled at full depth" if
+           args.scan_layers else "† carried from cuts of 3 and 4 layers by the depth rule")
     print(f"seq_len {args.seq_len}, one row per device, bf16 compute, fp32 params and AdamW; "
-          f"LoRA rank {args.lora_rank}; a layout fits at 90% of the memory; † carried from "
-          "cuts of 3 and 4 layers by the depth rule")
-    print(table(cache))
+          f"LoRA rank {args.lora_rank}; a layout fits at 90% of the memory; {how}")
+    print(table(cache, args.scan_layers))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from safetensors.numpy import load_file
 from test_lm import markov_chain, sample_chains
 from test_sft import SPECIALS, WORDS, chat_tokenizer, write_chats
 
-from redco import Deployer, Trainer, lora
+from redco import Deployer, Trainer, layer_stacks, lora
 from redco.cli import main
 from redco.tree_paths import named_leaves
 from redco_zoo_lm import collate_fn, loss_fn
@@ -113,10 +113,12 @@ def base(tmp_path_factory):
     return path
 
 
-def lora_trainer(base, fmt, n_rows, batch=8, lr=1e-2, **deployer):
+def lora_trainer(base, fmt, n_rows, batch=8, lr=1e-2, scan=False, **deployer):
     """A LoRA (rank 4) trainer over ``base`` quantised as ``fmt`` (None: full precision), laid
-    out as ``redco zoo run`` lays it out."""
-    model = add_lora(from_pretrained(LlamaForCausalLM, base, quantize=fmt), rank=4, alpha=16.0)
+    out as ``redco zoo run`` lays it out; ``scan``: the layers stacked and scanned."""
+    model = add_lora(from_pretrained(LlamaForCausalLM, base, quantize=fmt,
+                                     **({"scan_layers": True} if scan else {})),
+                     rank=4, alpha=16.0)
     apply_fn, params = split_model(model)
     deployer = Deployer(jax_seed=0, workdir=None, verbose=False, **deployer)
     rules = deployer.get_sharding_rules(params, rules=sharding_rules(model, deployer))
@@ -165,32 +167,51 @@ def specs(trainer, module):
             named_leaves(trainer.params) if path.rpartition("/")[0] == module}
 
 
+def per_layer(trainer) -> dict[str, np.ndarray]:
+    """The trainer's params by per-layer name (a stack cut into its layers)."""
+    return layer_stacks.unstack({p: np.asarray(x, np.float32) for p, x in
+                                 named_leaves(jax.device_get(trainer.params))})
+
+
 def test_dp_by_mp_trains_as_one_device_with_codes_and_scales_split_together(base):
     """Two updates over an NF4 base: dp 4 x mp 2 gives one device's adapters and eval loss
     (1e-5, fp32); q_proj's codes, absmaxes and their scales split on the output axis, o_proj's
-    on the input (row-parallel), as their float kernels would be."""
+    on the input (row-parallel), as their float kernels would be. The layers stacked and
+    scanned (``scan_layers``): each layer's codes and scales as the unrolled layer's (each
+    quantised alone), the same updates, and the same splits behind a whole layer axis."""
     transitions, stationary, _ = markov_chain()
     rows = sample_chains(transitions, stationary, 64, 17, seed=3)
     one = lora_trainer(base, "nf4", len(rows), 32, 3e-2, n_local_devices=1)
     split = lora_trainer(base, "nf4", len(rows), 8, 3e-2, n_model_shards=2)
-    one.train_epoch(rows, 32, 0)
-    split.train_epoch(rows, 8, 0)
-    assert split.step == one.step == 2
+    scanned = lora_trainer(base, "nf4", len(rows), 8, 3e-2, scan=True, n_model_shards=2)
+    np.testing.assert_equal(per_layer(scanned), per_layer(split))  # (before training)
+    for trainer, batch in ((one, 32), (split, 8), (scanned, 8)):
+        trainer.train_epoch(rows, batch, 0)
+    assert split.step == one.step == scanned.step == 2
     for a, b in zip(jax.tree.leaves(jax.device_get(split.params)),
                     jax.tree.leaves(jax.device_get(one.params))):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=1e-5, atol=1e-5)
+    want = per_layer(split)
+    for path, value in per_layer(scanned).items():
+        np.testing.assert_allclose(value, want[path], rtol=1e-5, atol=1e-6, err_msg=path)
     assert split.eval_loss(rows, 8) == pytest.approx(one.eval_loss(rows, 32), rel=1e-5)
+    assert scanned.eval_loss(rows, 8) == pytest.approx(one.eval_loss(rows, 32), rel=1e-5)
     q_proj = specs(split, "model/layers/0/self_attn/q_proj")
     o_proj = specs(split, "model/layers/0/self_attn/o_proj")
     assert {q_proj[k] for k in ("kernel", "kernel_absmax")} == {jax.P(None, "mp")}, q_proj
     assert {o_proj[k] for k in ("kernel", "kernel_absmax")} == {jax.P("mp", None)}, o_proj
     assert q_proj["lora_b"] == jax.P(None, "mp") and o_proj["lora_a"] == jax.P("mp", None)
+    q_stack = specs(scanned, "model/layers/0:2/self_attn/q_proj")
+    o_stack = specs(scanned, "model/layers/0:2/self_attn/o_proj")
+    assert {q_stack[k] for k in ("kernel", "kernel_absmax")} == {jax.P(None, None, "mp")}
+    assert {o_stack[k] for k in ("kernel", "kernel_absmax")} == {jax.P(None, "mp", None)}
+    assert q_stack["kernel_absmax_offset"] == jax.P()  # (one offset a layer, whole)
 
 
 def test_redco_zoo_run_sft_with_quantize_base(tmp_path, capsys):
     """Without ``--lora_rank`` (or ``auto`` without ``--n_model_shards auto``) the run is
-    refused, naming the fix; with it, SFT over an int8 base
+    refused, naming the fix; with it, SFT over an int8 base (its layers stacked and scanned)
     trains and ``workdir/model`` is a plain model (no codes, scales or adapters), its
     projections the int8 base dequantised (the formula written out here) plus (alpha / r) B A
     of the saved PEFT adapters."""
@@ -210,7 +231,7 @@ def test_redco_zoo_run_sft_with_quantize_base(tmp_path, capsys):
         main(args[:-1] + ["auto", "--workdir", str(tmp_path / "auto"), "--lora_rank", "4"])
     assert "--quantize_base auto lets the layout planner choose the base's format with the " \
         "layout: add --n_model_shards auto" in capsys.readouterr().err
-    main(args + ["--workdir", str(tmp_path / "w"), "--lora_rank", "4"])
+    main(args + ["--workdir", str(tmp_path / "w"), "--lora_rank", "4", "--scan_layers"])
     log = (tmp_path / "w" / "log.txt").read_text()
     assert "LoRA rank 4, alpha 16.0: training" in log and "eval loss" in log, log
     tensors = load_file(str(tmp_path / "w" / "model" / "model.safetensors"))

@@ -152,16 +152,6 @@ def test_checkpoints_round_trip_and_the_cache_path_equals_the_scan(cfg, tmp_path
     np.testing.assert_allclose(cached, scan, rtol=1e-5, atol=1e-5)
 
 
-def test_what_stacked_layers_do_not_support_yet_is_refused_before_compiling():
-    """Quantising stacked kernels (QLoRA): refused with a UsageError naming
-    scan_layers=False."""
-    model = nnx.eval_shape(lambda: LlamaForCausalLM(dataclasses.replace(
-        MIXTRAL, scan_layers=True), nnx.Rngs(0)))
-    from redco_zoo_models.quantized_linear import quantize_linears
-    with pytest.raises(UsageError, match="Quantising stacked .* scan_layers=False"):
-        quantize_linears(model, "nf4")
-
-
 def test_a_scanned_model_starts_from_the_unrolled_ones_weights():
     """Built from the same seed, the stacks hold the unrolled model's initial weights, layer
     by layer (each layer is built as unrolled, then stacked)."""

@@ -1,6 +1,6 @@
 """``redco zoo run ... --scan_layers``: the flag reaches the model (``ModelSource.scan_layers``,
-``runner.load_source``), a scanned run trains as the unrolled run of the same settings, and what
-stacked layers do not support is refused before anything is built."""
+``runner.load_source``), a scanned run trains as the unrolled run of the same settings, and a
+model that cannot stack its layers is refused before anything is built."""
 import json
 
 import numpy as np
@@ -11,7 +11,7 @@ from redco.cli import main
 from redco.protocols import UsageError
 from redco.tree_paths import named_leaves
 from redco_zoo_models import LlamaForCausalLM, from_pretrained, runner
-from redco_zoo_models.settings import Data, Layout, LoRA, ModelSource, RunConfig
+from redco_zoo_models.settings import ModelSource
 from redco_zoo_models.toy import save_model_dir, tiny_llama, word_tokenizer
 
 WORDS = "zero one two three four five six seven eight nine".split()
@@ -49,18 +49,6 @@ def test_a_scanned_lm_run_trains_as_the_unrolled_run(lora, tmp_path):
     scanned, _ = runner.load_source(ModelSource(str(tmp_path / "model"), scan_layers=True), 0)
     assert [p for p, _ in named_leaves(nnx.state(scanned))
             if p.startswith("model/layers/0:2/")], "nothing stacked"
-
-
-@pytest.mark.parametrize("quantize, changes, flag", [
-    ("nf4", dict(lora=LoRA(rank=4), layout=Layout(n_model_shards=1)), "--quantize_base"),
-])
-def test_the_typed_config_refuses_what_stacked_layers_do_not_support(quantize, changes, flag):
-    with pytest.raises(UsageError, match=f"--scan_layers with {flag}: .* drop {flag} or "
-                                         "--scan_layers"):
-        RunConfig(source=ModelSource("llama-1b", True, scan_layers=True, quantize_base=quantize),
-                  data=Data("x.txt"), **changes)
-    RunConfig(source=ModelSource("llama-1b", True, quantize_base=quantize), data=Data("x.txt"),
-              **changes)
 
 
 def test_a_model_that_is_not_a_decoder_is_refused_scanned(tmp_path):

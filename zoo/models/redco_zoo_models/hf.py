@@ -100,6 +100,8 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
     cfg = dataclasses.replace(cfg, **config_changes) if config_changes else cfg
     model = nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(seed)))
     quantized = quantize_linears(model, quantize) if quantize else {}
+    quantized.update({name: shape for module, shape in list(quantized.items())  # (a stack's
+                      if layers_of(module) for name in layer_stacks.layer_names(module)})  # layers)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tensors = read_safetensors(model_dir)  # (lazy: each tensor read where it is used)
     if hasattr(model, "hf_tensors_in"):

@@ -40,8 +40,8 @@ stack of experts (layers, experts, in, out) on its experts over ``dp``, the laye
 the decoder enters EP around the scan as around unrolled layers, each step's MoE block then
 sends its tokens to its layer's experts (``all_to_all``) where they lie, ungathered.
 
-**Not supported yet:** quantised stacked kernels (QLoRA), refused by
-``quantized_linear.quantize_linears``.
+**A quantised base** (QLoRA, ``redco_zoo_models.quantized_linear``): a stacked projection's
+codes and scales are each layer's quantised alone, stacked, and sliced with it in the body.
 """
 from __future__ import annotations
 

@@ -22,6 +22,10 @@ A kernel ``W`` [in, out] becomes a dict of arrays (its *parts*), ``codes`` among
 Every part keeps ``W``'s two axes (the scalar offset aside), each a whole number of blocks of
 ``W``'s: a sharding spec written for ``W`` fits every part, so the codes and their scales split
 together along the same mesh axis. ``dequantize`` gives ``W`` back, in any dtype, inside a step.
+
+A stack of kernels [L, in, out] (a scanned decoder's layers, ``redco_zoo_models.layer_scan``) is
+quantised layer by layer: every part gets the layer axis in front (the offset one per layer), so
+the scan's slice of each part is that layer's parts, as if it had been quantised alone.
 """
 from __future__ import annotations
 
@@ -59,11 +63,19 @@ def _safe(scale: jax.Array) -> jax.Array:
 
 
 def _check_shape(w: Any, fmt: str) -> None:
-    if np.ndim(w) != 2:
-        raise ValueError(f"{fmt} quantises 2-D kernels [in, out]; got shape {np.shape(w)}.")
-    if fmt == "nf4" and np.shape(w)[0] % BLOCK:
+    if np.ndim(w) not in (2, 3):
+        raise ValueError(f"{fmt} quantises kernels [in, out] or stacks of them [layers, in, "
+                         f"out]; got shape {np.shape(w)}.")
+    if fmt == "nf4" and np.shape(w)[-2] % BLOCK:
         raise ValueError(f"nf4 needs a kernel's input dim to divide by {BLOCK} (its blocks); "
                          f"{np.shape(w)} does not: use --quantize_base int8 or fp8.")
+
+
+def _per_layer(fn: Callable, n_stacked: int) -> Callable:
+    """``fn`` mapped over ``n_stacked`` leading (layer) axes of its arguments and results."""
+    for _ in range(n_stacked):
+        fn = jax.vmap(fn)
+    return fn
 
 
 def quantize_nf4(w: jax.Array) -> Parts:
@@ -129,14 +141,17 @@ def check_format(fmt: str) -> None:
 
 
 def quantize(w: Any, fmt: str) -> Parts:
-    """``W`` [in, out] as ``fmt``'s parts (module docstring); abstract in, abstract out."""
+    """``W`` [in, out] (or a stack [L, in, out]) as ``fmt``'s parts (module docstring);
+    abstract in, abstract out."""
     check_format(fmt)
     _check_shape(w, fmt)
+    fn = _per_layer(QUANTIZERS[fmt][0], np.ndim(w) - 2)
     if isinstance(w, jax.ShapeDtypeStruct):
-        return jax.eval_shape(QUANTIZERS[fmt][0], w)
-    return jax.jit(QUANTIZERS[fmt][0])(jnp.asarray(w))
+        return jax.eval_shape(fn, w)
+    return jax.jit(fn)(jnp.asarray(w))
 
 
 def dequantize(parts: Parts, fmt: str, dtype: Any = jnp.float32) -> jax.Array:
-    """``W`` [in, out] in ``dtype`` from ``fmt``'s parts (traceable: done inside the step)."""
-    return QUANTIZERS[fmt][1](parts).astype(dtype)
+    """``W`` [in, out] (a stack's parts: [L, in, out]) in ``dtype`` from ``fmt``'s parts
+    (traceable: done inside the step)."""
+    return _per_layer(QUANTIZERS[fmt][1], parts["codes"].ndim - 2)(parts).astype(dtype)

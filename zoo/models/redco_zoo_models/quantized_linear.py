@@ -9,11 +9,16 @@ for int8 and fp8). They never train: a quantised base is only trained through Lo
 the model was loaded in), which the layer adds as ``LoRALinear`` does. ``merged()`` is a plain
 ``nnx.Linear`` of the dequantised kernel plus the adapters: what an export writes.
 
+A scanned decoder's stacked projection (``redco_zoo_models.layer_scan``: kernel [L, in, out]) is
+one ``QuantizedLinear`` whose parts and adapters carry the layer axis in front, each layer
+quantised alone (``quantize``'s stacks); the scan's body slices them with the other params, so
+each call sees one layer's parts, as an unrolled layer's.
+
 Sharding: the step's dataflow (``redco.dataflow``) does not see through the dequantisation, so
 ``sharding_rules`` gives each part its kernel's spec from the deployer's rules by name (``W``
 [in, out] split ``(a, b)``: the codes and the absmax codes and scales ``(a, b)``, a per-channel
 scale ``(b,)``, the offset whole), as rules checked before the rule set's: the codes and their
-scales split together along the same mesh axis.
+scales split together along the same mesh axis (a stack's parts: the same, the layer axis whole).
 
 ``quantize_linears(model, fmt)`` swaps a model's attention and MLP projections for these (on a
 real model or on ``nnx.eval_shape``'s abstract one, whose parts ``hf.from_pretrained`` then
@@ -34,7 +39,6 @@ from jax.sharding import PartitionSpec as P
 
 from redco import lora as core_lora
 from redco.layer_stacks import layers_of
-from redco.protocols import UsageError
 from redco.sharding import spec_for
 from redco_zoo_models import quantize as q
 from redco_zoo_models.lora_matmul import adapted_quantized_matmul
@@ -68,10 +72,12 @@ class QuantizedLinear(nnx.Module):
         return {name: getattr(self, self.param_name(name))[...] for name in self.part_names}
 
     def add_adapters(self, rank: int, alpha: float, key: jax.Array) -> None:
-        """LoRA's ``A`` [in, r] and ``B`` [r, out] (zeros), in the param dtype."""
+        """LoRA's ``A`` [in, r] and ``B`` [r, out] (zeros), in the param dtype; a stack's
+        [L, in, r] and [L, r, out] (``key``: one per layer, ``redco.lora.adapter_keys``)."""
         shape = (self.in_features, self.out_features)
         core_lora.check_rank(f"{self.fmt} kernel", shape, rank)
-        a, b = core_lora.init_adapters(key, shape, rank, self.param_dtype)
+        layers = self.kernel.get_value().shape[:-2]  # (L,) for a stack of layers, else ()
+        a, b = core_lora.init_adapters(key, (*layers, *shape), rank, self.param_dtype)
         self.lora_a, self.lora_b = nnx.Param(a), nnx.Param(b)
         self.scale = alpha / rank
 
@@ -105,10 +111,6 @@ def quantize_linears(model: nnx.Module, fmt: str, targets: str = TARGETS) -> dic
     ``QuantizedLinear`` of ``fmt``; returns ``{module path: (in, out)}`` of those swapped."""
     q.check_format(fmt)
     chosen = set(core_lora.kernel_paths(nnx.state(model, nnx.Param), targets))
-    if stacked := sorted(p for p in chosen if layers_of(p) is not None):
-        raise UsageError(f"Quantising stacked layers' kernels ({stacked[0]}, scan_layers) is not "
-                         "supported yet: load the model with scan_layers=False (drop "
-                         "--scan_layers) to quantise it.")
     swapped = {}
     for path, linear in modules_of_type(model, nnx.Linear):
         name = "/".join(map(str, path))
@@ -125,9 +127,9 @@ def quantized_layers(model: nnx.Module) -> list[tuple[str, QuantizedLinear]]:
 
 
 def part_spec(kernel_spec: P, ndim: int) -> P:
-    """A part's spec from its kernel's: 2-D parts as the kernel, a per-channel scale as its
-    output dim, a scalar whole."""
-    entries = (tuple(kernel_spec) + (None, None))[:2]
+    """A part's spec from its kernel's (of a stack: the layer axis's entry dropped): 2-D parts
+    as the kernel, a per-channel scale as its output dim, a scalar whole."""
+    entries = (tuple(kernel_spec) + (None,) * (2 - len(kernel_spec)))[-2:]
     return P(*entries) if ndim == 2 else P(entries[1]) if ndim == 1 else P()
 
 
@@ -141,12 +143,14 @@ def sharding_rules(model: nnx.Module, deployer) -> list[tuple[str, P]]:
 
 def part_rules(model: nnx.Module, by_name: list[tuple[str, P]]) -> list[tuple[str, P]]:
     """Rules giving each part of every ``QuantizedLinear`` of ``model`` (real or abstract, from
-    ``nnx.eval_shape``) its kernel's spec in the rules by name ``by_name`` (``part_spec``)."""
+    ``nnx.eval_shape``) its kernel's spec in the rules by name ``by_name`` (``part_spec``); a
+    stack's parts one layer's spec (``redco.sharding`` puts the layer axis in front, whole)."""
     rules = []
     for path, layer in quantized_layers(model):
+        stacked = layers_of(path) is not None
         spec = spec_for(f"{path}/kernel", by_name)
         for name in layer.part_names:
             value = getattr(layer, layer.param_name(name)).get_value()
             rules.append((f"^{re.escape(path)}/{layer.param_name(name)}$",
-                          part_spec(spec, value.ndim)))
+                          part_spec(spec, value.ndim - stacked)))
     return rules

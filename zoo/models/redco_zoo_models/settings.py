@@ -149,20 +149,8 @@ class RunConfig(Generic[T]):
         return config
 
     def __post_init__(self):
-        if self.source.scan_layers:
-            refuse_with_scan(self)
         if self.source.quantize_base:
             refuse_with_quantized(self)
-
-
-def refuse_with_scan(config: RunConfig) -> None:
-    """Refuse, before anything is built, the levers stacked layers do not support yet
-    (``redco_zoo_models.layer_scan``), naming the flag and the fix."""
-    levers = (("--quantize_base", config.source.quantize_base, "a quantised base"),)
-    for flag, asked, lever in levers:
-        if asked:
-            raise UsageError(f"--scan_layers with {flag}: stacked layers do not support "
-                             f"{lever} yet; drop {flag} or --scan_layers.")
 
 
 def refuse_with_quantized(config: RunConfig) -> None:
