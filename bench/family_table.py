@@ -352,7 +352,7 @@ def main() -> None:
                         "model's first 1-2 layers (bench/cut_decoders.py) and carry the peak to "
                         "full depth (bench/depth_rule.py); such cells are marked with a dagger")
     parser.add_argument("--scan_layers", action="store_true", help="the layers stacked and "
-                        "scanned, every layout compiled at full depth (needs --levers full)")
+                        "scanned, every layout compiled at full depth (LoRA adapters stacked too)")
     parser.add_argument("--levers", default=",".join(LEVERS), help="the trainings to walk")
     parser.add_argument("--servers", default=",".join(HARDWARE), help="the hardware to walk")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
