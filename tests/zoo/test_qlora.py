@@ -177,13 +177,15 @@ def test_dp_by_mp_trains_as_one_device_with_codes_and_scales_split_together(base
     """Two updates over an NF4 base: dp 4 x mp 2 gives one device's adapters and eval loss
     (1e-5, fp32); q_proj's codes, absmaxes and their scales split on the output axis, o_proj's
     on the input (row-parallel), as their float kernels would be. The layers stacked and
-    scanned (``scan_layers``): each layer's codes and scales as the unrolled layer's (each
-    quantised alone), the same updates, and the same splits behind a whole layer axis."""
+    scanned (``scan_layers``) under FSDP (``auto+fsdp``): each layer's codes and scales as the
+    unrolled layer's (each quantised alone), the same updates, and o_proj's codes and absmaxes
+    split together over mp and dp behind a whole layer axis."""
     transitions, stationary, _ = markov_chain()
     rows = sample_chains(transitions, stationary, 64, 17, seed=3)
     one = lora_trainer(base, "nf4", len(rows), 32, 3e-2, n_local_devices=1)
     split = lora_trainer(base, "nf4", len(rows), 8, 3e-2, n_model_shards=2)
-    scanned = lora_trainer(base, "nf4", len(rows), 8, 3e-2, scan=True, n_model_shards=2)
+    scanned = lora_trainer(base, "nf4", len(rows), 8, 3e-2, scan=True, n_model_shards=2,
+                           sharding_rules="auto+fsdp")
     np.testing.assert_equal(per_layer(scanned), per_layer(split))  # (before training)
     for trainer, batch in ((one, 32), (split, 8), (scanned, 8)):
         trainer.train_epoch(rows, batch, 0)
@@ -204,9 +206,9 @@ def test_dp_by_mp_trains_as_one_device_with_codes_and_scales_split_together(base
     assert q_proj["lora_b"] == jax.P(None, "mp") and o_proj["lora_a"] == jax.P("mp", None)
     q_stack = specs(scanned, "model/layers/0:2/self_attn/q_proj")
     o_stack = specs(scanned, "model/layers/0:2/self_attn/o_proj")
-    assert {q_stack[k] for k in ("kernel", "kernel_absmax")} == {jax.P(None, None, "mp")}
-    assert {o_stack[k] for k in ("kernel", "kernel_absmax")} == {jax.P(None, "mp", None)}
-    assert q_stack["kernel_absmax_offset"] == jax.P()  # (one offset a layer, whole)
+    assert q_stack["kernel"] == jax.P(None, "dp", "mp")  # (its absmaxes: 2 rows, not 4: whole)
+    assert {o_stack[k] for k in ("kernel", "kernel_absmax")} == {jax.P(None, "mp", "dp")}
+    assert o_stack["kernel_absmax_offset"] == jax.P()  # (one offset a layer, whole)
 
 
 def test_redco_zoo_run_sft_with_quantize_base(tmp_path, capsys):
