@@ -1,9 +1,14 @@
-"""Serving a QLoRA model: an NF4 base with LoRA adapters, unmerged. The engine (dp 4 x mp 2, the
-codes and their scales split together) and ``redco serve --quantize_base nf4 --adapter DIR``,
-asked by the real ``openai`` client, give transformers' greedy tokens and log-probs (CPU torch)
-over the model the test writes out itself: the NF4 codes dequantised in numpy (the code book's
-published values, the double-quantised absmaxes) plus ``(alpha / r) B A`` of the PEFT file."""
+"""Serving a QLoRA model: a quantised base with LoRA adapters, unmerged. The engine (dp 4 x mp 2,
+the codes and their scales split together) over an NF4, an int8 and an fp8 (e4m3) base, and
+``redco serve --quantize_base nf4 --adapter DIR``, asked by the real ``openai`` client, give
+transformers' greedy tokens and log-probs (CPU torch) over the model the test writes out itself:
+the codes dequantised in numpy (NF4: the code book's published values, the double-quantised
+absmaxes; int8 and fp8: the code times its output channel's scale) plus ``(alpha / r) B A`` of
+the PEFT file."""
+import functools
+
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -56,12 +61,20 @@ def dequantized_nf4(parts: dict) -> np.ndarray:
     return np.asarray(NF4, np.float32)[indices] * np.repeat(absmax, 64, axis=0)
 
 
-@pytest.fixture(scope="module")
-def reference(qlora):
+def dequantized(parts: dict) -> np.ndarray:
+    """``W`` [in, out] from any format's parts: NF4's, or int8 or fp8 (e4m3) codes times their
+    output channel's float32 scale."""
+    if "kernel_absmax" in parts:
+        return dequantized_nf4(parts)
+    assert parts["kernel"].dtype in (np.int8, ml_dtypes.float8_e4m3fn), parts["kernel"].dtype
+    return parts["kernel"].astype(np.float32) * parts["kernel_scale"]
+
+
+def transformers_answers(qlora, fmt: str):
     """transformers' greedy tokens and their log-probs for each prompt, over the merged model
-    written out here (module docstring)."""
+    of the ``fmt`` base written out here (module docstring)."""
     base, adapter = qlora
-    quantized, _ = load_model(base, quantize="nf4")
+    quantized, _ = load_model(base, quantize=fmt)
     parts = {}
     for path, leaf in named_leaves(nnx.state(quantized, nnx.Param)):
         module, _, name = path.rpartition("/")
@@ -72,10 +85,10 @@ def reference(qlora):
     with torch.no_grad():
         for name, param in theirs.named_parameters():
             module = name.removesuffix(".weight")
-            if "kernel_absmax" not in parts.get(module, {}):
+            if not any(k.startswith("kernel_") for k in parts.get(module, {})):
                 continue
             a, b = (peft[f"base_model.model.{module}.lora_{x}.weight"] for x in "AB")
-            param.copy_(torch.tensor(dequantized_nf4(parts[module]).T + ALPHA / RANK * b @ a))
+            param.copy_(torch.tensor(dequantized(parts[module]).T + ALPHA / RANK * b @ a))
             merged += 1
     assert merged == 2 * 7  # every attention and MLP projection of both layers
     tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
@@ -94,21 +107,36 @@ def reference(qlora):
     return tokenizer, answers
 
 
-def test_the_engine_over_an_nf4_base_with_adapters_answers_as_the_dequantised_merged_model(
-        qlora, reference):
-    """dp 4 x mp 2: the codes stay uint8 on the devices, split with their absmaxes (q_proj on
-    its output axis); the engine's greedy tokens are transformers' and their log-probs within
-    1e-5."""
-    tokenizer, answers = reference
-    model, _ = load_served(qlora[0], "nf4", qlora[1])
+@pytest.fixture(scope="module")
+def reference(qlora):
+    """``reference(fmt)``: ``transformers_answers`` over the ``fmt`` base, made once a format."""
+    return functools.cache(functools.partial(transformers_answers, qlora))
+
+
+CODES = {"nf4": np.uint8, "int8": np.int8, "fp8": ml_dtypes.float8_e4m3fn}
+
+
+@pytest.mark.parametrize("fmt", list(CODES))
+def test_the_engine_over_a_quantised_base_with_adapters_answers_as_the_dequantised_merged_model(
+        qlora, reference, fmt):
+    """dp 4 x mp 2: the codes stay in their 8 (or 4) bits on the devices, split with their
+    scales (q_proj on its output axis: NF4's absmaxes as the codes, a per-channel scale along
+    it); the engine's greedy tokens are transformers' and their log-probs within 1e-5 for every
+    format: both sides multiply by the same float32 weights (the dequantisation is exact in
+    float32 either side), so what differs is float32 summation order over a 2-layer model
+    (~1e-6), not the format's quantisation error, which the reference shares."""
+    tokenizer, answers = reference(fmt)
+    model, _ = load_served(qlora[0], fmt, qlora[1])
     params = nnx.state(model, nnx.Param)
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=None, verbose=False)
     rules = deployer.get_sharding_rules(params, rules=sharding_rules(model, deployer))
     params = jax.device_put(params, deployer.get_params_shardings(params, rules))
     q_proj = params["model"]["layers"][0]["self_attn"]["q_proj"]
-    assert q_proj["kernel"][...].dtype == np.uint8
-    assert {q_proj[k][...].sharding.spec for k in ("kernel", "kernel_absmax", "lora_b")} == {
-        jax.P(None, "mp")}
+    assert q_proj["kernel"][...].dtype == CODES[fmt]
+    scale = "kernel_absmax" if fmt == "nf4" else "kernel_scale"
+    assert {q_proj[k][...].sharding.spec for k in ("kernel", "lora_b")} == {jax.P(None, "mp")}
+    assert q_proj[scale][...].sharding.spec == (jax.P(None, "mp") if fmt == "nf4" else
+                                               jax.P("mp"))
     engine = Engine(model, params, max_seqs=4, max_len=32, mesh=deployer.mesh,
                     eos_token_ids=(tokenizer.eos_token_id,))
     requests = engine.generate([ids for ids, _, _ in answers], Sampling(max_tokens=NEW))
@@ -120,7 +148,7 @@ def test_the_engine_over_an_nf4_base_with_adapters_answers_as_the_dequantised_me
 def test_redco_serve_quantize_base_with_an_adapter_answers_as_the_merged_model(qlora, reference):
     """The ``openai`` client's greedy completion (the server split over 2 of 8 devices): the
     text of transformers' tokens, their log-probs within 1e-5."""
-    tokenizer, answers = reference
+    tokenizer, answers = reference("nf4")
     server = Server(qlora[0], "--quantize_base", "nf4", "--adapter", qlora[1], "--max_seqs", "2",
                     "--max_len", "16")
     try:

@@ -6,7 +6,8 @@ largest half-gap plus the absmax's own 8-bit error; int8: absmax / 254; fp8 e4m3
 ml_dtypes makes, relative error <= 2^-4 on normal values); LoRA over an NF4 base learns a Markov
 chain to within 2% of the loss the same run reaches over the full-precision base (measured,
 written out against the chain's entropy rate); dp 4 x mp 2
-gives one device's adapters and loss, the codes and their scales split on the same mesh axis;
+gives one device's adapters and loss, the codes and their scales split on the same mesh axis, and
+so does dp 2 x cp 2 x mp 2 (context parallel, FSDP) with every layer rematerialised;
 ``redco zoo run sft --quantize_base`` refuses to run without LoRA and saves a plain merged model."""
 import math
 import re
@@ -21,7 +22,7 @@ from safetensors.numpy import load_file
 from test_lm import markov_chain, sample_chains
 from test_sft import SPECIALS, WORDS, chat_tokenizer, write_chats
 
-from redco import Deployer, Trainer, layer_stacks, lora
+from redco import Deployer, Trainer, layer_stacks, lora, remat
 from redco.cli import main
 from redco.tree_paths import named_leaves
 from redco_zoo_lm import collate_fn, loss_fn
@@ -113,9 +114,11 @@ def base(tmp_path_factory):
     return path
 
 
-def lora_trainer(base, fmt, n_rows, batch=8, lr=1e-2, scan=False, **deployer):
+def lora_trainer(base, fmt, n_rows, batch=8, lr=1e-2, remat_policy=None, scan=False,
+                 **deployer):
     """A LoRA (rank 4) trainer over ``base`` quantised as ``fmt`` (None: full precision), laid
-    out as ``redco zoo run`` lays it out; ``scan``: the layers stacked and scanned."""
+    out as ``redco zoo run`` lays it out, its layers rematerialised by ``remat_policy``;
+    ``scan``: the layers stacked and scanned."""
     model = add_lora(from_pretrained(LlamaForCausalLM, base, quantize=fmt,
                                      **({"scan_layers": True} if scan else {})),
                      rank=4, alpha=16.0)
@@ -125,7 +128,7 @@ def lora_trainer(base, fmt, n_rows, batch=8, lr=1e-2, scan=False, **deployer):
     schedule = deployer.get_lr_schedule_fn(n_rows, batch, 1, lr, warmup_rate=0.05)
     return Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.adamw(schedule),
                    lr_schedule_fn=schedule, trainable=lora.trainable_mask(params),
-                   params_sharding_rules=rules)
+                   params_sharding_rules=rules, remat=remat_policy)
 
 
 def test_lora_over_an_nf4_base_learns_as_over_the_full_precision_base(base):
@@ -167,48 +170,87 @@ def specs(trainer, module):
             named_leaves(trainer.params) if path.rpartition("/")[0] == module}
 
 
-def per_layer(trainer) -> dict[str, np.ndarray]:
-    """The trainer's params by per-layer name (a stack cut into its layers)."""
-    return layer_stacks.unstack({p: np.asarray(x, np.float32) for p, x in
-                                 named_leaves(jax.device_get(trainer.params))})
-
-
-def test_dp_by_mp_trains_as_one_device_with_codes_and_scales_split_together(base):
-    """Two updates over an NF4 base: dp 4 x mp 2 gives one device's adapters and eval loss
-    (1e-5, fp32); q_proj's codes, absmaxes and their scales split on the output axis, o_proj's
-    on the input (row-parallel), as their float kernels would be. The layers stacked and
-    scanned (``scan_layers``) under FSDP (``auto+fsdp``): each layer's codes and scales as the
-    unrolled layer's (each quantised alone), the same updates, and o_proj's codes and absmaxes
-    split together over mp and dp behind a whole layer axis."""
+@pytest.fixture(scope="module")
+def one_device_run(base):
+    """What the split runs are compared with: 64 rows of 17 tokens, and the adapters and eval
+    loss of two updates (32 rows each) over the NF4 base on one device."""
     transitions, stationary, _ = markov_chain()
     rows = sample_chains(transitions, stationary, 64, 17, seed=3)
     one = lora_trainer(base, "nf4", len(rows), 32, 3e-2, n_local_devices=1)
-    split = lora_trainer(base, "nf4", len(rows), 8, 3e-2, n_model_shards=2)
-    scanned = lora_trainer(base, "nf4", len(rows), 8, 3e-2, scan=True, n_model_shards=2,
-                           sharding_rules="auto+fsdp")
-    np.testing.assert_equal(per_layer(scanned), per_layer(split))  # (before training)
-    for trainer, batch in ((one, 32), (split, 8), (scanned, 8)):
-        trainer.train_epoch(rows, batch, 0)
-    assert split.step == one.step == scanned.step == 2
-    for a, b in zip(jax.tree.leaves(jax.device_get(split.params)),
-                    jax.tree.leaves(jax.device_get(one.params))):
+    one.train_epoch(rows, 32, 0)
+    assert one.step == 2
+    return rows, jax.device_get(one.params), one.eval_loss(rows, 32)
+
+
+def assert_trains_as_one_device(split, one_device_run, batch):
+    """``split`` after two updates of ``batch`` rows a replica: one device's params and eval
+    loss (1e-5, fp32)."""
+    rows, one_params, one_loss = one_device_run
+    split.train_epoch(rows, batch, 0)
+    assert split.step == 2
+    for a, b in zip(jax.tree.leaves(jax.device_get(split.params)), jax.tree.leaves(one_params)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=1e-5, atol=1e-5)
-    want = per_layer(split)
-    for path, value in per_layer(scanned).items():
-        np.testing.assert_allclose(value, want[path], rtol=1e-5, atol=1e-6, err_msg=path)
-    assert split.eval_loss(rows, 8) == pytest.approx(one.eval_loss(rows, 32), rel=1e-5)
-    assert scanned.eval_loss(rows, 8) == pytest.approx(one.eval_loss(rows, 32), rel=1e-5)
+    assert split.eval_loss(rows, batch) == pytest.approx(one_loss, rel=1e-5)
+
+
+def test_dp_by_mp_trains_as_one_device_with_codes_and_scales_split_together(base,
+                                                                           one_device_run):
+    """Two updates over an NF4 base: dp 4 x mp 2 gives one device's adapters and eval loss
+    (1e-5, fp32); q_proj's codes, absmaxes and their scales split on the output axis, o_proj's
+    on the input (row-parallel), as their float kernels would be."""
+    split = lora_trainer(base, "nf4", 64, 8, 3e-2, n_model_shards=2)
+    assert_trains_as_one_device(split, one_device_run, 8)
     q_proj = specs(split, "model/layers/0/self_attn/q_proj")
     o_proj = specs(split, "model/layers/0/self_attn/o_proj")
     assert {q_proj[k] for k in ("kernel", "kernel_absmax")} == {jax.P(None, "mp")}, q_proj
     assert {o_proj[k] for k in ("kernel", "kernel_absmax")} == {jax.P("mp", None)}, o_proj
     assert q_proj["lora_b"] == jax.P(None, "mp") and o_proj["lora_a"] == jax.P("mp", None)
+
+
+def per_layer(params) -> dict[str, np.ndarray]:
+    """``params`` by per-layer name (a stack cut into its layers), as float32 on the host."""
+    return layer_stacks.unstack({p: np.asarray(x, np.float32) for p, x in
+                                 named_leaves(jax.device_get(params))})
+
+
+def test_scanned_layers_under_fsdp_quantise_each_layer_alone_and_train_as_one_device(
+        base, one_device_run):
+    """The layers stacked and scanned (``scan_layers``) under FSDP (``auto+fsdp``, dp 4 x mp 2):
+    each layer's codes, scales and adapters as the unrolled model's (each layer quantised
+    alone), two updates giving one device's unrolled adapters and eval loss (1e-5), and
+    o_proj's codes and absmaxes split together over mp and dp behind a whole layer axis."""
+    rows, one_params, one_loss = one_device_run
+    unrolled = lora_trainer(base, "nf4", 64, 8, 3e-2, n_model_shards=2)
+    scanned = lora_trainer(base, "nf4", 64, 8, 3e-2, scan=True, n_model_shards=2,
+                           sharding_rules="auto+fsdp")
+    np.testing.assert_equal(per_layer(scanned.params), per_layer(unrolled.params))
+    scanned.train_epoch(rows, 8, 0)
+    want = per_layer(one_params)
+    for path, value in per_layer(scanned.params).items():
+        np.testing.assert_allclose(value, want[path], rtol=1e-5, atol=1e-5, err_msg=path)
+    assert scanned.eval_loss(rows, 8) == pytest.approx(one_loss, rel=1e-5)
     q_stack = specs(scanned, "model/layers/0:2/self_attn/q_proj")
     o_stack = specs(scanned, "model/layers/0:2/self_attn/o_proj")
     assert q_stack["kernel"] == jax.P(None, "dp", "mp")  # (its absmaxes: 2 rows, not 4: whole)
     assert {o_stack[k] for k in ("kernel", "kernel_absmax")} == {jax.P(None, "mp", "dp")}
     assert o_stack["kernel_absmax_offset"] == jax.P()  # (one offset a layer, whole)
+
+
+def test_context_parallel_fsdp_and_full_remat_train_as_one_device(base, one_device_run):
+    """Two updates over an NF4 base with dp 2 x cp 2 x mp 2 (each row's 16 tokens split over
+    cp, ring attention; FSDP over dp x cp) and every layer rematerialised (``remat="full"``:
+    its forward pass, the dequantisation with it, runs again in the backward pass): one
+    device's adapters and eval loss without CP or remat (1e-5, fp32; measured ~1.4e-6). The
+    codes are shared out over dp x cp, as a float kernel is under FSDP."""
+    traced = remat.layers_traced()
+    split = lora_trainer(base, "nf4", 64, 16, 3e-2, "full", n_model_shards=2,
+                         n_context_shards=2, context_strategy="ring", sharding_rules="auto+fsdp")
+    assert split.deployer.mesh.shape == {"dp": 2, "cp": 2, "mp": 2}
+    assert_trains_as_one_device(split, one_device_run, 16)
+    assert remat.layers_traced() - traced >= MARKOV.num_hidden_layers  # "full" was in force
+    q_proj = specs(split, "model/layers/0/self_attn/q_proj")
+    assert q_proj["kernel"] == jax.P(("dp", "cp"), "mp"), q_proj
 
 
 def test_redco_zoo_run_sft_with_quantize_base(tmp_path, capsys):
