@@ -245,7 +245,8 @@ def zoo_decoder(cfg, seq_len: int = 128, scan_layers: bool = False) -> Model:
         q_apply, q_params = zoo.split_model(model)
         return LoraModel(q_params, lm_loss(q_apply), f"redco_zoo_models.add_lora over "
                          f"{fmt.upper()} QuantizedLinear projections",
-                         lambda by_name: quantized.part_rules(model, by_name))
+                         lambda by_name: quantized.part_rules(model, by_name)
+                         + zoo.quantized_experts.part_rules(model, by_name))
     return Model(params=params,
                  trace_fn=lambda p: apply_fn(p, jnp.zeros((1, 8), jnp.int32)),
                  loss_fn=lm_loss(apply_fn),

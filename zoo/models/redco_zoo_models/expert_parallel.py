@@ -4,9 +4,11 @@ sent to the devices holding the experts it picked and its outputs sent back.
 **Layout.** With ``d`` devices on ``dp``, device ``j`` holds experts ``j*E/d .. (j+1)*E/d - 1``:
 the stacked weights (E, H, I) / (E, I, H) are split on E over ``dp`` (``sharding_rules``), and
 on I over ``mp`` as tensor parallelism splits a dense MLP; gpt-oss's expert biases (E, I) /
-(E, H) are split on E with them. The batch is split over ``dp`` as
-always, so each device routes its own ``n = N/d`` tokens (the router runs outside, on the whole
-batch as XLA lays it out: the auxiliary losses and loads are the single-device ones).
+(E, H) are split on E with them, and so are a quantised base's codes and scales
+(``redco_zoo_models.quantized_experts``), dequantised on each device for its own experts.
+The batch is split over ``dp`` as always, so each device routes its own ``n = N/d`` tokens
+(the router runs outside, on the whole batch as XLA lays it out: the auxiliary losses and loads
+are the single-device ones).
 
 **One step, inside ``jax.shard_map`` manual over ``dp`` only** (``mp`` stays automatic, so the
 experts' matmuls are split over it as XLA likes):
@@ -73,7 +75,9 @@ from redco.tree_paths import named_leaves
 from redco_zoo_models.slots import combine, dispatch, slots
 
 AXIS = "dp"
-EXPERT_WEIGHTS = re.compile(r"(^|/)experts/(gate_proj|up_proj|down_proj)(_bias)?$")
+# the experts' weights and biases, and a quantised weight's scales (``quantized_experts``)
+EXPERT_WEIGHTS = re.compile(r"(^|/)experts/(gate_proj|up_proj|down_proj)"
+                            r"(_bias|_scale|_absmax|_absmax_scale|_absmax_offset)?$")
 _state = threading.local()
 
 

@@ -27,6 +27,7 @@ from redco.protocols import UsageError
 from redco.sharding import named_leaves
 from redco_safetensors import torch_name
 from redco_zoo_models import quantize as q
+from redco_zoo_models import quantized_experts
 from redco_zoo_models.checkpoint_files import read_safetensors  # noqa: F401 - public here too
 from redco_zoo_models.families import FAMILIES, NOT_YET
 from redco_zoo_models.family_config import TEXT_PARTS
@@ -87,7 +88,8 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
     (in ``dtype`` when given), with ``config_changes`` to its config (``scan_layers=True``:
     the decoder's layers stacked, ``redco_zoo_models.layer_scan``). ``quantize`` (``nf4``,
     ``int8``, ``fp8``): the attention and MLP projections held quantised and frozen
-    (``redco_zoo_models.quantized_linear``), each quantised as it is read from the file. Raises
+    (``redco_zoo_models.quantized_linear``), and a MoE model's experts
+    (``redco_zoo_models.quantized_experts``), each quantised as it is read from the file. Raises
     naming the first parameter missing or of another shape, and the checkpoint's tensors the
     model has no place for."""
     with open(os.path.join(model_dir, "config.json")) as f:
@@ -107,11 +109,13 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
     if hasattr(model, "hf_tensors_in"):
         tensors = model.hf_tensors_in(tensors)
     named = dict(named_leaves(params))
+    expert_parts = quantized_experts.weight_parts(model)  # {part: (its weight, (E, in, out))}
     arrays, used = {}, set()
     for path, shape in per_layer_shapes(named).items():  # a stacked param's layers one by one
         module, _, leaf = path.rpartition("/")
-        if module in quantized and leaf != "kernel":
-            continue  # (a quantised kernel's scales: made with its codes below)
+        weight, shape = expert_parts.get(path, (path, shape))
+        if module in quantized and leaf != "kernel" or weight != path:
+            continue  # (a quantised kernel's or expert weight's scales: made with its codes below)
         name, array = _checkpoint_tensor(model_class, model_dir, tensors, path,
                                          quantized.get(module, shape))
         used.add(name)
@@ -119,12 +123,16 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
             parts = q.quantize(np.asarray(array, dtype or np.float32), quantize)
             arrays.update({f"{module}/{QuantizedLinear.param_name(k)}": np.asarray(v)
                            for k, v in parts.items()})
+        elif path in expert_parts:
+            arrays.update(quantized_experts.parts_of(path, np.asarray(array, dtype or np.float32),
+                                                     quantize))
         else:
             arrays[path] = array
     _check_all_used(model_class, model_dir, tensors, used)
     arrays = layer_stacks.stack(arrays, [p for p in named if layers_of(p)], np.stack)
     leaves = [np.array(arrays[path], leaf.dtype if path.rpartition("/")[0] in quantized
-                       else dtype or leaf.dtype) for path, leaf in named.items()]  # (copies)
+                       or path in expert_parts else dtype or leaf.dtype)
+              for path, leaf in named.items()]  # (copies)
     return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(params), leaves), rest)
 
 

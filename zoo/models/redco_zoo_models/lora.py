@@ -36,6 +36,7 @@ from redco.layer_stacks import unstack
 from redco_safetensors import torch_name
 from redco_zoo_models.lora_matmul import adapted_matmul
 from redco_zoo_models.nnx_utils import replace_module
+from redco_zoo_models.quantized_experts import QuantizedExperts
 from redco_zoo_models.quantized_linear import QuantizedLinear
 
 DEFAULT_TARGETS = core_lora.DEFAULT_TARGETS
@@ -106,20 +107,22 @@ def add_lora(model: nnx.Module, rank: int = 8, alpha: float = 16.0,
 
 def mergeable_layers(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
     """``[(path, layer)]`` of the layers an export merges: ``LoRALinear`` and
-    ``QuantizedLinear`` (dequantised, with or without adapters)."""
+    ``QuantizedLinear`` (dequantised, with or without adapters), and ``QuantizedExperts``
+    (dequantised)."""
     return [(path, m) for path, m in nnx.iter_modules(model)
-            if path and type(m) in (LoRALinear, QuantizedLinear)]
+            if path and type(m) in (LoRALinear, QuantizedLinear, QuantizedExperts)]
 
 
 def lora_layers(model: nnx.Module) -> list[tuple[str, nnx.Module]]:
     """``[(module path, layer), ...]`` of the model's layers with adapters."""
     return [("/".join(map(str, path)), m) for path, m in mergeable_layers(model)
-            if m.lora_a is not None]
+            if getattr(m, "lora_a", None) is not None]
 
 
 def merge_lora(model: nnx.Module) -> nnx.Module:
     """``model`` (in place; also returned) with every ``LoRALinear`` and ``QuantizedLinear``
-    merged into a plain ``nnx.Linear``: the base model's structure, for export."""
+    merged into a plain ``nnx.Linear`` (and ``QuantizedExperts`` into plain ``moe.Experts``):
+    the base model's structure, for export."""
     for path, layer in mergeable_layers(model):
         replace_module(model, path, layer.merged())
     return model

@@ -126,9 +126,15 @@ class Experts(nnx.Module):
             names += tuple(f"{n}_bias" for n in names)
         return tuple(getattr(self, n)[...] for n in names)
 
+    def weight_in(self, weight, dtype):
+        """A weight of ``weights()`` as the experts compute with it: in ``dtype`` (a quantised
+        one dequantised there, ``redco_zoo_models.quantized_experts``)."""
+        return jnp.asarray(weight, dtype)
+
     def _mlp(self, x, weights: tuple, project):
         """``down(glu(gate(x), up(x)))``, each ``project(x, weight, bias or None)``."""
-        cfg, (gate_w, up_w, down_w, *biases) = self.cfg, (jnp.asarray(w, x.dtype) for w in weights)
+        cfg, (gate_w, up_w, down_w, *biases) = self.cfg, (self.weight_in(w, x.dtype)
+                                                          for w in weights)
         gate_b, up_b, down_b = biases or (None, None, None)
         h = glu(project(x, gate_w, gate_b), project(x, up_w, up_b), cfg.hidden_act,
                 cfg.swiglu_limit, cfg.swiglu_alpha)

@@ -22,8 +22,8 @@ scales split together along the same mesh axis (a stack's parts: the same, the l
 
 ``quantize_linears(model, fmt)`` swaps a model's attention and MLP projections for these (on a
 real model or on ``nnx.eval_shape``'s abstract one, whose parts ``hf.from_pretrained`` then
-fills tensor by tensor as it reads them). Embeddings, norms and the output head stay as they
-are.
+fills tensor by tensor as it reads them), and a MoE model's experts for
+``quantized_experts.QuantizedExperts``. Embeddings, norms and the output head stay as they are.
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ from redco import lora as core_lora
 from redco.layer_stacks import layers_of
 from redco.sharding import spec_for
 from redco_zoo_models import quantize as q
+from redco_zoo_models import quantized_experts
 from redco_zoo_models.lora_matmul import adapted_quantized_matmul
 from redco_zoo_models.nnx_utils import modules_of_type, replace_module
 
@@ -108,7 +109,8 @@ class QuantizedLinear(nnx.Module):
 
 def quantize_linears(model: nnx.Module, fmt: str, targets: str = TARGETS) -> dict[str, Any]:
     """Swap (in place) every ``nnx.Linear`` whose kernel path ``targets`` selects for a
-    ``QuantizedLinear`` of ``fmt``; returns ``{module path: (in, out)}`` of those swapped."""
+    ``QuantizedLinear`` of ``fmt``, and every MoE block's experts for
+    ``quantized_experts.QuantizedExperts``; returns ``{module path: (in, out)}`` of the linears."""
     q.check_format(fmt)
     chosen = set(core_lora.kernel_paths(nnx.state(model, nnx.Param), targets))
     swapped = {}
@@ -117,6 +119,7 @@ def quantize_linears(model: nnx.Module, fmt: str, targets: str = TARGETS) -> dic
         if f"{name}/kernel" in chosen:
             replace_module(model, path, QuantizedLinear(linear, fmt))
             swapped[name] = (linear.in_features, linear.out_features)
+    quantized_experts.quantize_experts(model, fmt)
     return swapped
 
 
@@ -133,12 +136,15 @@ def part_spec(kernel_spec: P, ndim: int) -> P:
     return P(*entries) if ndim == 2 else P(entries[1]) if ndim == 1 else P()
 
 
-def sharding_rules(model: nnx.Module, deployer) -> list[tuple[str, P]]:
-    """Rules putting every quantised kernel's parts where the deployer's rules by name put its
-    kernel (module docstring); none without a mesh yet (``n_model_shards="auto"``)."""
-    if not quantized_layers(model) or deployer.mesh is None:
+def sharding_rules(model: nnx.Module, deployer, first=()) -> list[tuple[str, P]]:
+    """Rules putting every quantised kernel's (and expert weight's) parts where ``first`` (rules
+    the caller puts before the deployer's, e.g. expert parallelism's) or else the deployer's
+    rules by name put it (module docstring); none without a mesh yet (``n_model_shards="auto"``)."""
+    if not (quantized_layers(model) or quantized_experts.quantized_experts(model)) or \
+            deployer.mesh is None:
         return []
-    return part_rules(model, list(deployer.get_sharding_rules(nnx.state(model, nnx.Param))))
+    by_name = list(first) + list(deployer.get_sharding_rules(nnx.state(model, nnx.Param)))
+    return part_rules(model, by_name) + quantized_experts.part_rules(model, by_name, deployer.mesh)
 
 
 def part_rules(model: nnx.Module, by_name: list[tuple[str, P]]) -> list[tuple[str, P]]:

@@ -228,11 +228,11 @@ def train_and_eval(config: RunConfig, model: nnx.Module, examples: tuple[list, l
 def params_rules(model: nnx.Module, params: Any, deployer: Deployer,
                  experts_split: bool = False) -> Any:
     """The ``Trainer``'s ``params_sharding_rules``: the deployer's, after the rules that put a
-    quantised kernel's scales with its codes (QLoRA) and, with ``experts_split``, the experts'
-    (expert parallelism); None (the deployer's, decided at the first batch) where neither."""
-    overrides = quantized_linear.sharding_rules(model, deployer)
-    if experts_split:
-        overrides += expert_parallel.sharding_rules()
+    quantised kernel's or expert weight's scales with its codes (QLoRA) and, with
+    ``experts_split``, the experts' (expert parallelism, the scales with them); None (the
+    deployer's, decided at the first batch) where neither."""
+    split = expert_parallel.sharding_rules() if experts_split else []
+    overrides = quantized_linear.sharding_rules(model, deployer, split) + split
     return deployer.get_sharding_rules(params, rules=overrides) if overrides else None
 
 

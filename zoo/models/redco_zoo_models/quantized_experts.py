@@ -1,0 +1,170 @@
+"""Frozen, quantised MoE experts (QLoRA's base, ``--quantize_base``): an ``moe.Experts`` block's
+stacked weights held as ``redco_zoo_models.quantize``'s parts, each expert's [in, out] matrix
+quantised as ``quantize.quantize`` does a kernel (vmapped over the expert axis: every part keeps
+the expert axis first), and dequantised inside the step, in the compute dtype, where the experts
+compute: on one device's view, or on each device's own experts inside expert parallelism's
+``shard_map`` (``redco_zoo_models.expert_parallel``), which then never holds another device's
+experts in full precision.
+
+The codes keep the weight's name (``gate_proj``, ``up_proj``, ``down_proj``), so the sharding
+rules by name, the EP rules and checkpoint names read the path as before; the scales are
+``<weight>_<part>`` (``gate_proj_absmax``, ``gate_proj_absmax_scale``,
+``gate_proj_absmax_offset`` for NF4; ``gate_proj_scale`` for int8 and fp8). gpt-oss's expert
+biases stay as they are. Nothing here trains: LoRA does not target experts. ``merged()`` is a
+plain ``moe.Experts`` of the dequantised weights: what an export writes.
+
+Sharding (``part_rules``): every part gets its weight's spec from the rules by name, the expert
+axis as the weight's (under ``+ep`` over ``dp``: the codes and their scales split together) and
+the [in, out] axes as ``quantized_linear.part_spec`` gives a kernel's parts. Given the mesh, a
+dim of a part that does not divide by its mesh axes (NF4's few absmax scales per expert) is left
+whole, rather than the whole part replicated: the expert axis stays split.
+
+``quantize_experts(model, fmt)`` swaps every ``Experts`` block of a model (real, or
+``nnx.eval_shape``'s abstract one, whose parts ``hf.from_pretrained`` fills as it reads them);
+``quantized_linear.quantize_linears`` calls it.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from redco.layer_stacks import layers_of
+from redco.protocols import UsageError
+from redco.sharding import spec_for
+from redco_zoo_models import quantize as q
+from redco_zoo_models.moe import Experts
+from redco_zoo_models.nnx_utils import modules_of_type, replace_module
+
+WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def quantize_stacked(w: Any, fmt: str) -> q.Parts:
+    """``W`` (E, in, out) as ``fmt``'s parts of each expert's [in, out] matrix, the expert axis
+    first (``quantize``'s stacks); abstract in, abstract out."""
+    if np.ndim(w) != 3:
+        raise ValueError(f"quantised experts are stacked (experts, in, out); got {np.shape(w)}.")
+    return q.quantize(w, fmt)
+
+
+def dequantize_stacked(parts: q.Parts, fmt: str, dtype: Any = jnp.float32) -> jax.Array:
+    """``W`` (E, in, out) in ``dtype`` from ``quantize_stacked``'s parts (traceable)."""
+    return q.dequantize(parts, fmt, dtype)
+
+
+def param_name(weight: str, part: str) -> str:
+    """The param holding a part: the weight's name for the codes, else ``<weight>_<part>``."""
+    return weight if part == "codes" else f"{weight}_{part}"
+
+
+class QuantizedExperts(Experts):
+    """``moe.Experts`` with frozen ``fmt`` weights (module docstring)."""
+
+    def __init__(self, experts: Experts, fmt: str):
+        self.cfg, self.fmt = experts.cfg, fmt
+        weights = {w: getattr(experts, w).get_value() for w in WEIGHTS}
+        self.param_dtype = weights["gate_proj"].dtype  # (merged() gives the weights back in it)
+        self.weight_shapes = tuple(tuple(w.shape) for w in weights.values())
+        for weight, value in weights.items():
+            parts = quantize_stacked(value, fmt)
+            for part, array in parts.items():
+                setattr(self, param_name(weight, part), nnx.Param(array))
+        self.part_names = tuple(parts)
+        for bias in self.bias_names():
+            setattr(self, bias, nnx.Param(getattr(experts, bias).get_value()))
+
+    def bias_names(self) -> tuple[str, ...]:
+        return tuple(f"{w}_bias" for w in WEIGHTS) if self.cfg.expert_bias else ()
+
+    def parts(self, weight: str) -> q.Parts:
+        return {part: getattr(self, param_name(weight, part))[...] for part in self.part_names}
+
+    def weights(self) -> tuple:
+        """``(gate, up, down)`` as dicts of parts (each split with its experts under EP), then
+        the biases: ``weight_in`` dequantises them where the experts compute."""
+        return tuple(self.parts(w) for w in WEIGHTS) + tuple(
+            getattr(self, b)[...] for b in self.bias_names())
+
+    def weight_in(self, weight, dtype):
+        if isinstance(weight, dict):
+            return dequantize_stacked(weight, self.fmt, dtype)
+        return jnp.asarray(weight, dtype)
+
+    def merged(self) -> Experts:
+        """A plain ``moe.Experts``: the dequantised weights (in the dtype they were quantised
+        from) and the biases."""
+        plain = nnx.eval_shape(lambda: Experts(self.cfg, nnx.Rngs(0)))
+        for weight in WEIGHTS:
+            setattr(plain, weight, nnx.Param(dequantize_stacked(self.parts(weight), self.fmt,
+                                                                self.param_dtype)))
+        for bias in self.bias_names():
+            setattr(plain, bias, nnx.Param(getattr(self, bias)[...]))
+        return plain
+
+
+def quantize_experts(model: nnx.Module, fmt: str) -> list[str]:
+    """Swap (in place) every ``moe.Experts`` block of ``model`` for ``QuantizedExperts`` of
+    ``fmt``; returns their module paths."""
+    swapped = []
+    for path, experts in modules_of_type(model, Experts):
+        name = "/".join(map(str, path))
+        if layers_of(f"{name}/gate_proj") is not None:
+            raise UsageError(f"Quantising stacked layers' experts ({name}, scan_layers) is not "
+                             "supported yet: load the model with scan_layers=False (drop "
+                             "--scan_layers) to quantise it.")
+        replace_module(model, path, QuantizedExperts(experts, fmt))
+        swapped.append(name)
+    return swapped
+
+
+def quantized_experts(model: nnx.Module) -> list[tuple[str, QuantizedExperts]]:
+    """``[(module path, block)]`` of the model's ``QuantizedExperts`` blocks."""
+    return [("/".join(map(str, path)), m) for path, m in nnx.iter_modules(model)
+            if path and isinstance(m, QuantizedExperts)]
+
+
+def weight_parts(model: nnx.Module) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{param path of every part: (its weight's path, the weight's shape (E, in, out))}``."""
+    return {f"{path}/{param_name(w, part)}": (f"{path}/{w}", shape)
+            for path, block in quantized_experts(model)
+            for w, shape in zip(WEIGHTS, block.weight_shapes) for part in block.part_names}
+
+
+def parts_of(weight_path: str, w: np.ndarray, fmt: str) -> dict[str, np.ndarray]:
+    """``{param path: array}`` of the parts of the weight at ``weight_path`` (E, in, out)."""
+    module, _, weight = weight_path.rpartition("/")
+    return {f"{module}/{param_name(weight, part)}": np.asarray(v)
+            for part, v in quantize_stacked(w, fmt).items()}
+
+
+def part_spec(weight_spec: P, shape: tuple[int, ...], mesh=None) -> P:
+    """A part's spec from its weight's (E, in, out) spec: 3-D parts as the weight, a
+    per-channel scale (E, out) as its experts and output dim, an offset (E,) as its experts;
+    given ``mesh``, a dim that does not divide by its mesh axes left whole."""
+    entries = (tuple(weight_spec) + (None,) * 3)[:3]
+    spec = [entries[d] for d in {3: (0, 1, 2), 2: (0, 2), 1: (0,)}[len(shape)]]
+    if mesh is not None:
+        spec = [axes if shape[d] % math.prod(mesh.shape[a] for a in (
+            (axes,) if isinstance(axes, str) else axes or ())) == 0 else None
+            for d, axes in enumerate(spec)]
+    return P(*spec)
+
+
+def part_rules(model: nnx.Module, by_name: list[tuple[str, P]], mesh=None) -> list:
+    """Rules giving each part of every ``QuantizedExperts`` block of ``model`` (real or abstract)
+    its weight's spec in the rules by name ``by_name`` (``part_spec``)."""
+    rules = []
+    for path, block in quantized_experts(model):
+        for weight in WEIGHTS:
+            spec = spec_for(f"{path}/{weight}", by_name)
+            for part in block.part_names:
+                shape = getattr(block, param_name(weight, part)).get_value().shape
+                rules.append((f"^{re.escape(path)}/{param_name(weight, part)}$",
+                              part_spec(spec, shape, mesh)))
+    return rules
