@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -43,19 +41,6 @@ from redco_zoo_models.moe import Experts
 from redco_zoo_models.nnx_utils import modules_of_type, replace_module
 
 WEIGHTS = ("gate_proj", "up_proj", "down_proj")
-
-
-def quantize_stacked(w: Any, fmt: str) -> q.Parts:
-    """``W`` (E, in, out) as ``fmt``'s parts of each expert's [in, out] matrix, the expert axis
-    first (``quantize``'s stacks); abstract in, abstract out."""
-    if np.ndim(w) != 3:
-        raise ValueError(f"quantised experts are stacked (experts, in, out); got {np.shape(w)}.")
-    return q.quantize(w, fmt)
-
-
-def dequantize_stacked(parts: q.Parts, fmt: str, dtype: Any = jnp.float32) -> jax.Array:
-    """``W`` (E, in, out) in ``dtype`` from ``quantize_stacked``'s parts (traceable)."""
-    return q.dequantize(parts, fmt, dtype)
 
 
 def param_name(weight: str, part: str) -> str:
@@ -72,7 +57,7 @@ class QuantizedExperts(Experts):
         self.param_dtype = weights["gate_proj"].dtype  # (merged() gives the weights back in it)
         self.weight_shapes = tuple(tuple(w.shape) for w in weights.values())
         for weight, value in weights.items():
-            parts = quantize_stacked(value, fmt)
+            parts = q.quantize(value, fmt)
             for part, array in parts.items():
                 setattr(self, param_name(weight, part), nnx.Param(array))
         self.part_names = tuple(parts)
@@ -93,7 +78,7 @@ class QuantizedExperts(Experts):
 
     def weight_in(self, weight, dtype):
         if isinstance(weight, dict):
-            return dequantize_stacked(weight, self.fmt, dtype)
+            return q.dequantize(weight, self.fmt, dtype)
         return jnp.asarray(weight, dtype)
 
     def merged(self) -> Experts:
@@ -101,8 +86,8 @@ class QuantizedExperts(Experts):
         from) and the biases."""
         plain = nnx.eval_shape(lambda: Experts(self.cfg, nnx.Rngs(0)))
         for weight in WEIGHTS:
-            setattr(plain, weight, nnx.Param(dequantize_stacked(self.parts(weight), self.fmt,
-                                                                self.param_dtype)))
+            setattr(plain, weight, nnx.Param(q.dequantize(self.parts(weight), self.fmt,
+                                                          self.param_dtype)))
         for bias in self.bias_names():
             setattr(plain, bias, nnx.Param(getattr(self, bias)[...]))
         return plain
@@ -140,7 +125,7 @@ def parts_of(weight_path: str, w: np.ndarray, fmt: str) -> dict[str, np.ndarray]
     """``{param path: array}`` of the parts of the weight at ``weight_path`` (E, in, out)."""
     module, _, weight = weight_path.rpartition("/")
     return {f"{module}/{param_name(weight, part)}": np.asarray(v)
-            for part, v in quantize_stacked(w, fmt).items()}
+            for part, v in q.quantize(w, fmt).items()}
 
 
 def part_spec(weight_spec: P, shape: tuple[int, ...], mesh=None) -> P:
