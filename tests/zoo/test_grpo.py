@@ -460,9 +460,9 @@ def grpo_args(root, workdir, reward) -> list[str]:
             "--prompts_per_round", "8", "--learning_rate", "2e-3"]
 
 
-def grpo_cmd(root, workdir, reward) -> list[str]:
-    """``grpo_args``' run as a process of its own (the one a test SIGKILLs)."""
-    return [sys.executable, "-m", "redco.cli", *grpo_args(root, workdir, reward)]
+def cli_cmd(args: list[str]) -> list[str]:
+    """The ``redco`` run of ``args`` as a process of its own (the one a test SIGKILLs)."""
+    return [sys.executable, "-m", "redco.cli", *args]
 
 
 def grpo_env() -> dict:
@@ -558,9 +558,16 @@ def test_a_grpo_run_shows_its_rounds_goodput_and_samples(whole):
     assert {"prompt", "completion", "reward"} <= set(samples[0])
 
 
-def assert_same_run(whole, cut, keys) -> None:
+def assert_same_run(whole, cut, keys, context: str) -> None:
     """``cut``'s metrics under ``keys`` (by step) and its exported params are ``whole``'s, bit
-    for bit."""
+    for bit; a failure names ``context`` (the kill's seed) to rerun it."""
+    try:
+        assert_same_metrics_and_params(whole, cut, keys)
+    except AssertionError as e:
+        raise AssertionError(context) from e
+
+
+def assert_same_metrics_and_params(whole, cut, keys) -> None:
     from safetensors.numpy import load_file
     rows = {w: [json.loads(line) for line in open(w / "metrics.jsonl")] for w in (whole, cut)}
     pick = lambda rows, key: [(r["step"], r[key]) for r in rows if key in r]  # noqa: E731
@@ -582,7 +589,7 @@ def test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_same_bits(warmed
     cut = tmp_path / "cut"
     stopped_by_sigterm_in_round_2(grpo_args(warmed_up, cut, reward), cut, monkeypatch)
     seed = int.from_bytes(os.urandom(4), "little")
-    killed = kill_at_random(grpo_cmd(warmed_up, cut, reward), said_resumed(str(cut)),
+    killed = kill_at_random(cli_cmd(grpo_args(warmed_up, cut, reward)), said_resumed(str(cut)),
                             round_seconds(whole), random.Random(seed), grpo_env())
     main(grpo_args(warmed_up, cut, reward))
     log = (cut / "log.txt").read_text()
@@ -590,11 +597,8 @@ def test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_same_bits(warmed
     assert "step_8 (step 8)" in log, log[-2000:]
     for workdir in (whole, cut):
         assert (workdir / "ckpts" / "step_12").exists()
-    try:
-        assert_same_run(whole, cut, ("rollout/reward", "rollout/kl", "rollout/clip_fraction",
-                                     "eval/reward", "train/loss"))
-    except AssertionError as e:
-        raise AssertionError(f"seed {seed}, killed {killed}") from e
+    assert_same_run(whole, cut, ("rollout/reward", "rollout/kl", "rollout/clip_fraction",
+                                 "eval/reward", "train/loss"), f"seed {seed}, killed {killed}")
 
 
 def test_auto_shards_are_refused_before_anything_loads_naming_why(tmp_path, capsys):

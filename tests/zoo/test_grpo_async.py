@@ -9,7 +9,6 @@ before loading where no split fits and otherwise trains on the split it logged."
 import json
 import os
 import random
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +17,7 @@ from test_grpo import (  # noqa: F401 (warmed_up: the SFT'd model, a fixture)
     GRPO_FLAGS,
     STOPPING_REWARD,
     assert_same_run,
+    cli_cmd,
     grpo_args,
     grpo_env,
     kill_at_random,
@@ -132,17 +132,15 @@ def test_async_grpo_stopped_by_sigterm_or_killed_resumes_to_the_same_bits(
     stopped_by_sigterm_in_round_2(async_args(warmed_up, cut, reward), cut, monkeypatch)
     seed = int.from_bytes(os.urandom(4), "little")
     killed = KILLED and kill_at_random(
-        [sys.executable, "-m", "redco.cli", *async_args(warmed_up, cut, reward)],
+        cli_cmd(async_args(warmed_up, cut, reward)),
         said_resumed(str(cut)), round_seconds(whole), random.Random(seed), grpo_env())
     main(async_args(warmed_up, cut, reward))
     log = (cut / "log.txt").read_text()
     assert killed == KILLED and log.count("Resumed from") == 1 + KILLED, (seed, killed,
                                                                           log[-2000:])
-    try:
-        assert_same_run(whole, cut, ("rollout/reward", "rollout/is_ratio_max",
-                                     "rollout/clip_fraction", "eval/reward", "train/loss"))
-    except AssertionError as e:
-        raise AssertionError(f"seed {seed}, killed {killed}") from e
+    assert_same_run(whole, cut, ("rollout/reward", "rollout/is_ratio_max",
+                                 "rollout/clip_fraction", "eval/reward", "train/loss"),
+                    f"seed {seed}, killed {killed}")
 
 
 @pytest.mark.slow  # REDCO_SLOW_TESTS=1 (conftest.py)
