@@ -17,7 +17,10 @@ norms over all heads, ``rotary_dim``), Granite 4 hybrid (Mamba2 layers beside at
 of 8 and a conv of 4 that the prompts cross, its four multipliers, MoE with a shared MLP and
 NoPE; a dense variant with RoPE and biased Mamba2 projections), Llama 4 (chunks of 8 on its
 RoPE layers, a temperature-tuned NoPE layer, top-2 input-scaled experts beside a shared one:
-more in test_parity_llama4), Falcon-H1 (attention and Mamba2 side by side in every layer,
+more in test_parity_llama4), Gemma 4 (per-layer inputs, KV sharing, double-wide MLPs, full
+layers of their own head size with proportional RoPE, and the MoE block beside every MLP: its
+normed and scaled router, top-2 of 4 renormalised and scaled per expert, packed experts: more
+in test_parity_gemma4), Falcon-H1 (attention and Mamba2 side by side in every layer,
 chunks of 8 and a conv of 4 that the prompts cross, mamba_d_ssm apart from expand * hidden,
 every muP multiplier off 1, at 1e-4; a variant with the plain gate and biased projectors),
 and YaRN and dynamic-NTK RoPE on Qwen3 and LLaMA shapes.
@@ -38,17 +41,23 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from jax.sharding import NamedSharding
 from parity import close, hf_greedy, jiggle_torch, left_padded, transformers
 
+from redco.sharding import make_mesh, specs_from_rules
 from redco.tree_paths import named_leaves
 from redco_zoo_models import from_pretrained, generate, save_pretrained
 from redco_zoo_models.balancing import BalanceBias
+from redco_zoo_models.expert_parallel import EXPERT_WEIGHTS, expert_parallel, sharding_rules
 from redco_zoo_models.hf import auto_class
 from redco_zoo_models.toy import DELTA_NET_FAMILIES, TINY_FAMILIES
 
 VOCAB, EOS, PAD, BOS = 64, 63, 0, 1
-FAMILIES = {k: v for k, v in TINY_FAMILIES.items()  # the lengths below cross WINDOW (8) and
-            if k not in DELTA_NET_FAMILIES}  # ORIGINAL_CONTEXT (16); Gated DeltaNet: its own file
+GEMMA4_MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2,  # (the 26B-A4B's
+                  moe_intermediate_size=8)  # block beside each MLP, in every check of gemma4 here)
+FAMILIES = {k: dict(v, **GEMMA4_MOE) if k == "gemma4" else v  # the lengths below cross WINDOW
+            for k, v in TINY_FAMILIES.items()  # (8) and ORIGINAL_CONTEXT (16); Gated DeltaNet:
+            if k not in DELTA_NET_FAMILIES}  # its own file
 LOGITS_ONLY = {"qwen3-yarn", "deepseek-v3-plain-q", "seed-oss"}  # logits and export only
 FALCON = {"falcon-h1": 1e-4, "falcon-h1-plain-gate": 1e-4}  # (the issue's bound)
 ATOL = {**FALCON, "gemma4": 2e-3}  # unit-scale attention over normed q/k: an ill-conditioned tiny model.
@@ -282,6 +291,44 @@ def test_gpt_oss_logits_are_within_1e4_where_each_of_its_switches_matters(pair):
                 "no clamp": jitted(unclamped)(ids)}
     for name, logits in variants.items():
         assert np.abs(logits - want).max() > 1e-2, name
+
+
+def check_routers(ours, theirs):
+    """Each layer's MoE router in ours picks transformers' experts for 24 random tokens, with
+    its weights (1e-5)."""
+    x = np.random.RandomState(8).randn(24, ours.cfg.hidden_size).astype(np.float32)
+    for mine, layer in zip(ours.model.layers, theirs.model.layers):
+        chosen, weights, _, _ = mine.moe.route(jnp.asarray(x))
+        with torch.no_grad():
+            _, want_weights, want_chosen = layer.router(torch.tensor(x))
+        np.testing.assert_array_equal(chosen, want_chosen.numpy())
+        np.testing.assert_allclose(weights, want_weights.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_gemma4s_moe_block_routes_as_transformers_and_runs_expert_parallel(pair):
+    """Gemma 4's MoE block beside the MLP. Each layer's router (its weightless norm and
+    learned scale, softmax, the top-k renormalised, each expert's scale) picks transformers'
+    experts with transformers' weights: the logits alone cannot show the renormalisation
+    (the block's output is RMS-normed next, so a per-token factor on its weights cancels).
+    Expert-parallel: the decoder hands its experts to ``as_laid_out`` (``moe_weights``, as the
+    ``+ep`` rule sets' steps read them), and with them split over dp 4
+    (``expert_parallel.sharding_rules``) each token is sent to its experts' devices
+    (``all_to_all``) and the 40-token logits are transformers'."""
+    theirs, _, ours, family = pair
+    if not ours.cfg.moe_beside_mlp:
+        pytest.skip("no MoE block beside the MLP in this family")
+    check_routers(ours, theirs)
+    experts = [p for p, _ in ours.model.moe_weights() if EXPERT_WEIGHTS.search(p)]
+    assert len(experts) == 3 * ours.cfg.num_hidden_layers, experts
+    mesh = make_mesh(jax.devices()[:4], 1)
+    graphdef, state = nnx.split(ours)
+    specs = specs_from_rules(state, sharding_rules(), mesh)
+    state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    ids = jnp.asarray(np.random.RandomState(40).randint(1, EOS, (2, 40)))
+    with expert_parallel(mesh):
+        lowered = jax.jit(lambda state: nnx.merge(graphdef, state)(ids)).lower(state)
+    assert "all_to_all" in lowered.as_text()
+    close(lowered.compile()(state), torch_logits(theirs, ids), ATOL[family])
 
 
 OLDER = {  # config.json in the layout before transformers 5: rope_scaling, rope_theta at the top

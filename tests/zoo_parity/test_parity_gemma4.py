@@ -1,13 +1,15 @@
 """Gemma 4 beyond the shared suite (test_parity_families' ``gemma4``: per-layer inputs, KV
-sharing, proportional RoPE, full layers of their own head size): full layers whose values are
-their keys' projection (``attention_k_eq_v``) with their own key/value heads, against
-transformers' ``Gemma4ForCausalLM``; and what is refused before compiling."""
+sharing, proportional RoPE, full layers of their own head size, the MoE block beside every
+MLP): full layers whose values are their keys' projection (``attention_k_eq_v``) with their
+own key/value heads, the 26B-A4B's layout (the MoE block, no per-layer inputs or sharing) with
+its layers stacked, against transformers' ``Gemma4ForCausalLM``; and what is refused before
+compiling."""
 import numpy as np
 import pytest
 import torch
 from flax import nnx
 from parity import close, jiggle_torch, load_hf, transformers
-from test_parity_families import ATOL, jitted, random_buffers, torch_logits
+from test_parity_families import ATOL, FAMILIES, jitted, random_buffers, torch_logits
 
 from redco.tree_paths import named_leaves
 from redco_zoo_models import from_pretrained, save_pretrained
@@ -16,10 +18,11 @@ from redco_zoo_models.hf import auto_class
 from redco_zoo_models.toy import TINY_FAMILIES
 
 K_EQ_V = dict(TINY_FAMILIES["gemma4"], attention_k_eq_v=True, num_global_key_value_heads=1)
-PLAIN = dict(TINY_FAMILIES["gemma4"], hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+PLAIN = dict(FAMILIES["gemma4"], hidden_size_per_layer_input=0, num_kv_shared_layers=0,
              use_double_wide_mlp=False, layer_types=[
                  "sliding_attention", "sliding_attention", "full_attention",
-                 "sliding_attention", "full_attention"])  # (no per-layer inputs, no sharing)
+                 "sliding_attention", "full_attention"])  # (no per-layer inputs, no sharing;
+#                                                           the MoE block beside each MLP)
 
 
 def saved(config: dict, path, seed: int):
@@ -44,13 +47,15 @@ def test_keys_as_values_logits_equal_transformers(tmp_path):
 
 
 def test_scanned_layers_without_sharing_read_and_write_transformers_checkpoints(tmp_path):
-    """Without per-layer inputs or KV sharing (the dense 31B's layout), the layers stacked in
-    runs of like layers (sliding ones of one head size, full ones of another) give
+    """Without per-layer inputs or KV sharing (the 26B-A4B's layout: the 31B's with the MoE
+    block), the layers stacked in runs of like layers (sliding ones of one head size, full
+    ones of another; each one's MLP, router, experts and their norms stacked) give
     transformers' logits, and written back, transformers reads them whole."""
     theirs = saved(PLAIN, tmp_path / "in", seed=3)
     ours = from_pretrained(auto_class(str(tmp_path / "in")), str(tmp_path / "in"),
                            scan_layers=True)
-    assert any(":" in p for p, _ in named_leaves(nnx.state(ours, nnx.Param)))
+    assert any(":" in p and "/moe/experts/" in p
+               for p, _ in named_leaves(nnx.state(ours, nnx.Param)))
     ids = np.random.RandomState(42).randint(1, 63, (2, 40))
     want = torch_logits(theirs, ids)
     close(jitted(ours)(ids), want, ATOL["gemma4"])
@@ -60,8 +65,7 @@ def test_scanned_layers_without_sharing_read_and_write_transformers_checkpoints(
 
 
 @pytest.mark.parametrize("change, named", [
-    (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=8),
-     "enable_moe_block"),
+    (dict(enable_moe_block=True, num_experts=4, moe_intermediate_size=8), "top_k_experts"),
     (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
     (dict(num_kv_shared_layers=5), "num_kv_shared_layers"),
 ])
@@ -78,9 +82,9 @@ def test_stacked_layers_with_kv_sharing_are_refused_before_building():
 
 def test_the_multimodal_checkpoints_text_part_gives_transformers_logits(tmp_path):
     """A ``gemma4`` checkpoint (``Gemma4ForConditionalGeneration``: a tiny vision tower beside
-    the language model, ``model.language_model.*``) read as its language model: the logits of
-    transformers' whole model on text alone."""
-    text = {k: v for k, v in TINY_FAMILIES["gemma4"].items() if k != "model_type"}
+    the language model, ``model.language_model.*``, its layers' routers and experts too) read
+    as its language model: the logits of transformers' whole model on text alone."""
+    text = {k: v for k, v in FAMILIES["gemma4"].items() if k != "model_type"}
     config = transformers.Gemma4Config(text_config=text, audio_config=None, vision_config=dict(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=2, head_dim=8, patch_size=4, position_embedding_size=64))

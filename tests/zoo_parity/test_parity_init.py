@@ -1,5 +1,6 @@
 """A from-scratch zoo decoder starts as transformers' PyTorch model of the family starts
-(``redco_zoo_models.hf_init``), for every tiny family of ``redco_zoo_models.toy``.
+(``redco_zoo_models.hf_init``), for every tiny family of ``redco_zoo_models.toy`` (Gemma 4's
+with its MoE block, as test_parity_families reads it).
 
 Both sides are built from the same config.json (``initializer_range`` 0.05, not transformers'
 default 0.02, so it must be read) with no weights loaded; each side's tensors under the
@@ -26,12 +27,14 @@ import pytest
 import torch
 from flax import nnx
 from parity import transformers
+from test_parity_families import FAMILIES
 
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM, save_pretrained
 from redco_zoo_models.hf import read_safetensors
 from redco_zoo_models.toy import TINY_FAMILIES
 
 STD, SIGMAS = 0.05, 5.0
+CONFIGS = {**TINY_FAMILIES, "gemma4": FAMILIES["gemma4"]}  # (Gemma 4 with its MoE block)
 
 
 def kinds(tensors: dict) -> dict[str, np.ndarray]:
@@ -58,9 +61,9 @@ def ours_from_scratch(config: dict, path) -> dict[str, np.ndarray]:
     return read_safetensors(str(path))
 
 
-@pytest.mark.parametrize("family", TINY_FAMILIES)
+@pytest.mark.parametrize("family", CONFIGS)
 def test_from_scratch_params_have_transformers_init_statistics(family, tmp_path):
-    config = dict(TINY_FAMILIES[family], initializer_range=STD)
+    config = dict(CONFIGS[family], initializer_range=STD)
     ours_tensors = ours_from_scratch(config, tmp_path / "ours")
     theirs_tensors = theirs_from_scratch(config, tmp_path / "theirs")
     assert set(ours_tensors) == set(theirs_tensors), set(ours_tensors) ^ set(theirs_tensors)

@@ -44,7 +44,6 @@ HARMLESS = frozenset({  # config.json keys that change nothing a forward pass co
 })
 UNHONOURED = frozenset({  # keys a decoder's transformers class reads that no family here honours
     "mlp_bias", "quantization_config",
-    "enable_moe_block", "top_k_experts",  # (Gemma 4's MoE block beside the MLP)
 })
 WINDOW_KEYS = frozenset({"layer_types", "sliding_window", "use_sliding_window"})
 OFF = (None, False, 0, [], {})
@@ -166,6 +165,22 @@ def gemma4_layers(config: dict, n: int) -> dict:
             "global_kv_heads": one.get("num_key_value_heads", 0)}
 
 
+GEMMA4_MOE = ("num_experts", "top_k_experts", "moe_intermediate_size")
+
+
+def gemma4_moe(config: dict, n: int) -> dict:
+    """Gemma 4's MoE block beside every layer's MLP (``enable_moe_block``): ``num_experts``
+    experts of ``moe_intermediate_size``, ``top_k_experts`` a token. Without the block,
+    transformers reads none of the three, nor does the zoo."""
+    if not config.get("enable_moe_block"):
+        return {}
+    if missing := [k for k in GEMMA4_MOE if not config.get(k)]:
+        raise ValueError(f"enable_moe_block needs {missing}.")
+    return {"moe_beside_mlp": True, **dict(zip(
+        ("n_experts", "experts_per_token", "moe_intermediate_size"),
+        (config[k] for k in GEMMA4_MOE)))}
+
+
 DERIVED = {
     "no_rope_layers": Derived(
         ("no_rope_layers", "no_rope_layer_interval"), nope_layers,
@@ -189,4 +204,9 @@ DERIVED = {
         lambda cfg: {"per_layer_config": {
             str(i): dict(zip(("head_dim", "num_key_value_heads"), cfg.attention_shape(i)))
             for i in range(cfg.num_hidden_layers) if not cfg.sliding(i)}}),
+    "gemma4_moe": Derived(
+        ("enable_moe_block", *GEMMA4_MOE), gemma4_moe,
+        lambda cfg: {"enable_moe_block": cfg.moe_beside_mlp, **(dict(zip(GEMMA4_MOE, (
+            cfg.n_experts, cfg.experts_per_token, cfg.moe_intermediate_size)))
+            if cfg.moe_beside_mlp else {})}),
 }

@@ -66,7 +66,7 @@ class DecoderLayer(nnx.Module):
             self.self_attn = LatentAttention(cfg, rngs) if cfg.kv_lora_rank else \
                 Attention(cfg, layer, rngs)
         wide = 2 if cfg.double_wide_mlp and cfg.kv_source(layer) is not None else 1
-        self.mlp = MoE(cfg.moe(), rngs) if cfg.sparse(layer) else \
+        self.mlp = MoE(cfg.moe(), rngs) if cfg.sparse(layer) and not cfg.moe_beside_mlp else \
             GatedMLP(cfg.hidden_size, wide * cfg.intermediate_size, cfg.hidden_act, rngs,
                      multipliers=cfg.mlp_multipliers)
         gemma4.add_layer_parts(self, cfg, rngs)
@@ -95,6 +95,8 @@ class DecoderLayer(nnx.Module):
         h, report = self.mlp(before_mlp(x)), {}
         if isinstance(self.mlp, MoE):
             h, report = h
+        if hasattr(self, "moe"):  # (Gemma 4: an MoE block beside the MLP)
+            h, report = gemma4.with_moe(self, x, h)
         x = gemma4.layer_output(self, self.cfg, x + self._scaled(after_mlp(h)), per_layer_input)
         return (x, layer_cache,
                 {k: v for k, v in report.items() if v.ndim == 0})
@@ -188,12 +190,12 @@ class DecoderModel(nnx.Module):
         return self.layers if self.runs is None else layer_scan.each_layer(self.layers, self.runs)
 
     def moe_weights(self) -> list:
-        """``(path, leaf)`` of the MoE blocks' params (none for a dense model; stacked ones
-        for stacked layers)."""
+        """``(path, leaf)`` of the MoE blocks' params (the MLP's, or Gemma 4's beside it; none
+        for a dense model; stacked ones for stacked layers)."""
         layers = self.layers.items() if self.runs is not None else enumerate(self.layers)
         return [(f"{i}/{path}", leaf) for i, layer in layers
-                if isinstance(layer.mlp, MoE)
-                for path, leaf in named_leaves(nnx.state(layer.mlp, nnx.Param))]
+                for block in (layer.mlp, getattr(layer, "moe", None)) if isinstance(block, MoE)
+                for path, leaf in named_leaves(nnx.state(block, nnx.Param))]
 
     def _document_lengths(self, segment_ids, allowed):
         """Each token's document length in packed rows, for a RoPE that depends on the length

@@ -57,7 +57,10 @@ attention and a gated MLP. What differs:
   the last ``kv_shared_layers`` layers reuse the keys and values of the last earlier layer of
   their type (``kv_source``), their MLPs twice as wide with ``double_wide_mlp``; per-layer
   input embeddings (``per_layer_input_size``, ``per_layer_vocab_size``) and a stored scalar on
-  each layer's output (``layer_scalar``).
+  each layer's output (``layer_scalar``); ``moe_beside_mlp`` (``enable_moe_block``, the
+  26B-A4B): every layer's dense MLP keeps its place and an MoE block of ``n_experts`` sits
+  beside it, the two outputs normed and summed (``gemma4.with_moe``); its router normed and
+  scaled, each chosen expert's weight times a learned scale (``moe.MoEConfig``).
 
 ``scan_layers`` is not the family's but the run's (no config.json key; ``from_pretrained(...,
 scan_layers=True)``): runs of like layers stored stacked and run under ``jax.lax.scan``
@@ -178,6 +181,7 @@ class DecoderConfig:
     per_layer_input_size: int = 0
     per_layer_vocab_size: int = 0
     layer_scalar: bool = False
+    moe_beside_mlp: bool = False  # Gemma 4's MoE block (module docstring)
     scan_layers: bool = False  # layers stored stacked, run under lax.scan (layer_scan); no config.json key
 
     def __post_init__(self):
@@ -228,7 +232,8 @@ class DecoderConfig:
         return self.layer_types is None or self.layer_types[layer] == families.SLIDING
 
     def sparse(self, layer: int) -> bool:
-        """Whether ``layer``'s MLP is a Mixture-of-Experts block."""
+        """Whether ``layer`` has a Mixture-of-Experts block: its MLP, or beside it
+        (``moe_beside_mlp``)."""
         return self.n_experts > 0 and layer not in self.mlp_only_layers and \
             (layer + 1) % self.decoder_sparse_step == 0 and layer >= self.first_k_dense_replace
 
@@ -246,7 +251,9 @@ class DecoderConfig:
                          swiglu_alpha=self.swiglu_alpha,
                          shared_expert_size=self.shared_expert_size,
                          shared_expert_gate=self.shared_expert_gate,
-                         expert_input_scaled=self.expert_input_scaled)
+                         expert_input_scaled=self.expert_input_scaled,
+                         router_norm=self.moe_beside_mlp, per_expert_scale=self.moe_beside_mlp,
+                         norm_eps=self.rms_norm_eps)
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":

@@ -17,7 +17,8 @@ Llama 4's ``use_qk_norm`` is its weightless L2 norm (``qk_norm="l2"``), its ``mo
 ``intermediate_size`` sizes the experts (and shared expert), ``intermediate_size_mlp`` the dense
 layers' MLPs (``redco_zoo_models.llama4_attention``).
 Gemma 4 (``gemma4_text``; ``redco_zoo_models.gemma4``): Gemma 3's layout with its own switches and
-``per_layer_config`` or ``global_head_dim`` for the full-attention layers (``config_keys``).
+``per_layer_config`` or ``global_head_dim`` for the full-attention layers, and its MoE block's
+keys (``enable_moe_block`` and the three it sizes) read as a whole (``config_keys``).
 OLMo 3, as Gemma 3, keeps a RoPE for each layer type (``rope_parameters`` keyed by type; its
 sliding layers take ``rope_theta`` where Gemma 3's take ``rope_local_base_freq``).
 
@@ -58,7 +59,7 @@ class Family:
     ignores: frozenset = frozenset()  # keys transformers' class of this family ignores too
     defaults: dict = dataclasses.field(default_factory=dict)  # config.json keys it may omit
     experts: str | None = None  # an MoE checkpoint's layout: qwen | mixtral | deepseek | gpt_oss
-    #                             | minimax (family_tensors)
+    #                             | minimax | qwen_next | llama4 | gemma4 (family_tensors)
     linear: str | None = None  # the mixer of layer_types' linear layers: mamba2 | gated_deltanet
     fused_delta_net: bool = False  # Qwen3-Next: in_proj_qkvz, in_proj_ba (family_tensors)
     derived: tuple = ()  # keys read through functions (config_keys.DERIVED)
@@ -258,7 +259,7 @@ FAMILIES = {
     "gemma4_text": Family(  # Gemma 3's norms without the offset, more (redco_zoo_models.gemma4)
         "Gemma4ForCausalLM", switches={**GEMMA, "norm_offset": 0.0, "qk_norm": "head",
                                        "v_norm": True, "attention_multiplier": 1.0,
-                                       "layer_scalar": True},
+                                       "layer_scalar": True, "norm_topk_prob": True},
         reads={"hidden_activation": ("hidden_act", "gelu_pytorch_tanh"),
                "final_logit_softcapping": ("final_softcap", None),
                "attention_bias": (("attention_bias", "o_proj_bias"), False),
@@ -267,7 +268,8 @@ FAMILIES = {
                "attention_k_eq_v": ("k_eq_v", False),
                "num_kv_shared_layers": ("kv_shared_layers", 0),
                "use_double_wide_mlp": ("double_wide_mlp", False)},
-        windows="gemma4", tied_default=True, derived=("gemma4_layers",),
+        windows="gemma4", tied_default=True, derived=("gemma4_layers", "gemma4_moe"),
+        experts="gemma4",
         defaults={"head_dim": 256, "sliding_window": 512, "rope_parameters": {
             SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
             FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25,

@@ -16,6 +16,11 @@ checkpoints do, so ``redco_safetensors.torch_name`` maps them; what differs, per
 * Llama 4 names its layers' MLP ``feed_forward`` (the zoo's ``mlp``), its router ``router`` and
   its shared MLP ``shared_expert``; its experts are stacked already, gate and up fused in one
   ``experts.gate_up_proj`` (experts, in, 2 x out), gate the first half.
+* Gemma 4's MoE block beside the MLP (the zoo's ``moe``) keeps its router and experts on the
+  layer: ``router.proj`` (the zoo's ``gate``), ``router.scale``, ``router.per_expert_scale``;
+  its experts stacked as PyTorch's linear weights, (experts, out, in), gate and up fused in one
+  ``experts.gate_up_proj`` (experts, 2 x out, in), gate the first half: turned to the zoo's
+  (experts, in, out) and split as Llama 4's.
 * gpt-oss stores its experts stacked already, as (experts, in, out), but its gate and up
   projections fused in one ``mlp.experts.gate_up_proj`` whose columns alternate (gate, up,
   gate, ...), and their biases so in ``gate_up_proj_bias``; its router is ``mlp.router``.
@@ -51,7 +56,8 @@ INTERLEAVED = {  # gpt-oss: a fused tensor -> the zoo's (even columns, odd colum
     "experts.gate_up_proj": ("experts.gate_proj", "experts.up_proj"),
     "experts.gate_up_proj_bias": ("experts.gate_proj_bias", "experts.up_proj_bias"),
 }
-HALVES = {"experts.gate_up_proj": ("experts.gate_proj", "experts.up_proj")}  # Llama 4's
+HALVES = {"experts.gate_up_proj": ("experts.gate_proj", "experts.up_proj")}  # Llama 4's, Gemma 4's
+OUT_IN = ("experts.gate_up_proj", "experts.down_proj")  # Gemma 4's: (experts, out, in)
 FUSED_DELTA_NET = ("in_proj_qkvz", "in_proj_ba")  # Qwen3-Next's, split into:
 SPLIT_DELTA_NET = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 QWEN_EXPERTS = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
@@ -63,6 +69,7 @@ EXPERTS = {  # layout -> (the block's checkpoint name, {the zoo's projection: th
     "minimax": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
     "qwen_next": ("mlp", QWEN_EXPERTS),
     "llama4": ("mlp", {}),  # stacked already (HALVES); its feed_forward is the zoo's mlp
+    "gemma4": ("", {}),  # stacked already (OUT_IN, HALVES), on the layer beside its mlp
 }
 RENAMED = {  # layout -> {the zoo's name in a block: the checkpoint's}
     "qwen": {"gate.weight": "gate.weight"}, "mixtral": {"gate.weight": "gate.weight"},
@@ -74,6 +81,9 @@ RENAMED = {  # layout -> {the zoo's name in a block: the checkpoint's}
                      for p in QWEN_EXPERTS}},
     "llama4": {"gate.weight": "router.weight", **{f"shared_experts.{p}.weight":
                                                   f"shared_expert.{p}.weight" for p in QWEN_EXPERTS}},
+    "gemma4": {"gate.weight": "router.proj.weight", "router_scale": "router.scale",
+               "per_expert_scale": "router.per_expert_scale",
+               "experts.down_proj": "experts.down_proj"},
 }
 
 
@@ -198,10 +208,12 @@ def _delta_nets(cfg, tensors: dict, names: tuple[str, ...], convert) -> dict:
 
 
 def _expert_names(cfg):
-    """``(layer's zoo prefix, its checkpoint prefix, projections)`` of every sparse layer."""
+    """``(the MoE block's zoo prefix, its checkpoint prefix, projections)`` of every sparse
+    layer (Gemma 4's block: the zoo's ``moe``, on the checkpoint's layer itself)."""
     block, projections = EXPERTS[FAMILIES[cfg.family].experts]
-    return [(f"model.layers.{i}.mlp", f"model.layers.{i}.{block}", projections)
-            for i in range(cfg.num_hidden_layers) if cfg.sparse(i)]
+    ours = "moe" if cfg.moe_beside_mlp else "mlp"
+    return [(f"model.layers.{i}.{ours}", ".".join(filter(None, (f"model.layers.{i}", block))),
+             projections) for i in range(cfg.num_hidden_layers) if cfg.sparse(i)]
 
 
 def _stacked_experts(cfg, tensors: dict) -> dict:
@@ -221,7 +233,10 @@ def _stacked_experts(cfg, tensors: dict) -> dict:
             for fused, (even, odd) in INTERLEAVED.items():
                 both = take(tensors, f"{theirs}.{fused}", cfg)
                 tensors[f"{ours}.{even}"], tensors[f"{ours}.{odd}"] = both[..., ::2], both[..., 1::2]
-        if layout == "llama4":
+        if layout == "gemma4":  # (experts, in, out), as the zoo's
+            tensors.update({f"{theirs}.{n}": np.swapaxes(take(tensors, f"{theirs}.{n}", cfg), 1, 2)
+                            for n in OUT_IN})
+        if layout in ("llama4", "gemma4"):
             for fused, halves in HALVES.items():
                 tensors.update(zip((f"{ours}.{h}" for h in halves),
                                    np.split(take(tensors, f"{theirs}.{fused}", cfg), 2, -1)))
@@ -244,10 +259,13 @@ def _unstacked_experts(cfg, tensors: dict) -> dict:
             for fused, (even, odd) in INTERLEAVED.items():
                 pair = (tensors.pop(f"{ours}.{even}"), tensors.pop(f"{ours}.{odd}"))
                 tensors[f"{theirs}.{fused}"] = np.stack(pair, -1).reshape(*pair[0].shape[:-1], -1)
-        if layout == "llama4":
+        if layout in ("llama4", "gemma4"):
             for fused, halves in HALVES.items():
                 tensors[f"{theirs}.{fused}"] = np.concatenate(
                     [tensors.pop(f"{ours}.{h}") for h in halves], -1)
         for name, stored in RENAMED[layout].items():
             tensors[f"{theirs}.{stored}"] = tensors.pop(f"{ours}.{name}")
+        if layout == "gemma4":  # (experts, out, in), as PyTorch's linear weights
+            tensors.update({f"{theirs}.{n}": np.swapaxes(tensors[f"{theirs}.{n}"], 1, 2)
+                            for n in OUT_IN})
     return tensors

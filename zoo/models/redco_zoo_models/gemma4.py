@@ -18,11 +18,21 @@ switches (``DecoderConfig``: norms scale by ``weight``, not ``1 + weight``; scor
 * KV sharing (``kv_shared_layers`` n): the last n layers compute no keys or values; each
   attends to those of the last earlier layer of its type (``kv_source``), whole: with a cache,
   that layer's cache. Their cache entries are empty; ``double_wide_mlp`` doubles their MLPs.
+* The MoE block (``enable_moe_block``, ``moe_beside_mlp``): beside every layer's dense MLP, the
+  shared ``redco_zoo_models.moe.MoE`` (``moe``) reads ``pre_feedforward_layernorm_2`` of the
+  residual stream ``x`` and routes on ``x`` itself (its router norms and scales it); the MLP's
+  output through ``post_feedforward_layernorm_1`` plus the block's through
+  ``post_feedforward_layernorm_2`` is what the layer's ``post_feedforward_layernorm`` then
+  norms (``with_moe``). Softmax routing, the top-k weights renormalised, then times each
+  expert's learned scale (the renormalisation, a factor per token, cancels in the norm of the
+  block's output: only the weights themselves show it). The checkpoint's ``router.proj``,
+  ``router.scale``, ``router.per_expert_scale`` and packed ``experts.gate_up_proj`` (experts,
+  2 x out, in; gate first) are split and renamed on import and fused back on export
+  (``family_tensors``).
 
-Not read yet, refused naming them (``config_keys``): the mixture-of-experts block beside the
-MLP (``enable_moe_block``) and bidirectional attention. Stacked layers (``scan_layers``) and
-context parallelism are refused with per-layer inputs or KV sharing (a layer reads another's
-keys, or its own slice of the per-layer inputs).
+Not read yet, refused naming it (``config_keys``): bidirectional attention. Stacked layers
+(``scan_layers``) and context parallelism are refused with per-layer inputs or KV sharing (a
+layer reads another's keys, or its own slice of the per-layer inputs).
 """
 from __future__ import annotations
 
@@ -31,6 +41,10 @@ from flax import nnx
 
 from redco import sequence_split
 from redco_zoo_models.layers import ACTIVATIONS, RMSNorm, embed
+from redco_zoo_models.moe import MoE
+
+MOE_NORMS = ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1",
+             "post_feedforward_layernorm_2")  # (the MoE block's input, each output's)
 
 
 def kv_source(cfg, layer: int) -> int | None:
@@ -102,6 +116,17 @@ def add_layer_parts(layer: nnx.Module, cfg, rngs: nnx.Rngs) -> None:
         layer.post_per_layer_input_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.norm_offset)
     if cfg.layer_scalar:
         layer.layer_scalar = nnx.Param(jnp.ones((1,), jnp.float32))
+    if cfg.moe_beside_mlp:
+        layer.moe = MoE(cfg.moe(), rngs)
+        for name in MOE_NORMS:
+            setattr(layer, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset))
+
+
+def with_moe(layer: nnx.Module, x, h):
+    """``(the dense MLP's output h and the MoE block's, each normed, summed; the block's
+    report)`` for the residual stream ``x`` (module docstring)."""
+    y, report = layer.moe(layer.pre_feedforward_layernorm_2(x), router_input=x)
+    return layer.post_feedforward_layernorm_1(h) + layer.post_feedforward_layernorm_2(y), report
 
 
 def layer_output(layer: nnx.Module, cfg, h, per_layer_input):

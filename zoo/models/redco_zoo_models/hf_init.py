@@ -8,7 +8,8 @@ router's bias from the same normal; DeepSeek-V3 zeroes the router's correction b
 DeltaNet layers (Qwen3-Next, Qwen3.5) set their gated norm and ``dt_bias`` to 1 and ``A_log`` to
 the log of ``U(0.01, 16)``. A Mamba2 layer's convolution is drawn as a linear weight; its
 ``dt_bias``, ``A_log`` and ``D`` keep the values the layer is built with
-(``redco_zoo_models.mamba2``: transformers' 1, log(1..H), 1). Flax's
+(``redco_zoo_models.mamba2``: transformers' 1, log(1..H), 1); Gemma 4 sets its layers'
+``layer_scalar`` and its MoE routers' ``scale`` and ``per_expert_scale`` to 1. Flax's
 defaults (LeCun-normal kernels, unit-variance embeddings) instead start a LLaMA's loss at about
 ``ln V + 1/2``, not ``ln V``.
 
@@ -35,10 +36,10 @@ RULES = (  # (pattern on the param's path, how it starts); the first that matche
     (r"(^|/)(kernel|embedding|sinks)$", NORMAL),
     (r"(^|/)conv1d/weight$", NORMAL),
     (r"(^|/)(dt_bias|A_log|D)$", KEEP),  # (Mamba2: as built)
-    (r"(^|/)layer_scalar$", ONES),  # (Gemma 4's)
+    (r"(^|/)(layer_scalar|router_scale|per_expert_scale)$", ONES),  # (Gemma 4's)
     (r"(^|/)experts/(gate|up|down)_proj$", NORMAL),  # stacked (experts, in, out)
     (r"(^|/)(bias|(gate|up|down)_proj_bias|balance_bias)$", ZEROS),
-    (r"norm/weight$", NORM_SCALE),
+    (r"norm(_\d)?/weight$", NORM_SCALE),  # (Gemma 4's MoE block's: layernorm_1, _2)
 )
 
 

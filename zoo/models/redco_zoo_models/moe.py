@@ -18,6 +18,10 @@ projection) and its experts' clamped SwiGLU (``swiglu_limit``, ``layers.glu``).
 ``top_k_sigmoid`` (Llama 4): the ``top_k`` largest logits, each weighted by its ``sigmoid``;
 with ``expert_input_scaled`` the weight scales the expert's *input*, ``E(w x)``, not its
 output (the experts are not linear: the two differ); a shared expert every token goes through.
+Gemma 4's router (``softmax``, renormalised) reads its own input (``router_input``: the
+residual stream, where the experts read its norm) RMS-normalised without a weight, times a
+learned ``router_scale`` per feature and ``hidden_size ** -0.5`` (``router_norm``); each chosen
+expert's weight is then multiplied by its learned ``per_expert_scale``.
 
 **Computing the experts.** Dropless (``capacity_factor=None``): the ``N * top_k`` (token, expert)
 pairs are sorted by expert and each expert's rows multiplied by its weights in one grouped
@@ -48,7 +52,7 @@ from flax import nnx
 
 from redco_zoo_models import expert_parallel, slots
 from redco_zoo_models.balancing import BalanceBias, sigmoid_choice
-from redco_zoo_models.layers import GatedMLP, glu
+from redco_zoo_models.layers import GatedMLP, glu, rms_normalized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +80,9 @@ class MoEConfig:
     shared_expert_size: int = 0  # Qwen3-Next: a shared expert of this size (over n_shared_experts)
     shared_expert_gate: bool = False  # ... its output scaled by sigmoid(shared_expert_gate(x))
     expert_input_scaled: bool = False  # Llama 4: the weight scales the expert's input
+    router_norm: bool = False  # Gemma 4: the router's input normed, scaled (module docstring) ...
+    per_expert_scale: bool = False  # ... and each chosen expert's weight times its own scale
+    norm_eps: float = 1e-6  # (the router's norm)
 
     def __post_init__(self):
         if self.router not in ("softmax", "sigmoid", "top_k_sigmoid"):
@@ -170,10 +177,18 @@ class MoE(nnx.Module):
             self.shared_experts = GatedMLP(cfg.hidden_size, shared, cfg.hidden_act, rngs)
         if cfg.shared_expert_gate:
             self.shared_expert_gate = nnx.Linear(cfg.hidden_size, 1, use_bias=False, rngs=rngs)
+        if cfg.router_norm:
+            self.router_scale = nnx.Param(jnp.ones(cfg.hidden_size, jnp.float32))
+        if cfg.per_expert_scale:
+            self.per_expert_scale = nnx.Param(jnp.ones(cfg.n_experts, jnp.float32))
 
     def route(self, tokens):
         """``(chosen (N, k) expert ids, weights (N, k), probs (N, E), logits (N, E))``."""
         cfg = self.cfg
+        if cfg.router_norm:  # (Gemma 4)
+            scale = self.router_scale[...] * cfg.hidden_size ** -0.5
+            tokens = (rms_normalized(tokens.astype(jnp.float32), cfg.norm_eps) * scale).astype(
+                tokens.dtype)
         logits = self.gate(tokens).astype(jnp.float32)
         if cfg.router == "softmax":
             probs = jax.nn.softmax(logits, axis=-1)
@@ -188,13 +203,17 @@ class MoE(nnx.Module):
                                              cfg.n_group, cfg.topk_group)
         if cfg.normalize_top_k:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        if cfg.per_expert_scale:
+            weights = weights * self.per_expert_scale[...][chosen]
         return chosen, weights * cfg.routed_scaling_factor, probs, logits
 
-    def __call__(self, x):
-        """``(y, aux)`` for ``x`` (..., H): the module docstring says what ``aux`` holds."""
+    def __call__(self, x, router_input=None):
+        """``(y, aux)`` for ``x`` (..., H), routed on ``router_input`` (x's shape; ``x`` when
+        not given): the module docstring says what ``aux`` holds."""
         cfg, shape = self.cfg, x.shape
         tokens = x.reshape(-1, shape[-1])
-        chosen, weights, probs, logits = self.route(tokens)
+        chosen, weights, probs, logits = self.route(
+            tokens if router_input is None else router_input.reshape(-1, shape[-1]))
         if (mesh := expert_parallel.current()) is not None:  # experts split over dp
             if cfg.expert_input_scaled:
                 raise ValueError("expert_input_scaled (Llama 4) does not run under expert "
