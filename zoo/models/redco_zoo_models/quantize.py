@@ -36,6 +36,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 FORMATS = ("nf4", "int8", "fp8")
 BLOCK = 64  # NF4: inputs per absmax
@@ -155,3 +156,10 @@ def dequantize(parts: Parts, fmt: str, dtype: Any = jnp.float32) -> jax.Array:
     """``W`` [in, out] (a stack's parts: [L, in, out]) in ``dtype`` from ``fmt``'s parts
     (traceable: done inside the step)."""
     return _per_layer(QUANTIZERS[fmt][1], parts["codes"].ndim - 2)(parts).astype(dtype)
+
+
+def part_spec(kernel_spec: P, ndim: int) -> P:
+    """A part's spec from its kernel's (of a stack: the layer axis's entry dropped): 2-D parts
+    as the kernel, a per-channel scale as its output dim, a scalar whole."""
+    entries = (tuple(kernel_spec) + (None,) * (2 - len(kernel_spec)))[-2:]
+    return P(*entries) if ndim == 2 else P(entries[1]) if ndim == 1 else P()

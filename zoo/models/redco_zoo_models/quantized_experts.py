@@ -15,7 +15,7 @@ plain ``moe.Experts`` of the dequantised weights: what an export writes.
 
 Sharding (``part_rules``): every part gets its weight's spec from the rules by name, the expert
 axis as the weight's (under ``+ep`` over ``dp``: the codes and their scales split together) and
-the [in, out] axes as ``quantized_linear.part_spec`` gives a kernel's parts. Given the mesh, a
+the [in, out] axes as ``quantize.part_spec`` gives a kernel's parts. Given the mesh, a
 dim of a part that does not divide by its mesh axes (NF4's few absmax scales per expert) is left
 whole, rather than the whole part replicated: the expert axis stays split.
 
@@ -132,8 +132,8 @@ def part_spec(weight_spec: P, shape: tuple[int, ...], mesh=None) -> P:
     """A part's spec from its weight's (E, in, out) spec: 3-D parts as the weight, a
     per-channel scale (E, out) as its experts and output dim, an offset (E,) as its experts;
     given ``mesh``, a dim that does not divide by its mesh axes left whole."""
-    entries = (tuple(weight_spec) + (None,) * 3)[:3]
-    spec = [entries[d] for d in {3: (0, 1, 2), 2: (0, 2), 1: (0,)}[len(shape)]]
+    experts, *kernel = (tuple(weight_spec) + (None,) * 3)[:3]
+    spec = [experts, *q.part_spec(P(*kernel), len(shape) - 1)]
     if mesh is not None:
         spec = [axes if shape[d] % math.prod(mesh.shape[a] for a in (
             (axes,) if isinstance(axes, str) else axes or ())) == 0 else None

@@ -129,13 +129,6 @@ def quantized_layers(model: nnx.Module) -> list[tuple[str, QuantizedLinear]]:
             if path and isinstance(m, QuantizedLinear)]
 
 
-def part_spec(kernel_spec: P, ndim: int) -> P:
-    """A part's spec from its kernel's (of a stack: the layer axis's entry dropped): 2-D parts
-    as the kernel, a per-channel scale as its output dim, a scalar whole."""
-    entries = (tuple(kernel_spec) + (None,) * (2 - len(kernel_spec)))[-2:]
-    return P(*entries) if ndim == 2 else P(entries[1]) if ndim == 1 else P()
-
-
 def sharding_rules(model: nnx.Module, deployer, first=()) -> list[tuple[str, P]]:
     """Rules putting every quantised kernel's (and expert weight's) parts where ``first`` (rules
     the caller puts before the deployer's, e.g. expert parallelism's) or else the deployer's
@@ -149,7 +142,7 @@ def sharding_rules(model: nnx.Module, deployer, first=()) -> list[tuple[str, P]]
 
 def part_rules(model: nnx.Module, by_name: list[tuple[str, P]]) -> list[tuple[str, P]]:
     """Rules giving each part of every ``QuantizedLinear`` of ``model`` (real or abstract, from
-    ``nnx.eval_shape``) its kernel's spec in the rules by name ``by_name`` (``part_spec``); a
+    ``nnx.eval_shape``) its kernel's spec in the rules by name ``by_name`` (``quantize.part_spec``); a
     stack's parts one layer's spec (``redco.sharding`` puts the layer axis in front, whole)."""
     rules = []
     for path, layer in quantized_layers(model):
@@ -158,5 +151,5 @@ def part_rules(model: nnx.Module, by_name: list[tuple[str, P]]) -> list[tuple[st
         for name in layer.part_names:
             value = getattr(layer, layer.param_name(name)).get_value()
             rules.append((f"^{re.escape(path)}/{layer.param_name(name)}$",
-                          part_spec(spec, value.ndim - stacked)))
+                          q.part_spec(spec, value.ndim - stacked)))
     return rules
