@@ -66,10 +66,13 @@ HERE = Path(__file__).resolve().parent
 
 
 # ---- the walk: plan's candidates in order, the first that fits ---------------------------------
-def candidates(n_devices: int, policies: list[str]) -> list[tuple[int, str, str]]:
-    """``(mp, rule set, remat)`` in ``plan``'s order for ``n_devices`` (no context parallelism)."""
-    from redco_planner.planner import split_degrees
+def candidates(n_devices: int, policies: list[str], experts: bool = False
+               ) -> list[tuple[int, str, str]]:
+    """``(mp, rule set, remat)`` in ``plan``'s order for ``n_devices`` (no context parallelism;
+    for a model with ``experts``, each rule set's expert-parallel variant in its place)."""
+    from redco_planner.planner import expert_parallel_variants, split_degrees
     rule_sets = ("auto",) if n_devices == 1 else ("auto", "auto+fsdp")
+    rule_sets = expert_parallel_variants(rule_sets) if experts else rule_sets
     return [(mp, name, policy) for mp, _ in split_degrees(n_devices)
             for name in rule_sets for policy in policies]
 
@@ -150,12 +153,14 @@ class Worker:
         import jax.numpy as jnp
         import optax
 
+        from redco.builtins.rules import has_experts
         from redco.sharding import dataflow_trace
         from redco_planner.planner import REMAT_POLICIES, effective_policies
         for lever in levers:
             params, loss, trainable, overrides = lever_parts(self.model, lever, self.rank)
             total = total_state_bytes(params, trainable)
-            self.save(f"{self.name}|{lever}|state", {"bytes": total})
+            experts = has_experts(params)
+            self.save(f"{self.name}|{lever}|state", {"bytes": total, "experts": experts})
             if states_only:
                 continue
             trace_fn = dataflow_trace(loss, self.batch)
@@ -168,7 +173,7 @@ class Worker:
                 if total / n > usable(memory):
                     log(f"{self.name} {lever} {hardware}: the state alone does not fit")
                     continue
-                result = walk(candidates(n, policies), usable(memory),
+                result = walk(candidates(n, policies, experts), usable(memory),
                               lambda cand, limit: self.entry(cand, limit, ctx))
                 log(f"{self.name} {lever} {hardware}: {describe(result)}")
 
@@ -271,7 +276,7 @@ def cell(cache: dict, model: str, lever: str, hardware: str) -> str:
         return "not run"
     if state["bytes"] / n > usable(memory):
         return describe({"state_only": True, "floor": state["bytes"] / n})
-    cands = candidates(n, list(REMAT_POLICIES))
+    cands = candidates(n, list(REMAT_POLICIES), state.get("experts", False))
 
     def entry(cand, limit):
         found = cache.get(key(model, lever, n, cand))

@@ -24,7 +24,8 @@ MODEL_HELP = ("llama-tiny, llama-1b, llama-7b, llama-13b, llama-30b, llama-65b; 
               "llama-3.1-70b, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-14b, qwen3-32b, "
               "gemma-3-1b, gemma-3-4b, gemma-3-12b, gemma-3-27b, phi-4-mini, mixtral-8x7b, "
               "qwen3-30b-a3b, deepseek-v3, gpt-oss-20b, qwen3.5-27b, qwen3.5-35b-a3b, "
-              "qwen3-next-80b-a3b, olmo-3-7b, olmo-3-32b, glm-4.5-air; or module:function "
+              "qwen3-next-80b-a3b, olmo-3-7b, olmo-3-32b, glm-4.5-air, llama-4-scout, "
+              "gemma-4-31b, gemma-4-26b-a4b; or module:function "
               "returning params, (params, trace_fn) or (params, trace_fn, loss_fn)")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 SCAN_HELP = ("the zoo decoder's layers stored stacked and run under jax.lax.scan "

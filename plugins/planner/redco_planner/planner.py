@@ -247,8 +247,12 @@ def search_lora(search: Search, model: LoraModel, batch_abstract, rank: int,
 def with_expert_parallel(rule_sets: Sequence[str], params_abstract) -> list[str]:
     """``rule_sets`` with, for a model with experts (``redco.builtins.rules.has_experts``),
     each one's expert-parallel variant (``EXPERT_PARALLEL``, in that order) in its place."""
-    if not has_experts(params_abstract):
-        return list(rule_sets)
+    return expert_parallel_variants(rule_sets) if has_experts(params_abstract) \
+        else list(rule_sets)
+
+
+def expert_parallel_variants(rule_sets: Sequence[str]) -> list[str]:
+    """``rule_sets`` with each one's expert-parallel variant (``EXPERT_PARALLEL``) in its place."""
     return list(dict.fromkeys(name for base in rule_sets
                               for name in EXPERT_PARALLEL.get(base, (base,))))
 

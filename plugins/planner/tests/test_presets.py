@@ -29,7 +29,8 @@ from redco_zoo_models.runner import load_model as zoo_load_model
 # gpt-oss-20b 20,914,757,184 (the card's 20.91B); Qwen3.5-27B 26,895,998,464 and 35B-A3B
 # 34,660,610,688 (language models; the cards' 27B and 35B add the vision tower), Qwen3-Next
 # 79,674,391,296 (80B), OLMo 3 7,298,011,136 and 32,233,522,176, GLM-4.5-Air 106,852,251,264
-# (106B).
+# (106B), Llama-4-Scout 107,769,861,120 (the card's 109B has the vision tower), Gemma 4 31B
+# 30,201,888,572 and 26B-A4B 25,175,468,062 (the cards' 30.7B and 25.2B).
 
 
 def count(config: dict) -> int:
@@ -97,6 +98,12 @@ def test_the_presets_carry_their_families_switches():
     assert (olmo.rope.kind, olmo.local_rope.kind, olmo.norm_layout) == ("yarn", "default", "post")
     glm = DecoderConfig.from_hf(PRESETS["glm-4.5-air"])
     assert (glm.rope.rotary_dim, glm.attention_bias, glm.first_k_dense_replace) == (64, True, 1)
+    scout = DecoderConfig.from_hf(PRESETS["llama-4-scout"])
+    assert (scout.nope_layers[:2], scout.n_experts, scout.rope.get("factor")) == ((3, 7), 16, 16.0)
+    assert all(scout.sparse(i) for i in range(48)) and scout.qk_norm == "l2"
+    gemma4 = DecoderConfig.from_hf(PRESETS["gemma-4-26b-a4b"])
+    assert [gemma4.sliding(i) for i in range(6)] == [True] * 5 + [False]
+    assert (gemma4.k_eq_v, gemma4.n_experts, gemma4.sliding_window) == (True, 128, 1024)
 
 
 def test_redco_plan_plans_a_preset(capsys):

@@ -13,7 +13,7 @@ presets are the ``gemma3_text`` decoders.
 
 The older ``llama-1b`` ... ``llama-65b`` shapes (``LlamaConfig`` fields, not ``config.json``
 contents) stay in ``redco_zoo_models.llama.LLAMA_PRESETS``; the families of late 2026 (Qwen3.5,
-Qwen3-Next, OLMo 3, GLM-4.5-Air) are written in ``presets_2026``.
+Qwen3-Next, OLMo 3, GLM-4.5-Air, Llama 4 Scout, Gemma 4) are written in ``presets_2026``.
 """
 from __future__ import annotations
 
@@ -191,6 +191,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "olmo-3-7b": presets_2026.olmo3(4096, 11008, 32, 32, 32),
     "olmo-3-32b": presets_2026.olmo3(5120, 27648, 64, 40, 8),
     "glm-4.5-air": presets_2026.glm_4_5_air(),
+    "llama-4-scout": presets_2026.llama_4_scout(),
+    "gemma-4-31b": presets_2026.gemma4(5376, 21504, 60, 32, 16, 4),
+    "gemma-4-26b-a4b": presets_2026.gemma4(2816, 2112, 30, 16, 8, 2, num_experts=128,
+                                           top_k_experts=8, moe_intermediate_size=704),
 }
 
 PUBLISHED_PARAMS: dict[str, float] = {  # name -> parameters, as the publisher counts them
@@ -208,6 +212,9 @@ PUBLISHED_PARAMS: dict[str, float] = {  # name -> parameters, as the publisher c
     # GLM-4.5-Air's card: 106B total.
     "qwen3.5-27b": 27e9, "qwen3.5-35b-a3b": 35e9, "qwen3-next-80b-a3b": 80e9,
     "olmo-3-7b": 7.30e9, "olmo-3-32b": 32.2e9, "glm-4.5-air": 106e9,
+    # Llama 4 Scout's and Gemma 4's cards count their vision towers too (Scout: 109B total;
+    # Gemma 4: 30.7B and 25.2B); these presets are the language models.
+    "llama-4-scout": 109e9, "gemma-4-31b": 30.7e9, "gemma-4-26b-a4b": 25.2e9,
 }
 
 

@@ -11,6 +11,14 @@ conventions of ``redco_zoo_models.presets``, which lists them with the others).
 * GLM-4.5-Air: grouped-query attention with biases and RoPE on half of each head, the first
   layer dense, then 128 routed experts (8 a token, sigmoid routing) and one shared; the hub's
   multi-token-prediction layer is dropped, as on import.
+* Llama-4-Scout (the language model of the image-text checkpoint): every layer's MLP 16 experts
+  (one a token, sigmoid routing) beside a shared expert; three chunked-attention RoPE layers to
+  one global NoPE layer with attention temperature tuning.
+* Gemma 4 31B (dense) and 26B-A4B (a dense MLP beside 128 experts of 704, 8 a token, in every
+  layer): five sliding layers (1,024 tokens) to one full layer whose heads are 512 wide, fewer
+  (``num_global_key_value_heads``) and share keys and values (``attention_k_eq_v``). Their
+  language models, as Qwen3.5's: the hub's ``text_config`` without the vision tower. The small
+  sizes (E2B, E4B: per-layer inputs, shared key/value layers) load, but have no preset here.
 """
 from __future__ import annotations
 
@@ -102,3 +110,44 @@ def glm_4_5_air() -> dict[str, Any]:
             "first_k_dense_replace": 1, "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
             "routed_scaling_factor": 1.0, "tie_word_embeddings": False,
             "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338]}
+
+
+def llama_4_scout() -> dict[str, Any]:
+    """Llama-4-Scout-17B-16E's language model: 48 layers of 5,120, 40 query and 8 KV heads of
+    128, experts of 8,192 and a shared expert of 8,192 in every layer, a 202,048-token vocab."""
+    return {"model_type": "llama4_text", "architectures": ["Llama4ForCausalLM"],
+            "vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,
+            "intermediate_size_mlp": 16384, "num_hidden_layers": 48,
+            "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+            "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 10485760,
+            "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
+            "no_rope_layer_interval": 4, "attention_chunk_size": 8192, "use_qk_norm": True,
+            "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+            "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                                "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                                "original_max_position_embeddings": 8192},
+            "attention_bias": False, "tie_word_embeddings": False,
+            "pad_token_id": 200018, "bos_token_id": 200000, "eos_token_id": [200001, 200007,
+                                                                            200008]}
+
+
+def gemma4(hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, global_kv_heads: int,
+           **moe: Any) -> dict[str, Any]:
+    """Gemma 4's larger language models (no per-layer inputs, no shared key/value layers):
+    256-wide sliding heads, 512-wide full heads whose keys are their values."""
+    return {"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"],
+            "vocab_size": 262144, "hidden_size": hidden, "intermediate_size": ffn,
+            "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "num_global_key_value_heads": global_kv_heads,
+            "head_dim": 256, "global_head_dim": 512, "attention_k_eq_v": True,
+            "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 262144, "sliding_window": 1024,
+            "layer_types": [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(layers)],
+            "rope_parameters": {
+                SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                       "rope_theta": 1000000.0}},
+            "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 0,
+            "num_kv_shared_layers": 0, "use_double_wide_mlp": False, "attention_bias": False,
+            "tie_word_embeddings": True, "enable_moe_block": bool(moe), **moe,
+            "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": [1, 106]}
