@@ -50,6 +50,7 @@ MODEL_CLASSES = {  # config.json's model_type -> the zoo class that reads it
 IMAGE_TEXT_CLASSES = {  # a multimodal model_type read as its language model unless images=True
     "qwen3_5": "redco_zoo_models.qwen_vl:Qwen3_5VLForConditionalGeneration",
     "qwen3_5_moe": "redco_zoo_models.qwen_vl:Qwen3_5MoeVLForConditionalGeneration",
+    "gemma4": "redco_zoo_models.gemma4_vision:Gemma4ForConditionalGeneration",
 }
 
 
@@ -62,7 +63,7 @@ def auto_class(model_dir: str, images: bool = False) -> type[nnx.Module]:
 
 def class_of(config: dict, where: str, images: bool = False) -> type[nnx.Module]:
     """The zoo class for a ``config.json``'s contents (by its ``model_type``), found in
-    ``where`` (named in the error). A Qwen3.5 checkpoint with a vision tower is read as its
+    ``where`` (named in the error). A Qwen3.5 or Gemma 4 checkpoint with a vision tower is read as its
     language model (a decoder: text runs, scanned layers, quantised bases), or with ``images``
     as the image + text model (``IMAGE_TEXT_CLASSES``)."""
     model_type = config.get("model_type")
@@ -211,7 +212,8 @@ def save_pretrained(model: nnx.Module, model_dir: str) -> None:
         tensors[name] = array if perm is None else array.transpose(perm)
     if hasattr(model, "hf_tensors_out"):
         tensors = model.hf_tensors_out(tensors)
-    tensors = {name: np.ascontiguousarray(t) for name, t in tensors.items()}
+    tensors = {name: np.ascontiguousarray(t).reshape(np.shape(t))  # (a 0-d one stays 0-d)
+               for name, t in tensors.items()}
     save_file(tensors, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
     config = model.cfg.to_hf()
     with open(os.path.join(model_dir, "config.json"), "w") as f:
