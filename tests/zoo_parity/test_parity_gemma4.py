@@ -5,6 +5,8 @@ own key/value heads, the 26B-A4B's layout (the MoE block, no per-layer inputs or
 its layers stacked, against transformers' ``Gemma4ForCausalLM``; and what is refused before
 compiling. Gemma 4 with images (``Gemma4ForConditionalGeneration``'s vision tower: patches of
 any aspect padded, 2-D RoPE, pooling, the projector) on its image processor's output."""
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ from redco.tree_paths import named_leaves
 from redco_zoo_models import from_pretrained, save_pretrained
 from redco_zoo_models.decoder_config import DecoderConfig
 from redco_zoo_models.engine import Engine
-from redco_zoo_models.gemma4_vision import Gemma4ForConditionalGeneration
+from redco_zoo_models.gemma4_vision import Gemma4ForConditionalGeneration, Gemma4VisionConfig
 from redco_zoo_models.generation import generate
 from redco_zoo_models.hf import auto_class
 from redco_zoo_models.toy import TINY_FAMILIES
@@ -180,6 +182,16 @@ def test_gemma4_with_images_logits_greedy_tokens_and_export_match_transformers(t
     with pytest.raises(NotImplementedError, match="image_position_ids"):
         Engine(ours, nnx.state(ours, nnx.Param), max_len=256)
     assert "does not train it yet" in ours.untrained()
+    check_refusals(json.loads((tmp_path / "theirs" / "config.json").read_text()))
+
+
+def check_refusals(config: dict):
+    """An audio tower, and a text config whose every token sees both ways, are refused."""
+    with pytest.raises(ValueError, match="not audio yet"):
+        Gemma4VisionConfig.from_hf({**config, "audio_config": {"hidden_size": 8}})
+    with pytest.raises(ValueError, match="use_bidirectional_attention 'all'"):
+        Gemma4VisionConfig.from_hf({**config, "text_config": {
+            **config["text_config"], "use_bidirectional_attention": "all"}})
 
 
 def torch_logits_of(model, batch):

@@ -12,6 +12,9 @@ patches and 2-D rotary (``redco_zoo_models.qwen_vision``) with these differences
   ``deepstack_visual_indexes`` a merger of its own (its LayerNorm over the concatenated block)
   makes one more feature per image token; the language model adds them to its hidden states at
   the image tokens after its first layers (``redco_zoo_models.qwen_vl``).
+
+Qwen3.5's tower (``Qwen3_5VisionConfig``) is this one without DeepStack (no
+``deepstack_visual_indexes`` in its config, none written back).
 """
 from __future__ import annotations
 
