@@ -3,17 +3,25 @@ sharing, proportional RoPE, full layers of their own head size, the MoE block be
 MLP): full layers whose values are their keys' projection (``attention_k_eq_v``) with their
 own key/value heads, the 26B-A4B's layout (the MoE block, no per-layer inputs or sharing) with
 its layers stacked, against transformers' ``Gemma4ForCausalLM``; and what is refused before
-compiling."""
+compiling. Gemma 4 with images (``Gemma4ForConditionalGeneration``'s vision tower: patches of
+any aspect padded, 2-D RoPE, pooling, the projector) on its image processor's output."""
+import json
+
+import jax
 import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import close, jiggle_torch, load_hf, transformers
+from parity import close, hf_greedy, jiggle_torch, load_hf, transformers
+from PIL import Image
 from test_parity_families import ATOL, FAMILIES, jitted, random_buffers, torch_logits
 
 from redco.tree_paths import named_leaves
 from redco_zoo_models import from_pretrained, save_pretrained
 from redco_zoo_models.decoder_config import DecoderConfig
+from redco_zoo_models.engine import Engine
+from redco_zoo_models.gemma4_vision import Gemma4ForConditionalGeneration, Gemma4VisionConfig
+from redco_zoo_models.generation import generate
 from redco_zoo_models.hf import auto_class
 from redco_zoo_models.toy import TINY_FAMILIES
 
@@ -96,3 +104,108 @@ def test_the_multimodal_checkpoints_text_part_gives_transformers_logits(tmp_path
     with torch.no_grad():
         want = theirs(input_ids=torch.tensor(ids)).logits.numpy()
     close(jitted(ours)(ids), want, ATOL["gemma4"])
+
+
+IMAGE, BOI, EOI = 60, 58, 59
+VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=8, patch_size=4, position_embedding_size=64,
+              pooling_kernel_size=3, standardize=True, use_clipped_linears=True)
+
+
+def image_batch() -> dict:
+    """Two left-padded rows, one image each (24 x 40 and 36 x 20 pixels: 60 and 66 soft tokens
+    of the processor's 70, so the patches are padded), as Gemma 4's image processor makes them;
+    ``mm_token_type_ids`` 1 at the image tokens."""
+    rng = np.random.RandomState(3)
+    images = [Image.fromarray((rng.rand(h, w, 3) * 255).astype(np.uint8))
+              for h, w in ((24, 40), (36, 20))]
+    out = transformers.Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70,
+                                               pooling_kernel_size=3)(images, return_tensors="np")
+    n = out["num_soft_tokens_per_image"]
+    rows = [[2, 5, BOI, *[IMAGE] * n[0], EOI, 7, 9], [BOI, *[IMAGE] * n[1], EOI, 4]]
+    width = max(map(len, rows))
+    ids = np.array([[0] * (width - len(r)) + r for r in rows])
+    return {"input_ids": ids, "attention_mask": (np.arange(width) >= width - np.array(
+        [len(r) for r in rows])[:, None]).astype(np.int64), "pixel_values": out["pixel_values"],
+        "image_position_ids": out["image_position_ids"], "mm_token_type_ids": (ids == IMAGE) * 1}
+
+
+def gemma4_with_images():
+    """transformers' tiny Gemma 4 with a vision tower (clipped linears and standardised soft
+    tokens, their bounds and scales drawn here), image tokens both ways in sliding layers."""
+    text = dict({k: v for k, v in FAMILIES["gemma4"].items() if k != "model_type"},
+                max_position_embeddings=256, use_bidirectional_attention="vision")
+    config = transformers.Gemma4Config(text_config=text, audio_config=None, vision_config=VISION,
+                                       image_token_id=IMAGE, boi_token_id=BOI, eoi_token_id=EOI)
+    torch.manual_seed(5)
+    theirs = random_buffers(jiggle_torch(transformers.Gemma4ForConditionalGeneration(config)))
+    with torch.no_grad():
+        for name, buffer in theirs.named_buffers():
+            if name.endswith(("_min", "_max")):
+                buffer.fill_((1.0 if name.endswith("_max") else -1.0) * (2 + torch.rand(()).item()))
+            elif name.endswith(("std_bias", "std_scale")):
+                buffer.copy_(torch.randn_like(buffer) * 0.3 + name.endswith("std_scale"))
+    return theirs
+
+
+def test_gemma4_with_images_logits_greedy_tokens_and_export_match_transformers(tmp_path):
+    """Gemma 4's tower (padded patches of two aspects, 2-D RoPE, q/k/v norms, clipped linears,
+    k x k pooling, standardisation) and projector on its image processor's output, the soft
+    tokens placed in order, image tokens both ways in the sliding layers only, per-layer inputs
+    of the pad token at them: fp32 logits (``ATOL``), the soft tokens to 1e-5 of their scale,
+    greedy tokens, an export transformers loads back; ``auto_class`` without ``images`` reads
+    the language model, and the serving engine and SFT refuse it, naming why."""
+    batch, theirs = image_batch(), gemma4_with_images()
+    theirs.save_pretrained(str(tmp_path / "theirs"))
+    assert auto_class(str(tmp_path / "theirs")).__name__ == "DecoderLM"
+    ours = from_pretrained(auto_class(str(tmp_path / "theirs"), images=True),
+                           str(tmp_path / "theirs"))
+    assert isinstance(ours, Gemma4ForConditionalGeneration) and ours.bidirectional_images
+    graphdef, state = nnx.split(ours)
+    forward = jax.jit(lambda state, *a: nnx.merge(graphdef, state)(*a))
+    inputs = [batch[k] for k in ("input_ids", "attention_mask", "pixel_values",
+                                 "image_position_ids")]
+    ours.check_tokens(batch["input_ids"], batch["image_position_ids"])
+    valid = batch["attention_mask"] > 0
+    got = np.asarray(forward(state, *inputs))[valid]
+    close(got, torch_logits_of(theirs, batch)[valid], ATOL["gemma4"])
+    with torch.no_grad():
+        want = torch.cat(theirs.get_image_features(
+            torch.tensor(batch["pixel_values"]),
+            torch.tensor(batch["image_position_ids"])).pooler_output).numpy()
+    features = np.asarray(ours.encode(batch["pixel_values"], batch["image_position_ids"]))
+    assert np.abs(features[:len(want)] - want).max() <= 1e-5 * np.abs(want).max()
+    check_images_greedy(ours, theirs, batch)
+    save_pretrained(ours, str(tmp_path / "ours"))
+    back = load_hf(transformers.Gemma4ForConditionalGeneration, tmp_path / "ours")
+    close(got, torch_logits_of(back, batch)[valid], ATOL["gemma4"])
+    with pytest.raises(NotImplementedError, match="image_position_ids"):
+        Engine(ours, nnx.state(ours, nnx.Param), max_len=256)
+    assert "does not train it yet" in ours.untrained()
+    check_refusals(json.loads((tmp_path / "theirs" / "config.json").read_text()))
+
+
+def check_refusals(config: dict):
+    """An audio tower, and a text config whose every token sees both ways, are refused."""
+    with pytest.raises(ValueError, match="not audio yet"):
+        Gemma4VisionConfig.from_hf({**config, "audio_config": {"hidden_size": 8}})
+    with pytest.raises(ValueError, match="use_bidirectional_attention 'all'"):
+        Gemma4VisionConfig.from_hf({**config, "text_config": {
+            **config["text_config"], "use_bidirectional_attention": "all"}})
+
+
+def torch_logits_of(model, batch):
+    with torch.no_grad():
+        return model(**{k: torch.tensor(v) for k, v in batch.items()}).logits.numpy()
+
+
+def check_images_greedy(ours, theirs, batch):
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    got = jax.jit(lambda params, ids, mask, pixels, places: generate(
+        ours, params, ids, 6, prompt_mask=mask, eos_token_id=63, pad_token_id=0,
+        encoder_inputs={"pixel_values": pixels, "image_position_ids": places}))(
+        nnx.state(ours, nnx.Param), ids, mask, batch["pixel_values"], batch["image_position_ids"])
+    want = hf_greedy(theirs, ids, ids.shape[1], 6, 63, 0, attention_mask=mask,
+                     **{k: batch[k] for k in ("pixel_values", "image_position_ids",
+                                              "mm_token_type_ids")})
+    np.testing.assert_array_equal(np.asarray(got), want)

@@ -5,7 +5,9 @@ image processor on two PIL images of different sizes drawn here, a word-level to
 here) give the same float32 logits, the same greedy tokens, and an export transformers loads
 back. M-RoPE's positions are checked against transformers' ``get_rope_index``, the tower's
 window ids against transformers' window order. Qwen3-VL (learned positions, DeepStack,
-interleaved M-RoPE, a Qwen3 decoder) likewise on a real ``Qwen3VLProcessor``'s inputs."""
+interleaved M-RoPE, a Qwen3 decoder) likewise on a real ``Qwen3VLProcessor``'s inputs, and
+Qwen3.5 (that tower without DeepStack over the Gated DeltaNet hybrid, M-RoPE on part of each
+attention head) on the same inputs."""
 import json
 
 import jax.numpy as jnp
@@ -31,8 +33,13 @@ from redco_zoo_models.generation import generate
 from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
 from redco_zoo_models.mrope import rope_index
 from redco_zoo_models.qwen_vision import patch_layout
-from redco_zoo_models.qwen_vl import Qwen3VLForConditionalGeneration, QwenVLForConditionalGeneration
+from redco_zoo_models.qwen_vl import (
+    Qwen3_5VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
+    QwenVLForConditionalGeneration,
+)
 from redco_zoo_models.qwen_vl_config import QwenVLConfig
+from redco_zoo_models.toy import TINY_FAMILIES
 
 WORDS = ["<pad>", "<unk>", "<bos>", "what", "is", "in", "this", "picture", "?", "and"]
 START, END, IMAGE, VIDEO, EOS = 58, 59, 60, 61, 63
@@ -223,12 +230,17 @@ def qwen3_config():
                                       vision_start_token_id=START, vision_end_token_id=END)
 
 
-def test_qwen3_vl_logits_greedy_tokens_and_export_match_transformers(tmp_path):
+@pytest.fixture(scope="module")
+def batch3() -> dict:
+    return processed(images_only(transformers.Qwen3VLProcessor))
+
+
+def test_qwen3_vl_logits_greedy_tokens_and_export_match_transformers(tmp_path, batch3):
     """Qwen3-VL (learned positions resampled to each grid, DeepStack after decoder layers 0
     and 1, interleaved M-RoPE, Qwen3's q/k norms) on a real ``Qwen3VLProcessor``'s inputs:
     fp32 logits within 1e-4, the features and both DeepStack sets to 1e-5 of their scale, greedy
     tokens, and an export transformers loads back with the same logits."""
-    batch = processed(images_only(transformers.Qwen3VLProcessor))
+    batch = batch3
     theirs = jiggle_torch(transformers.Qwen3VLForConditionalGeneration(qwen3_config()))
     ours = from_pretrained(auto_class(saved(theirs, tmp_path / "theirs")),
                            str(tmp_path / "theirs"))
@@ -247,3 +259,61 @@ def test_qwen3_vl_logits_greedy_tokens_and_export_match_transformers(tmp_path):
     save_pretrained(ours, str(tmp_path / "ours"))
     back = load_hf(transformers.Qwen3VLForConditionalGeneration, tmp_path / "ours")
     close(ours_logits(ours, batch)[valid], theirs_logits(back, batch)[valid])
+
+
+VISION3_5 = {k: v for k, v in VISION3.items() if k != "deepstack_visual_indexes"}
+TEXT3_5 = dict(TINY_FAMILIES["qwen3.5"], head_dim=16, rope_parameters={  # (8 of 16 turn: 4 pairs)
+    "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+    "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+
+
+def test_qwen3_5_logits_greedy_tokens_and_export_match_transformers(tmp_path, batch3):
+    """Qwen3.5 (Qwen3-VL's tower without DeepStack, the Gated DeltaNet hybrid decoder whose
+    attention layer turns half of each head by interleaved M-RoPE) on the Qwen3-VL processor's
+    inputs: fp32 logits within 1e-4, the features to 1e-5 of their scale, greedy tokens, an
+    export transformers loads back with the same logits; its checkpoint is read as its language
+    model unless images are asked for, and the serving engine refuses it, naming why."""
+    theirs = jiggle_torch(transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(
+        vision_config=VISION3_5, text_config=TEXT3_5, image_token_id=IMAGE,
+        video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)))
+    path = saved(theirs, tmp_path / "theirs")
+    assert auto_class(path).__name__ == "DecoderLM"  # (test_parity_gated_deltanet: text alone)
+    ours = from_pretrained(auto_class(path, images=True), path)
+    assert isinstance(ours, Qwen3_5VLForConditionalGeneration) and not ours.cfg.vision.DEEPSTACK
+    valid = batch3["attention_mask"] > 0
+    close(ours_logits(ours, batch3)[valid], theirs_logits(theirs, batch3)[valid])
+    with torch.no_grad():
+        want = torch.cat(theirs.get_image_features(
+            torch.tensor(batch3["pixel_values"]),
+            torch.tensor(batch3["image_grid_thw"])).pooler_output).numpy()
+    got, deep = ours.image_features(jnp.asarray(batch3["pixel_values"]), batch3["image_grid_thw"])
+    assert deep == [] and np.abs(np.asarray(got) - want).max() <= 1e-5 * np.abs(want).max()
+    check_greedy(ours, theirs, batch3)
+    with pytest.raises(NotImplementedError, match="M-RoPE positions come from each prompt's"):
+        Engine(ours, nnx.state(ours, nnx.Param), max_len=64)
+    save_pretrained(ours, str(tmp_path / "ours"))
+    back = load_hf(transformers.Qwen3_5ForConditionalGeneration, tmp_path / "ours")
+    text = back.config.text_config
+    assert (text.rope_parameters["mrope_section"], text.layer_types) == ([2, 1, 1],
+                                                                         TEXT3_5["layer_types"])
+    close(ours_logits(ours, batch3)[valid], theirs_logits(back, batch3)[valid])
+
+
+def test_qwen3_5_moe_checkpoint_round_trips_through_the_zoo(tmp_path):
+    """Qwen3.5's MoE (``qwen3_5_moe``: the same wiring, test above, over the MoE hybrid, whose
+    logits test_parity_gated_deltanet checks) read from transformers' save as the image + text
+    model and written back: transformers loads it with every tensor equal (nothing compiled)."""
+    text = dict(TINY_FAMILIES["qwen3.5-moe"], **{k: TEXT3_5[k] for k in ("head_dim",
+                                                                          "rope_parameters")})
+    theirs = jiggle_torch(transformers.Qwen3_5MoeForConditionalGeneration(
+        transformers.Qwen3_5MoeConfig(vision_config=VISION3_5, text_config=text,
+                                      image_token_id=IMAGE, video_token_id=VIDEO)))
+    path = saved(theirs, tmp_path / "theirs")
+    ours = from_pretrained(auto_class(path, images=True), path)
+    assert type(ours).__name__ == "Qwen3_5MoeVLForConditionalGeneration"
+    save_pretrained(ours, str(tmp_path / "ours"))
+    back = load_hf(transformers.Qwen3_5MoeForConditionalGeneration, tmp_path / "ours")
+    want, got = theirs.state_dict(), back.state_dict()
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)

@@ -153,9 +153,11 @@ class DecoderModel(nnx.Module):
         input_ids, own_positions, allowed = decoder_layout(  # (split sequence: context parallel)
             input_ids, attention_mask, cache is not None, cache_index, segment_ids)
         positions = own_positions if positions is None else positions
+        full_allowed = allowed  # (the full layers' mask: Gemma 4's see no image both ways)
         if blocks is not None:
             slots = input_ids.shape[1] if cache is None else attention_mask.shape[1]
             allowed = with_blocks(allowed, blocks, slots)
+            full_allowed = full_allowed if gemma4.images_slide_only(self.cfg) else allowed
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         llama4_attention.refuse_split(self.cfg)
         gemma4.refuse_split(self.cfg)
@@ -164,7 +166,8 @@ class DecoderModel(nnx.Module):
         x, new_cache, reports = on_split(x, allowed), [], []
         lengths = self._document_lengths(segment_ids, allowed)
         with as_laid_out(self.moe_weights()):  # experts split over dp: expert parallel
-            if self.runs is not None and cache is None and deepstack is None:  # scanned
+            if self.runs is not None and cache is None and deepstack is None \
+                    and full_allowed is allowed:  # scanned
 
                 def step(layer, h):
                     h, _, report = layer(h, positions, allowed, None, cache_index, lengths,
@@ -175,7 +178,8 @@ class DecoderModel(nnx.Module):
                 for i, layer in enumerate(self._each_layer()):
                     source = self.cfg.kv_source(i)  # (Gemma 4: its cache, or keys, shared)
                     x, layer_cache, report = layer(
-                        x, positions, allowed, cache and cache[i] if source is None
+                        x, positions, allowed if self.cfg.sliding(i) else full_allowed,
+                        cache and cache[i] if source is None
                         else new_cache[source], cache_index, lengths, segment_ids,
                         None if per_layer is None else per_layer[:, :, i])
                     new_cache.append(layer_cache)

@@ -30,7 +30,12 @@ switches (``DecoderConfig``: norms scale by ``weight``, not ``1 + weight``; scor
   2 x out, in; gate first) are split and renamed on import and fused back on export
   (``family_tensors``).
 
-Not read yet, refused naming it (``config_keys``): bidirectional attention. Stacked layers
+* With images (``redco_zoo_models.gemma4_vision``, ``use_bidirectional_attention: "vision"``)
+  a run of image tokens sees itself both ways in the sliding layers only (``images_slide_only``;
+  Gemma 3's do in every layer); the full layers stay causal. Per-layer inputs are made from
+  the ids (image tokens looked up as the pad token) and the embeddings with the images in.
+
+Not read yet, refused naming it (``config_keys``): bidirectional attention in a text model. Stacked layers
 (``scan_layers``) and context parallelism are refused with per-layer inputs or KV sharing (a
 layer reads another's keys, or its own slice of the per-layer inputs).
 """
@@ -45,6 +50,11 @@ from redco_zoo_models.moe import MoE
 
 MOE_NORMS = ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1",
              "post_feedforward_layernorm_2")  # (the MoE block's input, each output's)
+
+
+def images_slide_only(cfg) -> bool:
+    """Whether image tokens see each other both ways in the sliding layers only (Gemma 4)."""
+    return cfg.family == "gemma4_text"
 
 
 def kv_source(cfg, layer: int) -> int | None:

@@ -47,18 +47,29 @@ MODEL_CLASSES = {  # config.json's model_type -> the zoo class that reads it
     "t5": "redco_zoo_models.t5:T5ForConditionalGeneration",
     "vision-encoder-decoder": "redco_zoo_models.vision_encoder_decoder:VisionEncoderDecoderModel",
 }
+IMAGE_TEXT_CLASSES = {  # a multimodal model_type read as its language model unless images=True
+    "qwen3_5": "redco_zoo_models.qwen_vl:Qwen3_5VLForConditionalGeneration",
+    "qwen3_5_moe": "redco_zoo_models.qwen_vl:Qwen3_5MoeVLForConditionalGeneration",
+    "gemma4": "redco_zoo_models.gemma4_vision:Gemma4ForConditionalGeneration",
+}
 
 
-def auto_class(model_dir: str) -> type[nnx.Module]:
-    """The zoo class for ``model_dir``'s ``config.json`` (by its ``model_type``)."""
+def auto_class(model_dir: str, images: bool = False) -> type[nnx.Module]:
+    """The zoo class for ``model_dir``'s ``config.json`` (by its ``model_type``; ``images``:
+    as ``class_of``)."""
     with open(os.path.join(model_dir, "config.json")) as f:
-        return class_of(json.load(f), model_dir)
+        return class_of(json.load(f), model_dir, images)
 
 
-def class_of(config: dict, where: str) -> type[nnx.Module]:
+def class_of(config: dict, where: str, images: bool = False) -> type[nnx.Module]:
     """The zoo class for a ``config.json``'s contents (by its ``model_type``), found in
-    ``where`` (named in the error)."""
+    ``where`` (named in the error). A Qwen3.5 or Gemma 4 checkpoint with a vision tower is read as its
+    language model (a decoder: text runs, scanned layers, quantised bases), or with ``images``
+    as the image + text model (``IMAGE_TEXT_CLASSES``)."""
     model_type = config.get("model_type")
+    if images and model_type in IMAGE_TEXT_CLASSES and "vision_config" in config:
+        module, name = IMAGE_TEXT_CLASSES[model_type].split(":")
+        return getattr(importlib.import_module(module), name)
     if model_type in NOT_YET:
         raise UsageError(f"{where} holds a {model_type!r} model, which the zoo does not read "
                          f"yet: it needs {NOT_YET[model_type]}.")
@@ -201,7 +212,8 @@ def save_pretrained(model: nnx.Module, model_dir: str) -> None:
         tensors[name] = array if perm is None else array.transpose(perm)
     if hasattr(model, "hf_tensors_out"):
         tensors = model.hf_tensors_out(tensors)
-    tensors = {name: np.ascontiguousarray(t) for name, t in tensors.items()}
+    tensors = {name: np.ascontiguousarray(t).reshape(np.shape(t))  # (a 0-d one stays 0-d)
+               for name, t in tensors.items()}
     save_file(tensors, os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
     config = model.cfg.to_hf()
     with open(os.path.join(model_dir, "config.json"), "w") as f:

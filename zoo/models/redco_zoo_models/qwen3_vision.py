@@ -12,6 +12,9 @@ patches and 2-D rotary (``redco_zoo_models.qwen_vision``) with these differences
   ``deepstack_visual_indexes`` a merger of its own (its LayerNorm over the concatenated block)
   makes one more feature per image token; the language model adds them to its hidden states at
   the image tokens after its first layers (``redco_zoo_models.qwen_vl``).
+
+Qwen3.5's tower (``Qwen3_5VisionConfig``) is this one without DeepStack (no
+``deepstack_visual_indexes`` in its config, none written back).
 """
 from __future__ import annotations
 
@@ -51,6 +54,8 @@ class Qwen3VisionConfig:
     initializer_range: float = 0.02
     rope_theta: float = 10000.0
 
+    MODEL_TYPE, DEEPSTACK = "qwen3_vl_vision", True  # (Qwen3.5's: no DeepStack, no key for it)
+
     def __post_init__(self):
         side = round(self.num_position_embeddings ** 0.5)
         if side * side != self.num_position_embeddings:
@@ -66,18 +71,33 @@ class Qwen3VisionConfig:
     @classmethod
     def from_hf(cls, config: dict) -> "Qwen3VisionConfig":
         """From a ``qwen3_vl`` config's ``vision_config``; a key it does not read is refused."""
-        if unknown := sorted(set(config) - set(READS) - METADATA):
-            raise ValueError(f"vision_config has keys the zoo's Qwen3-VL tower does not read: "
-                             f"{unknown}.")
-        kwargs = {k: config.get(k, d) for k, d in READS.items()}
-        kwargs["deepstack_visual_indexes"] = tuple(kwargs["deepstack_visual_indexes"])
+        reads = READS if cls.DEEPSTACK else {k: d for k, d in READS.items()
+                                             if k != "deepstack_visual_indexes"}
+        if unknown := sorted(set(config) - set(reads) - METADATA):
+            raise ValueError(f"vision_config has keys the zoo's {cls.MODEL_TYPE} tower does not "
+                             f"read: {unknown}.")
+        kwargs = {k: config.get(k, d) for k, d in reads.items()}
+        kwargs["deepstack_visual_indexes"] = tuple(kwargs.get("deepstack_visual_indexes", ()))
         rope = config.get("rope_parameters") or {}
         return cls(**kwargs, rope_theta=float(rope.get("rope_theta", 10000.0)))
 
     def to_hf(self) -> dict:
-        return {**{k: getattr(self, k) for k in READS}, "model_type": "qwen3_vl_vision",
-                "deepstack_visual_indexes": list(self.deepstack_visual_indexes),
+        deep = {"deepstack_visual_indexes": list(self.deepstack_visual_indexes)}
+        return {**{k: getattr(self, k) for k in READS}, "model_type": self.MODEL_TYPE,
+                **(deep if self.DEEPSTACK else {}),
                 "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3_5VisionConfig(Qwen3VisionConfig):
+    """Qwen3.5's tower: Qwen3-VL's without DeepStack (transformers' ``Qwen3_5VisionModel``)."""
+    deepstack_visual_indexes: tuple[int, ...] = ()
+
+    MODEL_TYPE, DEEPSTACK = "qwen3_5_vision", False
+
+
+class Qwen3_5MoeVisionConfig(Qwen3_5VisionConfig):
+    MODEL_TYPE = "qwen3_5_moe_vision"
 
 
 def axis_taps(index: np.ndarray, size: np.ndarray, side: int):

@@ -1,22 +1,25 @@
-"""Qwen2.5-VL and Qwen3-VL (transformers' ``Qwen2_5_VLForConditionalGeneration``,
-``Qwen3VLForConditionalGeneration``) in Flax NNX: images of any size + text in, text out.
+"""Qwen2.5-VL, Qwen3-VL and Qwen3.5 (transformers' ``Qwen2_5_VLForConditionalGeneration``,
+``Qwen3VLForConditionalGeneration``, ``Qwen3_5ForConditionalGeneration`` and its MoE) in Flax
+NNX: images of any size + text in, text out.
 
 The processor gives ``pixel_values`` (patches, features) and ``image_grid_thw`` (images, 3)
 and repeats ``<|image_pad|>`` once per merged block of each image. The vision tower
 (``redco_zoo_models.qwen_vision``, ``qwen3_vision``) turns the patches into one feature per
 image token, in the language model's width; they replace those tokens' embeddings in order
-(``image_text.ImageTextModel.embed``). The language model is the zoo's decoder (Qwen2 or Qwen3,
-``redco_zoo_models.qwen_vl_config``) with M-RoPE: its positions (3, B, T) are made on the host
-from the ids and the grids (``redco_zoo_models.mrope``), and generation places new tokens by
-each row's delta. Qwen3-VL's DeepStack features (one set per ``deepstack_visual_indexes``
-block of the tower) are added to the decoder's hidden states at the image tokens after its
-first layers, in a prompt or a training row (not in the decode steps, which hold no image). A
-prompt whose image tokens do not match the grids is refused before compiling. Videos
+(``image_text.ImageTextModel.embed``). The language model is the zoo's decoder (Qwen2, Qwen3
+or Qwen3.5's Gated DeltaNet hybrid, ``redco_zoo_models.qwen_vl_config``) with M-RoPE: its
+positions (3, B, T) are made on the host from the ids and the grids
+(``redco_zoo_models.mrope``), and generation places new tokens by each row's delta.
+Qwen3-VL's DeepStack features (one set per ``deepstack_visual_indexes`` block of the tower)
+are added to the decoder's hidden states at the image tokens after its first layers, in a
+prompt or a training row (not in the decode steps, which hold no image). A prompt whose image
+tokens do not match the grids is refused before compiling. Videos
 (``pixel_values_videos``) are not built: the model takes no video input.
 
 Checkpoint names: transformers' saved layouts, Qwen2.5-VL's (``model.layers.*`` the language
 model, ``visual.*`` the tower, ``lm_head``) and Qwen3-VL's (``model.language_model.*``,
-``model.visual.*``), either read for both, each family written in its own. The tower's 5-D
+``model.visual.*``, as Qwen3.5's, whose multi-token-prediction head ``mtp.*`` is dropped as
+transformers drops it), either read for both, each family written in its own. The tower's 5-D
 patch kernel is reshaped to a matrix on import and back on export; Qwen2.5-VL's merger's
 ``mlp.0``/``mlp.2`` are ``fc1``/``fc2`` here.
 """
@@ -32,7 +35,12 @@ from flax import nnx
 from redco_zoo_models.decoder import DecoderLM
 from redco_zoo_models.image_text import ImageTextModel
 from redco_zoo_models.mrope import decode_positions, rope_index
-from redco_zoo_models.qwen_vl_config import Qwen3VLConfig, QwenVLConfig
+from redco_zoo_models.qwen_vl_config import (
+    Qwen3_5MoeVLConfig,
+    Qwen3_5VLConfig,
+    Qwen3VLConfig,
+    QwenVLConfig,
+)
 
 NAMES_IN = [(r"^model\.visual\.", "visual."), (r"^model\.language_model\.", "language_model.model."),
             (r"^model\.", "language_model.model."), (r"^lm_head\.", "language_model.lm_head."),
@@ -172,3 +180,18 @@ class Qwen3VLForConditionalGeneration(QwenVLForConditionalGeneration):
     config_class = Qwen3VLConfig
     names_out = [(r"^language_model\.model\.", "model.language_model."),
                  (r"^language_model\.lm_head\.", "lm_head."), (r"^visual\.", "model.visual.")]
+
+
+class Qwen3_5VLForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    """Qwen3.5 (``Qwen3_5ForConditionalGeneration``): Qwen3-VL's tower without DeepStack over
+    the Gated DeltaNet hybrid decoder, interleaved M-RoPE in its attention layers."""
+    config_class = Qwen3_5VLConfig
+
+    def hf_tensors_in(self, tensors: dict) -> dict:
+        return super().hf_tensors_in({k: v for k, v in tensors.items()
+                                      if not k.startswith("mtp.")})
+
+
+class Qwen3_5MoeVLForConditionalGeneration(Qwen3_5VLForConditionalGeneration):
+    """Qwen3.5's MoE (``Qwen3_5MoeForConditionalGeneration``)."""
+    config_class = Qwen3_5MoeVLConfig

@@ -1,0 +1,351 @@
+"""Gemma 4 with images (transformers' ``Gemma4ForConditionalGeneration``, its vision tower) in
+Flax NNX. Unlike Gemma 3's SigLIP (``gemma3_vision``), the tower takes images of any aspect:
+
+* The processor gives each image as ``max_patches`` flattened patches (``pixel_values``, in
+  [0, 1], rows past the image's own patches zero) and their (x, y) places
+  (``image_position_ids``, (-1, -1) on the padding). A patch is ``2 * (p - 0.5)`` through
+  ``input_proj`` (no bias) plus the x-th row of one learned table and the y-th of another.
+* Layers: Gemma's four RMSNorms (no offset: ``x / rms(x) * w``), attention whose q and k are
+  RMS-normed per head and v normed without a weight, scaled by 1 (not ``1/sqrt(d)``), padding
+  keys masked, each half of a head turned by 2-D RoPE (the first half by x, the second by y,
+  ``rope_theta`` over a quarter-head of frequencies), and a gated MLP. With
+  ``use_clipped_linears`` every projection clamps its input and output to stored bounds.
+* Pooler: each ``k x k`` block of patches (``pooling_kernel_size``) averaged to one soft token,
+  times ``sqrt(hidden)``; with ``standardize``, ``(x - std_bias) * std_scale``. An image gives
+  as many soft tokens as its blocks (fewer than ``max_patches / k^2`` when it is padded).
+* Projector (``embed_vision``): an RMSNorm without weight, then ``embedding_projection``.
+
+The language model is the zoo's Gemma 4 decoder (``gemma4_text``): image tokens are looked up as
+the pad token (in the per-layer inputs' table too, as transformers does) and their embeddings replaced
+by the images' soft tokens in order; with ``use_bidirectional_attention: "vision"`` each run of
+image tokens sees itself both ways in the sliding layers only (the full layers stay causal).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from redco_zoo_models.decoder import DecoderLM
+from redco_zoo_models.decoder_config import DecoderConfig
+from redco_zoo_models.image_text import ImageTextModel
+from redco_zoo_models.layers import ACTIVATIONS, RMSNorm, rms_normalized
+
+VISION_READS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 16,
+                "num_attention_heads": 12, "num_key_value_heads": 12, "head_dim": 64,
+                "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+                "pooling_kernel_size": 3, "patch_size": 16, "position_embedding_size": 10_240,
+                "use_clipped_linears": False, "standardize": False, "initializer_range": 0.02}
+VISION_METADATA = {"model_type", "dtype", "torch_dtype", "architectures", "transformers_version",
+                   "rope_parameters", "attention_bias", "attention_dropout",
+                   "max_position_embeddings"}  # (no biases in the tower's linears; unused)
+READS = {"image_token_id": 258_880, "boi_token_id": 255_999, "eoi_token_id": 258_882,
+         "video_token_id": 258_884, "boa_token_id": 256_000, "eoa_token_index": 258_883,
+         "audio_token_id": 258_881}
+METADATA = {"model_type", "architectures", "dtype", "torch_dtype", "transformers_version",
+            "text_config", "vision_config", "audio_config", "tie_word_embeddings",
+            "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id", "use_cache"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma4VisionTowerConfig:
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 16
+    num_attention_heads: int = 12
+    num_key_value_heads: int = 12
+    head_dim: int = 64
+    hidden_activation: str = "gelu_pytorch_tanh"
+    rms_norm_eps: float = 1e-6
+    pooling_kernel_size: int = 3
+    patch_size: int = 16
+    position_embedding_size: int = 10_240
+    use_clipped_linears: bool = False
+    standardize: bool = False
+    initializer_range: float = 0.02
+    rope_theta: float = 100.0
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "Gemma4VisionTowerConfig":
+        if unknown := sorted(set(config) - set(VISION_READS) - VISION_METADATA):
+            raise ValueError(f"vision_config has keys the zoo's Gemma 4 tower does not read: "
+                             f"{unknown}.")
+        rope = config.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ValueError("vision_config.rope_parameters: Gemma 4's tower turns by axial "
+                             f"RoPE, not {rope['rope_type']!r}.")
+        return cls(**{k: config.get(k, d) for k, d in VISION_READS.items()},
+                   rope_theta=float(rope.get("rope_theta", 100.0)))
+
+    def to_hf(self) -> dict:
+        return {**{k: getattr(self, k) for k in VISION_READS}, "model_type": "gemma4_vision",
+                "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma4VisionConfig:
+    vision: Gemma4VisionTowerConfig = Gemma4VisionTowerConfig()
+    text: DecoderConfig = DecoderConfig()
+    bidirectional: bool = False  # use_bidirectional_attention "vision": images both ways
+    image_token_id: int = 258_880
+    boi_token_id: int = 255_999
+    eoi_token_id: int = 258_882
+    video_token_id: int = 258_884
+    boa_token_id: int = 256_000
+    eoa_token_index: int = 258_883
+    audio_token_id: int = 258_881
+
+    @property
+    def image_token_index(self) -> int:  # (ImageTextModel's name)
+        return self.image_token_id
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "Gemma4VisionConfig":
+        """From a ``gemma4`` config.json with a ``vision_config``; a top-level key it does not
+        read is refused, and an audio tower."""
+        if unknown := sorted(set(config) - set(READS) - METADATA):
+            raise ValueError(f"config.json has keys the zoo's Gemma 4 does not read: {unknown}.")
+        if config.get("audio_config"):
+            raise ValueError("config.json has an audio_config: the zoo's Gemma 4 reads images "
+                             "and text, not audio yet; save the model without its audio tower.")
+        text = {"model_type": "gemma4_text", "tie_word_embeddings": config.get(
+            "tie_word_embeddings", True), **config.get("text_config", {})}
+        both_ways = text.get("use_bidirectional_attention")
+        if both_ways not in (None, False, "vision"):
+            raise ValueError(f"text_config.use_bidirectional_attention {both_ways!r}: the zoo's "
+                             "Gemma 4 reads a causal decoder (None) or \"vision\".")
+        return cls(Gemma4VisionTowerConfig.from_hf(config.get("vision_config", {})),
+                   DecoderConfig.from_hf(text), both_ways == "vision",
+                   **{k: config.get(k, d) for k, d in READS.items()})
+
+    def to_hf(self) -> dict:
+        text = {k: v for k, v in self.text.to_hf().items() if k != "architectures"}
+        if self.bidirectional:
+            text["use_bidirectional_attention"] = "vision"
+        return {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
+                "vision_config": self.vision.to_hf(), "audio_config": None,
+                "text_config": text, "tie_word_embeddings": text.get("tie_word_embeddings", True),
+                **{k: getattr(self, k) for k in READS}}
+
+
+class ClippableLinear(nnx.Module):
+    """A bias-free projection (``linear``); with ``clipped``, its input and output clamped to
+    ``input_min..input_max`` and ``output_min..output_max``."""
+
+    def __init__(self, n_in: int, n_out: int, clipped: bool, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(n_in, n_out, use_bias=False, rngs=rngs)
+        self.clipped = clipped
+        if clipped:
+            self.input_min, self.output_min = (nnx.Param(jnp.asarray(-jnp.inf)) for _ in "io")
+            self.input_max, self.output_max = (nnx.Param(jnp.asarray(jnp.inf)) for _ in "io")
+
+    def __call__(self, x):
+        if not self.clipped:
+            return self.linear(x)
+        x = jnp.clip(x, self.input_min[...], self.input_max[...])
+        return jnp.clip(self.linear(x), self.output_min[...], self.output_max[...])
+
+
+def rotate_2d(x, angles):
+    """Each half of ``x``'s heads (B, n, heads, d) turned by its axis' ``angles`` (B, n, 2,
+    d/4), rotate-half style within the half."""
+    halves = []
+    for axis, part in enumerate(jnp.split(x, 2, -1)):
+        a = jnp.concatenate([angles[..., axis, :]] * 2, -1)[:, :, None, :]
+        one, two = jnp.split(part, 2, -1)
+        halves.append(part * jnp.cos(a) + jnp.concatenate([-two, one], -1) * jnp.sin(a))
+    return jnp.concatenate(halves, -1)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: Gemma4VisionTowerConfig, rngs: nnx.Rngs):
+        h, d, kv, clip = cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads, \
+            cfg.use_clipped_linears
+        self.q_proj = ClippableLinear(h, cfg.num_attention_heads * d, clip, rngs)
+        self.k_proj = ClippableLinear(h, kv * d, clip, rngs)
+        self.v_proj = ClippableLinear(h, kv * d, clip, rngs)
+        self.o_proj = ClippableLinear(cfg.num_attention_heads * d, h, clip, rngs)
+        self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
+        self.cfg = cfg
+
+    def __call__(self, x, angles, valid):
+        b, n, _ = x.shape
+        d, eps = self.cfg.head_dim, self.cfg.rms_norm_eps
+        q = rotate_2d(self.q_norm(self.q_proj(x).reshape(b, n, -1, d)), angles)
+        k = rotate_2d(self.k_norm(self.k_proj(x).reshape(b, n, -1, d)), angles)
+        v = rms_normalized(self.v_proj(x).reshape(b, n, -1, d), eps)
+        groups = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, groups, 2), jnp.repeat(v, groups, 2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)  # (scale 1: q and k are normed)
+        scores = jnp.where(valid[:, None, None, :], scores, jnp.finfo(scores.dtype).min)
+        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v)
+        return self.o_proj(out.reshape(b, n, -1))
+
+
+class Layer(nnx.Module):
+    def __init__(self, cfg: Gemma4VisionTowerConfig, rngs: nnx.Rngs):
+        h, m, clip = cfg.hidden_size, cfg.intermediate_size, cfg.use_clipped_linears
+        norm = lambda: RMSNorm(h, cfg.rms_norm_eps)  # noqa: E731
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.self_attn = Attention(cfg, rngs)
+        self.mlp = nnx.Dict(gate_proj=ClippableLinear(h, m, clip, rngs),
+                            up_proj=ClippableLinear(h, m, clip, rngs),
+                            down_proj=ClippableLinear(m, h, clip, rngs))
+        self.act = ACTIVATIONS[cfg.hidden_activation]
+
+    def __call__(self, x, angles, valid):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), angles,
+                                                             valid))
+        h, mlp = self.pre_feedforward_layernorm(x), self.mlp
+        h = mlp["down_proj"](self.act(mlp["gate_proj"](h)) * mlp["up_proj"](h))
+        return x + self.post_feedforward_layernorm(h)
+
+
+class Gemma4VisionModel(nnx.Module):
+    """``__call__(pixel_values, image_position_ids)``: ``(soft tokens (images, slots, hidden),
+    which slots are real (images, slots))``."""
+
+    def __init__(self, cfg: Gemma4VisionTowerConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.patch_embedder = nnx.Dict(input_proj=nnx.Linear(
+            3 * cfg.patch_size ** 2, cfg.hidden_size, use_bias=False, rngs=rngs))
+        self.patch_embedder["position_embedding_table"] = nnx.Param(jnp.ones(
+            (2, cfg.position_embedding_size, cfg.hidden_size)))
+        self.encoder = nnx.Dict(layers=nnx.List([Layer(cfg, rngs)
+                                                 for _ in range(cfg.num_hidden_layers)]))
+        if cfg.standardize:
+            self.std_bias = nnx.Param(jnp.zeros(cfg.hidden_size))
+            self.std_scale = nnx.Param(jnp.ones(cfg.hidden_size))
+
+    def __call__(self, pixel_values, image_position_ids):
+        pad = (image_position_ids == -1).all(-1)
+        places = jnp.maximum(image_position_ids, 0)
+        table = self.patch_embedder["position_embedding_table"][...]
+        x = self.patch_embedder["input_proj"](2 * (pixel_values - 0.5))
+        x = x + jnp.where(pad[..., None], 0, table[0][places[..., 0]] + table[1][places[..., 1]])
+        quarter = self.cfg.head_dim // 4
+        inv_freq = self.cfg.rope_theta ** (-jnp.arange(quarter, dtype=jnp.float32) / quarter)
+        angles = places[..., None].astype(jnp.float32) * inv_freq  # (B, n, 2, d/4)
+        for layer in self.encoder["layers"]:
+            x = layer(x, angles, ~pad)
+        return self.pool(jnp.where(pad[..., None], 0, x), places)
+
+    def pool(self, x, places):
+        """Each ``k x k`` block of patches averaged (times ``sqrt(hidden)``) into its slot."""
+        k = self.cfg.pooling_kernel_size
+        slots = x.shape[1] // k ** 2
+        columns = (places[..., 0].max(-1, keepdims=True) + 1) // k
+        slot = places[..., 0] // k + columns * (places[..., 1] // k)
+        weights = jax.nn.one_hot(slot, slots, dtype=jnp.float32) / k ** 2  # (B, n, slots)
+        pooled = jnp.einsum("bns,bnd->bsd", weights, x.astype(jnp.float32))
+        pooled = pooled * self.cfg.hidden_size ** 0.5
+        if self.cfg.standardize:
+            pooled = (pooled - self.std_bias[...]) * self.std_scale[...]
+        return pooled.astype(x.dtype), (weights > 0).any(1)
+
+
+class Projector(nnx.Module):
+    """``embed_vision``: an RMSNorm without weight, then a bias-free projection."""
+
+    def __init__(self, cfg: Gemma4VisionConfig, rngs: nnx.Rngs):
+        self.embedding_projection = nnx.Linear(cfg.vision.hidden_size, cfg.text.hidden_size,
+                                               use_bias=False, rngs=rngs)
+        self.eps = cfg.vision.rms_norm_eps
+
+    def __call__(self, x):
+        return self.embedding_projection(rms_normalized(x, self.eps))
+
+
+class Gemma4ForConditionalGeneration(ImageTextModel):
+    """``__call__(input_ids, attention_mask, pixel_values, image_position_ids)``: logits."""
+    config_class = Gemma4VisionConfig
+
+    def __init__(self, cfg: Gemma4VisionConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.bidirectional_images = cfg.bidirectional
+        self.vision_tower = Gemma4VisionModel(cfg.vision, rngs)
+        self.embed_vision = Projector(cfg, rngs)
+        self.language_model = DecoderLM(cfg.text, rngs)
+
+    def encode(self, pixel_values, image_position_ids):
+        """Every image's soft tokens in order, in the language model's width (tokens, hidden);
+        the slots past a padded image's own blocks dropped (a stable sort moves them last,
+        where no image token reads them)."""
+        features, real = self.vision_tower(pixel_values, image_position_ids)
+        order = jnp.argsort(~real.reshape(-1), stable=True)
+        return self.embed_vision(features.reshape(-1, features.shape[-1])[order])
+
+    def check_tokens(self, input_ids, image_position_ids) -> None:
+        """Refuse a prompt whose image tokens are not the images' soft tokens (skipped when
+        traced)."""
+        if any(isinstance(a, jax.core.Tracer) for a in (input_ids, image_position_ids)):
+            return
+        k2 = self.cfg.vision.pooling_kernel_size ** 2
+        real = (np.asarray(image_position_ids) != -1).all(-1).sum(-1) // k2
+        n = int(np.sum(np.asarray(input_ids) == self.cfg.image_token_id))
+        if n != int(real.sum()):
+            raise ValueError(f"input_ids hold {n} image tokens (id {self.cfg.image_token_id}) "
+                             f"but the images give {real.tolist()} soft tokens: build the "
+                             "prompt with the model's processor.")
+
+    def text_ids(self, input_ids):
+        """The ids the decoder looks up: image tokens as the pad token (as transformers)."""
+        pad = self.cfg.text.pad_token_id or 0
+        return jnp.where(input_ids == self.cfg.image_token_id, pad, input_ids)
+
+    def __call__(self, input_ids, attention_mask=None, pixel_values=None,
+                 image_position_ids=None, labels=None, label_mask=None):
+        """Logits (or with ``labels`` the mean loss); text alone without ``pixel_values``."""
+        features = None
+        if pixel_values is not None:
+            self.check_tokens(input_ids, image_position_ids)
+            features = self.encode(pixel_values, image_position_ids)
+        ids = self.text_ids(input_ids)
+        return self.language_model(ids, attention_mask, labels=labels, label_mask=label_mask,
+                                   inputs_embeds=self.place(input_ids, features,
+                                                            self.language_model.model.embed(ids)),
+                                   blocks=self._blocks(input_ids, features))
+
+    def decode(self, ids, key_valid, cache, cache_index, context=None):
+        """One generation step (``redco_zoo_models.generation``); ``context``: ``encode``'s
+        soft tokens, placed when the prompt is read."""
+        prefill = isinstance(cache_index, int) and cache_index == 0 and context is not None
+        text = self.text_ids(ids)
+        embeds = self.language_model.model.embed(text)
+        if prefill:
+            embeds = self.place(ids, context, embeds)
+        return self.language_model(text, key_valid, cache, cache_index, inputs_embeds=embeds,
+                                   blocks=self._blocks(ids, context) if prefill else None)
+
+    def unserved(self) -> str | None:
+        return (f"{type(self).__name__}: its images come as patches with their places "
+                "(image_position_ids), which the serving engine's prefill does not take yet; "
+                "generate() with encoder_inputs=model.encode(pixel_values, image_position_ids).")
+
+    def untrained(self) -> str | None:
+        return (f"{type(self).__name__}: `redco zoo run sft` does not train it yet (its "
+                "processor gives patches and their places, not the fixed-size images the SFT "
+                "collate stacks); fine-tune Gemma 3 or LLaVA there.")
+
+    def hf_tensors_in(self, tensors: dict) -> dict:
+        return super().hf_tensors_in({k.replace("model.vision_tower.", "vision_tower.", 1)
+                                      .replace("model.embed_vision.", "embed_vision.", 1): v
+                                      for k, v in tensors.items()})
+
+    def hf_tensors_out(self, tensors: dict) -> dict:
+        tensors = super().hf_tensors_out(tensors)
+        names = [("language_model.model.", "model.language_model."),
+                 ("language_model.lm_head.", "lm_head."),
+                 ("vision_tower.", "model.vision_tower."), ("embed_vision.", "model.embed_vision.")]
+        out = {}
+        for name, t in tensors.items():
+            for ours, theirs in names:
+                if name.startswith(ours):
+                    name = theirs + name[len(ours):]
+                    break
+            out[name] = t
+        return out
