@@ -42,6 +42,8 @@ MODEL_CLASSES = {  # config.json's model_type -> the zoo class that reads it
     "gpt2": "redco_zoo_models.gpt2:GPT2LMHeadModel",
     "llava": "redco_zoo_models.llava:LlavaForConditionalGeneration",
     "llava_onevision": "redco_zoo_models.onevision:LlavaOnevisionForConditionalGeneration",
+    "idefics3": "redco_zoo_models.idefics3:Idefics3ForConditionalGeneration",
+    "smolvlm": "redco_zoo_models.idefics3:Idefics3ForConditionalGeneration",
     "gemma3": "redco_zoo_models.gemma3_vision:Gemma3ForConditionalGeneration",
     "qwen2_5_vl": "redco_zoo_models.qwen_vl:QwenVLForConditionalGeneration",
     "qwen3_vl": "redco_zoo_models.qwen_vl:Qwen3VLForConditionalGeneration",
