@@ -98,17 +98,24 @@ def with_ratio(theirs, ours, aspect_ratio: str):
     ours.cfg = dataclasses.replace(ours.cfg, vision_aspect_ratio=aspect_ratio)
 
 
-@pytest.mark.parametrize("aspect_ratio", ["anyres_max_9", "anyres_max_1"])
-def test_onevision_logits_and_features_match_transformers(models, aspect_ratio):
+def test_onevision_logits_and_features_match_transformers(models):
     """fp32 logits within 1e-4 (``close``) on the processor's image + text inputs, padding left
-    out, and each image's packed features (base tile, grid unpadded, shrunk at anyres_max_1,
-    newlines) to 1e-5 of their scale."""
+    out; and each image's packed features (base tile, grid unpadded, newlines), kept at
+    anyres_max_9 and shrunk at anyres_max_1, to 1e-5 of their scale (the shrunk ones' logits:
+    the same placement as the kept ones', not run again)."""
     theirs, ours = models
-    with_ratio(theirs, ours, aspect_ratio)
-    batch = inputs(aspect_ratio)
-    assert batch["pixel_values"].shape[1] == 5 and batch["batch_num_images"].tolist() == [1, 1, 2]
+    for aspect_ratio in ("anyres_max_1", "anyres_max_9"):
+        with_ratio(theirs, ours, aspect_ratio)
+        batch = inputs(aspect_ratio)
+        assert batch["pixel_values"].shape[1] == 5
+        assert batch["batch_num_images"].tolist() == [1, 1, 2]
+        check_features(theirs, ours, batch)
     valid = batch["attention_mask"] > 0
     close(ours_call(ours, batch)[valid], torch_logits(theirs, **batch)[valid])
+
+
+def check_features(theirs, ours, batch):
+    """Each image's packed features, and each prompt's count its image tokens."""
     with torch.no_grad():
         want = theirs.get_image_features(**{k: torch.tensor(v) for k, v in batch.items()
                                             if k not in ("input_ids", "attention_mask")})
