@@ -41,6 +41,10 @@ class LlavaConfig:
     vision_feature_layer: int | tuple[int, ...] = -2
     multimodal_projector_bias: bool = True
 
+    # what from_hf / to_hf read and write (LLaVA-OneVision's subclass: its own)
+    MODEL_TYPE, ARCHITECTURE, TEXT_TYPE = "llava", "LlavaForConditionalGeneration", "llama"
+    HF_READS, HF_METADATA, VISION = READS, METADATA, CLIPVisionConfig
+
     def __post_init__(self):
         if self.vision_feature_select_strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy "
@@ -65,26 +69,32 @@ class LlavaConfig:
 
     @classmethod
     def from_hf(cls, config: dict) -> "LlavaConfig":
-        """From a ``llava`` config.json; a top-level key it does not read is refused."""
-        unknown = sorted(set(config) - set(READS) - METADATA)
+        """From a ``MODEL_TYPE`` config.json; a top-level key it does not read is refused."""
+        unknown = sorted(set(config) - set(cls.HF_READS) - cls.HF_METADATA)
         if unknown:
-            raise ValueError(f"config.json has keys the zoo's LLaVA does not read: {unknown}.")
-        text = {"model_type": "llama", **config.get("text_config", {})}
-        kwargs = {k: config.get(k, d) for k, d in READS.items()}
+            raise ValueError(f"config.json has keys the zoo's {cls.ARCHITECTURE} does not read: "
+                             f"{unknown}.")
+        text = {"model_type": cls.TEXT_TYPE, **config.get("text_config", {})}
+        kwargs = {k: config.get(k, d) for k, d in cls.HF_READS.items()}
         kwargs["image_token_index"] = config.get("image_token_id", kwargs["image_token_index"])
-        if isinstance(kwargs["vision_feature_layer"], list):
-            kwargs["vision_feature_layer"] = tuple(kwargs["vision_feature_layer"])
-        return cls(CLIPVisionConfig.from_hf(config.get("vision_config", {})),
+        kwargs = {k: _tupled(v) for k, v in kwargs.items()}  # (JSON's lists: hashable)
+        return cls(cls.VISION.from_hf(config.get("vision_config", {})),
                    DecoderConfig.from_hf(text), **kwargs)
 
     def to_hf(self) -> dict:
         text = self.text.to_hf()
-        reads = {k: getattr(self, k) for k in READS}
-        if isinstance(self.vision_feature_layer, tuple):
-            reads["vision_feature_layer"] = list(self.vision_feature_layer)
-        return {"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"],
+        reads = {k: _listed(getattr(self, k)) for k in self.HF_READS}
+        return {"model_type": self.MODEL_TYPE, "architectures": [self.ARCHITECTURE],
                 "vision_config": self.vision.to_hf(), "text_config": text,
                 "tie_word_embeddings": text.get("tie_word_embeddings", False), **reads}
+
+
+def _tupled(value):
+    return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
+
+
+def _listed(value):
+    return [_listed(v) for v in value] if isinstance(value, tuple) else value
 
 
 class Projector(nnx.Module):
@@ -104,10 +114,11 @@ class Projector(nnx.Module):
 class LlavaForConditionalGeneration(ImageTextModel):
     """``__call__(input_ids, attention_mask, pixel_values)``: logits (B, T, vocab)."""
     config_class = LlavaConfig
+    tower = CLIPVisionModel  # (LLaVA-OneVision's: SigLIP's)
 
     def __init__(self, cfg: LlavaConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.vision_tower = CLIPVisionModel(cfg.vision, rngs)
+        self.vision_tower = self.tower(cfg.vision, rngs)
         self.multi_modal_projector = Projector(cfg, rngs)
         self.language_model = DecoderLM(cfg.text, rngs)
 

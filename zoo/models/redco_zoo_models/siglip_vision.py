@@ -56,7 +56,18 @@ class SiglipVisionModel(nnx.Module):
                                             rngs=rngs)
 
     def __call__(self, pixel_values):
-        x = self.embeddings(pixel_values)
-        for layer in self.encoder.layers:
-            x = layer(x)
-        return self.post_layernorm(x)
+        return self.post_layernorm(self.hidden_states(pixel_values, len(self.encoder.layers))[-1])
+
+    def hidden_states(self, pixel_values, n_layers: int) -> list:
+        """``[embeddings, after layer 1, ..., after layer n_layers]``, none normed, as
+        transformers' ``output_hidden_states`` (what LLaVA-OneVision reads)."""
+        states = [self.embeddings(pixel_values)]
+        for layer in list(self.encoder.layers)[:n_layers]:
+            states.append(layer(states[-1]))
+        return states
+
+
+def without_head(tensors: dict) -> dict:
+    """A checkpoint's tensors without SigLIP's pooling head (see the module docstring)."""
+    return {k: v for k, v in tensors.items()
+            if not k.startswith(("vision_tower.head.", "vision_tower.vision_model.head."))}
