@@ -32,7 +32,7 @@ import optax
 
 from redco import Deployer, Trainer
 from redco.protocols import UsageError
-from redco_zoo_grpo import auto_split
+from redco_zoo_grpo import auto_split, image_prompts
 from redco_zoo_grpo.async_rollouts import AsyncConfig, check_async, rollout_devices
 from redco_zoo_grpo.environments import load_environment
 from redco_zoo_grpo.loss import LOSS_TYPES, average, token_logps_and_experts, token_losses
@@ -45,6 +45,7 @@ from redco_zoo_models.decode_layout import model_shard_degrees
 from redco_zoo_models.metrics import with_experts
 from redco_zoo_models.settings import Loop, RunConfig, check_config
 from redco_zoo_sft.chat import render_prompt, template_kwargs_arg
+from redco_zoo_sft.image_chat import load_processor
 from redco_zoo_sft.pipeline import load_chat_tokenizer
 
 
@@ -69,10 +70,14 @@ def loss_fn(rng, state, params, batch, is_training, loss_type: str = "grpo",
 def pred_fn(rng, params, batch, model, n_samples: int = 1, **sampling):
     """``n_samples`` completions of each prompt and their log-probabilities, (B, G, N) each
     (``sampling``: ``generate``'s keywords); the rng folds in the batch's ``round``, so every
-    round draws afresh."""
+    round draws afresh. Image prompts' ``pixel_values`` (B, K, 3, H, W), K images each, are
+    placed in order over the rows' image tokens."""
+    images = None if "pixel_values" not in batch else {"pixel_values": batch["pixel_values"].reshape(
+        -1, *batch["pixel_values"].shape[2:])}
     tokens, logps = generate(model, params, batch["prompt_ids"], prompt_mask=batch["prompt_mask"],
                              rng=jax.random.fold_in(rng, batch["round"][0]),
-                             return_logprobs=True, num_samples=n_samples, **sampling)
+                             return_logprobs=True, num_samples=n_samples, encoder_inputs=images,
+                             **sampling)
     shape = (batch["prompt_ids"].shape[0], n_samples, -1)
     return {"tokens": tokens.reshape(shape), "logps": logps.reshape(shape)}
 
@@ -262,16 +267,26 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
         rollout_devices(run.asynchronous.rollout_devices)  # (refused before anything loads)
     make_env = run.environment and load_environment(run.environment)
     check_max_turns(run.max_turns)
-    tokenizer = load_chat_tokenizer(source.model)
     reward_fn = load_reward_fn(run.reward)
-    prompts, held_out = prompt_examples(tokenizer, runner.split_eval(
-        config.data, {"--prompt_column": run.prompt_column}), run.prompt_column,
-        run.max_prompt_len, run.chat_template_kwargs)
+    parts = runner.split_eval(config.data, {"--prompt_column": run.prompt_column})
+    images = image_prompts.hold_images(parts, run.prompt_column)
+    if images:  # (image_prompts.py)
+        image_prompts.check_run(run)
+        processor = load_processor(source.model)
+        tokenizer = processor.tokenizer
+        prompts, held_out = image_prompts.prompt_examples(
+            processor, parts, run.prompt_column, run.max_prompt_len, run.chat_template_kwargs)
+    else:
+        tokenizer = load_chat_tokenizer(source.model)
+        prompts, held_out = prompt_examples(tokenizer, parts, run.prompt_column,
+                                            run.max_prompt_len, run.chat_template_kwargs)
     config = auto_split.planned(config, len(prompts[0][0]["prompt_ids"]), loss_fn)
     run = config.task
     n_training = len(rollout_devices(run.asynchronous.rollout_devices)[0]) \
         if run.asynchronous.rollout_devices else None
     model, _ = runner.load_source(source, seed)
+    if images:
+        image_prompts.check_model(model, source.model, prompts[0], run.engine_rows)
     turns_context = algorithm.max_new_tokens if make_env else 0  # a turn's context: the trajectory
     check_context(model, len(prompts[0][0]["prompt_ids"]) + turns_context,
                   algorithm.max_new_tokens)
