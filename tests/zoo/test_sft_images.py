@@ -254,20 +254,22 @@ def write_colour_prompts(folder, n: int, seed: int) -> None:
 
 def test_grpo_on_image_prompts_scores_with_the_samplers_log_probs(tiny, tmp_path):
     """``redco zoo run grpo`` on prompts holding an image (a tiny LLaVA, rewarded when its
-    reply names the shape's colour): the engine samples with each prompt's image, and the
-    trainer's forward pass, given the same pixels, recomputes the sampler's log-probabilities
-    of every sampled token (gap < 1e-4 each round); the updates move the language model."""
+    reply names the shape's colour): the engine (then, ``--engine_rows 0``, ``generate``)
+    samples with each prompt's image, and the trainer's forward pass, given the same pixels,
+    recomputes the sampler's log-probabilities of every sampled token (gap < 1e-4 each round);
+    the updates move the language model."""
     model_dir, _ = tiny
     write_colour_prompts(tmp_path / "prompts", 24, seed=2)
-    workdir = tmp_path / "grpo"
-    main(["zoo", "run", "grpo", "--model", model_dir, "--train",
-          str(tmp_path / "prompts" / "prompts.jsonl"), "--workdir", str(workdir),
-          "--reward", "regex_match", "--n_rounds", "2", "--per_device_batch_size", "2",
-          "--max_new_tokens", "2", "--max_prompt_len", "80", "--prompts_per_round", "8",
-          "--n_samples", "4", "--engine_rows", "8", "--learning_rate", "5e-3"])
-    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-    gaps = [r["rollout/logprob_gap"] for r in rows if "rollout/logprob_gap" in r]
-    assert len(gaps) == 2 and max(gaps) < 1e-4, gaps  # (image dropped in the forward: 0.3-1.5)
+    for rows, rounds in (("8", 2), ("0", 1)):  # (the engine; then generate, pred_fn)
+        workdir = tmp_path / f"grpo{rows}"
+        main(["zoo", "run", "grpo", "--model", model_dir, "--train",
+              str(tmp_path / "prompts" / "prompts.jsonl"), "--workdir", str(workdir),
+              "--reward", "regex_match", "--n_rounds", str(rounds), "--per_device_batch_size",
+              "2", "--max_new_tokens", "2", "--max_prompt_len", "80", "--prompts_per_round",
+              "8", "--n_samples", "4", "--engine_rows", rows, "--learning_rate", "5e-3"])
+        metrics = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+        gaps = [m["rollout/logprob_gap"] for m in metrics if "rollout/logprob_gap" in m]
+        assert len(gaps) == rounds and max(gaps) < 1e-4, (rows, gaps)  # (image dropped: 1.9)
     before, after = (read_safetensors(d) for d in (model_dir, str(workdir / "model")))
     assert not np.array_equal(before["language_model.lm_head.weight"],
                               after["language_model.lm_head.weight"])

@@ -1,13 +1,16 @@
-"""The SFT pipeline's Qwen2.5-VL batch (``redco_zoo_sft.qwen_vl_chat``: each row's patches padded
-to the run's most, M-RoPE positions made on the host at collate time) against transformers'
-PyTorch ``Qwen2_5_VLForConditionalGeneration`` run on each chat alone, unpadded, with its own
+"""The SFT pipeline's Qwen2.5-VL and Qwen3-VL batches (``redco_zoo_sft.qwen_vl_chat``: each
+row's patches padded to the run's most, M-RoPE positions made on the host at collate time)
+against transformers' PyTorch ``Qwen2_5_VLForConditionalGeneration`` and
+``Qwen3VLForConditionalGeneration`` run on each chat alone, unpadded, with their own
 ``get_rope_index``: the loss on the assistant's tokens is the same (1e-4). The chats' images
 differ in size, so one row's patches are padded: a padded patch a real one attends to, or a
 position made from the text alone, moves the loss."""
+import json
 import types
 
 import jax
 import numpy as np
+import pytest
 from parity import jiggle_torch, load_hf, torch, transformers
 from PIL import Image
 
@@ -67,9 +70,31 @@ def their_loss(theirs, processor, examples) -> float:
     return total / count
 
 
-def test_sft_batch_loss_of_qwen_vl_equals_transformers(tmp_path):
+def qwen3_vl_like(path: str):
+    """transformers' tiny Qwen3-VL with the tokens and widths of the Qwen2.5-VL saved in
+    ``path`` (learned positions, DeepStack after block 0, interleaved M-RoPE)."""
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    text = {k: config["text_config"][k] for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "eos_token_id", "pad_token_id")}
+    return transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                           out_hidden_size=64, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0]),
+        text_config=dict(text, head_dim=16, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True}),
+        **{k: config[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                  "vision_end_token_id")}))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_sft_batch_loss_of_qwen_vl_equals_transformers(tmp_path, family):
     path = save_tiny_qwen_vl(str(tmp_path / "qwen"), WORDS)
-    theirs = jiggle_torch(load_hf(transformers.Qwen2_5_VLForConditionalGeneration, path))
+    theirs = jiggle_torch(qwen3_vl_like(path) if family == "qwen3_vl" else
+                          load_hf(transformers.Qwen2_5_VLForConditionalGeneration, path))
     theirs.save_pretrained(path)  # (the jiggled weights; the processor's files stay)
     ours = from_pretrained(auto_class(path), path)
     processor = load_processor(path)
