@@ -46,15 +46,16 @@ def image_part(path: str, i: int) -> dict:
         {"type": "image_url", "image_url": {"url": f"file://{path}"}}
 
 
-def write_chats(folder, n: int, seed: int) -> list[tuple[str, str]]:
-    """``n`` chats (one PNG each) in ``folder/chats.jsonl``; returns (image path, answer)."""
+def write_chats(folder, n: int, seed: int, sizes=SIZES) -> list[tuple[str, str]]:
+    """``n`` chats (one PNG each, of ``sizes`` in turn) in ``folder/chats.jsonl``; returns
+    (image path, answer)."""
     rng, out = np.random.default_rng(seed), []
     folder.mkdir()
     with open(folder / "chats.jsonl", "w") as f:
         for i in range(n):
             colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
             path = str(folder / f"{i}.png")
-            draw(colour, shape, SIZES[i % 3], rng).save(path)
+            draw(colour, shape, sizes[i % len(sizes)], rng).save(path)
             question = [image_part(path, i), {"type": "text", "text": "what is this ?"}]
             f.write(json.dumps({"messages": [
                 {"role": "user", "content": question},
@@ -185,10 +186,12 @@ def test_the_tower_is_frozen_unless_asked_and_lora_follows(tiny, train_tower):
 
 def test_redco_zoo_run_sft_trains_a_tiny_qwen_vl_on_images_of_three_sizes_compiling_once(
         tmp_path, monkeypatch):
-    """Qwen2.5-VL's images keep their sizes (16, 20 and 16 image tokens here): each row's
-    patches are padded to the run's most, so the train and eval steps compile once each over
-    batches of mixed sizes; the run lowers the loss, its tower (``visual``) frozen. (Its loss
-    equals transformers': tests/zoo_parity/test_parity_qwen_vl_sft.py.)"""
+    """Qwen2.5-VL's images keep their sizes (12 image tokens for 48 x 40 and 56 x 64 PNGs, 16
+    for 2 of the 32 chats' 32 x 32): each row's patches are padded to the run's most, so the
+    train step compiles once though some batches hold no 32 x 32 image (padded to the batch's
+    own most, it compiles twice); the eval step once; the run lowers the loss, its tower
+    (``visual``) frozen. (Its loss equals transformers':
+    tests/zoo_parity/test_parity_qwen_vl_sft.py.)"""
     from redco_zoo_models import runner
     from redco_zoo_models.toy_vision import save_tiny_qwen_vl
     trainers = []
@@ -196,7 +199,7 @@ def test_redco_zoo_run_sft_trains_a_tiny_qwen_vl_on_images_of_three_sizes_compil
     monkeypatch.setattr(runner, "train_and_eval",
                         lambda *a, **k: trainers.append(train_and_eval(*a, **k)) or trainers[-1])
     model_dir = save_tiny_qwen_vl(str(tmp_path / "qwen"), WORDS)
-    write_chats(tmp_path / "train", 32, seed=0)
+    write_chats(tmp_path / "train", 32, seed=0, sizes=SIZES[1:] * 7 + SIZES[1:2] + SIZES[:1])
     write_chats(tmp_path / "held", 16, seed=1)
     main(["zoo", "run", "sft", "--model", model_dir, "--train",
           str(tmp_path / "train" / "chats.jsonl"), "--eval", str(tmp_path / "held" / "chats.jsonl"),
