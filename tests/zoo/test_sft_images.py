@@ -184,8 +184,15 @@ def test_the_tower_is_frozen_unless_asked_and_lora_follows(tiny, train_tower):
         assert n_trained == sum(np.size(x) for _, x in named_leaves(params)) - n_tower
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory) -> str:
+    """A tiny Qwen2.5-VL directory (``toy_vision.save_tiny_qwen_vl``)."""
+    from redco_zoo_models.toy_vision import save_tiny_qwen_vl
+    return save_tiny_qwen_vl(str(tmp_path_factory.mktemp("tiny") / "qwen"), WORDS)
+
+
 def test_redco_zoo_run_sft_trains_a_tiny_qwen_vl_on_images_of_three_sizes_compiling_once(
-        tmp_path, monkeypatch):
+        tiny_qwen, tmp_path, monkeypatch):
     """Qwen2.5-VL's images keep their sizes (12 image tokens for 48 x 40 and 56 x 64 PNGs, 16
     for 2 of the 32 chats' 32 x 32): each row's patches are padded to the run's most, so the
     train step compiles once though some batches hold no 32 x 32 image (padded to the batch's
@@ -193,12 +200,11 @@ def test_redco_zoo_run_sft_trains_a_tiny_qwen_vl_on_images_of_three_sizes_compil
     (``visual``) frozen. (Its loss equals transformers':
     tests/zoo_parity/test_parity_qwen_vl_sft.py.)"""
     from redco_zoo_models import runner
-    from redco_zoo_models.toy_vision import save_tiny_qwen_vl
     trainers = []
     train_and_eval = runner.train_and_eval
     monkeypatch.setattr(runner, "train_and_eval",
                         lambda *a, **k: trainers.append(train_and_eval(*a, **k)) or trainers[-1])
-    model_dir = save_tiny_qwen_vl(str(tmp_path / "qwen"), WORDS)
+    model_dir = tiny_qwen
     write_chats(tmp_path / "train", 32, seed=0, sizes=SIZES[1:] * 7 + SIZES[1:2] + SIZES[:1])
     write_chats(tmp_path / "held", 16, seed=1)
     main(["zoo", "run", "sft", "--model", model_dir, "--train",
@@ -216,15 +222,14 @@ def test_redco_zoo_run_sft_trains_a_tiny_qwen_vl_on_images_of_three_sizes_compil
     assert not np.array_equal(before["lm_head.weight"], after["lm_head.weight"])
 
 
-def test_a_qwen_vl_chat_renders_its_vision_tokens_and_a_video_is_refused(tmp_path):
+def test_a_qwen_vl_chat_renders_its_vision_tokens_and_a_video_is_refused(tiny_qwen, tmp_path):
     """An image part becomes ``<|vision_start|>``, one ``<|image_pad|>`` per merged block of
     its patches (a 40 x 64 PNG: 3 x 5 blocks of 2 x 2 patches), ``<|vision_end|>``;
     a video part is refused naming the fix (the zoo fine-tunes on images only)."""
-    from redco_zoo_models.toy_vision import save_tiny_qwen_vl
     from redco_zoo_sft.qwen_vl_chat import placeholder
     png = str(tmp_path / "red.png")
     draw("red", "circle", (40, 64), np.random.default_rng(0)).save(png)
-    processor = load_processor(save_tiny_qwen_vl(str(tmp_path / "qwen"), WORDS))
+    processor = load_processor(tiny_qwen)
     got = render_image_chat(processor, ask(image_part(png, 0)), 40, "a chat",
                             placeholder(processor))
     tokens = processor.tokenizer.convert_ids_to_tokens(got["token_ids"])
@@ -276,3 +281,16 @@ def test_grpo_on_image_prompts_scores_with_the_samplers_log_probs(tiny, tmp_path
     before, after = (read_safetensors(d) for d in (model_dir, str(workdir / "model")))
     assert not np.array_equal(before["language_model.lm_head.weight"],
                               after["language_model.lm_head.weight"])
+
+
+def test_grpo_refuses_image_prompts_for_a_qwen_vl_naming_why(tiny_qwen, tmp_path, capsys):
+    """The engine does not place Qwen-VL's images (M-RoPE from each prompt's grids): GRPO on
+    image prompts refuses it in one line after loading, before compiling."""
+    write_colour_prompts(tmp_path / "prompts", 2, seed=2)
+    with pytest.raises(SystemExit) as stop:
+        main(["zoo", "run", "grpo", "--model", tiny_qwen, "--train",
+              str(tmp_path / "prompts" / "prompts.jsonl"), "--workdir", str(tmp_path / "run"),
+              "--reward", "regex_match", "--max_prompt_len", "80"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and "M-RoPE positions come from each prompt's image grids" \
+        in err[-1], err
