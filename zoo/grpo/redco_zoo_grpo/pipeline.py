@@ -15,7 +15,9 @@ every ``--eval_every_n_rounds`` and after the last. A step checkpoint is written
 then exits 143) and at the end; a rerun of the same command resumes at the round after the newest.
 ``--max_steps`` caps the rounds (a multiple of a round's updates). ``--environment NAME``
 makes each completion a multi-turn episode with that environment, which rewards it
-(``multiturn.py``, ``environments.py``), of ``--max_turns`` model turns at most.
+(``multiturn.py``, ``environments.py``), of ``--max_turns`` model turns at most. Prompts whose
+messages hold image parts run on a LLaVA model, each prompt with its images
+(``image_prompts.py``).
 ``--rollout_devices N`` samples on the last N devices, ahead of the updates
 (``async_rollouts.py``); ``auto`` plans N from the compiled rollout and update before the model
 is loaded (``auto_split.py``, ``rollout_split.py``).
@@ -251,6 +253,21 @@ def rounds_of(run: GRPORun, loop: Loop, deployer: Deployer, n_prompts: int) -> i
     return n_rounds
 
 
+def load_prompts(config: RunConfig[GRPORun]) -> tuple:
+    """``(tokenizer, prompts, held_out, images)``: ``prompt_examples``' of the run's data
+    (``image_prompts.prompt_examples``' where a prompt holds an image: ``images`` True)."""
+    run, model = config.task, config.source.model
+    parts = runner.split_eval(config.data, {"--prompt_column": run.prompt_column})
+    if not image_prompts.hold_images(parts, run.prompt_column):
+        tokenizer = load_chat_tokenizer(model)
+        return (tokenizer, *prompt_examples(tokenizer, parts, run.prompt_column,
+                                            run.max_prompt_len, run.chat_template_kwargs), False)
+    image_prompts.check_run(run)
+    processor = load_processor(model)
+    return (processor.tokenizer, *image_prompts.prompt_examples(
+        processor, parts, run.prompt_column, run.max_prompt_len, run.chat_template_kwargs), True)
+
+
 def train(config: RunConfig[GRPORun]) -> list[float]:
     """The whole run; returns the greedy held-out rewards (before, during and after)."""
     check_config(config, "train")
@@ -268,18 +285,7 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
     make_env = run.environment and load_environment(run.environment)
     check_max_turns(run.max_turns)
     reward_fn = load_reward_fn(run.reward)
-    parts = runner.split_eval(config.data, {"--prompt_column": run.prompt_column})
-    images = image_prompts.hold_images(parts, run.prompt_column)
-    if images:  # (image_prompts.py)
-        image_prompts.check_run(run)
-        processor = load_processor(source.model)
-        tokenizer = processor.tokenizer
-        prompts, held_out = image_prompts.prompt_examples(
-            processor, parts, run.prompt_column, run.max_prompt_len, run.chat_template_kwargs)
-    else:
-        tokenizer = load_chat_tokenizer(source.model)
-        prompts, held_out = prompt_examples(tokenizer, parts, run.prompt_column,
-                                            run.max_prompt_len, run.chat_template_kwargs)
+    tokenizer, prompts, held_out, images = load_prompts(config)
     config = auto_split.planned(config, len(prompts[0][0]["prompt_ids"]), loss_fn)
     run = config.task
     n_training = len(rollout_devices(run.asynchronous.rollout_devices)[0]) \
