@@ -2,7 +2,8 @@
 (``toy_vision``: its real ``LlavaProcessor``) learns to name a drawn shape's colour and kind
 from chats whose user message holds an image part (HuggingFace's and OpenAI's styles, PNGs of
 three sizes), scored by greedy generation on held-back images; its tower stays as it was
-(frozen by default); bad chats are refused before compiling, naming the fix."""
+(frozen by default); bad chats are refused before compiling, naming the fix. A tiny Qwen2.5-VL
+(images keep their sizes) trains with one compile; GRPO samples and trains on image prompts."""
 import json
 
 import jax.numpy as jnp
@@ -45,15 +46,16 @@ def image_part(path: str, i: int) -> dict:
         {"type": "image_url", "image_url": {"url": f"file://{path}"}}
 
 
-def write_chats(folder, n: int, seed: int) -> list[tuple[str, str]]:
-    """``n`` chats (one PNG each) in ``folder/chats.jsonl``; returns (image path, answer)."""
+def write_chats(folder, n: int, seed: int, sizes=SIZES) -> list[tuple[str, str]]:
+    """``n`` chats (one PNG each, of ``sizes`` in turn) in ``folder/chats.jsonl``; returns
+    (image path, answer)."""
     rng, out = np.random.default_rng(seed), []
     folder.mkdir()
     with open(folder / "chats.jsonl", "w") as f:
         for i in range(n):
             colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
             path = str(folder / f"{i}.png")
-            draw(colour, shape, SIZES[i % 3], rng).save(path)
+            draw(colour, shape, sizes[i % len(sizes)], rng).save(path)
             question = [image_part(path, i), {"type": "text", "text": "what is this ?"}]
             f.write(json.dumps({"messages": [
                 {"role": "user", "content": question},
@@ -182,27 +184,113 @@ def test_the_tower_is_frozen_unless_asked_and_lora_follows(tiny, train_tower):
         assert n_trained == sum(np.size(x) for _, x in named_leaves(params)) - n_tower
 
 
-def test_sft_refuses_a_qwen_vl_model_naming_why_before_compiling(tmp_path, capsys):
-    """Qwen2.5-VL's images keep their sizes (rows differ in patches) and its positions come from
-    the grids: ``redco zoo run sft`` refuses it in one line, after loading, before compiling."""
-    from flax import nnx
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory) -> str:
+    """A tiny Qwen2.5-VL directory (``toy_vision.save_tiny_qwen_vl``)."""
+    from redco_zoo_models.toy_vision import save_tiny_qwen_vl
+    return save_tiny_qwen_vl(str(tmp_path_factory.mktemp("tiny") / "qwen"), WORDS)
 
-    from redco_zoo_models.hf import save_pretrained
-    from redco_zoo_models.qwen_vl import QwenVLForConditionalGeneration
-    from redco_zoo_models.qwen_vl_config import QwenVLConfig
-    cfg = QwenVLConfig.from_hf({
-        "vision_config": {"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
-                          "patch_size": 4, "window_size": 16, "out_hidden_size": 16,
-                          "fullatt_block_indexes": [0]},
-        "text_config": {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 16,
-                        "num_hidden_layers": 1, "num_attention_heads": 2,
-                        "num_key_value_heads": 1, "rope_parameters": {
-                            "rope_type": "default", "mrope_section": [1, 1, 2]}}})
-    save_pretrained(QwenVLForConditionalGeneration(cfg, nnx.Rngs(0)), str(tmp_path / "qwen"))
-    write_chats(tmp_path / "train", 4, seed=0)
+
+def test_redco_zoo_run_sft_trains_a_tiny_qwen_vl_on_images_of_three_sizes_compiling_once(
+        tiny_qwen, tmp_path, monkeypatch):
+    """Qwen2.5-VL's images keep their sizes (12 image tokens for 48 x 40 and 56 x 64 PNGs, 16
+    for 2 of the 32 chats' 32 x 32): each row's patches are padded to the run's most, so the
+    train step compiles once though some batches hold no 32 x 32 image (padded to the batch's
+    own most, it compiles twice); the eval step once; the run lowers the loss, its tower
+    (``visual``) frozen. (Its loss equals transformers':
+    tests/zoo_parity/test_parity_qwen_vl_sft.py.)"""
+    from redco_zoo_models import runner
+    trainers = []
+    train_and_eval = runner.train_and_eval
+    monkeypatch.setattr(runner, "train_and_eval",
+                        lambda *a, **k: trainers.append(train_and_eval(*a, **k)) or trainers[-1])
+    model_dir = tiny_qwen
+    write_chats(tmp_path / "train", 32, seed=0, sizes=SIZES[1:] * 7 + SIZES[1:2] + SIZES[:1])
+    write_chats(tmp_path / "held", 16, seed=1)
+    main(["zoo", "run", "sft", "--model", model_dir, "--train",
+          str(tmp_path / "train" / "chats.jsonl"), "--eval", str(tmp_path / "held" / "chats.jsonl"),
+          "--workdir", str(tmp_path / "run"), "--max_len", "40", "--per_device_batch_size", "1",
+          "--n_epochs", "2", "--learning_rate", "3e-3"])
+    steps = trainers[0].steps
+    assert steps.train._cache_size() == 1 and steps.eval_step._cache_size() == 1
+    metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    first = next(m["train/loss"] for m in metrics if "train/loss" in m)
+    last = [m["eval/loss"] for m in metrics if "eval/loss" in m][-1]
+    assert last < first - 1, (first, last)  # measured: 3.9 at the first step, 1.9 held out
+    before, after = (read_safetensors(d) for d in (model_dir, str(tmp_path / "run" / "model")))
+    assert all(np.array_equal(before[k], after[k]) for k in before if k.startswith("visual."))
+    assert not np.array_equal(before["lm_head.weight"], after["lm_head.weight"])
+
+
+def test_a_qwen_vl_chat_renders_its_vision_tokens_and_a_video_is_refused(tiny_qwen, tmp_path):
+    """An image part becomes ``<|vision_start|>``, one ``<|image_pad|>`` per merged block of
+    its patches (a 40 x 64 PNG: 3 x 5 blocks of 2 x 2 patches), ``<|vision_end|>``;
+    a video part is refused naming the fix (the zoo fine-tunes on images only)."""
+    from redco_zoo_sft.qwen_vl_chat import placeholder
+    png = str(tmp_path / "red.png")
+    draw("red", "circle", (40, 64), np.random.default_rng(0)).save(png)
+    processor = load_processor(tiny_qwen)
+    got = render_image_chat(processor, ask(image_part(png, 0)), 40, "a chat",
+                            placeholder(processor))
+    tokens = processor.tokenizer.convert_ids_to_tokens(got["token_ids"])
+    start = tokens.index("<|vision_start|>")
+    grid = processor.image_processor(images=[Image.open(png)])["image_grid_thw"][0]
+    assert grid.tolist() == [1, 10, 6]  # (resized to 24 x 40 within 32 x 32 pixels)
+    assert tokens[start + 1:start + 17] == ["<|image_pad|>"] * 15 + ["<|vision_end|>"]
+    marked = processor.tokenizer.convert_ids_to_tokens(got["token_ids"][got["loss_mask"]])
+    assert marked == ["red", "circle", "<|im_end|>"]
+    with pytest.raises(UsageError, match="holds a video part: .* give a video's frames as "
+                                         "image parts"):
+        render_image_chat(processor, ask({"type": "video", "path": png}), 40, "a chat",
+                          placeholder(processor))
+
+
+def write_colour_prompts(folder, n: int, seed: int) -> None:
+    """``n`` prompts (an image part, then "what is this ?") in ``folder/prompts.jsonl``, each
+    with the ``pattern`` a reply naming the drawn shape's colour matches."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir()
+    with open(folder / "prompts.jsonl", "w") as f:
+        for i in range(n):
+            colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
+            path = str(folder / f"{i}.png")
+            draw(colour, shape, SIZES[i % 3], rng).save(path)
+            f.write(json.dumps({"prompt": [{"role": "user", "content": [
+                image_part(path, i), {"type": "text", "text": "what is this ?"}]}],
+                "pattern": rf"(?s).*\b{colour}\b.*"}) + "\n")
+
+
+def test_grpo_on_image_prompts_scores_with_the_samplers_log_probs(tiny, tmp_path):
+    """``redco zoo run grpo`` on prompts holding an image (a tiny LLaVA, rewarded when its
+    reply names the shape's colour): the engine (then, ``--engine_rows 0``, ``generate``)
+    samples with each prompt's image, and the trainer's forward pass, given the same pixels,
+    recomputes the sampler's log-probabilities of every sampled token (gap < 1e-4 each round);
+    the updates move the language model."""
+    model_dir, _ = tiny
+    write_colour_prompts(tmp_path / "prompts", 24, seed=2)
+    for rows, rounds in (("8", 2), ("0", 1)):  # (the engine; then generate, pred_fn)
+        workdir = tmp_path / f"grpo{rows}"
+        main(["zoo", "run", "grpo", "--model", model_dir, "--train",
+              str(tmp_path / "prompts" / "prompts.jsonl"), "--workdir", str(workdir),
+              "--reward", "regex_match", "--n_rounds", str(rounds), "--per_device_batch_size",
+              "2", "--max_new_tokens", "2", "--max_prompt_len", "80", "--prompts_per_round",
+              "8", "--n_samples", "4", "--engine_rows", rows, "--learning_rate", "5e-3"])
+        metrics = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+        gaps = [m["rollout/logprob_gap"] for m in metrics if "rollout/logprob_gap" in m]
+        assert len(gaps) == rounds and max(gaps) < 1e-4, (rows, gaps)  # (image dropped: 1.9)
+    before, after = (read_safetensors(d) for d in (model_dir, str(workdir / "model")))
+    assert not np.array_equal(before["language_model.lm_head.weight"],
+                              after["language_model.lm_head.weight"])
+
+
+def test_grpo_refuses_image_prompts_for_a_qwen_vl_naming_why(tiny_qwen, tmp_path, capsys):
+    """The engine does not place Qwen-VL's images (M-RoPE from each prompt's grids): GRPO on
+    image prompts refuses it in one line after loading, before compiling."""
+    write_colour_prompts(tmp_path / "prompts", 2, seed=2)
     with pytest.raises(SystemExit) as stop:
-        main(["zoo", "run", "sft", "--model", str(tmp_path / "qwen"), "--train",
-              str(tmp_path / "train" / "chats.jsonl"), "--workdir", str(tmp_path / "run")])
+        main(["zoo", "run", "grpo", "--model", tiny_qwen, "--train",
+              str(tmp_path / "prompts" / "prompts.jsonl"), "--workdir", str(tmp_path / "run"),
+              "--reward", "regex_match", "--max_prompt_len", "80"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert stop.value.code == 2 and "does not train it yet" in err[-1], err
-    assert not (tmp_path / "run" / "model").exists()
+    assert stop.value.code == 2 and "M-RoPE positions come from each prompt's image grids" \
+        in err[-1], err

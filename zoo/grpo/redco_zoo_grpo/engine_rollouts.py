@@ -16,7 +16,8 @@ less the training layout's. The values make the round trip unchanged (a copy, no
 Every prompt's G samples share one prefill, and a completion that ends at its EOS frees its
 row for the next at once, where the fixed-batch sampler runs every row to ``max_new_tokens``.
 Each prompt samples with a seed of its own, from the run's seed, the round and the prompt's
-place in the round, so a resumed run draws what the uninterrupted one drew."""
+place in the round, so a resumed run draws what the uninterrupted one drew. An image prompt
+(``image_prompts.py``) is submitted with its images; the engine holds ``max_images`` a prompt."""
 from __future__ import annotations
 
 import jax
@@ -46,14 +47,14 @@ def decode_layout_of(trainer, model, rows: int, max_len: int,
 class EngineRollouts:
     def __init__(self, trainer, model, config, eos_id: int, pad_id: int, rows: int,
                  prompt_width: int, seed: int, decode_model_shards: int | str | None = "auto",
-                 devices: list | None = None):
+                 devices: list | None = None, max_images: int = 1):
         self.trainer, self.config, self.pad_id, self.seed = trainer, config, pad_id, seed
         max_len = prompt_width + config.max_new_tokens
         self.layout = decode_layout_of(trainer, model, rows, max_len, decode_model_shards,
                                        devices)
         mesh = trainer.deployer.mesh if self.layout is None else self.layout.mesh
         self.engine = Engine(model, None, max_seqs=rows, max_len=max_len,
-                             eos_token_ids=(eos_id,), mesh=mesh)
+                             eos_token_ids=(eos_id,), mesh=mesh, max_images=max_images)
 
     def sample(self, prompts: list[dict], round_: int, greedy: bool):
         """``(tokens, logps)``, (len(prompts) * G, max_new_tokens) each (G = 1 when
@@ -73,7 +74,9 @@ class EngineRollouts:
             n=c.n_samples)
         requests = [self.engine.submit(
             [int(t) for t in p["prompt_ids"][p["prompt_mask"]]],
-            Sampling(seed=self._seed(round_, i), **sampling)) for i, p in enumerate(prompts)]
+            Sampling(seed=self._seed(round_, i), **sampling),
+            images=p["pixel_values"][:p["n_images"]] if "pixel_values" in p else None)
+            for i, p in enumerate(prompts)]
         self.engine.run_until_done(requests)
         samples = [s for r in requests for s in r.samples]
         tokens = np.full((len(samples), n_new), self.pad_id, np.int32)

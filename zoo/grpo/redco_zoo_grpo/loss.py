@@ -53,13 +53,18 @@ def token_logps_and_experts(apply_fn, params, batch: dict,
                             temperature: float) -> tuple[jax.Array, dict]:
     """``(logps, metrics)``: (B, N) each completion token's log-probability under
     ``softmax(logits / temperature)`` of the model ``params`` (the distribution the sampler
-    draws from), prompt as context; and an MoE model's expert metrics (``{}`` for a dense one:
-    ``redco_zoo_models.metrics.logits_and_experts``)."""
+    draws from), prompt (and its images' ``pixel_values``) as context; and an MoE model's
+    expert metrics (``{}`` for a dense one: ``redco_zoo_models.metrics.logits_and_experts``)."""
     prompt, tokens = batch["prompt_ids"], batch["tokens"]
     ids = jnp.concatenate([prompt, tokens], 1)
     segments = jnp.concatenate([batch["prompt_mask"], jnp.ones_like(tokens)], 1).astype(jnp.int32)
-    logits, experts = logits_and_experts(apply_fn, params, ids[:, :-1],
-                                         segment_ids=segments[:, :-1])
+    if "pixel_values" in batch:  # (an image prompt's: each row's images, image_prompts.py)
+        images = jnp.concatenate([batch["image_mask"], jnp.zeros_like(tokens, bool)], 1)
+        logits, experts = apply_fn(params, ids[:, :-1], segments[:, :-1], batch["pixel_values"],
+                                   image_mask=images[:, :-1]), {}
+    else:
+        logits, experts = logits_and_experts(apply_fn, params, ids[:, :-1],
+                                             segment_ids=segments[:, :-1])
     logps = jax.nn.log_softmax(logits[:, prompt.shape[1] - 1:].astype(jnp.float32) / temperature)
     return jnp.take_along_axis(logps, tokens[..., None], -1)[..., 0], experts
 

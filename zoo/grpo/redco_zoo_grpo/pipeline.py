@@ -15,7 +15,9 @@ every ``--eval_every_n_rounds`` and after the last. A step checkpoint is written
 then exits 143) and at the end; a rerun of the same command resumes at the round after the newest.
 ``--max_steps`` caps the rounds (a multiple of a round's updates). ``--environment NAME``
 makes each completion a multi-turn episode with that environment, which rewards it
-(``multiturn.py``, ``environments.py``), of ``--max_turns`` model turns at most.
+(``multiturn.py``, ``environments.py``), of ``--max_turns`` model turns at most. Prompts whose
+messages hold image parts run on a LLaVA model, each prompt with its images
+(``image_prompts.py``).
 ``--rollout_devices N`` samples on the last N devices, ahead of the updates
 (``async_rollouts.py``); ``auto`` plans N from the compiled rollout and update before the model
 is loaded (``auto_split.py``, ``rollout_split.py``).
@@ -32,7 +34,7 @@ import optax
 
 from redco import Deployer, Trainer
 from redco.protocols import UsageError
-from redco_zoo_grpo import auto_split
+from redco_zoo_grpo import auto_split, image_prompts
 from redco_zoo_grpo.async_rollouts import AsyncConfig, check_async, rollout_devices
 from redco_zoo_grpo.environments import load_environment
 from redco_zoo_grpo.loss import LOSS_TYPES, average, token_logps_and_experts, token_losses
@@ -45,6 +47,7 @@ from redco_zoo_models.decode_layout import model_shard_degrees
 from redco_zoo_models.metrics import with_experts
 from redco_zoo_models.settings import Loop, RunConfig, check_config
 from redco_zoo_sft.chat import render_prompt, template_kwargs_arg
+from redco_zoo_sft.image_chat import load_processor
 from redco_zoo_sft.pipeline import load_chat_tokenizer
 
 
@@ -69,10 +72,14 @@ def loss_fn(rng, state, params, batch, is_training, loss_type: str = "grpo",
 def pred_fn(rng, params, batch, model, n_samples: int = 1, **sampling):
     """``n_samples`` completions of each prompt and their log-probabilities, (B, G, N) each
     (``sampling``: ``generate``'s keywords); the rng folds in the batch's ``round``, so every
-    round draws afresh."""
+    round draws afresh. Image prompts' ``pixel_values`` (B, K, 3, H, W), K images each, are
+    placed in order over the rows' image tokens."""
+    images = None if "pixel_values" not in batch else {"pixel_values": batch["pixel_values"].reshape(
+        -1, *batch["pixel_values"].shape[2:])}
     tokens, logps = generate(model, params, batch["prompt_ids"], prompt_mask=batch["prompt_mask"],
                              rng=jax.random.fold_in(rng, batch["round"][0]),
-                             return_logprobs=True, num_samples=n_samples, **sampling)
+                             return_logprobs=True, num_samples=n_samples, encoder_inputs=images,
+                             **sampling)
     shape = (batch["prompt_ids"].shape[0], n_samples, -1)
     return {"tokens": tokens.reshape(shape), "logps": logps.reshape(shape)}
 
@@ -246,6 +253,21 @@ def rounds_of(run: GRPORun, loop: Loop, deployer: Deployer, n_prompts: int) -> i
     return n_rounds
 
 
+def load_prompts(config: RunConfig[GRPORun]) -> tuple:
+    """``(tokenizer, prompts, held_out, images)``: ``prompt_examples``' of the run's data
+    (``image_prompts.prompt_examples``' where a prompt holds an image: ``images`` True)."""
+    run, model = config.task, config.source.model
+    parts = runner.split_eval(config.data, {"--prompt_column": run.prompt_column})
+    if not image_prompts.hold_images(parts, run.prompt_column):
+        tokenizer = load_chat_tokenizer(model)
+        return (tokenizer, *prompt_examples(tokenizer, parts, run.prompt_column,
+                                            run.max_prompt_len, run.chat_template_kwargs), False)
+    image_prompts.check_run(run)
+    processor = load_processor(model)
+    return (processor.tokenizer, *image_prompts.prompt_examples(
+        processor, parts, run.prompt_column, run.max_prompt_len, run.chat_template_kwargs), True)
+
+
 def train(config: RunConfig[GRPORun]) -> list[float]:
     """The whole run; returns the greedy held-out rewards (before, during and after)."""
     check_config(config, "train")
@@ -262,16 +284,15 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
         rollout_devices(run.asynchronous.rollout_devices)  # (refused before anything loads)
     make_env = run.environment and load_environment(run.environment)
     check_max_turns(run.max_turns)
-    tokenizer = load_chat_tokenizer(source.model)
     reward_fn = load_reward_fn(run.reward)
-    prompts, held_out = prompt_examples(tokenizer, runner.split_eval(
-        config.data, {"--prompt_column": run.prompt_column}), run.prompt_column,
-        run.max_prompt_len, run.chat_template_kwargs)
+    tokenizer, prompts, held_out, images = load_prompts(config)
     config = auto_split.planned(config, len(prompts[0][0]["prompt_ids"]), loss_fn)
     run = config.task
     n_training = len(rollout_devices(run.asynchronous.rollout_devices)[0]) \
         if run.asynchronous.rollout_devices else None
     model, _ = runner.load_source(source, seed)
+    if images:
+        image_prompts.check_model(model, source.model, prompts[0], run.engine_rows)
     turns_context = algorithm.max_new_tokens if make_env else 0  # a turn's context: the trajectory
     check_context(model, len(prompts[0][0]["prompt_ids"]) + turns_context,
                   algorithm.max_new_tokens)

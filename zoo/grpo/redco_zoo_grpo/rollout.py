@@ -270,7 +270,9 @@ class GRPO:
         if self.reference == "copy":  # the params before the first update
             self.ref_params = jax.tree.map(jnp.copy, self.trainer.params)
         if self.engine_rows:
-            engine = (EngineRollouts, {}) if not self.asynchronous else (AsyncRollouts, dict(
+            slots = {"max_images": len(prompts[0]["pixel_values"])} \
+                if "pixel_values" in prompts[0] else {}  # (image prompts: image_prompts.py)
+            engine = (EngineRollouts, slots) if not self.asynchronous else (AsyncRollouts, dict(
                 devices=rollout_devices(self.asynchronous.rollout_devices,
                                         self.trainer.deployer.devices)[1],
                 max_off_policy_steps=self.asynchronous.max_off_policy_steps,

@@ -79,18 +79,20 @@ class ImageTextModel(nnx.Module):
         features = self.encode(pixel_values.reshape(b * k, *pixel_values.shape[2:]))
         return features.reshape(b, -1, features.shape[-1])
 
-    def embed(self, input_ids, features=None, per_row: bool = False):
+    def embed(self, input_ids, features=None, per_row: bool = False, image_mask=None):
         """The decoder's input embeddings, ``features`` (images, n, hidden) placed at the
         image tokens in order (row-major over the batch); ``per_row``: ``features`` (B, n,
-        hidden), each row's placed at its own image tokens."""
+        hidden), each row's placed at its own image tokens. ``image_mask`` (B, T): the tokens
+        that take features (default: every image token; GRPO's: the prompt's, not an image
+        token the model sampled, which was read as text)."""
         return self.place(input_ids, features, self.language_model.model.embed(input_ids),
-                          per_row)
+                          per_row, image_mask)
 
-    def place(self, input_ids, features, x, per_row: bool = False):
+    def place(self, input_ids, features, x, per_row: bool = False, image_mask=None):
         """``x`` (B, T, hidden) with ``features`` at the image tokens, as ``embed`` places them."""
         if features is None:
             return x
-        is_image = input_ids == self.cfg.image_token_index
+        is_image = input_ids == self.cfg.image_token_index if image_mask is None else image_mask
         if per_row:
             index = jnp.clip(jnp.cumsum(is_image, 1) - 1, 0, features.shape[1] - 1)
             placed = jnp.take_along_axis(features.astype(x.dtype), index[..., None], 1)
@@ -100,10 +102,10 @@ class ImageTextModel(nnx.Module):
         return jnp.where(is_image[..., None], flat[index].reshape(x.shape), x)
 
     def __call__(self, input_ids, attention_mask=None, pixel_values=None, cache=None,
-                 cache_index=0, labels=None, label_mask=None):
+                 cache_index=0, labels=None, label_mask=None, image_mask=None):
         """As ``DecoderLM.__call__`` (logits, or with ``labels`` the mean loss), the images of
         ``pixel_values`` (images, 3, H, W), or each row's (B, K, 3, H, W), in place of the image
-        tokens; text alone without."""
+        tokens (``image_mask``: which, as ``embed``); text alone without."""
         per_row = pixel_values is not None and pixel_values.ndim == 5
         if per_row:
             self.check_rows(input_ids, pixel_values.shape[1])
@@ -113,7 +115,8 @@ class ImageTextModel(nnx.Module):
             features = None if pixel_values is None else self.encode(pixel_values)
         return self.language_model(input_ids, attention_mask, cache, cache_index, labels=labels,
                                    label_mask=label_mask,
-                                   inputs_embeds=self.embed(input_ids, features, per_row),
+                                   inputs_embeds=self.embed(input_ids, features, per_row,
+                                                            image_mask),
                                    blocks=self._blocks(input_ids, features))
 
     def decode(self, ids, key_valid, cache, cache_index, context=None):

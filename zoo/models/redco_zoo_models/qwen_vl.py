@@ -95,10 +95,20 @@ class QwenVLForConditionalGeneration(ImageTextModel):
                  position_ids=None, layout=None, labels=None, label_mask=None):
         """Logits (or with ``labels`` the mean loss, as ``DecoderLM``); text alone without
         ``pixel_values``. ``position_ids`` (3, B, T) and ``layout``: made on the host here
-        from concrete ids and grids, given inside jit."""
+        from concrete ids and grids, given inside jit; ``pixel_values`` (B, P, features) of
+        each row's patches (``row_features``) with both given."""
         if pixel_values is None:
             return self.language_model(input_ids, attention_mask, labels=labels,
                                        label_mask=label_mask)
+        if pixel_values.ndim == 3:  # (B, P, features): each row's patches (row_features)
+            if position_ids is None or layout is None:
+                raise ValueError("pixel_values of rows (B, P, features) need position_ids and "
+                                 "layout made on the host for each row.")
+            features, deep = self.row_features(pixel_values, layout)
+            return self.language_model(
+                input_ids, attention_mask, labels=labels, label_mask=label_mask,
+                positions=position_ids, inputs_embeds=self.embed(input_ids, features, True),
+                deepstack=self.deepstack(input_ids, deep, per_row=True))
         if position_ids is None:
             position_ids = self.positions(input_ids, attention_mask, image_grid_thw)[0]
         self.check_tokens(input_ids, image_grid_thw)
@@ -108,12 +118,20 @@ class QwenVLForConditionalGeneration(ImageTextModel):
                                    inputs_embeds=self.embed(input_ids, features),
                                    deepstack=self.deepstack(input_ids, deep))
 
-    def deepstack(self, input_ids, deep: list):
+    def row_features(self, pixel_values, layout: dict):
+        """``image_features`` of each row (the SFT pipeline's batches): ``pixel_values`` (B, P,
+        features), a row's images' patches then padding; ``layout`` (B, P, ...): each row's
+        ``LAYOUT`` of its grids, a padded patch in frame and window -1 (attending to no real
+        patch) and reading no position. Features (B, P / merge ** 2, hidden), each row's real
+        ones first (placed at its image tokens in order; the padded ones never placed)."""
+        return jax.vmap(self.visual)(pixel_values, layout)
+
+    def deepstack(self, input_ids, deep: list, per_row: bool = False):
         """DeepStack's features placed at the image tokens, zeros elsewhere (``None``: none)."""
         if not deep:
             return None
         zeros = jnp.zeros((*input_ids.shape, self.cfg.text.hidden_size), deep[0].dtype)
-        return [self.place(input_ids, d, zeros) for d in deep]
+        return [self.place(input_ids, d, zeros, per_row) for d in deep]
 
     def check_tokens(self, input_ids, image_grid_thw) -> None:
         """Refuse a prompt whose image tokens are not the images' merged patches, or with video
@@ -150,12 +168,6 @@ class QwenVLForConditionalGeneration(ImageTextModel):
         return (f"{type(self).__name__}: its M-RoPE positions come from each prompt's image "
                 "grids, which the serving engine's prefill does not build yet; generate() with "
                 "encoder_inputs=model.encode's arguments instead.")
-
-    def untrained(self) -> str | None:
-        return (f"{type(self).__name__}: `redco zoo run sft` does not train it yet (its images "
-                "keep their sizes, so rows differ in patches, and its M-RoPE positions come from "
-                "the grids); fine-tune LLaVA or Gemma 3 there, or this model through your own "
-                "loop with position_ids= and layout= made on the host.")
 
     def hf_tensors_in(self, tensors: dict) -> dict:
         for pattern, name in NAMES_IN:

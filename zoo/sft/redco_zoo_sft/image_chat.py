@@ -42,9 +42,12 @@ def load_processor(path: str):
     try:
         processor = AutoProcessor.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise UsageError(f"{path}: no image processor there that transformers can read "
-                         f"({e}); save the model's processor with processor.save_pretrained"
-                         "(dir).") from e
+        processor = images_only_processor(path, e)
+    except AttributeError:  # (one whose video processor this install cannot make)
+        processor = images_only_processor(path, None)
+    if processor is None:
+        raise UsageError(f"{path}: no image processor there that transformers can read; "
+                         "save the model's processor with processor.save_pretrained(dir).")
     if not hasattr(processor, "image_processor"):
         raise UsageError(f"{path}: its processor is a {type(processor).__name__} without an "
                          "image processor; save the model's own (LlavaProcessor, "
@@ -54,11 +57,47 @@ def load_processor(path: str):
     return processor
 
 
-def render_image_chat(processor, messages: list[dict], max_len: int, where: str) -> dict:
-    """``{"token_ids", "loss_mask", "images"}`` of one chat: its ids after the processor's
-    expansion of the image placeholders, the assistant's tokens marked (module docstring)."""
-    tokenizer, placeholder = processor.tokenizer, processor.image_token
+def images_only_processor(path: str, error: Exception | None):
+    """The processor ``processor_config.json`` names in ``path`` (Qwen2.5-VL's, Qwen3-VL's)
+    made of its image processor and tokenizer alone, where transformers cannot make its video
+    processor (it needs torchvision); None where there is no such file (``error``: why)."""
+    import json
+    import os
+
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
     try:
+        with open(os.path.join(path, "processor_config.json")) as f:
+            kind = getattr(transformers, json.load(f).get("processor_class", ""), None)
+    except (OSError, ValueError):
+        kind = None
+    if kind is None:
+        return None
+
+    class ImagesOnly(kind):
+        def __init__(self, image_processor, tokenizer, chat_template=None):
+            super().__init__(image_processor, tokenizer, chat_template=chat_template)
+    try:
+        return ImagesOnly(AutoImageProcessor.from_pretrained(path, local_files_only=True),
+                          AutoTokenizer.from_pretrained(path, local_files_only=True))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: its {kind.__name__} cannot be read ({error or e}); save "
+                         "the model's processor with processor.save_pretrained(dir).") from e
+
+
+def render_image_chat(processor, messages: list[dict], max_len: int, where: str,
+                      placeholder: str | None = None) -> dict:
+    """``{"token_ids", "loss_mask", "images"}`` of one chat: its ids after the processor's
+    expansion of the image placeholders, the assistant's tokens marked (module docstring).
+    ``placeholder``: what an image part becomes (default: the processor's image token)."""
+    tokenizer = processor.tokenizer
+    placeholder = placeholder or processor.image_token
+    try:
+        if any(isinstance(m.get("content"), list) and any(
+                isinstance(p, dict) and p.get("type") == "video" for p in m["content"])
+                for m in messages):
+            raise ValueError(f"{where} holds a video part: the zoo's image + text models are "
+                             "fine-tuned on images only; give a video's frames as image parts.")
         chat, sources = chat_text_and_images(messages, placeholder, where)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -67,9 +106,10 @@ def render_image_chat(processor, messages: list[dict], max_len: int, where: str)
     except ValueError as e:
         raise UsageError(str(e)) from None
     text = render(tokenizer, chat, where)
-    if text.count(placeholder) != len(pictures):
+    mark = processor.image_token
+    if text.count(mark) != len(pictures):
         raise UsageError(f"{where} has {len(pictures)} images but the chat template renders "
-                         f"{text.count(placeholder)} {placeholder!r} placeholders: give one "
+                         f"{text.count(mark)} {mark!r} placeholders: give one "
                          "image part per image and no placeholder in the text, with a template "
                          "that renders text content as it is.")
     plain = render_chat(tokenizer, chat, 1 << 30, where)
@@ -114,6 +154,15 @@ def collate_image_chats(examples: list[dict], image_processor, max_len: int, per
                         pad_id: int) -> dict:
     """Rendered chats -> ``input_ids``, ``attention_mask``, ``loss_mask`` (B, max_len), right-
     padded, and ``pixel_values`` (B, per_row, 3, H, W)."""
+    batch = token_rows(examples, max_len, pad_id)
+    images = [[read_image(s, "a chat") for s in e["images"]] for e in examples]
+    batch["pixel_values"] = pixel_rows(image_processor, images, per_row)
+    return batch
+
+
+def token_rows(examples: list[dict], max_len: int, pad_id: int) -> dict:
+    """Rendered chats -> ``input_ids``, ``attention_mask``, ``loss_mask`` (B, max_len), right-
+    padded."""
     batch = {"input_ids": np.full((len(examples), max_len), pad_id, np.int32),
              "attention_mask": np.zeros((len(examples), max_len), np.int32),
              "loss_mask": np.zeros((len(examples), max_len), bool)}
@@ -121,8 +170,6 @@ def collate_image_chats(examples: list[dict], image_processor, max_len: int, per
         n = len(e["token_ids"])
         batch["input_ids"][i, :n], batch["loss_mask"][i, :n] = e["token_ids"], e["loss_mask"]
         batch["attention_mask"][i, :n] = 1
-    images = [[read_image(s, "a chat") for s in e["images"]] for e in examples]
-    batch["pixel_values"] = pixel_rows(image_processor, images, per_row)
     return batch
 
 
@@ -135,7 +182,7 @@ def image_loss_fn(rng, state, params, batch, is_training):
 
 
 def image_chat_rows(processor, rows: list[dict], column: str, max_len: int,
-                    what: str) -> list[dict[str, Any]]:
+                    what: str, placeholder: str | None = None) -> list[dict[str, Any]]:
     """The chats of ``rows`` (``column``) rendered for an image + text model."""
-    return [render_image_chat(processor, row[column], max_len, f"{what} row {i}")
+    return [render_image_chat(processor, row[column], max_len, f"{what} row {i}", placeholder)
             for i, row in enumerate(rows)]

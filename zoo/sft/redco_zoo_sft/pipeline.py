@@ -5,7 +5,8 @@ Each example is a row of chats packed together (``chat.py``): ``token_ids``, ``s
 next-token cross-entropy of the assistant's tokens only, averaged over them: the system's and
 the user's tokens are context, never targets, and a chat attends only to itself. ``pred_fn``
 samples the assistant's reply after a prompt rendered with the generation prompt. An image +
-text model's chats (messages with image parts) go through ``image_chat.py``.
+text model's chats (messages with image parts) go through ``image_chat.py`` (Qwen2.5-VL's and
+Qwen3-VL's, whose images keep their sizes, through ``qwen_vl_chat.py`` too).
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from redco.protocols import UsageError
 from redco_zoo_models import base_plan, flags, generate, runner
 from redco_zoo_models.image_text import ImageTextModel
 from redco_zoo_models.metrics import logits_and_experts, token_cross_entropy, with_experts
+from redco_zoo_models.qwen_vl import QwenVLForConditionalGeneration
 from redco_zoo_models.settings import RunConfig
+from redco_zoo_sft import qwen_vl_chat
 from redco_zoo_sft.chat import pack_chats, render_chat
 from redco_zoo_sft.image_chat import (
     TOWER,
@@ -134,12 +137,23 @@ def train_images(config: RunConfig[SFTData], model, parts: tuple[list, list],
         raise UsageError(f"--model {config.source.model}: {why}")
     data = config.task
     processor = load_processor(config.source.model)
-    train, evaluate = (image_chat_rows(processor, part, data.messages_column, data.max_len, what)
-                       for part, what in zip(parts, names))
-    per_row = max([1, *(len(c["images"]) for c in train + evaluate)])
-    collate = partial(collate_image_chats, image_processor=processor.image_processor,
-                      max_len=data.max_len, per_row=per_row,
-                      pad_id=processor.tokenizer.pad_token_id or 0)
-    frozen = None if data.train_vision_tower else TOWER
-    return runner.train_and_eval(config, model, (train, evaluate), collate, image_loss_fn,
+    qwen = isinstance(model, QwenVLForConditionalGeneration)
+    mark = qwen_vl_chat.placeholder(processor) if qwen else None
+    train, evaluate = (image_chat_rows(processor, part, data.messages_column, data.max_len, what,
+                                       mark) for part, what in zip(parts, names))
+    pad_id = processor.tokenizer.pad_token_id or 0
+    if qwen:  # (images of any size: padded patches, qwen_vl_chat)
+        patches = qwen_vl_chat.patches_per_row(train + evaluate, model.cfg.vision.spatial_merge_size,
+                                               model.cfg.image_token_id)
+        collate = partial(qwen_vl_chat.collate_qwen_chats, cfg=model.cfg, patches=patches,
+                          image_processor=processor.image_processor, max_len=data.max_len,
+                          pad_id=pad_id)
+        loss, tower = qwen_vl_chat.qwen_loss_fn, qwen_vl_chat.TOWER
+    else:
+        per_row = max([1, *(len(c["images"]) for c in train + evaluate)])
+        collate = partial(collate_image_chats, image_processor=processor.image_processor,
+                          max_len=data.max_len, per_row=per_row, pad_id=pad_id)
+        loss, tower = image_loss_fn, TOWER
+    frozen = None if data.train_vision_tower else tower
+    return runner.train_and_eval(config, model, (train, evaluate), collate, loss,
                                  frozen=frozen), evaluate
