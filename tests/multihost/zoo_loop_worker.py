@@ -5,10 +5,10 @@
 LOOP is ``fedavg``, ``maml``, ``ppo``, ``grpo`` or ``async_grpo``, each the zoo's own code
 (``fedavg()``, ``train()``, ``redco zoo run grpo`` on the task ``test_grpo_processes.write_task``
 wrote next to WORKDIR) on a tiny task, on 8 simulated CPU devices, 4 a process, joined through
-the ``ip`` launcher's variables (as ``redco launch --launcher ip`` sets them); it resumes from WORKDIR's checkpoints
-like any rerun of the same command. Step checkpoints: FedAvg every round (5 rounds of 2 of 4
-clients), MAML every 5 of its 12 meta-updates (each a boundary of ``fit``), PPO every iteration
-(4 of 16 updates, one compiled call each); and at the end.
+the ``ip`` launcher's variables (as ``redco launch --launcher ip`` sets them); it resumes from
+WORKDIR's checkpoints like any rerun of the same command. Step checkpoints: FedAvg every round
+(5 rounds of 2 of 4 clients), MAML every 5 of its 12 meta-updates (each a boundary of ``fit``),
+PPO every iteration (4 of 16 updates, one compiled call each); and at the end.
 
 * ``--sigterm N``: process 1 sends itself SIGTERM inside a unit of its loop, at the N-th such
   point of this run: FedAvg inside a client's local epoch (the end of the run's N-th update:
