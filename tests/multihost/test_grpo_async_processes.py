@@ -10,6 +10,7 @@ thread while the update runs (from a thread of their own they hang in collective
   stopped. (A kill at a random moment of an asynchronous run and its rerun on one process:
   ``tests/zoo/test_grpo_async.py``; a 2-process GRPO run killed: ``test_zoo_loops_processes``.)
 """
+import json
 import os
 import subprocess
 import sys
@@ -69,7 +70,8 @@ def runs(grpo_two_processes):
 
 def test_async_grpo_on_two_processes_samples_and_trains_like_one(runs):
     """The rollout mesh: process 0's and 1's last device (one process: its last 2); the same
-    rewards and completions a round, one update behind from round 2, the same KL and params."""
+    rewards and completions a round, one update behind from round 2, the same KL and params;
+    the rollouts on the main thread while the updates run (``timeline.jsonl``)."""
     codes, logs = runs.whole
     assert codes == [0, 0], logs
     assert "processes: 2, mesh: {'dp': 3, 'mp': 2}" in log(runs.two), log(runs.two)[:2000]
@@ -84,6 +86,19 @@ def test_async_grpo_on_two_processes_samples_and_trains_like_one(runs):
         assert abs(a["rollout/kl"] - b["rollout/kl"]) <= 1e-4 * a["rollout/kl"] + 1e-7
     for name, value in one_params.items():
         np.testing.assert_allclose(two_params[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+    assert_rollouts_ran_on_the_main_thread_during_the_updates(runs.two)
+
+
+def assert_rollouts_ran_on_the_main_thread_during_the_updates(workdir) -> None:
+    """``timeline.jsonl``: every rollout on the main thread (so every process dispatches the
+    same programs in the same order); rounds 3's and 2's dispatched before the update of the
+    round before them and run after it was dispatched, before it was waited for."""
+    rows = [json.loads(line) for line in open(workdir / "timeline.jsonl")]
+    assert [row["round"] for row in rows] == [1, 2, 3], rows
+    assert {row["rollout_thread"] for row in rows} == {"MainThread"}, rows
+    for before, after in zip(rows, rows[1:]):
+        assert after["rollout_dispatch"] <= before["update_dispatch"] <= after["rollout_start"]
+        assert after["rollout_ready"] <= before["update_ready"], (before, after)
 
 
 def test_async_grpo_on_two_processes_stopped_by_sigterm_reruns_to_the_same_bits(runs):

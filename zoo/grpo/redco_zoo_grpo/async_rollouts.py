@@ -40,8 +40,9 @@ drawn by params older than the checkpointed ones. So ``state_dict`` runs them an
 their tokens, log-probabilities, versions and prompt indices in the checkpoint's loop state;
 a resumed run consumes them as the uninterrupted one did, bit for bit.
 
-**Timeline.** ``timeline.jsonl`` in the workdir gets, per round, when (seconds since the
-rollouts started) its rollout was dispatched, started and finished, and when
+**Timeline.** ``timeline.jsonl`` in the workdir (process 0's) gets, per round, when (seconds
+since the rollouts started) its rollout was dispatched, started and finished (and on which
+thread), and when
 its update was dispatched and returned: where the CPU cannot show the overlap in round times,
 the intervals show it (``bench/async_grpo.py``).
 """
@@ -51,6 +52,7 @@ import base64
 import dataclasses
 import json
 import os
+import threading
 import time
 from typing import Callable
 
@@ -179,7 +181,8 @@ class AsyncRollouts(EngineRollouts):
     def _generate(self, params, prompts: list[dict], round_: int, greedy: bool,
                   times: dict | None = None):
         if times is not None:
-            times["rollout_start"] = time.perf_counter() - self.start
+            times.update(rollout_start=time.perf_counter() - self.start,
+                         rollout_thread=threading.current_thread().name)
         self.engine.params = params
         try:
             return self.generate(prompts, round_, greedy)
@@ -243,7 +246,7 @@ class AsyncRollouts(EngineRollouts):
                    update_dispatch=dispatched - self.start,
                    update_ready=time.perf_counter() - self.start)
         self.publish(params, round_)
-        if self.timeline_path:
+        if self.timeline_path and self.trainer.deployer.is_main_process:
             with open(self.timeline_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
