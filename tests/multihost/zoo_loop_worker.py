@@ -189,7 +189,7 @@ def grpo(workdir: str, points: Points):
 
 
 def async_grpo(workdir: str, points: Points):
-    """``redco zoo run grpo`` of ``test_grpo_async_processes.py`` (asynchronous, 3 rounds of 4
+    """``redco zoo run grpo`` of ``test_grpo_async_processes.py`` (asynchronous, 2 rounds of 4
     updates, a step checkpoint every round); a point at each call of the reward function (1: the
     greedy evaluation before round 1, 2: round 1's rollouts, 3: round 2's, ...)."""
     from test_grpo_async_processes import grpo_async
