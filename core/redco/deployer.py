@@ -21,6 +21,15 @@ from redco.run_log import RunLog
 from redco.sharding import Rules, RuleSetRules, is_rule_set, make_mesh, shardings_from_specs, specs_from_rules
 
 
+def mesh_devices(devices: Sequence) -> list:
+    """``Deployer(devices=)``'s pick, checked: as many of every process's devices."""
+    per_process = [sum(d.process_index == p for d in devices) for p in range(jax.process_count())]
+    if not devices or len(set(per_process)) > 1:
+        raise ValueError(f"Deployer(devices=) picked {per_process} devices of the processes: "
+                         "the mesh needs as many of each process's devices, at least one.")
+    return list(devices)
+
+
 class Deployer(DeployerV04):
     """Sets up the run: joins the processes, builds the ``('dp', 'mp')`` mesh (``('dp', 'cp',
     'mp')`` with context parallelism), owns the seed, the workdir, the loggers and the
@@ -44,6 +53,11 @@ class Deployer(DeployerV04):
       n_processes, host0_address, host0_port, process_id: a multi-host run over bare IPs.
       n_local_devices: use only this many devices of this process (a cap per process; the
         mesh is every process's devices together, the count ``redco plan --devices`` plans for).
+        With several processes the launcher hides the others from JAX.
+      devices: the mesh's devices, picked once the processes joined: a function of every
+        device of the run (``jax.devices()``) returning some of them, the same count from each
+        process. The others stay visible to JAX for programs of the caller's own (asynchronous
+        GRPO's rollout mesh takes the last devices of each process).
       sharding_rules: name of the rule-set plugin behind ``get_sharding_rules`` (``auto``,
         ``auto-names``: ``auto`` from parameter names only, for a model the dataflow walker
         cannot follow; ``fsdp``, ``auto+fsdp``, ``replicate``, or a third party's), or your own
@@ -87,7 +101,8 @@ class Deployer(DeployerV04):
                  wandb_init_kwargs: dict | None = None,
                  compile_cache_dir: str | bool | None = None,
                  hang_timeout_s: float | None = None, async_checkpoints: bool = True,
-                 n_context_shards: int | str | None = None, context_strategy: str = "all_gather"):
+                 n_context_shards: int | str | None = None, context_strategy: str = "all_gather",
+                 devices: Callable[[list], Sequence] | None = None):
         check_number("jax_seed", jax_seed, 0)
         if context_strategy not in sequence_split.STRATEGIES:
             raise ValueError(f"context_strategy={context_strategy!r}: choose one of "
@@ -105,6 +120,8 @@ class Deployer(DeployerV04):
         self.devices = jax.devices()
         if n_local_devices and jax.process_count() == 1:
             self.devices = self.devices[:n_local_devices]
+        if devices is not None:
+            self.devices = mesh_devices(devices(self.devices))
         self.mesh, self.n_model_shards = None, n_model_shards
         self.layout: Layout | None = None  # the layout planner's pick (n_model_shards="auto")
         if isinstance(sharding_rules, str):

@@ -63,9 +63,12 @@ def scan_updates(step: Callable, mesh, n_micro: int) -> Callable:
 
 
 def train_scanned(trainer: Any, examples: Sequence, per_device_batch_size: int,
-                  epochs: Sequence[int], desc: str = "") -> None:
+                  epochs: Sequence[int], desc: str = "",
+                  during: Callable[[], Any] | None = None) -> None:
     """``Trainer.train_scanned``: every update of ``epochs`` over ``examples`` in one compiled
-    call (module docstring); observers see each update (``on_step_end``) once it returns."""
+    call (module docstring); ``during()`` runs once the call is dispatched, before its metrics
+    are read (other devices' work, on this thread, while the updates run); observers see each
+    update (``on_step_end``) once it returns."""
     trainer.prepare(examples, per_device_batch_size)
     size = trainer.deployer.get_global_batch_size(per_device_batch_size)
     size *= trainer.accumulate_grad_batches
@@ -84,6 +87,8 @@ def train_scanned(trainer: Any, examples: Sequence, per_device_batch_size: int,
     data = place_replicated(examples, trainer.collate_fn, replicated)
     trainer.state, metrics = trainer.steps.scanned(trainer.state, data, place_replicated(
         orders, np.stack, replicated))
+    if during is not None:
+        during()
     metrics, seconds = jax.device_get(metrics), time.perf_counter() - start
     for u in range(len(orders)):
         trainer.hooks.on_time_spent(trainer=trainer, phase="compile" if compiling and u == 0

@@ -242,13 +242,17 @@ class Trainer(compat.TrainerV04):
                                    desc, max_updates, evaluate_every)
 
     def train_scanned(self, examples: Sequence, per_device_batch_size: int,
-                      epochs: Sequence[int], desc: str = "") -> None:
+                      epochs: Sequence[int], desc: str = "",
+                      during: Callable[[], Any] | None = None) -> None:
         """Every update of ``epochs`` over ``examples`` in one compiled call: the updates
         ``train_epoch`` would run for each epoch, as a ``lax.scan`` over examples collated and
         placed once (``redco/scanned_updates.py``; ``collate_fn`` must pad to a fixed width).
-        For many small updates over one RL rollout (PPO, GRPO). Observers see each update
-        (``on_step_end``) once the call returns."""
-        scanned_updates.train_scanned(self, examples, per_device_batch_size, epochs, desc)
+        For many small updates over one RL rollout (PPO, GRPO). ``during()`` runs on this
+        thread once the call is dispatched, before it is waited for (e.g. rollouts on devices
+        of their own, asynchronous GRPO's). Observers see each update (``on_step_end``) once
+        the call returns."""
+        scanned_updates.train_scanned(self, examples, per_device_batch_size, epochs, desc,
+                                      during)
 
     def step_flops(self) -> float | None:
         """The FLOPs of one update over the whole batch, all devices: the matrix products of

@@ -2,18 +2,19 @@
 ``zoo_loop_worker.py LOOP[,LOOP...] PROCESS_ID PORT WORKDIR [--sigterm N] [--sigkill N] [--held N]``
 (several loops: one after the other in the same processes, each in ``WORKDIR/LOOP``).
 
-LOOP is ``fedavg``, ``maml``, ``ppo`` or ``grpo``, each the zoo's own code (``fedavg()``,
-``train()``, ``redco zoo run grpo`` on the task ``test_grpo_processes.write_task`` wrote next to
-WORKDIR) on a tiny task, on 8 simulated CPU devices, 4 a process, joined through the ``ip`` launcher's
-variables (as ``redco launch --launcher ip`` sets them); it resumes from WORKDIR's checkpoints
-like any rerun of the same command. Step checkpoints: FedAvg every round (5 rounds of 2 of 4
-clients), MAML every 5 of its 12 meta-updates (each a boundary of ``fit``), PPO every iteration
-(4 of 16 updates, one compiled call each); and at the end.
+LOOP is ``fedavg``, ``maml``, ``ppo``, ``grpo`` or ``async_grpo``, each the zoo's own code
+(``fedavg()``, ``train()``, ``redco zoo run grpo`` on the task ``test_grpo_processes.write_task``
+wrote next to WORKDIR) on a tiny task, on 8 simulated CPU devices, 4 a process, joined through
+the ``ip`` launcher's variables (as ``redco launch --launcher ip`` sets them); it resumes from
+WORKDIR's checkpoints like any rerun of the same command. Step checkpoints: FedAvg every round
+(5 rounds of 2 of 4 clients), MAML every 5 of its 12 meta-updates (each a boundary of ``fit``),
+PPO every iteration (4 of 16 updates, one compiled call each); and at the end.
 
 * ``--sigterm N``: process 1 sends itself SIGTERM inside a unit of its loop, at the N-th such
   point of this run: FedAvg inside a client's local epoch (the end of the run's N-th update:
   the updates of a round are no boundary), MAML inside the inner adaptation of update N (a
-  host callback in the compiled step, while it runs), PPO in iteration N's rollout. It goes on
+  host callback in the compiled step, while it runs), PPO in iteration N's rollout, async
+  GRPO in the N-th call of its reward function. It goes on
   once JAX's preemption service has agreed with process 0 on the boundary to stop at (its log
   says so: the notice takes up to a second, in which a short run could end).
 * ``--sigkill N``: process 0 (the coordinator) dies by SIGKILL at the N-th point of this run
@@ -187,7 +188,25 @@ def grpo(workdir: str, points: Points):
     redco_main(grpo_command(pathlib.Path(workdir).parent, workdir, 8)[3:])
 
 
-LOOPS = {"fedavg": fedavg, "grpo": grpo, "maml": maml, "ppo": ppo}
+def async_grpo(workdir: str, points: Points):
+    """``redco zoo run grpo`` of ``test_grpo_async_processes.py`` (asynchronous, 2 rounds of 4
+    updates, a step checkpoint every round); a point at each call of the reward function (1: the
+    greedy evaluation before round 1, 2: round 1's rollouts, 3: round 2's, ...)."""
+    from test_grpo_async_processes import grpo_async
+
+    from redco.cli import main as redco_main
+    from redco_zoo_grpo import rewards
+    regex_match = rewards.BUILT_IN["regex_match"]
+
+    def counted(*args, **kwargs):
+        points.reached()
+        points.settle()
+        return regex_match(*args, **kwargs)
+    rewards.BUILT_IN["regex_match"] = counted
+    redco_main(grpo_async(pathlib.Path(workdir).parent, workdir, 8)[3:])
+
+
+LOOPS = {"fedavg": fedavg, "grpo": grpo, "async_grpo": async_grpo, "maml": maml, "ppo": ppo}
 
 
 def run(loop: str, workdir: str, args: argparse.Namespace) -> None:
@@ -195,7 +214,8 @@ def run(loop: str, workdir: str, args: argparse.Namespace) -> None:
     os.makedirs(workdir, exist_ok=True)
     # GRPO as ``redco zoo run grpo`` runs, at JAX's default precision like its uninterrupted run
     # (under ``redco launch``): the same programs, so the rerun loads them from the compile cache
-    jax.config.update("jax_default_matmul_precision", None if loop == "grpo" else "highest")
+    jax.config.update("jax_default_matmul_precision",
+                      None if loop.endswith("grpo") else "highest")
     points = Points(workdir, args.process_id, args.sigterm, args.sigkill, args.held)
     redco.plugins.pm.register(points)
     try:

@@ -210,12 +210,13 @@ def test_bad_async_flags_are_refused_before_anything_loads(tmp_path, capsys, fla
 
 def test_a_trainer_holding_the_rollout_devices_is_refused_naming_the_fix():
     """A ``GRPO`` made in Python with a Deployer over every device and ``rollout_devices``:
-    the two meshes would share devices, so it is refused, naming ``n_local_devices``."""
+    the two meshes would share devices, so it is refused, naming the ``Deployer``'s
+    ``devices`` to give."""
     import jax
 
     from redco.protocols import UsageError
     from redco_zoo_grpo.async_rollouts import rollout_devices
     training, rollout = rollout_devices(3, jax.devices()[:5])
     assert training == jax.devices()[:5] and rollout == jax.devices()[5:]
-    with pytest.raises(UsageError, match="make it with n_local_devices=5"):
+    with pytest.raises(UsageError, match=r"make it with devices=training_devices\(3\)"):
         rollout_devices(3, jax.devices())

@@ -18,9 +18,9 @@ makes each completion a multi-turn episode with that environment, which rewards 
 (``multiturn.py``, ``environments.py``), of ``--max_turns`` model turns at most. Prompts whose
 messages hold image parts run on a LLaVA model, each prompt with its images
 (``image_prompts.py``).
-``--rollout_devices N`` samples on the last N devices, ahead of the updates
-(``async_rollouts.py``); ``auto`` plans N from the compiled rollout and update before the model
-is loaded (``auto_split.py``, ``rollout_split.py``).
+``--rollout_devices N`` samples on the last N devices (with P processes the last N / P of
+each), ahead of the updates (``async_rollouts.py``); ``auto`` plans N from the compiled
+rollout and update before the model is loaded (``auto_split.py``, ``rollout_split.py``).
 """
 from __future__ import annotations
 
@@ -35,7 +35,13 @@ import optax
 from redco import Deployer, Trainer
 from redco.protocols import UsageError
 from redco_zoo_grpo import auto_split, image_prompts
-from redco_zoo_grpo.async_rollouts import AsyncConfig, check_async, rollout_devices
+from redco_zoo_grpo.async_rollouts import (
+    AsyncConfig,
+    check_async,
+    joins_processes,
+    rollout_devices,
+    training_devices,
+)
 from redco_zoo_grpo.environments import load_environment
 from redco_zoo_grpo.loss import LOSS_TYPES, average, token_logps_and_experts, token_losses
 from redco_zoo_grpo.multiturn import MultiTurnGRPO, check_max_turns
@@ -280,23 +286,27 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
     algorithm = run.algorithm
     check_async(run.asynchronous, run.engine_rows, algorithm.dynamic_sampling, run.environment,
                 run.decode_model_shards)
-    if run.asynchronous.rollout_devices not in (0, "auto"):
-        rollout_devices(run.asynchronous.rollout_devices)  # (refused before anything loads)
+    n_rollout = run.asynchronous.rollout_devices
+    several = bool(n_rollout) and joins_processes()  # (devices unknown until they join)
+    if several and n_rollout == "auto":
+        raise UsageError("--rollout_devices auto plans on one process's devices for now: with "
+                         "several processes give a number (a multiple of the processes).")
+    if n_rollout not in (0, "auto") and not several:
+        rollout_devices(n_rollout)  # (refused before anything loads)
     make_env = run.environment and load_environment(run.environment)
     check_max_turns(run.max_turns)
     reward_fn = load_reward_fn(run.reward)
     tokenizer, prompts, held_out, images = load_prompts(config)
     config = auto_split.planned(config, len(prompts[0][0]["prompt_ids"]), loss_fn)
     run = config.task
-    n_training = len(rollout_devices(run.asynchronous.rollout_devices)[0]) \
-        if run.asynchronous.rollout_devices else None
     model, _ = runner.load_source(source, seed)
     if images:
         image_prompts.check_model(model, source.model, prompts[0], run.engine_rows)
     turns_context = algorithm.max_new_tokens if make_env else 0  # a turn's context: the trajectory
     check_context(model, len(prompts[0][0]["prompt_ids"]) + turns_context,
                   algorithm.max_new_tokens)
-    deployer = runner.deployer_of(config, n_local_devices=n_training)
+    deployer = runner.deployer_of(config, devices=training_devices(
+        run.asynchronous.rollout_devices) if run.asynchronous.rollout_devices else None)
     n_rounds = rounds_of(run, loop, deployer, len(prompts[0]))
     apply_fn, params, trainable = runner.split_for_training(model, config.lora, seed, deployer)
     lr = deployer.get_lr_schedule_fn(n_rounds * run.prompts_per_round * algorithm.n_samples,

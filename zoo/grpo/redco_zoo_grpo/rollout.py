@@ -347,8 +347,9 @@ class GRPO:
         if self.asynchronous:  # the next K rounds' rollouts, to run during the update
             self.engine.ahead(round_ + 1, self.asynchronous.max_off_policy_steps - 1)
         rollout_s, start = time.perf_counter() - start, time.perf_counter()
+        during = self.engine.run_dispatched if self.asynchronous else None  # (the rollouts)
         self.trainer.train_scanned(samples, self.batch_size, range((round_ - 1) * mu, round_ * mu),
-                                   desc=f"round {round_}/{n_rounds}")
+                                   desc=f"round {round_}/{n_rounds}", during=during)
         update_s = time.perf_counter() - start
         if self.asynchronous:  # the new params onto the rollout mesh, the timeline's row
             self.engine.updated(round_, start, self.trainer.state.params)

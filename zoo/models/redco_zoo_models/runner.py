@@ -9,7 +9,7 @@ import json
 import os
 import re
 import shutil
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -170,15 +170,16 @@ def n_epochs_and_schedule(loop: Loop, optimizer: Optimizer, deployer: Deployer,
     return (None if loop.max_steps else loop.n_epochs), schedule
 
 
-def deployer_of(config: RunConfig, n_local_devices: int | None = None) -> Deployer:
+def deployer_of(config: RunConfig, n_local_devices: int | None = None,
+                devices: Callable[[list], Sequence] | None = None) -> Deployer:
     """The run's ``Deployer``: its seed, workdir and layout, on the first ``n_local_devices``
-    devices (None: all)."""
+    devices (None: all), or on those ``devices(jax.devices())`` picks (``Deployer``'s)."""
     layout = config.layout
     return Deployer(jax_seed=config.jax_seed, n_model_shards=layout.n_model_shards,
                     workdir=config.workdir, n_context_shards=layout.n_context_shards,
                     context_strategy=layout.context_strategy,
                     device_memory=layout.device_memory, sharding_rules=layout.sharding_rules,
-                    n_local_devices=n_local_devices)
+                    n_local_devices=n_local_devices, devices=devices)
 
 
 def train_and_eval(config: RunConfig, model: nnx.Module, examples: tuple[list, list],
