@@ -287,8 +287,10 @@ def cell(cache: dict, model: str, lever: str, hardware: str) -> str:
 
 
 def n_params(model: str) -> str:
+    from redco_zoo_models import presets_vlm
     from redco_zoo_models.presets import PUBLISHED_PARAMS
-    return f"{PUBLISHED_PARAMS[model.split()[0]] / 1e9:.2f}B"
+    counts = {**PUBLISHED_PARAMS, **presets_vlm.PUBLISHED_PARAMS}  # (image-text: section 44)
+    return f"{counts[model.split()[0]] / 1e9:.2f}B"
 
 
 def table(cache: dict, models: list[str], seq_len: int, rank: int) -> str:

@@ -54,7 +54,9 @@ class Info(NamedTuple):
     dim per var dim)``. ``origin``: the column-parallel kernel that split it; ``phantom``: that
     kernel is replicated after all, so the var is whole but its row partner is replicated too.
     ``derived``: computed from parameters alone (LoRA's ``A @ B``); a parameter plus such a term
-    is still that parameter (``W + s * A @ B`` is laid out, and decided, as ``W``).
+    is still that parameter (``W + s * A @ B`` is laid out, and decided, as ``W``). ``normed``:
+    a statistic reduced over the dim a phantom of that origin is split on (a norm's mean or
+    variance); the phantom combined with it is a residual stream, whole from then on.
     """
     split: int | None = None
     origin: int | None = None
@@ -62,6 +64,7 @@ class Info(NamedTuple):
     lookup: tuple[int, list] | None = None
     phantom: bool = False
     derived: bool = False
+    normed: int | None = None
 
 
 def reshape_dim_map(in_shape, out_shape) -> list[int | None]:
@@ -228,10 +231,12 @@ class Walker:
             return Info(derived=True)
         split = info.split
         if split is None:
-            return Info()
+            return Info(normed=info.normed)
         name, var, out = eqn.primitive.name, eqn.invars[0], eqn.outvars[0]
         if name.startswith(("reduce_", "argmax", "argmin")) and "axes" in eqn.params:
             axes = eqn.params["axes"]  # over the split dim: a cheap all-reduce of the result
+            if split in axes and info.phantom:
+                return Info(normed=info.origin)  # (a norm's statistic, see ``elementwise``)
             split = None if split in axes else split - sum(a < split for a in axes)
         elif name in ("transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims"):
             one_hot = [None] * len(var.aval.shape)
@@ -295,12 +300,20 @@ class Walker:
         if not splits and any(i.derived for i in info):
             self.info[eqn.outvars[0]] = self.with_derived(eqn.invars, info, len(out_shape))
             return
+        normed = {i.normed for i in info} - {None}
         if not splits:  # values read from one table, e.g. plus a mask, are still its values
             lookups = [i.lookup for i in info if i.view or i.lookup]
             one = len(lookups) == 1 and lookups[0] and len(lookups[0][1]) == len(out_shape)
-            self.info[eqn.outvars[0]] = Info(lookup=lookups[0]) if one else Info()
+            self.info[eqn.outvars[0]] = Info(lookup=lookups[0]) if one else \
+                Info(normed=min(normed, default=None))
             return
         split = splits[0]
+        if split.phantom and split.origin in normed:
+            # a phantom normalised over its split dim: not the middle of a column/row pair but
+            # a residual stream (a vision tower's after a patch-embedding matmul that is
+            # replicated), so the next kernel starts a pair of its own instead of following
+            self.info[eqn.outvars[0]] = Info()
+            return
         for i in info:
             param = i.view or i.lookup
             if i in splits and not i.phantom and i.split != split.split:

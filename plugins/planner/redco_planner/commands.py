@@ -25,7 +25,9 @@ MODEL_HELP = ("llama-tiny, llama-1b, llama-7b, llama-13b, llama-30b, llama-65b; 
               "gemma-3-1b, gemma-3-4b, gemma-3-12b, gemma-3-27b, phi-4-mini, mixtral-8x7b, "
               "qwen3-30b-a3b, deepseek-v3, gpt-oss-20b, qwen3.5-27b, qwen3.5-35b-a3b, "
               "qwen3-next-80b-a3b, olmo-3-7b, olmo-3-32b, glm-4.5-air, llama-4-scout, "
-              "gemma-4-31b, gemma-4-26b-a4b; or module:function "
+              "gemma-4-31b, gemma-4-26b-a4b; an image-text model (redco_zoo_models.presets_vlm, "
+              "one image a row): qwen2.5-vl-7b, qwen3-vl-8b, gemma-3-12b-vision, "
+              "gemma-3-27b-vision; or module:function "
               "returning params, (params, trace_fn) or (params, trace_fn, loss_fn)")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 SCAN_HELP = ("the zoo decoder's layers stored stacked and run under jax.lax.scan "
@@ -124,7 +126,7 @@ class PlanCommand(Command):
                    "context parallel) whose train step fits the device memory.")
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--model", required=True, help=MODEL_HELP)
+        parser.add_argument("--model", "--preset", required=True, help=MODEL_HELP)
         parser.add_argument("--devices", type=int, required=True, help=DEVICES_HELP)
         parser.add_argument("--device_memory", "--device-memory", required=True,
                             help="per device, e.g. 40GB (GiB)")

@@ -207,8 +207,9 @@ def zoo_models():
 def preset_names() -> list[str]:
     """Every model ``load_model`` knows by name: ``llama-tiny``, the LLaMA shapes of
     ``LLAMA_PRESETS`` and the published decoders of ``redco_zoo_models.presets.PRESETS``."""
+    from redco_planner.vision import vlm_names
     zoo = zoo_models()
-    return ["llama-tiny", *zoo.LLAMA_PRESETS, *zoo.presets.PRESETS]
+    return ["llama-tiny", *zoo.LLAMA_PRESETS, *zoo.presets.PRESETS, *vlm_names()]
 
 
 def zoo_decoder(cfg, seq_len: int = 128, scan_layers: bool = False) -> Model:
@@ -273,8 +274,9 @@ def load_model(name: str, seq_len: int = 128, scan_layers: bool = False) -> Mode
     """A model by name, built abstractly: ``llama-tiny`` (``LlamaConfig`` defaults), a LLaMA
     shape from ``redco_zoo_models.LLAMA_PRESETS`` (``llama-1b``, ``llama-7b``, ...
     ``llama-65b``), a published decoder from ``redco_zoo_models.presets.PRESETS``
-    (``llama-3.1-8b``, ``qwen3-8b``, ``gemma-3-27b``, ``phi-4-mini``, ...), or
-    ``module:function``. The function returns params (real or abstract), ``(params,
+    (``llama-3.1-8b``, ``qwen3-8b``, ``gemma-3-27b``, ``phi-4-mini``, ...), an image-text
+    model of ``redco_zoo_models.presets_vlm`` (``qwen2.5-vl-7b``, ...; ``redco_planner.vision``),
+    or ``module:function``. The function returns params (real or abstract), ``(params,
     trace_fn)``, or ``(params, trace_fn, loss_fn)`` with ``loss_fn(params, batch)`` on
     ``{"input_ids": int32 (rows, seq_len + 1)}``. Real arrays are turned into shapes.
     ``scan_layers``: a zoo model's layers stacked and scanned (``zoo_decoder``)."""
@@ -286,6 +288,9 @@ def load_model(name: str, seq_len: int = 128, scan_layers: bool = False) -> Mode
             return zoo_llama(seq_len, scan_layers, **zoo.LLAMA_PRESETS[name])
         if name in zoo.presets.PRESETS:
             return zoo_preset(name, seq_len, scan_layers)
+        from redco_planner.vision import vlm_names, zoo_vlm
+        if name in vlm_names():  # (the image-text presets: tower and projector too)
+            return zoo_vlm(name, seq_len, scan_layers)
         raise UnknownModel(f"Unknown model {name!r}: use one of {', '.join(preset_names())}, "
                            "or module:function (a function returning the params).")
     if scan_layers:

@@ -142,8 +142,9 @@ class VisionAttention(nnx.Module):
     def __call__(self, x, angles, same):
         """``x`` (patches, hidden); ``angles`` (patches, head_dim / 2); ``same`` (patches,
         patches): which keys each patch sees."""
-        n = x.shape[0]
-        q, k, v = self.qkv(x).reshape(1, n, 3, self.heads, -1).transpose(2, 0, 1, 3, 4)
+        n = x.shape[0]  # (split on the fused output's last dim, not a leading axis of 3:
+        # tensor parallelism then keeps each of q, k, v split by heads; redco.dataflow)
+        q, k, v = (t.reshape(1, n, self.heads, -1) for t in jnp.split(self.qkv(x), 3, -1))
         q, k = rotate(q, angles[None]), rotate(k, angles[None])
         out = jax.nn.dot_product_attention(q, k, v, mask=same[None, None])
         return self.proj(out.reshape(n, -1))
