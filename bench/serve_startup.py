@@ -1,6 +1,6 @@
 """``redco serve``'s start-up on a deep tiny model, its layers scanned with the key/value cache
 (``--scan_layers``, ``redco_zoo_models.layer_scan``) against unrolled: the seconds of the
-warm-up (every prefill and decode shape compiled before serving), of the whole start, and the
+warm-up (every prefill and decode shape compiled before serving), of the whole start (wall, and the server's CPU seconds), and the
 warm output rate at ``--concurrent`` requests at once through HTTP (the cost of the scan's copy
 of the cache in and out of its stack each step), side by side.
 
@@ -26,14 +26,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from provenance import print_provenance  # noqa: E402
-from serve_http import WORDS, burst  # noqa: E402
+from serve_http import WORDS, burst, cpu_seconds  # noqa: E402
 
 NO_CACHE = ("JAX_COMPILATION_CACHE_DIR", "REDCO_COMPILE_CACHE", "XLA_FLAGS")
 
 
 def start(model_dir: str, scan: bool, args) -> tuple[subprocess.Popen, str, dict]:
-    """A server on ``model_dir``: ``(process, url, seconds from launch to each start-up line:
-    loaded (its sequences line), warmed (its compiled-shapes line), serving)``."""
+    """A server on ``model_dir``: ``(process, url, times)``, ``times`` the wall seconds from
+    launch to each start-up line (loaded: its sequences line; warmed: its compiled-shapes line;
+    serving) and the server's CPU seconds by then (``cpu_loaded``, ...: a loaded box stretches
+    the wall, less the CPU)."""
     env = {k: v for k, v in os.environ.items() if k not in NO_CACHE}
     process = subprocess.Popen(
         [sys.executable, "-m", "redco.cli", "serve", "--model", model_dir, "--port", "0",
@@ -51,7 +53,7 @@ def start(model_dir: str, scan: bool, args) -> tuple[subprocess.Popen, str, dict
         for key, says in (("loaded", " at once"), ("warmed", "step shapes"),
                           ("serving", " on http")):
             if says in line:
-                times[key] = now
+                times[key], times[f"cpu_{key}"] = now, cpu_seconds(process.pid)
         if "serving" in times:
             return process, line.split(" on ")[1].strip(), times
     raise RuntimeError("the server exited before serving")
@@ -72,7 +74,8 @@ def measure(model_dir: str, scan: bool, args) -> dict:
         process.terminate()
         process.wait(timeout=120)
     return {"warm_up_s": times["warmed"] - times["loaded"], "start_s": times["serving"],
-            "tok_s": statistics.median(rates)}
+            "warm_up_cpu_s": times["cpu_warmed"] - times["cpu_loaded"],
+            "start_cpu_s": times["cpu_serving"], "tok_s": statistics.median(rates)}
 
 
 def main() -> None:
@@ -97,11 +100,13 @@ def main() -> None:
     print(f"tiny LLaMA 3.1 width (32) at {args.layers} layers, --max_seqs {args.max_seqs} "
           f"--max_len {args.max_len}, XLA's default flags, no compile cache; medians of "
           f"{args.rounds} round(s); tok/s: {args.concurrent} requests of {args.new} tokens at once")
-    print(f"{'layers':>10} {'warm-up s':>10} {'start s':>8} {'tok/s':>7}")
+    print(f"{'layers':>10} {'warm-up s':>10} {'CPU s':>7} {'start s':>8} {'CPU s':>7} "
+          f"{'tok/s':>7}")
     for scan in (True, False):
         row = {k: statistics.median(r[k] for r in runs[scan]) for k in runs[scan][0]}
         print(f"{'scanned' if scan else 'unrolled':>10} {row['warm_up_s']:>10.1f} "
-              f"{row['start_s']:>8.1f} {row['tok_s']:>7.0f}", flush=True)
+              f"{row['warm_up_cpu_s']:>7.1f} {row['start_s']:>8.1f} {row['start_cpu_s']:>7.1f} "
+              f"{row['tok_s']:>7.0f}", flush=True)
 
 
 if __name__ == "__main__":
