@@ -1,8 +1,9 @@
 """``redco serve``'s start-up on a deep tiny model, its layers scanned with the key/value cache
 (``--scan_layers``, ``redco_zoo_models.layer_scan``) against unrolled: the seconds of the
-warm-up (every prefill and decode shape compiled before serving), of the whole start (wall, and the server's CPU seconds), and the
-warm output rate at ``--concurrent`` requests at once through HTTP (the cost of the scan's copy
-of the cache in and out of its stack each step), side by side.
+warm-up (every prefill and decode shape compiled before serving) and of the whole start (wall,
+and the server's CPU seconds), and the warm output rate at ``--concurrent`` requests at once
+through HTTP (the cost of the scan's copy of the cache in and out of its stack each step),
+side by side.
 
 The model: the tiny LLaMA 3.1 family's width (32, 4 heads / 2 KV heads) at ``--layers`` layers
 (default 22, the 1.1B preset's depth), the word tokenizer's vocabulary, random weights. Each
