@@ -1,6 +1,7 @@
 """The continuous-batching engine gives what ``generate`` gives one request at a time, while
 requests join and leave the batch, on every decoder family and sharded; each request samples
 its own way, and its samples share one prefill."""
+import dataclasses
 import functools
 
 import jax
@@ -25,10 +26,15 @@ NEW = 9
 @functools.cache
 def model_of(name: str, seed: int = 0):
     """The tiny model of a family, built once a module (the engines read, never write, it):
-    the tests of a family share its ``generate`` compiled."""
+    the tests of a family share its ``generate`` compiled. ``NAME/scan``: its layers stacked
+    and scanned (``scan_layers``), the same weights (built one by one, then stacked)."""
     if name == "gpt2":
         return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2,
                                           n_head=4), nnx.Rngs(seed))
+    if name.endswith("/scan"):
+        unrolled = model_of(name.removesuffix("/scan"), seed)
+        return type(unrolled)(dataclasses.replace(unrolled.cfg, scan_layers=True),
+                              nnx.Rngs(seed))
     return tiny_family(name, seed)
 
 
@@ -97,18 +103,20 @@ def run_staggered(engine, prompts, sampling):
 
 @pytest.mark.parametrize("family", ["llama-3.1", pytest.param("gemma2", marks=pytest.mark.slow),
                                     "gemma3", pytest.param("qwen3-moe", marks=pytest.mark.slow),
-                                    "gpt2"])
+                                    "gpt2", "gemma3/scan"])
 def test_greedy_equals_generate_as_requests_come_and_go(family):
     """Gemma 2 is a slow-tier repeat: its sliding layers in the engine's cache are guarded in CI
     by the gemma3 case, its softcaps by test_parity_families' gemma2 cases. Qwen3-MoE is one
     too: the engine over experts is guarded in CI by test_sharded_engine_answers_as_one_device
-    (the same model against ``generate``, split over dp x mp)."""
-    model = model_of(family)
-    params = nnx.state(model, nnx.Param)
+    (the same model against ``generate``, split over dp x mp). ``gemma3/scan``: its layers
+    scanned with the cache (a run of 2 sliding layers, then one layer alone of each kind), the
+    engine's tokens and log-probs against the unrolled model's ``generate`` (transformers'
+    in tests/zoo_parity); the paged pool scanned: tests/serve/test_serve.py's server."""
     engine = engine_of(family, 3, 32)
     requests = run_staggered(engine, PROMPTS, Sampling(max_tokens=NEW))
-    for prompt, request, (tokens, logprobs) in zip(PROMPTS, requests,
-                                                   generated(model, params, PROMPTS)):
+    reference = model_of(family.removesuffix("/scan"))
+    expected = generated(reference, nnx.state(reference, nnx.Param), PROMPTS)
+    for prompt, request, (tokens, logprobs) in zip(PROMPTS, requests, expected):
         assert request.samples[0].tokens == tokens, prompt
         np.testing.assert_allclose(request.samples[0].logprobs, logprobs, atol=2e-5)
         assert request.samples[0].finish_reason == "length"

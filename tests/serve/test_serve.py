@@ -107,8 +107,12 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir):
     """Prompts read 16 tokens a step, cached prefixes reused, on a paged cache of pages of 16
-    tokens (what a plain server does, slots: test_serve_recurrent.py's)."""
-    server = Server(model_dir, "--prefill_chunk", "16", "--prefix_caching", "--page_size", "16")
+    tokens (what a plain server does, slots: test_serve_recurrent.py's), the layers scanned
+    with the cache (``--scan_layers``): so the answers here, against the unrolled model's
+    ``generate`` and transformers (lm-eval's hf backend), are the scanned paged pool's. The
+    unrolled engine on pages, chunks and prefixes: test_engine_paged.py, test_engine.py."""
+    server = Server(model_dir, "--prefill_chunk", "16", "--prefix_caching", "--page_size", "16",
+                    "--scan_layers")
     assert "keys and values in 12 pages of 16 tokens" in "".join(server.output)
     yield server
     server.close()

@@ -21,6 +21,7 @@ from redco_zoo_models import (
     LlamaConfig,
     LlamaForCausalLM,
     from_pretrained,
+    generate,
     save_pretrained,
 )
 from redco_zoo_models.layer_scan import Segment, segments
@@ -125,8 +126,8 @@ def gemma3_like(**changes) -> LlamaConfig:
 @pytest.mark.parametrize("cfg", [LLAMA, gemma3_like()], ids=["llama", "gemma3"])
 def test_checkpoints_round_trip_and_the_cache_path_equals_the_scan(cfg, tmp_path):
     """An unrolled model's checkpoint read stacked, with the unrolled logits; written back
-    tensor for tensor as the unrolled model wrote it; and its KV-cache forward (layers
-    unrolled, sliced from the stacks) gives the scan's logits."""
+    tensor for tensor as the unrolled model wrote it; and its KV-cache forward (scanned too,
+    each group position's caches stacked: Gemma 3's groups of 3) gives the scan's logits."""
     apply_fn, params = params_of(cfg, False)
     graph = nnx.graphdef(nnx.eval_shape(lambda: LlamaForCausalLM(cfg, nnx.Rngs(0))))
     save_pretrained(nnx.merge(graph, params), str(tmp_path / "unrolled"))
@@ -163,3 +164,25 @@ def test_a_scanned_model_starts_from_the_unrolled_ones_weights():
     assert got.keys() == want.keys()
     for path in want:
         np.testing.assert_array_equal(got[path], want[path], err_msg=path)
+
+
+def layer_bodies_traced(n_layers: int, scan: bool) -> int:
+    """The matrix products in the program of ``generate`` (a prompt read into the cache, then
+    tokens decoded one by one) for the tiny LLaMA at ``n_layers``: 9 a layer body traced (its 7
+    projections, attention's 2), 1 the head's, per model call. Traced only
+    (``jax.make_jaxpr``, abstract params), never compiled."""
+    cfg = dataclasses.replace(LLAMA, num_hidden_layers=n_layers, scan_layers=scan)
+    graph, params = nnx.split(nnx.eval_shape(lambda: LlamaForCausalLM(cfg, nnx.Rngs(0))))
+    ids = jnp.ones((2, 5), jnp.int32)
+    program = jax.make_jaxpr(lambda p: generate(nnx.merge(graph, p), p, ids, 3))(params)
+    return str(program).count("dot_general")
+
+
+def test_the_cache_path_traces_one_layer_body_per_run_whatever_the_depth():
+    """With the layers scanned, ``generate``'s prefill and decode (the KV-cache path the engine
+    runs too) trace the same program at 2 and 6 layers, so a server's warm-up compiles stay flat
+    in depth; unrolled, each layer is traced again (bench/serve_startup.py times both)."""
+    scanned = {n: layer_bodies_traced(n, True) for n in (2, 6)}
+    unrolled = {n: layer_bodies_traced(n, False) for n in (2, 6)}
+    assert scanned[2] == scanned[6] > 0, scanned
+    assert unrolled[6] > 2 * unrolled[2] and unrolled[2] >= scanned[2], unrolled

@@ -56,6 +56,10 @@ class ServeCommand(Command):
                             "or image models")
         parser.add_argument("--n_pages", type=int, help="the pool's pages, with --page_size "
                             "(default: the memory of --max_seqs x --max_len slots)")
+        parser.add_argument("--scan_layers", action="store_true", help="a decoder's layers "
+                            "stored stacked and run under jax.lax.scan, the key/value cache "
+                            "too: start-up (the warm-up's compiles) flat in depth, a copy of "
+                            "the cache in and out of its stack each step")
         parser.add_argument("--max_images", type=int, default=1, help="images a chat request "
                             "may hold, for an image + text model (LLaVA): each prefill "
                             "carries this many image slots a prompt")
@@ -111,7 +115,7 @@ def start_engine(args: argparse.Namespace):
     from redco_zoo_models.engine_memory import rows_that_fit
     from redco_zoo_models.quantized_linear import sharding_rules
     from redco_zoo_models.scoring import Scorer
-    model, config = load_served(args.model, args.quantize_base, args.adapter)
+    model, config = load_served(args.model, args.quantize_base, args.adapter, args.scan_layers)
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     except (OSError, ValueError) as e:
@@ -147,12 +151,14 @@ def start_engine(args: argparse.Namespace):
     return engine.start(), Scorer(model, params, args.max_len), tokenizer, eos, processor
 
 
-def load_served(model_dir: str, quantize: str | None, adapter: str | None):
+def load_served(model_dir: str, quantize: str | None, adapter: str | None,
+                scan_layers: bool = False):
     """``(model, config.json)`` of ``model_dir``, its projections quantised as read
-    (``quantize``) and the PEFT adapters of the directory ``adapter`` added."""
+    (``quantize``) and the PEFT adapters of the directory ``adapter`` added; ``scan_layers``:
+    a decoder's layers stacked and scanned (``redco_zoo_models.layer_scan``)."""
     from redco_zoo_models.lora import load_peft_adapters
     from redco_zoo_models.runner import load_model
-    model, config = load_model(model_dir, quantize=quantize)
+    model, config = load_model(model_dir, quantize=quantize, scan_layers=scan_layers)
     if adapter is not None:
         try:
             load_peft_adapters(model, adapter)

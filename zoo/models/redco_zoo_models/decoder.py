@@ -9,7 +9,8 @@ Module names follow HuggingFace's (``model/layers/0/self_attn/q_proj/kernel``), 
 map by name (``redco_zoo_models.hf``); a family's own tensor names and config keys live in
 ``redco_zoo_models.families``. With ``scan_layers`` the layers are stored stacked
 (``model/layers/0:32/self_attn/q_proj/kernel``, layers on the first axis) and run under
-``jax.lax.scan``: ``redco_zoo_models.layer_scan``.
+``jax.lax.scan``, with a KV cache too (one cache a layer at this interface, stacked inside a
+scanned run; Qwen3-VL's ``deepstack`` keeps the unrolled loop): ``redco_zoo_models.layer_scan``.
 """
 from __future__ import annotations
 
@@ -166,14 +167,13 @@ class DecoderModel(nnx.Module):
         x, new_cache, reports = on_split(x, allowed), [], []
         lengths = self._document_lengths(segment_ids, allowed)
         with as_laid_out(self.moe_weights()):  # experts split over dp: expert parallel
-            if self.runs is not None and cache is None and deepstack is None \
-                    and full_allowed is allowed:  # scanned
+            if self.runs is not None and deepstack is None \
+                    and full_allowed is allowed:  # scanned, the cache too
 
-                def step(layer, h):
-                    h, _, report = layer(h, positions, allowed, None, cache_index, lengths,
-                                         segment_ids)
-                    return h, report
-                x, reports = layer_scan.run(self.layers, self.runs, step, x)
+                def step(layer, h, layer_cache):
+                    return layer(h, positions, allowed, layer_cache, cache_index, lengths,
+                                 segment_ids)
+                x, new_cache, reports = layer_scan.run(self.layers, self.runs, step, x, cache)
             else:
                 for i, layer in enumerate(self._each_layer()):
                     source = self.cfg.kv_source(i)  # (Gemma 4: its cache, or keys, shared)

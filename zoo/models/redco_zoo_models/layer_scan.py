@@ -25,7 +25,16 @@ stacked params, one group per step, each layer of the group merged from its slic
 the params is made. ``remat.layer`` policies apply inside the body as to an unrolled layer,
 and under FSDP each slice is declared as its stack is, less the layer axis
 (``redco.fsdp.slices_of``), so each step gathers one layer's weights. The KV-cache path
-(generation) runs the layers unrolled in a Python loop, each taking its slice of the stacks.
+(generation: ``generate``, the engine's slot cache and its paged pool, which gathers pages into
+the same slots) is scanned too: the cache stays a list of per-layer caches at the model's
+interface (the engine, its pages and ``generate`` are unchanged), and each stacked segment's
+layers' caches are stacked on a leading axis for the scan's ``xs``, its ``ys`` (the written
+caches) cut back into the list; so a prefill or decode step traces one body per group, not one
+per layer, and its compile time stays flat in depth (``bench/serve_startup.py``). The price is
+a copy of the cache into and out of the stack in each step. The cache path stays unrolled (a
+Python loop, each layer its slice of the stacks: ``each_layer``) for Qwen3-VL's ``deepstack``
+(image features added after given layers) and Gemma 4's shared keys and per-layer inputs
+(refused with ``scan_layers`` anyway: ``gemma4``).
 
 **Context parallelism** runs inside the body as in an unrolled layer: the split sequence
 (``context_parallel.SplitSequence``) is closed over by the body, so each scanned layer's attention
@@ -130,26 +139,62 @@ def each_layer(modules: nnx.Dict, runs: Sequence[Segment]) -> Iterator[nnx.Modul
                                 jax.tree.map(lambda a: a[r], state))
 
 
-def run(modules: nnx.Dict, runs: Sequence[Segment], step: Callable, x: Any) -> tuple[Any, list]:
-    """``x`` through every layer by ``step(layer, x) -> (x, report)``: each stacked segment
-    under ``jax.lax.scan``, one group a step; a layer alone called once. Returns ``(x,
-    reports)``, a scanned layer's report's leaves stacked over its repeats."""
-    reports = []
+def run(modules: nnx.Dict, runs: Sequence[Segment], step: Callable, x: Any,
+        caches: list | None = None) -> tuple[Any, list | None, list]:
+    """``x`` through every layer by ``step(layer, x, cache) -> (x, cache, report)``: each
+    stacked segment under ``jax.lax.scan``, one group a step; a layer alone called once.
+    ``caches``: one per layer (the KV-cache path), each scanned layer's stacked over its
+    repeats as the scan's ``xs`` and its new cache its ``ys``; None: ``step`` gets None.
+    Returns ``(x, new caches (one per layer; None without), reports)``, a scanned layer's
+    report's leaves stacked over its repeats."""
+    reports, out = [], None if caches is None else list(caches)
     for seg in runs:
         if seg.repeats == 1:
-            x, report = step(modules[seg.keys()[0]], x)
+            x, cache, report = step(modules[seg.keys()[0]], x,
+                                    None if caches is None else caches[seg.start])
             reports.append(report)
-            continue
-        graphs, states = zip(*[nnx.split(modules[key]) for key in seg.keys()])
-        stacks = [jax.tree.leaves(state) for state in states]
+            layers = {seg.start: cache}
+        else:
+            x, scanned, written = _scanned(modules, seg, step, x, caches)
+            reports.extend(scanned)
+            layers = dict(zip(_layer_order(seg), _unstacked(seg, written)))
+        if out is not None:
+            for index, cache in layers.items():
+                out[index] = cache
+    return x, out, reports
 
-        def body(h, group, graphs=graphs, stacks=stacks):
-            out = []
-            for graph, state, leaves in zip(graphs, group, stacks):
-                with fsdp.slices_of(leaves, jax.tree.leaves(state)):
-                    h, report = step(nnx.merge(graph, state), h)
-                out.append(report)
-            return h, out
-        x, scanned = jax.lax.scan(body, x, list(states))
-        reports.extend(scanned)
-    return x, reports
+
+def _scanned(modules: nnx.Dict, seg: Segment, step: Callable, x: Any, caches: list | None):
+    """One stacked segment under ``jax.lax.scan``: ``(x, reports, new caches)``, the last a
+    list over the group's positions of caches stacked over the repeats (None without)."""
+    graphs, states = zip(*[nnx.split(modules[key]) for key in seg.keys()])
+    stacks = [jax.tree.leaves(state) for state in states]
+    stacked = None if caches is None else [
+        jax.tree.map(lambda *xs: jnp.stack(xs), *caches[seg.start + p:seg.stop:seg.period])
+        for p in range(seg.period)]
+
+    def body(h, group):
+        params, layer_caches = group
+        reports, written = [], []
+        for graph, state, leaves, cache in zip(graphs, params, stacks, layer_caches):
+            with fsdp.slices_of(leaves, jax.tree.leaves(state)):
+                h, cache, report = step(nnx.merge(graph, state), h, cache)
+            reports.append(report)
+            written.append(cache)
+        return h, (reports, written if caches is not None else None)
+    group_caches = stacked if stacked is not None else [None] * seg.period
+    x, (reports, written) = jax.lax.scan(body, x, (list(states), group_caches))
+    return x, reports, written
+
+
+def _layer_order(seg: Segment) -> list[int]:
+    """The layers of a stacked segment by (repeat, position), as ``_unstacked`` lists them."""
+    return [seg.start + r * seg.period + p for r in range(seg.repeats) for p in range(seg.period)]
+
+
+def _unstacked(seg: Segment, written: list | None) -> list:
+    """Each layer's cache out of a segment's stacked ones (``_layer_order``); Nones without."""
+    if written is None:
+        return [None] * (seg.repeats * seg.period)
+    return [jax.tree.map(lambda a, r=r: a[r], written[p])
+            for r in range(seg.repeats) for p in range(seg.period)]
