@@ -20,7 +20,8 @@ from redco.tree_paths import named_leaves
 from redco_zoo_models import from_pretrained, save_pretrained
 from redco_zoo_models.decoder_config import DecoderConfig
 from redco_zoo_models.engine import Engine
-from redco_zoo_models.gemma4_vision import Gemma4ForConditionalGeneration, Gemma4VisionConfig
+from redco_zoo_models.gemma4_vision import Gemma4ForConditionalGeneration
+from redco_zoo_models.gemma4_vision_config import Gemma4VisionConfig
 from redco_zoo_models.generation import generate
 from redco_zoo_models.hf import auto_class
 from redco_zoo_models.toy import TINY_FAMILIES
