@@ -48,7 +48,7 @@ def cut_kinds(name: str) -> list[tuple[str, ...]]:
 
 def cut(name: str, kinds: tuple[str, ...], seq_len: int):
     """The preset ``name`` with only ``len(kinds)`` layers, of these kinds (a ``Model``)."""
-    from redco_planner.inspection import zoo_decoder
+    from redco_planner.models import zoo_decoder
     from redco_zoo_models.decoder import DecoderConfig
     from redco_zoo_models.presets import preset
     config = {**preset(name), "num_hidden_layers": len(kinds)}

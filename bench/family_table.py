@@ -6,7 +6,7 @@ fit", by ahead-of-time compilation on simulated CPU devices (nothing is allocate
 Every cell is what ``redco_planner.planner.plan`` picks for one row of ``--seq_len`` tokens per
 device (global batch = dp rows), bf16 compute with fp32 params and AdamW state
 (``compute_dtype=jnp.bfloat16``, as ``Trainer(compute_dtype=...)``), the whole-logits
-next-token loss of ``redco plan --model <name>`` (``redco_planner.inspection.zoo_decoder``):
+next-token loss of ``redco plan --model <name>`` (``redco_planner.models.zoo_decoder``):
 the layouts in ``plan``'s order (``n_model_shards`` 1, 2, 4, 8; ``auto`` then ``auto+fsdp``;
 remat ``none``, ``dots_saveable``, ``full``), the first whose compiled peak fits 90% of the
 memory. LoRA (rank ``--lora_rank``, the zoo's native layers on the attention and MLP

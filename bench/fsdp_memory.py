@@ -19,8 +19,8 @@ def peaks(gather: bool, remat: str, mp: int) -> dict[int, tuple[float, float, fl
     """``{devices: (peak MB, temp MB, GFLOPs)}`` per device of the step, with or without the
     per-layer gather."""
     from redco import fsdp
-    from redco_planner.inspection import zoo_llama
     from redco_planner.measure import measure
+    from redco_planner.models import zoo_llama
     model = zoo_llama(512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                       num_attention_heads=8, num_key_value_heads=8)
     declared = fsdp.targets

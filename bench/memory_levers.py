@@ -88,9 +88,9 @@ def most_layers(preset: dict, seq_len: int, memory: int, use_lora: bool, policy:
     Peak memory grows about linearly with layers, so each next guess is where the line through
     the two nearest compiled points reaches the limit, kept between the most layers known to
     fit and the fewest known not to, until those two are one layer apart."""
-    from redco_planner.inspection import zoo_llama
     from redco_planner.layouts import usable_bytes
     from redco_planner.measure import measure
+    from redco_planner.models import zoo_llama
     usable, seen = usable_bytes(memory), {}
 
     def peak(layers: int) -> int:
@@ -130,7 +130,8 @@ def main() -> None:
     import jax
     from provenance import print_provenance
 
-    from redco_planner.inspection import human_bytes, parse_bytes, zoo_llama
+    from redco_planner.inspection import human_bytes, parse_bytes
+    from redco_planner.models import zoo_llama
     from redco_zoo_models import LLAMA_PRESETS
     print_provenance()
     memories = sorted(parse_bytes(m) for m in args.memory.split(","))

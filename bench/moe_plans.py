@@ -115,7 +115,7 @@ def build(model: str, layers: int, factor: float | None, seq_len: int):
     """The preset cut to ``layers``, with capacity factor ``factor``: a ``Model``."""
     import dataclasses
 
-    from redco_planner.inspection import zoo_decoder
+    from redco_planner.models import zoo_decoder
     from redco_zoo_models.decoder import DecoderConfig
     from redco_zoo_models.presets import preset
     cfg = DecoderConfig.from_hf({**preset(model), "num_hidden_layers": layers})

@@ -21,8 +21,9 @@ import optax
 from flax import nnx
 
 from redco import Deployer, Trainer
-from redco_planner.inspection import human_bytes, lm_loss
+from redco_planner.inspection import human_bytes
 from redco_planner.measure import measure
+from redco_planner.models import lm_loss
 from redco_zoo_lm import collate_fn, loss_fn
 from redco_zoo_models import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, split_model
 

@@ -8,7 +8,7 @@ Each layout is measured as ``bench/family_table.py`` measures it (its ``Worker``
 ``--seq_len`` tokens per device, bf16 compute, fp32 params and AdamW state, LoRA rank
 ``--lora_rank`` on the attention and MLP projections; a layout whose params and optimizer
 state alone exceed the memory is not compiled), the quantised stages with the projections as
-``QuantizedLinear`` codes and scales (``redco_planner.inspection.zoo_decoder``'s
+``QuantizedLinear`` codes and scales (``redco_planner.models.zoo_decoder``'s
 ``quantized``). Each step is unrolled and compiled at the model's first 3 and 4 layers
 (Gemma 3: and a global layer), its peak carried to full depth by ``bench/depth_rule.py``
 (``--extrapolate`` there; cells marked with a dagger); with ``--scan_layers`` each is compiled at

@@ -340,7 +340,7 @@ def test_the_plan_measures_lora_on_the_runs_targets():
     the fp32 and the NF4 base, q_proj and v_proj alone hold 2 layers x r x ((128 + 128) +
     (128 + 64)) adapter values (width 128, 2 of 4 heads' keys and values), the seven
     projections 2 x r x (4 x 128 + 2 x 192 + 3 x 384): the shapes written out."""
-    from redco_planner.inspection import zoo_llama
+    from redco_planner.models import zoo_llama
     from redco_zoo_models.base_plan import lora_models
     from redco_zoo_models.settings import LoRA
     model = zoo_llama(seq_len=16, vocab_size=16, hidden_size=128, intermediate_size=256,

@@ -32,8 +32,8 @@ from redco.hlo_collectives import collectives
 from redco.sharding import Rules, opt_state_shardings, shardings_from_specs, specs_from_rules
 from redco.step_flops import loop_repeats_flops
 from redco.train_step import TrainState, compiler_options, make_train_step, split, step_loss
-from redco_planner.inspection import n_positional
 from redco_planner.layouts import TriedLayout
+from redco_planner.models import n_positional
 
 
 def make_mesh(n_devices: int, n_model_shards: int, n_context_shards: int = 1):

@@ -74,9 +74,10 @@ from redco import remat as redco_remat
 from redco.builtins.rules import has_experts
 from redco.sharding import dataflow_trace
 from redco_planner import qlora
-from redco_planner.inspection import LoraModel, n_positional, parse_bytes
+from redco_planner.inspection import parse_bytes
 from redco_planner.layouts import HEADROOM, Plan, PlanError, nothing_fits, usable_bytes, why
 from redco_planner.measure import abstract, as_loss
+from redco_planner.models import LoraModel, n_positional
 from redco_planner.search import Search
 
 REMAT_POLICIES = ("none", "dots_saveable", "full")  # least recompute first

@@ -3,7 +3,7 @@ fine-tuning nor LoRA over the unquantised base fits any layout.
 
 The model is built abstractly with its attention and MLP projections as
 ``redco_zoo_models.quantized_linear.QuantizedLinear`` layers plus LoRA adapters
-(``redco_planner.inspection.zoo_decoder``'s ``quantized(rank, fmt)``), so the compiled step
+(``redco_planner.models.zoo_decoder``'s ``quantized(rank, fmt)``), so the compiled step
 holds the frozen codes and scales at their real byte sizes (uint8 codes two weights a byte for
 NF4, int8 or float8 codes for the others, float32 scales), the adapters and their AdamW state
 in the params' dtype, and dequantises each kernel inside the step as training does. The parts
@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Callable
 
 from redco.protocols import UsageError
-from redco_planner.inspection import LoraModel
+from redco_planner.models import LoraModel
 
 FORMATS = ("nf4", "int8", "fp8")  # (redco_zoo_models.quantize.FORMATS)
 AUTO_ORDER = ("int8", "nf4")  # most faithful first (module docstring)
@@ -52,7 +52,7 @@ def check(quantize_base: str | None, lora_rank: int | None,
     if quantized is None:
         raise QuantizeBaseError(f"quantize_base={quantize_base!r}: the model has no quantised build "
                          "(plan(quantized=...)); the zoo's decoders have one: redco plan "
-                         "--model <preset>, or redco_planner.inspection.zoo_decoder.")
+                         "--model <preset>, or redco_planner.models.zoo_decoder.")
 
 
 def quantized_bases(quantized: Callable[[int, str], LoraModel], rank: int, quantize_base: str,

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from redco_planner.inspection import LoraModel, Model, zoo_models
+from redco_planner.models import LoraModel, Model, zoo_models
 
 
 def vlm_names() -> list[str]:

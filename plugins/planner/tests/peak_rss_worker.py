@@ -32,8 +32,8 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from redco import Deployer, Trainer  # noqa: E402
-from redco_planner.inspection import lm_loss  # noqa: E402
 from redco_planner.layouts import HEADROOM, usable_bytes  # noqa: E402
+from redco_planner.models import lm_loss  # noqa: E402
 from redco_planner.planner import plan  # noqa: E402
 from redco_zoo_lm import collate_fn, loss_fn  # noqa: E402
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model  # noqa: E402

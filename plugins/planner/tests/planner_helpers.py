@@ -37,6 +37,6 @@ def one_head_plan_model():
     params, a trace fn, and the next-token loss."""
     import jax.numpy as jnp
 
-    from redco_planner.inspection import lm_loss
+    from redco_planner.models import lm_loss
     apply_fn, params = one_head_lm()
     return params, lambda p: apply_fn(p, jnp.zeros((1, 8), jnp.int32)), lm_loss(apply_fn)

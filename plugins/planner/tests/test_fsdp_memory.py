@@ -19,9 +19,9 @@ import jax
 import numpy as np
 import pytest
 
-from redco_planner.inspection import zoo_llama
 from redco_planner.layouts import TriedLayout
 from redco_planner.measure import measure
+from redco_planner.models import zoo_llama
 
 
 @functools.cache

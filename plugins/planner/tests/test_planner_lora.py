@@ -4,9 +4,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from redco_planner.inspection import lm_loss, load_model
+from redco_planner.inspection import load_model
 from redco_planner.layouts import usable_bytes
 from redco_planner.measure import measure
+from redco_planner.models import lm_loss
 from redco_planner.planner import PlanError, plan
 
 

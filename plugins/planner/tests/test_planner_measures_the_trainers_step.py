@@ -11,8 +11,8 @@ from planner_helpers import lm_examples
 
 from redco import Deployer, Trainer, lora
 from redco.step_flops import loop_repeats_flops
-from redco_planner.inspection import lm_loss
 from redco_planner.measure import measure
+from redco_planner.models import lm_loss
 from redco_zoo_lm import collate_fn, loss_fn
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM, add_lora, split_model
 

@@ -9,7 +9,8 @@ import re
 import pytest
 
 from redco.sharding import named_leaves
-from redco_planner.inspection import load_model, zoo_llama
+from redco_planner.inspection import load_model
+from redco_planner.models import zoo_llama
 from redco_planner.planner import plan
 from redco_planner.qlora import QuantizeBaseError
 

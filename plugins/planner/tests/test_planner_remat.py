@@ -8,9 +8,10 @@ from planner_helpers import lm_examples, lm_model
 
 import redco
 from redco import plugins, remat
-from redco_planner.inspection import lm_loss, load_model
+from redco_planner.inspection import load_model
 from redco_planner.layouts import usable_bytes
 from redco_planner.measure import measure
+from redco_planner.models import lm_loss
 from redco_planner.planner import REMAT_POLICIES, plan
 
 SEQ_LEN = 64

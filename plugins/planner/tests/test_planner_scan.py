@@ -6,8 +6,8 @@ import functools
 import pytest
 
 from redco.cli import main
-from redco_planner.inspection import zoo_llama
 from redco_planner.measure import measure
+from redco_planner.models import zoo_llama
 
 SHAPE = dict(num_hidden_layers=3, hidden_size=32, intermediate_size=64, vocab_size=64,
              num_attention_heads=4, num_key_value_heads=2)

@@ -16,7 +16,8 @@ from flax import nnx
 from redco.cli import main
 from redco.lora import trainable_mask
 from redco_planner.commands import MODEL_HELP
-from redco_planner.inspection import load_model, zoo_preset
+from redco_planner.inspection import load_model
+from redco_planner.models import zoo_preset
 from redco_zoo_models.decoder import DecoderConfig, DecoderLM
 from redco_zoo_models.presets import PRESETS, PUBLISHED_PARAMS, preset
 from redco_zoo_models.runner import load_model as zoo_load_model

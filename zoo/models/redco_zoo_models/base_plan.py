@@ -5,7 +5,7 @@ A quantised base is decided before its weights are read (``from_pretrained`` qua
 tensor as it loads it), so it cannot wait for ``Trainer.fit``'s first batch, where the layout
 planner decides other runs' layouts. ``planned(config, seq_len)`` asks the planner
 (``redco_planner.planner.plan``) once, on the zoo decoder built abstractly from the run's
-``config.json`` or preset (``redco_planner.inspection.zoo_decoder``: the next-token loss on
+``config.json`` or preset (``redco_planner.models.zoo_decoder``: the next-token loss on
 ``per_device_batch_size`` rows of ``seq_len`` tokens, the run's remat policy, compute dtype
 and micro-batches): LoRA of rank r over the unquantised base first, then over the quantised one
 (``auto``: int8, then nf4; a named format: only it; ``redco_planner.qlora``), each at
@@ -76,8 +76,8 @@ def planned(config: RunConfig, seq_len: int, log=print) -> RunConfig:
     if not needs_plan(config):
         return config
     try:
-        from redco_planner.inspection import zoo_decoder
         from redco_planner.layouts import training
+        from redco_planner.models import zoo_decoder
         from redco_planner.planner import memory_bytes, plan
     except ImportError as e:
         raise ImportError("--n_model_shards auto needs the layout planner: pip install "
