@@ -5,7 +5,7 @@ chunked delta rule against its plain recurrence, on CPU.
   params) of a zoo decoder layer at width ``--width`` (heads of 64), batch 1, at each length of
   ``--lengths``: the Qwen3.5 layer's ``GatedDeltaNet`` mixer (chunks of 64) against the
   ``Attention`` of a Qwen3-shaped layer (causal, tiled past one block). Printed: each one's
-  median time over ``--repeats`` runs after a warm-up and their ratio.
+  median time over ``--repeats`` runs (compiled ahead, no warm-up run) and their ratio.
 * ``rule``: ``gated_deltanet.chunked`` against ``gated_deltanet.recurrent`` on the same inputs
   (8 heads of 64 at each length): the largest difference of outputs (they compute the same
   thing, so it should be float32 rounding, < 1e-5) and the time ratio.
@@ -25,12 +25,14 @@ from provenance import print_provenance  # noqa: E402
 
 
 def timed(fn, *args, repeats: int) -> float:
+    """The median seconds of ``repeats`` runs of the jitted ``fn``, compiled ahead (no warm-up
+    run: at 32k tokens one attention step takes many minutes on a CPU)."""
     import jax
-    jax.block_until_ready(fn(*args))  # compile and warm up
+    compiled = fn.lower(*args).compile()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
