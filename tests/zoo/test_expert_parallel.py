@@ -20,6 +20,9 @@ from redco_zoo_models.expert_parallel import expert_parallel, sharding_rules
 from redco_zoo_models.moe import MoE, MoEConfig
 
 QWEN_NEXT = dict(shared_expert_size=12, shared_expert_gate=True)  # a gated shared expert
+LLAMA_4 = dict(router="top_k_sigmoid", expert_input_scaled=True, top_k=1,  # router-scaled
+               normalize_top_k=False,
+               n_shared_experts=1)  # inputs, beside a shared expert
 X = jax.random.normal(jax.random.PRNGKey(1), (8, 4, 16))  # 32 tokens
 
 
@@ -52,7 +55,8 @@ def loss_and_grads(moe: MoE, mesh=None):
 
 
 @pytest.mark.parametrize("dp, mp, overrides", [(1, 1, {}), (2, 1, {}), (4, 1, {}), (8, 1, {}),
-                                               (4, 2, {}), (4, 2, GPT_OSS), (4, 1, QWEN_NEXT)])
+                                               (4, 2, {}), (4, 2, GPT_OSS), (4, 1, QWEN_NEXT),
+                                               (4, 1, LLAMA_4)])
 def test_dropless_equals_one_device(dp, mp, overrides):
     moe = with_random_biases(block(**overrides)) if overrides.get("expert_bias") else \
         block(**overrides)
@@ -133,13 +137,6 @@ def test_experts_that_do_not_split_are_refused_before_compiling():
     moe = block(n_experts=6)
     with pytest.raises(ValueError, match="n_experts=6 do not split over the 4 devices of "
                        "expert parallelism"), expert_parallel(mesh_of(4)):
-        jax.eval_shape(moe, X)
-
-
-def test_experts_fed_router_scaled_inputs_are_refused_before_compiling():
-    moe = block(router="top_k_sigmoid", expert_input_scaled=True)  # (Llama 4's)
-    with pytest.raises(ValueError, match="expert_input_scaled \\(Llama 4\\) does not run "
-                       "under expert parallelism"), expert_parallel(mesh_of(4)):
         jax.eval_shape(moe, X)
 
 

@@ -26,6 +26,8 @@ experts' matmuls are split over it as XLA likes):
    matmul (``moe.Experts.batched`` with the local share of the weights).
 4. *Back.* The reverse ``all_to_all`` returns each source its ``(E, C, H)`` outputs, and each
    token reads its pairs' rows, weighted by the router (``combine``, as on one device).
+   Llama 4's experts read router-scaled inputs (``expert_input_scaled``): there the rows are
+   weighted as they are written in step 1, and step 4 sums them unweighted.
 
 **Capacity.** With ``capacity_factor`` each expert takes ``ceil(capacity_factor * n * top_k /
 E)`` pairs *from each source device* (``MoEConfig.capacity`` of the device's ``n`` tokens): the
@@ -161,19 +163,24 @@ def dispatched(moe, tokens, chosen, weights, mesh: Mesh):
     expert_weights = experts.weights()  # (biases too, each split with its experts)
     split = P(AXIS)
     run = jax.shard_map(
-        lambda *a: _local(experts.batched, *a, n_experts=cfg.n_experts, capacity=capacity),
+        lambda *a: _local(experts.batched, *a, n_experts=cfg.n_experts, capacity=capacity,
+                          input_scaled=cfg.expert_input_scaled),
         mesh=mesh, in_specs=(split,) * (3 + len(expert_weights)), out_specs=(split, P()),
         axis_names={AXIS})
     y, kept = run(tokens, chosen, weights, *expert_weights)
     return y[:n_tokens], (1 - kept / (n_tokens * cfg.top_k)).astype(jnp.float32)
 
 
-def _local(batched, tokens, chosen, weights, *expert_weights, n_experts: int, capacity: int):
+def _local(batched, tokens, chosen, weights, *expert_weights, n_experts: int, capacity: int,
+           input_scaled: bool):
     """One device's share (steps 1-4 of the module docstring): ``(its tokens' outputs, pairs
-    kept on every device)``; ``expert_weights``: its experts' (``moe.Experts.weights``)."""
+    kept on every device)``; ``expert_weights``: its experts' (``moe.Experts.weights``).
+    ``input_scaled`` (Llama 4): the router's weights scale the rows sent, not those returned."""
     degree = jax.lax.psum(1, AXIS)
     places, kept = slots(chosen, n_experts, capacity)
-    buffer = dispatch(tokens, places, n_experts, capacity)  # (E, C, H)
+    buffer = dispatch(tokens, places, n_experts, capacity,  # (E, C, H)
+                      weights if input_scaled else None)
+    weights = jnp.ones_like(weights) if input_scaled else weights
     local = n_experts // degree
     sent = buffer.reshape(degree, local, capacity, -1)  # part j: device j's experts
     received = jax.lax.all_to_all(sent, AXIS, 0, 0)  # (sources, E/d, C, H)

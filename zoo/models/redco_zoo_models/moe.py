@@ -215,9 +215,6 @@ class MoE(nnx.Module):
         chosen, weights, probs, logits = self.route(
             tokens if router_input is None else router_input.reshape(-1, shape[-1]))
         if (mesh := expert_parallel.current()) is not None:  # experts split over dp
-            if cfg.expert_input_scaled:
-                raise ValueError("expert_input_scaled (Llama 4) does not run under expert "
-                                 "parallelism yet: run without it.")
             y, dropped = expert_parallel.dispatched(self, tokens, chosen, weights, mesh)
         elif cfg.capacity_factor is None:
             y, dropped = self.dropless(tokens, chosen, weights), jnp.zeros((), jnp.float32)

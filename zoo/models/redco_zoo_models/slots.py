@@ -34,10 +34,14 @@ def slots(chosen, n_experts: int, capacity: int):
     return places, jnp.sum(places < end)  # (a padding token's id E: place E*C, none kept)
 
 
-def dispatch(tokens, places, n_experts: int, capacity: int):
-    """The (E, C, H) buffer: each token written into its pairs' rows (``slots``)."""
+def dispatch(tokens, places, n_experts: int, capacity: int, weights=None):
+    """The (E, C, H) buffer: each token written into its pairs' rows (``slots``), each row
+    scaled by its pair's router weight when ``weights`` (n, k) are given (Llama 4's experts
+    read router-scaled inputs; ``combine`` then takes weights of one)."""
     pairs = _pair_of_row(places, n_experts * capacity)
     rows = _to_rows(tokens, _token_of(pairs, places), places)
+    if weights is not None:
+        rows = rows * _take(weights.reshape(-1), pairs).astype(rows.dtype)[:, None]
     return rows.reshape(n_experts, capacity, -1)
 
 
