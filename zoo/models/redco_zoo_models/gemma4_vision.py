@@ -58,7 +58,8 @@ def rotate_2d(x, angles):
     for axis, part in enumerate(jnp.split(x, 2, -1)):
         a = jnp.concatenate([angles[..., axis, :]] * 2, -1)[:, :, None, :]
         one, two = jnp.split(part, 2, -1)
-        halves.append(part * jnp.cos(a) + jnp.concatenate([-two, one], -1) * jnp.sin(a))
+        cos, sin = jnp.cos(a).astype(x.dtype), jnp.sin(a).astype(x.dtype)  # (x's dtype: bf16)
+        halves.append(part * cos + jnp.concatenate([-two, one], -1) * sin)
     return jnp.concatenate(halves, -1)
 
 
@@ -127,7 +128,7 @@ class Gemma4VisionModel(nnx.Module):
         pad = (image_position_ids == -1).all(-1)
         places = jnp.maximum(image_position_ids, 0)
         table = self.patch_embedder["position_embedding_table"][...]
-        x = self.patch_embedder["input_proj"](2 * (pixel_values - 0.5))
+        x = self.patch_embedder["input_proj"]((2 * (pixel_values - 0.5)).astype(table.dtype))
         x = x + jnp.where(pad[..., None], 0, table[0][places[..., 0]] + table[1][places[..., 1]])
         quarter = self.cfg.head_dim // 4
         inv_freq = self.cfg.rope_theta ** (-jnp.arange(quarter, dtype=jnp.float32) / quarter)

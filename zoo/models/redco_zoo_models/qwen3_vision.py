@@ -177,7 +177,8 @@ class Qwen3VisionModel(nnx.Module):
                                                for _ in cfg.deepstack_visual_indexes])
 
     def __call__(self, pixel_values, layout: dict):
-        x = self.patch_embed["proj"](pixel_values)
+        proj = self.patch_embed["proj"]  # (pixels in the params' dtype: bf16 compute is bf16)
+        x = proj(pixel_values.astype(proj.kernel[...].dtype))
         table = self.pos_embed.embedding[...]
         x = x + (table[jnp.asarray(layout["taps"])] *
                  jnp.asarray(layout["tap_weights"])[..., None]).sum(1).astype(x.dtype)

@@ -190,7 +190,8 @@ class QwenVisionModel(nnx.Module):
 
     def __call__(self, pixel_values, layout: dict):
         """``(features, [])``: no DeepStack features (Qwen3-VL's tower has them)."""
-        x = self.patch_embed["proj"](pixel_values)
+        proj = self.patch_embed["proj"]  # (pixels in the params' dtype: bf16 compute is bf16)
+        x = proj(pixel_values.astype(proj.kernel[...].dtype))
         angles = rotary_angles(layout["rows_cols"], self.cfg)
         same = {key: jnp.asarray(layout[key])[:, None] == jnp.asarray(layout[key])[None, :]
                 for key in ("frame", "window")}
