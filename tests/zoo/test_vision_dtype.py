@@ -3,6 +3,7 @@ the params arrive cast (``redco.train_step.cast_floats``) but ``pixel_values`` a
 from the image processor, and a tower whose first matmul took them as they are ran in fp32
 throughout (promotion), holding twice the activations (BENCHMARKS section 44's Qwen rows). Each
 tower's features must come out in bf16, as transformers runs ``pixel_values.to(model.dtype)``."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -54,7 +55,10 @@ def clip(config=CLIPVisionConfig, model=CLIPVisionModel):
 def test_a_tower_under_bf16_params_computes_in_bf16_from_fp32_pixels(tower):
     model, inputs = tower()
     graphdef, params = nnx.split(model)
-    model = nnx.merge(graphdef, cast_floats(params, jnp.bfloat16))
-    out = model.hidden_states(*inputs) if hasattr(model, "hidden_states") else model(*inputs)
-    features = out[-1] if isinstance(out, list) else out[0] if isinstance(out, tuple) else out
+
+    def features(params):  # (traced abstractly: dtypes need no compile)
+        model = nnx.merge(graphdef, params)
+        out = model.hidden_states(*inputs) if hasattr(model, "hidden_states") else model(*inputs)
+        return out[-1] if isinstance(out, list) else out[0] if isinstance(out, tuple) else out
+    features = jax.eval_shape(features, cast_floats(params, jnp.bfloat16))
     assert features.dtype == jnp.bfloat16, f"the tower computed in {features.dtype}"
