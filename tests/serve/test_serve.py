@@ -113,7 +113,9 @@ def server(model_dir):
     unrolled engine on pages, chunks and prefixes: test_engine_paged.py, test_engine.py."""
     server = Server(model_dir, "--prefill_chunk", "16", "--prefix_caching", "--page_size", "16",
                     "--scan_layers")
-    assert "keys and values in 12 pages of 16 tokens" in "".join(server.output)
+    started = "".join(server.output)
+    assert "keys and values in 12 pages of 16 tokens" in started
+    assert "the 2 layers stored stacked and run under a scan" in started, started
     yield server
     server.close()
 

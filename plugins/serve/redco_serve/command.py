@@ -116,6 +116,9 @@ def start_engine(args: argparse.Namespace):
     from redco_zoo_models.quantized_linear import sharding_rules
     from redco_zoo_models.scoring import Scorer
     model, config = load_served(args.model, args.quantize_base, args.adapter, args.scan_layers)
+    if getattr(getattr(model, "cfg", None), "scan_layers", False):
+        print(f"redco serve: the {model.cfg.num_hidden_layers} layers stored stacked and run "
+              "under a scan", flush=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     except (OSError, ValueError) as e:
