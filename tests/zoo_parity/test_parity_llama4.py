@@ -6,6 +6,7 @@ pieces changes them, and over 520 (the tiled path); a multimodal ``llama4`` chec
 as its language model, and with its images (``llama4_vision``); context parallelism refused
 before compiling."""
 import dataclasses
+import json
 import re
 
 import jax
@@ -84,7 +85,7 @@ def test_past_one_tile_of_keys_the_tiled_chunks_give_transformers_logits(pair):
     close(forward(ours, ids), torch_logits(theirs, input_ids=ids))
 
 
-def test_with_images_logits_tokens_and_export_match_transformers(tmp_path):
+def test_with_images_logits_tokens_and_export_match_transformers(tmp_path, capsys):
     """``Llama4ForConditionalGeneration``'s tiny checkpoint read as its language model
     (``language_model.*`` beside the tower and projector): its text logits. Read with
     ``images`` (``llama4_vision``): on a 1 x 2 tiled image (two tiles and the global one) and a
@@ -117,6 +118,7 @@ def test_with_images_logits_tokens_and_export_match_transformers(tmp_path):
     with pytest.raises(NotImplementedError, match="does not cut images into Llama 4's tiles"):
         Engine(ours, nnx.state(ours, nnx.Param), max_len=64)
     assert "does not cut images into Llama 4's tiles" in ours.untrained()
+    check_sft_refuses_images(str(tmp_path / "ours"), tmp_path, capsys)
     with pytest.raises(ValueError, match="fc1 reads intermediate_size 48 features, the pixel "
                                          "shuffle gives 64"):
         Llama4TowerConfig.from_hf({**VISION, "intermediate_size": 48})
@@ -135,6 +137,25 @@ def image_batch() -> dict:
     return {"input_ids": np.array([[0] * (width - len(r)) + r for r in ids]),
             "attention_mask": np.array([[0] * (width - len(r)) + [1] * len(r) for r in ids]),
             "pixel_values": np.random.RandomState(4).randn(4, 3, 28, 28).astype(np.float32)}
+
+
+def check_sft_refuses_images(model_dir: str, tmp_path, capsys):
+    """``redco zoo run sft`` reads the checkpoint as its language model: chats holding an image
+    part are refused after loading, before compiling (GRPO's ``image_prompts.check_model``
+    refuses a text model too; ``redco serve`` answers an image part to one with a 400)."""
+    from PIL import Image
+
+    from redco.cli import main
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    user = {"role": "user", "content": [{"type": "image", "path": str(tmp_path / "a.png")},
+                                        {"type": "text", "text": "a"}]}
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": [
+        user, {"role": "assistant", "content": "b"}]}) + "\n")
+    with pytest.raises(SystemExit):
+        main(["zoo", "run", "sft", "--model", model_dir, "--workdir", str(tmp_path / "sft"),
+              "--train", str(tmp_path / "chats.jsonl")])
+    err = capsys.readouterr().err
+    assert "read as a text model (DecoderLM) and the chats hold image parts" in err, err
 
 
 def check_greedy(ours, theirs, batch):
