@@ -26,8 +26,6 @@ refuse this model (``unserved``, ``untrained``) before compiling: neither tiles 
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -64,13 +64,15 @@ class Llama4TowerConfig:
 
     @classmethod
     def from_hf(cls, config: dict) -> "Llama4TowerConfig":
-        """From a ``vision_config``; a key that would change the tower and that it does not
-        read is refused."""
+        """From a ``vision_config`` (``rope_theta`` at its top, as the hub's, or in
+        ``rope_parameters``, as transformers 5 writes it); a key that would change the tower
+        and that it does not read is refused."""
         if config.get("model_type", cls.MODEL_TYPE) != cls.MODEL_TYPE:
             raise ValueError(f"vision_config is a {config['model_type']!r} tower; Llama 4 "
                              f"reads {cls.MODEL_TYPE}.")
         fields = {f.name for f in dataclasses.fields(cls)} - {"rope_theta"}
-        unknown = sorted(set(config) - fields - TOWER_METADATA - {"rope_parameters"})
+        unknown = sorted(set(config) - fields - TOWER_METADATA - {"rope_parameters",
+                                                                  "rope_theta"})
         if unknown:
             raise ValueError(f"vision_config has keys the zoo's Llama 4 tower does not read: "
                              f"{unknown}.")
@@ -108,7 +110,7 @@ class Llama4ImageConfig:
             raise ValueError(f"config.json has keys the zoo's Llama 4 with images does not "
                              f"read: {unknown}.")
         return cls(Llama4TowerConfig.from_hf(config.get("vision_config", {})),
-                   DecoderConfig.from_hf(text_part(config)),
+                   DecoderConfig.from_hf(text_part({**config, "model_type": "llama4"})),
                    **{k: config.get(k, d) for k, d in READS.items()})
 
     def to_hf(self) -> dict:
