@@ -14,8 +14,9 @@ from jax.sharding import PartitionSpec as P
 from redco import Deployer, Trainer
 from redco.sharding import dataflow_trace, named_leaves, specs_from_rules
 from redco_zoo_models.gemma3_vision import Gemma3ForConditionalGeneration, Gemma3VisionConfig
+from redco_zoo_models.llama4_vision_config import Llama4ImageConfig
 from redco_zoo_models.llava import LlavaConfig, LlavaForConditionalGeneration
-from redco_zoo_models.presets_vlm import RowImage
+from redco_zoo_models.presets_vlm import IMAGES, RowImage, vlm_preset
 from redco_zoo_models.qwen_vl import QwenVLForConditionalGeneration
 from redco_zoo_models.qwen_vl_config import QwenVLConfig
 
@@ -135,6 +136,74 @@ def test_clip_and_siglip_towers_and_projectors_split_by_heads_and_hidden(family)
         else:
             want = P(dp, "mp")
             assert specs["multi_modal_projector/mm_input_projection_weight"] == want, rules
+
+
+def test_llama4_tower_adapter_and_projector_split_in_the_planners_step(monkeypatch):
+    """Llama 4 with images (``llama4_vision``) as the planner builds a preset (a tiny one
+    registered): under ``auto`` at dp 4 x mp 2 the tower's q/k/v column, o row, its MLP and the
+    pixel-shuffle adapter column then row, the projector column, the patch embedding (a
+    matmul) whole; ``auto+fsdp`` adds ``dp`` on a free dim. The published preset reads with
+    its card's shapes and 109B parameters (108.64B: the text preset's 107.77B, the tower's
+    0.85B, the projector's 0.02B), its one 336 x 336 tile a row 144 tokens."""
+    from redco_planner.vision import zoo_vlm
+    from redco_zoo_models import presets_vlm
+    tiny = {"vision_config": {**TOWER, "intermediate_size": 128, "vision_output_dim": 32,
+                              "projector_input_dim": 32, "projector_output_dim": 32},
+            "text_config": {**TEXT, "model_type": "llama4_text", "interleave_moe_layer_step": 0,
+                            "intermediate_size_mlp": 64},
+            "image_token_index": 60, "boi_token_index": 58, "eoi_token_index": 59}
+    monkeypatch.setitem(presets_vlm.VLM_PRESETS, "tiny-llama4", Llama4ImageConfig.from_hf(
+        tiny).to_hf())
+    monkeypatch.setitem(presets_vlm.IMAGES, "tiny-llama4", RowImage(16, 16, 4))
+    model = zoo_vlm("tiny-llama4", SEQ)
+    for rules, dp in (("auto", None), ("auto+fsdp", "dp")):
+        deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=None, verbose=False,
+                            sharding_rules=rules)
+        found = deployer.get_sharding_rules(model.params, trace_fn=dataflow_trace(
+            model.loss_fn, model.batch(8)))
+        specs = dict(named_leaves(specs_from_rules(model.params, found, deployer.mesh)))
+        layer = "vision_model/model/layers/0/"
+        want = {"self_attn/q_proj": COL, "self_attn/k_proj": COL, "self_attn/v_proj": COL,
+                "self_attn/o_proj": ROW, "mlp/fc1": COL, "mlp/fc2": ROW}
+        for name, spec in want.items():
+            assert specs[f"{layer}{name}/kernel"] == with_dp(spec, dp), (rules, name)
+        adapter = "vision_model/vision_adapter/mlp/"
+        assert specs[f"{adapter}fc1/kernel"] == with_dp(COL, dp), rules
+        assert specs[f"{adapter}fc2/kernel"] == with_dp(ROW, dp), rules
+        assert specs["multi_modal_projector/linear_1/kernel"] == with_dp(COL, dp), rules
+        patch = specs["vision_model/patch_embedding/linear/kernel"]
+        assert patch == (P("dp", None) if dp else WHOLE), rules
+    check_scout_vision_preset()
+
+
+def with_dp(spec, dp):
+    """``spec`` (one ``mp`` dim of two) with ``dp`` on the other."""
+    return P(*(dp if axis is None else axis for axis in spec))
+
+
+def check_scout_vision_preset():
+    """The shapes of Llama-4-Scout-17B-16E-Instruct's card, its one-tile row, its count (the
+    layers' parameters from abstract builds of one and two layers of each part)."""
+    from redco_zoo_models.llama4_vision import Llama4ForConditionalGeneration
+    config = vlm_preset("llama-4-scout-vision")
+    cfg = Llama4ImageConfig.from_hf(config)
+    tower = cfg.vision
+    assert (tower.num_hidden_layers, tower.hidden_size, tower.num_attention_heads,
+            tower.image_size, tower.patch_size, tower.pixel_shuffle_ratio) == \
+        (34, 1408, 16, 336, 14, 0.5)
+    assert (cfg.text.hidden_size, cfg.text.num_hidden_layers, cfg.image_token_index) == \
+        (5120, 48, 200092)
+    assert IMAGES["llama-4-scout-vision"] == RowImage(336, 24 * 24, cfg.features_per_image())
+
+    def count(text: int, vision: int) -> int:
+        part = {**config, "text_config": {**config["text_config"], "num_hidden_layers": text},
+                "vision_config": {**config["vision_config"], "num_hidden_layers": vision}}
+        small = Llama4ImageConfig.from_hf(part)
+        model = nnx.eval_shape(lambda: Llama4ForConditionalGeneration(small, nnx.Rngs(0)))
+        return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    one = count(1, 1)
+    total = one + 47 * (count(2, 1) - one) + 33 * (count(1, 2) - one)
+    assert abs(total / 109e9 - 1) < 0.02, total
 
 
 def test_redco_plan_takes_an_image_text_preset(monkeypatch, capsys):

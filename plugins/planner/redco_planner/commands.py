@@ -27,7 +27,7 @@ MODEL_HELP = ("llama-tiny, llama-1b, llama-7b, llama-13b, llama-30b, llama-65b; 
               "qwen3-next-80b-a3b, olmo-3-7b, olmo-3-32b, glm-4.5-air, llama-4-scout, "
               "gemma-4-31b, gemma-4-26b-a4b; an image-text model (redco_zoo_models.presets_vlm, "
               "one image a row): qwen2.5-vl-7b, qwen3-vl-8b, gemma-3-12b-vision, "
-              "gemma-3-27b-vision; or module:function "
+              "gemma-3-27b-vision, llama-4-scout-vision; or module:function "
               "returning params, (params, trace_fn) or (params, trace_fn, loss_fn)")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 SCAN_HELP = ("the zoo decoder's layers stored stacked and run under jax.lax.scan "

@@ -1,13 +1,14 @@
-"""The image-text presets (``redco_zoo_models.presets_vlm``: Qwen2.5-VL, Qwen3-VL, Gemma 3 with
-images) built abstractly for ``redco plan`` and ``redco rules``: the whole model, tower and
-projector included, its train step on rows that each hold one image.
+"""The image-text presets (``redco_zoo_models.presets_vlm``: Qwen2.5-VL, Qwen3-VL, Gemma 3 and
+Llama 4 Scout with images) built abstractly for ``redco plan`` and ``redco rules``: the whole
+model, tower and projector included, its train step on rows that each hold one image.
 
 A row is ``seq_len`` tokens, the image's tokens (``IMAGES[name].tokens``: 256 for Qwen2.5-VL's
-448 x 448 and Gemma 3's 896 x 896, 196 for Qwen3-VL's 448 x 448) at its start and text after;
-the loss is the model's own next-token loss (``labels=``: the chunked loss of
-``DecoderLM``) over the row. Qwen's towers read each row's image alone (``jax.vmap`` over the
-rows, its patch layout and M-RoPE positions made once on the host from the one grid), as one
-image's patches attend only within it; Gemma 3 reads ``pixel_values`` (rows, 1, 3, 896, 896).
+448 x 448 and Gemma 3's 896 x 896, 196 for Qwen3-VL's 448 x 448, 144 for Llama 4's one
+336 x 336 tile) at its start and text after; the loss is the model's own next-token loss
+(``labels=``: the chunked loss of ``DecoderLM``) over the row. Qwen's towers read each row's
+image alone (``jax.vmap`` over the rows, its patch layout and M-RoPE positions made once on the
+host from the one grid), as one image's patches attend only within it; Gemma 3 reads
+``pixel_values`` (rows, 1, 3, 896, 896), Llama 4 (rows, 1, 3, 336, 336).
 LoRA (``lora(rank)``) puts the zoo's adapters on the language model's projections only, the
 tower and projector frozen, as ``redco zoo run sft`` does by default. The language model's
 layers stack with ``scan_layers``; the towers' blocks do not stack (they stay unrolled).
@@ -39,7 +40,7 @@ def zoo_vlm(name: str, seq_len: int = 128, scan_layers: bool = False) -> Model:
     from redco_zoo_models.hf import class_of
     from redco_zoo_models.presets_vlm import IMAGES, vlm_preset
     config = vlm_preset(name)
-    model_class = class_of(config, name)
+    model_class = class_of(config, name, images=True)  # (Llama 4's: not its language model)
     cfg = model_class.config_class.from_hf(config)
     cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, scan_layers=scan_layers))
     image = IMAGES[name]
@@ -78,7 +79,8 @@ def row_batch(cfg, image, seq_len: int):
 
 
 def gemma_loss(graphdef, cfg, image, seq_len: int):
-    """The model's loss on ``input_ids`` and ``pixel_values`` (rows, 1, 3, H, W)."""
+    """The model's loss on ``input_ids`` and ``pixel_values`` (rows, 1, 3, H, W): Gemma 3's,
+    Llama 4's (one tile a row)."""
     from flax import nnx
 
     def loss(params, batch):

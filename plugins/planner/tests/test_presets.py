@@ -121,7 +121,7 @@ def test_an_unknown_name_is_refused_with_the_names(capsys):
     with pytest.raises(ValueError, match=r"Unknown model 'qwen3-9b': use one of .*qwen3-8b, "
                                          r"qwen3-14b.*phi-4-mini, mixtral-8x7b.*deepseek-v3, gpt-oss-20b.*"
                                          r"qwen3-next-80b-a3b, olmo-3-7b.*glm-4.5-air, .*"
-                                         r"qwen2.5-vl-7b, qwen3-vl-8b.*gemma-3-27b-vision, or "
+                                         r"qwen2.5-vl-7b, qwen3-vl-8b.*llama-4-scout-vision, or "
                                          r"module:function"):
         load_model("qwen3-9b")
     with pytest.raises(SystemExit):

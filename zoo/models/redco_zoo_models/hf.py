@@ -54,6 +54,7 @@ IMAGE_TEXT_CLASSES = {  # a multimodal model_type read as its language model unl
     "qwen3_5": "redco_zoo_models.qwen_vl:Qwen3_5VLForConditionalGeneration",
     "qwen3_5_moe": "redco_zoo_models.qwen_vl:Qwen3_5MoeVLForConditionalGeneration",
     "gemma4": "redco_zoo_models.gemma4_vision:Gemma4ForConditionalGeneration",
+    "llama4": "redco_zoo_models.llama4_vision:Llama4ForConditionalGeneration",
 }
 
 
@@ -66,9 +67,9 @@ def auto_class(model_dir: str, images: bool = False) -> type[nnx.Module]:
 
 def class_of(config: dict, where: str, images: bool = False) -> type[nnx.Module]:
     """The zoo class for a ``config.json``'s contents (by its ``model_type``), found in
-    ``where`` (named in the error). A Qwen3.5 or Gemma 4 checkpoint with a vision tower is read as its
-    language model (a decoder: text runs, scanned layers, quantised bases), or with ``images``
-    as the image + text model (``IMAGE_TEXT_CLASSES``)."""
+    ``where`` (named in the error). A Qwen3.5, Gemma 4 or Llama 4 checkpoint with a vision
+    tower is read as its language model (a decoder: text runs, scanned layers, quantised
+    bases), or with ``images`` as the image + text model (``IMAGE_TEXT_CLASSES``)."""
     model_type = config.get("model_type")
     if images and model_type in IMAGE_TEXT_CLASSES and "vision_config" in config:
         module, name = IMAGE_TEXT_CLASSES[model_type].split(":")

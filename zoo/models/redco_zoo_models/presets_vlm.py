@@ -4,10 +4,10 @@ of a planned batch holds (``redco plan --model qwen2.5-vl-7b``; BENCHMARKS.md se
 The numbers are the hub's config.json values of the instruct checkpoints: Qwen/Qwen2.5-VL-7B-
 Instruct, Qwen/Qwen3-VL-8B-Instruct, google/gemma-3-12b-it and google/gemma-3-27b-it (their
 ``text_config`` the same shapes as the text presets ``gemma-3-12b`` and ``gemma-3-27b``, their
-``vision_config`` SigLIP-So400m at 896 x 896). ``IMAGES[name]``: the one image per row a plan
-assumes, and the image tokens it becomes. Llama-4-Scout is published as an image-text model
-too, but the zoo has no Llama 4 vision tower: its preset, ``llama-4-scout``
-(``presets_2026``), is the language model alone.
+``vision_config`` SigLIP-So400m at 896 x 896), meta-llama/Llama-4-Scout-17B-16E-Instruct
+(its ``text_config`` the text preset ``llama-4-scout``'s, ``presets_2026``; its tower
+``redco_zoo_models.llama4_vision``'s). ``IMAGES[name]``: the one image per row a plan assumes,
+and the image tokens it becomes.
 """
 from __future__ import annotations
 
@@ -84,24 +84,48 @@ def _gemma3_vision(text_preset: str) -> dict[str, Any]:
             "image_token_index": 262144, "tie_word_embeddings": True}
 
 
+def _llama4_scout_vision() -> dict[str, Any]:
+    """Llama-4-Scout-17B-16E-Instruct: the text preset ``llama-4-scout``'s decoder; a tower of
+    34 layers of 1,408 (16 heads, MLP 5,632) on 336 x 336 tiles of 14-pixel patches, pixel-
+    shuffled (ratio 0.5) into 144 tokens of 5,632 features, an adapter to 4,096 and a
+    projector to 5,120 (``redco_zoo_models.llama4_vision``)."""
+    text = {k: v for k, v in presets.preset("llama-4-scout").items() if k != "architectures"}
+    vision = {"model_type": "llama4_vision_model", "hidden_size": 1408,
+              "intermediate_size": 5632, "num_hidden_layers": 34, "num_attention_heads": 16,
+              "num_channels": 3, "image_size": 336, "patch_size": 14,
+              "pixel_shuffle_ratio": 0.5, "projector_input_dim": 4096,
+              "projector_output_dim": 4096, "vision_output_dim": 4096, "rope_theta": 10000,
+              "hidden_act": "gelu", "norm_eps": 1e-5, "multi_modal_projector_bias": False,
+              "vision_feature_layer": -1, "vision_feature_select_strategy": "default"}
+    return {"model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"],
+            "text_config": text, "vision_config": vision, "boi_token_index": 200080,
+            "eoi_token_index": 200081, "image_token_index": 200092,
+            "tie_word_embeddings": False}
+
+
 VLM_PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-vl-7b": _qwen2_5_vl_7b(),
     "qwen3-vl-8b": _qwen3_vl_8b(),
     "gemma-3-12b-vision": _gemma3_vision("gemma-3-12b"),
     "gemma-3-27b-vision": _gemma3_vision("gemma-3-27b"),
+    "llama-4-scout-vision": _llama4_scout_vision(),
 }
 
 # one image a row: Qwen's at 448 x 448 (Qwen2.5-VL: 32 x 32 patches of 14; Qwen3-VL: 28 x 28
-# of 16), 2 x 2 merged; Gemma 3's at its fixed 896 x 896 (64 x 64 patches of 14, pooled to 256)
+# of 16), 2 x 2 merged; Gemma 3's at its fixed 896 x 896 (64 x 64 patches of 14, pooled to 256);
+# Llama 4's one 336 x 336 tile (an image no larger: no grid, no global tile; 24 x 24 patches of
+# 14, pixel-shuffled to 144)
 IMAGES: dict[str, RowImage] = {
     "qwen2.5-vl-7b": RowImage(448, 1024, 256), "qwen3-vl-8b": RowImage(448, 784, 196),
     "gemma-3-12b-vision": RowImage(896, 4096, 256), "gemma-3-27b-vision": RowImage(896, 4096, 256),
+    "llama-4-scout-vision": RowImage(336, 576, 144),
 }
 
 # the hub's parameter counts (safetensors, tower and projector included)
 PUBLISHED_PARAMS: dict[str, float] = {"qwen2.5-vl-7b": 8.29e9, "qwen3-vl-8b": 8.77e9,
                                       "gemma-3-12b-vision": 12.2e9,
-                                      "gemma-3-27b-vision": 27.4e9}
+                                      "gemma-3-27b-vision": 27.4e9,
+                                      "llama-4-scout-vision": 109e9}  # (its card: 109B)
 
 
 def vlm_preset(name: str) -> dict[str, Any]:

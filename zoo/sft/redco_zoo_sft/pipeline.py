@@ -120,6 +120,7 @@ def train_sft(config: RunConfig[SFTData]) -> float:
         raise UsageError(f"--train_vision_tower: --model {source.model} is a text model "
                          f"({type(model).__name__}), it has no vision tower; drop the flag.")
     else:
+        refuse_image_chats(parts, config.task.messages_column, source.model, model)
         tokenizer = load_chat_tokenizer(source.model)
         train, evaluate = (chat_rows(part, tokenizer, config.task, config.jax_seed, what)
                            for part, what in zip(parts, names))
@@ -128,6 +129,23 @@ def train_sft(config: RunConfig[SFTData]) -> float:
                              max_batches=runner.eval_batches(config.loop))
     trainer.deployer.log_info(f"eval loss on the assistant's tokens {loss:.4f}")
     return loss
+
+
+def refuse_image_chats(parts: tuple[list, list], column: str, where: str, model) -> None:
+    """Refuse a text model's chats that hold image parts (it would read each image as its
+    placeholder's text), before anything compiles; a multimodal checkpoint the zoo reads as its
+    language model here (Llama 4's, Gemma 4's, Qwen3.5's) is one."""
+    for rows in parts:
+        for row in rows:
+            for message in row[column] if isinstance(row[column], list) else ():
+                content = message.get("content") if isinstance(message, dict) else None
+                if isinstance(content, list) and any(
+                        not (isinstance(p, dict) and p.get("type") == "text") for p in content):
+                    raise UsageError(
+                        f"--model {where} is read as a text model ({type(model).__name__}) and "
+                        "the chats hold image parts, which it would read as text: give an "
+                        "image + text model `redco zoo run sft` trains (LLaVA, Gemma 3, "
+                        "Qwen2.5-VL, Qwen3-VL), or chats of text alone.")
 
 
 def train_images(config: RunConfig[SFTData], model, parts: tuple[list, list],
