@@ -13,6 +13,8 @@ from redco.train_step import cast_floats
 from redco_zoo_models.clip_vision import CLIPVisionConfig, CLIPVisionModel
 from redco_zoo_models.gemma4_vision import Gemma4VisionModel
 from redco_zoo_models.gemma4_vision_config import Gemma4VisionTowerConfig
+from redco_zoo_models.llama4_vision import Llama4VisionModel
+from redco_zoo_models.llama4_vision_config import Llama4TowerConfig
 from redco_zoo_models.qwen3_vision import Qwen3VisionConfig, Qwen3VisionModel, interpolation
 from redco_zoo_models.qwen_vision import QwenVisionConfig, QwenVisionModel, patch_layout
 from redco_zoo_models.siglip_vision import SiglipVisionConfig, SiglipVisionModel
@@ -44,14 +46,21 @@ def gemma4():
     return Gemma4VisionModel(cfg, nnx.Rngs(0)), (np.ones((1, 16, 48), np.float32), places)
 
 
+def llama4():
+    cfg = Llama4TowerConfig(hidden_size=32, intermediate_size=128, num_hidden_layers=1,
+                            num_attention_heads=2, image_size=16, patch_size=4,
+                            projector_input_dim=16, projector_output_dim=16, vision_output_dim=16)
+    return Llama4VisionModel(cfg, nnx.Rngs(0)), (np.ones((2, 3, 16, 16), np.float32),)
+
+
 def clip(config=CLIPVisionConfig, model=CLIPVisionModel):
     cfg = config(num_hidden_layers=1, num_attention_heads=2, image_size=8, **SMALL)
     return model(cfg, nnx.Rngs(0)), (np.ones((1, 3, 8, 8), np.float32), 1)
 
 
-@pytest.mark.parametrize("tower", [qwen2_5, qwen3, gemma4, clip,
+@pytest.mark.parametrize("tower", [qwen2_5, qwen3, gemma4, llama4, clip,
                                    lambda: clip(SiglipVisionConfig, SiglipVisionModel)],
-                         ids=["qwen2.5-vl", "qwen3-vl", "gemma4", "clip", "siglip"])
+                         ids=["qwen2.5-vl", "qwen3-vl", "gemma4", "llama4", "clip", "siglip"])
 def test_a_tower_under_bf16_params_computes_in_bf16_from_fp32_pixels(tower):
     model, inputs = tower()
     graphdef, params = nnx.split(model)

@@ -124,7 +124,8 @@ class Llama4VisionModel(nnx.Module):
         return x.reshape(b, (s // p) ** 2, c * p * p)
 
     def __call__(self, pixel_values):
-        x = self.patch_embedding["linear"](self.patches(pixel_values))
+        linear = self.patch_embedding["linear"]  # (pixels in the params' dtype: bf16 is bf16)
+        x = linear(self.patches(pixel_values).astype(linear.kernel[...].dtype))
         cls = jnp.broadcast_to(self.class_embedding[...].astype(x.dtype), (len(x), 1, x.shape[-1]))
         x = jnp.concatenate([x, cls], 1) + self.positional_embedding_vlm[...].astype(x.dtype)
         x = self.layernorm_pre(x)
