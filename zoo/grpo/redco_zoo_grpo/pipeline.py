@@ -296,8 +296,7 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
                          "size before anything trains, so the layout planner cannot pick it yet; "
                          "give a number of devices.")
     algorithm = run.algorithm
-    check_async(run.asynchronous, run.engine_rows, algorithm.dynamic_sampling, run.environment,
-                run.decode_model_shards)
+    check_async(run.asynchronous, run.engine_rows, run.environment, run.decode_model_shards)
     n_rollout = run.asynchronous.rollout_devices
     several = joins_processes()  # devices unknown until they join: checked by the meshes then
     if not several:  # (refused before anything loads)
