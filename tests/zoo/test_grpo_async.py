@@ -120,7 +120,9 @@ def test_rollouts_with_k_0_wait_for_each_update(warmed_up, tmp_path):  # noqa: F
 
 # The SIGKILL phase runs with REDCO_SLOW_TESTS=1: a kill at a random moment of the last round
 # and the resume from the checkpoint before it are the synchronous loop's, killed in CI by
-# test_grpo.py's test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_same_bits.
+# test_grpo.py's test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_same_bits; an
+# asynchronous run SIGKILLed after a checkpoint holding a rollout in flight resumes to the same
+# bits in CI on 2 processes (tests/multihost/test_grpo_async_processes.py).
 KILLED = os.environ.get("REDCO_SLOW_TESTS") == "1"
 
 
