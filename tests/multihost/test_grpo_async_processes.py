@@ -1,17 +1,24 @@
-"""Asynchronous GRPO (``--rollout_devices 2 --max_off_policy_steps 1``) on 2 processes of 4
+"""Asynchronous GRPO (``--rollout_devices N --max_off_policy_steps 1``) on 2 processes of 4
 devices (``zoo_loop_worker.py``'s ``async_grpo``, on ``test_grpo_processes``' task): each process
-gives its last device to the rollout mesh and trains on its other 3; the rollouts run on the main
-thread while the update runs (from a thread of their own they hang in collectives).
+gives its last N / 2 devices to the rollout mesh and trains on the others; the rollouts run on
+the main thread while the update runs (from a thread of their own they hang in collectives).
 
+* ``--rollout_devices auto`` on 2 processes plans once they joined, among the multiples of 2,
+  and picks the N of least estimated round (the rule on one process: ``tests/zoo/
+  test_grpo_split.py``).
 * It samples the same rollouts and ends at the same params as 1 process with 8 devices and the
-  same split (its last 2 devices sampling).
-* Process 1 SIGTERMs itself in round 1 (of 2): both processes save step 4, round 2's rollout
-  in flight kept in the checkpoint, and exit 143; the rerun ends with the bits of the run never
-  stopped. (A kill at a random moment of an asynchronous run and its rerun on one process:
-  ``tests/zoo/test_grpo_async.py``; a 2-process GRPO run killed: ``test_zoo_loops_processes``.)
+  same split (its last N devices sampling).
+* Process 1 SIGTERMs itself in round 1 (of 3): both processes save round 1's step, round 2's
+  rollout in flight kept in the checkpoint, and exit 143; the rerun (given the planned N as a
+  number) has process 0 SIGKILLed in round 3, once round 2's step checkpoint (written in the
+  background, round 3's rollout in flight in it) is in place; the next rerun ends with the bits
+  of the ``auto`` run never stopped. (A kill at a random moment of an asynchronous run on one
+  process: ``tests/zoo/test_grpo_async.py``; a 2-process GRPO run killed during a background
+  write: ``test_zoo_loops_processes``.)
 """
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import namedtuple
@@ -28,21 +35,26 @@ from kill_anywhere import assert_same_arrays, newest_step_arrays  # noqa: E402, 
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo_loop_worker.py")
 SIGTERM_AT = 2  # the reward function's 2nd call: round 1's rollouts
+SIGKILL_AT = 2  # of the run resumed after round 1: round 3's rollouts (after round 2's save)
+PICK = r"planned {}: --rollout_devices (\d+), --decode_model_shards 1"
 
 
-def grpo_async(root, workdir, n_devices: int) -> list[str]:
-    """``test_grpo_processes.grpo`` with 2 rollout devices, one round ahead: the trainer's 6
-    devices split dp 3 x mp 2, so 6 prompts a round (48 samples, 2 minibatches of 24); 2 rounds,
-    no reference (the KL term on 2 processes: ``test_grpo_processes``), so the two scoring
-    passes are one compiled program."""
-    return grpo(root, workdir, n_devices) + ["--rollout_devices", "2", "--max_off_policy_steps",
-                                             "1", "--prompts_per_round", "6", "--n_rounds", "2",
-                                             "--beta", "0"]
+def grpo_async(root, workdir, n_devices: int, rollout: str = "auto") -> list[str]:
+    """``test_grpo_processes.grpo`` with ``rollout`` devices (``auto``: planned on 1 GB a
+    device, decode layout 1), one round ahead, 6 prompts a round (48 samples: minibatches of
+    8 x the trainer's dp), 3 rounds, no reference (the KL term on 2 processes:
+    ``test_grpo_processes``), so the two scoring passes are one compiled program."""
+    planned = ["--device_memory", "1GB"] if rollout == "auto" else []
+    return grpo(root, workdir, n_devices) + [
+        "--rollout_devices", rollout, *planned, "--decode_model_shards", "1",
+        "--max_off_policy_steps", "1", "--prompts_per_round", "6", "--n_rounds", "3",
+        "--beta", "0"]
 
 
-def on_two(workdir, *options: str) -> tuple[list, str]:
+def on_two(workdir, *options: str, victim: int | None = None) -> tuple[list, str]:
     return run_processes(lambda i, port: [sys.executable, WORKER, "async_grpo", str(i), str(port),
-                                          str(workdir), *options], str(workdir), timeout_s=300)
+                                          str(workdir), *options], str(workdir), victim=victim,
+                         timeout_s=300)
 
 
 def log(workdir) -> str:
@@ -54,35 +66,66 @@ def saved(workdir, process: int) -> list[int]:
     return [int(line) for line in open(path)] if path.exists() else []
 
 
+def updates_a_round(n: int) -> int:
+    """Round updates with ``n`` rollout devices: 2 epochs of 48 samples in minibatches of 8
+    x dp, dp = (8 - n) / 2 (2 model shards)."""
+    return 2 * 48 // (8 * (8 - n) // 2)
+
+
 @pytest.fixture(scope="module")
 def runs(grpo_two_processes):
-    """In the task's folder: ``one`` (1 process, 8 devices), ``two`` (2 processes, never
-    stopped), ``cut`` (2 processes: SIGTERM'd, then rerun); the exit statuses and logs of the
-    last two's runs (the SIGTERM'd one's with the checkpoints announced to each process)."""
+    """In the task's folder: ``two`` (2 processes, ``auto``, never stopped), then given its
+    pick ``n``: ``one`` (1 process, 8 devices) and ``cut`` (2 processes: SIGTERM'd, rerun and
+    SIGKILLed, rerun); exit statuses and logs of each run of ``cut`` (the SIGTERM'd one's with
+    the checkpoints announced to each process)."""
     root = grpo_two_processes
-    one = subprocess.run(grpo_async(root, root / "async_one", 8), capture_output=True, text=True,
-                         env=worker_env(XLA_FLAGS=simulated_devices(8)), timeout=600)
-    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     out = SimpleNamespace(one=root / "async_one", two=root / "async_two", cut=root / "async_cut")
-    out.whole = on_two(out.two)
-    out.stopped = (*on_two(out.cut, "--sigterm", str(SIGTERM_AT)),
+    out.whole = on_two(out.two, "--rollout_devices", "auto")
+    picked = re.search(PICK.format("once the 2 processes joined"), log(out.two))
+    assert picked, (out.whole, log(out.two)[:3000])
+    out.n = int(picked.group(1))
+    one = subprocess.run(grpo_async(root, out.one, 8, str(out.n)), capture_output=True,
+                         text=True, env=worker_env(XLA_FLAGS=simulated_devices(8)), timeout=600)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    given = ("--rollout_devices", str(out.n))
+    out.stopped = (*on_two(out.cut, *given, "--sigterm", str(SIGTERM_AT)),
                    saved(out.cut, 0), saved(out.cut, 1))
-    out.rerun = on_two(out.cut)
+    out.killed = on_two(out.cut, *given, "--sigkill", str(SIGKILL_AT), victim=0)
+    out.rerun = on_two(out.cut, *given)
     return out
 
 
-def test_async_grpo_on_two_processes_samples_and_trains_like_one(runs):
-    """The rollout mesh: process 0's and 1's last device (one process: its last 2); the same
-    rewards and completions a round, one update behind in round 2, the same TIS ratios and params;
-    the rollouts on the main thread while the updates run (``timeline.jsonl``)."""
+def candidates(text: str) -> dict[int, float | None]:
+    """The planner's table in a log: each N's estimated round in seconds (None: no fit)."""
+    rows = {}
+    for line in text.splitlines():
+        if re.match(r"\s+\d+ ", line) and ("fits" in line or "over" in line or "not" in line):
+            words = line.replace("<- pick", "").split()
+            rows[int(words[0])] = None if words[-1] == "-" else \
+                float(words[-2]) * (1e-3 if words[-1] == "ms" else 1)
+    return rows
+
+
+def test_auto_on_two_processes_picks_the_least_round_and_trains_like_one_process(runs):
+    """``auto`` on 2 processes: the candidates 2, 4, 6 (multiples of the processes), the one
+    of least estimated round picked, and why; the rollout mesh each process's last N / 2
+    devices (one process given N: its last N); the same rewards and completions a round, one
+    update behind after round 1, the same TIS ratios and params; the rollouts on the main
+    thread while the updates run."""
     codes, logs = runs.whole
     assert codes == [0, 0], logs
-    assert "processes: 2, mesh: {'dp': 3, 'mp': 2}" in log(runs.two), log(runs.two)[:2000]
-    assert "rollouts on devices [(0, 3), (1, 3)]" in log(runs.two), log(runs.two)[:2000]
-    assert "rollouts on devices [(0, 6), (0, 7)]" in log(runs.one), log(runs.one)[:2000]
+    n, text = runs.n, log(runs.two)
+    rounds = candidates(text)
+    assert sorted(rounds) == [2, 4, 6] and rounds[n] is not None, text[:3000]
+    assert rounds[n] == min(r for r in rounds.values() if r is not None), text[:3000]
+    assert "of the multiples of the 2 processes: each gives N / 2" in text, text[:3000]
+    assert f"processes: 2, mesh: {{'dp': {(8 - n) // 2}, 'mp': 2}}" in text, text[:3000]
+    mine = range(4 - n // 2, 4)
+    assert f"rollouts on devices {[(p, i) for p in (0, 1) for i in mine]}" in text, text[:3000]
+    assert f"rollouts on devices {[(0, i) for i in range(8 - n, 8)]}" in log(runs.one)
     (one, one_params), (two, two_params) = (rollouts_and_params(w) for w in (runs.one, runs.two))
-    assert [r["rollout/policy_lag"] for r in two] == [0, 1], two
-    assert 0 < one[0]["rollout/reward"] < 1 and len(one) == 2
+    assert [r["rollout/policy_lag"] for r in two] == [0, 1, 1], two
+    assert 0 < one[0]["rollout/reward"] < 1 and len(one) == 3
     for a, b in zip(one, two):
         for key in ("reward", "completion_tokens", "policy_version"):
             assert a[f"rollout/{key}"] == b[f"rollout/{key}"], (key, a, b)
@@ -94,43 +137,53 @@ def test_async_grpo_on_two_processes_samples_and_trains_like_one(runs):
 
 def assert_rollouts_ran_on_the_main_thread_during_the_updates(workdir) -> None:
     """``timeline.jsonl``: every rollout on the main thread (so every process dispatches the
-    same programs in the same order); round 2's dispatched before round 1's update and run
+    same programs in the same order); each next round's dispatched before the update and run
     after it was dispatched, before it was waited for."""
     rows = [json.loads(line) for line in open(workdir / "timeline.jsonl")]
-    assert [row["round"] for row in rows] == [1, 2], rows
+    assert [row["round"] for row in rows] == [1, 2, 3], rows
     assert {row["rollout_thread"] for row in rows} == {"MainThread"}, rows
     for before, after in zip(rows, rows[1:]):
         assert after["rollout_dispatch"] <= before["update_dispatch"] <= after["rollout_start"]
         assert after["rollout_ready"] <= before["update_ready"], (before, after)
 
 
-def test_async_grpo_on_two_processes_stopped_by_sigterm_reruns_to_the_same_bits(runs):
-    """SIGTERM to process 1 in round 1: both save step 4 and exit 143; the rerun resumes there
-    (round 2's rollout from the checkpoint) and ends with the step checkpoint, rollout metrics
-    and model of the run never stopped, bit for bit."""
+def test_async_grpo_on_two_processes_stopped_by_sigterm_then_killed_reruns_to_the_same_bits(
+        runs):
+    """SIGTERM to process 1 in round 1: both save round 1's step and exit 143; the rerun
+    resumes there (round 2's rollout from the checkpoint) and is SIGKILLed in round 3 once
+    round 2's background checkpoint is in place; the next rerun resumes from that (round 3's
+    rollout from it) and ends with the step checkpoint, rollout metrics and model of the
+    ``auto`` run never stopped, bit for bit."""
     from safetensors.numpy import load_file
+    per_round = updates_a_round(runs.n)
     codes, logs, saved_0, saved_1 = runs.stopped
     assert codes == [143, 143], logs
-    assert saved_0 == saved_1 == [4], logs
-    assert "Stopped by SIGTERM after step 4:" in log(runs.cut), log(runs.cut)[-2000:]
+    assert saved_0 == saved_1 == [per_round], logs
+    assert f"Stopped by SIGTERM after step {per_round}:" in log(runs.cut), log(runs.cut)[-2000:]
+    codes, logs = runs.killed
+    assert codes == [-9, -9] and f"SIGKILL at point {SIGKILL_AT}" in logs, logs
     codes, logs = runs.rerun
     assert codes == [0, 0], logs
-    assert log(runs.cut).count("Resumed from") == 1 and "step_4 (step 4)" in log(runs.cut)
+    resumed = re.findall(r"Resumed from .*step_(\d+) \(step", log(runs.cut))
+    assert resumed == [str(per_round), str(2 * per_round)], log(runs.cut)[-3000:]
     assert_same_arrays(newest_step_arrays(str(runs.cut)), newest_step_arrays(str(runs.two)))
     timings = ("rollout/seconds", "rollout/update_seconds", "rollout/tokens_per_s")
     rows = [[{k: v for k, v in row.items() if k not in timings} for row in
              rollouts_and_params(w)[0]] for w in (runs.cut, runs.two)]
-    assert rows[0] == rows[1] and len(rows[0]) == 2
+    assert rows[0] == rows[1] and len(rows[0]) == 3
     assert_same_arrays(*(load_file(w / "model" / "model.safetensors") for w in (runs.cut, runs.two)))
 
 
 def test_processes_split_their_devices_alike_and_bad_counts_are_refused(monkeypatch):
     """With 2 processes of 4 devices, ``--rollout_devices 4`` takes each process's last 2 and
     the trainer the first 2 of each; a count that is no multiple of the processes, or leaves a
-    process nothing to train on, is refused naming the range; a trainer over every device too."""
+    process nothing to train on, is refused naming the range; a trainer over every device too.
+    ``auto``'s candidates: the counts a number may give."""
     from redco.deployer import mesh_devices
     from redco.protocols import UsageError
     from redco_zoo_grpo.async_rollouts import rollout_devices
+    from redco_zoo_grpo.rollout_split import split_counts
+    assert split_counts(8, 2) == [2, 4, 6] and split_counts(8) == [1, 2, 3, 4, 5, 6, 7]
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     device = namedtuple("Device", "process_index name")
     devices = [device(p, f"{p}.{i}") for p in (0, 1) for i in range(4)]
@@ -145,16 +198,3 @@ def test_processes_split_their_devices_alike_and_bad_counts_are_refused(monkeypa
         rollout_devices(2, devices, devices=devices)
     with pytest.raises(ValueError, match=r"picked \[3, 2\] devices"):
         mesh_devices(devices[1:6])
-
-
-def test_auto_split_with_several_processes_is_refused_before_anything_loads(clean_env, capsys):
-    """``--rollout_devices auto`` plans on one process's devices: under a launcher of several
-    processes (``REDCO_N_PROCESSES=2``) it is refused naming the fix, before any device is asked
-    for (that would keep the processes from joining) or anything loads."""
-    from redco.cli import main
-    clean_env.setenv("REDCO_N_PROCESSES", "2")
-    with pytest.raises(SystemExit) as stop:
-        main(["zoo", "run", "grpo", "--model", "missing", "--train", "missing.jsonl",
-              "--rollout_devices", "auto", "--max_off_policy_steps", "1"])
-    assert stop.value.code == 2
-    assert "with several processes give a number" in capsys.readouterr().err

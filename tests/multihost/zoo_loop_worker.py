@@ -1,5 +1,6 @@
 """One of 2 processes running a zoo loop on 127.0.0.1, for ``test_zoo_loops_processes.py``:
-``zoo_loop_worker.py LOOP[,LOOP...] PROCESS_ID PORT WORKDIR [--sigterm N] [--sigkill N] [--held N]``
+``zoo_loop_worker.py LOOP[,LOOP...] PROCESS_ID PORT WORKDIR [--sigterm N] [--sigkill N] [--held N]
+[--rollout_devices N|auto]``
 (several loops: one after the other in the same processes, each in ``WORKDIR/LOOP``).
 
 LOOP is ``fedavg``, ``maml``, ``ppo``, ``grpo`` or ``async_grpo``, each the zoo's own code
@@ -19,7 +20,8 @@ PPO every iteration (4 of 16 updates, one compiled call each); and at the end.
   says so: the notice takes up to a second, in which a short run could end).
 * ``--sigkill N``: process 0 (the coordinator) dies by SIGKILL at the N-th point of this run
   (the same kinds of points; the test picks the first after a boundary that saved, whose write
-  then runs in the background).
+  then runs in the background; async GRPO waits there for that write to be in place).
+* ``--rollout_devices`` (async GRPO): its ``--rollout_devices`` (default 2).
 * ``--held N`` (GRPO): process 0 holds its background write of ``step_N`` and dies by SIGKILL
   at the end of update N + 1 (``bg_ckpt_worker.py``'s ``held:N``).
 
@@ -189,21 +191,30 @@ def grpo(workdir: str, points: Points):
 
 
 def async_grpo(workdir: str, points: Points):
-    """``redco zoo run grpo`` of ``test_grpo_async_processes.py`` (asynchronous, 2 rounds of 4
-    updates, a step checkpoint every round); a point at each call of the reward function (1: the
-    greedy evaluation before round 1, 2: round 1's rollouts, 3: round 2's, ...)."""
+    """``redco zoo run grpo`` of ``test_grpo_async_processes.py`` (asynchronous, 3 rounds, a
+    step checkpoint every round, ``--rollout_devices points.rollout``); a point at each call of
+    the reward function (a run from scratch: 1 the greedy evaluation before round 1, 2 round
+    1's rollouts, 3 round 2's, ...; a resumed run: 1 the next round's rollouts, ...).
+    ``--sigkill``'s point waits for this run's first step checkpoint to be in place (written
+    in the background: process 0 renames it once both wrote their parts), then process 0 dies."""
     from test_grpo_async_processes import grpo_async
 
+    from redco import checkpointing
     from redco.cli import main as redco_main
     from redco_zoo_grpo import rewards
     regex_match = rewards.BUILT_IN["regex_match"]
+    ckpts = os.path.join(workdir, "ckpts")
+    before = checkpointing.step_ckpts(ckpts)
 
     def counted(*args, **kwargs):
+        if points.sigkill == points.n + 1:
+            wait_until(lambda: checkpointing.step_ckpts(ckpts) != before,
+                       "this run's first step checkpoint is in place", 120)
         points.reached()
         points.settle()
         return regex_match(*args, **kwargs)
     rewards.BUILT_IN["regex_match"] = counted
-    redco_main(grpo_async(pathlib.Path(workdir).parent, workdir, 8)[3:])
+    redco_main(grpo_async(pathlib.Path(workdir).parent, workdir, 8, points.rollout)[3:])
 
 
 LOOPS = {"fedavg": fedavg, "grpo": grpo, "async_grpo": async_grpo, "maml": maml, "ppo": ppo}
@@ -217,6 +228,7 @@ def run(loop: str, workdir: str, args: argparse.Namespace) -> None:
     jax.config.update("jax_default_matmul_precision",
                       None if loop.endswith("grpo") else "highest")
     points = Points(workdir, args.process_id, args.sigterm, args.sigkill, args.held)
+    points.rollout = args.rollout_devices
     redco.plugins.pm.register(points)
     try:
         result = LOOPS[loop](workdir, points)
@@ -237,6 +249,7 @@ def main() -> None:
     parser.add_argument("--sigterm", type=int)
     parser.add_argument("--sigkill", type=int)
     parser.add_argument("--held", type=int)
+    parser.add_argument("--rollout_devices", default="2", help="async_grpo's")
     args = parser.parse_args()
     os.environ.update(REDCO_N_PROCESSES="2", REDCO_HOST0_ADDRESS="127.0.0.1",
                       REDCO_HOST0_PORT=str(args.port), REDCO_PROCESS_ID=str(args.process_id))

@@ -245,10 +245,11 @@ def test_a_rollouts_samples_count_their_completion_up_to_its_first_eos(warmed_up
     assert grpo.scorer._pred_step._cache_size() == 1
 
 
-def a_dapo_grpo(warmed_up, tmp_path):
+def a_dapo_grpo(warmed_up, tmp_path, asynchronous=None):
     """A GRPO loop over the warmed-up model (no updates) and the first 8 prompts, every other
     marked "dead": its reward 1 for every completion (no signal), the others' alternate 0, 1
-    within each group (signal)."""
+    within each group (signal). With ``asynchronous`` (an ``AsyncConfig``): on the engine,
+    its rollouts on the devices that leaves (``test_grpo_async.py``)."""
     import optax
 
     from redco import Deployer, Trainer
@@ -264,12 +265,16 @@ def a_dapo_grpo(warmed_up, tmp_path):
     (prompts, rows), _ = prompt_examples(tokenizer, (rows, rows[:1]), "prompt", 16)
     def reward(prompts, completions, dead, **_):
         return [1.0 if d else float(i % 2) for i, d in enumerate(dead)]
-    deployer = Deployer(jax_seed=0, workdir=str(tmp_path), verbose=False)
+    from redco_zoo_grpo.async_rollouts import training_devices
+    split = {} if asynchronous is None else dict(
+        engine_rows=16, decode_model_shards=1, asynchronous=asynchronous)
+    deployer = Deployer(jax_seed=0, workdir=str(tmp_path), verbose=False, devices=None if
+                        asynchronous is None else training_devices(asynchronous.rollout_devices))
     apply_fn, params = split_model(model)
     trainer = Trainer(deployer, collate_fn, apply_fn, loss_fn, params, optax.sgd(0.0))
     grpo = GRPO(trainer, model, tokenizer, pred_fn, reward,
                 GRPOConfig(loss_type="dapo", n_samples=4, max_new_tokens=2),
-                per_device_batch_size=2)
+                per_device_batch_size=2, **split)
     grpo.decide_layout(prompts, 0)
     return grpo, prompts, rows
 

@@ -3,7 +3,9 @@ are Yao et al.'s formula written out in numpy; with ``--rollout_devices 4
 --max_off_policy_steps 1`` the trainer gets 4 devices and the engine the other 4, each round's
 samples were drawn by params exactly one update old (after the first), the next round's rollout
 is dispatched before the update and runs while it does; a run stopped by SIGTERM, then SIGKILLed,
-resumes to the bits of one never stopped; bad flags are refused before anything loads;
+resumes to the bits of one never stopped; DAPO's dynamic sampling draws its extra prompts on
+the rollout mesh and keeps the groups the synchronous rule keeps; bad flags are refused before
+anything loads;
 ``--rollout_devices auto`` (``rollout_split.py``; its picks: ``test_grpo_split.py``) is refused
 before loading where no split fits and otherwise trains on the split it logged."""
 import json
@@ -16,6 +18,7 @@ import pytest
 from test_grpo import (  # noqa: F401 (warmed_up: the SFT'd model, a fixture)
     GRPO_FLAGS,
     STOPPING_REWARD,
+    a_dapo_grpo,
     assert_same_run,
     cli_cmd,
     grpo_args,
@@ -29,7 +32,7 @@ from test_grpo import (  # noqa: F401 (warmed_up: the SFT'd model, a fixture)
 )
 
 from redco.cli import main
-from redco_zoo_grpo.async_rollouts import is_weights
+from redco_zoo_grpo.async_rollouts import AsyncConfig, is_weights
 from redco_zoo_grpo.loss import average, token_losses
 
 
@@ -117,7 +120,9 @@ def test_rollouts_with_k_0_wait_for_each_update(warmed_up, tmp_path):  # noqa: F
 
 # The SIGKILL phase runs with REDCO_SLOW_TESTS=1: a kill at a random moment of the last round
 # and the resume from the checkpoint before it are the synchronous loop's, killed in CI by
-# test_grpo.py's test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_same_bits.
+# test_grpo.py's test_a_grpo_run_stopped_by_sigterm_or_killed_resumes_to_the_same_bits; an
+# asynchronous run SIGKILLed after a checkpoint holding a rollout in flight resumes to the same
+# bits in CI on 2 processes (tests/multihost/test_grpo_async_processes.py).
 KILLED = os.environ.get("REDCO_SLOW_TESTS") == "1"
 
 
@@ -194,11 +199,38 @@ def test_auto_refuses_before_loading_and_runs_grpo_on_the_split_it_picked(
     assert [r["rollout/policy_lag"] for r in rows if "rollout/policy_lag" in r] == [0, 1]
 
 
+def test_dynamic_sampling_draws_more_on_the_rollout_mesh_by_dapos_rule(warmed_up, tmp_path):  # noqa: F811
+    """DAPO's dynamic sampling with rollouts on 4 devices of their own (``a_dapo_grpo``'s
+    prompts and rewards): the round's first draw dispatched ahead on version 0 has 1 group
+    with signal, so 4 more prompts are drawn then, on the rollout mesh, on the version
+    published last (1); the round trains exactly the synchronous rule's groups (``test_grpo``'s
+    ``test_dapos_dynamic_sampling_...``: prompts 1, 4, 5, 7), each sample with its own version
+    and the TIS weight of its own rollout log-probabilities (the formula)."""
+    grpo, prompts, rows = a_dapo_grpo(warmed_up, tmp_path, AsyncConfig(4, 1))
+    engine = grpo.engine
+    engine.publish(grpo.trainer.state.params, 0)
+    engine.feed(lambda: [0, 1, 2, 3], lambda picked: [prompts[i] for i in picked], 1)
+    engine.ahead(1)  # round 1's first draw, on version 0
+    engine.publish(grpo.trainer.state.params, 1)  # (the same params, a newer version)
+    more = iter([(prompts[4:], rows[4:])])
+    samples, metrics = grpo.rollout(prompts[:4], rows[:4], "prompt", 1, lambda: next(more))
+    trained = [int(np.flatnonzero([(s["prompt_ids"] == p["prompt_ids"]).all()
+                                   for p in prompts])[0]) for s in samples[::4]]
+    assert trained == [1, 4, 5, 7] and all(s["advantage"] != 0 for s in samples)
+    assert (metrics["prompts_drawn"], metrics["groups_dropped"]) == (8, 4)
+    assert [int(s["policy_version"]) for s in samples[::4]] == [0, 1, 1, 1]
+    assert (metrics["policy_version"], metrics["policy_lag"]) == (0, 0)
+    for s in samples:
+        ratio = np.exp(s["old_logps"].astype(np.float64) - s["rollout_logps"])
+        np.testing.assert_allclose(s["is_weight"], np.where(
+            s["completion_mask"], np.minimum(ratio, 2.0), 1.0), rtol=1e-6)
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--rollout_devices", "8"], "--rollout_devices 8: of the 8 devices, give 1 to 7"),
     (["--max_off_policy_steps", "1"], "give --rollout_devices N too"),
     (["--rollout_devices", "2", "--engine_rows", "0"], "does not run with --engine_rows 0"),
-    (["--rollout_devices", "2", "--loss", "dapo"], "does not run with dynamic sampling"),
+    (["--rollout_devices", "2", "--environment", "calculator"], "does not run with --environment"),
     (["--rollout_devices", "2", "--is_cap", "0.5"], "--is_cap 0.5: the TIS weights"),
 ])
 def test_bad_async_flags_are_refused_before_anything_loads(tmp_path, capsys, flags, says):

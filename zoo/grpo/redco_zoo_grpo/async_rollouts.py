@@ -35,6 +35,12 @@ the truncation bounding the variance a stale or mismatched sample can add. Its m
 before truncation, and the share truncated, are logged each round (``rollout/is_ratio_*``).
 Each sample carries its ``policy_version`` and ``rollout_logps``.
 
+**Dynamic sampling** (DAPO's): a round's extra draws depend on its first draw's rewards, so
+they cannot be dispatched ahead; they run on the rollout mesh when the round asks for them, on
+the params published last (each sample keeps its own version: the extra draws' are newer than
+the round's first draw's, their TIS weights computed alike), and take the prompts after those
+already taken for the rounds dispatched ahead.
+
 **Resume.** The in-flight rollouts cannot be regenerated from a step checkpoint: they were
 drawn by params older than the checkpointed ones. So ``state_dict`` runs them and keeps
 their tokens, log-probabilities, versions and prompt indices in the checkpoint's loop state;
@@ -219,24 +225,28 @@ class AsyncRollouts(EngineRollouts):
                                                          False, self.times.get(r))
 
     def sample(self, prompts: list[dict], round_: int, greedy: bool):
-        """Round ``round_``'s rollouts, dispatched ahead; greedy ones (the evaluations) on
-        the params published last, after the rollouts dispatched before them."""
+        """Round ``round_``'s rollouts, dispatched ahead; greedy ones (the evaluations), and
+        dynamic sampling's extra draws (a ``round_`` never dispatched: ``rollout.DRAW_STRIDE``),
+        now, on the params published last, after the rollouts dispatched before them.
+        ``current_version``: the version the rollouts handed out were drawn by."""
         self.run_dispatched()
-        if greedy:
-            return self._generate(self.params, prompts, round_, True)
+        if greedy or round_ not in self.pending:
+            self.current_version = self.version
+            return self._generate(self.params, prompts, round_, greedy)
         p = self.pending.pop(round_)
         self.current_version = p["version"]
         return p["tokens"], p["logps"]
 
     def correct(self, samples: list[dict], old: np.ndarray, rollout_logps: np.ndarray,
-                counted: np.ndarray, round_: int, cap: float) -> dict:
-        """Round ``round_``'s samples (the last ``sample`` handed out) get their policy version,
-        rollout log-probs and TIS weights; returns the weights' metrics and the policy lag."""
-        version = self.current_version
+                counted: np.ndarray, round_: int, cap: float, versions: np.ndarray) -> dict:
+        """Round ``round_``'s samples get their policy version (``versions``: each one's),
+        rollout log-probs and TIS weights; returns the weights' metrics and the oldest
+        sample's version and lag (a dynamic sampling's extra draw is newer)."""
         weights, metrics = is_weights(old, rollout_logps, counted, cap)
-        for sample, logps, weight in zip(samples, rollout_logps, weights):
+        for sample, logps, weight, version in zip(samples, rollout_logps, weights, versions):
             sample.update(rollout_logps=logps, is_weight=weight,
                           policy_version=np.int32(version))
+        version = int(versions.min())
         return dict(metrics, policy_version=version, policy_lag=round_ - 1 - version)
 
     def updated(self, round_: int, dispatched: float, params) -> None:
@@ -265,8 +275,8 @@ class AsyncRollouts(EngineRollouts):
                         for r, p in state.items()}
 
 
-def check_async(config: AsyncConfig, engine_rows: int, dynamic_sampling: bool,
-                environment: str | None, decode_model_shards) -> None:
+def check_async(config: AsyncConfig, engine_rows: int, environment: str | None,
+                decode_model_shards) -> None:
     """Refuse what asynchronous rollouts cannot run with, naming the flag to change."""
     rollout_devices_, k = config.rollout_devices, config.max_off_policy_steps
     if config.is_cap < 1:
@@ -280,8 +290,6 @@ def check_async(config: AsyncConfig, engine_rows: int, dynamic_sampling: bool,
                              "their own: give --rollout_devices N too.")
         return
     for bad, why in ((not engine_rows, "--engine_rows 0 (the rollout mesh runs the engine)"),
-                     (dynamic_sampling, "dynamic sampling (its extra draws depend on the "
-                      "round's rewards; give --no_dynamic_sampling)"),
                      (environment, "--environment (multi-turn rollouts sample on the "
                       "training devices)"),
                      (decode_model_shards is None, "--decode_model_shards train")):

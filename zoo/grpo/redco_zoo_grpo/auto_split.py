@@ -1,7 +1,10 @@
 """``--rollout_devices auto`` in a run and in ``redco plan``: the abstract model and the round's
 shape from the run's settings, handed to ``rollout_split.plan_split``; the run then uses the
 pick as plain settings (``rollout_devices``, ``decode_model_shards``). Planned once, after the
-prompts are rendered (their width is the round's) and before the model's weights are read."""
+prompts are rendered (their width is the round's) and before the model's weights are read; with
+several processes, whose devices are known only once they joined, when the trainer's
+``Deployer`` joins them (``AfterJoin``): N then a multiple of the processes, process 0's pick
+taken by all."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +14,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from redco.lora import trainable_mask
@@ -55,9 +59,11 @@ def memory_of(device_memory: str | None) -> int:
     return int(limit)
 
 
-def planned(config, prompt_len: int, loss_fn: Callable, log=print, speed: Speed = Speed()):
-    """``config`` (a ``RunConfig[GRPORun]``) with the split chosen in place of ``auto`` (as
-    given where it names a number); ``log`` gets the candidates' table, the pick and why."""
+def planned(config, prompt_len: int, loss_fn: Callable, log=print, speed: Speed = Speed(),
+            devices: list | None = None):
+    """``config`` (a ``RunConfig[GRPORun]``) with the split of ``devices`` (default: all)
+    chosen in place of ``auto`` (as given where it names a number); ``log`` gets the
+    candidates' table, the pick and why."""
     run = config.task
     if run.asynchronous.rollout_devices != "auto":
         return config
@@ -72,16 +78,55 @@ def planned(config, prompt_len: int, loss_fn: Callable, log=print, speed: Speed 
                                                 **run.algorithm.loss_kwargs()),
                        round_shape(config, prompt_len), memory_of(config.layout.device_memory),
                        run.asynchronous.max_off_policy_steps, run.decode_model_shards, speed,
-                       trainable, log=lambda line: log("  " + line))
+                       trainable, log=lambda line: log("  " + line), devices=devices)
     log(describe(split))
+    return with_split(config, split.rollout_devices, split.decode_model_shards)
+
+
+def with_split(config, rollout_devices: int, decode_model_shards: int):
+    """``config`` with the split in place of ``auto``."""
+    run = config.task
     return dataclasses.replace(config, task=dataclasses.replace(
-        run, decode_model_shards=split.decode_model_shards,
-        asynchronous=dataclasses.replace(run.asynchronous,
-                                         rollout_devices=split.rollout_devices)))
+        run, decode_model_shards=decode_model_shards,
+        asynchronous=dataclasses.replace(run.asynchronous, rollout_devices=rollout_devices)))
+
+
+PLAN_TIMEOUT_MS = 3_600_000  # how long the other processes wait for process 0's planning
+
+
+class AfterJoin:
+    """``Deployer(devices=)`` for ``--rollout_devices auto`` with several processes: once the
+    processes joined (the model's weights read by then), process 0 ``planned`` the split of
+    every device of the run, the others waiting at the coordination service (no device
+    collective held while it compiles), then all take its pick (a broadcast); returns the
+    training devices. ``config`` then holds the pick, ``said`` the lines to log."""
+
+    def __init__(self, config, prompt_len: int, loss_fn: Callable, speed: Speed = Speed()):
+        self.config, self.prompt_len, self.loss_fn, self.speed = config, prompt_len, loss_fn, speed
+        self.said: list[str] = []
+
+    def __call__(self, devices: list) -> list:
+        from jax.experimental import multihost_utils
+
+        from redco import _private
+        from redco_zoo_grpo.async_rollouts import rollout_devices
+        first = jax.process_index() == 0
+        if first:
+            self.config = planned(self.config, self.prompt_len, self.loss_fn, self.said.append,
+                                  self.speed, devices)
+        _private.wait_at_barrier(_private.coordination_client(), "redco-grpo/rollout-split",
+                                 PLAN_TIMEOUT_MS)
+        run = self.config.task
+        pick = [run.asynchronous.rollout_devices, run.decode_model_shards] if first else [0, 0]
+        n, mp = (int(x) for x in multihost_utils.broadcast_one_to_all(np.array(pick, np.int32)))
+        self.config = with_split(self.config, n, mp)
+        return rollout_devices(n, devices=devices)[0]
 
 
 def describe(split: Split) -> str:
-    return (f"planned before loading: --rollout_devices {split.rollout_devices}, "
+    when = "before loading" if split.processes == 1 else \
+        f"once the {split.processes} processes joined"
+    return (f"planned {when}: --rollout_devices {split.rollout_devices}, "
             f"--decode_model_shards {split.decode_model_shards} (estimated from compiled "
             f"FLOPs and bytes: rollout_split.py)\nwhy: {split.reason()}")
 

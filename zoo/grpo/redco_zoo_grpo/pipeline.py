@@ -20,7 +20,8 @@ messages hold image parts run on a LLaVA model, each prompt with its images
 (``image_prompts.py``).
 ``--rollout_devices N`` samples on the last N devices (with P processes the last N / P of
 each), ahead of the updates (``async_rollouts.py``); ``auto`` plans N from the compiled
-rollout and update before the model is loaded (``auto_split.py``, ``rollout_split.py``).
+rollout and update before the model is loaded (``auto_split.py``, ``rollout_split.py``; with
+several processes once they joined, N a multiple of them).
 """
 from __future__ import annotations
 
@@ -274,6 +275,18 @@ def load_prompts(config: RunConfig[GRPORun]) -> tuple:
         processor, parts, run.prompt_column, run.max_prompt_len, run.chat_template_kwargs), True)
 
 
+def deployer_of(config: RunConfig[GRPORun], join: auto_split.AfterJoin | None) -> tuple:
+    """The trainer's ``Deployer`` (on the devices the rollouts leave) and ``config``, with
+    ``join``'s split where it plans once the processes joined (logged)."""
+    n = config.task.asynchronous.rollout_devices
+    deployer = runner.deployer_of(config, devices=join or (training_devices(n) if n else None))
+    if join is None:
+        return deployer, config
+    if join.said:  # (process 0's: it planned)
+        deployer.log_info("\n".join(join.said))
+    return deployer, join.config
+
+
 def train(config: RunConfig[GRPORun]) -> list[float]:
     """The whole run; returns the greedy held-out rewards (before, during and after)."""
     check_config(config, "train")
@@ -282,22 +295,23 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
         raise UsageError("--n_model_shards auto: a GRPO run sizes its rounds by the data-parallel "
                          "size before anything trains, so the layout planner cannot pick it yet; "
                          "give a number of devices.")
-    check_decode_degree(run.decode_model_shards)
     algorithm = run.algorithm
-    check_async(run.asynchronous, run.engine_rows, algorithm.dynamic_sampling, run.environment,
-                run.decode_model_shards)
+    check_async(run.asynchronous, run.engine_rows, run.environment, run.decode_model_shards)
     n_rollout = run.asynchronous.rollout_devices
-    several = bool(n_rollout) and joins_processes()  # (devices unknown until they join)
-    if several and n_rollout == "auto":
-        raise UsageError("--rollout_devices auto plans on one process's devices for now: with "
-                         "several processes give a number (a multiple of the processes).")
-    if n_rollout not in (0, "auto") and not several:
-        rollout_devices(n_rollout)  # (refused before anything loads)
+    several = joins_processes()  # devices unknown until they join: checked by the meshes then
+    if not several:  # (refused before anything loads)
+        check_decode_degree(run.decode_model_shards)
+        if n_rollout not in (0, "auto"):
+            rollout_devices(n_rollout)
     make_env = run.environment and load_environment(run.environment)
     check_max_turns(run.max_turns)
     reward_fn = load_reward_fn(run.reward)
     tokenizer, prompts, held_out, images = load_prompts(config)
-    config = auto_split.planned(config, len(prompts[0][0]["prompt_ids"]), loss_fn)
+    # auto: planned here, or with several processes once they joined (auto_split.AfterJoin)
+    join = auto_split.AfterJoin(config, len(prompts[0][0]["prompt_ids"]), loss_fn) \
+        if n_rollout == "auto" and several else None
+    config = config if join else auto_split.planned(config, len(prompts[0][0]["prompt_ids"]),
+                                                    loss_fn)
     run = config.task
     model, _ = runner.load_source(source, seed)
     if images:
@@ -305,8 +319,8 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
     turns_context = algorithm.max_new_tokens if make_env else 0  # a turn's context: the trajectory
     check_context(model, len(prompts[0][0]["prompt_ids"]) + turns_context,
                   algorithm.max_new_tokens)
-    deployer = runner.deployer_of(config, devices=training_devices(
-        run.asynchronous.rollout_devices) if run.asynchronous.rollout_devices else None)
+    deployer, config = deployer_of(config, join)
+    run = config.task
     n_rounds = rounds_of(run, loop, deployer, len(prompts[0]))
     apply_fn, params, trainable = runner.split_for_training(model, config.lora, seed, deployer)
     lr = deployer.get_lr_schedule_fn(n_rounds * run.prompts_per_round * algorithm.n_samples,

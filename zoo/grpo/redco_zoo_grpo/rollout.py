@@ -171,6 +171,8 @@ class GRPO:
         c = self.config
         out = self.completions(self.sampler, prompts, rows, prompt_column,
                                round_ + draw * DRAW_STRIDE, f"round {round_}'s rollouts")
+        if self.asynchronous:  # each sample's policy version (async_rollouts.py)
+            out["versions"] = np.full(len(out["tokens"]), self.engine.current_version)
         shaped = out["rewards"]
         if c.overlong_buffer:
             shaped = shaped + soft_overlong_penalty(out["mask"].sum(1), c.max_new_tokens,
@@ -236,7 +238,7 @@ class GRPO:
             metrics["kl"] = k3(old, np.stack([s["ref_logps"] for s in samples]), mask)
         if self.asynchronous:
             metrics.update(self.engine.correct(samples, old, drawn["logps"], counted, round_,
-                                               self.asynchronous.is_cap))
+                                               self.asynchronous.is_cap, drawn["versions"]))
         return samples, metrics
 
     def clip_fraction(self, samples: list[dict]) -> float:

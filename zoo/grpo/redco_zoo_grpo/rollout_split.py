@@ -36,7 +36,9 @@ trainer mesh cannot be made (``n_model_shards`` not dividing D - N) or whose rou
 split into minibatches (P G a multiple of ``per_device_batch_size x dp``) is no candidate.
 
 **The pick**: the N of least round time where both sides fit, with the decode degree of least
-rollout time at that N. Every N is logged as a row of a table (``Split.table``); where none
+rollout time at that N. With P processes the candidates are the multiples of P (each process
+gives N / P of its devices, its last, as ``--rollout_devices N`` does: ``async_rollouts.py``),
+planned once the processes joined. Every N is logged as a row of a table (``Split.table``); where none
 fits the run is refused before loading, naming the fix.
 """
 from __future__ import annotations
@@ -153,6 +155,7 @@ class Split:
     k: int
     n_devices: int
     candidates: list[Candidate] = field(default_factory=list)
+    processes: int = 1
 
     def table(self) -> str:
         """Each N: its rollout and update estimates, peaks, fits, and the round's time."""
@@ -169,7 +172,10 @@ class Split:
     def reason(self) -> str:
         c = next(c for c in self.candidates if c.n == self.rollout_devices)
         rule = "max(rollout, update)" if self.k else "rollout + update"
-        return (f"N={c.n} of {self.n_devices} devices has the least estimated round ({rule}, "
+        each = "" if self.processes == 1 else (
+            f" (of the multiples of the {self.processes} processes: each gives N / "
+            f"{self.processes} = {c.n // self.processes} of its devices)")
+        return (f"N={c.n} of {self.n_devices} devices{each} has the least estimated round ({rule}, "
                 f"K={self.k}) of the splits where both sides fit: rollout "
                 f"{ms(c.rollout.seconds).strip()} on {c.n} devices (decode mp "
                 f"{c.rollout.degree}), update {ms(c.update.seconds).strip()} on the other "
@@ -225,22 +231,31 @@ def update_side(params, loss: Callable, n_train: int, shape: RoundShape, usable:
     return Side(seconds, layout.peak_bytes, layout.peak_bytes <= usable)
 
 
+def split_counts(n_devices: int, processes: int = 1) -> list[int]:
+    """The rollout device counts tried: ``1 .. D - 1``; with P processes the multiples of P
+    below D (each process gives as many, and keeps one to train on at least)."""
+    return list(range(processes, n_devices - processes + 1, processes))
+
+
 def plan_split(model, params, loss: Callable, shape: RoundShape, device_memory_bytes: int,
                k: int, decode_degree: int | str = "auto", speed: Speed = Speed(),
                trainable=None, headroom: float = 0.1, counts: list[int] | None = None,
-               log: Callable[[str], None] = print) -> Split:
-    """The split of ``jax.devices()`` (module docstring) for a round of ``shape`` of the
-    abstract ``model`` (``params``: its ``split_model`` params; ``loss(params, batch)``: its
-    GRPO loss); ``counts``: the N tried (default every one). Raises ``UsageError`` naming the
-    fix where no N fits."""
-    devices, usable = jax.devices(), int(device_memory_bytes * (1 - headroom))
-    split = Split(0, 0, k, len(devices))
-    for n in counts or range(1, len(devices)):
+               log: Callable[[str], None] = print, devices: list | None = None) -> Split:
+    """The split of ``devices`` (default ``jax.devices()``; module docstring) for a round of
+    ``shape`` of the abstract ``model`` (``params``: its ``split_model`` params;
+    ``loss(params, batch)``: its GRPO loss); ``counts``: the N tried (default
+    ``split_counts``). Raises ``UsageError`` naming the fix where no N fits."""
+    from redco_zoo_grpo.async_rollouts import rollout_devices
+    devices, usable = list(devices or jax.devices()), int(device_memory_bytes * (1 - headroom))
+    processes = len({d.process_index for d in devices})
+    split = Split(0, 0, k, len(devices), processes=processes)
+    for n in counts or split_counts(len(devices), processes):
         update = update_side(params, loss, len(devices) - n, shape, usable, speed, trainable)
         degrees = model_shard_degrees(n) if decode_degree == "auto" else \
             [int(decode_degree)] if n % int(decode_degree) == 0 else []
         rollout = Side(note="not compiled") if update.note and update.seconds is None else \
-            rollout_side(model, params, devices[-n:], shape, usable, speed, degrees) \
+            rollout_side(model, params, rollout_devices(n, devices=devices)[1], shape, usable,
+                         speed, degrees) \
             if degrees else Side(note=f"--decode_model_shards {decode_degree} does not divide {n}")
         split.candidates.append(Candidate(n, rollout, update))
     fitting = [c for c in split.candidates if c.round_seconds(k) is not None]
