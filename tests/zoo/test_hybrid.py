@@ -2,7 +2,7 @@
 levers: stacked layers (``scan_layers``), bf16, LoRA on the Mamba2 output projections under
 tensor parallelism, expert parallelism (under FSDP x TP with full remat), packed rows;
 Nemotron-H's blocks (relu2 MLPs, ungated experts) under the tensor-parallel plan, LoRA and
-quantised experts.
+quantised experts, and its hub config layout (``hybrid_override_pattern``).
 Qwen3-Next's FSDP x TP with full remat: test_families.py; context parallelism:
 test_recurrent_split.py; parity with transformers, generation and the serving engine:
 tests/zoo_parity/."""
@@ -164,3 +164,18 @@ def test_nemotron_hs_blocks_get_the_dataflow_plan_adapters_and_quantised_experts
     apply_fn, params = split_model(model)
     assert not any("gate_proj" in p for p, _ in named_leaves(params))
     assert jax.eval_shape(apply_fn, params, IDS).shape == (*IDS.shape, cfg.vocab_size)
+
+
+def test_nemotron_hs_hub_layout_reads_as_transformers_5s():
+    """A hub config.json of Nemotron-H (``hybrid_override_pattern``, one character a layer, and
+    the older ``mamba_*`` names of the Mamba2 keys) reads as the layout transformers 5 writes
+    (``layers_block_type``): the same layers, experts and Mamba2 shape."""
+    new = dict(TINY_FAMILIES["nemotron-h"], n_groups=2, conv_kernel=4, chunk_size=8)
+    hub = {k: v for k, v in new.items()
+           if k not in ("layers_block_type", "n_groups", "conv_kernel", "chunk_size")}
+    hub.update(hybrid_override_pattern="M-M-*E", mamba_n_groups=2, mamba_d_conv=4,
+               mamba_chunk_size=8)
+    assert LlamaConfig.from_hf(hub) == LlamaConfig.from_hf(new)
+    cfg = LlamaConfig.from_hf(hub)
+    assert [cfg.sparse(i) for i in range(6)] == [False] * 5 + [True]
+    assert [cfg.has_mlp(i) for i in range(6)] == [False, True, False, True, False, True]
