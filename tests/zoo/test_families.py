@@ -196,7 +196,9 @@ def saved_family(tmp_path, family="qwen3", **config):
     ("llama4", {"layer_types": ["chunked_attention", "sliding_attention", "full_attention"]},
      "layer_types \\['sliding_attention'\\]"),
     ("gemma3", {"model_type": "gemma4_text"}, "query_pre_attn_scalar"),  # (Gemma 3's scale)
-    ("gemma3", {"model_type": "nemotron_h"}, "hybrid_override_pattern"),
+    ("nemotron-h", {"layers_block_type": ["linear_attention", "sliding_attention", "mlp",
+                                          "linear_attention", "full_attention", "moe"]},
+     "layers_block_type \\['sliding_attention'\\]"),
     ("llama-3.1", {"mlp_bias": True, "unsloth_version": "2026.11.1"}, "\\['mlp_bias'\\]"),
     ("phi-4-mini", {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0],
                                         "long_factor": [1.0, 2.0, 3.0]}}, "short_factor has 1"),

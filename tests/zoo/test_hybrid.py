@@ -1,6 +1,8 @@
 """Granite 4 hybrid (Mamba2 and attention layers, ``redco_zoo_models.mamba2``) with the zoo's
 levers: stacked layers (``scan_layers``), bf16, LoRA on the Mamba2 output projections under
-tensor parallelism, expert parallelism (under FSDP x TP with full remat), packed rows.
+tensor parallelism, expert parallelism (under FSDP x TP with full remat), packed rows;
+Nemotron-H's blocks (relu2 MLPs, ungated experts) under the tensor-parallel plan, LoRA and
+quantised experts, and its hub config layout (``hybrid_override_pattern``).
 Qwen3-Next's FSDP x TP with full remat: test_families.py; context parallelism:
 test_recurrent_split.py; parity with transformers, generation and the serving engine:
 tests/zoo_parity/."""
@@ -109,12 +111,14 @@ def test_its_experts_split_over_dp_train_as_on_one_device():
 
 @pytest.mark.parametrize("family", ["granite-4-h-dense", pytest.param("granite-4-h",
                                                                      marks=pytest.mark.slow),
-                                    "falcon-h1"])
+                                    "falcon-h1", pytest.param("nemotron-h",
+                                                              marks=pytest.mark.slow)])
 def test_packed_documents_see_only_themselves(family):  # (Falcon-H1: attention and Mamba2 both)
     """Three documents in a row of 32 (12, 4 and 16 tokens: one ends inside a chunk of 8, one at
     a chunk's end, one spans two chunks): each one's logits are its own forward pass's. Granite
-    4 with its MoE and NoPE attention runs with REDCO_SLOW_TESTS=1: the same Mamba2 and
-    attention masks as granite-4-h-dense's in CI (experts route each token alone)."""
+    4 with its MoE and NoPE attention and Nemotron-H (the same blocks, one a layer) run with
+    REDCO_SLOW_TESTS=1: the same Mamba2 and attention masks as granite-4-h-dense's in CI
+    (experts and MLPs read each token alone)."""
     cfg = LlamaConfig.from_hf(TINY_FAMILIES[family])
     apply_fn, params = split_model(LlamaForCausalLM(cfg, nnx.Rngs(0)))
     run = jax.jit(lambda ids, segments=None: apply_fn(params, ids, segment_ids=segments))
@@ -124,3 +128,54 @@ def test_packed_documents_see_only_themselves(family):  # (Falcon-H1: attention 
         np.testing.assert_allclose(packed[:, start:stop], np.asarray(run(ids[:, start:stop])),
                                    atol=2e-5, err_msg=f"document {start}:{stop}")
 
+
+
+def test_nemotron_hs_blocks_get_the_dataflow_plan_adapters_and_quantised_experts():
+    """Nemotron-H (one block a layer: Mamba2, relu2 MLP, Mamba2, MLP, NoPE attention, MoE) under
+    ``auto`` tensor parallelism at mp 2, planned off its traced dataflow (abstract params,
+    nothing compiled): the ungated MLPs and the shared expert split column then row, the
+    experts on their own width, Mamba2 and attention as Granite's. LoRA adapts the MLPs' and
+    the shared expert's projections beside the mixers'; int8 experts (QLoRA) keep the two
+    weights ungated experts have and trace to the logits' shape."""
+    from redco.sharding import specs_from_rules
+    from redco_zoo_models.lora import add_lora, lora_layers
+    from redco_zoo_models.quantized_experts import quantize_experts
+    cfg = LlamaConfig.from_hf(TINY_FAMILIES["nemotron-h"])
+    apply_fn, params = split_model(nnx.eval_shape(lambda: LlamaForCausalLM(cfg, nnx.Rngs(0))))
+    deployer = Deployer(jax_seed=0, workdir=None, verbose=False, n_model_shards=2)
+    rules = deployer.get_sharding_rules(params, trace_fn=lambda p: apply_fn(p, IDS))
+    specs = {p: tuple(s) for p, s in named_leaves(specs_from_rules(params, rules,
+                                                                    deployer.mesh))}
+    column, row = (None, "mp"), ("mp", None)
+    for mlp in ("layers/1/mlp", "layers/3/mlp", "layers/5/mlp/shared_experts"):
+        assert (specs[f"model/{mlp}/up_proj/kernel"], specs[f"model/{mlp}/down_proj/kernel"]) \
+            == (column, row), mlp
+    assert specs["model/layers/5/mlp/experts/up_proj"] == (None, None, "mp")
+    assert specs["model/layers/5/mlp/experts/down_proj"] == (None, "mp", None)
+    assert (specs["model/layers/0/mamba/in_proj/kernel"],
+            specs["model/layers/0/mamba/out_proj/kernel"]) == (column, row)
+    assert specs["model/layers/4/self_attn/q_proj/kernel"] == column
+    adapted = {p for p, _ in lora_layers(add_lora(LlamaForCausalLM(cfg, nnx.Rngs(0)), rank=4))}
+    assert {"model/layers/1/mlp/up_proj", "model/layers/1/mlp/down_proj",
+            "model/layers/5/mlp/shared_experts/up_proj", "model/layers/0/mamba/out_proj",
+            "model/layers/4/self_attn/o_proj"} <= adapted
+    model = LlamaForCausalLM(cfg, nnx.Rngs(0))
+    assert quantize_experts(model, "int8") == ["model/layers/5/mlp/experts"]
+    apply_fn, params = split_model(model)
+    assert not any("gate_proj" in p for p, _ in named_leaves(params))
+    assert jax.eval_shape(apply_fn, params, IDS).shape == (*IDS.shape, cfg.vocab_size)
+
+
+def test_nemotron_hs_hub_layout_reads_as_transformers_5s():
+    """A hub config.json of Nemotron-H (``hybrid_override_pattern``, one character a layer, and
+    the older ``mamba_*`` names of the Mamba2 keys) reads as the layout transformers 5 writes
+    (``layers_block_type``): the same layers, experts and Mamba2 shape."""
+    new = dict(TINY_FAMILIES["nemotron-h"], n_groups=2, conv_kernel=4, chunk_size=8)
+    hub = {k: v for k, v in new.items()
+           if k not in ("layers_block_type", "n_groups", "conv_kernel", "chunk_size")}
+    hub.update(hybrid_override_pattern="M-M-*E", mamba_n_groups=2, mamba_d_conv=4,
+               mamba_chunk_size=8)
+    assert LlamaConfig.from_hf(hub) == LlamaConfig.from_hf(new)
+    cfg = LlamaConfig.from_hf(hub)
+    assert [cfg.sparse(i) for i in range(6)] == [False] * 5 + [True]
+    assert [cfg.has_mlp(i) for i in range(6)] == [False, True, False, True, False, True]

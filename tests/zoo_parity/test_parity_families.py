@@ -23,7 +23,10 @@ normed and scaled router, top-2 of 4 renormalised and scaled per expert, packed 
 in test_parity_gemma4), Falcon-H1 (attention and Mamba2 side by side in every layer,
 chunks of 8 and a conv of 4 that the prompts cross, mamba_d_ssm apart from expand * hidden,
 every muP multiplier off 1, at 1e-4; a variant with the plain gate and biased projectors),
-and YaRN and dynamic-NTK RoPE on Qwen3 and LLaMA shapes.
+Nemotron-H (one block a layer: Mamba2 with biased projections, NoPE attention, relu2 MLPs, an
+MoE block of ungated experts behind a latent projection with a shared expert and scaled
+sigmoid routing, at 1e-4; its M- pair stacked twice when scanned), and YaRN and dynamic-NTK
+RoPE on Qwen3 and LLaMA shapes.
 
 Each tiny checkpoint is written by transformers itself (``from_config`` + ``save_pretrained``,
 weights perturbed so a misplaced one shows, sharded so the index is read). The lengths cross
@@ -59,7 +62,7 @@ FAMILIES = {k: dict(v, **GEMMA4_MOE) if k == "gemma4" else v  # the lengths belo
             for k, v in TINY_FAMILIES.items()  # (8) and ORIGINAL_CONTEXT (16); Gated DeltaNet:
             if k not in DELTA_NET_FAMILIES}  # its own file
 LOGITS_ONLY = {"qwen3-yarn", "deepseek-v3-plain-q", "seed-oss"}  # logits and export only
-FALCON = {"falcon-h1": 1e-4, "falcon-h1-plain-gate": 1e-4}  # (the issue's bound)
+FALCON = {"falcon-h1": 1e-4, "falcon-h1-plain-gate": 1e-4, "nemotron-h": 1e-4}  # (the bound)
 ATOL = {**FALCON, "gemma4": 2e-3}  # unit-scale attention over normed q/k: an ill-conditioned tiny model.
 #   From transformers in float64, 40 tokens: float32 transformers 3e-5..1.4e-4, ours 9e-5..2.7e-4
 #   with XLA's default flags, 7e-4..1.1e-3 under CI's (-O0): its float32 kernels round worse
@@ -122,8 +125,9 @@ def random_buffers(model):
 def fresh_rope(model):
     """transformers' dynamic-NTK RoPE keeps the longest length it has seen across calls; start
     each comparison from none seen (ours computes each call's frequencies from the call)."""
-    rotary = model.model.rotary_emb
-    if rotary is not None and "dynamic" in rotary.rope_type:  # (None: NoPE, Granite 4)
+    rotary = getattr(model.model, "rotary_emb", None)
+    if rotary is not None and "dynamic" in rotary.rope_type:  # (None: NoPE, Granite 4;
+        #                                                       none at all: Nemotron-H)
         rotary.inv_freq.copy_(rotary.original_inv_freq)
         rotary.max_seq_len_cached = rotary.original_max_seq_len
     return model
@@ -148,9 +152,10 @@ def test_logits_equal_transformers_at_two_lengths(pair):
 
 # The families whose padding is read differently (a causal mask, local/global windows, MLA's
 # latent, Mamba2 zeroing the padding beside attention or in every layer, shared KV layers, sinks,
-# a RoPE that changes with the length); the rest repeat one of them and run in the slow tier only.
+# a RoPE that changes with the length, Nemotron-H's layers of one block, the MLP ones without a
+# cache); the rest repeat one of them and run in the slow tier only.
 SAMPLER_PATHS = ("llama-3.1", "gemma3", "deepseek-v3", "granite-4-h", "falcon-h1", "gemma4",
-                 "gpt-oss", "llama-dynamic")
+                 "gpt-oss", "llama-dynamic", "nemotron-h")
 # Decoding also switches longrope's factors as the cache grows past the original context
 # (Phi-4-mini) and masks Llama 4's chunks of 8 over the cache.
 GREEDY_PATHS = SAMPLER_PATHS + ("phi-4-mini", "llama4")
@@ -226,8 +231,8 @@ def test_export_loads_in_transformers_with_the_same_logits_and_token_ids(pair, t
     assert back.config.bos_token_id == BOS
 
 
-SCANNED = ("llama-3.1", "gemma3", "mixtral")  # a stack of 3; sliding pattern (2 stacked, 2
-#                                            alone); MoE with per-expert tensors
+SCANNED = ("llama-3.1", "gemma3", "mixtral", "nemotron-h")  # a stack of 3; sliding pattern
+#  (2 stacked, 2 alone); MoE with per-expert tensors; Nemotron-H's blocks (M- stacked twice)
 
 
 def test_scanned_layers_read_and_write_transformers_checkpoints(pair, tmp_path):

@@ -1,8 +1,9 @@
 """The serving engine on the recurrent families (Gated DeltaNet: Qwen3.5 dense and MoE; Mamba2:
 Granite 4 hybrid; both in every layer: Falcon-H1, its cache the keys and values and the
-Mamba2 state), on Llama 4 (whose chunk mask and NoPE temperature count each row's
-slots) and on Gemma 4 (whose last layers attend to another layer's cache), against
-transformers' PyTorch models, from checkpoints transformers wrote.
+Mamba2 state; one block a layer: Nemotron-H, whose MLP layers keep no cache), on Llama 4
+(whose chunk mask and NoPE temperature count each row's slots) and on Gemma 4 (whose last
+layers attend to another layer's cache), against transformers' PyTorch models, from
+checkpoints transformers wrote.
 
 Prompts of 3 to 37 tokens are read in one right-padded prefill (to 64 slots: past the
 convolutions' widths of 3 and 4 and over several chunks, of 16 for the delta rule and 8 for
@@ -33,7 +34,8 @@ LENGTHS = (3, 37, 11, 20, 6)  # the first three read in one prefill; the last tw
 
 
 @pytest.fixture(scope="module", params=["qwen3.5", pytest.param("qwen3.5-moe", marks=pytest.mark.slow),
-                                        "granite-4-h", "llama4", "gemma4", "falcon-h1"])
+                                        "granite-4-h", "llama4", "gemma4", "falcon-h1",
+                                        "nemotron-h"])
 def pair(request, tmp_path_factory):
     """transformers' model (weights perturbed by 0.1, as test_parity_gated_deltanet's) and ours
     read from the checkpoint it saved; our delta rule in chunks of 16."""

@@ -28,6 +28,8 @@ import dataclasses
 import warnings
 from typing import Callable
 
+from redco_zoo_models import nemotron_h
+
 HARMLESS = frozenset({  # config.json keys that change nothing a forward pass computes
     "model_type", "architectures", "transformers_version", "torch_dtype", "dtype",
     "_name_or_path", "use_cache", "attention_dropout", "resid_pdrop", "residual_dropout",
@@ -209,4 +211,6 @@ DERIVED = {
         lambda cfg: {"enable_moe_block": cfg.moe_beside_mlp, **(dict(zip(GEMMA4_MOE, (
             cfg.n_experts, cfg.experts_per_token, cfg.moe_intermediate_size)))
             if cfg.moe_beside_mlp else {})}),
+    "nemotron_h_layers": Derived(nemotron_h.KEYS, nemotron_h.read_layers,
+                                 nemotron_h.write_layers),
 }

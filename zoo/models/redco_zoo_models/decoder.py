@@ -26,6 +26,7 @@ from redco_zoo_models import (
     layer_scan,
     llama4_attention,
     mamba2,
+    nemotron_h,
 )
 from redco_zoo_models.attention import init_cache, with_blocks
 from redco_zoo_models.chunked_loss import next_token_loss
@@ -40,7 +41,7 @@ from redco_zoo_models.decoder_config import DecoderConfig, Mixer
 from redco_zoo_models.expert_parallel import as_laid_out
 from redco_zoo_models.gated_deltanet import GatedDeltaNet, init_state
 from redco_zoo_models.hf_init import init_like_hf
-from redco_zoo_models.layers import GatedMLP, RMSNorm, document_runs, embed
+from redco_zoo_models.layers import MLP, GatedMLP, RMSNorm, document_runs, embed
 from redco_zoo_models.mamba2 import Mamba2, token_mask
 from redco_zoo_models.mla import LatentAttention, latent_width
 from redco_zoo_models.moe import MoE
@@ -57,19 +58,19 @@ NORMS = {  # norm_layout -> the layer's norms, by HuggingFace's names
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: DecoderConfig, layer: int, rngs: nnx.Rngs):
-        for name in NORMS[cfg.norm_layout]:
+        mixer = cfg.mixer(layer)
+        for name in (nemotron_h.one_block_norm(cfg, layer),) if cfg.one_block \
+                else NORMS[cfg.norm_layout]:  # (Nemotron-H: one norm, before its block)
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset))
-        if cfg.mixer(layer) in (Mixer.MAMBA2, Mixer.PARALLEL):
+        if mixer in (Mixer.MAMBA2, Mixer.PARALLEL):
             self.mamba = Mamba2(cfg.mamba, rngs)
-        if cfg.mixer(layer) is Mixer.GATED_DELTANET:  # (its token mixer: linear_attn)
+        if mixer is Mixer.GATED_DELTANET:  # (its token mixer: linear_attn)
             self.linear_attn = GatedDeltaNet(cfg.delta_net(), rngs)
-        elif cfg.mixer(layer) is not Mixer.MAMBA2:
+        elif mixer not in (Mixer.MAMBA2, Mixer.NONE):
             self.self_attn = LatentAttention(cfg, rngs) if cfg.kv_lora_rank else \
                 Attention(cfg, layer, rngs)
-        wide = 2 if cfg.double_wide_mlp and cfg.kv_source(layer) is not None else 1
-        self.mlp = MoE(cfg.moe(), rngs) if cfg.sparse(layer) and not cfg.moe_beside_mlp else \
-            GatedMLP(cfg.hidden_size, wide * cfg.intermediate_size, cfg.hidden_act, rngs,
-                     multipliers=cfg.mlp_multipliers)
+        if cfg.has_mlp(layer):  # (Nemotron-H's mixer layers: none)
+            self.mlp = _mlp(cfg, layer, rngs)
         gemma4.add_layer_parts(self, cfg, rngs)
         self.layout, self.residual_multiplier, self.cfg = cfg.norm_layout, cfg.residual_multiplier, cfg
 
@@ -89,18 +90,29 @@ class DecoderLayer(nnx.Module):
         elif hasattr(self, "mamba") or hasattr(self, "linear_attn"):
             h, layer_cache = self._recurrent(before_attn(x), allowed, layer_cache, cache_index,
                                              segment_ids)
-        else:
+        elif hasattr(self, "self_attn"):
             h, layer_cache = self.self_attn(before_attn(x), positions, allowed, layer_cache,
                                             cache_index, lengths)
-        x = x + self._scaled(after_attn(h))
-        h, report = self.mlp(before_mlp(x)), {}
+        else:  # (Nemotron-H's MLP-only and MoE layers: no mixer)
+            h = None
+        x = x if h is None else x + self._scaled(after_attn(h))
+        x, report = self._feed_forward(x, before_mlp, after_mlp)
+        x = gemma4.layer_output(self, self.cfg, x, per_layer_input)
+        return (x, layer_cache,
+                {k: v for k, v in report.items() if v.ndim == 0})
+
+    def _feed_forward(self, x, before, after):
+        """``x`` plus the MLP's (or MoE block's) output on ``before(x)``, put through ``after``,
+        and the MoE block's report; ``x`` itself where the layer has no MLP (Nemotron-H's
+        mixer layers)."""
+        if not hasattr(self, "mlp"):
+            return x, {}
+        h, report = self.mlp(before(x)), {}
         if isinstance(self.mlp, MoE):
             h, report = h
         if hasattr(self, "moe"):  # (Gemma 4: an MoE block beside the MLP)
             h, report = gemma4.with_moe(self, x, h)
-        x = gemma4.layer_output(self, self.cfg, x + self._scaled(after_mlp(h)), per_layer_input)
-        return (x, layer_cache,
-                {k: v for k, v in report.items() if v.ndim == 0})
+        return x + self._scaled(after(h)), report
 
     def _recurrent(self, x, allowed, layer_cache, cache_index, segment_ids):
         """A recurrent mixer's ``(out, cache)`` (its cache: a fixed-size state); under a split
@@ -118,6 +130,17 @@ class DecoderLayer(nnx.Module):
         """A block's output as the residual adds it (Granite's ``residual_multiplier``)."""
         m = self.residual_multiplier
         return h if m == 1.0 else h * jnp.asarray(m, h.dtype)
+
+
+def _mlp(cfg: DecoderConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
+    """Layer ``layer``'s MLP: an MoE block, a gated MLP or (``gated_mlp`` off) an ungated one."""
+    if cfg.sparse(layer) and not cfg.moe_beside_mlp:
+        return MoE(cfg.moe(), rngs)
+    if not cfg.gated_mlp:
+        return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, rngs)
+    wide = 2 if cfg.double_wide_mlp and cfg.kv_source(layer) is not None else 1
+    return GatedMLP(cfg.hidden_size, wide * cfg.intermediate_size, cfg.hidden_act, rngs,
+                    multipliers=cfg.mlp_multipliers)
 
 
 class DecoderModel(nnx.Module):
@@ -198,7 +221,8 @@ class DecoderModel(nnx.Module):
         for a dense model; stacked ones for stacked layers)."""
         layers = self.layers.items() if self.runs is not None else enumerate(self.layers)
         return [(f"{i}/{path}", leaf) for i, layer in layers
-                for block in (layer.mlp, getattr(layer, "moe", None)) if isinstance(block, MoE)
+                for block in (getattr(layer, "mlp", None), getattr(layer, "moe", None))
+                if isinstance(block, MoE)
                 for path, leaf in named_leaves(nnx.state(block, nnx.Param))]
 
     def _document_lengths(self, segment_ids, allowed):
@@ -329,7 +353,7 @@ class DecoderLM(nnx.Module):
         ssm = lambda i: mamba2.init_cache(batch, cfg.mamba, dtype)  # noqa: E731
         states = {Mixer.MAMBA2: ssm,  # (a linear layer's: a fixed-size state, no slots)
                   Mixer.GATED_DELTANET: lambda i: init_state(cfg.delta_net(), batch, dtype),
-                  Mixer.ATTENTION: attention,
+                  Mixer.ATTENTION: attention, Mixer.NONE: lambda i: {},  # (Nemotron-H's MLPs)
                   Mixer.PARALLEL: lambda i: {"attention": attention(i), "mamba": ssm(i)}}
         return [states[cfg.mixer(i)](i) for i in range(cfg.num_hidden_layers)]
 

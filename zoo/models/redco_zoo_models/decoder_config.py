@@ -45,6 +45,10 @@ attention and a gated MLP. What differs:
   gives each head's query and an output gate (``o_proj(out * sigmoid(gate))``);
   ``shared_expert_size`` with ``shared_expert_gate``: the MoE blocks' shared
   expert, scaled per token by ``sigmoid(shared_expert_gate(x))``.
+* Nemotron-H (``redco_zoo_models.nemotron_h``): ``one_block``, each layer one block, a norm then
+  its mixer *or* its MLP and a residual: a Mamba2 or attention (NoPE) layer has no MLP, and an
+  MLP-only or MoE layer has no mixer (``Mixer.NONE``); ``gated_mlp`` off: the MLPs and experts
+  are ``down(act(up(x)))`` (``relu2``); ``moe_latent_size``: the routed experts' width.
 * Llama 4 (``redco_zoo_models.llama4_attention``): ``chunked_layers`` attend within blocks of
   ``attention_chunk_size`` positions; NoPE layers' queries scaled by position
   (``attn_temperature_tuning``, ``floor_scale``, ``attn_scale``); ``qk_norm`` ``l2``: queries
@@ -84,6 +88,7 @@ class Mixer(str, enum.Enum):
     MAMBA2 = "mamba2"  # redco_zoo_models.mamba2
     GATED_DELTANET = "gated_deltanet"  # redco_zoo_models.gated_deltanet
     PARALLEL = "attention_mamba2"  # both, side by side (Falcon-H1: redco_zoo_models.falcon_h1)
+    NONE = "none"  # no mixer: the layer is its MLP or MoE block alone (Nemotron-H's '-', 'E')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +187,9 @@ class DecoderConfig:
     per_layer_vocab_size: int = 0
     layer_scalar: bool = False
     moe_beside_mlp: bool = False  # Gemma 4's MoE block (module docstring)
+    one_block: bool = False  # Nemotron-H: a layer is its mixer or its MLP, never both
+    gated_mlp: bool = True  # False: MLPs and experts up_proj, down_proj only (Nemotron-H)
+    moe_latent_size: int = 0  # Nemotron-H: the routed experts' width (0: hidden_size)
     scan_layers: bool = False  # layers stored stacked, run under lax.scan (layer_scan); no config.json key
 
     def __post_init__(self):
@@ -192,6 +200,9 @@ class DecoderConfig:
                                                   max_position_embeddings=self.max_position_embeddings))
         if self.mixers is not None:
             object.__setattr__(self, "mixers", tuple(Mixer(m) for m in self.mixers))
+            if Mixer.NONE in self.mixers and not self.one_block:
+                raise ValueError("A layer without a mixer (Mixer.NONE) is a layer of "
+                                 "one_block models (Nemotron-H) only.")
             if len(self.mixers) != self.num_hidden_layers:
                 raise ValueError(f"layer_types has {len(self.mixers)} entries for "
                                  f"{self.num_hidden_layers} layers.")
@@ -217,6 +228,10 @@ class DecoderConfig:
     def mixer(self, layer: int) -> Mixer:
         return Mixer.ATTENTION if self.mixers is None else self.mixers[layer]
 
+    def has_mlp(self, layer: int) -> bool:
+        """Whether ``layer`` has an MLP (or MoE block): all but Nemotron-H's mixer layers."""
+        return not self.one_block or self.mixer(layer) is Mixer.NONE
+
     def has_delta_net(self) -> bool:
         return self.mixers is not None and Mixer.GATED_DELTANET in self.mixers
 
@@ -235,6 +250,7 @@ class DecoderConfig:
         """Whether ``layer`` has a Mixture-of-Experts block: its MLP, or beside it
         (``moe_beside_mlp``)."""
         return self.n_experts > 0 and layer not in self.mlp_only_layers and \
+            self.has_mlp(layer) and \
             (layer + 1) % self.decoder_sparse_step == 0 and layer >= self.first_k_dense_replace
 
     def moe(self) -> MoEConfig:
@@ -253,7 +269,8 @@ class DecoderConfig:
                          shared_expert_gate=self.shared_expert_gate,
                          expert_input_scaled=self.expert_input_scaled,
                          router_norm=self.moe_beside_mlp, per_expert_scale=self.moe_beside_mlp,
-                         norm_eps=self.rms_norm_eps)
+                         norm_eps=self.rms_norm_eps, gated=self.gated_mlp,
+                         latent_size=self.moe_latent_size)
 
     @classmethod
     def from_hf(cls, config: dict) -> "DecoderConfig":

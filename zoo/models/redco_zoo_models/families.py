@@ -21,6 +21,9 @@ Gemma 4 (``gemma4_text``; ``redco_zoo_models.gemma4``): Gemma 3's layout with it
 keys (``enable_moe_block`` and the three it sizes) read as a whole (``config_keys``).
 OLMo 3, as Gemma 3, keeps a RoPE for each layer type (``rope_parameters`` keyed by type; its
 sliding layers take ``rope_theta`` where Gemma 3's take ``rope_local_base_freq``).
+Nemotron-H's layers (``layers_block_type`` or ``hybrid_override_pattern``), its Mamba2 keys
+and latent size are read through ``nemotron_h.read_layers``; ``num_hidden_layers`` is the
+pattern's length, as transformers reads it.
 
 A key the family does not read is refused, naming it, unless it is off or metadata
 (``redco_zoo_models.config_keys`` says which is which): a softcap, a window or MoE fields are
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from redco_zoo_models import config_keys, mamba2
+from redco_zoo_models import config_keys, mamba2, nemotron_h
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -274,13 +277,22 @@ FAMILIES = {
             SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
             FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                    "rope_theta": 1_000_000.0}}}),
+    "nemotron_h": Family(  # one block a layer: Mamba2, NoPE attention, relu2 MLP or MoE
+        "NemotronHForCausalLM", switches={"one_block": True, "gated_mlp": False,
+                                          "position_embedding": None, "router": "sigmoid"},
+        reads={"layer_norm_epsilon": ("rms_norm_eps", 1e-5),
+               "mlp_hidden_act": ("hidden_act", "relu2"),
+               "n_routed_experts": ("n_experts", 8), "num_experts_per_tok": (
+                   "experts_per_token", 2), "moe_intermediate_size": ("moe_intermediate_size",
+                                                                      7688),
+               "moe_shared_expert_intermediate_size": ("shared_expert_size", 7688),
+               "norm_topk_prob": ("norm_topk_prob", True), "n_group": ("n_group", 1),
+               "topk_group": ("topk_group", 1),
+               "routed_scaling_factor": ("routed_scaling_factor", 1.0)},
+        derived=("nemotron_h_layers",), ignores=nemotron_h.IGNORES | MTP,
+        defaults={"head_dim": 128, "num_key_value_heads": 8}),
 }
 
 
 COMPUTING = config_keys.computing(FAMILIES, COMMON, ROPE_KEYS)
-NOT_YET = {  # model_type -> what the zoo's decoder lacks to read it
-    "nemotron_h": "Nemotron-H's hybrid_override_pattern: one block per layer (Mamba2 'M', "
-                  "attention '*', an MLP-only '-' or MoE 'E' layer, each a norm and a residual, "
-                  "no MLP after a mixer), its ungated relu2 MLPs and experts (up_proj, "
-                  "down_proj) and the MoE's latent projection; the zoo's layers are a mixer and "
-                  "a gated MLP"}
+NOT_YET = {}  # model_type -> what the zoo's decoder lacks to read it

@@ -123,7 +123,7 @@ def read_config(cls, config: dict, where: str = "config.json") -> Any:
                 fields.setdefault(field, default)
     for name in family.derived:
         try:
-            fields.update(config_keys.DERIVED[name].read(config, fields["num_hidden_layers"]))
+            fields.update(config_keys.DERIVED[name].read(config, fields.get("num_hidden_layers")))
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from e
     for field in ("eos_token_id", "mlp_only_layers", "mlp_multipliers"):  # (hashed: no lists)

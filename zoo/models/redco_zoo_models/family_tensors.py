@@ -38,7 +38,8 @@ and audio towers dropped), and its KV-sharing layers' key/value tensors, if stor
 DeepSeek-V3's and GLM-4.5's checkpoints hold their multi-token-prediction layers after the
 model's (``model.layers.<num_hidden_layers>...``): not part of the causal LM, they are dropped
 on import, as transformers drops them. Granite 4 hybrid's fused shared MLP, stacked experts and conv
-weights: ``redco_zoo_models.hybrid_tensors``; Falcon-H1's names: ``redco_zoo_models.falcon_h1``.
+weights: ``redco_zoo_models.hybrid_tensors``; Falcon-H1's names: ``redco_zoo_models.falcon_h1``;
+Nemotron-H's (``backbone.``, one ``mixer`` a layer): ``redco_zoo_models.nemotron_h``.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ import re
 
 import numpy as np
 
-from redco_zoo_models import falcon_h1, gated_deltanet, hybrid_tensors
+from redco_zoo_models import falcon_h1, gated_deltanet, hybrid_tensors, nemotron_h
 from redco_zoo_models.families import FAMILIES, MTP
 from redco_zoo_models.hybrid_tensors import take
 
@@ -102,7 +103,9 @@ def tensors_in(cfg, tensors: dict) -> dict:
     tensors = _without_mtp_layers(cfg, dict(tensors))
     tensors = _without_shared_kv(cfg, tensors)
     tensors = _renamed(cfg, tensors, ".feed_forward.", ".mlp.")
-    if FAMILIES[cfg.family].parallel:
+    if cfg.one_block:
+        tensors = nemotron_h.tensors_in(cfg, tensors)
+    elif FAMILIES[cfg.family].parallel:
         tensors = falcon_h1.tensors_in(cfg, tensors)
     elif FAMILIES[cfg.family].linear == "mamba2":
         tensors = hybrid_tensors.tensors_in(cfg, tensors)
@@ -128,7 +131,9 @@ def tensors_in(cfg, tensors: dict) -> dict:
 
 def tensors_out(cfg, tensors: dict) -> dict:
     """The zoo model's tensors under its family's checkpoint names (``tensors_in`` undone)."""
-    if FAMILIES[cfg.family].parallel:
+    if cfg.one_block:
+        tensors = nemotron_h.tensors_out(cfg, tensors)
+    elif FAMILIES[cfg.family].parallel:
         tensors = falcon_h1.tensors_out(cfg, tensors)
     elif FAMILIES[cfg.family].linear == "mamba2":
         tensors = hybrid_tensors.tensors_out(cfg, tensors)

@@ -9,7 +9,9 @@ DeltaNet layers (Qwen3-Next, Qwen3.5) set their gated norm and ``dt_bias`` to 1 
 the log of ``U(0.01, 16)``. A Mamba2 layer's convolution is drawn as a linear weight; its
 ``dt_bias``, ``A_log`` and ``D`` keep the values the layer is built with
 (``redco_zoo_models.mamba2``: transformers' 1, log(1..H), 1); Gemma 4 sets its layers'
-``layer_scalar`` and its MoE routers' ``scale`` and ``per_expert_scale`` to 1. Flax's
+``layer_scalar`` and its MoE routers' ``scale`` and ``per_expert_scale`` to 1; Nemotron-H
+draws its Mamba2 layers' ``dt_bias`` and ``out_proj`` and its padding row its own way
+(``redco_zoo_models.nemotron_h.init_like_hf``). Flax's
 defaults (LeCun-normal kernels, unit-variance embeddings) instead start a LLaMA's loss at about
 ``ln V + 1/2``, not ``ln V``.
 
@@ -25,6 +27,8 @@ import re
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from redco_zoo_models import nemotron_h
 
 NORMAL, ZEROS, NORM_SCALE, KEEP = "normal", "zeros", "norm_scale", "keep"
 ONES, LOG_UNIFORM = "ones", "log_uniform"
@@ -82,3 +86,5 @@ def init_like_hf(model: nnx.Module, cfg, rngs: nnx.Rngs) -> None:
                 cfg.pad_token_id is not None:  # (Gemma 4's per-layer table too)
             value = value.at[cfg.pad_token_id].set(0)
         var.value = value
+    if cfg.one_block:  # (Nemotron-H's own draws)
+        nemotron_h.init_like_hf(model, cfg, rngs)

@@ -13,6 +13,7 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),  # (CLIP's)
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),  # (Nemotron-H's: relu squared)
     "relu": jax.nn.relu, "silu": jax.nn.silu, "swish": jax.nn.silu, "tanh": jnp.tanh,
 }
 
@@ -66,6 +67,20 @@ class GatedMLP(nnx.Module):
         gate, down = (jnp.asarray(m, x.dtype) for m in self.multipliers)
         return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x) * gate)
                               * self.up_proj(x)) * down
+
+
+class MLP(nnx.Module):
+    """``down(act(up(x)))``: the ungated MLP of Nemotron-H (``relu2``) and its MoE blocks'
+    shared expert, named as HuggingFace names it (``up_proj``, ``down_proj``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, rngs: nnx.Rngs,
+                 bias: bool = False):
+        self.up_proj = nnx.Linear(hidden_size, intermediate_size, use_bias=bias, rngs=rngs)
+        self.down_proj = nnx.Linear(intermediate_size, hidden_size, use_bias=bias, rngs=rngs)
+        self.act = act
+
+    def __call__(self, x):
+        return self.down_proj(ACTIVATIONS[self.act](self.up_proj(x)))
 
 
 @remat.layer

@@ -81,6 +81,7 @@ class Mamba2Config:
     norm_before_gate: bool = False  # Falcon-H1: rmsnorm(y) * silu(z)
     in_multiplier: float = 1.0  # Falcon-H1's ssm_in_multiplier: the input scaled
     multipliers: tuple[float, ...] = (1.0,) * 5  # ... ssm_multipliers: z, x, B, C, dt scaled
+    time_step_init: tuple[float, ...] = ()  # Nemotron-H: dt's (min, max, floor) from scratch
 
     def __post_init__(self):
         inner = self.d_ssm or self.expand * self.hidden_size

@@ -15,6 +15,10 @@ one's up), DeepSeek-V3's auxiliary-loss-free balancing: ``redco_zoo_models.balan
 its output is scaled per token by ``sigmoid`` of a learned linear of the token). gpt-oss
 switches on biases (``router_bias`` on the router's linear, ``expert_bias`` on every expert
 projection) and its experts' clamped SwiGLU (``swiglu_limit``, ``layers.glu``).
+Nemotron-H's experts and shared expert are ungated (``gated`` off: ``up_proj``, ``down_proj``,
+``act(up(x))`` between them, its ``relu2``), and with a ``latent_size`` the routed experts read
+and write a smaller width: ``fc1_latent_proj`` takes each token down to it before the experts,
+``fc2_latent_proj`` their weighted sum back up (router and shared expert read the token itself).
 ``top_k_sigmoid`` (Llama 4): the ``top_k`` largest logits, each weighted by its ``sigmoid``;
 with ``expert_input_scaled`` the weight scales the expert's *input*, ``E(w x)``, not its
 output (the experts are not linear: the two differ); a shared expert every token goes through.
@@ -52,7 +56,7 @@ from flax import nnx
 
 from redco_zoo_models import expert_parallel, slots
 from redco_zoo_models.balancing import BalanceBias, sigmoid_choice
-from redco_zoo_models.layers import GatedMLP, glu, rms_normalized
+from redco_zoo_models.layers import ACTIVATIONS, MLP, GatedMLP, glu, rms_normalized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +87,8 @@ class MoEConfig:
     router_norm: bool = False  # Gemma 4: the router's input normed, scaled (module docstring) ...
     per_expert_scale: bool = False  # ... and each chosen expert's weight times its own scale
     norm_eps: float = 1e-6  # (the router's norm)
+    gated: bool = True  # False: up_proj, down_proj only (Nemotron-H)
+    latent_size: int = 0  # Nemotron-H: the routed experts' width (0: hidden_size)
 
     def __post_init__(self):
         if self.router not in ("softmax", "sigmoid", "top_k_sigmoid"):
@@ -111,12 +117,14 @@ class Experts(nnx.Module):
     """``n_experts`` gated MLPs, their weights stacked: ``gate_proj`` and ``up_proj`` (E, H, I),
     ``down_proj`` (E, I, H); with ``expert_bias`` (gpt-oss) also ``gate_proj_bias``,
     ``up_proj_bias`` (E, I) and ``down_proj_bias`` (E, H). The unit between them is
-    ``layers.glu`` (gpt-oss: clamped by ``swiglu_limit``)."""
+    ``layers.glu`` (gpt-oss: clamped by ``swiglu_limit``). Ungated (``gated`` off: Nemotron-H),
+    no ``gate_proj`` and ``act(up(x))`` between; H is ``latent_size`` where one is set."""
 
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal()
-        e, h, i = cfg.n_experts, cfg.hidden_size, cfg.expert_size
-        self.gate_proj = nnx.Param(init(rngs.params(), (e, h, i)))
+        e, h, i = cfg.n_experts, cfg.latent_size or cfg.hidden_size, cfg.expert_size
+        if cfg.gated:
+            self.gate_proj = nnx.Param(init(rngs.params(), (e, h, i)))
         self.up_proj = nnx.Param(init(rngs.params(), (e, h, i)))
         self.down_proj = nnx.Param(init(rngs.params(), (e, i, h)))
         if cfg.expert_bias:
@@ -128,7 +136,7 @@ class Experts(nnx.Module):
     def weights(self) -> tuple:
         """``(gate, up, down)`` and, with ``expert_bias``, their biases: what ``batched`` takes
         (expert parallelism passes each device its share of every one)."""
-        names = ("gate_proj", "up_proj", "down_proj")
+        names = ("gate_proj", "up_proj", "down_proj")[0 if self.cfg.gated else 1:]
         if self.cfg.expert_bias:
             names += tuple(f"{n}_bias" for n in names)
         return tuple(getattr(self, n)[...] for n in names)
@@ -139,13 +147,17 @@ class Experts(nnx.Module):
         return jnp.asarray(weight, dtype)
 
     def _mlp(self, x, weights: tuple, project):
-        """``down(glu(gate(x), up(x)))``, each ``project(x, weight, bias or None)``."""
-        cfg, (gate_w, up_w, down_w, *biases) = self.cfg, (self.weight_in(w, x.dtype)
-                                                          for w in weights)
-        gate_b, up_b, down_b = biases or (None, None, None)
-        h = glu(project(x, gate_w, gate_b), project(x, up_w, up_b), cfg.hidden_act,
-                cfg.swiglu_limit, cfg.swiglu_alpha)
-        return project(h, down_w, down_b)
+        """``down(glu(gate(x), up(x)))`` (ungated: ``down(act(up(x)))``), each
+        ``project(x, weight, bias or None)``."""
+        cfg, weights = self.cfg, [self.weight_in(w, x.dtype) for w in weights]
+        n = 3 if cfg.gated else 2
+        mats, biases = weights[:n], weights[n:] or [None] * n
+        if not cfg.gated:
+            h = ACTIVATIONS[cfg.hidden_act](project(x, mats[0], biases[0]))
+        else:
+            h = glu(project(x, mats[0], biases[0]), project(x, mats[1], biases[1]),
+                    cfg.hidden_act, cfg.swiglu_limit, cfg.swiglu_alpha)
+        return project(h, mats[-1], biases[-1])
 
     def grouped(self, rows, group_sizes):
         """Rows sorted by expert, ``group_sizes[e]`` of them for expert e: each through its own."""
@@ -174,7 +186,13 @@ class MoE(nnx.Module):
         if cfg.router == "sigmoid":
             self.balance_bias = BalanceBias(jnp.zeros(cfg.n_experts, jnp.float32))
         if shared := cfg.shared_expert_size or cfg.n_shared_experts * cfg.expert_size:
-            self.shared_experts = GatedMLP(cfg.hidden_size, shared, cfg.hidden_act, rngs)
+            self.shared_experts = GatedMLP(cfg.hidden_size, shared, cfg.hidden_act, rngs) \
+                if cfg.gated else MLP(cfg.hidden_size, shared, cfg.hidden_act, rngs)
+        if cfg.latent_size:  # (Nemotron-H: the routed experts' narrower width)
+            self.fc1_latent_proj = nnx.Linear(cfg.hidden_size, cfg.latent_size, use_bias=False,
+                                              rngs=rngs)
+            self.fc2_latent_proj = nnx.Linear(cfg.latent_size, cfg.hidden_size, use_bias=False,
+                                              rngs=rngs)
         if cfg.shared_expert_gate:
             self.shared_expert_gate = nnx.Linear(cfg.hidden_size, 1, use_bias=False, rngs=rngs)
         if cfg.router_norm:
@@ -214,18 +232,24 @@ class MoE(nnx.Module):
         tokens = x.reshape(-1, shape[-1])
         chosen, weights, probs, logits = self.route(
             tokens if router_input is None else router_input.reshape(-1, shape[-1]))
+        tokens, inputs = self.into_latent(tokens), tokens  # (the experts' width)
         if (mesh := expert_parallel.current()) is not None:  # experts split over dp
             y, dropped = expert_parallel.dispatched(self, tokens, chosen, weights, mesh)
         elif cfg.capacity_factor is None:
             y, dropped = self.dropless(tokens, chosen, weights), jnp.zeros((), jnp.float32)
         else:
             y, dropped = self.with_capacity(tokens, chosen, weights)
+        y = self.fc2_latent_proj(y) if cfg.latent_size else y
         if cfg.n_shared_experts or cfg.shared_expert_size:
-            shared = self.shared_experts(tokens)
+            shared = self.shared_experts(inputs)
             if cfg.shared_expert_gate:
-                shared = jax.nn.sigmoid(self.shared_expert_gate(tokens)) * shared
+                shared = jax.nn.sigmoid(self.shared_expert_gate(inputs)) * shared
             y = y + shared
         return y.reshape(shape), self.report(chosen, probs, logits, dropped)
+
+    def into_latent(self, tokens):
+        """The tokens at the routed experts' width (``latent_size``: Nemotron-H)."""
+        return self.fc1_latent_proj(tokens) if self.cfg.latent_size else tokens
 
     def dropless(self, tokens, chosen, weights):
         """Every (token, expert) pair computed: sorted by expert, one grouped matmul each."""

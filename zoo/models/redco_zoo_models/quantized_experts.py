@@ -43,6 +43,11 @@ from redco_zoo_models.nnx_utils import modules_of_type, replace_module
 WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
 
+def weight_names(cfg) -> tuple[str, ...]:
+    """The experts' weights: ``WEIGHTS``, less ``gate_proj`` for ungated ones (Nemotron-H)."""
+    return WEIGHTS if cfg.gated else WEIGHTS[1:]
+
+
 def param_name(weight: str, part: str) -> str:
     """The param holding a part: the weight's name for the codes, else ``<weight>_<part>``."""
     return weight if part == "codes" else f"{weight}_{part}"
@@ -53,8 +58,8 @@ class QuantizedExperts(Experts):
 
     def __init__(self, experts: Experts, fmt: str):
         self.cfg, self.fmt = experts.cfg, fmt
-        weights = {w: getattr(experts, w).get_value() for w in WEIGHTS}
-        self.param_dtype = weights["gate_proj"].dtype  # (merged() gives the weights back in it)
+        weights = {w: getattr(experts, w).get_value() for w in weight_names(self.cfg)}
+        self.param_dtype = weights["up_proj"].dtype  # (merged() gives the weights back in it)
         self.weight_shapes = tuple(tuple(w.shape) for w in weights.values())
         for weight, value in weights.items():
             parts = q.quantize(value, fmt)
@@ -65,7 +70,8 @@ class QuantizedExperts(Experts):
             setattr(self, bias, nnx.Param(getattr(experts, bias).get_value()))
 
     def bias_names(self) -> tuple[str, ...]:
-        return tuple(f"{w}_bias" for w in WEIGHTS) if self.cfg.expert_bias else ()
+        return tuple(f"{w}_bias" for w in weight_names(self.cfg)) if self.cfg.expert_bias \
+            else ()
 
     def parts(self, weight: str) -> q.Parts:
         return {part: getattr(self, param_name(weight, part))[...] for part in self.part_names}
@@ -73,7 +79,7 @@ class QuantizedExperts(Experts):
     def weights(self) -> tuple:
         """``(gate, up, down)`` as dicts of parts (each split with its experts under EP), then
         the biases: ``weight_in`` dequantises them where the experts compute."""
-        return tuple(self.parts(w) for w in WEIGHTS) + tuple(
+        return tuple(self.parts(w) for w in weight_names(self.cfg)) + tuple(
             getattr(self, b)[...] for b in self.bias_names())
 
     def weight_in(self, weight, dtype):
@@ -85,7 +91,7 @@ class QuantizedExperts(Experts):
         """A plain ``moe.Experts``: the dequantised weights (in the dtype they were quantised
         from) and the biases."""
         plain = nnx.eval_shape(lambda: Experts(self.cfg, nnx.Rngs(0)))
-        for weight in WEIGHTS:
+        for weight in weight_names(self.cfg):
             setattr(plain, weight, nnx.Param(q.dequantize(self.parts(weight), self.fmt,
                                                           self.param_dtype)))
         for bias in self.bias_names():
@@ -99,7 +105,7 @@ def quantize_experts(model: nnx.Module, fmt: str) -> list[str]:
     swapped = []
     for path, experts in modules_of_type(model, Experts):
         name = "/".join(map(str, path))
-        if layers_of(f"{name}/gate_proj") is not None:
+        if layers_of(f"{name}/up_proj") is not None:
             raise UsageError(f"Quantising stacked layers' experts ({name}, scan_layers) is not "
                              "supported yet: load the model with scan_layers=False (drop "
                              "--scan_layers) to quantise it.")
@@ -118,7 +124,8 @@ def weight_parts(model: nnx.Module) -> dict[str, tuple[str, tuple[int, ...]]]:
     """``{param path of every part: (its weight's path, the weight's shape (E, in, out))}``."""
     return {f"{path}/{param_name(w, part)}": (f"{path}/{w}", shape)
             for path, block in quantized_experts(model)
-            for w, shape in zip(WEIGHTS, block.weight_shapes) for part in block.part_names}
+            for w, shape in zip(weight_names(block.cfg), block.weight_shapes)
+            for part in block.part_names}
 
 
 def parts_of(weight_path: str, w: np.ndarray, fmt: str) -> dict[str, np.ndarray]:
@@ -146,7 +153,7 @@ def part_rules(model: nnx.Module, by_name: list[tuple[str, P]], mesh=None) -> li
     its weight's spec in the rules by name ``by_name`` (``part_spec``)."""
     rules = []
     for path, block in quantized_experts(model):
-        for weight in WEIGHTS:
+        for weight in weight_names(block.cfg):
             spec = spec_for(f"{path}/{weight}", by_name)
             for part in block.part_names:
                 shape = getattr(block, param_name(weight, part)).get_value().shape

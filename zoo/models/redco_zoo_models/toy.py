@@ -197,6 +197,16 @@ TINY_FAMILIES = {  # config.json contents of a tiny model of each family, as tra
         _TINY, model_type="falcon_h1", **_MAMBA, mamba_rms_norm=False,  # biased projectors
         projectors_bias=True, attention_bias=True, rope_parameters=dict(
             rope_type="default", rope_theta=1e4)),
+    "nemotron-h": dict(  # one block a layer: Mamba2 (chunks of 8, conv 4, d_inner 48 apart from
+        _TINY, model_type="nemotron_h", num_hidden_layers=6, head_dim=8,  # expand * hidden,
+        layers_block_type=["linear_attention", "mlp"] * 2 + [  # biased projections; M- twice:
+            "full_attention", "moe"],  # a scanned group), NoPE attention, relu2 MLPs, MoE:
+        mamba_num_heads=4, mamba_head_dim=12, n_groups=2, ssm_state_size=8, conv_kernel=4,
+        chunk_size=8, use_bias=True, n_routed_experts=4, num_experts_per_tok=2,  # sigmoid
+        moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,  # routing, scaled,
+        moe_latent_size=16, routed_scaling_factor=2.5,  # a latent projection, shared expert;
+        time_step_min=1e-7),  # (a floor dt never meets: transformers' decoding step skips it,
+    #                           see nemotron_h; the floor: test_parity_hybrid)
     "llama4": dict(  # chunks of 8 on RoPE layers, a NoPE layer with temperature tuning (a
         _TINY, model_type="llama4_text", head_dim=8, attention_bias=True,  # floor_scale the
         attention_chunk_size=WINDOW, no_rope_layers=[1, 0, 1], floor_scale=4,  # prompts cross)
