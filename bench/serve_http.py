@@ -81,7 +81,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 def engine_alone(model_dir: str, n: int, new: int, args) -> float:
-    """Output tok/s of the engine stepping in this process over ``n`` requests at once."""
+    """Output tok/s of the engine stepping in this process over ``n`` requests at once: the
+    median of ``args.rounds`` runs (one run of a few ms swings with whatever else runs)."""
     from flax import nnx
     from transformers import AutoTokenizer
 
@@ -97,10 +98,13 @@ def engine_alone(model_dir: str, n: int, new: int, args) -> float:
     prompts = [tokenizer(" ".join(WORDS[i % 5:][:4]))["input_ids"] for i in range(n)]
     sampling = Sampling(max_tokens=new, ignore_eos=True)
     engine.generate(prompts, sampling)  # compile this shape
-    start = time.perf_counter()
-    requests = engine.generate(prompts, sampling)
-    tokens = sum(len(s.tokens) for r in requests for s in r.samples)
-    return tokens / (time.perf_counter() - start)
+    rates = []
+    for _ in range(args.rounds):
+        start = time.perf_counter()
+        requests = engine.generate(prompts, sampling)
+        tokens = sum(len(s.tokens) for r in requests for s in r.samples)
+        rates.append(tokens / (time.perf_counter() - start))
+    return statistics.median(rates)
 
 
 ENGINES: dict = {}

@@ -13,6 +13,7 @@ from flax import nnx
 from redco import Deployer
 from redco_zoo_models import generate
 from redco_zoo_models.engine import Engine
+from redco_zoo_models.engine_admission import MAX_PREFILL, prompts_per_prefill
 from redco_zoo_models.engine_memory import rows_that_fit
 from redco_zoo_models.gpt2 import GPT2Config, GPT2LMHeadModel
 from redco_zoo_models.requests import Sampling
@@ -242,6 +243,23 @@ def test_warm_up_compiles_every_shape_a_request_can_meet(reading):
     engine.generate(prompts[:3] * 3, Sampling(max_tokens=32 - 5))  # all at once, to the end
     assert compiled() == shapes
     assert engine.prefix_stats.get("hits", 1) > 0
+
+
+def test_a_burst_of_short_prompts_is_read_in_one_prefill_on_weights_put_on_the_device():
+    """What a step costs at many rows (bench/serve_http.py): prompts read at once while their
+    padded chunks fit ``PREFILL_TOKENS`` (32 of 16 tokens, 16 of 32; ``MAX_PREFILL`` long
+    ones), in a shape ``warm_up`` compiles; numpy weights put on the device once, not copied
+    there by every step. No step runs (nothing compiles but the rows' keys)."""
+    model = model_of("llama-3.1")
+    on_host = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+    for length, read in ((3, 32), (20, 16), (40, MAX_PREFILL)):
+        engine = Engine(model, on_host, max_seqs=40, max_len=64)
+        for _ in range(40):
+            engine.submit([5] * length, Sampling(max_tokens=4))
+        engine._admit()
+        assert len(engine.reading) == read == prompts_per_prefill(engine._width(length))
+        assert (read, engine._width(length)) in engine._prefill_shapes()
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(engine.params))
 
 
 def test_requests_that_cannot_fit_are_refused_before_running():

@@ -6,7 +6,8 @@ The engine holds one key/value cache of ``max_seqs`` rows of ``max_len`` slots; 
 sequence owns a row. A ``step``:
 
 1. **admit**: waiting requests take free rows, first come first served, and their prompts
-   are read (up to ``MAX_PREFILL`` at a time; the rest wait while the running rows decode):
+   are read (up to ``MAX_PREFILL`` at a time, more when short: ``engine_admission``; the rest
+   wait while the running rows decode):
    together, in one prefill right-padded to powers of two (so that few shapes compile), each
    into its first row from the slot its row already holds (``engine_reading``): a prompt
    longer than ``prefill_chunk`` is read a chunk a step, and with ``prefix_caching`` a prompt
@@ -58,9 +59,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from redco_zoo_models.engine_admission import MAX_PREFILL, Admission
+# (MAX_PREFILL: imported from here by redco_zoo_grpo.rollout_split)
+from redco_zoo_models.engine_admission import MAX_PREFILL, Admission, prompts_per_prefill  # noqa: F401
 from redco_zoo_models.engine_images import check_images, image_slots, pixel_slots
-from redco_zoo_models.engine_memory import cache_sharding, rows_sharding, vocab_size
+from redco_zoo_models.engine_memory import cache_sharding, on_devices, rows_sharding, vocab_size
 from redco_zoo_models.engine_paged import paged_decode, paged_prefill
 from redco_zoo_models.engine_reading import MIN_BUCKET, Reading, check_reading, chunk_batch
 from redco_zoo_models.engine_steps import decode_rows, prefill_rows, slotted_leaves
@@ -100,13 +102,13 @@ class Engine(Admission):
         self.pages = paging(slotted, page_size, n_pages, max_seqs, max_len, self.images)
         self.prefix = None if not prefix_caching else \
             PrefixCache() if self.pages is None else PagePrefixCache(self.pages)
+        self.mesh = mesh
         self.graphdef, self.params = nnx.graphdef(model), params
         self.chunk = min(prefill_chunk or max_len, max_len)  # prompt tokens read a step at most
         self.max_seqs, self.max_len, self.eos = max_seqs, max_len, set(eos_token_ids)
         self.cache_dtype, self.steps_per_sync = cache_dtype, steps_per_sync
         cache = model.init_cache(max_seqs, max_len, cache_dtype) if self.pages is None else \
             model.init_cache(self.pages.n_pages, self.pages.size, cache_dtype)
-        self.mesh = mesh
         self.cache = jax.device_put(cache, cache_sharding(mesh, cache))
         self.key_valid = self._on_rows(jnp.zeros((max_seqs, max_len), bool))
         vocab = vocab_size(model, max_len, cache_dtype)
@@ -124,8 +126,10 @@ class Engine(Admission):
         decode = partial(decode_rows, slotted=slotted) if self.pages is None else paged_decode
         self._decode = jax.jit(partial(decode, self.graphdef, steps_per_sync, mesh),
                                donate_argnums=(1, 2, 3), static_argnames=("span",))
-        self._prefill = jax.jit(partial(prefill_rows, self.graphdef, slotted) if self.pages is None
-                                else partial(paged_prefill, self.graphdef), donate_argnums=(1, 2, 3))
+        fresh_only = self.chunk == max_len and self.prefix is None  # (every prompt from slot 0)
+        self._prefill = jax.jit(partial(prefill_rows, self.graphdef, slotted, fresh_only=fresh_only)
+                                if self.pages is None else partial(paged_prefill, self.graphdef),
+                                donate_argnums=(1, 2, 3))
         self._keys = jax.jit(jax.vmap(lambda seed, sample: jax.random.fold_in(
             jax.random.PRNGKey(seed), sample)))  # each sample's key, for all rows at once
 
@@ -137,8 +141,9 @@ class Engine(Admission):
     @params.setter
     def params(self, params: Any) -> None:
         """New weights (GRPO lends each round's): the prefixes cached so far hold keys and values
-        of the old ones, so they are forgotten."""
-        self._params = params
+        of the old ones, so they are forgotten. Host (numpy) leaves are put on the devices here,
+        once, not copied there again by every step."""
+        self._params = on_devices(params, self.mesh)
         if self.prefix is not None:
             self.prefix.clear()
 
@@ -194,9 +199,8 @@ class Engine(Admission):
         waits on a compile. Before the first request only. Returns how many shapes ran."""
         if any(self.rows) or self.waiting:
             raise RuntimeError("warm_up runs on an idle engine, before the first request.")
-        counts = sorted({1 << (n - 1).bit_length() for n in range(1, MAX_PREFILL + 1)})
-        widths = sorted({self._width(n) for n in range(1, self.chunk + 1)})
-        for count, width in itertools.product(counts, widths):  # (rows past the last: no writes)
+        reads = self._prefill_shapes()
+        for count, width in reads:  # (rows past the last: no writes)
             self.cache, self.key_valid, self.logits = self._prefill(
                 self.params, self.cache, self.key_valid, self.logits,
                 np.zeros((count, width), np.int32), np.ones(count, np.int32),
@@ -212,7 +216,15 @@ class Engine(Admission):
                 np.zeros((3, bucket), np.float32), self.row_keys[:bucket].copy(),
                 np.zeros(bucket, np.int32), *self._tables(bucket), span=span)
         jax.block_until_ready(self.cache)
-        return len(counts) * len(widths) + len(buckets) * len(spans)
+        return len(reads) + len(buckets) * len(spans)
+
+    def _prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every (prompts read at once, padded width) a prefill can meet: powers of two of at
+        most ``prompts_per_prefill(width)`` prompts and no more than the rows."""
+        widths = sorted({self._width(n) for n in range(1, self.chunk + 1)})
+        return [(count, width) for width in widths for count in sorted({
+            1 << (n - 1).bit_length()
+            for n in range(1, min(self.max_seqs, prompts_per_prefill(width)) + 1)})]
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> bool:

@@ -1,8 +1,9 @@
 """How the engine (``redco_zoo_models.engine``) admits waiting requests into rows: first come
-first served, ``MAX_PREFILL`` prompts read at a time, each request's ``n`` samples a row each;
-with a paged cache (``redco_zoo_models.pages``) also only while the pages it may ever hold fit
-beside those held and reserved (so admission is bounded by pages, not by ``max_seqs x
-max_len`` slots), and a row gives its pages back when its sequence ends."""
+first served, ``MAX_PREFILL`` prompts read at a time (more short ones, while their padded
+chunks fit ``PREFILL_TOKENS``: ``prompts_per_prefill``), each request's ``n`` samples a row
+each; with a paged cache (``redco_zoo_models.pages``) also only while the pages it may ever
+hold fit beside those held and reserved (so admission is bounded by pages, not by ``max_seqs
+x max_len`` slots), and a row gives its pages back when its sequence ends."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +12,15 @@ from redco_zoo_models.engine_reading import Reading
 from redco_zoo_models.pages import Pages
 from redco_zoo_models.requests import Request
 
-MAX_PREFILL = 8  # prompts read per step at most: the rest wait a step, decoding goes on
+MAX_PREFILL = 8  # prompts read per step at most (but see PREFILL_TOKENS): the rest wait a step,
+PREFILL_TOKENS = 512  # decoding goes on; short prompts: as many as fit this many padded tokens
+
+
+def prompts_per_prefill(width: int) -> int:
+    """The most prompts one prefill reads at padded ``width``: ``MAX_PREFILL``, or more short
+    ones while they take at most ``PREFILL_TOKENS`` (a burst of short prompts is read in fewer
+    steps: fewer decode steps until all run, each as cheap)."""
+    return max(MAX_PREFILL, PREFILL_TOKENS // width)
 
 
 class Admission:
@@ -20,13 +29,14 @@ class Admission:
     pages: Pages | None
 
     def _admit(self) -> None:
-        """Waiting requests take free rows (first come first served, ``MAX_PREFILL`` prompts
-        read at a time): with prefix caching, a cached prefix's row is taken if free (else its
-        slots are copied), other rows least recently freed first; a request that shares more
-        with a prompt still being read than with any held waits until that one is held."""
+        """Waiting requests take free rows (first come first served, ``prompts_per_prefill``
+        prompts read at a time): with prefix caching, a cached prefix's row is taken if free
+        (else its slots are copied), other rows least recently freed first; a request that
+        shares more with a prompt still being read than with any held waits until that one is
+        held."""
         free, admitted = self._free_rows(), []
         while self.waiting and len(free) >= self.waiting[0].sampling.n and \
-                len(self.reading) < MAX_PREFILL and self._pages_fit(self.waiting[0]):
+                self._room_to_read(self.waiting[0]) and self._pages_fit(self.waiting[0]):
             request = self.waiting[0]
             donor, read = self.prefix.match(request.prompt) if self.prefix else (None, 0)
             if self.prefix is not None and not request.cancelled and self.prefix.shared(
@@ -52,6 +62,13 @@ class Admission:
             admitted.append((request, rows))
         if admitted:
             self._seed_rows(admitted)
+
+    def _room_to_read(self, request: Request) -> bool:
+        """Whether this step's prefill reads one more prompt, ``request``'s (its first chunk
+        taken whole: a cached prefix only shortens it, so the shape stays one ``warm_up`` ran)."""
+        chunks = [min(self.chunk, len(r.request.prompt) - r.read) for r in self.reading]
+        longest = max(chunks + [min(self.chunk, len(request.prompt))])
+        return len(self.reading) < prompts_per_prefill(self._width(longest))
 
     def _pages_fit(self, request: Request) -> bool:
         """Whether the pages ``request`` may ever hold fit now (always, on slots), cached

@@ -20,6 +20,14 @@ def traced(model: nnx.Module, fn):
     return jax.eval_shape(lambda s: fn(nnx.merge(graphdef, s)), state)
 
 
+def on_devices(params: Any, mesh=None) -> Any:
+    """``params`` with each host (numpy) leaf put on the devices (replicated over ``mesh``): a
+    jitted step given a numpy array copies it to the devices at every call."""
+    sharding = None if mesh is None else NamedSharding(mesh, P())
+    return jax.tree.map(lambda x: jax.device_put(x, sharding) if isinstance(x, np.ndarray) else x,
+                        params)
+
+
 def vocab_size(model: nnx.Module, max_len: int, cache_dtype) -> int:
     """The width of the model's logits (a decode step traced, not run)."""
     logits = traced(model, lambda m: m.decode(

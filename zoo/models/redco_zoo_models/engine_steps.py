@@ -18,7 +18,7 @@ from redco_zoo_models.generation import pick_rows
 
 
 def prefill_rows(graphdef, slotted, params, cache, key_valid, logits, ids, lengths, starts,
-                 rows, copies, n_copies, context=None):
+                 rows, copies, n_copies, context=None, *, fresh_only: bool = False):
     """The engine's prefill, each prompt read from an offset into its own row: first, for
     ``j < n_copies[0]``, row ``copies[0, j]`` copied into row ``copies[1, j]`` (a cached
     prefix); then prompt ``p``'s tokens ``ids[p, :lengths[p]]`` read into row ``rows[p]`` at
@@ -28,7 +28,11 @@ def prefill_rows(graphdef, slotted, params, cache, key_valid, logits, ids, lengt
     copied into row ``copies[3, j]`` (a prompt's other samples). The rows are cut out of the
     cache and their slotted leaves padded by ``width`` slots, so that a chunk's padding never
     runs past ``max_len`` (where the model's write would be clamped onto real slots).
-    ``context``: an image model's pixels of each prompt's images (``engine_images``)."""
+    ``context``: an image model's pixels of each prompt's images (``engine_images``).
+    ``fresh_only`` (static: every prompt is read whole from slot 0, no chunk or cached prefix
+    goes on from slots a row holds): only a row's first ``width`` slots are read and written, its
+    ``key_valid`` past them cleared (what the slots there hold is masked), so a short prompt's
+    prefill costs its width, not ``max_len``."""
     width, max_len = ids.shape[1], key_valid.shape[1]
     state = copy_rows((cache, key_valid, logits), copies[0], copies[1], n_copies[0])
     cache, key_valid, logits = state
@@ -37,14 +41,18 @@ def prefill_rows(graphdef, slotted, params, cache, key_valid, logits, ids, lengt
     def take(x, has_slots):
         x = jnp.take(x, rows, axis=0, mode="clip")
         if has_slots:
-            return padded(x, width)
+            return x[:, :width] if fresh_only else padded(x, width)
         return jnp.where(fresh.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
     read, valid, last = read_prompts(graphdef, params, jax.tree.map(take, cache, slotted), ids,
-                                     lengths, starts, max_len, context)
+                                     lengths, starts, 0 if fresh_only else max_len, context)
 
-    def put(full, new, has_slots=True):
-        new = new[:, :max_len] if has_slots else new
-        return full.at[rows].set(new.astype(full.dtype), mode="drop")
+    def put(full, new, has_slots=True):  # (a fresh row's cache: its first width slots)
+        if not has_slots:
+            return full.at[rows].set(new.astype(full.dtype), mode="drop")
+        new = new[:, :max_len]
+        return full.at[rows, :new.shape[1]].set(new.astype(full.dtype), mode="drop")
+    if fresh_only:
+        valid = jnp.arange(max_len) < lengths[:, None]
     state = (jax.tree.map(put, cache, read, slotted), put(key_valid, valid),
              put(logits, last, False))
     return copy_rows(state, copies[2], copies[3], n_copies[1])
