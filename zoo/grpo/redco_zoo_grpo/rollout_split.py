@@ -8,8 +8,9 @@ any weight is loaded.
 
 * the *rollout side*, on the last N devices, at each decode tensor-parallel degree of N (or the
   one ``--decode_model_shards`` gives): the engine's decode step over its ``engine_rows`` rows,
-  one token (``decode_layout.compile_decode_step``), and its prefill of up to ``MAX_PREFILL``
-  prompts of the round's prompt width (``engine_steps.prefill_rows``);
+  one token (``decode_layout.compile_decode_step``), and its prefill of as many prompts of
+  the round's prompt width as the engine reads at once (``engine_admission.prompts_per_prefill``;
+  ``engine_steps.prefill_rows``);
 * the *update side*, on the first D - N devices at the run's ``n_model_shards``: GRPO's own
   train step (the pipeline's loss over ``per_device_batch_size`` rows of prompt + completion,
   TIS weights included) compiled as ``Trainer`` compiles it (``redco_planner.measure``).
@@ -61,7 +62,8 @@ from redco_zoo_models.decode_layout import (
     model_shard_degrees,
     peak_bytes,
 )
-from redco_zoo_models.engine import MAX_PREFILL
+from redco_zoo_models.engine_admission import prompts_per_prefill
+from redco_zoo_models.engine_reading import prefill_width
 
 FORWARD_SHARE = 1 / 3  # of a train step's cost, one forward pass (the scoring passes)
 
@@ -186,7 +188,8 @@ def rollout_side(model, params, devices: list, shape: RoundShape, usable: int, s
                  degrees: list[int]) -> Side:
     """The rollout side on ``devices``: of the decode ``degrees`` that fit, the fastest."""
     max_len = shape.prompt_len + shape.new_tokens
-    read = min(MAX_PREFILL, max(1, shape.engine_rows // shape.samples), shape.prompts)
+    read = min(prompts_per_prefill(prefill_width(shape.prompt_len, max_len)),
+               max(1, shape.engine_rows // shape.samples), shape.prompts)
     read = 1 << (read - 1).bit_length()  # the engine's prefill shapes: powers of two
     steps = math.ceil(shape.prompts * shape.samples * shape.new_tokens / shape.engine_rows)
     best, tried = Side(note="no decode degree fits"), []

@@ -59,12 +59,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-# (MAX_PREFILL: imported from here by redco_zoo_grpo.rollout_split)
-from redco_zoo_models.engine_admission import MAX_PREFILL, Admission, prompts_per_prefill  # noqa: F401
+from redco_zoo_models.engine_admission import Admission, prompts_per_prefill
 from redco_zoo_models.engine_images import check_images, image_slots, pixel_slots
 from redco_zoo_models.engine_memory import cache_sharding, on_devices, rows_sharding, vocab_size
 from redco_zoo_models.engine_paged import paged_decode, paged_prefill
-from redco_zoo_models.engine_reading import MIN_BUCKET, Reading, check_reading, chunk_batch
+from redco_zoo_models.engine_reading import (
+    Reading,
+    check_reading,
+    chunk_batch,
+    prefill_width,
+)
 from redco_zoo_models.engine_steps import decode_rows, prefill_rows, slotted_leaves
 from redco_zoo_models.page_prefix import PagePrefixCache
 from redco_zoo_models.pages import paging
@@ -331,7 +335,7 @@ class Engine(Admission):
 
     def _width(self, longest: int) -> int:
         """The padded width of a prefill whose longest prompt is ``longest`` tokens."""
-        return min(max(MIN_BUCKET, 1 << (longest - 1).bit_length()), self.max_len)
+        return prefill_width(longest, self.max_len)
 
     def _bucket(self, last_row: int) -> int:
         """The leading rows decoded when ``last_row`` is the last one running."""

@@ -22,6 +22,12 @@ from redco_zoo_models.requests import Request
 MIN_BUCKET = 16  # the shortest prefill shape
 
 
+def prefill_width(longest: int, max_len: int) -> int:
+    """The padded width of a prefill whose longest prompt (chunk) is ``longest`` tokens: a
+    power of two, at least ``MIN_BUCKET``, at most ``max_len`` (so that few shapes compile)."""
+    return min(max(MIN_BUCKET, 1 << (longest - 1).bit_length()), max_len)
+
+
 @dataclasses.dataclass(eq=False)
 class Reading:
     """A prompt being read into its rows, a chunk a step: ``read`` of its tokens are in its
