@@ -174,6 +174,16 @@ def test_async_grpo_on_two_processes_stopped_by_sigterm_then_killed_reruns_to_th
     assert_same_arrays(*(load_file(w / "model" / "model.safetensors") for w in (runs.cut, runs.two)))
 
 
+def test_a_split_that_process_0_cannot_plan_is_refused_by_every_process(grpo_two_processes):
+    """``auto`` on devices of 1 KB: process 0's planner finds no split and says why; process 1,
+    waiting for its pick, refuses too, naming process 0's log (before, it waited an hour at
+    the coordination service)."""
+    workdir = grpo_two_processes / "async_no_split"
+    codes, logs = on_two(workdir, "--rollout_devices", "auto", "--device_memory", "1KB")
+    assert "hung" not in codes and 0 not in codes, logs
+    assert "--rollout_devices auto: process 0 found no split (its log says why)" in logs, logs
+
+
 def test_processes_split_their_devices_alike_and_bad_counts_are_refused(monkeypatch):
     """With 2 processes of 4 devices, ``--rollout_devices 4`` takes each process's last 2 and
     the trainer the first 2 of each; a count that is no multiple of the processes, or leaves a

@@ -21,7 +21,8 @@ PPO every iteration (4 of 16 updates, one compiled call each); and at the end.
 * ``--sigkill N``: process 0 (the coordinator) dies by SIGKILL at the N-th point of this run
   (the same kinds of points; the test picks the first after a boundary that saved, whose write
   then runs in the background; async GRPO waits there for that write to be in place).
-* ``--rollout_devices`` (async GRPO): its ``--rollout_devices`` (default 2).
+* ``--rollout_devices`` (async GRPO): its ``--rollout_devices`` (default 2); ``--device_memory``
+  its ``--device_memory`` (``auto``'s planner: 1GB unless given).
 * ``--held N`` (GRPO): process 0 holds its background write of ``step_N`` and dies by SIGKILL
   at the end of update N + 1 (``bg_ckpt_worker.py``'s ``held:N``).
 
@@ -214,7 +215,8 @@ def async_grpo(workdir: str, points: Points):
         points.settle()
         return regex_match(*args, **kwargs)
     rewards.BUILT_IN["regex_match"] = counted
-    redco_main(grpo_async(pathlib.Path(workdir).parent, workdir, 8, points.rollout)[3:])
+    memory = ["--device_memory", points.device_memory] if points.device_memory else []
+    redco_main(grpo_async(pathlib.Path(workdir).parent, workdir, 8, points.rollout)[3:] + memory)
 
 
 LOOPS = {"fedavg": fedavg, "grpo": grpo, "async_grpo": async_grpo, "maml": maml, "ppo": ppo}
@@ -228,7 +230,7 @@ def run(loop: str, workdir: str, args: argparse.Namespace) -> None:
     jax.config.update("jax_default_matmul_precision",
                       None if loop.endswith("grpo") else "highest")
     points = Points(workdir, args.process_id, args.sigterm, args.sigkill, args.held)
-    points.rollout = args.rollout_devices
+    points.rollout, points.device_memory = args.rollout_devices, args.device_memory
     redco.plugins.pm.register(points)
     try:
         result = LOOPS[loop](workdir, points)
@@ -250,6 +252,7 @@ def main() -> None:
     parser.add_argument("--sigkill", type=int)
     parser.add_argument("--held", type=int)
     parser.add_argument("--rollout_devices", default="2", help="async_grpo's")
+    parser.add_argument("--device_memory", help="async_grpo's (the planner's memory a device)")
     args = parser.parse_args()
     os.environ.update(REDCO_N_PROCESSES="2", REDCO_HOST0_ADDRESS="127.0.0.1",
                       REDCO_HOST0_PORT=str(args.port), REDCO_PROCESS_ID=str(args.process_id))

@@ -110,15 +110,24 @@ class AfterJoin:
 
         from redco import _private
         from redco_zoo_grpo.async_rollouts import rollout_devices
-        first = jax.process_index() == 0
+        first, failed = jax.process_index() == 0, None
         if first:
-            self.config = planned(self.config, self.prompt_len, self.loss_fn, self.said.append,
-                                  self.speed, devices)
+            try:
+                self.config = planned(self.config, self.prompt_len, self.loss_fn,
+                                      self.said.append, self.speed, devices)
+            except Exception as e:  # (every process must still reach the broadcast below)
+                failed = e
         _private.wait_at_barrier(_private.coordination_client(), "redco-grpo/rollout-split",
                                  PLAN_TIMEOUT_MS)
         run = self.config.task
-        pick = [run.asynchronous.rollout_devices, run.decode_model_shards] if first else [0, 0]
+        pick = [-1, -1] if failed else \
+            [run.asynchronous.rollout_devices, run.decode_model_shards] if first else [0, 0]
         n, mp = (int(x) for x in multihost_utils.broadcast_one_to_all(np.array(pick, np.int32)))
+        if failed:
+            raise failed
+        if n < 0:
+            raise UsageError("--rollout_devices auto: process 0 found no split (its log says "
+                             "why); give --rollout_devices N, a multiple of the processes.")
         self.config = with_split(self.config, n, mp)
         return rollout_devices(n, devices=devices)[0]
 
