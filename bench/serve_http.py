@@ -48,15 +48,36 @@ def start_server(model_dir: str, args) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the server exited before serving")
 
 
-def save_chat_model(path: str, preset: str | None) -> str:
-    """A chat model directory of the word tokenizer: the tiny LLaMA, or ``preset``'s shape."""
+def save_chat_model(path: str, preset: str | None, shape: dict[str, int]) -> str:
+    """A chat model directory of the word tokenizer: the tiny LLaMA, ``preset``'s shape, or
+    the tiny LLaMA with ``shape``'s config entries (e.g. ``hidden_size``) replaced."""
     from redco_zoo_models import LLAMA_PRESETS
     from redco_zoo_models.toy import save_tiny_chat_model
-    if preset is None:
+    if preset is None and not shape:
         return save_tiny_chat_model(path, WORDS)
-    shape = {k: v for k, v in LLAMA_PRESETS[preset].items() if k != "vocab_size"}
+    if preset is not None:
+        shape = {k: v for k, v in LLAMA_PRESETS[preset].items() if k != "vocab_size"}
     return save_tiny_chat_model(path, WORDS, family="llama-3.1", max_position_embeddings=4096,
                                 **shape)
+
+
+def model_name(args) -> str:
+    """The served model as the table's title names it."""
+    if args.preset:
+        return args.preset
+    if args.shape:
+        return f"llama ({', '.join(f'{k} {v}' for k, v in args.shape.items())})"
+    return "tiny_llama (width 64, 2 layers)"
+
+
+def config_entries(text: str) -> dict[str, int]:
+    """``--shape``'s ``key=value,...`` as config.json entries."""
+    try:
+        return {k: int(v) for k, v in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--shape {text!r}: write config entries as key=integer pairs joined by commas, "
+            "e.g. hidden_size=512,num_hidden_layers=8") from None
 
 
 CLIENTS = ThreadPoolExecutor(max(CONCURRENCY))  # the load generator's threads, made once
@@ -118,13 +139,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--preset", help="a LLAMA_PRESETS shape (e.g. llama-1b, random weights, "
                         "the word tokenizer's vocabulary) instead of the tiny model")
+    parser.add_argument("--shape", type=config_entries, default={},
+                        help="the tiny model's config entries to replace, key=value,... (e.g. "
+                        "hidden_size=512,intermediate_size=1024,num_hidden_layers=8)")
     args = parser.parse_args()
     print_provenance()
     import openai
 
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        model_dir = save_chat_model(os.path.join(tmp, "tiny"), args.preset)
+        model_dir = save_chat_model(os.path.join(tmp, "tiny"), args.preset, args.shape)
 
         def stage(what: str) -> None:
             print(f"[{time.perf_counter() - start:6.1f} s] {what}", flush=True)
@@ -156,7 +180,7 @@ def main() -> None:
             process.terminate()
             process.wait(timeout=120)
         one = statistics.median(serial)
-        print(f"{args.preset or 'tiny_llama (width 64, 2 layers)'}, {args.new} new tokens a "
+        print(f"{model_name(args)}, {args.new} new tokens a "
               f"request, --max_seqs {args.max_seqs} --max_len {args.max_len}; medians of "
               f"{args.rounds} rounds")
         print(f"{'at once':>8} {'HTTP tok/s':>11} {'vs 1 at a time':>15} {'engine alone tok/s':>19}"
