@@ -287,41 +287,28 @@ def deployer_of(config: RunConfig[GRPORun], join: auto_split.AfterJoin | None) -
     return deployer, join.config
 
 
-def train(config: RunConfig[GRPORun]) -> list[float]:
-    """The whole run; returns the greedy held-out rewards (before, during and after)."""
+def refuse_early(config: RunConfig[GRPORun]) -> None:
+    """What a GRPO run cannot do, refused before anything loads."""
     check_config(config, "train")
-    run, loop, source, seed = config.task, config.loop, config.source, config.jax_seed
+    run = config.task
     if config.layout.n_model_shards == "auto":
         raise UsageError("--n_model_shards auto: a GRPO run sizes its rounds by the data-parallel "
                          "size before anything trains, so the layout planner cannot pick it yet; "
                          "give a number of devices.")
-    algorithm = run.algorithm
     check_async(run.asynchronous, run.engine_rows, run.environment, run.decode_model_shards)
     n_rollout = run.asynchronous.rollout_devices
-    several = joins_processes()  # devices unknown until they join: checked by the meshes then
-    if not several:  # (refused before anything loads)
-        check_decode_degree(run.decode_model_shards)
+    if not joins_processes():  # (with several, devices are unknown until they join: checked
+        check_decode_degree(run.decode_model_shards)  # by the meshes then)
         if n_rollout not in (0, "auto"):
             rollout_devices(n_rollout)
-    make_env = run.environment and load_environment(run.environment)
     check_max_turns(run.max_turns)
-    reward_fn = load_reward_fn(run.reward)
-    tokenizer, prompts, held_out, images = load_prompts(config)
-    # auto: planned here, or with several processes once they joined (auto_split.AfterJoin)
-    join = auto_split.AfterJoin(config, len(prompts[0][0]["prompt_ids"]), loss_fn) \
-        if n_rollout == "auto" and several else None
-    config = config if join else auto_split.planned(config, len(prompts[0][0]["prompt_ids"]),
-                                                    loss_fn)
-    run = config.task
-    model, _ = runner.load_source(source, seed)
-    if images:
-        image_prompts.check_model(model, source.model, prompts[0], run.engine_rows)
-    turns_context = algorithm.max_new_tokens if make_env else 0  # a turn's context: the trajectory
-    check_context(model, len(prompts[0][0]["prompt_ids"]) + turns_context,
-                  algorithm.max_new_tokens)
-    deployer, config = deployer_of(config, join)
-    run = config.task
-    n_rounds = rounds_of(run, loop, deployer, len(prompts[0]))
+
+
+def make_grpo(config: RunConfig[GRPORun], model, tokenizer, deployer: Deployer, n_rounds: int,
+              make_env, reward_fn):
+    """The trainer (LoRA or full, the model's own rules) and its GRPO loop, single- or
+    multi-turn."""
+    run, loop, seed, algorithm = config.task, config.loop, config.jax_seed, config.task.algorithm
     apply_fn, params, trainable = runner.split_for_training(model, config.lora, seed, deployer)
     lr = deployer.get_lr_schedule_fn(n_rounds * run.prompts_per_round * algorithm.n_samples,
                                      loop.per_device_batch_size, algorithm.n_updates,
@@ -331,15 +318,41 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
     trainer = Trainer(deployer, collate_fn, apply_fn, partial(loss_fn, **algorithm.loss_kwargs()),
                       params, optimizer, lr_schedule_fn=lr, trainable=trainable,
                       params_sharding_rules=runner.params_rules(model, params, deployer))
-    grpo = GRPO(trainer, model, tokenizer, pred_fn, reward_fn, algorithm,
+    if make_env:
+        return MultiTurnGRPO(trainer, model, tokenizer, pred_fn, reward_fn, algorithm,
+                             loop.per_device_batch_size, make_env=make_env,
+                             max_turns=run.max_turns)
+    return GRPO(trainer, model, tokenizer, pred_fn, reward_fn, algorithm,
                 loop.per_device_batch_size, run.engine_rows, run.decode_model_shards,
-                run.asynchronous) \
-        if not make_env else MultiTurnGRPO(
-            trainer, model, tokenizer, pred_fn, reward_fn, algorithm, loop.per_device_batch_size,
-            make_env=make_env, max_turns=run.max_turns)
+                run.asynchronous)
+
+
+def train(config: RunConfig[GRPORun]) -> list[float]:
+    """The whole run; returns the greedy held-out rewards (before, during and after)."""
+    refuse_early(config)
+    source, seed = config.source, config.jax_seed
+    make_env = config.task.environment and load_environment(config.task.environment)
+    reward_fn = load_reward_fn(config.task.reward)
+    tokenizer, prompts, held_out, images = load_prompts(config)
+    prompt_width = len(prompts[0][0]["prompt_ids"])
+    # auto: planned here, or with several processes once they joined (auto_split.AfterJoin)
+    join = auto_split.AfterJoin(config, prompt_width, loss_fn) \
+        if config.task.asynchronous.rollout_devices == "auto" and joins_processes() else None
+    config = config if join else auto_split.planned(config, prompt_width, loss_fn)
+    run, algorithm = config.task, config.task.algorithm
+    model, _ = runner.load_source(source, seed)
+    if images:
+        image_prompts.check_model(model, source.model, prompts[0], run.engine_rows)
+    turns_context = algorithm.max_new_tokens if make_env else 0  # a turn's context: the trajectory
+    check_context(model, prompt_width + turns_context, algorithm.max_new_tokens)
+    deployer, config = deployer_of(config, join)
+    run = config.task
+    n_rounds = rounds_of(run, config.loop, deployer, len(prompts[0]))
+    grpo = make_grpo(config, model, tokenizer, deployer, n_rounds, make_env, reward_fn)
     rewards = grpo.train(prompts, held_out, run.prompt_column, n_rounds, run.prompts_per_round,
-                         run.eval_every_n_rounds, seed, save_every_n_steps=loop.save_every_n_steps)
-    runner.save_trained(trainer, model, source.model)
+                         run.eval_every_n_rounds, seed,
+                         save_every_n_steps=config.loop.save_every_n_steps)
+    runner.save_trained(grpo.trainer, model, source.model)
     return rewards
 
 
