@@ -10,6 +10,9 @@ import pytest  # noqa: E402
 from planner_helpers import lm_examples, lm_model  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# The backends start here with those 8 devices, whatever test runs first: an in-process
+# ``redco plan --devices 1`` run before any jax operation would leave the whole suite on 1.
+assert jax.device_count() == 8, jax.devices()
 
 
 @pytest.fixture(autouse=True)
