@@ -107,11 +107,12 @@ def test_qwen_vl_answers_images_of_their_own_sizes_as_transformers_does(tmp_path
     start-up, and test_redco_serve_answers_an_image_as_transformers_does already runs the
     command): the openai client's two PNGs (24 x 32, 40 x 24: other grids, so other prompt
     lengths and M-RoPE deltas) are answered with transformers' greedy tokens; the processor
-    is the command's own (``image_processor``), the chat's placeholder Qwen's vision marks."""
+    is the command's own (``image_processor``), the chat's placeholder Qwen's vision marks; an
+    image of more patches than the engine pads to is a 400 naming ``--max_image_patches``."""
     model_dir = jiggled_llava(str(tmp_path / "qwen"), save_tiny_qwen_vl)
     model = from_pretrained(auto_class(model_dir), model_dir)
     engine = Engine(model, nnx.state(model, nnx.Param), max_seqs=1, max_len=64,
-                    max_image_patches=64).start()
+                    max_image_patches=60).start()  # (48 and 60 patches fit; 64 do not)
     app = build_app(engine, AutoTokenizer.from_pretrained(model_dir), "qwen", (), None,
                     image_processor(model_dir))
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0,
@@ -127,6 +128,9 @@ def test_qwen_vl_answers_images_of_their_own_sizes_as_transformers_does(tmp_path
                 model_dir, image, transformers.Qwen2_5_VLForConditionalGeneration,
                 "<|vision_start|><|image_pad|><|vision_end|>")
         assert answers[0] != answers[1] and all(answers)
+        with pytest.raises(openai.BadRequestError, match=r"give 64 patches; this engine pads "
+                                                         r"a prompt's to 60.*--max_image_patches"):
+            client.chat.completions.create(model="qwen", messages=ask(png_url(2, (32, 32))[0]))
     finally:
         engine.stop()
 
