@@ -197,8 +197,8 @@ def check_greedy(ours, theirs, batch):
 def engine_check(ours, batch, want):
     """The engine (``engine_images.PatchSlots``) on the batch's prompts unpadded, each with its
     own images' patches (60; 32 + 140) padded to one bucket of 256 in one prefill: the decode
-    steps' positions come from the delta each row keeps; a prompt over the bucket is refused
-    naming the option."""
+    steps' positions come from the delta each row keeps; a prompt over the bucket, images not
+    the processor's arrays, or grids that are not the prompt's image tokens are refused."""
     mask, grids = batch["attention_mask"] > 0, batch["image_grid_thw"]
     ends = np.cumsum(np.prod(grids, -1))
     split = np.split(batch["pixel_values"], ends[:-1])
@@ -214,6 +214,10 @@ def engine_check(ours, batch, want):
     with pytest.raises(ValueError, match="give 172 patches; this engine pads a prompt's to 160"
                                          ".*--max_image_patches"):
         dataclasses.replace(engine.images, patches=160).check(requests[1].prompt, images[1])
+    with pytest.raises(ValueError, match="give {'pixel_values', 'image_grid_thw'}"):
+        engine.submit(requests[1].prompt, Sampling(max_tokens=8), images=images[1]["pixel_values"])
+    with pytest.raises(ValueError, match="image tokens do not match image_grid_thw"):
+        engine.submit(requests[1].prompt, Sampling(max_tokens=8), images=images[0])
 
 
 def test_qwen_vl_export_loads_back_and_bad_inputs_are_refused(tmp_path, batch):

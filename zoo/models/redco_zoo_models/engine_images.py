@@ -53,6 +53,12 @@ class PatchSlots:
         """Refuse ``images`` that ``prompt`` cannot take, naming the fix."""
         if images is None:
             images = {"pixel_values": np.zeros((0, 1)), "image_grid_thw": np.zeros((0, 3))}
+        if not isinstance(images, dict) or {"pixel_values", "image_grid_thw"} - set(images):
+            raise ValueError("This model's images are its processor's patches: give "
+                             "{'pixel_values', 'image_grid_thw'} as the processor returns them.")
+        if self.cfg.video_token_id in prompt:
+            raise ValueError(f"The prompt holds video tokens (id {self.cfg.video_token_id}); "
+                             "the engine reads images, not videos: send each frame as an image.")
         pixels, grids = np.asarray(images["pixel_values"]), np.asarray(images["image_grid_thw"])
         width = self.cfg.vision.patch_features()
         if len(grids) > self.max_images:
