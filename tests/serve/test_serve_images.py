@@ -48,7 +48,7 @@ def ask(url: str) -> list[dict]:
                                          {"type": "text", "text": "what is this ?"}]}]
 
 
-def jiggled_llava(path: str, save=save_tiny_llava) -> str:
+def jiggled(path: str, save=save_tiny_llava) -> str:
     """A tiny LLaVA (or what ``save`` writes) with noise (std 0.3) on every weight: answers that
     differ with the image, not one token over and over as at its small initial scale."""
     model_dir = save(path, WORDS, seed=3)
@@ -80,7 +80,7 @@ def transformers_answer(model_dir: str, image: Image.Image,
 
 
 def test_redco_serve_answers_an_image_as_transformers_does(tmp_path):
-    model_dir = jiggled_llava(str(tmp_path / "llava"))
+    model_dir = jiggled(str(tmp_path / "llava"))
     # one row: the requests come one at a time (fewer decode shapes to warm up)
     server = Server(model_dir, "--max_images", "1", "--max_len", "96", "--max_seqs", "1")
     try:
@@ -109,7 +109,7 @@ def test_qwen_vl_answers_images_of_their_own_sizes_as_transformers_does(tmp_path
     lengths and M-RoPE deltas) are answered with transformers' greedy tokens; the processor
     is the command's own (``image_processor``), the chat's placeholder Qwen's vision marks; an
     image of more patches than the engine pads to is a 400 naming ``--max_image_patches``."""
-    model_dir = jiggled_llava(str(tmp_path / "qwen"), save_tiny_qwen_vl)
+    model_dir = jiggled(str(tmp_path / "qwen"), save_tiny_qwen_vl)
     model = from_pretrained(auto_class(model_dir), model_dir)
     engine = Engine(model, nnx.state(model, nnx.Param), max_seqs=1, max_len=64,
                     max_image_patches=60).start()  # (48 and 60 patches fit; 64 do not)

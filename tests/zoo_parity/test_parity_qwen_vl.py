@@ -7,7 +7,9 @@ back. M-RoPE's positions are checked against transformers' ``get_rope_index``, t
 window ids against transformers' window order. Qwen3-VL (learned positions, DeepStack,
 interleaved M-RoPE, a Qwen3 decoder) likewise on a real ``Qwen3VLProcessor``'s inputs, and
 Qwen3.5 (that tower without DeepStack over the Gated DeltaNet hybrid, M-RoPE on part of each
-attention head) on the same inputs."""
+attention head) on the same inputs. For each of the three, the serving engine's greedy tokens
+on the two prompts (read in one prefill, each image's patches padded to one bucket, each row's
+M-RoPE delta kept for its decode steps) are transformers' too (``engine_check``)."""
 import dataclasses
 import json
 
