@@ -1,7 +1,10 @@
 """``redco serve`` over a tiny LLaVA (``toy_vision``: its real ``LlavaProcessor``), asked by the
 real ``openai`` client with a PNG sent as a ``data:`` URL: its greedy answer is transformers'
 ``LlavaForConditionalGeneration.generate`` on the same image and prompt (the processor's own
-arrays). An unreadable image and an image sent to a text-only model are a 400 naming the fix."""
+arrays). An unreadable image and an image sent to a text-only model are a 400 naming the fix.
+A tiny Qwen2.5-VL (``toy_vision.save_tiny_qwen_vl``: its images at their own sizes, M-RoPE),
+served by the same app in this process, answers two images of other sizes as
+``Qwen2_5_VLForConditionalGeneration.generate`` does."""
 import base64
 import io
 
@@ -14,6 +17,7 @@ import transformers
 from flax import nnx
 from PIL import Image
 from redco_serve.app import build_app
+from redco_serve.command import image_processor
 from starlette.testclient import TestClient
 from test_serve import WORDS as TEXT_WORDS
 from test_serve import Server
@@ -23,7 +27,7 @@ from redco_zoo_models.engine import Engine
 from redco_zoo_models.engine_images import check_images, image_slots
 from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
 from redco_zoo_models.toy import save_tiny_chat_model
-from redco_zoo_models.toy_vision import save_tiny_llava
+from redco_zoo_models.toy_vision import save_tiny_llava, save_tiny_qwen_vl
 
 WORDS = ["system", "user", "assistant", "what", "is", "this", "?", "red", "green", "blue",
          "circle", "square", "a", "the"]
@@ -44,25 +48,27 @@ def ask(url: str) -> list[dict]:
                                          {"type": "text", "text": "what is this ?"}]}]
 
 
-def jiggled_llava(path: str) -> str:
-    """A tiny LLaVA with noise (std 0.3) on every weight: answers that differ with the image,
-    not one token over and over as at its small initial scale."""
-    model_dir = save_tiny_llava(path, WORDS, seed=3)
+def jiggled(path: str, save=save_tiny_llava) -> str:
+    """A tiny LLaVA (or what ``save`` writes) with noise (std 0.3) on every weight: answers that
+    differ with the image, not one token over and over as at its small initial scale."""
+    model_dir = save(path, WORDS, seed=3)
     model = from_pretrained(auto_class(model_dir), model_dir)
     leaves, tree = jax.tree.flatten(nnx.state(model, nnx.Param))
-    keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
-    nnx.update(model, jax.tree.unflatten(
-        tree, [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+    rng = np.random.default_rng(0)  # (on the host: no compile per weight shape)
+    nnx.update(model, jax.tree.unflatten(tree, [
+        x + 0.3 * rng.standard_normal(x.shape, np.float32) for x in leaves]))
     save_pretrained(model, model_dir)
     return model_dir
 
 
-def transformers_answer(model_dir: str, image: Image.Image) -> str:
+def transformers_answer(model_dir: str, image: Image.Image,
+                        family=transformers.LlavaForConditionalGeneration,
+                        placeholder="<image>") -> str:
     """transformers' greedy reply (``N_NEW`` tokens, past any EOS) to ``ask``."""
-    processor = transformers.AutoProcessor.from_pretrained(model_dir)
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
+    processor = image_processor(model_dir)  # (Qwen's: without its video processor)
+    model = family.from_pretrained(model_dir).eval()
     text = processor.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "<image>\nwhat is this ?"}], tokenize=False,
+        [{"role": "user", "content": placeholder + "\nwhat is this ?"}], tokenize=False,
         add_generation_prompt=True)
     inputs = processor(text=[text], images=[image], add_special_tokens=False,
                        return_tensors="pt")
@@ -74,7 +80,7 @@ def transformers_answer(model_dir: str, image: Image.Image) -> str:
 
 
 def test_redco_serve_answers_an_image_as_transformers_does(tmp_path):
-    model_dir = jiggled_llava(str(tmp_path / "llava"))
+    model_dir = jiggled(str(tmp_path / "llava"))
     # one row: the requests come one at a time (fewer decode shapes to warm up)
     server = Server(model_dir, "--max_images", "1", "--max_len", "96", "--max_seqs", "1")
     try:
@@ -94,6 +100,39 @@ def test_redco_serve_answers_an_image_as_transformers_does(tmp_path):
                 "data:image/png;base64," + base64.b64encode(b"not a png").decode()))
     finally:
         server.close()
+
+
+def test_qwen_vl_answers_images_of_their_own_sizes_as_transformers_does(tmp_path):
+    """The app over a tiny Qwen2.5-VL's engine (in this process: a server process costs a
+    start-up, and test_redco_serve_answers_an_image_as_transformers_does already runs the
+    command): the openai client's two PNGs (24 x 32, 40 x 24: other grids, so other prompt
+    lengths and M-RoPE deltas) are answered with transformers' greedy tokens; the processor
+    is the command's own (``image_processor``), the chat's placeholder Qwen's vision marks; an
+    image of more patches than the engine pads to is a 400 naming ``--max_image_patches``."""
+    model_dir = jiggled(str(tmp_path / "qwen"), save_tiny_qwen_vl)
+    model = from_pretrained(auto_class(model_dir), model_dir)
+    engine = Engine(model, nnx.state(model, nnx.Param), max_seqs=1, max_len=64,
+                    max_image_patches=60).start()  # (48 and 60 patches fit; 64 do not)
+    app = build_app(engine, AutoTokenizer.from_pretrained(model_dir), "qwen", (), None,
+                    image_processor(model_dir))
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0,
+                           http_client=TestClient(app))
+    try:
+        answers = []
+        for seed, size in ((0, (24, 32)), (1, (40, 24))):
+            url, image = png_url(seed, size)
+            reply = client.chat.completions.create(
+                model="qwen", messages=ask(url), max_completion_tokens=N_NEW, temperature=0)
+            answers.append(reply.choices[0].message.content)
+            assert answers[-1] == transformers_answer(
+                model_dir, image, transformers.Qwen2_5_VLForConditionalGeneration,
+                "<|vision_start|><|image_pad|><|vision_end|>")
+        assert answers[0] != answers[1] and all(answers)
+        with pytest.raises(openai.BadRequestError, match=r"give 64 patches; this engine pads "
+                                                         r"a prompt's to 60.*--max_image_patches"):
+            client.chat.completions.create(model="qwen", messages=ask(png_url(2, (32, 32))[0]))
+    finally:
+        engine.stop()
 
 
 def test_an_image_to_a_text_model_is_refused_naming_the_fix(tmp_path):

@@ -284,8 +284,9 @@ def test_grpo_on_image_prompts_scores_with_the_samplers_log_probs(tiny, tmp_path
 
 
 def test_grpo_refuses_image_prompts_for_a_qwen_vl_naming_why(tiny_qwen, tmp_path, capsys):
-    """The engine does not place Qwen-VL's images (M-RoPE from each prompt's grids): GRPO on
-    image prompts refuses it in one line after loading, before compiling."""
+    """GRPO's rollouts and training step do not build Qwen-VL's M-RoPE positions from each
+    prompt's grids (the engine does): GRPO on image prompts refuses it in one line after
+    loading, before compiling."""
     write_colour_prompts(tmp_path / "prompts", 2, seed=2)
     with pytest.raises(SystemExit) as stop:
         main(["zoo", "run", "grpo", "--model", tiny_qwen, "--train",

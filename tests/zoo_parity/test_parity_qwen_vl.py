@@ -7,7 +7,10 @@ back. M-RoPE's positions are checked against transformers' ``get_rope_index``, t
 window ids against transformers' window order. Qwen3-VL (learned positions, DeepStack,
 interleaved M-RoPE, a Qwen3 decoder) likewise on a real ``Qwen3VLProcessor``'s inputs, and
 Qwen3.5 (that tower without DeepStack over the Gated DeltaNet hybrid, M-RoPE on part of each
-attention head) on the same inputs."""
+attention head) on the same inputs. For each of the three, the serving engine's greedy tokens
+on the two prompts (read in one prefill, each image's patches padded to one bucket, each row's
+M-RoPE delta kept for its decode steps) are transformers' too (``engine_check``)."""
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -39,6 +42,7 @@ from redco_zoo_models.qwen_vl import (
     QwenVLForConditionalGeneration,
 )
 from redco_zoo_models.qwen_vl_config import QwenVLConfig
+from redco_zoo_models.requests import Sampling
 from redco_zoo_models.toy import TINY_FAMILIES
 
 WORDS = ["<pad>", "<unk>", "<bos>", "what", "is", "in", "this", "picture", "?", "and"]
@@ -167,15 +171,16 @@ def test_qwen_vl_logits_match_transformers(models, batch):
 
 
 def test_qwen_vl_greedy_generation_matches_transformers(models, batch):
-    """Generated tokens placed by each row's M-RoPE delta: greedy tokens equal; the serving
-    engine refuses the model, naming why."""
+    """Generated tokens placed by each row's M-RoPE delta: greedy tokens equal, from generate
+    and from the serving engine (``check_greedy``)."""
     theirs, ours = models
     check_greedy(ours, theirs, batch)
-    with pytest.raises(NotImplementedError, match="M-RoPE positions come from each prompt's"):
-        Engine(ours, nnx.state(ours, nnx.Param), max_len=64)
 
 
 def check_greedy(ours, theirs, batch):
+    """transformers' greedy tokens (8, each row's M-RoPE delta nonzero) are ``generate``'s on
+    the left-padded batch, and the serving engine's on its two prompts read in one prefill
+    (``engine_check``)."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     encoder_inputs = {"pixel_values": jnp.asarray(batch["pixel_values"]),
                       "image_grid_thw": batch["image_grid_thw"], "input_ids": ids,
@@ -188,6 +193,33 @@ def check_greedy(ours, theirs, batch):
                      image_grid_thw=batch["image_grid_thw"],
                      mm_token_type_ids=batch["mm_token_type_ids"])
     np.testing.assert_array_equal(np.asarray(got), want)
+    engine_check(ours, batch, want)
+
+
+def engine_check(ours, batch, want):
+    """The engine (``engine_images.PatchSlots``) on the batch's prompts unpadded, each with its
+    own images' patches (60; 32 + 140) padded to one bucket of 256 in one prefill: the decode
+    steps' positions come from the delta each row keeps; a prompt over the bucket, images not
+    the processor's arrays, or grids that are not the prompt's image tokens are refused."""
+    mask, grids = batch["attention_mask"] > 0, batch["image_grid_thw"]
+    ends = np.cumsum(np.prod(grids, -1))
+    split = np.split(batch["pixel_values"], ends[:-1])
+    images = [{"pixel_values": np.concatenate(split[:1]), "image_grid_thw": grids[:1]},
+              {"pixel_values": np.concatenate(split[1:]), "image_grid_thw": grids[1:]}]
+    engine = Engine(ours, nnx.state(ours, nnx.Param), max_seqs=2, max_len=64,
+                    eos_token_ids=(EOS,), max_images=2, max_image_patches=256)
+    requests = [engine.submit(batch["input_ids"][b][mask[b]].tolist(), Sampling(max_tokens=8),
+                              images=images[b]) for b in range(2)]
+    engine.run_until_done(requests)
+    got = [r.samples[0].tokens + [0] * (8 - len(r.samples[0].tokens)) for r in requests]
+    np.testing.assert_array_equal(np.array(got), want)
+    with pytest.raises(ValueError, match="give 172 patches; this engine pads a prompt's to 160"
+                                         ".*--max_image_patches"):
+        dataclasses.replace(engine.images, patches=160).check(requests[1].prompt, images[1])
+    with pytest.raises(ValueError, match="give {'pixel_values', 'image_grid_thw'}"):
+        engine.submit(requests[1].prompt, Sampling(max_tokens=8), images=images[1]["pixel_values"])
+    with pytest.raises(ValueError, match="image tokens do not match image_grid_thw"):
+        engine.submit(requests[1].prompt, Sampling(max_tokens=8), images=images[0])
 
 
 def test_qwen_vl_export_loads_back_and_bad_inputs_are_refused(tmp_path, batch):
@@ -272,7 +304,7 @@ def test_qwen3_5_logits_greedy_tokens_and_export_match_transformers(tmp_path, ba
     attention layer turns half of each head by interleaved M-RoPE) on the Qwen3-VL processor's
     inputs: fp32 logits within 1e-4, the features to 1e-5 of their scale, greedy tokens, an
     export transformers loads back with the same logits; its checkpoint is read as its language
-    model unless images are asked for, and the serving engine refuses it, naming why."""
+    model unless images are asked for; the serving engine's greedy tokens too."""
     theirs = jiggle_torch(transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(
         vision_config=VISION3_5, text_config=TEXT3_5, image_token_id=IMAGE,
         video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)))
@@ -289,8 +321,6 @@ def test_qwen3_5_logits_greedy_tokens_and_export_match_transformers(tmp_path, ba
     got, deep = ours.image_features(jnp.asarray(batch3["pixel_values"]), batch3["image_grid_thw"])
     assert deep == [] and np.abs(np.asarray(got) - want).max() <= 1e-5 * np.abs(want).max()
     check_greedy(ours, theirs, batch3)
-    with pytest.raises(NotImplementedError, match="M-RoPE positions come from each prompt's"):
-        Engine(ours, nnx.state(ours, nnx.Param), max_len=64)
     save_pretrained(ours, str(tmp_path / "ours"))
     back = load_hf(transformers.Qwen3_5ForConditionalGeneration, tmp_path / "ours")
     text = back.config.text_config

@@ -61,8 +61,12 @@ class ServeCommand(Command):
                             "too: start-up (the warm-up's compiles) flat in depth, a copy of "
                             "the cache in and out of its stack each step")
         parser.add_argument("--max_images", type=int, default=1, help="images a chat request "
-                            "may hold, for an image + text model (LLaVA): each prefill "
-                            "carries this many image slots a prompt")
+                            "may hold, for an image + text model (LLaVA, Qwen-VL): each "
+                            "prefill carries this many image slots a prompt")
+        parser.add_argument("--max_image_patches", type=int, default=1024, help="Qwen-VL: "
+                            "the patches of a request's images (a 448 x 448 image at patch 14: "
+                            "1024), to which each prefill pads a prompt's: one shape whatever "
+                            "the images' sizes; more are refused")
 
     def run(self, args: argparse.Namespace) -> None:
         import uvicorn
@@ -141,7 +145,7 @@ def start_engine(args: argparse.Namespace):
                         eos_token_ids=eos, cache_dtype=cache_dtype, mesh=deployer.mesh,
                         prefill_chunk=args.prefill_chunk, prefix_caching=args.prefix_caching,
                         max_images=args.max_images, page_size=args.page_size,
-                        n_pages=args.n_pages)
+                        n_pages=args.n_pages, max_image_patches=args.max_image_patches)
     except ValueError as e:  # (a chunk that is no power of two; prefixes on a recurrent model)
         raise UsageError("--prefill_chunk / --prefix_caching / --max_images / --page_size: "
                          f"{e}") from e
@@ -171,14 +175,13 @@ def load_served(model_dir: str, quantize: str | None, adapter: str | None,
 
 
 def image_processor(model_dir: str):
-    """An image + text model's transformers processor (its image processor and placeholder)."""
-    from transformers import AutoProcessor
+    """An image + text model's transformers processor (its image processor and placeholder;
+    Qwen's without its video processor where this install cannot make one)."""
+    from redco_zoo_models.image_collate import load_processor
     try:
-        return AutoProcessor.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--model {model_dir}: an image + text model without a processor "
-                         f"that transformers reads ({e}): save its processor there "
-                         "(processor.save_pretrained(dir)).") from e
+        return load_processor(model_dir)
+    except UsageError as e:
+        raise UsageError(f"--model {e}") from e
 
 
 def memory_of(deployer) -> int:

@@ -1,10 +1,13 @@
-"""Chat messages with image parts, for ``redco serve`` over an image + text model (LLaVA).
+"""Chat messages with image parts, for ``redco serve`` over an image + text model (LLaVA,
+Qwen2.5-VL, Qwen3-VL, Qwen3.5).
 
 An image part is OpenAI's ``{"type": "image_url", "image_url": {"url": "data:image/png;
 base64,..."}}`` (or HuggingFace's ``{"type": "image", ...}``); it is decoded on the host
 (``redco_zoo_models.image_collate.chat_text_and_images``: the part becomes the processor's
-placeholder, ``<image>``, where it stands) and the chat, rendered by the chat template, goes
-through the model's own transformers processor, which resizes each image to the tower's size
+placeholder where it stands, LLaVA's ``<image>``, Qwen's ``<|vision_start|><|image_pad|>
+<|vision_end|>``: ``image_placeholder``) and the chat, rendered by the chat template, goes
+through the model's own transformers processor, which resizes each image (LLaVA's to the
+tower's size, Qwen's to multiples of its patches: their ``pixel_values`` and ``image_grid_thw``)
 and expands its placeholder into the image tokens. The engine's prefill places the images'
 features there (``redco_zoo_models.engine_images``). An image that cannot be read, a web URL,
 and an image sent to a text model are a 400 that names the fix.
@@ -16,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from redco_serve import openai_api as api
-from redco_zoo_models.image_collate import chat_text_and_images, read_image
+from redco_zoo_models.image_collate import chat_text_and_images, image_placeholder, read_image
 
 IMAGE_PARTS = ("image", "image_url")
 
@@ -29,18 +32,20 @@ def refuse_images(messages) -> None:
                                              IMAGE_PARTS for p in content):
             raise api.BadRequest("This model reads text only, and the messages hold an image "
                                  "part: send text content, or serve an image + text model "
-                                 "(LLaVA) with redco serve.", "messages")
+                                 "(LLaVA, Qwen-VL) with redco serve.", "messages")
 
 
 def chat_with_images(messages, processor,
-                     chat_text: Callable[[list, object], str]) -> tuple[list[int], np.ndarray]:
-    """``(prompt ids, pixels (n, 3, H, W))`` of a chat whose messages may hold image parts;
+                     chat_text: Callable[[list, object], str]) -> tuple[list[int], object]:
+    """``(prompt ids, images)`` of a chat whose messages may hold image parts (None without):
+    LLaVA's pixels (n, 3, H, W), Qwen's ``{"pixel_values", "image_grid_thw"}``;
     ``chat_text(messages, tokenizer)`` renders the chat (with the generation prompt)."""
     if not isinstance(messages, list):
         raise api.BadRequest("messages: give a non-empty list of {\"role\", \"content\"} "
                              "objects.", "messages")
     try:
-        flat, sources = chat_text_and_images(messages, processor.image_token, "messages")
+        flat, sources = chat_text_and_images(messages, image_placeholder(processor),
+                                             "messages")
         pictures = [read_image(s, "messages") for s in sources]
     except ValueError as e:
         raise api.BadRequest(str(e), "messages") from None
@@ -52,5 +57,10 @@ def chat_with_images(messages, processor,
                              "in the text.", "messages")
     out = processor(text=[text], images=pictures or None, add_special_tokens=False,
                     return_tensors="np")
-    pixels = np.asarray(out["pixel_values"], np.float32) if pictures else None
-    return np.asarray(out["input_ids"][0]).tolist(), pixels
+    ids = np.asarray(out["input_ids"][0]).tolist()
+    if not pictures:
+        return ids, None
+    pixels = np.asarray(out["pixel_values"], np.float32)
+    if "image_grid_thw" in out:  # (Qwen: patches of each image's own grid)
+        return ids, {"pixel_values": pixels, "image_grid_thw": np.asarray(out["image_grid_thw"])}
+    return ids, pixels

@@ -14,9 +14,10 @@ its prompt's image tokens) read the same images: the log-probabilities the train
 are the sampler's. ``image_mask`` marks the prompt's image tokens only: an image token the
 model samples in a completion was read as text by the sampler, and is by the trainer.
 
-Refused before anything compiles, naming why: a model whose images the engine does not place
-(Qwen2.5-VL and Qwen3-VL: their M-RoPE positions come from each prompt's grids; Gemma 3: its
-images attend both ways), a text model, multi-turn environments and asynchronous rollouts
+Refused before anything compiles, naming why: Qwen2.5-VL, Qwen3-VL and Qwen3.5 (the engine
+serves them, but the rollout's and the trainer's M-RoPE positions from each prompt's grids are
+not built here yet), a model whose images the engine does not place (Gemma 3: its images
+attend both ways), a text model, multi-turn environments and asynchronous rollouts
 (their prompts are text), and, for ``--engine_rows 0`` (``generate`` places a batch's images
 in order over its rows), prompts holding different numbers of images.
 """
@@ -103,9 +104,13 @@ def check_model(model, where: str, prompts: list[dict], engine_rows: int) -> Non
     prompts with different image counts (module docstring)."""
     if not hasattr(model, "encode_rows"):
         raise UsageError(f"--model {where} ({type(model).__name__}) does not read images the "
-                         "serving engine places: GRPO on image prompts runs LLaVA (Qwen-VL's "
-                         "rollouts need M-RoPE positions from each prompt's grids, not built "
-                         "yet); give a LLaVA model or text prompts.")
+                         "serving engine places: GRPO on image prompts runs LLaVA; give a LLaVA "
+                         "model or text prompts.")
+    if getattr(model, "dynamic_resolution", False):
+        raise UsageError(f"--model {where} ({type(model).__name__}): its M-RoPE positions come "
+                         "from each prompt's image grids, which GRPO's rollouts and training "
+                         "step do not build yet (redco serve does); give a LLaVA model or "
+                         "text prompts.")
     if unserved := model.unserved():
         raise UsageError(f"--model {where}: {unserved}")
     counts = {int(p["n_images"]) for p in prompts}

@@ -60,7 +60,7 @@ import numpy as np
 from flax import nnx
 
 from redco_zoo_models.engine_admission import Admission, prompts_per_prefill
-from redco_zoo_models.engine_images import check_images, image_slots, pixel_slots
+from redco_zoo_models.engine_images import check_images, image_context, image_slots
 from redco_zoo_models.engine_memory import cache_sharding, on_devices, rows_sharding, vocab_size
 from redco_zoo_models.engine_paged import paged_decode, paged_prefill
 from redco_zoo_models.engine_reading import (
@@ -84,7 +84,8 @@ class Engine(Admission):
     cache's rows and ``mp`` its key/value heads where they divide). ``prefill_chunk`` (a power
     of two >= 16): prompt tokens read a step at most (None: a prompt at once);
     ``prefix_caching``: prompts start after the longest cached prefix (``prefix_stats``). An
-    image + text model's prompts carry up to ``max_images`` images each (``engine_images``).
+    image + text model's prompts carry up to ``max_images`` images each (``engine_images``;
+    Qwen-VL's: their patches padded to ``max_image_patches`` a prompt).
     ``page_size``: the cache is a pool of ``n_pages`` pages of that many slots (default: as many
     slots as ``max_seqs x max_len``), taken as sequences grow (``pages``, ``engine_paged``)."""
 
@@ -92,10 +93,12 @@ class Engine(Admission):
                  max_len: int = 256, eos_token_ids: tuple[int, ...] = (),
                  cache_dtype=jnp.float32, mesh=None, steps_per_sync: int = 4,
                  prefill_chunk: int | None = None, prefix_caching: bool = False,
-                 max_images: int = 1, page_size: int | None = None, n_pages: int | None = None):
+                 max_images: int = 1, page_size: int | None = None, n_pages: int | None = None,
+                 max_image_patches: int = 1024):
         if unserved := getattr(model, "unserved", lambda: None)():  # (Gemma 3's images)
             raise NotImplementedError(unserved)
-        self.images = image_slots(model, max_images, prefill_chunk, prefix_caching)
+        self.images = image_slots(model, max_images, prefill_chunk, prefix_caching,
+                                  max_image_patches)
         at = getattr(model, "rereads_at", lambda: None)()
         if at is not None and at < max_len:
             raise ValueError(f"max_len={max_len} passes slot {at}, where this model's RoPE "
@@ -205,12 +208,12 @@ class Engine(Admission):
             raise RuntimeError("warm_up runs on an idle engine, before the first request.")
         reads = self._prefill_shapes()
         for count, width in reads:  # (rows past the last: no writes)
+            ids = np.zeros((count, width), np.int32)
             self.cache, self.key_valid, self.logits = self._prefill(
-                self.params, self.cache, self.key_valid, self.logits,
-                np.zeros((count, width), np.int32), np.ones(count, np.int32),
+                self.params, self.cache, self.key_valid, self.logits, ids, np.ones(count, np.int32),
                 np.zeros(count, np.int32), np.full(count, self.max_seqs, np.int32),
                 np.zeros((4, self.max_seqs), np.int32), np.zeros(2, np.int32),
-                *self._page_copies([]), *self._pixels([], count))
+                *self._page_copies([]), *self._pixels([], ids))
         buckets = sorted({self._bucket(row) for row in range(self.max_seqs)})
         spans = sorted({self._span(end) for end in range(self.max_len + 1)})
         for bucket, span in itertools.product(buckets, spans):
@@ -301,7 +304,7 @@ class Engine(Admission):
                                     self.max_seqs)
         self.cache, self.key_valid, self.logits = self._prefill(
             self.params, self.cache, self.key_valid, self.logits, *arrays, *self._page_copies(done),
-            *self._pixels([r.request for r in self.reading], len(arrays[0])))
+            *self._pixels([r.request for r in self.reading], arrays[0]))
         self.reading = [r for r in self.reading if r not in done]
         for r in done if self.prefix is not None else ():
             if self.pages is not None:
@@ -329,9 +332,10 @@ class Engine(Admission):
             span=span)
         return np.asarray(tokens), np.asarray(logprobs)
 
-    def _pixels(self, requests: list[Request], count: int) -> tuple:
-        """The prefill's last argument for an image model: its prompts' pixels; () else."""
-        return () if self.images is None else (pixel_slots(requests, count, self.images),)
+    def _pixels(self, requests: list[Request], ids) -> tuple:
+        """The prefill's last argument for an image model: its prompts' images (read as
+        ``ids``), ``engine_images.image_context``; () else."""
+        return () if self.images is None else (image_context(self.images, requests, ids),)
 
     def _width(self, longest: int) -> int:
         """The padded width of a prefill whose longest prompt is ``longest`` tokens."""

@@ -12,12 +12,23 @@ which the engine's prefill does not build yet) is refused by its ``unserved()``.
 images are checked when it is submitted: a text model given images, more than ``K`` images,
 pixels not of the tower's size, or image tokens that are not the images' features are refused
 naming the fix.
+
+Qwen2.5-VL, Qwen3-VL and Qwen3.5 (dynamic resolution: ``PatchSlots``) take each image at its
+own size: a request's images are the processor's ``pixel_values`` patches and
+``image_grid_thw``, padded in the prefill to ``max_image_patches`` a prompt (one bucket: one
+shape whatever the sizes; the padded patches masked, ``qwen_vl.padded_patches``), more refused
+naming the option. The prompt's M-RoPE positions and its delta are made on the host
+(``mrope.rope_index``); the prefill places the features (and Qwen3-VL's DeepStack ones) and
+keeps the delta in the row's cache, where the decode steps read it.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
+
+from redco_zoo_models.mrope import rope_index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +40,68 @@ class ImageSlots:
     per_image: int
 
 
-def image_slots(model, max_images: int, prefill_chunk: int | None,
-                prefix_caching: bool) -> ImageSlots | None:
+@dataclasses.dataclass(frozen=True)
+class PatchSlots:
+    """A Qwen-VL model's prompts (module docstring): up to ``max_images`` images whose patches
+    (all of a prompt's) are padded to ``patches``. A request's images: ``{"pixel_values"
+    (n, features), "image_grid_thw" (images, 3)}`` from the model's processor."""
+    cfg: Any
+    max_images: int
+    patches: int
+
+    def check(self, prompt: list[int], images) -> None:
+        """Refuse ``images`` that ``prompt`` cannot take, naming the fix."""
+        if images is None:
+            images = {"pixel_values": np.zeros((0, 1)), "image_grid_thw": np.zeros((0, 3))}
+        if not isinstance(images, dict) or {"pixel_values", "image_grid_thw"} - set(images):
+            raise ValueError("This model's images are its processor's patches: give "
+                             "{'pixel_values', 'image_grid_thw'} as the processor returns them.")
+        if self.cfg.video_token_id in prompt:
+            raise ValueError(f"The prompt holds video tokens (id {self.cfg.video_token_id}); "
+                             "the engine reads images, not videos: send each frame as an image.")
+        pixels, grids = np.asarray(images["pixel_values"]), np.asarray(images["image_grid_thw"])
+        width = self.cfg.vision.patch_features()
+        if len(grids) > self.max_images:
+            raise ValueError(f"The prompt has {len(grids)} images; this engine takes at most "
+                             f"{self.max_images} a prompt: send fewer, or start it with a "
+                             "larger max_images.")
+        if len(pixels) != int(np.prod(grids, -1).sum()) or len(pixels) and \
+                pixels.shape[1:] != (width,):
+            raise ValueError(f"The images' patches are {pixels.shape}, not the {grids.tolist()} "
+                             f"grids' patches of {width} features: make them with the model's "
+                             "processor.")
+        if len(pixels) > self.patches:
+            raise ValueError(f"The prompt's images give {len(pixels)} patches; this engine pads "
+                             f"a prompt's to {self.patches}: send smaller images, or start it "
+                             "with a larger max_image_patches (redco serve "
+                             "--max_image_patches).")
+        rope_index(np.asarray([prompt]), None, grids, self.cfg.image_token_id,
+                   self.cfg.vision.spatial_merge_size)  # (image tokens that are not the grids')
+
+    def context(self, requests: list, ids: np.ndarray) -> dict:
+        """The prefill's ``context`` (``QwenVLForConditionalGeneration.decode``): each prompt's
+        padded patches and layout, its M-RoPE positions (3, count, width) and delta."""
+        from redco_zoo_models.qwen_vl import padded_patches
+        rows, grids = [], []
+        for i in range(len(ids)):
+            images = requests[i].images if i < len(requests) else None
+            grid = np.zeros((0, 3), np.int64) if images is None else \
+                np.asarray(images["image_grid_thw"])
+            rows.append(padded_patches(None if images is None else images["pixel_values"],
+                                       grid, self.cfg, self.patches))
+            grids.append(grid)
+        mask = np.arange(ids.shape[1]) < np.array(
+            [len(r.prompt) for r in requests] + [0] * (len(ids) - len(requests)))[:, None]
+        positions, deltas = rope_index(ids, mask, np.concatenate(grids),
+                                       self.cfg.image_token_id,
+                                       self.cfg.vision.spatial_merge_size)
+        return {"pixels": np.stack([r[0] for r in rows]), "positions": positions,
+                "layout": {k: np.stack([r[1][k] for r in rows]) for k in rows[0][1]},
+                "deltas": deltas}
+
+
+def image_slots(model, max_images: int, prefill_chunk: int | None, prefix_caching: bool,
+                max_image_patches: int = 1024) -> ImageSlots | PatchSlots | None:
     """The image slots of ``model``'s prompts; None for a text model. Raises what the engine
     cannot do with an image model (module docstring)."""
     if not hasattr(model, "encode_rows"):
@@ -41,6 +112,9 @@ def image_slots(model, max_images: int, prefill_chunk: int | None,
                          "and --prefix_caching.")
     if max_images < 1:
         raise ValueError(f"max_images={max_images}: give at least 1 image a prompt.")
+    if getattr(model, "dynamic_resolution", False):
+        merge = model.cfg.vision.spatial_merge_size ** 2
+        return PatchSlots(model.cfg, max_images, -(-max_image_patches // merge) * merge)
     vision = model.cfg.vision
     return ImageSlots((max_images, vision.num_channels, vision.image_size, vision.image_size),
                       model.cfg.image_token_index, model.cfg.features_per_image())
@@ -48,6 +122,8 @@ def image_slots(model, max_images: int, prefill_chunk: int | None,
 
 def check_images(slots: ImageSlots | None, prompt: list[int], images) -> None:
     """Refuse ``images`` (n, 3, H, W) that ``prompt`` cannot take (module docstring)."""
+    if isinstance(slots, PatchSlots):
+        return slots.check(prompt, images)
     n = 0 if images is None else len(images)
     if slots is None:
         if n:
@@ -66,6 +142,14 @@ def check_images(slots: ImageSlots | None, prompt: list[int], images) -> None:
         raise ValueError(f"The prompt holds {found} image tokens (id {slots.token}) for {n} "
                          f"images x {slots.per_image}: build it with the model's processor "
                          "(one placeholder an image).")
+
+
+def image_context(slots, requests: list, ids: np.ndarray):
+    """The prefill's context of ``requests`` read as ``ids`` (count, width): ``PatchSlots``'
+    arrays, or LLaVA's pixels (``pixel_slots``); None for a text model."""
+    if isinstance(slots, PatchSlots):
+        return slots.context(requests, ids)
+    return pixel_slots(requests, len(ids), slots)
 
 
 def pixel_slots(requests: list, count: int, slots: ImageSlots | None):

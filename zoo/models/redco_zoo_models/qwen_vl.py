@@ -9,7 +9,9 @@ image token, in the language model's width; they replace those tokens' embedding
 (``image_text.ImageTextModel.embed``). The language model is the zoo's decoder (Qwen2, Qwen3
 or Qwen3.5's Gated DeltaNet hybrid, ``redco_zoo_models.qwen_vl_config``) with M-RoPE: its
 positions (3, B, T) are made on the host from the ids and the grids
-(``redco_zoo_models.mrope``), and generation places new tokens by each row's delta.
+(``redco_zoo_models.mrope``), and generation places new tokens by each row's delta (kept in
+the cache, ``init_cache``, for the serving engine's decode steps; its prefill's rows:
+``engine_images.PatchSlots``, each prompt's patches padded to one bucket, ``padded_patches``).
 Qwen3-VL's DeepStack features (one set per ``deepstack_visual_indexes`` block of the tower)
 are added to the decoder's hidden states at the image tokens after its first layers, in a
 prompt or a training row (not in the decode steps, which hold no image). A prompt whose image
@@ -56,6 +58,7 @@ class QwenVLForConditionalGeneration(ImageTextModel):
     """``__call__(input_ids, attention_mask, pixel_values, image_grid_thw)``: logits."""
     config_class = QwenVLConfig
     names_out = NAMES_OUT
+    dynamic_resolution = True  # (the serving engine's prompts: engine_images.PatchSlots)
 
     def __init__(self, cfg: QwenVLConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -151,23 +154,33 @@ class QwenVLForConditionalGeneration(ImageTextModel):
                              "prompt with the model's processor.")
 
     def decode(self, ids, key_valid, cache, cache_index, context=None):
-        """One generation step (``redco_zoo_models.generation``); ``context``: ``encode``'s."""
-        if context is None:
-            return self.language_model(ids, key_valid, cache, cache_index)
+        """One generation step (``redco_zoo_models.generation``); ``context``: ``encode``'s, or
+        the serving engine's prefill's (``engine_images.PatchSlots``: each prompt's padded
+        patches, layout, positions and delta). The cache keeps each row's delta (``init_cache``)
+        for the decode steps, which the engine runs without a context."""
+        layers, delta = cache["layers"], cache["delta"]
         deep = None
-        if isinstance(cache_index, int) and cache_index == 0:  # (the prompt)
+        if context is not None and "pixels" in context:  # (the engine's prefill, a row each)
+            features, deep = self.row_features(context["pixels"], context["layout"])
+            embeds, positions = self.embed(ids, features, True), context["positions"]
+            deep, delta = self.deepstack(ids, deep, per_row=True), context["deltas"]
+        elif context is not None and isinstance(cache_index, int) and cache_index == 0:
             embeds, positions = self.embed(ids, context["features"]), context["positions"]
-            deep = self.deepstack(ids, context["deepstack"])
+            deep, delta = self.deepstack(ids, context["deepstack"]), context["deltas"]
         else:
+            delta = delta if context is None else context["deltas"]
             embeds = self.language_model.model.embed(ids)
-            positions = decode_positions(key_valid, cache_index, ids.shape[1], context["deltas"])
-        return self.language_model(ids, key_valid, cache, cache_index, inputs_embeds=embeds,
-                                   positions=positions, deepstack=deep)
+            positions = decode_positions(key_valid, cache_index, ids.shape[1], delta)
+        logits, layers = self.language_model(ids, key_valid, layers, cache_index,
+                                             inputs_embeds=embeds, positions=positions,
+                                             deepstack=deep)
+        return logits, {"layers": layers, "delta": jnp.asarray(delta, jnp.int32)}
 
-    def unserved(self) -> str | None:
-        return (f"{type(self).__name__}: its M-RoPE positions come from each prompt's image "
-                "grids, which the serving engine's prefill does not build yet; generate() with "
-                "encoder_inputs=model.encode's arguments instead.")
+    def init_cache(self, batch: int, n_slots: int, dtype=jnp.float32) -> dict:
+        """The language model's cache and each row's M-RoPE delta (no slot axis: the engine
+        copies it with its row)."""
+        return {"layers": self.language_model.init_cache(batch, n_slots, dtype),
+                "delta": jnp.zeros(batch, jnp.int32)}
 
     def hf_tensors_in(self, tensors: dict) -> dict:
         for pattern, name in NAMES_IN:
@@ -207,3 +220,24 @@ class Qwen3_5VLForConditionalGeneration(Qwen3VLForConditionalGeneration):
 class Qwen3_5MoeVLForConditionalGeneration(Qwen3_5VLForConditionalGeneration):
     """Qwen3.5's MoE (``Qwen3_5MoeForConditionalGeneration``)."""
     config_class = Qwen3_5MoeVLConfig
+
+
+PADDED = {"frame": -1, "window": -1}  # (layout keys a padded patch differs in; others 0)
+
+
+def padded_patches(pixel_values, grids, cfg: QwenVLConfig, patches: int) -> tuple:
+    """``(pixel_values (patches, features), layout {key: (patches, ...)})``: one row's images'
+    patches (the processor's, their ``grids`` (images, 3); none: ``grids`` empty) then zeros,
+    and their ``cfg.LAYOUT``, a padded patch in frame and window -1 (attending to no real patch,
+    reading no position): ``row_features``' rows, so that one shape serves any images."""
+    pixels = np.zeros((patches, cfg.vision.patch_features()), np.float32)
+    if len(grids) == 0:
+        layout = cfg.LAYOUT(np.ones((1, 3), np.int64) * [1, 2, 2], cfg.vision)  # (its keys)
+        return pixels, {k: np.full((patches, *v.shape[1:]), PADDED.get(k, 0), v.dtype)
+                        for k, v in layout.items()}
+    pixels[:len(pixel_values)] = pixel_values
+    layout = {}
+    for key, value in cfg.LAYOUT(np.asarray(grids), cfg.vision).items():
+        layout[key] = np.full((patches, *value.shape[1:]), PADDED.get(key, 0), value.dtype)
+        layout[key][:len(value)] = value
+    return pixels, layout

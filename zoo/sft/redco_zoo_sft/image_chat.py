@@ -29,60 +29,15 @@ from typing import Any
 import numpy as np
 
 from redco.protocols import UsageError
-from redco_zoo_models.image_collate import chat_text_and_images, read_image
+from redco_zoo_models.image_collate import (  # noqa: F401 (load_processor: the pipelines')
+    chat_text_and_images,
+    load_processor,
+    read_image,
+)
 from redco_zoo_models.metrics import token_cross_entropy
 from redco_zoo_sft.chat import render, render_chat
 
 TOWER = "vision_tower/"  # the param paths frozen unless --train_vision_tower
-
-
-def load_processor(path: str):
-    """The transformers processor saved in the model directory ``path``, offline."""
-    from transformers import AutoProcessor
-    try:
-        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        processor = images_only_processor(path, e)
-    except AttributeError:  # (one whose video processor this install cannot make)
-        processor = images_only_processor(path, None)
-    if processor is None:
-        raise UsageError(f"{path}: no image processor there that transformers can read; "
-                         "save the model's processor with processor.save_pretrained(dir).")
-    if not hasattr(processor, "image_processor"):
-        raise UsageError(f"{path}: its processor is a {type(processor).__name__} without an "
-                         "image processor; save the model's own (LlavaProcessor, "
-                         "Gemma3Processor) with processor.save_pretrained(dir).")
-    if not getattr(processor.tokenizer, "chat_template", None):
-        processor.tokenizer.chat_template = getattr(processor, "chat_template", None)
-    return processor
-
-
-def images_only_processor(path: str, error: Exception | None):
-    """The processor ``processor_config.json`` names in ``path`` (Qwen2.5-VL's, Qwen3-VL's)
-    made of its image processor and tokenizer alone, where transformers cannot make its video
-    processor (it needs torchvision); None where there is no such file (``error``: why)."""
-    import json
-    import os
-
-    import transformers
-    from transformers import AutoImageProcessor, AutoTokenizer
-    try:
-        with open(os.path.join(path, "processor_config.json")) as f:
-            kind = getattr(transformers, json.load(f).get("processor_class", ""), None)
-    except (OSError, ValueError):
-        kind = None
-    if kind is None:
-        return None
-
-    class ImagesOnly(kind):
-        def __init__(self, image_processor, tokenizer, chat_template=None):
-            super().__init__(image_processor, tokenizer, chat_template=chat_template)
-    try:
-        return ImagesOnly(AutoImageProcessor.from_pretrained(path, local_files_only=True),
-                          AutoTokenizer.from_pretrained(path, local_files_only=True))
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{path}: its {kind.__name__} cannot be read ({error or e}); save "
-                         "the model's processor with processor.save_pretrained(dir).") from e
 
 
 def render_image_chat(processor, messages: list[dict], max_len: int, where: str,

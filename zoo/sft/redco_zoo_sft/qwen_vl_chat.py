@@ -31,9 +31,9 @@ from redco.protocols import UsageError
 from redco_zoo_models.image_collate import read_image
 from redco_zoo_models.metrics import token_cross_entropy
 from redco_zoo_models.mrope import rope_index
+from redco_zoo_models.qwen_vl import padded_patches
 
 TOWER = "visual/"  # the param paths frozen unless --train_vision_tower
-PADDED = {"frame": -1, "window": -1}  # (layout keys a padded patch differs in; others 0)
 
 
 def placeholder(processor) -> str:
@@ -56,25 +56,16 @@ def patches_per_row(examples: list[dict], merge: int, image_token: int) -> int:
 
 def row_patches(image_processor, sources: list, cfg, patches: int) -> tuple:
     """One row's ``(pixel_values (P, features), layout {key: (P, ...)}, grids (images, 3))``,
-    its images' patches then padding (module docstring)."""
-    width = cfg.vision.patch_features()
-    pixels = np.zeros((patches, width), np.float32)
+    its images' patches then padding (module docstring; ``qwen_vl.padded_patches``)."""
     if not sources:
-        layout = cfg.LAYOUT(np.ones((1, 3), np.int64) * [1, 2, 2], cfg.vision)  # (its keys)
-        return pixels, {k: np.full((patches, *v.shape[1:]), PADDED.get(k, 0), v.dtype)
-                        for k, v in layout.items()}, np.zeros((0, 3), np.int64)
+        return (*padded_patches(None, np.zeros((0, 3), np.int64), cfg, patches),
+                np.zeros((0, 3), np.int64))
     out = image_processor(images=[read_image(s, "a chat") for s in sources], return_tensors="np")
     real, grids = np.asarray(out["pixel_values"], np.float32), np.asarray(out["image_grid_thw"])
     if len(real) > patches:
         raise UsageError(f"a chat's images give {len(real)} patches, more than the run's "
                          f"{patches}: its images changed since the chats were read.")
-    pixels[:len(real)] = real
-    layout = {}
-    for key, value in cfg.LAYOUT(grids, cfg.vision).items():
-        padded = np.full((patches, *value.shape[1:]), PADDED.get(key, 0), value.dtype)
-        padded[:len(value)] = value
-        layout[key] = padded
-    return pixels, layout, grids
+    return (*padded_patches(real, grids, cfg, patches), grids)
 
 
 def collate_qwen_chats(examples: list[dict], image_processor, cfg, max_len: int, patches: int,
