@@ -2,6 +2,7 @@
 real ``openai`` client with a PNG sent as a ``data:`` URL: its greedy answer is transformers'
 ``LlavaForConditionalGeneration.generate`` on the same image and prompt (the processor's own
 arrays). An unreadable image and an image sent to a text-only model are a 400 naming the fix."""
+import argparse
 import base64
 import io
 
@@ -14,6 +15,7 @@ import transformers
 from flax import nnx
 from PIL import Image
 from redco_serve.app import build_app
+from redco_serve.command import ServeCommand, start_engine
 from starlette.testclient import TestClient
 from test_serve import WORDS as TEXT_WORDS
 from test_serve import Server
@@ -23,17 +25,17 @@ from redco_zoo_models.engine import Engine
 from redco_zoo_models.engine_images import check_images, image_slots
 from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
 from redco_zoo_models.toy import save_tiny_chat_model
-from redco_zoo_models.toy_vision import save_tiny_llava
+from redco_zoo_models.toy_vision import save_tiny_gemma3, save_tiny_llava
 
 WORDS = ["system", "user", "assistant", "what", "is", "this", "?", "red", "green", "blue",
          "circle", "square", "a", "the"]
 N_NEW = 6
 
 
-def png_url(seed: int, size=(40, 56)) -> tuple[str, Image.Image]:
-    """A random RGB PNG as a data: URL, and the image."""
+def png_url(seed: int, size=(40, 56), colour=None) -> tuple[str, Image.Image]:
+    """A random RGB PNG (or one of a single ``colour``) as a data: URL, and the image."""
     pixels = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
-    image = Image.fromarray(pixels)
+    image = Image.fromarray(pixels) if colour is None else Image.new("RGB", size, colour)
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode(), image
@@ -44,10 +46,10 @@ def ask(url: str) -> list[dict]:
                                          {"type": "text", "text": "what is this ?"}]}]
 
 
-def jiggled_llava(path: str) -> str:
-    """A tiny LLaVA with noise (std 0.3) on every weight: answers that differ with the image,
-    not one token over and over as at its small initial scale."""
-    model_dir = save_tiny_llava(path, WORDS, seed=3)
+def jiggled(path: str, save=save_tiny_llava) -> str:
+    """A tiny LLaVA (or ``save``'s model) with noise (std 0.3) on every weight: answers that
+    differ with the image, not one token over and over as at its small initial scale."""
+    model_dir = save(path, WORDS, seed=3)
     model = from_pretrained(auto_class(model_dir), model_dir)
     leaves, tree = jax.tree.flatten(nnx.state(model, nnx.Param))
     keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
@@ -57,13 +59,14 @@ def jiggled_llava(path: str) -> str:
     return model_dir
 
 
-def transformers_answer(model_dir: str, image: Image.Image) -> str:
+def transformers_answer(model_dir: str, image: Image.Image,
+                        family=transformers.LlavaForConditionalGeneration) -> str:
     """transformers' greedy reply (``N_NEW`` tokens, past any EOS) to ``ask``."""
     processor = transformers.AutoProcessor.from_pretrained(model_dir)
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
+    model = family.from_pretrained(model_dir).eval()
     text = processor.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "<image>\nwhat is this ?"}], tokenize=False,
-        add_generation_prompt=True)
+        [{"role": "user", "content": processor.image_token + "\nwhat is this ?"}],
+        tokenize=False, add_generation_prompt=True)
     inputs = processor(text=[text], images=[image], add_special_tokens=False,
                        return_tensors="pt")
     with torch.no_grad():
@@ -74,7 +77,7 @@ def transformers_answer(model_dir: str, image: Image.Image) -> str:
 
 
 def test_redco_serve_answers_an_image_as_transformers_does(tmp_path):
-    model_dir = jiggled_llava(str(tmp_path / "llava"))
+    model_dir = jiggled(str(tmp_path / "llava"))
     # one row: the requests come one at a time (fewer decode shapes to warm up)
     server = Server(model_dir, "--max_images", "1", "--max_len", "96", "--max_seqs", "1")
     try:
@@ -94,6 +97,45 @@ def test_redco_serve_answers_an_image_as_transformers_does(tmp_path):
                 "data:image/png;base64," + base64.b64encode(b"not a png").decode()))
     finally:
         server.close()
+
+
+def served_in_process(model_dir: str, *flags: str) -> openai.OpenAI:
+    """``redco serve``'s engine, processor and app as its command starts them (``start_engine``,
+    warm-up included), in this process: the openai client reaches the app through starlette's
+    test client (no server process to start). Close with ``.engine.stop()``."""
+    parser = argparse.ArgumentParser()
+    ServeCommand().add_arguments(parser)
+    args = parser.parse_args(["--model", model_dir, *flags])
+    engine, scorer, tokenizer, eos, processor = start_engine(args)
+    app = build_app(engine, tokenizer, "served", eos, scorer, processor)
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0,
+                           http_client=TestClient(app))
+    client.engine = engine
+    return client
+
+
+def test_redco_serve_answers_gemma3s_image_as_transformers_does(tmp_path):
+    """Gemma 3 (its real ``Gemma3Processor`` expanding ``<start_of_image>``; its image tokens
+    seen both ways in the engine's prefill, in a sliding layer of window 3 and a global one):
+    the openai client's chat with a PNG ``data:`` URL gets transformers'
+    ``Gemma3ForConditionalGeneration.generate`` reply, for two images that answer apart. (The
+    engine's tokens and log-probabilities for two image prompts in one prefill are checked
+    against transformers in test_parity_gemma3_vision.)"""
+    model_dir = jiggled(str(tmp_path / "gemma3"), save_tiny_gemma3)
+    client = served_in_process(model_dir, "--max_seqs", "1", "--max_len", "32")
+    try:
+        answers = []
+        for colour in ((0, 0, 0), (255, 0, 0)):  # (its random images all answer alike)
+            url, image = png_url(0, colour=colour)
+            reply = client.chat.completions.create(
+                model="served", messages=ask(url), max_completion_tokens=N_NEW, temperature=0,
+                extra_body={"ignore_eos": True})
+            answers.append(reply.choices[0].message.content)
+            assert answers[-1] == transformers_answer(
+                model_dir, image, transformers.Gemma3ForConditionalGeneration)
+        assert answers[0] != answers[1] and all(answers)
+    finally:
+        client.engine.stop()
 
 
 def test_an_image_to_a_text_model_is_refused_naming_the_fix(tmp_path):
