@@ -1,7 +1,11 @@
-"""``redco serve`` over a tiny LLaVA (``toy_vision``: its real ``LlavaProcessor``), asked by the
+"""``redco serve`` over a tiny LLaVA (``toy_vision``: its real ``LlavaProcessor``) and a tiny
+Gemma 3 (its real ``Gemma3Processor``; image tokens seen both ways in the prefill), asked by the
 real ``openai`` client with a PNG sent as a ``data:`` URL: its greedy answer is transformers'
-``LlavaForConditionalGeneration.generate`` on the same image and prompt (the processor's own
-arrays). An unreadable image and an image sent to a text-only model are a 400 naming the fix."""
+``generate`` on the same image and prompt (the processor's own arrays). The servers run in
+this process (``served_in_process``: the command's ``start_engine`` and ``build_app``, reached
+through starlette's test client): ``redco serve`` as a process, its socket and its HTTP
+server are tested in test_serve.py. An unreadable image and an image sent to a text-only
+model are a 400 naming the fix."""
 import argparse
 import base64
 import io
@@ -18,7 +22,6 @@ from redco_serve.app import build_app
 from redco_serve.command import ServeCommand, start_engine
 from starlette.testclient import TestClient
 from test_serve import WORDS as TEXT_WORDS
-from test_serve import Server
 from transformers import AutoTokenizer
 
 from redco_zoo_models.engine import Engine
@@ -79,13 +82,14 @@ def transformers_answer(model_dir: str, image: Image.Image,
 def test_redco_serve_answers_an_image_as_transformers_does(tmp_path):
     model_dir = jiggled(str(tmp_path / "llava"))
     # one row: the requests come one at a time (fewer decode shapes to warm up)
-    server = Server(model_dir, "--max_images", "1", "--max_len", "96", "--max_seqs", "1")
+    client = served_in_process(model_dir, "--max_images", "1", "--max_len", "96", "--max_seqs",
+                               "1", "--n_model_shards", "2")
     try:
         answers = []
         for seed in (0, 2):  # two images of other sizes (40 x 56, 56 x 56)
             url, image = png_url(seed, size=(40 + 8 * seed, 56))
-            reply = server.client.chat.completions.create(
-                model="llava", messages=ask(url), max_completion_tokens=N_NEW, temperature=0,
+            reply = client.chat.completions.create(
+                model="served", messages=ask(url), max_completion_tokens=N_NEW, temperature=0,
                 extra_body={"ignore_eos": True})
             answers.append(reply.choices[0].message.content)
             assert answers[-1] == transformers_answer(model_dir, image)
@@ -93,10 +97,10 @@ def test_redco_serve_answers_an_image_as_transformers_does(tmp_path):
         # blue a a": the image is read)
         with pytest.raises(openai.BadRequestError, match=r"the data: URL's image cannot be "
                                                          r"read .* give a PNG or JPEG"):
-            server.client.chat.completions.create(model="llava", messages=ask(
+            client.chat.completions.create(model="served", messages=ask(
                 "data:image/png;base64," + base64.b64encode(b"not a png").decode()))
     finally:
-        server.close()
+        client.engine.stop()
 
 
 def served_in_process(model_dir: str, *flags: str) -> openai.OpenAI:
