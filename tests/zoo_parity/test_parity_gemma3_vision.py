@@ -127,9 +127,12 @@ def check_engine(ours, batch, want):
     assert len(set(map(len, prompts))) == 2  # (the shorter one is padded in the prefill)
     engine = Engine(ours, nnx.state(ours, nnx.Param), max_seqs=2, max_len=32,
                     eos_token_ids=(EOS,), steps_per_sync=8)
+    read, prefill = [], engine._prefill  # (the prompts each prefill reads)
+    engine._prefill = lambda *args: read.append(len(args[4])) or prefill(*args)
     requests = [engine.submit(prompt, Sampling(max_tokens=want.shape[1]), images=pixels[i:i + 1])
                 for i, prompt in enumerate(prompts)]
     engine.run_until_done(requests)
+    assert read == [2]  # both prompts in one prefill
     samples = [r.samples[0] for r in requests]
     got = [s.tokens + [0] * (want.shape[1] - len(s.tokens)) for s in samples]
     np.testing.assert_array_equal(np.array(got), want)
