@@ -19,7 +19,7 @@ import transformers
 from flax import nnx
 from PIL import Image
 from redco_serve.app import build_app
-from redco_serve.command import ServeCommand, start_engine
+from redco_serve.command import ServeCommand, image_processor, start_engine
 from starlette.testclient import TestClient
 from test_serve import WORDS as TEXT_WORDS
 from transformers import AutoTokenizer
@@ -50,26 +50,27 @@ def ask(url: str) -> list[dict]:
 
 
 def jiggled(path: str, save=save_tiny_llava) -> str:
-    """A tiny LLaVA (or ``save``'s model) with noise (std 0.3) on every weight: answers that
+    """A tiny LLaVA (or what ``save`` writes) with noise (std 0.3) on every weight: answers that
     differ with the image, not one token over and over as at its small initial scale."""
     model_dir = save(path, WORDS, seed=3)
     model = from_pretrained(auto_class(model_dir), model_dir)
     leaves, tree = jax.tree.flatten(nnx.state(model, nnx.Param))
-    keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
-    nnx.update(model, jax.tree.unflatten(
-        tree, [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+    rng = np.random.default_rng(0)  # (on the host: no compile per weight shape)
+    nnx.update(model, jax.tree.unflatten(tree, [
+        x + 0.3 * rng.standard_normal(x.shape, np.float32) for x in leaves]))
     save_pretrained(model, model_dir)
     return model_dir
 
 
 def transformers_answer(model_dir: str, image: Image.Image,
-                        family=transformers.LlavaForConditionalGeneration) -> str:
+                        family=transformers.LlavaForConditionalGeneration,
+                        placeholder="<image>") -> str:
     """transformers' greedy reply (``N_NEW`` tokens, past any EOS) to ``ask``."""
-    processor = transformers.AutoProcessor.from_pretrained(model_dir)
+    processor = image_processor(model_dir)  # (Qwen's: without its video processor)
     model = family.from_pretrained(model_dir).eval()
     text = processor.tokenizer.apply_chat_template(
-        [{"role": "user", "content": processor.image_token + "\nwhat is this ?"}],
-        tokenize=False, add_generation_prompt=True)
+        [{"role": "user", "content": placeholder + "\nwhat is this ?"}], tokenize=False,
+        add_generation_prompt=True)
     inputs = processor(text=[text], images=[image], add_special_tokens=False,
                        return_tensors="pt")
     with torch.no_grad():
@@ -136,7 +137,8 @@ def test_redco_serve_answers_gemma3s_image_as_transformers_does(tmp_path):
                 extra_body={"ignore_eos": True})
             answers.append(reply.choices[0].message.content)
             assert answers[-1] == transformers_answer(
-                model_dir, image, transformers.Gemma3ForConditionalGeneration)
+                model_dir, image, transformers.Gemma3ForConditionalGeneration,
+                "<start_of_image>")
         assert answers[0] != answers[1] and all(answers)
     finally:
         client.engine.stop()
