@@ -93,7 +93,7 @@ class Engine(Admission):
                  cache_dtype=jnp.float32, mesh=None, steps_per_sync: int = 4,
                  prefill_chunk: int | None = None, prefix_caching: bool = False,
                  max_images: int = 1, page_size: int | None = None, n_pages: int | None = None):
-        if unserved := getattr(model, "unserved", lambda: None)():  # (its reason)
+        if unserved := getattr(model, "unserved", lambda: None)():  # (Gemma 3's images)
             raise NotImplementedError(unserved)
         self.images = image_slots(model, max_images, prefill_chunk, prefix_caching)
         at = getattr(model, "rereads_at", lambda: None)()
