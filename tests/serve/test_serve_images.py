@@ -1,10 +1,14 @@
-"""``redco serve`` over a tiny LLaVA (``toy_vision``: its real ``LlavaProcessor``), asked by the
+"""``redco serve`` over a tiny LLaVA (``toy_vision``: its real ``LlavaProcessor``) and a tiny
+Gemma 3 (its real ``Gemma3Processor``; image tokens seen both ways in the prefill), asked by the
 real ``openai`` client with a PNG sent as a ``data:`` URL: its greedy answer is transformers'
-``LlavaForConditionalGeneration.generate`` on the same image and prompt (the processor's own
-arrays). An unreadable image and an image sent to a text-only model are a 400 naming the fix.
-A tiny Qwen2.5-VL (``toy_vision.save_tiny_qwen_vl``: its images at their own sizes, M-RoPE),
-served by the same app in this process, answers two images of other sizes as
-``Qwen2_5_VLForConditionalGeneration.generate`` does."""
+``generate`` on the same image and prompt (the processor's own arrays). A tiny Qwen2.5-VL
+(``toy_vision.save_tiny_qwen_vl``: its images at their own sizes, M-RoPE) answers two images of
+other sizes as ``Qwen2_5_VLForConditionalGeneration.generate`` does. The servers run in this
+process (``served_in_process``: the command's ``start_engine`` and ``build_app``, reached
+through starlette's test client): ``redco serve`` as a process, its socket and its HTTP
+server are tested in test_serve.py. An unreadable image and an image sent to a text-only
+model are a 400 naming the fix."""
+import argparse
 import base64
 import io
 
@@ -17,27 +21,26 @@ import transformers
 from flax import nnx
 from PIL import Image
 from redco_serve.app import build_app
-from redco_serve.command import image_processor
+from redco_serve.command import ServeCommand, image_processor, start_engine
 from starlette.testclient import TestClient
 from test_serve import WORDS as TEXT_WORDS
-from test_serve import Server
 from transformers import AutoTokenizer
 
 from redco_zoo_models.engine import Engine
 from redco_zoo_models.engine_images import check_images, image_slots
 from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
 from redco_zoo_models.toy import save_tiny_chat_model
-from redco_zoo_models.toy_vision import save_tiny_llava, save_tiny_qwen_vl
+from redco_zoo_models.toy_vision import save_tiny_gemma3, save_tiny_llava, save_tiny_qwen_vl
 
 WORDS = ["system", "user", "assistant", "what", "is", "this", "?", "red", "green", "blue",
          "circle", "square", "a", "the"]
 N_NEW = 6
 
 
-def png_url(seed: int, size=(40, 56)) -> tuple[str, Image.Image]:
-    """A random RGB PNG as a data: URL, and the image."""
+def png_url(seed: int, size=(40, 56), colour=None) -> tuple[str, Image.Image]:
+    """A random RGB PNG (or one of a single ``colour``) as a data: URL, and the image."""
     pixels = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
-    image = Image.fromarray(pixels)
+    image = Image.fromarray(pixels) if colour is None else Image.new("RGB", size, colour)
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode(), image
@@ -82,13 +85,14 @@ def transformers_answer(model_dir: str, image: Image.Image,
 def test_redco_serve_answers_an_image_as_transformers_does(tmp_path):
     model_dir = jiggled(str(tmp_path / "llava"))
     # one row: the requests come one at a time (fewer decode shapes to warm up)
-    server = Server(model_dir, "--max_images", "1", "--max_len", "96", "--max_seqs", "1")
+    client = served_in_process(model_dir, "--max_images", "1", "--max_len", "96", "--max_seqs",
+                               "1", "--n_model_shards", "2")
     try:
         answers = []
         for seed in (0, 2):  # two images of other sizes (40 x 56, 56 x 56)
             url, image = png_url(seed, size=(40 + 8 * seed, 56))
-            reply = server.client.chat.completions.create(
-                model="llava", messages=ask(url), max_completion_tokens=N_NEW, temperature=0,
+            reply = client.chat.completions.create(
+                model="served", messages=ask(url), max_completion_tokens=N_NEW, temperature=0,
                 extra_body={"ignore_eos": True})
             answers.append(reply.choices[0].message.content)
             assert answers[-1] == transformers_answer(model_dir, image)
@@ -96,33 +100,67 @@ def test_redco_serve_answers_an_image_as_transformers_does(tmp_path):
         # blue a a": the image is read)
         with pytest.raises(openai.BadRequestError, match=r"the data: URL's image cannot be "
                                                          r"read .* give a PNG or JPEG"):
-            server.client.chat.completions.create(model="llava", messages=ask(
+            client.chat.completions.create(model="served", messages=ask(
                 "data:image/png;base64," + base64.b64encode(b"not a png").decode()))
     finally:
-        server.close()
+        client.engine.stop()
+
+
+def served_in_process(model_dir: str, *flags: str) -> openai.OpenAI:
+    """``redco serve``'s engine, processor and app as its command starts them (``start_engine``,
+    warm-up included), in this process: the openai client reaches the app through starlette's
+    test client (no server process to start). Close with ``.engine.stop()``."""
+    parser = argparse.ArgumentParser()
+    ServeCommand().add_arguments(parser)
+    args = parser.parse_args(["--model", model_dir, *flags])
+    engine, scorer, tokenizer, eos, processor = start_engine(args)
+    app = build_app(engine, tokenizer, "served", eos, scorer, processor)
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0,
+                           http_client=TestClient(app))
+    client.engine = engine
+    return client
+
+
+def test_redco_serve_answers_gemma3s_image_as_transformers_does(tmp_path):
+    """Gemma 3 (its real ``Gemma3Processor`` expanding ``<start_of_image>``; its image tokens
+    seen both ways in the engine's prefill, in a sliding layer of window 3 and a global one):
+    the openai client's chat with a PNG ``data:`` URL gets transformers'
+    ``Gemma3ForConditionalGeneration.generate`` reply, for two images that answer apart. (The
+    engine's tokens and log-probabilities for two image prompts in one prefill are checked
+    against transformers in test_parity_gemma3_vision.)"""
+    model_dir = jiggled(str(tmp_path / "gemma3"), save_tiny_gemma3)
+    client = served_in_process(model_dir, "--max_seqs", "1", "--max_len", "32")
+    try:
+        answers = []
+        for colour in ((0, 0, 0), (255, 0, 0)):  # (its random images all answer alike)
+            url, image = png_url(0, colour=colour)
+            reply = client.chat.completions.create(
+                model="served", messages=ask(url), max_completion_tokens=N_NEW, temperature=0,
+                extra_body={"ignore_eos": True})
+            answers.append(reply.choices[0].message.content)
+            assert answers[-1] == transformers_answer(
+                model_dir, image, transformers.Gemma3ForConditionalGeneration,
+                "<start_of_image>")
+        assert answers[0] != answers[1] and all(answers)
+    finally:
+        client.engine.stop()
 
 
 def test_qwen_vl_answers_images_of_their_own_sizes_as_transformers_does(tmp_path):
-    """The app over a tiny Qwen2.5-VL's engine (in this process: a server process costs a
-    start-up, and test_redco_serve_answers_an_image_as_transformers_does already runs the
-    command): the openai client's two PNGs (24 x 32, 40 x 24: other grids, so other prompt
+    """A tiny Qwen2.5-VL served in this process (``served_in_process``, ``--max_image_patches
+    60``): the openai client's two PNGs (24 x 32, 40 x 24: other grids, so other prompt
     lengths and M-RoPE deltas) are answered with transformers' greedy tokens; the processor
     is the command's own (``image_processor``), the chat's placeholder Qwen's vision marks; an
     image of more patches than the engine pads to is a 400 naming ``--max_image_patches``."""
     model_dir = jiggled(str(tmp_path / "qwen"), save_tiny_qwen_vl)
-    model = from_pretrained(auto_class(model_dir), model_dir)
-    engine = Engine(model, nnx.state(model, nnx.Param), max_seqs=1, max_len=64,
-                    max_image_patches=60).start()  # (48 and 60 patches fit; 64 do not)
-    app = build_app(engine, AutoTokenizer.from_pretrained(model_dir), "qwen", (), None,
-                    image_processor(model_dir))
-    client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0,
-                           http_client=TestClient(app))
+    client = served_in_process(model_dir, "--max_seqs", "1", "--max_len", "64",
+                               "--max_image_patches", "60")  # (48 and 60 patches fit; 64 not)
     try:
         answers = []
         for seed, size in ((0, (24, 32)), (1, (40, 24))):
             url, image = png_url(seed, size)
             reply = client.chat.completions.create(
-                model="qwen", messages=ask(url), max_completion_tokens=N_NEW, temperature=0)
+                model="served", messages=ask(url), max_completion_tokens=N_NEW, temperature=0)
             answers.append(reply.choices[0].message.content)
             assert answers[-1] == transformers_answer(
                 model_dir, image, transformers.Qwen2_5_VLForConditionalGeneration,
@@ -130,9 +168,9 @@ def test_qwen_vl_answers_images_of_their_own_sizes_as_transformers_does(tmp_path
         assert answers[0] != answers[1] and all(answers)
         with pytest.raises(openai.BadRequestError, match=r"give 64 patches; this engine pads "
                                                          r"a prompt's to 60.*--max_image_patches"):
-            client.chat.completions.create(model="qwen", messages=ask(png_url(2, (32, 32))[0]))
+            client.chat.completions.create(model="served", messages=ask(png_url(2, (32, 32))[0]))
     finally:
-        engine.stop()
+        client.engine.stop()
 
 
 def test_an_image_to_a_text_model_is_refused_naming_the_fix(tmp_path):

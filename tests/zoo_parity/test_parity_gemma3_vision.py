@@ -6,6 +6,7 @@ switch transformers' bidirectional image attention on) give the same float32 log
 greedy tokens, and an export transformers loads back."""
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from redco_zoo_models.engine import Engine
 from redco_zoo_models.gemma3_vision import Gemma3ForConditionalGeneration, Gemma3VisionConfig
 from redco_zoo_models.generation import generate
 from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
+from redco_zoo_models.requests import Sampling
 
 WORDS = ["<pad>", "<unk>", "<bos>", "what", "is", "in", "this", "picture", "?"]
 BOI, EOI, IMAGE, EOS = 58, 59, 60, 63
@@ -95,7 +97,8 @@ def test_gemma3_vision_logits_match_transformers(tmp_path):
 
 def test_gemma3_vision_greedy_generation_matches_transformers(tmp_path):
     """The prefill into the cache (``decode`` at slot 0, as ``generate`` reads a prompt) gives
-    transformers' logits with the images seen both ways; then the greedy tokens are equal."""
+    transformers' logits with the images seen both ways; then the greedy tokens are equal, and
+    the serving engine's too (``check_engine``)."""
     theirs = jiggle_torch(transformers.Gemma3ForConditionalGeneration(gemma3_config()))
     ours = from_pretrained(Gemma3ForConditionalGeneration, saved(theirs, tmp_path))
     batch = inputs()
@@ -111,9 +114,37 @@ def test_gemma3_vision_greedy_generation_matches_transformers(tmp_path):
     want = hf_greedy(theirs, ids, ids.shape[1], 8, EOS, 0, attention_mask=mask,
                      pixel_values=pixels, token_type_ids=batch["token_type_ids"])
     np.testing.assert_array_equal(np.asarray(got), want)
-    with pytest.raises(NotImplementedError, match="see each other both ways, which the serving "
-                                                  "engine's prefill does not build yet"):
-        Engine(ours, nnx.state(ours, nnx.Param), max_len=64)  # (LLaVA's images it serves)
+    check_engine(ours, batch, want)
+
+
+def check_engine(ours, batch, want):
+    """The serving engine reads both prompts (padding dropped, each with its own image) in one
+    prefill, the shorter right-padded, each row's images seen both ways in that row only: its
+    greedy tokens are transformers' (``want``, cut after EOS), and each token's log-probability
+    is the forward pass's ``log_softmax`` (images both ways) to 1e-4."""
+    ids, mask, pixels = batch["input_ids"], batch["attention_mask"], batch["pixel_values"]
+    prompts = [[int(t) for t in row[m > 0]] for row, m in zip(ids, mask)]
+    assert len(set(map(len, prompts))) == 2  # (the shorter one is padded in the prefill)
+    engine = Engine(ours, nnx.state(ours, nnx.Param), max_seqs=2, max_len=32,
+                    eos_token_ids=(EOS,), steps_per_sync=8)
+    read, prefill = [], engine._prefill  # (the prompts each prefill reads)
+    engine._prefill = lambda *args: read.append(len(args[4])) or prefill(*args)
+    requests = [engine.submit(prompt, Sampling(max_tokens=want.shape[1]), images=pixels[i:i + 1])
+                for i, prompt in enumerate(prompts)]
+    engine.run_until_done(requests)
+    assert read == [2]  # both prompts in one prefill
+    samples = [r.samples[0] for r in requests]
+    got = [s.tokens + [0] * (want.shape[1] - len(s.tokens)) for s in samples]
+    np.testing.assert_array_equal(np.array(got), want)
+    rows = [p + s.tokens for p, s in zip(prompts, samples)]
+    width = max(map(len, rows))
+    full = np.array([r + [0] * (width - len(r)) for r in rows])  # (right-padded, per row)
+    valid = np.arange(width) < np.array([len(r) for r in rows])[:, None]
+    logits = ours(jnp.asarray(full), jnp.asarray(valid), jnp.asarray(pixels[:, None]))
+    logprobs = np.asarray(jax.nn.log_softmax(logits, -1))
+    for row, (prompt, sample) in enumerate(zip(prompts, samples)):
+        at = np.arange(len(sample.tokens)) + len(prompt) - 1
+        np.testing.assert_allclose(sample.logprobs, logprobs[row, at, sample.tokens], atol=1e-4)
 
 
 def test_gemma3_vision_export_loads_back_and_bad_configs_are_refused(tmp_path):

@@ -1,5 +1,5 @@
 """GRPO on prompts that hold images, for an image + text model whose images the serving engine
-places (LLaVA: ``redco_zoo_models.llava``).
+places at fixed sizes (LLaVA: ``redco_zoo_models.llava``; Gemma 3, not tested end to end).
 
 A prompt's messages may hold image parts as an SFT chat's do (``redco_zoo_sft.image_chat``:
 HuggingFace's ``{"type": "image", "path"}``, OpenAI's ``{"type": "image_url"}``, local files
@@ -16,8 +16,8 @@ model samples in a completion was read as text by the sampler, and is by the tra
 
 Refused before anything compiles, naming why: Qwen2.5-VL, Qwen3-VL and Qwen3.5 (the engine
 serves them, but the rollout's and the trainer's M-RoPE positions from each prompt's grids are
-not built here yet), a model whose images the engine does not place (Gemma 3: its images
-attend both ways), a text model, multi-turn environments and asynchronous rollouts
+not built here yet), a model whose images the engine does not place (its ``unserved``), a
+text model, multi-turn environments and asynchronous rollouts
 (their prompts are text), and, for ``--engine_rows 0`` (``generate`` places a batch's images
 in order over its rows), prompts holding different numbers of images.
 """
@@ -104,8 +104,8 @@ def check_model(model, where: str, prompts: list[dict], engine_rows: int) -> Non
     prompts with different image counts (module docstring)."""
     if not hasattr(model, "encode_rows"):
         raise UsageError(f"--model {where} ({type(model).__name__}) does not read images the "
-                         "serving engine places: GRPO on image prompts runs LLaVA; give a LLaVA "
-                         "model or text prompts.")
+                         "serving engine places: GRPO on image prompts runs LLaVA (and Gemma 3); "
+                         "give such a model or text prompts.")
     if getattr(model, "dynamic_resolution", False):
         raise UsageError(f"--model {where} ({type(model).__name__}): its M-RoPE positions come "
                          "from each prompt's image grids, which GRPO's rollouts and training "

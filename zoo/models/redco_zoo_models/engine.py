@@ -95,7 +95,7 @@ class Engine(Admission):
                  prefill_chunk: int | None = None, prefix_caching: bool = False,
                  max_images: int = 1, page_size: int | None = None, n_pages: int | None = None,
                  max_image_patches: int = 1024):
-        if unserved := getattr(model, "unserved", lambda: None)():  # (Gemma 3's images)
+        if unserved := getattr(model, "unserved", lambda: None)():  # (its reason, named)
             raise NotImplementedError(unserved)
         self.images = image_slots(model, max_images, prefill_chunk, prefix_caching,
                                   max_image_patches)

@@ -7,8 +7,10 @@ Every prefill of an image model carries ``K = max_images`` image slots a prompt 
 prompt has fewer, unused), so its shapes are those of a text model's prefill: nothing compiles
 per image count. A prompt is read whole from slot 0 (its image tokens cannot be split over
 chunks nor matched as a cached prefix: the same tokens stand for any image), so chunked prefill
-and prefix caching are refused for these models; Gemma 3 (its images see themselves both ways,
-which the engine's prefill does not build yet) is refused by its ``unserved()``. A request's
+and prefix caching are refused for these models. Gemma 3's images see themselves both ways:
+the prefill gives each row its own image blocks (``image_text.image_blocks`` of its image
+tokens, right padding outside them; ``ImageTextModel.decode``), the decode steps are causal. A
+request's
 images are checked when it is submitted: a text model given images, more than ``K`` images,
 pixels not of the tower's size, or image tokens that are not the images' features are refused
 naming the fix.

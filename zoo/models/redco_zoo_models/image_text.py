@@ -9,9 +9,10 @@ batch (transformers' ``masked_scatter``); or, given ``pixel_values`` of rows (B,
 each row's image tokens take its own K images' features in order, the images past them (blank
 padding, so that every batch has one shape) unused. The zoo's decoder (``redco_zoo_models.decoder``)
 reads the embeddings; with ``bidirectional_images`` (Gemma 3) each run of image tokens also
-sees itself both ways (``attention.with_blocks``), in a prompt or training row, not in the
-decode steps (as transformers). In generation (``redco_zoo_models.generation``) the images are
-encoded once and placed at the prefill; decoded tokens are text.
+sees itself both ways (``attention.with_blocks``), in a prompt or training row (each row of
+the serving engine's prefill its own), not in the decode steps (as transformers). In
+generation (``redco_zoo_models.generation``) the images are encoded once and placed at the
+prefill; decoded tokens are text.
 
 A prompt whose image-token count is not the features' count is refused (naming both and the
 fix) when ``input_ids`` are concrete: in ``__call__`` and ``generate`` outside ``jit``; inside a
@@ -117,15 +118,18 @@ class ImageTextModel(nnx.Module):
                                    label_mask=label_mask,
                                    inputs_embeds=self.embed(input_ids, features, per_row,
                                                             image_mask),
-                                   blocks=self._blocks(input_ids, features))
+                                   blocks=self._blocks(input_ids, features, image_mask))
 
     def decode(self, ids, key_valid, cache, cache_index, context=None):
         """One generation step (``redco_zoo_models.generation``); ``context``: ``encode``'s
         features, placed when the prompt is read (``cache_index`` 0), or the serving engine's
         prefill's pixels of each prompt's images (P, K, 3, H, W), placed in its row."""
-        if context is not None and context.ndim == 5:
+        if context is not None and context.ndim == 5:  # (each prompt read whole from slot 0)
             embeds = self.embed(ids, self.encode_rows(context), per_row=True)
-            return self.language_model(ids, key_valid, cache, cache_index, inputs_embeds=embeds)
+            blocks = self._blocks(ids, context)  # (each row's own images, both ways)
+            return self.language_model(ids, key_valid, cache,
+                                       cache_index if blocks is None else 0,
+                                       inputs_embeds=embeds, blocks=blocks)
         prefill = isinstance(cache_index, int) and cache_index == 0
         if prefill:
             self.check_inputs(ids, 0 if context is None else len(context))
@@ -133,20 +137,19 @@ class ImageTextModel(nnx.Module):
         return self.language_model(ids, key_valid, cache, cache_index, inputs_embeds=embeds,
                                    blocks=self._blocks(ids, context) if prefill else None)
 
-    def _blocks(self, input_ids, features):
-        """The decoder's bidirectional image blocks, with images and ``bidirectional_images``."""
+    def _blocks(self, input_ids, features, image_mask=None):
+        """The decoder's bidirectional image blocks, with images and ``bidirectional_images``
+        (of the tokens that take features: ``image_mask``, as ``embed``), per row."""
         if features is None or not self.bidirectional_images:
             return None
-        return image_blocks(input_ids == self.cfg.image_token_index)
+        return image_blocks(input_ids == self.cfg.image_token_index if image_mask is None
+                            else image_mask)
 
     def unserved(self) -> str | None:
-        """Why the serving engine (``redco_zoo_models.engine``) cannot run this model yet: its
-        prefill places each prompt's images (``engine_images``), not bidirectional ones."""
-        if not self.bidirectional_images:
-            return None
-        return (f"{type(self).__name__}: its image tokens see each other both ways, which the "
-                "serving engine's prefill does not build yet; generate() with encoder_inputs="
-                "{'pixel_values': ...} instead.")
+        """Why the serving engine (``redco_zoo_models.engine``) cannot run this model yet
+        (``None``: it can; its prefill places each prompt's images, ``engine_images``, and
+        builds their bidirectional blocks row by row)."""
+        return None
 
     def untrained(self) -> str | None:
         """Why ``redco zoo run sft`` cannot train this model yet (``None``: it can)."""

@@ -5,7 +5,9 @@ serve``). The processor is transformers' ``LlavaProcessor``: CLIP's PIL image pr
 tokenizer (``toy.chat_word_tokenizer``) whose ``<image>`` the processor expands to the 64
 image tokens the tower's 8 x 8 patches give. ``save_tiny_qwen_vl``: a tiny Qwen2.5-VL with its
 real image processor (images keep their sizes: 4-pixel patches, 2 x 2 merged) and a
-word-level tokenizer holding Qwen's vision tokens."""
+word-level tokenizer holding Qwen's vision tokens. ``save_tiny_gemma3``: a tiny Gemma 3 (a
+2-layer SigLIP tower, each image pooled to 4 soft tokens, a sliding and a global layer) and its
+real ``Gemma3Processor``, whose ``<start_of_image>`` expands to those 4 image tokens."""
 from __future__ import annotations
 
 from flax import nnx
@@ -91,4 +93,43 @@ def save_tiny_qwen_vl(path: str, words: list[str], seed: int = 0,
     with open(f"{path}/processor_config.json", "w") as f:  # (as a Qwen2.5-VL checkpoint's)
         json.dump({"processor_class": "Qwen2_5_VLProcessor",
                    "image_processor": images.to_dict()}, f, indent=2)
+    return path
+
+
+GEMMA3_SPECIALS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                   "eoi_token": "<end_of_image>"}
+TINY_SIGLIP = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48,
+                   num_hidden_layers=2, num_attention_heads=4, image_size=IMAGE_SIZE,
+                   patch_size=8)
+
+
+def save_tiny_gemma3(path: str, words: list[str], seed: int = 0) -> str:
+    """A tiny Gemma 3 (module docstring) drawn from ``seed`` (its projector starts at zero, as
+    transformers'; its head untied: tied, its scaled embeddings make it repeat its input), its
+    ``chat_word_tokenizer(words)`` with Gemma 3's image tokens and transformers'
+    ``Gemma3Processor`` (images resized to 32 x 32), saved as a HuggingFace directory. Returns
+    ``path``."""
+    from transformers import Gemma3ImageProcessorPil, Gemma3Processor
+
+    from redco_zoo_models.gemma3_vision import (
+        Gemma3ForConditionalGeneration,
+        Gemma3VisionConfig,
+    )
+    tokenizer = chat_word_tokenizer([*words, *GEMMA3_SPECIALS.values()],
+                                    extra_special_tokens=GEMMA3_SPECIALS)
+    ids = {k.replace("_token", "_token_index"): tokenizer.convert_tokens_to_ids(v)
+           for k, v in GEMMA3_SPECIALS.items()}
+    config = Gemma3VisionConfig.from_hf(dict(
+        vision_config=TINY_SIGLIP, mm_tokens_per_image=4, **ids, tie_word_embeddings=False,
+        text_config=dict(model_type="gemma3_text", vocab_size=len(tokenizer), hidden_size=32,
+                         intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, sliding_window=3,
+                         layer_types=["sliding_attention", "full_attention"],
+                         eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)))
+    save_model_dir(Gemma3ForConditionalGeneration(config, nnx.Rngs(seed)), tokenizer._tokenizer,
+                   path)
+    images = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=4,
+                    chat_template=tokenizer.chat_template).save_pretrained(path)
     return path
