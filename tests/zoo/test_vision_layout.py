@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from redco import Deployer, Trainer
 from redco.sharding import dataflow_trace, named_leaves, specs_from_rules
 from redco_zoo_models.gemma3_vision import Gemma3ForConditionalGeneration, Gemma3VisionConfig
+from redco_zoo_models.hf import with_changes
 from redco_zoo_models.llama4_vision_config import Llama4ImageConfig
 from redco_zoo_models.llava import LlavaConfig, LlavaForConditionalGeneration
 from redco_zoo_models.presets_vlm import IMAGES, RowImage, vlm_preset
@@ -101,7 +102,9 @@ def rules_specs(model, batch, call, rules: str) -> dict:
 def test_clip_and_siglip_towers_and_projectors_split_by_heads_and_hidden(family):
     """LLaVA's CLIP tower and two-layer projector, Gemma 3's SigLIP tower and its projection
     matrix (column: its features are gathered where they are placed); the patch embedding (a
-    conv) whole under ``auto``, split over ``dp`` by ``auto+fsdp``."""
+    conv) whole under ``auto``, split over ``dp`` by ``auto+fsdp``. Gemma 3's with
+    ``scan_layers``: its two tower layers one stack (``layers/0:2``, the same Layer class as
+    LLaVA's unrolled ones), each spec one layer's behind the unsplit layer axis."""
     vision = {"model_type": "clip_vision_model" if family == "llava" else
               "siglip_vision_model", **TOWER}
     if family == "llava":
@@ -110,10 +113,10 @@ def test_clip_and_siglip_towers_and_projectors_split_by_heads_and_hidden(family)
                                        text_config=dict(model_type="llama", **TEXT)))
         model, tokens = LlavaForConditionalGeneration(cfg, nnx.Rngs(0)), 16
     else:
-        cfg = Gemma3VisionConfig.from_hf(dict(
-            vision_config=vision, mm_tokens_per_image=4, image_token_index=60,
-            boi_token_index=58, eoi_token_index=59,
-            text_config=dict(model_type="gemma3_text", **TEXT)))
+        cfg = with_changes(Gemma3VisionConfig.from_hf(dict(
+            vision_config={**vision, "num_hidden_layers": 2}, mm_tokens_per_image=4,
+            image_token_index=60, boi_token_index=58, eoi_token_index=59,
+            text_config=dict(model_type="gemma3_text", **TEXT))), {"scan_layers": True})
         model, tokens = Gemma3ForConditionalGeneration(cfg, nnx.Rngs(0)), 4
     ids = np.ones((8, 24), np.int32)
     ids[:, 2:2 + tokens] = 60
@@ -122,12 +125,13 @@ def test_clip_and_siglip_towers_and_projectors_split_by_heads_and_hidden(family)
                           labels=b["input_ids"])
     for rules, dp in (("auto", None), ("auto+fsdp", "dp")):
         specs = rules_specs(model, batch, call, rules)
-        layer = "vision_tower/encoder/layers/0/"
+        layer = "vision_tower/encoder/layers/" + ("0/" if family == "llava" else "0:2/")
+        axis = () if family == "llava" else (None,)  # (the stack's layer axis, whole)
         for name in ("q_proj", "k_proj", "v_proj"):
-            assert specs[f"{layer}self_attn/{name}/kernel"] == P(dp, "mp"), (rules, name)
-        assert specs[f"{layer}self_attn/out_proj/kernel"] == P("mp", dp), rules
-        assert specs[f"{layer}mlp/fc1/kernel"] == P(dp, "mp"), rules
-        assert specs[f"{layer}mlp/fc2/kernel"] == P("mp", dp), rules
+            assert specs[f"{layer}self_attn/{name}/kernel"] == P(*axis, dp, "mp"), (rules, name)
+        assert specs[f"{layer}self_attn/out_proj/kernel"] == P(*axis, "mp", dp), rules
+        assert specs[f"{layer}mlp/fc1/kernel"] == P(*axis, dp, "mp"), rules
+        assert specs[f"{layer}mlp/fc2/kernel"] == P(*axis, "mp", dp), rules
         patch = specs["vision_tower/embeddings/patch_embedding/kernel"]
         assert patch == (P(None, None, None, "dp") if dp else WHOLE), rules
         if family == "llava":

@@ -123,3 +123,27 @@ def check_beams(ours, theirs, eos: int):
         np.testing.assert_array_equal(got, theirs(end), err_msg=f"EOS {end}")
         if end != eos:
             assert (got[:, :-1] == end).any(), f"EOS {end} ends no row early: nothing checked"
+
+
+def scanned_tower(path, tower: str, tmp_path):
+    """The image-text checkpoint at ``path`` read with ``scan_layers`` (the language model's
+    layers and the vision tower's blocks stacked, ``redco_zoo_models.layer_scan``): ``tower``
+    (a path prefix, e.g. ``visual/blocks/``) holds stacked blocks, and the model's export is
+    the unrolled model's, tensor for tensor (the stacks cut back into blocks)."""
+    from safetensors.numpy import load_file
+
+    from redco.sharding import named_leaves
+    from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
+    unrolled = from_pretrained(auto_class(str(path), images=True), str(path))
+    scanned = from_pretrained(auto_class(str(path), images=True), str(path), scan_layers=True)
+    names = [p for p, _ in named_leaves(nnx.state(scanned, nnx.Param))]
+    assert any(p.startswith(tower) and ":" in p.split("/")[len(tower.split("/")) - 1]
+               for p in names), names
+    tensors = []
+    for i, model in enumerate((unrolled, scanned)):
+        save_pretrained(model, str(tmp_path / f"export{i}"))
+        tensors.append(load_file(str(tmp_path / f"export{i}" / "model.safetensors")))
+    assert tensors[0].keys() == tensors[1].keys()
+    for name, array in tensors[0].items():
+        np.testing.assert_array_equal(tensors[1][name], array, err_msg=name)
+    return scanned

@@ -18,6 +18,7 @@ from parity import (
     jiggle_torch,
     load_hf,
     saved,
+    scanned_tower,
     torch,
     torch_logits,
     transformers,
@@ -82,7 +83,8 @@ def check_logits(ours, theirs, batch):
 
 def test_gemma3_vision_logits_match_transformers(tmp_path):
     """fp32 logits within 1e-4 (``close``) on image + text through a sliding layer (window 3)
-    and a global one; the pooled, normed, projected image features to 1e-5 of their scale."""
+    and a global one; the pooled, normed, projected image features to 1e-5 of their scale;
+    the same with ``scan_layers`` (the tower's layers stacked and scanned too)."""
     theirs = jiggle_torch(transformers.Gemma3ForConditionalGeneration(gemma3_config()))
     path = saved(theirs, tmp_path)
     ours = from_pretrained(auto_class(path), path)
@@ -92,6 +94,10 @@ def test_gemma3_vision_logits_match_transformers(tmp_path):
     with torch.no_grad():
         want = theirs.get_image_features(torch.tensor(batch["pixel_values"])).pooler_output
     got = np.asarray(ours.encode(jnp.asarray(batch["pixel_values"])))
+    assert np.abs(got - want.numpy()).max() <= 1e-5 * np.abs(want.numpy()).max()
+    scanned = scanned_tower(path, "vision_tower/encoder/layers/", tmp_path)  # (SigLIP's 2
+    check_logits(scanned, theirs, batch)  # layers one stack, scanned; its export unrolled's)
+    got = np.asarray(scanned.encode(jnp.asarray(batch["pixel_values"])))
     assert np.abs(got - want.numpy()).max() <= 1e-5 * np.abs(want.numpy()).max()
 
 

@@ -176,6 +176,11 @@ def test_gemma4_with_images_logits_greedy_tokens_and_export_match_transformers(t
             torch.tensor(batch["image_position_ids"])).pooler_output).numpy()
     features = np.asarray(ours.encode(batch["pixel_values"], batch["image_position_ids"]))
     assert np.abs(features[:len(want)] - want).max() <= 1e-5 * np.abs(want).max()
+    scanned = nnx.clone(ours)  # (the tower's layers stacked and scanned; its text model's
+    scanned.vision_tower.stack_blocks()  # per-layer inputs refuse scan_layers: gemma4.py)
+    assert scanned.vision_tower.runs[0].repeats == 2
+    features = np.asarray(scanned.encode(batch["pixel_values"], batch["image_position_ids"]))
+    assert np.abs(features[:len(want)] - want).max() <= 1e-5 * np.abs(want).max()
     check_images_greedy(ours, theirs, batch)
     save_pretrained(ours, str(tmp_path / "ours"))
     back = load_hf(transformers.Gemma4ForConditionalGeneration, tmp_path / "ours")

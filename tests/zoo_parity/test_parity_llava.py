@@ -19,6 +19,7 @@ from parity import (
     jiggle_torch,
     load_hf,
     saved,
+    scanned_tower,
     torch,
     torch_logits,
     transformers,
@@ -81,7 +82,8 @@ def ours_call(model, batch, **changes):
 def test_llava_logits_match_transformers(tmp_path, changes):
     """fp32 logits within 1e-4 (``close``) on the processor's image + text inputs, padding
     left out; the variant: another feature layer list with the CLS token kept, exact GELU in
-    the tower, tanh GELU in a bias-free projector, a tied Qwen2 decoder."""
+    the tower, tanh GELU in a bias-free projector, a tied Qwen2 decoder. With ``scan_layers``
+    (the tower's layers stacked and scanned) the same features, its export the unrolled one's."""
     theirs = jiggle_torch(transformers.LlavaForConditionalGeneration(llava_config(**changes)))
     path = saved(theirs, tmp_path)
     ours = from_pretrained(auto_class(path), path)
@@ -96,6 +98,9 @@ def test_llava_logits_match_transformers(tmp_path, changes):
     want = torch.stack(list(want)).numpy()
     got = np.asarray(ours.encode(jnp.asarray(batch["pixel_values"])))
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    scanned = scanned_tower(path, "vision_tower/encoder/layers/", tmp_path)  # (CLIP's 2 layers
+    got = np.asarray(scanned.encode(jnp.asarray(batch["pixel_values"])))  # one stack: the
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()  # feature layers its ys)
 
 
 def test_llava_export_loads_back_in_transformers(tmp_path):

@@ -24,6 +24,7 @@ from parity import (
     jiggle_torch,
     load_hf,
     saved,
+    scanned_tower,
     torch,
     torch_logits,
     transformers,
@@ -47,9 +48,10 @@ from redco_zoo_models.toy import TINY_FAMILIES
 
 WORDS = ["<pad>", "<unk>", "<bos>", "what", "is", "in", "this", "picture", "?", "and"]
 START, END, IMAGE, VIDEO, EOS = 58, 59, 60, 61, 63
-VISION = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=4,
+VISION = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=4,
               spatial_merge_size=2, temporal_patch_size=2, window_size=16, out_hidden_size=32,
-              fullatt_block_indexes=[1], hidden_act="silu")  # (windows of 2 x 2 merge blocks)
+              fullatt_block_indexes=[1, 3], hidden_act="silu")  # (windows of 2 x 2 merge
+#  blocks; window, full twice: stacked, a group of the two kinds)
 TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1, eos_token_id=EOS, pad_token_id=0,
             bos_token_id=2,
@@ -109,10 +111,16 @@ def batch() -> dict:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """transformers' tiny Qwen2.5-VL (weights jiggled) and ours read from its save."""
+def saved_qwen(tmp_path_factory):
+    """transformers' tiny Qwen2.5-VL (weights jiggled) and the directory of its save."""
     theirs = jiggle_torch(transformers.Qwen2_5_VLForConditionalGeneration(qwen_config()))
-    path = saved(theirs, tmp_path_factory.mktemp("qwen_vl"))
+    return theirs, saved(theirs, tmp_path_factory.mktemp("qwen_vl"))
+
+
+@pytest.fixture(scope="module")
+def models(saved_qwen):
+    """transformers' tiny Qwen2.5-VL and ours read from its save."""
+    theirs, path = saved_qwen
     return theirs, from_pretrained(auto_class(path), path)
 
 
@@ -167,6 +175,24 @@ def test_qwen_vl_logits_match_transformers(models, batch):
             torch.tensor(batch["image_grid_thw"])).pooler_output).numpy()
     got, deep = ours.image_features(jnp.asarray(batch["pixel_values"]), batch["image_grid_thw"])
     assert deep == []
+    assert np.abs(np.asarray(got) - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_qwen_vl_scanned_tower_matches_transformers(saved_qwen, batch, tmp_path):
+    """With ``scan_layers`` the tower's window and full-attention blocks are stacked as one
+    repeating group of the two kinds (``visual/blocks/0:4:2``, ``1:4:2``) and scanned: the
+    same logits within 1e-4 and features to 1e-5 of their scale; the export is the unrolled
+    model's, tensor for tensor."""
+    theirs, path = saved_qwen
+    ours = scanned_tower(path, "visual/blocks/", tmp_path)
+    assert [(s.start, s.period, s.repeats) for s in ours.visual.runs] == [(0, 2, 2)]
+    valid = batch["attention_mask"] > 0
+    close(ours_logits(ours, batch)[valid], theirs_logits(theirs, batch)[valid])
+    with torch.no_grad():
+        want = torch.cat(theirs.get_image_features(
+            torch.tensor(batch["pixel_values"]),
+            torch.tensor(batch["image_grid_thw"])).pooler_output).numpy()
+    got, _ = ours.image_features(jnp.asarray(batch["pixel_values"]), batch["image_grid_thw"])
     assert np.abs(np.asarray(got) - want).max() <= 1e-5 * np.abs(want).max()
 
 
@@ -228,7 +254,7 @@ def test_qwen_vl_export_loads_back_and_bad_inputs_are_refused(tmp_path, batch):
                                                       nnx.Rngs(0)))
     save_pretrained(ours, str(tmp_path))
     back = load_hf(transformers.Qwen2_5_VLForConditionalGeneration, tmp_path)
-    assert back.config.vision_config.fullatt_block_indexes == [1]
+    assert back.config.vision_config.fullatt_block_indexes == [1, 3]
     assert back.config.text_config.rope_parameters["mrope_section"] == [2, 3, 3]
     valid = batch["attention_mask"] > 0
     close(ours_logits(ours, batch)[valid], theirs_logits(back, batch)[valid])
@@ -291,6 +317,22 @@ def test_qwen3_vl_logits_greedy_tokens_and_export_match_transformers(tmp_path, b
     save_pretrained(ours, str(tmp_path / "ours"))
     back = load_hf(transformers.Qwen3VLForConditionalGeneration, tmp_path / "ours")
     close(ours_logits(ours, batch)[valid], theirs_logits(back, batch)[valid])
+    check_scanned_deepstack(theirs, out, tmp_path, batch)
+
+
+def check_scanned_deepstack(theirs, out, tmp_path, batch):
+    """With ``scan_layers`` the tower's three blocks are one stack (``visual/blocks/0:3``)
+    under one scan, the DeepStack taps after blocks 0 and 1 read from its outputs: the same
+    logits within 1e-4, features and taps to 1e-5 of their scale (``out``: transformers'),
+    an export equal to the unrolled model's."""
+    ours = scanned_tower(tmp_path / "theirs", "visual/blocks/", tmp_path)
+    valid = batch["attention_mask"] > 0
+    close(ours_logits(ours, batch)[valid], theirs_logits(theirs, batch)[valid])
+    got, deep = ours.image_features(jnp.asarray(batch["pixel_values"]), batch["image_grid_thw"])
+    assert len(deep) == 2
+    for a, b in zip([got, *deep], [out.pooler_output, *out.deepstack_features]):
+        b = torch.cat(b).numpy()
+        assert np.abs(np.asarray(a) - b).max() <= 1e-5 * np.abs(b).max()
 
 
 VISION3_5 = {k: v for k, v in VISION3.items() if k != "deepstack_visual_indexes"}

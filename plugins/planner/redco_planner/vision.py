@@ -10,8 +10,9 @@ image alone (``jax.vmap`` over the rows, its patch layout and M-RoPE positions m
 host from the one grid), as one image's patches attend only within it; Gemma 3 reads
 ``pixel_values`` (rows, 1, 3, 896, 896), Llama 4 (rows, 1, 3, 336, 336).
 LoRA (``lora(rank)``) puts the zoo's adapters on the language model's projections only, the
-tower and projector frozen, as ``redco zoo run sft`` does by default. The language model's
-layers stack with ``scan_layers``; the towers' blocks do not stack (they stay unrolled).
+tower and projector frozen, as ``redco zoo run sft`` does by default. With ``scan_layers`` the
+language model's layers and the tower's blocks are stored stacked and scanned
+(``redco_zoo_models.layer_scan``: one traced block, e.g. ``visual/blocks/0:27/...``).
 """
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ import dataclasses
 from flax import nnx
 
 from redco import remat
+from redco_zoo_models import layer_scan
 from redco_zoo_models.attention import attend
 from redco_zoo_models.layers import ACTIVATIONS
 from redco_zoo_models.vit import patch_sequence
@@ -123,6 +124,24 @@ class Layer(nnx.Module):
 class Encoder(nnx.Module):
     def __init__(self, cfg: CLIPVisionConfig, rngs: nnx.Rngs):
         self.layers = nnx.List([Layer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.runs = None  # stacked by ``stack_blocks``
+
+    def stack_blocks(self) -> None:
+        """The layers stored stacked, run under a scan (``layer_scan``; ``scan_layers``)."""
+        self.layers, self.runs = layer_scan.stacked(list(self.layers))
+
+    def __call__(self, x):
+        """``x`` through every layer: the last hidden state."""
+        return layer_scan.blocks(self.layers, self.runs, lambda layer, h: layer(h), x)[0]
+
+    def hidden_states(self, x, n_layers: int) -> list:
+        """``[x, after layer 1, ..., after layer n_layers]``. Stacked: every layer runs under
+        the scan (those past ``n_layers`` too, unread), its outputs the scan's ``ys``."""
+        if self.runs is None:
+            layers = list(self.layers)[:n_layers]
+            return [x, *layer_scan.blocks(layers, None, lambda layer, h: layer(h), x, True)[1]]
+        states = layer_scan.blocks(self.layers, self.runs, lambda layer, h: layer(h), x, True)[1]
+        return [x, *states[:n_layers]]
 
 
 class CLIPVisionModel(nnx.Module):
@@ -141,7 +160,5 @@ class CLIPVisionModel(nnx.Module):
     def hidden_states(self, pixel_values, n_layers: int) -> list:
         """``[embeddings, after layer 1, ..., after layer n_layers]``, each (B, 1 + patches,
         hidden), the class token first, as transformers' ``output_hidden_states``."""
-        states = [self.pre_layrnorm(self.embeddings(pixel_values))]
-        for layer in list(self.encoder.layers)[:n_layers]:
-            states.append(layer(states[-1]))
-        return states
+        return self.encoder.hidden_states(self.pre_layrnorm(self.embeddings(pixel_values)),
+                                          n_layers)

@@ -96,6 +96,7 @@ class Gemma3ForConditionalGeneration(ImageTextModel):
         self.vision_tower = SiglipVisionModel(cfg.vision, rngs)
         self.multi_modal_projector = Projector(cfg, rngs)
         self.language_model = DecoderLM(cfg.text, rngs)
+        self.stack_tower(self.vision_tower.encoder)
 
     def encode(self, pixel_values):
         """The projected features of each image: (images, mm_tokens_per_image, hidden)."""

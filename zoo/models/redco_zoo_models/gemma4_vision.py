@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from redco_zoo_models import layer_scan
 from redco_zoo_models.decoder import DecoderLM
 from redco_zoo_models.gemma4_vision_config import Gemma4VisionConfig, Gemma4VisionTowerConfig
 from redco_zoo_models.image_text import ImageTextModel
@@ -120,9 +121,14 @@ class Gemma4VisionModel(nnx.Module):
             (2, cfg.position_embedding_size, cfg.hidden_size)))
         self.encoder = nnx.Dict(layers=nnx.List([Layer(cfg, rngs)
                                                  for _ in range(cfg.num_hidden_layers)]))
+        self.runs = None  # stacked by ``stack_blocks``
         if cfg.standardize:
             self.std_bias = nnx.Param(jnp.zeros(cfg.hidden_size))
             self.std_scale = nnx.Param(jnp.ones(cfg.hidden_size))
+
+    def stack_blocks(self) -> None:
+        """The layers stored stacked, run under a scan (``layer_scan``; ``scan_layers``)."""
+        self.encoder["layers"], self.runs = layer_scan.stacked(list(self.encoder["layers"]))
 
     def __call__(self, pixel_values, image_position_ids):
         pad = (image_position_ids == -1).all(-1)
@@ -133,8 +139,8 @@ class Gemma4VisionModel(nnx.Module):
         quarter = self.cfg.head_dim // 4
         inv_freq = self.cfg.rope_theta ** (-jnp.arange(quarter, dtype=jnp.float32) / quarter)
         angles = places[..., None].astype(jnp.float32) * inv_freq  # (B, n, 2, d/4)
-        for layer in self.encoder["layers"]:
-            x = layer(x, angles, ~pad)
+        x, _ = layer_scan.blocks(self.encoder["layers"], self.runs,
+                                 lambda layer, h: layer(h, angles, ~pad), x)
         return self.pool(jnp.where(pad[..., None], 0, x), places)
 
     def pool(self, x, places):
@@ -173,6 +179,7 @@ class Gemma4ForConditionalGeneration(ImageTextModel):
         self.vision_tower = Gemma4VisionModel(cfg.vision, rngs)
         self.embed_vision = Projector(cfg, rngs)
         self.language_model = DecoderLM(cfg.text, rngs)
+        self.stack_tower(self.vision_tower)
 
     def encode(self, pixel_values, image_position_ids):
         """Every image's soft tokens in order, in the language model's width (tokens, hidden);

@@ -114,7 +114,7 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
     except ValueError as e:
         raise type(e)(f"{model_dir}/{e}" if str(e).startswith("config.json") else
                       f"{model_dir}/config.json: {e}") from None
-    cfg = dataclasses.replace(cfg, **config_changes) if config_changes else cfg
+    cfg = with_changes(cfg, config_changes)
     model = nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(seed)))
     quantized = quantize_linears(model, quantize) if quantize else {}
     quantized.update({name: shape for module, shape in list(quantized.items())  # (a stack's
@@ -149,6 +149,16 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
                        or path in expert_parts else dtype or leaf.dtype)
               for path, leaf in named.items()]  # (copies)
     return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(params), leaves), rest)
+
+
+def with_changes(cfg, changes: dict):
+    """``cfg`` with ``changes``; an image-text model's ``scan_layers`` is its language model's
+    (``cfg.text``, which stacks the tower's blocks too: ``ImageTextModel.stack_tower``)."""
+    if "scan_layers" in changes and not hasattr(cfg, "scan_layers") and hasattr(cfg, "text"):
+        changes = dict(changes)
+        cfg = dataclasses.replace(cfg, text=dataclasses.replace(
+            cfg.text, scan_layers=changes.pop("scan_layers")))
+    return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
 def _checkpoint_tensor(model_class: type, model_dir: str, tensors: dict, path: str,

@@ -126,6 +126,7 @@ class Idefics3ForConditionalGeneration(ImageTextModel):
         self.vision_model = SiglipVisionModel(cfg.vision, rngs)
         self.connector = Connector(cfg, rngs)
         self.language_model = DecoderLM(cfg.text, rngs)
+        self.stack_tower(self.vision_model.encoder)
 
     def encode(self, pixel_values):
         """The projected features of each tile (tiles, 3, H, W): (tiles, features_per_image,

@@ -47,6 +47,12 @@ class ImageTextModel(nnx.Module):
     ``features_per_image()`` and ``image_token_index``."""
     bidirectional_images = False
 
+    def stack_tower(self, blocks: nnx.Module) -> None:
+        """Under the language model's ``scan_layers``, the tower's blocks (``blocks``: the
+        module holding them) stored stacked and scanned as well (``layer_scan``)."""
+        if self.cfg.text.scan_layers:
+            blocks.stack_blocks()
+
     def check_inputs(self, input_ids, n_images: int) -> None:
         """Refuse a prompt whose image tokens are not ``n_images`` images' features (skipped
         for traced ``input_ids``: call it on the host before a jitted step)."""

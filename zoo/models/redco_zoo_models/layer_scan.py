@@ -49,6 +49,14 @@ stack of experts (layers, experts, in, out) on its experts over ``dp``, the laye
 the decoder enters EP around the scan as around unrolled layers, each step's MoE block then
 sends its tokens to its layer's experts (``all_to_all``) where they lie, ungathered.
 
+**Vision towers** (``qwen_vision``, ``qwen3_vision``, ``clip_vision`` and SigLIP's): under the
+language model's ``scan_layers`` the image-text model stacks its tower's blocks too
+(``visual/blocks/0:27/...``, ``vision_tower/encoder/layers/0:27/...``) and runs them by
+``blocks``. Qwen2.5-VL's window and full-attention blocks are kinds of their own (a block's
+static ``full``), so ``segments`` finds their repeating group (7-B: 7 windowed + 1 full, 4
+times); hidden states read after given blocks (Qwen3-VL's DeepStack taps, LLaVA's
+``vision_feature_layer``) are the scan's ``ys`` (one hidden state a block kept: ``keep``).
+
 **A quantised base** (QLoRA, ``redco_zoo_models.quantized_linear``): a stacked projection's
 codes and scales are each layer's quantised alone, stacked, and sliced with it in the body.
 """
@@ -198,3 +206,36 @@ def _unstacked(seg: Segment, written: list | None) -> list:
         return [None] * (seg.repeats * seg.period)
     return [jax.tree.map(lambda a, r=r: a[r], written[p])
             for r in range(seg.repeats) for p in range(seg.period)]
+
+
+def per_layer(runs: Sequence[Segment], reports: list) -> list:
+    """``run``'s reports one per layer, in order (a scanned segment's cut out of its stacks)."""
+    out, given = [], iter(reports)
+    for seg in runs:
+        group = [next(given) for _ in range(1 if seg.repeats == 1 else seg.period)]
+        if seg.repeats == 1:
+            out.extend(group)
+            continue
+        out.extend(jax.tree.map(lambda a, r=r: a[r], group[p])
+                   for r in range(seg.repeats) for p in range(seg.period))
+    return out
+
+
+def blocks(modules, runs: Sequence[Segment] | None, call: Callable, x: Any,
+           keep: bool = False) -> tuple[Any, list | None]:
+    """A vision tower's blocks (``stacked`` when ``runs``, else a list run in a Python loop):
+    ``x`` through each by ``call(block, x) -> x``. Returns ``(x, states)``; ``keep``: states
+    holds each block's output in order (scanned: the scan's ``ys``, one hidden state a block
+    kept), else None."""
+    if runs is None:
+        states = []
+        for block in modules:
+            x = call(block, x)
+            states.append(x)
+        return x, states if keep else None
+
+    def step(block, h, _):
+        h = call(block, h)
+        return h, None, h if keep else None
+    x, _, reports = run(modules, runs, step, x)
+    return x, per_layer(runs, reports) if keep else None

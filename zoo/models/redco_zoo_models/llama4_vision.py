@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from redco import remat
+from redco_zoo_models import layer_scan
 from redco_zoo_models.attention import attend
 from redco_zoo_models.decoder import DecoderLM
 from redco_zoo_models.image_text import ImageTextModel
@@ -98,6 +99,11 @@ class Layer(nnx.Module):
 class Encoder(nnx.Module):
     def __init__(self, cfg: Llama4TowerConfig, rngs: nnx.Rngs):
         self.layers = nnx.List([Layer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.runs = None  # stacked by ``stack_blocks``
+
+    def stack_blocks(self) -> None:
+        """The layers stored stacked, run under a scan (``layer_scan``; ``scan_layers``)."""
+        self.layers, self.runs = layer_scan.stacked(list(self.layers))
 
 
 class Llama4VisionModel(nnx.Module):
@@ -130,8 +136,8 @@ class Llama4VisionModel(nnx.Module):
         x = jnp.concatenate([x, cls], 1) + self.positional_embedding_vlm[...].astype(x.dtype)
         x = self.layernorm_pre(x)
         angles = jnp.asarray(vision_angles(self.cfg))
-        for layer in self.model.layers:
-            x = layer(x, angles)
+        x, _ = layer_scan.blocks(self.model.layers, self.model.runs,
+                                 lambda layer, h: layer(h, angles), x)
         x = pixel_shuffle(self.layernorm_post(x)[:, :-1], self.cfg.pixel_shuffle_ratio)
         mlp, gelu = self.vision_adapter["mlp"], ACTIVATIONS["gelu"]
         return gelu(mlp.fc2(gelu(mlp.fc1(x))))
@@ -156,6 +162,7 @@ class Llama4ForConditionalGeneration(ImageTextModel):
         self.multi_modal_projector = nnx.Dict(linear_1=nnx.Linear(
             cfg.vision.vision_output_dim, cfg.text.hidden_size, use_bias=False, rngs=rngs))
         self.language_model = DecoderLM(cfg.text, rngs)
+        self.stack_tower(self.vision_model.model)
 
     def encode(self, pixel_values):
         """Each tile's projected features: (tiles, features_per_image, text hidden)."""

@@ -121,6 +121,7 @@ class LlavaForConditionalGeneration(ImageTextModel):
         self.vision_tower = self.tower(cfg.vision, rngs)
         self.multi_modal_projector = Projector(cfg, rngs)
         self.language_model = DecoderLM(cfg.text, rngs)
+        self.stack_tower(self.vision_tower.encoder)
 
     def encode(self, pixel_values):
         """The projected features of each image: (images, features_per_image, hidden)."""

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from redco_zoo_models import layer_scan
 from redco_zoo_models.layers import ACTIVATIONS
 from redco_zoo_models.qwen_vision import VisionAttention, patch_layout, rotary_angles
 
@@ -172,9 +173,15 @@ class Qwen3VisionModel(nnx.Module):
                                                     rngs=rngs))
         self.pos_embed = nnx.Embed(cfg.num_position_embeddings, cfg.hidden_size, rngs=rngs)
         self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.depth)])
+        self.runs = None  # stacked by ``stack_blocks``
         self.merger = Merger(cfg, False, rngs)
         self.deepstack_merger_list = nnx.List([Merger(cfg, True, rngs)
                                                for _ in cfg.deepstack_visual_indexes])
+
+    def stack_blocks(self) -> None:
+        """The blocks stored stacked, run under one scan (``layer_scan``; ``scan_layers``):
+        the DeepStack taps are read from its ``ys`` (``layer_scan.blocks``' ``keep``)."""
+        self.blocks, self.runs = layer_scan.stacked(list(self.blocks))
 
     def __call__(self, pixel_values, layout: dict):
         proj = self.patch_embed["proj"]  # (pixels in the params' dtype: bf16 compute is bf16)
@@ -184,10 +191,8 @@ class Qwen3VisionModel(nnx.Module):
                  jnp.asarray(layout["tap_weights"])[..., None]).sum(1).astype(x.dtype)
         angles = rotary_angles(layout["rows_cols"], self.cfg)
         frame = jnp.asarray(layout["frame"])
-        same, deep = frame[:, None] == frame[None, :], []
-        for i, block in enumerate(self.blocks):
-            x = block(x, angles, same)
-            if i in self.cfg.deepstack_visual_indexes:
-                deep.append(self.deepstack_merger_list[
-                    self.cfg.deepstack_visual_indexes.index(i)](x))
-        return self.merger(x), deep
+        same, taps = frame[:, None] == frame[None, :], self.cfg.deepstack_visual_indexes
+        x, states = layer_scan.blocks(self.blocks, self.runs,
+                                      lambda block, h: block(h, angles, same), x, bool(taps))
+        return self.merger(x), [self.deepstack_merger_list[taps.index(i)](states[i])
+                                for i in sorted(taps)]  # (in the blocks' order)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from redco_zoo_models import layer_scan
 from redco_zoo_models.layers import ACTIVATIONS, GatedMLP, RMSNorm
 from redco_zoo_models.rope import rotate
 
@@ -151,15 +152,20 @@ class VisionAttention(nnx.Module):
 
 
 class VisionBlock(nnx.Module):
-    def __init__(self, cfg: QwenVisionConfig, rngs: nnx.Rngs):
+    """``full``: it attends within its frame, else within its window (a kind of its own when
+    the blocks are stacked: ``layer_scan.segments``)."""
+
+    def __init__(self, cfg: QwenVisionConfig, rngs: nnx.Rngs, full: bool = False):
+        self.full = full
         self.norm1 = RMSNorm(cfg.hidden_size, EPS)
         self.norm2 = RMSNorm(cfg.hidden_size, EPS)
         self.attn = VisionAttention(cfg, rngs)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, rngs,
                             bias=True)
 
-    def __call__(self, x, angles, same):
-        x = x + self.attn(self.norm1(x), angles, same)
+    def __call__(self, x, angles, same: dict):
+        """``same``: the ``frame`` and ``window`` masks; the block reads its own."""
+        x = x + self.attn(self.norm1(x), angles, same["frame" if self.full else "window"])
         return x + self.mlp(self.norm2(x))
 
 
@@ -185,8 +191,14 @@ class QwenVisionModel(nnx.Module):
         self.cfg = cfg
         self.patch_embed = nnx.Dict(proj=nnx.Linear(cfg.patch_features(), cfg.hidden_size,
                                                     use_bias=False, rngs=rngs))
-        self.blocks = nnx.List([VisionBlock(cfg, rngs) for _ in range(cfg.depth)])
+        self.blocks = nnx.List([VisionBlock(cfg, rngs, i in cfg.fullatt_block_indexes)
+                                for i in range(cfg.depth)])
+        self.runs = None  # stacked by ``stack_blocks``
         self.merger = PatchMerger(cfg, rngs)
+
+    def stack_blocks(self) -> None:
+        """The blocks stored stacked, run under a scan (``layer_scan``; ``scan_layers``)."""
+        self.blocks, self.runs = layer_scan.stacked(list(self.blocks))
 
     def __call__(self, pixel_values, layout: dict):
         """``(features, [])``: no DeepStack features (Qwen3-VL's tower has them)."""
@@ -195,7 +207,6 @@ class QwenVisionModel(nnx.Module):
         angles = rotary_angles(layout["rows_cols"], self.cfg)
         same = {key: jnp.asarray(layout[key])[:, None] == jnp.asarray(layout[key])[None, :]
                 for key in ("frame", "window")}
-        for i, block in enumerate(self.blocks):
-            x = block(x, angles, same["frame" if i in self.cfg.fullatt_block_indexes
-                                     else "window"])
+        x, _ = layer_scan.blocks(self.blocks, self.runs,
+                                 lambda block, h: block(h, angles, same), x)
         return self.merger(x), []

@@ -64,6 +64,7 @@ class QwenVLForConditionalGeneration(ImageTextModel):
         self.cfg = cfg
         self.visual = cfg.TOWER(cfg.vision, rngs)
         self.language_model = DecoderLM(cfg.text, rngs)
+        self.stack_tower(self.visual)
 
     def image_features(self, pixel_values, image_grid_thw, layout: dict | None = None):
         """``(features, deepstack)``: every image's features in order (image tokens, hidden),

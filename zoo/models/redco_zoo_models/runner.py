@@ -4,7 +4,6 @@ HuggingFace directory). It takes the typed settings (``settings.RunConfig``, or 
 function needs), never argparse's namespace: the flags are ``flags.py``'s."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -25,7 +24,13 @@ from redco.tree_paths import path_str
 from redco_zoo_models import expert_parallel, quantized_linear
 from redco_zoo_models.balancing import moe_optimizer
 from redco_zoo_models.decoder_config import DecoderConfig
-from redco_zoo_models.hf import auto_class, class_of, from_pretrained, save_pretrained
+from redco_zoo_models.hf import (
+    auto_class,
+    class_of,
+    from_pretrained,
+    save_pretrained,
+    with_changes,
+)
 from redco_zoo_models.llama import LLAMA_PRESETS, LlamaConfig
 from redco_zoo_models.lora import add_lora, has_lora, save_peft_adapters
 from redco_zoo_models.nnx_utils import split_model
@@ -142,7 +147,7 @@ def load_model(model: str, from_scratch: bool = False, seed: int = 0,
                          f"({', '.join([*PRESETS, *LLAMA_PRESETS])}).")
     model_class = scannable(class_of(config, model), scan_layers, model)
     cfg = model_class.config_class.from_hf(config)
-    cfg = dataclasses.replace(cfg, scan_layers=True) if scan_layers else cfg
+    cfg = with_changes(cfg, {"scan_layers": True}) if scan_layers else cfg
     built = model_class(cfg, rngs=nnx.Rngs(seed))
     if quantize:
         quantized_linear.quantize_linears(built, quantize)
@@ -150,12 +155,14 @@ def load_model(model: str, from_scratch: bool = False, seed: int = 0,
 
 
 def scannable(model_class: type, scan_layers: bool, model: str) -> type:
-    """``model_class``, refused with ``scan_layers`` unless it is a decoder (the one model whose
-    layers stack)."""
-    if scan_layers and not issubclass(model_class.config_class, DecoderConfig):
+    """``model_class``, refused with ``scan_layers`` unless it is a decoder or an image-text
+    model over one (its tower's blocks stack with its layers: ``ImageTextModel.stack_tower``)."""
+    text = getattr(model_class.config_class, "__dataclass_fields__", {}).get("text")
+    over_decoder = text is not None and text.type in (DecoderConfig, "DecoderConfig")
+    if scan_layers and not issubclass(model_class.config_class, DecoderConfig) and not over_decoder:
         raise UsageError(f"--scan_layers with --model {model}: a {model_class.__name__} does not "
-                         "stack its layers (only the decoders do: LLaMA, Qwen3, Gemma 3, ...); "
-                         "drop --scan_layers.")
+                         "stack its layers (only the decoders do, LLaMA, Qwen3, Gemma 3, ..., "
+                         "and the image-text models over them); drop --scan_layers.")
     return model_class
 
 

@@ -56,15 +56,12 @@ class SiglipVisionModel(nnx.Module):
                                             rngs=rngs)
 
     def __call__(self, pixel_values):
-        return self.post_layernorm(self.hidden_states(pixel_values, len(self.encoder.layers))[-1])
+        return self.post_layernorm(self.encoder(self.embeddings(pixel_values)))
 
     def hidden_states(self, pixel_values, n_layers: int) -> list:
         """``[embeddings, after layer 1, ..., after layer n_layers]``, none normed, as
         transformers' ``output_hidden_states`` (what LLaVA-OneVision reads)."""
-        states = [self.embeddings(pixel_values)]
-        for layer in list(self.encoder.layers)[:n_layers]:
-            states.append(layer(states[-1]))
-        return states
+        return self.encoder.hidden_states(self.embeddings(pixel_values), n_layers)
 
 
 def without_head(tensors: dict) -> dict:
