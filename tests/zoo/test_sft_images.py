@@ -3,7 +3,8 @@
 from chats whose user message holds an image part (HuggingFace's and OpenAI's styles, PNGs of
 three sizes), scored by greedy generation on held-back images; its tower stays as it was
 (frozen by default); bad chats are refused before compiling, naming the fix. A tiny Qwen2.5-VL
-(images keep their sizes) trains with one compile; GRPO samples and trains on image prompts."""
+(images keep their sizes) trains with one compile; GRPO samples and trains on image prompts,
+LLaVA's and Qwen2.5-VL's."""
 import json
 
 import jax.numpy as jnp
@@ -283,15 +284,31 @@ def test_grpo_on_image_prompts_scores_with_the_samplers_log_probs(tiny, tmp_path
                               after["language_model.lm_head.weight"])
 
 
-def test_grpo_refuses_image_prompts_for_a_qwen_vl_naming_why(tiny_qwen, tmp_path, capsys):
-    """GRPO's rollouts and training step do not build Qwen-VL's M-RoPE positions from each
-    prompt's grids (the engine does): GRPO on image prompts refuses it in one line after
-    loading, before compiling."""
-    write_colour_prompts(tmp_path / "prompts", 2, seed=2)
+def test_grpo_on_image_prompts_of_two_sizes_scores_a_qwen_vl_with_the_samplers_log_probs(
+        tiny_qwen, tmp_path, capsys):
+    """``redco zoo run grpo`` on a tiny Qwen2.5-VL, its prompts' images of different sizes
+    (32 x 32: 4 x 4 merged blocks, M-RoPE delta -12; 48 x 40 and 56 x 64: 3 x 4, delta -8;
+    the first round's minibatches mix both): the engine samples with each prompt's patches and
+    positions, and the trainer's forward pass (the prompt's positions from its grids, the
+    completion's continuing by its own row's delta, features at the prompt's image tokens only,
+    not at an ``<|image_pad|>`` the model sampled, as it does at temperature 2) recomputes the
+    sampler's log-probabilities of every sampled token (gap < 1e-4 each round; measured 0.5 to
+    0.7 with any of those broken); the updates move the language model. ``--engine_rows 0`` is
+    refused in one line, naming why, before compiling."""
+    write_colour_prompts(tmp_path / "prompts", 8, seed=2)
+    args = ["zoo", "run", "grpo", "--model", tiny_qwen, "--train",
+            str(tmp_path / "prompts" / "prompts.jsonl"), "--reward", "regex_match",
+            "--max_prompt_len", "80"]
     with pytest.raises(SystemExit) as stop:
-        main(["zoo", "run", "grpo", "--model", tiny_qwen, "--train",
-              str(tmp_path / "prompts" / "prompts.jsonl"), "--workdir", str(tmp_path / "run"),
-              "--reward", "regex_match", "--max_prompt_len", "80"])
+        main([*args, "--workdir", str(tmp_path / "refused"), "--engine_rows", "0"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert stop.value.code == 2 and "M-RoPE positions come from each prompt's image grids" \
-        in err[-1], err
+    assert stop.value.code == 2 and "compiled sampler (generate) does not have" in err[-1], err
+    workdir = tmp_path / "run"
+    main([*args, "--workdir", str(workdir), "--n_rounds", "2", "--per_device_batch_size", "1",
+          "--max_new_tokens", "4", "--prompts_per_round", "4", "--n_samples", "4",
+          "--engine_rows", "8", "--temperature", "2.0", "--learning_rate", "5e-3"])
+    metrics = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    gaps = [m["rollout/logprob_gap"] for m in metrics if "rollout/logprob_gap" in m]
+    assert len(gaps) == 2 and max(gaps) < 1e-4, gaps
+    before, after = (read_safetensors(d) for d in (tiny_qwen, str(workdir / "model")))
+    assert not np.array_equal(before["lm_head.weight"], after["lm_head.weight"])

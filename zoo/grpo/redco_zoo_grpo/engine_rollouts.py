@@ -17,7 +17,8 @@ Every prompt's G samples share one prefill, and a completion that ends at its EO
 row for the next at once, where the fixed-batch sampler runs every row to ``max_new_tokens``.
 Each prompt samples with a seed of its own, from the run's seed, the round and the prompt's
 place in the round, so a resumed run draws what the uninterrupted one drew. An image prompt
-(``image_prompts.py``) is submitted with its images; the engine holds ``max_images`` a prompt."""
+(``image_prompts.py``) is submitted with its images (``engine_images``); the engine holds
+``max_images`` a prompt (a Qwen-VL one's patches padded to ``max_image_patches``)."""
 from __future__ import annotations
 
 import jax
@@ -44,17 +45,41 @@ def decode_layout_of(trainer, model, rows: int, max_len: int,
     return layout
 
 
+def image_slots(prompt: dict) -> dict:
+    """The engine's image keywords for the run's prompts (``prompt`` one of them; ``{}`` for
+    text): its ``max_images`` and, for Qwen-VL's, ``max_image_patches``."""
+    if "image_grid_thw" in prompt:
+        return {"max_images": len(prompt["image_grid_thw"]),
+                "max_image_patches": len(prompt["pixel_values"])}
+    return {"max_images": len(prompt["pixel_values"])} if "pixel_values" in prompt else {}
+
+
+def engine_images(prompt: dict):
+    """``prompt``'s images as the engine takes them (None: a text prompt): its pixels
+    (n_images, 3, H, W), or Qwen-VL's real patches and grids (``PatchSlots``)."""
+    if "pixel_values" not in prompt:
+        return None
+    n = int(prompt["n_images"])
+    if "image_grid_thw" not in prompt:
+        return prompt["pixel_values"][:n]
+    grids = prompt["image_grid_thw"][:n]
+    return {"pixel_values": prompt["pixel_values"][:int(np.prod(grids, -1).sum())],
+            "image_grid_thw": grids}
+
+
 class EngineRollouts:
     def __init__(self, trainer, model, config, eos_id: int, pad_id: int, rows: int,
                  prompt_width: int, seed: int, decode_model_shards: int | str | None = "auto",
-                 devices: list | None = None, max_images: int = 1):
+                 devices: list | None = None, max_images: int = 1,
+                 max_image_patches: int = 1024):
         self.trainer, self.config, self.pad_id, self.seed = trainer, config, pad_id, seed
         max_len = prompt_width + config.max_new_tokens
         self.layout = decode_layout_of(trainer, model, rows, max_len, decode_model_shards,
                                        devices)
         mesh = trainer.deployer.mesh if self.layout is None else self.layout.mesh
         self.engine = Engine(model, None, max_seqs=rows, max_len=max_len,
-                             eos_token_ids=(eos_id,), mesh=mesh, max_images=max_images)
+                             eos_token_ids=(eos_id,), mesh=mesh, max_images=max_images,
+                             max_image_patches=max_image_patches)
 
     def sample(self, prompts: list[dict], round_: int, greedy: bool):
         """``(tokens, logps)``, (len(prompts) * G, max_new_tokens) each (G = 1 when
@@ -75,7 +100,7 @@ class EngineRollouts:
         requests = [self.engine.submit(
             [int(t) for t in p["prompt_ids"][p["prompt_mask"]]],
             Sampling(seed=self._seed(round_, i), **sampling),
-            images=p["pixel_values"][:p["n_images"]] if "pixel_values" in p else None)
+            images=engine_images(p))
             for i, p in enumerate(prompts)]
         self.engine.run_until_done(requests)
         samples = [s for r in requests for s in r.samples]

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from redco_zoo_models.metrics import logits_and_experts
+from redco_zoo_models.mrope import decode_positions
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "gspo")
 
@@ -58,15 +59,32 @@ def token_logps_and_experts(apply_fn, params, batch: dict,
     prompt, tokens = batch["prompt_ids"], batch["tokens"]
     ids = jnp.concatenate([prompt, tokens], 1)
     segments = jnp.concatenate([batch["prompt_mask"], jnp.ones_like(tokens)], 1).astype(jnp.int32)
-    if "pixel_values" in batch:  # (an image prompt's: each row's images, image_prompts.py)
-        images = jnp.concatenate([batch["image_mask"], jnp.zeros_like(tokens, bool)], 1)
+    images = None if "image_mask" not in batch else \
+        jnp.concatenate([batch["image_mask"], jnp.zeros_like(tokens, bool)], 1)[:, :-1]
+    if "position_ids" in batch:  # (a Qwen-VL image prompt's: its patches, image_prompts.py)
+        layout = {k.removeprefix("layout_"): v for k, v in batch.items()
+                  if k.startswith("layout_")}
         logits, experts = apply_fn(params, ids[:, :-1], segments[:, :-1], batch["pixel_values"],
-                                   image_mask=images[:, :-1]), {}
+                                   None, mrope_positions(batch, tokens.shape[1])[:, :, :-1],
+                                   layout, image_mask=images), {}
+    elif "pixel_values" in batch:  # (an image prompt's: each row's images, image_prompts.py)
+        logits, experts = apply_fn(params, ids[:, :-1], segments[:, :-1], batch["pixel_values"],
+                                   image_mask=images), {}
     else:
         logits, experts = logits_and_experts(apply_fn, params, ids[:, :-1],
                                              segment_ids=segments[:, :-1])
     logps = jax.nn.log_softmax(logits[:, prompt.shape[1] - 1:].astype(jnp.float32) / temperature)
     return jnp.take_along_axis(logps, tokens[..., None], -1)[..., 0], experts
+
+
+def mrope_positions(batch: dict, n: int) -> jax.Array:
+    """(3, B, width + n): a Qwen-VL sample's M-RoPE positions, its prompt's (``position_ids``,
+    from its grids) then its ``n`` completion tokens' where the engine's decode steps placed
+    them: their place in the row (left padding skipped) plus the row's ``rope_delta``."""
+    prompt_mask = batch["prompt_mask"]
+    valid = jnp.concatenate([prompt_mask, jnp.ones((len(prompt_mask), n), bool)], 1)
+    completion = decode_positions(valid, prompt_mask.shape[1], n, batch["rope_delta"])
+    return jnp.concatenate([jnp.moveaxis(batch["position_ids"], 1, 0), completion], 2)
 
 
 def token_logps(apply_fn, params, batch: dict, temperature: float) -> jax.Array:

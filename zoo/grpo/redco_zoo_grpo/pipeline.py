@@ -16,8 +16,8 @@ then exits 143) and at the end; a rerun of the same command resumes at the round
 ``--max_steps`` caps the rounds (a multiple of a round's updates). ``--environment NAME``
 makes each completion a multi-turn episode with that environment, which rewards it
 (``multiturn.py``, ``environments.py``), of ``--max_turns`` model turns at most. Prompts whose
-messages hold image parts run on a LLaVA model, each prompt with its images
-(``image_prompts.py``).
+messages hold image parts run on an image + text model (LLaVA, Gemma 3, Qwen2.5-VL, Qwen3-VL,
+Qwen3.5), each prompt with its images (``image_prompts.py``).
 ``--rollout_devices N`` samples on the last N devices (with P processes the last N / P of
 each), ahead of the updates (``async_rollouts.py``); ``auto`` plans N from the compiled
 rollout and update before the model is loaded (``auto_split.py``, ``rollout_split.py``; with
@@ -343,6 +343,7 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
     model, _ = runner.load_source(source, seed)
     if images:
         image_prompts.check_model(model, source.model, prompts[0], run.engine_rows)
+        image_prompts.fit_to_model(model, [prompts[0], held_out[0]])
     turns_context = algorithm.max_new_tokens if make_env else 0  # a turn's context: the trajectory
     check_context(model, prompt_width + turns_context, algorithm.max_new_tokens)
     deployer, config = deployer_of(config, join)

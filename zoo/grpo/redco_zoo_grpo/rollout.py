@@ -57,7 +57,7 @@ from redco_zoo_grpo.dapo import (
     signal_groups,
     soft_overlong_penalty,
 )
-from redco_zoo_grpo.engine_rollouts import EngineRollouts
+from redco_zoo_grpo.engine_rollouts import EngineRollouts, image_slots
 from redco_zoo_grpo.loss import clip_fraction, group_advantages, k3, token_logps
 from redco_zoo_grpo.rewards import score
 from redco_zoo_models import split_model
@@ -272,8 +272,7 @@ class GRPO:
         if self.reference == "copy":  # the params before the first update
             self.ref_params = jax.tree.map(jnp.copy, self.trainer.params)
         if self.engine_rows:
-            slots = {"max_images": len(prompts[0]["pixel_values"])} \
-                if "pixel_values" in prompts[0] else {}  # (image prompts: image_prompts.py)
+            slots = image_slots(prompts[0])  # (image prompts: image_prompts.py)
             engine = (EngineRollouts, slots) if not self.asynchronous else (AsyncRollouts, dict(
                 devices=rollout_devices(self.asynchronous.rollout_devices,
                                         self.trainer.deployer.devices)[1],

@@ -96,11 +96,12 @@ class QwenVLForConditionalGeneration(ImageTextModel):
                 "deltas": deltas}
 
     def __call__(self, input_ids, attention_mask=None, pixel_values=None, image_grid_thw=None,
-                 position_ids=None, layout=None, labels=None, label_mask=None):
+                 position_ids=None, layout=None, labels=None, label_mask=None, image_mask=None):
         """Logits (or with ``labels`` the mean loss, as ``DecoderLM``); text alone without
         ``pixel_values``. ``position_ids`` (3, B, T) and ``layout``: made on the host here
         from concrete ids and grids, given inside jit; ``pixel_values`` (B, P, features) of
-        each row's patches (``row_features``) with both given."""
+        each row's patches (``row_features``) with both given, placed at the tokens
+        ``image_mask`` marks (default: every image token; GRPO's: the prompt's, ``embed``)."""
         if pixel_values is None:
             return self.language_model(input_ids, attention_mask, labels=labels,
                                        label_mask=label_mask)
@@ -111,8 +112,9 @@ class QwenVLForConditionalGeneration(ImageTextModel):
             features, deep = self.row_features(pixel_values, layout)
             return self.language_model(
                 input_ids, attention_mask, labels=labels, label_mask=label_mask,
-                positions=position_ids, inputs_embeds=self.embed(input_ids, features, True),
-                deepstack=self.deepstack(input_ids, deep, per_row=True))
+                positions=position_ids,
+                inputs_embeds=self.embed(input_ids, features, True, image_mask),
+                deepstack=self.deepstack(input_ids, deep, True, image_mask))
         if position_ids is None:
             position_ids = self.positions(input_ids, attention_mask, image_grid_thw)[0]
         self.check_tokens(input_ids, image_grid_thw)
@@ -130,12 +132,13 @@ class QwenVLForConditionalGeneration(ImageTextModel):
         ones first (placed at its image tokens in order; the padded ones never placed)."""
         return jax.vmap(self.visual)(pixel_values, layout)
 
-    def deepstack(self, input_ids, deep: list, per_row: bool = False):
-        """DeepStack's features placed at the image tokens, zeros elsewhere (``None``: none)."""
+    def deepstack(self, input_ids, deep: list, per_row: bool = False, image_mask=None):
+        """DeepStack's features placed at the image tokens (``image_mask``'s, as ``embed``),
+        zeros elsewhere (``None``: none)."""
         if not deep:
             return None
         zeros = jnp.zeros((*input_ids.shape, self.cfg.text.hidden_size), deep[0].dtype)
-        return [self.place(input_ids, d, zeros, per_row) for d in deep]
+        return [self.place(input_ids, d, zeros, per_row, image_mask) for d in deep]
 
     def check_tokens(self, input_ids, image_grid_thw) -> None:
         """Refuse a prompt whose image tokens are not the images' merged patches, or with video
