@@ -167,6 +167,12 @@ def test_qwen_vl_logits_match_transformers(models, batch):
     """fp32 logits within 1e-4 (``close``) on left-padded image + text rows; the tower's merged
     features to 1e-5 of their scale."""
     theirs, ours = models
+    assert logits_and_features_match(ours, theirs, batch) == []
+
+
+def logits_and_features_match(ours, theirs, batch) -> list:
+    """Assert ``ours``' logits (at the valid tokens) and merged image features are
+    ``theirs``'; returns our DeepStack features."""
     valid = batch["attention_mask"] > 0
     close(ours_logits(ours, batch)[valid], theirs_logits(theirs, batch)[valid])
     with torch.no_grad():
@@ -174,8 +180,8 @@ def test_qwen_vl_logits_match_transformers(models, batch):
             torch.tensor(batch["pixel_values"]),
             torch.tensor(batch["image_grid_thw"])).pooler_output).numpy()
     got, deep = ours.image_features(jnp.asarray(batch["pixel_values"]), batch["image_grid_thw"])
-    assert deep == []
     assert np.abs(np.asarray(got) - want).max() <= 1e-5 * np.abs(want).max()
+    return deep
 
 
 def test_qwen_vl_scanned_tower_matches_transformers(saved_qwen, batch, tmp_path):
@@ -186,14 +192,7 @@ def test_qwen_vl_scanned_tower_matches_transformers(saved_qwen, batch, tmp_path)
     theirs, path = saved_qwen
     ours = scanned_tower(path, "visual/blocks/", tmp_path)
     assert [(s.start, s.period, s.repeats) for s in ours.visual.runs] == [(0, 2, 2)]
-    valid = batch["attention_mask"] > 0
-    close(ours_logits(ours, batch)[valid], theirs_logits(theirs, batch)[valid])
-    with torch.no_grad():
-        want = torch.cat(theirs.get_image_features(
-            torch.tensor(batch["pixel_values"]),
-            torch.tensor(batch["image_grid_thw"])).pooler_output).numpy()
-    got, _ = ours.image_features(jnp.asarray(batch["pixel_values"]), batch["image_grid_thw"])
-    assert np.abs(np.asarray(got) - want).max() <= 1e-5 * np.abs(want).max()
+    logits_and_features_match(ours, theirs, batch)
 
 
 def test_qwen_vl_greedy_generation_matches_transformers(models, batch):
