@@ -8,7 +8,8 @@ placeholder where it stands, LLaVA's ``<image>``, Qwen's ``<|vision_start|><|ima
 <|vision_end|>``: ``image_placeholder``) and the chat, rendered by the chat template, goes
 through the model's own transformers processor, which resizes each image (LLaVA's to the
 tower's size, Qwen's to multiples of its patches: their ``pixel_values`` and ``image_grid_thw``;
-Gemma 4's to its soft-token budget: padded patches and their ``image_position_ids``) and expands its placeholder into the image tokens. The engine's prefill places the images'
+Gemma 4's to its soft-token budget: padded patches and their ``image_position_ids``) and
+expands its placeholder into the image tokens. The engine's prefill places the images'
 features there (``redco_zoo_models.engine_images``). An image that cannot be read, a web URL,
 and an image sent to a text model are a 400 that names the fix.
 """

@@ -129,7 +129,8 @@ class PlacedPatchSlots:
             raise ValueError("This model's images are its processor's patches: give "
                              "{'pixel_values', 'image_position_ids'} as the processor returns "
                              "them.")
-        pixels, places = np.asarray(images["pixel_values"]), np.asarray(images["image_position_ids"])
+        pixels = np.asarray(images["pixel_values"])
+        places = np.asarray(images["image_position_ids"])
         width = 3 * self.cfg.vision.patch_size ** 2
         if len(places) > self.max_images:
             raise ValueError(f"The prompt has {len(places)} images; this engine takes at most "
