@@ -7,7 +7,8 @@ other sizes as ``Qwen2_5_VLForConditionalGeneration.generate`` does. The servers
 process (``served_in_process``: the command's ``start_engine`` and ``build_app``, reached
 through starlette's test client): ``redco serve`` as a process, its socket and its HTTP
 server are tested in test_serve.py. An unreadable image and an image sent to a text-only
-model are a 400 naming the fix."""
+model are a 400 naming the fix. Gemma 4's processor, as the command loads it, gives the engine
+its patches and their places."""
 import argparse
 import base64
 import io
@@ -20,16 +21,18 @@ import torch
 import transformers
 from flax import nnx
 from PIL import Image
-from redco_serve.app import build_app
+from redco_serve.app import build_app, chat_text
 from redco_serve.command import ServeCommand, image_processor, start_engine
+from redco_serve.images import chat_with_images
 from starlette.testclient import TestClient
 from test_serve import WORDS as TEXT_WORDS
 from transformers import AutoTokenizer
 
 from redco_zoo_models.engine import Engine
-from redco_zoo_models.engine_images import check_images, image_slots
+from redco_zoo_models.engine_images import PlacedPatchSlots, check_images, image_slots
+from redco_zoo_models.gemma4_vision_config import Gemma4VisionConfig
 from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
-from redco_zoo_models.toy import save_tiny_chat_model
+from redco_zoo_models.toy import TINY_FAMILIES, chat_word_tokenizer, save_tiny_chat_model
 from redco_zoo_models.toy_vision import save_tiny_gemma3, save_tiny_llava, save_tiny_qwen_vl
 
 WORDS = ["system", "user", "assistant", "what", "is", "this", "?", "red", "green", "blue",
@@ -172,6 +175,42 @@ def test_qwen_vl_answers_images_of_their_own_sizes_as_transformers_does(tmp_path
             client.chat.completions.create(model="served", messages=ask(png_url(2, (32, 32))[0]))
     finally:
         client.engine.stop()
+
+
+GEMMA4_SPECIALS = {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>",
+                   "boa_token": "<|audio>", "eoa_token": "<audio|>", "audio_token": "<|audio|>"}
+
+
+def test_gemma4s_processor_gives_the_engine_its_patches_and_places(tmp_path):
+    """Gemma 4's processor as ``redco serve`` loads it (``image_processor``: its image
+    processor and tokenizer alone where transformers cannot make its video processor without
+    torchvision) turns a chat's PNG (44 x 30) into its soft tokens between the image marks and
+    ``{"pixel_values", "image_position_ids"}`` (padded to the processor's 630 patches, places
+    -1 there), which the engine's slots (``PlacedPatchSlots``) take, and refuse past
+    ``--max_image_patches``. (The engine's tokens and log-probabilities for Gemma 4's images
+    against transformers: test_parity_gemma4; host only here, nothing compiles.)"""
+    tokenizer = chat_word_tokenizer([*WORDS, *GEMMA4_SPECIALS.values()],
+                                    extra_special_tokens=GEMMA4_SPECIALS)
+    tokenizer.save_pretrained(str(tmp_path))
+    transformers.Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70,
+                                         pooling_kernel_size=3).save_pretrained(str(tmp_path))
+    (tmp_path / "processor_config.json").write_text('{"processor_class": "Gemma4Processor"}')
+    (tmp_path / "config.json").write_text('{"model_type": "gemma4"}')  # (as a model's dir)
+    processor = image_processor(str(tmp_path))
+    prompt, images = chat_with_images(ask(png_url(0, size=(44, 30))[0]), processor, chat_text)
+    image, (boi, eoi) = processor.image_token_id, tokenizer.convert_tokens_to_ids(
+        [GEMMA4_SPECIALS["boi_token"], GEMMA4_SPECIALS["eoi_token"]])
+    n = prompt.count(image)
+    assert prompt[prompt.index(boi):prompt.index(eoi) + 1] == [boi, *[image] * n, eoi]
+    places = images["image_position_ids"]
+    assert images["pixel_values"].shape == (1, 630, 48) and places.shape == (1, 630, 2)
+    assert (places != -1).all(-1).sum() == 9 * n and (places[0, 9 * n:] == -1).all()
+    cfg = Gemma4VisionConfig.from_hf({"image_token_id": image, "vision_config": dict(
+        patch_size=4, pooling_kernel_size=3), "text_config": dict(
+        TINY_FAMILIES["gemma4"], vocab_size=len(tokenizer), use_bidirectional_attention="vision")})
+    PlacedPatchSlots(cfg, 1, 9 * n).check(prompt, images)
+    with pytest.raises(ValueError, match=r"pads an image's to 9.*--max_image_patches"):
+        PlacedPatchSlots(cfg, 1, 9).check(prompt, images)
 
 
 def test_an_image_to_a_text_model_is_refused_naming_the_fix(tmp_path):

@@ -4,7 +4,8 @@ MLP): full layers whose values are their keys' projection (``attention_k_eq_v``)
 own key/value heads, the 26B-A4B's layout (the MoE block, no per-layer inputs or sharing) with
 its layers stacked, against transformers' ``Gemma4ForCausalLM``; and what is refused before
 compiling. Gemma 4 with images (``Gemma4ForConditionalGeneration``'s vision tower: patches of
-any aspect padded, 2-D RoPE, pooling, the projector) on its image processor's output."""
+any aspect padded, 2-D RoPE, pooling, the projector) on its image processor's output, and the
+serving engine reading two image prompts of other sizes in one prefill."""
 import json
 
 import jax
@@ -24,6 +25,7 @@ from redco_zoo_models.gemma4_vision import Gemma4ForConditionalGeneration
 from redco_zoo_models.gemma4_vision_config import Gemma4VisionConfig
 from redco_zoo_models.generation import generate
 from redco_zoo_models.hf import auto_class
+from redco_zoo_models.requests import Sampling
 from redco_zoo_models.toy import TINY_FAMILIES
 
 K_EQ_V = dict(TINY_FAMILIES["gemma4"], attention_k_eq_v=True, num_global_key_value_heads=1)
@@ -154,8 +156,9 @@ def test_gemma4_with_images_logits_greedy_tokens_and_export_match_transformers(t
     k x k pooling, standardisation) and projector on its image processor's output, the soft
     tokens placed in order, image tokens both ways in the sliding layers only, per-layer inputs
     of the pad token at them: fp32 logits (``ATOL``), the soft tokens to 1e-5 of their scale,
-    greedy tokens, an export transformers loads back; ``auto_class`` without ``images`` reads
-    the language model, and the serving engine and SFT refuse it, naming why."""
+    greedy tokens, an export transformers loads back, the serving engine's tokens and
+    log-probabilities (``check_engine``); ``auto_class`` without ``images`` reads the language
+    model, and SFT refuses it, naming why."""
     batch, theirs = image_batch(), gemma4_with_images()
     theirs.save_pretrained(str(tmp_path / "theirs"))
     assert auto_class(str(tmp_path / "theirs")).__name__ == "DecoderLM"
@@ -181,12 +184,10 @@ def test_gemma4_with_images_logits_greedy_tokens_and_export_match_transformers(t
     assert scanned.vision_tower.runs[0].repeats == 2
     features = np.asarray(scanned.encode(batch["pixel_values"], batch["image_position_ids"]))
     assert np.abs(features[:len(want)] - want).max() <= 1e-5 * np.abs(want).max()
-    check_images_greedy(ours, theirs, batch)
+    check_engine(ours, theirs, batch, check_images_greedy(ours, theirs, batch))
     save_pretrained(ours, str(tmp_path / "ours"))
     back = load_hf(transformers.Gemma4ForConditionalGeneration, tmp_path / "ours")
     close(got, torch_logits_of(back, batch)[valid], ATOL["gemma4"])
-    with pytest.raises(NotImplementedError, match="image_position_ids"):
-        Engine(ours, nnx.state(ours, nnx.Param), max_len=256)
     assert "does not train it yet" in ours.untrained()
     check_refusals(json.loads((tmp_path / "theirs" / "config.json").read_text()))
 
@@ -215,3 +216,42 @@ def check_images_greedy(ours, theirs, batch):
                      **{k: batch[k] for k in ("pixel_values", "image_position_ids",
                                               "mm_token_type_ids")})
     np.testing.assert_array_equal(np.asarray(got), want)
+    return want
+
+
+def check_engine(ours, theirs, batch, want):
+    """The serving engine reads both prompts (60 and 66 soft tokens; padding dropped, the
+    shorter right-padded) in one prefill, each image's own patches re-padded from the
+    processor's 630 to the engine's 594 (``max_image_patches``), its image tokens both ways in
+    the sliding layers of its row only: transformers' greedy tokens (``want``), and each token's
+    log-probability transformers' forward ``log_softmax`` to 1e-4; an image of more patches
+    is refused naming ``--max_image_patches``."""
+    valid = batch["attention_mask"] > 0
+    prompts = [[int(t) for t in row[m]] for row, m in zip(batch["input_ids"], valid)]
+    images = [{k: batch[k][i:i + 1] for k in ("pixel_values", "image_position_ids")}
+              for i in range(2)]
+    engine = Engine(ours, nnx.state(ours, nnx.Param), max_seqs=2, max_len=80,
+                    eos_token_ids=(63,), steps_per_sync=8, max_image_patches=594)
+    read, prefill = [], engine._prefill  # (the prompts each prefill reads)
+    engine._prefill = lambda *args: read.append(len(args[4])) or prefill(*args)
+    requests = [engine.submit(p, Sampling(max_tokens=want.shape[1]), images=i)
+                for p, i in zip(prompts, images)]
+    engine.run_until_done(requests)
+    assert read == [2]  # both prompts in one prefill
+    samples = [r.samples[0] for r in requests]
+    got = [s.tokens + [0] * (want.shape[1] - len(s.tokens)) for s in samples]
+    np.testing.assert_array_equal(np.array(got), want)
+    rows = [p + s.tokens for p, s in zip(prompts, samples)]
+    width = max(map(len, rows))
+    full = np.array([r + [0] * (width - len(r)) for r in rows])  # (right-padded, per row)
+    mask = (np.arange(width) < np.array([len(r) for r in rows])[:, None]) * 1
+    logprobs = torch.log_softmax(torch.tensor(torch_logits_of(theirs, {
+        "input_ids": full, "attention_mask": mask, "mm_token_type_ids": (full == IMAGE) * 1,
+        **{k: batch[k] for k in ("pixel_values", "image_position_ids")}})), -1).numpy()
+    for row, (prompt, sample) in enumerate(zip(prompts, samples)):
+        at = np.arange(len(sample.tokens)) + len(prompt) - 1
+        np.testing.assert_allclose(sample.logprobs, logprobs[row, at, sample.tokens], atol=1e-4)
+    whole = {k: v.copy() for k, v in images[1].items()}
+    whole["image_position_ids"][:] = np.maximum(whole["image_position_ids"], 0)  # (630 own)
+    with pytest.raises(ValueError, match=r"pads an image's to 594.*--max_image_patches"):
+        engine.submit(prompts[1], Sampling(max_tokens=1), images=whole)

@@ -65,8 +65,9 @@ class ServeCommand(Command):
                             "prefill carries this many image slots a prompt")
         parser.add_argument("--max_image_patches", type=int, default=1024, help="Qwen-VL: "
                             "the patches of a request's images (a 448 x 448 image at patch 14: "
-                            "1024), to which each prefill pads a prompt's: one shape whatever "
-                            "the images' sizes; more are refused")
+                            "1024), to which each prefill pads a prompt's; Gemma 4: an image's "
+                            "(9 a soft token), to which each prefill pads each image's: one "
+                            "shape whatever the images' sizes; more are refused")
 
     def run(self, args: argparse.Namespace) -> None:
         import uvicorn

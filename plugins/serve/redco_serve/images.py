@@ -1,5 +1,5 @@
 """Chat messages with image parts, for ``redco serve`` over an image + text model (LLaVA,
-Qwen2.5-VL, Qwen3-VL, Qwen3.5).
+Gemma 3, Gemma 4, Qwen2.5-VL, Qwen3-VL, Qwen3.5).
 
 An image part is OpenAI's ``{"type": "image_url", "image_url": {"url": "data:image/png;
 base64,..."}}`` (or HuggingFace's ``{"type": "image", ...}``); it is decoded on the host
@@ -7,8 +7,9 @@ base64,..."}}`` (or HuggingFace's ``{"type": "image", ...}``); it is decoded on 
 placeholder where it stands, LLaVA's ``<image>``, Qwen's ``<|vision_start|><|image_pad|>
 <|vision_end|>``: ``image_placeholder``) and the chat, rendered by the chat template, goes
 through the model's own transformers processor, which resizes each image (LLaVA's to the
-tower's size, Qwen's to multiples of its patches: their ``pixel_values`` and ``image_grid_thw``)
-and expands its placeholder into the image tokens. The engine's prefill places the images'
+tower's size, Qwen's to multiples of its patches: their ``pixel_values`` and ``image_grid_thw``;
+Gemma 4's to its soft-token budget: padded patches and their ``image_position_ids``) and
+expands its placeholder into the image tokens. The engine's prefill places the images'
 features there (``redco_zoo_models.engine_images``). An image that cannot be read, a web URL,
 and an image sent to a text model are a 400 that names the fix.
 """
@@ -38,7 +39,8 @@ def refuse_images(messages) -> None:
 def chat_with_images(messages, processor,
                      chat_text: Callable[[list, object], str]) -> tuple[list[int], object]:
     """``(prompt ids, images)`` of a chat whose messages may hold image parts (None without):
-    LLaVA's pixels (n, 3, H, W), Qwen's ``{"pixel_values", "image_grid_thw"}``;
+    LLaVA's pixels (n, 3, H, W), Qwen's ``{"pixel_values", "image_grid_thw"}``, Gemma 4's
+    ``{"pixel_values", "image_position_ids"}``;
     ``chat_text(messages, tokenizer)`` renders the chat (with the generation prompt)."""
     if not isinstance(messages, list):
         raise api.BadRequest("messages: give a non-empty list of {\"role\", \"content\"} "
@@ -63,4 +65,7 @@ def chat_with_images(messages, processor,
     pixels = np.asarray(out["pixel_values"], np.float32)
     if "image_grid_thw" in out:  # (Qwen: patches of each image's own grid)
         return ids, {"pixel_values": pixels, "image_grid_thw": np.asarray(out["image_grid_thw"])}
+    if "image_position_ids" in out:  # (Gemma 4: padded patches and their places)
+        return ids, {"pixel_values": pixels,
+                     "image_position_ids": np.asarray(out["image_position_ids"])}
     return ids, pixels

@@ -22,6 +22,15 @@ shape whatever the sizes; the padded patches masked, ``qwen_vl.padded_patches``)
 naming the option. The prompt's M-RoPE positions and its delta are made on the host
 (``mrope.rope_index``); the prefill places the features (and Qwen3-VL's DeepStack ones) and
 keeps the delta in the row's cache, where the decode steps read it.
+
+Gemma 4 (``PlacedPatchSlots``) takes each image at its own aspect too: a request's images are
+its processor's ``pixel_values`` (images, patches, features) and ``image_position_ids``
+(images, patches, 2; (-1, -1) on padding). The prefill takes ``max_images`` images a prompt,
+each image's own patches padded to ``max_image_patches`` (one bucket: the processor's
+``max_soft_tokens`` or an image's size changes no shape; an image of more patches is refused
+naming the option); the tower encodes each, the row takes its soft tokens in order, and its
+image blocks see themselves both ways in the sliding layers (``Gemma4ForConditionalGeneration
+.decode``).
 """
 from __future__ import annotations
 
@@ -102,8 +111,69 @@ class PatchSlots:
                 "deltas": deltas}
 
 
+@dataclasses.dataclass(frozen=True)
+class PlacedPatchSlots:
+    """Gemma 4's prompts (module docstring): up to ``max_images`` images, each one's own
+    patches padded to ``patches``. A request's images: ``{"pixel_values" (n, patches,
+    features), "image_position_ids" (n, patches, 2)}`` from the model's processor."""
+    cfg: Any
+    max_images: int
+    patches: int
+
+    def check(self, prompt: list[int], images) -> None:
+        """Refuse ``images`` that ``prompt`` cannot take, naming the fix."""
+        if images is None:
+            images = {"pixel_values": np.zeros((0, 0, 1)), "image_position_ids":
+                      np.zeros((0, 0, 2))}
+        if not isinstance(images, dict) or {"pixel_values", "image_position_ids"} - set(images):
+            raise ValueError("This model's images are its processor's patches: give "
+                             "{'pixel_values', 'image_position_ids'} as the processor returns "
+                             "them.")
+        pixels = np.asarray(images["pixel_values"])
+        places = np.asarray(images["image_position_ids"])
+        width = 3 * self.cfg.vision.patch_size ** 2
+        if len(places) > self.max_images:
+            raise ValueError(f"The prompt has {len(places)} images; this engine takes at most "
+                             f"{self.max_images} a prompt: send fewer, or start it with a "
+                             "larger max_images.")
+        if pixels.shape[:2] != places.shape[:2] or len(pixels) and pixels.shape[2] != width \
+                or places.shape[2:] != (2,):
+            raise ValueError(f"The images' patches are {pixels.shape} at places {places.shape}, "
+                             f"not (images, patches, {width}) at (images, patches, 2): make "
+                             "them with the model's processor.")
+        own = (places != -1).all(-1).sum(-1)
+        if own.size and own.max() > self.patches:
+            raise ValueError(f"The prompt's images give {own.tolist()} patches; this engine "
+                             f"pads an image's to {self.patches}: send smaller images, or start "
+                             "it with a larger max_image_patches (redco serve "
+                             "--max_image_patches).")
+        soft = int((own // self.cfg.vision.pooling_kernel_size ** 2).sum())
+        found = sum(t == self.cfg.image_token_id for t in prompt)
+        if found != soft:
+            raise ValueError(f"The prompt holds {found} image tokens (id "
+                             f"{self.cfg.image_token_id}) but its images give {soft} soft "
+                             "tokens: build it with the model's processor.")
+
+    def context(self, requests: list, ids: np.ndarray) -> dict:
+        """The prefill's ``context`` (``Gemma4ForConditionalGeneration.decode``): each prompt's
+        images' own patches (P, K, patches, features) and places (P, K, patches, 2), -1 past
+        them and on the blank images."""
+        k, width = self.max_images, 3 * self.cfg.vision.patch_size ** 2
+        pixels = np.zeros((len(ids), k, self.patches, width), np.float32)
+        places = np.full((len(ids), k, self.patches, 2), -1, np.int32)
+        for i, request in enumerate(requests):
+            if request.images is None:
+                continue
+            for j, (image, where) in enumerate(zip(request.images["pixel_values"],
+                                                   request.images["image_position_ids"])):
+                own = (np.asarray(where) != -1).all(-1)
+                n = int(own.sum())
+                pixels[i, j, :n], places[i, j, :n] = np.asarray(image)[own], np.asarray(where)[own]
+        return {"pixel_values": pixels, "image_position_ids": places}
+
+
 def image_slots(model, max_images: int, prefill_chunk: int | None, prefix_caching: bool,
-                max_image_patches: int = 1024) -> ImageSlots | PatchSlots | None:
+                max_image_patches: int = 1024) -> ImageSlots | PatchSlots | PlacedPatchSlots | None:
     """The image slots of ``model``'s prompts; None for a text model. Raises what the engine
     cannot do with an image model (module docstring)."""
     if not hasattr(model, "encode_rows"):
@@ -117,6 +187,9 @@ def image_slots(model, max_images: int, prefill_chunk: int | None, prefix_cachin
     if getattr(model, "dynamic_resolution", False):
         merge = model.cfg.vision.spatial_merge_size ** 2
         return PatchSlots(model.cfg, max_images, -(-max_image_patches // merge) * merge)
+    if getattr(model, "placed_patches", False):
+        pool = model.cfg.vision.pooling_kernel_size ** 2
+        return PlacedPatchSlots(model.cfg, max_images, -(-max_image_patches // pool) * pool)
     vision = model.cfg.vision
     return ImageSlots((max_images, vision.num_channels, vision.image_size, vision.image_size),
                       model.cfg.image_token_index, model.cfg.features_per_image())
@@ -124,7 +197,7 @@ def image_slots(model, max_images: int, prefill_chunk: int | None, prefix_cachin
 
 def check_images(slots: ImageSlots | None, prompt: list[int], images) -> None:
     """Refuse ``images`` (n, 3, H, W) that ``prompt`` cannot take (module docstring)."""
-    if isinstance(slots, PatchSlots):
+    if isinstance(slots, (PatchSlots, PlacedPatchSlots)):
         return slots.check(prompt, images)
     n = 0 if images is None else len(images)
     if slots is None:
@@ -148,8 +221,8 @@ def check_images(slots: ImageSlots | None, prompt: list[int], images) -> None:
 
 def image_context(slots, requests: list, ids: np.ndarray):
     """The prefill's context of ``requests`` read as ``ids`` (count, width): ``PatchSlots``'
-    arrays, or LLaVA's pixels (``pixel_slots``); None for a text model."""
-    if isinstance(slots, PatchSlots):
+    or ``PlacedPatchSlots``' arrays, or LLaVA's pixels (``pixel_slots``); None for a text model."""
+    if isinstance(slots, (PatchSlots, PlacedPatchSlots)):
         return slots.context(requests, ids)
     return pixel_slots(requests, len(ids), slots)
 

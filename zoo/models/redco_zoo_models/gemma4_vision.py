@@ -19,6 +19,8 @@ The language model is the zoo's Gemma 4 decoder (``gemma4_text``): image tokens 
 the pad token (in the per-layer inputs' table too, as transformers does) and their embeddings replaced
 by the images' soft tokens in order; with ``use_bidirectional_attention: "vision"`` each run of
 image tokens sees itself both ways in the sliding layers only (the full layers stay causal).
+The serving engine's prefill gives ``decode`` each prompt's images, padded to one bucket
+(``encode_rows``; ``engine_images.PlacedPatchSlots``), placed and seen both ways per row.
 """
 from __future__ import annotations
 
@@ -172,6 +174,7 @@ class Projector(nnx.Module):
 class Gemma4ForConditionalGeneration(ImageTextModel):
     """``__call__(input_ids, attention_mask, pixel_values, image_position_ids)``: logits."""
     config_class = Gemma4VisionConfig
+    placed_patches = True  # (the serving engine's prompts: engine_images.PlacedPatchSlots)
 
     def __init__(self, cfg: Gemma4VisionConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -220,21 +223,38 @@ class Gemma4ForConditionalGeneration(ImageTextModel):
                                                             self.language_model.model.embed(ids)),
                                    blocks=self._blocks(input_ids, features))
 
+    def encode_rows(self, pixel_values, image_position_ids):
+        """Each row's soft tokens in order (B, K * slots, hidden) from its K images' padded
+        patches (B, K, n, features) and places (B, K, n, 2); a blank image (every place -1)
+        gives none (its slots, and each image's past its own blocks, moved last)."""
+        b, k = pixel_values.shape[:2]
+        features, real = self.vision_tower(pixel_values.reshape(b * k, *pixel_values.shape[2:]),
+                                           image_position_ids.reshape(
+                                               b * k, *image_position_ids.shape[2:]))
+        real = real & (image_position_ids != -1).any((-1, -2)).reshape(b * k, 1)
+        features = features.reshape(b, -1, features.shape[-1])
+        order = jnp.argsort(~real.reshape(b, -1), axis=1, stable=True)
+        return self.embed_vision(jnp.take_along_axis(features, order[..., None], 1))
+
     def decode(self, ids, key_valid, cache, cache_index, context=None):
         """One generation step (``redco_zoo_models.generation``); ``context``: ``encode``'s
-        soft tokens, placed when the prompt is read."""
-        prefill = isinstance(cache_index, int) and cache_index == 0 and context is not None
+        soft tokens, placed when the prompt is read; or the serving engine's prefill's
+        (``engine_images.PlacedPatchSlots``: each prompt's padded patches and their places),
+        each row's placed in that row, its image blocks both ways in that row only."""
         text = self.text_ids(ids)
         embeds = self.language_model.model.embed(text)
+        if isinstance(context, dict):  # (each prompt read whole from slot 0)
+            features = self.encode_rows(context["pixel_values"], context["image_position_ids"])
+            blocks = self._blocks(ids, features)
+            return self.language_model(text, key_valid, cache,
+                                       cache_index if blocks is None else 0,
+                                       inputs_embeds=self.place(ids, features, embeds, True),
+                                       blocks=blocks)
+        prefill = isinstance(cache_index, int) and cache_index == 0 and context is not None
         if prefill:
             embeds = self.place(ids, context, embeds)
         return self.language_model(text, key_valid, cache, cache_index, inputs_embeds=embeds,
                                    blocks=self._blocks(ids, context) if prefill else None)
-
-    def unserved(self) -> str | None:
-        return (f"{type(self).__name__}: its images come as patches with their places "
-                "(image_position_ids), which the serving engine's prefill does not take yet; "
-                "generate() with encoder_inputs=model.encode(pixel_values, image_position_ids).")
 
     def untrained(self) -> str | None:
         return (f"{type(self).__name__}: `redco zoo run sft` does not train it yet (its "

@@ -160,7 +160,8 @@ def load_processor(path: str):
         processor = AutoProcessor.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
         processor = images_only_processor(path, e)
-    except AttributeError:  # (one whose video processor this install cannot make)
+    except (AttributeError, ImportError):  # (one whose video processor this install cannot
+        # make: Qwen's, Gemma 4's without torchvision)
         processor = images_only_processor(path, None)
     if processor is None:
         raise UsageError(f"{path}: no image processor there that transformers can read; "
@@ -175,9 +176,11 @@ def load_processor(path: str):
 
 
 def images_only_processor(path: str, error: Exception | None):
-    """The processor ``processor_config.json`` names in ``path`` (Qwen2.5-VL's, Qwen3-VL's)
-    made of its image processor and tokenizer alone, where transformers cannot make its video
-    processor (it needs torchvision); None where there is no such file (``error``: why)."""
+    """The processor ``processor_config.json`` names in ``path`` (Qwen2.5-VL's, Qwen3-VL's,
+    Gemma 4's) made of its image processor and tokenizer alone, where transformers cannot make
+    its video processor (it needs torchvision); None where there is no such file (``error``:
+    why)."""
+    import inspect
     import json
     import os
 
@@ -191,9 +194,19 @@ def images_only_processor(path: str, error: Exception | None):
     if kind is None:
         return None
 
-    class ImagesOnly(kind):
+    class Unmade(transformers.ProcessorMixin):
+        """Drops the parts not made (Gemma 4's audio and video: ``None``) on their way to
+        ``ProcessorMixin``, which checks only the parts ``ImagesOnly`` names."""
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{k: v for k, v in kwargs.items()
+                                       if v is not None or k == "chat_template"})
+
+    class ImagesOnly(kind, Unmade):
         def __init__(self, image_processor, tokenizer, chat_template=None):
-            super().__init__(image_processor, tokenizer, chat_template=chat_template)
+            unmade = {k: None for k in ("feature_extractor", "video_processor")
+                      if k in inspect.signature(kind.__init__).parameters}
+            super().__init__(image_processor=image_processor, tokenizer=tokenizer,
+                             chat_template=chat_template, **unmade)
     try:
         return ImagesOnly(AutoImageProcessor.from_pretrained(path, local_files_only=True),
                           AutoTokenizer.from_pretrained(path, local_files_only=True))
