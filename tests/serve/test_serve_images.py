@@ -109,6 +109,19 @@ def test_redco_serve_answers_an_image_as_transformers_does(tmp_path):
         client.engine.stop()
 
 
+def answered_as_transformers(client, model_dir: str, images: list, family, placeholder: str):
+    """Each ``(data: URL, image)`` of ``images`` asked of ``client`` (greedy, past the end
+    token) is answered with transformers' ``family.generate`` reply, and the answers differ."""
+    answers = []
+    for url, image in images:
+        reply = client.chat.completions.create(
+            model="served", messages=ask(url), max_completion_tokens=N_NEW, temperature=0,
+            extra_body={"ignore_eos": True})
+        answers.append(reply.choices[0].message.content)
+        assert answers[-1] == transformers_answer(model_dir, image, family, placeholder)
+    assert len(set(answers)) == len(answers) and all(answers), answers
+
+
 def served_in_process(model_dir: str, *flags: str) -> openai.OpenAI:
     """``redco serve``'s engine, processor and app as its command starts them (``start_engine``,
     warm-up included), in this process: the openai client reaches the app through starlette's
@@ -134,17 +147,9 @@ def test_redco_serve_answers_gemma3s_image_as_transformers_does(tmp_path):
     model_dir = jiggled(str(tmp_path / "gemma3"), save_tiny_gemma3)
     client = served_in_process(model_dir, "--max_seqs", "1", "--max_len", "32")
     try:
-        answers = []
-        for colour in ((0, 0, 0), (255, 0, 0)):  # (its random images all answer alike)
-            url, image = png_url(0, colour=colour)
-            reply = client.chat.completions.create(
-                model="served", messages=ask(url), max_completion_tokens=N_NEW, temperature=0,
-                extra_body={"ignore_eos": True})
-            answers.append(reply.choices[0].message.content)
-            assert answers[-1] == transformers_answer(
-                model_dir, image, transformers.Gemma3ForConditionalGeneration,
-                "<start_of_image>")
-        assert answers[0] != answers[1] and all(answers)
+        answered_as_transformers(  # (its random images all answer alike: two colours)
+            client, model_dir, [png_url(0, colour=colour) for colour in ((0, 0, 0), (255, 0, 0))],
+            transformers.Gemma3ForConditionalGeneration, "<start_of_image>")
     finally:
         client.engine.stop()
 
@@ -159,17 +164,10 @@ def test_qwen_vl_answers_images_of_their_own_sizes_as_transformers_does(tmp_path
     client = served_in_process(model_dir, "--max_seqs", "1", "--max_len", "64",
                                "--max_image_patches", "60")  # (48 and 60 patches fit; 64 not)
     try:
-        answers = []
-        for seed, size in ((0, (24, 32)), (1, (40, 24))):
-            url, image = png_url(seed, size)
-            reply = client.chat.completions.create(
-                model="served", messages=ask(url), max_completion_tokens=N_NEW, temperature=0,
-                extra_body={"ignore_eos": True})
-            answers.append(reply.choices[0].message.content)
-            assert answers[-1] == transformers_answer(
-                model_dir, image, transformers.Qwen2_5_VLForConditionalGeneration,
-                "<|vision_start|><|image_pad|><|vision_end|>")
-        assert answers[0] != answers[1] and all(answers)
+        answered_as_transformers(
+            client, model_dir, [png_url(0, (24, 32)), png_url(1, (40, 24))],
+            transformers.Qwen2_5_VLForConditionalGeneration,
+            "<|vision_start|><|image_pad|><|vision_end|>")
         with pytest.raises(openai.BadRequestError, match=r"give 64 patches; this engine pads "
                                                          r"a prompt's to 60.*--max_image_patches"):
             client.chat.completions.create(model="served", messages=ask(png_url(2, (32, 32))[0]))
