@@ -147,3 +147,33 @@ def scanned_tower(path, tower: str, tmp_path):
     for name, array in tensors[0].items():
         np.testing.assert_array_equal(tensors[1][name], array, err_msg=name)
     return scanned
+
+
+def engine_reads_in_one_prefill(engine, prompts: list, images: list, want) -> tuple:
+    """Run ``prompts`` (token lists, each with its ``images`` as ``Engine.submit`` takes them)
+    through the serving ``engine``, asserting it reads them all in one prefill and its greedy
+    tokens are ``want`` (rows, new tokens; 0 past a sample's end). Returns ``(samples, full,
+    valid)``: each prompt's sample, and prompt + sample rows right-padded with their mask, for
+    the forward pass whose ``log_softmax`` the sampled log-probabilities are checked against
+    (``logprobs_match``)."""
+    from redco_zoo_models.requests import Sampling
+    read, prefill = [], engine._prefill  # (the prompts each prefill reads)
+    engine._prefill = lambda *args: read.append(len(args[4])) or prefill(*args)
+    requests = [engine.submit(p, Sampling(max_tokens=want.shape[1]), images=i)
+                for p, i in zip(prompts, images)]
+    engine.run_until_done(requests)
+    assert read == [len(prompts)]  # every prompt in one prefill
+    samples = [r.samples[0] for r in requests]
+    got = [s.tokens + [0] * (want.shape[1] - len(s.tokens)) for s in samples]
+    np.testing.assert_array_equal(np.array(got), want)
+    rows = [p + s.tokens for p, s in zip(prompts, samples)]
+    width = max(map(len, rows))
+    full = np.array([r + [0] * (width - len(r)) for r in rows])
+    return samples, full, np.arange(width) < np.array([len(r) for r in rows])[:, None]
+
+
+def logprobs_match(prompts: list, samples: list, logprobs, atol: float = 1e-4) -> None:
+    """Each sample's log-probabilities are ``logprobs`` (rows, width, vocab) at its tokens."""
+    for row, (prompt, sample) in enumerate(zip(prompts, samples)):
+        at = np.arange(len(sample.tokens)) + len(prompt) - 1
+        np.testing.assert_allclose(sample.logprobs, logprobs[row, at, sample.tokens], atol=atol)

@@ -13,10 +13,12 @@ import pytest
 from flax import nnx
 from parity import (
     close,
+    engine_reads_in_one_prefill,
     hf_greedy,
     jiggle_ours,
     jiggle_torch,
     load_hf,
+    logprobs_match,
     saved,
     scanned_tower,
     torch,
@@ -30,7 +32,6 @@ from redco_zoo_models.engine import Engine
 from redco_zoo_models.gemma3_vision import Gemma3ForConditionalGeneration, Gemma3VisionConfig
 from redco_zoo_models.generation import generate
 from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
-from redco_zoo_models.requests import Sampling
 
 WORDS = ["<pad>", "<unk>", "<bos>", "what", "is", "in", "this", "picture", "?"]
 BOI, EOI, IMAGE, EOS = 58, 59, 60, 63
@@ -133,24 +134,10 @@ def check_engine(ours, batch, want):
     assert len(set(map(len, prompts))) == 2  # (the shorter one is padded in the prefill)
     engine = Engine(ours, nnx.state(ours, nnx.Param), max_seqs=2, max_len=32,
                     eos_token_ids=(EOS,), steps_per_sync=8)
-    read, prefill = [], engine._prefill  # (the prompts each prefill reads)
-    engine._prefill = lambda *args: read.append(len(args[4])) or prefill(*args)
-    requests = [engine.submit(prompt, Sampling(max_tokens=want.shape[1]), images=pixels[i:i + 1])
-                for i, prompt in enumerate(prompts)]
-    engine.run_until_done(requests)
-    assert read == [2]  # both prompts in one prefill
-    samples = [r.samples[0] for r in requests]
-    got = [s.tokens + [0] * (want.shape[1] - len(s.tokens)) for s in samples]
-    np.testing.assert_array_equal(np.array(got), want)
-    rows = [p + s.tokens for p, s in zip(prompts, samples)]
-    width = max(map(len, rows))
-    full = np.array([r + [0] * (width - len(r)) for r in rows])  # (right-padded, per row)
-    valid = np.arange(width) < np.array([len(r) for r in rows])[:, None]
+    samples, full, valid = engine_reads_in_one_prefill(
+        engine, prompts, [pixels[i:i + 1] for i in range(len(prompts))], want)
     logits = ours(jnp.asarray(full), jnp.asarray(valid), jnp.asarray(pixels[:, None]))
-    logprobs = np.asarray(jax.nn.log_softmax(logits, -1))
-    for row, (prompt, sample) in enumerate(zip(prompts, samples)):
-        at = np.arange(len(sample.tokens)) + len(prompt) - 1
-        np.testing.assert_allclose(sample.logprobs, logprobs[row, at, sample.tokens], atol=1e-4)
+    logprobs_match(prompts, samples, np.asarray(jax.nn.log_softmax(logits, -1)))
 
 
 def test_gemma3_vision_export_loads_back_and_bad_configs_are_refused(tmp_path):

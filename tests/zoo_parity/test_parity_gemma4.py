@@ -13,7 +13,15 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from parity import close, hf_greedy, jiggle_torch, load_hf, transformers
+from parity import (
+    close,
+    engine_reads_in_one_prefill,
+    hf_greedy,
+    jiggle_torch,
+    load_hf,
+    logprobs_match,
+    transformers,
+)
 from PIL import Image
 from test_parity_families import ATOL, FAMILIES, jitted, random_buffers, torch_logits
 
@@ -232,25 +240,11 @@ def check_engine(ours, theirs, batch, want):
               for i in range(2)]
     engine = Engine(ours, nnx.state(ours, nnx.Param), max_seqs=2, max_len=80,
                     eos_token_ids=(63,), steps_per_sync=8, max_image_patches=594)
-    read, prefill = [], engine._prefill  # (the prompts each prefill reads)
-    engine._prefill = lambda *args: read.append(len(args[4])) or prefill(*args)
-    requests = [engine.submit(p, Sampling(max_tokens=want.shape[1]), images=i)
-                for p, i in zip(prompts, images)]
-    engine.run_until_done(requests)
-    assert read == [2]  # both prompts in one prefill
-    samples = [r.samples[0] for r in requests]
-    got = [s.tokens + [0] * (want.shape[1] - len(s.tokens)) for s in samples]
-    np.testing.assert_array_equal(np.array(got), want)
-    rows = [p + s.tokens for p, s in zip(prompts, samples)]
-    width = max(map(len, rows))
-    full = np.array([r + [0] * (width - len(r)) for r in rows])  # (right-padded, per row)
-    mask = (np.arange(width) < np.array([len(r) for r in rows])[:, None]) * 1
+    samples, full, valid = engine_reads_in_one_prefill(engine, prompts, images, want)
     logprobs = torch.log_softmax(torch.tensor(torch_logits_of(theirs, {
-        "input_ids": full, "attention_mask": mask, "mm_token_type_ids": (full == IMAGE) * 1,
+        "input_ids": full, "attention_mask": valid * 1, "mm_token_type_ids": (full == IMAGE) * 1,
         **{k: batch[k] for k in ("pixel_values", "image_position_ids")}})), -1).numpy()
-    for row, (prompt, sample) in enumerate(zip(prompts, samples)):
-        at = np.arange(len(sample.tokens)) + len(prompt) - 1
-        np.testing.assert_allclose(sample.logprobs, logprobs[row, at, sample.tokens], atol=1e-4)
+    logprobs_match(prompts, samples, logprobs)
     whole = {k: v.copy() for k, v in images[1].items()}
     whole["image_position_ids"][:] = np.maximum(whole["image_position_ids"], 0)  # (630 own)
     with pytest.raises(ValueError, match=r"pads an image's to 594.*--max_image_patches"):
