@@ -157,19 +157,29 @@ class PlacedPatchSlots:
     def context(self, requests: list, ids: np.ndarray) -> dict:
         """The prefill's ``context`` (``Gemma4ForConditionalGeneration.decode``): each prompt's
         images' own patches (P, K, patches, features) and places (P, K, patches, 2), -1 past
-        them and on the blank images."""
-        k, width = self.max_images, 3 * self.cfg.vision.patch_size ** 2
-        pixels = np.zeros((len(ids), k, self.patches, width), np.float32)
-        places = np.full((len(ids), k, self.patches, 2), -1, np.int32)
-        for i, request in enumerate(requests):
-            if request.images is None:
-                continue
-            for j, (image, where) in enumerate(zip(request.images["pixel_values"],
-                                                   request.images["image_position_ids"])):
-                own = (np.asarray(where) != -1).all(-1)
-                n = int(own.sum())
-                pixels[i, j, :n], places[i, j, :n] = np.asarray(image)[own], np.asarray(where)[own]
-        return {"pixel_values": pixels, "image_position_ids": places}
+        them and on the blank images (``placed_patch_rows``)."""
+        rows = [r.images for r in requests] + [None] * (len(ids) - len(requests))
+        return placed_patch_rows(rows, self.max_images, self.patches,
+                                 3 * self.cfg.vision.patch_size ** 2)
+
+
+def placed_patch_rows(rows: list, k: int, patches: int, width: int) -> dict:
+    """Gemma 4's images of each row (None, or the processor's ``{"pixel_values" (n, any,
+    width), "image_position_ids" (n, any, 2)}``), each image's own patches (places not -1)
+    repadded to ``patches``: ``pixel_values`` (rows, k, patches, width) and
+    ``image_position_ids`` (rows, k, patches, 2), -1 past them and on the blank images (the
+    serving engine's prefill; the SFT collate, ``redco_zoo_sft.gemma4_chat``)."""
+    pixels = np.zeros((len(rows), k, patches, width), np.float32)
+    places = np.full((len(rows), k, patches, 2), -1, np.int32)
+    for i, images in enumerate(rows):
+        if images is None:
+            continue
+        for j, (image, where) in enumerate(zip(images["pixel_values"],
+                                               images["image_position_ids"])):
+            own = (np.asarray(where) != -1).all(-1)
+            n = int(own.sum())
+            pixels[i, j, :n], places[i, j, :n] = np.asarray(image)[own], np.asarray(where)[own]
+    return {"pixel_values": pixels, "image_position_ids": places}
 
 
 def image_slots(model, max_images: int, prefill_chunk: int | None, prefix_caching: bool,

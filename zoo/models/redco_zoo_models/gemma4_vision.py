@@ -20,7 +20,8 @@ the pad token (in the per-layer inputs' table too, as transformers does) and the
 by the images' soft tokens in order; with ``use_bidirectional_attention: "vision"`` each run of
 image tokens sees itself both ways in the sliding layers only (the full layers stay causal).
 The serving engine's prefill gives ``decode`` each prompt's images, padded to one bucket
-(``encode_rows``; ``engine_images.PlacedPatchSlots``), placed and seen both ways per row.
+(``encode_rows``; ``engine_images.PlacedPatchSlots``), placed and seen both ways per row; the SFT
+collate gives ``__call__`` each training row's so (``redco_zoo_sft.gemma4_chat``).
 """
 from __future__ import annotations
 
@@ -212,15 +213,20 @@ class Gemma4ForConditionalGeneration(ImageTextModel):
 
     def __call__(self, input_ids, attention_mask=None, pixel_values=None,
                  image_position_ids=None, labels=None, label_mask=None):
-        """Logits (or with ``labels`` the mean loss); text alone without ``pixel_values``."""
-        features = None
+        """Logits (or with ``labels`` the mean loss); text alone without ``pixel_values``. The
+        processor's images (images, n, features) are placed in order over the batch; rows of
+        images (B, K, n, features), as the SFT collate pads them (``encode_rows``), each in its
+        row, its image blocks both ways in that row."""
+        features, rows = None, pixel_values is not None and pixel_values.ndim == 4
         if pixel_values is not None:
             self.check_tokens(input_ids, image_position_ids)
-            features = self.encode(pixel_values, image_position_ids)
+            features = (self.encode_rows if rows else self.encode)(pixel_values,
+                                                                   image_position_ids)
         ids = self.text_ids(input_ids)
         return self.language_model(ids, attention_mask, labels=labels, label_mask=label_mask,
                                    inputs_embeds=self.place(input_ids, features,
-                                                            self.language_model.model.embed(ids)),
+                                                            self.language_model.model.embed(ids),
+                                                            rows),
                                    blocks=self._blocks(input_ids, features))
 
     def encode_rows(self, pixel_values, image_position_ids):
@@ -255,11 +261,6 @@ class Gemma4ForConditionalGeneration(ImageTextModel):
             embeds = self.place(ids, context, embeds)
         return self.language_model(text, key_valid, cache, cache_index, inputs_embeds=embeds,
                                    blocks=self._blocks(ids, context) if prefill else None)
-
-    def untrained(self) -> str | None:
-        return (f"{type(self).__name__}: `redco zoo run sft` does not train it yet (its "
-                "processor gives patches and their places, not the fixed-size images the SFT "
-                "collate stacks); fine-tune Gemma 3 or LLaVA there.")
 
     def hf_tensors_in(self, tensors: dict) -> dict:
         return super().hf_tensors_in({k.replace("model.vision_tower.", "vision_tower.", 1)

@@ -6,7 +6,8 @@ next-token cross-entropy of the assistant's tokens only, averaged over them: the
 the user's tokens are context, never targets, and a chat attends only to itself. ``pred_fn``
 samples the assistant's reply after a prompt rendered with the generation prompt. An image +
 text model's chats (messages with image parts) go through ``image_chat.py`` (Qwen2.5-VL's and
-Qwen3-VL's, whose images keep their sizes, through ``qwen_vl_chat.py`` too).
+Qwen3-VL's, whose images keep their sizes, through ``qwen_vl_chat.py`` too; Gemma 4's, whose
+images keep their aspects, through ``gemma4_chat.py``).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from redco_zoo_models.image_text import ImageTextModel
 from redco_zoo_models.metrics import logits_and_experts, token_cross_entropy, with_experts
 from redco_zoo_models.qwen_vl import QwenVLForConditionalGeneration
 from redco_zoo_models.settings import RunConfig
-from redco_zoo_sft import qwen_vl_chat
+from redco_zoo_sft import gemma4_chat, qwen_vl_chat
 from redco_zoo_sft.chat import pack_chats, render_chat
 from redco_zoo_sft.image_chat import (
     TOWER,
@@ -145,7 +146,7 @@ def refuse_image_chats(parts: tuple[list, list], column: str, where: str, model)
                         f"--model {where} is read as a text model ({type(model).__name__}) and "
                         "the chats hold image parts, which it would read as text: give an "
                         "image + text model `redco zoo run sft` trains (LLaVA, Gemma 3, "
-                        "Qwen2.5-VL, Qwen3-VL), or chats of text alone.")
+                        "Gemma 4, Qwen2.5-VL, Qwen3-VL), or chats of text alone.")
 
 
 def train_images(config: RunConfig[SFTData], model, parts: tuple[list, list],
@@ -159,19 +160,28 @@ def train_images(config: RunConfig[SFTData], model, parts: tuple[list, list],
     mark = qwen_vl_chat.placeholder(processor) if qwen else None
     train, evaluate = (image_chat_rows(processor, part, data.messages_column, data.max_len, what,
                                        mark) for part, what in zip(parts, names))
-    pad_id = processor.tokenizer.pad_token_id or 0
-    if qwen:  # (images of any size: padded patches, qwen_vl_chat)
-        patches = qwen_vl_chat.patches_per_row(train + evaluate, model.cfg.vision.spatial_merge_size,
-                                               model.cfg.image_token_id)
-        collate = partial(qwen_vl_chat.collate_qwen_chats, cfg=model.cfg, patches=patches,
-                          image_processor=processor.image_processor, max_len=data.max_len,
-                          pad_id=pad_id)
-        loss, tower = qwen_vl_chat.qwen_loss_fn, qwen_vl_chat.TOWER
-    else:
-        per_row = max([1, *(len(c["images"]) for c in train + evaluate)])
-        collate = partial(collate_image_chats, image_processor=processor.image_processor,
-                          max_len=data.max_len, per_row=per_row, pad_id=pad_id)
-        loss, tower = image_loss_fn, TOWER
+    collate, loss, tower = image_collate(model, processor, train + evaluate, data.max_len)
     frozen = None if data.train_vision_tower else tower
     return runner.train_and_eval(config, model, (train, evaluate), collate, loss,
                                  frozen=frozen), evaluate
+
+
+def image_collate(model, processor, chats: list[dict], max_len: int) -> tuple:
+    """``(collate_fn, loss_fn, tower's param prefix)`` of ``model``'s rendered ``chats``, their
+    shapes fixed for the run: Qwen-VL's padded patches (``qwen_vl_chat``), Gemma 4's placed
+    patches (``gemma4_chat``), or the fixed-size images of the others (``image_chat``)."""
+    pad_id = processor.tokenizer.pad_token_id or 0
+    per_row = max([1, *(len(c["images"]) for c in chats)])
+    if isinstance(model, QwenVLForConditionalGeneration):  # (images of any size)
+        patches = qwen_vl_chat.patches_per_row(chats, model.cfg.vision.spatial_merge_size,
+                                               model.cfg.image_token_id)
+        return partial(qwen_vl_chat.collate_qwen_chats, cfg=model.cfg, patches=patches,
+                       image_processor=processor.image_processor, max_len=max_len,
+                       pad_id=pad_id), qwen_vl_chat.qwen_loss_fn, qwen_vl_chat.TOWER
+    if getattr(model, "placed_patches", False):  # (Gemma 4: images of any aspect)
+        return partial(gemma4_chat.collate_gemma4_chats, cfg=model.cfg, per_row=per_row,
+                       patches=gemma4_chat.patches_per_image(chats, model.cfg),
+                       image_processor=processor.image_processor, max_len=max_len,
+                       pad_id=pad_id), gemma4_chat.gemma4_loss_fn, gemma4_chat.TOWER
+    return partial(collate_image_chats, image_processor=processor.image_processor,
+                   max_len=max_len, per_row=per_row, pad_id=pad_id), image_loss_fn, TOWER
