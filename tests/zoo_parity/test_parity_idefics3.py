@@ -27,6 +27,7 @@ from redco_zoo_models.engine import Engine
 from redco_zoo_models.generation import generate
 from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
 from redco_zoo_models.idefics3 import Idefics3Config, Idefics3ForConditionalGeneration
+from redco_zoo_models.requests import Sampling
 
 WORDS = ["<unk>", "<s>", "User:", "Assistant:", "what", "is", "in", "this", "picture", "?"]
 SPECIAL = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
@@ -93,6 +94,42 @@ def test_idefics3_logits_and_greedy_tokens_match_transformers(models):
                      pixel_values=batch["pixel_values"],
                      pixel_attention_mask=batch["pixel_attention_mask"])
     np.testing.assert_array_equal(np.asarray(got), want)
+    check_engine(ours, theirs, batch, want)
+
+
+def check_engine(ours, theirs, batch, want):
+    """The serving engine reads both prompts (3 and 10 tiles; padding tokens and tiles dropped,
+    the shorter right-padded) in one prefill of 10 tile slots, each row's tiles at its own image
+    tokens in order, the blank slots unused: transformers' greedy tokens (``want``), and each
+    token's log-probability transformers' forward ``log_softmax`` to 1e-4; more tiles than
+    slots are refused naming ``--max_images``."""
+    valid = batch["attention_mask"] > 0
+    prompts = [[int(t) for t in row[m]] for row, m in zip(batch["input_ids"], valid)]
+    engine = Engine(ours, nnx.state(ours, nnx.Param), max_seqs=2, max_len=96,
+                    eos_token_ids=(EOS,), steps_per_sync=8, max_images=10)
+    read, prefill = [], engine._prefill  # (the prompts each prefill reads)
+    engine._prefill = lambda *args: read.append(len(args[4])) or prefill(*args)
+    requests = [engine.submit(p, Sampling(max_tokens=want.shape[1]),
+                              images=batch["pixel_values"][i:i + 1])
+                for i, p in enumerate(prompts)]
+    engine.run_until_done(requests)
+    assert read == [2]  # both prompts in one prefill
+    samples = [r.samples[0] for r in requests]
+    got = [s.tokens + [PAD] * (want.shape[1] - len(s.tokens)) for s in samples]
+    np.testing.assert_array_equal(np.array(got), want)
+    rows = [p + s.tokens for p, s in zip(prompts, samples)]
+    width = max(map(len, rows))
+    full = np.array([r + [PAD] * (width - len(r)) for r in rows])  # (right-padded, per row)
+    mask = (np.arange(width) < np.array([len(r) for r in rows])[:, None]) * 1
+    logprobs = torch.log_softmax(torch.tensor(torch_logits(
+        theirs, input_ids=full, attention_mask=mask, pixel_values=batch["pixel_values"],
+        pixel_attention_mask=batch["pixel_attention_mask"])), -1).numpy()
+    for row, (prompt, sample) in enumerate(zip(prompts, samples)):
+        at = np.arange(len(sample.tokens)) + len(prompt) - 1
+        np.testing.assert_allclose(sample.logprobs, logprobs[row, at, sample.tokens], atol=1e-4)
+    twice = np.concatenate([batch["pixel_values"][1:]] * 2, 1)
+    with pytest.raises(ValueError, match=r"give 20 tiles.*--max_images 20"):
+        engine.submit(prompts[1], Sampling(max_tokens=1), images=twice)
 
 
 def test_idefics3_published_towers_give_each_patch_its_position():
@@ -112,7 +149,7 @@ def test_idefics3_published_towers_give_each_patch_its_position():
 @pytest.mark.parametrize("model_type", ["idefics3", "smolvlm"])
 def test_idefics3_export_loads_back_and_refusals(tmp_path, models, model_type):
     """A zoo model saved (as Idefics3 or SmolVLM) is read by transformers with the zoo's logits;
-    image tokens that miss the tiles, part-masked tiles, serving and SFT are refused."""
+    image tokens that miss the tiles, part-masked tiles and SFT are refused."""
     _, _, batch = models
     config = json.loads(hf_config(text_config={**TEXT, "tie_word_embeddings": True},
                                   scale_factor=4).to_json_string())
@@ -134,6 +171,4 @@ def test_idefics3_export_loads_back_and_refusals(tmp_path, models, model_type):
     part[0, 0, :, -1] = 0
     with pytest.raises(ValueError, match="masks part of a tile"):
         ours_call(ours, one, pixel_attention_mask=part)
-    with pytest.raises(NotImplementedError, match="split images"):
-        Engine(ours, nnx.state(ours, nnx.Param), max_len=64)
     assert "tiles" in ours.untrained()

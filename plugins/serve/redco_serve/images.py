@@ -1,5 +1,5 @@
 """Chat messages with image parts, for ``redco serve`` over an image + text model (LLaVA,
-Gemma 3, Gemma 4, Qwen2.5-VL, Qwen3-VL, Qwen3.5).
+Gemma 3, Gemma 4, Qwen2.5-VL, Qwen3-VL, Qwen3.5, Idefics3/SmolVLM).
 
 An image part is OpenAI's ``{"type": "image_url", "image_url": {"url": "data:image/png;
 base64,..."}}`` (or HuggingFace's ``{"type": "image", ...}``); it is decoded on the host
@@ -8,8 +8,9 @@ placeholder where it stands, LLaVA's ``<image>``, Qwen's ``<|vision_start|><|ima
 <|vision_end|>``: ``image_placeholder``) and the chat, rendered by the chat template, goes
 through the model's own transformers processor, which resizes each image (LLaVA's to the
 tower's size, Qwen's to multiples of its patches: their ``pixel_values`` and ``image_grid_thw``;
-Gemma 4's to its soft-token budget: padded patches and their ``image_position_ids``) and
-expands its placeholder into the image tokens. The engine's prefill places the images'
+Gemma 4's to its soft-token budget: padded patches and their ``image_position_ids``;
+Idefics3's splits it into tiles of the tower's size plus a global one) and expands its
+placeholder into the image tokens. The engine's prefill places the images'
 features there (``redco_zoo_models.engine_images``). An image that cannot be read, a web URL,
 and an image sent to a text model are a 400 that names the fix.
 """
@@ -40,7 +41,7 @@ def chat_with_images(messages, processor,
                      chat_text: Callable[[list, object], str]) -> tuple[list[int], object]:
     """``(prompt ids, images)`` of a chat whose messages may hold image parts (None without):
     LLaVA's pixels (n, 3, H, W), Qwen's ``{"pixel_values", "image_grid_thw"}``, Gemma 4's
-    ``{"pixel_values", "image_position_ids"}``;
+    ``{"pixel_values", "image_position_ids"}``, Idefics3's tiles (tiles, 3, H, W);
     ``chat_text(messages, tokenizer)`` renders the chat (with the generation prompt)."""
     if not isinstance(messages, list):
         raise api.BadRequest("messages: give a non-empty list of {\"role\", \"content\"} "
@@ -68,4 +69,10 @@ def chat_with_images(messages, processor,
     if "image_position_ids" in out:  # (Gemma 4: padded patches and their places)
         return ids, {"pixel_values": pixels,
                      "image_position_ids": np.asarray(out["image_position_ids"])}
+    if "pixel_attention_mask" in out:  # (Idefics3/SmolVLM: the tiles of one prompt)
+        if not np.asarray(out["pixel_attention_mask"]).all():
+            raise api.BadRequest("The processor made tiles of another size than the tower's: "
+                                 "serve this model with its processor's do_image_splitting "
+                                 "on.", "messages")
+        return ids, pixels[0]
     return ids, pixels

@@ -31,6 +31,13 @@ each image's own patches padded to ``max_image_patches`` (one bucket: the proces
 naming the option); the tower encodes each, the row takes its soft tokens in order, and its
 image blocks see themselves both ways in the sliding layers (``Gemma4ForConditionalGeneration
 .decode``).
+
+Idefics3 and SmolVLM (``TileSlots``) take an image as its processor's tiles (each image's split
+tiles and its global one, each of the tower's size; the processor's all-zero padding tiles
+dropped): ``max_images`` counts tiles there (an image split 4 x 4 is 17), a prompt of more
+refused naming it. The prefill carries that many tile slots a prompt (blank past its own, whose
+features no image token takes) and each row's image tokens take its own tiles' features in
+order (``ImageTextModel.decode``).
 """
 from __future__ import annotations
 
@@ -182,8 +189,57 @@ def placed_patch_rows(rows: list, k: int, patches: int, width: int) -> dict:
     return {"pixel_values": pixels, "image_position_ids": places}
 
 
+@dataclasses.dataclass(frozen=True)
+class TileSlots:
+    """Idefics3's prompts (module docstring): up to ``shape[0]`` tiles (K, 3, H, W) a prompt,
+    ``per_image`` image tokens a tile. A request's images: its processor's ``pixel_values``
+    ((1, tiles, 3, H, W) or (tiles, 3, H, W), all-zero padding tiles dropped)."""
+    shape: tuple[int, ...]
+    token: int
+    per_image: int
+
+    @staticmethod
+    def tiles(images) -> np.ndarray:
+        """The real tiles (n, 3, H, W) of a request's ``images`` (none: (0, ...))."""
+        if images is None:
+            return np.zeros((0, 3, 1, 1), np.float32)
+        pixels = np.asarray(images, np.float32)
+        pixels = pixels.reshape(-1, *pixels.shape[-3:])
+        return pixels[pixels.reshape(len(pixels), -1).any(-1)]
+
+    def check(self, prompt: list[int], images) -> None:
+        """Refuse ``images`` that ``prompt`` cannot take, naming the fix."""
+        if images is not None and np.ndim(images) not in (4, 5):
+            raise ValueError("This model's images are its processor's tiles: give its "
+                             "pixel_values (1, tiles, 3, H, W).")
+        tiles = self.tiles(images)
+        if len(tiles) > self.shape[0]:
+            raise ValueError(f"The prompt's images give {len(tiles)} tiles; this engine takes "
+                             f"at most {self.shape[0]} a prompt (Idefics3/SmolVLM: max_images "
+                             "counts tiles): send fewer or smaller images, or start it with a "
+                             f"larger max_images (redco serve --max_images {len(tiles)}).")
+        if len(tiles) and tiles.shape[1:] != self.shape[1:]:
+            raise ValueError(f"The tiles are {tiles.shape[1:]}, not the tower's "
+                             f"{self.shape[1:]}: make them with the model's processor "
+                             "(do_image_splitting=True).")
+        found = sum(t == self.token for t in prompt)
+        if found != len(tiles) * self.per_image:
+            raise ValueError(f"The prompt holds {found} image tokens (id {self.token}) for "
+                             f"{len(tiles)} tiles x {self.per_image}: build it with the model's "
+                             "processor, from the same images.")
+
+    def context(self, requests: list, ids: np.ndarray) -> np.ndarray:
+        """(count, K, 3, H, W): each prompt's tiles in order in its first slots, blank after."""
+        out = np.zeros((len(ids), *self.shape), np.float32)
+        for i, request in enumerate(requests):
+            tiles = self.tiles(request.images)
+            out[i, :len(tiles)] = tiles
+        return out
+
+
 def image_slots(model, max_images: int, prefill_chunk: int | None, prefix_caching: bool,
-                max_image_patches: int = 1024) -> ImageSlots | PatchSlots | PlacedPatchSlots | None:
+                max_image_patches: int = 1024) -> ImageSlots | PatchSlots | PlacedPatchSlots | \
+        TileSlots | None:
     """The image slots of ``model``'s prompts; None for a text model. Raises what the engine
     cannot do with an image model (module docstring)."""
     if not hasattr(model, "encode_rows"):
@@ -201,13 +257,16 @@ def image_slots(model, max_images: int, prefill_chunk: int | None, prefix_cachin
         pool = model.cfg.vision.pooling_kernel_size ** 2
         return PlacedPatchSlots(model.cfg, max_images, -(-max_image_patches // pool) * pool)
     vision = model.cfg.vision
+    if getattr(model, "tiled_images", False):
+        return TileSlots((max_images, vision.num_channels, vision.image_size, vision.image_size),
+                         model.cfg.image_token_index, model.cfg.features_per_image())
     return ImageSlots((max_images, vision.num_channels, vision.image_size, vision.image_size),
                       model.cfg.image_token_index, model.cfg.features_per_image())
 
 
 def check_images(slots: ImageSlots | None, prompt: list[int], images) -> None:
     """Refuse ``images`` (n, 3, H, W) that ``prompt`` cannot take (module docstring)."""
-    if isinstance(slots, (PatchSlots, PlacedPatchSlots)):
+    if isinstance(slots, (PatchSlots, PlacedPatchSlots, TileSlots)):
         return slots.check(prompt, images)
     n = 0 if images is None else len(images)
     if slots is None:
@@ -231,8 +290,9 @@ def check_images(slots: ImageSlots | None, prompt: list[int], images) -> None:
 
 def image_context(slots, requests: list, ids: np.ndarray):
     """The prefill's context of ``requests`` read as ``ids`` (count, width): ``PatchSlots``'
-    or ``PlacedPatchSlots``' arrays, or LLaVA's pixels (``pixel_slots``); None for a text model."""
-    if isinstance(slots, (PatchSlots, PlacedPatchSlots)):
+    or ``PlacedPatchSlots``' arrays, ``TileSlots``' tiles, or LLaVA's pixels (``pixel_slots``);
+    None for a text model."""
+    if isinstance(slots, (PatchSlots, PlacedPatchSlots, TileSlots)):
         return slots.context(requests, ids)
     return pixel_slots(requests, len(ids), slots)
 

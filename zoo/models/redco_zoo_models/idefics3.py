@@ -12,8 +12,10 @@ hidden state, normed, is pixel-shuffled (``scale_factor`` x ``scale_factor`` pat
 into one) and projected by a bias-free matrix into a Llama decoder. Each prompt's tiles go to its
 own image tokens in order (``image_text``'s rows, (B, K, 3, H, W)); the all-zero tiles are
 padding, unused. Tiles of another size than the tower's (``pixel_attention_mask`` not all ones
-on a tile: the processor without image splitting) are refused, and so are the serving engine
-and ``redco zoo run sft`` (``unserved``, ``untrained``), before compiling.
+on a tile: the processor without image splitting) are refused, and so is ``redco zoo run sft``
+(``untrained``), before compiling. The serving engine takes a request's tiles
+(``engine_images.TileSlots``: ``max_images`` counts tiles), each row's placed at its own image
+tokens in order.
 """
 from __future__ import annotations
 
@@ -120,6 +122,7 @@ class Connector(nnx.Module):
 class Idefics3ForConditionalGeneration(ImageTextModel):
     """``__call__(input_ids, attention_mask, pixel_values, pixel_attention_mask)``: logits."""
     config_class = Idefics3Config
+    tiled_images = True  # (the serving engine's slots are tiles: engine_images.TileSlots)
 
     def __init__(self, cfg: Idefics3Config, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -147,10 +150,6 @@ class Idefics3ForConditionalGeneration(ImageTextModel):
         processor pads them; ``pixel_attention_mask``: refused unless whole tiles."""
         check_tiles(input_ids, pixel_values, pixel_attention_mask, self.cfg)
         return super().__call__(input_ids, attention_mask, pixel_values, **rest)
-
-    def unserved(self) -> str | None:
-        return ("Idefics3/SmolVLM: the serving engine does not split images into its tiles "
-                "yet; generate() with encoder_inputs={'pixel_values': ...} instead.")
 
     def untrained(self) -> str | None:
         return ("Idefics3/SmolVLM: the SFT pipeline's collate does not split images into its "
