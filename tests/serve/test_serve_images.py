@@ -29,7 +29,12 @@ from test_serve import WORDS as TEXT_WORDS
 from transformers import AutoTokenizer
 
 from redco_zoo_models.engine import Engine
-from redco_zoo_models.engine_images import PlacedPatchSlots, check_images, image_slots
+from redco_zoo_models.engine_images import (
+    PlacedPatchSlots,
+    TileSlots,
+    check_images,
+    image_slots,
+)
 from redco_zoo_models.gemma4_vision_config import Gemma4VisionConfig
 from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
 from redco_zoo_models.toy import TINY_FAMILIES, chat_word_tokenizer, save_tiny_chat_model
@@ -209,6 +214,34 @@ def test_gemma4s_processor_gives_the_engine_its_patches_and_places(tmp_path):
     PlacedPatchSlots(cfg, 1, 9 * n).check(prompt, images)
     with pytest.raises(ValueError, match=r"pads an image's to 9.*--max_image_patches"):
         PlacedPatchSlots(cfg, 1, 9).check(prompt, images)
+
+
+IDEFICS3_SPECIALS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>",
+                     "<global-img>", *(f"<row_{i}_col_{j}>" for i in range(1, 7)
+                                       for j in range(1, 7))]
+
+
+def test_idefics3s_processor_gives_the_engine_its_tiles(tmp_path):
+    """Idefics3's processor as ``redco serve`` loads it (``image_processor``) turns a chat's
+    PNG (90 x 40) into its split tiles and global tile (3 of 32 x 32, each ``image_seq_len``
+    4 image tokens in the prompt), which the engine's slots (``TileSlots``: ``--max_images``
+    counts tiles) take, and refuse past ``--max_images``, naming it. (The engine's tokens and
+    log-probabilities for Idefics3's tiles against transformers: test_parity_idefics3; host
+    only here, nothing compiles.)"""
+    tokenizer = chat_word_tokenizer([*WORDS, *IDEFICS3_SPECIALS], extra_special_tokens={
+        "image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+        "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"})
+    transformers.Idefics3Processor(image_processor=transformers.Idefics3ImageProcessorPil(
+        size={"longest_edge": 64}, max_image_size={"longest_edge": 32}), tokenizer=tokenizer,
+        image_seq_len=4).save_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "idefics3"}')  # (as a model's dir)
+    processor = image_processor(str(tmp_path))
+    prompt, tiles = chat_with_images(ask(png_url(0, size=(40, 90))[0]), processor, chat_text)
+    image = processor.image_token_id
+    assert np.shape(tiles) == (3, 3, 32, 32) and prompt.count(image) == 3 * 4
+    TileSlots((3, 3, 32, 32), image, 4).check(prompt, tiles)
+    with pytest.raises(ValueError, match=r"give 3 tiles.*at most 2.*--max_images 3"):
+        TileSlots((2, 3, 32, 32), image, 4).check(prompt, tiles)
 
 
 def test_an_image_to_a_text_model_is_refused_naming_the_fix(tmp_path):

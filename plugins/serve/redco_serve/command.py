@@ -61,8 +61,9 @@ class ServeCommand(Command):
                             "too: start-up (the warm-up's compiles) flat in depth, a copy of "
                             "the cache in and out of its stack each step")
         parser.add_argument("--max_images", type=int, default=1, help="images a chat request "
-                            "may hold, for an image + text model (LLaVA, Qwen-VL): each "
-                            "prefill carries this many image slots a prompt")
+                            "may hold, for an image + text model (LLaVA, Gemma 3/4, Qwen-VL; "
+                            "Idefics3/SmolVLM: tiles, an image's split tiles and its global "
+                            "one): each prefill carries this many image slots a prompt")
         parser.add_argument("--max_image_patches", type=int, default=1024, help="Qwen-VL: "
                             "the patches of a request's images (a 448 x 448 image at patch 14: "
                             "1024), to which each prefill pads a prompt's; Gemma 4: an image's "

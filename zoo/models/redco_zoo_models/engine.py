@@ -85,7 +85,8 @@ class Engine(Admission):
     of two >= 16): prompt tokens read a step at most (None: a prompt at once);
     ``prefix_caching``: prompts start after the longest cached prefix (``prefix_stats``). An
     image + text model's prompts carry up to ``max_images`` images each (``engine_images``;
-    Qwen-VL's: their patches padded to ``max_image_patches`` a prompt).
+    Qwen-VL's: their patches padded to ``max_image_patches`` a prompt; Gemma 4's: each image's;
+    Idefics3's ``max_images`` counts tiles).
     ``page_size``: the cache is a pool of ``n_pages`` pages of that many slots (default: as many
     slots as ``max_seqs x max_len``), taken as sequences grow (``pages``, ``engine_paged``)."""
 
