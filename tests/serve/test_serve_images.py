@@ -29,12 +29,8 @@ from test_serve import WORDS as TEXT_WORDS
 from transformers import AutoTokenizer
 
 from redco_zoo_models.engine import Engine
-from redco_zoo_models.engine_images import (
-    PlacedPatchSlots,
-    TileSlots,
-    check_images,
-    image_slots,
-)
+from redco_zoo_models.engine_image_buckets import PlacedPatchSlots, TileSlots
+from redco_zoo_models.engine_images import check_images, image_slots
 from redco_zoo_models.gemma4_vision_config import Gemma4VisionConfig
 from redco_zoo_models.hf import auto_class, from_pretrained, save_pretrained
 from redco_zoo_models.toy import TINY_FAMILIES, chat_word_tokenizer, save_tiny_chat_model

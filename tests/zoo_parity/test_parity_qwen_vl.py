@@ -222,7 +222,7 @@ def check_greedy(ours, theirs, batch):
 
 
 def engine_check(ours, batch, want):
-    """The engine (``engine_images.PatchSlots``) on the batch's prompts unpadded, each with its
+    """The engine (``engine_image_buckets.PatchSlots``) on the batch's prompts unpadded, each with its
     own images' patches (60; 32 + 140) padded to one bucket of 256 in one prefill: the decode
     steps' positions come from the delta each row keeps; a prompt over the bucket, images not
     the processor's arrays, or grids that are not the prompt's image tokens are refused."""

@@ -20,7 +20,7 @@ the pad token (in the per-layer inputs' table too, as transformers does) and the
 by the images' soft tokens in order; with ``use_bidirectional_attention: "vision"`` each run of
 image tokens sees itself both ways in the sliding layers only (the full layers stay causal).
 The serving engine's prefill gives ``decode`` each prompt's images, padded to one bucket
-(``encode_rows``; ``engine_images.PlacedPatchSlots``), placed and seen both ways per row; the SFT
+(``encode_rows``; ``engine_image_buckets.PlacedPatchSlots``), placed and seen both ways per row; the SFT
 collate gives ``__call__`` each training row's so (``redco_zoo_sft.gemma4_chat``).
 """
 from __future__ import annotations
@@ -175,7 +175,7 @@ class Projector(nnx.Module):
 class Gemma4ForConditionalGeneration(ImageTextModel):
     """``__call__(input_ids, attention_mask, pixel_values, image_position_ids)``: logits."""
     config_class = Gemma4VisionConfig
-    placed_patches = True  # (the serving engine's prompts: engine_images.PlacedPatchSlots)
+    placed_patches = True  # (the serving engine's prompts: engine_image_buckets.PlacedPatchSlots)
 
     def __init__(self, cfg: Gemma4VisionConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -245,7 +245,7 @@ class Gemma4ForConditionalGeneration(ImageTextModel):
     def decode(self, ids, key_valid, cache, cache_index, context=None):
         """One generation step (``redco_zoo_models.generation``); ``context``: ``encode``'s
         soft tokens, placed when the prompt is read; or the serving engine's prefill's
-        (``engine_images.PlacedPatchSlots``: each prompt's padded patches and their places),
+        (``engine_image_buckets.PlacedPatchSlots``: each prompt's padded patches and their places),
         each row's placed in that row, its image blocks both ways in that row only."""
         text = self.text_ids(ids)
         embeds = self.language_model.model.embed(text)

@@ -14,7 +14,7 @@ own image tokens in order (``image_text``'s rows, (B, K, 3, H, W)); the all-zero
 padding, unused. Tiles of another size than the tower's (``pixel_attention_mask`` not all ones
 on a tile: the processor without image splitting) are refused, and so is ``redco zoo run sft``
 (``untrained``), before compiling. The serving engine takes a request's tiles
-(``engine_images.TileSlots``: ``max_images`` counts tiles), each row's placed at its own image
+(``engine_image_buckets.TileSlots``: ``max_images`` counts tiles), each row's placed at its own image
 tokens in order.
 """
 from __future__ import annotations
@@ -122,7 +122,7 @@ class Connector(nnx.Module):
 class Idefics3ForConditionalGeneration(ImageTextModel):
     """``__call__(input_ids, attention_mask, pixel_values, pixel_attention_mask)``: logits."""
     config_class = Idefics3Config
-    tiled_images = True  # (the serving engine's slots are tiles: engine_images.TileSlots)
+    tiled_images = True  # (the serving engine's slots are tiles: engine_image_buckets.TileSlots)
 
     def __init__(self, cfg: Idefics3Config, rngs: nnx.Rngs):
         self.cfg = cfg

@@ -11,7 +11,7 @@ or Qwen3.5's Gated DeltaNet hybrid, ``redco_zoo_models.qwen_vl_config``) with M-
 positions (3, B, T) are made on the host from the ids and the grids
 (``redco_zoo_models.mrope``), and generation places new tokens by each row's delta (kept in
 the cache, ``init_cache``, for the serving engine's decode steps; its prefill's rows:
-``engine_images.PatchSlots``, each prompt's patches padded to one bucket, ``padded_patches``).
+``engine_image_buckets.PatchSlots``, each prompt's patches padded to one bucket, ``padded_patches``).
 Qwen3-VL's DeepStack features (one set per ``deepstack_visual_indexes`` block of the tower)
 are added to the decoder's hidden states at the image tokens after its first layers, in a
 prompt or a training row (not in the decode steps, which hold no image). A prompt whose image
@@ -58,7 +58,7 @@ class QwenVLForConditionalGeneration(ImageTextModel):
     """``__call__(input_ids, attention_mask, pixel_values, image_grid_thw)``: logits."""
     config_class = QwenVLConfig
     names_out = NAMES_OUT
-    dynamic_resolution = True  # (the serving engine's prompts: engine_images.PatchSlots)
+    dynamic_resolution = True  # (the serving engine's prompts: engine_image_buckets.PatchSlots)
 
     def __init__(self, cfg: QwenVLConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -159,7 +159,7 @@ class QwenVLForConditionalGeneration(ImageTextModel):
 
     def decode(self, ids, key_valid, cache, cache_index, context=None):
         """One generation step (``redco_zoo_models.generation``); ``context``: ``encode``'s, or
-        the serving engine's prefill's (``engine_images.PatchSlots``: each prompt's padded
+        the serving engine's prefill's (``engine_image_buckets.PatchSlots``: each prompt's padded
         patches, layout, positions and delta). The cache keeps each row's delta (``init_cache``)
         for the decode steps, which the engine runs without a context."""
         layers, delta = cache["layers"], cache["delta"]

@@ -14,14 +14,14 @@ soft tokens). ``pixel_values`` is then (B, K, P, features) and ``image_position_
 is masked out of the tower's attention and pooling; each row's soft tokens fill its own image
 tokens in order, which see each other both ways in the sliding layers
 (``Gemma4ForConditionalGeneration.__call__`` on rows, as the serving engine's prefill; the
-repadding is the engine's, ``engine_images.placed_patch_rows``).
+repadding is the engine's, ``engine_image_buckets.placed_patch_rows``).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from redco.protocols import UsageError
-from redco_zoo_models.engine_images import placed_patch_rows
+from redco_zoo_models.engine_image_buckets import placed_patch_rows
 from redco_zoo_models.image_collate import read_image
 from redco_zoo_models.metrics import token_cross_entropy
 from redco_zoo_sft.image_chat import token_rows
