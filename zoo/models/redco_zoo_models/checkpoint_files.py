@@ -3,7 +3,8 @@
 header of ``{name: {dtype, shape, data_offsets}}``, then the raw little-endian data). Nothing
 is read until a tensor is used, so a loader that converts the tensors one by one (casting, or
 quantising them: ``redco_zoo_models.quantize``) never holds the whole model in host memory,
-and views of a tensor (a transpose, a fused tensor's parts) cost nothing."""
+and views of a tensor (a transpose, a fused tensor's parts) cost nothing. ``renamed`` reads a
+checkpoint's names as the zoo's by their prefixes (and back)."""
 from __future__ import annotations
 
 import json
@@ -53,3 +54,16 @@ def read_safetensors(model_dir: str) -> dict[str, np.ndarray]:
                                     "no pytorch_model.bin).")
         tensors.update(map_file(path))
     return tensors
+
+
+def renamed(tensors: dict, prefixes: list[tuple[str, str]]) -> dict:
+    """``tensors`` with each name's first matching prefix ``old`` of ``prefixes``' ``(old,
+    new)`` pairs replaced by ``new`` (a checkpoint's names read as the zoo's, or back)."""
+    out = {}
+    for name, t in tensors.items():
+        for old, new in prefixes:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        out[name] = t
+    return out

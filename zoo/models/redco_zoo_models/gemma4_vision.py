@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from redco_zoo_models import layer_scan
+from redco_zoo_models.checkpoint_files import renamed
 from redco_zoo_models.decoder import DecoderLM
 from redco_zoo_models.gemma4_vision_config import Gemma4VisionConfig, Gemma4VisionTowerConfig
 from redco_zoo_models.image_text import ImageTextModel
@@ -272,11 +273,4 @@ class Gemma4ForConditionalGeneration(ImageTextModel):
         names = [("language_model.model.", "model.language_model."),
                  ("language_model.lm_head.", "lm_head."),
                  ("vision_tower.", "model.vision_tower."), ("embed_vision.", "model.embed_vision.")]
-        out = {}
-        for name, t in tensors.items():
-            for ours, theirs in names:
-                if name.startswith(ours):
-                    name = theirs + name[len(ours):]
-                    break
-            out[name] = t
-        return out
+        return renamed(tensors, names)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from redco_zoo_models.checkpoint_files import renamed
 from redco_zoo_models.mamba2 import Mamba2Config
 
 BLOCKS = {"M": "mamba2", "*": "attention", "-": "none", "E": "none"}  # char -> Mixer value
@@ -147,22 +148,11 @@ def _renames(cfg) -> list[tuple[str, str]]:
     return out
 
 
-def _renamed(tensors: dict, pairs: list[tuple[str, str]]) -> dict:
-    out = {}
-    for name, t in tensors.items():
-        for old, new in pairs:
-            if name.startswith(old):
-                name = new + name[len(old):]
-                break
-        out[name] = t
-    return out
-
-
 def tensors_in(cfg, tensors: dict) -> dict:
     """A Nemotron-H checkpoint's tensors under the zoo's names (module docstring)."""
     tensors = {"model." + k[len("backbone."):] if k.startswith("backbone.") else k: v
                for k, v in tensors.items() if not k.startswith("mtp.")}
-    tensors = _renamed(tensors, _renames(cfg))
+    tensors = renamed(tensors, _renames(cfg))
     for i in range(cfg.num_hidden_layers):
         conv = f"model.layers.{i}.mamba.conv1d.weight"
         if conv in tensors:
@@ -202,6 +192,6 @@ def tensors_out(cfg, tensors: dict) -> dict:
                                 for e in range(cfg.n_experts)})
             tensors[f"{block}.gate.e_score_correction_bias"] = tensors.pop(
                 f"{block}.balance_bias")
-    tensors = _renamed(tensors, [(new, old) for old, new in _renames(cfg)])
+    tensors = renamed(tensors, [(new, old) for old, new in _renames(cfg)])
     return {"backbone." + k[len("model."):] if k.startswith("model.") else k: v
             for k, v in tensors.items()}
