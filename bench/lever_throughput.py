@@ -16,6 +16,7 @@ timed runs of ``--steps`` of that step over batches already on the device. Lever
                   ``redco_zoo_models.quantized_linear``, QLoRA): the attention and MLP kernels
                   held quantised and dequantised inside the step
   LEVER/scan      the same with the layers stored stacked and scanned (``scan_layers=True``)
+  LEVER/scanN     scanned, ``N`` layers a step of the scan (``scan_unroll=N``)
 
 Printed per lever: steps/s (median), tokens/s and its ratio to ``full``; MFU, model FLOPs per
 token = 6N + 12LTd as in ``trainer_vs_jit.py`` (the same for every lever, so a lever that
@@ -41,17 +42,20 @@ import time
 LEVERS = ("full", "full+dots_saveable", "full+full", "lora", "lora+dots_saveable", "lora+full")
 
 
-def parse_lever(lever: str) -> tuple[bool, str | None, str, bool]:
-    """``"lora@nf4+full/scan"`` -> ``(True, "nf4", "full", True)``: LoRA or not, the base's
-    quantised format (None: as trained), the remat policy, and whether layers are scanned."""
+def parse_lever(lever: str) -> tuple[bool, str | None, str, int]:
+    """``"lora@nf4+full/scan2"`` -> ``(True, "nf4", "full", 2)``: LoRA or not, the base's
+    quantised format (None: as trained), the remat policy, and the layers a step of the scan
+    (0: unrolled, ``/scan``: 1)."""
     body, _, layout = lever.partition("/")
     body, _, policy = body.partition("+")
     kind, _, fmt = body.partition("@")
-    if kind not in ("full", "lora") or layout not in ("", "scan") or (fmt and kind != "lora") \
+    unroll = layout[len("scan"):] if layout.startswith("scan") else "-"
+    scanned = unroll == "" or unroll.isdigit() and int(unroll) > 0
+    if kind not in ("full", "lora") or not (layout == "" or scanned) or (fmt and kind != "lora") \
             or fmt not in ("", "nf4", "int8", "fp8"):
         raise ValueError(f"Unknown lever {lever!r}: use full or lora, lora@nf4|int8|fp8, each "
-                         "with an optional +POLICY (remat) and /scan.")
-    return kind == "lora", fmt or None, policy or "none", layout == "scan"
+                         "with an optional +POLICY (remat) and /scan or /scanN.")
+    return kind == "lora", fmt or None, policy or "none", int(unroll or 1) if layout else 0
 
 
 def worker(lever: str, args: argparse.Namespace) -> dict:
@@ -71,7 +75,7 @@ def worker(lever: str, args: argparse.Namespace) -> dict:
     shape = LLAMA_PRESETS[args.preset] if args.preset else dict(
         hidden_size=args.hidden_size, num_hidden_layers=args.n_layers,
         intermediate_size=args.hidden_size * 11 // 4)
-    config = LlamaConfig(**shape, scan_layers=scan)
+    config = LlamaConfig(**shape, scan_layers=scan > 0, scan_unroll=max(scan, 1))
     deployer = Deployer(jax_seed=0, n_model_shards=args.n_model_shards,
                         workdir=tempfile.mkdtemp(prefix="redco-levers-"), verbose=False)
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))

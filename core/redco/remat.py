@@ -6,7 +6,9 @@ checkpointed by the policy in force when it is traced:
 
 - ``"none"``: keep everything, recompute nothing (the default);
 - ``"dots_saveable"``: keep matmul outputs, recompute the elementwise work (norms, activations,
-  softmax) in the backward pass: a few percent more compute;
+  softmax) in the backward pass: a few percent more compute. A fused attention kernel's forward
+  (cuDNN's flash attention on a GPU: ``FUSED_ATTENTION``) counts as matmuls: its output and
+  softmax statistics are kept, so the backward pass does not run the kernel again;
 - ``"dots_with_no_batch_dims_saveable"``: keep only matmuls against weights, also recompute
   attention's batched ``q k^T`` and ``p v``;
 - ``"full"``: keep only each layer's inputs and run the layer forward again in the backward
@@ -34,6 +36,9 @@ from jax.ad_checkpoint import checkpoint_name
 from redco import _private, fsdp
 
 MATMUL_OUTPUT = "redco_matmul_output"  # the name ``matmul_output`` gives a value
+# JAX's primitives for a fused attention kernel's forward pass (``jax.nn.dot_product_attention``
+# with ``implementation="cudnn"``): what they return is what the kernel's backward reads
+FUSED_ATTENTION = frozenset({"dot_product_attention_fwd", "dot_product_attention_fwd_wrapper"})
 
 
 def _or_matmul_outputs(saveable: Callable) -> Callable:
@@ -42,8 +47,14 @@ def _or_matmul_outputs(saveable: Callable) -> Callable:
     return cp.save_from_both_policies(saveable, cp.save_only_these_names(MATMUL_OUTPUT))
 
 
+def _fused_attention_outputs(primitive, *_, **__) -> bool:
+    """Keep what a fused attention kernel's forward returns (its output and statistics)."""
+    return primitive.name in FUSED_ATTENTION
+
+
 POLICIES = {"none": None,
-            "dots_saveable": _or_matmul_outputs(jax.checkpoint_policies.dots_saveable),
+            "dots_saveable": _or_matmul_outputs(jax.checkpoint_policies.save_from_both_policies(
+                jax.checkpoint_policies.dots_saveable, _fused_attention_outputs)),
             "dots_with_no_batch_dims_saveable":
                 _or_matmul_outputs(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
             "full": jax.checkpoint_policies.nothing_saveable}

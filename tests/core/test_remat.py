@@ -52,6 +52,33 @@ def test_policies_nest_and_unknown_ones_are_refused():
         remat.policy("ful")
 
 
+def test_dots_saveable_keeps_a_fused_attention_kernels_forward(monkeypatch):
+    """On a GPU the zoo's attention is cuDNN's flash attention, one JAX primitive that is not a
+    ``dot_general``: ``"dots_saveable"`` keeps what its forward returns, so the backward pass
+    runs the kernel's forward once (``"dots_with_no_batch_dims_saveable"`` runs it again).
+    Traced only: jax's cuDNN probes are told a version so the trace runs here; nothing
+    compiles, the remat decision is JAX's own on its real primitive."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(cudnn, "check_is_flash_attention", lambda *args, **kwargs: None)
+
+    @remat.layer
+    def attention_layer(w, x):
+        q = x @ w
+        return jax.nn.dot_product_attention(q, x, x, is_causal=True, implementation="cudnn")
+
+    x = jnp.ones((2, 128, 4, 64), jnp.bfloat16)
+    w = jnp.ones((64, 64), jnp.bfloat16)
+    forwards = {}
+    for name in ("dots_saveable", "dots_with_no_batch_dims_saveable"):
+        with remat.policy(name):
+            grad = jax.grad(lambda w: attention_layer(w, x).astype(jnp.float32).sum())
+            text = str(jax.make_jaxpr(grad)(w))
+        assert text.count("dot_product_attention_bwd") == 1
+        forwards[name] = text.count("dot_product_attention_fwd")
+    assert forwards == {"dots_saveable": 1, "dots_with_no_batch_dims_saveable": 2}
+
+
 def mlp_trainer(workdir, policy):
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
     return Trainer(deployer, mlp_collate, mlp_apply, mlp_loss, mlp_init(), optax.adamw(1e-2),

@@ -196,7 +196,8 @@ class DecoderModel(nnx.Module):
                 def step(layer, h, layer_cache):
                     return layer(h, positions, allowed, layer_cache, cache_index, lengths,
                                  segment_ids)
-                x, new_cache, reports = layer_scan.run(self.layers, self.runs, step, x, cache)
+                x, new_cache, reports = layer_scan.run(self.layers, self.runs, step, x, cache,
+                                                       self.cfg.scan_unroll)
             else:
                 for i, layer in enumerate(self._each_layer()):
                     source = self.cfg.kv_source(i)  # (Gemma 4: its cache, or keys, shared)

@@ -68,7 +68,8 @@ attention and a gated MLP. What differs:
 
 ``scan_layers`` is not the family's but the run's (no config.json key; ``from_pretrained(...,
 scan_layers=True)``): runs of like layers stored stacked and run under ``jax.lax.scan``
-(``redco_zoo_models.layer_scan``), off by default.
+(``redco_zoo_models.layer_scan``), off by default; ``scan_unroll`` (the run's too): how many
+groups one step of the scan runs, unrolled inside its body (``jax.lax.scan``'s ``unroll``).
 """
 from __future__ import annotations
 
@@ -191,6 +192,7 @@ class DecoderConfig:
     gated_mlp: bool = True  # False: MLPs and experts up_proj, down_proj only (Nemotron-H)
     moe_latent_size: int = 0  # Nemotron-H: the routed experts' width (0: hidden_size)
     scan_layers: bool = False  # layers stored stacked, run under lax.scan (layer_scan); no config.json key
+    scan_unroll: int = 1  # groups of layers one step of the scan runs (lax.scan's unroll); the run's
 
     def __post_init__(self):
         if not self.head_dim:
@@ -206,6 +208,9 @@ class DecoderConfig:
             if len(self.mixers) != self.num_hidden_layers:
                 raise ValueError(f"layer_types has {len(self.mixers)} entries for "
                                  f"{self.num_hidden_layers} layers.")
+        if self.scan_unroll < 1:
+            raise ValueError(f"scan_unroll={self.scan_unroll}: the groups of layers one step of "
+                             "the scan runs; use 1 (the default) or more.")
         if self.chunked_layers and not self.attention_chunk_size:
             raise ValueError(f"chunked_layers {self.chunked_layers} need an "
                              "attention_chunk_size (a positive number of positions).")

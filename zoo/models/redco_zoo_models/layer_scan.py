@@ -148,11 +148,12 @@ def each_layer(modules: nnx.Dict, runs: Sequence[Segment]) -> Iterator[nnx.Modul
 
 
 def run(modules: nnx.Dict, runs: Sequence[Segment], step: Callable, x: Any,
-        caches: list | None = None) -> tuple[Any, list | None, list]:
+        caches: list | None = None, unroll: int = 1) -> tuple[Any, list | None, list]:
     """``x`` through every layer by ``step(layer, x, cache) -> (x, cache, report)``: each
     stacked segment under ``jax.lax.scan``, one group a step; a layer alone called once.
     ``caches``: one per layer (the KV-cache path), each scanned layer's stacked over its
     repeats as the scan's ``xs`` and its new cache its ``ys``; None: ``step`` gets None.
+    ``unroll``: groups one step of a scan runs (``jax.lax.scan``'s ``unroll``).
     Returns ``(x, new caches (one per layer; None without), reports)``, a scanned layer's
     report's leaves stacked over its repeats."""
     reports, out = [], None if caches is None else list(caches)
@@ -163,7 +164,7 @@ def run(modules: nnx.Dict, runs: Sequence[Segment], step: Callable, x: Any,
             reports.append(report)
             layers = {seg.start: cache}
         else:
-            x, scanned, written = _scanned(modules, seg, step, x, caches)
+            x, scanned, written = _scanned(modules, seg, step, x, caches, unroll)
             reports.extend(scanned)
             layers = dict(zip(_layer_order(seg), _unstacked(seg, written)))
         if out is not None:
@@ -172,7 +173,8 @@ def run(modules: nnx.Dict, runs: Sequence[Segment], step: Callable, x: Any,
     return x, out, reports
 
 
-def _scanned(modules: nnx.Dict, seg: Segment, step: Callable, x: Any, caches: list | None):
+def _scanned(modules: nnx.Dict, seg: Segment, step: Callable, x: Any, caches: list | None,
+             unroll: int):
     """One stacked segment under ``jax.lax.scan``: ``(x, reports, new caches)``, the last a
     list over the group's positions of caches stacked over the repeats (None without)."""
     graphs, states = zip(*[nnx.split(modules[key]) for key in seg.keys()])
@@ -191,7 +193,7 @@ def _scanned(modules: nnx.Dict, seg: Segment, step: Callable, x: Any, caches: li
             written.append(cache)
         return h, (reports, written if caches is not None else None)
     group_caches = stacked if stacked is not None else [None] * seg.period
-    x, (reports, written) = jax.lax.scan(body, x, (list(states), group_caches))
+    x, (reports, written) = jax.lax.scan(body, x, (list(states), group_caches), unroll=unroll)
     return x, reports, written
 
 
