@@ -88,43 +88,76 @@ def generate(model: nnx.Module, params: Any, prompt_ids, max_new_tokens: int, *,
     sampling with ``rng``.
     """
     m = nnx.merge(nnx.graphdef(model), params)
+    key_valid = _key_valid(prompt_ids, prompt_mask, max_new_tokens)
+    context = m.encode(**encoder_inputs) if encoder_inputs is not None else None
+    if num_beams > 1:
+        _check_beam_search(m, prompt_ids.shape[1], max_new_tokens, return_logprobs, num_samples)
+        return _beam_search(m, prompt_ids, key_valid, context, max_new_tokens, num_beams,
+                            eos_token_id, pad_token_id, length_penalty, cache_dtype)
+    cache = m.init_cache(len(prompt_ids), key_valid.shape[1], cache_dtype)
+    logits, cache = m.decode(prompt_ids, key_valid, cache, 0, context)
+    if num_samples > 1:  # each prompt's cache and logits copied per sample
+        logits, key_valid, cache, context, prompt_ids = jax.tree.map(
+            lambda x: jnp.repeat(x, num_samples, axis=0),
+            (logits, key_valid, cache, context, prompt_ids))
+    pick = _token_picker(rng, temperature, top_k, top_p, eos_token_id, pad_token_id,
+                         prompt_ids.dtype)
+    tokens, logprobs = _new_tokens(m, pick, logits, cache, key_valid, context, prompt_ids,
+                                   max_new_tokens, cache_dtype)
+    return (tokens, logprobs) if return_logprobs else tokens
+
+
+def _key_valid(prompt_ids, prompt_mask, n_new: int):
+    """(B, S): the cache's slots that hold real tokens, the prompt's (``prompt_mask``, None: all)
+    and the new ones; ``S = cache_slots(P + n_new)`` (any slots past the last: never valid)."""
     b, p = prompt_ids.shape
     if prompt_mask is None:
         prompt_mask = jnp.ones((b, p), bool)
-    n_slots = cache_slots(p + max_new_tokens)  # (any slots past the last: never valid)
-    key_valid = jnp.concatenate([prompt_mask > 0, jnp.ones((b, max_new_tokens), bool),
-                                 jnp.zeros((b, n_slots - p - max_new_tokens), bool)], 1)
-    context = m.encode(**encoder_inputs) if encoder_inputs is not None else None
-    if num_beams > 1:
-        if _reread_step(m, p, max_new_tokens) is not None:
-            raise ValueError(f"Beam search across slot {m.rereads_at()}, where this model's "
-                             "RoPE factors switch and the sequence is read again, is not "
-                             "supported: sample instead, or keep the prompt and the new tokens "
-                             "on one side of it.")
-        if return_logprobs or num_samples > 1:
-            raise ValueError("Beam search returns one sequence per prompt and no "
-                             "log-probabilities: use num_beams=1 with num_samples or "
-                             "return_logprobs.")
-        return _beam_search(m, prompt_ids, key_valid, context, max_new_tokens, num_beams,
-                            eos_token_id, pad_token_id, length_penalty, cache_dtype)
-    cache = m.init_cache(b, n_slots, cache_dtype)
-    logits, cache = m.decode(prompt_ids, key_valid, cache, 0, context)
-    if num_samples > 1:  # each prompt's cache and logits copied per sample
-        repeat = lambda x: jnp.repeat(x, num_samples, axis=0)  # noqa: E731
-        logits, key_valid, cache, context, prompt_ids = jax.tree.map(
-            repeat, (logits, key_valid, cache, context, prompt_ids))
-        b = b * num_samples
+    n_slots = cache_slots(p + n_new)
+    return jnp.concatenate([prompt_mask > 0, jnp.ones((b, n_new), bool),
+                            jnp.zeros((b, n_slots - p - n_new), bool)], 1)
+
+
+def _check_beam_search(m, n_prompt: int, n_new: int, return_logprobs: bool,
+                       num_samples: int) -> None:
+    """Refuse what beam search does not do: read the sequence again (``_reread_step``), give
+    log-probabilities or several samples per prompt."""
+    if _reread_step(m, n_prompt, n_new) is not None:
+        raise ValueError(f"Beam search across slot {m.rereads_at()}, where this model's "
+                         "RoPE factors switch and the sequence is read again, is not "
+                         "supported: sample instead, or keep the prompt and the new tokens "
+                         "on one side of it.")
+    if return_logprobs or num_samples > 1:
+        raise ValueError("Beam search returns one sequence per prompt and no "
+                         "log-probabilities: use num_beams=1 with num_samples or "
+                         "return_logprobs.")
+
+
+def _token_picker(rng, temperature: float, top_k: int, top_p: float, eos: int | None,
+                  pad: int, dtype):
+    """``pick(logits, finished, i) -> (token, logprob, finished)``: step ``i``'s tokens
+    (``pad`` where finished; an ``eos`` finishes) and their log-probabilities before any top-k
+    or top-p cut (0 where finished)."""
     rng = jax.random.PRNGKey(0) if rng is None else rng
     scale = temperature if temperature > 0 else 1.0
 
     def pick(logits, finished, i):
         token = pick_tokens(logits, jax.random.fold_in(rng, i), temperature, top_k, top_p)
-        token = jnp.where(finished, pad_token_id, token).astype(prompt_ids.dtype)
+        token = jnp.where(finished, pad, token).astype(dtype)
         logprob = jnp.where(finished, 0.0, jnp.take_along_axis(
             jax.nn.log_softmax(logits.astype(jnp.float32) / scale), token[:, None], -1)[:, 0])
-        if eos_token_id is not None:
-            finished = finished | (token == eos_token_id)
+        if eos is not None:
+            finished = finished | (token == eos)
         return token, logprob, finished
+    return pick
+
+
+def _new_tokens(m, pick, logits, cache, key_valid, context, prompt_ids, n_new: int,
+                cache_dtype):
+    """``(tokens, logprobs)``, each (B, n_new), decoded after the prompt's ``logits`` and
+    ``cache`` with ``pick``: one ``lax.scan``, or two around the step whose token is read again
+    with the whole sequence before it (``_reread_step``)."""
+    b, p = prompt_ids.shape
 
     def step(carry, i):
         logits, cache, finished = carry
@@ -133,21 +166,21 @@ def generate(model: nnx.Module, params: Any, prompt_ids, max_new_tokens: int, *,
         return (logits[:, -1], cache, finished), (token, logprob)
 
     carry = (logits[:, -1], cache, jnp.zeros((b,), bool))
-    reread = _reread_step(m, p, max_new_tokens)
+    reread = _reread_step(m, p, n_new)
     if reread is None:
-        _, (tokens, logprobs) = jax.lax.scan(step, carry, jnp.arange(max_new_tokens))
-        return (tokens.T, logprobs.T) if return_logprobs else tokens.T
+        _, (tokens, logprobs) = jax.lax.scan(step, carry, jnp.arange(n_new))
+        return tokens.T, logprobs.T
     # the token fed at slot `reread` is fed with all before it, into an empty cache
     carry, (before, before_lp) = jax.lax.scan(step, carry, jnp.arange(reread))
     logits, _, finished = carry
     token, logprob, finished = pick(logits, finished, reread)
     ids = jnp.concatenate([prompt_ids, before.T.astype(prompt_ids.dtype), token[:, None]], 1)
-    logits, cache = m.decode(ids, key_valid, m.init_cache(b, n_slots, cache_dtype), 0, context)
+    cache = m.init_cache(b, key_valid.shape[1], cache_dtype)
+    logits, cache = m.decode(ids, key_valid, cache, 0, context)
     _, (after, after_lp) = jax.lax.scan(step, (logits[:, -1], cache, finished),
-                                        jnp.arange(reread + 1, max_new_tokens))
-    tokens = jnp.concatenate([before.T, token[:, None], after.T], 1)
-    logprobs = jnp.concatenate([before_lp.T, logprob[:, None], after_lp.T], 1)
-    return (tokens, logprobs) if return_logprobs else tokens
+                                        jnp.arange(reread + 1, n_new))
+    return (jnp.concatenate([before.T, token[:, None], after.T], 1),
+            jnp.concatenate([before_lp.T, logprob[:, None], after_lp.T], 1))
 
 
 def _reread_step(m, n_prompt: int, n_new: int) -> int | None:
