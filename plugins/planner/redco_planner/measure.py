@@ -122,15 +122,7 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
                          remat=redco_remat.check(remat), n_context_shards=n_context_shards)
     mesh = make_mesh(n_devices, n_model_shards, n_context_shards)
     batch = micro_batches(global_batch(batch_abstract, mesh.shape["dp"]), accumulate_grad_batches)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # indivisible params replicate, as in training
-        layout.rules = (list(rules) if rules is not None else
-                        layout_rules(params_abstract, mesh, sharding_rules, trace_fn))
-        if overrides is not None:
-            layout.rules = overrides(layout_rules(params_abstract, mesh, sharding_rules, None)) \
-                + layout.rules
-        specs = specs_from_rules(params_abstract, layout.rules, mesh)
-    params_shardings = shardings_from_specs(specs, mesh)
+    params_shardings = shard_params(layout, params_abstract, mesh, trace_fn, rules, overrides)
     layout.params_bytes = per_device_bytes(params_abstract, params_shardings)
     state, state_shardings = abstract_state(params_abstract, params_shardings, optimizer,
                                             trainable, mesh)
@@ -142,6 +134,30 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
                                      params_shardings, compute_dtype, mesh=mesh,
                                      context_strategy=context_strategy),
                            optimizer, trainable, accumulate_grad_batches)
+    compile_step(layout, step, state, state_shardings, batch, mesh, remat)
+    check_expert_parallel(layout, mesh)
+    return layout
+
+
+def shard_params(layout: TriedLayout, params_abstract, mesh, trace_fn: Callable | None,
+                 rules: Rules | None, overrides: Callable[[Rules], Rules] | None):
+    """The params' shardings on ``mesh``, by ``rules`` or else the layout's rule set's, after
+    ``overrides``' (as ``measure`` takes them), into ``layout.rules``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # indivisible params replicate, as in training
+        layout.rules = (list(rules) if rules is not None else
+                        layout_rules(params_abstract, mesh, layout.sharding_rules, trace_fn))
+        if overrides is not None:
+            layout.rules = overrides(layout_rules(params_abstract, mesh, layout.sharding_rules,
+                                                  None)) + layout.rules
+        specs = specs_from_rules(params_abstract, layout.rules, mesh)
+    return shardings_from_specs(specs, mesh)
+
+
+def compile_step(layout: TriedLayout, step: Callable, state, state_shardings, batch, mesh,
+                 remat: str) -> None:
+    """Compile ``step`` under ``redco.remat`` policy ``remat``; its compile time, memory, FLOPs
+    (with its loops' repeats, per device) and collectives into ``layout``."""
     start = time.perf_counter()
     with redco_remat.policy(remat):
         traced = trace_step(step, state, state_shardings, batch, mesh)
@@ -149,14 +165,17 @@ def measure(params_abstract, loss: Callable, batch_abstract, n_devices: int,
     layout.compile_s = time.perf_counter() - start
     read_memory(layout, compiled)
     if layout.flops is not None:
-        layout.flops += loop_repeats_flops(traced) / n_devices
+        layout.flops += loop_repeats_flops(traced) / layout.n_devices
     layout.collectives = collectives(compiled.as_text())
+
+
+def check_expert_parallel(layout: TriedLayout, mesh) -> None:
+    """Refuse a layout that splits the experts whose compiled step never sends tokens to them."""
     if layout.n_expert_shards > 1 and "all-to-all" not in layout.collectives:
-        raise ValueError(f"{sharding_rules} splits the experts over dp={mesh.shape['dp']}, but "
-                         "the compiled step has no all-to-all: the model's MoE blocks do not "
-                         "run expert-parallel (they never read redco.fsdp.declared; the zoo's "
-                         "do, redco_zoo_models.expert_parallel).")
-    return layout
+        raise ValueError(f"{layout.sharding_rules} splits the experts over "
+                         f"dp={mesh.shape['dp']}, but the compiled step has no all-to-all: the "
+                         "model's MoE blocks do not run expert-parallel (they never read "
+                         "redco.fsdp.declared; the zoo's do, redco_zoo_models.expert_parallel).")
 
 
 def abstract_state(params_abstract, params_shardings, optimizer, trainable, mesh):

@@ -185,23 +185,16 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
       PlanError: nothing fits; the message names the smallest peak found.
     """
     qlora.check(quantize_base, lora_rank, quantized)
-    known = plugins.registry("sharding_rules")
-    unknown = [name for name in rule_sets if name not in known]
-    if unknown:
-        raise ValueError(f"Unknown rule sets {unknown}: known are {sorted(known)}.")
+    check_rule_sets(rule_sets)
     bases = qlora.quantized_bases(quantized, lora_rank, quantize_base, log or (lambda _: None)) \
         if quantize_base else {}
     loss = as_loss(loss_or_trace_fn)
     if trace_fn is None:
-        trace_fn = dataflow_trace(loss, batch_abstract) if n_positional(loss_or_trace_fn) >= 2 \
-            else loss_or_trace_fn
+        trace_fn = default_trace_fn(loss_or_trace_fn, loss, batch_abstract)
     params_abstract = abstract(params_abstract)
     if expert_parallel:
         rule_sets = with_expert_parallel(rule_sets, params_abstract)
-    degrees = split_degrees(n_devices, model_degrees, context_degrees)
-    if not degrees:
-        raise ValueError(f"No n_model_shards in {model_degrees} and n_context_shards in "
-                         f"{context_degrees} together divide {n_devices} devices.")
+    degrees = checked_split_degrees(n_devices, model_degrees, context_degrees)
     policies = effective_policies(remat_policies, loss, params_abstract, batch_abstract)
     search = Search([(mp, cp, name, policy) for mp, cp in degrees for name in rule_sets
                      for policy in policies],
@@ -212,27 +205,81 @@ def plan(params_abstract, loss_or_trace_fn: Callable, batch_abstract, n_devices:
                     try_all, log)
     pick = search.run(params_abstract, loss, trace_fn, trainable,
                       lora_rank if trainable is not None else None)
+    pick, vias = search_lora_models(search, pick, lora_models(
+        params_abstract, loss, lora_rank, lora, trainable, bases), batch_abstract, lora_rank)
+    check_sequence_split(search, context_degrees)
+    if pick is None:
+        raise nothing_fits(search.tried, n_devices, device_memory_bytes, headroom)
+    return as_plan(pick, search.tried, vias, device_memory_bytes, n_devices, headroom)
+
+
+def check_rule_sets(rule_sets: Sequence[str]) -> None:
+    """Refuse rule-set names no plugin registers (``sharding_rules``)."""
+    known = plugins.registry("sharding_rules")
+    unknown = [name for name in rule_sets if name not in known]
+    if unknown:
+        raise ValueError(f"Unknown rule sets {unknown}: known are {sorted(known)}.")
+
+
+def default_trace_fn(loss_or_trace_fn: Callable, loss: Callable, batch_abstract) -> Callable:
+    """The ``auto`` rules' dataflow: the loss traced on the batch's shapes, or the given
+    ``trace_fn(params)`` itself."""
+    if n_positional(loss_or_trace_fn) >= 2:
+        return dataflow_trace(loss, batch_abstract)
+    return loss_or_trace_fn
+
+
+def checked_split_degrees(n_devices: int, model_degrees: Sequence[int] | None,
+                          context_degrees: Sequence[int] | None) -> list[tuple[int, int]]:
+    """``split_degrees``, refused when no pair of them divides ``n_devices``."""
+    degrees = split_degrees(n_devices, model_degrees, context_degrees)
+    if not degrees:
+        raise ValueError(f"No n_model_shards in {model_degrees} and n_context_shards in "
+                         f"{context_degrees} together divide {n_devices} devices.")
+    return degrees
+
+
+def lora_models(params_abstract, loss: Callable, rank: int | None, lora: Callable | None,
+                trainable: Any, bases: dict) -> dict[str | None, Callable[[], LoraModel]]:
+    """The LoRA models to try after full fine-tuning, in order, as ``{base format: builder}``:
+    LoRA of ``rank`` on the params (None; not when ``trainable`` says they hold adapters
+    already), then over each quantised base."""
+    models = {} if rank is None or trainable is not None else \
+        {None: lambda: (lora or generic_lora(params_abstract, loss))(rank)}
+    models.update({fmt: (lambda base=base: base) for fmt, base in bases.items()})  # (built)
+    return models
+
+
+def search_lora_models(search: Search, pick, models: dict, batch_abstract,
+                       rank: int | None) -> tuple[Any, dict]:
+    """After full fine-tuning's ``pick`` (None: nothing fit), each LoRA model in turn
+    (``{base format: () -> LoraModel}``, built only when tried) while nothing fits, or every
+    one with ``search.try_all``: the first pick, and each tried model's ``via`` by format."""
     vias = {}
-    if lora_rank is not None and trainable is None and (pick is None or try_all):
-        adapters = (lora or generic_lora(params_abstract, loss))(lora_rank)
-        vias[None] = adapters.via
-        found = search_lora(search, adapters, batch_abstract, lora_rank)
-        pick = pick or found
-    for fmt, base in bases.items():
-        if pick is None or try_all:
-            vias[fmt] = base.via
-            found = search_lora(search, base, batch_abstract, lora_rank, fmt)
+    for fmt, build in models.items():
+        if pick is None or search.try_all:
+            model = build()
+            vias[fmt] = model.via
+            found = search_lora(search, model, batch_abstract, rank, fmt)
             pick = pick or found
+    return pick, vias
+
+
+def check_sequence_split(search: Search, context_degrees: Sequence[int] | None) -> None:
+    """Refuse when every layout asked for split the sequence and the model cannot (none tried)."""
     if not search.tried and not search.splits_sequence:
         raise PlanError(f"Every layout asked for splits the sequence (n_context_shards in "
                         f"{context_degrees}), but the model's attention cannot run over a split "
                         "sequence: use a zoo LLaMA-family or GPT-2 model, or n_context_shards=1.")
-    if pick is None:
-        raise nothing_fits(search.tried, n_devices, device_memory_bytes, headroom)
+
+
+def as_plan(pick, tried: list, vias: dict, device_memory_bytes: int, n_devices: int,
+            headroom: float) -> Plan:
+    """The ``Plan`` of layout ``pick`` among ``tried``, with how its LoRA model was built."""
     lora_via = vias.get(pick.quantized, "") if pick.lora_rank else ""
     return Plan(pick.n_model_shards, pick.sharding_rules, pick.rules, pick.peak_bytes,
-                device_memory_bytes, n_devices, search.tried, headroom, pick.remat,
-                why(pick, search.tried, lora_via), pick.lora_rank, lora_via,
+                device_memory_bytes, n_devices, tried, headroom, pick.remat,
+                why(pick, tried, lora_via), pick.lora_rank, lora_via,
                 pick.n_context_shards, pick.n_expert_shards, pick.quantized)
 
 

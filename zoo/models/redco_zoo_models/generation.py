@@ -12,7 +12,7 @@ Encoder-decoder models also have ``model.encode(**encoder_inputs) -> context``, 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -88,43 +88,76 @@ def generate(model: nnx.Module, params: Any, prompt_ids, max_new_tokens: int, *,
     sampling with ``rng``.
     """
     m = nnx.merge(nnx.graphdef(model), params)
+    key_valid = _key_valid(prompt_ids, prompt_mask, max_new_tokens)
+    context = m.encode(**encoder_inputs) if encoder_inputs is not None else None
+    if num_beams > 1:
+        _check_beam_search(m, prompt_ids.shape[1], max_new_tokens, return_logprobs, num_samples)
+        return _beam_search(m, prompt_ids, key_valid, context, max_new_tokens, num_beams,
+                            eos_token_id, pad_token_id, length_penalty, cache_dtype)
+    cache = m.init_cache(len(prompt_ids), key_valid.shape[1], cache_dtype)
+    logits, cache = m.decode(prompt_ids, key_valid, cache, 0, context)
+    if num_samples > 1:  # each prompt's cache and logits copied per sample
+        logits, key_valid, cache, context, prompt_ids = jax.tree.map(
+            lambda x: jnp.repeat(x, num_samples, axis=0),
+            (logits, key_valid, cache, context, prompt_ids))
+    pick = _token_picker(rng, temperature, top_k, top_p, eos_token_id, pad_token_id,
+                         prompt_ids.dtype)
+    tokens, logprobs = _new_tokens(m, pick, logits, cache, key_valid, context, prompt_ids,
+                                   max_new_tokens, cache_dtype)
+    return (tokens, logprobs) if return_logprobs else tokens
+
+
+def _key_valid(prompt_ids, prompt_mask, n_new: int):
+    """(B, S): the cache's slots that hold real tokens, the prompt's (``prompt_mask``, None: all)
+    and the new ones; ``S = cache_slots(P + n_new)`` (any slots past the last: never valid)."""
     b, p = prompt_ids.shape
     if prompt_mask is None:
         prompt_mask = jnp.ones((b, p), bool)
-    n_slots = cache_slots(p + max_new_tokens)  # (any slots past the last: never valid)
-    key_valid = jnp.concatenate([prompt_mask > 0, jnp.ones((b, max_new_tokens), bool),
-                                 jnp.zeros((b, n_slots - p - max_new_tokens), bool)], 1)
-    context = m.encode(**encoder_inputs) if encoder_inputs is not None else None
-    if num_beams > 1:
-        if _reread_step(m, p, max_new_tokens) is not None:
-            raise ValueError(f"Beam search across slot {m.rereads_at()}, where this model's "
-                             "RoPE factors switch and the sequence is read again, is not "
-                             "supported: sample instead, or keep the prompt and the new tokens "
-                             "on one side of it.")
-        if return_logprobs or num_samples > 1:
-            raise ValueError("Beam search returns one sequence per prompt and no "
-                             "log-probabilities: use num_beams=1 with num_samples or "
-                             "return_logprobs.")
-        return _beam_search(m, prompt_ids, key_valid, context, max_new_tokens, num_beams,
-                            eos_token_id, pad_token_id, length_penalty, cache_dtype)
-    cache = m.init_cache(b, n_slots, cache_dtype)
-    logits, cache = m.decode(prompt_ids, key_valid, cache, 0, context)
-    if num_samples > 1:  # each prompt's cache and logits copied per sample
-        repeat = lambda x: jnp.repeat(x, num_samples, axis=0)  # noqa: E731
-        logits, key_valid, cache, context, prompt_ids = jax.tree.map(
-            repeat, (logits, key_valid, cache, context, prompt_ids))
-        b = b * num_samples
+    n_slots = cache_slots(p + n_new)
+    return jnp.concatenate([prompt_mask > 0, jnp.ones((b, n_new), bool),
+                            jnp.zeros((b, n_slots - p - n_new), bool)], 1)
+
+
+def _check_beam_search(m, n_prompt: int, n_new: int, return_logprobs: bool,
+                       num_samples: int) -> None:
+    """Refuse what beam search does not do: read the sequence again (``_reread_step``), give
+    log-probabilities or several samples per prompt."""
+    if _reread_step(m, n_prompt, n_new) is not None:
+        raise ValueError(f"Beam search across slot {m.rereads_at()}, where this model's "
+                         "RoPE factors switch and the sequence is read again, is not "
+                         "supported: sample instead, or keep the prompt and the new tokens "
+                         "on one side of it.")
+    if return_logprobs or num_samples > 1:
+        raise ValueError("Beam search returns one sequence per prompt and no "
+                         "log-probabilities: use num_beams=1 with num_samples or "
+                         "return_logprobs.")
+
+
+def _token_picker(rng, temperature: float, top_k: int, top_p: float, eos: int | None,
+                  pad: int, dtype):
+    """``pick(logits, finished, i) -> (token, logprob, finished)``: step ``i``'s tokens
+    (``pad`` where finished; an ``eos`` finishes) and their log-probabilities before any top-k
+    or top-p cut (0 where finished)."""
     rng = jax.random.PRNGKey(0) if rng is None else rng
     scale = temperature if temperature > 0 else 1.0
 
     def pick(logits, finished, i):
         token = pick_tokens(logits, jax.random.fold_in(rng, i), temperature, top_k, top_p)
-        token = jnp.where(finished, pad_token_id, token).astype(prompt_ids.dtype)
+        token = jnp.where(finished, pad, token).astype(dtype)
         logprob = jnp.where(finished, 0.0, jnp.take_along_axis(
             jax.nn.log_softmax(logits.astype(jnp.float32) / scale), token[:, None], -1)[:, 0])
-        if eos_token_id is not None:
-            finished = finished | (token == eos_token_id)
+        if eos is not None:
+            finished = finished | (token == eos)
         return token, logprob, finished
+    return pick
+
+
+def _new_tokens(m, pick, logits, cache, key_valid, context, prompt_ids, n_new: int,
+                cache_dtype):
+    """``(tokens, logprobs)``, each (B, n_new), decoded after the prompt's ``logits`` and
+    ``cache`` with ``pick``: one ``lax.scan``, or two around the step whose token is read again
+    with the whole sequence before it (``_reread_step``)."""
+    b, p = prompt_ids.shape
 
     def step(carry, i):
         logits, cache, finished = carry
@@ -133,21 +166,21 @@ def generate(model: nnx.Module, params: Any, prompt_ids, max_new_tokens: int, *,
         return (logits[:, -1], cache, finished), (token, logprob)
 
     carry = (logits[:, -1], cache, jnp.zeros((b,), bool))
-    reread = _reread_step(m, p, max_new_tokens)
+    reread = _reread_step(m, p, n_new)
     if reread is None:
-        _, (tokens, logprobs) = jax.lax.scan(step, carry, jnp.arange(max_new_tokens))
-        return (tokens.T, logprobs.T) if return_logprobs else tokens.T
+        _, (tokens, logprobs) = jax.lax.scan(step, carry, jnp.arange(n_new))
+        return tokens.T, logprobs.T
     # the token fed at slot `reread` is fed with all before it, into an empty cache
     carry, (before, before_lp) = jax.lax.scan(step, carry, jnp.arange(reread))
     logits, _, finished = carry
     token, logprob, finished = pick(logits, finished, reread)
     ids = jnp.concatenate([prompt_ids, before.T.astype(prompt_ids.dtype), token[:, None]], 1)
-    logits, cache = m.decode(ids, key_valid, m.init_cache(b, n_slots, cache_dtype), 0, context)
+    cache = m.init_cache(b, key_valid.shape[1], cache_dtype)
+    logits, cache = m.decode(ids, key_valid, cache, 0, context)
     _, (after, after_lp) = jax.lax.scan(step, (logits[:, -1], cache, finished),
-                                        jnp.arange(reread + 1, max_new_tokens))
-    tokens = jnp.concatenate([before.T, token[:, None], after.T], 1)
-    logprobs = jnp.concatenate([before_lp.T, logprob[:, None], after_lp.T], 1)
-    return (tokens, logprobs) if return_logprobs else tokens
+                                        jnp.arange(reread + 1, n_new))
+    return (jnp.concatenate([before.T, token[:, None], after.T], 1),
+            jnp.concatenate([before_lp.T, logprob[:, None], after_lp.T], 1))
 
 
 def _reread_step(m, n_prompt: int, n_new: int) -> int | None:
@@ -156,6 +189,16 @@ def _reread_step(m, n_prompt: int, n_new: int) -> int | None:
     this generation's steps feeds that slot."""
     at = getattr(m, "rereads_at", lambda: None)()
     return at - n_prompt if at is not None and 0 <= at - n_prompt < n_new else None
+
+
+class _Beams(NamedTuple):
+    """Beam search's state: per example, its ``k`` live beams (``alive`` (B, k, n_new)) and
+    finished hypotheses (``done``), their scores, and whether it still takes more (``open_``)."""
+    alive: Any
+    alive_scores: Any
+    done: Any
+    done_scores: Any
+    open_: Any
 
 
 def _beam_search(m, prompt_ids, key_valid, context, n_new, k, eos, pad, length_penalty,
@@ -168,43 +211,71 @@ def _beam_search(m, prompt_ids, key_valid, context, n_new, k, eos, pad, length_p
     best live beam's score normalised by its current length (transformers' heuristic). At the
     end the live beams count as finished at full length."""
     b, p = prompt_ids.shape
-    beams = lambda x: jnp.repeat(x, k, axis=0)  # (B, ...) -> (B * k, ...)
-    key_valid, context = beams(key_valid), jax.tree.map(beams, context)
+    per_beam = lambda x: jnp.repeat(x, k, axis=0)  # (B, ...) -> (B * k, ...)
+    key_valid, context = per_beam(key_valid), jax.tree.map(per_beam, context)
     cache = m.init_cache(b * k, key_valid.shape[1], cache_dtype)
-    logits, cache = m.decode(beams(prompt_ids), key_valid, cache, 0, context)
-    alive = jnp.full((b, k, n_new), pad, prompt_ids.dtype)
-    alive_scores = jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf), (b, 1))  # one start
-    done, done_scores = alive, jnp.full((b, k), -jnp.inf)
-    normed = lambda scores, length: scores / jnp.asarray(length, jnp.float32) ** length_penalty
-
-    def take(x, index):  # x (B, n, ...) at index (B, m) along axis 1
-        return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), 1)
+    logits, cache = m.decode(per_beam(prompt_ids), key_valid, cache, 0, context)
 
     def step(carry, i):
-        logits, cache, alive, alive_scores, done, done_scores, open_ = carry
-        # open_: no k finished yet (min -inf) or the best live beam, normalised by the length so
-        # far, beats the worst of them; once closed, an example keeps what it has finished
-        open_ = open_ & (normed(alive_scores[:, 0], jnp.maximum(i, 1)) > done_scores.min(1))
-        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(b, k, -1)
-        vocab = logprobs.shape[-1]
-        scores, index = jax.lax.top_k((alive_scores[..., None] + logprobs).reshape(b, -1), 2 * k)
-        source, token = index // vocab, (index % vocab).astype(alive.dtype)
-        seqs = take(alive, source).at[:, :, i].set(token)  # (B, 2k, n_new)
-        ends = token == eos if eos is not None else jnp.zeros_like(token, bool)
-        kept = ends & (jnp.arange(2 * k) < k) & open_[:, None]  # only the best k may finish
-        finished = jnp.where(kept, normed(scores, i + 1), -jnp.inf)
-        done_scores, best = jax.lax.top_k(jnp.concatenate([done_scores, finished], 1), k)
-        done = take(jnp.concatenate([done, seqs], 1), best)
-        alive_scores, best = jax.lax.top_k(jnp.where(ends, -jnp.inf, scores), k)
-        alive, source = take(seqs, best), take(source, best)
+        logits, cache, beams = carry
+        beams, source = _extend_beams(beams, logits, i, eos, length_penalty)
         rows = (jnp.arange(b)[:, None] * k + source).reshape(-1)
         cache = jax.tree.map(lambda c: c[rows], cache)
-        logits, cache = m.decode(alive[:, :, i].reshape(-1, 1), key_valid, cache, p + i, context)
-        return (logits[:, -1], cache, alive, alive_scores, done, done_scores, open_), None
+        logits, cache = m.decode(beams.alive[:, :, i].reshape(-1, 1), key_valid, cache, p + i,
+                                 context)
+        return (logits[:, -1], cache, beams), None
 
-    carry = (logits[:, -1], cache, alive, alive_scores, done, done_scores, jnp.ones((b,), bool))
-    (_, _, alive, alive_scores, done, done_scores, open_), _ = jax.lax.scan(step, carry,
-                                                                             jnp.arange(n_new))
-    last = jnp.where(open_[:, None], normed(alive_scores, n_new), -jnp.inf)
-    scores = jnp.concatenate([done_scores, last], 1)
-    return take(jnp.concatenate([done, alive], 1), jnp.argmax(scores, 1)[:, None])[:, 0]
+    start = _start_beams(b, k, n_new, pad, prompt_ids.dtype)
+    (_, _, beams), _ = jax.lax.scan(step, (logits[:, -1], cache, start), jnp.arange(n_new))
+    return _best_sequences(beams, n_new, length_penalty)
+
+
+def _start_beams(b: int, k: int, n_new: int, pad: int, dtype) -> _Beams:
+    """Before the first step: one live beam per example (the others at -inf), all ``pad``;
+    nothing finished; every example open."""
+    alive = jnp.full((b, k, n_new), pad, dtype)
+    alive_scores = jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf), (b, 1))  # one start
+    return _Beams(alive, alive_scores, alive, jnp.full((b, k), -jnp.inf), jnp.ones((b,), bool))
+
+
+def _extend_beams(beams: _Beams, logits, i, eos, length_penalty) -> tuple[_Beams, Any]:
+    """Step ``i``: the beams after their ``2k`` best continuations by ``logits`` (B * k, V)
+    are ranked (the best ``k`` ending in EOS finish), and each new live beam's source (B, k)."""
+    alive, alive_scores, done, done_scores, open_ = beams
+    b, k = alive_scores.shape
+    # open_: no k finished yet (min -inf) or the best live beam, normalised by the length so
+    # far, beats the worst of them; once closed, an example keeps what it has finished
+    open_ = open_ & (_normed(alive_scores[:, 0], jnp.maximum(i, 1), length_penalty)
+                     > done_scores.min(1))
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(b, k, -1)
+    vocab = logprobs.shape[-1]
+    scores, index = jax.lax.top_k((alive_scores[..., None] + logprobs).reshape(b, -1), 2 * k)
+    source, token = index // vocab, (index % vocab).astype(alive.dtype)
+    seqs = _take(alive, source).at[:, :, i].set(token)  # (B, 2k, n_new)
+    ends = token == eos if eos is not None else jnp.zeros_like(token, bool)
+    kept = ends & (jnp.arange(2 * k) < k) & open_[:, None]  # only the best k may finish
+    finished = jnp.where(kept, _normed(scores, i + 1, length_penalty), -jnp.inf)
+    done_scores, best = jax.lax.top_k(jnp.concatenate([done_scores, finished], 1), k)
+    done = _take(jnp.concatenate([done, seqs], 1), best)
+    alive_scores, best = jax.lax.top_k(jnp.where(ends, -jnp.inf, scores), k)
+    alive, source = _take(seqs, best), _take(source, best)
+    return _Beams(alive, alive_scores, done, done_scores, open_), source
+
+
+def _best_sequences(beams: _Beams, n_new: int, length_penalty: float):
+    """Each example's best finished hypothesis (B, n_new), its live beams counting as finished
+    at full length while it is open."""
+    last = jnp.where(beams.open_[:, None], _normed(beams.alive_scores, n_new, length_penalty),
+                     -jnp.inf)
+    scores = jnp.concatenate([beams.done_scores, last], 1)
+    return _take(jnp.concatenate([beams.done, beams.alive], 1), jnp.argmax(scores, 1)[:, None])[:, 0]
+
+
+def _normed(scores, length, length_penalty: float):
+    """``scores`` of sequences of ``length`` tokens divided by ``length ** length_penalty``."""
+    return scores / jnp.asarray(length, jnp.float32) ** length_penalty
+
+
+def _take(x, index):
+    """``x`` (B, n, ...) at ``index`` (B, m) along axis 1."""
+    return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), 1)

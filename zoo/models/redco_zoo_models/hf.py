@@ -107,18 +107,9 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
     (``redco_zoo_models.quantized_experts``), each quantised as it is read from the file. Raises
     naming the first parameter missing or of another shape, and the checkpoint's tensors the
     model has no place for."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    try:
-        cfg = model_class.config_class.from_hf(config)
-    except ValueError as e:
-        raise type(e)(f"{model_dir}/{e}" if str(e).startswith("config.json") else
-                      f"{model_dir}/config.json: {e}") from None
-    cfg = with_changes(cfg, config_changes)
+    cfg = with_changes(_read_config(model_class, model_dir), config_changes)
     model = nnx.eval_shape(lambda: model_class(cfg, rngs=nnx.Rngs(seed)))
-    quantized = quantize_linears(model, quantize) if quantize else {}
-    quantized.update({name: shape for module, shape in list(quantized.items())  # (a stack's
-                      if layers_of(module) for name in layer_stacks.layer_names(module)})  # layers)
+    quantized = _quantize_projections(model, quantize)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tensors = read_safetensors(model_dir)  # (lazy: each tensor read where it is used)
     if hasattr(model, "hf_tensors_in"):
@@ -126,29 +117,63 @@ def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = 
     named = dict(named_leaves(params))
     expert_parts = quantized_experts.weight_parts(model)  # {part: (its weight, (E, in, out))}
     arrays, used = {}, set()
-    for path, shape in per_layer_shapes(named).items():  # a stacked param's layers one by one
-        module, _, leaf = path.rpartition("/")
-        weight, shape = expert_parts.get(path, (path, shape))
-        if module in quantized and leaf != "kernel" or weight != path:
-            continue  # (a quantised kernel's or expert weight's scales: made with its codes below)
-        name, array = _checkpoint_tensor(model_class, model_dir, tensors, path,
-                                         quantized.get(module, shape))
+    for path, shape in _tensor_shapes(named, quantized, expert_parts).items():
+        name, array = _checkpoint_tensor(model_class, model_dir, tensors, path, shape)
         used.add(name)
-        if module in quantized:
-            parts = q.quantize(np.asarray(array, dtype or np.float32), quantize)
-            arrays.update({f"{module}/{QuantizedLinear.param_name(k)}": np.asarray(v)
-                           for k, v in parts.items()})
-        elif path in expert_parts:
-            arrays.update(quantized_experts.parts_of(path, np.asarray(array, dtype or np.float32),
-                                                     quantize))
-        else:
-            arrays[path] = array
+        arrays.update(_as_params(path, array, quantized, expert_parts, dtype, quantize))
     _check_all_used(model_class, model_dir, tensors, used)
     arrays = layer_stacks.stack(arrays, [p for p in named if layers_of(p)], np.stack)
     leaves = [np.array(arrays[path], leaf.dtype if path.rpartition("/")[0] in quantized
                        or path in expert_parts else dtype or leaf.dtype)
               for path, leaf in named.items()]  # (copies)
     return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(params), leaves), rest)
+
+
+def _read_config(model_class: type, model_dir: str):
+    """``model_class``'s config from ``model_dir``'s ``config.json``; its errors name the file."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    try:
+        return model_class.config_class.from_hf(config)
+    except ValueError as e:
+        raise type(e)(f"{model_dir}/{e}" if str(e).startswith("config.json") else
+                      f"{model_dir}/config.json: {e}") from None
+
+
+def _quantize_projections(model: nnx.Module, quantize: str | None) -> dict[str, tuple]:
+    """``quantize_linears`` on ``model`` (in place; nothing without ``quantize``):
+    ``{module: (in, out)}`` of the projections swapped, a stack's also under its layers' names."""
+    quantized = quantize_linears(model, quantize) if quantize else {}
+    quantized.update({name: shape for module, shape in list(quantized.items())  # (a stack's
+                      if layers_of(module) for name in layer_stacks.layer_names(module)})  # layers)
+    return quantized
+
+
+def _tensor_shapes(named: dict, quantized: dict, expert_parts: dict) -> dict[str, tuple]:
+    """``{path: shape}`` of the params read from a checkpoint tensor of that shape, a stacked
+    param's layers one by one; a quantised kernel's or expert weight's scales are made with its
+    codes (``_as_params``), not read."""
+    shapes = {}
+    for path, shape in per_layer_shapes(named).items():
+        module, _, leaf = path.rpartition("/")
+        weight, shape = expert_parts.get(path, (path, shape))
+        if not (module in quantized and leaf != "kernel" or weight != path):
+            shapes[path] = quantized.get(module, shape)
+    return shapes
+
+
+def _as_params(path: str, array, quantized: dict, expert_parts: dict, dtype: Any,
+               quantize: str | None) -> dict:
+    """``{path: array}`` of the params the checkpoint tensor for ``path`` becomes: a quantised
+    projection's codes and scales, a MoE weight's parts, or the tensor itself (still lazy)."""
+    module = path.rpartition("/")[0]
+    if module in quantized:
+        parts = q.quantize(np.asarray(array, dtype or np.float32), quantize)
+        return {f"{module}/{QuantizedLinear.param_name(k)}": np.asarray(v)
+                for k, v in parts.items()}
+    if path in expert_parts:
+        return quantized_experts.parts_of(path, np.asarray(array, dtype or np.float32), quantize)
+    return {path: array}
 
 
 def with_changes(cfg, changes: dict):
