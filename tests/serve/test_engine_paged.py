@@ -1,17 +1,19 @@
 """The paged key/value cache (``Engine(page_size=...)``: ``redco_zoo_models.pages``,
 ``engine_paged``) against the slot engine as the outside reference: the same greedy tokens and
-log-probabilities (to 1e-5) as requests come and go, on LLaMA and DeepSeek's latent
-cache; requests admitted by the pages they may take (a count written out in the test), more than
-the slots of the same memory hold; a prompt's whole pages shared by its samples (reference
-counts), its partial last page copied; every page free at the end. Prefix caching on pages:
-the row-based cache's hits (its ``prefix_stats``) with the cached pages listed in the new
-sequence's table, not copied; evicted deepest block first when a request needs the room;
-let go of when the weights change."""
+log-probabilities (to 1e-5) as requests come and go, on LLaMA, DeepSeek's latent cache and
+Qwen3.5's hybrid (recurrent states a row each beside the pool); requests admitted by the pages
+they may take (a count written out in the test), more than the slots of the same memory hold; a
+prompt's whole pages shared by its samples (reference counts), its partial last page copied;
+every page free at the end. Prefix caching on pages: the row-based cache's hits (its
+``prefix_stats``) with the cached pages listed in the new sequence's table, not copied; evicted
+deepest block first when a request needs the room; let go of when the weights change."""
+import types
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
-from test_engine import NEW, PROMPTS, engine_of, model_of, run_staggered
+from test_engine import NEW, PROMPTS, engine_of, generated, model_of, run_staggered
 from test_engine_prefix import LONG, SHORT, SYSTEM
 
 from redco_zoo_models.engine import Engine
@@ -33,17 +35,37 @@ def assert_same_samples(got, expected, what):
             np.testing.assert_allclose(sample.logprobs, reference.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama-3.1", "deepseek-v3"])
+def reference(family, model, params, sampling):
+    """What the paged engine must give for ``run_staggered(PROMPTS)``: the slot engine's
+    samples; Qwen3.5's from ``generate`` (one program, where no slot engine of this shape is
+    compiled elsewhere: 3 CPU s less), which the slot engine gives too (test_engine_prefix)."""
+    if family != "qwen3.5":
+        return run_staggered(engine_of(family, 3, 32), PROMPTS, sampling)
+    return [types.SimpleNamespace(prompt=prompt, samples=[types.SimpleNamespace(
+        tokens=tokens, logprobs=logprobs)]) for prompt, (tokens, logprobs) in
+        zip(PROMPTS, generated(model, params, PROMPTS))]
+
+
+@pytest.mark.parametrize("family", ["llama-3.1", "deepseek-v3", "qwen3.5"])
 def test_paged_decoding_equals_slots_as_requests_come_and_go(family):
     """3 rows, 5 requests, two joining the first's decoding; pages of 4 slots (prompts of 1 to
-    18 tokens: partial pages, pages taken mid-decode). The pool is the cache: (pages, 4, ...)."""
+    18 tokens: partial pages, pages taken mid-decode), read 16 tokens a step (the 18-token
+    prompt in 2 chunks, the others decoding beside it). The pool is the cache: (pages, 4, ...);
+    on Qwen3.5 (hybrid) the attention layer's, its Gated DeltaNet states (conv inputs (3, 2,
+    56), delta-rule (3, 4, 8, 6)) a row each beside it, carried from chunk to chunk and copied
+    into a prompt's second sample's row (2 greedy samples: the reference's tokens)."""
     model = model_of(family)
     params = nnx.state(model, nnx.Param)
     sampling = Sampling(max_tokens=NEW)
-    expected = run_staggered(engine_of(family, 3, 32), PROMPTS, sampling)
-    paged = Engine(model, params, max_seqs=3, max_len=32, page_size=PAGE, n_pages=20)
-    assert {x.shape[:2] for x in jax.tree.leaves(paged.cache)} == {(20, PAGE)}
+    expected = reference(family, model, params, sampling)
+    paged = Engine(model, params, max_seqs=3, max_len=32, page_size=PAGE, n_pages=20,
+                   prefill_chunk=16)
+    shapes = {x.shape[:2] for x in jax.tree.leaves(paged.cache)}
+    assert shapes == ({(20, PAGE)} if family != "qwen3.5" else {(20, PAGE), (3, 2), (3, 4)})
     got = run_staggered(paged, PROMPTS, sampling)
+    if family == "qwen3.5":
+        got += paged.generate([PROMPTS[1]], Sampling(max_tokens=NEW, n=2))
+        expected += [types.SimpleNamespace(prompt=PROMPTS[1], samples=expected[1].samples * 2)]
     assert_same_samples(got, expected, family)
     assert_all_pages_free(paged)
 
@@ -163,9 +185,6 @@ def test_what_cannot_be_paged_is_refused_before_compiling():
     params = nnx.state(model, nnx.Param)
     with pytest.raises(ValueError, match="page_size=5: give a size >= 1 that divides max_len"):
         Engine(model, params, max_len=32, page_size=5)
-    recurrent = model_of("qwen3.5")
-    with pytest.raises(ValueError, match="recurrent layers .* not paged"):
-        Engine(recurrent, nnx.state(recurrent, nnx.Param), max_len=32, page_size=4)
     engine = Engine(model, params, max_len=32, page_size=4, n_pages=3)
     with pytest.raises(ValueError, match="may take 4 pages of 4 slots; this engine's pool "
                                          "holds 3"):

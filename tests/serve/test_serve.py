@@ -149,12 +149,26 @@ WIDTH, MOST_NEW = 28, 20  # the reference's one program: prompts up to 28 tokens
 PROMPTS = ["the cat sat on", "a mat and then it", "it ran off the mat and the cat sat"]
 
 
-def test_models_and_health_list_what_is_served(server):
+def test_models_health_and_tokenizer_endpoints_answer(server, reference):
+    """/v1/models, /health, and vLLM's tokenizer endpoints (lm-eval's ``local-completions``
+    tokenizes through them: test_lm_eval_scores_as_its_hf_backend_does) against the model's
+    own tokenizer."""
     assert [m.id for m in server.client.models.list().data] == ["tiny-chat"]
     import httpx
-    health = httpx.get(server.url.removesuffix("/v1") + "/health").json()
+    root, tokenizer = server.url.removesuffix("/v1"), reference.tokenizer
+    health = httpx.get(root + "/health").json()
     assert health["status"] == "ok" and set(health["prefix_cache"]) == {
         "hits", "misses", "tokens_reused", "tokens_read"}
+    info = httpx.get(root + "/tokenizer_info").json()
+    assert (info["eos_token"], info["chat_template"]) == (tokenizer.eos_token,
+                                                          tokenizer.chat_template)
+    text = "the cat sat on a mat"
+    ids = httpx.post(root + "/tokenize", json={"prompt": text}).json()["tokens"]
+    assert ids == tokenizer(text)["input_ids"]
+    assert httpx.post(root + "/detokenize", json={"tokens": ids}).json()["prompt"] == \
+        tokenizer.decode(ids)
+    refused = httpx.post(root + "/detokenize", json={"tokens": "the"})
+    assert refused.status_code == 400 and "list of token ids" in refused.text
 
 
 def test_a_prompt_sharing_a_cached_prefix_answers_as_generate(server, reference):
@@ -227,8 +241,11 @@ def test_samples_stop_strings_and_logprobs(server, reference):
     greedy = dict(model="tiny-chat", prompt=PROMPTS[2], max_tokens=20, temperature=0)
     full = server.client.completions.create(**greedy).choices[0].text
     assert full.split() == story_after(PROMPTS[2], 20).split()  # "on a mat and then it ran ..."
-    cut = server.client.completions.create(stop=["xyz", "it"], **greedy).choices[0]
+    answer = server.client.completions.create(stop=["xyz", "it"], logprobs=0, **greedy)
+    cut = answer.choices[0]
     assert cut.finish_reason == "stop" and cut.text == full[:full.index("it")]
+    returned = len(cut.logprobs.token_logprobs)  # (up to the token that ends in the stop string)
+    assert answer.usage.completion_tokens == returned < greedy["max_tokens"]
     streamed = "".join(c.choices[0].text for c in server.client.completions.create(
         stop=["xyz", "it"], stream=True, **greedy))
     assert streamed == cut.text
@@ -262,11 +279,14 @@ def test_echo_gives_the_prompts_log_probabilities_as_a_forward_pass_does(server,
 
 
 def test_top_k_1_and_a_vanishing_top_p_answer_greedily(server, reference):
-    ids = reference.tokenizer(PROMPTS[0])["input_ids"]
-    expected = reference(ids, 8)[0]
+    """After "the" the story goes on with "cat" or "mat": the same seeded request at T 1.5
+    without a cut samples off ``generate``'s greedy text, with either cut it gives that text
+    (the trained model is so sure elsewhere that T 1.5 alone gives greedy words)."""
+    expected = reference(reference.tokenizer("the")["input_ids"], 8)[0]
+    asked = dict(model="tiny-chat", prompt="the", max_tokens=8, temperature=1.5, seed=3)
+    assert server.client.completions.create(**asked).choices[0].text != expected
     for cut in ({"top_p": 1e-9}, {"extra_body": {"top_k": 1}}):
-        answer = server.client.completions.create(model="tiny-chat", prompt=PROMPTS[0],
-                                                  max_tokens=8, temperature=1.5, seed=3, **cut)
+        answer = server.client.completions.create(**asked, **cut)
         assert answer.choices[0].text == expected, cut
 
 
@@ -379,7 +399,9 @@ metric_list:
 def test_lm_eval_scores_as_its_hf_backend_does(server, model_dir, tmp_path):
     """``lm_eval --model local-completions`` against the server and lm-eval's own ``hf`` backend
     (transformers on PyTorch) on the same model directory, on tasks written here: the same
-    log-likelihood for every choice (to 1e-3) and the same generations."""
+    log-likelihood for every choice (to 1e-3) and the same generations. No tokenizer is given
+    to local-completions: it tokenizes through the server's /tokenize (found by
+    /tokenizer_info), so a wrong or missing endpoint fails here."""
     import json
 
     import lm_eval
@@ -399,9 +421,9 @@ def test_lm_eval_scores_as_its_hf_backend_does(server, model_dir, tmp_path):
         return lm_eval.simple_evaluate(
             model=model, model_args=model_args, tasks=["story_choice", "story_continue"],
             task_manager=tasks, log_samples=True)["samples"]
-    served = evaluate("local-completions", {
-        "model": "tiny-chat", "base_url": server.url + "/completions",
-        "tokenizer_backend": "huggingface", "tokenizer": model_dir, "max_retries": 1})
+    served = evaluate("local-completions", {  # (no tokenizer given: lm-eval finds the
+        "model": "tiny-chat", "base_url": server.url + "/completions",  # server's endpoints
+        "max_retries": 1})                                               # and tokenizes there)
     hf = evaluate("hf", {"pretrained": model_dir, "dtype": "float32", "device": "cpu"})
     scored = [(s["filtered_resps"], h["filtered_resps"]) for s, h in
               zip(served["story_choice"], hf["story_choice"])]

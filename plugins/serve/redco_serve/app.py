@@ -17,6 +17,7 @@ from redco_serve import images
 from redco_serve import openai_api as api
 from redco_serve.logprobs import token_logprobs
 from redco_serve.text import TextStream
+from redco_serve.tokenizer_routes import tokenizer_routes
 from redco_zoo_models.engine import Engine
 from redco_zoo_models.scoring import Scorer
 
@@ -154,6 +155,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, eos_ids: tuple[int, ..
         Route("/health", health), Route("/v1/models", models),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        *tokenizer_routes(tokenizer, engine.max_len, json_body, chat_text),
     ], exception_handlers={api.BadRequest: refused})
 
 

@@ -52,8 +52,8 @@ class ServeCommand(Command):
         parser.add_argument("--page_size", type=int, help="a paged key/value cache: one pool "
                             "of pages of this many tokens (e.g. 16), taken as sequences grow "
                             "and admitted by free pages, a cached prefix's pages shared "
-                            "(default: --max_seqs rows of --max_len slots); not on recurrent "
-                            "or image models")
+                            "(default: --max_seqs rows of --max_len slots; a recurrent "
+                            "layer's state stays a row's own); not on image models")
         parser.add_argument("--n_pages", type=int, help="the pool's pages, with --page_size "
                             "(default: the memory of --max_seqs x --max_len slots)")
         parser.add_argument("--scan_layers", action="store_true", help="a decoder's layers "

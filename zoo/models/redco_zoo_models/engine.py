@@ -30,7 +30,8 @@ With ``page_size`` the cache is paged instead: one pool of pages in place of the
 a page table per row, pages taken as a sequence grows out of what it reserved at admission
 (admission is by free pages: ``engine_admission``, ``pages``), each step gathering the running
 rows' pages into the slots the same model code reads (``engine_paged``); a cached prefix is
-pages shared by reference (``page_prefix``).
+pages shared by reference (``page_prefix``). A recurrent layer's state is not paged: it stays
+a row's own beside the pool.
 
 A recurrent layer (Gated DeltaNet, Mamba2) holds a fixed-size state per row in place of slots:
 a padded token leaves it as it was (so the right-padded prefill leaves each row's state after
@@ -62,7 +63,7 @@ from flax import nnx
 from redco_zoo_models.engine_admission import Admission, prompts_per_prefill
 from redco_zoo_models.engine_images import check_images, image_context, image_slots
 from redco_zoo_models.engine_memory import cache_sharding, on_devices, rows_sharding, vocab_size
-from redco_zoo_models.engine_paged import paged_decode, paged_prefill
+from redco_zoo_models.engine_paged import paged_decode, paged_prefill, pool_of
 from redco_zoo_models.engine_reading import (
     Reading,
     check_reading,
@@ -116,7 +117,7 @@ class Engine(Admission):
         self.max_seqs, self.max_len, self.eos = max_seqs, max_len, set(eos_token_ids)
         self.cache_dtype, self.steps_per_sync = cache_dtype, steps_per_sync
         cache = model.init_cache(max_seqs, max_len, cache_dtype) if self.pages is None else \
-            model.init_cache(self.pages.n_pages, self.pages.size, cache_dtype)
+            pool_of(model, slotted, self.pages.n_pages, self.pages.size, max_seqs, cache_dtype)
         self.cache = jax.device_put(cache, cache_sharding(mesh, cache))
         self.key_valid = self._on_rows(jnp.zeros((max_seqs, max_len), bool))
         vocab = vocab_size(model, max_len, cache_dtype)
@@ -131,12 +132,13 @@ class Engine(Admission):
         self._lock, self._wake = threading.Lock(), threading.Condition()
         self._thread, self._closing = None, False
         self._seeds = itertools.count(int(np.random.SeedSequence().entropy % 2 ** 31))
-        decode = partial(decode_rows, slotted=slotted) if self.pages is None else paged_decode
+        decode = partial(decode_rows if self.pages is None else paged_decode, slotted=slotted)
         self._decode = jax.jit(partial(decode, self.graphdef, steps_per_sync, mesh),
                                donate_argnums=(1, 2, 3), static_argnames=("span",))
         fresh_only = self.chunk == max_len and self.prefix is None  # (every prompt from slot 0)
         self._prefill = jax.jit(partial(prefill_rows, self.graphdef, slotted, fresh_only=fresh_only)
-                                if self.pages is None else partial(paged_prefill, self.graphdef),
+                                if self.pages is None else
+                                partial(paged_prefill, self.graphdef, slotted=slotted),
                                 donate_argnums=(1, 2, 3))
         self._keys = jax.jit(jax.vmap(lambda seed, sample: jax.random.fold_in(
             jax.random.PRNGKey(seed), sample)))  # each sample's key, for all rows at once

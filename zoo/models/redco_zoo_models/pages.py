@@ -91,16 +91,17 @@ class Pages:
 def paging(slotted, page_size: int | None, n_pages: int | None, max_seqs: int, max_len: int,
            images) -> Pages | None:
     """The engine's ``Pages`` for ``page_size`` (None: slots, no pages), ``n_pages`` by default
-    as many slots as ``max_seqs`` rows of ``max_len``; what it cannot page is refused."""
+    as many slots as ``max_seqs`` rows of ``max_len``; what it cannot page is refused (a
+    recurrent layer's state is not paged but kept a row's own: ``engine_paged.pool_of``)."""
     if page_size is None:
         return None
     if page_size < 1 or max_len % page_size:
         raise ValueError(f"page_size={page_size}: give a size >= 1 that divides max_len "
                          f"({max_len}), e.g. 16.")
-    if not all(jax.tree.leaves(slotted)):
-        raise ValueError("page_size: this model's recurrent layers (Gated DeltaNet, Mamba2) hold "
-                         "one state a row, not a key and value per slot, and their states are not "
-                         "paged: leave page_size unset (slots).")
+    if not any(jax.tree.leaves(slotted)):
+        raise ValueError("page_size: this model holds no key and value per slot (every layer "
+                         "recurrent: one state a row), so there is nothing to page: leave "
+                         "page_size unset (slots).")
     if images is not None:
         raise ValueError("page_size with an image model is not done: leave page_size unset "
                          "(slots) for it.")
