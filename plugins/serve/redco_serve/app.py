@@ -172,7 +172,8 @@ class Reply:
 
     def _logprobs(self, choice: int) -> dict | None:
         """A choice's log-probabilities body (a forward pass when alternatives or the prompt's
-        are asked for: called off the event loop then)."""
+        are asked for: called off the event loop then; without log-probabilities, whole replies
+        make no thread hop)."""
         if self.logprobs is None:
             return None
         request, index = self.job.samples[choice]
@@ -218,7 +219,8 @@ class Reply:
                                  status=500)
         for stream in self.job.streams.values():
             stream.finish()
-        logprobs = await asyncio.to_thread(lambda: {c: self._logprobs(c) for c in reasons})
+        logprobs = {c: None for c in reasons} if self.logprobs is None else \
+            await asyncio.to_thread(lambda: {c: self._logprobs(c) for c in reasons})
         choices = [self._whole_choice(c, s.text, reasons[c], logprobs[c])
                    for c, s in sorted(self.job.streams.items())]
         return api.envelope(self.kind, self.id, self.model, choices, usage=self._usage())
