@@ -58,7 +58,8 @@ def peak(model, rows: int, slots_or_pages: int, paged: bool) -> int:
             abstract((rows,), jnp.int32)]
     graphdef = nnx.graphdef(model)
     if paged:
-        step = partial(paged_decode, graphdef, 1, None, span=MAX_LEN)
+        step = partial(paged_decode, graphdef, 1, None, span=MAX_LEN,
+                       slotted=jax.tree.map(lambda _: True, cache))  # (no recurrent layer)
         args.append(abstract((rows, MAX_LEN // PAGE), jnp.int32))
     else:
         step = partial(decode_rows, graphdef, 1, None, span=MAX_LEN)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from redco_zoo_models.engine_steps import copy_rows, decode_rows, padded, read_prompts
+from redco_zoo_models.engine_steps import copy_rows, decode_rows, padded, read_prompts, state_of
 
 
 def pool_of(model, slotted, n_pages: int, page_size: int, max_seqs: int, dtype):
@@ -26,32 +26,31 @@ def pool_of(model, slotted, n_pages: int, page_size: int, max_seqs: int, dtype):
     return jax.tree.map(lambda has_slots, p, r: p if has_slots else r, slotted, pages, rows)
 
 
-def gathered(pool, table, n_slots: int, slotted=None):
+def gathered(pool, table, n_slots: int, slotted):
     """The first ``n_slots`` slots of each row whose pages ``table`` (rows, pages) lists, out
     of ``pool``'s leaves (pages, page_size, ...): (rows, n_slots, ...); no page: zeros. A leaf
     that ``slotted`` marks False (a recurrent state): its first rows."""
-    def leaf(x, has_slots=True):
-        if not has_slots:
-            return x[:table.shape[0]]
-        pages = jnp.take(x, table, axis=0, mode="fill", fill_value=0)
-        return pages.reshape(table.shape[0], -1, *x.shape[2:])[:, :n_slots]
-    return jax.tree.map(leaf, pool) if slotted is None else jax.tree.map(leaf, pool, slotted)
+    return jax.tree.map(lambda x, has_slots: _page_rows(x, table, n_slots) if has_slots
+                        else x[:table.shape[0]], pool, slotted)
 
 
-def _paged(pool, slotted):
-    """``slotted`` (all True when None), and the pool's ``(n_pages, page_size)``."""
-    slotted = jax.tree.map(lambda _: True, pool) if slotted is None else slotted
-    first = next(x for x, s in zip(jax.tree.leaves(pool), jax.tree.leaves(slotted)) if s)
-    return slotted, first.shape[:2]
+def _page_rows(x, table, n_slots: int):
+    """One pool leaf's pages listed by ``table``, as rows of their first ``n_slots`` slots."""
+    pages = jnp.take(x, table, axis=0, mode="fill", fill_value=0)
+    return pages.reshape(table.shape[0], -1, *x.shape[2:])[:, :n_slots]
+
+
+def _pool_shape(pool, slotted) -> tuple[int, int]:
+    """The pool's ``(n_pages, page_size)``, read off its first paged leaf."""
+    return next(x for x, s in zip(jax.tree.leaves(pool), jax.tree.leaves(slotted)) if s).shape[:2]
 
 
 def paged_decode(graphdef, steps_per_sync: int, mesh, params, pool, key_valid, logits, slot,
-                 active, settings, row_keys, counts, table, span: int, slotted=None):
+                 active, settings, row_keys, counts, table, span: int, slotted):
     """``decode_rows`` over the first ``len(slot)`` rows' pages (their first ``span`` slots,
     gathered), each running row's ``steps_per_sync`` new slots written back into its pages (a
     recurrent state: its row): ``(tokens, logprobs, logits, pool, key_valid)``."""
-    slotted, (n_pages, page) = _paged(pool, slotted)
-    rows = len(slot)
+    (n_pages, page), rows = _pool_shape(pool, slotted), len(slot)
     table = table[:rows, :-(-span // page)]
     view = gathered(pool, table, span, slotted)
     tokens, logprobs, logits, view, key_valid = decode_rows(
@@ -71,7 +70,7 @@ def paged_decode(graphdef, steps_per_sync: int, mesh, params, pool, key_valid, l
 
 
 def paged_prefill(graphdef, params, pool, key_valid, logits, ids, lengths, starts, rows, copies,
-                  n_copies, table, page_copies, n_page_copies, slotted=None):
+                  n_copies, table, page_copies, n_page_copies, slotted):
     """``prefill_rows`` on pages: each prompt's chunk read into row ``rows[p]`` through its page
     table, the row's pages written back; then, for ``j < n_page_copies``, page
     ``page_copies[0, j]`` copied into page ``page_copies[1, j]`` (a prompt's last partial page,
@@ -79,15 +78,13 @@ def paged_prefill(graphdef, params, pool, key_valid, logits, ids, lengths, start
     states into row ``copies[3, j]`` for ``j < n_copies[1]`` (``copies[:2]``, a cached
     prefix's, are unused). A recurrent state is read from its row (empty when the chunk starts
     at slot 0), as ``prefill_rows`` reads it."""
-    slotted, (n_pages, _) = _paged(pool, slotted)
-    max_len, fresh = key_valid.shape[1], starts == 0
+    (n_pages, _), max_len, fresh = _pool_shape(pool, slotted), key_valid.shape[1], starts == 0
     row_pages = jnp.take(table, rows, axis=0, mode="fill", fill_value=n_pages)
 
     def take(x, has_slots):
         if has_slots:
-            return padded(gathered(x, row_pages, max_len), ids.shape[1])
-        x = jnp.take(x, rows, axis=0, mode="clip")
-        return jnp.where(fresh.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
+            return padded(_page_rows(x, row_pages, max_len), ids.shape[1])
+        return state_of(jnp.take(x, rows, axis=0, mode="clip"), fresh)
     read, valid, last = read_prompts(graphdef, params, jax.tree.map(take, pool, slotted), ids,
                                      lengths, starts, max_len)
 

@@ -42,7 +42,7 @@ def prefill_rows(graphdef, slotted, params, cache, key_valid, logits, ids, lengt
         x = jnp.take(x, rows, axis=0, mode="clip")
         if has_slots:
             return x[:, :width] if fresh_only else padded(x, width)
-        return jnp.where(fresh.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
+        return state_of(x, fresh)
     read, valid, last = read_prompts(graphdef, params, jax.tree.map(take, cache, slotted), ids,
                                      lengths, starts, 0 if fresh_only else max_len, context)
 
@@ -56,6 +56,12 @@ def prefill_rows(graphdef, slotted, params, cache, key_valid, logits, ids, lengt
     state = (jax.tree.map(put, cache, read, slotted), put(key_valid, valid),
              put(logits, last, False))
     return copy_rows(state, copies[2], copies[3], n_copies[1])
+
+
+def state_of(x, fresh):
+    """Rows' recurrent states ``x`` (rows, ...) as a chunk reads them: empty where ``fresh`` (the
+    chunk starts at slot 0), else as the row's last chunk left them."""
+    return jnp.where(fresh.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x)
 
 
 def padded(x, width: int):
