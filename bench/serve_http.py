@@ -89,13 +89,16 @@ def config_entries(text: str) -> dict[str, int]:
 CLIENTS = ThreadPoolExecutor(max(CONCURRENCY))  # the load generator's threads, made once
 
 
+def request(i: int, new: int) -> dict:
+    """Request ``i``'s completion arguments: greedy, ``new`` tokens past the end token."""
+    return dict(model="tiny", prompt=" ".join(WORDS[i % 5:][:4]), max_tokens=new,
+                temperature=0.0, extra_body={"ignore_eos": True})
+
+
 def burst(client, n: int, new: int) -> tuple[float, int]:
     """``n`` completions at once from ``n`` client threads: (seconds, completion tokens)."""
     def one(i: int) -> int:
-        reply = client.completions.create(model="tiny", prompt=" ".join(WORDS[i % 5:][:4]),
-                                          max_tokens=new, temperature=0.0,
-                                          extra_body={"ignore_eos": True})
-        return reply.usage.completion_tokens
+        return client.completions.create(**request(i, new)).usage.completion_tokens
     start = time.perf_counter()
     tokens = sum(CLIENTS.map(one, range(n)))
     return time.perf_counter() - start, tokens
@@ -115,9 +118,7 @@ class AsyncClient:
                                          http_client=openai.DefaultAioHttpClient(timeout=600))
 
     async def _one(self, i: int, new: int) -> int:
-        reply = await self.client.completions.create(
-            model="tiny", prompt=" ".join(WORDS[i % 5:][:4]), max_tokens=new, temperature=0.0,
-            extra_body={"ignore_eos": True})
+        reply = await self.client.completions.create(**request(i, new))
         return reply.usage.completion_tokens
 
     async def _all(self, n: int, new: int) -> int:
