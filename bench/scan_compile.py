@@ -15,6 +15,7 @@ turn so that a drift in the machine's load falls on both).
     python bench/scan_compile.py                      # depths 4 8 16 32
     python bench/scan_compile.py --depths 4 8 16 32 80
     python bench/scan_compile.py --depths 4 32 --remat full   # each layer rematerialised
+    python bench/scan_compile.py --scan_remat dots_saveable   # a policy in the scanned body only
 """
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ def timed(run: dict, steps: int) -> float:
 
 
 def measure(n_layers: int, args: argparse.Namespace) -> dict:
-    runs = {scan: compiled(n_layers, scan, args.remat) for scan in (True, False)}
+    runs = {scan: compiled(n_layers, scan, args.scan_remat if scan and args.scan_remat else
+                           args.remat) for scan in (True, False)}
     for run in runs.values():
         timed(run, 1)  # warm-up
     times = {True: [], False: []}
@@ -102,12 +104,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--remat", default=None, help="the Trainer's remat policy (default none)")
+    parser.add_argument("--scan_remat", default=None,
+                        help="the scanned side's policy, where it differs from --remat")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from provenance import print_provenance
     print_provenance()
     print(f"zoo LLaMA width {WIDTH}, vocab {VOCAB}, {SEQ_LEN} tokens per device, 8 CPU devices "
-          f"dp4 x mp2, AdamW, remat {args.remat or 'none'}; step time: median of {args.repeats} "
+          f"dp4 x mp2, AdamW, remat {args.remat or 'none'} (scanned: "
+          f"{args.scan_remat or args.remat or 'none'}); step time: median of {args.repeats} "
           f"x {args.steps} steps")
     print(f"{'layers':>6} | {'compile scan s':>14} | {'compile unrolled s':>18} | "
           f"{'step scan ms':>12} | {'step unrolled ms':>16} | {'scan / unrolled step':>20} | "

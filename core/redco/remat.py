@@ -4,13 +4,21 @@ A train step keeps every layer's activations for the backward pass, at once: mos
 for long sequences. A layer wrapped with ``layer`` (the zoo's transformer blocks are) is
 checkpointed by the policy in force when it is traced:
 
-- ``"none"``: keep everything, recompute nothing (the default);
+- ``"none"``: keep everything, recompute nothing (the default). In a scanned stack of layers
+  (``scanned_body``) it keeps what ``"dots_saveable"`` keeps: unrolled, XLA fuses the cheap
+  residuals (a norm's, an activation's) into the backward pass that reads them, so they are
+  recomputed, not kept; a loop's residuals cross its boundary, stacked over the layers, and
+  cannot be fused away. Keeping them all there cost 1.9x the temp memory and 4-8% of a CPU
+  step, and on an H200 1.66x the memory and 0.83x the speed, against dots_saveable's 0.83x
+  of the memory (BENCHMARKS 33, 43, 48);
 - ``"dots_saveable"``: keep matmul outputs, recompute the elementwise work (norms, activations,
   softmax) in the backward pass: a few percent more compute. A fused attention kernel's forward
   (cuDNN's flash attention on a GPU: ``FUSED_ATTENTION``) counts as matmuls: its output and
   softmax statistics are kept, so the backward pass does not run the kernel again;
-- ``"dots_with_no_batch_dims_saveable"``: keep only matmuls against weights, also recompute
-  attention's batched ``q k^T`` and ``p v``;
+- ``"dots_with_no_batch_dims_saveable"``: keep only matmuls against weights (and a fused
+  attention kernel's outputs, and each attention's output, ``matmul_output``), also recompute
+  attention's batched ``q k^T`` and ``p v``: attention's memory no longer quadratic in the
+  sequence, and its backward recomputes the scores as a flash kernel's does;
 - ``"full"``: keep only each layer's inputs and run the layer forward again in the backward
   pass (about a third more compute), the least memory.
 
@@ -52,15 +60,21 @@ def _fused_attention_outputs(primitive, *_, **__) -> bool:
     return primitive.name in FUSED_ATTENTION
 
 
+def _or_fused_attention(saveable: Callable) -> Callable:
+    """``saveable``, and also keep a fused attention kernel's outputs and the named values."""
+    return _or_matmul_outputs(jax.checkpoint_policies.save_from_both_policies(
+        saveable, _fused_attention_outputs))
+
+
 POLICIES = {"none": None,
-            "dots_saveable": _or_matmul_outputs(jax.checkpoint_policies.save_from_both_policies(
-                jax.checkpoint_policies.dots_saveable, _fused_attention_outputs)),
+            "dots_saveable": _or_fused_attention(jax.checkpoint_policies.dots_saveable),
             "dots_with_no_batch_dims_saveable":
-                _or_matmul_outputs(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+                _or_fused_attention(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
             "full": jax.checkpoint_policies.nothing_saveable}
 
 # A JAX config state, so that jax.jit keys its caches on the policy too (JAX's own
 # ``jax_default_matmul_precision`` works the same way); REDCO_REMAT=NAME sets the default.
+SCANNED_NONE = "dots_with_no_batch_dims_saveable"  # "none" inside a scanned body
 _state = _private.enum_config_state("redco_remat", list(POLICIES), "none",
                                     "The rematerialisation policy of redco.remat.layer layers.")
 _traced = {"layers": 0}  # remat layers traced so far (under a policy other than "none")
@@ -81,6 +95,12 @@ def current() -> str:
 def policy(name: str | None) -> ContextManager:
     """Layers traced inside follow policy ``name``; ``None`` keeps the policy in force."""
     return contextlib.nullcontext() if name is None else _state(check(name))
+
+
+def scanned_body() -> ContextManager:
+    """Around the body of a scan over stacked layers (traced once for every layer it runs):
+    ``"none"`` there means ``SCANNED_NONE`` (module docstring); other policies as given."""
+    return policy(SCANNED_NONE) if current() == "none" else contextlib.nullcontext()
 
 
 def matmul_output(x: jax.Array) -> jax.Array:

@@ -130,7 +130,8 @@ def test_checkpoints_round_trip_and_the_cache_path_equals_the_scan(cfg, tmp_path
     tensor for tensor as the unrolled model wrote it; and its KV-cache forward (scanned too,
     each group position's caches stacked: Gemma 3's groups of 3) gives the scan's logits."""
     apply_fn, params = params_of(cfg, False)
-    graph = nnx.graphdef(nnx.eval_shape(lambda: LlamaForCausalLM(cfg, nnx.Rngs(0))))
+    unrolled = dataclasses.replace(cfg, scan_layers=False)
+    graph = nnx.graphdef(nnx.eval_shape(lambda: LlamaForCausalLM(unrolled, nnx.Rngs(0))))
     save_pretrained(nnx.merge(graph, params), str(tmp_path / "unrolled"))
     scanned = from_pretrained(LlamaForCausalLM, str(tmp_path / "unrolled"), scan_layers=True)
     assert any(layer_stacks.layers_of(p) for p, _ in named_leaves(nnx.state(scanned)))
@@ -187,3 +188,28 @@ def test_the_cache_path_traces_one_layer_body_per_run_whatever_the_depth():
     unrolled = {n: layer_bodies_traced(n, False) for n in (2, 6)}
     assert scanned[2] == scanned[6] > 0, scanned
     assert unrolled[6] > 2 * unrolled[2] and unrolled[2] >= scanned[2], unrolled
+
+
+def gradient_program(scan: bool, policy: str) -> list[str]:
+    """The tiny LLaMA's loss gradient under remat ``policy`` (traced, not compiled): its loops'
+    bodies (scanned; the layers' and the chunked loss's), else its whole program."""
+    cfg = dataclasses.replace(LLAMA, num_hidden_layers=2, scan_layers=scan)
+    graph, params = nnx.split(nnx.eval_shape(lambda: LlamaForCausalLM(cfg, nnx.Rngs(0))))
+    ids = jnp.ones((2, 5), jnp.int32)
+
+    def loss(p):
+        return nnx.merge(graph, p)(ids, labels=ids)
+    with remat.policy(policy):
+        program = jax.make_jaxpr(jax.grad(loss))(params)
+    loops = [str(e.params["jaxpr"]) for e in program.jaxpr.eqns if e.primitive.name == "scan"]
+    return loops if scan else [str(program)]
+
+
+def test_a_scanned_body_keeps_weight_matmul_outputs_under_the_default_policy():
+    """Under ``"none"`` a scanned body keeps what ``remat.SCANNED_NONE`` keeps (matmuls against
+    weights, attention's output: ``remat.scanned_body``, as a loop's residuals cannot be fused
+    away); an unrolled layer keeps every residual; other policies stay as given."""
+    kept = remat.SCANNED_NONE
+    assert gradient_program(True, "none") == gradient_program(True, kept)
+    assert gradient_program(False, "none") != gradient_program(False, kept)
+    assert gradient_program(True, "dots_saveable") != gradient_program(True, kept)

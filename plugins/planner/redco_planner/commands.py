@@ -63,7 +63,8 @@ class RulesCommand(Command):
         parser.add_argument("--n_model_shards", type=int, default=2)
         parser.add_argument("--devices", type=int, default=8, help=DEVICES_HELP)
         parser.add_argument("--rules", default="auto", help="rule set: auto, fsdp, auto+fsdp, ...")
-        parser.add_argument("--scan_layers", "--scan-layers", action="store_true", help=SCAN_HELP)
+        parser.add_argument("--scan_layers", "--scan-layers", action=argparse.BooleanOptionalAction,
+                            help=SCAN_HELP)
         parser.add_argument("--png", help="also draw the plan to this PNG (needs matplotlib)")
         parser.add_argument("--json", action="store_true", help="print JSON")
 
@@ -152,8 +153,8 @@ class PlanCommand(Command):
                             choices=COMPUTE_DTYPES,
                             help="the step computes in this dtype, the params cast to it as "
                             "Trainer(compute_dtype=...) does; params and AdamW state stay fp32")
-        parser.add_argument("--scan_layers", "--scan-layers", action="store_true",
-                            help=SCAN_HELP + "; no context parallelism yet")
+        parser.add_argument("--scan_layers", "--scan-layers", action=argparse.BooleanOptionalAction,
+                            help=SCAN_HELP)
         from redco_planner import rollout_plan
         rollout_plan.add_arguments(parser)
 
@@ -167,7 +168,6 @@ class PlanCommand(Command):
         from redco_planner.inspection import load_model, parse_bytes
         from redco_planner.layouts import expert_shards, training
         from redco_planner.planner import REMAT_POLICIES, PlanError, plan
-        context = scanned_context_degrees(args)
         check_quantize_base(args)
         model = load_model(args.model, seq_len=args.seq_len, scan_layers=args.scan_layers)
         compute = None if args.compute_dtype == "float32" else jnp.dtype(args.compute_dtype)
@@ -179,7 +179,7 @@ class PlanCommand(Command):
                   "for the loss; --seq_len and --per_device_batch_size are not used)")
             loss, batch = model.trace_fn, None
         dtypes = "fp32" if compute is None else f"fp32 params, {args.compute_dtype} compute"
-        scanned = " (layers stacked and scanned)" if args.scan_layers else ""
+        scanned = " (layers stacked and scanned)" if model.scanned else ""
         print(f"{args.model}{scanned}: {args.devices} devices x {args.device_memory}, per-device batch "
               f"{args.per_device_batch_size} x seq {args.seq_len}, AdamW, {dtypes}; per-device peak of the "
               "compiled train step (and its FLOPs per device):")
@@ -189,7 +189,7 @@ class PlanCommand(Command):
                           try_all=args.all, log=lambda line: print("  " + line, flush=True),
                           remat_policies=REMAT_POLICIES if args.remat else ("none",),
                           lora_rank=args.lora_rank, lora=model.lora,
-                          context_degrees=context, context_strategy=args.context_strategy,
+                          context_degrees=args.n_context_shards, context_strategy=args.context_strategy,
                           compute_dtype=compute, quantize_base=args.quantize_base,
                           quantized=model.quantized)
         except PlanError as e:
@@ -210,16 +210,3 @@ def check_quantize_base(args: argparse.Namespace) -> None:
         raise UsageError(f"--quantize_base {args.quantize_base} without --lora_rank: a "
                          "quantised base is frozen and trains only through LoRA adapters; add "
                          "--lora_rank (e.g. 16), or drop --quantize_base.")
-
-
-def scanned_context_degrees(args: argparse.Namespace) -> list[int] | None:
-    """``--n_context_shards`` as ``plan`` takes it; with ``--scan_layers`` only 1 (a split
-    sequence is not run scanned yet), and what stacked layers do not support refused."""
-    from redco.protocols import UsageError
-    if not args.scan_layers:
-        return args.n_context_shards
-    if args.n_context_shards not in (None, [1]):
-        raise UsageError(f"--scan_layers with --n_context_shards {args.n_context_shards}: "
-                         "context parallelism over stacked layers is not supported yet; give "
-                         "--n_context_shards 1, or drop --scan_layers.")
-    return [1]

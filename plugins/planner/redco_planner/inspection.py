@@ -160,7 +160,7 @@ def preset_names() -> list[str]:
     return ["llama-tiny", *zoo.LLAMA_PRESETS, *zoo.presets.PRESETS, *vlm_names()]
 
 
-def load_model(name: str, seq_len: int = 128, scan_layers: bool = False) -> Model:
+def load_model(name: str, seq_len: int = 128, scan_layers: bool | None = None) -> Model:
     """A model by name, built abstractly: ``llama-tiny`` (``LlamaConfig`` defaults), a LLaMA
     shape from ``redco_zoo_models.LLAMA_PRESETS`` (``llama-1b``, ``llama-7b``, ...
     ``llama-65b``), a published decoder from ``redco_zoo_models.presets.PRESETS``
@@ -169,7 +169,8 @@ def load_model(name: str, seq_len: int = 128, scan_layers: bool = False) -> Mode
     or ``module:function``. The function returns params (real or abstract), ``(params,
     trace_fn)``, or ``(params, trace_fn, loss_fn)`` with ``loss_fn(params, batch)`` on
     ``{"input_ids": int32 (rows, seq_len + 1)}``. Real arrays are turned into shapes.
-    ``scan_layers``: a zoo model's layers stacked and scanned (``zoo_decoder``)."""
+    ``scan_layers``: a zoo model's layers stacked and scanned (``zoo_decoder``; None: wherever
+    the model can)."""
     if ":" not in name:
         zoo = zoo_models()
         if name == "llama-tiny":

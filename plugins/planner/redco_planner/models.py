@@ -23,6 +23,7 @@ class Model:
     batch: Callable[[int], Any] | None = None
     lora: Callable[..., LoraModel] | None = None  # (rank, targets=None) -> with LoRA adapters
     quantized: Callable[..., LoraModel] | None = None  # (rank, format, targets=None) -> QLoRA's
+    scanned: bool = False  # its layers stored stacked, run under jax.lax.scan
 
 
 class LoraModel(NamedTuple):
@@ -62,7 +63,7 @@ def zoo_models():
     return redco_zoo_models
 
 
-def zoo_decoder(cfg, seq_len: int = 128, scan_layers: bool = False) -> Model:
+def zoo_decoder(cfg, seq_len: int = 128, scan_layers: bool | None = None) -> Model:
     """The zoo's decoder (``redco_zoo_models.decoder.DecoderLM``) of config ``cfg``, built
     abstractly with ``nnx.eval_shape``: no weight is allocated. Its loss is the next-token
     cross-entropy over whole logits (``lm_loss``), as the zoo's LM and SFT pipelines compute it;
@@ -70,7 +71,8 @@ def zoo_decoder(cfg, seq_len: int = 128, scan_layers: bool = False) -> Model:
     ``targets`` selects (None: the attention and MLP projections), ``quantized(rank, fmt,
     targets)`` the same over a base whose projections are ``fmt`` codes and scales
     (``redco_zoo_models.quantized_linear``, QLoRA). ``scan_layers``: its layers stored stacked
-    and run under ``jax.lax.scan`` (``redco_zoo_models.layer_scan``)."""
+    and run under ``jax.lax.scan`` (``redco_zoo_models.layer_scan``; None: wherever the model
+    can, as ``DecoderConfig`` decides)."""
     import dataclasses
 
     from flax import nnx
@@ -103,15 +105,15 @@ def zoo_decoder(cfg, seq_len: int = 128, scan_layers: bool = False) -> Model:
                  loss_fn=lm_loss(apply_fn),
                  batch=lambda rows: {"input_ids": jax.ShapeDtypeStruct((rows, seq_len + 1),
                                                                        jnp.int32)},
-                 lora=with_lora, quantized=with_quantized_lora)
+                 lora=with_lora, quantized=with_quantized_lora, scanned=cfg.scan_layers)
 
 
-def zoo_llama(seq_len: int = 128, scan_layers: bool = False, **config) -> Model:
+def zoo_llama(seq_len: int = 128, scan_layers: bool | None = None, **config) -> Model:
     """The zoo LLaMA with ``config`` overriding ``LlamaConfig``'s defaults (``zoo_decoder``)."""
     return zoo_decoder(zoo_models().LlamaConfig(**config), seq_len, scan_layers)
 
 
-def zoo_preset(name: str, seq_len: int = 128, scan_layers: bool = False, **overrides) -> Model:
+def zoo_preset(name: str, seq_len: int = 128, scan_layers: bool | None = None, **overrides) -> Model:
     """A published decoder of ``redco_zoo_models.presets.PRESETS`` (``qwen3-8b``, ...), its
     ``config.json`` read by ``DecoderConfig.from_hf``; ``overrides`` replace config.json keys
     (e.g. ``vocab_size``)."""

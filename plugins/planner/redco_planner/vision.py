@@ -34,7 +34,7 @@ def vlm_names() -> list[str]:
     return list(VLM_PRESETS)
 
 
-def zoo_vlm(name: str, seq_len: int = 128, scan_layers: bool = False) -> Model:
+def zoo_vlm(name: str, seq_len: int = 128, scan_layers: bool | None = None) -> Model:
     """The image-text preset ``name`` built with ``nnx.eval_shape`` (nothing allocated)."""
     from flax import nnx
     zoo = zoo_models()
@@ -61,7 +61,7 @@ def zoo_vlm(name: str, seq_len: int = 128, scan_layers: bool = False) -> Model:
     loss = loss_of(graphdef, cfg, image, seq_len)
     batch = row_batch(cfg, image, seq_len)
     return Model(params=params, trace_fn=lambda p: loss(p, zeros(batch(1))), loss_fn=loss,
-                 batch=batch, lora=with_lora)
+                 batch=batch, lora=with_lora, scanned=cfg.text.scan_layers)
 
 
 def zeros(batch: dict) -> dict:

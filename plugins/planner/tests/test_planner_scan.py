@@ -65,14 +65,20 @@ def test_redco_rules_prints_the_stacks_split_behind_the_layer_axis(capsys):
     assert q.split()[1] == "2x128x128" and "(None, None, 'mp')" in q
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--n_context_shards", "1,2"], "--scan_layers with --n_context_shards"),
-    (["--model", "planner_helpers:one_head_plan_model"], "only the zoo's decoders"),
-])
-def test_redco_plan_refuses_what_stacked_layers_do_not_support(flags, message, capsys):
-    argv = ["plan", "--model", "llama-tiny", "--devices", "8", "--device_memory", "1GB",
-            "--scan_layers", *flags]
+def test_redco_plan_refuses_to_stack_a_model_that_is_not_the_zoos(capsys):
+    argv = ["plan", "--model", "planner_helpers:one_head_plan_model", "--devices", "8",
+            "--device_memory", "1GB", "--scan_layers"]
     with pytest.raises(SystemExit):
         main(argv)
     err = capsys.readouterr()
-    assert message in err.err and "compiled in" not in err.out, err
+    assert "only the zoo's decoders" in err.err and "compiled in" not in err.out, err
+
+
+def test_redco_plan_scans_by_default_and_splits_the_sequence_of_a_scanned_model(capsys):
+    """Without ``--scan_layers`` the zoo decoder is planned stacked (its default), and a context-
+    parallel layout compiles with the scan's body inside each layer's sequence split."""
+    main(["plan", "--model", "llama-tiny", "--devices", "8", "--device_memory", "1GB",
+          "--n_context_shards", "2"])
+    out = capsys.readouterr().out
+    assert "llama-tiny (layers stacked and scanned)" in out, out
+    assert "n_context_shards=2" in out and "cp=2" in out, out

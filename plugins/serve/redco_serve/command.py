@@ -56,7 +56,7 @@ class ServeCommand(Command):
                             "layer's state stays a row's own); not on image models")
         parser.add_argument("--n_pages", type=int, help="the pool's pages, with --page_size "
                             "(default: the memory of --max_seqs x --max_len slots)")
-        parser.add_argument("--scan_layers", action="store_true", help="a decoder's layers "
+        parser.add_argument("--scan_layers", action=argparse.BooleanOptionalAction, help="a decoder's layers "
                             "stored stacked and run under jax.lax.scan, the key/value cache "
                             "too: start-up (the warm-up's compiles) flat in depth, a copy of "
                             "the cache in and out of its stack each step")
@@ -161,7 +161,7 @@ def start_engine(args: argparse.Namespace):
 
 
 def load_served(model_dir: str, quantize: str | None, adapter: str | None,
-                scan_layers: bool = False):
+                scan_layers: bool | None = None):
     """``(model, config.json)`` of ``model_dir``, its projections quantised as read
     (``quantize``) and the PEFT adapters of the directory ``adapter`` added; ``scan_layers``:
     a decoder's layers stacked and scanned (``redco_zoo_models.layer_scan``)."""

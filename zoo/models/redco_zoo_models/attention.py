@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from redco import remat
 from redco_zoo_models.tiled_attention import BLOCK, tiled_attention, with_sinks
 
 
@@ -157,7 +158,14 @@ def attend(q, k, v, allowed=None, bias=None, scale: float | None = None, is_caus
     docstring). On a GPU in 16-bit with a plain causal mask (no window, cap or sinks), cuDNN's
     flash attention; else a plain causal mask over more than one tile of keys
     runs in tiles (``redco_zoo_models.tiled_attention``: memory linear in the sequence), the
-    rest by XLA."""
+    rest by XLA. The output is named a matmul's (``redco.remat.matmul_output``), so the remat
+    policies that keep matmul outputs keep it."""
+    out = _attend(q, k, v, allowed, bias, scale, is_causal, window, softcap, sinks, chunk)
+    return remat.matmul_output(out)  # o_proj's weight gradient reads it
+
+
+def _attend(q, k, v, allowed, bias, scale, is_causal, window, softcap, sinks, chunk):
+    """``attend`` before its output is named."""
     half = q.dtype in (jnp.bfloat16, jnp.float16)
     fused = half and allowed is None and bias is None and window is None and softcap is None \
         and sinks is None and chunk is None and jax.default_backend() == "gpu"

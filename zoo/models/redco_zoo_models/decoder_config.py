@@ -67,8 +67,11 @@ attention and a gated MLP. What differs:
   scaled, each chosen expert's weight times a learned scale (``moe.MoEConfig``).
 
 ``scan_layers`` is not the family's but the run's (no config.json key; ``from_pretrained(...,
-scan_layers=True)``): runs of like layers stored stacked and run under ``jax.lax.scan``
-(``redco_zoo_models.layer_scan``), off by default; ``scan_unroll`` (the run's too): how many
+scan_layers=False)``): runs of like layers stored stacked and run under ``jax.lax.scan``
+(``redco_zoo_models.layer_scan``). The default, ``None``, scans every model that can be (all
+but Gemma 4's with KV sharing or per-layer inputs: ``gemma4.scannable``); ``True`` insists
+(refusing those), ``False`` unrolls the layers in a Python loop (for debugging: each layer its
+own params and its own trace); ``scan_unroll`` (the run's too): how many
 groups one step of the scan runs, unrolled inside its body (``jax.lax.scan``'s ``unroll``).
 """
 from __future__ import annotations
@@ -191,7 +194,7 @@ class DecoderConfig:
     one_block: bool = False  # Nemotron-H: a layer is its mixer or its MLP, never both
     gated_mlp: bool = True  # False: MLPs and experts up_proj, down_proj only (Nemotron-H)
     moe_latent_size: int = 0  # Nemotron-H: the routed experts' width (0: hidden_size)
-    scan_layers: bool = False  # layers stored stacked, run under lax.scan (layer_scan); no config.json key
+    scan_layers: bool | None = None  # stacked, under lax.scan (layer_scan); None: where it can; the run's
     scan_unroll: int = 1  # groups of layers one step of the scan runs (lax.scan's unroll); the run's
 
     def __post_init__(self):
@@ -208,6 +211,8 @@ class DecoderConfig:
             if len(self.mixers) != self.num_hidden_layers:
                 raise ValueError(f"layer_types has {len(self.mixers)} entries for "
                                  f"{self.num_hidden_layers} layers.")
+        if self.scan_layers is None:
+            object.__setattr__(self, "scan_layers", gemma4.scannable(self))
         if self.scan_unroll < 1:
             raise ValueError(f"scan_unroll={self.scan_unroll}: the groups of layers one step of "
                              "the scan runs; use 1 (the default) or more.")

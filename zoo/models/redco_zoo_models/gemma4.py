@@ -79,10 +79,16 @@ def check(cfg) -> None:
                          "share fewer layers.")
     if cfg.per_layer_input_size and not cfg.per_layer_vocab_size:
         raise ValueError("hidden_size_per_layer_input needs vocab_size_per_layer_input.")
-    if cfg.scan_layers and (shared or cfg.per_layer_input_size):
+    if cfg.scan_layers and not scannable(cfg):
         raise ValueError("scan_layers with Gemma 4's KV sharing or per-layer inputs is not "
                          "supported yet (a layer reads another's keys, or its own input): "
                          "set scan_layers=False.")
+
+
+def scannable(cfg) -> bool:
+    """Whether ``cfg``'s layers can run stacked under a scan: not with KV sharing (a layer
+    reads another's keys) or per-layer inputs (each layer its own input)."""
+    return not (cfg.kv_shared_layers or cfg.per_layer_input_size)
 
 
 def refuse_split(cfg) -> None:

@@ -22,7 +22,8 @@ into per-layer tensors and back (``redco.layer_stacks.unstack``/``stack``, ``hf`
 
 **Run.** A training or scoring forward (no cache) scans each run: ``jax.lax.scan`` over the
 stacked params, one group per step, each layer of the group merged from its slice; no copy of
-the params is made. ``remat.layer`` policies apply inside the body as to an unrolled layer,
+the params is made. ``remat.layer`` policies apply inside the body as to an unrolled layer (but
+``"none"``, which keeps matmul outputs there, as ``"dots_saveable"``: ``remat.scanned_body``),
 and under FSDP each slice is declared as its stack is, less the layer axis
 (``redco.fsdp.slices_of``), so each step gathers one layer's weights. The KV-cache path
 (generation: ``generate``, the engine's slot cache and its paged pool, which gathers pages into
@@ -69,7 +70,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from redco import fsdp
+from redco import fsdp, remat
 from redco.layer_stacks import stack_key
 
 MAX_PERIOD = 8  # the longest group of layers a segment repeats
@@ -187,7 +188,7 @@ def _scanned(modules: nnx.Dict, seg: Segment, step: Callable, x: Any, caches: li
         params, layer_caches = group
         reports, written = [], []
         for graph, state, leaves, cache in zip(graphs, params, stacks, layer_caches):
-            with fsdp.slices_of(leaves, jax.tree.leaves(state)):
+            with fsdp.slices_of(leaves, jax.tree.leaves(state)), remat.scanned_body():
                 h, cache, report = step(nnx.merge(graph, state), h, cache)
             reports.append(report)
             written.append(cache)

@@ -108,7 +108,7 @@ def load_source(source: ModelSource, seed: int, **fields) -> tuple[nnx.Module, d
 
 
 def load_model(model: str, from_scratch: bool = False, seed: int = 0,
-               scan_layers: bool = False, quantize: str | None = None,
+               scan_layers: bool | None = None, quantize: str | None = None,
                **fields) -> tuple[nnx.Module, dict]:
     """The zoo model saved in the directory ``model`` and its ``config.json`` (token ids live
     there). ``from_scratch``: untrained, its weights drawn from ``seed``, of ``model``'s
@@ -116,7 +116,8 @@ def load_model(model: str, from_scratch: bool = False, seed: int = 0,
     (``redco_zoo_models.presets.PRESETS``: ``qwen3-8b``, ``llama-3.1-8b``, ...) or a LLaMA shape
     (``LLAMA_PRESETS``: ``llama-1b``, ...); ``fields`` replace the preset's values (e.g.
     ``vocab_size``). ``scan_layers``: a decoder's layers stored stacked and scanned
-    (``redco_zoo_models.layer_scan``); another model is refused. ``quantize``: the attention
+    (``redco_zoo_models.layer_scan``; None: wherever the model can, ``DecoderConfig``); True
+    for another model is refused. ``quantize``: the attention
     and MLP projections quantised (``nf4``, ``int8``, ``fp8``; ``from_pretrained``), frozen."""
     if quantize == "auto":
         raise UsageError("--quantize_base auto is chosen by the layout planner before the model "
@@ -133,7 +134,7 @@ def load_model(model: str, from_scratch: bool = False, seed: int = 0,
         with open(os.path.join(model, "config.json")) as f:
             config = json.load(f)
         model_class = scannable(auto_class(model), scan_layers, model)
-        changes = {"scan_layers": True} if scan_layers else {}
+        changes = {} if scan_layers is None else {"scan_layers": scan_layers}
         return from_pretrained(model_class, model, quantize=quantize, **changes), config
     if os.path.isfile(os.path.join(model, "config.json")):
         with open(os.path.join(model, "config.json")) as f:
@@ -147,15 +148,15 @@ def load_model(model: str, from_scratch: bool = False, seed: int = 0,
                          f"({', '.join([*PRESETS, *LLAMA_PRESETS])}).")
     model_class = scannable(class_of(config, model), scan_layers, model)
     cfg = model_class.config_class.from_hf(config)
-    cfg = with_changes(cfg, {"scan_layers": True}) if scan_layers else cfg
+    cfg = cfg if scan_layers is None else with_changes(cfg, {"scan_layers": scan_layers})
     built = model_class(cfg, rngs=nnx.Rngs(seed))
     if quantize:
         quantized_linear.quantize_linears(built, quantize)
     return built, config
 
 
-def scannable(model_class: type, scan_layers: bool, model: str) -> type:
-    """``model_class``, refused with ``scan_layers`` unless it is a decoder or an image-text
+def scannable(model_class: type, scan_layers: bool | None, model: str) -> type:
+    """``model_class``, refused with ``scan_layers=True`` unless it is a decoder or an image-text
     model over one (its tower's blocks stack with its layers: ``ImageTextModel.stack_tower``)."""
     text = getattr(model_class.config_class, "__dataclass_fields__", {}).get("text")
     over_decoder = text is not None and text.type in (DecoderConfig, "DecoderConfig")

@@ -46,14 +46,15 @@ def check_choice(group: object, name: str, choices) -> None:
 class ModelSource:
     """The model: a local HuggingFace directory, or (``from_scratch``) untrained, of a
     directory's ``config.json`` or a preset's name; ``scan_layers``: a decoder's layers stored
-    stacked and run under ``jax.lax.scan`` (``redco_zoo_models.layer_scan``); ``quantize_base``
+    stacked and run under ``jax.lax.scan`` (``redco_zoo_models.layer_scan``; None, the default:
+    wherever the model can; False: unrolled); ``quantize_base``
     (``nf4``, ``int8``, ``fp8``): the attention and MLP projections held quantised and frozen,
     for LoRA to train over (QLoRA, ``redco_zoo_models.quantized_linear``); with
     ``n_model_shards="auto"`` (and ``auto`` here) the planner decides whether and how before
     the model is loaded (``redco_zoo_models.base_plan``)."""
     model: str
     from_scratch: bool = False
-    scan_layers: bool = False
+    scan_layers: bool | None = None
     quantize_base: str | None = None
 
     def __post_init__(self):
