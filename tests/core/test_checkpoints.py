@@ -120,6 +120,7 @@ def test_a_checkpoint_resumes_into_the_model_with_its_layers_stored_the_other_wa
     there, after = resume_one_step(path, tmp_path / "there", flipped)
     assert_bit_equal(there.state, layer_stacks.unstack(want))
     same, _ = resume_one_step(path, tmp_path / "same", not flipped)
+    assert len(there.losses) == len(same.losses) == 1  # one update each, after the resume
     np.testing.assert_allclose(there.losses, same.losses, rtol=1e-6)
     written = str(tmp_path / "there" / "ckpts" / "step_5")
     arrays = checkpointing.read_meta(written)["arrays"]
@@ -127,6 +128,7 @@ def test_a_checkpoint_resumes_into_the_model_with_its_layers_stored_the_other_wa
     back, _ = resume_one_step(written, tmp_path / "back", not flipped)
     assert_bit_equal(back.state, after)
     again, _ = resume_one_step(written, tmp_path / "again", flipped)
+    assert len(back.losses) == len(again.losses) == 1
     np.testing.assert_allclose(back.losses, again.losses, rtol=1e-6)
 
 
