@@ -15,7 +15,9 @@ writer thread), so a crash mid-write never leaves a directory that looks finishe
 runs out of disk is removed and said in one error, the earlier checkpoints untouched. Loading
 checks that the files are intact and that the arrays fit the target before reading any of them.
 Arrays are named by their pytree path joined with ``/`` (``params/model/layers/0/mlp/up_proj/
-kernel``); no layout is stored, so a checkpoint restores onto any mesh and any number of processes.
+kernel``); no layout is stored, so a checkpoint restores onto any mesh and any number of processes,
+and into the same model with its layers stored the other way, one by one or stacked
+(``model/layers/0:4/...``; ``redco/relayout.py``).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from redco import plugins
+from redco import plugins, relayout
 from redco.ckpt_writes import (  # noqa: F401 (its writing half)
     ONE_AT_A_TIME,
     host_tree,
@@ -97,21 +99,27 @@ def check_fits(meta: dict, target: Any) -> None:
 def load(path: str, target: Any) -> tuple[Any, dict]:
     """Read the checkpoint at ``path`` into the shapes, dtypes and shardings of ``target`` (a
     pytree of arrays or ``jax.ShapeDtypeStruct``; it may name a subset of what was saved, such as
-    ``{"params": ...}``). Returns ``(tree, meta)``."""
+    ``{"params": ...}``). Returns ``(tree, meta)``. A checkpoint of the same model with its
+    layers stored the other way (one by one, or stacked) is converted (``redco/relayout.py``)."""
     meta = read_meta(path)
     verify_files(meta)
     target = jax.tree.map(_abstract, target)
-    check_fits(meta, target)
+    source = relayout.source(meta["arrays"], target)  # (its layers in another layout)
+    if source is None:
+        check_fits(meta, target)
     fmt = plugins.lookup("checkpoint_formats", meta["format"])
     state_dir = os.path.join(meta["path"], "state")
     try:
         with ONE_AT_A_TIME:
-            tree = fmt.load(state_dir, target)
+            tree = fmt.load(state_dir, target if source is None else nest(source))
     except Exception as e:  # the files are intact (checked above): do not advise deleting them
         raise ValueError(f"Could not read {state_dir} as a {meta['format']} checkpoint "
                          f"({type(e).__name__}: {e}). Its files are intact (sizes and sha256 as "
                          "written), so check the target's dtypes and shardings, and that the "
                          f"{meta['format']} format's version can read what wrote it.") from e
+    if source is not None:
+        arrays = relayout.in_layout_of(target, tree)
+        tree = place(target, lambda name, index: arrays[name][index])
     return tree, meta
 
 

@@ -2,21 +2,34 @@
 guards, recovery after a kill between renames, third-party formats plug in through entry points.
 What must hold for every format (bit-equal restores onto any mesh, resume, forged files refused,
 reading without redco) is tests/formats, run over orbax and the format plugins."""
+import dataclasses
 import os
 import re
 import threading
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from ckpt_helpers import REPO, assert_bit_equal, biggest_file, copy_ckpt, host, lm_trainer, placed
 from flax import nnx
-from helpers import lm_examples, lm_model, mlp_apply, mlp_collate, mlp_examples, mlp_init, mlp_loss
+from helpers import (
+    LM_CONFIG,
+    lm_collate,
+    lm_examples,
+    lm_loss,
+    lm_model,
+    mlp_apply,
+    mlp_collate,
+    mlp_examples,
+    mlp_init,
+    mlp_loss,
+)
 
 import redco
-from redco import Deployer, Trainer, checkpointing, plugins
+from redco import Deployer, Trainer, checkpointing, layer_stacks, plugins
 from redco.protocols import CheckpointFormat
 from redco.sharding import named_leaves
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
@@ -32,6 +45,9 @@ def saved(tmp_path_factory):
 
 # ---- clear errors ----------------------------------------------------------------------------
 def test_a_checkpoint_of_another_model_names_the_first_mismatch(saved, tmp_path):
+    """The first array of another shape is named; a model of other shapes with its layers
+    stored the other way is no other layout of the same model: the checkpoint has none of its
+    arrays (``relayout`` converts only what matches layer for layer)."""
     path, want = saved
     cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
@@ -42,6 +58,78 @@ def test_a_checkpoint_of_another_model_names_the_first_mismatch(saved, tmp_path)
     message = f"{name} has shape {want[name].shape} in the checkpoint but {shape} here"
     with pytest.raises(ValueError, match=re.escape(message)):
         trainer.deployer.load_ckpt(path, trainer.ckpt_tree())
+    flipped = dataclasses.replace(  # other shapes, its layers stored the other way
+        cfg, scan_layers=not any(layer_stacks.layers_of(n) for n in want))
+    _, shapes = split_model(nnx.eval_shape(lambda: LlamaForCausalLM(flipped, nnx.Rngs(0))))
+    with pytest.raises(ValueError, match="does not match this model: it has no array "
+                                         "params/model/layers/"):
+        checkpointing.load(path, {"params": shapes})
+
+
+# ---- layer layouts: a checkpoint of the layers one by one, resumed stacked, and back ------------
+def lm_in_layout(stacked: bool):
+    """``lm_model``'s LLaMA and params with its 2 layers stored ``stacked`` (``scan_layers``:
+    ``model/layers/0:2/...``) or one by one, whichever ``LM_CONFIG`` stores: ``(apply_fn,
+    params)``."""
+    cfg = dataclasses.replace(LM_CONFIG, scan_layers=stacked)
+    apply_fn, shapes = split_model(nnx.eval_shape(lambda: LlamaForCausalLM(cfg, nnx.Rngs(0))))
+    named = layer_stacks.unstack(dict(named_leaves(lm_model()[1])))
+    paths = [p for p, _ in named_leaves(shapes)]
+    named = layer_stacks.stack(named, [p for p in paths if layer_stacks.layers_of(p)], jnp.stack)
+    return apply_fn, jax.tree.unflatten(jax.tree.structure(shapes), [named[p] for p in paths])
+
+
+class Resumed:
+    """The state a fit resumed (layer by layer: ``layer_stacks.unstack``) and its losses."""
+
+    def __init__(self):
+        self.state, self.losses = None, []
+
+    @redco.hookimpl
+    def on_resume(self, trainer, step, state):
+        self.state = layer_stacks.unstack(host(trainer.ckpt_tree()))
+
+    @redco.hookimpl
+    def on_step_end(self, trainer, step, metrics):
+        self.losses.append(metrics["loss"])
+
+
+def resume_one_step(ckpt, workdir, stacked: bool) -> tuple[Resumed, dict]:
+    """``ckpt`` resumed by the LM (its layers ``stacked`` or not) on dp4 x mp2 for one update,
+    saved as a safetensors step checkpoint: ``(what it resumed, its state after, per layer)``."""
+    copy_ckpt(ckpt, workdir / "ckpts")
+    resumed = Resumed()
+    deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=str(workdir), verbose=False,
+                        checkpoint_format="safetensors")
+    apply_fn, params = lm_in_layout(stacked)
+    trainer = Trainer(deployer, lm_collate, apply_fn, lm_loss, params, optax.adamw(1e-3),
+                      callbacks=[resumed])
+    next_step = checkpointing.read_meta(ckpt)["step"] + 1
+    trainer.fit(lm_examples(32), 2, n_epochs=2, max_steps=next_step, save_last_ckpt=True)
+    return resumed, layer_stacks.unstack(host(trainer.ckpt_tree()))
+
+
+def test_a_checkpoint_resumes_into_the_model_with_its_layers_stored_the_other_way(saved, tmp_path):
+    """The LM's orbax step checkpoint (``saved``: its layers one by one) resumed by the LM with
+    its layers stacked (the default flipped under a run), and the stacked safetensors checkpoint
+    that run writes resumed one by one (``--no-scan_layers``): params and optimizer state
+    restored bit for bit, layer by layer, and the next update's loss that of the resume in the
+    checkpoint's own layout. (Saved stacked, the two resumes go the other way round.)"""
+    path, want = saved
+    flipped = not any(layer_stacks.layers_of(p) for p in want)  # stacked, where saved one by one
+    there, after = resume_one_step(path, tmp_path / "there", flipped)
+    assert_bit_equal(there.state, layer_stacks.unstack(want))
+    same, _ = resume_one_step(path, tmp_path / "same", not flipped)
+    assert len(there.losses) == len(same.losses) == 1  # one update each, after the resume
+    np.testing.assert_allclose(there.losses, same.losses, rtol=1e-6)
+    written = str(tmp_path / "there" / "ckpts" / "step_5")
+    arrays = checkpointing.read_meta(written)["arrays"]
+    assert any(layer_stacks.layers_of(p) for p in arrays) == flipped, list(arrays)
+    back, _ = resume_one_step(written, tmp_path / "back", not flipped)
+    assert_bit_equal(back.state, after)
+    again, _ = resume_one_step(written, tmp_path / "again", flipped)
+    assert len(back.losses) == len(again.losses) == 1
+    np.testing.assert_allclose(back.losses, again.losses, rtol=1e-6)
 
 
 def test_a_missing_or_unfinished_checkpoint_is_named(saved, tmp_path):
