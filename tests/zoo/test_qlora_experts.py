@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
 from test_lm import markov_chain, sample_chains
 from test_qlora import PUBLISHED_NF4, lora_trainer, nf4_bound, per_layer
@@ -19,6 +20,7 @@ from redco.tree_paths import named_leaves
 from redco_zoo_models import LlamaConfig, LlamaForCausalLM, add_lora, from_pretrained, split_model
 from redco_zoo_models.hf import save_pretrained
 from redco_zoo_models.lora import lora_layers
+from redco_zoo_models.quantized_experts import part_spec
 from redco_zoo_models.toy import TINY_FAMILIES
 
 # qwen3-moe, 2 layers (each 4 experts, top 2: scanned, one stack), every input dim NF4's 64 x k
@@ -187,6 +189,8 @@ def test_scanned_ep_steps_quantise_each_layers_experts_alone_and_are_one_devices
     assert_trains_as_one_device(scanned, one_device_run)
     got = expert_specs(scanned, STACKED)
     assert {k: got[k] for k in EP_SPECS} == {k: (None, *v) for k, v in EP_SPECS.items()}, got
+    # a rule written at the stack's rank (its layer entry None) reads as one layer's
+    assert part_spec(P(None, "dp", None, "mp"), (4, 1, 128)) == P("dp", None, "mp")
 
 
 def test_the_expert_parallel_flag_splits_the_scales_with_their_codes():
