@@ -6,6 +6,8 @@ LoRA are the exported, dequantised and merged model's) and written dequantised o
 expert parallelism (dp 4 x mp 2, ``auto+ep``) the codes and their scales split together on the
 experts over dp, and LoRA steps give one device's adapters and loss, the layers unrolled or
 stacked and scanned (``scan_layers``: each layer's experts quantised alone, their parts stacked)."""
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,7 +94,8 @@ def test_experts_load_as_codes_and_compute_and_export_dequantised(base, tmp_path
     adapters (B drawn at random) the model's logits are those of its export (1e-5), which holds
     exactly that dequantisation and the adapters merged; a scanned model exports the same
     experts."""
-    model = add_lora(from_pretrained(LlamaForCausalLM, base, quantize=fmt), rank=4)
+    model = add_lora(from_pretrained(LlamaForCausalLM, base, quantize=fmt, scan_layers=False),
+                     rank=4)
     for i, (_, layer) in enumerate(lora_layers(model)):
         layer.lora_b[...] = 0.1 * jax.random.normal(jax.random.PRNGKey(i), layer.lora_b.shape)
     save_pretrained(model, str(tmp_path / "merged"))
@@ -200,7 +203,8 @@ def test_the_expert_parallel_flag_splits_the_scales_with_their_codes():
     from redco.sharding import specs_from_rules
     from redco_zoo_models.quantized_linear import quantize_linears
     from redco_zoo_models.runner import params_rules
-    model = nnx.eval_shape(lambda: LlamaForCausalLM(LlamaConfig.from_hf(MOE), nnx.Rngs(0)))
+    cfg = replace(LlamaConfig.from_hf(MOE), scan_layers=False)  # (layer 0's experts unstacked)
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, nnx.Rngs(0)))
     quantize_linears(model, "nf4")
     params = nnx.state(model, nnx.Param)
     deployer = Deployer(jax_seed=0, workdir=None, verbose=False, n_model_shards=2)
