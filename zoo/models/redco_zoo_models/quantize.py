@@ -23,9 +23,10 @@ Every part keeps ``W``'s two axes (the scalar offset aside), each a whole number
 ``W``'s: a sharding spec written for ``W`` fits every part, so the codes and their scales split
 together along the same mesh axis. ``dequantize`` gives ``W`` back, in any dtype, inside a step.
 
-A stack of kernels [L, in, out] (a scanned decoder's layers, ``redco_zoo_models.layer_scan``) is
-quantised layer by layer: every part gets the layer axis in front (the offset one per layer), so
-the scan's slice of each part is that layer's parts, as if it had been quantised alone.
+A stack of kernels [L, in, out] (a scanned decoder's layers, ``redco_zoo_models.layer_scan``; a
+MoE block's experts, [E, in, out]; a scanned decoder's experts, [L, E, in, out]) is quantised
+kernel by kernel: every part gets the leading axes in front (the offset one per kernel), so a
+slice of each part on them is that kernel's parts, as if it had been quantised alone.
 """
 from __future__ import annotations
 
@@ -64,9 +65,10 @@ def _safe(scale: jax.Array) -> jax.Array:
 
 
 def _check_shape(w: Any, fmt: str) -> None:
-    if np.ndim(w) not in (2, 3):
-        raise ValueError(f"{fmt} quantises kernels [in, out] or stacks of them [layers, in, "
-                         f"out]; got shape {np.shape(w)}.")
+    if not 2 <= np.ndim(w) <= 4:
+        raise ValueError(f"{fmt} quantises kernels [in, out] or stacks of them ([layers, in, "
+                         f"out], [experts, in, out], [layers, experts, in, out]); got shape "
+                         f"{np.shape(w)}.")
     if fmt == "nf4" and np.shape(w)[-2] % BLOCK:
         raise ValueError(f"nf4 needs a kernel's input dim to divide by {BLOCK} (its blocks); "
                          f"{np.shape(w)} does not: use --quantize_base int8 or fp8.")
@@ -142,8 +144,8 @@ def check_format(fmt: str) -> None:
 
 
 def quantize(w: Any, fmt: str) -> Parts:
-    """``W`` [in, out] (or a stack [L, in, out]) as ``fmt``'s parts (module docstring);
-    abstract in, abstract out."""
+    """``W`` [in, out] (or a stack: [L, in, out], [E, in, out], [L, E, in, out]) as ``fmt``'s
+    parts (module docstring); abstract in, abstract out."""
     check_format(fmt)
     _check_shape(w, fmt)
     fn = _per_layer(QUANTIZERS[fmt][0], np.ndim(w) - 2)
@@ -153,7 +155,7 @@ def quantize(w: Any, fmt: str) -> Parts:
 
 
 def dequantize(parts: Parts, fmt: str, dtype: Any = jnp.float32) -> jax.Array:
-    """``W`` [in, out] (a stack's parts: [L, in, out]) in ``dtype`` from ``fmt``'s parts
+    """``W`` [in, out] (a stack's parts: its leading axes too) in ``dtype`` from ``fmt``'s parts
     (traceable: done inside the step)."""
     return _per_layer(QUANTIZERS[fmt][1], parts["codes"].ndim - 2)(parts).astype(dtype)
 

@@ -19,6 +19,14 @@ the [in, out] axes as ``quantize.part_spec`` gives a kernel's parts. Given the m
 dim of a part that does not divide by its mesh axes (NF4's few absmax scales per expert) is left
 whole, rather than the whole part replicated: the expert axis stays split.
 
+A scanned decoder's stacked experts (``redco_zoo_models.layer_scan``: weights (L, E, in, out))
+are one block whose parts carry the layer axis in front of the expert axis, each layer's experts
+quantised alone (``quantize``'s stacks: the unrolled model's codes and scales, stacked); the
+scan's body slices them with the other params, so each step's block sees one layer's parts, as
+an unrolled block's. ``weight_parts`` names a stack's parts per layer too (``hf`` reads each
+layer's tensors, quantises them and stacks the parts), and ``part_rules`` gives them one layer's
+spec, the layer axis in front whole (``redco.layer_stacks.layer_spec``).
+
 ``quantize_experts(model, fmt)`` swaps every ``Experts`` block of a model (real, or
 ``nnx.eval_shape``'s abstract one, whose parts ``hf.from_pretrained`` fills as it reads them);
 ``quantized_linear.quantize_linears`` calls it.
@@ -33,8 +41,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from redco.layer_stacks import layers_of
-from redco.protocols import UsageError
+from redco.layer_stacks import layer_names, layers_of
 from redco.sharding import spec_for
 from redco_zoo_models import quantize as q
 from redco_zoo_models.moe import Experts
@@ -60,7 +67,7 @@ class QuantizedExperts(Experts):
         self.cfg, self.fmt = experts.cfg, fmt
         weights = {w: getattr(experts, w).get_value() for w in weight_names(self.cfg)}
         self.param_dtype = weights["up_proj"].dtype  # (merged() gives the weights back in it)
-        self.weight_shapes = tuple(tuple(w.shape) for w in weights.values())
+        self.weight_shapes = tuple(tuple(w.shape[-3:]) for w in weights.values())  # (a layer's)
         for weight, value in weights.items():
             parts = q.quantize(value, fmt)
             for part, array in parts.items():
@@ -104,13 +111,8 @@ def quantize_experts(model: nnx.Module, fmt: str) -> list[str]:
     ``fmt``; returns their module paths."""
     swapped = []
     for path, experts in modules_of_type(model, Experts):
-        name = "/".join(map(str, path))
-        if layers_of(f"{name}/up_proj") is not None:
-            raise UsageError(f"Quantising stacked layers' experts ({name}, scan_layers) is not "
-                             "supported yet: load the model with scan_layers=False (drop "
-                             "--scan_layers) to quantise it.")
         replace_module(model, path, QuantizedExperts(experts, fmt))
-        swapped.append(name)
+        swapped.append("/".join(map(str, path)))
     return swapped
 
 
@@ -121,11 +123,18 @@ def quantized_experts(model: nnx.Module) -> list[tuple[str, QuantizedExperts]]:
 
 
 def weight_parts(model: nnx.Module) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """``{param path of every part: (its weight's path, the weight's shape (E, in, out))}``."""
-    return {f"{path}/{param_name(w, part)}": (f"{path}/{w}", shape)
-            for path, block in quantized_experts(model)
-            for w, shape in zip(weight_names(block.cfg), block.weight_shapes)
-            for part in block.part_names}
+    """``{param path of every part: (its weight's path, a layer's weight shape (E, in, out))}``;
+    a stack's parts also under each layer's name, with that layer's weight."""
+    out = {}
+    for path, block in quantized_experts(model):
+        for w, shape in zip(weight_names(block.cfg), block.weight_shapes):
+            for part in block.part_names:
+                part_path, weight_path = f"{path}/{param_name(w, part)}", f"{path}/{w}"
+                out[part_path] = (weight_path, shape)
+                if layers_of(path) is not None:
+                    out.update((p, (w_path, shape)) for p, w_path in
+                               zip(layer_names(part_path), layer_names(weight_path)))
+    return out
 
 
 def parts_of(weight_path: str, w: np.ndarray, fmt: str) -> dict[str, np.ndarray]:
@@ -136,10 +145,12 @@ def parts_of(weight_path: str, w: np.ndarray, fmt: str) -> dict[str, np.ndarray]
 
 
 def part_spec(weight_spec: P, shape: tuple[int, ...], mesh=None) -> P:
-    """A part's spec from its weight's (E, in, out) spec: 3-D parts as the weight, a
-    per-channel scale (E, out) as its experts and output dim, an offset (E,) as its experts;
-    given ``mesh``, a dim that does not divide by its mesh axes left whole."""
-    experts, *kernel = (tuple(weight_spec) + (None,) * 3)[:3]
+    """A part's spec from its weight's (E, in, out) spec (a stack's (L, E, in, out): its layer
+    entry dropped): 3-D parts as the weight, a per-channel scale (E, out) as its experts and
+    output dim, an offset (E,) as its experts; given ``mesh``, a dim of ``shape`` (one layer's
+    part) that does not divide by its mesh axes left whole."""
+    entries = tuple(weight_spec)[len(weight_spec) > 3:]  # (a stack's: its layer's dropped)
+    experts, *kernel = (entries + (None,) * 3)[:3]
     spec = [experts, *q.part_spec(P(*kernel), len(shape) - 1)]
     if mesh is not None:
         spec = [axes if shape[d] % math.prod(mesh.shape[a] for a in (
@@ -150,13 +161,15 @@ def part_spec(weight_spec: P, shape: tuple[int, ...], mesh=None) -> P:
 
 def part_rules(model: nnx.Module, by_name: list[tuple[str, P]], mesh=None) -> list:
     """Rules giving each part of every ``QuantizedExperts`` block of ``model`` (real or abstract)
-    its weight's spec in the rules by name ``by_name`` (``part_spec``)."""
+    its weight's spec in the rules by name ``by_name`` (``part_spec``); a stack's parts one
+    layer's spec (``redco.sharding`` puts the layer axis in front, whole)."""
     rules = []
     for path, block in quantized_experts(model):
+        stacked = layers_of(path) is not None
         for weight in weight_names(block.cfg):
             spec = spec_for(f"{path}/{weight}", by_name)
             for part in block.part_names:
-                shape = getattr(block, param_name(weight, part)).get_value().shape
+                shape = getattr(block, param_name(weight, part)).get_value().shape[stacked:]
                 rules.append((f"^{re.escape(path)}/{param_name(weight, part)}$",
                               part_spec(spec, shape, mesh)))
     return rules
