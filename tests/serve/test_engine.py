@@ -27,8 +27,9 @@ NEW = 9
 @functools.cache
 def model_of(name: str, seed: int = 0):
     """The tiny model of a family, built once a module (the engines read, never write, it):
-    the tests of a family share its ``generate`` compiled. ``NAME/scan``: its layers stacked
-    and scanned (``scan_layers``), the same weights (built one by one, then stacked)."""
+    the tests of a family share its ``generate`` compiled. ``NAME``: its layers unrolled;
+    ``NAME/scan``: stacked and scanned (``scan_layers``, the default), the same weights (built
+    one by one, then stacked)."""
     if name == "gpt2":
         return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2,
                                           n_head=4), nnx.Rngs(seed))
@@ -36,7 +37,7 @@ def model_of(name: str, seed: int = 0):
         unrolled = model_of(name.removesuffix("/scan"), seed)
         return type(unrolled)(dataclasses.replace(unrolled.cfg, scan_layers=True),
                               nnx.Rngs(seed))
-    return tiny_family(name, seed)
+    return tiny_family(name, seed, scan_layers=False)
 
 
 @functools.cache

@@ -32,7 +32,7 @@ def test_scanned_layers_compute_as_unrolled_ones():
     from redco_zoo_models.toy import TINY_FAMILIES
     cfg = LlamaConfig.from_hf(dict(TINY_FAMILIES["qwen3.5"], num_hidden_layers=6,
                                    layer_types=["linear_attention", "full_attention"] * 3))
-    unrolled = LlamaForCausalLM(cfg, nnx.Rngs(0))
+    unrolled = LlamaForCausalLM(dataclasses.replace(cfg, scan_layers=False), nnx.Rngs(0))
     scanned = LlamaForCausalLM(dataclasses.replace(cfg, scan_layers=True), nnx.Rngs(0))
     assert "'0:6:2'" in str(jax.tree.leaves_with_path(nnx.state(scanned, nnx.Param)))
     np.testing.assert_allclose(jax.jit(lambda ids: scanned(ids))(IDS),

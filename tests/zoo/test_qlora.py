@@ -120,7 +120,7 @@ def lora_trainer(base, fmt, n_rows, batch=8, lr=1e-2, remat_policy=None, scan=Fa
     out as ``redco zoo run`` lays it out, its layers rematerialised by ``remat_policy``;
     ``scan``: the layers stacked and scanned."""
     model = add_lora(from_pretrained(LlamaForCausalLM, base, quantize=fmt,
-                                     **({"scan_layers": True} if scan else {})),
+                                     scan_layers=scan),
                      rank=4, alpha=16.0)
     apply_fn, params = split_model(model)
     deployer = Deployer(jax_seed=0, workdir=None, verbose=False, **deployer)

@@ -3,6 +3,7 @@ and first runs. ``save_model_dir`` writes one as a HuggingFace directory, which 
 zoo pipeline and template takes as ``--model``."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -229,9 +230,11 @@ TINY_FAMILIES = {  # config.json contents of a tiny model of each family, as tra
 }
 
 
-def tiny_family(name: str, seed: int = 0) -> LlamaForCausalLM:
-    """A tiny model of a family in ``TINY_FAMILIES`` (random weights)."""
-    return LlamaForCausalLM(LlamaConfig.from_hf(TINY_FAMILIES[name]), nnx.Rngs(seed))
+def tiny_family(name: str, seed: int = 0, **changes) -> LlamaForCausalLM:
+    """A tiny model of a family in ``TINY_FAMILIES`` (random weights); ``changes`` to its
+    config (``scan_layers=False``: unrolled)."""
+    cfg = dataclasses.replace(LlamaConfig.from_hf(TINY_FAMILIES[name]), **changes)
+    return LlamaForCausalLM(cfg, nnx.Rngs(seed))
 
 
 def tiny_t5(vocab_size: int, seed: int = 0) -> T5ForConditionalGeneration:
