@@ -1,9 +1,11 @@
 """Compile time, step time and temp memory of the zoo decoder's training step, its layers
-stored stacked and scanned (``scan_layers=True``, ``redco_zoo_models.layer_scan``) against
-unrolled (the default).
+stored stacked and scanned (the default, ``redco_zoo_models.layer_scan``) against unrolled
+(``scan_layers=False``).
 
 The zoo LLaMA (width 256, vocab 1024, intermediate 704, 4 heads / 2 KV heads) at each depth of
-``--depths``; 8 simulated CPU devices, dp 4 x mp 2, one 128-token row per device, AdamW; XLA's
+``--depths``; 8 simulated CPU devices, dp 4 x mp 2, one row of ``--seq_len`` tokens (128) per
+device, AdamW; remat "none" (``--remat``), which in the scanned body keeps matmuls against
+weights and attention's output (``redco.remat.scanned_body``); XLA's
 default flags (this script sets only the device count). Each side gets the default rules, read
 off its own dataflow (``auto``; the stacked params' specs are the unrolled layers' behind an
 unsplit layer axis, ``tests/zoo/test_scan_layers.py``). For each depth and each of scanned /
@@ -16,6 +18,7 @@ turn so that a drift in the machine's load falls on both).
     python bench/scan_compile.py --depths 4 8 16 32 80
     python bench/scan_compile.py --depths 4 32 --remat full   # each layer rematerialised
     python bench/scan_compile.py --scan_remat dots_saveable   # a policy in the scanned body only
+    python bench/scan_compile.py --depths 8 --seq_len 1024     # attention's memory to the fore
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import tempfile
 import time
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-WIDTH, VOCAB, SEQ_LEN = 256, 1024, 128
+WIDTH, VOCAB = 256, 1024
 
 
 def model(n_layers: int, scan: bool) -> tuple:
@@ -47,7 +50,7 @@ def deployer():
                     workdir=tempfile.mkdtemp(prefix="redco-scan-bench-"))
 
 
-def compiled(n_layers: int, scan: bool, remat: str | None) -> dict:
+def compiled(n_layers: int, scan: bool, remat: str | None, seq_len: int) -> dict:
     """The train step compiled (``step``), its ``state``, ``batches``, ``compile_s`` and
     ``temp_mb``."""
     import numpy as np
@@ -61,7 +64,7 @@ def compiled(n_layers: int, scan: bool, remat: str | None) -> dict:
                       remat=remat)
     rng = np.random.default_rng(0)
     batch = deployer_.get_global_batch_size(1)
-    examples = [{"token_ids": rng.integers(0, VOCAB, SEQ_LEN + 1)} for _ in range(4 * batch)]
+    examples = [{"token_ids": rng.integers(0, VOCAB, seq_len + 1)} for _ in range(4 * batch)]
     t0 = time.perf_counter()
     step = trainer.compile_train_step(examples[:batch], 1)
     seconds = time.perf_counter() - t0
@@ -83,7 +86,7 @@ def timed(run: dict, steps: int) -> float:
 
 def measure(n_layers: int, args: argparse.Namespace) -> dict:
     runs = {scan: compiled(n_layers, scan, args.scan_remat if scan and args.scan_remat else
-                           args.remat) for scan in (True, False)}
+                           args.remat, args.seq_len) for scan in (True, False)}
     for run in runs.values():
         timed(run, 1)  # warm-up
     times = {True: [], False: []}
@@ -101,6 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--depths", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument("--seq_len", type=int, default=128, help="tokens per row (one a device)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--remat", default=None, help="the Trainer's remat policy (default none)")
@@ -110,7 +114,7 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from provenance import print_provenance
     print_provenance()
-    print(f"zoo LLaMA width {WIDTH}, vocab {VOCAB}, {SEQ_LEN} tokens per device, 8 CPU devices "
+    print(f"zoo LLaMA width {WIDTH}, vocab {VOCAB}, {args.seq_len} tokens per device, 8 CPU devices "
           f"dp4 x mp2, AdamW, remat {args.remat or 'none'} (scanned: "
           f"{args.scan_remat or args.remat or 'none'}); step time: median of {args.repeats} "
           f"x {args.steps} steps")

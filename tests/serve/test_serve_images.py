@@ -59,7 +59,8 @@ def jiggled(path: str, save=save_tiny_llava) -> str:
     """A tiny LLaVA (or what ``save`` writes) with noise (std 0.3) on every weight: answers that
     differ with the image, not one token over and over as at its small initial scale."""
     model_dir = save(path, WORDS, seed=3)
-    model = from_pretrained(auto_class(model_dir), model_dir)
+    model = from_pretrained(auto_class(model_dir), model_dir, scan_layers=False)  # (the noise
+    # drawn per layer, as before the stacked default)
     leaves, tree = jax.tree.flatten(nnx.state(model, nnx.Param))
     rng = np.random.default_rng(0)  # (on the host: no compile per weight shape)
     nnx.update(model, jax.tree.unflatten(tree, [

@@ -19,6 +19,7 @@ from test_serve import WORDS, Server
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from redco import Deployer
+from redco.layer_stacks import unstack
 from redco.tree_paths import named_leaves
 from redco_zoo_models.engine import Engine
 from redco_zoo_models.lora import add_lora, load_peft_adapters, lora_layers, save_peft_adapters
@@ -75,8 +76,8 @@ def transformers_answers(qlora, fmt: str):
     of the ``fmt`` base written out here (module docstring)."""
     base, adapter = qlora
     quantized, _ = load_model(base, quantize=fmt)
-    parts = {}
-    for path, leaf in named_leaves(nnx.state(quantized, nnx.Param)):
+    parts = {}  # (a stacked model's parts cut per layer)
+    for path, leaf in unstack(dict(named_leaves(nnx.state(quantized, nnx.Param)))).items():
         module, _, name = path.rpartition("/")
         parts.setdefault(module.replace("/", "."), {})[name] = np.asarray(leaf)
     peft = load_file(f"{adapter}/adapter_model.safetensors")
@@ -131,12 +132,13 @@ def test_the_engine_over_a_quantised_base_with_adapters_answers_as_the_dequantis
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=None, verbose=False)
     rules = deployer.get_sharding_rules(params, rules=sharding_rules(model, deployer))
     params = jax.device_put(params, deployer.get_params_shardings(params, rules))
-    q_proj = params["model"]["layers"][0]["self_attn"]["q_proj"]
+    q_proj = params["model"]["layers"]["0:2"]["self_attn"]["q_proj"]  # (stacked: the default)
     assert q_proj["kernel"][...].dtype == CODES[fmt]
     scale = "kernel_absmax" if fmt == "nf4" else "kernel_scale"
-    assert {q_proj[k][...].sharding.spec for k in ("kernel", "lora_b")} == {jax.P(None, "mp")}
-    assert q_proj[scale][...].sharding.spec == (jax.P(None, "mp") if fmt == "nf4" else
-                                               jax.P("mp"))
+    assert {q_proj[k][...].sharding.spec for k in ("kernel", "lora_b")} == \
+        {jax.P(None, None, "mp")}  # (the layer axis whole)
+    assert q_proj[scale][...].sharding.spec == (jax.P(None, None, "mp") if fmt == "nf4" else
+                                               jax.P(None, "mp"))
     engine = Engine(model, params, max_seqs=4, max_len=32, mesh=deployer.mesh,
                     eos_token_ids=(tokenizer.eos_token_id,))
     requests = engine.generate([ids for ids, _, _ in answers], Sampling(max_tokens=NEW))

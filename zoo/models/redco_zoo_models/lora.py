@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from redco import lora as core_lora
-from redco.layer_stacks import unstack
+from redco.layer_stacks import layer_names, layers_of, unstack
 from redco_safetensors import torch_name
 from redco_zoo_models.lora_matmul import adapted_matmul
 from redco_zoo_models.nnx_utils import replace_module
@@ -183,7 +183,8 @@ PEFT_PREFIX, PEFT_SUFFIXES = "base_model.model.", (".lora_A.weight", ".lora_B.we
 
 
 def load_peft_adapters(model: nnx.Module, adapter_dir: str) -> nnx.Module:
-    """Give ``model`` (in place; also returned: its unstacked base, full-precision or quantised)
+    """Give ``model`` (in place; also returned: its base full-precision or quantised, its layers
+    one by one or stacked)
     the adapters ``save_peft_adapters`` (or PEFT) wrote in ``adapter_dir``: rank and alpha from
     ``adapter_config.json``, one adapter pair on each module the file names. Refused, naming
     them, where the file and the model's projections do not match."""
@@ -199,22 +200,40 @@ def load_peft_adapters(model: nnx.Module, adapter_dir: str) -> nnx.Module:
     tensors = load_file(files[1])
     modules = {name.removeprefix(PEFT_PREFIX).removesuffix(PEFT_SUFFIXES[0])
                for name in tensors if name.endswith(PEFT_SUFFIXES[0])}
-    paths = {torch_name(f"{'/'.join(map(str, path))}/kernel", 2)[0].removesuffix(".weight"):
-             "/".join(map(str, path)) for path, m in nnx.iter_modules(model)
-             if path and type(m) in (nnx.Linear, QuantizedLinear)}
+    paths = projections_by_torch_name(model)
     if missing := sorted(modules - set(paths)):
         raise ValueError(f"{adapter_dir} holds adapters for {missing[:4]}, which the model has "
                          "no projection of: load the base model the adapters were trained on.")
-    targets = "^(" + "|".join(re.escape(paths[m]) for m in sorted(modules)) + ")/kernel$"
+    targets = "^(" + "|".join(re.escape(paths[m][0]) for m in sorted(modules)) + ")/kernel$"
     add_lora(model, config["r"], config["lora_alpha"], targets)
     layers = dict(lora_layers(model))
     for module in sorted(modules):
+        path, layer = paths[module]
         for adapter, suffix in zip(core_lora.SUFFIXES, PEFT_SUFFIXES):
-            param, value = (getattr(layers[paths[module]], adapter),
+            param, value = (getattr(layers[path], adapter),
                             tensors[PEFT_PREFIX + module + suffix].T)
-            if value.shape != param.get_value().shape:
+            whole = param.get_value()
+            want = whole.shape if layer is None else whole.shape[1:]
+            if value.shape != want:
                 raise ValueError(f"{adapter_dir}: {module}{suffix} is {value.T.shape}, not "
-                                 f"{param.get_value().T.shape} as rank {config['r']} over "
+                                 f"{want[::-1]} as rank {config['r']} over "
                                  "the model's projection: a different base or rank.")
-            param.set_value(jax.numpy.asarray(value, param.get_value().dtype))
+            value = jax.numpy.asarray(value, whole.dtype)
+            param.set_value(value if layer is None else whole.at[layer].set(value))
     return model
+
+
+def projections_by_torch_name(model: nnx.Module) -> dict[str, tuple[str, int | None]]:
+    """``{torch module name: (module path, layer)}`` of the model's projections: a stacked
+    one (``model/layers/0:2/...``, ``layer_scan``) once per layer, with its place in the stack;
+    ``layer`` None for a projection of its own."""
+    out = {}
+    for path, m in nnx.iter_modules(model):
+        if not path or type(m) not in (nnx.Linear, QuantizedLinear):
+            continue
+        module = "/".join(map(str, path))
+        names = layer_names(f"{module}/kernel") if layers_of(module) else [f"{module}/kernel"]
+        for i, name in enumerate(names):
+            torch = torch_name(name, 2)[0].removesuffix(".weight")
+            out[torch] = (module, i if layers_of(module) else None)
+    return out
