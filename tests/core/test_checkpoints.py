@@ -112,7 +112,7 @@ def resume_one_step(ckpt, workdir, stacked: bool) -> tuple[Resumed, dict]:
 def test_a_checkpoint_resumes_into_the_model_with_its_layers_stored_the_other_way(saved, tmp_path):
     """The LM's orbax step checkpoint (``saved``: its layers one by one) resumed by the LM with
     its layers stacked (the default flipped under a run), and the stacked safetensors checkpoint
-    that run writes resumed one by one (``--no-scan_layers``): params and optimizer state
+    that run writes resumed one by one (``--no_scan_layers``): params and optimizer state
     restored bit for bit, layer by layer, and the next update's loss that of the resume in the
     checkpoint's own layout. (Saved stacked, the two resumes go the other way round.)"""
     path, want = saved

@@ -37,7 +37,7 @@ def test_a_scanned_lm_run_trains_as_the_unrolled_run(lora, tmp_path):
              "--learning_rate", "0.003", "--eval_steps", "1", *lora]
     for side in ("unrolled", "scanned"):
         main(["zoo", "run", "lm", *flags, "--workdir", str(tmp_path / side),
-              "--scan_layers" if side == "scanned" else "--no-scan_layers"])
+              "--scan_layers" if side == "scanned" else "--no_scan_layers"])
     want, got = losses(tmp_path / "unrolled"), losses(tmp_path / "scanned")
     assert len(got) == 3 and got[-1] < got[0]
     np.testing.assert_allclose(got, want, rtol=1e-5)

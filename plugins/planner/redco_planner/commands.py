@@ -31,7 +31,8 @@ MODEL_HELP = ("llama-tiny, llama-1b, llama-7b, llama-13b, llama-30b, llama-65b; 
               "returning params, (params, trace_fn) or (params, trace_fn, loss_fn)")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 SCAN_HELP = ("the zoo decoder's layers stored stacked and run under jax.lax.scan "
-             "(DecoderConfig.scan_layers): each layout compiles one layer's body, at full depth")
+             "(DecoderConfig.scan_layers; the default): each layout compiles one layer's body, "
+             "at full depth")
 DEVICES_HELP = ("the devices the plan is for, every process's together (the mesh's size), "
                 "simulated on CPU; not Deployer's n_local_devices, which caps the devices one "
                 "process of a run uses")
@@ -63,8 +64,7 @@ class RulesCommand(Command):
         parser.add_argument("--n_model_shards", type=int, default=2)
         parser.add_argument("--devices", type=int, default=8, help=DEVICES_HELP)
         parser.add_argument("--rules", default="auto", help="rule set: auto, fsdp, auto+fsdp, ...")
-        parser.add_argument("--scan_layers", "--scan-layers", action=argparse.BooleanOptionalAction,
-                            help=SCAN_HELP)
+        scan_flags(parser)
         parser.add_argument("--png", help="also draw the plan to this PNG (needs matplotlib)")
         parser.add_argument("--json", action="store_true", help="print JSON")
 
@@ -153,8 +153,7 @@ class PlanCommand(Command):
                             choices=COMPUTE_DTYPES,
                             help="the step computes in this dtype, the params cast to it as "
                             "Trainer(compute_dtype=...) does; params and AdamW state stay fp32")
-        parser.add_argument("--scan_layers", "--scan-layers", action=argparse.BooleanOptionalAction,
-                            help=SCAN_HELP)
+        scan_flags(parser)
         from redco_planner import rollout_plan
         rollout_plan.add_arguments(parser)
 
@@ -200,6 +199,15 @@ class PlanCommand(Command):
               f"{result.n_context_shards}, {expert_shards(result)}sharding_rules="
               f"{result.sharding_rules!r}{remat} (peak {result.peak_bytes / memory:.0%} of device "
               f"memory)\nwhy: {result.reason}")
+
+
+def scan_flags(parser: argparse.ArgumentParser) -> None:
+    """``--scan_layers`` (the default for the zoo's decoders) and ``--no_scan_layers``."""
+    parser.add_argument("--scan_layers", "--scan-layers", action="store_true", default=None,
+                        help=SCAN_HELP)
+    parser.add_argument("--no_scan_layers", "--no-scan-layers", dest="scan_layers",
+                        action="store_false", default=None, help="the zoo decoder's layers "
+                        "unrolled: each layout compiles every layer")
 
 
 def check_quantize_base(args: argparse.Namespace) -> None:

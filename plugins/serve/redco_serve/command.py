@@ -56,10 +56,13 @@ class ServeCommand(Command):
                             "layer's state stays a row's own); not on image models")
         parser.add_argument("--n_pages", type=int, help="the pool's pages, with --page_size "
                             "(default: the memory of --max_seqs x --max_len slots)")
-        parser.add_argument("--scan_layers", action=argparse.BooleanOptionalAction, help="a decoder's layers "
-                            "stored stacked and run under jax.lax.scan, the key/value cache "
-                            "too: start-up (the warm-up's compiles) flat in depth, a copy of "
-                            "the cache in and out of its stack each step")
+        parser.add_argument("--scan_layers", action="store_true", default=None, help="a "
+                            "decoder's layers stored stacked and run under jax.lax.scan, the "
+                            "key/value cache too (the default wherever the model can be): "
+                            "start-up (the warm-up's compiles) flat in depth, a copy of the "
+                            "cache in and out of its stack each step")
+        parser.add_argument("--no_scan_layers", dest="scan_layers", action="store_false",
+                            default=None, help="the layers unrolled, one trace per layer")
         parser.add_argument("--max_images", type=int, default=1, help="images a chat request "
                             "may hold, for an image + text model (LLaVA, Gemma 3/4, Qwen-VL; "
                             "Idefics3/SmolVLM: tiles, an image's split tiles and its global "

@@ -32,11 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser, planner: bool = True) -> None
                         + ", ".join(LLAMA_PRESETS) + ")")
     parser.add_argument("--from_scratch", action="store_true", help="start from random weights "
                         "(of --model's config.json or preset) instead of trained ones")
-    parser.add_argument("--scan_layers", action=argparse.BooleanOptionalAction, help="a "
-                        "decoder's layers stored stacked and run under jax.lax.scan, compile "
-                        "time flat in depth (the default wherever the model can be: all but "
-                        "Gemma 4's with KV sharing or per-layer inputs); --no-scan_layers: "
-                        "unrolled, one trace per layer (for debugging)")
+    parser.add_argument("--scan_layers", action="store_true", default=None, help="a decoder's "
+                        "layers stored stacked and run under jax.lax.scan, compile time flat in "
+                        "depth (the default wherever the model can be: all but Gemma 4's with "
+                        "KV sharing or per-layer inputs; this flag insists)")
+    parser.add_argument("--no_scan_layers", dest="scan_layers", action="store_false",
+                        default=None, help="the layers unrolled, one trace per layer (debugging)")
     parser.add_argument("--quantize_base", choices=QUANTIZE_CHOICES, help="hold the attention "
                         "and MLP projections quantised and frozen, quantised as they are read "
                         "(QLoRA; needs --lora_rank): nf4 (4-bit NormalFloat, blocks of 64), "
