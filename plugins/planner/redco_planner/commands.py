@@ -137,7 +137,8 @@ class PlanCommand(Command):
         parser.add_argument("--all", action="store_true", help="measure every layout, not just "
                             "up to the first that fits")
         parser.add_argument("--remat", action="store_true", help="also try rematerialisation "
-                            "(none, dots_saveable, full: least recompute first) at each layout")
+                            "(none, dots_saveable, full: least recompute first; scanned layers skip "
+                            "dots_saveable, which keeps more than none there) at each layout")
         parser.add_argument("--lora_rank", "--lora-rank", type=int, help="if no full fine-tuning "
                             "layout fits, try LoRA adapters of this rank (base frozen) the same way")
         parser.add_argument("--quantize_base", "--quantize-base",

@@ -81,6 +81,9 @@ from redco_planner.models import LoraModel, n_positional
 from redco_planner.search import Search
 
 REMAT_POLICIES = ("none", "dots_saveable", "full")  # least recompute first
+# In a scanned body "none" keeps what redco.remat.SCANNED_NONE keeps; these keep at least as
+# much there, so beside "none" a stack of scanned layers does not try them (effective_policies).
+SCANNED_REDUNDANT = frozenset({"dots_saveable", redco_remat.SCANNED_NONE})
 # a rule set -> it and its expert-parallel variant, in the order tried (module docstring)
 EXPERT_PARALLEL = {"auto": ("auto", "auto+ep"), "auto+fsdp": ("auto+fsdp+ep", "auto+fsdp")}
 
@@ -318,16 +321,28 @@ def generic_lora(params_abstract, loss: Callable, alpha: float = 16.0) -> Callab
 def effective_policies(policies: Sequence[str], loss: Callable, params_abstract,
                        batch_abstract) -> list[str]:
     """``policies`` (checked, in order), or only ``"none"`` when tracing ``loss`` under a
-    policy runs no ``redco.remat.layer`` (every policy would compile the same step)."""
+    policy runs no ``redco.remat.layer`` (every policy would compile the same step). Where
+    ``"none"`` runs remat layers, they are a scanned stack's (``redco.remat.scanned_body``:
+    ``"none"`` there keeps what ``SCANNED_NONE`` keeps), and beside ``"none"`` the policies that
+    keep as much there (``SCANNED_REDUNDANT``) are dropped: they could only compile a bigger
+    step. A stack scanned in part (Gemma 3's last layers, runs of their own) counts as scanned."""
     policies = [redco_remat.check(name) for name in policies]
     if not policies:
         raise ValueError("remat_policies is empty: give at least one, e.g. ('none',).")
     others = [name for name in policies if name != "none"]
     if not others:
         return policies
+    if "none" in policies and remat_layers("none", loss, params_abstract, batch_abstract):
+        return [name for name in policies if name not in SCANNED_REDUNDANT]
+    if not remat_layers(others[0], loss, params_abstract, batch_abstract):
+        return policies[:1]
+    return policies
+
+
+def remat_layers(policy: str, loss: Callable, params_abstract, batch_abstract) -> int:
+    """How many ``redco.remat.layer`` calls tracing ``loss`` under ``policy`` checkpoints (a
+    scanned body's layers are traced once for the whole stack)."""
     before = redco_remat.layers_traced()
-    with redco_remat.policy(others[0]):  # a fresh function: a cached trace would count none
+    with redco_remat.policy(policy):  # a fresh function: a cached trace would count none
         jax.eval_shape(lambda p, b: loss(p, b), params_abstract, batch_abstract)
-    return policies if redco_remat.layers_traced() > before else policies[:1]
-
-
+    return redco_remat.layers_traced() - before

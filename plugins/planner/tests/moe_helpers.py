@@ -8,11 +8,17 @@ MOE = dict(TINY_FAMILIES["qwen3-moe"], num_experts=8, moe_intermediate_size=509,
 
 
 def moe_model(seed=0):
-    """``(apply_fn, params)`` of the tiny MoE decoder, real weights."""
+    """``(apply_fn, params)`` of the tiny MoE decoder, real weights, its layers unrolled
+    (``scan_layers=False``): test_planner_experts.py's budget and all_to_all count are the
+    unrolled step's (a scanned one's body holds one layer's; tests/zoo/test_scan_layers.py
+    trains a scanned MoE model with expert parallelism)."""
+    import dataclasses
+
     from flax import nnx
 
     from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
-    return split_model(LlamaForCausalLM(LlamaConfig.from_hf(MOE), nnx.Rngs(seed)))
+    cfg = dataclasses.replace(LlamaConfig.from_hf(MOE), scan_layers=False)
+    return split_model(LlamaForCausalLM(cfg, nnx.Rngs(seed)))
 
 
 def moe_loss(apply_fn):

@@ -22,12 +22,14 @@ def lm_examples(n=32, seq_len=16):
 
 def one_head_lm(seed=0, abstract=True):
     """A 2-layer LLaMA with one attention head (``apply_fn``, params): tensor parallelism can
-    split its MLP but not its attention scores, so a long sequence fits only split."""
+    split its MLP but not its attention scores, so a long sequence fits only split. Unrolled
+    (``scan_layers=False``): test_planner_context.py's budget is its measured peaks' (scanned,
+    ``"none"`` recomputes the scores: test_planner_scan.py plans that with cp=2)."""
     from flax import nnx
 
     from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
     cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=1, num_key_value_heads=1)
+                      num_attention_heads=1, num_key_value_heads=1, scan_layers=False)
     build = lambda: LlamaForCausalLM(cfg, rngs=nnx.Rngs(seed))
     return split_model(nnx.eval_shape(build) if abstract else build())
 

@@ -28,7 +28,10 @@ def spec_of(out: str, path: str) -> str:
 
 
 def test_rules_prints_llama_tiny_plan_and_totals():
-    out = run_cli("rules", "llama-tiny", "--n_model_shards", "2", "--devices", "8")
+    """Each layer's own params (``--no_scan_layers``: the unrolled model; the stacked ones'
+    rows are test_planner_scan.py's)."""
+    out = run_cli("rules", "llama-tiny", "--n_model_shards", "2", "--devices", "8",
+                  "--no_scan_layers")
     assert out.returncode == 0, out.stderr
     text = out.stdout
     for name in ("q_proj", "k_proj", "v_proj"):
@@ -45,17 +48,19 @@ def test_rules_prints_llama_tiny_plan_and_totals():
 
 
 def test_devices_flag_sets_the_simulated_device_count():
+    """On the default, scanned model: FSDP and TP split a stack behind its layer axis."""
     out = run_cli("rules", "llama-tiny", "--devices", "16", "--n_model_shards", "4",
                   "--rules", "auto+fsdp")
     assert out.returncode == 0, out.stderr
     assert "mesh: dp=4, mp=4 (16 devices)" in out.stdout
-    assert spec_of(out.stdout, "model/layers/0/self_attn/q_proj/kernel") == "('dp', 'mp')"
+    assert spec_of(out.stdout, "model/layers/0:2/self_attn/q_proj/kernel") == "(None, 'dp', 'mp')"
     assert "1.25x ideal" in out.stdout  # K, V (2 KV heads < 4 shards) split over dp only
 
 
 def test_plan_table_prints_get_sharding_rules_in_python(workdir, capsys):
+    """The table of the unrolled model (``scan_layers=False``), one row per layer's param."""
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=workdir, verbose=False)
-    model = load_model("llama-tiny")
+    model = load_model("llama-tiny", scan_layers=False)
     rules = deployer.get_sharding_rules(model.params, trace_fn=model.trace_fn)
     rows = {r["path"]: r for r in plan_table(deployer, model.params, rules)}
     assert rows["model/layers/0/self_attn/q_proj/kernel"]["spec"] == COLUMN

@@ -8,9 +8,9 @@ over the whole global batch under remat (``full``: 32.6, 42.8, 63.3 GFLOPs per d
 peaks 138, 106, 111 MB on 2, 4, 8 devices).
 
 The model has 2 layers (the compile cost grows with them; the partitioner's choice shows from
-the first), and each layout is compiled once for the module: the 2-layer ``full`` step on 8
-devices serves both tests. The peak is compared on 4 and 8 devices in CI, on 2 too in the slow
-tier."""
+the first), scanned (the default) for the peak against the device count, unrolled for each
+layer's gathers; each layout is compiled once for the module. The peak is compared on 4 and 8
+devices in CI, on 2 too in the slow tier."""
 import functools
 import math
 import os
@@ -25,17 +25,19 @@ from redco_planner.models import zoo_llama
 
 
 @functools.cache
-def llama(layers: int):
+def llama(layers: int, scan: bool | None = None):
     """The zoo LLaMA, width 512, one 256-token row per device: weights big enough next to the
-    activations that the partitioner's choice shows."""
-    return zoo_llama(256, hidden_size=512, intermediate_size=1408, num_hidden_layers=layers,
-                     num_attention_heads=8, num_key_value_heads=8)
+    activations that the partitioner's choice shows; ``scan``: its layers scanned (None: the
+    default, scanned)."""
+    return zoo_llama(256, scan, hidden_size=512, intermediate_size=1408,
+                     num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8)
 
 
 @functools.cache
-def fsdp_step(layers: int, n_devices: int, remat: str, n_context_shards: int) -> TriedLayout:
-    """The ``auto+fsdp`` train step of ``llama(layers)`` on ``n_devices``, measured once."""
-    model = llama(layers)
+def fsdp_step(layers: int, n_devices: int, remat: str, n_context_shards: int,
+              scan: bool | None = None) -> TriedLayout:
+    """The ``auto+fsdp`` train step of ``llama(layers, scan)`` on ``n_devices``, measured once."""
+    model = llama(layers, scan)
     return measure(model.params, model.loss_fn, model.batch(1), n_devices, 1,
                    sharding_rules="auto+fsdp", remat=remat, n_context_shards=n_context_shards)
 
@@ -62,10 +64,12 @@ def test_an_fsdp_step_under_remat_holds_one_layers_gathered_weights_at_a_time(n_
     """Under ``full`` remat each extra layer adds its saved input to the temporaries, not its
     gathered weights: a layer's gathers wait for its activations (``redco.fsdp.gather``), so XLA
     cannot issue every layer's gathers at the start of the step (as it did: 13.5 MB more per
-    layer on 8 devices, one layer's fp32 weights being 12.8 MB; 0.5 MB tied)."""
-    temp = {layers: fsdp_step(layers, 8, "full", n_context_shards).temp_bytes for layers in (2, 4)}
+    layer on 8 devices, one layer's fp32 weights being 12.8 MB; 0.5 MB tied). The unrolled
+    model (``scan_layers=False``): a scan's loop gathers one layer per step by construction."""
+    temp = {layers: fsdp_step(layers, 8, "full", n_context_shards, False).temp_bytes
+            for layers in (2, 4)}
     one_layer = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
-                    for x in jax.tree.leaves(llama(4).params["model"]["layers"][0]))
+                    for x in jax.tree.leaves(llama(4, False).params["model"]["layers"][0]))
     per_layer = (temp[4] - temp[2]) / 2
     assert per_layer < 0.1 * one_layer, (
         f"each layer adds {per_layer / 1e6:.1f} MB of temporaries; its gathered weights are "

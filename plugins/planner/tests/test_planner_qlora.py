@@ -39,13 +39,14 @@ def kernel_bytes(n_in: int, n_out: int, fmt: str | None) -> int:
 
 def expected_bytes(params, fmt: str | None) -> tuple[int, int]:
     """``(params, adapters)`` bytes of LoRA rank ``RANK`` over a ``fmt`` base (None: float32),
-    from the unquantised model's shapes: every other param float32."""
+    from the unquantised model's shapes: every other param float32. A stacked projection
+    (layers, in, out) counts as its layers' own (scanned layers, the zoo's default)."""
     total = adapters = 0
     for path, leaf in named_leaves(params):
         if PROJECTIONS.search(path):
-            n_in, n_out = leaf.shape
-            total += kernel_bytes(n_in, n_out, fmt)
-            adapters += 4 * RANK * (n_in + n_out)
+            *layers, n_in, n_out = leaf.shape
+            total += math.prod(layers) * kernel_bytes(n_in, n_out, fmt)
+            adapters += math.prod(layers) * 4 * RANK * (n_in + n_out)
         else:
             total += 4 * math.prod(leaf.shape)
     return total + adapters, adapters

@@ -19,7 +19,9 @@ SEQ_LEN = 64
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_model("llama-tiny", seq_len=SEQ_LEN)
+    """Unrolled (``scan_layers=False``): there ``dots_saveable`` keeps less than ``"none"``; a
+    scanned stack's ladder is test_trainer_fit_trains_with_the_planned_policy's."""
+    return load_model("llama-tiny", seq_len=SEQ_LEN, scan_layers=False)
 
 
 def test_remat_only_where_no_remat_does_not_fit_and_before_more_shards(tiny):
@@ -70,17 +72,22 @@ def fit_auto(workdir, memory, remat_policy=None):
 
 
 def test_trainer_fit_trains_with_the_planned_policy(workdir):
+    """The zoo LM's layers scanned (the default): ``"none"`` there keeps what
+    ``dots_with_no_batch_dims_saveable`` keeps, so ``dots_saveable`` (more kept) is not tried,
+    and ``full`` is the pick at mp=1 where ``"none"`` does not fit."""
     apply_fn, params = lm_model()
     batch = {"input_ids": jax.ShapeDtypeStruct((2, SEQ_LEN), jnp.int32)}
     no_remat_peak = measure(params, lm_loss(apply_fn), batch, 8, 1, "auto").peak_bytes
     layers = remat.layers_traced()
     deployer, trainer = fit_auto(workdir, no_remat_peak)
-    assert (deployer.n_model_shards, deployer.layout.remat) == (1, "dots_saveable")
-    assert trainer.remat == "dots_saveable"
+    assert [(t.n_model_shards, t.remat) for t in deployer.layout_plan.tried] == [
+        (1, "none"), (1, "full")]
+    assert (deployer.n_model_shards, deployer.layout.remat) == (1, "full")
+    assert trainer.remat == "full"
     assert remat.layers_traced() > layers  # the train step was traced with remat layers
     assert trainer.step == 1
     with open(f"{workdir}/log.txt") as f:
-        assert "remat='dots_saveable'" in f.read()
+        assert "remat='full'" in f.read()
 
 
 def test_an_explicit_trainer_remat_is_kept_and_planned_with(workdir):

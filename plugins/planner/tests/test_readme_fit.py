@@ -34,4 +34,6 @@ def test_the_docs_fit_block_prints_what_the_page_shows():
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert without_times(done.stdout) == without_times(shown_output())
-    assert "remat='dots_saveable', LoRA rank 8" in done.stdout
+    # the levers in order on the scanned default: remat (full; not dots_saveable), then LoRA
+    assert "remat=full peak" in done.stdout and "remat=dots_saveable" not in done.stdout
+    assert "remat='none', LoRA rank 8" in done.stdout
