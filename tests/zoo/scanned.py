@@ -81,3 +81,18 @@ def check_equal_training(cfg, rules="auto", policy=None, lora_rank=0):
             ndim = np.ndim(want_final[layer])
             assert padded(specs[path], ndim + 1) == (None, *padded(want_specs[layer], ndim)), path
     return specs, final, trainer
+
+
+def first_layer_with(layers, part: str):
+    """The first layer of a model's ``layers`` state (keyed by layer number, or ``a:b`` for a
+    stack of layers) that holds ``part`` (``"mlp/experts"``): ``(its subtree, lead)``, ``lead``
+    the spec entries before one layer's (``(None,)``: a stack's layer axis, else ``()``)."""
+    for key in sorted(layers.keys(), key=lambda k: int(str(k).split(":")[0])):
+        node = layers[key]
+        try:
+            for name in part.split("/"):
+                node = node[name]
+        except KeyError:
+            continue
+        return node, (None,) if ":" in str(key) else ()
+    raise KeyError(f"no layer holds {part}")

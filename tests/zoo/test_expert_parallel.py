@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from scanned import first_layer_with
 from test_moe import GPT_OSS, reference, with_random_biases
 
 from redco import fsdp
@@ -180,9 +181,9 @@ def test_a_tiny_moe_trains_with_its_experts_split_as_on_one_device():
         trainer(deployer_of(2, 2, rules="auto+fsdp"), True)
     one.train_epoch(rows, 4, 0)
     split.train_epoch(rows, 2, 0)
-    experts = split.params["model"]["layers"][0]["mlp"]["experts"]
-    assert experts["gate_proj"].sharding.spec == P("dp", None, "mp")
-    assert experts["down_proj"].sharding.spec == P("dp", "mp", None)
+    experts, lead = first_layer_with(split.params["model"]["layers"], "mlp/experts")
+    assert experts["gate_proj"].sharding.spec == P(*lead, "dp", None, "mp")
+    assert experts["down_proj"].sharding.spec == P(*lead, "dp", "mp", None)
     for a, b in zip(jax.tree.leaves(jax.device_get(split.params)),
                     jax.tree.leaves(jax.device_get(one.params))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from scanned import first_layer_with
 
 import redco
 from redco import Deployer, Trainer
@@ -242,7 +243,7 @@ def test_an_moe_models_loss_with_labels_adds_its_weighted_balancing_losses():
         graphdef, params, rest = split(coef)
         loss = lambda p: nnx.merge(graphdef, p, rest)(ids[:, :-1], labels=ids[:, 1:])  # noqa: E731
         value, grad = jax.jit(jax.value_and_grad(loss))(params)
-        return float(value), grad["model"]["layers"][0]["mlp"]["gate"]["kernel"][...]
+        return float(value), first_layer_with(grad["model"]["layers"], "mlp/gate")[0]["kernel"][...]
     logits = nnx.jit(lambda model, x: model(x))(base, ids)[:, :-1]
     cross_entropy = float(optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean())
     losses, routers = {}, {}

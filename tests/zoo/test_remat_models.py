@@ -32,8 +32,9 @@ def llama(lora_rank: int = 0):
     def make():
         model = LlamaForCausalLM(LlamaConfig(
             vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=N_LAYERS,
-            num_attention_heads=4, num_key_value_heads=2), nnx.Rngs(0))
-        return add_lora(model, rank=lora_rank) if lora_rank else model
+            num_attention_heads=4, num_key_value_heads=2, scan_layers=False), nnx.Rngs(0))
+        return add_lora(model, rank=lora_rank) if lora_rank else model  # (unrolled: a scanned
+    # body's "none" keeps what dots_with_no_batch_dims_saveable keeps, tests/zoo/test_scan_layers.py)
     return numpy_init(make)
 
 

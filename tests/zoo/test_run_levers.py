@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from scanned import first_layer_with
 
 import redco
 from redco import plugins
@@ -89,7 +90,7 @@ def test_the_runs_optimizer_is_adamw_with_the_decay_after_clipping(run):
 
 def test_expert_parallel_splits_the_experts_over_dp(run):
     assert dict(run.deployer.mesh.shape) == {"dp": 4, "mp": 2}
-    experts = run.params["model"]["layers"][0]["mlp"]["experts"]
-    assert experts["gate_proj"].sharding.spec == P("dp", None, "mp")  # 4 experts: 1 a dp rank
-    assert experts["up_proj"].sharding.spec == P("dp", None, "mp")
-    assert experts["down_proj"].sharding.spec == P("dp", "mp", None)
+    experts, lead = first_layer_with(run.params["model"]["layers"], "mlp/experts")
+    assert experts["gate_proj"].sharding.spec == P(*lead, "dp", None, "mp")  # 4 experts: 1 a
+    assert experts["up_proj"].sharding.spec == P(*lead, "dp", None, "mp")  # dp rank
+    assert experts["down_proj"].sharding.spec == P(*lead, "dp", "mp", None)

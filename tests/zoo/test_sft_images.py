@@ -171,8 +171,8 @@ def test_the_tower_is_frozen_unless_asked_and_lora_follows(tiny, train_tower):
     model = from_pretrained(auto_class(model_dir), model_dir)
     _, params, trainable = split_for_training(model, LoRA(rank=4), 0, deployer, frozen)
     adapted = {p.rsplit("/", 1)[0] for p, on in named_leaves(trainable) if on}
-    assert "language_model/model/layers/1/mlp/down_proj" in adapted
-    assert ("vision_tower/encoder/layers/0/self_attn/q_proj" in adapted) == train_tower
+    assert "language_model/model/layers/0:2/mlp/down_proj" in adapted  # (stacked: the default)
+    assert ("vision_tower/encoder/layers/0:2/self_attn/q_proj" in adapted) == train_tower
     assert not any(p.startswith("multi_modal_projector") for p in adapted)
     model = from_pretrained(auto_class(model_dir), model_dir)
     _, params, trainable = split_for_training(model, LoRA(rank=0), 0, deployer, frozen)

@@ -125,8 +125,7 @@ def test_clip_and_siglip_towers_and_projectors_split_by_heads_and_hidden(family)
                           labels=b["input_ids"])
     for rules, dp in (("auto", None), ("auto+fsdp", "dp")):
         specs = rules_specs(model, batch, call, rules)
-        layer = "vision_tower/encoder/layers/" + ("0/" if family == "llava" else "0:2/")
-        axis = () if family == "llava" else (None,)  # (the stack's layer axis, whole)
+        layer, axis = "vision_tower/encoder/layers/0:2/", (None,)  # (stacked: the layer axis whole)
         for name in ("q_proj", "k_proj", "v_proj"):
             assert specs[f"{layer}self_attn/{name}/kernel"] == P(*axis, dp, "mp"), (rules, name)
         assert specs[f"{layer}self_attn/out_proj/kernel"] == P(*axis, "mp", dp), rules
@@ -221,7 +220,7 @@ def test_redco_plan_takes_an_image_text_preset(monkeypatch, capsys):
     monkeypatch.setitem(presets_vlm.IMAGES, "tiny-qwen-vl", QWEN_IMAGE)
     with pytest.raises(SystemExit, match="No layout fits 16.00 KiB per device"):
         main(["plan", "--preset", "tiny-qwen-vl", "--devices", "8", "--device_memory", "16KB",
-              "--seq_len", str(SEQ), "--scan_layers"])
+              "--seq_len", str(SEQ), "--scan_layers", "--n_context_shards", "1"])
     out = capsys.readouterr().out
     states = [float(line.split("alone are ")[1].split()[0]) for line in out.splitlines()
               if "state alone" in line]

@@ -25,11 +25,14 @@ from redco_zoo_grpo.rollout_split import RoundShape, Speed, Split, plan_split
 def abstract_decoder(model: str, lora_rank: int = 0, lora_alpha: float = 16.0) -> tuple:
     """``(model, apply_fn, params, trainable)`` of the zoo decoder ``model`` (a directory's
     ``config.json`` or a preset), built with ``nnx.eval_shape``: no weight allocated; with
-    ``lora_rank``, the zoo's LoRA layers on it and only they trainable."""
+    ``lora_rank``, the zoo's LoRA layers on it and only they trainable. Its layers unrolled
+    (``scan_layers=False``): the split's seconds are XLA's cost analysis of its programs, which
+    counts a loop's body once, a scanned stack's bytes and FLOPs for one layer."""
     from redco_zoo_models import add_lora, split_model
     from redco_zoo_models.base_plan import decoder_config
     from redco_zoo_models.decoder import DecoderLM
-    cfg = decoder_config(model, "--rollout_devices auto", "give --rollout_devices a number")
+    cfg = dataclasses.replace(decoder_config(model, "--rollout_devices auto",
+                                             "give --rollout_devices a number"), scan_layers=False)
 
     def build():
         decoder = DecoderLM(cfg, rngs=nnx.Rngs(0))
