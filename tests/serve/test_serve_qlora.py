@@ -127,12 +127,12 @@ def test_the_engine_over_a_quantised_base_with_adapters_answers_as_the_dequantis
     float32 either side), so what differs is float32 summation order over a 2-layer model
     (~1e-6), not the format's quantisation error, which the reference shares."""
     tokenizer, answers = reference(fmt)
-    model, _ = load_served(qlora[0], fmt, qlora[1])
+    model, _ = load_served(qlora[0], fmt, qlora[1], scan_layers=True)  # (the adapters stacked)
     params = nnx.state(model, nnx.Param)
     deployer = Deployer(jax_seed=0, n_model_shards=2, workdir=None, verbose=False)
     rules = deployer.get_sharding_rules(params, rules=sharding_rules(model, deployer))
     params = jax.device_put(params, deployer.get_params_shardings(params, rules))
-    q_proj = params["model"]["layers"]["0:2"]["self_attn"]["q_proj"]  # (stacked: the default)
+    q_proj = params["model"]["layers"]["0:2"]["self_attn"]["q_proj"]
     assert q_proj["kernel"][...].dtype == CODES[fmt]
     scale = "kernel_absmax" if fmt == "nf4" else "kernel_scale"
     assert {q_proj[k][...].sharding.spec for k in ("kernel", "lora_b")} == \

@@ -58,11 +58,9 @@ class ServeCommand(Command):
                             "(default: the memory of --max_seqs x --max_len slots)")
         parser.add_argument("--scan_layers", action="store_true", default=None, help="a "
                             "decoder's layers stored stacked and run under jax.lax.scan, the "
-                            "key/value cache too (the default wherever the model can be): "
-                            "start-up (the warm-up's compiles) flat in depth, a copy of the "
-                            "cache in and out of its stack each step")
-        parser.add_argument("--no_scan_layers", dest="scan_layers", action="store_false",
-                            default=None, help="the layers unrolled, one trace per layer")
+                            "key/value cache too: start-up (the warm-up's compiles) flat in "
+                            "depth, but a copy of the cache in and out of its stack each step "
+                            "(unrolled, the serving default, decodes faster)")
         parser.add_argument("--max_images", type=int, default=1, help="images a chat request "
                             "may hold, for an image + text model (LLaVA, Gemma 3/4, Qwen-VL; "
                             "Idefics3/SmolVLM: tiles, an image's split tiles and its global "
@@ -167,10 +165,13 @@ def load_served(model_dir: str, quantize: str | None, adapter: str | None,
                 scan_layers: bool | None = None):
     """``(model, config.json)`` of ``model_dir``, its projections quantised as read
     (``quantize``) and the PEFT adapters of the directory ``adapter`` added; ``scan_layers``:
-    a decoder's layers stacked and scanned (``redco_zoo_models.layer_scan``)."""
+    a decoder's layers stacked and scanned (``redco_zoo_models.layer_scan``; None: unrolled,
+    ``runner.decoding``)."""
     from redco_zoo_models.lora import load_peft_adapters
-    from redco_zoo_models.runner import load_model
-    model, config = load_model(model_dir, quantize=quantize, scan_layers=scan_layers)
+    from redco_zoo_models.runner import decoding, load_model
+    from redco_zoo_models.settings import ModelSource
+    source = decoding(ModelSource(model_dir, scan_layers=scan_layers))
+    model, config = load_model(model_dir, quantize=quantize, scan_layers=source.scan_layers)
     if adapter is not None:
         try:
             load_peft_adapters(model, adapter)

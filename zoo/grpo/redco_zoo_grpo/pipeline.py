@@ -340,7 +340,7 @@ def train(config: RunConfig[GRPORun]) -> list[float]:
         if config.task.asynchronous.rollout_devices == "auto" and joins_processes() else None
     config = config if join else auto_split.planned(config, prompt_width, loss_fn)
     run, algorithm = config.task, config.task.algorithm
-    model, _ = runner.load_source(source, seed)
+    model, _ = runner.load_source(runner.decoding(source), seed)
     if images:
         image_prompts.check_model(model, source.model, prompts[0], run.engine_rows)
         image_prompts.fit_to_model(model, [prompts[0], held_out[0]])
