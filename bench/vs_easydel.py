@@ -4,7 +4,8 @@ Both train a LLaMA of hidden 256, intermediate 768, 4 layers, 4 query and 2 key/
 vocab 32,000 (19.5M params, untied head), sequence 256, global batch 16, float32 params and
 compute, AdamW, each with its own compiled train step:
 
-  redco    the zoo's ``LlamaForCausalLM`` in a ``Trainer``; ``trainer.steps.train`` (the step
+  redco    the zoo's ``LlamaForCausalLM`` (its layers stacked and scanned, the default) in a
+           ``Trainer``; ``trainer.steps.train`` (the step
            ``fit`` runs) over batches placed by ``Deployer.make_batch``; its loss the zoo's
            ``labels=`` path (``redco_zoo_models.chunked_loss``).
   easydel  ``easydel.LlamaForCausalLM``; ``easydel.trainers.trainer._fn.training_step`` compiled
@@ -24,7 +25,8 @@ busy. On a shared box the cores a worker gets swing with the others' load; the r
 per CPU-second (tokens/s over cores) is the steadier figure.
 
 Same start: the Redco worker writes its initial params (``redco_zoo_models.hf_init``: as
-transformers draws a LLaMA) to an ``.npz`` by path; the EasyDeL worker loads them into its
+transformers draws a LLaMA) to an ``.npz`` by path, each layer's own (``layer_stacks.unstack``);
+the EasyDeL worker loads them into its
 state, and both report the first step's loss on the same first batch (random tokens; the loss
 counts the 255 next-token predictions of each 256-token row, EasyDeL's convention).
 
@@ -84,6 +86,7 @@ def redco_worker(args) -> None:
     from flax import nnx
 
     from redco import Deployer, Trainer
+    from redco.layer_stacks import unstack
     from redco.tree_paths import named_leaves
     from redco_zoo_models import LlamaConfig, LlamaForCausalLM, split_model
 
@@ -91,7 +94,7 @@ def redco_worker(args) -> None:
                          num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                          num_key_value_heads=KV, max_position_embeddings=SEQ)
     apply_fn, params = split_model(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
-    np.savez(args.params, **{p: np.asarray(x) for p, x in named_leaves(params)})
+    np.savez(args.params, **unstack({p: np.asarray(x) for p, x in named_leaves(params)}))
     say("params", n=int(sum(x.size for _, x in named_leaves(params))))
 
     def loss_fn(rng, state, params, batch, is_training):

@@ -46,8 +46,9 @@ def mlp_loss(rng, state, params, batch, is_training):
 
 
 # ---- a tiny LLaMA-style LM on a repeating byte pattern ----------------------------------------
+# (its layers one by one: core's tests read per-layer names; stacked: tests/zoo/test_scan_*)
 LM_CONFIG = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2)
+                        num_attention_heads=4, num_key_value_heads=2, scan_layers=False)
 
 
 @nnx.jit

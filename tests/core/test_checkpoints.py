@@ -49,8 +49,9 @@ def test_a_checkpoint_of_another_model_names_the_first_mismatch(saved, tmp_path)
     stored the other way is no other layout of the same model: the checkpoint has none of its
     arrays (``relayout`` converts only what matches layer for layer)."""
     path, want = saved
+    stacked = any(layer_stacks.layers_of(n) for n in want)  # (the saved layout)
     cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
+                      num_attention_heads=4, num_key_value_heads=2, scan_layers=stacked)
     trainer = placed(lm_trainer(str(tmp_path), model=split_model(LlamaForCausalLM(cfg, nnx.Rngs(0)))))
     name, shape = next((n, np.shape(x)) for n, x in named_leaves(trainer.ckpt_tree())
                        if np.shape(x) != want[n].shape)
@@ -58,8 +59,7 @@ def test_a_checkpoint_of_another_model_names_the_first_mismatch(saved, tmp_path)
     message = f"{name} has shape {want[name].shape} in the checkpoint but {shape} here"
     with pytest.raises(ValueError, match=re.escape(message)):
         trainer.deployer.load_ckpt(path, trainer.ckpt_tree())
-    flipped = dataclasses.replace(  # other shapes, its layers stored the other way
-        cfg, scan_layers=not any(layer_stacks.layers_of(n) for n in want))
+    flipped = dataclasses.replace(cfg, scan_layers=not stacked)  # other shapes, other layout
     _, shapes = split_model(nnx.eval_shape(lambda: LlamaForCausalLM(flipped, nnx.Rngs(0))))
     with pytest.raises(ValueError, match="does not match this model: it has no array "
                                          "params/model/layers/"):

@@ -91,7 +91,8 @@ def test_llama_gqa_plan(deployer, tied, seq_len):
     """At 1100 tokens attention runs in the tiled attention's ``lax.scan`` over key blocks (and
     its ``custom_vjp``): the walk follows the heads' split through the scan's body."""
     cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+                      scan_layers=False)
     apply_fn, params = split_model(LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
     got = plan(deployer, params, lambda p: apply_fn(p, jnp.zeros((1, seq_len), jnp.int32)))
     for layer in ("model/layers/0/", "model/layers/1/"):

@@ -23,13 +23,13 @@ EXAMPLES = [{"token_ids": row} for row in np.random.default_rng(1).integers(0, 1
 
 def generic(rank=4, alpha=8.0, seed=0):
     """``redco.lora.add_lora`` on the params of a tiny LLaMA: the merge-on-the-fly wrapper."""
-    apply_fn, params = split_model(tiny_llama(16, seed=seed))
+    apply_fn, params = split_model(tiny_llama(16, seed=seed, scan_layers=False))
     return apply_fn, params, lora.add_lora(params, apply_fn, rank=rank, alpha=alpha)
 
 
 def zoo(rank=4, alpha=8.0, cfg=None):
     """The zoo's in-projection LoRA: ``(apply_fn, params, trainable)``."""
-    model = LlamaForCausalLM(cfg, nnx.Rngs(0)) if cfg else tiny_llama(16)
+    model = LlamaForCausalLM(cfg, nnx.Rngs(0)) if cfg else tiny_llama(16, scan_layers=False)
     apply_fn, params = split_model(add_lora(model, rank=rank, alpha=alpha))
     return apply_fn, params, lora.trainable_mask(params)
 
@@ -137,7 +137,7 @@ def train_step_memory(apply_fn, params, trainable=None) -> dict:
 
 def test_memory_analysis_of_the_train_step_shows_no_gradient_or_adam_memory_for_the_base():
     cfg = LlamaConfig(vocab_size=16, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
+                      num_attention_heads=4, num_key_value_heads=2, scan_layers=False)
     apply_fn, params = split_model(LlamaForCausalLM(cfg, nnx.Rngs(0)))
     base = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) / 2  # per device
     adapted = lora.add_lora(params, apply_fn, rank=4)
@@ -225,7 +225,8 @@ def test_a_lora_projection_keeps_what_the_base_projection_keeps_plus_x_a(hidden,
     plus the rank-8 ``x @ A`` of each adapted projection: never ``x @ W`` and ``(x @ A) @ B``
     both (under dots_saveable the unmarked sum kept both: +316 KiB at hidden 64)."""
     cfg = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                      scan_layers=False)
     x_a = 2 * 48 * 8 * 4 * 7 * cfg.num_hidden_layers  # [rows, tokens, r] f32, 7 per layer
     full, adapted = backward_bytes(cfg, "full", policy), backward_bytes(cfg, "lora", policy)
     assert adapted <= full + x_a, (policy, adapted, full, x_a)
@@ -256,7 +257,8 @@ def test_the_compiled_lora_step_peaks_below_full_fine_tuning_by_adams_moments(hi
     param bytes (AdamW's moments, which LoRA keeps none of) below full fine-tuning's: LoRA's
     activations and temporaries are no more than full fine-tuning's."""
     cfg = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4)
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                      scan_layers=False)
     full_peak, full_temp, base = compiled_step_bytes(cfg, "full", policy)
     lora_peak, lora_temp, _ = compiled_step_bytes(cfg, "lora", policy)
     print(f"{policy}: peak full {full_peak / 2**20:.1f} MB, LoRA {lora_peak / 2**20:.1f} MB; "

@@ -23,7 +23,7 @@ into per-layer tensors and back (``redco.layer_stacks.unstack``/``stack``, ``hf`
 **Run.** A training or scoring forward (no cache) scans each run: ``jax.lax.scan`` over the
 stacked params, one group per step, each layer of the group merged from its slice; no copy of
 the params is made. ``remat.layer`` policies apply inside the body as to an unrolled layer (but
-``"none"``, which keeps matmul outputs there, as ``"dots_saveable"``: ``remat.scanned_body``),
+``"none"``, which keeps there what ``remat.SCANNED_NONE`` keeps: ``remat.scanned_body``),
 and under FSDP each slice is declared as its stack is, less the layer axis
 (``redco.fsdp.slices_of``), so each step gathers one layer's weights. The KV-cache path
 (generation: ``generate``, the engine's slot cache and its paged pool, which gathers pages into

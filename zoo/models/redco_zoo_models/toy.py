@@ -67,14 +67,14 @@ def save_tiny_chat_model(path: str, words: list[str], seed: int = 0,
     return path
 
 
-def tiny_llama(vocab_size: int, seed: int = 0) -> LlamaForCausalLM:
+def tiny_llama(vocab_size: int, seed: int = 0, **changes) -> LlamaForCausalLM:
     """A 2-layer LLaMA, width 64, 4 query and 2 key/value heads, drawn at std
     ``1/sqrt(64)`` (``initializer_range``): transformers' 0.02 suits widths in the thousands;
     at width 64 it leaves attention scores near 0 and a few epochs learn little past the
-    unigram statistics."""
+    unigram statistics. ``changes`` to its config (``scan_layers=False``: unrolled)."""
     return LlamaForCausalLM(LlamaConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, initializer_range=64 ** -0.5),
+        num_attention_heads=4, num_key_value_heads=2, initializer_range=64 ** -0.5, **changes),
         nnx.Rngs(seed))
 
 
