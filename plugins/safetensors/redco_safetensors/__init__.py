@@ -7,6 +7,11 @@ A checkpoint's ``state/`` holds two files:
   HuggingFace loader reads for the zoo's models, whose modules are named as HuggingFace's are;
 * ``state.safetensors``: everything else (optimizer state, rng) under its redco path.
 
+A stack of layers (``model/layers/0:32/...``, ``redco.layer_stacks``: a model whose layers run
+under a scan) is written layer by layer, each under its own layer's name
+(``model.layers.7.mlp.up_proj.weight``), as HuggingFace stores them; reading stacks each
+layer's slice back.
+
 Writing gathers every array to process 0's host memory (``redco.checkpointing.host_arrays``);
 reading slices each shard straight out of the file (``safe_open(...).get_slice``), so every
 process reads only what its devices hold, on any mesh. safetensors cannot hold code (no pickle).
@@ -26,6 +31,7 @@ from safetensors.numpy import save_file
 
 from redco import hookimpl
 from redco.checkpointing import host_arrays, place
+from redco.layer_stacks import layer_names, layers_of, unstack
 from redco.protocols import CheckpointFormat
 from redco.sharding import named_leaves
 
@@ -68,6 +74,7 @@ class SafetensorsFormat(CheckpointFormat):
         arrays = host_arrays(tree)  # a collective: every process takes part
         if jax.process_index() != 0:
             return
+        arrays = unstack(arrays)  # a stack's layers each under its own name
         files: dict[str, dict[str, np.ndarray]] = {}
         for p, (file, name, perm) in stored_names({p: a.ndim for p, a in arrays.items()}).items():
             x = arrays[p] if perm is None else arrays[p].transpose(perm)
@@ -77,11 +84,19 @@ class SafetensorsFormat(CheckpointFormat):
             save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
 
     def load(self, path: str, target: Any) -> Any:
-        names = stored_names({p: len(t.shape) for p, t in named_leaves(target)})
+        ndims = {}
+        for p, t in named_leaves(target):  # a stack's layers, each stored alone
+            ndims.update(dict.fromkeys(layer_names(p), len(t.shape) - 1) if layers_of(p) else
+                         {p: len(t.shape)})
+        names = stored_names(ndims)
         handles = {file: safe_open(os.path.join(path, file), framework="numpy")
                    for file in {file for file, _, _ in names.values()}}
 
         def read(p: str, index: tuple) -> np.ndarray:
+            if layers_of(p):  # (index: the layer axis's slice first)
+                layers = layer_names(p)
+                return np.stack([read(layers[i], index[1:])
+                                 for i in range(len(layers))[index[0]]])
             file, name, perm = names[p]
             if perm is None:
                 return handles[file].get_slice(name)[index] if index else handles[file].get_tensor(name)
