@@ -190,3 +190,11 @@ def test_adapters_that_do_not_fit_the_base_are_refused_naming_why(qlora, tmp_pat
             (tmp_path / name / "adapter_config.json").write_text(json.dumps(dict(config, r=2)))
         with pytest.raises(ValueError, match=error):
             load_peft_adapters(load_model(qlora[0], quantize="nf4")[0], str(tmp_path / name))
+
+
+def test_redco_serve_loads_the_layers_unrolled_unless_asked(qlora):
+    """``redco serve`` decodes through per-layer caches, which a scanned step would copy into and
+    out of their stacks each step (``runner.decoding``): unrolled by default, stacked on
+    ``--scan_layers``."""
+    assert load_served(qlora[0], None, None)[0].cfg.scan_layers is False
+    assert load_served(qlora[0], None, None, scan_layers=True)[0].cfg.scan_layers is True
