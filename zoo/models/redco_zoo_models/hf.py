@@ -24,6 +24,7 @@ from flax import nnx
 from redco import layer_stacks
 from redco.layer_stacks import layers_of
 from redco.protocols import UsageError
+from redco.relayout import per_layer
 from redco.sharding import named_leaves
 from redco_safetensors import torch_name
 from redco_zoo_models import quantize as q
@@ -85,17 +86,6 @@ def class_of(config: dict, where: str, images: bool = False) -> type[nnx.Module]
     return getattr(importlib.import_module(module), name)
 
 
-def per_layer_shapes(named: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """``{path: shape}`` of a model's params with each stacked one (``redco.layer_stacks``)
-    as its layers, under their per-layer names."""
-    out = {}
-    for path, leaf in named.items():
-        layers = layers_of(path)
-        names = layer_stacks.layer_names(path) if layers else [path]
-        out.update({name: tuple(leaf.shape[1:] if layers else leaf.shape) for name in names})
-    return out
-
-
 def from_pretrained(model_class: type[nnx.Module], model_dir: str, dtype: Any = None,
                     seed: int = 0, quantize: str | None = None,
                     **config_changes) -> nnx.Module:
@@ -154,7 +144,7 @@ def _tensor_shapes(named: dict, quantized: dict, expert_parts: dict) -> dict[str
     param's layers one by one; a quantised kernel's or expert weight's scales are made with its
     codes (``_as_params``), not read."""
     shapes = {}
-    for path, shape in per_layer_shapes(named).items():
+    for path, shape in per_layer({p: leaf.shape for p, leaf in named.items()}).items():
         module, _, leaf = path.rpartition("/")
         weight, shape = expert_parts.get(path, (path, shape))
         if not (module in quantized and leaf != "kernel" or weight != path):
